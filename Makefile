@@ -1,0 +1,26 @@
+# Each target sets itself up from a fresh clone: a .venv is created and the requirements installed
+# the first time (and again whenever requirements.txt changes).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+# Offline-safe defaults: img2dataset's albumentations import checks for updates unless told not to,
+# wandb never needs the network in tests.
+export NO_ALBUMENTATIONS_UPDATE := 1
+
+.PHONY: setup test clean
+
+setup: $(STAMP)
+
+$(STAMP): requirements.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements.txt
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,660 @@
+"""Stable Diffusion 1.x model assembly and diffusion math.
+
+Everything here is importable without side effects:
+
+* ``build_unet``: the SD 1.x UNet (``"sd1"``, 859,520,964 parameters) or a tiny CPU preset, with
+  zero-initialised output projections for from-scratch training.
+* ``load_vae`` / ``load_text_encoder`` / ``load_tokenizer``: the frozen parts, from a hub id, a local
+  folder (a diffusers pipeline folder works too) or the seeded ``"tiny"`` presets.
+* The DDPM training schedule, latent scaling, prediction targets and ``diffusion_loss`` with Min-SNR.
+* ``ddim_step`` / ``ddim_sample``: DDIM with classifier-free guidance against a real negative-prompt
+  embedding, never clamping the predicted x0.
+* ``EMA``: an exponential moving average of the weights with warm-up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+# ---------------------------------------------------------------------------------------------
+# Constants of the SD 1.x recipe
+# ---------------------------------------------------------------------------------------------
+
+NUM_TRAIN_TIMESTEPS = 1000
+BETA_START = 0.00085
+BETA_END = 0.012
+SD1_SCALING_FACTOR = 0.18215
+TOKENIZER_MAX_LENGTH = 77
+DEFAULT_VAE = "stabilityai/sd-vae-ft-mse"
+DEFAULT_TEXT_ENCODER = "openai/clip-vit-large-patch14"
+TINY_SEED = 0
+
+# UNet2DConditionModel configurations. "sd1" is the exact SD 1.x UNet (v1-inference.yaml).
+UNET_PRESETS = {
+    "sd1": dict(
+        sample_size=64,
+        in_channels=4,
+        out_channels=4,
+        down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
+        block_out_channels=(320, 640, 1280, 1280),
+        layers_per_block=2,
+        cross_attention_dim=768,
+        # diffusers names the SD 1.x head count "attention_head_dim" (8 heads of varying width).
+        attention_head_dim=8,
+        norm_num_groups=32,
+    ),
+    # Trains on a CPU in milliseconds per step; cross-attention width matches the tiny text encoder.
+    "tiny": dict(
+        sample_size=8,
+        in_channels=4,
+        out_channels=4,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        block_out_channels=(32, 64),
+        layers_per_block=1,
+        cross_attention_dim=64,
+        attention_head_dim=4,
+        norm_num_groups=8,
+    ),
+}
+
+# Text encoder preset: the real CLIP tokenizer's vocabulary, a small transformer on top.
+TINY_TEXT_ENCODER = dict(
+    vocab_size=49408,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=TOKENIZER_MAX_LENGTH,
+    bos_token_id=49406,
+    eos_token_id=49407,
+    pad_token_id=49407,
+)
+
+# AutoencoderKL preset with the real VAE's interface: 4 latent channels, downsampling factor 8.
+TINY_VAE = dict(
+    in_channels=3,
+    out_channels=3,
+    down_block_types=("DownEncoderBlock2D",) * 4,
+    up_block_types=("UpDecoderBlock2D",) * 4,
+    block_out_channels=(16, 32, 32, 32),
+    layers_per_block=1,
+    latent_channels=4,
+    norm_num_groups=8,
+    sample_size=64,
+    scaling_factor=SD1_SCALING_FACTOR,
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# UNet
+# ---------------------------------------------------------------------------------------------
+
+
+def build_unet(
+    preset: str | dict = "sd1",
+    *,
+    from_scratch: bool = True,
+    grad_checkpointing: bool = False,
+    channels_last: bool = False,
+    seed: int | None = None,
+):
+    """Build a ``UNet2DConditionModel`` from a preset name or a config dict.
+
+    ``from_scratch`` zero-initialises the output projections (see ``zero_init_output_projections``),
+    so the untrained UNet predicts exactly zero and every residual branch starts as the identity.
+    ``seed`` makes the random initialisation reproducible without touching the global RNG.
+    """
+    from diffusers import UNet2DConditionModel
+
+    if isinstance(preset, str):
+        if preset not in UNET_PRESETS:
+            raise ValueError(f"unknown UNet preset {preset!r}; choose one of {sorted(UNET_PRESETS)}")
+        config = UNET_PRESETS[preset]
+    else:
+        config = dict(preset)
+    with _seeded(seed):
+        unet = UNet2DConditionModel(**config)
+    if from_scratch:
+        zero_init_output_projections(unet)
+    use_sdpa_attention(unet)
+    configure_unet(unet, grad_checkpointing=grad_checkpointing, channels_last=channels_last)
+    return unet
+
+
+def configure_unet(unet, *, grad_checkpointing: bool = False, channels_last: bool = False):
+    """Switch gradient checkpointing and the channels_last memory format on or off."""
+    if grad_checkpointing:
+        unet.enable_gradient_checkpointing()
+    else:
+        unet.disable_gradient_checkpointing()
+    unet.to(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    return unet
+
+
+def zero_init_output_projections(unet) -> list[str]:
+    """Zero every layer that writes into a residual stream, and the UNet's final conv.
+
+    Zeroed: each ResNet block's ``conv2``, each attention's output projection (``to_out.0``, self and
+    cross), each feed-forward's last linear (``ff.net.2``), each transformer's ``proj_out`` and the
+    UNet's ``conv_out``. Every block then starts as the identity and the model output is exactly
+    zero (the "zero module" initialisation of the original SD and ADM code bases). Returns the
+    names of the zeroed modules.
+    """
+    from diffusers.models.attention import FeedForward
+    from diffusers.models.attention_processor import Attention
+    from diffusers.models.resnet import ResnetBlock2D
+    from diffusers.models.transformers.transformer_2d import Transformer2DModel
+
+    targets = []
+    for name, module in unet.named_modules():
+        if isinstance(module, ResnetBlock2D):
+            targets.append((f"{name}.conv2", module.conv2))
+        elif isinstance(module, Attention):
+            targets.append((f"{name}.to_out.0", module.to_out[0]))
+        elif isinstance(module, FeedForward):
+            targets.append((f"{name}.net.2", module.net[-1]))
+        elif isinstance(module, Transformer2DModel):
+            targets.append((f"{name}.proj_out", module.proj_out))
+    targets.append(("conv_out", unet.conv_out))
+    with torch.no_grad():
+        for _, layer in targets:
+            layer.weight.zero_()
+            if layer.bias is not None:
+                layer.bias.zero_()
+    return [name for name, _ in targets]
+
+
+def use_sdpa_attention(model) -> None:
+    """Route every attention layer through ``F.scaled_dot_product_attention``."""
+    from diffusers.models.attention_processor import AttnProcessor2_0
+
+    if hasattr(model, "set_attn_processor"):
+        model.set_attn_processor(AttnProcessor2_0())
+
+
+def sdpa_backends(device) -> list:
+    """The SDPA kernels allowed on ``device``: flash and memory-efficient on CUDA, math elsewhere.
+
+    The math kernel materialises the full attention matrix; on a GPU that costs memory and time for
+    nothing, so it is excluded there and a shape the fast kernels cannot take fails loudly.
+    """
+    from torch.nn.attention import SDPBackend
+
+    if torch.device(device).type == "cuda":
+        return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+    return [SDPBackend.MATH]
+
+
+def attention_context(device):
+    """Context the trainer and sampler enter so attention runs on the kernels of ``sdpa_backends``."""
+    from torch.nn.attention import sdpa_kernel
+
+    return sdpa_kernel(sdpa_backends(device))
+
+
+def count_parameters(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+# ---------------------------------------------------------------------------------------------
+# Frozen parts: VAE, text encoder, tokenizer
+# ---------------------------------------------------------------------------------------------
+
+
+def _local_subfolder(name_or_path: str, subfolder: str) -> str | None:
+    """Return ``subfolder`` when ``name_or_path`` is a local diffusers pipeline folder holding it."""
+    path = Path(name_or_path)
+    if path.is_dir() and not (path / "config.json").exists() and (path / subfolder).is_dir():
+        return subfolder
+    return None
+
+
+def _frozen(model):
+    model.requires_grad_(False)
+    model.eval()
+    return model
+
+
+def load_vae(name_or_path: str = DEFAULT_VAE, *, subfolder: str | None = None, seed: int = TINY_SEED):
+    """The frozen ``AutoencoderKL``: a hub id, a local folder (or pipeline folder), or ``"tiny"``."""
+    from diffusers import AutoencoderKL
+
+    if name_or_path == "tiny":
+        with _seeded(seed):
+            return _frozen(AutoencoderKL(**TINY_VAE))
+    subfolder = subfolder or _local_subfolder(name_or_path, "vae")
+    kwargs = {"subfolder": subfolder} if subfolder else {}
+    return _frozen(AutoencoderKL.from_pretrained(name_or_path, **kwargs))
+
+
+def load_text_encoder(
+    name_or_path: str = DEFAULT_TEXT_ENCODER, *, subfolder: str | None = None, seed: int = TINY_SEED
+):
+    """The frozen ``CLIPTextModel`` whose ``last_hidden_state`` conditions the UNet."""
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    if name_or_path == "tiny":
+        with _seeded(seed):
+            return _frozen(CLIPTextModel(CLIPTextConfig(**TINY_TEXT_ENCODER)))
+    subfolder = subfolder or _local_subfolder(name_or_path, "text_encoder")
+    kwargs = {"subfolder": subfolder} if subfolder else {}
+    return _frozen(CLIPTextModel.from_pretrained(name_or_path, **kwargs))
+
+
+def load_tokenizer(name_or_path: str = DEFAULT_TEXT_ENCODER, *, subfolder: str | None = None):
+    """The CLIP tokenizer (77 tokens). ``"tiny"`` is the real CLIP BPE built offline (see below)."""
+    from transformers import CLIPTokenizer
+
+    if name_or_path == "tiny":
+        name_or_path, subfolder = str(clip_tokenizer_folder()), None
+    subfolder = subfolder or _local_subfolder(name_or_path, "tokenizer")
+    kwargs = {"subfolder": subfolder} if subfolder else {}
+    return CLIPTokenizer.from_pretrained(name_or_path, model_max_length=TOKENIZER_MAX_LENGTH, **kwargs)
+
+
+def tokenize(tokenizer, prompts: list[str]) -> torch.Tensor:
+    """Token ids ``(B, 77)``, padded and truncated the way SD 1.x was trained."""
+    return tokenizer(
+        list(prompts),
+        padding="max_length",
+        max_length=TOKENIZER_MAX_LENGTH,
+        truncation=True,
+        return_tensors="pt",
+    ).input_ids
+
+
+@torch.no_grad()
+def encode_prompt_ids(text_encoder, input_ids: torch.Tensor) -> torch.Tensor:
+    """CLIP ``last_hidden_state`` for token ids: ``(B, 77, hidden)``, the UNet's context."""
+    device = next(text_encoder.parameters()).device
+    return text_encoder(input_ids.to(device)).last_hidden_state
+
+
+# The CLIP tokenizer's BPE merges ship inside the open-clip-torch wheel. The wheel is only downloaded
+# and read as a zip (installing it would pull in torchvision). From the merges we derive the
+# vocab.json + merges.txt that transformers' CLIPTokenizer reads, exactly as OpenAI's tokenizer
+# orders its 49,408 tokens: 256 byte symbols, the same with "</w>", the merges, then the two specials.
+OPEN_CLIP_WHEEL = "open-clip-torch>=2.20,<4"
+CLIP_BPE_MEMBER = "open_clip/bpe_simple_vocab_16e6.txt.gz"
+CLIP_NUM_MERGES = 49152 - 256 - 2
+
+
+def cache_dir() -> Path:
+    """Where derived artefacts (the tiny tokenizer) are kept: ``$SD_CACHE_DIR`` or ``~/.cache/sd1_train``."""
+    return Path(os.environ.get("SD_CACHE_DIR", Path.home() / ".cache" / "sd1_train"))
+
+
+def clip_tokenizer_folder() -> Path:
+    """A local CLIP tokenizer folder, built once from the open-clip-torch wheel and cached."""
+    folder = cache_dir() / "clip_tokenizer"
+    if (folder / "merges.txt").exists():
+        return folder
+    bpe_text = _read_clip_bpe()
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".clip_tokenizer."))
+    _write_clip_tokenizer_files(bpe_text, staging)
+    try:
+        os.replace(staging, folder)
+    except OSError:  # another process finished first; its folder is identical
+        _remove_tree(staging)
+    return folder
+
+
+def _read_clip_bpe() -> str:
+    override = os.environ.get("SD_CLIP_BPE")
+    if override:
+        return gzip.decompress(Path(override).read_bytes()).decode("utf-8")
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", tmp,
+               OPEN_CLIP_WHEEL]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = list(Path(tmp).glob("open_clip_torch-*.whl"))
+        if result.returncode != 0 or not wheels:
+            raise RuntimeError(
+                "could not download the open-clip-torch wheel that holds the CLIP BPE merges "
+                f"({result.stderr.strip()[-500:]}); set SD_CLIP_BPE to a local bpe_simple_vocab_16e6.txt.gz"
+            )
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            return gzip.decompress(wheel.read(CLIP_BPE_MEMBER)).decode("utf-8")
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable-character table used by CLIP's BPE."""
+    # Printable bytes map to themselves and come first; the rest follow, mapped above U+00FF. The
+    # order matters: it fixes the ids of the first 512 vocabulary entries.
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {byte: chr(byte) for byte in printable}
+    others = [byte for byte in range(256) if byte not in table]
+    table.update({byte: chr(256 + i) for i, byte in enumerate(others)})
+    return table
+
+
+def _write_clip_tokenizer_files(bpe_text: str, folder: Path) -> None:
+    merges = [tuple(line.split()) for line in bpe_text.split("\n")[1 : CLIP_NUM_MERGES + 1]]
+    symbols = list(_bytes_to_unicode().values())
+    tokens = symbols + [s + "</w>" for s in symbols] + ["".join(m) for m in merges]
+    tokens += ["<|startoftext|>", "<|endoftext|>"]
+    vocab = {token: i for i, token in enumerate(tokens)}
+    (folder / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+    merges_text = "#version: 0.2\n" + "\n".join(" ".join(m) for m in merges) + "\n"
+    (folder / "merges.txt").write_text(merges_text, encoding="utf-8")
+    config = {
+        "tokenizer_class": "CLIPTokenizer",
+        "model_max_length": TOKENIZER_MAX_LENGTH,
+        "bos_token": "<|startoftext|>",
+        "eos_token": "<|endoftext|>",
+        "unk_token": "<|endoftext|>",
+        "pad_token": "<|endoftext|>",
+        "do_lower_case": True,
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+
+
+def _remove_tree(path: Path) -> None:
+    for child in sorted(path.rglob("*"), reverse=True):
+        child.rmdir() if child.is_dir() else child.unlink()
+    path.rmdir()
+
+
+# ---------------------------------------------------------------------------------------------
+# Noise schedule, latent scaling, targets and the loss
+# ---------------------------------------------------------------------------------------------
+
+
+def ddpm_alphas_cumprod(num_timesteps: int = NUM_TRAIN_TIMESTEPS) -> torch.Tensor:
+    """alpha-bar_t of the SD 1.x schedule: "scaled_linear" betas 0.00085 -> 0.012, float64 ``(T,)``."""
+    betas = torch.linspace(BETA_START**0.5, BETA_END**0.5, num_timesteps, dtype=torch.float64) ** 2
+    return torch.cumprod(1.0 - betas, dim=0)
+
+
+def noise_schedule_config(prediction_type: str = "epsilon") -> dict:
+    """The SD 1.x schedule as a diffusers scheduler config (what a pipeline's scheduler/ folder holds)."""
+    return dict(
+        num_train_timesteps=NUM_TRAIN_TIMESTEPS,
+        beta_start=BETA_START,
+        beta_end=BETA_END,
+        beta_schedule="scaled_linear",
+        prediction_type=prediction_type,
+        clip_sample=False,
+        set_alpha_to_one=False,
+        steps_offset=1,
+        timestep_spacing="leading",
+    )
+
+
+def build_noise_scheduler(prediction_type: str = "epsilon", scheduler_class=None):
+    """A diffusers scheduler on the training schedule (``DDPMScheduler`` unless another class is given)."""
+    if scheduler_class is None:
+        from diffusers import DDPMScheduler as scheduler_class
+    # from_config drops the keys a scheduler class does not take (DDPM has no set_alpha_to_one).
+    return scheduler_class.from_config(noise_schedule_config(prediction_type))
+
+
+def scale_latents(latents: torch.Tensor, scaling_factor: float = SD1_SCALING_FACTOR) -> torch.Tensor:
+    """VAE posterior mean -> the unit-variance space the UNet is trained in."""
+    return latents * scaling_factor
+
+
+def unscale_latents(latents: torch.Tensor, scaling_factor: float = SD1_SCALING_FACTOR) -> torch.Tensor:
+    return latents / scaling_factor
+
+
+def _per_sample(values: torch.Tensor, timesteps: torch.Tensor, ndim: int) -> torch.Tensor:
+    """Gather ``values[timesteps]`` as float32 shaped ``(B, 1, 1, 1)`` for broadcasting."""
+    out = values.to(timesteps.device)[timesteps].float()
+    return out.reshape(-1, *([1] * (ndim - 1)))
+
+
+def sample_timesteps(batch_size: int, generator: torch.Generator, num_timesteps: int = NUM_TRAIN_TIMESTEPS):
+    """Uniform integer timesteps ``(B,)`` drawn from the dedicated diffusion generator."""
+    return torch.randint(0, num_timesteps, (batch_size,), generator=generator, device=generator.device)
+
+
+def add_noise(latents, noise, timesteps, alphas_cumprod):
+    """Forward diffusion q(x_t | x_0): ``sqrt(a) * x0 + sqrt(1 - a) * eps``."""
+    a = _per_sample(alphas_cumprod, timesteps, latents.ndim)
+    return a.sqrt() * latents.float() + (1 - a).sqrt() * noise.float()
+
+
+def prediction_target(latents, noise, timesteps, alphas_cumprod, prediction_type: str):
+    """What the UNet learns to predict: the noise, or v = sqrt(a) * eps - sqrt(1 - a) * x0."""
+    if prediction_type == "epsilon":
+        return noise.float()
+    if prediction_type == "v_prediction":
+        a = _per_sample(alphas_cumprod, timesteps, latents.ndim)
+        return a.sqrt() * noise.float() - (1 - a).sqrt() * latents.float()
+    raise ValueError(f"prediction_type must be 'epsilon' or 'v_prediction', got {prediction_type!r}")
+
+
+def snr(timesteps: torch.Tensor, alphas_cumprod: torch.Tensor) -> torch.Tensor:
+    """Signal-to-noise ratio a / (1 - a) at each timestep, float64 ``(B,)``."""
+    a = alphas_cumprod.to(timesteps.device)[timesteps]
+    return a / (1 - a)
+
+
+def min_snr_weights(timesteps, alphas_cumprod, prediction_type: str, gamma: float | None) -> torch.Tensor:
+    """Per-sample loss weights of Min-SNR-gamma (Hang et al. 2023, arXiv:2303.09556), float32 ``(B,)``.
+
+    The paper's weight is min(SNR, gamma) on the x0-MSE. Predicting epsilon, the MSE already carries
+    a factor SNR relative to x0-MSE, so the weight is min(SNR, gamma) / SNR. Predicting v, the MSE
+    carries SNR + 1, so the weight is min(SNR, gamma) / (SNR + 1); dividing by SNR there (a bug
+    several trainers shipped) over-weights the noisiest timesteps. ``gamma`` None or 0 disables it.
+    """
+    if not gamma:
+        return torch.ones(timesteps.shape, dtype=torch.float32, device=timesteps.device)
+    s = snr(timesteps, alphas_cumprod)
+    clipped = torch.clamp(s, max=gamma)
+    if prediction_type == "epsilon":
+        weights = clipped / s
+    elif prediction_type == "v_prediction":
+        weights = clipped / (s + 1)
+    else:
+        raise ValueError(f"prediction_type must be 'epsilon' or 'v_prediction', got {prediction_type!r}")
+    return weights.float()
+
+
+def diffusion_loss(
+    model_pred: torch.Tensor,
+    target: torch.Tensor,
+    timesteps: torch.Tensor,
+    alphas_cumprod: torch.Tensor,
+    prediction_type: str = "epsilon",
+    min_snr_gamma: float | None = 5.0,
+) -> torch.Tensor:
+    """Per-sample Min-SNR-weighted MSE in float32, shape ``(B,)``; the trainer takes the mean."""
+    mse = F.mse_loss(model_pred.float(), target.float(), reduction="none")
+    mse = mse.mean(dim=tuple(range(1, mse.ndim)))
+    return mse * min_snr_weights(timesteps, alphas_cumprod, prediction_type, min_snr_gamma)
+
+
+# ---------------------------------------------------------------------------------------------
+# DDIM sampling
+# ---------------------------------------------------------------------------------------------
+
+
+def ddim_timesteps(num_steps: int, num_train_timesteps: int = NUM_TRAIN_TIMESTEPS) -> list[int]:
+    """SD's "leading" spacing with offset 1: e.g. 50 steps -> 981, 961, ..., 1."""
+    if not 1 <= num_steps <= num_train_timesteps:
+        raise ValueError(f"steps must be in 1..{num_train_timesteps}, got {num_steps}")
+    stride = num_train_timesteps // num_steps
+    return [i * stride + 1 for i in reversed(range(num_steps))]
+
+
+def ddim_step(sample, model_output, timestep: int, prev_timestep: int, alphas_cumprod, prediction_type: str):
+    """One deterministic DDIM step (eta = 0) from ``timestep`` to ``prev_timestep``.
+
+    The predicted x0 is used as it is: SD latents have a standard deviation near 4 before scaling
+    and reach beyond +-1 after it, so clamping x0 to [-1, 1] (pixel-space DDPM practice) ruins them.
+    ``prev_timestep < 0`` means the final step, towards alpha-bar_0 of the schedule (SD's
+    ``set_alpha_to_one=False``).
+    """
+    a_t = alphas_cumprod[timestep].item()
+    a_prev = alphas_cumprod[prev_timestep].item() if prev_timestep >= 0 else alphas_cumprod[0].item()
+    x_t, out = sample.float(), model_output.float()
+    if prediction_type == "epsilon":
+        eps = out
+        x0 = (x_t - math.sqrt(1 - a_t) * eps) / math.sqrt(a_t)
+    elif prediction_type == "v_prediction":
+        x0 = math.sqrt(a_t) * x_t - math.sqrt(1 - a_t) * out
+        eps = math.sqrt(a_t) * out + math.sqrt(1 - a_t) * x_t
+    else:
+        raise ValueError(f"prediction_type must be 'epsilon' or 'v_prediction', got {prediction_type!r}")
+    return math.sqrt(a_prev) * x0 + math.sqrt(1 - a_prev) * eps
+
+
+def guided_prediction(unet, latents, timestep: int, cond, uncond, guidance_scale: float):
+    """Classifier-free guidance: ``uncond + s * (cond - uncond)``.
+
+    ``uncond`` is the negative prompt's embedding (the empty prompt's when there is none). At scale 1
+    the unconditional branch is not run at all: the result is the conditional prediction exactly.
+    """
+    dtype = next(unet.parameters()).dtype
+    t = torch.full((latents.shape[0],), timestep, device=latents.device, dtype=torch.long)
+    if guidance_scale == 1.0:
+        return unet(latents.to(dtype), t, encoder_hidden_states=cond.to(dtype)).sample.float()
+    both = unet(
+        torch.cat([latents, latents]).to(dtype),
+        torch.cat([t, t]),
+        encoder_hidden_states=torch.cat([uncond, cond]).to(dtype),
+    ).sample.float()
+    pred_uncond, pred_cond = both.chunk(2)
+    return pred_uncond + guidance_scale * (pred_cond - pred_uncond)
+
+
+@torch.no_grad()
+def ddim_sample(
+    unet,
+    latents: torch.Tensor,
+    cond: torch.Tensor,
+    uncond: torch.Tensor,
+    *,
+    steps: int = 100,
+    guidance_scale: float = 7.5,
+    prediction_type: str = "epsilon",
+    alphas_cumprod: torch.Tensor | None = None,
+    progress: bool = False,
+) -> torch.Tensor:
+    """Denoise ``latents`` (pure noise, ``(B, 4, H/8, W/8)``, unit variance) into scaled latents."""
+    alphas_cumprod = ddpm_alphas_cumprod() if alphas_cumprod is None else alphas_cumprod
+    timesteps = ddim_timesteps(steps, len(alphas_cumprod))
+    stride = len(alphas_cumprod) // steps
+    x = latents.float()
+    iterator = timesteps
+    if progress:
+        from tqdm.auto import tqdm
+
+        iterator = tqdm(timesteps, desc="DDIM", leave=False)
+    for t in iterator:
+        out = guided_prediction(unet, x, t, cond, uncond, guidance_scale)
+        x = ddim_step(x, out, t, t - stride, alphas_cumprod, prediction_type)
+    return x
+
+
+# ---------------------------------------------------------------------------------------------
+# EMA
+# ---------------------------------------------------------------------------------------------
+
+
+def ema_decay_at(step: int, decay: float) -> float:
+    """Warm-up of the EMA decay: ``min(decay, (1 + step) / (10 + step))``."""
+    return min(decay, (1 + step) / (10 + step))
+
+
+class EMA:
+    """An fp32 shadow copy of a model's parameters, updated by a foreach lerp after optimizer steps.
+
+    ``device=None`` keeps the shadow on the model's device. A CPU shadow (``device="cpu"``) saves
+    accelerator memory; with ``update_every=N`` it is updated on every N-th step only, with the decay
+    raised to the N-th power so its horizon in steps stays the same.
+    """
+
+    def __init__(self, model, decay: float = 0.9999, device=None, update_every: int = 1):
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"EMA decay must be in [0, 1), got {decay}")
+        if update_every < 1:
+            raise ValueError(f"EMA update_every must be >= 1, got {update_every}")
+        self.decay = decay
+        self.update_every = update_every
+        self.names = [name for name, _ in model.named_parameters()]
+        self.shadow = [
+            p.detach().to(device=device or p.device, dtype=torch.float32, copy=True) for p in model.parameters()
+        ]
+
+    @torch.no_grad()
+    def update(self, model, step: int) -> bool:
+        """Fold the live weights in after optimizer step ``step`` (0-based). Returns whether it did."""
+        if (step + 1) % self.update_every:
+            return False
+        decay = ema_decay_at(step, self.decay) ** self.update_every
+        params = [p.detach() for p in model.parameters()]
+        device = self.shadow[0].device
+        if params[0].device != device or params[0].dtype != torch.float32:
+            params = [p.to(device=device, dtype=torch.float32, non_blocking=True) for p in params]
+        torch._foreach_lerp_(self.shadow, params, 1.0 - decay)
+        return True
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return dict(zip(self.names, self.shadow))
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        missing = [n for n in self.names if n not in state]
+        unexpected = [n for n in state if n not in set(self.names)]
+        if missing or unexpected:
+            raise KeyError(f"EMA state does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        for name, shadow in zip(self.names, self.shadow):
+            if state[name].shape != shadow.shape:
+                raise ValueError(f"EMA tensor {name}: shape {tuple(state[name].shape)} != {tuple(shadow.shape)}")
+            shadow.copy_(state[name])
+
+    @torch.no_grad()
+    def copy_to(self, model) -> None:
+        """Write the EMA weights into ``model`` (for export or sampling)."""
+        for p, s in zip(model.parameters(), self.shadow):
+            p.copy_(s)
+
+    @contextlib.contextmanager
+    def swapped_in(self, model):
+        """Run the body with the EMA weights in ``model``; the live weights come back bit for bit.
+
+        The live weights wait in CPU memory, so swapping costs no accelerator memory.
+        """
+        with torch.no_grad():
+            live = [p.detach().to("cpu", copy=True) for p in model.parameters()]
+            self.copy_to(model)
+        try:
+            yield model
+        finally:
+            with torch.no_grad():
+                for p, saved in zip(model.parameters(), live):
+                    p.copy_(saved)
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _seeded(seed: int | None):
+    """Seed the CPU RNG for the body only, leaving the caller's RNG stream untouched."""
+    if seed is None:
+        yield
+        return
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield

@@ -1,0 +1,450 @@
+import math
+
+import pytest
+import torch
+
+import SD_Model as M
+
+
+# ----------------------------------------------------------------------------------------- UNet
+
+
+def test_sd1_unet_has_exactly_the_sd1_parameter_count():
+    with torch.device("meta"):
+        unet = M.build_unet("sd1")
+    assert M.count_parameters(unet) == 859_520_964
+
+
+def test_sd1_zero_init_covers_every_output_projection():
+    with torch.device("meta"):
+        unet = M.build_unet("sd1", from_scratch=False)
+    names = M.zero_init_output_projections(unet)
+    # SD 1.x: 22 ResNet blocks, 16 transformer blocks (each with self- and cross-attention).
+    assert sum(n.endswith(".conv2") for n in names) == 22
+    assert sum(n.endswith("attn1.to_out.0") for n in names) == 16
+    assert sum(n.endswith("attn2.to_out.0") for n in names) == 16
+    assert sum(n.endswith("ff.net.2") for n in names) == 16
+    assert sum(n.endswith(".proj_out") for n in names) == 16
+    assert names[-1] == "conv_out"
+    assert len(names) == 87
+
+
+def _tiny_inputs(batch=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    latents = torch.randn(batch, 4, 8, 8, generator=g)
+    context = torch.randn(batch, 77, 64, generator=g)
+    timesteps = torch.randint(0, 1000, (batch,), generator=g)
+    return latents, timesteps, context
+
+
+def test_from_scratch_tiny_unet_zeroes_projections_and_outputs_exact_zero():
+    unet = M.build_unet("tiny", seed=0)
+    modules = dict(unet.named_modules())
+    names = M.zero_init_output_projections(M.build_unet("tiny", seed=0, from_scratch=False))
+    assert len(names) == 8 + 4 * 4 + 1  # 8 ResNets, 4 transformers x 4 projections, conv_out
+    for name in names:
+        layer = modules[name]
+        assert torch.count_nonzero(layer.weight) == 0, name
+        assert layer.bias is None or torch.count_nonzero(layer.bias) == 0, name
+    # The rest of the network is randomly initialised, not zero.
+    assert torch.count_nonzero(unet.conv_in.weight) == unet.conv_in.weight.numel()
+    latents, timesteps, context = _tiny_inputs()
+    out = unet(latents, timesteps, encoder_hidden_states=context).sample
+    assert out.shape == latents.shape
+    assert torch.count_nonzero(out) == 0
+
+
+def test_zero_init_does_not_block_learning():
+    unet = M.build_unet("tiny", seed=0)
+    latents, timesteps, context = _tiny_inputs()
+    opt = torch.optim.SGD(unet.parameters(), lr=0.1)
+    loss = (unet(latents, timesteps, encoder_hidden_states=context).sample - latents).pow(2).mean()
+    loss.backward()
+    opt.step()
+    out = unet(latents, timesteps, encoder_hidden_states=context).sample
+    assert out.abs().max() > 0
+
+
+def test_not_from_scratch_keeps_random_output_layers():
+    unet = M.build_unet("tiny", seed=0, from_scratch=False)
+    assert torch.count_nonzero(unet.conv_out.weight) > 0
+
+
+def test_seeded_build_is_reproducible_and_leaves_global_rng_alone():
+    torch.manual_seed(123)
+    expected_next = torch.rand(3)
+    torch.manual_seed(123)
+    a = M.build_unet("tiny", seed=0)
+    assert torch.equal(torch.rand(3), expected_next)
+    b = M.build_unet("tiny", seed=0)
+    c = M.build_unet("tiny", seed=1)
+    assert torch.equal(a.conv_in.weight, b.conv_in.weight)
+    assert not torch.equal(a.conv_in.weight, c.conv_in.weight)
+
+
+def test_unknown_preset_names_the_choices():
+    with pytest.raises(ValueError, match="sd1"):
+        M.build_unet("sd2")
+
+
+def test_grad_checkpointing_and_channels_last_switches_keep_the_math():
+    base = M.build_unet("tiny", seed=0, from_scratch=False)
+    switched = M.build_unet("tiny", seed=0, from_scratch=False, grad_checkpointing=True, channels_last=True)
+    assert switched.is_gradient_checkpointing and not base.is_gradient_checkpointing
+    assert switched.conv_in.weight.is_contiguous(memory_format=torch.channels_last)
+    latents, timesteps, context = _tiny_inputs()
+    switched.train()
+    base.train()
+    grads = []
+    for unet in (base, switched):
+        out = unet(latents, timesteps, encoder_hidden_states=context).sample
+        out.square().mean().backward()
+        grads.append(unet.conv_in.weight.grad)
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-6)
+    M.configure_unet(switched, grad_checkpointing=False, channels_last=False)
+    assert not switched.is_gradient_checkpointing
+    assert switched.conv_in.weight.is_contiguous()
+
+
+def test_attention_uses_sdpa_with_kernels_by_device():
+    from diffusers.models.attention_processor import AttnProcessor2_0
+    from torch.nn.attention import SDPBackend
+
+    unet = M.build_unet("tiny", seed=0)
+    processors = unet.attn_processors
+    assert processors and all(isinstance(p, AttnProcessor2_0) for p in processors.values())
+    assert M.sdpa_backends("cpu") == [SDPBackend.MATH]
+    cuda = M.sdpa_backends("cuda")
+    assert SDPBackend.FLASH_ATTENTION in cuda and SDPBackend.EFFICIENT_ATTENTION in cuda
+    assert SDPBackend.MATH not in cuda
+    latents, timesteps, context = _tiny_inputs()
+    with M.attention_context("cpu"):
+        out = unet(latents, timesteps, encoder_hidden_states=context).sample
+    assert out.shape == latents.shape
+
+
+# ------------------------------------------------------------------------- frozen parts, tokenizer
+
+
+def test_tokenizer_is_the_real_clip_bpe():
+    tokenizer = M.load_tokenizer("tiny")
+    assert tokenizer("a photo of a cat").input_ids == [49406, 320, 1125, 539, 320, 2368, 49407]
+    assert len(tokenizer) == 49408
+    ids = M.tokenize(tokenizer, ["a photo of a cat", "word " * 200])
+    assert ids.shape == (2, 77)
+    assert ids[0, 7:].eq(49407).all()  # padded with the end token, as SD 1.x was trained
+    assert ids[1, 0] == 49406 and ids[1, -1] == 49407  # truncated, still closed by the end token
+
+
+def test_tokenizer_builds_from_the_wheel_into_an_empty_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SD_CACHE_DIR", str(tmp_path))
+    folder = M.clip_tokenizer_folder()
+    assert folder == tmp_path / "clip_tokenizer"
+    merges = (folder / "merges.txt").read_text(encoding="utf-8").splitlines()
+    assert merges[0].startswith("#version") and len(merges) == 1 + 48894
+    tokenizer = M.load_tokenizer("tiny")
+    assert tokenizer("a photo of a cat").input_ids == [49406, 320, 1125, 539, 320, 2368, 49407]
+
+
+def test_tiny_text_encoder_gives_last_hidden_state_and_is_frozen():
+    encoder = M.load_text_encoder("tiny")
+    assert not any(p.requires_grad for p in encoder.parameters()) and not encoder.training
+    ids = M.tokenize(M.load_tokenizer("tiny"), ["a red circle", ""])
+    hidden = M.encode_prompt_ids(encoder, ids)
+    assert hidden.shape == (2, 77, M.UNET_PRESETS["tiny"]["cross_attention_dim"])
+    assert not hidden.requires_grad
+    again = M.encode_prompt_ids(M.load_text_encoder("tiny"), ids)
+    assert torch.equal(hidden, again)  # seeded: the same weights every time
+
+
+def test_tiny_vae_keeps_the_sd_interface():
+    vae = M.load_vae("tiny")
+    assert vae.config.latent_channels == 4
+    assert vae.config.scaling_factor == pytest.approx(0.18215)
+    images = torch.rand(2, 3, 64, 48) * 2 - 1
+    with torch.no_grad():
+        latents = vae.encode(images).latent_dist.mean
+        decoded = vae.decode(latents).sample
+    assert latents.shape == (2, 4, 8, 6)
+    assert decoded.shape == images.shape
+
+
+def test_loaders_read_local_folders_and_pipeline_layouts(tmp_path):
+    vae, encoder = M.load_vae("tiny", seed=3), M.load_text_encoder("tiny", seed=3)
+    vae.save_pretrained(tmp_path / "vae_only")
+    vae.save_pretrained(tmp_path / "pipeline" / "vae")
+    encoder.save_pretrained(tmp_path / "pipeline" / "text_encoder")
+    M.load_tokenizer("tiny").save_pretrained(tmp_path / "pipeline" / "tokenizer")
+    for source in (tmp_path / "vae_only", tmp_path / "pipeline"):
+        loaded = M.load_vae(str(source))
+        assert torch.equal(loaded.encoder.conv_in.weight, vae.encoder.conv_in.weight)
+    loaded_encoder = M.load_text_encoder(str(tmp_path / "pipeline"))
+    ids = torch.tensor([[49406, 320, 49407]])
+    assert torch.equal(M.encode_prompt_ids(loaded_encoder, ids), M.encode_prompt_ids(encoder, ids))
+    tokenizer = M.load_tokenizer(str(tmp_path / "pipeline"))
+    assert tokenizer("a photo of a cat").input_ids == [49406, 320, 1125, 539, 320, 2368, 49407]
+
+
+# ------------------------------------------------------------------------- schedule and the loss
+
+
+def _hand_alphas_cumprod():
+    """alpha-bar by plain Python, independent of the torch code under test."""
+    lo, hi = math.sqrt(0.00085), math.sqrt(0.012)
+    product, out = 1.0, []
+    for i in range(1000):
+        beta = (lo + (hi - lo) * i / 999) ** 2
+        product *= 1 - beta
+        out.append(product)
+    return out
+
+
+def test_schedule_matches_hand_computation_and_diffusers():
+    ours = M.ddpm_alphas_cumprod()
+    hand = torch.tensor(_hand_alphas_cumprod(), dtype=torch.float64)
+    torch.testing.assert_close(ours, hand, rtol=1e-12, atol=1e-12)
+    assert ours[0].item() == pytest.approx(0.99915, abs=1e-12)
+    assert ours[999].item() == pytest.approx(0.004660098513, rel=1e-9)
+    diffusers_values = M.build_noise_scheduler().alphas_cumprod
+    torch.testing.assert_close(ours.float(), diffusers_values, rtol=1e-5, atol=1e-6)
+
+
+# Hand-computed with the formulas of the Min-SNR paper, gamma = 5:
+# t: (snr, epsilon weight min(snr,5)/snr, v weight min(snr,5)/(snr+1))
+MIN_SNR_TABLE = {
+    0: (1175.470588, 0.004253615573, 0.00425),
+    100: (8.453893711, 0.5914434426, 0.5288826121),
+    250: (2.065534618, 1.0, 0.6737926252),
+    500: (0.381850441, 1.0, 0.2763326838),
+    999: (0.004681916706, 1.0, 0.004660098513),
+}
+
+
+def test_min_snr_weights_match_hand_computed_values():
+    alphas = M.ddpm_alphas_cumprod()
+    timesteps = torch.tensor(sorted(MIN_SNR_TABLE))
+    snr = M.snr(timesteps, alphas)
+    eps = M.min_snr_weights(timesteps, alphas, "epsilon", 5.0)
+    v = M.min_snr_weights(timesteps, alphas, "v_prediction", 5.0)
+    for i, t in enumerate(timesteps.tolist()):
+        want_snr, want_eps, want_v = MIN_SNR_TABLE[t]
+        assert snr[i].item() == pytest.approx(want_snr, rel=1e-8)
+        assert eps[i].item() == pytest.approx(want_eps, rel=1e-6)
+        assert v[i].item() == pytest.approx(want_v, rel=1e-6)
+    # The v weight is never the epsilon formula: at t=250 it is a, not 1.
+    assert v[2].item() != pytest.approx(eps[2].item())
+
+
+def test_min_snr_against_the_formula_at_every_timestep():
+    hand = _hand_alphas_cumprod()
+    alphas = M.ddpm_alphas_cumprod()
+    timesteps = torch.arange(0, 1000, 37)
+    for gamma in (1.0, 5.0, 20.0):
+        eps = M.min_snr_weights(timesteps, alphas, "epsilon", gamma)
+        v = M.min_snr_weights(timesteps, alphas, "v_prediction", gamma)
+        for i, t in enumerate(timesteps.tolist()):
+            s = hand[t] / (1 - hand[t])
+            assert eps[i].item() == pytest.approx(min(s, gamma) / s, rel=1e-6)
+            assert v[i].item() == pytest.approx(min(s, gamma) / (s + 1), rel=1e-6)
+
+
+def test_diffusion_loss_is_weighted_per_sample_mse_in_fp32():
+    alphas = M.ddpm_alphas_cumprod()
+    g = torch.Generator().manual_seed(0)
+    pred = torch.randn(3, 4, 8, 8, generator=g).bfloat16()
+    target = torch.randn(3, 4, 8, 8, generator=g)
+    timesteps = torch.tensor([0, 100, 999])
+    loss = M.diffusion_loss(pred, target, timesteps, alphas, "epsilon", 5.0)
+    assert loss.dtype == torch.float32 and loss.shape == (3,)
+    mse = (pred.float() - target).pow(2).mean(dim=(1, 2, 3))
+    weights = torch.tensor([MIN_SNR_TABLE[t][1] for t in (0, 100, 999)])
+    torch.testing.assert_close(loss, mse * weights, rtol=1e-6, atol=0)
+    plain = M.diffusion_loss(pred, target, timesteps, alphas, "epsilon", None)
+    torch.testing.assert_close(plain, mse, rtol=0, atol=0)
+
+
+def test_v_target_and_noising_are_consistent():
+    alphas = M.ddpm_alphas_cumprod()
+    g = torch.Generator().manual_seed(1)
+    x0 = torch.randn(4, 4, 8, 8, generator=g) * 4
+    noise = torch.randn(4, 4, 8, 8, generator=g)
+    timesteps = torch.tensor([1, 300, 600, 999])
+    x_t = M.add_noise(x0, noise, timesteps, alphas)
+    v = M.prediction_target(x0, noise, timesteps, alphas, "v_prediction")
+    a = alphas[timesteps].float().view(-1, 1, 1, 1)
+    torch.testing.assert_close(a.sqrt() * x_t - (1 - a).sqrt() * v, x0, rtol=1e-4, atol=1e-4)
+    assert torch.equal(M.prediction_target(x0, noise, timesteps, alphas, "epsilon"), noise)
+    with pytest.raises(ValueError, match="prediction_type"):
+        M.prediction_target(x0, noise, timesteps, alphas, "sample")
+
+
+def test_latent_scaling_round_trips():
+    latents = torch.randn(2, 4, 8, 8)
+    scaled = M.scale_latents(latents)
+    torch.testing.assert_close(scaled, latents * 0.18215)
+    torch.testing.assert_close(M.unscale_latents(scaled), latents)
+
+
+def test_sample_timesteps_come_from_the_given_generator():
+    a = M.sample_timesteps(1000, torch.Generator().manual_seed(5))
+    b = M.sample_timesteps(1000, torch.Generator().manual_seed(5))
+    assert torch.equal(a, b) and a.min() >= 0 and a.max() <= 999
+    assert a.unique().numel() > 600  # spread over the range, not a constant
+
+
+# ------------------------------------------------------------------------------------------ DDIM
+
+
+@pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction"])
+def test_ddim_matches_diffusers_ddim_scheduler(prediction_type):
+    from diffusers import DDIMScheduler
+
+    scheduler = M.build_noise_scheduler(prediction_type, DDIMScheduler)
+    scheduler.set_timesteps(50)
+    assert scheduler.timesteps.tolist() == M.ddim_timesteps(50)
+    alphas = M.ddpm_alphas_cumprod()
+    g = torch.Generator().manual_seed(0)
+    sample = torch.randn(2, 4, 8, 8, generator=g) * 3
+    output = torch.randn(2, 4, 8, 8, generator=g)
+    for t in (981, 501, 21, 1):
+        ours = M.ddim_step(sample, output, t, t - 20, alphas, prediction_type)
+        theirs = scheduler.step(output, t, sample).prev_sample
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_ddim_step_never_clamps_large_latents():
+    alphas = M.ddpm_alphas_cumprod()
+    x0 = torch.full((1, 4, 8, 8), 4.0)
+    x0[..., ::2] = -4.0
+    noise = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(0))
+    t = 501
+    x_t = M.add_noise(x0, noise, torch.tensor([t]), alphas)
+    # An oracle model predicts the true noise; the step must land on the true trajectory.
+    x_prev = M.ddim_step(x_t, noise, t, t - 20, alphas, "epsilon")
+    expected = M.add_noise(x0, noise, torch.tensor([t - 20]), alphas)
+    torch.testing.assert_close(x_prev, expected, rtol=1e-5, atol=1e-5)
+    # The last step returns x0 itself (up to the schedule's final alpha-bar), values near +-4.
+    x_last = M.ddim_step(M.add_noise(x0, noise, torch.tensor([1]), alphas), noise, 1, -1, alphas, "epsilon")
+    assert x_last.abs().max() > 3.9
+    torch.testing.assert_close(x_last, M.add_noise(x0, noise, torch.tensor([0]), alphas), rtol=1e-5, atol=1e-5)
+
+
+def test_guidance_scale_one_is_the_conditional_branch_and_negatives_matter():
+    unet = M.build_unet("tiny", seed=0, from_scratch=False).eval()
+    latents, _, cond = _tiny_inputs(batch=1, seed=1)
+    _, _, negative = _tiny_inputs(batch=1, seed=2)
+    empty = torch.zeros_like(cond)
+    with torch.no_grad():
+        only_cond = unet(latents, torch.tensor([500]), encoder_hidden_states=cond).sample
+        only_neg = unet(latents, torch.tensor([500]), encoder_hidden_states=negative).sample
+        at_one = M.guided_prediction(unet, latents, 500, cond, negative, 1.0)
+        guided = M.guided_prediction(unet, latents, 500, cond, negative, 7.5)
+        guided_empty = M.guided_prediction(unet, latents, 500, cond, empty, 7.5)
+    assert torch.equal(at_one, only_cond)
+    torch.testing.assert_close(guided, only_neg + 7.5 * (only_cond - only_neg), rtol=1e-4, atol=1e-5)
+    assert (guided - guided_empty).abs().max() > 1e-3
+
+
+def test_ddim_sample_is_deterministic():
+    unet = M.build_unet("tiny", seed=0, from_scratch=False).eval()
+    latents, _, cond = _tiny_inputs(batch=2, seed=3)
+    uncond = torch.zeros_like(cond)
+    a = M.ddim_sample(unet, latents, cond, uncond, steps=5, guidance_scale=3.0)
+    b = M.ddim_sample(unet, latents, cond, uncond, steps=5, guidance_scale=3.0)
+    assert torch.equal(a, b)
+    assert a.shape == latents.shape and torch.isfinite(a).all()
+    assert not torch.equal(a, latents)
+
+
+# ------------------------------------------------------------------------------------------- EMA
+
+
+def _linear(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Linear(4, 3)
+
+
+def test_ema_after_k_updates_matches_the_closed_form():
+    model = _linear()
+    start = [p.detach().clone() for p in model.parameters()]
+    ema = M.EMA(model, decay=0.9)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(2.0)
+    k = 25
+    for step in range(k):
+        ema.update(model, step)
+    # Constant live weights w: shadow_k = w + (shadow_0 - w) * prod_i decay_i.
+    product = 1.0
+    for step in range(k):
+        product *= min(0.9, (1 + step) / (10 + step))
+    for s0, shadow in zip(start, ema.shadow):
+        expected = 2.0 + (s0.double() - 2.0) * product
+        torch.testing.assert_close(shadow.double(), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_ema_tracks_changing_weights_like_the_recursion():
+    model = _linear()
+    ema = M.EMA(model, decay=0.999)
+    reference = [p.detach().double().clone() for p in model.parameters()]
+    g = torch.Generator().manual_seed(0)
+    for step in range(12):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=g))
+        ema.update(model, step)
+        d = M.ema_decay_at(step, 0.999)
+        reference = [d * r + (1 - d) * p.detach().double() for r, p in zip(reference, model.parameters())]
+    for r, s in zip(reference, ema.shadow):
+        torch.testing.assert_close(s.double(), r, rtol=1e-5, atol=1e-6)
+    assert M.ema_decay_at(0, 0.9999) == pytest.approx(0.1)
+    assert M.ema_decay_at(10**7, 0.9999) == 0.9999
+
+
+def test_ema_every_n_steps_on_cpu_uses_the_powered_decay():
+    model = _linear()
+    start = [p.detach().clone() for p in model.parameters()]
+    ema = M.EMA(model, decay=0.5, device="cpu", update_every=3)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(1.0)
+    applied = [ema.update(model, step) for step in range(6)]
+    assert applied == [False, False, True, False, False, True]
+    product = (M.ema_decay_at(2, 0.5) ** 3) * (M.ema_decay_at(5, 0.5) ** 3)
+    for s0, shadow in zip(start, ema.shadow):
+        torch.testing.assert_close(shadow, 1.0 + (s0 - 1.0) * product)
+
+
+def test_ema_state_dict_round_trip_and_mismatch_errors():
+    model = _linear()
+    ema = M.EMA(model, decay=0.99)
+    ema.update(model, 0)
+    other = M.EMA(_linear(seed=1), decay=0.99)
+    other.load_state_dict(ema.state_dict())
+    for a, b in zip(ema.shadow, other.shadow):
+        assert torch.equal(a, b)
+    with pytest.raises(KeyError, match="missing"):
+        other.load_state_dict({"weight": ema.shadow[0]})
+
+
+def test_swapping_ema_weights_in_and_out_is_exact():
+    model = M.build_unet("tiny", seed=0, from_scratch=False)
+    ema = M.EMA(model, decay=0.9)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.1).add_(0.01)
+    ema.update(model, 100)  # shadow now differs from the live weights
+    live = [p.detach().clone() for p in model.parameters()]
+    with ema.swapped_in(model):
+        inside = [p.detach().clone() for p in model.parameters()]
+    for p, before, swapped, shadow in zip(model.parameters(), live, inside, ema.shadow):
+        assert torch.equal(p, before)  # bit for bit
+        assert torch.equal(swapped, shadow)
+    assert any(not torch.equal(a, b) for a, b in zip(live, inside))
+
+
+def test_ema_rejects_bad_settings():
+    with pytest.raises(ValueError, match="decay"):
+        M.EMA(_linear(), decay=1.0)
+    with pytest.raises(ValueError, match="update_every"):
+        M.EMA(_linear(), update_every=0)
