@@ -1,0 +1,280 @@
+"""Training data: latent folders, caption datasets, and the deterministic order of each epoch.
+
+* A latent folder holds either shards written by ``encode_latents.py`` (``NNNNN.npy`` of shape
+  ``(N, 4, H/8, W/8)`` float16 + ``NNNNN.keys.txt``, and ``latents.json``) or one ``<key>.npy`` per
+  image (the older layout). ``LatentStore`` loads it into RAM with a thread pool, or memory-maps it.
+* A caption dataset is a ``datasets`` Arrow folder (``save_to_disk``) with ``train`` and
+  ``validation`` splits holding ``key``, ``caption`` and ``input_ids`` (77 CLIP token ids).
+* ``epoch_order`` mixes several datasets by weight into one deterministic order per (seed, epoch);
+  ``rank_batches`` gives each rank a disjoint slice of it. Nothing else is random, so a resumed run
+  only needs the epoch and its position to continue exactly.
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+class DataError(ValueError):
+    """A problem with the user's data, with a message that names the files involved."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Latents
+# ---------------------------------------------------------------------------------------------
+
+
+class LatentStore:
+    """All latents of one folder, addressable by key.
+
+    ``mmap=False`` copies every shard into one preallocated array (peak memory = the data once);
+    ``mmap=True`` keeps the shard files memory-mapped and reads rows on demand.
+    """
+
+    def __init__(self, folder: str | Path, *, threads: int = 16, mmap: bool = False):
+        self.folder = Path(folder)
+        if not self.folder.is_dir():
+            raise DataError(f"latent folder {self.folder} does not exist")
+        meta_path = self.folder / "latents.json"
+        self.meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+        shard_files = sorted(self.folder.glob("*.keys.txt"))
+        if shard_files:
+            self._load_shards(shard_files, threads, mmap)
+        else:
+            self._load_per_image(sorted(self.folder.glob("*.npy")), threads)
+        if not self.keys:
+            raise DataError(f"latent folder {self.folder} holds no latents (no *.keys.txt shards, no <key>.npy files)")
+
+    # -- loading ------------------------------------------------------------------------------
+
+    def _load_shards(self, key_files: list[Path], threads: int, mmap: bool) -> None:
+        shards = []  # (npy path, keys, mmapped array)
+        for key_file in key_files:
+            npy = key_file.with_name(key_file.name[: -len(".keys.txt")] + ".npy")
+            if not npy.exists():
+                raise DataError(f"{key_file} has no matching latent file {npy.name}")
+            keys = key_file.read_text(encoding="utf-8").splitlines()
+            array = np.load(npy, mmap_mode="r")
+            if array.ndim != 4 or array.shape[0] != len(keys):
+                raise DataError(f"{npy}: shape {array.shape} does not match {len(keys)} keys in {key_file.name}")
+            shards.append((npy, keys, array))
+        self._check_shapes([(npy, a.shape[1:]) for npy, _, a in shards])
+        self.sample_shape = tuple(shards[0][2].shape[1:])
+        self.keys = [k for _, keys, _ in shards for k in keys]
+        if mmap:
+            self.arrays = [a for _, _, a in shards]
+            self.locations = np.concatenate(
+                [np.stack([np.full(len(k), i), np.arange(len(k))], 1) for i, (_, k, _) in enumerate(shards)]
+            )
+        else:
+            data = np.empty((len(self.keys), *self.sample_shape), dtype=np.float16)
+            offsets = np.cumsum([0] + [len(k) for _, k, _ in shards])
+
+            def copy(i):
+                data[offsets[i] : offsets[i + 1]] = shards[i][2]
+
+            with ThreadPoolExecutor(max(1, threads)) as pool:
+                list(pool.map(copy, range(len(shards))))
+            self.arrays = [data]
+            self.locations = np.stack([np.zeros(len(self.keys), dtype=np.int64), np.arange(len(self.keys))], 1)
+        self._index_keys()
+
+    def _load_per_image(self, files: list[Path], threads: int) -> None:
+        self.keys = [f.stem for f in files]
+        if not files:
+            return
+        first = np.load(files[0])
+        self.sample_shape = tuple(first.shape[-3:])
+        data = np.empty((len(files), *self.sample_shape), dtype=np.float16)
+        bad: list[str] = []
+
+        def copy(i):
+            array = np.load(files[i])
+            if array.shape[-3:] != self.sample_shape or array.size != data[i].size:
+                bad.append(f"{files[i].name} {array.shape}")
+                return
+            data[i] = array.reshape(self.sample_shape)
+
+        with ThreadPoolExecutor(max(1, threads)) as pool:
+            list(pool.map(copy, range(len(files))))
+        if bad:
+            raise DataError(
+                f"{len(bad)} latent files in {self.folder} do not have the shape {self.sample_shape} of "
+                f"{files[0].name}: {', '.join(sorted(bad)[:10])}"
+            )
+        self.arrays = [data]
+        self.locations = np.stack([np.zeros(len(files), dtype=np.int64), np.arange(len(files))], 1)
+        self._index_keys()
+
+    def _check_shapes(self, shapes: list[tuple[Path, tuple]]) -> None:
+        reference = shapes[0][1]
+        bad = [f"{path.name} {tuple(shape)}" for path, shape in shapes if tuple(shape) != tuple(reference)]
+        if bad:
+            raise DataError(
+                f"{len(bad)} latent shards in {self.folder} differ from the sample shape {tuple(reference)} of "
+                f"{shapes[0][0].name}: {', '.join(bad[:10])}"
+            )
+
+    def _index_keys(self) -> None:
+        self.row_of = {}
+        duplicates = []
+        for row, key in enumerate(self.keys):
+            if key in self.row_of:
+                duplicates.append(key)
+            self.row_of[key] = row
+        if duplicates:
+            raise DataError(f"{len(duplicates)} keys appear twice in {self.folder}, e.g. {duplicates[:5]}")
+
+    # -- access -------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def gather(self, rows: np.ndarray) -> np.ndarray:
+        """Latents of the given rows, ``(B, 4, h, w)`` float16, in order."""
+        if len(self.arrays) == 1:
+            return np.asarray(self.arrays[0][self.locations[rows, 1]])
+        return np.stack([self.arrays[s][r] for s, r in self.locations[rows]])
+
+
+# ---------------------------------------------------------------------------------------------
+# Captions joined to latents
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class JoinedSplit:
+    """One split of one dataset: for each sample, its latent row and its 77 token ids."""
+
+    name: str
+    store: LatentStore
+    rows: np.ndarray  # (N,) int64 rows of ``store``
+    input_ids: np.ndarray  # (N, 77) int64
+    keys: list[str]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+def load_caption_split(dataset_dir: str | Path, split: str):
+    """``(keys, input_ids)`` of one split of a caption dataset written by ``05_build_hf_dataset.py``."""
+    from datasets import load_from_disk
+
+    dataset_dir = Path(dataset_dir)
+    if not dataset_dir.is_dir():
+        raise DataError(f"caption dataset {dataset_dir} does not exist")
+    try:
+        dataset = load_from_disk(str(dataset_dir))
+    except Exception as error:  # datasets raises several types for a folder it cannot read
+        raise DataError(f"{dataset_dir} is not a datasets folder written by save_to_disk: {error}") from error
+    if split not in dataset:
+        if split == "train" or not hasattr(dataset, "keys"):
+            raise DataError(f"caption dataset {dataset_dir} has no '{split}' split (splits: {list(dataset.keys())})")
+        return [], np.zeros((0, 77), dtype=np.int64)
+    table = dataset[split]
+    missing = {"key", "input_ids"} - set(table.column_names)
+    if missing:
+        raise DataError(f"caption dataset {dataset_dir} split '{split}' lacks columns {sorted(missing)}")
+    keys = list(table["key"])
+    input_ids = np.asarray(table.with_format("numpy")["input_ids"], dtype=np.int64).reshape(len(keys), -1)
+    if len(keys) and input_ids.shape[1] != 77:
+        raise DataError(f"caption dataset {dataset_dir}: input_ids have {input_ids.shape[1]} tokens, expected 77")
+    return keys, input_ids
+
+
+def join_split(dataset_dir, split: str, store: LatentStore, *, allow_missing: bool = False) -> JoinedSplit:
+    """Join a caption split to a latent store by key; missing latents are an error unless allowed."""
+    keys, input_ids = load_caption_split(dataset_dir, split)
+    rows = np.fromiter((store.row_of.get(k, -1) for k in keys), dtype=np.int64, count=len(keys))
+    missing = rows < 0
+    if missing.any():
+        names = [k for k, m in zip(keys, missing) if m]
+        message = (
+            f"{missing.sum()} of {len(keys)} captions in {dataset_dir} ({split}) have no latent in "
+            f"{store.folder}, e.g. {names[:5]}"
+        )
+        if not allow_missing:
+            raise DataError(message + "; re-run encode_latents.py on their shards or set allow_missing_latents: true")
+        keep = ~missing
+        rows, input_ids, keys = rows[keep], input_ids[keep], [k for k, m in zip(keys, missing) if not m]
+    return JoinedSplit(str(dataset_dir), store, rows, input_ids, keys)
+
+
+class MixedData:
+    """Several joined datasets and their sampling weights, addressed by one global index."""
+
+    def __init__(self, splits: list[JoinedSplit], weights: list[float]):
+        if not splits:
+            raise DataError("no datasets")
+        shapes = {s.store.sample_shape for s in splits if len(s)}
+        if len(shapes) > 1:
+            detail = ", ".join(f"{s.store.folder}: {s.store.sample_shape}" for s in splits)
+            raise DataError(f"latent shapes differ between datasets ({detail}); encode them at one resolution")
+        self.splits, self.weights = splits, list(weights)
+        self.sizes = [len(s) for s in splits]
+        self.offsets = np.cumsum([0] + self.sizes)
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    @property
+    def sample_shape(self):
+        return next(s.store.sample_shape for s in self.splits if len(s))
+
+    def batch(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(latents (B, 4, h, w) float16, input_ids (B, 77) int64)`` for global indices, in order."""
+        which = np.searchsorted(self.offsets, indices, side="right") - 1
+        latents = np.empty((len(indices), *self.sample_shape), dtype=np.float16)
+        input_ids = np.empty((len(indices), 77), dtype=np.int64)
+        for d in np.unique(which):
+            mask = which == d
+            local = indices[mask] - self.offsets[d]
+            split = self.splits[d]
+            latents[mask] = split.store.gather(split.rows[local])
+            input_ids[mask] = split.input_ids[local]
+        return torch.from_numpy(latents), torch.from_numpy(input_ids)
+
+
+# ---------------------------------------------------------------------------------------------
+# Epoch order
+# ---------------------------------------------------------------------------------------------
+
+
+def epoch_order(sizes: list[int], weights: list[float], seed: int, epoch: int, epoch_size: int | None = None):
+    """Global sample indices of one epoch, mixed by weight, deterministic in ``(seed, epoch)``.
+
+    An epoch has ``epoch_size`` samples (default: all samples once). Dataset ``i`` contributes
+    ``round(epoch_size * w_i / sum(w))`` of them, drawn from fresh permutations of it (repeating it
+    when it is smaller than its share); the result is shuffled as a whole.
+    """
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    total = sum(sizes) if epoch_size is None else epoch_size
+    weight_sum = sum(w for w, n in zip(weights, sizes) if n)
+    offsets = np.cumsum([0] + list(sizes))
+    parts = []
+    for i, (size, weight) in enumerate(zip(sizes, weights)):
+        if size == 0:
+            continue
+        share = int(round(total * weight / weight_sum)) if len(sizes) > 1 else total
+        repeats = -(-share // size)
+        local = torch.cat([torch.randperm(size, generator=generator) for _ in range(repeats)])[:share]
+        parts.append(local.numpy() + offsets[i])
+    order = np.concatenate(parts)
+    return order[torch.randperm(len(order), generator=generator).numpy()]
+
+
+def rank_batches(order: np.ndarray, rank: int, world_size: int, batch_size: int) -> list[np.ndarray]:
+    """This rank's micro-batches of an epoch: disjoint across ranks, equal in number on every rank.
+
+    The tail that does not fill a batch on every rank is dropped, so all ranks take the same number
+    of steps (a rank with one batch more would hang the others in all-reduce).
+    """
+    per_rank = len(order) // (world_size * batch_size) * batch_size
+    mine = order[rank : per_rank * world_size : world_size]
+    return [mine[i : i + batch_size] for i in range(0, per_rank, batch_size)]

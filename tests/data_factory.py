@@ -1,0 +1,55 @@
+"""Small training inputs in the formats of DESIGN.md, built on the spot for tests."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+import SD_Model
+
+WORDS = ["red circle", "blue square", "green triangle", "yellow star"]
+
+
+def make_latents(folder: Path, keys: list[str], latents: np.ndarray, shard_size: int = 16) -> Path:
+    """Write ``NNNNN.npy`` + ``NNNNN.keys.txt`` shards and ``latents.json`` like encode_latents.py."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for shard, start in enumerate(range(0, len(keys), shard_size)):
+        np.save(folder / f"{shard:05d}.npy", latents[start : start + shard_size].astype(np.float16))
+        (folder / f"{shard:05d}.keys.txt").write_text("\n".join(keys[start : start + shard_size]) + "\n")
+    meta = {"vae": "tiny", "scaling_factor": SD_Model.SD1_SCALING_FACTOR, "count": len(keys)}
+    (folder / "latents.json").write_text(json.dumps(meta))
+    return folder
+
+
+def make_captions(folder: Path, train: list[tuple[str, str]], validation: list[tuple[str, str]]) -> Path:
+    """A datasets DatasetDict with train/validation splits of key, caption, input_ids."""
+    from datasets import Dataset, DatasetDict
+
+    tokenizer = SD_Model.load_tokenizer("tiny")
+
+    def split(rows):
+        keys = [k for k, _ in rows]
+        captions = [c for _, c in rows]
+        ids = SD_Model.tokenize(tokenizer, captions).numpy().astype(np.int32) if rows else np.zeros((0, 77), np.int32)
+        return Dataset.from_dict({"key": keys, "caption": captions, "input_ids": ids.tolist()})
+
+    # An empty split is left out: datasets cannot load back an empty split it saved.
+    splits = {name: split(rows) for name, rows in (("train", train), ("validation", validation)) if rows}
+    DatasetDict(splits).save_to_disk(str(folder))
+    return folder
+
+
+def make_dataset(root: Path, n_train: int = 64, n_val: int = 8, size: int = 8, seed: int = 0,
+                 prefix: str = "s") -> dict:
+    """A learnable toy set: each caption's class fixes a distinct latent pattern (plus a little noise)."""
+    rng = np.random.default_rng(seed)
+    patterns = rng.normal(0, 4, size=(len(WORDS), 4, size, size))
+    n = n_train + n_val
+    classes = np.arange(n) % len(WORDS)
+    latents = patterns[classes] + rng.normal(0, 0.2, size=(n, 4, size, size))
+    keys = [f"{prefix}{i:05d}" for i in range(n)]
+    captions = [f"a {WORDS[c]}" for c in classes]
+    make_latents(root / "latents", keys, latents)
+    rows = list(zip(keys, captions))
+    make_captions(root / "captions", rows[:n_train], rows[n_train:])
+    return {"dataset": str(root / "captions"), "latents": str(root / "latents"), "weight": 1.0}

@@ -1,0 +1,109 @@
+import numpy as np
+import pytest
+
+import SD_Checkpoint as ckpt
+import SD_Data
+from data_factory import make_captions, make_dataset, make_latents
+
+
+def test_rank_batches_are_disjoint_equal_and_cover_the_epoch():
+    order = SD_Data.epoch_order([50], [1.0], seed=0, epoch=0)
+    assert sorted(order.tolist()) == list(range(50))
+    per_rank = [SD_Data.rank_batches(order, r, 3, 4) for r in range(3)]
+    assert [len(b) for b in per_rank] == [4, 4, 4]  # 50 // (3 * 4) = 4 batches each; the tail is dropped
+    seen = [i for batches in per_rank for b in batches for i in b.tolist()]
+    assert len(seen) == len(set(seen)) == 48
+    assert set(seen) <= set(order.tolist())
+
+
+def test_epoch_order_is_deterministic_per_seed_and_epoch():
+    a = SD_Data.epoch_order([40, 10], [1.0, 1.0], seed=3, epoch=2)
+    assert np.array_equal(a, SD_Data.epoch_order([40, 10], [1.0, 1.0], seed=3, epoch=2))
+    assert not np.array_equal(a, SD_Data.epoch_order([40, 10], [1.0, 1.0], seed=3, epoch=3))
+    assert not np.array_equal(a, SD_Data.epoch_order([40, 10], [1.0, 1.0], seed=4, epoch=2))
+
+
+def test_weighted_mix_follows_the_weights_and_repeats_small_sets():
+    sizes, weights = [1000, 50, 200], [0.6, 0.2, 0.2]
+    order = SD_Data.epoch_order(sizes, weights, seed=0, epoch=0, epoch_size=2000)
+    which = np.searchsorted(np.cumsum([0] + sizes), order, side="right") - 1
+    assert np.bincount(which).tolist() == [1200, 400, 400]
+    small = order[which == 1] - 1000
+    assert set(small.tolist()) == set(range(50))  # 400 draws cycle through all 50, 8 times each
+    assert np.bincount(small).tolist() == [8] * 50
+
+
+def _store(tmp_path, shapes, name="latents"):
+    keys, arrays = [], []
+    for i, shape in enumerate(shapes):
+        arrays.append(np.full((2, *shape), i, dtype=np.float16))
+        keys += [f"k{i}_{j}" for j in range(2)]
+    folder = tmp_path / name
+    folder.mkdir()
+    for i, array in enumerate(arrays):
+        np.save(folder / f"{i:05d}.npy", array)
+        (folder / f"{i:05d}.keys.txt").write_text(f"k{i}_0\nk{i}_1\n")
+    return folder
+
+
+def test_latent_store_ram_and_mmap_agree(tmp_path):
+    rng = np.random.default_rng(0)
+    latents = rng.normal(size=(37, 4, 8, 8)).astype(np.float16)
+    keys = [f"key{i}" for i in range(37)]
+    folder = make_latents(tmp_path / "lat", keys, latents, shard_size=10)
+    ram = SD_Data.LatentStore(folder, threads=4)
+    mapped = SD_Data.LatentStore(folder, mmap=True)
+    rows = np.array([36, 0, 15, 15, 9])
+    assert np.array_equal(ram.gather(rows), latents[rows])
+    assert np.array_equal(mapped.gather(rows), latents[rows])
+    assert ram.keys == keys and ram.row_of["key15"] == 15
+
+
+def test_latent_store_reads_the_per_image_layout(tmp_path):
+    folder = tmp_path / "per_image"
+    folder.mkdir()
+    for i in range(3):
+        np.save(folder / f"img{i}.npy", np.full((4, 8, 8), i, dtype=np.float16))
+    store = SD_Data.LatentStore(folder)
+    assert store.keys == ["img0", "img1", "img2"]
+    assert store.gather(np.array([2]))[0, 0, 0, 0] == 2
+
+
+def test_shape_mismatch_names_the_files(tmp_path):
+    folder = _store(tmp_path, [(4, 8, 8), (4, 8, 8), (4, 16, 16)])
+    with pytest.raises(SD_Data.DataError, match=r"00002\.npy \(4, 16, 16\)"):
+        SD_Data.LatentStore(folder)
+
+
+def test_missing_latents_are_counted_and_named(tmp_path):
+    folder = _store(tmp_path, [(4, 8, 8)])
+    captions = make_captions(tmp_path / "caps", [("k0_0", "a"), ("k0_1", "b"), ("lost", "c"), ("gone", "d")], [])
+    store = SD_Data.LatentStore(folder)
+    with pytest.raises(SD_Data.DataError, match=r"2 of 4 captions.*'lost', 'gone'"):
+        SD_Data.join_split(captions, "train", store)
+    joined = SD_Data.join_split(captions, "train", store, allow_missing=True)
+    assert joined.keys == ["k0_0", "k0_1"] and joined.rows.tolist() == [0, 1]
+
+
+def test_mixed_data_batches_join_latents_to_their_tokens(tmp_path):
+    entry_a = make_dataset(tmp_path / "a", n_train=8, n_val=0, seed=0, prefix="a")
+    entry_b = make_dataset(tmp_path / "b", n_train=4, n_val=0, seed=1, prefix="b")
+    splits = [SD_Data.join_split(e["dataset"], "train", SD_Data.LatentStore(e["latents"])) for e in (entry_a, entry_b)]
+    data = SD_Data.MixedData(splits, [1.0, 1.0])
+    latents, ids = data.batch(np.array([9, 1]))  # 9 = dataset b, sample 1
+    store_b = splits[1].store
+    assert np.array_equal(latents[0].numpy(), store_b.gather(np.array([store_b.row_of["b00001"]]))[0])
+    assert ids.shape == (2, 77) and ids[0].tolist() == splits[1].input_ids[1].tolist()
+
+
+def test_prune_keeps_newest_and_every_kth(tmp_path):
+    for step in (2, 4, 6, 8, 10):
+        folder = tmp_path / ckpt.step_dir_name(step)
+        folder.mkdir()
+        (folder / ckpt.COMPLETE).write_text("ok")
+    (tmp_path / ckpt.step_dir_name(12)).mkdir()  # incomplete: never counted, never the newest
+    (tmp_path / ".tmp_step_00000014").mkdir()
+    ckpt.prune(tmp_path, keep_last=2, keep_every=4)
+    assert [s for s, _ in ckpt.complete_checkpoints(tmp_path)] == [4, 8, 10]
+    assert not (tmp_path / ".tmp_step_00000014").exists()
+    assert ckpt.latest_checkpoint(tmp_path).name == "step_00000010"

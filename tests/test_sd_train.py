@@ -1,0 +1,346 @@
+"""SD_Train.py on the tiny presets: 2-rank gloo runs under torchrun, and in-process pieces."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+import SD_Checkpoint as ckpt
+import SD_Data
+import SD_Model
+import SD_Train
+from data_factory import make_captions, make_dataset, make_latents
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# 64 training samples, 2 ranks x batch 2 x accumulation 2: 8 optimizer steps per epoch.
+BASE = dict(unet="tiny", vae="tiny", text_encoder="tiny", precision="fp32", device="cpu", grad_checkpointing=False,
+            batch_size=2, grad_accum=2, lr=1e-3, warmup_steps=2, ema_decay=0.9, log_every=1, save_steps=100,
+            validate_every=0, validation_prompts=["a red circle", "a blue square"], validation_steps=3,
+            validation_samples=8, cfg_dropout=0.1, seed=0)
+TOTAL = 12  # 2N
+HALF = 6  # N: mid-epoch (epoch 0 has 8 steps)
+
+
+def write_config(path: Path, **fields) -> Path:
+    path.write_text(yaml.safe_dump({**BASE, **fields}))
+    return path
+
+
+def torchrun(config: Path, *flags, env=None, nproc=2, check=True):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(ROOT / "SD_Train.py"), "--config", str(config), *map(str, flags)]
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, **(env or {})},
+                            timeout=300)
+    if check and result.returncode != 0:
+        raise AssertionError(f"torchrun failed ({result.returncode}):\n{result.stderr[-4000:]}")
+    return result
+
+
+def losses(run_dir: Path) -> list[float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, len(records) + 1))
+    return [r["loss"] for r in records]
+
+
+def final_state(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    folder = run_dir / "checkpoints" / ckpt.step_dir_name(step)
+    assert (folder / "COMPLETE").exists()
+    tensors = {f"unet.{k}": v for k, v in load_file(folder / "unet.safetensors").items()}
+    tensors.update({f"ema.{k}": v for k, v in load_file(folder / "ema.safetensors").items()})
+    optimizer = torch.load(folder / "optimizer.pt", weights_only=True)
+    for index, state in optimizer["state"].items():
+        for name, value in state.items():
+            tensors[f"opt.{index}.{name}"] = value
+    return tensors
+
+
+def assert_bitwise_equal(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    different = [name for name in a if not torch.equal(a[name], b[name])]
+    assert not different, f"{len(different)} tensors differ, e.g. {different[:3]}"
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return make_dataset(tmp_path_factory.mktemp("data"), n_train=64, n_val=8)
+
+
+@pytest.fixture(scope="module")
+def run_a(tmp_path_factory, data):
+    """The uninterrupted reference: 2N steps on 2 ranks, with validation grids along the way."""
+    root = tmp_path_factory.mktemp("run_a")
+    config = write_config(root / "a.yaml", datasets=[data], max_steps=TOTAL, out_dir=str(root / "run"),
+                          validate_every=5)
+    torchrun(config)
+    return root / "run", config
+
+
+# ------------------------------------------------------------------------------ distributed runs
+
+
+def test_two_ranks_end_with_identical_weights_and_a_full_run_folder(run_a):
+    run_dir, _ = run_a
+    folder = run_dir / "checkpoints" / ckpt.step_dir_name(TOTAL)
+    rank0 = torch.load(folder / "rng_rank0.pt", weights_only=True)
+    rank1 = torch.load(folder / "rng_rank1.pt", weights_only=True)
+    assert torch.equal(rank0["fingerprint"], rank1["fingerprint"])
+    assert len(rank0["fingerprint"]) == len(load_file(folder / "unet.safetensors"))
+    # Different ranks draw different noise: their generators are not copies of each other.
+    assert not torch.equal(rank0["rng"]["noise"], rank1["rng"]["noise"])
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["max_steps"] == TOTAL
+    assert yaml.safe_load((folder / "config.yaml").read_text())["batch_size"] == 2
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == TOTAL and {"loss", "lr", "grad_norm", "loss_by_quartile", "images_per_s"} <= set(records[0])
+    validated = [r for r in records if "val_loss" in r]
+    assert [r["step"] for r in validated] == [5, 10]
+    assert all(math.isfinite(r["val_loss"]) and math.isfinite(r["val_loss_ema"]) for r in validated)
+    assert validated[0]["val_loss"] != validated[0]["val_loss_ema"]  # the EMA is not the live model
+    assert sorted(p.name for p in (run_dir / "samples").iterdir()) == ["step_00000005.png", "step_00000010.png"]
+    assert (run_dir / "loss.png").stat().st_size > 1000
+
+
+def test_lr_follows_warmup_and_cosine_over_the_true_step_count(run_a):
+    run_dir, _ = run_a
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    peak, warmup, floor = 1e-3, 2, 1e-5
+    for step, record in enumerate(records):  # record i is optimizer step i (0-based)
+        if step < warmup:
+            expected = peak * (0.01 + 0.99 * step / warmup)
+        else:
+            expected = floor + (peak - floor) * 0.5 * (1 + math.cos(math.pi * (step - warmup) / (TOTAL - warmup)))
+        assert record["lr"] == pytest.approx(expected, rel=1e-9), step
+
+
+def test_stop_at_step_then_resume_is_bitwise_identical(run_a, tmp_path, data):
+    run_dir_a, _ = run_a
+    config = write_config(tmp_path / "b.yaml", datasets=[data], max_steps=TOTAL, out_dir=str(tmp_path / "run"),
+                          validate_every=5)
+    torchrun(config, "--stop_at_step", HALF)
+    half = tmp_path / "run" / "checkpoints" / ckpt.step_dir_name(HALF)
+    state = torch.load(half / "train_state.pt", weights_only=True)["train"]
+    assert (state["step"], state["epoch"], state["position"]) == (HALF, 0, 2 * HALF)  # mid-epoch
+    assert not (tmp_path / "run" / "checkpoints" / ckpt.step_dir_name(TOTAL)).exists()
+    at_half = final_state(tmp_path / "run", HALF)
+    torchrun(config)
+    resumed = final_state(tmp_path / "run", TOTAL)
+    assert_bitwise_equal(resumed, final_state(run_dir_a, TOTAL))
+    assert losses(tmp_path / "run") == losses(run_dir_a)
+    changed = [k for k in at_half if not torch.equal(at_half[k], resumed[k])]
+    assert len(changed) > len(at_half) // 2  # the second half really trained
+
+
+def test_sigterm_mid_epoch_then_resume_is_bitwise_identical(run_a, tmp_path, data):
+    run_dir_a, _ = run_a
+    config = write_config(tmp_path / "c.yaml", datasets=[data], max_steps=TOTAL, out_dir=str(tmp_path / "run"),
+                          validate_every=5)
+    # The launcher gets SIGTERM after step 2 (a preemption); torchrun forwards it to both ranks.
+    result = torchrun(config, env={"SD_TRAIN_FAULT": "sigterm_parent:2"}, check=False)
+    assert result.returncode != 0
+    assert "stopped by signal 15" in result.stderr
+    latest = ckpt.latest_checkpoint(tmp_path / "run" / "checkpoints")
+    state = torch.load(latest / "train_state.pt", weights_only=True)["train"]
+    assert 2 <= state["step"] < 8 and state["position"] != 0  # saved mid-epoch
+    torchrun(config)
+    assert_bitwise_equal(final_state(tmp_path / "run", TOTAL), final_state(run_dir_a, TOTAL))
+    assert losses(tmp_path / "run") == losses(run_dir_a)
+
+
+def test_sigkill_while_saving_keeps_the_previous_checkpoint_and_resumes(run_a, tmp_path, data):
+    run_dir_a, _ = run_a
+    config = write_config(tmp_path / "d.yaml", datasets=[data], max_steps=TOTAL, out_dir=str(tmp_path / "run"),
+                          save_steps=4, validate_every=5)
+    result = torchrun(config, env={"SD_TRAIN_FAULT": "after_unet:8"}, check=False)
+    assert result.returncode != 0
+    checkpoints = tmp_path / "run" / "checkpoints"
+    partial = checkpoints / ".tmp_step_00000008"
+    assert (partial / "unet.safetensors").exists() and not (partial / "COMPLETE").exists()
+    assert not (checkpoints / "step_00000008").exists()
+    previous = ckpt.latest_checkpoint(checkpoints)
+    assert previous.name == "step_00000004"
+    for name in ("optimizer.pt", "train_state.pt", "rng_rank0.pt", "rng_rank1.pt"):
+        torch.load(previous / name, weights_only=True)
+    assert len(load_file(previous / "ema.safetensors")) > 0
+    torchrun(config)
+    assert not partial.exists()
+    assert_bitwise_equal(final_state(tmp_path / "run", TOTAL), final_state(run_dir_a, TOTAL))
+    assert losses(tmp_path / "run") == losses(run_dir_a)
+
+
+def test_a_nan_sample_skips_its_steps_on_both_ranks(tmp_path):
+    entry = make_dataset(tmp_path / "data", n_train=64, n_val=0)
+    poisoned_key = "s00005"
+    shard = Path(entry["latents"]) / "00000.npy"
+    array = np.load(shard)
+    array[5] = np.nan
+    np.save(shard, array)
+    config = write_config(tmp_path / "n.yaml", datasets=[entry], max_steps=8, out_dir=str(tmp_path / "run"))
+    torchrun(config)
+    # Which optimizer steps hold the poisoned sample (train index 5), on either rank.
+    order = SD_Data.epoch_order([64], [1.0], seed=0, epoch=0)
+    per_rank = [SD_Data.rank_batches(order, r, 2, 2) for r in range(2)]
+    expected = sorted({i // 2 + 1 for r in range(2) for i, b in enumerate(per_rank[r]) if 5 in b.tolist()})
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["skipped"]] == expected
+    assert records[-1]["bad_steps"] == len(expected) and poisoned_key
+    folder = tmp_path / "run" / "checkpoints" / ckpt.step_dir_name(8)
+    fingerprints = [torch.load(folder / f"rng_rank{r}.pt", weights_only=True)["fingerprint"] for r in range(2)]
+    assert torch.equal(*fingerprints) and torch.isfinite(fingerprints[0]).all()
+    assert all(torch.isfinite(t).all() for t in load_file(folder / "ema.safetensors").values())
+
+
+# ------------------------------------------------------------------------------ in-process pieces
+
+
+def make_trainer(tmp_path, data, **fields):
+    config = SD_Train.TrainConfig(**{**BASE, "datasets": [data], "out_dir": str(tmp_path / "run"), **fields})
+    config.validate()
+    d = SD_Train.Dist(0, 1, 0, torch.device("cpu"), True)
+    return SD_Train.build_trainer(config, d)
+
+
+def snapshot(t):
+    return {
+        "unet": {k: v.clone() for k, v in t.models.unet.state_dict().items()},
+        "ema": [s.clone() for s in t.models.ema.shadow],
+        "opt": {(i, k): v.clone() for i, st in t.optimizer.state_dict()["state"].items() for k, v in st.items()},
+        "sched": t.scheduler.last_epoch,
+    }
+
+
+def test_non_finite_loss_updates_nothing(tmp_path, data):
+    t, train_data, _, _ = make_trainer(tmp_path, data, grad_accum=1, batch_size=4)
+    good = [train_data.batch(np.arange(4))]
+    assert not SD_Train.train_step(t, good)["bad"]
+    before = snapshot(t)
+    latents, ids = train_data.batch(np.arange(4, 8))
+    latents[1, 0, 0, 0] = float("nan")
+    result = SD_Train.train_step(t, [(latents, ids)])
+    assert result["bad"] and not math.isfinite(result["loss"])
+    after = snapshot(t)
+    assert all(torch.equal(before["unet"][k], after["unet"][k]) for k in before["unet"])
+    assert all(torch.equal(a, b) for a, b in zip(before["ema"], after["ema"]))
+    assert before["opt"].keys() == after["opt"].keys()
+    assert all(torch.equal(before["opt"][k], after["opt"][k]) for k in before["opt"])
+    assert before["sched"] == after["sched"]
+    assert not SD_Train.train_step(t, good)["bad"]
+    assert t.scheduler.last_epoch == before["sched"] + 1
+    assert any(not torch.equal(before["unet"][k], v) for k, v in t.models.unet.state_dict().items())
+
+
+def test_max_bad_steps_saves_and_stops_naming_the_step(tmp_path, caplog):
+    entry = make_dataset(tmp_path / "data", n_train=16, n_val=0)
+    for shard in Path(entry["latents"]).glob("*.npy"):
+        np.save(shard, np.full(np.load(shard).shape, np.nan, dtype=np.float16))
+    config = write_config(tmp_path / "bad.yaml", datasets=[entry], max_steps=8, max_bad_steps=3,
+                          out_dir=str(tmp_path / "run"), batch_size=4, grad_accum=1)
+    code = SD_Train.main(["--config", str(config)])
+    assert code == 3
+    assert "step 3: 3 non-finite steps in a row" in caplog.text
+    folder = tmp_path / "run" / "checkpoints" / ckpt.step_dir_name(3)
+    initial = SD_Model.build_unet("tiny", seed=0).state_dict()
+    saved = load_file(folder / "unet.safetensors")
+    assert all(torch.equal(saved[k], initial[k]) for k in initial)
+
+
+def test_epochs_size_the_schedule_from_real_optimizer_steps(tmp_path, data):
+    # 1 rank, batch 4, accumulation 2: 64 samples -> 16 micro-batches -> 8 steps per epoch.
+    config = write_config(tmp_path / "e.yaml", datasets=[data], epochs=2, out_dir=str(tmp_path / "run"),
+                          batch_size=4, grad_accum=2, warmup_steps=3)
+    assert SD_Train.main(["--config", str(config)]) == 0
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 16 and records[-1]["epoch"] == 2
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    reference = torch.optim.lr_scheduler.SequentialLR(optimizer, [
+        torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.01, total_iters=3),
+        torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=16 - 3, eta_min=1e-5),
+    ], milestones=[3])
+    for record in records:
+        assert record["lr"] == pytest.approx(optimizer.param_groups[0]["lr"], rel=1e-6)
+        reference.step()
+
+
+def test_loss_falls_on_a_learnable_task(tmp_path, data):
+    config = write_config(tmp_path / "toy.yaml", datasets=[data], max_steps=150, out_dir=str(tmp_path / "run"),
+                          batch_size=16, grad_accum=1, lr=3e-3, warmup_steps=10, cfg_dropout=0.0, ema_decay=0.99)
+    assert SD_Train.main(["--config", str(config)]) == 0
+    values = losses(tmp_path / "run")
+    first, last = np.mean(values[:15]), np.mean(values[-15:])
+    assert last < first / 3, (first, last)
+
+
+def test_cfg_dropout_replaces_the_embedding_at_the_configured_rate():
+    hidden = torch.randn(20000, 77, 8)
+    empty = torch.randn(1, 77, 8)
+    out, drop = SD_Train.apply_cfg_dropout(hidden, empty, 0.15, torch.Generator().manual_seed(0))
+    sigma = math.sqrt(0.15 * 0.85 / 20000)
+    assert abs(drop.float().mean().item() - 0.15) < 5 * sigma
+    assert torch.equal(out[drop], empty.expand(int(drop.sum()), 77, 8))
+    assert torch.equal(out[~drop], hidden[~drop])
+    _, none = SD_Train.apply_cfg_dropout(hidden, empty, 0.0, torch.Generator().manual_seed(0))
+    assert not none.any()
+
+
+def test_init_from_takes_weights_and_ema_with_a_fresh_optimizer(run_a, tmp_path, data):
+    run_dir_a, _ = run_a
+    t, _, _, _ = make_trainer(tmp_path, data, init_from=str(run_dir_a))
+    source = run_dir_a / "checkpoints" / ckpt.step_dir_name(TOTAL)
+    unet, ema = load_file(source / "unet.safetensors"), load_file(source / "ema.safetensors")
+    assert all(torch.equal(v, unet[k]) for k, v in t.models.unet.state_dict().items())
+    assert all(torch.equal(v, ema[k]) for k, v in t.models.ema.state_dict().items())
+    assert t.state.step == 0 and not t.optimizer.state_dict()["state"]
+    assert t.scheduler.get_last_lr()[0] == pytest.approx(1e-5)  # the warm-up starts again
+
+
+# ------------------------------------------------------------------------------ configuration
+
+
+@pytest.mark.parametrize("fields, flags, message", [
+    ({"lrr": 1e-4}, [], "unknown config field 'lrr'.*did you mean 'lr'"),
+    ({}, ["--learning_rate", "1e-4"], "unknown config field 'learning_rate'"),
+    ({"cfg_dropout": 1.5}, [], r"cfg_dropout must be in \[0, 1\)"),
+    ({"batch_size": "big"}, [], "batch_size: expected int"),
+    ({"keep_checkpoints": 1}, [], "keep_checkpoints must be >= 2"),
+    ({"datasets": [{"dataset": "/nonexistent/captions", "latents": "/nonexistent/latents"}]}, [],
+     "datasets\\[0\\].dataset: folder /nonexistent/captions does not exist"),
+])
+def test_bad_configs_stop_before_any_work(tmp_path, data, capsys, fields, flags, message):
+    config = write_config(tmp_path / "c.yaml", **{"datasets": [data], "max_steps": 2,
+                                                  "out_dir": str(tmp_path / "run"), **fields})
+    assert SD_Train.main(["--config", str(config), *flags]) == 2
+    import re
+
+    assert re.search(message, capsys.readouterr().err)
+    assert not (tmp_path / "run").exists()
+
+
+def test_latents_missing_for_captions_stop_with_counts_and_keys(tmp_path):
+    make_latents(tmp_path / "lat", ["a0", "a1"], np.zeros((2, 4, 8, 8)))
+    make_captions(tmp_path / "caps", [("a0", "x"), ("a1", "y"), ("b7", "z")], [])
+    config = write_config(tmp_path / "c.yaml", datasets=[{"dataset": str(tmp_path / "caps"),
+                                                          "latents": str(tmp_path / "lat")}],
+                          max_steps=2, out_dir=str(tmp_path / "run"))
+    result = subprocess.run([sys.executable, str(ROOT / "SD_Train.py"), "--config", str(config)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    assert "1 of 3 captions" in result.stderr and "'b7'" in result.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_resume_refuses_a_changed_batch_size(run_a, tmp_path, data):
+    import shutil
+
+    run_dir_a, config = run_a
+    shutil.copytree(run_dir_a, tmp_path / "run")
+    copy = write_config(tmp_path / "r.yaml", datasets=[data], max_steps=TOTAL, out_dir=str(tmp_path / "run"),
+                        batch_size=4)
+    result = torchrun(copy, check=False)
+    assert result.returncode != 0 and "different batch_size" in result.stderr
