@@ -17,6 +17,7 @@ import json
 import logging
 import math
 import os
+import secrets
 import shutil
 import signal
 import sys
@@ -162,14 +163,17 @@ def _coerce(name: str, value):
             return value.lower() in ("true", "1", "yes")
         if isinstance(value, bool):
             return value
-    elif kind == "int":
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-    elif kind == "float":
+    elif kind in ("int", "float"):
+        if isinstance(value, str):  # YAML reads 1e-6 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            if kind == "float":
+                return float(value)
+            if float(value).is_integer():
+                return int(value)
     elif kind == "str":
         return "" if value is None else str(value)
     elif kind == "list":
@@ -678,7 +682,7 @@ class MetricsLog:
             import wandb
 
             id_file = run_dir / "wandb_id.txt"
-            run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+            run_id = id_file.read_text().strip() if id_file.exists() else secrets.token_hex(4)
             id_file.write_text(run_id)
             self.wandb = wandb.init(project=config.wandb_project, mode=config.wandb_mode, id=run_id,
                                     resume="allow", dir=str(run_dir), config=dataclasses.asdict(config))

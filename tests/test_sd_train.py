@@ -344,3 +344,49 @@ def test_resume_refuses_a_changed_batch_size(run_a, tmp_path, data):
                         batch_size=4)
     result = torchrun(copy, check=False)
     assert result.returncode != 0 and "different batch_size" in result.stderr
+
+
+# (lr, warm-up, CFG dropout, {dataset: weight}) of the reference curriculum, DESIGN.md.
+PHASES = {
+    "p1_laion_broad": (1e-5, 500, 0.05, {"laion_p1": 1.0}),
+    "p2_laion_aesthetic": (1e-5, 500, 0.05, {"laion_p2": 1.0}),
+    "p3_synthetic": (1e-5, 500, 0.05, {"diffusiondb": 0.71, "journeydb": 0.29}),
+    "p4_faces": (2e-6, 200, 0.15, {"faces": 1.0}),
+    "p5_coco_full_body": (1.5e-6, 150, 0.15, {"coco_person": 1.0}),
+    "p6_mixed": (1e-6, 100, 0.15, {"laion_p2": 0.6, "faces": 0.2, "coco_person": 0.2}),
+    "p7_consolidation": (1e-6, 150, 0.15, {"laion_p2": 0.37, "diffusiondb": 0.22, "journeydb": 0.22,
+                                           "faces": 0.09, "coco_person": 0.10}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PHASES))
+def test_phase_recipes_match_the_reference_curriculum(name, tmp_path, monkeypatch):
+    lr, warmup, dropout, mix = PHASES[name]
+    path = ROOT / "configs" / "phases" / f"{name}.yaml"
+    monkeypatch.chdir(tmp_path)  # the recipes' relative data folders, made empty here
+    for dataset in mix:
+        (tmp_path / "data" / dataset / "dataset").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "data" / dataset / "latents").mkdir(parents=True, exist_ok=True)
+    config = SD_Train.load_config(["--config", str(path), "--init_from", ""])
+    assert (config.lr, config.warmup_steps, config.cfg_dropout) == (lr, warmup, dropout)
+    weights = {Path(d["dataset"]).parent.name: d["weight"] for d in config.datasets}
+    assert weights == pytest.approx(mix) and sum(weights.values()) == pytest.approx(1.0)
+    assert (config.batch_size, config.grad_accum, config.min_snr_gamma, config.ema_decay) == (24, 2, 5.0, 0.9999)
+    assert config.unet == "sd1" and config.grad_checkpointing and config.precision == "bf16"
+    assert config.out_dir == f"runs/{name}"
+    raw = yaml.safe_load(path.read_text())
+    order = sorted(PHASES)
+    assert raw.get("init_from") == (f"runs/{order[order.index(name) - 1]}" if name != "p1_laion_broad" else None)
+
+
+def test_wandb_offline_logs_one_run_across_a_resume(tmp_path, data, monkeypatch):
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    config = write_config(tmp_path / "w.yaml", datasets=[data], max_steps=4, out_dir=str(tmp_path / "run"),
+                          batch_size=4, grad_accum=1, wandb_mode="offline")
+    assert SD_Train.main(["--config", str(config), "--stop_at_step", "2"]) == 0
+    run_id = (tmp_path / "run" / "wandb_id.txt").read_text().strip()
+    assert SD_Train.main(["--config", str(config)]) == 0
+    assert (tmp_path / "run" / "wandb_id.txt").read_text().strip() == run_id
+    files = list((tmp_path / "run" / "wandb").rglob("*.wandb"))
+    assert files and all(run_id in f.name for f in files) and all(f.stat().st_size > 0 for f in files)
+    assert len(losses(tmp_path / "run")) == 4
