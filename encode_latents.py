@@ -1,0 +1,372 @@
+"""Encode webdataset image shards into fp16 VAE latents, keeping the accelerator busy.
+
+    python encode_latents.py --shards 'DIR/*.tar' --out DIR --vae ID_OR_PATH [--resolution 512]
+                             [--batch_size 64] [--workers 16] [--dtype bf16] [--compile] [--device auto]
+
+Four stages overlap: a prefetch thread reads whole shards ahead and splits the tar in memory; a pool
+of threads decodes (OpenCV), resizes the short side and centre-crops; batches are assembled in
+pinned memory and copied to the device without blocking; the VAE encodes while a writer thread moves
+finished latents to the host and saves each completed shard.
+
+Per input shard NNNNN.tar the output folder gets NNNNN.npy (float16, (N, 4, H/8, W/8), the posterior
+mean, unscaled), NNNNN.report.json (what was skipped and why) and NNNNN.keys.txt, written last as
+the shard's done marker; --flip adds NNNNN.flip.npy with the latents of the mirrored images.
+latents.json holds the VAE id, scaling factor, resolution, dtype and the totals. A re-run encodes only
+the shards not done; bad samples are skipped, counted and named, never fatal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import logging
+import os
+import queue
+import sys
+import threading
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import SD_Data
+import SD_Model
+
+log = logging.getLogger("encode_latents")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shards", required=True, help="glob of input tars, quoted: 'DIR/*.tar'")
+    parser.add_argument("--out", required=True, help="output folder for the latent shards and latents.json")
+    parser.add_argument("--vae", default=SD_Model.DEFAULT_VAE,
+                        help="VAE hub id, local folder (a diffusers pipeline folder works) or 'tiny' (default: %(default)s)")
+    parser.add_argument("--resolution", type=int, default=512,
+                        help="square output size in pixels; must be a multiple of 8 (default: %(default)s)")
+    parser.add_argument("--batch_size", type=int, default=64, help="images per VAE call (default: %(default)s)")
+    parser.add_argument("--workers", type=int, default=16, help="decode threads (default: %(default)s)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                        help="VAE compute dtype (default: bf16 on CUDA, fp32 elsewhere); outputs are always fp16")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the VAE encoder")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: %(default)s)")
+    parser.add_argument("--flip", action="store_true",
+                        help="also store the latents of the horizontally flipped images (NNNNN.flip.npy)")
+    parser.add_argument("--max_pixels", type=int, default=SD_Data.DEFAULT_MAX_PIXELS,
+                        help="skip images with more pixels than this, read from the header (default: %(default)s)")
+    parser.add_argument("--prefetch", type=int, default=2, help="shards read ahead of the encoder (default: %(default)s)")
+    args = parser.parse_args(argv)
+    if args.resolution <= 0 or args.resolution % 8:
+        parser.error(f"--resolution must be a positive multiple of 8, got {args.resolution}")
+    for name in ("batch_size", "workers", "prefetch", "max_pixels"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1")
+    return args
+
+
+# ---------------------------------------------------------------------------------------------
+# Shard bookkeeping
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ShardJob:
+    """One input shard on its way through the pipeline."""
+
+    path: Path
+    keys: list[str] = field(default_factory=list)  # encoded keys, in shard order
+    skipped: dict[str, list[str]] = field(default_factory=dict)  # reason -> keys
+    latents: np.ndarray | None = None  # (N, 4, h, w) float16, filled by the writer
+    flipped: np.ndarray | None = None
+
+    @property
+    def stem(self) -> str:
+        return self.path.name[: -len(".tar")] if self.path.name.endswith(".tar") else self.path.stem
+
+    def skip(self, reason: str, key: str) -> None:
+        self.skipped.setdefault(reason, []).append(key)
+
+
+def outputs(out: Path, stem: str) -> dict[str, Path]:
+    return {"npy": out / f"{stem}.npy", "flip": out / f"{stem}.flip.npy", "report": out / f"{stem}.report.json",
+            "keys": out / f"{stem}.keys.txt"}
+
+
+def shard_done(out: Path, stem: str, flip: bool) -> bool:
+    files = outputs(out, stem)
+    return files["keys"].exists() and files["npy"].exists() and (not flip or files["flip"].exists())
+
+
+def check_meta(out: Path, args, vae_config) -> dict:
+    """latents.json of earlier runs must describe the same encoding: mixing VAEs is silent corruption."""
+    meta = {"vae": args.vae, "scaling_factor": float(vae_config.scaling_factor), "resolution": args.resolution,
+            "latent_shape": [int(vae_config.latent_channels), args.resolution // 8, args.resolution // 8],
+            "dtype": "float16", "flip": bool(args.flip)}
+    path = out / "latents.json"
+    if path.exists():
+        previous = json.loads(path.read_text())
+        for key in ("vae", "scaling_factor", "resolution", "flip"):
+            if key in previous and previous[key] != meta[key]:
+                raise SystemExit(f"encode_latents.py: {path} records {key}={previous[key]!r} but this run uses "
+                                 f"{meta[key]!r}; write to another --out folder")
+    return meta
+
+
+def write_summary(out: Path, meta: dict) -> dict:
+    """Totals over every shard report in the folder, so resumed runs add up."""
+    encoded, skipped, shards = 0, Counter(), 0
+    for report_path in sorted(out.glob("*.report.json")):
+        if not (out / report_path.name.replace(".report.json", ".keys.txt")).exists():
+            continue
+        report = json.loads(report_path.read_text())
+        shards += 1
+        encoded += report["encoded"]
+        skipped.update({reason: len(keys) for reason, keys in report["skipped"].items()})
+    summary = {**meta, "shards": shards, "count": encoded, "skipped": dict(sorted(skipped.items()))}
+    SD_Data.write_text_atomic(out / "latents.json", json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------
+# Pipeline stages
+# ---------------------------------------------------------------------------------------------
+
+
+def prefetch_shards(paths: list[Path], depth: int):
+    """Yield ``(job, samples)`` with a thread reading and splitting up to ``depth`` shards ahead."""
+    handoff: queue.Queue = queue.Queue(maxsize=depth)
+    done = object()
+
+    def reader():
+        for path in paths:
+            job = ShardJob(path)
+            try:
+                samples, truncated_key = SD_Data.read_shard(path.read_bytes())
+            except OSError as error:
+                samples, truncated_key = [], f"<unreadable: {error}>"
+            if truncated_key is not None:
+                job.skip("truncated_tar", truncated_key)
+            handoff.put((job, samples))
+        handoff.put(done)
+
+    threading.Thread(target=reader, daemon=True, name="shard-reader").start()
+    while (item := handoff.get()) is not done:
+        yield item
+
+
+def decode_sample(sample: SD_Data.ShardSample, resolution: int, max_pixels: int):
+    """``(key, image (res, res, 3) uint8)`` or ``(key, skip reason)``."""
+    if sample.image is None:
+        return sample.key, "no_image"
+    if not sample.caption:
+        return sample.key, "no_caption"
+    try:
+        image = SD_Data.decode_image(sample.image, sample.image_ext, max_pixels)
+        return sample.key, SD_Data.resize_center_crop(image, resolution)
+    except SD_Data.ImageSkip as skip:
+        return sample.key, skip.reason
+    except Exception:  # a decoder failing in a way of its own: still one bad image, not a bad run
+        return sample.key, "undecodable"
+
+
+class Writer:
+    """Moves latents to the host and saves each shard once its last batch is back."""
+
+    def __init__(self, out: Path, flip: bool):
+        self.out, self.flip = out, flip
+        self.jobs: queue.Queue = queue.Queue(maxsize=8)
+        self.error: BaseException | None = None
+        self.finished: list[ShardJob] = []
+        self.thread = threading.Thread(target=self._run, daemon=True, name="latent-writer")
+        self.thread.start()
+
+    def put(self, job: ShardJob, start: int, latents: torch.Tensor, flipped: torch.Tensor | None):
+        if self.error is not None:
+            raise self.error
+        self.jobs.put((job, start, latents, flipped))
+
+    def close(self) -> None:
+        self.jobs.put(None)
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+
+    def _run(self):
+        while (item := self.jobs.get()) is not None:
+            if self.error is not None:
+                continue
+            try:
+                self._handle(*item)
+            except BaseException as error:  # surfaced to the main thread by put()/close()
+                self.error = error
+
+    def _handle(self, job: ShardJob, start: int, latents, flipped):
+        if latents is None:  # the shard's closing notice: its batches were all queued before it
+            self._save(job)
+            return
+        host = latents.cpu().numpy()  # waits for this batch only; the device works on
+        job.latents[start : start + len(host)] = host
+        if flipped is not None:
+            job.flipped[start : start + len(host)] = flipped.cpu().numpy()
+
+    def _save(self, job: ShardJob):
+        for name, array in (("latents", job.latents), ("flipped", job.flipped)):
+            if array is None:
+                continue
+            bad = ~np.isfinite(array.reshape(len(array), -1)).all(axis=1)
+            if bad.any():
+                keys = [k for k, b in zip(job.keys, bad) if b]
+                raise RuntimeError(f"{job.path.name}: non-finite {name} for keys {keys[:10]} (a VAE overflow: "
+                                   "try --dtype fp32 or bf16)")
+        files = outputs(self.out, job.stem)
+        SD_Data.save_npy_atomic(files["npy"], job.latents)
+        if self.flip:
+            SD_Data.save_npy_atomic(files["flip"], job.flipped)
+        _fault_point("after_npy", job.stem)
+        report = {"shard": str(job.path), "encoded": len(job.keys), "skipped": job.skipped}
+        SD_Data.write_text_atomic(files["report"], json.dumps(report, indent=1) + "\n")
+        SD_Data.write_text_atomic(files["keys"], "".join(k + "\n" for k in job.keys))
+        job.latents = job.flipped = None
+        self.finished.append(job)
+
+
+def _fault_point(name: str, stem: str) -> None:
+    """Fault injection for the tests, off unless ``SD_ENCODE_FAULT=NAME:STEM`` is set: SIGKILL there."""
+    if os.environ.get("SD_ENCODE_FAULT") == f"{name}:{stem}":
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Encoder:
+    """uint8 images -> fp16 posterior means, on the device, without waiting for the results."""
+
+    def __init__(self, vae, device: torch.device, dtype: torch.dtype, compile_encoder: bool, flip: bool):
+        self.vae, self.device, self.dtype, self.flip = vae, device, dtype, flip
+        self.encode_fn = torch.compile(self._encode) if compile_encoder else self._encode
+
+    def _encode(self, pixels: torch.Tensor) -> torch.Tensor:
+        return self.vae.encode(pixels).latent_dist.mean
+
+    @torch.no_grad()
+    def __call__(self, images: list[np.ndarray]):
+        batch = torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2)  # (B, 3, H, W) uint8
+        if self.device.type == "cuda":
+            batch = batch.pin_memory().to(self.device, non_blocking=True)
+        pixels = (batch.to(self.dtype) / 127.5 - 1.0).contiguous()
+        with SD_Model.attention_context(self.device):
+            latents = self.encode_fn(pixels).to(torch.float16)
+            flipped = self.encode_fn(pixels.flip(-1)).to(torch.float16) if self.flip else None
+        return latents, flipped
+
+
+# ---------------------------------------------------------------------------------------------
+# Main
+# ---------------------------------------------------------------------------------------------
+
+
+def pick_device(choice: str) -> torch.device:
+    if choice == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(choice)
+
+
+def estimated_images(paths: list[Path]) -> int | None:
+    """From img2dataset's NNNNN_stats.json when every shard has one (for the progress bar's total)."""
+    total = 0
+    for path in paths:
+        stats = path.with_name(path.name.replace(".tar", "_stats.json"))
+        if not stats.exists():
+            return None
+        total += json.loads(stats.read_text()).get("successes", 0)
+    return total
+
+
+def encode_shards(todo: list[Path], args, encoder: Encoder, writer: Writer) -> None:
+    """Decode in the pool, batch per shard (never across shards), encode, hand off to the writer.
+
+    Batches never span two shards, so a shard is always split into the same batches: an interrupted
+    and resumed run writes the same bytes as an uninterrupted one.
+    """
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=estimated_images(todo), unit="img", desc="encode", dynamic_ncols=True)
+    with ThreadPoolExecutor(args.workers, thread_name_prefix="decode") as pool:
+        pending = []  # (job, futures): decoding runs ahead by the prefetch depth
+        shards = prefetch_shards(todo, args.prefetch)
+        for job, samples in shards:
+            futures = [pool.submit(decode_sample, s, args.resolution, args.max_pixels) for s in samples]
+            pending.append((job, futures))
+            if len(pending) > args.prefetch:
+                _encode_job(*pending.pop(0), args, encoder, writer, bar)
+        for job, futures in pending:
+            _encode_job(job, futures, args, encoder, writer, bar)
+    bar.close()
+
+
+def _encode_job(job: ShardJob, futures, args, encoder: Encoder, writer: Writer, bar) -> None:
+    decoded = []
+    for future in futures:
+        key, result = future.result()
+        if isinstance(result, str):
+            job.skip(result, key)
+        else:
+            decoded.append((key, result))
+    job.keys = [k for k, _ in decoded]
+    latent_shape = (len(decoded), 4, args.resolution // 8, args.resolution // 8)
+    job.latents = np.empty(latent_shape, dtype=np.float16)
+    job.flipped = np.empty(latent_shape, dtype=np.float16) if args.flip else None
+    for start in range(0, len(decoded), args.batch_size):
+        images = [image for _, image in decoded[start : start + args.batch_size]]
+        latents, flipped = encoder(images)
+        writer.put(job, start, latents, flipped)
+        bar.update(len(images))
+    writer.put(job, 0, None, None)  # the closing notice: save once the batches before it are back
+    skipped = sum(len(v) for v in job.skipped.values())
+    if skipped:
+        bar.write(f"{job.path.name}: skipped {skipped} ({', '.join(f'{r} {len(k)}' for r, k in job.skipped.items())})")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    paths = sorted(Path(p) for p in glob.glob(args.shards))
+    if not paths:
+        print(f"encode_latents.py: no shards match {args.shards!r}", file=sys.stderr)
+        return 2
+    stems = [p.name for p in paths]
+    if len(set(stems)) != len(stems):
+        print("encode_latents.py: two input shards share a file name; their outputs would collide", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = pick_device(args.device)
+    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    vae = SD_Model.load_vae(args.vae).to(device=device, dtype=dtype)
+    meta = check_meta(out, args, vae.config)
+    meta["compute_dtype"] = str(dtype).replace("torch.", "")
+    todo = [p for p in paths if not shard_done(out, ShardJob(p).stem, args.flip)]
+    log.info("%d shards, %d already encoded, %d to do, on %s in %s", len(paths), len(paths) - len(todo),
+             len(todo), device, meta["compute_dtype"])
+    if todo:
+        writer = Writer(out, args.flip)
+        try:
+            try:
+                encode_shards(todo, args, Encoder(vae, device, dtype, args.compile, args.flip), writer)
+            finally:
+                writer.close()
+        except RuntimeError as error:
+            print(f"encode_latents.py: error: {error}", file=sys.stderr)
+            return 1
+    summary = write_summary(out, meta)
+    skipped = ", ".join(f"{reason} {n}" for reason, n in summary["skipped"].items()) or "none"
+    log.info("done: %d latents in %d shards in %s; skipped: %s", summary["count"], summary["shards"], out, skipped)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+"""Image shards with real JPEG/PNG images and the usual kinds of damage, for tests."""
+
+import io
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+import SD_Data
+
+
+def image_bytes(array: np.ndarray, fmt: str) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(array).save(buffer, format=fmt, **({"quality": 95} if fmt == "JPEG" else {}))
+    return buffer.getvalue()
+
+
+def random_image(rng, height: int, width: int) -> np.ndarray:
+    """Smooth colour blobs (compress like photos, unlike white noise)."""
+    small = rng.integers(0, 256, size=(max(2, height // 8), max(2, width // 8), 3), dtype=np.uint8)
+    return np.asarray(Image.fromarray(small).resize((width, height), Image.BILINEAR))
+
+
+def clean_shard(path: Path, keys: list[str], rng, size: int = 64, fmt: str = "PNG") -> dict[str, np.ndarray]:
+    """A shard of square images at ``size`` (so preprocessing is only decoding); returns key -> RGB."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    samples, pixels = [], {}
+    for key in keys:
+        array = random_image(rng, size, size)
+        data = image_bytes(array, fmt)
+        pixels[key] = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+        samples.append(SD_Data.ShardSample(key, data, "png" if fmt == "PNG" else "jpg", f"caption of {key}", b"{}"))
+    SD_Data.write_shard(path, samples)
+    return pixels

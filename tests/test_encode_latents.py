@@ -1,0 +1,211 @@
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import encode_latents
+import SD_Data
+import SD_Model
+from shard_factory import clean_shard, image_bytes, random_image
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_PIXELS = 150 * 150
+
+
+def build_shards(folder: Path) -> dict[str, np.ndarray]:
+    """Three shards: clean images, every kind of bad sample, and a truncated tar."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    pixels = clean_shard(folder / "00000.tar", [f"a{i}" for i in range(5)], rng)
+    # A JPEG that needs resizing (80x64 -> 80x64 crop to 64x64): only its shape is checked.
+    wide = SD_Data.ShardSample("a5", image_bytes(random_image(rng, 64, 80), "JPEG"), "jpg", "wide", None)
+    samples, _ = SD_Data.read_shard((folder / "00000.tar").read_bytes())
+    SD_Data.write_shard(folder / "00000.tar", samples + [wide])
+
+    pixels.update(clean_shard(folder / "00001.tar", ["b0", "b1", "b2"], rng))
+    samples, _ = SD_Data.read_shard((folder / "00001.tar").read_bytes())
+    jpeg = image_bytes(random_image(rng, 64, 64), "JPEG")
+    samples += [
+        SD_Data.ShardSample("b3", os.urandom(500) + b"\xff\xd9", "jpg", "garbage bytes"),
+        SD_Data.ShardSample("b4", jpeg[: len(jpeg) // 2], "jpg", "cut-off jpeg"),
+        SD_Data.ShardSample("b5", image_bytes(random_image(rng, 64, 64), "PNG"), "png", None),
+        SD_Data.ShardSample("b6", image_bytes(random_image(rng, 200, 200), "PNG"), "png", "too many pixels"),
+        SD_Data.ShardSample("b7", None, "", "a caption without an image"),
+    ]
+    SD_Data.write_shard(folder / "00001.tar", samples)
+
+    pixels.update(clean_shard(folder / "00002.tar", ["c0", "c1", "c2", "c3"], rng))
+    data = (folder / "00002.tar").read_bytes()
+    cut = data.index(b"c2.png") + 512 + 100  # inside c2's image data
+    (folder / "00002.tar").write_bytes(data[:cut])
+    return pixels
+
+
+def encode(shards: Path, out: Path, *extra) -> int:
+    return encode_latents.main(["--shards", str(shards / "*.tar"), "--out", str(out), "--vae", "tiny",
+                                "--resolution", "64", "--batch_size", "2", "--workers", "3",
+                                "--max_pixels", str(MAX_PIXELS), *map(str, extra)])
+
+
+def expected_means(pixels: list[np.ndarray], flip: bool = False) -> np.ndarray:
+    vae = SD_Model.load_vae("tiny")
+    batch = torch.from_numpy(np.stack(pixels)).permute(0, 3, 1, 2).float() / 127.5 - 1
+    if flip:
+        batch = batch.flip(-1)
+    with torch.no_grad():
+        return vae.encode(batch).latent_dist.mean.numpy()
+
+
+@pytest.fixture(scope="module")
+def encoded(tmp_path_factory):
+    root = tmp_path_factory.mktemp("enc")
+    pixels = build_shards(root / "shards")
+    assert encode(root / "shards", root / "latents", "--flip") == 0
+    return root, pixels
+
+
+def test_latents_are_the_posterior_means_of_the_images_in_key_order(encoded):
+    root, pixels = encoded
+    out = root / "latents"
+    expected_keys = {"00000": [f"a{i}" for i in range(6)], "00001": ["b0", "b1", "b2"], "00002": ["c0", "c1"]}
+    for stem, keys in expected_keys.items():
+        assert (out / f"{stem}.keys.txt").read_text().split() == keys
+        latents = np.load(out / f"{stem}.npy")
+        assert latents.dtype == np.float16 and latents.shape == (len(keys), 4, 8, 8)
+        exact = [k for k in keys if k != "a5"]  # a5 went through the resize path
+        want = expected_means([pixels[k] for k in exact])
+        got = latents[[keys.index(k) for k in exact]].astype(np.float32)
+        np.testing.assert_allclose(got, want.astype(np.float16).astype(np.float32), rtol=2e-3, atol=1e-4)
+        flipped = np.load(out / f"{stem}.flip.npy")
+        want_flip = expected_means([pixels[k] for k in exact], flip=True)
+        np.testing.assert_allclose(flipped[[keys.index(k) for k in exact]].astype(np.float32), want_flip,
+                                   rtol=2e-3, atol=1e-3)
+        assert not np.allclose(flipped.astype(np.float32), latents.astype(np.float32))
+
+
+def test_bad_samples_are_skipped_counted_and_named(encoded):
+    root, _ = encoded
+    out = root / "latents"
+    meta = json.loads((out / "latents.json").read_text())
+    assert meta["skipped"] == {"no_caption": 1, "no_image": 1, "too_large": 1, "truncated_image": 1,
+                               "truncated_tar": 1, "undecodable": 1}
+    assert meta["count"] == 11 and meta["shards"] == 3
+    assert (meta["vae"], meta["resolution"], meta["latent_shape"]) == ("tiny", 64, [4, 8, 8])
+    assert meta["scaling_factor"] == pytest.approx(0.18215)
+    report = json.loads((out / "00001.report.json").read_text())
+    assert report["encoded"] == 3
+    assert report["skipped"] == {"undecodable": ["b3"], "truncated_image": ["b4"], "no_caption": ["b5"],
+                                 "too_large": ["b6"], "no_image": ["b7"]}
+    assert json.loads((out / "00002.report.json").read_text())["skipped"] == {"truncated_tar": ["c2"]}
+
+
+def test_the_trainer_reads_the_output(encoded):
+    root, _ = encoded
+    store = SD_Data.LatentStore(root / "latents")
+    assert len(store) == 11 and store.sample_shape == (4, 8, 8)
+    assert np.array_equal(store.gather(np.array([store.row_of["b1"]]))[0], np.load(root / "latents" / "00001.npy")[1])
+
+
+def test_a_rerun_encodes_nothing(encoded, caplog):
+    root, _ = encoded
+    out = root / "latents"
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir() if p.name != "latents.json"}
+    caplog.set_level("INFO")
+    assert encode(root / "shards", out, "--flip") == 0
+    after = {p.name: p.stat().st_mtime_ns for p in out.iterdir() if p.name != "latents.json"}
+    assert before == after
+    assert "3 already encoded, 0 to do" in caplog.text
+
+
+def test_a_run_killed_mid_shard_resumes_to_the_same_files(encoded, tmp_path):
+    root, _ = encoded
+    out = tmp_path / "latents"
+    cmd = [sys.executable, str(ROOT / "encode_latents.py"), "--shards", str(root / "shards" / "*.tar"), "--out",
+           str(out), "--vae", "tiny", "--resolution", "64", "--batch_size", "2", "--workers", "3",
+           "--max_pixels", str(MAX_PIXELS), "--flip"]
+    killed = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "SD_ENCODE_FAULT": "after_npy:00001"})
+    assert killed.returncode == -9
+    assert (out / "00000.keys.txt").exists()
+    assert (out / "00001.npy").exists() and not (out / "00001.keys.txt").exists()  # not done
+    assert not (out / "00002.npy").exists()
+    assert subprocess.run(cmd, cwd=ROOT, capture_output=True, timeout=300).returncode == 0
+    reference = root / "latents"
+    names = sorted(p.name for p in reference.iterdir() if p.name != "latents.json")
+    assert sorted(p.name for p in out.iterdir() if p.name != "latents.json") == names
+    for name in names:
+        assert (out / name).read_bytes() == (reference / name).read_bytes(), name
+    assert json.loads((out / "latents.json").read_text())["count"] == 11
+
+
+def test_non_finite_latents_stop_naming_the_key(tmp_path, capsys):
+    vae = SD_Model.load_vae("tiny")
+    with torch.no_grad():
+        vae.encoder.conv_in.weight.fill_(float("nan"))
+    vae.save_pretrained(tmp_path / "nan_vae")
+    clean_shard(tmp_path / "shards" / "00000.tar", ["x0", "x1"], np.random.default_rng(1))
+    code = encode_latents.main(["--shards", str(tmp_path / "shards" / "*.tar"), "--out", str(tmp_path / "out"),
+                                "--vae", str(tmp_path / "nan_vae"), "--resolution", "64"])
+    assert code == 1
+    assert "non-finite latents for keys ['x0', 'x1']" in capsys.readouterr().err
+    assert not (tmp_path / "out" / "00000.npy").exists() and not (tmp_path / "out" / "00000.keys.txt").exists()
+
+
+def test_a_different_encoding_into_the_same_folder_is_refused(encoded):
+    root, _ = encoded
+    with pytest.raises(SystemExit, match="resolution=64"):
+        encode_latents.main(["--shards", str(root / "shards" / "*.tar"), "--out", str(root / "latents"),
+                             "--vae", "tiny", "--resolution", "128", "--flip"])
+
+
+def test_no_matching_shards_is_a_one_line_error(tmp_path, capsys):
+    assert encode_latents.main(["--shards", str(tmp_path / "*.tar"), "--out", str(tmp_path / "o"), "--vae", "tiny"]) == 2
+    assert "no shards match" in capsys.readouterr().err
+
+
+def test_help_documents_every_flag():
+    result = subprocess.run([sys.executable, str(ROOT / "encode_latents.py"), "--help"], capture_output=True, text=True)
+    assert result.returncode == 0
+    for flag in ("--shards", "--out", "--vae", "--resolution", "--batch_size", "--workers", "--dtype", "--compile",
+                 "--device", "--flip", "--max_pixels", "--prefetch"):
+        assert flag in result.stdout
+
+
+def test_resize_center_crop_geometry():
+    # 192 wide x 96 high, bands red/green/blue 64 px each. Scaled by 1/3 to 64 x 32 the bands span
+    # columns 0-21, 21-43, 43-64; the centre crop takes columns 16-48: red 0-5, green 5-27, blue 27-32.
+    image = np.zeros((96, 192, 3), np.uint8)
+    image[:, :64, 0] = 255
+    image[:, 64:128, 1] = 255
+    image[:, 128:, 2] = 255
+    out = SD_Data.resize_center_crop(image, 32)
+    assert out.shape == (32, 32, 3)
+    assert (out[:, 7:25] == (0, 255, 0)).all()
+    assert (out[:, :4] == (255, 0, 0)).all() and (out[:, -4:] == (0, 0, 255)).all()
+    # Upscaling a 16x24 image: short side 16 -> 32, long 24 -> 48, crop rows 0..32, cols 8..40.
+    small = np.arange(16 * 24 * 3, dtype=np.uint8).reshape(16, 24, 3)
+    assert SD_Data.resize_center_crop(small, 32).shape == (32, 32, 3)
+    same = SD_Data.resize_center_crop(image[:64, :64], 64)
+    assert np.array_equal(same, image[:64, :64])
+
+
+def test_decode_image_reports_reasons():
+    rng = np.random.default_rng(0)
+    png = image_bytes(random_image(rng, 40, 30), "PNG")
+    assert SD_Data.decode_image(png, "png").shape == (40, 30, 3)
+    for data, ext, reason in ((png[:-20], "png", "truncated_image"), (b"\x89PNG" + os.urandom(64) + b"IEND\xaeB`\x82",
+                                                                     "png", "undecodable")):
+        with pytest.raises(SD_Data.ImageSkip) as info:
+            SD_Data.decode_image(data, ext)
+        assert info.value.reason == reason
+    with pytest.raises(SD_Data.ImageSkip) as info:
+        SD_Data.decode_image(png, "png", max_pixels=40 * 30 - 1)
+    assert info.value.reason == "too_large"
+    rgb = SD_Data.decode_image(image_bytes(np.full((8, 8, 3), (200, 10, 30), np.uint8), "PNG"), "png")
+    assert tuple(rgb[0, 0]) == (200, 10, 30)  # RGB order, not OpenCV's BGR
