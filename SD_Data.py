@@ -439,6 +439,7 @@ def write_atomic(path: Path, write) -> None:
     import os
 
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     write(tmp)
     with open(tmp, "rb") as handle:

@@ -99,6 +99,21 @@ TINY_VAE = dict(
 )
 
 
+# The SD 1.x AutoencoderKL architecture (the config of sd-vae-ft-mse), for benchmarks with random weights.
+SD1_VAE = dict(
+    in_channels=3,
+    out_channels=3,
+    down_block_types=("DownEncoderBlock2D",) * 4,
+    up_block_types=("UpDecoderBlock2D",) * 4,
+    block_out_channels=(128, 256, 512, 512),
+    layers_per_block=2,
+    latent_channels=4,
+    norm_num_groups=32,
+    sample_size=512,
+    scaling_factor=SD1_SCALING_FACTOR,
+)
+
+
 # ---------------------------------------------------------------------------------------------
 # UNet
 # ---------------------------------------------------------------------------------------------

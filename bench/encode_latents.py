@@ -1,0 +1,153 @@
+"""Benchmark: encode_latents.py against the naive loop a user would write, in one process.
+
+    python bench/encode_latents.py                         # CPU: tiny VAE, 64 px
+    python bench/encode_latents.py --vae sd1 --resolution 512 --images 2048 --batch_size 64   # GPU
+
+Both encode the same generated JPEG shards with the same VAE weights:
+* ours: encode_latents.main (prefetch thread, OpenCV decode pool, pinned batches, writer thread);
+* naive: for each image, PIL decode + resize + crop, a batch of one through the VAE, wait, repeat.
+Also measured: the VAE alone on device-resident random pixels at the same batch size, the ceiling
+for any pipeline. Prints images/s of each, the ratios, and one JSON line for BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np
+import torch
+from PIL import Image
+
+import encode_latents
+import SD_Data
+import SD_Model
+
+
+def make_shards(folder: Path, images: int, per_shard: int, resolution: int, seed: int = 0) -> None:
+    """JPEG photos-like images, 1.25x the resolution on the short side (they need resizing, as real data)."""
+    rng = np.random.default_rng(seed)
+    height, width = int(resolution * 1.25), int(resolution * 1.6)
+    for shard, start in enumerate(range(0, images, per_shard)):
+        samples = []
+        for i in range(start, min(images, start + per_shard)):
+            small = rng.integers(0, 256, size=(height // 16, width // 16, 3), dtype=np.uint8)
+            buffer = io.BytesIO()
+            Image.fromarray(small).resize((width, height), Image.BICUBIC).save(buffer, format="JPEG", quality=90)
+            samples.append(SD_Data.ShardSample(f"{i:08d}", buffer.getvalue(), "jpg", f"image {i}"))
+        SD_Data.write_shard(folder / f"{shard:05d}.tar", samples)
+
+
+def naive_encode(shards: list[Path], vae, device, dtype, resolution: int) -> int:
+    """What a first script does: one image at a time, PIL, synchronous."""
+    count = 0
+    for path in shards:
+        latents = []
+        with tarfile.open(path) as tar:
+            for member in tar:
+                if not member.name.endswith(".jpg"):
+                    continue
+                image = Image.open(tar.extractfile(member)).convert("RGB")
+                scale = resolution / min(image.size)
+                image = image.resize((max(resolution, round(image.width * scale)),
+                                      max(resolution, round(image.height * scale))), Image.BICUBIC)
+                left, top = (image.width - resolution) // 2, (image.height - resolution) // 2
+                image = image.crop((left, top, left + resolution, top + resolution))
+                pixels = torch.from_numpy(np.asarray(image)).permute(2, 0, 1)[None].to(device, dtype) / 127.5 - 1
+                with torch.no_grad():
+                    latents.append(vae.encode(pixels).latent_dist.mean.to(torch.float16).cpu().numpy())
+                count += 1
+        np.save(path.with_suffix(".naive.npy"), np.concatenate(latents))
+    return count
+
+
+def vae_ceiling(vae, device, dtype, resolution: int, batch_size: int, batches: int) -> float:
+    pixels = torch.rand(batch_size, 3, resolution, resolution, device=device, dtype=dtype) * 2 - 1
+    with torch.no_grad(), SD_Model.attention_context(device):
+        vae.encode(pixels)  # warm-up
+        sync(device)
+        start = time.perf_counter()
+        for _ in range(batches):
+            vae.encode(pixels).latent_dist.mean.to(torch.float16)
+        sync(device)
+    return batch_size * batches / (time.perf_counter() - start)
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--vae", choices=["tiny", "sd1"], default="tiny", help="tiny, or the SD 1.x VAE architecture "
+                        "with random weights (default: %(default)s)")
+    parser.add_argument("--resolution", type=int, default=64, help="pixels (default: %(default)s)")
+    parser.add_argument("--images", type=int, default=192, help="images in all (default: %(default)s)")
+    parser.add_argument("--per_shard", type=int, default=64, help="images per shard (default: %(default)s)")
+    parser.add_argument("--batch_size", type=int, default=32, help="our batch size (default: %(default)s)")
+    parser.add_argument("--workers", type=int, default=8, help="our decode threads (default: %(default)s)")
+    parser.add_argument("--device", default="auto", help="auto, cpu or cuda (default: %(default)s)")
+    args = parser.parse_args(argv)
+
+    device = encode_latents.pick_device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        make_shards(tmp / "shards", args.images, args.per_shard, args.resolution)
+        if args.vae == "tiny":
+            vae_id, vae = "tiny", SD_Model.load_vae("tiny")
+        else:
+            with SD_Model._seeded(0):
+                from diffusers import AutoencoderKL
+
+                vae = AutoencoderKL(**SD_Model.SD1_VAE)
+            vae.save_pretrained(tmp / "vae")
+            vae_id = str(tmp / "vae")
+        vae = vae.to(device=device, dtype=dtype).eval()
+        shards = sorted((tmp / "shards").glob("*.tar"))
+
+        # Warm both paths (CUDA context, kernel selection) on one shard, outside the timings.
+        encode_latents.main(["--shards", str(shards[0]), "--out", str(tmp / "warm"), "--vae", vae_id,
+                             "--resolution", str(args.resolution), "--batch_size", str(args.batch_size),
+                             "--workers", str(args.workers), "--device", str(device)])
+        naive_encode(shards[:1], vae, device, dtype, args.resolution)
+
+        start = time.perf_counter()
+        encode_latents.main(["--shards", str(tmp / "shards" / "*.tar"), "--out", str(tmp / "ours"), "--vae", vae_id,
+                             "--resolution", str(args.resolution), "--batch_size", str(args.batch_size),
+                             "--workers", str(args.workers), "--device", str(device)])
+        ours = args.images / (time.perf_counter() - start)
+        start = time.perf_counter()
+        naive_encode(shards, vae, device, dtype, args.resolution)
+        naive = args.images / (time.perf_counter() - start)
+        ceiling = vae_ceiling(vae, device, dtype, args.resolution, args.batch_size,
+                              max(2, args.images // args.batch_size))
+        count = json.loads((tmp / "ours" / "latents.json").read_text())["count"]
+
+    result = {
+        "benchmark": "encode_latents", "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "vae": args.vae, "resolution": args.resolution, "images": args.images, "encoded": count,
+        "batch_size": args.batch_size, "workers": args.workers, "dtype": str(dtype).replace("torch.", ""),
+        "ours_images_per_s": round(ours, 2), "naive_images_per_s": round(naive, 2),
+        "vae_only_images_per_s": round(ceiling, 2), "ratio_vs_naive": round(ours / naive, 2),
+        "fraction_of_vae_ceiling": round(ours / ceiling, 3),
+    }
+    print(f"ours   {ours:9.1f} images/s")
+    print(f"naive  {naive:9.1f} images/s")
+    print(f"VAE    {ceiling:9.1f} images/s (encoder alone, pixels already on the device)")
+    print(f"ratio ours/naive = {ours / naive:.2f}x; ours reaches {100 * ours / ceiling:.0f}% of the VAE alone")
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
