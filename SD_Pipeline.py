@@ -1,0 +1,248 @@
+"""What the numbered data stages in pipeline/ share: output shards with done markers, downloads,
+archive safety, and the end-of-stage summary.
+
+A stage writes ``NNNNN.tar`` (webdataset: ``key.jpg`` + ``key.txt`` + ``key.json``) and then
+``NNNNN_stats.json``, the shard's done marker (the layout img2dataset produces). A re-run skips every
+shard whose stats file exists, so stages are idempotent and resumable per shard.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from pathlib import Path, PurePosixPath
+
+import numpy as np
+
+import SD_Data
+
+log = logging.getLogger("pipeline")
+
+MAX_EXAMPLES = 20  # keys named per skip reason in a stats file
+
+
+# ---------------------------------------------------------------------------------------------
+# Output shards
+# ---------------------------------------------------------------------------------------------
+
+
+def shard_paths(out_dir: Path, index: int) -> tuple[Path, Path]:
+    return out_dir / f"{index:05d}.tar", out_dir / f"{index:05d}_stats.json"
+
+
+def shard_done(out_dir: Path, index: int) -> bool:
+    tar, stats = shard_paths(out_dir, index)
+    return stats.exists() and tar.exists()
+
+
+class ShardStats:
+    """Counts of one shard: kept samples and skipped ones by reason, with example keys."""
+
+    def __init__(self):
+        self.successes = 0
+        self.failed: Counter = Counter()
+        self.examples: dict[str, list[str]] = {}
+
+    def skip(self, reason: str, name: str) -> None:
+        self.failed[reason] += 1
+        examples = self.examples.setdefault(reason, [])
+        if len(examples) < MAX_EXAMPLES:
+            examples.append(name)
+
+    def as_dict(self, **extra) -> dict:
+        return {"count": self.successes + sum(self.failed.values()), "successes": self.successes,
+                "failed": dict(sorted(self.failed.items())), "examples": self.examples, **extra}
+
+
+def write_shard(out_dir: Path, index: int, samples: list[SD_Data.ShardSample], stats: ShardStats, **extra) -> dict:
+    """Write shard ``index`` and then its stats file (the done marker), both atomically."""
+    tar, stats_path = shard_paths(out_dir, index)
+    stats.successes = len(samples)
+    SD_Data.write_shard(tar, samples)
+    record = stats.as_dict(**extra)
+    SD_Data.write_text_atomic(stats_path, json.dumps(record, indent=1) + "\n")
+    return record
+
+
+class Summary:
+    """Totals of a stage run, printed at the end and written next to its outputs."""
+
+    def __init__(self, stage: str):
+        self.stage = stage
+        self.kept = 0
+        self.dropped: Counter = Counter()
+        self.shards_written = 0
+        self.shards_skipped = 0
+
+    def add(self, record: dict) -> None:
+        self.kept += record["successes"]
+        self.dropped.update(record.get("failed", {}))
+        self.shards_written += 1
+
+    def add_done(self, stats_path: Path) -> None:
+        """Count a shard finished by an earlier run (read back from its stats file)."""
+        record = json.loads(stats_path.read_text())
+        self.kept += record.get("successes", 0)
+        self.dropped.update(record.get("failed", {}))
+        self.shards_skipped += 1
+
+    def finish(self, out_dir: Path, **extra) -> dict:
+        record = {"stage": self.stage, "kept": self.kept, "dropped": dict(sorted(self.dropped.items())),
+                  "shards_written": self.shards_written, "shards_already_done": self.shards_skipped, **extra}
+        SD_Data.write_text_atomic(Path(out_dir) / f"{self.stage}_summary.json", json.dumps(record, indent=1) + "\n")
+        dropped = ", ".join(f"{reason} {n}" for reason, n in sorted(self.dropped.items())) or "none"
+        print(f"{self.stage}: kept {self.kept}; dropped: {dropped}; shards written {self.shards_written}, "
+              f"already done {self.shards_skipped}; output in {out_dir}")
+        return record
+
+
+# ---------------------------------------------------------------------------------------------
+# Images
+# ---------------------------------------------------------------------------------------------
+
+
+def encode_jpeg(rgb: np.ndarray, quality: int = 95) -> bytes:
+    import cv2
+
+    ok, data = cv2.imencode(".jpg", cv2.cvtColor(rgb, cv2.COLOR_RGB2BGR), [cv2.IMWRITE_JPEG_QUALITY, quality])
+    if not ok:
+        raise SD_Data.ImageSkip("undecodable", "JPEG encoding failed")
+    return data.tobytes()
+
+
+def image_sample(key: str, data: bytes, ext: str, caption: str, resolution: int, metadata: dict | None = None,
+                 max_pixels: int = SD_Data.DEFAULT_MAX_PIXELS) -> SD_Data.ShardSample:
+    """Decode, resize the short side and centre-crop to ``resolution``, re-encode as JPEG.
+
+    Raises ``SD_Data.ImageSkip`` (with a reason) for an unusable image. The metadata records the
+    original size.
+    """
+    rgb = SD_Data.decode_image(data, ext.lower().lstrip("."), max_pixels)
+    height, width = rgb.shape[:2]
+    square = SD_Data.resize_center_crop(rgb, resolution)
+    meta = {"key": key, "caption": caption, "original_width": width, "original_height": height,
+            **(metadata or {})}
+    return SD_Data.ShardSample(key, encode_jpeg(square), "jpg", caption, json.dumps(meta).encode("utf-8"))
+
+
+def image_extension(name: str) -> str | None:
+    ext = name.rsplit(".", 1)[-1].lower() if "." in name else ""
+    return ext if ext in SD_Data.IMAGE_EXTENSIONS else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Archives
+# ---------------------------------------------------------------------------------------------
+
+
+def is_safe_member(name: str) -> bool:
+    """An archive member path that stays inside the folder it is extracted to."""
+    if not name or name.startswith(("/", "\\")) or re.match(r"^[A-Za-z]:", name):
+        return False
+    parts = PurePosixPath(name.replace("\\", "/")).parts
+    return ".." not in parts
+
+
+def safe_extract_path(target: Path, name: str) -> Path:
+    """Where member ``name`` goes inside ``target``; raises ValueError if it would land outside."""
+    if not is_safe_member(name):
+        raise ValueError(f"unsafe archive member path {name!r}")
+    target = Path(target).resolve()
+    path = (target / name).resolve()
+    if target != path and target not in path.parents:
+        raise ValueError(f"unsafe archive member path {name!r}")
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Downloads
+# ---------------------------------------------------------------------------------------------
+
+
+class DownloadError(RuntimeError):
+    pass
+
+
+def download(url: str, dest: Path, *, retries: int = 5, backoff: float = 1.0, timeout: float = 60.0) -> Path:
+    """Fetch ``url`` to ``dest`` unless it is already there; resume a partial ``.part`` file.
+
+    Transient failures (connection errors, timeouts, HTTP 429 and 5xx) are retried with exponential
+    backoff; other HTTP errors (404, 403, ...) fail at once. The file appears under its name only
+    once complete. A local path or ``file://`` URL is read directly.
+    """
+    dest = Path(dest)
+    if dest.exists():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    part = dest.with_name(dest.name + ".part")
+    for attempt in range(retries + 1):
+        try:
+            _fetch(url, part, timeout)
+            os.replace(part, dest)
+            return dest
+        except urllib.error.HTTPError as error:
+            if error.code != 429 and error.code < 500:
+                part.unlink(missing_ok=True)
+                raise DownloadError(f"{url}: HTTP {error.code}") from error
+            reason = f"HTTP {error.code}"
+        except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as error:
+            reason = str(error)
+        if attempt == retries:
+            raise DownloadError(f"{url}: gave up after {retries + 1} tries ({reason})")
+        wait = backoff * 2**attempt
+        log.warning("%s: %s; retrying in %.1fs", url, reason, wait)
+        time.sleep(wait)
+    raise AssertionError("unreachable")
+
+
+def _fetch(url: str, part: Path, timeout: float) -> None:
+    if "://" not in url or url.startswith("file://"):
+        source = Path(url[len("file://"):] if url.startswith("file://") else url)
+        if not source.exists():
+            raise DownloadError(f"{source} does not exist")
+        SD_Data.write_atomic(part, lambda tmp: Path(tmp).write_bytes(source.read_bytes()))
+        return
+    have = part.stat().st_size if part.exists() else 0
+    request = urllib.request.Request(url, headers={"Range": f"bytes={have}-"} if have else {})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        resumed = have and response.status == 206
+        expected = response.headers.get("Content-Length")
+        with open(part, "ab" if resumed else "wb") as handle:
+            written = 0
+            while chunk := response.read(1 << 20):
+                handle.write(chunk)
+                written += len(chunk)
+    if expected is not None and written != int(expected):
+        raise ConnectionError(f"short read: {written} of {expected} bytes")
+
+
+# ---------------------------------------------------------------------------------------------
+# Arguments
+# ---------------------------------------------------------------------------------------------
+
+
+def parse_range(text: str) -> list[int]:
+    """``"1-3,7"`` -> ``[1, 2, 3, 7]`` (inclusive ranges, sorted, without repeats)."""
+    numbers = set()
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        match = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
+        if not match:
+            raise ValueError(f"not a number or a range: {part!r} (use e.g. 1-500 or 1,4,9)")
+        low, high = int(match.group(1)), int(match.group(2) or match.group(1))
+        if high < low:
+            raise ValueError(f"empty range {part!r}")
+        numbers.update(range(low, high + 1))
+    return sorted(numbers)
+
+
+def setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
