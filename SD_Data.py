@@ -86,6 +86,7 @@ class LatentStore:
         self._index_keys()
 
     def _load_per_image(self, files: list[Path], threads: int) -> None:
+        files = [f for f in files if not f.name.endswith(".flip.npy")]
         self.keys = [f.stem for f in files]
         if not files:
             return
@@ -141,6 +142,16 @@ class LatentStore:
         if len(self.arrays) == 1:
             return np.asarray(self.arrays[0][self.locations[rows, 1]])
         return np.stack([self.arrays[s][r] for s, r in self.locations[rows]])
+
+
+def latent_keys(folder: str | Path) -> list[str]:
+    """The keys a latent folder holds, without loading any latents (finished shards only)."""
+    folder = Path(folder)
+    key_files = sorted(folder.glob("*.keys.txt"))
+    if key_files:
+        return [k for f in key_files if f.with_name(f.name[: -len(".keys.txt")] + ".npy").exists()
+                for k in f.read_text(encoding="utf-8").splitlines()]
+    return [f.stem for f in sorted(folder.glob("*.npy")) if not f.name.endswith(".flip.npy")]
 
 
 # ---------------------------------------------------------------------------------------------
