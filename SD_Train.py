@@ -145,11 +145,17 @@ class TrainConfig:
         need(0 <= self.ema_decay < 1, f"ema_decay must be in [0, 1), got {self.ema_decay}")
         need(self.grad_clip >= 0 and self.min_snr_gamma >= 0, "grad_clip and min_snr_gamma must be >= 0")
         need(self.keep_checkpoints >= 2, "keep_checkpoints must be >= 2 (the newest may be mid-write when a run dies)")
-        need(not self.init_from or Path(self.init_from).exists(), f"init_from: {self.init_from} does not exist")
+        need(not self.init_from or Path(self.init_from).exists() or _looks_like_hub_id(self.init_from),
+             f"init_from: {self.init_from} is neither an existing path nor a hub id (owner/name)")
 
 
 class ConfigError(ValueError):
     pass
+
+
+def _looks_like_hub_id(text: str) -> bool:
+    parts = text.split("/")
+    return len(parts) == 2 and all(parts) and not text.startswith((".", "/"))
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
@@ -656,14 +662,27 @@ def resume(t: Trainer, folder: Path) -> None:
 
 
 def init_weights(t: Trainer, source: str) -> None:
-    """Start a new phase from another run's weights (and EMA); optimizer and schedule stay fresh."""
-    folder = ckpt.resolve_checkpoint(source)
-    t.models.unet.load_state_dict(ckpt.load_weights(folder / "unet.safetensors"))
+    """Start a new phase from other weights; optimizer and schedule stay fresh.
+
+    ``source``: a run or checkpoint folder of ours (its live weights, and its EMA for the EMA), a
+    diffusers pipeline folder or hub id, or a single-file SD checkpoint (both for UNet and EMA).
+    """
+    import SD_Formats
+
+    try:
+        loaded = SD_Formats.load_unet_weights(source, t.models.unet, use_ema=False)
+    except (OSError, KeyError, ValueError) as error:
+        raise ConfigError(f"init_from: {source} is not a run folder, checkpoint, single file or diffusers folder "
+                          f"here, and could not be loaded as a hub id ({error})") from error
     if t.models.ema is not None:
-        ema_path = folder / "ema.safetensors"
-        t.models.ema.load_state_dict(ckpt.load_weights(ema_path) if ema_path.exists()
-                                     else t.models.unet.state_dict())
-    log.info("initialised weights from %s", folder)
+        ema_path = None
+        if SD_Formats.run_config(source) is not None:
+            ema_path = ckpt.resolve_checkpoint(source) / "ema.safetensors"
+        if ema_path is not None and ema_path.exists():
+            t.models.ema.load_state_dict(ckpt.load_weights(ema_path))
+        else:
+            t.models.ema.load_state_dict(t.models.unet.state_dict())
+    log.info("initialised weights from %s", loaded)
 
 
 # =============================================================================================
@@ -721,6 +740,8 @@ def plot_metrics(metrics_path: Path, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if not metrics_path.exists():  # a run shorter than log_every logged nothing
+        return
     records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     if not records:
         return

@@ -1,0 +1,280 @@
+"""Checkpoint formats the SD ecosystem reads: diffusers folders and the original single file.
+
+* ``export_diffusers``: a complete ``StableDiffusionPipeline`` folder (safetensors).
+* ``single_file_state_dict`` / ``save_single_file``: one file in the original SD 1.x key layout
+  (``model.diffusion_model.*``, ``first_stage_model.*``, ``cond_stage_model.transformer.text_model.*``)
+  that AUTOMATIC1111, ComfyUI and diffusers' ``from_single_file`` load.
+* ``load_unet_weights``: UNet weights from any of: a training checkpoint or run folder of ours (EMA or
+  live), a diffusers pipeline folder or hub id, or a single ``.safetensors`` / ``.ckpt`` file.
+
+The key maps are derived from the model's config (blocks, layers per block, which blocks attend), so
+they hold for the SD 1.x UNet and for any other UNet2DConditionModel / AutoencoderKL layout alike.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+import SD_Checkpoint as ckpt
+
+UNET_PREFIX = "model.diffusion_model."
+VAE_PREFIX = "first_stage_model."
+TEXT_PREFIX = "cond_stage_model.transformer.text_model."
+
+# Sub-module names inside a ResNet block: diffusers -> original.
+UNET_RESNET = {"norm1": "in_layers.0", "conv1": "in_layers.2", "time_emb_proj": "emb_layers.1",
+               "norm2": "out_layers.0", "conv2": "out_layers.3", "conv_shortcut": "skip_connection"}
+VAE_RESNET = {"conv_shortcut": "nin_shortcut"}
+VAE_ATTENTION = {"group_norm": "norm", "to_q": "q", "to_k": "k", "to_v": "v", "to_out.0": "proj_out"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Key maps
+# ---------------------------------------------------------------------------------------------
+
+
+def _layers(config) -> int:
+    layers = config["layers_per_block"]
+    return layers if isinstance(layers, int) else layers[0]
+
+
+def unet_prefixes(config) -> list[tuple[str, str, str]]:
+    """``(diffusers prefix, original prefix, kind)`` for every block of a UNet2DConditionModel."""
+    layers, blocks = _layers(config), len(config["block_out_channels"])
+    out = [("time_embedding.linear_1", "time_embed.0", "plain"), ("time_embedding.linear_2", "time_embed.2", "plain"),
+           ("conv_in", "input_blocks.0.0", "plain"), ("conv_norm_out", "out.0", "plain"), ("conv_out", "out.2", "plain")]
+    for b, kind in enumerate(config["down_block_types"]):
+        for l in range(layers):
+            index = 1 + b * (layers + 1) + l
+            out.append((f"down_blocks.{b}.resnets.{l}", f"input_blocks.{index}.0", "resnet"))
+            if "CrossAttn" in kind:
+                out.append((f"down_blocks.{b}.attentions.{l}", f"input_blocks.{index}.1", "plain"))
+        if b < blocks - 1:
+            out.append((f"down_blocks.{b}.downsamplers.0.conv", f"input_blocks.{1 + b * (layers + 1) + layers}.0.op",
+                        "plain"))
+    out += [("mid_block.resnets.0", "middle_block.0", "resnet"), ("mid_block.attentions.0", "middle_block.1", "plain"),
+            ("mid_block.resnets.1", "middle_block.2", "resnet")]
+    for b, kind in enumerate(config["up_block_types"]):
+        attends = "CrossAttn" in kind
+        for l in range(layers + 1):
+            index = b * (layers + 1) + l
+            out.append((f"up_blocks.{b}.resnets.{l}", f"output_blocks.{index}.0", "resnet"))
+            if attends:
+                out.append((f"up_blocks.{b}.attentions.{l}", f"output_blocks.{index}.1", "plain"))
+        if b < blocks - 1:
+            out.append((f"up_blocks.{b}.upsamplers.0.conv",
+                        f"output_blocks.{b * (layers + 1) + layers}.{2 if attends else 1}.conv", "plain"))
+    return out
+
+
+def vae_prefixes(config) -> list[tuple[str, str, str]]:
+    layers, blocks = config["layers_per_block"], len(config["block_out_channels"])
+    out = [("quant_conv", "quant_conv", "plain"), ("post_quant_conv", "post_quant_conv", "plain")]
+    for part in ("encoder", "decoder"):
+        out += [(f"{part}.conv_in", f"{part}.conv_in", "plain"), (f"{part}.conv_out", f"{part}.conv_out", "plain"),
+                (f"{part}.conv_norm_out", f"{part}.norm_out", "plain"),
+                (f"{part}.mid_block.resnets.0", f"{part}.mid.block_1", "resnet"),
+                (f"{part}.mid_block.resnets.1", f"{part}.mid.block_2", "resnet"),
+                (f"{part}.mid_block.attentions.0", f"{part}.mid.attn_1", "attention")]
+    for b in range(blocks):
+        for l in range(layers):
+            out.append((f"encoder.down_blocks.{b}.resnets.{l}", f"encoder.down.{b}.block.{l}", "resnet"))
+        if b < blocks - 1:
+            out.append((f"encoder.down_blocks.{b}.downsamplers.0.conv", f"encoder.down.{b}.downsample.conv", "plain"))
+        # The original decoder numbers its up blocks from the lowest resolution: up.{n-1} runs first.
+        for l in range(layers + 1):
+            out.append((f"decoder.up_blocks.{b}.resnets.{l}", f"decoder.up.{blocks - 1 - b}.block.{l}", "resnet"))
+        if b < blocks - 1:
+            out.append((f"decoder.up_blocks.{b}.upsamplers.0.conv", f"decoder.up.{blocks - 1 - b}.upsample.conv",
+                        "plain"))
+    return out
+
+
+def _rename(key: str, prefixes, renames: dict[str, dict[str, str]]) -> str:
+    """Map one diffusers key to the original layout via the longest matching block prefix."""
+    best = max((p for p in prefixes if key == p[0] or key.startswith(p[0] + ".")), key=lambda p: len(p[0]),
+               default=None)
+    if best is None:
+        raise KeyError(f"no original-layout name for {key!r}")
+    source, target, kind = best
+    rest = key[len(source):]  # "" or ".sub.module.weight"
+    for old, new in renames.get(kind, {}).items():
+        if rest.startswith(f".{old}."):
+            rest = f".{new}." + rest[len(old) + 2:]
+            break
+    return target + rest
+
+
+def key_map(state_dict_keys, prefixes, renames) -> dict[str, str]:
+    mapping = {key: _rename(key, prefixes, renames) for key in state_dict_keys}
+    if len(set(mapping.values())) != len(mapping):
+        raise AssertionError("key map is not one-to-one")
+    return mapping
+
+
+def unet_key_map(unet) -> dict[str, str]:
+    return {k: UNET_PREFIX + v for k, v in key_map(unet.state_dict(), unet_prefixes(unet.config),
+                                                     {"resnet": UNET_RESNET}).items()}
+
+
+def vae_key_map(vae) -> dict[str, str]:
+    renames = {"resnet": VAE_RESNET, "attention": VAE_ATTENTION}
+    return {k: VAE_PREFIX + v for k, v in key_map(vae.state_dict(), vae_prefixes(vae.config), renames).items()}
+
+
+def text_key_map(text_encoder) -> dict[str, str]:
+    """transformers 5 drops the ``text_model.`` prefix from CLIPTextModel keys; the original keeps it."""
+    return {k: TEXT_PREFIX + k.removeprefix("text_model.") for k in text_encoder.state_dict()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Single file
+# ---------------------------------------------------------------------------------------------
+
+
+def _vae_tensor_to_original(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """The original VAE attention uses 1x1 convs where diffusers uses linears."""
+    if ".mid.attn_1." in name and name.endswith(".weight") and tensor.ndim == 2:
+        return tensor[:, :, None, None]
+    return tensor
+
+
+def single_file_state_dict(unet, vae, text_encoder, half: bool = False) -> dict[str, torch.Tensor]:
+    out = {}
+    for model, mapping in ((unet, unet_key_map(unet)), (vae, vae_key_map(vae)), (text_encoder, text_key_map(text_encoder))):
+        for key, tensor in model.state_dict().items():
+            name = mapping[key]
+            tensor = _vae_tensor_to_original(name, tensor.detach().cpu().contiguous())
+            if half and tensor.is_floating_point():
+                tensor = tensor.half()
+            out[name] = tensor.contiguous()
+    return out
+
+
+def save_single_file(path: Path, unet, vae, text_encoder, half: bool = False, metadata: dict | None = None) -> None:
+    from safetensors.torch import save_file
+
+    import SD_Data
+
+    tensors = single_file_state_dict(unet, vae, text_encoder, half)
+    meta = {k: str(v) for k, v in (metadata or {}).items()}
+    SD_Data.write_atomic(Path(path), lambda tmp: save_file(tensors, str(tmp), metadata=meta))
+
+
+def read_single_file(path: str | Path) -> dict[str, torch.Tensor]:
+    """A ``.safetensors`` file, or a ``.ckpt`` read with ``weights_only=True`` (never unpickling code)."""
+    path = Path(path)
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(str(path))
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # pickles holding objects beyond tensors are refused
+        raise ValueError(f"{path}: not loadable without unpickling arbitrary objects ({error}); "
+                         "convert it to .safetensors with a tool you trust") from error
+    return state.get("state_dict", state)
+
+
+def from_single_file(state: dict[str, torch.Tensor], model, mapping: dict[str, str], what: str) -> dict:
+    """The part of an original-layout state dict that belongs to ``model``, under its own key names."""
+    missing = [name for name in mapping.values() if name not in state]
+    if missing:
+        raise KeyError(f"the single file lacks {len(missing)} {what} tensors, e.g. {missing[:3]}; "
+                       "is it an SD 1.x checkpoint of this architecture?")
+    own = model.state_dict()
+    out = {}
+    for key, name in mapping.items():
+        tensor = state[name]
+        if tensor.ndim == 4 and own[key].ndim == 2:
+            tensor = tensor[:, :, 0, 0]
+        if tensor.shape != own[key].shape:
+            raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not fit {what} {key} {tuple(own[key].shape)}")
+        out[key] = tensor.to(own[key].dtype)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Diffusers folders
+# ---------------------------------------------------------------------------------------------
+
+
+def export_diffusers(folder: Path, unet, vae, text_encoder, tokenizer, prediction_type: str = "epsilon") -> None:
+    """Write a StableDiffusionPipeline folder in safetensors (no safety checker), atomically."""
+    import os
+    import shutil
+
+    from diffusers import DDIMScheduler, StableDiffusionPipeline
+
+    import SD_Model
+
+    folder = Path(folder)
+    pipeline = StableDiffusionPipeline(
+        unet=unet, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+        scheduler=SD_Model.build_noise_scheduler(prediction_type, DDIMScheduler),
+        safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    staging = folder.with_name(f".{folder.name}.tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    pipeline.save_pretrained(str(staging), safe_serialization=True)
+    if folder.exists():
+        shutil.rmtree(folder)
+    os.replace(staging, folder)
+
+
+def is_diffusers_folder(path: Path) -> bool:
+    return (path / "model_index.json").exists() or (path / "unet" / "config.json").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading UNet weights from anywhere
+# ---------------------------------------------------------------------------------------------
+
+
+def load_unet_weights(source: str, unet, *, use_ema: bool = True) -> str:
+    """Load ``source``'s UNet weights into ``unet`` (same architecture). Returns what was loaded.
+
+    ``source``: a training checkpoint or run folder of ours (EMA weights unless ``use_ema=False``),
+    a ``.safetensors`` / ``.ckpt`` single file in the original layout, or a diffusers pipeline folder
+    or hub id (its ``unet/``).
+    """
+    path = Path(source)
+    if path.is_file():
+        state = from_single_file(read_single_file(path), unet, unet_key_map(unet), "UNet")
+        unet.load_state_dict(state)
+        return f"single file {path}"
+    if path.is_dir() and not is_diffusers_folder(path):
+        folder = ckpt.resolve_checkpoint(path)
+        weights = folder / ("ema.safetensors" if use_ema else "unet.safetensors")
+        if use_ema and not weights.exists():
+            weights = folder / "unet.safetensors"
+        unet.load_state_dict(ckpt.load_weights(weights))
+        return f"{weights}"
+    from diffusers import UNet2DConditionModel
+
+    loaded = UNet2DConditionModel.from_pretrained(source, subfolder="unet")
+    unet.load_state_dict(loaded.state_dict())
+    return f"diffusers {source}"
+
+
+def run_config(source: str) -> dict | None:
+    """The resolved training config of one of our checkpoints or run folders, else None."""
+    path = Path(source)
+    if not path.is_dir() or is_diffusers_folder(path):
+        return None
+    try:
+        import yaml
+
+        return yaml.safe_load((ckpt.resolve_checkpoint(path) / "config.yaml").read_text())
+    except FileNotFoundError:
+        return None
+
+
+def diffusers_prediction_type(source: str) -> str:
+    """The prediction type in a diffusers folder's scheduler config (epsilon if absent)."""
+    path = Path(source) / "scheduler" / "scheduler_config.json"
+    if path.exists():
+        return json.loads(path.read_text()).get("prediction_type", "epsilon")
+    return "epsilon"

@@ -1,0 +1,240 @@
+"""SD_ImageGen.py and SD_Formats.py on the tiny presets, with diffusers as the outside client."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+import SD_Checkpoint as ckpt
+import SD_Formats
+import SD_ImageGen
+import SD_Model
+import SD_Train
+from data_factory import make_dataset
+
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A short tiny training run whose EMA differs from its live weights."""
+    root = tmp_path_factory.mktemp("gen")
+    data = make_dataset(root / "data", n_train=32, n_val=0)
+    config = SD_Train.TrainConfig(datasets=[data], unet="tiny", vae="tiny", text_encoder="tiny", precision="fp32",
+                                  device="cpu", grad_checkpointing=False, batch_size=8, grad_accum=1, max_steps=6,
+                                  warmup_steps=1, lr=3e-3, ema_decay=0.5, validate_every=0, out_dir=str(root / "run"))
+    config.validate()
+    assert SD_Train.train(config, SD_Train.Dist(0, 1, 0, torch.device("cpu"), True)) == 0
+    return root / "run"
+
+
+def gen(model, prompt="a red circle", negative="", seeds=(0, 1), cfg=3.0, sampler="ddim", batch_size=2):
+    return SD_ImageGen.generate(model, prompt, negative, list(seeds), steps=STEPS, cfg=cfg, sampler=sampler,
+                                height=64, width=64, batch_size=batch_size, device=torch.device("cpu"),
+                                dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def model(run_dir):
+    return SD_ImageGen.load_model(str(run_dir))
+
+
+def test_loads_ema_by_default_and_live_weights_with_no_ema(run_dir, model):
+    folder = ckpt.resolve_checkpoint(run_dir)
+    ema, live = load_file(folder / "ema.safetensors"), load_file(folder / "unet.safetensors")
+    assert all(torch.equal(v, ema[k]) for k, v in model.unet.state_dict().items())
+    assert any(not torch.equal(ema[k], live[k]) for k in ema)
+    no_ema = SD_ImageGen.load_model(str(run_dir), use_ema=False)
+    assert all(torch.equal(v, live[k]) for k, v in no_ema.unet.state_dict().items())
+
+
+def test_same_seed_same_image_bit_for_bit_and_seeds_differ(model):
+    a, b = gen(model), gen(model)
+    assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    assert not np.array_equal(a[0], a[1])
+    alone = gen(model, seeds=(1,), batch_size=1)[0]
+    assert np.abs(alone.astype(int) - a[1].astype(int)).max() <= 1  # seed i is image i whatever the batching
+
+
+def test_negative_prompt_is_the_unconditional_branch(model):
+    plain = gen(model)
+    empty = gen(model, negative="")
+    negative = gen(model, negative="a blue square")
+    assert all(np.array_equal(x, y) for x, y in zip(plain, empty))
+    assert any(not np.array_equal(x, y) for x, y in zip(plain, negative))
+
+
+def test_cfg_one_is_the_conditional_branch_alone(model):
+    ids = SD_Model.tokenize(model.tokenizer, ["a red circle"])
+    cond = SD_Model.encode_prompt_ids(model.text_encoder, ids)
+    noise = SD_ImageGen.initial_noise([0], (4, 8, 8))
+    latents = noise.clone()
+    stride = 1000 // STEPS
+    alphas = SD_Model.ddpm_alphas_cumprod()
+    with torch.no_grad():
+        for t in SD_Model.ddim_timesteps(STEPS):
+            eps = model.unet(latents, torch.tensor([t]), encoder_hidden_states=cond).sample
+            latents = SD_Model.ddim_step(latents, eps, t, t - stride, alphas, "epsilon")
+    empty = SD_Model.encode_prompt_ids(model.text_encoder, SD_Model.tokenize(model.tokenizer, [""]))
+    ours = SD_ImageGen.sample_latents(model, noise, cond, empty, sampler="ddim", steps=STEPS, cfg=1.0)
+    assert torch.equal(ours, latents)
+
+
+@pytest.mark.parametrize("sampler", ["dpm++", "euler"])
+def test_diffusers_samplers_keep_large_latents(sampler, model):
+    # A step of each scheduler towards x0 ~ +-4 with the true noise as the prediction: nothing is clipped.
+    from diffusers import DPMSolverMultistepScheduler, EulerDiscreteScheduler
+
+    cls = DPMSolverMultistepScheduler if sampler == "dpm++" else EulerDiscreteScheduler
+    scheduler = SD_Model.build_noise_scheduler("epsilon", cls)
+    assert not scheduler.config.get("thresholding", False) and not scheduler.config.get("clip_sample", False)
+    scheduler.set_timesteps(10)
+    x0 = torch.full((1, 4, 8, 8), 4.0)
+    x0[..., ::2] = -4.0
+    noise = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(0))
+    latents = noise * scheduler.init_noise_sigma
+    for t in scheduler.timesteps:
+        a = SD_Model.ddpm_alphas_cumprod()[int(t)].float()
+        x_in = scheduler.scale_model_input(latents, t)  # what the UNet sees: sqrt(a) x0 + sqrt(1 - a) eps
+        eps = (x_in - a.sqrt() * x0) / (1 - a).sqrt()  # an oracle UNet
+        latents = scheduler.step(eps, t, latents).prev_sample
+    assert latents.abs().max() > 3.9
+    torch.testing.assert_close(latents, x0, rtol=0, atol=0.05)
+
+
+def test_samplers_produce_images(model):
+    for sampler in ("dpm++", "euler"):
+        images = gen(model, sampler=sampler, seeds=(0,), batch_size=1)
+        assert images[0].shape == (64, 64, 3) and images[0].std() > 0
+
+
+def test_cli_writes_pngs_with_parameters_and_a_grid(run_dir, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red circle\n\na blue square\n")
+    out = tmp_path / "out"
+    code = SD_ImageGen.main(["--ckpt", str(run_dir), "--prompts_file", str(prompts), "--negative", "blurry",
+                             "--steps", str(STEPS), "--cfg", "4", "--seed", "7", "--n", "2", "--batch_size", "2",
+                             "--height", "64", "--width", "64", "--device", "cpu", "--out", str(out)])
+    assert code == 0
+    files = sorted(p.name for p in out.glob("0*.png"))
+    assert files == ["000_000007.png", "000_000008.png", "001_000007.png", "001_000008.png"]
+    text = SD_ImageGen.read_parameters(out / "001_000008.png")
+    assert text.startswith("a blue square\nNegative prompt: blurry\nSteps: 4, Sampler: ddim, CFG scale: 4.0, Seed: 8,")
+    from PIL import Image
+
+    assert Image.open(out / "grid.png").size == (2 * 64, 2 * (64 + 16))
+    assert len(json.loads((out / "images.json").read_text())) == 4
+
+
+@pytest.fixture(scope="module")
+def exported(run_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("export")
+    code = SD_ImageGen.main(["--ckpt", str(run_dir), "--export_diffusers", str(out / "pipe"),
+                             "--export_single_file", str(out / "model.safetensors")])
+    assert code == 0
+    return out
+
+
+def test_diffusers_loads_the_exported_folder_with_our_weights(exported, model):
+    from diffusers import StableDiffusionPipeline
+
+    pipe = StableDiffusionPipeline.from_pretrained(str(exported / "pipe"), local_files_only=True)
+    for ours, theirs in ((model.unet, pipe.unet), (model.vae, pipe.vae), (model.text_encoder, pipe.text_encoder)):
+        a, b = ours.state_dict(), theirs.state_dict()
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert sorted(p.name for p in (exported / "pipe").iterdir()) == [
+        "model_index.json", "scheduler", "text_encoder", "tokenizer", "unet", "vae"]
+    assert not list((exported / "pipe").rglob("*.bin"))  # safetensors only
+
+
+def test_diffusers_loads_the_single_file_with_our_weights(exported, model):
+    from diffusers import StableDiffusionPipeline
+
+    state = load_file(exported / "model.safetensors")
+    assert not any(k.startswith(("optimizer", "state")) for k in state)
+    prefixes = {k.split(".")[0] for k in state}
+    assert prefixes == {"model", "first_stage_model", "cond_stage_model"}
+    assert any(k.startswith("cond_stage_model.transformer.text_model.") for k in state)
+    pipe = StableDiffusionPipeline.from_single_file(str(exported / "model.safetensors"),
+                                                    config=str(exported / "pipe"), local_files_only=True)
+    for ours, theirs in ((model.unet, pipe.unet), (model.vae, pipe.vae), (model.text_encoder, pipe.text_encoder)):
+        a, b = ours.state_dict(), theirs.state_dict()
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_diffusers_pipeline_image_equals_ours(exported, model):
+    from diffusers import StableDiffusionPipeline
+
+    pipe = StableDiffusionPipeline.from_pretrained(str(exported / "pipe"), local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    ours = gen(model, prompt="a red circle", negative="a blue square", seeds=(3,), cfg=5.0, batch_size=1)[0]
+    theirs = pipe("a red circle", negative_prompt="a blue square", num_inference_steps=STEPS, guidance_scale=5.0,
+                  height=64, width=64, latents=SD_ImageGen.initial_noise([3], (4, 8, 8)), output_type="np").images[0]
+    theirs = (theirs * 255).round().astype(np.uint8)
+    assert np.abs(ours.astype(int) - theirs.astype(int)).max() <= 2  # float rounding only
+
+
+def test_single_file_and_diffusers_folder_sample_like_our_checkpoint(exported, model, tmp_path):
+    reference = gen(model, seeds=(0,), batch_size=1)[0]
+    for source, kwargs in ((exported / "model.safetensors", {"arch": "tiny"}), (exported / "pipe", {})):
+        loaded = SD_ImageGen.load_model(str(source), **kwargs)
+        assert np.array_equal(gen(loaded, seeds=(0,), batch_size=1)[0], reference), source
+
+
+def test_half_export_is_fp16(run_dir, tmp_path):
+    assert SD_ImageGen.main(["--ckpt", str(run_dir), "--export_single_file", str(tmp_path / "h.safetensors"),
+                             "--half"]) == 0
+    state = load_file(tmp_path / "h.safetensors")
+    assert {t.dtype for t in state.values() if t.is_floating_point()} == {torch.float16}
+
+
+@pytest.mark.parametrize("kind", ["single_file", "diffusers", "run"])
+def test_init_from_each_format_starts_from_exactly_those_weights(kind, exported, run_dir, model, tmp_path):
+    source = {"single_file": exported / "model.safetensors", "diffusers": exported / "pipe", "run": run_dir}[kind]
+    data = yaml.safe_load((ckpt.resolve_checkpoint(run_dir) / "config.yaml").read_text())["datasets"]
+    config = SD_Train.TrainConfig(datasets=data, unet="tiny", vae="tiny", text_encoder="tiny", precision="fp32",
+                                  device="cpu", grad_checkpointing=False, batch_size=8, grad_accum=1, max_steps=2,
+                                  validate_every=0, out_dir=str(tmp_path / "ft"), init_from=str(source))
+    config.validate()
+    t, _, _, _ = SD_Train.build_trainer(config, SD_Train.Dist(0, 1, 0, torch.device("cpu"), True))
+    folder = ckpt.resolve_checkpoint(run_dir)
+    # Exports carry the EMA weights; a run folder gives its live weights to the UNet and its EMA to the EMA.
+    expected_unet = load_file(folder / ("unet.safetensors" if kind == "run" else "ema.safetensors"))
+    expected_ema = load_file(folder / "ema.safetensors")
+    assert all(torch.equal(v, expected_unet[k]) for k, v in t.models.unet.state_dict().items())
+    assert all(torch.equal(v, expected_ema[k]) for k, v in t.models.ema.state_dict().items())
+    assert t.state.step == 0 and not t.optimizer.state_dict()["state"]
+
+
+def test_sd1_key_map_matches_the_original_layout():
+    from diffusers import AutoencoderKL
+
+    with torch.device("meta"):
+        unet = SD_Model.build_unet("sd1")
+        vae = AutoencoderKL(**SD_Model.SD1_VAE)
+    unet_keys, vae_keys = set(SD_Formats.unet_key_map(unet).values()), set(SD_Formats.vae_key_map(vae).values())
+    assert len(unet_keys) == 686 and len(vae_keys) == 248  # the counts of an original SD 1.x checkpoint
+    for key in ("input_blocks.3.0.op.weight", "input_blocks.4.0.skip_connection.weight",
+                "middle_block.1.transformer_blocks.0.attn2.to_k.weight", "output_blocks.2.1.conv.weight",
+                "output_blocks.5.2.conv.bias", "output_blocks.11.1.proj_out.weight", "time_embed.2.bias", "out.2.weight",
+                "input_blocks.11.0.out_layers.3.weight"):
+        assert f"model.diffusion_model.{key}" in unet_keys, key
+    for key in ("decoder.up.3.upsample.conv.weight", "encoder.mid.attn_1.q.weight", "decoder.up.0.block.0.nin_shortcut.weight",
+                "encoder.norm_out.weight", "quant_conv.weight"):
+        assert f"first_stage_model.{key}" in vae_keys, key
+
+
+class TrainerCallback:  # stands for the objects old .ckpt pickles carry (code that would run on load)
+    pass
+
+
+def test_pickle_checkpoints_with_objects_are_refused(tmp_path):
+    torch.save({"state_dict": {"x": torch.zeros(1)}, "callbacks": TrainerCallback()}, tmp_path / "m.ckpt")
+    with pytest.raises(ValueError, match="without unpickling"):
+        SD_Formats.read_single_file(tmp_path / "m.ckpt")
+    torch.save({"state_dict": {"x": torch.ones(1)}}, tmp_path / "ok.ckpt")
+    assert torch.equal(SD_Formats.read_single_file(tmp_path / "ok.ckpt")["x"], torch.ones(1))
