@@ -8,6 +8,7 @@ shard whose stats file exists, so stages are idempotent and resumable per shard.
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -131,6 +132,39 @@ def image_sample(key: str, data: bytes, ext: str, caption: str, resolution: int,
     return SD_Data.ShardSample(key, encode_jpeg(square), "jpg", caption, json.dumps(meta).encode("utf-8"))
 
 
+def _to_sample(item: tuple, resolution: int, max_pixels: int):
+    key, data, ext, caption, metadata = item
+    try:
+        return key, image_sample(key, data, ext, caption, resolution, metadata, max_pixels)
+    except SD_Data.ImageSkip as skip:
+        return key, skip
+
+
+def convert_images(items, stats: ShardStats, pool, resolution: int, max_pixels: int = SD_Data.DEFAULT_MAX_PIXELS,
+                   read_ahead: int = 32) -> list[SD_Data.ShardSample]:
+    """``image_sample`` over ``(key, data, ext, caption, metadata)`` items on a thread pool, in order.
+
+    At most ``read_ahead`` raw images are held at once (a whole archive would not fit in memory);
+    unusable images are counted in ``stats``.
+    """
+    samples, batch = [], []
+
+    def flush():
+        for key, result in pool.map(lambda item: _to_sample(item, resolution, max_pixels), batch):
+            if isinstance(result, SD_Data.ImageSkip):
+                stats.skip(result.reason, key)
+            else:
+                samples.append(result)
+        batch.clear()
+
+    for item in items:
+        batch.append(item)
+        if len(batch) >= read_ahead:
+            flush()
+    flush()
+    return samples
+
+
 def image_extension(name: str) -> str | None:
     ext = name.rsplit(".", 1)[-1].lower() if "." in name else ""
     return ext if ext in SD_Data.IMAGE_EXTENSIONS else None
@@ -223,8 +257,62 @@ def _fetch(url: str, part: Path, timeout: float) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# LAION metadata columns (stages 02 and 03)
+# ---------------------------------------------------------------------------------------------
+
+
+# Column names across LAION releases, most common first; matched case-insensitively.
+COLUMN_CANDIDATES = {
+    "url": ("URL", "url"),
+    "caption": ("TEXT", "caption", "text"),
+    "width": ("WIDTH", "width"),
+    "height": ("HEIGHT", "height"),
+    "aesthetic": ("aesthetic", "AESTHETIC_SCORE", "aesthetic_score", "prediction"),
+    "similarity": ("similarity", "clip_similarity", "SIMILARITY"),
+    "watermark": ("pwatermark", "watermark"),
+    "nsfw": ("punsafe", "NSFW"),
+}
+
+class UsageError(Exception):
+    """A command-line problem found before any work: the stage exits 2 with this message."""
+
+
+def find_column(names: list[str], role: str, given: str | None = None) -> str | None:
+    """The column of ``names`` playing ``role``: ``given`` if set (an absent one is a UsageError),
+    else the first candidate present, compared case-insensitively; None when there is none."""
+    by_lower = {name.lower(): name for name in names}
+    if given is not None:
+        if given in names:
+            return given
+        if given.lower() in by_lower:
+            return by_lower[given.lower()]
+        raise UsageError(f"no column {given!r} (--{role}_col); columns are {', '.join(names)}")
+    for candidate in COLUMN_CANDIDATES[role]:
+        if candidate.lower() in by_lower:
+            return by_lower[candidate.lower()]
+    return None
+
+
+def detect_columns(path: Path, names: list[str], overrides: dict) -> dict:
+    """role -> column name (or None) for one file; missing required columns are a UsageError."""
+    columns = {role: find_column(names, role, overrides.get(role)) for role in COLUMN_CANDIDATES}
+    for role in ("url", "caption"):
+        if columns[role] is None:
+            raise UsageError(f"{path}: no {role} column (looked for {'|'.join(COLUMN_CANDIDATES[role])}; "
+                             f"columns are {', '.join(names)}); name it with --{role}_col")
+    return columns
+
+
+# ---------------------------------------------------------------------------------------------
 # Arguments
 # ---------------------------------------------------------------------------------------------
+
+
+class StageArgumentParser(argparse.ArgumentParser):
+    """A bad command line is one line on stderr (the stage contract), not argparse's usage + error."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def parse_range(text: str) -> list[int]:

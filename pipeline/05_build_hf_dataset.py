@@ -24,7 +24,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import SD_Data
-import SD_Pipeline
 
 STAGE = "05_build_hf_dataset"
 MAX_EXAMPLES = 20

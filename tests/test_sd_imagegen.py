@@ -1,7 +1,6 @@
 """SD_ImageGen.py and SD_Formats.py on the tiny presets, with diffusers as the outside client."""
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest

@@ -1,0 +1,196 @@
+"""Download DiffusionDB parts and turn each into one square webdataset shard, the prompt as caption.
+
+    python pipeline/01b_download_diffusiondb.py --parts 1-500 --out SHARD_DIR \\
+        [--base_url https://huggingface.co/datasets/poloclub/diffusiondb/resolve/main/images] \\
+        [--resolution 512] [--download_dir DIR] [--keep_archives] [--workers 8]
+
+Input: part N is ``{base_url}/part-{N:06d}.zip``; it holds the images (``<name>.png`` or ``.webp``) and
+``part-{N:06d}.json``, which maps each image file name to
+``{"p": prompt, "se": seed, "c": cfg, "st": steps, "sa": sampler}``.
+
+Output: ``SHARD_DIR/NNNNN.tar`` with NNNNN = the part number (``key.jpg`` at ``--resolution``, ``key.txt``
+= the prompt, ``key.json`` = seed, cfg, steps, sampler and the original size), then
+``NNNNN_stats.json`` (the done marker), and ``01b_download_diffusiondb_summary.json``. Keys are
+``ddb_{part}_{image stem}``. A re-run skips finished parts without downloading them. Images without a
+prompt, undecodable or truncated images and unsafe member paths are skipped and counted by reason; a
+part that does not exist (HTTP 404) or is not a valid zip is counted in the summary (a bad zip is
+deleted so the next run downloads it again) and the stage goes on with the other parts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import sys
+import urllib.error
+import zipfile
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path, PurePosixPath
+
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import SD_Pipeline  # noqa: E402
+
+STAGE = "01b_download_diffusiondb"
+DEFAULT_BASE_URL = "https://huggingface.co/datasets/poloclub/diffusiondb/resolve/main/images"
+# DiffusionDB's short metadata names -> the names written to each sample's JSON.
+FIELD_NAMES = {"se": "seed", "c": "cfg", "st": "steps", "sa": "sampler"}
+
+log = logging.getLogger(STAGE)
+
+
+def parse_args(argv):
+    parser = SD_Pipeline.StageArgumentParser(prog=Path(__file__).name, description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--parts", required=True, help="part numbers to fetch: a range list such as 1-500 or 1,4,9")
+    parser.add_argument("--out", required=True, help="output folder for the NNNNN.tar shards")
+    parser.add_argument("--base_url", default=DEFAULT_BASE_URL,
+                        help="folder URL (or local folder) holding part-NNNNNN.zip")
+    parser.add_argument("--resolution", type=int, default=512, help="side of the square output images in pixels")
+    parser.add_argument("--download_dir", default=None, help="where parts are downloaded (default: OUT/_downloads)")
+    parser.add_argument("--keep_archives", action="store_true",
+                        help="keep each downloaded zip after its shard is written (default: delete it)")
+    parser.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
+                        help="threads decoding and resizing images")
+    parser.add_argument("--retries", type=int, default=5, help="download retries on transient errors")
+    args = parser.parse_args(argv)
+    try:
+        args.parts = SD_Pipeline.parse_range(args.parts)
+    except ValueError as error:
+        parser.error(f"--parts: {error}")
+    if not args.parts:
+        parser.error("--parts: no part numbers given")
+    if args.resolution < 8 or args.workers < 1:
+        parser.error("--resolution must be at least 8 and --workers at least 1")
+    return args
+
+
+def sample_key(part: int, file_name: str) -> str:
+    """webdataset cuts keys at the first dot and reads slashes as folders, so keep only safe characters."""
+    stem = PurePosixPath(file_name).name.split(".")[0]
+    return re.sub(r"[^A-Za-z0-9_-]", "_", f"ddb_{part}_{stem}")
+
+
+def read_prompts(archive: zipfile.ZipFile, part: int) -> dict:
+    """The part's ``file name -> metadata`` table; an absent table leaves every image without a caption."""
+    name = f"part-{part:06d}.json"
+    members = [m for m in archive.namelist() if PurePosixPath(m).name == name]
+    if not members:
+        log.warning("part %d has no %s; its images have no captions", part, name)
+        return {}
+    table = json.loads(archive.read(members[0]))
+    if not isinstance(table, dict):
+        raise ValueError(f"{name} is not a JSON object")
+    return table
+
+
+def image_members(archive: zipfile.ZipFile, stats: SD_Pipeline.ShardStats) -> list[zipfile.ZipInfo]:
+    """Image entries in name order; unsafe paths are counted and left out."""
+    members = []
+    for info in sorted(archive.infolist(), key=lambda i: i.filename):
+        if info.is_dir() or SD_Pipeline.image_extension(info.filename) is None:
+            continue
+        if not SD_Pipeline.is_safe_member(info.filename):
+            stats.skip("unsafe_path", info.filename)
+            continue
+        members.append(info)
+    return members
+
+
+def part_items(archive: zipfile.ZipFile, part: int, stats: SD_Pipeline.ShardStats):
+    """``(key, bytes, ext, caption, metadata)`` of every usable image; the rest are counted in ``stats``."""
+    prompts = read_prompts(archive, part)
+    seen = set()
+    for info in image_members(archive, stats):
+        file_name = PurePosixPath(info.filename).name
+        key = sample_key(part, file_name)
+        entry = prompts.get(file_name)
+        caption = str(entry.get("p") or "").strip() if isinstance(entry, dict) else ""
+        if not caption:
+            stats.skip("no_caption", key)
+            continue
+        if key in seen:
+            stats.skip("duplicate_key", key)
+            continue
+        seen.add(key)
+        try:
+            data = archive.read(info)
+        except (zipfile.BadZipFile, zlib.error, EOFError) as error:  # a damaged entry in an otherwise readable zip
+            log.warning("part %d: cannot read %s: %s", part, info.filename, error)
+            stats.skip("unreadable_member", key)
+            continue
+        metadata = {"source": "diffusiondb", "part": part, "file_name": file_name,
+                    **{FIELD_NAMES.get(k, k): v for k, v in entry.items() if k != "p"}}
+        yield key, data, SD_Pipeline.image_extension(file_name), caption, metadata
+
+
+def convert_part(archive_path: Path, part: int, resolution: int, workers: int):
+    """All samples of one part and their stats; raises ``zipfile.BadZipFile`` / ``ValueError`` for a bad part."""
+    stats = SD_Pipeline.ShardStats()
+    with zipfile.ZipFile(archive_path) as archive, ThreadPoolExecutor(workers) as pool:
+        samples = SD_Pipeline.convert_images(part_items(archive, part, stats), stats, pool, resolution,
+                                             read_ahead=4 * workers)
+    return samples, stats
+
+def download_part(args, part: int, summary: SD_Pipeline.Summary, failed: dict) -> Path | None:
+    """The downloaded zip of ``part``, or None after counting why it could not be had."""
+    name = f"part-{part:06d}.zip"
+    try:
+        return SD_Pipeline.download(f"{args.base_url.rstrip('/')}/{name}", args.download_dir / name,
+                                    retries=args.retries)
+    except SD_Pipeline.DownloadError as error:
+        cause = error.__cause__
+        missing = isinstance(cause, urllib.error.HTTPError) and cause.code == 404
+        missing = missing or "does not exist" in str(error)  # a local base_url without this part
+        count_failure(summary, failed, "missing_part" if missing else "download_failed", part, error)
+        return None
+
+
+def count_failure(summary: SD_Pipeline.Summary, failed: dict, reason: str, part: int, error) -> None:
+    log.warning("part %d: %s (%s)", part, reason, error)
+    summary.dropped[reason] += 1
+    failed.setdefault(reason, []).append(part)
+
+
+def process_part(args, part: int, summary: SD_Pipeline.Summary, failed: dict) -> None:
+    archive_path = download_part(args, part, summary, failed)
+    if archive_path is None:
+        return
+    try:
+        samples, stats = convert_part(archive_path, part, args.resolution, args.workers)
+    except (zipfile.BadZipFile, zlib.error, EOFError, ValueError) as error:
+        # A cut-off or corrupt download: delete it so the next run fetches it again.
+        archive_path.unlink(missing_ok=True)
+        count_failure(summary, failed, "bad_archive", part, error)
+        return
+    record = SD_Pipeline.write_shard(args.out, part, samples, stats, part=part, source=archive_path.name)
+    summary.add(record)
+    if not args.keep_archives:
+        archive_path.unlink(missing_ok=True)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    SD_Pipeline.setup_logging()
+    args.out = Path(args.out)
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.download_dir = Path(args.download_dir) if args.download_dir else args.out / "_downloads"
+    summary = SD_Pipeline.Summary(STAGE)
+    failed: dict[str, list[int]] = {}
+    for part in tqdm(args.parts, desc="DiffusionDB parts", unit="part"):
+        if SD_Pipeline.shard_done(args.out, part):
+            summary.add_done(SD_Pipeline.shard_paths(args.out, part)[1])
+            continue
+        process_part(args, part, summary, failed)
+    summary.finish(args.out, parts=len(args.parts), failed_parts=failed)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,260 @@
+"""Download JourneyDB image archives and turn each into one square webdataset shard, captions from the annotations.
+
+    python pipeline/01c_download_journeydb_images.py --archives 0-9 --annotations PATH_OR_URL --out SHARD_DIR \\
+        [--base_url https://huggingface.co/datasets/JourneyDB/JourneyDB/resolve/main/data/train/imgs] \\
+        [--caption prompt|caption] [--resolution 512] [--download_dir DIR] [--keep_archives] [--workers 8]
+
+Input: archive N is ``{base_url}/{N:03d}.tgz`` holding ``{N:03d}/<name>.jpg`` (paths may start with
+``./``). The annotations are JSON lines, plain, gzip-compressed (``.jsonl.gz``) or a ``.tgz`` holding
+one ``.jsonl`` (the released file is ``train_anno_realease_repath.jsonl.tgz`` next to ``imgs/``), each
+line like ``{"img_path": "./imgs/000/abc.jpg", "prompt": "...", "Task2": {"Caption": "..."}}``. Images
+are matched to lines by the last two path components (``000/abc.jpg``). ``--caption prompt`` uses the
+prompt; ``--caption caption`` uses Task2.Caption and falls back to the prompt.
+
+Output: ``SHARD_DIR/NNNNN.tar`` with NNNNN = the archive number (``key.jpg`` at ``--resolution``,
+``key.txt``, ``key.json`` with the prompt, the Task2 caption and the original size), then
+``NNNNN_stats.json`` (the done marker), and ``01c_download_journeydb_images_summary.json``. Keys are
+``jdb_{NNN}_{image stem}``. A re-run skips finished archives without downloading or reading anything.
+Images without an annotation, undecodable or truncated images and unsafe member paths are skipped
+and counted by reason; an archive that does not exist (HTTP 404) or cannot be read is counted in the
+summary (a bad archive is deleted so the next run downloads it again) and the stage goes on. A
+downloaded annotation file is kept in the download folder: every archive needs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import logging
+import os
+import re
+import sys
+import tarfile
+import urllib.error
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path, PurePosixPath
+
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import SD_Pipeline  # noqa: E402
+
+STAGE = "01c_download_journeydb_images"
+DEFAULT_BASE_URL = "https://huggingface.co/datasets/JourneyDB/JourneyDB/resolve/main/data/train/imgs"
+ANNOTATIONS_URL = ("https://huggingface.co/datasets/JourneyDB/JourneyDB/resolve/main/data/train/"
+                   "train_anno_realease_repath.jsonl.tgz")
+# What a damaged .tgz raises while it is streamed.
+ARCHIVE_ERRORS = (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile)
+
+log = logging.getLogger(STAGE)
+
+
+def parse_args(argv):
+    parser = SD_Pipeline.StageArgumentParser(prog=Path(__file__).name, description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--archives", required=True, help="archive numbers to fetch: a range list such as 0-9 or 0,3")
+    parser.add_argument("--annotations", required=True,
+                        help=f"annotation JSON lines (.jsonl, .jsonl.gz or a .tgz holding one .jsonl): a path "
+                             f"or URL, e.g. {ANNOTATIONS_URL}")
+    parser.add_argument("--out", required=True, help="output folder for the NNNNN.tar shards")
+    parser.add_argument("--base_url", default=DEFAULT_BASE_URL, help="folder URL (or local folder) holding NNN.tgz")
+    parser.add_argument("--caption", choices=("prompt", "caption"), default="prompt",
+                        help="caption source: the generation prompt, or Task2.Caption (falling back to the prompt)")
+    parser.add_argument("--resolution", type=int, default=512, help="side of the square output images in pixels")
+    parser.add_argument("--download_dir", default=None, help="where archives are downloaded (default: OUT/_downloads)")
+    parser.add_argument("--keep_archives", action="store_true",
+                        help="keep each downloaded .tgz after its shard is written (default: delete it)")
+    parser.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
+                        help="threads decoding and resizing images")
+    parser.add_argument("--retries", type=int, default=5, help="download retries on transient errors")
+    args = parser.parse_args(argv)
+    try:
+        args.archives = SD_Pipeline.parse_range(args.archives)
+    except ValueError as error:
+        parser.error(f"--archives: {error}")
+    if not args.archives:
+        parser.error("--archives: no archive numbers given")
+    if "://" not in args.annotations and not Path(args.annotations).is_file():
+        parser.error(f"--annotations: {args.annotations} does not exist")
+    if args.resolution < 8 or args.workers < 1:
+        parser.error("--resolution must be at least 8 and --workers at least 1")
+    return args
+
+
+# ---------------------------------------------------------------------------------------------
+# Annotations
+# ---------------------------------------------------------------------------------------------
+
+
+def match_name(path: str) -> str:
+    """The last two path components (``000/abc.jpg``): what an image and its annotation share."""
+    return "/".join(PurePosixPath(path.replace("\\", "/")).parts[-2:])
+
+
+def annotation_lines(path: Path):
+    """Text lines of a .jsonl, a gzip-compressed one, or the first .jsonl inside a tar(.gz)."""
+    if tarfile.is_tarfile(path):
+        with tarfile.open(path, "r|*") as tar:
+            for member in tar:
+                if member.isfile() and member.name.endswith(".jsonl"):
+                    # A streamed member cannot seek, which io.TextIOWrapper needs: decode line by line.
+                    for raw_line in tar.extractfile(member):
+                        yield raw_line.decode("utf-8")
+                    return
+        raise ValueError(f"{path} holds no .jsonl file")
+    with open(path, "rb") as handle:
+        compressed = handle.read(2) == b"\x1f\x8b"
+    with (gzip.open if compressed else open)(path, "rt", encoding="utf-8") as handle:
+        yield from handle
+
+
+def read_annotations(path: Path, folders: set[str]) -> tuple[dict[str, tuple[str, str]], int]:
+    """``match name -> (prompt, Task2 caption)`` for images in ``folders``, and the count of unreadable lines.
+
+    Only the wanted archives' lines are kept: the full file describes millions of images.
+    """
+    annotations, bad_lines = {}, 0
+    for line in tqdm(annotation_lines(path), desc="annotations", unit=" lines"):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            name = match_name(record["img_path"])
+        except (ValueError, KeyError, TypeError):
+            bad_lines += 1
+            continue
+        if name.split("/")[0] in folders:
+            task2 = record.get("Task2") if isinstance(record.get("Task2"), dict) else {}
+            annotations[name] = (str(record.get("prompt") or "").strip(), str(task2.get("Caption") or "").strip())
+    return annotations, bad_lines
+
+
+def load_annotations(args, archives: list[int]):
+    """Download (once) and read the annotations of ``archives``; raises DownloadError / ValueError / OSError."""
+    source = args.annotations
+    if "://" in source and not source.startswith("file://"):
+        source = SD_Pipeline.download(source, args.download_dir / PurePosixPath(source.split("?")[0]).name,
+                                      retries=args.retries)
+    path = Path(str(source).removeprefix("file://"))
+    return read_annotations(path, {f"{n:03d}" for n in archives})
+
+
+# ---------------------------------------------------------------------------------------------
+# Archives
+# ---------------------------------------------------------------------------------------------
+
+
+def pick_caption(annotation: tuple[str, str] | None, field: str) -> str:
+    if annotation is None:
+        return ""
+    prompt, task2_caption = annotation
+    return (task2_caption or prompt) if field == "caption" else prompt
+
+
+def archive_items(tar: tarfile.TarFile, number: int, annotations: dict, field: str, stats: SD_Pipeline.ShardStats):
+    """``(key, bytes, ext, caption, metadata)`` of every usable image; the rest are counted in ``stats``."""
+    seen = set()
+    for member in tar:
+        ext = SD_Pipeline.image_extension(member.name)
+        if member.isdir() or ext is None:
+            continue
+        # Links are refused too: they could point anywhere, and a stream cannot follow them.
+        if not member.isfile() or not SD_Pipeline.is_safe_member(member.name):
+            stats.skip("unsafe_path", member.name)
+            continue
+        name = match_name(member.name)
+        key = re.sub(r"[^A-Za-z0-9_-]", "_", f"jdb_{number:03d}_{PurePosixPath(name).name.split('.')[0]}")
+        annotation = annotations.get(name)
+        caption = pick_caption(annotation, field)
+        if not caption:
+            stats.skip("no_caption", key)
+            continue
+        if key in seen:
+            stats.skip("duplicate_key", key)
+            continue
+        seen.add(key)
+        metadata = {"source": "journeydb", "archive": number, "img_path": name,
+                    "prompt": annotation[0], "task2_caption": annotation[1]}
+        yield key, tar.extractfile(member).read(), ext, caption, metadata
+
+
+def convert_archive(path: Path, number: int, annotations: dict, args):
+    """All samples of one archive and their stats; raises one of ARCHIVE_ERRORS for a damaged archive."""
+    stats = SD_Pipeline.ShardStats()
+    # Streamed ("r|*"): one pass over the gzip, members read in order, nothing extracted to disk.
+    with tarfile.open(path, "r|*") as tar, ThreadPoolExecutor(args.workers) as pool:
+        items = archive_items(tar, number, annotations, args.caption, stats)
+        samples = SD_Pipeline.convert_images(items, stats, pool, args.resolution, read_ahead=4 * args.workers)
+    return samples, stats
+
+def count_failure(summary: SD_Pipeline.Summary, failed: dict, reason: str, number: int, error) -> None:
+    log.warning("archive %03d: %s (%s)", number, reason, error)
+    summary.dropped[reason] += 1
+    failed.setdefault(reason, []).append(number)
+
+
+def download_archive(args, number: int, summary: SD_Pipeline.Summary, failed: dict) -> Path | None:
+    """The downloaded .tgz of archive ``number``, or None after counting why it could not be had."""
+    name = f"{number:03d}.tgz"
+    try:
+        return SD_Pipeline.download(f"{args.base_url.rstrip('/')}/{name}", args.download_dir / name,
+                                    retries=args.retries)
+    except SD_Pipeline.DownloadError as error:
+        cause = error.__cause__
+        missing = isinstance(cause, urllib.error.HTTPError) and cause.code == 404
+        missing = missing or "does not exist" in str(error)  # a local base_url without this archive
+        count_failure(summary, failed, "missing_archive" if missing else "download_failed", number, error)
+        return None
+
+
+def process_archive(args, number: int, annotations: dict, summary: SD_Pipeline.Summary, failed: dict) -> None:
+    archive_path = download_archive(args, number, summary, failed)
+    if archive_path is None:
+        return
+    try:
+        samples, stats = convert_archive(archive_path, number, annotations, args)
+    except ARCHIVE_ERRORS as error:
+        # A cut-off or corrupt download: delete it so the next run fetches it again.
+        archive_path.unlink(missing_ok=True)
+        count_failure(summary, failed, "bad_archive", number, error)
+        return
+    record = SD_Pipeline.write_shard(args.out, number, samples, stats, archive=number, source=archive_path.name,
+                                     caption_field=args.caption)
+    summary.add(record)
+    if not args.keep_archives:
+        archive_path.unlink(missing_ok=True)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    SD_Pipeline.setup_logging()
+    args.out = Path(args.out)
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.download_dir = Path(args.download_dir) if args.download_dir else args.out / "_downloads"
+    summary = SD_Pipeline.Summary(STAGE)
+    pending = []
+    for number in args.archives:
+        if SD_Pipeline.shard_done(args.out, number):
+            summary.add_done(SD_Pipeline.shard_paths(args.out, number)[1])
+        else:
+            pending.append(number)
+    annotations, bad_lines = {}, 0
+    if pending:  # a finished run reads (and downloads) nothing
+        try:
+            annotations, bad_lines = load_annotations(args, pending)
+        except (SD_Pipeline.DownloadError, ValueError, OSError, *ARCHIVE_ERRORS) as error:
+            print(f"{STAGE}: cannot read the annotations {args.annotations}: {error}", file=sys.stderr)
+            return 1
+    failed: dict[str, list[int]] = {}
+    for number in tqdm(pending, desc="JourneyDB archives", unit="archive"):
+        process_archive(args, number, annotations, summary, failed)
+    summary.finish(args.out, archives=len(args.archives), failed_archives=failed,
+                   bad_annotation_lines=bad_lines, caption_field=args.caption)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,293 @@
+"""COCO images and captions -> square webdataset shards, optionally only images with a tall person.
+
+    python pipeline/01d_download_coco.py --images DIR_OR_ZIP --captions captions_train2017.json --out SHARD_DIR \\
+        [--instances instances_train2017.json --person_filter] [--min_person_height 0.55] \\
+        [--shard_size 1000] [--resolution 512] [--download_dir DIR] [--keep_archives] [--workers 8]
+
+Input: ``--images`` is a folder of ``<file_name>`` images or a zip holding ``train2017/<file_name>``,
+a local path or a URL (e.g. http://images.cocodataset.org/zips/train2017.zip). ``--captions`` and
+``--instances`` are COCO JSON files, paths or URLs (the files inside
+http://images.cocodataset.org/annotations/annotations_trainval2017.zip). The caption of an image is
+its first caption by annotation id; all its captions go into the metadata. With ``--person_filter``
+only images with a non-crowd "person" box at least ``--min_person_height`` x the image height are kept.
+
+Output: the images sorted by id, split into shards of ``--shard_size``: ``SHARD_DIR/NNNNN.tar`` holds
+images ``[N * size, (N + 1) * size)`` (``coco_{image id}.jpg`` at ``--resolution``, ``.txt``, ``.json``),
+then ``NNNNN_stats.json`` (the done marker), and ``01d_download_coco_summary.json``. A re-run skips
+finished shards (and downloads no images zip when all are done). Images without a caption, without
+a (tall enough) person, missing from the folder or zip, undecodable or truncated are skipped and
+counted by reason. Downloaded JSON files are kept in the download folder (a re-run plans its shards
+from them); a downloaded images zip is deleted once every shard is written, unless --keep_archives.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import zipfile
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path, PurePosixPath
+
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import SD_Pipeline  # noqa: E402
+
+STAGE = "01d_download_coco"
+
+log = logging.getLogger(STAGE)
+
+
+def is_url(source: str) -> bool:
+    return "://" in source and not source.startswith("file://")
+
+
+def local_path(source: str) -> Path:
+    return Path(source.removeprefix("file://"))
+
+
+def parse_args(argv):
+    parser = SD_Pipeline.StageArgumentParser(prog=Path(__file__).name, description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--images", required=True,
+                        help="folder of COCO images, or a zip of them (path or URL, e.g. "
+                             "http://images.cocodataset.org/zips/train2017.zip)")
+    parser.add_argument("--captions", required=True,
+                        help="COCO captions JSON (path or URL), e.g. captions_train2017.json")
+    parser.add_argument("--out", required=True, help="output folder for the NNNNN.tar shards")
+    parser.add_argument("--instances", default=None,
+                        help="COCO instances JSON (path or URL), e.g. instances_train2017.json; "
+                             "needed by --person_filter")
+    parser.add_argument("--person_filter", action="store_true",
+                        help="keep only images with a non-crowd person box of at least --min_person_height")
+    parser.add_argument("--min_person_height", type=float, default=0.55,
+                        help="smallest person box height, as a fraction of the image height, for --person_filter")
+    parser.add_argument("--shard_size", type=int, default=1000, help="images (before filtering) per output shard")
+    parser.add_argument("--resolution", type=int, default=512, help="side of the square output images in pixels")
+    parser.add_argument("--download_dir", default=None,
+                        help="where URL inputs are downloaded (default: OUT/_downloads)")
+    parser.add_argument("--keep_archives", action="store_true",
+                        help="keep a downloaded images zip once every shard is written (default: delete it)")
+    parser.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
+                        help="threads decoding and resizing images")
+    parser.add_argument("--retries", type=int, default=5, help="download retries on transient errors")
+    args = parser.parse_args(argv)
+    for flag in ("images", "captions", "instances"):
+        source = getattr(args, flag)
+        if source is not None and not is_url(source) and not local_path(source).exists():
+            parser.error(f"--{flag}: {source} does not exist")
+    if args.person_filter and args.instances is None:
+        parser.error("--person_filter needs --instances (the COCO instances JSON with the person boxes)")
+    if not 0 < args.min_person_height <= 1:
+        parser.error("--min_person_height must be in (0, 1]")
+    if args.shard_size < 1 or args.resolution < 8 or args.workers < 1:
+        parser.error("--shard_size and --workers must be at least 1, --resolution at least 8")
+    return args
+
+
+# ---------------------------------------------------------------------------------------------
+# Annotations
+# ---------------------------------------------------------------------------------------------
+
+
+def fetch(source: str, args) -> Path:
+    """A local path for ``source``, downloading a URL into the download folder (once)."""
+    if not is_url(source):
+        return local_path(source)
+    name = PurePosixPath(source.split("?")[0]).name
+    return SD_Pipeline.download(source, args.download_dir / name, retries=args.retries)
+
+
+def read_captions(path: Path) -> tuple[list[dict], dict[int, list[str]]]:
+    """The images sorted by id, and each image's captions in annotation-id order."""
+    coco = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(coco, dict) or "images" not in coco or "annotations" not in coco:
+        raise ValueError(f"{path} is not a COCO captions file (needs 'images' and 'annotations')")
+    images = sorted(coco["images"], key=lambda image: image["id"])
+    captions: dict[int, list[str]] = {}
+    for annotation in sorted(coco["annotations"], key=lambda a: a["id"]):
+        text = str(annotation.get("caption") or "").strip()
+        if text:
+            captions.setdefault(annotation["image_id"], []).append(text)
+    return images, captions
+
+
+def tallest_persons(path: Path) -> dict[int, float]:
+    """``image id -> height in pixels`` of its tallest non-crowd person box.
+
+    Crowd boxes cover a group of people, so their height says nothing about one full body.
+    """
+    coco = json.loads(path.read_text(encoding="utf-8"))
+    person_ids = {c["id"] for c in coco.get("categories", []) if c.get("name") == "person"}
+    if not person_ids:
+        raise ValueError(f"{path} has no 'person' category")
+    tallest: dict[int, float] = {}
+    for annotation in coco.get("annotations", []):
+        if annotation.get("category_id") in person_ids and not annotation.get("iscrowd"):
+            height = float(annotation["bbox"][3])
+            tallest[annotation["image_id"]] = max(height, tallest.get(annotation["image_id"], 0.0))
+    return tallest
+
+
+# ---------------------------------------------------------------------------------------------
+# Images
+# ---------------------------------------------------------------------------------------------
+
+
+class FolderImages:
+    """Images read from a folder by COCO file name."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+
+    def read(self, file_name: str) -> bytes | None:
+        path = self.folder / file_name
+        return path.read_bytes() if path.is_file() else None
+
+    def close(self) -> None:
+        pass
+
+
+class ZipImages:
+    """Images read from a zip (in place, never extracted) by COCO file name.
+
+    Members are indexed without their top folder, so ``train2017/x.jpg`` answers to ``x.jpg``.
+    """
+
+    def __init__(self, path: Path):
+        self.archive = zipfile.ZipFile(path)
+        self.members = {}
+        for info in self.archive.infolist():
+            if info.is_dir() or not SD_Pipeline.is_safe_member(info.filename):
+                continue
+            parts = PurePosixPath(info.filename).parts
+            self.members["/".join(parts[1:] if len(parts) > 1 else parts)] = info
+
+    def read(self, file_name: str) -> bytes | None:
+        info = self.members.get(file_name)
+        return self.archive.read(info) if info is not None else None
+
+    def close(self) -> None:
+        self.archive.close()
+
+
+def open_images(args):
+    """The image source named by --images; raises DownloadError or zipfile.BadZipFile."""
+    path = fetch(args.images, args)
+    if path.is_dir():
+        return FolderImages(path), None
+    try:
+        return ZipImages(path), (path if is_url(args.images) else None)
+    except zipfile.BadZipFile:
+        if is_url(args.images):
+            path.unlink(missing_ok=True)  # a damaged download: fetch it again next time
+        raise
+
+
+# ---------------------------------------------------------------------------------------------
+# Shards
+# ---------------------------------------------------------------------------------------------
+
+
+def person_check(image: dict, tallest: dict[int, float], min_height: float) -> tuple[str | None, float]:
+    """``(skip reason or None, tallest person height / image height)``."""
+    if image["id"] not in tallest:
+        return "no_person", 0.0
+    fraction = tallest[image["id"]] / image["height"] if image.get("height") else 0.0
+    return ("person_too_small" if fraction < min_height else None), fraction
+
+
+def shard_items(images: list[dict], captions: dict, tallest: dict | None, source, args, stats):
+    """``(key, bytes, ext, caption, metadata)`` of every usable image; the rest are counted in ``stats``."""
+    for image in images:
+        key, file_name = f"coco_{image['id']}", str(image.get("file_name", ""))
+        metadata = {"source": "coco", "image_id": image["id"], "file_name": file_name,
+                    "captions": captions.get(image["id"], [])}
+        if not metadata["captions"]:
+            stats.skip("no_caption", key)
+            continue
+        if tallest is not None:
+            reason, metadata["person_height_fraction"] = person_check(image, tallest, args.min_person_height)
+            if reason:
+                stats.skip(reason, key)
+                continue
+        ext = SD_Pipeline.image_extension(file_name)
+        if not SD_Pipeline.is_safe_member(file_name) or ext is None:
+            stats.skip("unsafe_path" if ext else "unsupported_format", key)
+            continue
+        try:
+            data = source.read(file_name)
+        except (zipfile.BadZipFile, zlib.error, EOFError) as error:  # one damaged entry in a readable zip
+            log.warning("%s: cannot read %s: %s", key, file_name, error)
+            stats.skip("unreadable_member", key)
+            continue
+        if data is None:
+            stats.skip("missing_image", key)
+            continue
+        yield key, data, ext, metadata["captions"][0], metadata
+
+
+def write_coco_shard(index: int, images: list[dict], captions: dict, tallest, source, args, pool) -> dict:
+    stats = SD_Pipeline.ShardStats()
+    items = shard_items(images, captions, tallest, source, args, stats)
+    samples = SD_Pipeline.convert_images(items, stats, pool, args.resolution, read_ahead=4 * args.workers)
+    first = images[0]["id"] if images else None
+    return SD_Pipeline.write_shard(args.out, index, samples, stats, first_image_id=first)
+
+def load_inputs(args):
+    """Images by id, captions, and the tallest person per image (None without --person_filter)."""
+    images, captions = read_captions(fetch(args.captions, args))
+    tallest = tallest_persons(fetch(args.instances, args)) if args.person_filter else None
+    return images, captions, tallest
+
+
+def write_pending(pending: list[int], images, captions, tallest, args, summary) -> None:
+    source, downloaded_zip = open_images(args)
+    try:
+        with ThreadPoolExecutor(args.workers) as pool:
+            for index in tqdm(pending, desc="COCO shards", unit="shard"):
+                chunk = images[index * args.shard_size:(index + 1) * args.shard_size]
+                summary.add(write_coco_shard(index, chunk, captions, tallest, source, args, pool))
+    finally:
+        source.close()
+    if downloaded_zip is not None and not args.keep_archives:
+        downloaded_zip.unlink(missing_ok=True)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    SD_Pipeline.setup_logging()
+    args.out = Path(args.out)
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.download_dir = Path(args.download_dir) if args.download_dir else args.out / "_downloads"
+    try:
+        images, captions, tallest = load_inputs(args)
+    except (SD_Pipeline.DownloadError, ValueError, KeyError, TypeError, OSError) as error:
+        print(f"{STAGE}: cannot read the COCO annotations: {type(error).__name__}: {error}", file=sys.stderr)
+        return 1
+    summary = SD_Pipeline.Summary(STAGE)
+    shard_count = -(-len(images) // args.shard_size)
+    pending = []
+    for index in range(shard_count):
+        if SD_Pipeline.shard_done(args.out, index):
+            summary.add_done(SD_Pipeline.shard_paths(args.out, index)[1])
+        else:
+            pending.append(index)
+    if pending:  # a finished run opens (and downloads) no images
+        try:
+            write_pending(pending, images, captions, tallest, args, summary)
+        except (SD_Pipeline.DownloadError, zipfile.BadZipFile) as error:
+            print(f"{STAGE}: cannot read the images {args.images}: {error}", file=sys.stderr)
+            return 1
+    summary.finish(args.out, images=len(images), shards=shard_count, person_filter=args.person_filter,
+                   min_person_height=args.min_person_height if args.person_filter else None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,434 @@
+"""Import a local folder of images into webdataset shards.
+
+    python pipeline/01e_import_folder.py --src DIR --out SHARD_DIR [--layout flat|metadata|template]
+
+Reads every image under ``--src`` (recursively; hidden files and folders are ignored) with its
+caption, in one of three layouts:
+
+* ``flat`` (default): ``photo.png`` + ``photo.txt`` beside it (the kohya / DreamBooth layout).
+* ``metadata``: ``photo.png`` + ``photo.json`` (or ``photo.png.json``) holding at least
+  ``{"tags": ["tag a", ...], "score": 7.5}`` (a booru-style export). The caption is built from the
+  tags: excluded, dropped, renamed, scored, bonus-weighted and optionally shuffled (see --help).
+* ``template``: every image gets ``--template`` with ``{folder}`` replaced by its parent folder's
+  name (identity datasets such as VGGFace2: ``n000001/0001_01.jpg``), optionally mapped through
+  ``--template_map``.
+
+Writes ``SHARD_DIR/NNNNN.tar`` (``key.jpg`` square at ``--resolution``, ``key.txt`` caption,
+``key.json`` metadata with the source path, the original size and, for the metadata layout, the
+final tags and score), each followed by ``NNNNN_stats.json`` (its done marker: kept and skipped
+counts by reason), and ``01e_import_folder_summary.json`` at the end.
+
+Images are sorted by relative path and cut into shards of ``--shard_size``, so a re-run skips
+finished shards and is a no-op once all are done. The key is the relative path without its
+extension, ``/`` -> ``__`` and other punctuation -> ``_`` (``sub/dir/img.01.png`` ->
+``sub__dir__img_01``); a collision or a very long path gets a short hash of the path appended.
+Bad images and captions are skipped and counted, never fatal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import math
+import os
+import random
+import re
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tqdm import tqdm  # noqa: E402
+
+import SD_Data  # noqa: E402
+import SD_Pipeline  # noqa: E402
+
+STAGE = "01e_import_folder"
+DEFAULT_TEMPLATE = "a photo of a person"
+MAX_KEY_BYTES = 80  # USTAR member names hold 100 bytes; keys carry no folder, plus ".json"
+METADATA_ONLY = ("exclude_tags", "drop_tags", "tag_map", "rename", "min_score", "tag_bonus", "score_tags",
+                 "shuffle_tags")
+TEMPLATE_ONLY = ("template", "template_map")
+
+log = logging.getLogger(STAGE)
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CaptionRules:
+    """Everything that decides a caption; its hash guards resumed shards against changed options."""
+
+    layout: str
+    default_caption: str | None
+    caption_prefix: str
+    exclude_tags: frozenset = frozenset()
+    drop_tags: frozenset = frozenset()
+    renames: dict = field(default_factory=dict)
+    min_score: float | None = None
+    tag_bonus: dict = field(default_factory=dict)
+    score_tags: bool = False
+    shuffle_tags: bool = False
+    keep_first: int = 1
+    seed: int = 0
+    template: str = DEFAULT_TEMPLATE
+    template_map: dict = field(default_factory=dict)
+
+    def fingerprint(self, **extra) -> str:
+        record = {**asdict(self), **extra}
+        text = json.dumps(record, sort_keys=True, default=sorted)  # frozensets -> sorted lists
+        return hashlib.sha1(text.encode("utf-8")).hexdigest()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = SD_Pipeline.StageArgumentParser(prog="01e_import_folder.py", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = parser.add_argument
+    add("--src", required=True, help="folder of images to import, searched recursively (required; no default)")
+    add("--out", required=True, help="output folder for NNNNN.tar + NNNNN_stats.json (required; no default)")
+    add("--layout", choices=("flat", "metadata", "template"), default="flat",
+        help="where captions come from: flat = same-name .txt, metadata = same-name .json tags, "
+             "template = --template per folder (default: %(default)s)")
+    add("--resolution", type=int, default=512, help="square output size, a multiple of 8 (default: %(default)s)")
+    add("--shard_size", type=int, default=1000, help="images per output shard (default: %(default)s)")
+    add("--max_pixels", type=int, default=SD_Data.DEFAULT_MAX_PIXELS,
+        help="skip images with more pixels than this, read from the header (default: %(default)s)")
+    add("--default_caption", default=None,
+        help="caption for images whose .txt is missing or empty, or whose tags are all removed "
+             "(flat/metadata; default: none, such images are skipped as no_caption)")
+    add("--caption_prefix", default="", help="text put first in every caption, joined with ', ' (default: none)")
+    add("--exclude_tags", action="append", default=[], metavar="A,B",
+        help="metadata: skip images carrying any of these tags; repeatable (default: none)")
+    add("--drop_tags", action="append", default=[], metavar="A,B",
+        help="metadata: remove these tags from captions, keep the image; repeatable (default: none)")
+    add("--tag_map", default=None, metavar="FILE.json",
+        help='metadata: JSON {"old tag": "new tag"} renaming tags; "" removes a tag (default: none)')
+    add("--rename", action="append", default=[], metavar="OLD=NEW",
+        help="metadata: rename one tag (overrides --tag_map; OLD= removes it); repeatable (default: none)")
+    add("--min_score", type=float, default=None,
+        help="metadata: skip images whose score plus bonuses is below this; images without a score are "
+             "then skipped as no_score (default: no threshold)")
+    add("--tag_bonus", action="append", default=[], metavar="TAG=X",
+        help="metadata: add X to the score of images carrying TAG, before --min_score; repeatable "
+             "(default: none)")
+    add("--score_tags", action="store_true",
+        help="metadata: start each caption with score_N, N = floor(score + bonuses) clamped to 0..9 (default: off)")
+    add("--shuffle_tags", action="store_true",
+        help="metadata: shuffle tag order per image, seeded by --seed and the key (default: off)")
+    add("--keep_first", type=int, default=1,
+        help="with --shuffle_tags: tags kept in place at the front (default: %(default)s)")
+    add("--seed", type=int, default=0, help="seed of --shuffle_tags (default: %(default)s)")
+    add("--template", default=None,
+        help=f"template: caption with {{folder}} = parent folder name (default: {DEFAULT_TEMPLATE!r})")
+    add("--template_map", default=None, metavar="FILE.json",
+        help='template: JSON {"folder": "name"} used for {folder}; unmapped folders keep their name (default: none)')
+    return parser
+
+
+def parse_args(argv=None) -> tuple[argparse.Namespace, CaptionRules]:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        check_values(args)
+        rules = make_rules(args)
+    except ValueError as error:
+        parser.error(str(error))
+    return args, rules
+
+
+def check_values(args) -> None:
+    if args.resolution <= 0 or args.resolution % 8:
+        raise ValueError(f"--resolution must be a positive multiple of 8, got {args.resolution}")
+    for name in ("shard_size", "max_pixels"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.keep_first < 0:
+        raise ValueError(f"--keep_first must be >= 0, got {args.keep_first}")
+    if not Path(args.src).is_dir():
+        raise ValueError(f"--src {args.src} is not a folder")
+    # Options of another layout would be silently ignored; a user who passes them expects an effect.
+    def given(name):  # 0 and "" count as given: --min_score 0 is a real threshold
+        value = getattr(args, name)
+        return value is not None and value is not False and value != []
+
+    wrong = [name for name in METADATA_ONLY if args.layout != "metadata" and given(name)]
+    wrong += [name for name in TEMPLATE_ONLY if args.layout != "template" and given(name)]
+    if args.layout == "template" and given("default_caption"):
+        wrong.append("default_caption")
+    if wrong:
+        raise ValueError(f"--{wrong[0]} does not apply to --layout {args.layout}")
+
+
+def make_rules(args) -> CaptionRules:
+    renames = load_string_map(args.tag_map, "--tag_map") if args.tag_map else {}
+    renames.update(pairs(args.rename, "--rename"))
+    bonus = {}
+    for tag, value in pairs(args.tag_bonus, "--tag_bonus").items():
+        try:
+            bonus[tag] = float(value)
+        except ValueError:
+            raise ValueError(f"--tag_bonus {tag}={value}: {value!r} is not a number") from None
+        if not math.isfinite(bonus[tag]):
+            raise ValueError(f"--tag_bonus {tag}={value} is not finite")
+    return CaptionRules(
+        layout=args.layout, default_caption=args.default_caption, caption_prefix=clean_prefix(args.caption_prefix),
+        exclude_tags=frozenset(tag_list(args.exclude_tags)), drop_tags=frozenset(tag_list(args.drop_tags)),
+        renames=renames, min_score=args.min_score, tag_bonus=bonus, score_tags=args.score_tags,
+        shuffle_tags=args.shuffle_tags, keep_first=args.keep_first, seed=args.seed,
+        template=args.template if args.template is not None else DEFAULT_TEMPLATE,
+        template_map=load_string_map(args.template_map, "--template_map") if args.template_map else {})
+
+
+def tag_list(values: list[str]) -> list[str]:
+    return [tag.strip() for value in values for tag in value.split(",") if tag.strip()]
+
+
+def pairs(values: list[str], flag: str) -> dict[str, str]:
+    result = {}
+    for value in values:
+        old, sep, new = value.rpartition("=") if flag == "--tag_bonus" else value.partition("=")
+        if not sep or not old.strip():
+            raise ValueError(f"{flag} {value!r}: expected {'TAG=X' if flag == '--tag_bonus' else 'OLD=NEW'}")
+        result[old.strip()] = new.strip()
+    return result
+
+
+def load_string_map(path: str, flag: str) -> dict[str, str]:
+    try:
+        mapping = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{flag} {path}: {error}") from None
+    if not isinstance(mapping, dict) or not all(isinstance(v, str) for v in mapping.values()):
+        raise ValueError(f'{flag} {path}: expected a JSON object of strings, {{"old": "new", ...}}')
+    return {old.strip(): new.strip() for old, new in mapping.items()}
+
+
+def clean_prefix(prefix: str) -> str:
+    # The prefix is joined with ", ", so a trailing separator the user typed would double it.
+    return prefix.strip().rstrip(",").strip()
+
+
+# ---------------------------------------------------------------------------------------------
+# Listing and keys
+# ---------------------------------------------------------------------------------------------
+
+
+def list_images(src: Path) -> list[str]:
+    """Relative POSIX paths of the images under ``src``, sorted: the order that fixes the shards.
+
+    Hidden entries are skipped: macOS ``._photo.jpg`` resource forks and ``.ipynb_checkpoints``
+    copies look like images but are not part of the dataset.
+    """
+    found = []
+    for folder, subfolders, files in os.walk(src):
+        subfolders[:] = [name for name in subfolders if not name.startswith(".")]
+        relative = Path(folder).relative_to(src)
+        found += [(relative / name).as_posix() for name in files
+                  if not name.startswith(".") and SD_Pipeline.image_extension(name)]
+    return sorted(found)
+
+
+def path_hash(rel: str) -> str:
+    return hashlib.sha1(rel.encode("utf-8")).hexdigest()[:8]
+
+
+def base_key(rel: str) -> str:
+    stem = rel.rsplit(".", 1)[0]
+    return "__".join(re.sub(r"[^\w-]", "_", part) for part in stem.split("/"))
+
+
+def make_keys(rels: list[str]) -> list[str]:
+    """One unique key per path, from the path alone (so the same file keeps its key across runs)."""
+    keys = [base_key(rel) for rel in rels]
+    seen: dict[str, int] = {}
+    for key in keys:
+        seen[key] = seen.get(key, 0) + 1
+    for i, (rel, key) in enumerate(zip(rels, keys)):
+        if seen[key] > 1 or len(key.encode("utf-8")) > MAX_KEY_BYTES:
+            short = key.encode("utf-8")[: MAX_KEY_BYTES - 10].decode("utf-8", errors="ignore")
+            keys[i] = f"{short}_{path_hash(rel)}"
+    if len(set(keys)) != len(keys):
+        raise RuntimeError("two image paths map to the same key even with a path hash")
+    return keys
+
+
+# ---------------------------------------------------------------------------------------------
+# Captions (each returns caption + metadata or raises SD_Data.ImageSkip with the reason)
+# ---------------------------------------------------------------------------------------------
+
+
+def join_caption(rules: CaptionRules, parts: list[str]) -> str:
+    return ", ".join(([rules.caption_prefix] if rules.caption_prefix else []) + parts)
+
+
+def flat_caption(src: Path, rel: str, rules: CaptionRules) -> tuple[str, dict]:
+    path = src / (rel.rsplit(".", 1)[0] + ".txt")
+    text = path.read_text(encoding="utf-8", errors="replace").strip() if path.is_file() else ""
+    text = text or rules.default_caption or ""
+    if not text:
+        raise SD_Data.ImageSkip("no_caption", f"{path.name} missing or empty")
+    return join_caption(rules, [text]), {}
+
+
+def template_caption(rel: str, rules: CaptionRules, src_name: str) -> tuple[str, dict]:
+    folder = rel.rsplit("/", 2)[-2] if "/" in rel else src_name
+    name = rules.template_map.get(folder, folder)
+    # str.replace, not str.format: a template may contain other braces.
+    return join_caption(rules, [rules.template.replace("{folder}", name)]), {"folder": folder}
+
+
+def read_tag_record(src: Path, rel: str) -> tuple[list[str], float | None]:
+    """Tags and score from ``photo.json`` or ``photo.png.json`` (both exporters exist)."""
+    stem_json, full_json = src / (rel.rsplit(".", 1)[0] + ".json"), src / (rel + ".json")
+    path = stem_json if stem_json.is_file() else full_json
+    if not path.is_file():
+        raise SD_Data.ImageSkip("no_metadata", f"{stem_json.name} missing")
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+        tags, score = record.get("tags", []), record.get("score")
+        if isinstance(tags, str):
+            tags = tags.split(",")
+        if not isinstance(tags, list) or not all(isinstance(tag, str) for tag in tags):
+            raise ValueError("tags is not a list of strings")
+        if score is not None:
+            if isinstance(score, bool):
+                raise ValueError("score is not a number")
+            score = float(score)
+            if not math.isfinite(score):
+                raise ValueError("score is not finite")
+    except (OSError, UnicodeDecodeError, ValueError, TypeError, AttributeError) as error:
+        raise SD_Data.ImageSkip("bad_metadata", f"{path.name}: {error}") from None
+    return [tag.strip() for tag in tags if tag.strip()], score
+
+
+def metadata_caption(src: Path, rel: str, key: str, rules: CaptionRules) -> tuple[str, dict]:
+    source_tags, source_score = read_tag_record(src, rel)
+    renamed = [(tag, rules.renames.get(tag, tag)) for tag in source_tags]
+    # A tag matches exclude/drop/bonus lists under its source name or its renamed one, so a user
+    # can write whichever they see.
+    names = {name for pair in renamed for name in pair}
+    if names & rules.exclude_tags:
+        raise SD_Data.ImageSkip("excluded_tag", ", ".join(sorted(names & rules.exclude_tags)))
+    score = source_score
+    if score is not None:
+        score += sum(bonus for tag, bonus in rules.tag_bonus.items() if tag in names)
+    if rules.min_score is not None and score is None:
+        raise SD_Data.ImageSkip("no_score")
+    if rules.min_score is not None and score < rules.min_score:
+        raise SD_Data.ImageSkip("low_score", f"{score} < {rules.min_score}")
+    tags = final_tags(renamed, rules, key)
+    if not tags and rules.default_caption:
+        tags = [rules.default_caption]
+    if not tags:
+        raise SD_Data.ImageSkip("no_caption", "no tags left")
+    score_tag = [f"score_{min(9, max(0, math.floor(score)))}"] if rules.score_tags and score is not None else []
+    meta = {"tags": tags, "score": score, "source_score": source_score}
+    return join_caption(rules, score_tag + tags), meta
+
+
+def final_tags(renamed: list[tuple[str, str]], rules: CaptionRules, key: str) -> list[str]:
+    tags: list[str] = []
+    for source, new in renamed:
+        if new and source not in rules.drop_tags and new not in rules.drop_tags and new not in tags:
+            tags.append(new)  # two tags renamed to one name appear once
+    if rules.shuffle_tags:
+        # Seeded by the key (a string seed is hashed with SHA-512, stable across processes), so a
+        # re-run or a resumed run writes the same caption.
+        head, tail = tags[: rules.keep_first], tags[rules.keep_first :]
+        random.Random(f"{rules.seed}/{key}").shuffle(tail)
+        tags = head + tail
+    return tags
+
+
+def caption_for(src: Path, rel: str, key: str, rules: CaptionRules) -> tuple[str, dict]:
+    if rules.layout == "metadata":
+        return metadata_caption(src, rel, key, rules)
+    if rules.layout == "template":
+        return template_caption(rel, rules, src.resolve().name)
+    return flat_caption(src, rel, rules)
+
+
+# ---------------------------------------------------------------------------------------------
+# Shards
+# ---------------------------------------------------------------------------------------------
+
+
+def import_shard(src: Path, out: Path, index: int, items: list[tuple[str, str]], rules: CaptionRules,
+                 args, fingerprints: dict, bar) -> dict:
+    stats, samples = SD_Pipeline.ShardStats(), []
+    for rel, key in items:
+        try:
+            caption, meta = caption_for(src, rel, key, rules)
+            data = (src / rel).read_bytes()
+            samples.append(SD_Pipeline.image_sample(key, data, SD_Pipeline.image_extension(rel), caption,
+                                                    args.resolution, {"source": rel, **meta}, args.max_pixels))
+        except SD_Data.ImageSkip as skip:
+            stats.skip(skip.reason, rel)
+        except OSError as error:  # unreadable file (permissions, vanished mid-run)
+            log.warning("%s: %s", rel, error)
+            stats.skip("unreadable", rel)
+        bar.update(1)
+    return SD_Pipeline.write_shard(out, index, samples, stats, **fingerprints)
+
+
+def shard_fingerprints(items: list[tuple[str, str]], rules: CaptionRules, args) -> dict:
+    sources = hashlib.sha1("\n".join(rel for rel, _ in items).encode("utf-8")).hexdigest()
+    return {"sources_sha1": sources,
+            "options_sha1": rules.fingerprint(resolution=args.resolution, max_pixels=args.max_pixels)}
+
+
+def check_done_shards(out: Path, plan: list[list[tuple[str, str]]], rules: CaptionRules, args) -> str | None:
+    """Why finished shards in ``out`` do not match this run (changed folder or options), or None.
+
+    Skipping them anyway would mix two imports in one dataset, or miss and duplicate images.
+    """
+    for stats_path in sorted(out.glob("[0-9][0-9][0-9][0-9][0-9]_stats.json")):
+        index = int(stats_path.name[:5])
+        if index >= len(plan):
+            return f"{stats_path} is beyond the {len(plan)} shards this folder makes now"
+        record = json.loads(stats_path.read_text())
+        expected = shard_fingerprints(plan[index], rules, args)
+        for name, value in expected.items():
+            if record.get(name) != value:
+                changed = "images under --src" if name == "sources_sha1" else "options"
+                return f"shard {index:05d} in {out} was written from different {changed}"
+    return None
+
+
+def main(argv=None) -> int:
+    args, rules = parse_args(argv)
+    SD_Pipeline.setup_logging()
+    src, out = Path(args.src), Path(args.out)
+    rels = list_images(src)
+    if not rels:  # most likely a wrong --src; an empty dataset is never what was meant
+        print(f"01e_import_folder.py: no images ({', '.join(SD_Data.IMAGE_EXTENSIONS)}) under {src}", file=sys.stderr)
+        return 2
+    items = list(zip(rels, make_keys(rels)))
+    plan = [items[i : i + args.shard_size] for i in range(0, len(items), args.shard_size)]
+    out.mkdir(parents=True, exist_ok=True)
+    problem = check_done_shards(out, plan, rules, args)
+    if problem:
+        print(f"01e_import_folder.py: {problem}; use a fresh --out", file=sys.stderr)
+        return 2
+    log.info("%d images under %s -> %d shards of up to %d", len(items), src, len(plan), args.shard_size)
+    summary = SD_Pipeline.Summary(STAGE)
+    todo = [i for i in range(len(plan)) if not SD_Pipeline.shard_done(out, i)]
+    for index in sorted(set(range(len(plan))) - set(todo)):
+        summary.add_done(SD_Pipeline.shard_paths(out, index)[1])
+    with tqdm(total=sum(len(plan[i]) for i in todo), unit="img", desc=STAGE) as bar:
+        for index in todo:
+            record = import_shard(src, out, index, plan[index], rules, args,
+                                  shard_fingerprints(plan[index], rules, args), bar)
+            summary.add(record)
+    summary.finish(out, layout=args.layout, source=str(src.resolve()), images=len(items))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

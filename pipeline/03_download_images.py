@@ -1,0 +1,171 @@
+"""Download the images of filtered LAION metadata with img2dataset into square webdataset shards.
+
+    python pipeline/03_download_images.py --input DIR --out SHARD_DIR [--resolution 512] [--processes 4] \\
+        [--threads 16] [--url_col URL] [--caption_col TEXT] [--shard_size 10000] [--timeout 10] [--retries 2]
+
+Input: the parquet files of 02_filter_metadata.py (a folder, or one file). URL and caption columns are
+detected as in stage 02 unless given; the score columns present (aesthetic, similarity, watermark,
+NSFW) are copied into every sample's JSON.
+
+Output (written by img2dataset): ``SHARD_DIR/NNNNN.tar`` (``key.jpg`` centre-cropped to
+``--resolution``, ``key.txt`` the caption, ``key.json`` the metadata), ``NNNNN.parquet`` and
+``NNNNN_stats.json``, the shard's done marker; then ``03_download_images_summary.json`` with the
+successes and the failures by img2dataset's reason. img2dataset runs in incremental mode, so a re-run
+downloads only unfinished shards (and when all are finished it is not started at all). Sites whose
+``X-Robots-Tag`` header says noai/noimageai/noindex/noimageindex are skipped, img2dataset's default.
+Exits 1 when a shard is still unfinished after img2dataset's own retries: run the same command again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import re
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import SD_Pipeline  # noqa: E402
+
+STAGE = "03_download_images"
+SUMMARY_NAME = f"{STAGE}_summary.json"
+SCORE_ROLES = ("aesthetic", "similarity", "watermark", "nsfw")
+# Columns img2dataset writes itself and refuses in save_additional_columns (img2dataset/main.py).
+IMG2DATASET_RESERVED = {"key", "caption", "url", "width", "height", "original_width", "original_height",
+                        "status", "error_message", "exif", "md5", "sha256", "sha512"}
+SHARD_DIGITS = 5  # img2dataset's oom_shard_count default: NNNNN.tar
+log = logging.getLogger(STAGE)
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--input", required=True, help="folder of filtered parquet files (or one parquet file)")
+    parser.add_argument("--out", required=True, help="output folder for the NNNNN.tar shards")
+    parser.add_argument("--resolution", type=int, default=512, help="side of the square (centre-cropped) images in px")
+    parser.add_argument("--processes", type=int, default=4, help="img2dataset download processes")
+    parser.add_argument("--threads", type=int, default=16, help="download threads per process")
+    parser.add_argument("--url_col", default=None, help="URL column; None = detected as in stage 02 (URL|url)")
+    parser.add_argument("--caption_col", default=None,
+                        help="caption column; None = detected as in stage 02 (TEXT|caption|text)")
+    parser.add_argument("--shard_size", type=int, default=10000, help="samples per output shard")
+    parser.add_argument("--timeout", type=int, default=10, help="seconds before one image download is abandoned")
+    parser.add_argument("--retries", type=int, default=2, help="extra tries for a failed image download")
+    args = parser.parse_args(argv)
+    if min(args.resolution, args.processes, args.threads, args.shard_size, args.timeout) < 1 or args.retries < 0:
+        parser.error("--resolution, --processes, --threads, --shard_size and --timeout must be >= 1, --retries >= 0")
+    return args
+
+
+def input_files(source: Path) -> list[Path]:
+    """The files img2dataset will read, in its order (it sorts the folder's *.parquet)."""
+    if source.is_dir():
+        return sorted(source.glob("*.parquet"))
+    return [source] if source.suffix == ".parquet" and source.is_file() else []
+
+
+def detect_columns(files: list[Path], args) -> tuple[str, str, list[str]]:
+    """URL column, caption column and the score columns to keep; the same names in every file, since
+    img2dataset takes one name per role for all of them. Raises SD_Pipeline.UsageError."""
+    overrides = {"url": args.url_col, "caption": args.caption_col}
+    found = set()
+    for path in files:
+        names = pq.read_schema(path).names
+        columns = SD_Pipeline.detect_columns(path, names, overrides)
+        scores = tuple(columns[role] for role in SCORE_ROLES if columns[role] not in (None, *IMG2DATASET_RESERVED))
+        found.add((columns["url"], columns["caption"], scores))
+    if len(found) > 1:
+        raise SD_Pipeline.UsageError(f"the input files name their columns differently ({sorted(found)}); "
+                                 "download them in separate runs")
+    url, caption, scores = found.pop()
+    return url, caption, list(scores)
+
+
+def check_output_folder(out: Path) -> None:
+    """img2dataset reads every OUT/*.json as a done marker named by the number before its first '_'."""
+    for path in out.glob("*.json") if out.is_dir() else []:
+        if path.name != SUMMARY_NAME and not re.fullmatch(r"\d+_.*\.json", path.name):
+            raise ValueError(f"{path} would be taken for a shard's done marker by img2dataset; move it away")
+
+
+def expected_shards(files: list[Path], shard_size: int) -> list[int]:
+    """The shard numbers img2dataset gives these inputs: each file ceil(rows / shard_size), numbered on."""
+    total = sum(math.ceil(pq.ParquetFile(path).metadata.num_rows / shard_size) for path in files)
+    return list(range(total))
+
+
+def stats_path(out: Path, shard: int) -> Path:
+    return out / f"{shard:0{SHARD_DIGITS}d}_stats.json"
+
+
+def run_img2dataset(args, url_col: str, caption_col: str, scores: list[str]) -> None:
+    # Its import pulls in albumentations, which otherwise asks the network for a newer version.
+    os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
+    from img2dataset import download
+
+    download(
+        url_list=str(args.input), input_format="parquet", url_col=url_col, caption_col=caption_col,
+        save_additional_columns=scores or None, output_folder=str(args.out), output_format="webdataset",
+        image_size=args.resolution, resize_mode="center_crop", encode_format="jpg", encode_quality=95,
+        processes_count=args.processes, thread_count=args.threads, number_sample_per_shard=args.shard_size,
+        timeout=args.timeout, retries=args.retries, incremental_mode="incremental", enable_wandb=False,
+    )
+
+
+def summarize(out: Path, shards: list[int], done_before: set[int]) -> dict:
+    """Add up img2dataset's per-shard stats: successes, and failures by its status message."""
+    summary = SD_Pipeline.Summary(STAGE)
+    missing, failed_to_download, failed_to_resize = [], 0, 0
+    for shard in shards:
+        path = stats_path(out, shard)
+        if not path.exists():
+            missing.append(shard)
+            continue
+        stats = json.loads(path.read_text())
+        summary.kept += stats["successes"]
+        summary.dropped.update({reason: n for reason, n in stats["status_dict"].items() if reason != "success"})
+        failed_to_download += stats["failed_to_download"]
+        failed_to_resize += stats["failed_to_resize"]
+    summary.shards_skipped = len(done_before)
+    summary.shards_written = len(shards) - len(done_before) - len(missing)
+    return summary.finish(out, failed_to_download=failed_to_download, failed_to_resize=failed_to_resize,
+                          shards_unfinished=missing)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    SD_Pipeline.setup_logging()
+    args.input, args.out = Path(args.input), Path(args.out)
+    files = input_files(args.input)
+    try:
+        if not files:
+            raise ValueError(f"no parquet files at {args.input}")
+        url_col, caption_col, scores = detect_columns(files, args)
+        check_output_folder(args.out)
+    except Exception as error:  # a usage problem (stage 02's UsageError, ValueError) or an unreadable input
+        print(f"{STAGE}.py: {error}", file=sys.stderr)
+        return 2
+    shards = expected_shards(files, args.shard_size)
+    done_before = {shard for shard in shards if stats_path(args.out, shard).exists()}
+    # The summary is a *.json in the shard folder: img2dataset would read "03_..." as shard 3 done.
+    (args.out / SUMMARY_NAME).unlink(missing_ok=True)
+    if len(done_before) < len(shards):
+        log.info("downloading %d of %d shards (url %s, caption %s, extra %s)", len(shards) - len(done_before),
+                 len(shards), url_col, caption_col, scores)
+        run_img2dataset(args, url_col, caption_col, scores)
+    record = summarize(args.out, shards, done_before)
+    if record["shards_unfinished"]:
+        print(f"{STAGE}.py: shards {record['shards_unfinished']} did not finish; run the same command again",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,422 @@
+"""pipeline/01e_import_folder.py: local folders (flat, metadata, template layouts) -> image shards."""
+
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import SD_Data
+from shard_factory import image_bytes, random_image
+from stage_loader import ROOT, load_stage
+
+stage = load_stage("01e_import_folder")
+RES = ["--resolution", "64"]
+
+
+def write_image(path: Path, rng, width: int, height: int, fmt: str = "PNG") -> bytes:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = image_bytes(random_image(rng, height, width), fmt)
+    path.write_bytes(data)
+    return data
+
+
+def write_tags(path: Path, tags, score=None) -> None:
+    record = {"tags": tags, "id": 1}
+    if score is not None:
+        record["score"] = score
+    path.write_text(json.dumps(record))
+
+
+def read_output(out: Path) -> dict[str, dict]:
+    """key -> caption, metadata, decoded image size and shard name, in shard order."""
+    samples = {}
+    for tar in sorted(out.glob("*.tar")):
+        shard, truncated = SD_Data.read_shard(tar.read_bytes())
+        assert truncated is None
+        for sample in shard:
+            size = Image.open(io.BytesIO(sample.image)).size
+            samples[sample.key] = {"caption": sample.caption, "meta": json.loads(sample.metadata),
+                                   "size": size, "ext": sample.image_ext, "shard": tar.name}
+    return samples
+
+
+def stats(out: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(out.glob("*_stats.json"))]
+
+
+def summary(out: Path) -> dict:
+    return json.loads((out / "01e_import_folder_summary.json").read_text())
+
+
+# ---------------------------------------------------------------------------------------------
+# flat layout
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def flat_src(tmp_path_factory):
+    src = tmp_path_factory.mktemp("flat")
+    rng = np.random.default_rng(0)
+    write_image(src / "one.png", rng, 96, 64)
+    (src / "one.txt").write_text("a red square\n")
+    write_image(src / "two.jpg", rng, 64, 64, "JPEG")
+    (src / "two.txt").write_text("   \n")  # empty caption
+    write_image(src / "three.png", rng, 64, 80)  # no caption file
+    write_image(src / "nested" / "deeper" / "img.01.png", rng, 70, 100)
+    (src / "nested" / "deeper" / "img.01.txt").write_text("nested caption")
+    write_image(src / "big.png", rng, 300, 200)  # 60000 pixels, over --max_pixels 50000
+    (src / "big.txt").write_text("too big")
+    jpeg = image_bytes(random_image(rng, 64, 64), "JPEG")
+    (src / "broken.jpg").write_bytes(jpeg[: len(jpeg) // 2])
+    (src / "broken.txt").write_text("cut off")
+    write_image(src / ".hidden.png", rng, 64, 64)  # ignored: hidden
+    write_image(src / ".ipynb_checkpoints" / "one-checkpoint.png", rng, 64, 64)  # ignored: hidden folder
+    (src / "notes.md").write_text("not an image")
+    return src
+
+
+@pytest.fixture(scope="module")
+def flat_run(flat_src, tmp_path_factory):
+    out = tmp_path_factory.mktemp("flat_out") / "shards"
+    argv = ["--src", str(flat_src), "--out", str(out), "--shard_size", "2", "--max_pixels", "50000", *RES]
+    assert stage.main(argv) == 0
+    return out, argv
+
+
+def test_flat_layout_captions_keys_and_sizes(flat_run):
+    out, _ = flat_run
+    samples = read_output(out)
+    assert list(samples) == ["nested__deeper__img_01", "one"]
+    assert samples["one"]["caption"] == "a red square"
+    assert samples["nested__deeper__img_01"]["caption"] == "nested caption"
+    assert all(s["size"] == (64, 64) and s["ext"] == "jpg" for s in samples.values())
+    meta = samples["one"]["meta"]
+    assert (meta["source"], meta["original_width"], meta["original_height"]) == ("one.png", 96, 64)
+    assert samples["nested__deeper__img_01"]["meta"]["source"] == "nested/deeper/img.01.png"
+    assert samples["nested__deeper__img_01"]["meta"]["original_height"] == 100
+
+
+def test_flat_layout_shard_split_and_skip_counts(flat_run):
+    out, _ = flat_run
+    # Sorted paths: big, broken | nested/deeper/img.01, one | three, two (.hidden.png ignored).
+    assert sorted(p.name for p in out.glob("*.tar")) == ["00000.tar", "00001.tar", "00002.tar"]
+    records = stats(out)
+    assert [(r["count"], r["successes"], r["failed"]) for r in records] == [
+        (2, 0, {"too_large": 1, "truncated_image": 1}),
+        (2, 2, {}),
+        (2, 0, {"no_caption": 2}),
+    ]
+    assert records[0]["examples"] == {"too_large": ["big.png"], "truncated_image": ["broken.jpg"]}
+    assert records[2]["examples"] == {"no_caption": ["three.png", "two.jpg"]}
+    assert read_output(out)["one"]["shard"] == "00001.tar"
+    total = summary(out)
+    assert total["kept"] == 2 and total["images"] == 6
+    assert total["dropped"] == {"no_caption": 2, "too_large": 1, "truncated_image": 1}
+    assert total["shards_written"] == 3
+
+
+def test_rerun_is_a_noop(flat_run):
+    out, argv = flat_run
+    files = sorted(p for p in out.iterdir() if not p.name.endswith("_summary.json"))
+    before = {p.name: p.stat().st_mtime_ns for p in files}
+    assert stage.main(argv) == 0
+    assert {p.name: p.stat().st_mtime_ns for p in sorted(out.iterdir()) if p in files} == before
+    assert sorted(p.name for p in out.iterdir()) == sorted(before) + ["01e_import_folder_summary.json"]
+    total = summary(out)
+    assert (total["shards_written"], total["shards_already_done"], total["kept"]) == (0, 3, 2)
+    assert total["dropped"] == {"no_caption": 2, "too_large": 1, "truncated_image": 1}
+
+
+def test_a_rerun_with_other_options_into_the_same_folder_is_refused(flat_run, capsys):
+    out, argv = flat_run
+    assert stage.main([*argv, "--default_caption", "a photo"]) == 2
+    assert "different options" in capsys.readouterr().err
+
+
+def test_interrupted_run_resumes_only_missing_shards(flat_src, tmp_path):
+    out = tmp_path / "shards"
+    argv = ["--src", str(flat_src), "--out", str(out), "--shard_size", "2", "--max_pixels", "50000", *RES]
+    assert stage.main(argv) == 0
+    (out / "00001_stats.json").unlink()  # as if killed between the tar and its done marker
+    kept_tar = (out / "00000.tar").stat().st_mtime_ns
+    assert stage.main(argv) == 0
+    total = summary(out)
+    assert (total["shards_written"], total["shards_already_done"], total["kept"]) == (1, 2, 2)
+    assert (out / "00000.tar").stat().st_mtime_ns == kept_tar
+    assert list(read_output(out)) == ["nested__deeper__img_01", "one"]
+
+
+def test_default_caption_fills_missing_and_empty_captions(flat_src, tmp_path):
+    out = tmp_path / "shards"
+    assert stage.main(["--src", str(flat_src), "--out", str(out), "--default_caption", "a photo",
+                       "--caption_prefix", "sks, ", *RES]) == 0
+    samples = read_output(out)
+    assert {key: s["caption"] for key, s in samples.items()} == {
+        "big": "sks, too big", "nested__deeper__img_01": "sks, nested caption", "one": "sks, a red square",
+        "three": "sks, a photo", "two": "sks, a photo"}
+    assert summary(out)["dropped"] == {"truncated_image": 1}
+    assert samples["big"]["meta"]["original_width"] == 300
+
+
+# ---------------------------------------------------------------------------------------------
+# metadata layout
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def meta_src(tmp_path_factory):
+    src = tmp_path_factory.mktemp("meta")
+    rng = np.random.default_rng(1)
+    write_image(src / "a.png", rng, 64, 96)
+    write_tags(src / "a.json", ["1girl", "solo", "red hair", "smile", "watermark"], 7.5)
+    write_image(src / "b.jpg", rng, 64, 64, "JPEG")
+    write_tags(src / "b.json", ["1boy", "gore"], 9)
+    write_image(src / "c.png", rng, 64, 64)
+    write_tags(src / "c.json", ["cat"], 3.0)
+    write_image(src / "d.png", rng, 64, 64)
+    write_tags(src / "d.json", ["dog", "masterpiece"], 3.0)  # rescued: 3 + 3 bonus = 6
+    write_image(src / "e.png", rng, 64, 64)
+    write_tags(src / "e.json", ["tree"])  # no score
+    png = image_bytes(random_image(rng, 64, 64), "PNG")
+    (src / "g.png").write_bytes(png[: len(png) // 2])
+    write_tags(src / "g.json", ["x"], 8)
+    (src / "h.jpg").write_bytes(b"this is not a jpeg" * 10 + b"\xff\xd9")
+    write_tags(src / "h.json", ["y"], 8)
+    write_image(src / "i.png", rng, 64, 64)  # no metadata file
+    write_image(src / "j.png", rng, 64, 64)
+    write_tags(src / "j.png.json", ["bird", "gore_free"], 5)  # exactly --min_score; gallery-dl naming
+    write_image(src / "sub" / "f.png", rng, 128, 64)
+    write_tags(src / "sub" / "f.json", ["sky", "long hair", "long_hair"], 12)  # score_9 (clamped)
+    write_image(src / "k.png", rng, 64, 64)
+    write_tags(src / "k.json", ["watermark", "solo"], 8)  # no tag left after the map and --drop_tags
+    (src / "tag_map.json").write_text(json.dumps({"red hair": "redhead", "watermark": "", "long hair": "long_hair"}))
+    return src
+
+
+META_FLAGS = ["--layout", "metadata", "--exclude_tags", "gore", "--drop_tags", "solo", "--rename", "smile=smiling",
+              "--min_score", "5", "--tag_bonus", "masterpiece=3", "--score_tags", "--shard_size", "4"]
+
+
+@pytest.fixture(scope="module")
+def meta_run(meta_src, tmp_path_factory):
+    out = tmp_path_factory.mktemp("meta_out") / "shards"
+    argv = ["--src", str(meta_src), "--out", str(out), "--tag_map", str(meta_src / "tag_map.json"),
+            *META_FLAGS, *RES]
+    assert stage.main(argv) == 0
+    return out
+
+
+def test_metadata_layout_builds_captions_from_tags(meta_run):
+    samples = read_output(meta_run)
+    assert {key: s["caption"] for key, s in samples.items()} == {
+        "a": "score_7, 1girl, redhead, smiling",  # solo dropped, watermark mapped to "", both renamed
+        "d": "score_6, dog, masterpiece",  # 3.0 + bonus 3 passes --min_score 5
+        "j": "score_5, bird, gore_free",  # only the whole tag "gore" excludes
+        "sub__f": "score_9, sky, long_hair",  # "long hair" renamed onto a tag it already has: once
+    }
+    assert all(s["size"] == (64, 64) for s in samples.values())
+    meta = samples["a"]["meta"]
+    assert meta["tags"] == ["1girl", "redhead", "smiling"] and meta["score"] == 7.5
+    assert (meta["source"], meta["original_width"], meta["original_height"]) == ("a.png", 64, 96)
+    assert (samples["d"]["meta"]["score"], samples["d"]["meta"]["source_score"]) == (6.0, 3.0)
+    assert samples["sub__f"]["meta"]["source"] == "sub/f.png"
+
+
+def test_metadata_layout_skip_reasons(meta_run):
+    # Sorted: a b c d | e g h i | j k sub/f
+    records = stats(meta_run)
+    assert [(r["successes"], r["failed"]) for r in records] == [
+        (2, {"excluded_tag": 1, "low_score": 1}),
+        (0, {"no_metadata": 1, "no_score": 1, "truncated_image": 1, "undecodable": 1}),
+        (2, {"no_caption": 1}),
+    ]
+    assert records[0]["examples"] == {"excluded_tag": ["b.jpg"], "low_score": ["c.png"]}
+    assert records[1]["examples"]["no_score"] == ["e.png"]
+    total = summary(meta_run)
+    assert total["kept"] == 4 and total["layout"] == "metadata"
+    assert total["dropped"] == {"excluded_tag": 1, "low_score": 1, "no_caption": 1, "no_metadata": 1,
+                                "no_score": 1, "truncated_image": 1, "undecodable": 1}
+
+
+def test_without_a_bonus_the_low_score_image_is_dropped(meta_src, tmp_path):
+    out = tmp_path / "shards"
+    flags = [f for f in META_FLAGS if f not in ("--tag_bonus", "masterpiece=3")]
+    assert stage.main(["--src", str(meta_src), "--out", str(out), *flags, *RES]) == 0
+    assert summary(out)["dropped"]["low_score"] == 2
+    assert "d" not in read_output(out)
+    # Without the tag map, tags keep their source names (but --rename still applies).
+    assert read_output(out)["a"]["caption"] == "score_7, 1girl, red hair, smiling, watermark"
+
+
+def test_default_caption_replaces_an_empty_tag_list(meta_src, tmp_path):
+    out = tmp_path / "shards"
+    assert stage.main(["--src", str(meta_src), "--out", str(out), "--layout", "metadata", "--drop_tags", "solo",
+                       "--tag_map", str(meta_src / "tag_map.json"), "--default_caption", "anime picture", *RES]) == 0
+    samples = read_output(out)
+    assert samples["k"]["caption"] == "anime picture" and samples["k"]["meta"]["tags"] == ["anime picture"]
+    assert samples["b"]["caption"] == "1boy, gore"
+    assert summary(out)["dropped"] == {"no_metadata": 1, "truncated_image": 1, "undecodable": 1}
+
+
+@pytest.fixture(scope="module")
+def shuffle_src(tmp_path_factory):
+    src = tmp_path_factory.mktemp("shuffle")
+    rng = np.random.default_rng(2)
+    write_image(src / "p.png", rng, 64, 64)
+    write_tags(src / "p.json", ["first", "second"] + [f"t{i}" for i in range(8)], -1.5)
+    write_image(src / "q.png", rng, 64, 64)
+    write_tags(src / "q.json", ["first", "second"] + [f"t{i}" for i in range(8)], -1.5)
+    return src
+
+
+TAGS = ["first", "second"] + [f"t{i}" for i in range(8)]
+
+
+def shuffled_caption(src: Path, out: Path, *flags) -> str:
+    assert stage.main(["--src", str(src), "--out", str(out), "--layout", "metadata", "--score_tags",
+                       "--caption_prefix", "masterpiece", *flags, *RES]) == 0
+    return read_output(out)["p"]["caption"]
+
+
+def test_shuffled_tags_are_stable_across_runs_and_keep_the_first(shuffle_src, tmp_path):
+    plain = shuffled_caption(shuffle_src, tmp_path / "plain")
+    assert plain == "masterpiece, score_0, " + ", ".join(TAGS)  # score -1.5 clamps to score_0
+    one = shuffled_caption(shuffle_src, tmp_path / "one", "--shuffle_tags")
+    two = shuffled_caption(shuffle_src, tmp_path / "two", "--shuffle_tags")
+    assert one == two and one != plain
+    assert one.startswith("masterpiece, score_0, first, ")
+    assert sorted(one.split(", ")[2:]) == sorted(TAGS)
+    kept_two = shuffled_caption(shuffle_src, tmp_path / "k2", "--shuffle_tags", "--keep_first", "2")
+    assert kept_two.startswith("masterpiece, score_0, first, second, ") and kept_two != plain
+    other_seed = shuffled_caption(shuffle_src, tmp_path / "s1", "--shuffle_tags", "--seed", "1")
+    assert other_seed != one and sorted(other_seed.split(", ")) == sorted(one.split(", "))
+    assert read_output(tmp_path / "one")["p"]["meta"]["tags"] == one.split(", ")[2:]
+    # Seeded per key: two images with the same tags get different orders.
+    assert read_output(tmp_path / "one")["q"]["caption"] != one
+
+
+def test_score_tag_omitted_and_no_score_kept_without_min_score(meta_src, tmp_path):
+    out = tmp_path / "shards"
+    assert stage.main(["--src", str(meta_src), "--out", str(out), "--layout", "metadata", "--score_tags", *RES]) == 0
+    samples = read_output(out)
+    assert samples["e"]["caption"] == "tree"
+    assert samples["b"]["caption"] == "score_9, 1boy, gore"
+    assert samples["c"]["caption"] == "score_3, cat"
+
+
+# ---------------------------------------------------------------------------------------------
+# template layout
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def faces_src(tmp_path_factory):
+    src = tmp_path_factory.mktemp("root") / "faces"
+    rng = np.random.default_rng(3)
+    write_image(src / "n000001" / "0001_01.jpg", rng, 80, 100, "JPEG")
+    write_image(src / "n000001" / "0002_01.jpg", rng, 80, 100, "JPEG")
+    write_image(src / "n000002" / "0001_01.jpg", rng, 90, 90, "JPEG")
+    write_image(src / "loose.png", rng, 64, 64)
+    (src.parent / "names.json").write_text(json.dumps({"n000001": "Alice Smith"}))
+    return src
+
+
+def test_template_layout_uses_folder_names_and_the_map(faces_src, tmp_path):
+    out = tmp_path / "shards"
+    assert stage.main(["--src", str(faces_src), "--out", str(out), "--layout", "template",
+                       "--template", "a photo of {folder}", "--template_map", str(faces_src.parent / "names.json"),
+                       *RES]) == 0
+    samples = read_output(out)
+    assert {key: s["caption"] for key, s in samples.items()} == {
+        "loose": "a photo of faces",  # at the top level the folder is --src itself
+        "n000001__0001_01": "a photo of Alice Smith",
+        "n000001__0002_01": "a photo of Alice Smith",
+        "n000002__0001_01": "a photo of n000002",
+    }
+    assert samples["n000001__0001_01"]["meta"]["folder"] == "n000001"
+    assert samples["n000002__0001_01"]["meta"]["original_width"] == 90
+    assert all(s["size"] == (64, 64) for s in samples.values())
+
+
+def test_template_layout_default_template(faces_src, tmp_path):
+    out = tmp_path / "shards"
+    assert stage.main(["--src", str(faces_src), "--out", str(out), "--layout", "template", *RES]) == 0
+    assert {s["caption"] for s in read_output(out).values()} == {"a photo of a person"}
+    assert summary(out)["kept"] == 4 and summary(out)["dropped"] == {}
+
+
+# ---------------------------------------------------------------------------------------------
+# keys and the command line
+# ---------------------------------------------------------------------------------------------
+
+
+def test_keys_are_unique_dotless_and_short():
+    long = "x" * 150 + ".png"
+    rels = ["a/b.png", "a/b.jpg", "a_b.png", "sub/dir/img.01.png", "é t.png", long]
+    keys = stage.make_keys(rels)
+    assert keys[2:5] == ["a_b", "sub__dir__img_01", "é_t"]
+    assert keys[0].startswith("a__b_") and keys[1].startswith("a__b_") and keys[0] != keys[1]
+    assert len(keys[5].encode()) <= stage.MAX_KEY_BYTES and keys[5].startswith("x" * 60)
+    assert len(set(keys)) == len(keys) and not any("." in k or "/" in k for k in keys)
+    assert stage.make_keys(rels) == keys
+
+
+def bad_tag_map(tmp_path):
+    (tmp_path / "bad.json").write_text("{not json")
+    return str(tmp_path / "bad.json")
+
+
+@pytest.mark.parametrize("flags, message", [
+    ([], "--src"),
+    (["--resolution", "60"], "multiple of 8"),
+    (["--shard_size", "0"], "--shard_size must be >= 1"),
+    (["--layout", "metadata", "--tag_map", "BAD"], "bad.json"),
+    (["--layout", "metadata", "--tag_map", "MISSING"], "missing.json"),
+    (["--layout", "metadata", "--rename", "nothing"], "OLD=NEW"),
+    (["--layout", "metadata", "--tag_bonus", "x=abc"], "is not a number"),
+    (["--exclude_tags", "a"], "--exclude_tags does not apply to --layout flat"),
+    (["--min_score", "0"], "--min_score does not apply"),
+    (["--layout", "metadata", "--template", "x"], "--template does not apply"),
+    (["--layout", "template", "--template_map", "BAD"], "bad.json"),
+    (["--layout", "metadata", "--keep_first", "-1"], "--keep_first"),
+])
+def test_bad_command_lines_exit_2_with_one_line_before_any_work(tmp_path, capsys, flags, message):
+    flags = [bad_tag_map(tmp_path) if f == "BAD" else str(tmp_path / "missing.json") if f == "MISSING" else f
+             for f in flags]
+    src = [] if not flags else ["--src", str(tmp_path)]
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_info:
+        stage.main([*src, "--out", str(out), *flags])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+    assert not out.exists()
+
+
+def test_missing_or_imageless_src_folder_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        stage.main(["--src", str(tmp_path / "nope"), "--out", str(tmp_path / "out")])
+    assert exit_info.value.code == 2 and "is not a folder" in capsys.readouterr().err
+    (tmp_path / "notes.txt").write_text("no images here")
+    assert stage.main(["--src", str(tmp_path), "--out", str(tmp_path / "out")]) == 2
+    assert "no images" in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+def test_help_lists_every_flag_with_its_default():
+    result = subprocess.run([sys.executable, "pipeline/01e_import_folder.py", "--help"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0
+    flags = ["--src", "--out", "--layout", "--resolution", "--shard_size", "--max_pixels", "--default_caption",
+             "--caption_prefix", "--exclude_tags", "--drop_tags", "--tag_map", "--rename", "--min_score",
+             "--tag_bonus", "--score_tags", "--shuffle_tags", "--keep_first", "--seed", "--template",
+             "--template_map"]
+    for flag in flags:
+        assert f"  {flag}" in result.stdout, flag
+    for action in stage.build_parser()._actions:
+        if action.dest != "help":
+            assert "default" in action.help, action.dest

@@ -1,0 +1,394 @@
+"""The LAION stages: 01 metadata download/copy, 02 metadata filter, 03 img2dataset image download."""
+
+import inspect
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import SD_Data
+from http_server import LoopbackServer
+from shard_factory import image_bytes, random_image
+from stage_loader import load_stage
+
+ROOT = Path(__file__).resolve().parents[1]
+stage01 = load_stage("01_download_metadata")
+stage02 = load_stage("02_filter_metadata")
+stage03 = load_stage("03_download_images")
+
+
+def laion_row(url, text, width=600, height=700, aesthetic=7.0, similarity=0.31, pwatermark=0.1, punsafe=0.1):
+    """One row with the column names of laion/laion2B-en-aesthetic."""
+    return {"URL": url, "TEXT": text, "WIDTH": width, "HEIGHT": height, "similarity": similarity,
+            "hash": 123, "punsafe": punsafe, "pwatermark": pwatermark, "aesthetic": aesthetic}
+
+
+def write_parquet(path: Path, rows: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+# Each drop reason occurs a known number of times; comments name the first failing check.
+LAION_FILE_0 = [
+    laion_row("http://x/1", "a cat"),                                      # kept
+    laion_row("http://x/2", "a dog"),                                      # kept
+    laion_row(None, "no url"),                                             # missing_url_or_caption
+    laion_row("http://x/4", "   "),                                        # missing_url_or_caption
+    laion_row("http://x/5", "ugly", aesthetic=6.4, similarity=0.1),        # low_aesthetic (first of two)
+    laion_row("http://x/6", "unscored", aesthetic=None),                   # low_aesthetic (a null fails)
+    laion_row("http://x/7", "off topic", similarity=0.27),                 # low_similarity
+    laion_row("http://x/8", "narrow", width=511),                          # too_small
+    laion_row("http://x/9", "flat", height=300, pwatermark=0.9),           # too_small (before watermark)
+    laion_row("http://x/10", "stock", pwatermark=0.5),                     # watermark (keep only < 0.5)
+    laion_row("http://x/11", "unsafe", punsafe=0.5),                       # nsfw (keep only < 0.5)
+    laion_row("http://x/1", "same url, other caption"),                    # duplicate_url
+    laion_row("http://x/13", "a dog"),                                     # duplicate_caption_size (600x700)
+    laion_row("http://x/14", "a dog", width=800),                          # kept: same caption, other size
+    laion_row("http://x/5", "the url of a dropped row"),                   # kept: row 5 was not kept
+    laion_row("http://x/16", "edge", 512, 512, 6.5, 0.28, 0.49, 0.49),     # kept: every threshold's edge
+]
+LAION_FILE_1 = [
+    laion_row("http://x/2", "a dog again"),                                # duplicate_url (across files)
+    laion_row("http://x/20", "a cat"),                                     # duplicate_caption_size (across files)
+    laion_row("http://x/21", "a bird"),                                    # kept
+    laion_row("http://x/22", "nsfw", punsafe=0.9),                         # nsfw
+    laion_row("http://x/23", "a fish", aesthetic=8.0),                     # kept
+]
+PHASE1_DROPPED = {"missing_url_or_caption": 2, "low_aesthetic": 2, "low_similarity": 1, "too_small": 2,
+                  "watermark": 1, "nsfw": 2, "duplicate_url": 2, "duplicate_caption_size": 2}
+
+
+def laion_inputs(tmp_path: Path) -> Path:
+    folder = tmp_path / "meta"
+    write_parquet(folder / "part-00000.parquet", LAION_FILE_0)
+    write_parquet(folder / "part-00001.parquet", LAION_FILE_1)
+    return folder
+
+
+def run02(tmp_path: Path, inputs: Path, out: Path, *extra) -> dict:
+    assert stage02.main(["--input", str(inputs / "*.parquet"), "--out", str(out), *extra]) == 0
+    return json.loads((out / "02_filter_metadata_summary.json").read_text())
+
+
+def mtimes(folder: Path) -> dict:
+    return {p.relative_to(folder).as_posix(): p.stat().st_mtime_ns for p in folder.rglob("*")
+            if p.is_file() and not p.name.endswith("_summary.json")}
+
+
+# ---------------------------------------------------------------------------------------------
+# 02_filter_metadata
+# ---------------------------------------------------------------------------------------------
+
+
+def test_filter_drops_each_reason_in_order_across_files(tmp_path):
+    out = tmp_path / "filtered"
+    summary = run02(tmp_path, laion_inputs(tmp_path), out)
+    assert summary["kept"] == 7 and summary["dropped"] == PHASE1_DROPPED
+    kept0 = pq.read_table(out / "part-00000.parquet")
+    assert kept0.column("URL").to_pylist() == ["http://x/1", "http://x/2", "http://x/14", "http://x/5", "http://x/16"]
+    assert kept0.schema == pq.read_schema(tmp_path / "meta" / "part-00000.parquet")  # all columns, same types
+    assert pq.read_table(out / "part-00001.parquet").column("URL").to_pylist() == ["http://x/21", "http://x/23"]
+    stats1 = json.loads((out / "part-00001_stats.json").read_text())
+    assert (stats1["count"], stats1["successes"]) == (5, 2)
+    assert stats1["failed"] == {"nsfw": 1, "duplicate_url": 1, "duplicate_caption_size": 1}
+    assert stats1["examples"]["duplicate_url"] == ["http://x/2"]
+    assert stats1["columns"] == {"url": "URL", "caption": "TEXT", "width": "WIDTH", "height": "HEIGHT",
+                                 "aesthetic": "aesthetic", "similarity": "similarity", "watermark": "pwatermark",
+                                 "nsfw": "punsafe"}
+
+
+def test_filter_rerun_is_a_noop_and_resume_reseeds_duplicates(tmp_path):
+    inputs, out = laion_inputs(tmp_path), tmp_path / "filtered"
+    first = run02(tmp_path, inputs, out)
+    before = mtimes(out)
+    second = run02(tmp_path, inputs, out)
+    assert mtimes(out) == before
+    assert (second["kept"], second["dropped"]) == (first["kept"], first["dropped"])
+    assert (second["shards_written"], second["shards_already_done"]) == (0, 2)
+    # Lose the second file's outputs: its cross-file duplicates must still be found from file 0's kept rows.
+    (out / "part-00001_stats.json").unlink()
+    (out / "part-00001.parquet").unlink()
+    third = run02(tmp_path, inputs, out)
+    assert (third["kept"], third["dropped"]) == (first["kept"], first["dropped"])
+    assert (third["shards_written"], third["shards_already_done"]) == (1, 1)
+    assert (out / "part-00000.parquet").stat().st_mtime_ns == before["part-00000.parquet"]
+    assert json.loads((out / "part-00001_stats.json").read_text())["failed"]["duplicate_url"] == 1
+    # Other thresholds into the same folder would mix two phases: refused before any work.
+    done = mtimes(out)
+    assert stage02.main(["--input", str(inputs / "*.parquet"), "--out", str(out), "--min_aesthetic", "7.5"]) == 2
+    assert mtimes(out) == done
+
+
+def variant_rows():
+    """Another LAION release's names (lower-case, prediction, clip_similarity, NSFW labels)."""
+    def row(url, caption, prediction=8.0, clip_similarity=0.35, watermark=0.1, nsfw="UNLIKELY"):
+        return {"url": url, "Caption": caption, "width": 1024, "height": 768, "prediction": prediction,
+                "clip_similarity": clip_similarity, "watermark": watermark, "NSFW": nsfw}
+    return [
+        row("u/a", "edge of phase 2", 7.5, 0.30, 0.14),   # kept in both phases
+        row("u/b", "b", prediction=7.4),                  # phase 2: low_aesthetic
+        row("u/c", "c", clip_similarity=0.29),            # phase 2: low_similarity
+        row("u/d", "d", watermark=0.15),                  # phase 2: watermark
+        row("u/e", "e", watermark=0.2),                   # phase 2: watermark
+        row("u/f", "f", nsfw="UNSURE"),                   # nsfw
+        row("u/g", "g", nsfw="NSFW"),                     # nsfw
+        row("u/h", "h", nsfw=None),                       # nsfw (no label is not UNLIKELY)
+    ]
+
+
+def test_filter_detects_variant_columns_and_phase2_thresholds(tmp_path):
+    write_parquet(tmp_path / "v" / "variant.parquet", variant_rows())
+    phase1 = run02(tmp_path, tmp_path / "v", tmp_path / "p1")
+    assert phase1["kept"] == 5 and phase1["dropped"] == {"nsfw": 3}
+    stats = json.loads((tmp_path / "p1" / "variant_stats.json").read_text())
+    assert stats["columns"] == {"url": "url", "caption": "Caption", "width": "width", "height": "height",
+                                "aesthetic": "prediction", "similarity": "clip_similarity",
+                                "watermark": "watermark", "nsfw": "NSFW"}
+    phase2 = run02(tmp_path, tmp_path / "v", tmp_path / "p2",
+                   "--min_aesthetic", "7.5", "--max_watermark", "0.15", "--min_similarity", "0.30")
+    assert phase2["kept"] == 1
+    assert phase2["dropped"] == {"low_aesthetic": 1, "low_similarity": 1, "watermark": 2, "nsfw": 3}
+    assert phase2["thresholds"]["min_aesthetic"] == 7.5
+    assert pq.read_table(tmp_path / "p2" / "variant.parquet").column("url").to_pylist() == ["u/a"]
+
+
+def test_filter_skips_filters_whose_column_is_absent_with_a_warning(tmp_path, caplog):
+    rows = [{"URL": "u/1", "TEXT": "same", "aesthetic": 7.0}, {"URL": "u/2", "TEXT": "same", "aesthetic": 6.0},
+            {"URL": "u/3", "TEXT": "same", "aesthetic": 9.0}]
+    write_parquet(tmp_path / "m" / "few.parquet", rows)
+    summary = run02(tmp_path, tmp_path / "m", tmp_path / "out")
+    # No size columns: same captions are not duplicates (a caption alone is too weak a key).
+    assert summary["kept"] == 2 and summary["dropped"] == {"low_aesthetic": 1}
+    warned = " ".join(r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+    for role in ("similarity", "width", "height", "watermark", "nsfw"):
+        assert f"no {role} column" in warned
+    assert "no aesthetic column" not in warned
+
+
+def test_filter_bad_command_lines_exit_2_before_any_work(tmp_path, capsys):
+    write_parquet(tmp_path / "m" / "nocaption.parquet", [{"URL": "u/1", "aesthetic": 7.0}])
+    out = tmp_path / "out"
+    assert stage02.main(["--input", str(tmp_path / "m" / "*.parquet"), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "no caption column" in err and "TEXT|caption|text" in err and len(err.splitlines()) == 1
+    write_parquet(tmp_path / "m2" / "ok.parquet", [laion_row("u/1", "x")])
+    assert stage02.main(["--input", str(tmp_path / "m2" / "*.parquet"), "--out", str(out),
+                         "--aesthetic_col", "score"]) == 2
+    assert "no column 'score' (--aesthetic_col)" in capsys.readouterr().err
+    assert stage02.main(["--input", str(tmp_path / "none" / "*.parquet"), "--out", str(out)]) == 2
+    assert "no parquet files match" in capsys.readouterr().err
+    assert not out.exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# 01_download_metadata
+# ---------------------------------------------------------------------------------------------
+
+
+def test_metadata_local_copy_counts_rows_and_skips_done_files(tmp_path):
+    src, out = tmp_path / "src", tmp_path / "out"
+    write_parquet(src / "part-00000.parquet", [laion_row(f"u/{i}", "x") for i in range(3)])
+    write_parquet(src / "sub" / "part-00001.parquet", [laion_row(f"u/{i}", "x") for i in range(5)])
+    (src / "README.md").write_text("not matched")
+    (src / "broken.parquet").write_bytes(b"PAR1 not really")
+    assert stage01.main(["--out", str(out), "--local_dir", str(src)]) == 0
+    summary = json.loads((out / "01_download_metadata_summary.json").read_text())
+    assert summary["rows"] == 8 and summary["kept"] == 8 and summary["dropped"] == {"unreadable_parquet": 1}
+    assert [(f["file"], f["rows"]) for f in summary["files"]] == [
+        ("broken.parquet", None), ("part-00000.parquet", 3), ("sub/part-00001.parquet", 5)]
+    assert (summary["shards_written"], summary["shards_already_done"]) == (3, 0)
+    assert not (out / "README.md").exists()
+    before = mtimes(out)
+    (out / "sub" / "part-00001.parquet").write_bytes(b"cut off")  # an interrupted copy elsewhere
+    again = stage01.main(["--out", str(out), "--local_dir", str(src)])
+    summary = json.loads((out / "01_download_metadata_summary.json").read_text())
+    assert again == 0 and summary["rows"] == 8 and (summary["shards_written"], summary["shards_already_done"]) == (1, 2)
+    after = mtimes(out)
+    assert after.pop("sub/part-00001.parquet") != before.pop("sub/part-00001.parquet") and after == before
+    assert (out / "sub" / "part-00001.parquet").read_bytes() == (src / "sub" / "part-00001.parquet").read_bytes()
+
+
+def test_metadata_hub_download_arguments(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    real_signature = inspect.signature(huggingface_hub.snapshot_download)
+    calls = []
+
+    def fake_snapshot_download(**kwargs):
+        real_signature.bind(**kwargs)  # the installed huggingface_hub accepts these arguments
+        calls.append(kwargs)
+        local = Path(kwargs["local_dir"])
+        write_parquet(local / "data" / "part-00000.parquet", [laion_row(f"u/{i}", "x") for i in range(4)])
+        write_parquet(local / ".cache" / "huggingface" / "stale.parquet", [laion_row("u/x", "x")])
+        return str(local)
+
+    # huggingface_hub resolves its attributes lazily; put the fake straight into the module's namespace.
+    monkeypatch.setitem(vars(huggingface_hub), "snapshot_download", fake_snapshot_download)
+    out = tmp_path / "out"
+    assert stage01.main(["--out", str(out), "--revision", "abc123"]) == 0
+    assert calls == [{"repo_id": "laion/laion2B-en-aesthetic", "repo_type": "dataset", "revision": "abc123",
+                      "allow_patterns": ["*.parquet"], "local_dir": str(out)}]
+    summary = json.loads((out / "01_download_metadata_summary.json").read_text())
+    assert summary["rows"] == 4 and [f["file"] for f in summary["files"]] == ["data/part-00000.parquet"]
+    assert summary["source"] == "hf://datasets/laion/laion2B-en-aesthetic@abc123"
+
+
+def test_metadata_missing_local_dir_exits_2(tmp_path, capsys):
+    assert stage01.main(["--out", str(tmp_path / "out"), "--local_dir", str(tmp_path / "nope")]) == 2
+    assert "is not a folder" in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# 03_download_images
+# ---------------------------------------------------------------------------------------------
+
+
+IMAGE_SIZES = [(80, 120, "JPEG"), (200, 100, "PNG"), (64, 64, "JPEG"), (40, 30, "PNG"), (300, 90, "JPEG"),
+               (90, 90, "PNG")]
+STATUS = {"HTTP Error 404: Not Found": 1, "Image decoding error": 1,
+          "Use of image disallowed by X-Robots-Tag directive": 1}
+
+
+class NoAIServer:
+    """Serves one image with ``X-Robots-Tag: noai`` (LoopbackServer sends no custom headers)."""
+
+    def __init__(self, body: bytes):
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                self.send_response(200)
+                self.send_header("X-Robots-Tag", "noai")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def __enter__(self):
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def image_metadata(server_url: str, noai_url: str) -> list[dict]:
+    """6 good images, then a URL that serves an image it forbids for AI use, a 404 and corrupt bytes."""
+    urls = [f"{server_url}/img{i}" for i in range(len(IMAGE_SIZES))]
+    urls += [f"{noai_url}/forbidden", f"{server_url}/missing", f"{server_url}/corrupt"]
+    return [laion_row(url, f"caption {i}", aesthetic=7.0 + i / 10) for i, url in enumerate(urls)]
+
+
+def image_routes() -> dict:
+    rng = np.random.default_rng(0)
+    routes = {f"/img{i}": image_bytes(random_image(rng, h, w), fmt) for i, (h, w, fmt) in enumerate(IMAGE_SIZES)}
+    routes["/corrupt"] = b"\xff\xd8\xff\xe0 this is not a jpeg"
+    return routes
+
+
+def run03(inputs: Path, out: Path) -> dict:
+    command = [sys.executable, "pipeline/03_download_images.py", "--input", str(inputs), "--out", str(out),
+               "--resolution", "64", "--processes", "1", "--threads", "4", "--shard_size", "2", "--retries", "1"]
+    env = {**os.environ, "NO_ALBUMENTATIONS_UPDATE": "1", "no_proxy": "127.0.0.1,localhost"}
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return json.loads((out / "03_download_images_summary.json").read_text())
+
+
+def read_samples(out: Path) -> dict:
+    samples = {}
+    for tar in sorted(out.glob("*.tar")):
+        read, truncated = SD_Data.read_shard(tar.read_bytes())
+        assert truncated is None
+        samples.update((sample.key, sample) for sample in read)
+    return samples
+
+
+def check_samples(out: Path, metadata: list[dict]) -> None:
+    samples = read_samples(out)
+    assert len(samples) == 6
+    by_url = {row["URL"]: row for row in metadata}
+    for sample in samples.values():
+        meta = json.loads(sample.metadata)
+        assert SD_Data.decode_image(sample.image, sample.image_ext).shape == (64, 64, 3)
+        assert sample.caption == by_url[meta["url"]]["TEXT"]
+        assert meta["aesthetic"] == pytest.approx(by_url[meta["url"]]["aesthetic"])
+        assert meta["punsafe"] == pytest.approx(0.1) and {"similarity", "pwatermark"} <= meta.keys()
+    assert sorted(json.loads(s.metadata)["original_width"] for s in samples.values()) == [30, 64, 90, 90, 100, 120]
+
+
+def test_download_images_with_img2dataset(tmp_path):
+    forbidden = image_bytes(random_image(np.random.default_rng(1), 64, 64), "PNG")
+    with LoopbackServer(image_routes()) as server, NoAIServer(forbidden) as noai:
+        metadata = image_metadata(server.url, noai.url)
+        write_parquet(tmp_path / "meta" / "part-00000.parquet", metadata)
+        filtered, out = tmp_path / "filtered", tmp_path / "shards"
+        run02(tmp_path, tmp_path / "meta", filtered)  # 02's folder (with its stats JSONs) is 03's input
+        summary = run03(filtered, out)
+        assert (summary["kept"], summary["dropped"]) == (6, STATUS)
+        assert (summary["failed_to_download"], summary["failed_to_resize"]) == (2, 1)
+        assert (summary["shards_written"], summary["shards_already_done"]) == (5, 0)
+        assert sorted(p.name for p in out.glob("*.tar")) == [f"0000{i}.tar" for i in range(5)]
+        check_samples(out, metadata)
+        hits = dict(server.hits)
+        assert hits["/missing"] == 2 and all(hits[f"/img{i}"] == 1 for i in range(6))  # 404: 1 + 1 retry
+        rerun = run03(filtered, out)
+        assert server.hits == hits
+        assert (rerun["kept"], rerun["dropped"], rerun["shards_already_done"]) == (6, STATUS, 5)
+        # An unfinished shard 3 (rows 6-7) is fetched again, and only it. The summary JSON left by the last
+        # run must not pass for shard 3's done marker: img2dataset reads any "03_*.json" as one.
+        (out / "00003_stats.json").unlink()
+        resumed = run03(filtered, out)
+        assert server.hits == {**hits, "/missing": 4}
+        assert (resumed["kept"], resumed["dropped"], resumed["shards_written"]) == (6, STATUS, 1)
+        check_samples(out, metadata)
+
+
+def test_download_images_bad_command_lines_exit_2(tmp_path, capsys):
+    assert stage03.main(["--input", str(tmp_path / "nothing"), "--out", str(tmp_path / "out")]) == 2
+    assert "no parquet files" in capsys.readouterr().err
+    write_parquet(tmp_path / "in" / "a.parquet", [{"URL": "u/1", "aesthetic": 7.0}])
+    assert stage03.main(["--input", str(tmp_path / "in"), "--out", str(tmp_path / "out")]) == 2
+    assert "no caption column" in capsys.readouterr().err
+    assert stage03.main(["--input", str(tmp_path / "in"), "--out", str(tmp_path / "out"), "--caption_col", "alt"]) == 2
+    assert "no column 'alt' (--caption_col)" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+FLAGS = {
+    "01_download_metadata": ["--out", "--repo_id", "--revision", "--patterns", "--local_dir"],
+    "02_filter_metadata": ["--input", "--out", "--min_aesthetic", "--min_similarity", "--min_size",
+                           "--max_watermark", "--max_nsfw", "--url_col", "--caption_col", "--width_col",
+                           "--height_col", "--aesthetic_col", "--similarity_col", "--watermark_col", "--nsfw_col"],
+    "03_download_images": ["--input", "--out", "--resolution", "--processes", "--threads", "--url_col",
+                           "--caption_col", "--shard_size", "--timeout", "--retries"],
+}
+
+
+@pytest.mark.parametrize("stage", sorted(FLAGS))
+def test_help_names_every_flag_with_its_default(stage, capsys):
+    module = {"01_download_metadata": stage01, "02_filter_metadata": stage02, "03_download_images": stage03}[stage]
+    with pytest.raises(SystemExit) as exit_info:
+        module.main(["--help"])
+    assert exit_info.value.code == 0
+    options = capsys.readouterr().out.split("options:")[1]
+    entries = {entry.split()[0].rstrip(","): " ".join(entry.split())
+               for entry in re.split(r"\n  (?=-)", options) if entry.strip()}
+    assert sorted(entries) == sorted(["-h", *FLAGS[stage]])
+    assert all("(default: " in text for flag, text in entries.items() if flag != "-h")
+    if stage == "02_filter_metadata":
+        assert entries["--min_aesthetic"].endswith("keep rows with aesthetic score >= this (default: 6.5)")
