@@ -890,28 +890,15 @@ def loop(t, train_data, val_data, vae, run_dir, stopper, metrics) -> int:
             lr = t.scheduler.get_last_lr()[0]  # the rate this step uses
             with SD_Model.attention_context(d.device):
                 result = train_step(t, micro, stop_requested=stopper.signum != 0)
-            state.position += config.grad_accum
-            state.samples_seen += images_per_step
-            state.step += 1
-            state.bad_in_a_row = state.bad_in_a_row + 1 if result["bad"] else 0
-            state.bad_steps += int(result["bad"])
+            epoch_done = advance(state, result, config.grad_accum, usable, images_per_step)
             window_images += images_per_step
-            epoch_done = state.position >= usable
-            if epoch_done:
-                state.epoch, state.position = state.epoch + 1, 0
-            record = None
+            record = image = None
             if state.step % config.log_every == 0 or result["bad"]:
-                elapsed = time.perf_counter() - tick
-                record = {"step": state.step, "epoch": state.epoch, "loss": result["loss"],
-                          "lr": lr, "grad_norm": result["grad_norm"],
-                          "loss_by_quartile": result["loss_quartiles"], "images_per_s": window_images / elapsed,
-                          "peak_memory_gb": peak_memory_gb(d.device), "bad_steps": state.bad_steps,
-                          "skipped": result["bad"]}
-                tick, window_images = time.perf_counter(), 0
-            image = None
+                now = time.perf_counter()
+                record = step_record(t, result, lr, images_per_s=window_images / (now - tick))
+                tick, window_images = now, 0
             if config.validate_every and state.step % config.validate_every == 0:
-                record = record or {"step": state.step, "epoch": state.epoch, "loss": result["loss"],
-                                    "lr": lr, "grad_norm": result["grad_norm"]}
+                record = record or step_record(t, result, lr)
                 image = validate(t, val_data, vae, run_dir, record)
             if d.is_main:
                 if record is not None:
@@ -919,32 +906,59 @@ def loop(t, train_data, val_data, vae, run_dir, stopper, metrics) -> int:
                 bar.update(1)
                 bar.set_postfix(loss=f"{result['loss']:.4f}", lr=f"{lr:.2e}")
                 _fault_point("sigterm_parent", state.step)
-            if result["bad"]:
-                log.warning("step %d: non-finite loss or gradient norm; update skipped (%d in a row)",
-                            state.step, state.bad_in_a_row)
-            too_many_bad = state.bad_in_a_row >= config.max_bad_steps
-            stop_now = result["stop"] or too_many_bad or state.step == config.stop_at_step
-            if stop_now or epoch_done or state.step % config.save_steps == 0 or state.step == total:
+            code = stop_code(t, result, stopper)
+            if code is not None or epoch_done or state.step % config.save_steps == 0 or state.step == total:
                 save_checkpoint(t, run_dir)
-            if too_many_bad:
-                log.error("step %d: %d non-finite steps in a row; stopped (raise max_bad_steps, lower lr, or "
-                          "check the data)", state.step, state.bad_in_a_row)
+            if code is not None:
                 bar.close()
-                return 3
-            if result["stop"]:
-                bar.close()
-                signum = stopper.signum or signal.SIGTERM
-                log.info("stopped by signal %d after step %d; re-run the same command to resume", signum, state.step)
-                return 128 + signum
-            if state.step == config.stop_at_step:
-                bar.close()
-                log.info("stop_at_step %d reached; re-run without it to continue", state.step)
-                return 0
+                return code
             if epoch_done:
                 break  # the next epoch has its own order
     bar.close()
     log.info("finished: %d steps, %d images", state.step, state.samples_seen)
     return 0
+
+
+def advance(state: TrainState, result: dict, grad_accum: int, usable: int, images_per_step: int) -> bool:
+    """Move the train state past one optimizer step; True when that ended the epoch."""
+    state.position += grad_accum
+    state.samples_seen += images_per_step
+    state.step += 1
+    state.bad_in_a_row = state.bad_in_a_row + 1 if result["bad"] else 0
+    state.bad_steps += int(result["bad"])
+    if state.position < usable:
+        return False
+    state.epoch, state.position = state.epoch + 1, 0
+    return True
+
+
+def step_record(t: Trainer, result: dict, lr: float, images_per_s: float | None = None) -> dict:
+    record = {"step": t.state.step, "epoch": t.state.epoch, "loss": result["loss"], "lr": lr,
+              "grad_norm": result["grad_norm"], "loss_by_quartile": result["loss_quartiles"],
+              "peak_memory_gb": peak_memory_gb(t.d.device), "bad_steps": t.state.bad_steps, "skipped": result["bad"]}
+    if images_per_s is not None:
+        record["images_per_s"] = images_per_s
+    return record
+
+
+def stop_code(t: Trainer, result: dict, stopper: StopSignal) -> int | None:
+    """The exit code if the run ends after this step (its checkpoint is saved first), else None."""
+    state, config = t.state, t.config
+    if result["bad"]:
+        log.warning("step %d: non-finite loss or gradient norm; update skipped (%d in a row)", state.step,
+                    state.bad_in_a_row)
+    if state.bad_in_a_row >= config.max_bad_steps:
+        log.error("step %d: %d non-finite steps in a row; stopped (raise max_bad_steps, lower lr, or check the data)",
+                  state.step, state.bad_in_a_row)
+        return 3
+    if result["stop"]:
+        signum = stopper.signum or signal.SIGTERM
+        log.info("stopped by signal %d after step %d; re-run the same command to resume", signum, state.step)
+        return 128 + signum
+    if state.step == config.stop_at_step:
+        log.info("stop_at_step %d reached; re-run without it to continue", state.step)
+        return 0
+    return None
 
 
 def validate(t: Trainer, val_data, vae, run_dir: Path, record: dict) -> Path | None:
