@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 # wandb never needs the network in tests.
 export NO_ALBUMENTATIONS_UPDATE := 1
 
-.PHONY: setup test clean
+.PHONY: setup test demo clean
 
 setup: $(STAMP)
 
@@ -21,6 +21,10 @@ $(STAMP): requirements.txt
 
 test: $(STAMP)
 	$(PY) -m pytest
+
+# The whole system on built-in synthetic data: outputs under runs/demo/ (see demo/run.sh).
+demo: $(STAMP)
+	PY=$(PY) bash demo/run.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,105 @@
+"""Score how well generated demo images follow their prompts: colour, shape, and both.
+
+    python demo/evaluate.py --images runs/demo/samples --prompts runs/demo/shards/demo_prompts.json --out runs/demo/eval.json
+
+For each image (named in the sampler's images.json with its prompt): the shape is the largest
+connected region of pixels far from the white background; its colour is the palette colour nearest
+to the region's median, and its shape class comes from how much of its bounding box it fills (a
+square fills it all, a circle pi/4, a triangle half). Accuracies are reported separately for the combinations seen in training and
+for the held-out ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import SD_Data
+
+FOREGROUND_DISTANCE = 80  # RGB distance from white beyond which a pixel is shape, not background
+# Fill-ratio boundaries: triangle 0.5 | circle 0.785 | square 1.0, split half way.
+TRIANGLE_BELOW = 0.64
+SQUARE_ABOVE = 0.89
+
+
+def classify(image: np.ndarray, palette: dict[str, tuple], background=(255, 255, 255)) -> tuple[str | None, str | None]:
+    """``(colour, shape)`` measured from an RGB uint8 image; None where there is no foreground.
+
+    The shape is the largest connected foreground region (after a 3x3 opening that cuts thin
+    bridges), so stray specks or smudges elsewhere in a sample do not count as part of it.
+    """
+    import cv2
+
+    pixels = image.astype(np.float32)
+    distance = np.linalg.norm(pixels - np.array(background, np.float32), axis=-1)
+    mask = (distance > FOREGROUND_DISTANCE).astype(np.uint8)
+    mask = cv2.morphologyEx(mask, cv2.MORPH_OPEN, np.ones((3, 3), np.uint8))
+    count, labels, stats, _ = cv2.connectedComponentsWithStats(mask, connectivity=8)
+    if count < 2:
+        return None, None
+    largest = 1 + int(np.argmax(stats[1:, cv2.CC_STAT_AREA]))
+    area = stats[largest, cv2.CC_STAT_AREA]
+    if area < 12:
+        return None, None
+    region = labels == largest
+    median = np.median(pixels[region], axis=0)
+    colour = min(palette, key=lambda name: np.linalg.norm(median - np.array(palette[name], np.float32)))
+    width, height = stats[largest, cv2.CC_STAT_WIDTH], stats[largest, cv2.CC_STAT_HEIGHT]
+    fill = area / (width * height)
+    shape = "triangle" if fill < TRIANGLE_BELOW else "square" if fill > SQUARE_ABOVE else "circle"
+    return colour, shape
+
+
+def parse_prompt(prompt: str, palette, shapes) -> tuple[str, str]:
+    words = prompt.split()
+    colour = next(w for w in words if w in palette)
+    shape = next(w for w in words if w in shapes)
+    return colour, shape
+
+
+def score(records: list[dict], images_dir: Path, prompts: dict) -> dict:
+    palette = {k: tuple(v) for k, v in prompts["palette"].items()}
+    held_out = set(prompts["held_out"])
+    groups = {"seen": [], "held_out": []}
+    for record in records:
+        image = np.asarray(Image.open(images_dir / record["file"]).convert("RGB"))
+        want_colour, want_shape = parse_prompt(record["prompt"], palette, prompts["shapes"])
+        colour, shape = classify(image, palette, tuple(prompts["background"]))
+        group = "held_out" if record["prompt"] in held_out else "seen"
+        groups[group].append((colour == want_colour, shape == want_shape))
+    result = {}
+    for group, hits in groups.items():
+        n = len(hits)
+        result[group] = {"colour": sum(c for c, _ in hits) / n if n else None,
+                         "shape": sum(s for _, s in hits) / n if n else None,
+                         "both": sum(c and s for c, s in hits) / n if n else None, "n": n}
+    return result
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--images", required=True, help="folder written by SD_ImageGen.py (with images.json)")
+    parser.add_argument("--prompts", required=True, help="demo_prompts.json written by pipeline/00_make_demo_data.py")
+    parser.add_argument("--out", required=True, help="where to write eval.json")
+    args = parser.parse_args(argv)
+    images_dir = Path(args.images)
+    records = json.loads((images_dir / "images.json").read_text())
+    prompts = json.loads(Path(args.prompts).read_text())
+    result = score(records, images_dir, prompts)
+    SD_Data.write_text_atomic(Path(args.out), json.dumps(result, indent=1) + "\n")
+    for group, values in result.items():
+        if values["n"]:
+            print(f"{group:9s} n={values['n']:3d}  colour {values['colour']:.0%}  shape {values['shape']:.0%}  "
+                  f"both {values['both']:.0%}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

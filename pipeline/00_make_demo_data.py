@@ -1,0 +1,118 @@
+"""Stage 00: a synthetic captioned dataset for the built-in demo, written as image shards.
+
+    python pipeline/00_make_demo_data.py --out runs/demo/shards [--count 4000] [--size 64] [--seed 0]
+
+Each image is one shape (circle, square, triangle) in one of six colours on a white background,
+captioned "a red circle on a white background". Some colour x shape combinations are held out of the
+training data (``--holdout``) so the demo can test whether the model composes what it learned.
+Writes NNNNN.tar + NNNNN_stats.json shards, ``demo_prompts.json`` (the seen and held-out
+combinations and the palette) and ``prompts.txt`` (all of them, one per line, for sampling).
+Seeded: the same flags give the same bytes.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+import SD_Data
+import SD_Pipeline
+
+STAGE = "00_make_demo_data"
+PALETTE = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (235, 200, 30),
+           "purple": (140, 60, 180), "orange": (245, 130, 30)}
+SHAPES = ("circle", "square", "triangle")
+BACKGROUND = (255, 255, 255)
+DEFAULT_HOLDOUT = "blue circle,yellow square,purple triangle"
+SUPERSAMPLE = 4  # draw large, then downscale: anti-aliased edges like a real photo's
+
+
+def parse_args(argv):
+    parser = SD_Pipeline.StageArgumentParser(prog=Path(__file__).name, description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="output folder for the shards and demo_prompts.json")
+    parser.add_argument("--count", type=int, default=4000, help="training images (default: %(default)s)")
+    parser.add_argument("--size", type=int, default=64, help="image side in pixels (default: %(default)s)")
+    parser.add_argument("--shard_size", type=int, default=1000, help="images per shard (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
+    parser.add_argument("--holdout", default=DEFAULT_HOLDOUT,
+                        help="comma-separated 'colour shape' pairs kept out of training (default: %(default)s)")
+    args = parser.parse_args(argv)
+    if args.count < 1 or args.size < 16 or args.shard_size < 1:
+        parser.error("--count and --shard_size must be >= 1 and --size >= 16")
+    args.holdout = [tuple(pair.split()) for pair in args.holdout.split(",") if pair.strip()]
+    for pair in args.holdout:
+        if len(pair) != 2 or pair[0] not in PALETTE or pair[1] not in SHAPES:
+            parser.error(f"--holdout: {' '.join(pair)!r} is not '<colour> <shape>' with a colour of "
+                         f"{sorted(PALETTE)} and a shape of {list(SHAPES)}")
+    return args
+
+
+def caption(colour: str, shape: str) -> str:
+    return f"a {colour} {shape} on a white background"
+
+
+def draw_shape(colour: str, shape: str, size: int, rng: np.random.Generator) -> tuple[np.ndarray, dict]:
+    """RGB ``(size, size, 3)``: the shape about 45-70% of the image wide, its centre jittered."""
+    scale = SUPERSAMPLE * size
+    extent = rng.uniform(0.45, 0.7) * scale
+    cx, cy = (0.5 + rng.uniform(-0.08, 0.08, size=2)) * scale
+    image = Image.new("RGB", (scale, scale), BACKGROUND)
+    draw = ImageDraw.Draw(image)
+    half = extent / 2
+    box = (cx - half, cy - half, cx + half, cy + half)
+    fill = PALETTE[colour]
+    if shape == "circle":
+        draw.ellipse(box, fill=fill)
+    elif shape == "square":
+        draw.rectangle(box, fill=fill)
+    else:  # an upward triangle filling its box
+        draw.polygon([(cx, cy - half), (cx + half, cy + half), (cx - half, cy + half)], fill=fill)
+    small = image.resize((size, size), Image.LANCZOS)
+    meta = {"colour": colour, "shape": shape, "extent": round(extent / scale, 3),
+            "centre": [round(cx / scale, 3), round(cy / scale, 3)]}
+    return np.asarray(small), meta
+
+
+def png(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(array).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out)
+    seen = [(c, s) for c in PALETTE for s in SHAPES if (c, s) not in args.holdout]
+    rng = np.random.default_rng(args.seed)
+    combos = [seen[i] for i in rng.integers(0, len(seen), size=args.count)]
+    summary = SD_Pipeline.Summary(STAGE)
+    for index, start in enumerate(range(0, args.count, args.shard_size)):
+        shard_rng = np.random.default_rng([args.seed, index])  # shards independent: resumable, same bytes
+        if SD_Pipeline.shard_done(out, index):
+            summary.add_done(SD_Pipeline.shard_paths(out, index)[1])
+            continue
+        samples = []
+        for i in range(start, min(args.count, start + args.shard_size)):
+            colour, shape = combos[i]
+            array, meta = draw_shape(colour, shape, args.size, shard_rng)
+            text = caption(colour, shape)
+            samples.append(SD_Data.ShardSample(f"demo{i:06d}", png(array), "png", text,
+                                               json.dumps({"caption": text, **meta}).encode()))
+        summary.add(SD_Pipeline.write_shard(out, index, samples, SD_Pipeline.ShardStats()))
+    prompts = {"palette": PALETTE, "shapes": list(SHAPES), "background": BACKGROUND,
+               "seen": [caption(c, s) for c, s in seen], "held_out": [caption(c, s) for c, s in args.holdout]}
+    SD_Data.write_text_atomic(out / "demo_prompts.json", json.dumps(prompts, indent=1) + "\n")
+    SD_Data.write_text_atomic(out / "prompts.txt", "".join(p + "\n" for p in prompts["seen"] + prompts["held_out"]))
+    summary.finish(out, seen_combinations=len(seen), held_out=len(args.holdout))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
