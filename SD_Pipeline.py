@@ -80,6 +80,13 @@ class Summary:
         self.dropped: Counter = Counter()
         self.shards_written = 0
         self.shards_skipped = 0
+        self.failed_inputs: dict[str, list] = {}  # reason -> whole inputs (parts, archives) that failed
+
+    def input_failed(self, reason: str, name, error) -> None:
+        """A whole input could not be used (a missing part, a corrupt archive): count it and go on."""
+        log.warning("%s %s: %s (%s)", self.stage, name, reason, error)
+        self.dropped[reason] += 1
+        self.failed_inputs.setdefault(reason, []).append(name)
 
     def add(self, record: dict) -> None:
         self.kept += record["successes"]
@@ -200,7 +207,12 @@ def safe_extract_path(target: Path, name: str) -> Path:
 
 
 class DownloadError(RuntimeError):
-    pass
+    """A download that failed for good; ``missing`` when the file is not there at all (HTTP 404/410,
+    or a local path that does not exist), as opposed to a server or network that kept failing."""
+
+    def __init__(self, message: str, missing: bool = False):
+        super().__init__(message)
+        self.missing = missing
 
 
 def download(url: str, dest: Path, *, retries: int = 5, backoff: float = 1.0, timeout: float = 60.0) -> Path:
@@ -223,7 +235,7 @@ def download(url: str, dest: Path, *, retries: int = 5, backoff: float = 1.0, ti
         except urllib.error.HTTPError as error:
             if error.code != 429 and error.code < 500:
                 part.unlink(missing_ok=True)
-                raise DownloadError(f"{url}: HTTP {error.code}") from error
+                raise DownloadError(f"{url}: HTTP {error.code}", missing=error.code in (404, 410)) from error
             reason = f"HTTP {error.code}"
         except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as error:
             reason = str(error)
@@ -239,7 +251,7 @@ def _fetch(url: str, part: Path, timeout: float) -> None:
     if "://" not in url or url.startswith("file://"):
         source = Path(url[len("file://"):] if url.startswith("file://") else url)
         if not source.exists():
-            raise DownloadError(f"{source} does not exist")
+            raise DownloadError(f"{source} does not exist", missing=True)
         SD_Data.write_atomic(part, lambda tmp: Path(tmp).write_bytes(source.read_bytes()))
         return
     have = part.stat().st_size if part.exists() else 0
@@ -313,6 +325,23 @@ class StageArgumentParser(argparse.ArgumentParser):
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def add_download_flags(parser: argparse.ArgumentParser, archives: str) -> None:
+    """The flags every downloading stage shares; ``archives`` names what it downloads ("zip parts")."""
+    parser.add_argument("--download_dir", default=None, help=f"where {archives} are downloaded (default: OUT/_downloads)")
+    parser.add_argument("--keep_archives", action="store_true",
+                        help=f"keep the downloaded {archives} once their shards are written (default: delete them)")
+    parser.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
+                        help="threads decoding and resizing images")
+    parser.add_argument("--retries", type=int, default=5, help="download retries on transient errors")
+
+
+def prepare_output(args) -> None:
+    """Create ``args.out`` and resolve ``args.download_dir`` (default ``OUT/_downloads``) as Paths."""
+    args.out = Path(args.out)
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.download_dir = Path(args.download_dir) if args.download_dir else args.out / "_downloads"
 
 
 def parse_range(text: str) -> list[int]:

@@ -22,10 +22,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import re
 import sys
-import urllib.error
 import zipfile
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -53,12 +51,7 @@ def parse_args(argv):
     parser.add_argument("--base_url", default=DEFAULT_BASE_URL,
                         help="folder URL (or local folder) holding part-NNNNNN.zip")
     parser.add_argument("--resolution", type=int, default=512, help="side of the square output images in pixels")
-    parser.add_argument("--download_dir", default=None, help="where parts are downloaded (default: OUT/_downloads)")
-    parser.add_argument("--keep_archives", action="store_true",
-                        help="keep each downloaded zip after its shard is written (default: delete it)")
-    parser.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
-                        help="threads decoding and resizing images")
-    parser.add_argument("--retries", type=int, default=5, help="download retries on transient errors")
+    SD_Pipeline.add_download_flags(parser, "zip parts")
     args = parser.parse_args(argv)
     try:
         args.parts = SD_Pipeline.parse_range(args.parts)
@@ -138,28 +131,19 @@ def convert_part(archive_path: Path, part: int, resolution: int, workers: int):
                                              read_ahead=4 * workers)
     return samples, stats
 
-def download_part(args, part: int, summary: SD_Pipeline.Summary, failed: dict) -> Path | None:
+def download_part(args, part: int, summary: SD_Pipeline.Summary) -> Path | None:
     """The downloaded zip of ``part``, or None after counting why it could not be had."""
     name = f"part-{part:06d}.zip"
     try:
         return SD_Pipeline.download(f"{args.base_url.rstrip('/')}/{name}", args.download_dir / name,
                                     retries=args.retries)
     except SD_Pipeline.DownloadError as error:
-        cause = error.__cause__
-        missing = isinstance(cause, urllib.error.HTTPError) and cause.code == 404
-        missing = missing or "does not exist" in str(error)  # a local base_url without this part
-        count_failure(summary, failed, "missing_part" if missing else "download_failed", part, error)
+        summary.input_failed("missing_part" if error.missing else "download_failed", part, error)
         return None
 
 
-def count_failure(summary: SD_Pipeline.Summary, failed: dict, reason: str, part: int, error) -> None:
-    log.warning("part %d: %s (%s)", part, reason, error)
-    summary.dropped[reason] += 1
-    failed.setdefault(reason, []).append(part)
-
-
-def process_part(args, part: int, summary: SD_Pipeline.Summary, failed: dict) -> None:
-    archive_path = download_part(args, part, summary, failed)
+def process_part(args, part: int, summary: SD_Pipeline.Summary) -> None:
+    archive_path = download_part(args, part, summary)
     if archive_path is None:
         return
     try:
@@ -167,7 +151,7 @@ def process_part(args, part: int, summary: SD_Pipeline.Summary, failed: dict) ->
     except (zipfile.BadZipFile, zlib.error, EOFError, ValueError) as error:
         # A cut-off or corrupt download: delete it so the next run fetches it again.
         archive_path.unlink(missing_ok=True)
-        count_failure(summary, failed, "bad_archive", part, error)
+        summary.input_failed("bad_archive", part, error)
         return
     record = SD_Pipeline.write_shard(args.out, part, samples, stats, part=part, source=archive_path.name)
     summary.add(record)
@@ -178,17 +162,14 @@ def process_part(args, part: int, summary: SD_Pipeline.Summary, failed: dict) ->
 def main(argv=None) -> int:
     args = parse_args(argv)
     SD_Pipeline.setup_logging()
-    args.out = Path(args.out)
-    args.out.mkdir(parents=True, exist_ok=True)
-    args.download_dir = Path(args.download_dir) if args.download_dir else args.out / "_downloads"
+    SD_Pipeline.prepare_output(args)
     summary = SD_Pipeline.Summary(STAGE)
-    failed: dict[str, list[int]] = {}
     for part in tqdm(args.parts, desc="DiffusionDB parts", unit="part"):
         if SD_Pipeline.shard_done(args.out, part):
             summary.add_done(SD_Pipeline.shard_paths(args.out, part)[1])
             continue
-        process_part(args, part, summary, failed)
-    summary.finish(args.out, parts=len(args.parts), failed_parts=failed)
+        process_part(args, part, summary)
+    summary.finish(args.out, parts=len(args.parts), failed_parts=summary.failed_inputs)
     return 0
 
 

@@ -27,11 +27,9 @@ import argparse
 import gzip
 import json
 import logging
-import os
 import re
 import sys
 import tarfile
-import urllib.error
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
@@ -64,12 +62,7 @@ def parse_args(argv):
     parser.add_argument("--caption", choices=("prompt", "caption"), default="prompt",
                         help="caption source: the generation prompt, or Task2.Caption (falling back to the prompt)")
     parser.add_argument("--resolution", type=int, default=512, help="side of the square output images in pixels")
-    parser.add_argument("--download_dir", default=None, help="where archives are downloaded (default: OUT/_downloads)")
-    parser.add_argument("--keep_archives", action="store_true",
-                        help="keep each downloaded .tgz after its shard is written (default: delete it)")
-    parser.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
-                        help="threads decoding and resizing images")
-    parser.add_argument("--retries", type=int, default=5, help="download retries on transient errors")
+    SD_Pipeline.add_download_flags(parser, "tgz archives")
     args = parser.parse_args(argv)
     try:
         args.archives = SD_Pipeline.parse_range(args.archives)
@@ -190,28 +183,19 @@ def convert_archive(path: Path, number: int, annotations: dict, args):
         samples = SD_Pipeline.convert_images(items, stats, pool, args.resolution, read_ahead=4 * args.workers)
     return samples, stats
 
-def count_failure(summary: SD_Pipeline.Summary, failed: dict, reason: str, number: int, error) -> None:
-    log.warning("archive %03d: %s (%s)", number, reason, error)
-    summary.dropped[reason] += 1
-    failed.setdefault(reason, []).append(number)
-
-
-def download_archive(args, number: int, summary: SD_Pipeline.Summary, failed: dict) -> Path | None:
+def download_archive(args, number: int, summary: SD_Pipeline.Summary) -> Path | None:
     """The downloaded .tgz of archive ``number``, or None after counting why it could not be had."""
     name = f"{number:03d}.tgz"
     try:
         return SD_Pipeline.download(f"{args.base_url.rstrip('/')}/{name}", args.download_dir / name,
                                     retries=args.retries)
     except SD_Pipeline.DownloadError as error:
-        cause = error.__cause__
-        missing = isinstance(cause, urllib.error.HTTPError) and cause.code == 404
-        missing = missing or "does not exist" in str(error)  # a local base_url without this archive
-        count_failure(summary, failed, "missing_archive" if missing else "download_failed", number, error)
+        summary.input_failed("missing_archive" if error.missing else "download_failed", number, error)
         return None
 
 
-def process_archive(args, number: int, annotations: dict, summary: SD_Pipeline.Summary, failed: dict) -> None:
-    archive_path = download_archive(args, number, summary, failed)
+def process_archive(args, number: int, annotations: dict, summary: SD_Pipeline.Summary) -> None:
+    archive_path = download_archive(args, number, summary)
     if archive_path is None:
         return
     try:
@@ -219,7 +203,7 @@ def process_archive(args, number: int, annotations: dict, summary: SD_Pipeline.S
     except ARCHIVE_ERRORS as error:
         # A cut-off or corrupt download: delete it so the next run fetches it again.
         archive_path.unlink(missing_ok=True)
-        count_failure(summary, failed, "bad_archive", number, error)
+        summary.input_failed("bad_archive", number, error)
         return
     record = SD_Pipeline.write_shard(args.out, number, samples, stats, archive=number, source=archive_path.name,
                                      caption_field=args.caption)
@@ -231,9 +215,7 @@ def process_archive(args, number: int, annotations: dict, summary: SD_Pipeline.S
 def main(argv=None) -> int:
     args = parse_args(argv)
     SD_Pipeline.setup_logging()
-    args.out = Path(args.out)
-    args.out.mkdir(parents=True, exist_ok=True)
-    args.download_dir = Path(args.download_dir) if args.download_dir else args.out / "_downloads"
+    SD_Pipeline.prepare_output(args)
     summary = SD_Pipeline.Summary(STAGE)
     pending = []
     for number in args.archives:
@@ -248,10 +230,9 @@ def main(argv=None) -> int:
         except (SD_Pipeline.DownloadError, ValueError, OSError, *ARCHIVE_ERRORS) as error:
             print(f"{STAGE}: cannot read the annotations {args.annotations}: {error}", file=sys.stderr)
             return 1
-    failed: dict[str, list[int]] = {}
     for number in tqdm(pending, desc="JourneyDB archives", unit="archive"):
-        process_archive(args, number, annotations, summary, failed)
-    summary.finish(args.out, archives=len(args.archives), failed_archives=failed,
+        process_archive(args, number, annotations, summary)
+    summary.finish(args.out, archives=len(args.archives), failed_archives=summary.failed_inputs,
                    bad_annotation_lines=bad_lines, caption_field=args.caption)
     return 0
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 import zipfile
 import zlib
@@ -69,13 +68,7 @@ def parse_args(argv):
                         help="smallest person box height, as a fraction of the image height, for --person_filter")
     parser.add_argument("--shard_size", type=int, default=1000, help="images (before filtering) per output shard")
     parser.add_argument("--resolution", type=int, default=512, help="side of the square output images in pixels")
-    parser.add_argument("--download_dir", default=None,
-                        help="where URL inputs are downloaded (default: OUT/_downloads)")
-    parser.add_argument("--keep_archives", action="store_true",
-                        help="keep a downloaded images zip once every shard is written (default: delete it)")
-    parser.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
-                        help="threads decoding and resizing images")
-    parser.add_argument("--retries", type=int, default=5, help="download retries on transient errors")
+    SD_Pipeline.add_download_flags(parser, "images zip and annotation files")
     args = parser.parse_args(argv)
     for flag in ("images", "captions", "instances"):
         source = getattr(args, flag)
@@ -262,9 +255,7 @@ def write_pending(pending: list[int], images, captions, tallest, args, summary) 
 def main(argv=None) -> int:
     args = parse_args(argv)
     SD_Pipeline.setup_logging()
-    args.out = Path(args.out)
-    args.out.mkdir(parents=True, exist_ok=True)
-    args.download_dir = Path(args.download_dir) if args.download_dir else args.out / "_downloads"
+    SD_Pipeline.prepare_output(args)
     try:
         images, captions, tallest = load_inputs(args)
     except (SD_Pipeline.DownloadError, ValueError, KeyError, TypeError, OSError) as error:
