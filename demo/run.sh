@@ -10,7 +10,8 @@ OUT=${DEMO_OUT:-runs/demo}
 COUNT=${DEMO_COUNT:-4000}
 VAE_STEPS=${DEMO_VAE_STEPS:-900}
 N=${DEMO_N:-8}
-NPROC=${DEMO_NPROC:-2}
+# One rank per GPU (NCCL); two gloo ranks on a CPU, to show DDP there too.
+NPROC=${DEMO_NPROC:-$($PY -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 2)")}
 export NO_ALBUMENTATIONS_UPDATE=1 WANDB_MODE=${WANDB_MODE:-disabled} HF_HUB_OFFLINE=1
 start=$(date +%s)
 step() { printf '\n=== [%ss] %s ===\n' "$(( $(date +%s) - start ))" "$*"; }
