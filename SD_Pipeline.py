@@ -247,6 +247,30 @@ def download(url: str, dest: Path, *, retries: int = 5, backoff: float = 1.0, ti
     raise AssertionError("unreachable")
 
 
+def archive_to_shard(args, index: int, name: str, convert, errors: tuple, summary: Summary, missing_reason: str,
+                     **extra) -> None:
+    """Download ``{args.base_url}/{name}`` and write shard ``index`` from ``convert(path) -> (samples, stats)``.
+
+    A missing or undownloadable archive is counted (``missing_reason`` / ``download_failed``); a corrupt
+    one (``convert`` raising one of ``errors``) is counted as ``bad_archive`` and deleted, so a re-run
+    fetches it again. The archive is deleted once its shard is written unless ``args.keep_archives``.
+    """
+    try:
+        path = download(f"{args.base_url.rstrip('/')}/{name}", args.download_dir / name, retries=args.retries)
+    except DownloadError as error:
+        summary.input_failed(missing_reason if error.missing else "download_failed", index, error)
+        return
+    try:
+        samples, stats = convert(path)
+    except errors as error:
+        path.unlink(missing_ok=True)
+        summary.input_failed("bad_archive", index, error)
+        return
+    summary.add(write_shard(args.out, index, samples, stats, source=path.name, **extra))
+    if not args.keep_archives:
+        path.unlink(missing_ok=True)
+
+
 def _fetch(url: str, part: Path, timeout: float) -> None:
     if "://" not in url or url.startswith("file://"):
         source = Path(url[len("file://"):] if url.startswith("file://") else url)

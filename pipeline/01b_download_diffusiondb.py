@@ -131,32 +131,12 @@ def convert_part(archive_path: Path, part: int, resolution: int, workers: int):
                                              read_ahead=4 * workers)
     return samples, stats
 
-def download_part(args, part: int, summary: SD_Pipeline.Summary) -> Path | None:
-    """The downloaded zip of ``part``, or None after counting why it could not be had."""
-    name = f"part-{part:06d}.zip"
-    try:
-        return SD_Pipeline.download(f"{args.base_url.rstrip('/')}/{name}", args.download_dir / name,
-                                    retries=args.retries)
-    except SD_Pipeline.DownloadError as error:
-        summary.input_failed("missing_part" if error.missing else "download_failed", part, error)
-        return None
-
 
 def process_part(args, part: int, summary: SD_Pipeline.Summary) -> None:
-    archive_path = download_part(args, part, summary)
-    if archive_path is None:
-        return
-    try:
-        samples, stats = convert_part(archive_path, part, args.resolution, args.workers)
-    except (zipfile.BadZipFile, zlib.error, EOFError, ValueError) as error:
-        # A cut-off or corrupt download: delete it so the next run fetches it again.
-        archive_path.unlink(missing_ok=True)
-        summary.input_failed("bad_archive", part, error)
-        return
-    record = SD_Pipeline.write_shard(args.out, part, samples, stats, part=part, source=archive_path.name)
-    summary.add(record)
-    if not args.keep_archives:
-        archive_path.unlink(missing_ok=True)
+    SD_Pipeline.archive_to_shard(args, part, f"part-{part:06d}.zip",
+                                 lambda path: convert_part(path, part, args.resolution, args.workers),
+                                 (zipfile.BadZipFile, zlib.error, EOFError, ValueError), summary, "missing_part",
+                                 part=part)
 
 
 def main(argv=None) -> int:

@@ -183,33 +183,11 @@ def convert_archive(path: Path, number: int, annotations: dict, args):
         samples = SD_Pipeline.convert_images(items, stats, pool, args.resolution, read_ahead=4 * args.workers)
     return samples, stats
 
-def download_archive(args, number: int, summary: SD_Pipeline.Summary) -> Path | None:
-    """The downloaded .tgz of archive ``number``, or None after counting why it could not be had."""
-    name = f"{number:03d}.tgz"
-    try:
-        return SD_Pipeline.download(f"{args.base_url.rstrip('/')}/{name}", args.download_dir / name,
-                                    retries=args.retries)
-    except SD_Pipeline.DownloadError as error:
-        summary.input_failed("missing_archive" if error.missing else "download_failed", number, error)
-        return None
-
 
 def process_archive(args, number: int, annotations: dict, summary: SD_Pipeline.Summary) -> None:
-    archive_path = download_archive(args, number, summary)
-    if archive_path is None:
-        return
-    try:
-        samples, stats = convert_archive(archive_path, number, annotations, args)
-    except ARCHIVE_ERRORS as error:
-        # A cut-off or corrupt download: delete it so the next run fetches it again.
-        archive_path.unlink(missing_ok=True)
-        summary.input_failed("bad_archive", number, error)
-        return
-    record = SD_Pipeline.write_shard(args.out, number, samples, stats, archive=number, source=archive_path.name,
-                                     caption_field=args.caption)
-    summary.add(record)
-    if not args.keep_archives:
-        archive_path.unlink(missing_ok=True)
+    SD_Pipeline.archive_to_shard(args, number, f"{number:03d}.tgz",
+                                 lambda path: convert_archive(path, number, annotations, args), ARCHIVE_ERRORS,
+                                 summary, "missing_archive", archive=number, caption_field=args.caption)
 
 
 def main(argv=None) -> int:
