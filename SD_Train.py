@@ -332,13 +332,19 @@ def autocast(config: TrainConfig, device: torch.device):
 
 
 def build_models(config: TrainConfig, d: Dist) -> Models:
+    text_encoder = SD_Model.load_text_encoder(config.text_encoder)
+    tokenizer = SD_Model.load_tokenizer(config.tokenizer or config.text_encoder)
+    return assemble_models(config, d, text_encoder, tokenizer, SD_Model.tokenize(tokenizer, [""]))
+
+
+def assemble_models(config: TrainConfig, d: Dist, text_encoder, tokenizer, empty_ids: torch.Tensor) -> Models:
+    """A fresh UNet (and its EMA) beside a given text encoder; ``empty_ids`` are the empty prompt's tokens."""
     unet = SD_Model.build_unet(config.unet, seed=config.seed, grad_checkpointing=config.grad_checkpointing,
                                channels_last=config.channels_last).to(d.device)
     unet.train()
-    text_encoder = SD_Model.load_text_encoder(config.text_encoder).to(d.device)
-    tokenizer = SD_Model.load_tokenizer(config.tokenizer or config.text_encoder)
+    text_encoder = text_encoder.to(d.device)
     with autocast(config, d.device):
-        empty = SD_Model.encode_prompt_ids(text_encoder, SD_Model.tokenize(tokenizer, [""]))
+        empty = SD_Model.encode_prompt_ids(text_encoder, empty_ids)
     ema = None
     if config.ema_decay > 0:
         ema = SD_Model.EMA(unet, config.ema_decay, device="cpu" if config.ema_device == "cpu" else None,
@@ -826,14 +832,7 @@ def build_trainer(config: TrainConfig, d: Dist):
     if steps_per_epoch == 0:
         raise ConfigError(f"an epoch of {len(train_data)} samples is less than one optimizer step of "
                           f"{config.batch_size} x {config.grad_accum} x {d.world_size} ranks; lower batch_size")
-    total = total_steps(config, steps_per_epoch)
-    optimizer = build_optimizer(models.unet, config)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_at(s, config.lr, config.warmup_steps, total, config.min_lr_ratio) / config.lr)
-    noise_generator = torch.Generator(device=d.device).manual_seed(config.seed * 7919 + d.rank + 1)
-    t = Trainer(config, d, models, optimizer, scheduler,
-                torch.amp.GradScaler(d.device.type, enabled=config.precision == "fp16"), noise_generator,
-                SD_Model.ddpm_alphas_cumprod().to(d.device), scaling, train_data.sample_shape, steps_per_epoch, total)
+    t = make_trainer(config, d, models, scaling, train_data.sample_shape, steps_per_epoch)
     latest = ckpt.latest_checkpoint(run_dir / "checkpoints")
     if latest is not None:
         resume(t, latest)
@@ -841,6 +840,20 @@ def build_trainer(config: TrainConfig, d: Dist):
         init_weights(t, config.init_from)
     wrap_model(models, config, d)
     return t, train_data, val_data, vae
+
+
+def make_trainer(config: TrainConfig, d: Dist, models: Models, scaling_factor: float, sample_shape: tuple,
+                 steps_per_epoch: int) -> Trainer:
+    """Optimizer, LR schedule, loss scaler and noise generator around built models, at step 0."""
+    total = total_steps(config, steps_per_epoch)
+    optimizer = build_optimizer(models.unet, config)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_at(s, config.lr, config.warmup_steps, total, config.min_lr_ratio) / config.lr)
+    noise_generator = torch.Generator(device=d.device).manual_seed(config.seed * 7919 + d.rank + 1)
+    return Trainer(config, d, models, optimizer, scheduler,
+                   torch.amp.GradScaler(d.device.type, enabled=config.precision == "fp16"), noise_generator,
+                   SD_Model.ddpm_alphas_cumprod().to(d.device), scaling_factor, tuple(sample_shape), steps_per_epoch,
+                   total)
 
 
 def train(config: TrainConfig, d: Dist) -> int:
