@@ -214,6 +214,27 @@ def use_sdpa_attention(model) -> None:
         model.set_attn_processor(AttnProcessor2_0())
 
 
+def training_flops_per_image(preset: str | dict = "sd1", latent_size: int = 64) -> int:
+    """Model FLOPs of one training image through the UNet, forward + backward (no recomputation).
+
+    Counted by ``torch.utils.flop_counter.FlopCounterMode`` on the meta device, so it costs no
+    memory and gives the same number on every machine: on meta, attention runs as explicit matmuls
+    and is counted in full (on a real CPU the fused SDPA kernel is not counted). SD 1.x: 2.41e12 at
+    512 px (64x64 latents), 0.54e12 at 256 px. This is the numerator of MFU.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.device("meta"):
+        unet = build_unet(preset, from_scratch=False)
+        context_dim = unet.config.cross_attention_dim
+        latents = torch.empty(1, unet.config.in_channels, latent_size, latent_size)
+        context = torch.empty(1, TOKENIZER_MAX_LENGTH, context_dim)
+        timesteps = torch.zeros(1, dtype=torch.long)
+        with FlopCounterMode(display=False) as counter:
+            unet(latents, timesteps, encoder_hidden_states=context).sample.sum().backward()
+    return int(counter.get_total_flops())
+
+
 def sdpa_backends(device) -> list:
     """The SDPA kernels allowed on ``device``: flash and memory-efficient on CUDA, math elsewhere.
 

@@ -448,3 +448,12 @@ def test_ema_rejects_bad_settings():
         M.EMA(_linear(), decay=1.0)
     with pytest.raises(ValueError, match="update_every"):
         M.EMA(_linear(), update_every=0)
+
+
+def test_training_flops_count_attention_in_full():
+    # The layer-by-layer count of the SD 1.x UNet (forward + backward, attention included) is 2.41
+    # TFLOP per image at 512 px and 0.54 at 256 px; without the attention matmuls it would be ~2.03.
+    assert M.training_flops_per_image("sd1", 64) == pytest.approx(2.41e12, rel=0.005)
+    assert M.training_flops_per_image("sd1", 32) == pytest.approx(0.54e12, rel=0.01)
+    # Quadrupling the pixels of the tiny preset at least quadruples its work (attention grows faster).
+    assert M.training_flops_per_image("tiny", 16) > 4 * M.training_flops_per_image("tiny", 8)
