@@ -237,3 +237,13 @@ def test_pickle_checkpoints_with_objects_are_refused(tmp_path):
         SD_Formats.read_single_file(tmp_path / "m.ckpt")
     torch.save({"state_dict": {"x": torch.ones(1)}}, tmp_path / "ok.ckpt")
     assert torch.equal(SD_Formats.read_single_file(tmp_path / "ok.ckpt")["x"], torch.ones(1))
+
+
+def test_compile_unet_wraps_the_same_weights_and_rejects_unknown_modes():
+    unet = SD_Model.build_unet("tiny", seed=0)
+    assert SD_ImageGen.compile_unet(unet, "off") is unet
+    compiled = SD_ImageGen.compile_unet(unet, "reduce-overhead")  # compiles lazily, at its first call
+    assert compiled is not unet and compiled._orig_mod is unet
+    assert [p.data_ptr() for p in compiled.parameters()] == [p.data_ptr() for p in unet.parameters()]
+    with pytest.raises(ValueError, match="compile mode must be one of"):
+        SD_ImageGen.compile_unet(unet, "fast")
