@@ -28,6 +28,7 @@ import torch
 from PIL import Image
 
 import encode_latents
+import harness
 import SD_Data
 import SD_Model
 
@@ -73,17 +74,12 @@ def vae_ceiling(vae, device, dtype, resolution: int, batch_size: int, batches: i
     pixels = torch.rand(batch_size, 3, resolution, resolution, device=device, dtype=dtype) * 2 - 1
     with torch.no_grad(), SD_Model.attention_context(device):
         vae.encode(pixels)  # warm-up
-        sync(device)
+        harness.sync(device)
         start = time.perf_counter()
         for _ in range(batches):
             vae.encode(pixels).latent_dist.mean.to(torch.float16)
-        sync(device)
+        harness.sync(device)
     return batch_size * batches / (time.perf_counter() - start)
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def main(argv=None) -> dict:
@@ -96,6 +92,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--batch_size", type=int, default=32, help="our batch size (default: %(default)s)")
     parser.add_argument("--workers", type=int, default=8, help="our decode threads (default: %(default)s)")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda (default: %(default)s)")
+    parser.add_argument("--json", default="", help="also write the result JSON to this file")
     args = parser.parse_args(argv)
 
     device = encode_latents.pick_device(args.device)
@@ -106,10 +103,7 @@ def main(argv=None) -> dict:
         if args.vae == "tiny":
             vae_id, vae = "tiny", SD_Model.load_vae("tiny")
         else:
-            with SD_Model._seeded(0):
-                from diffusers import AutoencoderKL
-
-                vae = AutoencoderKL(**SD_Model.SD1_VAE)
+            vae = harness.random_vae("sd1", seed=0)
             vae.save_pretrained(tmp / "vae")
             vae_id = str(tmp / "vae")
         vae = vae.to(device=device, dtype=dtype).eval()
@@ -134,7 +128,7 @@ def main(argv=None) -> dict:
         count = json.loads((tmp / "ours" / "latents.json").read_text())["count"]
 
     result = {
-        "benchmark": "encode_latents", "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "benchmark": "encode_latents", "device": harness.device_name(device),
         "vae": args.vae, "resolution": args.resolution, "images": args.images, "encoded": count,
         "batch_size": args.batch_size, "workers": args.workers, "dtype": str(dtype).replace("torch.", ""),
         "ours_images_per_s": round(ours, 2), "naive_images_per_s": round(naive, 2),
@@ -145,7 +139,7 @@ def main(argv=None) -> dict:
     print(f"naive  {naive:9.1f} images/s")
     print(f"VAE    {ceiling:9.1f} images/s (encoder alone, pixels already on the device)")
     print(f"ratio ours/naive = {ours / naive:.2f}x; ours reaches {100 * ours / ceiling:.0f}% of the VAE alone")
-    print(json.dumps(result))
+    harness.emit(result, args.json)
     return result
 
 

@@ -5,7 +5,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
+# Last on the path: bench/encode_latents.py must not shadow the top-level encode_latents module.
+sys.path.append(str(ROOT / "bench"))
 
 
 def run_bench(script: str, *args) -> tuple[str, dict]:
@@ -23,3 +27,91 @@ def test_encode_latents_bench_prints_both_rates_and_the_ratio():
     for key in ("ours_images_per_s", "naive_images_per_s", "vae_only_images_per_s"):
         assert result[key] > 0
     assert result["ratio_vs_naive"] == round(result["ours_images_per_s"] / result["naive_images_per_s"], 2)
+
+
+def test_train_throughput_bench_measures_ours_and_both_peers(tmp_path):
+    import SD_Model
+
+    stdout, result = run_bench("train_throughput.py", "--batch_sizes", "2", "--checkpointing", "0,1", "--steps", "2",
+                               "--peak_tflops", "1", "--json", str(tmp_path / "out.json"))
+    assert result == json.loads((tmp_path / "out.json").read_text())
+    rows = {(row["impl"], row["variant"]): row for row in result["rows"]}
+    assert set(rows) == {("ours", "eager"), ("ours", "eager+checkpointing"), ("peer-unet", "diffusers step"),
+                         ("peer-vae", "diffusers step")}
+    assert result["flops_per_image"] == SD_Model.training_flops_per_image("tiny", 8)
+    for row in rows.values():
+        assert row["batch"] == 2 and row["images_per_s"] > 0
+        assert row["images_per_s"] == pytest.approx(2000 / row["step_ms"])
+        assert row["mfu"] == pytest.approx(row["images_per_s"] * result["flops_per_image"] / 1e12)
+    best = max(rows[("ours", "eager")]["images_per_s"], rows[("ours", "eager+checkpointing")]["images_per_s"])
+    for peer in ("peer-unet", "peer-vae"):
+        ratio = next(r["ratio"] for r in result["ratios"] if r["peer"] == peer)
+        assert ratio == round(best / rows[(peer, "diffusers step")]["images_per_s"], 3)
+        assert f"ratio ours/{peer} at batch 2 = {ratio:.2f}x" in stdout
+
+
+def test_train_throughput_bench_rejects_unknown_variants():
+    result = subprocess.run([sys.executable, str(ROOT / "bench" / "train_throughput.py"), "--variants", "eager,jit"],
+                            capture_output=True, text=True)
+    assert result.returncode == 2 and "--variants: unknown ['jit']" in result.stderr
+
+
+def test_peer_script_inputs_load_as_a_diffusers_pipeline_and_an_imagefolder(tmp_path):
+    import datasets
+    import torch
+    from diffusers import StableDiffusionPipeline
+
+    import SD_Model
+    import train_throughput
+
+    model_dir, data_dir = train_throughput.prepare_peer_inputs(tmp_path, "tiny", 64, images=5)
+    pipeline = StableDiffusionPipeline.from_pretrained(str(model_dir), local_files_only=True)
+    ours = SD_Model.build_unet("tiny", seed=0).state_dict()  # the weights our side of the benchmark trains
+    assert all(torch.equal(value, ours[name]) for name, value in pipeline.unet.state_dict().items())
+    rows = datasets.load_dataset("imagefolder", data_dir=str(data_dir), split="train")
+    assert len(rows) == 5 and rows.column_names == ["image", "text"]
+    assert rows[3]["text"] == "a photograph number 3" and rows[3]["image"].size == (96, 80)
+    command = train_throughput.peer_script_command("t2i.py", model_dir, data_dir, tmp_path / "out", 64, 4, 7, "bf16")
+    flags = dict(zip(command[2::2], command[3::2]))
+    assert flags["--train_batch_size"] == "4" and flags["--max_train_steps"] == "7"
+    assert flags["--mixed_precision"] == "bf16" and flags["--pretrained_model_name_or_path"] == str(model_dir)
+
+
+def test_largest_batch_search_doubles_then_bisects():
+    import memory
+
+    calls = []
+
+    def trial(batch):  # 1 GB of weights and 0.25 GB per image; out of memory above 30 images
+        calls.append(batch)
+        return {"oom": True} if batch > 30 else {"peak_gb": 1 + 0.25 * batch}
+
+    assert memory.largest_batch(trial, limit_gb=6.0, max_batch=512)[0] == 20
+    assert calls == [1, 2, 4, 8, 16, 32, 24, 20, 22, 21]
+    assert memory.largest_batch(trial, limit_gb=100.0, max_batch=512)[0] == 30
+    assert memory.largest_batch(trial, limit_gb=100.0, max_batch=8)[0] == 8
+    assert memory.largest_batch(trial, limit_gb=0.5, max_batch=8)[0] == 0
+
+
+def test_memory_bench_finds_the_largest_batch_of_ours_and_the_peer():
+    stdout, result = run_bench("memory.py", "--checkpointing", "1", "--max_batch", "2", "--batch", "2")
+    rows = {row["impl"]: row for row in result["rows"]}
+    assert set(rows) == {"ours", "peer"}
+    for row in rows.values():
+        assert row["largest_batch"] == 2 and row["capped"]  # the tiny model fits 2 images in 0.5 GB
+        assert [t["batch"] for t in row["trials"]] == [1, 2] and all(t["fits"] for t in row["trials"])
+        assert 0.01 < row["peak_gb_at_batch"] < result["limit_gb"]
+    ratio = result["ratios"][0]["peak_ratio_at_batch"]
+    assert ratio == round(rows["ours"]["peak_gb_at_batch"] / rows["peer"]["peak_gb_at_batch"], 3)
+    assert "ratio ours/peer with checkpointing: largest batch 2/2 = 1.0x" in stdout
+
+
+def test_sampling_bench_matches_the_diffusers_pipeline():
+    stdout, result = run_bench("sampling.py", "--batch_sizes", "1,2", "--steps", "10", "--repeats", "1")
+    assert [(r["impl"], r["batch"]) for r in result["rows"]] == [("ours", 1), ("peer", 1), ("ours", 2), ("peer", 2)]
+    for compared in result["ratios"]:
+        ours, peer = (r["it_per_s"] for r in result["rows"] if r["batch"] == compared["batch"])
+        assert compared["ratio"] == round(ours / peer, 3)
+        # the same DDIM on the same noise and weights: the same latents
+        assert compared["max_abs_difference"] < 1e-3
+    assert "ratio ours/peer eager at batch 2" in stdout

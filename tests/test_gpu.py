@@ -39,3 +39,30 @@ def test_compile_with_checkpointing_matches_eager():
             model(latents, timesteps, encoder_hidden_states=context).sample.square().mean().backward()
         grads.append(params.conv_in.weight.grad)
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-3, atol=1e-4)
+
+
+def _bench(script, *args):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, str(root / "bench" / script), *args], cwd=root, capture_output=True,
+                            text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads([line for line in result.stdout.splitlines() if line.startswith("{")][-1])
+
+
+def test_benchmarks_run_the_sd1_unet_on_the_gpu():
+    result = _bench("train_throughput.py", "--arch", "sd1", "--resolution", "256", "--batch_sizes", "4",
+                    "--variants", "eager", "--channels_last", "0", "--checkpointing", "1", "--steps", "3",
+                    "--peak_tflops", "100")
+    for row in result["rows"]:
+        assert row["images_per_s"] > 0 and 0 < row["mfu"] < 1 and row["peak_allocated_gb"] > 10  # AdamW + EMA
+    result = _bench("memory.py", "--arch", "sd1", "--resolution", "256", "--checkpointing", "1", "--max_batch", "2",
+                    "--batch", "2")
+    assert all(row["largest_batch"] == 2 and row["peak_gb_at_batch"] > 10 for row in result["rows"])
+    result = _bench("sampling.py", "--arch", "sd1", "--resolution", "256", "--batch_sizes", "1", "--steps", "10",
+                    "--modes", "eager,default")
+    assert all(r["max_abs_difference"] < 0.05 for r in result["ratios"])  # bf16: ours and diffusers agree

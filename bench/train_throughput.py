@@ -1,0 +1,323 @@
+"""Benchmark: training images/s, step time, peak memory and MFU of SD_Train.train_step vs diffusers' loop.
+
+    python bench/train_throughput.py                     # CPU: tiny UNet, 64 px, checks that it all runs
+    python bench/train_throughput.py --arch sd1 --resolution 512 --batch_sizes 16,32,48 \\
+        --variants eager,compile --channels_last 0,1 --checkpointing 0,1 \\
+        --peer_script diffusers/examples/text_to_image/train_text_to_image.py      # GPU
+
+Ours: ``SD_Train.train_step`` exactly as the training loop calls it (fp16 latents from host memory,
+CLIP text encoder forward, CFG dropout, Min-SNR loss, clipping, fused AdamW, EMA update, one host
+sync for the logged numbers), on the same-seeded random weights and synthetic latents and token ids,
+for every combination of the variants asked for.
+
+The peer, diffusers' ``examples/text_to_image/train_text_to_image.py`` with its defaults and
+``--mixed_precision bf16`` (AdamW, no EMA, no gradient checkpointing, MSE loss, loss.item() per step):
+* ``peer-unet``: its training step on the identical latents and token ids, in this process;
+* ``peer-vae``: the same plus its online VAE encode of the batch's pixels (what the script does);
+* ``peer-script``: with ``--peer_script``, the script itself run end to end on an imagefolder of JPEGs
+  (needs accelerate, torchvision, datasets and tensorboard, its default tracker). Its images/s come
+  from two runs of different length, so start-up, loading and the final save cancel out.
+
+MFU = images/s x training FLOPs per image (forward + backward, counted by FlopCounterMode, see
+SD_Model.training_flops_per_image) / the device's dense bf16 peak. Prints a table, the ratios of our
+best variant to each peer at every batch size, and one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+import torch.nn.functional as F
+
+import harness
+import SD_Formats
+import SD_Model
+import SD_Train
+
+
+@dataclass(frozen=True)
+class Variant:
+    compile: bool
+    channels_last: bool
+    checkpointing: bool
+
+    @property
+    def name(self) -> str:
+        parts = ["compile" if self.compile else "eager"]
+        parts += ["channels_last"] * self.channels_last + ["checkpointing"] * self.checkpointing
+        return "+".join(parts)
+
+
+# ---------------------------------------------------------------------------------------------
+# Ours and the peer, one step each
+# ---------------------------------------------------------------------------------------------
+
+
+def our_step(arch: str, variant: Variant, device: torch.device, precision: str):
+    """``step(latents, input_ids)``: one SD_Train.train_step on a batch; returns the logged loss."""
+    config = SD_Train.TrainConfig(unet=harness.unet_preset(arch), grad_accum=1, precision=precision,
+                                  grad_checkpointing=variant.checkpointing, channels_last=variant.channels_last,
+                                  compile=variant.compile, max_steps=10**6)
+    d = SD_Train.Dist(rank=0, world_size=1, local_rank=0, device=device, is_main=True)
+    models = SD_Train.assemble_models(config, d, harness.random_text_encoder(arch), None, harness.empty_prompt_ids())
+    t = SD_Train.make_trainer(config, d, models, SD_Model.SD1_SCALING_FACTOR, (4, 0, 0), steps_per_epoch=10**6)
+    SD_Train.wrap_model(models, config, d)
+
+    def step(latents, input_ids):
+        with SD_Model.attention_context(device):
+            return SD_Train.train_step(t, [(latents, input_ids)])["loss"]
+
+    return step
+
+
+def peer_step(arch: str, device: torch.device, precision: str, *, online_vae: bool = False, ema: bool = False,
+              checkpointing: bool = False):
+    """``step(latents, input_ids)``: the step of diffusers' train_text_to_image.py with its defaults.
+
+    As the script: the text encoder (and VAE) cast to the mixed-precision dtype, the UNet in fp32
+    under autocast (what accelerate's prepare does), torch AdamW with its default implementation,
+    a constant LR schedule from diffusers.optimization, diffusers' EMAModel under ``--use_ema``,
+    clip_grad_norm_ and loss.item() every step. With ``online_vae`` the batch's latents come from
+    encoding pixels with the VAE, as in the script; the given latents only set the batch size.
+    """
+    from diffusers import DDPMScheduler
+    from diffusers.optimization import get_scheduler
+    from diffusers.training_utils import EMAModel
+
+    weight_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    unet = SD_Model.build_unet(harness.unet_preset(arch), seed=0, grad_checkpointing=checkpointing).to(device)
+    unet.train()
+    text_encoder = harness.random_text_encoder(arch).to(device, weight_dtype)
+    vae = harness.random_vae(arch).to(device, weight_dtype) if online_vae else None
+    noise_scheduler = SD_Model.build_noise_scheduler("epsilon", DDPMScheduler)
+    optimizer = torch.optim.AdamW(unet.parameters(), lr=1e-4, betas=(0.9, 0.999), weight_decay=1e-2, eps=1e-8)
+    lr_scheduler = get_scheduler("constant", optimizer=optimizer, num_warmup_steps=500, num_training_steps=10**6)
+    ema_unet = EMAModel(unet.parameters()) if ema else None
+    amp = torch.autocast(device.type, dtype=weight_dtype, enabled=precision == "bf16")
+
+    def step(latents, input_ids):
+        batch = latents.shape[0]
+        if vae is not None:
+            size = latents.shape[-1] * harness.vae_factor(arch)
+            pixels = torch.rand(batch, 3, size, size, device=device, dtype=weight_dtype) * 2 - 1
+            latents = vae.encode(pixels).latent_dist.sample() * vae.config.scaling_factor
+        else:
+            latents = latents.to(device, weight_dtype) * SD_Model.SD1_SCALING_FACTOR
+        noise = torch.randn_like(latents)
+        timesteps = torch.randint(0, noise_scheduler.config.num_train_timesteps, (batch,), device=device).long()
+        noisy_latents = noise_scheduler.add_noise(latents, noise, timesteps)
+        encoder_hidden_states = text_encoder(input_ids.to(device), return_dict=False)[0]
+        with amp:
+            model_pred = unet(noisy_latents, timesteps, encoder_hidden_states, return_dict=False)[0]
+        loss = F.mse_loss(model_pred.float(), noise.float(), reduction="mean")
+        value = loss.item()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(unet.parameters(), 1.0)
+        optimizer.step()
+        lr_scheduler.step()
+        optimizer.zero_grad()
+        if ema_unet is not None:
+            ema_unet.step(unet.parameters())
+        return value
+
+    return step
+
+
+# ---------------------------------------------------------------------------------------------
+# The peer's own script, end to end
+# ---------------------------------------------------------------------------------------------
+
+
+def prepare_peer_inputs(folder: Path, arch: str, resolution: int, images: int) -> tuple[Path, Path]:
+    """A diffusers pipeline folder with our random weights and an imagefolder dataset of JPEGs."""
+    import numpy as np
+    from PIL import Image
+
+    model_dir, data_dir = folder / "model", folder / "data"
+    unet = SD_Model.build_unet(harness.unet_preset(arch), seed=0)
+    SD_Formats.export_diffusers(model_dir, unet, harness.random_vae(arch), harness.random_text_encoder(arch),
+                                SD_Model.load_tokenizer("tiny"))
+    data_dir.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    height, width = int(resolution * 1.25), int(resolution * 1.5)  # resized and cropped by the script
+    with open(data_dir / "metadata.jsonl", "w") as meta:
+        for i in range(images):
+            small = rng.integers(0, 256, size=(height // 16, width // 16, 3), dtype=np.uint8)
+            Image.fromarray(small).resize((width, height), Image.BICUBIC).save(data_dir / f"{i:05d}.jpg", quality=90)
+            meta.write(json.dumps({"file_name": f"{i:05d}.jpg", "text": f"a photograph number {i}"}) + "\n")
+    return model_dir, data_dir
+
+
+def peer_script_command(script: str, model_dir: Path, data_dir: Path, out_dir: Path, resolution: int, batch: int,
+                        steps: int, precision: str) -> list[str]:
+    return [sys.executable, script, "--pretrained_model_name_or_path", str(model_dir), "--train_data_dir",
+            str(data_dir), "--resolution", str(resolution), "--train_batch_size", str(batch), "--max_train_steps",
+            str(steps), "--mixed_precision", "bf16" if precision == "bf16" else "no", "--output_dir", str(out_dir),
+            "--checkpointing_steps", str(10**9), "--seed", "0"]
+
+
+def run_peer_script(script: str, folder: Path, model_dir: Path, data_dir: Path, resolution: int, batch: int,
+                    warmup: int, steps: int, precision: str) -> dict:
+    """images/s of the script: (steps) x batch over the wall-time difference of a long and a short run."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    seconds = []
+    for count in (warmup, warmup + steps):
+        out_dir = folder / f"out_{count}"
+        start = time.perf_counter()
+        result = subprocess.run(peer_script_command(script, model_dir, data_dir, out_dir, resolution, batch, count,
+                                                    precision), env=env, capture_output=True, text=True)
+        seconds.append(time.perf_counter() - start)
+        if result.returncode != 0:
+            raise RuntimeError(f"{script} failed ({result.returncode}):\n{result.stderr[-3000:]}")
+    step_s = (seconds[1] - seconds[0]) / steps
+    return {"impl": "peer-script", "variant": Path(script).name, "batch": batch, "step_ms": 1000 * step_s,
+            "images_per_s": batch / step_s, "run_seconds": [round(s, 1) for s in seconds]}
+
+
+# ---------------------------------------------------------------------------------------------
+# Main
+# ---------------------------------------------------------------------------------------------
+
+
+def measure(impl: str, variant: str, batch: int, make_step, device, args, flops: int, peak: float | None) -> dict:
+    """Build with ``make_step()``, time it on a synthetic batch; peak memory covers building and stepping."""
+    row = {"impl": impl, "variant": variant, "batch": batch}
+    latents, input_ids = harness.synthetic_batch(batch, args.resolution // harness.vae_factor(args.arch))
+    try:
+        harness.reset_peak(device)
+        step = make_step()
+        step_s = harness.time_steps(lambda: step(latents, input_ids), device, args.warmup, args.steps)
+    except harness.out_of_memory_errors():
+        row["oom"] = True
+        step = None
+        harness.release(device)
+        return row
+    row.update(step_ms=1000 * step_s, images_per_s=batch / step_s, **harness.peak_gb(device))
+    if peak:
+        row["mfu"] = row["images_per_s"] * flops / (peak * 1e12)
+    del step
+    harness.release(device)
+    return row
+
+
+def ratios(rows: list[dict]) -> list[dict]:
+    """At each batch size, our best variant's images/s over each peer's."""
+    out = []
+    for batch in sorted({row["batch"] for row in rows}):
+        here = [row for row in rows if row["batch"] == batch and row.get("images_per_s")]
+        ours = [row for row in here if row["impl"] == "ours"]
+        if not ours:
+            continue
+        best = max(ours, key=lambda row: row["images_per_s"])
+        for peer in (row for row in here if row["impl"].startswith("peer")):
+            out.append({"batch": batch, "ours": best["variant"], "peer": peer["impl"],
+                        "ratio": round(best["images_per_s"] / peer["images_per_s"], 3)})
+    return out
+
+
+def parse_args(argv=None):
+    cuda = torch.cuda.is_available()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", choices=["sd1", "tiny"], default="sd1" if cuda else "tiny",
+                        help="sd1 (860M UNet) or the tiny CPU preset (default: sd1 on a GPU, else tiny)")
+    parser.add_argument("--resolution", type=int, default=512 if cuda else 64, help="image pixels; latents are 1/8")
+    parser.add_argument("--batch_sizes", default="16,32" if cuda else "4", help="comma-separated per-GPU batches")
+    parser.add_argument("--sweep", action="store_true", help="after the listed batches, keep doubling the batch "
+                        "until every variant of ours runs out of memory (or --max_batch)")
+    parser.add_argument("--max_batch", type=int, default=1024, help="largest batch --sweep tries")
+    parser.add_argument("--variants", default="eager,compile" if cuda else "eager", help="eager and/or compile")
+    parser.add_argument("--channels_last", default="0,1" if cuda else "0", help="0 and/or 1")
+    parser.add_argument("--checkpointing", default="0,1" if cuda else "1", help="gradient checkpointing: 0 and/or 1")
+    parser.add_argument("--peers", default="unet,vae", help="in-process peers: unet (its step on our latents) "
+                        "and/or vae (with its online VAE encode); empty for none")
+    parser.add_argument("--peer_ema", action="store_true", help="the in-process peers with --use_ema (EMAModel)")
+    parser.add_argument("--peer_script", default="", help="diffusers' examples/text_to_image/train_text_to_image.py "
+                        "to run end to end as well (needs accelerate, torchvision, datasets)")
+    parser.add_argument("--peer_images", type=int, default=256, help="images in the peer script's dataset")
+    parser.add_argument("--precision", choices=["bf16", "fp32"], default="bf16" if cuda else "fp32",
+                        help="bf16 autocast (GPU default) or fp32 (CPU default)")
+    parser.add_argument("--warmup", type=int, default=5 if cuda else 1, help="untimed steps (compilation included)")
+    parser.add_argument("--steps", type=int, default=20 if cuda else 3, help="timed steps")
+    parser.add_argument("--peak_tflops", type=float, default=None, help="dense bf16 peak of the device for MFU "
+                        "(default: looked up for known GPUs)")
+    parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    parser.add_argument("--json", default="", help="also write the result JSON to this file")
+    args = parser.parse_args(argv)
+    for name, allowed in (("variants", {"eager", "compile"}), ("peers", {"unet", "vae"})):
+        unknown = set(harness.parse_list(getattr(args, name), str)) - allowed
+        if unknown:
+            parser.error(f"--{name}: unknown {sorted(unknown)}; choose from {sorted(allowed)}")
+    for name in ("channels_last", "checkpointing"):
+        if not set(harness.parse_list(getattr(args, name))) <= {0, 1}:
+            parser.error(f"--{name}: a list of 0 and/or 1")
+    if args.resolution % (8 * harness.vae_factor(args.arch)):
+        parser.error(f"--resolution must be a multiple of {8 * harness.vae_factor(args.arch)}")
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    device = harness.pick_device(args.device)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    latent_size = args.resolution // harness.vae_factor(args.arch)
+    flops = SD_Model.training_flops_per_image(harness.unet_preset(args.arch), latent_size)
+    peak = harness.peak_tflops(device, args.peak_tflops)
+    variants = [Variant(c == "compile", bool(cl), bool(ck)) for c, cl, ck in itertools.product(
+        harness.parse_list(args.variants, str), harness.parse_list(args.channels_last),
+        harness.parse_list(args.checkpointing))]
+    print(f"{args.arch} UNet, {args.resolution} px ({latent_size}x{latent_size} latents), {args.precision}, "
+          f"{harness.device_name(device)}: {flops / 1e9:,.1f} GFLOP per training image (forward + backward)"
+          + (f", peak {peak:.1f} TFLOP/s" if peak else ", MFU not shown (peak unknown: --peak_tflops)"))
+
+    rows, batches, too_big = [], harness.parse_list(args.batch_sizes), set()
+    while batches:
+        batch = batches.pop(0)
+        for v in variants:
+            if v in too_big:  # out of memory at a smaller batch already
+                continue
+            rows.append(measure("ours", v.name, batch, lambda: our_step(args.arch, v, device, args.precision),
+                                device, args, flops, peak))
+            if rows[-1].get("oom"):
+                too_big.add(v)
+        if args.sweep and not batches and len(too_big) < len(variants) and batch * 2 <= args.max_batch:
+            batches.append(batch * 2)
+        for peer in harness.parse_list(args.peers, str):
+            rows.append(measure(f"peer-{peer}", "diffusers step" + (" +EMAModel" if args.peer_ema else ""), batch,
+                                lambda: peer_step(args.arch, device, args.precision, online_vae=peer == "vae",
+                                                  ema=args.peer_ema), device, args, flops, peak))
+        if args.peer_script:
+            with tempfile.TemporaryDirectory() as tmp:
+                model_dir, data_dir = prepare_peer_inputs(Path(tmp), args.arch, args.resolution, args.peer_images)
+                row = run_peer_script(args.peer_script, Path(tmp), model_dir, data_dir, args.resolution, batch,
+                                      args.warmup, args.steps, args.precision)
+            if peak:
+                row["mfu"] = row["images_per_s"] * flops / (peak * 1e12)
+            rows.append(row)
+
+    harness.print_table(rows, lambda row: f"{row['impl']} {row['variant']}",
+                        [("batch", "batch", "d"), ("images_per_s", "images/s", ".2f"), ("step_ms", "step ms", ".1f"),
+                         ("peak_allocated_gb", "peak GB", ".2f"), ("mfu", "MFU", ".1%")])
+    compared = ratios(rows)
+    for r in compared:
+        print(f"ratio ours/{r['peer']} at batch {r['batch']} = {r['ratio']:.2f}x (ours: {r['ours']})")
+    result = {"benchmark": "train_throughput", "device": harness.device_name(device), "arch": args.arch,
+              "resolution": args.resolution, "precision": args.precision, "torch": torch.__version__,
+              "flops_per_image": flops, "peak_tflops": peak, "rows": rows, "ratios": compared}
+    harness.emit(result, args.json)
+    return result
+
+
+if __name__ == "__main__":
+    main()
