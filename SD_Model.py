@@ -236,16 +236,18 @@ def training_flops_per_image(preset: str | dict = "sd1", latent_size: int = 64) 
 
 
 def sdpa_backends(device) -> list:
-    """The SDPA kernels allowed on ``device``: flash and memory-efficient on CUDA, math elsewhere.
+    """The SDPA kernels allowed on ``device``: flash and memory-efficient on CUDA, flash then math elsewhere.
 
-    The math kernel materialises the full attention matrix; on a GPU that costs memory and time for
-    nothing, so it is excluded there and a shape the fast kernels cannot take fails loudly.
+    The math kernel materialises the full attention matrix and keeps it for the backward pass; on
+    a GPU that costs memory and time for nothing, so it is excluded there and a shape the fast
+    kernels cannot take fails loudly. On a CPU the flash kernel (where torch has one for the shape
+    and dtype) trains the tiny UNet at 128 px in about two thirds of the math kernel's memory.
     """
     from torch.nn.attention import SDPBackend
 
     if torch.device(device).type == "cuda":
         return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
-    return [SDPBackend.MATH]
+    return [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
 
 
 def attention_context(device):

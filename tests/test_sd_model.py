@@ -113,14 +113,18 @@ def test_attention_uses_sdpa_with_kernels_by_device():
     unet = M.build_unet("tiny", seed=0)
     processors = unet.attn_processors
     assert processors and all(isinstance(p, AttnProcessor2_0) for p in processors.values())
-    assert M.sdpa_backends("cpu") == [SDPBackend.MATH]
+    assert M.sdpa_backends("cpu") == [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
     cuda = M.sdpa_backends("cuda")
     assert SDPBackend.FLASH_ATTENTION in cuda and SDPBackend.EFFICIENT_ATTENTION in cuda
     assert SDPBackend.MATH not in cuda
+    trained = M.build_unet("tiny", seed=0, from_scratch=False)  # a non-zero output to compare
     latents, timesteps, context = _tiny_inputs()
     with M.attention_context("cpu"):
-        out = unet(latents, timesteps, encoder_hidden_states=context).sample
-    assert out.shape == latents.shape
+        out = trained(latents, timesteps, encoder_hidden_states=context).sample
+    with torch.nn.attention.sdpa_kernel([SDPBackend.MATH]):
+        reference = trained(latents, timesteps, encoder_hidden_states=context).sample
+    assert out.shape == latents.shape and out.abs().mean() > 0.01
+    torch.testing.assert_close(out, reference, rtol=1e-4, atol=1e-5)
 
 
 # ------------------------------------------------------------------------- frozen parts, tokenizer
