@@ -58,6 +58,21 @@ def peak_tflops(device: torch.device, override: float | None = None) -> float | 
     return next((peak for key, peak in PEAK_BF16_TFLOPS if key in name), None)
 
 
+def argument_parser(doc: str, *, cpu_resolution: int = 64):
+    """The flags every benchmark shares: --arch, --resolution, --device, --json."""
+    import argparse
+
+    cuda = torch.cuda.is_available()
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", choices=["sd1", "tiny"], default="sd1" if cuda else "tiny",
+                        help="sd1 (860M UNet) or the tiny CPU preset (default: sd1 on a GPU, else tiny)")
+    parser.add_argument("--resolution", type=int, default=512 if cuda else cpu_resolution,
+                        help=f"image pixels, latents are 1/8 (default: 512 on a GPU, else {cpu_resolution})")
+    parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    parser.add_argument("--json", default="", help="also write the result JSON to this file")
+    return parser
+
+
 def parse_list(text: str, kind=int) -> list:
     return [kind(item) for item in text.split(",") if item.strip()]
 

@@ -1,6 +1,6 @@
 """Benchmark: the largest batch and the peak memory of a full from-scratch training step, ours vs diffusers.
 
-    python bench/memory.py                                     # CPU: tiny UNet, 64 px, process memory
+    python bench/memory.py                                     # CPU: tiny UNet, 128 px, process memory
     python bench/memory.py --arch sd1 --resolution 512         # GPU: the card's memory is the limit
     python bench/memory.py --arch sd1 --resolution 512 --limit_gb 22    # would it fit a 24 GB card?
 
@@ -131,20 +131,15 @@ def largest_batch(trial, limit_gb: float, max_batch: int) -> tuple[int, list[dic
 
 def parse_args(argv=None):
     cuda = torch.cuda.is_available()
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--arch", choices=["sd1", "tiny"], default="sd1" if cuda else "tiny",
-                        help="sd1 (860M UNet) or the tiny CPU preset (default: sd1 on a GPU, else tiny)")
-    parser.add_argument("--resolution", type=int, default=512 if cuda else 64, help="image pixels; latents are 1/8")
+    parser = harness.argument_parser(__doc__, cpu_resolution=128)
     parser.add_argument("--impls", default="ours,peer", help="ours and/or peer")
     parser.add_argument("--checkpointing", default="1,0", help="gradient checkpointing settings to measure: 1 and/or 0")
     parser.add_argument("--batch", type=int, default=8, help="the batch whose peak memory is compared (default: 8)")
     parser.add_argument("--limit_gb", type=float, default=None, help="memory a batch may use (default: the GPU's "
-                        "memory; on a CPU 0.5 GB)")
-    parser.add_argument("--max_batch", type=int, default=512 if cuda else 64, help="largest batch tried")
+                        "memory; on a CPU 0.4 GB)")
+    parser.add_argument("--max_batch", type=int, default=512 if cuda else 256, help="largest batch tried")
     parser.add_argument("--steps", type=int, default=2, help="steps per trial (the first allocates the optimizer)")
     parser.add_argument("--precision", choices=["bf16", "fp32"], default="bf16" if cuda else "fp32")
-    parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    parser.add_argument("--json", default="", help="also write the result JSON to this file")
     parser.add_argument("--_trial", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if not set(harness.parse_list(args.impls, str)) <= {"ours", "peer"}:
@@ -162,7 +157,7 @@ def main(argv=None) -> dict | None:
     device = harness.pick_device(args.device)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     limit = args.limit_gb or (torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda"
-                              else 0.5)
+                              else 0.4)
     print(f"{args.arch} UNet, {args.resolution} px, {args.precision}, AdamW + EMA, {harness.device_name(device)}; "
           f"a batch fits in {limit:.1f} GB")
     rows = []

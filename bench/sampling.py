@@ -17,7 +17,6 @@ the ratio ours/peer, how far apart the two results are, and one JSON line.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -74,10 +73,7 @@ def run_peer(pipeline, unet, noise, cond, uncond, steps: int, cfg: float):
 
 def parse_args(argv=None):
     cuda = torch.cuda.is_available()
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--arch", choices=["sd1", "tiny"], default="sd1" if cuda else "tiny",
-                        help="sd1 (860M UNet) or the tiny CPU preset (default: sd1 on a GPU, else tiny)")
-    parser.add_argument("--resolution", type=int, default=512 if cuda else 64, help="image pixels; latents are 1/8")
+    parser = harness.argument_parser(__doc__)
     parser.add_argument("--batch_sizes", default="1,8", help="images per sampling call")
     parser.add_argument("--modes", default="eager,default" if cuda else "eager",
                         help=f"comma-separated, from {', '.join(MODES)}")
@@ -86,8 +82,6 @@ def parse_args(argv=None):
     parser.add_argument("--repeats", type=int, default=3 if cuda else 2, help="timed sampling calls per measurement")
     parser.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
                         help="auto: bf16 on a GPU, fp32 on a CPU (as SD_ImageGen.py)")
-    parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    parser.add_argument("--json", default="", help="also write the result JSON to this file")
     args = parser.parse_args(argv)
     unknown = set(harness.parse_list(args.modes, str)) - set(MODES)
     if unknown:

@@ -25,7 +25,6 @@ best variant to each peer at every batch size, and one JSON line.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import os
@@ -229,10 +228,7 @@ def ratios(rows: list[dict]) -> list[dict]:
 
 def parse_args(argv=None):
     cuda = torch.cuda.is_available()
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--arch", choices=["sd1", "tiny"], default="sd1" if cuda else "tiny",
-                        help="sd1 (860M UNet) or the tiny CPU preset (default: sd1 on a GPU, else tiny)")
-    parser.add_argument("--resolution", type=int, default=512 if cuda else 64, help="image pixels; latents are 1/8")
+    parser = harness.argument_parser(__doc__)
     parser.add_argument("--batch_sizes", default="16,32" if cuda else "4", help="comma-separated per-GPU batches")
     parser.add_argument("--sweep", action="store_true", help="after the listed batches, keep doubling the batch "
                         "until every variant of ours runs out of memory (or --max_batch)")
@@ -252,8 +248,6 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=20 if cuda else 3, help="timed steps")
     parser.add_argument("--peak_tflops", type=float, default=None, help="dense bf16 peak of the device for MFU "
                         "(default: looked up for known GPUs)")
-    parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    parser.add_argument("--json", default="", help="also write the result JSON to this file")
     args = parser.parse_args(argv)
     for name, allowed in (("variants", {"eager", "compile"}), ("peers", {"unet", "vae"})):
         unknown = set(harness.parse_list(getattr(args, name), str)) - allowed
