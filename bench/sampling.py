@@ -17,6 +17,7 @@ the ratio ours/peer, how far apart the two results are, and one JSON line.
 
 from __future__ import annotations
 
+import statistics
 import sys
 from pathlib import Path
 
@@ -79,7 +80,8 @@ def parse_args(argv=None):
                         help=f"comma-separated, from {', '.join(MODES)}")
     parser.add_argument("--steps", type=int, default=50, help="DDIM steps")
     parser.add_argument("--cfg", type=float, default=7.5, help="guidance scale")
-    parser.add_argument("--repeats", type=int, default=3 if cuda else 2, help="timed sampling calls per measurement")
+    parser.add_argument("--repeats", type=int, default=5 if cuda else 3,
+                        help="timed sampling calls per measurement, alternating ours and the peer; the median counts")
     parser.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
                         help="auto: bf16 on a GPU, fp32 on a CPU (as SD_ImageGen.py)")
     args = parser.parse_args(argv)
@@ -100,23 +102,32 @@ def main(argv=None) -> dict:
           f"{str(dtype).replace('torch.', '')}, {harness.device_name(device)}")
     rows, compared = [], []
     for mode in harness.parse_list(args.modes, str):
-        # One compiled module for both: the same kernels; each call signature gets its own graph.
-        unet = SD_ImageGen.compile_unet(base_unet, "off" if mode == "eager" else mode)
         for batch in harness.parse_list(args.batch_sizes):
+            # Compiled afresh for each batch size, as SD_ImageGen.py runs one: static shapes, no
+            # dynamic-shape recompile. Both share the module; each call signature gets its own graph.
+            harness.release(device)
+            unet = SD_ImageGen.compile_unet(base_unet, "off" if mode == "eager" else mode)
             noise = SD_ImageGen.initial_noise(list(range(batch)), (4, latent_size, latent_size)).to(device)
             cond, uncond = prompt_embeddings(model.text_encoder, batch)
-            results, rates = {}, {}
-            for impl, run in (("ours", run_ours), ("peer", run_peer)):
-                target = model if impl == "ours" else pipeline
-                call = lambda: results.__setitem__(impl, run(target, unet, noise, cond, uncond, args.steps, args.cfg))  # noqa: E731
-                seconds = harness.time_steps(call, device, warmup=1, steps=args.repeats)
-                rates[impl] = args.steps / seconds
-                rows.append({"impl": impl, "mode": mode, "batch": batch, "it_per_s": rates[impl],
-                             "images_per_s": batch / seconds})
+            results = {}
+            calls = {"ours": lambda: results.__setitem__("ours", run_ours(model, unet, noise, cond, uncond,
+                                                                          args.steps, args.cfg)),
+                     "peer": lambda: results.__setitem__("peer", run_peer(pipeline, unet, noise, cond, uncond,
+                                                                          args.steps, args.cfg))}
+            # Warm both (compiling), then alternate single timed calls so drift hits both alike.
+            seconds = {impl: [] for impl in calls}
+            for repeat in range(args.repeats + 1):
+                for impl, call in calls.items():
+                    elapsed = harness.time_steps(call, device, warmup=0, steps=1)
+                    if repeat:
+                        seconds[impl].append(elapsed)
+            rates = {impl: args.steps / statistics.median(times) for impl, times in seconds.items()}
+            for impl, rate in rates.items():
+                rows.append({"impl": impl, "mode": mode, "batch": batch, "it_per_s": rate,
+                             "images_per_s": batch * rate / args.steps})
             difference = (results["ours"].float() - results["peer"].float()).abs().max().item()
             compared.append({"mode": mode, "batch": batch, "ratio": round(rates["ours"] / rates["peer"], 3),
                              "max_abs_difference": difference})
-        harness.release(device)
 
     harness.print_table(rows, lambda row: f"{row['impl']} {row['mode']}",
                         [("batch", "batch", "d"), ("it_per_s", "it/s", ".2f"), ("images_per_s", "images/s", ".3f")])

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import statistics
 import os
 import subprocess
 import sys
@@ -190,25 +191,47 @@ def run_peer_script(script: str, folder: Path, model_dir: Path, data_dir: Path, 
 # ---------------------------------------------------------------------------------------------
 
 
-def measure(impl: str, variant: str, batch: int, make_step, device, args, flops: int, peak: float | None) -> dict:
-    """Build with ``make_step()``, time it on a synthetic batch; peak memory covers building and stepping."""
-    row = {"impl": impl, "variant": variant, "batch": batch}
+def measure(entries: list[tuple[str, str, object]], batch: int, device, args, flops: int,
+            peak: float | None) -> list[dict]:
+    """Time each ``(impl, variant, make_step)`` on one synthetic batch; a row per entry.
+
+    With ``--rounds 1`` each entry is built, timed and freed in turn, and its peak memory covers
+    building and stepping. With more rounds all entries are built together, warmed, then timed in
+    alternating rounds of ``--steps`` steps, the median round counting (drift on a shared machine
+    then hits every entry alike; no peak memory per entry).
+    """
     latents, input_ids = harness.synthetic_batch(batch, args.resolution // harness.vae_factor(args.arch))
-    try:
-        harness.reset_peak(device)
-        step = make_step()
-        step_s = harness.time_steps(lambda: step(latents, input_ids), device, args.warmup, args.steps)
-    except harness.out_of_memory_errors():
-        row["oom"] = True
-        step = None
-        harness.release(device)
-        return row
-    row.update(step_ms=1000 * step_s, images_per_s=batch / step_s, **harness.peak_gb(device))
-    if peak:
-        row["mfu"] = row["images_per_s"] * flops / (peak * 1e12)
-    del step
+    rows, steps = [], []
+    for impl, variant, make_step in entries:
+        rows.append({"impl": impl, "variant": variant, "batch": batch})
+        try:
+            harness.reset_peak(device)
+            step = make_step()
+            for _ in range(args.warmup):
+                step(latents, input_ids)
+            if args.rounds == 1:
+                rows[-1]["step_s"] = [harness.time_steps(lambda: step(latents, input_ids), device, 0, args.steps)]
+                rows[-1].update(harness.peak_gb(device))
+                step = None
+        except harness.out_of_memory_errors():
+            rows[-1]["oom"], step = True, None
+        steps.append(step)
+        if step is None:
+            harness.release(device)
+    for _ in range(args.rounds if args.rounds > 1 else 0):
+        for row, step in zip(rows, steps):
+            if step is not None:
+                row.setdefault("step_s", []).append(
+                    harness.time_steps(lambda: step(latents, input_ids), device, 0, args.steps))
+    del steps
     harness.release(device)
-    return row
+    for row in rows:
+        if "step_s" in row:
+            step_s = statistics.median(row.pop("step_s"))
+            row.update(step_ms=1000 * step_s, images_per_s=batch / step_s)
+            if peak:
+                row["mfu"] = row["images_per_s"] * flops / (peak * 1e12)
+    return rows
 
 
 def ratios(rows: list[dict]) -> list[dict]:
@@ -245,7 +268,11 @@ def parse_args(argv=None):
     parser.add_argument("--precision", choices=["bf16", "fp32"], default="bf16" if cuda else "fp32",
                         help="bf16 autocast (GPU default) or fp32 (CPU default)")
     parser.add_argument("--warmup", type=int, default=5 if cuda else 1, help="untimed steps (compilation included)")
-    parser.add_argument("--steps", type=int, default=20 if cuda else 3, help="timed steps")
+    parser.add_argument("--steps", type=int, default=20 if cuda else 3, help="timed steps (per round)")
+    parser.add_argument("--rounds", type=int, default=1 if cuda else 5, help="1: each configuration built, timed "
+                        "and freed in turn, with its peak memory; more: all of one batch built together and timed "
+                        "in alternating rounds, the median counting (steadier on a shared CPU; default: 1 on a GPU, "
+                        "5 on a CPU)")
     parser.add_argument("--peak_tflops", type=float, default=None, help="dense bf16 peak of the device for MFU "
                         "(default: looked up for known GPUs)")
     args = parser.parse_args(argv)
@@ -276,21 +303,20 @@ def main(argv=None) -> dict:
           + (f", peak {peak:.1f} TFLOP/s" if peak else ", MFU not shown (peak unknown: --peak_tflops)"))
 
     rows, batches, too_big = [], harness.parse_list(args.batch_sizes), set()
+    peer_label = "diffusers step" + (" +EMAModel" if args.peer_ema else "")
     while batches:
         batch = batches.pop(0)
-        for v in variants:
-            if v in too_big:  # out of memory at a smaller batch already
-                continue
-            rows.append(measure("ours", v.name, batch, lambda: our_step(args.arch, v, device, args.precision),
-                                device, args, flops, peak))
-            if rows[-1].get("oom"):
-                too_big.add(v)
+        entries = [("ours", v.name, lambda v=v: our_step(args.arch, v, device, args.precision))
+                   for v in variants if v not in too_big]  # skipped: out of memory at a smaller batch already
+        entries += [(f"peer-{peer}", peer_label, lambda peer=peer: peer_step(
+            args.arch, device, args.precision, online_vae=peer == "vae", ema=args.peer_ema))
+            for peer in harness.parse_list(args.peers, str)]
+        measured = measure(entries, batch, device, args, flops, peak)
+        too_big |= {v for v in variants for row in measured if row["impl"] == "ours" and row["variant"] == v.name
+                    and row.get("oom")}
+        rows += measured
         if args.sweep and not batches and len(too_big) < len(variants) and batch * 2 <= args.max_batch:
             batches.append(batch * 2)
-        for peer in harness.parse_list(args.peers, str):
-            rows.append(measure(f"peer-{peer}", "diffusers step" + (" +EMAModel" if args.peer_ema else ""), batch,
-                                lambda: peer_step(args.arch, device, args.precision, online_vae=peer == "vae",
-                                                  ema=args.peer_ema), device, args, flops, peak))
         if args.peer_script:
             with tempfile.TemporaryDirectory() as tmp:
                 model_dir, data_dir = prepare_peer_inputs(Path(tmp), args.arch, args.resolution, args.peer_images)

@@ -33,7 +33,7 @@ def test_train_throughput_bench_measures_ours_and_both_peers(tmp_path):
     import SD_Model
 
     stdout, result = run_bench("train_throughput.py", "--batch_sizes", "2", "--checkpointing", "0,1", "--steps", "2",
-                               "--peak_tflops", "1", "--json", str(tmp_path / "out.json"))
+                               "--rounds", "2", "--peak_tflops", "1", "--json", str(tmp_path / "out.json"))
     assert result == json.loads((tmp_path / "out.json").read_text())
     rows = {(row["impl"], row["variant"]): row for row in result["rows"]}
     assert set(rows) == {("ours", "eager"), ("ours", "eager+checkpointing"), ("peer-unet", "diffusers step"),
@@ -48,6 +48,13 @@ def test_train_throughput_bench_measures_ours_and_both_peers(tmp_path):
         ratio = next(r["ratio"] for r in result["ratios"] if r["peer"] == peer)
         assert ratio == round(best / rows[(peer, "diffusers step")]["images_per_s"], 3)
         assert f"ratio ours/{peer} at batch 2 = {ratio:.2f}x" in stdout
+
+
+def test_train_throughput_bench_one_configuration_at_a_time():
+    _, result = run_bench("train_throughput.py", "--batch_sizes", "3", "--peers", "", "--steps", "1", "--rounds", "1")
+    [row] = result["rows"]
+    assert (row["impl"], row["variant"], row["batch"]) == ("ours", "eager+checkpointing", 3)
+    assert row["images_per_s"] > 0 and result["ratios"] == []
 
 
 def test_train_throughput_bench_rejects_unknown_variants():
