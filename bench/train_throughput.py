@@ -72,6 +72,7 @@ def our_step(arch: str, variant: Variant, device: torch.device, precision: str):
                                   compile=variant.compile, max_steps=10**6)
     d = SD_Train.Dist(rank=0, world_size=1, local_rank=0, device=device, is_main=True)
     models = SD_Train.assemble_models(config, d, harness.random_text_encoder(arch), None, harness.empty_prompt_ids())
+    # sample_shape only sizes the validation grid, which a benchmark never draws.
     t = SD_Train.make_trainer(config, d, models, SD_Model.SD1_SCALING_FACTOR, (4, 0, 0), steps_per_epoch=10**6)
     SD_Train.wrap_model(models, config, d)
 
