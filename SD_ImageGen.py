@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import SD_Data
+import SD_Files
 import SD_Formats
 import SD_Model
 
@@ -245,7 +245,7 @@ def save_png(path: Path, image: np.ndarray, parameters: str) -> None:
 
     info = PngInfo()
     info.add_text("parameters", parameters)
-    SD_Data.write_atomic(path, lambda tmp: Image.fromarray(image).save(tmp, format="PNG", pnginfo=info))
+    SD_Files.write_atomic(path, lambda tmp: Image.fromarray(image).save(tmp, format="PNG", pnginfo=info))
 
 
 def read_parameters(path: Path) -> str:
@@ -269,7 +269,7 @@ def save_grid(path: Path, rows: list[tuple[str, list[np.ndarray]]]) -> None:
         draw.text((2, top + 2), prompt[: max(10, columns * width // 6)], fill="black")
         for c, image in enumerate(images):
             grid.paste(Image.fromarray(image), (c * width, top + label))
-    SD_Data.write_atomic(path, lambda tmp: grid.save(tmp, format="PNG"))
+    SD_Files.write_atomic(path, lambda tmp: grid.save(tmp, format="PNG"))
 
 
 def export(args, model: Model) -> None:
@@ -314,7 +314,7 @@ def main(argv=None) -> int:
             records.append({"file": path.name, "prompt": prompt, "negative": args.negative, "seed": seed})
         rows.append((prompt, images))
     save_grid(out / "grid.png", rows)
-    SD_Data.write_text_atomic(out / "images.json", json.dumps(records, indent=1) + "\n")
+    SD_Files.write_text_atomic(out / "images.json", json.dumps(records, indent=1) + "\n")
     log.info("wrote %d images and grid.png to %s", len(records), out)
     return 0
 

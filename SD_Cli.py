@@ -1,0 +1,58 @@
+"""Command-line conventions shared by every script.
+
+- Flags are never abbreviated (``--min_lr`` must not silently mean ``--min_lr_ratio``).
+- A boolean flag means the same thing everywhere: ``--flag`` alone or ``--flag true`` turns it on,
+  ``--flag false`` turns it off (``1/0``, ``yes/no`` too).
+- A renamed flag keeps its old spelling as a hidden alias; ``--help`` shows the new one.
+- An error the user can fix is one line naming the flag, and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+TRUE_WORDS = ("true", "1", "yes", "on")
+FALSE_WORDS = ("false", "0", "no", "off")
+
+
+def parse_bool(text) -> bool:
+    """``true/false``, ``1/0``, ``yes/no``, ``on/off`` (any case), or a bool."""
+    if isinstance(text, bool):
+        return text
+    word = str(text).strip().lower()
+    if word in TRUE_WORDS:
+        return True
+    if word in FALSE_WORDS:
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """``argparse`` with abbreviations off, defaults shown in ``--help`` and one-line errors."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def add_bool(self, *names: str, default: bool = False, help: str = "", **kwargs):
+        """A boolean flag: ``--x``, ``--x true`` and ``--x false`` all work."""
+        return self.add_argument(*names, nargs="?", const=True, default=default, type=parse_bool,
+                                 metavar="BOOL", help=help, **kwargs)
+
+    def add_alias(self, old: str, new_dest: str, **kwargs):
+        """Accept ``old`` as a hidden spelling of the flag whose destination is ``new_dest``."""
+        return self.add_argument(old, dest=new_dest, help=argparse.SUPPRESS, default=argparse.SUPPRESS, **kwargs)
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the module docstring's layout and appends each flag's default to its help."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "%(default)" in text or action.default in (None, argparse.SUPPRESS, False) or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)"

@@ -1,0 +1,94 @@
+"""Atomic writes: a reader (or a crash) never sees a half-written file or folder.
+
+Every output of the project goes through these: the data is written under a temporary name in the
+same folder, flushed, and renamed onto the final name (``os.replace`` is atomic on one file system).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+
+def temporary_name(path: Path) -> Path:
+    """The hidden sibling a file or folder is written under before it is renamed into place."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.tmp")
+
+
+def write_atomic(path: str | Path, write) -> None:
+    """Call ``write(tmp_path)`` then rename onto ``path``: readers never see a half-written file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temporary_name(path)
+    try:
+        write(tmp)
+        with open(tmp, "rb") as handle:
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    write_atomic(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+
+
+def write_json_atomic(path: str | Path, value, indent: int | None = 1) -> None:
+    write_text_atomic(path, json.dumps(value, indent=indent) + "\n")
+
+
+def save_npy_atomic(path: str | Path, array) -> None:
+    import numpy as np
+
+    def write(tmp):
+        with open(tmp, "wb") as handle:
+            np.save(handle, array)
+
+    write_atomic(path, write)
+
+
+def save_png_atomic(path: str | Path, image, **options) -> None:
+    """A PIL image as PNG (``options`` go to ``Image.save``, e.g. ``pnginfo``)."""
+    write_atomic(path, lambda tmp: image.save(tmp, format="PNG", **options))
+
+
+def write_folder_atomic(folder: str | Path, write) -> None:
+    """Call ``write(staging_folder)`` then swap the folder into place, replacing an older one.
+
+    The old folder is moved aside before the new one is renamed in, so at every moment either the
+    old or the new complete folder exists under the final name (or, for an instant, neither).
+    """
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = temporary_name(folder)
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        write(staging)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    replace_folder(staging, folder)
+
+
+def replace_folder(staging: Path, folder: Path) -> None:
+    """Rename a complete ``staging`` folder onto ``folder``, removing an older ``folder`` first."""
+    if folder.exists():
+        old = folder.with_name(f".{folder.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(folder, old)
+        os.replace(staging, folder)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(staging, folder)
+
+
+def fsync_tree(folder: Path) -> None:
+    """Flush every file directly in ``folder`` to storage (before a rename marks it complete)."""
+    for path in Path(folder).iterdir():
+        if path.is_file():
+            with open(path, "rb") as handle:
+                os.fsync(handle.fileno())
