@@ -1,16 +1,17 @@
-"""Training checkpoints: atomic folders, rotation, and safe loading.
+"""Training checkpoints: one save and one load over a dict of named state objects.
 
-A checkpoint is ``run_dir/checkpoints/step_NNNNNNNN/`` holding
+The trainer hands ``save`` / ``load`` a dict ``{name: object}``; every object has ``state_dict()``
+and ``load_state_dict()``, and each becomes one file of ``run_dir/checkpoints/step_NNNNNNNN/``:
 
-    unet.safetensors, ema.safetensors   weights (live and EMA), loadable by any safetensors reader
-    optimizer.pt, train_state.pt         optimizer, LR schedule, grad scaler, step, epoch, data position
-    rng_rank{R}.pt                       every RNG of rank R (torch, CUDA, numpy, python, the noise generator)
-    config.yaml                          the resolved config
-    COMPLETE                             written last
+    Weights(obj)  -> NAME.safetensors     written by rank 0 (unet, ema): any safetensors reader loads it
+    PerRank(obj)  -> NAME_rank{R}.pt      written by every rank R (its RNGs and a weight fingerprint)
+    anything else -> NAME.pt              written by rank 0 (optimizer, scaler, train_state)
+    config.yaml, COMPLETE                 the resolved config; COMPLETE last
 
-It is assembled in ``.tmp_step_NNNNNNNN`` and renamed, so a crash while saving never leaves a folder
-that looks done; only folders with ``COMPLETE`` count. ``.pt`` files are read with
-``torch.load(weights_only=True)``: nothing is unpickled beyond tensors and plain containers.
+Adding a piece of resumable state is one more entry in that dict. The folder is assembled in
+``.tmp_step_NNNNNNNN`` and renamed, so a crash while saving never leaves a folder that looks done;
+only folders with ``COMPLETE`` count. ``.pt`` files are read with ``torch.load(weights_only=True)``:
+nothing is unpickled beyond tensors and plain containers. A missing file on resume is an error.
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
+
+import SD_Distributed
+import SD_Faults
+import SD_Files
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 COMPLETE = "COMPLETE"
@@ -64,18 +69,99 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 
 # ---------------------------------------------------------------------------------------------
+# The state dict of a run: named objects, one file each
+# ---------------------------------------------------------------------------------------------
+
+
+class Weights:
+    """An object whose state is a flat dict of tensors (a module, the EMA): saved as safetensors."""
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def state_dict(self):
+        return self.obj.state_dict()
+
+    def load_state_dict(self, state):
+        self.obj.load_state_dict(state)
+
+
+class PerRank(Weights):
+    """State that differs between ranks: every rank writes and reads its own file."""
+
+
+class RankRNG:
+    """This rank's RNGs (torch, CUDA, numpy, python, the noise generator) and a fingerprint of its
+    weights (DDP ranks must hold identical ones)."""
+
+    def __init__(self, noise_generator: torch.Generator, model):
+        self.noise_generator, self.model = noise_generator, model
+
+    def state_dict(self) -> dict:
+        return {"rng": capture_rng(self.noise_generator), "fingerprint": weights_fingerprint(self.model.parameters())}
+
+    def load_state_dict(self, state: dict) -> None:
+        restore_rng(state["rng"], self.noise_generator)
+
+
+def file_name(name: str, obj, rank: int) -> str:
+    if isinstance(obj, PerRank):
+        return f"{name}_rank{rank}.pt"
+    if isinstance(obj, Weights):
+        return f"{name}.safetensors"
+    return f"{name}.pt"
+
+
+def save(checkpoints_dir: Path, step: int, states: dict, d, config_text: str) -> Path:
+    """Write ``checkpoints_dir/step_N`` from every rank, atomically, then prune old checkpoints.
+
+    Collective: every rank calls it. Rank 0 writes the shared entries in the dict's order (a fault
+    point ``after_NAME:STEP`` follows each file), every rank its ``PerRank`` entries.
+    """
+    staging = staging_dir(checkpoints_dir, step)
+    final = checkpoints_dir / step_dir_name(step)
+    if d.is_main:
+        if staging.exists():
+            shutil.rmtree(staging)
+        staging.mkdir(parents=True)
+    SD_Distributed.barrier(d)
+    for name, obj in states.items():
+        if isinstance(obj, PerRank) or d.is_main:
+            write_entry(staging / file_name(name, obj, d.rank), obj)
+            SD_Faults.point(f"after_{name}", step)
+    if d.is_main:
+        (staging / "config.yaml").write_text(config_text)
+    SD_Distributed.barrier(d)
+    if d.is_main:
+        finalize(staging, final)
+    SD_Distributed.barrier(d)
+    return final
+
+
+def write_entry(path: Path, obj) -> None:
+    if isinstance(obj, Weights) and not isinstance(obj, PerRank):
+        save_weights(obj.state_dict(), path)
+    else:
+        save_torch(obj.state_dict(), path)
+
+
+def load(folder: Path, states: dict, rank: int) -> None:
+    """Restore every entry of ``states`` from ``folder``; a missing file is an error."""
+    for name, obj in states.items():
+        path = folder / file_name(name, obj, rank)
+        if isinstance(obj, Weights) and not isinstance(obj, PerRank):
+            obj.load_state_dict(load_weights(path))
+        else:
+            obj.load_state_dict(load_torch(path))
+
+
+# ---------------------------------------------------------------------------------------------
 # Writing
 # ---------------------------------------------------------------------------------------------
 
 
 def staging_dir(checkpoints_dir: Path, step: int) -> Path:
     return checkpoints_dir / f".tmp_{step_dir_name(step)}"
-
-
-def _fsync_tree(folder: Path) -> None:
-    for path in folder.iterdir():
-        with open(path, "rb") as handle:
-            os.fsync(handle.fileno())
 
 
 def save_weights(state_dict: dict[str, torch.Tensor], path: Path) -> None:
@@ -87,12 +173,6 @@ def save_torch(obj, path: Path) -> None:
     torch.save(obj, path)
 
 
-def write_rank_state(folder: Path, rank: int, noise_generator: torch.Generator, model) -> None:
-    """This rank's RNGs, and a fingerprint of its weights: DDP ranks must hold identical ones."""
-    state = {"rng": capture_rng(noise_generator), "fingerprint": weights_fingerprint(model.parameters())}
-    save_torch(state, folder / f"rng_rank{rank}.pt")
-
-
 @torch.no_grad()
 def weights_fingerprint(tensors) -> torch.Tensor:
     """Per-tensor float64 sums ``(n,)``: equal on every rank unless the replicas diverged."""
@@ -101,7 +181,7 @@ def weights_fingerprint(tensors) -> torch.Tensor:
 
 def finalize(staging: Path, final: Path) -> None:
     """Mark a fully written staging folder complete and move it into place (rank 0 only)."""
-    _fsync_tree(staging)
+    SD_Files.fsync_tree(staging)
     (staging / COMPLETE).write_text("ok\n")
     if final.exists():  # an earlier complete save of the same step (a re-run): replace it
         shutil.rmtree(final)

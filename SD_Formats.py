@@ -4,6 +4,7 @@
 * ``single_file_state_dict`` / ``save_single_file``: one file in the original SD 1.x key layout
   (``model.diffusion_model.*``, ``first_stage_model.*``, ``cond_stage_model.transformer.text_model.*``)
   that AUTOMATIC1111, ComfyUI and diffusers' ``from_single_file`` load.
+* ``load_pipeline``: UNet, VAE, text encoder and tokenizer from any of the sources below.
 * ``load_unet_weights``: UNet weights from any of: a training checkpoint or run folder of ours (EMA or
   live), a diffusers pipeline folder or hub id, or a single ``.safetensors`` / ``.ckpt`` file.
 
@@ -19,6 +20,15 @@ from pathlib import Path
 import torch
 
 import SD_Checkpoint as ckpt
+import SD_Files
+import SD_Model
+
+# CLIP ViT-L/14's text tower, as SD 1.x uses it.
+CLIP_L_TEXT = dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                   num_attention_heads=12, max_position_embeddings=77, hidden_act="quick_gelu", projection_dim=768)
+# What a single file in the original layout holds: (UNet preset, VAE config, text encoder config).
+SINGLE_FILE_ARCHS = {"sd1": ("sd1", SD_Model.SD1_VAE, CLIP_L_TEXT),
+                     "tiny": ("tiny", SD_Model.TINY_VAE, SD_Model.TINY_TEXT_ENCODER)}
 
 UNET_PREFIX = "model.diffusion_model."
 VAE_PREFIX = "first_stage_model."
@@ -157,11 +167,9 @@ def single_file_state_dict(unet, vae, text_encoder, half: bool = False) -> dict[
 def save_single_file(path: Path, unet, vae, text_encoder, half: bool = False, metadata: dict | None = None) -> None:
     from safetensors.torch import save_file
 
-    import SD_Data
-
     tensors = single_file_state_dict(unet, vae, text_encoder, half)
     meta = {k: str(v) for k, v in (metadata or {}).items()}
-    SD_Data.write_atomic(Path(path), lambda tmp: save_file(tensors, str(tmp), metadata=meta))
+    SD_Files.write_atomic(Path(path), lambda tmp: save_file(tensors, str(tmp), metadata=meta))
 
 
 def read_single_file(path: str | Path) -> dict[str, torch.Tensor]:
@@ -204,24 +212,14 @@ def from_single_file(state: dict[str, torch.Tensor], model, mapping: dict[str, s
 
 def export_diffusers(folder: Path, unet, vae, text_encoder, tokenizer, prediction_type: str = "epsilon") -> None:
     """Write a StableDiffusionPipeline folder in safetensors (no safety checker), atomically."""
-    import os
-    import shutil
-
     from diffusers import DDIMScheduler, StableDiffusionPipeline
-
-    import SD_Model
 
     folder = Path(folder)
     pipeline = StableDiffusionPipeline(
         unet=unet, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
         scheduler=SD_Model.build_noise_scheduler(prediction_type, DDIMScheduler),
         safety_checker=None, feature_extractor=None, requires_safety_checker=False)
-    staging = folder.with_name(f".{folder.name}.tmp")
-    shutil.rmtree(staging, ignore_errors=True)
-    pipeline.save_pretrained(str(staging), safe_serialization=True)
-    if folder.exists():
-        shutil.rmtree(folder)
-    os.replace(staging, folder)
+    SD_Files.write_folder_atomic(folder, lambda staging: pipeline.save_pretrained(str(staging), safe_serialization=True))
 
 
 def is_diffusers_folder(path: Path) -> bool:
@@ -278,3 +276,61 @@ def diffusers_prediction_type(source: str) -> str:
     if path.exists():
         return json.loads(path.read_text()).get("prediction_type", "epsilon")
     return "epsilon"
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading a whole pipeline (UNet, VAE, text encoder, tokenizer) from any source
+# ---------------------------------------------------------------------------------------------
+
+
+def load_pipeline(source: str, *, use_ema: bool = True, vae: str | None = None, text_encoder: str | None = None,
+                  tokenizer: str | None = None, arch: str = "sd1") -> "SD_Sampling.Pipeline":
+    """UNet, VAE, text encoder and tokenizer from any checkpoint kind; the keywords override the parts."""
+    import SD_Sampling
+
+    config = run_config(source)
+    path = Path(source)
+    if config is not None:  # ours: the parts named in the training config
+        unet = SD_Model.build_unet(config["unet"], from_scratch=False)
+        parts = (config["vae"], config["text_encoder"], config.get("tokenizer") or config["text_encoder"])
+        prediction_type = config["prediction_type"]
+    elif path.is_file():  # a single file holds all three models
+        return _load_single_file(path, arch, vae, text_encoder, tokenizer)
+    else:  # a diffusers folder or hub id
+        from diffusers import UNet2DConditionModel
+
+        unet = UNet2DConditionModel.from_pretrained(source, subfolder="unet")
+        SD_Model.use_sdpa_attention(unet)
+        parts = (source, source, source)
+        prediction_type = diffusers_prediction_type(source)
+    loaded = load_unet_weights(source, unet, use_ema=use_ema) if config is not None else f"diffusers {source}"
+    return SD_Sampling.Pipeline(unet.eval(), SD_Model.load_vae(vae or parts[0]), SD_Model.load_text_encoder(text_encoder or parts[1]),
+                 SD_Model.load_tokenizer(tokenizer or parts[2]), prediction_type, loaded)
+
+
+def _load_single_file(path: Path, arch: str, vae: str | None, text_encoder: str | None,
+                      tokenizer: str | None) -> "SD_Sampling.Pipeline":
+    """An original-layout file holds the UNet, VAE and CLIP text encoder weights of ``arch``."""
+    import SD_Sampling
+
+    from diffusers import AutoencoderKL
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    unet_preset, vae_config, text_config = SINGLE_FILE_ARCHS[arch]
+    state = read_single_file(path)
+    unet = SD_Model.build_unet(unet_preset, from_scratch=False)
+    unet.load_state_dict(from_single_file(state, unet, unet_key_map(unet), "UNet"))
+    if vae:
+        vae_model = SD_Model.load_vae(vae)
+    else:
+        vae_model = AutoencoderKL(**vae_config)
+        vae_model.load_state_dict(from_single_file(state, vae_model, vae_key_map(vae_model), "VAE"))
+    if text_encoder:
+        encoder = SD_Model.load_text_encoder(text_encoder)
+    else:
+        encoder = CLIPTextModel(CLIPTextConfig(**text_config))
+        encoder.load_state_dict(
+            from_single_file(state, encoder, text_key_map(encoder), "text encoder"))
+    default_tokenizer = "tiny" if arch == "tiny" else SD_Model.DEFAULT_TEXT_ENCODER
+    return SD_Sampling.Pipeline(unet.eval(), vae_model.eval(), encoder.eval(), SD_Model.load_tokenizer(tokenizer or default_tokenizer),
+                 "epsilon", f"single file {path}")

@@ -7,22 +7,12 @@ Everything here is importable without side effects:
 * ``load_vae`` / ``load_text_encoder`` / ``load_tokenizer``: the frozen parts, from a hub id, a local
   folder (a diffusers pipeline folder works too) or the seeded ``"tiny"`` presets.
 * The DDPM training schedule, latent scaling, prediction targets and ``diffusion_loss`` with Min-SNR.
-* ``ddim_step`` / ``ddim_sample``: DDIM with classifier-free guidance against a real negative-prompt
-  embedding, never clamping the predicted x0.
 * ``EMA``: an exponential moving average of the weights with warm-up.
 """
 
 from __future__ import annotations
 
 import contextlib
-import gzip
-import json
-import math
-import os
-import subprocess
-import sys
-import tempfile
-import zipfile
 from pathlib import Path
 
 import torch
@@ -311,7 +301,9 @@ def load_tokenizer(name_or_path: str = DEFAULT_TEXT_ENCODER, *, subfolder: str |
     from transformers import CLIPTokenizer
 
     if name_or_path == "tiny":
-        name_or_path, subfolder = str(clip_tokenizer_folder()), None
+        import SD_Tokenizer
+
+        name_or_path, subfolder = str(SD_Tokenizer.clip_tokenizer_folder()), None
     subfolder = subfolder or _local_subfolder(name_or_path, "tokenizer")
     kwargs = {"subfolder": subfolder} if subfolder else {}
     return CLIPTokenizer.from_pretrained(name_or_path, model_max_length=TOKENIZER_MAX_LENGTH, **kwargs)
@@ -333,92 +325,6 @@ def encode_prompt_ids(text_encoder, input_ids: torch.Tensor) -> torch.Tensor:
     """CLIP ``last_hidden_state`` for token ids: ``(B, 77, hidden)``, the UNet's context."""
     device = next(text_encoder.parameters()).device
     return text_encoder(input_ids.to(device)).last_hidden_state
-
-
-# The CLIP tokenizer's BPE merges ship inside the open-clip-torch wheel. The wheel is only downloaded
-# and read as a zip (installing it would pull in torchvision). From the merges we derive the
-# vocab.json + merges.txt that transformers' CLIPTokenizer reads, exactly as OpenAI's tokenizer
-# orders its 49,408 tokens: 256 byte symbols, the same with "</w>", the merges, then the two specials.
-OPEN_CLIP_WHEEL = "open-clip-torch>=2.20,<4"
-CLIP_BPE_MEMBER = "open_clip/bpe_simple_vocab_16e6.txt.gz"
-CLIP_NUM_MERGES = 49152 - 256 - 2
-
-
-def cache_dir() -> Path:
-    """Where derived artefacts (the tiny tokenizer) are kept: ``$SD_CACHE_DIR`` or ``~/.cache/sd1_train``."""
-    return Path(os.environ.get("SD_CACHE_DIR", Path.home() / ".cache" / "sd1_train"))
-
-
-def clip_tokenizer_folder() -> Path:
-    """A local CLIP tokenizer folder, built once from the open-clip-torch wheel and cached."""
-    folder = cache_dir() / "clip_tokenizer"
-    if (folder / "merges.txt").exists():
-        return folder
-    bpe_text = _read_clip_bpe()
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".clip_tokenizer."))
-    _write_clip_tokenizer_files(bpe_text, staging)
-    try:
-        os.replace(staging, folder)
-    except OSError:  # another process finished first; its folder is identical
-        _remove_tree(staging)
-    return folder
-
-
-def _read_clip_bpe() -> str:
-    override = os.environ.get("SD_CLIP_BPE")
-    if override:
-        return gzip.decompress(Path(override).read_bytes()).decode("utf-8")
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", tmp,
-               OPEN_CLIP_WHEEL]
-        result = subprocess.run(cmd, capture_output=True, text=True)
-        wheels = list(Path(tmp).glob("open_clip_torch-*.whl"))
-        if result.returncode != 0 or not wheels:
-            raise RuntimeError(
-                "could not download the open-clip-torch wheel that holds the CLIP BPE merges "
-                f"({result.stderr.strip()[-500:]}); set SD_CLIP_BPE to a local bpe_simple_vocab_16e6.txt.gz"
-            )
-        with zipfile.ZipFile(wheels[0]) as wheel:
-            return gzip.decompress(wheel.read(CLIP_BPE_MEMBER)).decode("utf-8")
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable-character table used by CLIP's BPE."""
-    # Printable bytes map to themselves and come first; the rest follow, mapped above U+00FF. The
-    # order matters: it fixes the ids of the first 512 vocabulary entries.
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table = {byte: chr(byte) for byte in printable}
-    others = [byte for byte in range(256) if byte not in table]
-    table.update({byte: chr(256 + i) for i, byte in enumerate(others)})
-    return table
-
-
-def _write_clip_tokenizer_files(bpe_text: str, folder: Path) -> None:
-    merges = [tuple(line.split()) for line in bpe_text.split("\n")[1 : CLIP_NUM_MERGES + 1]]
-    symbols = list(_bytes_to_unicode().values())
-    tokens = symbols + [s + "</w>" for s in symbols] + ["".join(m) for m in merges]
-    tokens += ["<|startoftext|>", "<|endoftext|>"]
-    vocab = {token: i for i, token in enumerate(tokens)}
-    (folder / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
-    merges_text = "#version: 0.2\n" + "\n".join(" ".join(m) for m in merges) + "\n"
-    (folder / "merges.txt").write_text(merges_text, encoding="utf-8")
-    config = {
-        "tokenizer_class": "CLIPTokenizer",
-        "model_max_length": TOKENIZER_MAX_LENGTH,
-        "bos_token": "<|startoftext|>",
-        "eos_token": "<|endoftext|>",
-        "unk_token": "<|endoftext|>",
-        "pad_token": "<|endoftext|>",
-        "do_lower_case": True,
-    }
-    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
-
-
-def _remove_tree(path: Path) -> None:
-    for child in sorted(path.rglob("*"), reverse=True):
-        child.rmdir() if child.is_dir() else child.unlink()
-    path.rmdir()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -530,89 +436,6 @@ def diffusion_loss(
     mse = F.mse_loss(model_pred.float(), target.float(), reduction="none")
     mse = mse.mean(dim=tuple(range(1, mse.ndim)))
     return mse * min_snr_weights(timesteps, alphas_cumprod, prediction_type, min_snr_gamma)
-
-
-# ---------------------------------------------------------------------------------------------
-# DDIM sampling
-# ---------------------------------------------------------------------------------------------
-
-
-def ddim_timesteps(num_steps: int, num_train_timesteps: int = NUM_TRAIN_TIMESTEPS) -> list[int]:
-    """SD's "leading" spacing with offset 1: e.g. 50 steps -> 981, 961, ..., 1."""
-    if not 1 <= num_steps <= num_train_timesteps:
-        raise ValueError(f"steps must be in 1..{num_train_timesteps}, got {num_steps}")
-    stride = num_train_timesteps // num_steps
-    return [i * stride + 1 for i in reversed(range(num_steps))]
-
-
-def ddim_step(sample, model_output, timestep: int, prev_timestep: int, alphas_cumprod, prediction_type: str):
-    """One deterministic DDIM step (eta = 0) from ``timestep`` to ``prev_timestep``.
-
-    The predicted x0 is used as it is: SD latents have a standard deviation near 4 before scaling
-    and reach beyond +-1 after it, so clamping x0 to [-1, 1] (pixel-space DDPM practice) ruins them.
-    ``prev_timestep < 0`` means the final step, towards alpha-bar_0 of the schedule (SD's
-    ``set_alpha_to_one=False``).
-    """
-    a_t = alphas_cumprod[timestep].item()
-    a_prev = alphas_cumprod[prev_timestep].item() if prev_timestep >= 0 else alphas_cumprod[0].item()
-    x_t, out = sample.float(), model_output.float()
-    if prediction_type == "epsilon":
-        eps = out
-        x0 = (x_t - math.sqrt(1 - a_t) * eps) / math.sqrt(a_t)
-    elif prediction_type == "v_prediction":
-        x0 = math.sqrt(a_t) * x_t - math.sqrt(1 - a_t) * out
-        eps = math.sqrt(a_t) * out + math.sqrt(1 - a_t) * x_t
-    else:
-        raise ValueError(f"prediction_type must be 'epsilon' or 'v_prediction', got {prediction_type!r}")
-    return math.sqrt(a_prev) * x0 + math.sqrt(1 - a_prev) * eps
-
-
-def guided_prediction(unet, latents, timestep: int, cond, uncond, guidance_scale: float):
-    """Classifier-free guidance: ``uncond + s * (cond - uncond)``.
-
-    ``uncond`` is the negative prompt's embedding (the empty prompt's when there is none). At scale 1
-    the unconditional branch is not run at all: the result is the conditional prediction exactly.
-    """
-    dtype = next(unet.parameters()).dtype
-    t = torch.full((latents.shape[0],), timestep, device=latents.device, dtype=torch.long)
-    if guidance_scale == 1.0:
-        return unet(latents.to(dtype), t, encoder_hidden_states=cond.to(dtype)).sample.float()
-    both = unet(
-        torch.cat([latents, latents]).to(dtype),
-        torch.cat([t, t]),
-        encoder_hidden_states=torch.cat([uncond, cond]).to(dtype),
-    ).sample.float()
-    pred_uncond, pred_cond = both.chunk(2)
-    return pred_uncond + guidance_scale * (pred_cond - pred_uncond)
-
-
-@torch.no_grad()
-def ddim_sample(
-    unet,
-    latents: torch.Tensor,
-    cond: torch.Tensor,
-    uncond: torch.Tensor,
-    *,
-    steps: int = 100,
-    guidance_scale: float = 7.5,
-    prediction_type: str = "epsilon",
-    alphas_cumprod: torch.Tensor | None = None,
-    progress: bool = False,
-) -> torch.Tensor:
-    """Denoise ``latents`` (pure noise, ``(B, 4, H/8, W/8)``, unit variance) into scaled latents."""
-    alphas_cumprod = ddpm_alphas_cumprod() if alphas_cumprod is None else alphas_cumprod
-    timesteps = ddim_timesteps(steps, len(alphas_cumprod))
-    stride = len(alphas_cumprod) // steps
-    x = latents.float()
-    iterator = timesteps
-    if progress:
-        from tqdm.auto import tqdm
-
-        iterator = tqdm(timesteps, desc="DDIM", leave=False)
-    for t in iterator:
-        out = guided_prediction(unet, x, t, cond, uncond, guidance_scale)
-        x = ddim_step(x, out, t, t - stride, alphas_cumprod, prediction_type)
-    return x
 
 
 # ---------------------------------------------------------------------------------------------

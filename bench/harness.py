@@ -14,8 +14,9 @@ from pathlib import Path
 
 import torch
 
-import SD_ImageGen
+import SD_Formats
 import SD_Model
+import SD_Runtime
 
 try:  # casting the random VAE to bf16 makes diffusers warn once per build
     from diffusers.utils import logging as _diffusers_logging
@@ -38,12 +39,6 @@ PEAK_BF16_TFLOPS = (
     ("RTX 4090", 165.2),
     ("RTX 3090", 71.0),
 )
-
-
-def pick_device(choice: str = "auto") -> torch.device:
-    if choice == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(choice)
 
 
 def device_name(device: torch.device) -> str:
@@ -87,7 +82,7 @@ def random_text_encoder(arch: str, seed: int = 1):
     from transformers import CLIPTextConfig, CLIPTextModel
 
     with SD_Model._seeded(seed):
-        model = CLIPTextModel(CLIPTextConfig(**SD_ImageGen.SINGLE_FILE_ARCHS[arch][2]))
+        model = CLIPTextModel(CLIPTextConfig(**SD_Formats.SINGLE_FILE_ARCHS[arch][2]))
     return model.requires_grad_(False).eval()
 
 
@@ -95,17 +90,17 @@ def random_vae(arch: str, seed: int = 2):
     from diffusers import AutoencoderKL
 
     with SD_Model._seeded(seed):
-        model = AutoencoderKL(**SD_ImageGen.SINGLE_FILE_ARCHS[arch][1])
+        model = AutoencoderKL(**SD_Formats.SINGLE_FILE_ARCHS[arch][1])
     return model.requires_grad_(False).eval()
 
 
 def unet_preset(arch: str) -> str:
-    return SD_ImageGen.SINGLE_FILE_ARCHS[arch][0]
+    return SD_Formats.SINGLE_FILE_ARCHS[arch][0]
 
 
 def vae_factor(arch: str) -> int:
     """Pixels per latent cell: 2 ** (number of VAE down blocks - 1)."""
-    return 2 ** (len(SD_ImageGen.SINGLE_FILE_ARCHS[arch][1]["block_out_channels"]) - 1)
+    return 2 ** (len(SD_Formats.SINGLE_FILE_ARCHS[arch][1]["block_out_channels"]) - 1)
 
 
 def empty_prompt_ids(length: int = SD_Model.TOKENIZER_MAX_LENGTH) -> torch.Tensor:
@@ -133,11 +128,6 @@ def synthetic_batch(batch: int, latent_size: int, seed: int = 0) -> tuple[torch.
 # ---------------------------------------------------------------------------------------------
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def reset_peak(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -155,11 +145,11 @@ def time_steps(step, device: torch.device, warmup: int, steps: int) -> float:
     """Seconds per call of ``step`` after ``warmup`` untimed calls (compilation happens there)."""
     for _ in range(warmup):
         step()
-    sync(device)
+    SD_Runtime.synchronize(device)
     start = time.perf_counter()
     for _ in range(steps):
         step()
-    sync(device)
+    SD_Runtime.synchronize(device)
     return (time.perf_counter() - start) / steps
 
 

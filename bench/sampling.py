@@ -6,7 +6,7 @@
 Both denoise the same noise with the same random-weight UNet, the same prompt and negative-prompt
 embeddings (text encoding is outside the timing), 50 DDIM steps and guidance 7.5, and stop at the
 latents (no VAE decode):
-* ours: ``SD_ImageGen.sample_latents`` (``SD_Model.ddim_sample``), what ``SD_ImageGen.py`` runs;
+* ours: ``SD_Sampling.sample_latents`` with DDIM, what ``SD_ImageGen.py`` runs;
 * peer: ``StableDiffusionPipeline`` with a ``DDIMScheduler`` of the same schedule and
   ``output_type="latent"``.
 Each mode is ``eager`` or a ``torch.compile`` mode applied to both UNets (``default``,
@@ -28,6 +28,8 @@ import torch
 import harness
 import SD_ImageGen
 import SD_Model
+import SD_Runtime
+import SD_Sampling
 
 MODES = ("eager",) + SD_ImageGen.COMPILE_MODES[1:]
 
@@ -40,7 +42,7 @@ def build(arch: str, device, dtype):
     vae, text_encoder = harness.random_vae(arch), harness.random_text_encoder(arch)
     for part in (unet, vae, text_encoder):
         part.to(device=device, dtype=dtype)
-    model = SD_ImageGen.Model(unet, vae, text_encoder, None, "epsilon", f"random {arch}")
+    model = SD_Sampling.Pipeline(unet, vae, text_encoder, None, "epsilon", f"random {arch}")
     pipeline = StableDiffusionPipeline(
         unet=unet, vae=vae, text_encoder=text_encoder, tokenizer=None,
         scheduler=SD_Model.build_noise_scheduler("epsilon", DDIMScheduler),
@@ -60,7 +62,8 @@ def prompt_embeddings(text_encoder, batch: int):
 def run_ours(model, unet, noise, cond, uncond, steps: int, cfg: float):
     model.unet = unet
     with torch.no_grad(), SD_Model.attention_context(noise.device):
-        return SD_ImageGen.sample_latents(model, noise, cond, uncond, sampler="ddim", steps=steps, cfg=cfg)
+        return SD_Sampling.sample_latents(model.unet, noise, cond, uncond, sampler="ddim", steps=steps, cfg=cfg,
+                                          prediction_type=model.prediction_type)
 
 
 def run_peer(pipeline, unet, noise, cond, uncond, steps: int, cfg: float):
@@ -93,8 +96,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    device = harness.pick_device(args.device)
-    dtype = SD_ImageGen.pick_dtype(args.dtype, device)
+    device = SD_Runtime.pick_device(args.device)
+    dtype = SD_Runtime.resolve_precision(args.dtype, device)
     model, pipeline = build(args.arch, device, dtype)
     base_unet = model.unet
     latent_size = args.resolution // harness.vae_factor(args.arch)
@@ -107,7 +110,7 @@ def main(argv=None) -> dict:
             # dynamic-shape recompile. Both share the module; each call signature gets its own graph.
             harness.release(device)
             unet = SD_ImageGen.compile_unet(base_unet, "off" if mode == "eager" else mode)
-            noise = SD_ImageGen.initial_noise(list(range(batch)), (4, latent_size, latent_size)).to(device)
+            noise = SD_Sampling.initial_noise(list(range(batch)), (4, latent_size, latent_size)).to(device)
             cond, uncond = prompt_embeddings(model.text_encoder, batch)
             results = {}
             calls = {"ours": lambda: results.__setitem__("ours", run_ours(model, unet, noise, cond, uncond,

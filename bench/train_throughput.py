@@ -1,11 +1,11 @@
-"""Benchmark: training images/s, step time, peak memory and MFU of SD_Train.train_step vs diffusers' loop.
+"""Benchmark: training images/s, step time, peak memory and MFU of SD_TrainStep.train_step vs diffusers' loop.
 
     python bench/train_throughput.py                     # CPU: tiny UNet, 64 px, checks that it all runs
     python bench/train_throughput.py --arch sd1 --resolution 512 --batch_sizes 16,32,48 \\
         --variants eager,compile --channels_last 0,1 --checkpointing 0,1 \\
         --peer_script diffusers/examples/text_to_image/train_text_to_image.py      # GPU
 
-Ours: ``SD_Train.train_step`` exactly as the training loop calls it (fp16 latents from host memory,
+Ours: ``SD_TrainStep.train_step`` exactly as the training loop calls it (fp16 latents from host memory,
 CLIP text encoder forward, CFG dropout, Min-SNR loss, clipping, fused AdamW, EMA update, one host
 sync for the logged numbers), on the same-seeded random weights and synthetic latents and token ids,
 for every combination of the variants asked for.
@@ -42,9 +42,12 @@ import torch
 import torch.nn.functional as F
 
 import harness
+import SD_Runtime
 import SD_Formats
 import SD_Model
-import SD_Train
+import SD_TrainStep
+from SD_Distributed import Dist
+from SD_TrainConfig import TrainConfig
 
 
 @dataclass(frozen=True)
@@ -66,21 +69,23 @@ class Variant:
 
 
 def our_step(arch: str, variant: Variant, device: torch.device, precision: str):
-    """``step(latents, input_ids)``: one SD_Train.train_step on a batch; returns the logged loss."""
-    config = SD_Train.TrainConfig(unet=harness.unet_preset(arch), grad_accum=1, precision=precision,
-                                  grad_checkpointing=variant.checkpointing, channels_last=variant.channels_last,
-                                  compile=variant.compile, max_steps=10**6)
-    d = SD_Train.Dist(rank=0, world_size=1, local_rank=0, device=device, is_main=True)
-    models = SD_Train.assemble_models(config, d, harness.random_text_encoder(arch), None, harness.empty_prompt_ids())
-    # sample_shape only sizes the validation grid, which a benchmark never draws.
-    t = SD_Train.make_trainer(config, d, models, SD_Model.SD1_SCALING_FACTOR, (4, 0, 0), steps_per_epoch=10**6)
-    SD_Train.wrap_model(models, config, d)
+    """``step(latents, input_ids)``: one SD_TrainStep.train_step on a batch; returns the logged loss."""
+    config = TrainConfig(unet=harness.unet_preset(arch), grad_accum=1, precision=precision,
+                         grad_checkpointing=variant.checkpointing, channels_last=variant.channels_last,
+                         compile=variant.compile)
+    unet = SD_Model.build_unet(config.unet, seed=config.seed, grad_checkpointing=config.grad_checkpointing,
+                               channels_last=config.channels_last).to(device).train()
+    step = SD_TrainStep.build_step(config, Dist.single(device), unet, harness.random_text_encoder(arch),
+                                   harness.empty_prompt_ids(), SD_Model.SD1_SCALING_FACTOR)
+    SD_TrainStep.wrap_model(step, config.compile)
+    SD_TrainStep.set_lr(step.optimizer, config.lr)
+    count = iter(range(10**9))
 
-    def step(latents, input_ids):
+    def run(latents, input_ids):
         with SD_Model.attention_context(device):
-            return SD_Train.train_step(t, [(latents, input_ids)])["loss"]
+            return SD_TrainStep.train_step(step, [(latents, input_ids)], next(count))["loss"]
 
-    return step
+    return run
 
 
 def peer_step(arch: str, device: torch.device, precision: str, *, online_vae: bool = False, ema: bool = False,
@@ -291,8 +296,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    device = harness.pick_device(args.device)
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    device = SD_Runtime.pick_device(args.device)
+    SD_Runtime.start_process()
     latent_size = args.resolution // harness.vae_factor(args.arch)
     flops = SD_Model.training_flops_per_image(harness.unet_preset(args.arch), latent_size)
     peak = harness.peak_tflops(device, args.peak_tflops)

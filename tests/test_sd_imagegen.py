@@ -12,10 +12,14 @@ import SD_Checkpoint as ckpt
 import SD_Formats
 import SD_ImageGen
 import SD_Model
+import SD_Sampling
 import SD_Train
+from SD_Distributed import Dist
+from SD_TrainConfig import TrainConfig
 from data_factory import make_dataset
 
 STEPS = 4
+GRID_PROMPTS = ["a red circle", "a blue square on a white background"]
 
 
 @pytest.fixture(scope="module")
@@ -23,23 +27,23 @@ def run_dir(tmp_path_factory):
     """A short tiny training run whose EMA differs from its live weights."""
     root = tmp_path_factory.mktemp("gen")
     data = make_dataset(root / "data", n_train=32, n_val=0)
-    config = SD_Train.TrainConfig(datasets=[data], unet="tiny", vae="tiny", text_encoder="tiny", precision="fp32",
-                                  device="cpu", grad_checkpointing=False, batch_size=8, grad_accum=1, max_steps=6,
-                                  warmup_steps=1, lr=3e-3, ema_decay=0.5, validate_every=0, out_dir=str(root / "run"))
+    config = TrainConfig(datasets=[data], unet="tiny", vae="tiny", text_encoder="tiny", precision="fp32",
+                         device="cpu", grad_checkpointing=False, batch_size=8, grad_accum=1, max_steps=6,
+                         warmup_steps=1, lr=3e-3, ema_decay=0.5, validate_every=6, out_dir=str(root / "run"),
+                         validation_prompts=GRID_PROMPTS, validation_steps=STEPS, validation_cfg=4.0, seed=5)
     config.validate()
-    assert SD_Train.train(config, SD_Train.Dist(0, 1, 0, torch.device("cpu"), True)) == 0
+    assert SD_Train.train(config, Dist.single()) == 0
     return root / "run"
 
 
 def gen(model, prompt="a red circle", negative="", seeds=(0, 1), cfg=3.0, sampler="ddim", batch_size=2):
-    return SD_ImageGen.generate(model, prompt, negative, list(seeds), steps=STEPS, cfg=cfg, sampler=sampler,
-                                height=64, width=64, batch_size=batch_size, device=torch.device("cpu"),
-                                dtype=torch.float32)
+    return SD_Sampling.generate(model, prompt, negative, list(seeds), steps=STEPS, cfg=cfg, sampler=sampler,
+                                height=64, width=64, batch_size=batch_size, device=torch.device("cpu"))
 
 
 @pytest.fixture(scope="module")
 def model(run_dir):
-    return SD_ImageGen.load_model(str(run_dir))
+    return SD_Formats.load_pipeline(str(run_dir))
 
 
 def test_loads_ema_by_default_and_live_weights_with_no_ema(run_dir, model):
@@ -47,8 +51,29 @@ def test_loads_ema_by_default_and_live_weights_with_no_ema(run_dir, model):
     ema, live = load_file(folder / "ema.safetensors"), load_file(folder / "unet.safetensors")
     assert all(torch.equal(v, ema[k]) for k, v in model.unet.state_dict().items())
     assert any(not torch.equal(ema[k], live[k]) for k in ema)
-    no_ema = SD_ImageGen.load_model(str(run_dir), use_ema=False)
+    no_ema = SD_Formats.load_pipeline(str(run_dir), use_ema=False)
     assert all(torch.equal(v, live[k]) for k, v in no_ema.unet.state_dict().items())
+
+
+def test_validation_grid_image_equals_sd_imagegen_with_that_checkpoint_bit_for_bit(run_dir, tmp_path):
+    from PIL import Image
+
+    grid = np.asarray(Image.open(run_dir / "samples" / "step_00000006.png").convert("RGB"))
+    checkpoint = run_dir / "checkpoints" / ckpt.step_dir_name(6)
+    for row, prompt in enumerate(GRID_PROMPTS):
+        out = tmp_path / f"p{row}"
+        assert SD_ImageGen.main(["--ckpt", str(checkpoint), "--prompt", prompt, "--seed", "5", "--n", "1",
+                                 "--steps", str(STEPS), "--cfg", "4.0", "--height", "64", "--width", "64",
+                                 "--device", "cpu", "--precision", "fp32", "--out", str(out)]) == 0
+        image = np.asarray(Image.open(out / "000_000005.png").convert("RGB"))
+        cell = SD_Sampling.grid_cell(grid, row, 0, 64, 64)
+        assert image.std() > 0 and np.array_equal(cell, image), prompt
+    # A different seed gives a different picture: the equality above is not of two blank images.
+    assert SD_ImageGen.main(["--ckpt", str(checkpoint), "--prompt", GRID_PROMPTS[0], "--seed", "6", "--n", "1",
+                             "--steps", str(STEPS), "--cfg", "4.0", "--height", "64", "--width", "64",
+                             "--device", "cpu", "--out", str(tmp_path / "other")]) == 0
+    other = np.asarray(Image.open(tmp_path / "other" / "000_000006.png").convert("RGB"))
+    assert not np.array_equal(SD_Sampling.grid_cell(grid, 0, 0, 64, 64), other)
 
 
 def test_same_seed_same_image_bit_for_bit_and_seeds_differ(model):
@@ -70,16 +95,16 @@ def test_negative_prompt_is_the_unconditional_branch(model):
 def test_cfg_one_is_the_conditional_branch_alone(model):
     ids = SD_Model.tokenize(model.tokenizer, ["a red circle"])
     cond = SD_Model.encode_prompt_ids(model.text_encoder, ids)
-    noise = SD_ImageGen.initial_noise([0], (4, 8, 8))
+    noise = SD_Sampling.initial_noise([0], (4, 8, 8))
     latents = noise.clone()
     stride = 1000 // STEPS
     alphas = SD_Model.ddpm_alphas_cumprod()
     with torch.no_grad():
-        for t in SD_Model.ddim_timesteps(STEPS):
+        for t in SD_Sampling.ddim_timesteps(STEPS):
             eps = model.unet(latents, torch.tensor([t]), encoder_hidden_states=cond).sample
-            latents = SD_Model.ddim_step(latents, eps, t, t - stride, alphas, "epsilon")
+            latents = SD_Sampling.ddim_step(latents, eps, t, t - stride, alphas, "epsilon")
     empty = SD_Model.encode_prompt_ids(model.text_encoder, SD_Model.tokenize(model.tokenizer, [""]))
-    ours = SD_ImageGen.sample_latents(model, noise, cond, empty, sampler="ddim", steps=STEPS, cfg=1.0)
+    ours = SD_Sampling.sample_latents(model.unet, noise, cond, empty, sampler="ddim", steps=STEPS, cfg=1.0)
     assert torch.equal(ours, latents)
 
 
@@ -172,7 +197,7 @@ def test_a_diffusers_pipeline_image_equals_ours(exported, model):
     pipe.set_progress_bar_config(disable=True)
     ours = gen(model, prompt="a red circle", negative="a blue square", seeds=(3,), cfg=5.0, batch_size=1)[0]
     theirs = pipe("a red circle", negative_prompt="a blue square", num_inference_steps=STEPS, guidance_scale=5.0,
-                  height=64, width=64, latents=SD_ImageGen.initial_noise([3], (4, 8, 8)), output_type="np").images[0]
+                  height=64, width=64, latents=SD_Sampling.initial_noise([3], (4, 8, 8)), output_type="np").images[0]
     theirs = (theirs * 255).round().astype(np.uint8)
     assert np.abs(ours.astype(int) - theirs.astype(int)).max() <= 2  # float rounding only
 
@@ -180,7 +205,7 @@ def test_a_diffusers_pipeline_image_equals_ours(exported, model):
 def test_single_file_and_diffusers_folder_sample_like_our_checkpoint(exported, model, tmp_path):
     reference = gen(model, seeds=(0,), batch_size=1)[0]
     for source, kwargs in ((exported / "model.safetensors", {"arch": "tiny"}), (exported / "pipe", {})):
-        loaded = SD_ImageGen.load_model(str(source), **kwargs)
+        loaded = SD_Formats.load_pipeline(str(source), **kwargs)
         assert np.array_equal(gen(loaded, seeds=(0,), batch_size=1)[0], reference), source
 
 
@@ -195,18 +220,18 @@ def test_half_export_is_fp16(run_dir, tmp_path):
 def test_init_from_each_format_starts_from_exactly_those_weights(kind, exported, run_dir, model, tmp_path):
     source = {"single_file": exported / "model.safetensors", "diffusers": exported / "pipe", "run": run_dir}[kind]
     data = yaml.safe_load((ckpt.resolve_checkpoint(run_dir) / "config.yaml").read_text())["datasets"]
-    config = SD_Train.TrainConfig(datasets=data, unet="tiny", vae="tiny", text_encoder="tiny", precision="fp32",
-                                  device="cpu", grad_checkpointing=False, batch_size=8, grad_accum=1, max_steps=2,
-                                  validate_every=0, out_dir=str(tmp_path / "ft"), init_from=str(source))
+    config = TrainConfig(datasets=data, unet="tiny", vae="tiny", text_encoder="tiny", precision="fp32",
+                         device="cpu", grad_checkpointing=False, batch_size=8, grad_accum=1, max_steps=2,
+                         validate_every=0, out_dir=str(tmp_path / "ft"), init_from=str(source))
     config.validate()
-    t, _, _, _ = SD_Train.build_trainer(config, SD_Train.Dist(0, 1, 0, torch.device("cpu"), True))
+    run = SD_Train.build(config, Dist.single())
     folder = ckpt.resolve_checkpoint(run_dir)
     # Exports carry the EMA weights; a run folder gives its live weights to the UNet and its EMA to the EMA.
     expected_unet = load_file(folder / ("unet.safetensors" if kind == "run" else "ema.safetensors"))
     expected_ema = load_file(folder / "ema.safetensors")
-    assert all(torch.equal(v, expected_unet[k]) for k, v in t.models.unet.state_dict().items())
-    assert all(torch.equal(v, expected_ema[k]) for k, v in t.models.ema.state_dict().items())
-    assert t.state.step == 0 and not t.optimizer.state_dict()["state"]
+    assert all(torch.equal(v, expected_unet[k]) for k, v in run.step.unet.state_dict().items())
+    assert all(torch.equal(v, expected_ema[k]) for k, v in run.step.ema.state_dict().items())
+    assert run.state.step == 0 and not run.step.optimizer.state_dict()["state"]
 
 
 def test_sd1_key_map_matches_the_original_layout():

@@ -4,6 +4,8 @@ import pytest
 import torch
 
 import SD_Model as M
+import SD_Sampling
+import SD_Tokenizer
 
 
 # ----------------------------------------------------------------------------------------- UNet
@@ -142,7 +144,7 @@ def test_tokenizer_is_the_real_clip_bpe():
 
 def test_tokenizer_builds_from_the_wheel_into_an_empty_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("SD_CACHE_DIR", str(tmp_path))
-    folder = M.clip_tokenizer_folder()
+    folder = SD_Tokenizer.clip_tokenizer_folder()
     assert folder == tmp_path / "clip_tokenizer"
     merges = (folder / "merges.txt").read_text(encoding="utf-8").splitlines()
     assert merges[0].startswith("#version") and len(merges) == 1 + 48894
@@ -305,13 +307,13 @@ def test_ddim_matches_diffusers_ddim_scheduler(prediction_type):
 
     scheduler = M.build_noise_scheduler(prediction_type, DDIMScheduler)
     scheduler.set_timesteps(50)
-    assert scheduler.timesteps.tolist() == M.ddim_timesteps(50)
+    assert scheduler.timesteps.tolist() == SD_Sampling.ddim_timesteps(50)
     alphas = M.ddpm_alphas_cumprod()
     g = torch.Generator().manual_seed(0)
     sample = torch.randn(2, 4, 8, 8, generator=g) * 3
     output = torch.randn(2, 4, 8, 8, generator=g)
     for t in (981, 501, 21, 1):
-        ours = M.ddim_step(sample, output, t, t - 20, alphas, prediction_type)
+        ours = SD_Sampling.ddim_step(sample, output, t, t - 20, alphas, prediction_type)
         theirs = scheduler.step(output, t, sample).prev_sample
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
 
@@ -324,11 +326,11 @@ def test_ddim_step_never_clamps_large_latents():
     t = 501
     x_t = M.add_noise(x0, noise, torch.tensor([t]), alphas)
     # An oracle model predicts the true noise; the step must land on the true trajectory.
-    x_prev = M.ddim_step(x_t, noise, t, t - 20, alphas, "epsilon")
+    x_prev = SD_Sampling.ddim_step(x_t, noise, t, t - 20, alphas, "epsilon")
     expected = M.add_noise(x0, noise, torch.tensor([t - 20]), alphas)
     torch.testing.assert_close(x_prev, expected, rtol=1e-5, atol=1e-5)
     # The last step returns x0 itself (up to the schedule's final alpha-bar), values near +-4.
-    x_last = M.ddim_step(M.add_noise(x0, noise, torch.tensor([1]), alphas), noise, 1, -1, alphas, "epsilon")
+    x_last = SD_Sampling.ddim_step(M.add_noise(x0, noise, torch.tensor([1]), alphas), noise, 1, -1, alphas, "epsilon")
     assert x_last.abs().max() > 3.9
     torch.testing.assert_close(x_last, M.add_noise(x0, noise, torch.tensor([0]), alphas), rtol=1e-5, atol=1e-5)
 
@@ -341,9 +343,9 @@ def test_guidance_scale_one_is_the_conditional_branch_and_negatives_matter():
     with torch.no_grad():
         only_cond = unet(latents, torch.tensor([500]), encoder_hidden_states=cond).sample
         only_neg = unet(latents, torch.tensor([500]), encoder_hidden_states=negative).sample
-        at_one = M.guided_prediction(unet, latents, 500, cond, negative, 1.0)
-        guided = M.guided_prediction(unet, latents, 500, cond, negative, 7.5)
-        guided_empty = M.guided_prediction(unet, latents, 500, cond, empty, 7.5)
+        at_one = SD_Sampling.guided_prediction(unet, latents, 500, cond, negative, 1.0)
+        guided = SD_Sampling.guided_prediction(unet, latents, 500, cond, negative, 7.5)
+        guided_empty = SD_Sampling.guided_prediction(unet, latents, 500, cond, empty, 7.5)
     assert torch.equal(at_one, only_cond)
     torch.testing.assert_close(guided, only_neg + 7.5 * (only_cond - only_neg), rtol=1e-4, atol=1e-5)
     assert (guided - guided_empty).abs().max() > 1e-3
@@ -353,8 +355,8 @@ def test_ddim_sample_is_deterministic():
     unet = M.build_unet("tiny", seed=0, from_scratch=False).eval()
     latents, _, cond = _tiny_inputs(batch=2, seed=3)
     uncond = torch.zeros_like(cond)
-    a = M.ddim_sample(unet, latents, cond, uncond, steps=5, guidance_scale=3.0)
-    b = M.ddim_sample(unet, latents, cond, uncond, steps=5, guidance_scale=3.0)
+    a = SD_Sampling.sample_latents(unet, latents, cond, uncond, steps=5, cfg=3.0)
+    b = SD_Sampling.sample_latents(unet, latents, cond, uncond, steps=5, cfg=3.0)
     assert torch.equal(a, b)
     assert a.shape == latents.shape and torch.isfinite(a).all()
     assert not torch.equal(a, latents)

@@ -17,6 +17,9 @@ import SD_Checkpoint as ckpt
 import SD_Data
 import SD_Model
 import SD_Train
+import SD_TrainConfig
+import SD_TrainStep
+from SD_Distributed import Dist
 from data_factory import make_captions, make_dataset, make_latents
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -126,7 +129,7 @@ def test_stop_at_step_then_resume_is_bitwise_identical(run_a, tmp_path, data):
                           validate_every=5)
     torchrun(config, "--stop_at_step", HALF)
     half = tmp_path / "run" / "checkpoints" / ckpt.step_dir_name(HALF)
-    state = torch.load(half / "train_state.pt", weights_only=True)["train"]
+    state = torch.load(half / "train_state.pt", weights_only=True)
     assert (state["step"], state["epoch"], state["position"]) == (HALF, 0, 2 * HALF)  # mid-epoch
     assert not (tmp_path / "run" / "checkpoints" / ckpt.step_dir_name(TOTAL)).exists()
     at_half = final_state(tmp_path / "run", HALF)
@@ -143,11 +146,11 @@ def test_sigterm_mid_epoch_then_resume_is_bitwise_identical(run_a, tmp_path, dat
     config = write_config(tmp_path / "c.yaml", datasets=[data], max_steps=TOTAL, out_dir=str(tmp_path / "run"),
                           validate_every=5)
     # The launcher gets SIGTERM after step 2 (a preemption); torchrun forwards it to both ranks.
-    result = torchrun(config, env={"SD_TRAIN_FAULT": "sigterm_parent:2"}, check=False)
+    result = torchrun(config, env={"SD_FAULT": "sigterm_parent:2"}, check=False)
     assert result.returncode != 0
     assert "stopped by signal 15" in result.stderr
     latest = ckpt.latest_checkpoint(tmp_path / "run" / "checkpoints")
-    state = torch.load(latest / "train_state.pt", weights_only=True)["train"]
+    state = torch.load(latest / "train_state.pt", weights_only=True)
     assert 2 <= state["step"] < 8 and state["position"] != 0  # saved mid-epoch
     torchrun(config)
     assert_bitwise_equal(final_state(tmp_path / "run", TOTAL), final_state(run_dir_a, TOTAL))
@@ -158,7 +161,7 @@ def test_sigkill_while_saving_keeps_the_previous_checkpoint_and_resumes(run_a, t
     run_dir_a, _ = run_a
     config = write_config(tmp_path / "d.yaml", datasets=[data], max_steps=TOTAL, out_dir=str(tmp_path / "run"),
                           save_steps=4, validate_every=5)
-    result = torchrun(config, env={"SD_TRAIN_FAULT": "after_unet:8"}, check=False)
+    result = torchrun(config, env={"SD_FAULT": "after_unet:8"}, check=False)
     assert result.returncode != 0
     checkpoints = tmp_path / "run" / "checkpoints"
     partial = checkpoints / ".tmp_step_00000008"
@@ -177,7 +180,6 @@ def test_sigkill_while_saving_keeps_the_previous_checkpoint_and_resumes(run_a, t
 
 def test_a_nan_sample_skips_its_steps_on_both_ranks(tmp_path):
     entry = make_dataset(tmp_path / "data", n_train=64, n_val=0)
-    poisoned_key = "s00005"
     shard = Path(entry["latents"]) / "00000.npy"
     array = np.load(shard)
     array[5] = np.nan
@@ -190,7 +192,7 @@ def test_a_nan_sample_skips_its_steps_on_both_ranks(tmp_path):
     expected = sorted({i // 2 + 1 for r in range(2) for i, b in enumerate(per_rank[r]) if 5 in b.tolist()})
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["skipped"]] == expected
-    assert records[-1]["bad_steps"] == len(expected) and poisoned_key
+    assert records[-1]["bad_steps"] == len(expected)
     folder = tmp_path / "run" / "checkpoints" / ckpt.step_dir_name(8)
     fingerprints = [torch.load(folder / f"rng_rank{r}.pt", weights_only=True)["fingerprint"] for r in range(2)]
     assert torch.equal(*fingerprints) and torch.isfinite(fingerprints[0]).all()
@@ -200,40 +202,36 @@ def test_a_nan_sample_skips_its_steps_on_both_ranks(tmp_path):
 # ------------------------------------------------------------------------------ in-process pieces
 
 
-def make_trainer(tmp_path, data, **fields):
-    config = SD_Train.TrainConfig(**{**BASE, "datasets": [data], "out_dir": str(tmp_path / "run"), **fields})
+def make_run(tmp_path, data, **fields):
+    config = SD_TrainConfig.TrainConfig(**{**BASE, "datasets": [data], "out_dir": str(tmp_path / "run"), **fields})
     config.validate()
-    d = SD_Train.Dist(0, 1, 0, torch.device("cpu"), True)
-    return SD_Train.build_trainer(config, d)
+    return SD_Train.build(config, Dist.single())
 
 
-def snapshot(t):
+def snapshot(step):
     return {
-        "unet": {k: v.clone() for k, v in t.models.unet.state_dict().items()},
-        "ema": [s.clone() for s in t.models.ema.shadow],
-        "opt": {(i, k): v.clone() for i, st in t.optimizer.state_dict()["state"].items() for k, v in st.items()},
-        "sched": t.scheduler.last_epoch,
+        "unet": {k: v.clone() for k, v in step.unet.state_dict().items()},
+        "ema": [s.clone() for s in step.ema.shadow],
+        "opt": {(i, k): v.clone() for i, st in step.optimizer.state_dict()["state"].items() for k, v in st.items()},
     }
 
 
 def test_non_finite_loss_updates_nothing(tmp_path, data):
-    t, train_data, _, _ = make_trainer(tmp_path, data, grad_accum=1, batch_size=4)
-    good = [train_data.batch(np.arange(4))]
-    assert not SD_Train.train_step(t, good)["bad"]
-    before = snapshot(t)
-    latents, ids = train_data.batch(np.arange(4, 8))
+    run = make_run(tmp_path, data, grad_accum=1, batch_size=4)
+    good = [run.train_data.batch(np.arange(4))]
+    assert not SD_TrainStep.train_step(run.step, good, 0)["bad"]
+    before = snapshot(run.step)
+    latents, ids = run.train_data.batch(np.arange(4, 8))
     latents[1, 0, 0, 0] = float("nan")
-    result = SD_Train.train_step(t, [(latents, ids)])
+    result = SD_TrainStep.train_step(run.step, [(latents, ids)], 1)
     assert result["bad"] and not math.isfinite(result["loss"])
-    after = snapshot(t)
+    after = snapshot(run.step)
     assert all(torch.equal(before["unet"][k], after["unet"][k]) for k in before["unet"])
     assert all(torch.equal(a, b) for a, b in zip(before["ema"], after["ema"]))
     assert before["opt"].keys() == after["opt"].keys()
     assert all(torch.equal(before["opt"][k], after["opt"][k]) for k in before["opt"])
-    assert before["sched"] == after["sched"]
-    assert not SD_Train.train_step(t, good)["bad"]
-    assert t.scheduler.last_epoch == before["sched"] + 1
-    assert any(not torch.equal(before["unet"][k], v) for k, v in t.models.unet.state_dict().items())
+    assert not SD_TrainStep.train_step(run.step, good, 2)["bad"]
+    assert any(not torch.equal(before["unet"][k], v) for k, v in run.step.unet.state_dict().items())
 
 
 def test_max_bad_steps_saves_and_stops_naming_the_step(tmp_path, caplog):
@@ -280,24 +278,23 @@ def test_loss_falls_on_a_learnable_task(tmp_path, data):
 def test_cfg_dropout_replaces_the_embedding_at_the_configured_rate():
     hidden = torch.randn(20000, 77, 8)
     empty = torch.randn(1, 77, 8)
-    out, drop = SD_Train.apply_cfg_dropout(hidden, empty, 0.15, torch.Generator().manual_seed(0))
+    out, drop = SD_TrainStep.apply_cfg_dropout(hidden, empty, 0.15, torch.Generator().manual_seed(0))
     sigma = math.sqrt(0.15 * 0.85 / 20000)
     assert abs(drop.float().mean().item() - 0.15) < 5 * sigma
     assert torch.equal(out[drop], empty.expand(int(drop.sum()), 77, 8))
     assert torch.equal(out[~drop], hidden[~drop])
-    _, none = SD_Train.apply_cfg_dropout(hidden, empty, 0.0, torch.Generator().manual_seed(0))
+    _, none = SD_TrainStep.apply_cfg_dropout(hidden, empty, 0.0, torch.Generator().manual_seed(0))
     assert not none.any()
 
 
 def test_init_from_takes_weights_and_ema_with_a_fresh_optimizer(run_a, tmp_path, data):
     run_dir_a, _ = run_a
-    t, _, _, _ = make_trainer(tmp_path, data, init_from=str(run_dir_a))
+    run = make_run(tmp_path, data, init_from=str(run_dir_a))
     source = run_dir_a / "checkpoints" / ckpt.step_dir_name(TOTAL)
     unet, ema = load_file(source / "unet.safetensors"), load_file(source / "ema.safetensors")
-    assert all(torch.equal(v, unet[k]) for k, v in t.models.unet.state_dict().items())
-    assert all(torch.equal(v, ema[k]) for k, v in t.models.ema.state_dict().items())
-    assert t.state.step == 0 and not t.optimizer.state_dict()["state"]
-    assert t.scheduler.get_last_lr()[0] == pytest.approx(1e-5)  # the warm-up starts again
+    assert all(torch.equal(v, unet[k]) for k, v in run.step.unet.state_dict().items())
+    assert all(torch.equal(v, ema[k]) for k, v in run.step.ema.state_dict().items())
+    assert run.state.step == 0 and not run.step.optimizer.state_dict()["state"]
 
 
 # ------------------------------------------------------------------------------ configuration
@@ -367,7 +364,7 @@ def test_phase_recipes_match_the_reference_curriculum(name, tmp_path, monkeypatc
     for dataset in mix:
         (tmp_path / "data" / dataset / "dataset").mkdir(parents=True, exist_ok=True)
         (tmp_path / "data" / dataset / "latents").mkdir(parents=True, exist_ok=True)
-    config = SD_Train.load_config(["--config", str(path), "--init_from", ""])
+    config = SD_TrainConfig.load_config(["--config", str(path), "--init_from", ""])
     assert (config.lr, config.warmup_steps, config.cfg_dropout) == (lr, warmup, dropout)
     weights = {Path(d["dataset"]).parent.name: d["weight"] for d in config.datasets}
     assert weights == pytest.approx(mix) and sum(weights.values()) == pytest.approx(1.0)

@@ -1,0 +1,62 @@
+"""The distributed set-up: one process per device under torchrun, world size 1 without it.
+
+NCCL on CUDA, gloo on the CPU. A single process runs the same code with ``world_size == 1``, where
+the collectives below do nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+import SD_Runtime
+
+
+@dataclass
+class Dist:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    is_main: bool
+
+    @classmethod
+    def single(cls, device="cpu") -> "Dist":
+        """One process on ``device`` (tests and benchmarks)."""
+        return cls(0, 1, 0, torch.device(device), True)
+
+
+def setup(device_choice: str = "auto") -> Dist:
+    """Read torchrun's environment, pick this rank's device and join the process group."""
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = SD_Runtime.pick_device(device_choice, local_rank)
+    if device.type == "mps":  # the trainer runs on CUDA or the CPU
+        device = torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:  # the ranks on one machine share its cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+    if world_size > 1:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                device_id=device if device.type == "cuda" else None)
+    return Dist(rank, world_size, local_rank, device, rank == 0)
+
+
+def teardown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce_sum(values: torch.Tensor, d: Dist) -> torch.Tensor:
+    if d.world_size > 1:
+        dist.all_reduce(values)
+    return values
+
+
+def barrier(d: Dist) -> None:
+    if d.world_size > 1:
+        dist.barrier()

@@ -1,0 +1,211 @@
+"""Sampling: one loop for every sampler, used by SD_ImageGen.py and by the trainer's validation grid.
+
+* ``sample_latents``: DDIM (ours, "leading" spacing as SD), DPM-Solver++ 2M or Euler (diffusers'
+  schedulers) on the training schedule, with classifier-free guidance against a real
+  negative-prompt embedding. The predicted x0 is never clamped.
+* ``generate``: images for one prompt from a list of seeds. Image i's noise comes from a CPU
+  generator seeded with ``seeds[i]``, so the same seed gives the same image on any device and at any
+  batch size; the training grid and ``SD_ImageGen.py --seed`` therefore make the same picture.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+import SD_Model
+
+SAMPLERS = ("ddim", "dpm++", "euler")
+
+
+@dataclass
+class Pipeline:
+    """Everything sampling needs: the UNet (live or EMA weights), the frozen parts, the target type."""
+
+    unet: torch.nn.Module
+    vae: torch.nn.Module
+    text_encoder: torch.nn.Module
+    tokenizer: object
+    prediction_type: str
+    source: str = ""
+
+
+# ---------------------------------------------------------------------------------------------
+# DDIM
+# ---------------------------------------------------------------------------------------------
+
+
+def ddim_timesteps(num_steps: int, num_train_timesteps: int = SD_Model.NUM_TRAIN_TIMESTEPS) -> list[int]:
+    """SD's "leading" spacing with offset 1: e.g. 50 steps -> 981, 961, ..., 1."""
+    if not 1 <= num_steps <= num_train_timesteps:
+        raise ValueError(f"steps must be in 1..{num_train_timesteps}, got {num_steps}")
+    stride = num_train_timesteps // num_steps
+    return [i * stride + 1 for i in reversed(range(num_steps))]
+
+
+def ddim_step(sample, model_output, timestep: int, prev_timestep: int, alphas_cumprod, prediction_type: str):
+    """One deterministic DDIM step (eta = 0) from ``timestep`` to ``prev_timestep``.
+
+    The predicted x0 is used as it is: SD latents have a standard deviation near 4 before scaling
+    and reach beyond +-1 after it, so clamping x0 to [-1, 1] (pixel-space DDPM practice) ruins them.
+    ``prev_timestep < 0`` means the final step, towards alpha-bar_0 of the schedule (SD's
+    ``set_alpha_to_one=False``).
+    """
+    a_t = alphas_cumprod[timestep].item()
+    a_prev = alphas_cumprod[prev_timestep].item() if prev_timestep >= 0 else alphas_cumprod[0].item()
+    x_t, out = sample.float(), model_output.float()
+    if prediction_type == "epsilon":
+        eps = out
+        x0 = (x_t - math.sqrt(1 - a_t) * eps) / math.sqrt(a_t)
+    elif prediction_type == "v_prediction":
+        x0 = math.sqrt(a_t) * x_t - math.sqrt(1 - a_t) * out
+        eps = math.sqrt(a_t) * out + math.sqrt(1 - a_t) * x_t
+    else:
+        raise ValueError(f"prediction_type must be 'epsilon' or 'v_prediction', got {prediction_type!r}")
+    return math.sqrt(a_prev) * x0 + math.sqrt(1 - a_prev) * eps
+
+
+class DDIM:
+    """Our DDIM behind the three calls of a diffusers scheduler that ``sample_latents`` makes."""
+
+    init_noise_sigma = 1.0
+
+    def __init__(self, steps: int, alphas_cumprod: torch.Tensor, prediction_type: str):
+        self.timesteps = ddim_timesteps(steps, len(alphas_cumprod))
+        self.stride = len(alphas_cumprod) // steps
+        self.alphas_cumprod = alphas_cumprod
+        self.prediction_type = prediction_type
+
+    def scale_model_input(self, latents, timestep):
+        return latents
+
+    def step(self, prediction, timestep, latents):
+        t = int(timestep)
+        return ddim_step(latents, prediction, t, t - self.stride, self.alphas_cumprod, self.prediction_type)
+
+
+def make_scheduler(sampler: str, steps: int, prediction_type: str, alphas_cumprod=None, device=None):
+    """A scheduler with ``timesteps``, ``init_noise_sigma``, ``scale_model_input`` and ``step``."""
+    if sampler == "ddim":
+        return DDIM(steps, SD_Model.ddpm_alphas_cumprod() if alphas_cumprod is None else alphas_cumprod,
+                    prediction_type)
+    from diffusers import DPMSolverMultistepScheduler, EulerDiscreteScheduler
+
+    if sampler == "dpm++":
+        scheduler = DPMSolverMultistepScheduler.from_config(
+            {**SD_Model.noise_schedule_config(prediction_type), "algorithm_type": "dpmsolver++", "solver_order": 2})
+    elif sampler == "euler":
+        scheduler = SD_Model.build_noise_scheduler(prediction_type, EulerDiscreteScheduler)
+    else:
+        raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
+    scheduler.set_timesteps(steps, device=device)
+    step = scheduler.step
+    scheduler.step = lambda prediction, t, latents: step(prediction, t, latents).prev_sample
+    return scheduler
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop
+# ---------------------------------------------------------------------------------------------
+
+
+def guided_prediction(unet, latents, timestep: int, cond, uncond, guidance_scale: float):
+    """Classifier-free guidance: ``uncond + s * (cond - uncond)``.
+
+    ``uncond`` is the negative prompt's embedding (the empty prompt's when there is none). At scale 1
+    the unconditional branch is not run at all: the result is the conditional prediction exactly.
+    """
+    dtype = next(unet.parameters()).dtype
+    t = torch.full((latents.shape[0],), timestep, device=latents.device, dtype=torch.long)
+    if guidance_scale == 1.0:
+        return unet(latents.to(dtype), t, encoder_hidden_states=cond.to(dtype)).sample.float()
+    both = unet(
+        torch.cat([latents, latents]).to(dtype),
+        torch.cat([t, t]),
+        encoder_hidden_states=torch.cat([uncond, cond]).to(dtype),
+    ).sample.float()
+    pred_uncond, pred_cond = both.chunk(2)
+    return pred_uncond + guidance_scale * (pred_cond - pred_uncond)
+
+
+@torch.no_grad()
+def sample_latents(unet, noise: torch.Tensor, cond: torch.Tensor, uncond: torch.Tensor, *, sampler: str = "ddim",
+                   steps: int = 100, cfg: float = 7.5, prediction_type: str = "epsilon", alphas_cumprod=None,
+                   progress: bool = False) -> torch.Tensor:
+    """Denoise unit-variance ``noise`` ``(B, 4, H/8, W/8)`` into scaled latents.
+
+    ``cond`` / ``uncond``: ``(B, 77, D)`` prompt and negative-prompt embeddings.
+    """
+    scheduler = make_scheduler(sampler, steps, prediction_type, alphas_cumprod, noise.device)
+    latents = noise.float() * scheduler.init_noise_sigma
+    timesteps = scheduler.timesteps
+    if progress:
+        from tqdm.auto import tqdm
+
+        timesteps = tqdm(timesteps, desc=sampler, leave=False)
+    for t in timesteps:
+        model_input = scheduler.scale_model_input(latents, t)
+        prediction = guided_prediction(unet, model_input, int(t), cond, uncond, cfg)
+        latents = scheduler.step(prediction, t, latents)
+    return latents
+
+
+def initial_noise(seeds: list[int], shape: tuple[int, int, int]) -> torch.Tensor:
+    """One CPU generator per image: the same seed gives the same noise on any device and batch size."""
+    return torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(s)) for s in seeds])
+
+
+@torch.no_grad()
+def generate(pipe: Pipeline, prompt: str, negative: str, seeds: list[int], *, steps: int, cfg: float,
+             sampler: str = "ddim", height: int, width: int, batch_size: int = 4,
+             device: torch.device | None = None) -> list[np.ndarray]:
+    """RGB uint8 images ``(H, W, 3)`` of ``prompt``, one per seed, decoded by the pipeline's VAE."""
+    device = device or next(pipe.unet.parameters()).device
+    ids = SD_Model.tokenize(pipe.tokenizer, [prompt, negative])
+    embeddings = SD_Model.encode_prompt_ids(pipe.text_encoder, ids).float()
+    cond, uncond = embeddings[:1], embeddings[1:]
+    factor = float(pipe.vae.config.scaling_factor)
+    vae_dtype = next(pipe.vae.parameters()).dtype
+    images = []
+    for start in range(0, len(seeds), batch_size):
+        chunk = seeds[start : start + batch_size]
+        noise = initial_noise(chunk, (pipe.unet.config.in_channels, height // 8, width // 8)).to(device)
+        with SD_Model.attention_context(device):
+            latents = sample_latents(pipe.unet, noise, cond.expand(len(chunk), -1, -1),
+                                     uncond.expand(len(chunk), -1, -1), sampler=sampler, steps=steps, cfg=cfg,
+                                     prediction_type=pipe.prediction_type)
+            pixels = pipe.vae.decode(SD_Model.unscale_latents(latents, factor).to(vae_dtype)).sample
+        pixels = ((pixels.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+        images += list(pixels.permute(0, 2, 3, 1).cpu().numpy())
+    return images
+
+
+def save_grid(path, rows: list[tuple[str, list[np.ndarray]]]) -> None:
+    """One row per prompt, its text above it; written atomically as PNG."""
+    from PIL import Image, ImageDraw
+
+    import SD_Files
+
+    height, width = rows[0][1][0].shape[:2]
+    columns = max(len(images) for _, images in rows)
+    label = GRID_LABEL_PX
+    grid = Image.new("RGB", (columns * width, len(rows) * (height + label)), "white")
+    draw = ImageDraw.Draw(grid)
+    for r, (prompt, images) in enumerate(rows):
+        top = r * (height + label)
+        draw.text((2, top + 2), prompt[: max(10, columns * width // 6)], fill="black")
+        for c, image in enumerate(images):
+            grid.paste(Image.fromarray(image), (c * width, top + label))
+    SD_Files.save_png_atomic(path, grid)
+
+
+GRID_LABEL_PX = 16  # the text strip above each row of a grid
+
+
+def grid_cell(grid: np.ndarray, row: int, column: int, height: int, width: int) -> np.ndarray:
+    """The image at ``(row, column)`` of a grid written by ``save_grid``."""
+    top = row * (height + GRID_LABEL_PX) + GRID_LABEL_PX
+    return grid[top : top + height, column * width : (column + 1) * width]

@@ -1,0 +1,240 @@
+"""The training config: one dataclass, loaded from a phase YAML and overridden by ``--field value``.
+
+Every field carries a one-line doc (it is the ``--help`` text). A YAML may name a base file with
+``extends: base.yaml`` (relative to itself); its fields are read first and the YAML's own override
+them, so the phase recipes share one base. Values are converted to the field's type; unknown fields,
+abbreviated flags and bad values stop before any work with a message naming the field and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+import SD_Cli
+import SD_Model
+import SD_Runtime
+
+def _doc(text, default=dataclasses.MISSING, default_factory=dataclasses.MISSING):
+    if default_factory is not dataclasses.MISSING:
+        return field(default_factory=default_factory, metadata={"help": text})
+    return field(default=default, metadata={"help": text})
+
+
+@dataclass
+class TrainConfig:
+    # -- data -------------------------------------------------------------------------------
+    datasets: list = _doc("[{dataset: DIR, latents: DIR, weight: 1.0}, ...]: caption datasets "
+                          "(05_build_hf_dataset.py) joined to latent folders (encode_latents.py), mixed by weight",
+                          default_factory=list)
+    epoch_size: int = _doc("samples per epoch across all datasets; 0 = every sample once", 0)
+    data_threads: int = _doc("threads that load latent files into RAM at start", 16)
+    mmap_latents: bool = _doc("memory-map latent shards instead of loading them into RAM", False)
+    allow_missing_latents: bool = _doc("drop captions without a latent (reported) instead of stopping", False)
+    # -- models -----------------------------------------------------------------------------
+    unet: str = _doc("UNet preset: sd1 or tiny", "sd1")
+    vae: str = _doc("VAE hub id, local folder or tiny (used for validation images)", SD_Model.DEFAULT_VAE)
+    text_encoder: str = _doc("CLIP text encoder hub id, local folder or tiny", SD_Model.DEFAULT_TEXT_ENCODER)
+    tokenizer: str = _doc("CLIP tokenizer; empty = the text encoder's", "")
+    prediction_type: str = _doc("epsilon or v_prediction", "epsilon")
+    init_from: str = _doc("start from these weights (a checkpoint or run folder) with a fresh optimizer "
+                          "and schedule; ignored when out_dir already holds a checkpoint to resume", "")
+    # -- optimisation -----------------------------------------------------------------------
+    batch_size: int = _doc("micro-batch size per GPU", 24)
+    grad_accum: int = _doc("micro-batches accumulated per optimizer step", 2)
+    max_steps: int = _doc("optimizer steps of the phase; 0 = run `epochs` epochs", 0)
+    epochs: int = _doc("epochs of the phase when max_steps is 0", 1)
+    lr: float = _doc("peak learning rate", 1e-5)
+    warmup_steps: int = _doc("linear warm-up steps from lr * 0.01 to lr", 500)
+    min_lr_ratio: float = _doc("cosine decay ends at lr * min_lr_ratio", 0.01)
+    weight_decay: float = _doc("AdamW weight decay", 1e-2)
+    adam_beta1: float = _doc("AdamW beta1", 0.9)
+    adam_beta2: float = _doc("AdamW beta2", 0.999)
+    adam_eps: float = _doc("AdamW epsilon", 1e-8)
+    grad_clip: float = _doc("clip the global gradient norm to this; 0 = no clipping", 1.0)
+    min_snr_gamma: float = _doc("Min-SNR-gamma loss weighting; 0 = plain MSE", 5.0)
+    cfg_dropout: float = _doc("fraction of samples trained with the empty prompt (for classifier-free guidance)", 0.05)
+    ema_decay: float = _doc("EMA decay; 0 = no EMA", 0.9999)
+    ema_device: str = _doc("where the EMA lives: same (the training device) or cpu", "same")
+    ema_update_every: int = _doc("update the EMA every N optimizer steps (decay raised to the N-th power)", 1)
+    precision: str = _doc("bf16 (autocast), fp16 (autocast + GradScaler) or fp32", "bf16")
+    grad_checkpointing: bool = _doc("recompute activations in backward to save memory", True)
+    channels_last: bool = _doc("channels_last memory format for the UNet", False)
+    compile: bool = _doc("torch.compile the UNet (works with grad_checkpointing)", False)
+    max_bad_steps: int = _doc("stop after this many non-finite steps in a row", 10)
+    # -- checkpoints and logging ------------------------------------------------------------
+    out_dir: str = _doc("run folder: config.yaml, metrics.jsonl, samples/, checkpoints/", "runs/train")
+    save_steps: int = _doc("save a checkpoint every N optimizer steps (also at each epoch end and the end)", 1500)
+    keep_checkpoints: int = _doc("keep the newest N checkpoints (at least 2)", 3)
+    keep_every_steps: int = _doc("also keep every checkpoint whose step is a multiple of this; 0 = none", 0)
+    stop_at_step: int = _doc("end after this optimizer step as an interruption would (save, exit 0); 0 = off", 0)
+    log_every: int = _doc("log metrics every N optimizer steps", 10)
+    validate_every: int = _doc("validation loss and sample grid every N optimizer steps; 0 = never", 1000)
+    validation_prompts: list = _doc("prompts of the validation sample grid",
+                                    default_factory=lambda: ["a photograph of an astronaut riding a horse"])
+    validation_samples: int = _doc("held-out samples used for the validation loss", 256)
+    validation_steps: int = _doc("DDIM steps of the validation samples", 50)
+    validation_cfg: float = _doc("classifier-free guidance scale of the validation samples", 7.5)
+    wandb_project: str = _doc("wandb project name", "sd1-train")
+    wandb_mode: str = _doc("wandb: online, offline or disabled (API key from the environment)", "disabled")
+    # -- run --------------------------------------------------------------------------------
+    seed: int = _doc("seed of the model init, data order and diffusion noise", 0)
+    device: str = _doc("auto, cpu, cuda", "auto")
+
+    def validate(self) -> None:
+        """Reject bad values before any work, naming the field and the fix."""
+        def need(ok, message):
+            if not ok:
+                raise ConfigError(message)
+
+        need(self.datasets, "datasets: list at least one {dataset: DIR, latents: DIR, weight: 1.0}")
+        for i, entry in enumerate(self.datasets):
+            need(isinstance(entry, dict), f"datasets[{i}]: expected a mapping with dataset, latents, weight")
+            unknown = set(entry) - {"dataset", "latents", "weight"}
+            need(not unknown, f"datasets[{i}]: unknown keys {sorted(unknown)} (allowed: dataset, latents, weight)")
+            for key in ("dataset", "latents"):
+                need(key in entry, f"datasets[{i}].{key} is missing")
+                need(Path(entry[key]).is_dir(), f"datasets[{i}].{key}: folder {entry[key]} does not exist")
+            weight = entry.get("weight", 1.0)
+            need(isinstance(weight, (int, float)) and weight > 0, f"datasets[{i}].weight must be > 0, got {weight}")
+        need(self.unet in SD_Model.UNET_PRESETS, f"unet: choose one of {sorted(SD_Model.UNET_PRESETS)}")
+        need(self.prediction_type in ("epsilon", "v_prediction"), "prediction_type: epsilon or v_prediction")
+        need(self.precision in ("bf16", "fp16", "fp32"), "precision: bf16, fp16 or fp32")
+        need(self.ema_device in ("same", "cpu"), "ema_device: same or cpu")
+        need(self.wandb_mode in ("online", "offline", "disabled"), "wandb_mode: online, offline or disabled")
+        need(self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda"), "device: auto, cpu or cuda")
+        for name in ("batch_size", "grad_accum", "data_threads", "save_steps", "log_every", "ema_update_every",
+                     "max_bad_steps", "validation_steps"):
+            need(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_steps", "epochs", "warmup_steps", "epoch_size", "stop_at_step", "keep_every_steps",
+                     "validate_every", "validation_samples"):
+            need(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
+        need(self.max_steps > 0 or self.epochs > 0, "set max_steps or epochs to a positive number")
+        need(self.lr > 0, f"lr must be > 0, got {self.lr}")
+        need(0 <= self.min_lr_ratio <= 1, "min_lr_ratio must be in [0, 1]")
+        need(0 <= self.cfg_dropout < 1, f"cfg_dropout must be in [0, 1), got {self.cfg_dropout}")
+        need(0 <= self.ema_decay < 1, f"ema_decay must be in [0, 1), got {self.ema_decay}")
+        need(self.grad_clip >= 0 and self.min_snr_gamma >= 0, "grad_clip and min_snr_gamma must be >= 0")
+        need(self.keep_checkpoints >= 2, "keep_checkpoints must be >= 2 (the newest may be mid-write when a run dies)")
+        need(not self.init_from or Path(self.init_from).exists() or _looks_like_hub_id(self.init_from),
+             f"init_from: {self.init_from} is neither an existing path nor a hub id (owner/name)")
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _looks_like_hub_id(text: str) -> bool:
+    parts = text.split("/")
+    return len(parts) == 2 and all(parts) and not text.startswith((".", "/"))
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+
+def _coerce(name: str, value):
+    """Convert a YAML or command-line value to the field's type, or say what was expected."""
+    kind = FIELDS[name].type
+    if kind == "bool":
+        try:
+            return SD_Cli.parse_bool(value)
+        except Exception:
+            pass
+    elif kind in ("int", "float"):
+        if isinstance(value, str):  # YAML reads 1e-6 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if kind == "float":
+                return float(value)
+            if float(value).is_integer():
+                return int(value)
+    elif kind == "str":
+        return "" if value is None else str(value)
+    elif kind == "list":
+        if isinstance(value, str):
+            value = yaml.safe_load(value)
+        if isinstance(value, list):
+            return value
+        if isinstance(value, (str, dict)):
+            return [value]
+    raise ConfigError(f"{name}: expected {kind}, got {value!r}")
+
+
+def _unknown_field(name: str, where: str) -> ConfigError:
+    close = difflib.get_close_matches(name, FIELDS, n=1)
+    hint = f"; did you mean '{close[0]}'?" if close else ""
+    return ConfigError(f"unknown config field '{name}' in {where}{hint}")
+
+
+class _Parser(SD_Cli.ArgumentParser):
+    """Unknown or malformed flags become ConfigErrors, reported like every other config mistake."""
+
+    def error(self, message):
+        raise ConfigError(message)
+
+
+def build_parser(description: str = "") -> SD_Cli.ArgumentParser:
+    """``--config`` plus one flag per field; a bool field also works as a bare flag (``--compile``)."""
+    parser = _Parser(description=description)
+    parser.add_argument("--config", help="phase YAML; flags override its fields")
+    for name, f in FIELDS.items():
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        extra = {"nargs": "?", "const": "true"} if f.type == "bool" else {}
+        parser.add_argument(f"--{name}", metavar="VALUE", help=f"{f.metadata['help']} (default: {default!r})",
+                            **extra)
+    return parser
+
+
+def read_yaml(path: Path, seen: tuple = ()) -> dict:
+    """A config YAML's fields, its ``extends`` chain resolved (the file's own fields win)."""
+    if not path.exists():
+        raise ConfigError(f"config file {path} does not exist")
+    if path.resolve() in seen:
+        raise ConfigError(f"{path}: 'extends' loops back to itself")
+    try:
+        loaded = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path}: not valid YAML ({str(error).splitlines()[0]})") from error
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{path}: expected a mapping of config fields")
+    values = {}
+    base = loaded.pop("extends", None)
+    if base is not None:
+        values.update(read_yaml(path.parent / str(base), seen + (path.resolve(),)))
+    for name, value in loaded.items():
+        if name not in FIELDS:
+            raise _unknown_field(name, str(path))
+        values[name] = _coerce(name, value)
+    return values
+
+
+def load_config(argv=None, description: str = "") -> TrainConfig:
+    """YAML from ``--config`` (with its ``extends``), then ``--field value`` overrides; validated."""
+    args, unknown = build_parser(description).parse_known_args(argv)
+    if unknown:
+        flag = next((u for u in unknown if u.startswith("--")), unknown[0])
+        raise _unknown_field(flag.lstrip("-").split("=")[0], "the command line")
+    values = read_yaml(Path(args.config)) if args.config else {}
+    for name in FIELDS:
+        raw = getattr(args, name)
+        if raw is not None:
+            values[name] = _coerce(name, raw)
+    config = TrainConfig(**values)
+    config.validate()
+    return config
+
+
+def config_yaml(config: TrainConfig) -> str:
+    return yaml.safe_dump(dataclasses.asdict(config), sort_keys=False)
+
+
+# Fields that fix the data order and the math: a resume must not change them.
+RESUME_FIXED = ("datasets", "epoch_size", "unet", "prediction_type", "batch_size", "grad_accum", "seed",
+                "max_steps", "epochs", "lr", "warmup_steps", "min_lr_ratio")

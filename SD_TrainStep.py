@@ -1,0 +1,242 @@
+"""One optimizer step of the UNet, and the pure pieces it is made of.
+
+``build_step`` assembles what a step uses (the UNet and its callable wrapper, the frozen text
+encoder, optimizer, loss scaler, EMA, the dedicated noise generator and the loss settings);
+``train_step`` runs forward/backward over the micro-batches of one accumulation and applies the
+update unless anything was non-finite. The trainer's loop and the benchmarks call the same code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+import SD_Distributed
+import SD_Model
+import SD_Runtime
+from SD_Distributed import Dist
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """The config fields the loss and the update read."""
+
+    prediction_type: str = "epsilon"
+    min_snr_gamma: float = 5.0
+    cfg_dropout: float = 0.05
+    precision: str = "bf16"
+    channels_last: bool = False
+    grad_clip: float = 1.0
+
+    @classmethod
+    def from_config(cls, config) -> "LossSettings":
+        return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(cls)})
+
+
+@dataclass
+class Step:
+    """Everything one optimizer step uses, and nothing else."""
+
+    unet: torch.nn.Module  # the plain module: parameters, clipping, EMA, checkpoints
+    model: torch.nn.Module  # what the step calls: the unet, DDP-wrapped and/or compiled
+    text_encoder: torch.nn.Module
+    empty_embedding: torch.Tensor  # (1, 77, D): the empty prompt, for CFG dropout
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    ema: SD_Model.EMA | None
+    noise_generator: torch.Generator  # noise, timesteps and CFG dropout; saved per rank
+    alphas_cumprod: torch.Tensor
+    scaling_factor: float
+    loss: LossSettings
+    d: Dist
+    ddp: torch.nn.Module | None = None  # the DDP wrapper, for no_sync()
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure pieces
+# ---------------------------------------------------------------------------------------------
+
+
+def lr_at(step: int, peak: float, warmup: int, total: int, min_ratio: float = 0.01) -> float:
+    """Learning rate of optimizer step ``step`` (0-based).
+
+    Linear warm-up from ``peak * 0.01`` (as ``LinearLR(start_factor=0.01)``), then a cosine from
+    ``peak`` to ``peak * min_ratio`` over the remaining ``total - warmup`` steps.
+    """
+    if step < warmup:
+        return peak * (0.01 + 0.99 * step / warmup)
+    decay_steps = max(1, total - warmup)
+    progress = min(1.0, (step - warmup) / decay_steps)
+    floor = peak * min_ratio
+    return floor + (peak - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def apply_cfg_dropout(hidden: torch.Tensor, empty: torch.Tensor, p: float, generator: torch.Generator):
+    """Replace each sample's text embedding by the empty prompt's with probability ``p``.
+
+    ``hidden`` (B, 77, D); ``empty`` (1, 77, D). Returns the new embeddings and the boolean mask.
+    """
+    drop = torch.rand(hidden.shape[0], generator=generator, device=generator.device) < p
+    drop = drop.to(hidden.device)
+    return torch.where(drop[:, None, None], empty.to(hidden.dtype), hidden), drop
+
+
+# ---------------------------------------------------------------------------------------------
+# Building
+# ---------------------------------------------------------------------------------------------
+
+
+def build_optimizer(unet, config):
+    """Fused AdamW where the device has the kernels, the foreach version otherwise."""
+    kwargs = dict(lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
+                  weight_decay=config.weight_decay)
+    params = [p for p in unet.parameters() if p.requires_grad]
+    try:
+        return torch.optim.AdamW(params, fused=True, **kwargs)
+    except (RuntimeError, TypeError):  # fused kernels missing for this device or dtype
+        return torch.optim.AdamW(params, foreach=True, **kwargs)
+
+
+def build_step(config, d: Dist, unet, text_encoder, empty_ids: torch.Tensor, scaling_factor: float) -> Step:
+    """A step around a built UNet (on ``d.device``) and text encoder, at step 0.
+
+    ``empty_ids``: the empty prompt's token ids ``(1, 77)``. The UNet is not wrapped yet: call
+    ``wrap_model`` after loading weights, so DDP broadcasts the right ones.
+    """
+    text_encoder = text_encoder.to(d.device)
+    with SD_Runtime.autocast(config.precision, d.device):
+        empty = SD_Model.encode_prompt_ids(text_encoder, empty_ids)
+    ema = None
+    if config.ema_decay > 0:
+        ema = SD_Model.EMA(unet, config.ema_decay, device="cpu" if config.ema_device == "cpu" else None,
+                           update_every=config.ema_update_every)
+    noise_generator = torch.Generator(device=d.device).manual_seed(config.seed * 7919 + d.rank + 1)
+    return Step(unet, unet, text_encoder, empty, build_optimizer(unet, config),
+                torch.amp.GradScaler(d.device.type, enabled=config.precision == "fp16"), ema, noise_generator,
+                SD_Model.ddpm_alphas_cumprod().to(d.device), scaling_factor, LossSettings.from_config(config), d)
+
+
+def wrap_model(step: Step, compile: bool) -> None:
+    """DDP-wrap, then compile (after weights are loaded, so DDP broadcasts the right ones).
+
+    Compiling the DDP module lets the compiler split graphs at bucket boundaries so communication
+    overlaps the backward pass.
+    """
+    model = step.unet
+    if step.d.world_size > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        device_ids = [step.d.device.index] if step.d.device.type == "cuda" else None
+        model = step.ddp = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
+    if compile:
+        model = torch.compile(model)
+    step.model = model
+
+
+# ---------------------------------------------------------------------------------------------
+# The step
+# ---------------------------------------------------------------------------------------------
+
+
+def compute_loss(step: Step, model, latents: torch.Tensor, input_ids: torch.Tensor, generator: torch.Generator):
+    """Per-sample Min-SNR loss ``(B,)`` and timesteps of one micro-batch through ``model``."""
+    settings, device = step.loss, step.d.device
+    latents = SD_Model.scale_latents(latents.to(device, non_blocking=True).float(), step.scaling_factor)
+    if settings.channels_last:
+        latents = latents.contiguous(memory_format=torch.channels_last)
+    noise = torch.randn(latents.shape, generator=generator, device=device)
+    timesteps = SD_Model.sample_timesteps(latents.shape[0], generator).to(device)
+    noisy = SD_Model.add_noise(latents, noise, timesteps, step.alphas_cumprod)
+    target = SD_Model.prediction_target(latents, noise, timesteps, step.alphas_cumprod, settings.prediction_type)
+    with SD_Runtime.autocast(settings.precision, device):
+        hidden = SD_Model.encode_prompt_ids(step.text_encoder, input_ids)
+        hidden, _ = apply_cfg_dropout(hidden, step.empty_embedding, settings.cfg_dropout, generator)
+        pred = model(noisy, timesteps, encoder_hidden_states=hidden).sample
+    loss = SD_Model.diffusion_loss(pred, target, timesteps, step.alphas_cumprod, settings.prediction_type,
+                                   settings.min_snr_gamma)
+    return loss, timesteps
+
+
+def train_step(step: Step, micro_batches: list, step_index: int, stop_requested: bool = False) -> dict:
+    """Forward/backward over the accumulation, then one optimizer update unless anything is non-finite.
+
+    ``micro_batches``: ``[(latents (B, 4, h, w), input_ids (B, 77)), ...]``; ``step_index``: the
+    0-based optimizer step (the EMA's warm-up). The learning rate is set by the caller. A non-finite loss or gradient norm on any rank skips the update on
+    every rank: weights, optimizer and EMA stay as they were. One all-reduce carries the loss, the
+    bad-step flag, the stop request and the per-quartile losses, so every rank takes the same decision.
+    """
+    settings, d = step.loss, step.d
+    step.optimizer.zero_grad(set_to_none=True)
+    stats = torch.zeros(11, dtype=torch.float64, device=d.device)  # loss, bad, stop, q-sums(4), q-counts(4)
+    for i, (latents, input_ids) in enumerate(micro_batches):
+        last = i == len(micro_batches) - 1
+        sync = contextlib.nullcontext() if last or step.ddp is None else step.ddp.no_sync()
+        with sync:
+            loss, timesteps = compute_loss(step, step.model, latents, input_ids, step.noise_generator)
+            step.scaler.scale(loss.mean() / len(micro_batches)).backward()
+        quartile = (timesteps * 4 // SD_Model.NUM_TRAIN_TIMESTEPS).clamp(max=3)
+        stats[0] += loss.detach().mean().double() / len(micro_batches)
+        stats[3:7].index_add_(0, quartile, loss.detach().double())
+        stats[7:11].index_add_(0, quartile, torch.ones_like(loss, dtype=torch.float64))
+    step.scaler.unscale_(step.optimizer)
+    params = [p for p in step.unet.parameters() if p.grad is not None]
+    clip = settings.grad_clip if settings.grad_clip > 0 else float("inf")
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
+    overflow = settings.precision == "fp16" and not torch.isfinite(grad_norm)  # the scaler's business
+    stats[1] = float(not torch.isfinite(stats[0]) or (not torch.isfinite(grad_norm) and not overflow))
+    stats[2] = float(stop_requested)
+    stats = SD_Distributed.all_reduce_sum(stats, d).cpu()
+    bad = bool(stats[1] > 0)
+    if bad:
+        step.optimizer.zero_grad(set_to_none=True)
+        if settings.precision == "fp16":
+            step.scaler.update()
+    else:
+        step.scaler.step(step.optimizer)  # skips the update itself on an fp16 overflow
+        step.scaler.update()
+        if not overflow and step.ema is not None:
+            step.ema.update(step.unet, step_index)
+    counts = stats[7:11]
+    quartiles = [(stats[3 + q] / counts[q]).item() if counts[q] > 0 else None for q in range(4)]
+    return {
+        "loss": (stats[0] / d.world_size).item(),
+        "grad_norm": grad_norm.item(),
+        "bad": bad,
+        "overflow": bool(overflow),
+        "stop": bool(stats[2] > 0),
+        "loss_quartiles": quartiles,
+    }
+
+
+@torch.no_grad()
+def validation_loss(step: Step, data, count: int, batch_size: int) -> float:
+    """Mean loss of the plain UNet on up to ``count`` held-out samples, with fixed noise and timesteps.
+
+    The samples are split across ranks and drawn with a generator seeded the same at every
+    validation, so values at different steps are comparable.
+    """
+    d = step.d
+    indices = np.arange(min(count, len(data)))[d.rank :: d.world_size]
+    generator = torch.Generator(device=d.device).manual_seed(1234 + d.rank)
+    totals = torch.zeros(2, dtype=torch.float64, device=d.device)
+    step.unet.eval()
+    try:
+        for start in range(0, len(indices), batch_size):
+            latents, input_ids = data.batch(indices[start : start + batch_size])
+            loss, _ = compute_loss(step, step.unet, latents, input_ids, generator)
+            totals[0] += loss.double().sum()
+            totals[1] += loss.numel()
+    finally:
+        step.unet.train()
+    totals = SD_Distributed.all_reduce_sum(totals, d)
+    return (totals[0] / totals[1]).item() if totals[1] > 0 else float("nan")
