@@ -21,7 +21,8 @@ from pathlib import Path, PurePosixPath
 
 import numpy as np
 
-import SD_Data
+import SD_Files
+import SD_Shards
 
 log = logging.getLogger("pipeline")
 
@@ -61,13 +62,13 @@ class ShardStats:
                 "failed": dict(sorted(self.failed.items())), "examples": self.examples, **extra}
 
 
-def write_shard(out_dir: Path, index: int, samples: list[SD_Data.ShardSample], stats: ShardStats, **extra) -> dict:
+def write_shard(out_dir: Path, index: int, samples: list[SD_Shards.ShardSample], stats: ShardStats, **extra) -> dict:
     """Write shard ``index`` and then its stats file (the done marker), both atomically."""
     tar, stats_path = shard_paths(out_dir, index)
     stats.successes = len(samples)
-    SD_Data.write_shard(tar, samples)
+    SD_Shards.write_shard(tar, samples)
     record = stats.as_dict(**extra)
-    SD_Data.write_text_atomic(stats_path, json.dumps(record, indent=1) + "\n")
+    SD_Files.write_text_atomic(stats_path, json.dumps(record, indent=1) + "\n")
     return record
 
 
@@ -103,7 +104,7 @@ class Summary:
     def finish(self, out_dir: Path, **extra) -> dict:
         record = {"stage": self.stage, "kept": self.kept, "dropped": dict(sorted(self.dropped.items())),
                   "shards_written": self.shards_written, "shards_already_done": self.shards_skipped, **extra}
-        SD_Data.write_text_atomic(Path(out_dir) / f"{self.stage}_summary.json", json.dumps(record, indent=1) + "\n")
+        SD_Files.write_text_atomic(Path(out_dir) / f"{self.stage}_summary.json", json.dumps(record, indent=1) + "\n")
         dropped = ", ".join(f"{reason} {n}" for reason, n in sorted(self.dropped.items())) or "none"
         print(f"{self.stage}: kept {self.kept}; dropped: {dropped}; shards written {self.shards_written}, "
               f"already done {self.shards_skipped}; output in {out_dir}")
@@ -120,35 +121,35 @@ def encode_jpeg(rgb: np.ndarray, quality: int = 95) -> bytes:
 
     ok, data = cv2.imencode(".jpg", cv2.cvtColor(rgb, cv2.COLOR_RGB2BGR), [cv2.IMWRITE_JPEG_QUALITY, quality])
     if not ok:
-        raise SD_Data.ImageSkip("undecodable", "JPEG encoding failed")
+        raise SD_Shards.ImageSkip("undecodable", "JPEG encoding failed")
     return data.tobytes()
 
 
 def image_sample(key: str, data: bytes, ext: str, caption: str, resolution: int, metadata: dict | None = None,
-                 max_pixels: int = SD_Data.DEFAULT_MAX_PIXELS) -> SD_Data.ShardSample:
+                 max_pixels: int = SD_Shards.DEFAULT_MAX_PIXELS) -> SD_Shards.ShardSample:
     """Decode, resize the short side and centre-crop to ``resolution``, re-encode as JPEG.
 
-    Raises ``SD_Data.ImageSkip`` (with a reason) for an unusable image. The metadata records the
+    Raises ``SD_Shards.ImageSkip`` (with a reason) for an unusable image. The metadata records the
     original size.
     """
-    rgb = SD_Data.decode_image(data, ext.lower().lstrip("."), max_pixels)
+    rgb = SD_Shards.decode_image(data, ext.lower().lstrip("."), max_pixels)
     height, width = rgb.shape[:2]
-    square = SD_Data.resize_center_crop(rgb, resolution)
+    square = SD_Shards.resize_center_crop(rgb, resolution)
     meta = {"key": key, "caption": caption, "original_width": width, "original_height": height,
             **(metadata or {})}
-    return SD_Data.ShardSample(key, encode_jpeg(square), "jpg", caption, json.dumps(meta).encode("utf-8"))
+    return SD_Shards.ShardSample(key, encode_jpeg(square), "jpg", caption, json.dumps(meta).encode("utf-8"))
 
 
 def _to_sample(item: tuple, resolution: int, max_pixels: int):
     key, data, ext, caption, metadata = item
     try:
         return key, image_sample(key, data, ext, caption, resolution, metadata, max_pixels)
-    except SD_Data.ImageSkip as skip:
+    except SD_Shards.ImageSkip as skip:
         return key, skip
 
 
-def convert_images(items, stats: ShardStats, pool, resolution: int, max_pixels: int = SD_Data.DEFAULT_MAX_PIXELS,
-                   read_ahead: int = 32) -> list[SD_Data.ShardSample]:
+def convert_images(items, stats: ShardStats, pool, resolution: int, max_pixels: int = SD_Shards.DEFAULT_MAX_PIXELS,
+                   read_ahead: int = 32) -> list[SD_Shards.ShardSample]:
     """``image_sample`` over ``(key, data, ext, caption, metadata)`` items on a thread pool, in order.
 
     At most ``read_ahead`` raw images are held at once (a whole archive would not fit in memory);
@@ -158,7 +159,7 @@ def convert_images(items, stats: ShardStats, pool, resolution: int, max_pixels: 
 
     def flush():
         for key, result in pool.map(lambda item: _to_sample(item, resolution, max_pixels), batch):
-            if isinstance(result, SD_Data.ImageSkip):
+            if isinstance(result, SD_Shards.ImageSkip):
                 stats.skip(result.reason, key)
             else:
                 samples.append(result)
@@ -174,7 +175,7 @@ def convert_images(items, stats: ShardStats, pool, resolution: int, max_pixels: 
 
 def image_extension(name: str) -> str | None:
     ext = name.rsplit(".", 1)[-1].lower() if "." in name else ""
-    return ext if ext in SD_Data.IMAGE_EXTENSIONS else None
+    return ext if ext in SD_Shards.IMAGE_EXTENSIONS else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -276,7 +277,7 @@ def _fetch(url: str, part: Path, timeout: float) -> None:
         source = Path(url[len("file://"):] if url.startswith("file://") else url)
         if not source.exists():
             raise DownloadError(f"{source} does not exist", missing=True)
-        SD_Data.write_atomic(part, lambda tmp: Path(tmp).write_bytes(source.read_bytes()))
+        SD_Files.write_atomic(part, lambda tmp: Path(tmp).write_bytes(source.read_bytes()))
         return
     have = part.stat().st_size if part.exists() else 0
     request = urllib.request.Request(url, headers={"Range": f"bytes={have}-"} if have else {})

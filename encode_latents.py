@@ -33,8 +33,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import SD_Data
+import SD_Files
 import SD_Model
+import SD_Shards
 
 log = logging.getLogger("encode_latents")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -56,7 +57,7 @@ def parse_args(argv=None):
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: %(default)s)")
     parser.add_argument("--flip", action="store_true",
                         help="also store the latents of the horizontally flipped images (NNNNN.flip.npy)")
-    parser.add_argument("--max_pixels", type=int, default=SD_Data.DEFAULT_MAX_PIXELS,
+    parser.add_argument("--max_pixels", type=int, default=SD_Shards.DEFAULT_MAX_PIXELS,
                         help="skip images with more pixels than this, read from the header (default: %(default)s)")
     parser.add_argument("--prefetch", type=int, default=2, help="shards read ahead of the encoder (default: %(default)s)")
     args = parser.parse_args(argv)
@@ -127,7 +128,7 @@ def write_summary(out: Path, meta: dict) -> dict:
         encoded += report["encoded"]
         skipped.update({reason: len(keys) for reason, keys in report["skipped"].items()})
     summary = {**meta, "shards": shards, "count": encoded, "skipped": dict(sorted(skipped.items()))}
-    SD_Data.write_text_atomic(out / "latents.json", json.dumps(summary, indent=2) + "\n")
+    SD_Files.write_text_atomic(out / "latents.json", json.dumps(summary, indent=2) + "\n")
     return summary
 
 
@@ -145,7 +146,7 @@ def prefetch_shards(paths: list[Path], depth: int):
         for path in paths:
             job = ShardJob(path)
             try:
-                samples, truncated_key = SD_Data.read_shard(path.read_bytes())
+                samples, truncated_key = SD_Shards.read_shard(path.read_bytes())
             except OSError as error:
                 samples, truncated_key = [], f"<unreadable: {error}>"
             if truncated_key is not None:
@@ -158,16 +159,16 @@ def prefetch_shards(paths: list[Path], depth: int):
         yield item
 
 
-def decode_sample(sample: SD_Data.ShardSample, resolution: int, max_pixels: int):
+def decode_sample(sample: SD_Shards.ShardSample, resolution: int, max_pixels: int):
     """``(key, image (res, res, 3) uint8)`` or ``(key, skip reason)``."""
     if sample.image is None:
         return sample.key, "no_image"
     if not sample.caption:
         return sample.key, "no_caption"
     try:
-        image = SD_Data.decode_image(sample.image, sample.image_ext, max_pixels)
-        return sample.key, SD_Data.resize_center_crop(image, resolution)
-    except SD_Data.ImageSkip as skip:
+        image = SD_Shards.decode_image(sample.image, sample.image_ext, max_pixels)
+        return sample.key, SD_Shards.resize_center_crop(image, resolution)
+    except SD_Shards.ImageSkip as skip:
         return sample.key, skip.reason
     except Exception:  # a decoder failing in a way of its own: still one bad image, not a bad run
         return sample.key, "undecodable"
@@ -223,13 +224,13 @@ class Writer:
                 raise RuntimeError(f"{job.path.name}: non-finite {name} for keys {keys[:10]} (a VAE overflow: "
                                    "try --dtype fp32 or bf16)")
         files = outputs(self.out, job.stem)
-        SD_Data.save_npy_atomic(files["npy"], job.latents)
+        SD_Files.save_npy_atomic(files["npy"], job.latents)
         if self.flip:
-            SD_Data.save_npy_atomic(files["flip"], job.flipped)
+            SD_Files.save_npy_atomic(files["flip"], job.flipped)
         _fault_point("after_npy", job.stem)
         report = {"shard": str(job.path), "encoded": len(job.keys), "skipped": job.skipped}
-        SD_Data.write_text_atomic(files["report"], json.dumps(report, indent=1) + "\n")
-        SD_Data.write_text_atomic(files["keys"], "".join(k + "\n" for k in job.keys))
+        SD_Files.write_text_atomic(files["report"], json.dumps(report, indent=1) + "\n")
+        SD_Files.write_text_atomic(files["keys"], "".join(k + "\n" for k in job.keys))
         job.latents = job.flipped = None
         self.finished.append(job)
 

@@ -22,8 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np
 from PIL import Image, ImageDraw
 
-import SD_Data
+import SD_Files
 import SD_Pipeline
+import SD_Shards
 
 STAGE = "00_make_demo_data"
 PALETTE = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (235, 200, 30),
@@ -103,13 +104,13 @@ def main(argv=None) -> int:
             colour, shape = combos[i]
             array, meta = draw_shape(colour, shape, args.size, shard_rng)
             text = caption(colour, shape)
-            samples.append(SD_Data.ShardSample(f"demo{i:06d}", png(array), "png", text,
+            samples.append(SD_Shards.ShardSample(f"demo{i:06d}", png(array), "png", text,
                                                json.dumps({"caption": text, **meta}).encode()))
         summary.add(SD_Pipeline.write_shard(out, index, samples, SD_Pipeline.ShardStats()))
     prompts = {"palette": PALETTE, "shapes": list(SHAPES), "background": BACKGROUND,
                "seen": [caption(c, s) for c, s in seen], "held_out": [caption(c, s) for c, s in args.holdout]}
-    SD_Data.write_text_atomic(out / "demo_prompts.json", json.dumps(prompts, indent=1) + "\n")
-    SD_Data.write_text_atomic(out / "prompts.txt", "".join(p + "\n" for p in prompts["seen"] + prompts["held_out"]))
+    SD_Files.write_text_atomic(out / "demo_prompts.json", json.dumps(prompts, indent=1) + "\n")
+    SD_Files.write_text_atomic(out / "prompts.txt", "".join(p + "\n" for p in prompts["seen"] + prompts["held_out"]))
     summary.finish(out, seen_combinations=len(seen), held_out=len(args.holdout))
     return 0
 

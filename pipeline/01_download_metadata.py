@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import SD_Data  # noqa: E402
+import SD_Files  # noqa: E402
 import SD_Pipeline  # noqa: E402
 
 STAGE = "01_download_metadata"
@@ -69,7 +69,7 @@ def copy_local(source_root: Path, out: Path, patterns: list[str]) -> tuple[int, 
         if dest.exists() and dest.stat().st_size == source.stat().st_size:
             skipped += 1
             continue
-        SD_Data.write_atomic(dest, lambda tmp, source=source: shutil.copyfile(source, tmp))
+        SD_Files.write_atomic(dest, lambda tmp, source=source: shutil.copyfile(source, tmp))
         copied += 1
     return copied, skipped
 

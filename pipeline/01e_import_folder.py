@@ -43,8 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tqdm import tqdm  # noqa: E402
 
-import SD_Data  # noqa: E402
 import SD_Pipeline  # noqa: E402
+import SD_Shards  # noqa: E402
 
 STAGE = "01e_import_folder"
 DEFAULT_TEMPLATE = "a photo of a person"
@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
              "template = --template per folder (default: %(default)s)")
     add("--resolution", type=int, default=512, help="square output size, a multiple of 8 (default: %(default)s)")
     add("--shard_size", type=int, default=1000, help="images per output shard (default: %(default)s)")
-    add("--max_pixels", type=int, default=SD_Data.DEFAULT_MAX_PIXELS,
+    add("--max_pixels", type=int, default=SD_Shards.DEFAULT_MAX_PIXELS,
         help="skip images with more pixels than this, read from the header (default: %(default)s)")
     add("--default_caption", default=None,
         help="caption for images whose .txt is missing or empty, or whose tags are all removed "
@@ -259,7 +259,7 @@ def make_keys(rels: list[str]) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Captions (each returns caption + metadata or raises SD_Data.ImageSkip with the reason)
+# Captions (each returns caption + metadata or raises SD_Shards.ImageSkip with the reason)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -272,7 +272,7 @@ def flat_caption(src: Path, rel: str, rules: CaptionRules) -> tuple[str, dict]:
     text = path.read_text(encoding="utf-8", errors="replace").strip() if path.is_file() else ""
     text = text or rules.default_caption or ""
     if not text:
-        raise SD_Data.ImageSkip("no_caption", f"{path.name} missing or empty")
+        raise SD_Shards.ImageSkip("no_caption", f"{path.name} missing or empty")
     return join_caption(rules, [text]), {}
 
 
@@ -288,7 +288,7 @@ def read_tag_record(src: Path, rel: str) -> tuple[list[str], float | None]:
     stem_json, full_json = src / (rel.rsplit(".", 1)[0] + ".json"), src / (rel + ".json")
     path = stem_json if stem_json.is_file() else full_json
     if not path.is_file():
-        raise SD_Data.ImageSkip("no_metadata", f"{stem_json.name} missing")
+        raise SD_Shards.ImageSkip("no_metadata", f"{stem_json.name} missing")
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
         tags, score = record.get("tags", []), record.get("score")
@@ -303,7 +303,7 @@ def read_tag_record(src: Path, rel: str) -> tuple[list[str], float | None]:
             if not math.isfinite(score):
                 raise ValueError("score is not finite")
     except (OSError, UnicodeDecodeError, ValueError, TypeError, AttributeError) as error:
-        raise SD_Data.ImageSkip("bad_metadata", f"{path.name}: {error}") from None
+        raise SD_Shards.ImageSkip("bad_metadata", f"{path.name}: {error}") from None
     return [tag.strip() for tag in tags if tag.strip()], score
 
 
@@ -314,19 +314,19 @@ def metadata_caption(src: Path, rel: str, key: str, rules: CaptionRules) -> tupl
     # can write whichever they see.
     names = {name for pair in renamed for name in pair}
     if names & rules.exclude_tags:
-        raise SD_Data.ImageSkip("excluded_tag", ", ".join(sorted(names & rules.exclude_tags)))
+        raise SD_Shards.ImageSkip("excluded_tag", ", ".join(sorted(names & rules.exclude_tags)))
     score = source_score
     if score is not None:
         score += sum(bonus for tag, bonus in rules.tag_bonus.items() if tag in names)
     if rules.min_score is not None and score is None:
-        raise SD_Data.ImageSkip("no_score")
+        raise SD_Shards.ImageSkip("no_score")
     if rules.min_score is not None and score < rules.min_score:
-        raise SD_Data.ImageSkip("low_score", f"{score} < {rules.min_score}")
+        raise SD_Shards.ImageSkip("low_score", f"{score} < {rules.min_score}")
     tags = final_tags(renamed, rules, key)
     if not tags and rules.default_caption:
         tags = [rules.default_caption]
     if not tags:
-        raise SD_Data.ImageSkip("no_caption", "no tags left")
+        raise SD_Shards.ImageSkip("no_caption", "no tags left")
     score_tag = [f"score_{min(9, max(0, math.floor(score)))}"] if rules.score_tags and score is not None else []
     meta = {"tags": tags, "score": score, "source_score": source_score}
     return join_caption(rules, score_tag + tags), meta
@@ -368,7 +368,7 @@ def import_shard(src: Path, out: Path, index: int, items: list[tuple[str, str]],
             data = (src / rel).read_bytes()
             samples.append(SD_Pipeline.image_sample(key, data, SD_Pipeline.image_extension(rel), caption,
                                                     args.resolution, {"source": rel, **meta}, args.max_pixels))
-        except SD_Data.ImageSkip as skip:
+        except SD_Shards.ImageSkip as skip:
             stats.skip(skip.reason, rel)
         except OSError as error:  # unreadable file (permissions, vanished mid-run)
             log.warning("%s: %s", rel, error)
@@ -407,7 +407,7 @@ def main(argv=None) -> int:
     src, out = Path(args.src), Path(args.out)
     rels = list_images(src)
     if not rels:  # most likely a wrong --src; an empty dataset is never what was meant
-        print(f"01e_import_folder.py: no images ({', '.join(SD_Data.IMAGE_EXTENSIONS)}) under {src}", file=sys.stderr)
+        print(f"01e_import_folder.py: no images ({', '.join(SD_Shards.IMAGE_EXTENSIONS)}) under {src}", file=sys.stderr)
         return 2
     items = list(zip(rels, make_keys(rels)))
     plan = [items[i : i + args.shard_size] for i in range(0, len(items), args.shard_size)]

@@ -44,7 +44,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import SD_Data  # noqa: E402
+import SD_Files  # noqa: E402
 import SD_Pipeline  # noqa: E402
 
 STAGE = "02_filter_metadata"
@@ -206,7 +206,7 @@ def filter_file(path: Path, columns: dict, out: Path, limits: dict, index: Dupli
     frame = table.select(role_columns(columns)).to_pandas()
     reasons = assign_reasons(frame, columns, limits, index)
     kept = np.flatnonzero(reasons == -1)
-    SD_Data.write_atomic(out / f"{path.stem}.parquet", lambda tmp: pq.write_table(table.take(kept), tmp))
+    SD_Files.write_atomic(out / f"{path.stem}.parquet", lambda tmp: pq.write_table(table.take(kept), tmp))
     urls = text(frame, columns["url"])
     failed, examples = {}, {}
     for number, reason in enumerate(REASONS):
@@ -216,7 +216,7 @@ def filter_file(path: Path, columns: dict, out: Path, limits: dict, index: Dupli
             examples[reason] = [str(url) for url in urls[rows[:SD_Pipeline.MAX_EXAMPLES]]]
     record = {"input": str(path), "count": len(frame), "successes": int(len(kept)), "failed": failed,
               "examples": examples, "columns": columns, "thresholds": limits}
-    SD_Data.write_text_atomic(out / f"{path.stem}_stats.json", json.dumps(record, indent=1) + "\n")
+    SD_Files.write_text_atomic(out / f"{path.stem}_stats.json", json.dumps(record, indent=1) + "\n")
     return record
 
 

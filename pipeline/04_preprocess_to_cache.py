@@ -20,9 +20,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 
-import SD_Data
+import SD_Files
 import SD_Model
 import SD_Pipeline
+import SD_Shards
 
 STAGE = "04_preprocess_to_cache"
 
@@ -49,7 +50,7 @@ def process_shard(path: Path, out: Path, tokenizer, batch_size: int) -> dict:
     import pyarrow.parquet as pq
 
     stats = SD_Pipeline.ShardStats()
-    samples, truncated_key = SD_Data.read_shard(path.read_bytes())
+    samples, truncated_key = SD_Shards.read_shard(path.read_bytes())
     if truncated_key is not None:
         stats.skip("truncated_tar", truncated_key)
     keys, captions = [], []
@@ -67,10 +68,10 @@ def process_shard(path: Path, out: Path, tokenizer, batch_size: int) -> dict:
         input_ids[start : start + len(batch)] = SD_Model.tokenize(tokenizer, batch).numpy()
     stem = path.name[: -len(".tar")]
     table = caption_table(keys, captions, input_ids)
-    SD_Data.write_atomic(out / f"{stem}.parquet", lambda tmp: pq.write_table(table, tmp))
+    SD_Files.write_atomic(out / f"{stem}.parquet", lambda tmp: pq.write_table(table, tmp))
     stats.successes = len(keys)
     record = stats.as_dict(shard=str(path))
-    SD_Data.write_text_atomic(out / f"{stem}_stats.json", json.dumps(record, indent=1) + "\n")
+    SD_Files.write_text_atomic(out / f"{stem}_stats.json", json.dumps(record, indent=1) + "\n")
     return record
 
 

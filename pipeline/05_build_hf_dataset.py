@@ -24,6 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import SD_Data
+import SD_Files
 
 STAGE = "05_build_hf_dataset"
 MAX_EXAMPLES = 20
@@ -131,7 +132,7 @@ def main(argv=None) -> int:
               "examples": {reason: keys[:MAX_EXAMPLES] for reason, keys in dropped.items() if keys},
               "latents_without_caption": len(latents_without_caption),
               "latents": str(latents_dir), "captions": str(captions_dir), "inputs": fingerprint}
-    SD_Data.write_text_atomic(stats_path, json.dumps(record, indent=1) + "\n")
+    SD_Files.write_text_atomic(stats_path, json.dumps(record, indent=1) + "\n")
     print(f"{STAGE}: train {len(train_rows)}, validation {len(val_rows)}; dropped: captions without a latent "
           f"{len(dropped['no_latent'])}, duplicate keys {len(dropped['duplicate_key'])}; latents without a caption "
           f"{len(latents_without_caption)}; output in {out}")

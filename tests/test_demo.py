@@ -38,7 +38,7 @@ def test_classifier_reads_the_ground_truth_images(tmp_path):
 
     from PIL import Image
 
-    import SD_Data
+    import SD_Shards
     import evaluate
     from stage_loader import load_stage
 
@@ -48,7 +48,7 @@ def test_classifier_reads_the_ground_truth_images(tmp_path):
     assert len(prompts["seen"]) == 15 and len((tmp_path / "prompts.txt").read_text().splitlines()) == 18
     hits, seen_captions = [], set()
     for shard in sorted(tmp_path.glob("*.tar")):
-        samples, truncated = SD_Data.read_shard(shard.read_bytes())
+        samples, truncated = SD_Shards.read_shard(shard.read_bytes())
         assert truncated is None
         for sample in samples:
             meta = json.loads(sample.metadata)

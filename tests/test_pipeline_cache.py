@@ -11,6 +11,7 @@ import pytest
 
 import SD_Data
 import SD_Model
+import SD_Shards
 from data_factory import make_latents
 from shard_factory import image_bytes, random_image
 from stage_loader import load_stage
@@ -23,14 +24,14 @@ stage05 = load_stage("05_build_hf_dataset")
 def make_shards(folder: Path) -> None:
     rng = np.random.default_rng(0)
     png = image_bytes(random_image(rng, 16, 16), "PNG")
-    SD_Data.write_shard(folder / "00000.tar", [
-        SD_Data.ShardSample("k0", png, "png", "a photo of a cat"),
-        SD_Data.ShardSample("k1", png, "png", "A Photo, of THE café!! " + "long " * 100),
-        SD_Data.ShardSample("k2", png, "png", None),  # no caption
+    SD_Shards.write_shard(folder / "00000.tar", [
+        SD_Shards.ShardSample("k0", png, "png", "a photo of a cat"),
+        SD_Shards.ShardSample("k1", png, "png", "A Photo, of THE café!! " + "long " * 100),
+        SD_Shards.ShardSample("k2", png, "png", None),  # no caption
     ])
-    SD_Data.write_shard(folder / "00001.tar", [
-        SD_Data.ShardSample("k3", png, "png", "a red circle"),
-        SD_Data.ShardSample("k4", None, "", "a caption without an image"),
+    SD_Shards.write_shard(folder / "00001.tar", [
+        SD_Shards.ShardSample("k3", png, "png", "a red circle"),
+        SD_Shards.ShardSample("k4", None, "", "a caption without an image"),
     ])
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-import SD_Data
+import SD_Shards
 from shard_factory import image_bytes, random_image
 from stage_loader import ROOT, load_stage
 
@@ -36,7 +36,7 @@ def read_output(out: Path) -> dict[str, dict]:
     """key -> caption, metadata, decoded image size and shard name, in shard order."""
     samples = {}
     for tar in sorted(out.glob("*.tar")):
-        shard, truncated = SD_Data.read_shard(tar.read_bytes())
+        shard, truncated = SD_Shards.read_shard(tar.read_bytes())
         assert truncated is None
         for sample in shard:
             size = Image.open(io.BytesIO(sample.image)).size

@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import SD_Data
+import SD_Shards
 from http_server import LoopbackServer
 from shard_factory import image_bytes, random_image
 from stage_loader import load_stage
@@ -312,7 +312,7 @@ def run03(inputs: Path, out: Path) -> dict:
 def read_samples(out: Path) -> dict:
     samples = {}
     for tar in sorted(out.glob("*.tar")):
-        read, truncated = SD_Data.read_shard(tar.read_bytes())
+        read, truncated = SD_Shards.read_shard(tar.read_bytes())
         assert truncated is None
         samples.update((sample.key, sample) for sample in read)
     return samples
@@ -324,7 +324,7 @@ def check_samples(out: Path, metadata: list[dict]) -> None:
     by_url = {row["URL"]: row for row in metadata}
     for sample in samples.values():
         meta = json.loads(sample.metadata)
-        assert SD_Data.decode_image(sample.image, sample.image_ext).shape == (64, 64, 3)
+        assert SD_Shards.decode_image(sample.image, sample.image_ext).shape == (64, 64, 3)
         assert sample.caption == by_url[meta["url"]]["TEXT"]
         assert meta["aesthetic"] == pytest.approx(by_url[meta["url"]]["aesthetic"])
         assert meta["punsafe"] == pytest.approx(0.1) and {"similarity", "pwatermark"} <= meta.keys()

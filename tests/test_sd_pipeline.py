@@ -3,8 +3,8 @@ import json
 import numpy as np
 import pytest
 
-import SD_Data
 import SD_Pipeline
+import SD_Shards
 from http_server import LoopbackServer
 from shard_factory import image_bytes, random_image
 
@@ -52,23 +52,23 @@ def test_parse_range():
 def test_image_sample_is_a_square_jpeg_with_metadata():
     data = image_bytes(random_image(np.random.default_rng(0), 300, 200), "PNG")
     sample = SD_Pipeline.image_sample("k1", data, "png", "a cat", 64, {"source": "test"})
-    rgb = SD_Data.decode_image(sample.image, "jpg")
+    rgb = SD_Shards.decode_image(sample.image, "jpg")
     assert rgb.shape == (64, 64, 3) and sample.caption == "a cat" and sample.image_ext == "jpg"
     meta = json.loads(sample.metadata)
     assert (meta["original_width"], meta["original_height"], meta["source"]) == (200, 300, "test")
-    with pytest.raises(SD_Data.ImageSkip):
+    with pytest.raises(SD_Shards.ImageSkip):
         SD_Pipeline.image_sample("k2", b"not an image\xff\xd9", "jpg", "x", 64)
 
 
 def test_write_shard_marks_done_last_and_summary_adds_up(tmp_path):
     stats = SD_Pipeline.ShardStats()
     stats.skip("undecodable", "bad.jpg")
-    samples = [SD_Data.ShardSample("k0", b"\xff\xd8\xff\xd9", "jpg", "c", b"{}")]
+    samples = [SD_Shards.ShardSample("k0", b"\xff\xd8\xff\xd9", "jpg", "c", b"{}")]
     record = SD_Pipeline.write_shard(tmp_path, 3, samples, stats, source="x")
     assert SD_Pipeline.shard_done(tmp_path, 3) and not SD_Pipeline.shard_done(tmp_path, 2)
     assert record == {"count": 2, "successes": 1, "failed": {"undecodable": 1},
                       "examples": {"undecodable": ["bad.jpg"]}, "source": "x"}
-    read, truncated = SD_Data.read_shard((tmp_path / "00003.tar").read_bytes())
+    read, truncated = SD_Shards.read_shard((tmp_path / "00003.tar").read_bytes())
     assert truncated is None and [s.key for s in read] == ["k0"]
     summary = SD_Pipeline.Summary("test")
     summary.add_done(tmp_path / "00003_stats.json")
