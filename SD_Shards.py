@@ -76,7 +76,12 @@ def read_shard(data: bytes) -> tuple[list[ShardSample], str | None]:
 
 
 def write_shard(path: Path, samples: list[ShardSample]) -> None:
-    """Write a webdataset tar (``key.ext`` members, a sample's members together), atomically."""
+    """Write a webdataset tar atomically (see ``write_tar``)."""
+    SD_Files.write_atomic(path, lambda tmp: write_tar(tmp, samples))
+
+
+def write_tar(path: Path, samples: list[ShardSample]) -> None:
+    """A webdataset tar at ``path``: ``key.ext`` members, a sample's members together, in order."""
     import io
     import tarfile
 
@@ -85,17 +90,14 @@ def write_shard(path: Path, samples: list[ShardSample]) -> None:
         info.size, info.mode, info.mtime = len(payload), 0o644, 0
         tar.addfile(info, io.BytesIO(payload))
 
-    def write(tmp):
-        with tarfile.open(tmp, "w", format=tarfile.USTAR_FORMAT) as tar:
-            for sample in samples:
-                if sample.image is not None:
-                    add(tar, f"{sample.key}.{sample.image_ext}", sample.image)
-                if sample.caption is not None:
-                    add(tar, f"{sample.key}.txt", sample.caption.encode("utf-8"))
-                if sample.metadata is not None:
-                    add(tar, f"{sample.key}.json", sample.metadata)
-
-    SD_Files.write_atomic(path, write)
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for sample in samples:
+            if sample.image is not None:
+                add(tar, f"{sample.key}.{sample.image_ext}", sample.image)
+            if sample.caption is not None:
+                add(tar, f"{sample.key}.txt", sample.caption.encode("utf-8"))
+            if sample.metadata is not None:
+                add(tar, f"{sample.key}.json", sample.metadata)
 
 
 def looks_truncated(data: bytes, ext: str) -> bool:

@@ -1,8 +1,8 @@
 """Import a local folder of images into webdataset shards.
 
-    python pipeline/01e_import_folder.py --src DIR --out SHARD_DIR [--layout flat|metadata|template]
+    python pipeline/01e_import_folder.py --input DIR --out SHARD_DIR [--layout flat|metadata|template]
 
-Reads every image under ``--src`` (recursively; hidden files and folders are ignored) with its
+Reads every image under ``--input`` (recursively; hidden files and folders are ignored) with its
 caption, in one of three layouts:
 
 * ``flat`` (default): ``photo.png`` + ``photo.txt`` beside it (the kohya / DreamBooth layout).
@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tqdm import tqdm  # noqa: E402
 
 import SD_Pipeline  # noqa: E402
+import SD_Runtime  # noqa: E402
 import SD_Shards  # noqa: E402
 
 STAGE = "01e_import_folder"
@@ -87,21 +88,20 @@ class CaptionRules:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = SD_Pipeline.StageArgumentParser(prog="01e_import_folder.py", description=__doc__,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = SD_Pipeline.StageArgumentParser(__file__, __doc__)
     add = parser.add_argument
-    add("--src", required=True, help="folder of images to import, searched recursively (required; no default)")
-    add("--out", required=True, help="output folder for NNNNN.tar + NNNNN_stats.json (required; no default)")
+    parser.add_input("folder of images to import, searched recursively", old=("--src",))
+    parser.add_out("output folder for NNNNN.tar + NNNNN_stats.json")
     add("--layout", choices=("flat", "metadata", "template"), default="flat",
         help="where captions come from: flat = same-name .txt, metadata = same-name .json tags, "
              "template = --template per folder (default: %(default)s)")
-    add("--resolution", type=int, default=512, help="square output size, a multiple of 8 (default: %(default)s)")
+    parser.add_resolution("side of the square output images in pixels, a multiple of 8")
     add("--shard_size", type=int, default=1000, help="images per output shard (default: %(default)s)")
     add("--max_pixels", type=int, default=SD_Shards.DEFAULT_MAX_PIXELS,
         help="skip images with more pixels than this, read from the header (default: %(default)s)")
     add("--default_caption", default=None,
-        help="caption for images whose .txt is missing or empty, or whose tags are all removed "
-             "(flat/metadata; default: none, such images are skipped as no_caption)")
+        help="flat/metadata: caption for images whose .txt is missing or empty, or whose tags are all removed "
+             "(default: none, such images are skipped as no_caption)")
     add("--caption_prefix", default="", help="text put first in every caption, joined with ', ' (default: none)")
     add("--exclude_tags", action="append", default=[], metavar="A,B",
         help="metadata: skip images carrying any of these tags; repeatable (default: none)")
@@ -117,10 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--tag_bonus", action="append", default=[], metavar="TAG=X",
         help="metadata: add X to the score of images carrying TAG, before --min_score; repeatable "
              "(default: none)")
-    add("--score_tags", action="store_true",
-        help="metadata: start each caption with score_N, N = floor(score + bonuses) clamped to 0..9 (default: off)")
-    add("--shuffle_tags", action="store_true",
-        help="metadata: shuffle tag order per image, seeded by --seed and the key (default: off)")
+    parser.add_bool("--score_tags", help="metadata: start each caption with score_N, N = floor(score + bonuses) "
+                                         "clamped to 0..9 (default: off)")
+    parser.add_bool("--shuffle_tags",
+                    help="metadata: shuffle tag order per image, seeded by --seed and the key (default: off)")
     add("--keep_first", type=int, default=1,
         help="with --shuffle_tags: tags kept in place at the front (default: %(default)s)")
     add("--seed", type=int, default=0, help="seed of --shuffle_tags (default: %(default)s)")
@@ -143,15 +143,15 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, CaptionRules]:
 
 
 def check_values(args) -> None:
-    if args.resolution <= 0 or args.resolution % 8:
+    if args.resolution % 8:
         raise ValueError(f"--resolution must be a positive multiple of 8, got {args.resolution}")
     for name in ("shard_size", "max_pixels"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
     if args.keep_first < 0:
         raise ValueError(f"--keep_first must be >= 0, got {args.keep_first}")
-    if not Path(args.src).is_dir():
-        raise ValueError(f"--src {args.src} is not a folder")
+    if not Path(args.input).is_dir():
+        raise ValueError(f"--input {args.input} is not a folder")
     # Options of another layout would be silently ignored; a user who passes them expects an effect.
     def given(name):  # 0 and "" count as given: --min_score 0 is a real threshold
         value = getattr(args, name)
@@ -396,17 +396,18 @@ def check_done_shards(out: Path, plan: list[list[tuple[str, str]]], rules: Capti
         expected = shard_fingerprints(plan[index], rules, args)
         for name, value in expected.items():
             if record.get(name) != value:
-                changed = "images under --src" if name == "sources_sha1" else "options"
+                changed = "images under --input" if name == "sources_sha1" else "options"
                 return f"shard {index:05d} in {out} was written from different {changed}"
     return None
 
 
 def main(argv=None) -> int:
+    SD_Runtime.start_process()
     args, rules = parse_args(argv)
     SD_Pipeline.setup_logging()
-    src, out = Path(args.src), Path(args.out)
+    src, out = Path(args.input), Path(args.out)
     rels = list_images(src)
-    if not rels:  # most likely a wrong --src; an empty dataset is never what was meant
+    if not rels:  # most likely a wrong --input; an empty dataset is never what was meant
         print(f"01e_import_folder.py: no images ({', '.join(SD_Shards.IMAGE_EXTENSIONS)}) under {src}", file=sys.stderr)
         return 2
     items = list(zip(rels, make_keys(rels)))
@@ -418,9 +419,7 @@ def main(argv=None) -> int:
         return 2
     log.info("%d images under %s -> %d shards of up to %d", len(items), src, len(plan), args.shard_size)
     summary = SD_Pipeline.Summary(STAGE)
-    todo = [i for i in range(len(plan)) if not SD_Pipeline.shard_done(out, i)]
-    for index in sorted(set(range(len(plan))) - set(todo)):
-        summary.add_done(SD_Pipeline.shard_paths(out, index)[1])
+    todo = summary.pending(out, list(range(len(plan))))
     with tqdm(total=sum(len(plan[i]) for i in todo), unit="img", desc=STAGE) as bar:
         for index in todo:
             record = import_shard(src, out, index, plan[index], rules, args,

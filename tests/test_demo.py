@@ -1,5 +1,6 @@
 """make demo's chain (demo/run.sh) at a smaller size: the model must follow its prompts' colours."""
 
+import importlib
 import json
 import os
 import subprocess
@@ -40,9 +41,9 @@ def test_classifier_reads_the_ground_truth_images(tmp_path):
 
     import SD_Shards
     import evaluate
-    from stage_loader import load_stage
 
-    assert load_stage("00_make_demo_data").main(["--out", str(tmp_path), "--count", "300", "--shard_size", "100"]) == 0
+    stage00 = importlib.import_module("pipeline.00_make_demo_data")
+    assert stage00.main(["--out", str(tmp_path), "--count", "300", "--shard_size", "100"]) == 0
     prompts = json.loads((tmp_path / "demo_prompts.json").read_text())
     palette = {k: tuple(v) for k, v in prompts["palette"].items()}
     assert len(prompts["seen"]) == 15 and len((tmp_path / "prompts.txt").read_text().splitlines()) == 18

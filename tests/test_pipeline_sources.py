@@ -1,5 +1,6 @@
 """The source stages 01b (DiffusionDB), 01c (JourneyDB) and 01d (COCO) on small locally built inputs."""
 
+import importlib
 import gzip
 import io
 import json
@@ -12,12 +13,11 @@ import pytest
 import SD_Shards
 from http_server import LoopbackServer
 from shard_factory import image_bytes, random_image
-from stage_loader import load_stage
 
 RES = 64
-DIFFUSIONDB = load_stage("01b_download_diffusiondb")
-JOURNEYDB = load_stage("01c_download_journeydb_images")
-COCO = load_stage("01d_download_coco")
+DIFFUSIONDB = importlib.import_module("pipeline.01b_download_diffusiondb")
+JOURNEYDB = importlib.import_module("pipeline.01c_download_journeydb_images")
+COCO = importlib.import_module("pipeline.01d_download_coco")
 
 
 # ---------------------------------------------------------------------------------------------
