@@ -30,6 +30,7 @@ from PIL import Image
 import encode_latents
 import harness
 import SD_Model
+import SD_Runtime
 import SD_Shards
 
 
@@ -95,8 +96,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--json", default="", help="also write the result JSON to this file")
     args = parser.parse_args(argv)
 
-    device = encode_latents.pick_device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    device = SD_Runtime.pick_device(args.device)
+    dtype = SD_Runtime.resolve_precision("auto", device)  # what encode_latents.py picks for this device
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         make_shards(tmp / "shards", args.images, args.per_shard, args.resolution)

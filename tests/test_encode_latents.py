@@ -126,11 +126,12 @@ def test_a_rerun_encodes_nothing(encoded, caplog):
 def test_a_run_killed_mid_shard_resumes_to_the_same_files(encoded, tmp_path):
     root, _ = encoded
     out = tmp_path / "latents"
+    # DESIGN.md's spelling --dtype (now an alias of --precision): fp32 is what the reference run used on the CPU.
     cmd = [sys.executable, str(ROOT / "encode_latents.py"), "--shards", str(root / "shards" / "*.tar"), "--out",
            str(out), "--vae", "tiny", "--resolution", "64", "--batch_size", "2", "--workers", "3",
-           "--max_pixels", str(MAX_PIXELS), "--flip"]
+           "--max_pixels", str(MAX_PIXELS), "--flip", "--dtype", "fp32"]
     killed = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "SD_ENCODE_FAULT": "after_npy:00001"})
+                            env={**os.environ, "SD_FAULT": "after_npy:00001"})
     assert killed.returncode == -9
     assert (out / "00000.keys.txt").exists()
     assert (out / "00001.npy").exists() and not (out / "00001.keys.txt").exists()  # not done
@@ -172,9 +173,35 @@ def test_no_matching_shards_is_a_one_line_error(tmp_path, capsys):
 def test_help_documents_every_flag():
     result = subprocess.run([sys.executable, str(ROOT / "encode_latents.py"), "--help"], capture_output=True, text=True)
     assert result.returncode == 0
-    for flag in ("--shards", "--out", "--vae", "--resolution", "--batch_size", "--workers", "--dtype", "--compile",
-                 "--device", "--flip", "--max_pixels", "--prefetch"):
-        assert flag in result.stdout
+    for flag in ("--shards", "--out", "--vae", "--resolution", "--batch_size", "--workers", "--precision",
+                 "--compile", "--device", "--flip", "--max_pixels", "--prefetch"):
+        assert f"  {flag} " in result.stdout, flag
+    assert "--dtype" not in result.stdout.split("options:")[1]  # the old spelling works, not listed as a flag
+
+
+ARGS = ["--shards", "x/*.tar", "--out", "o"]
+
+
+def test_precision_is_named_once_and_the_old_dtype_spelling_still_works(capsys):
+    assert encode_latents.parse_args(ARGS).precision == "auto"
+    assert encode_latents.parse_args([*ARGS, "--precision", "bf16"]).precision == "bf16"
+    assert encode_latents.parse_args([*ARGS, "--dtype", "fp16"]).precision == "fp16"
+    with pytest.raises(SystemExit) as exit_info:
+        encode_latents.parse_args([*ARGS, "--dtype", "fp8"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == ("encode_latents.py: error: argument --dtype: invalid choice: 'fp8' "
+                                       "(choose from 'auto', 'fp32', 'bf16', 'fp16')\n")
+    with pytest.raises(SystemExit) as exit_info:
+        encode_latents.parse_args([*ARGS, "--prec", "fp32"])  # never abbreviated
+    assert exit_info.value.code == 2 and capsys.readouterr().err.count("\n") == 1
+
+
+@pytest.mark.parametrize("form, expected", [([], False), (["FLAG"], True), (["FLAG", "true"], True),
+                                            (["FLAG", "false"], False)])
+def test_boolean_flags_take_an_optional_true_or_false(form, expected):
+    for flag in ("--flip", "--compile"):
+        args = encode_latents.parse_args([*ARGS, *[word.replace("FLAG", flag) for word in form], "--workers", "3"])
+        assert getattr(args, flag[2:]) is expected and args.workers == 3
 
 
 def test_resize_center_crop_geometry():
