@@ -1,14 +1,20 @@
-"""What the numbered data stages in pipeline/ share: output shards with done markers, downloads,
-archive safety, and the end-of-stage summary.
+"""What the numbered data stages in pipeline/ share: the command line, outputs with done markers,
+the end-of-stage summary, downloads and archive safety.
 
-A stage writes ``NNNNN.tar`` (webdataset: ``key.jpg`` + ``key.txt`` + ``key.json``) and then
-``NNNNN_stats.json``, the shard's done marker (the layout img2dataset produces). A re-run skips every
-shard whose stats file exists, so stages are idempotent and resumable per shard.
+The stage contract:
+* Each stage is ``pipeline/NN_verb_noun.py`` with ``main(argv=None)``; it calls
+  ``SD_Runtime.start_process()`` first and builds its command line on ``StageArgumentParser``
+  (``--input`` what it reads, ``--out`` where it writes, ``--workers``, ``--retries``, booleans as
+  ``--flag [true|false]``; a bad command line is one line on stderr and exit status 2).
+* Per output a stage writes the data (``NNNNN.tar``: webdataset ``key.jpg`` + ``key.txt`` +
+  ``key.json``, or ``<name>.parquet``) and then ``<name>_stats.json``, its done marker (the layout
+  img2dataset produces). A re-run skips every output whose stats file exists, so stages are
+  idempotent and resumable per shard.
+* At the end ``Summary`` prints what was kept and dropped and writes ``<stage>_summary.json``.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -21,29 +27,36 @@ from pathlib import Path, PurePosixPath
 
 import numpy as np
 
-import SD_Data
+import SD_Cli
+import SD_Files
+import SD_Shards
 
 log = logging.getLogger("pipeline")
 
 MAX_EXAMPLES = 20  # keys named per skip reason in a stats file
+DEFAULT_WORKERS = min(8, os.cpu_count() or 1)  # image decoding threads, in every stage that has them
+DEFAULT_RETRIES = 2  # extra tries of a failed download, in every stage that downloads
 
 
 # ---------------------------------------------------------------------------------------------
-# Output shards
+# Outputs and their done markers
 # ---------------------------------------------------------------------------------------------
 
 
-def shard_paths(out_dir: Path, index: int) -> tuple[Path, Path]:
-    return out_dir / f"{index:05d}.tar", out_dir / f"{index:05d}_stats.json"
+def output_paths(out_dir: Path, name: int | str, suffix: str = ".tar") -> tuple[Path, Path]:
+    """An output and its stats file, the done marker: ``NNNNN.tar`` + ``NNNNN_stats.json`` for shard
+    number N; ``<name><suffix>`` + ``<name>_stats.json`` for an output named after its input."""
+    stem = f"{name:05d}" if isinstance(name, int) else name
+    return Path(out_dir) / f"{stem}{suffix}", Path(out_dir) / f"{stem}_stats.json"
 
 
-def shard_done(out_dir: Path, index: int) -> bool:
-    tar, stats = shard_paths(out_dir, index)
-    return stats.exists() and tar.exists()
+def output_done(out_dir: Path, name: int | str, suffix: str = ".tar") -> bool:
+    data, stats = output_paths(out_dir, name, suffix)
+    return stats.exists() and data.exists()
 
 
 class ShardStats:
-    """Counts of one shard: kept samples and skipped ones by reason, with example keys."""
+    """Counts of one output: kept samples and skipped ones by reason, with example keys."""
 
     def __init__(self):
         self.successes = 0
@@ -61,14 +74,31 @@ class ShardStats:
                 "failed": dict(sorted(self.failed.items())), "examples": self.examples, **extra}
 
 
-def write_shard(out_dir: Path, index: int, samples: list[SD_Data.ShardSample], stats: ShardStats, **extra) -> dict:
-    """Write shard ``index`` and then its stats file (the done marker), both atomically."""
-    tar, stats_path = shard_paths(out_dir, index)
-    stats.successes = len(samples)
-    SD_Data.write_shard(tar, samples)
+def admit_sample(stats: ShardStats, seen: set, key: str, caption: str) -> bool:
+    """A sample with a caption and a key new to its shard (``seen`` then holds it); the rest are counted."""
+    if not caption:
+        stats.skip("no_caption", key)
+        return False
+    if key in seen:
+        stats.skip("duplicate_key", key)
+        return False
+    seen.add(key)
+    return True
+
+
+def write_output(out_dir: Path, name: int | str, write, stats: ShardStats, suffix: str = ".tar", **extra) -> dict:
+    """Write an output with ``write(tmp_path)`` and then its stats file (the done marker), both atomically."""
+    data, stats_path = output_paths(out_dir, name, suffix)
+    SD_Files.write_atomic(data, write)
     record = stats.as_dict(**extra)
-    SD_Data.write_text_atomic(stats_path, json.dumps(record, indent=1) + "\n")
+    SD_Files.write_json_atomic(stats_path, record)
     return record
+
+
+def write_shard(out_dir: Path, index: int, samples: list[SD_Shards.ShardSample], stats: ShardStats, **extra) -> dict:
+    """Write image shard ``index`` and then its stats file; every sample given counts as kept."""
+    stats.successes = len(samples)
+    return write_output(out_dir, index, lambda tmp: SD_Shards.write_tar(tmp, samples), stats, **extra)
 
 
 class Summary:
@@ -94,19 +124,34 @@ class Summary:
         self.shards_written += 1
 
     def add_done(self, stats_path: Path) -> None:
-        """Count a shard finished by an earlier run (read back from its stats file)."""
+        """Count an output finished by an earlier run (read back from its stats file)."""
         record = json.loads(stats_path.read_text())
         self.kept += record.get("successes", 0)
         self.dropped.update(record.get("failed", {}))
         self.shards_skipped += 1
 
+    def pending(self, out_dir: Path, names: list, suffix: str = ".tar") -> list:
+        """The names whose outputs are not done yet, in order; the finished ones are counted."""
+        todo = []
+        for name in names:
+            if output_done(out_dir, name, suffix):
+                self.add_done(output_paths(out_dir, name, suffix)[1])
+            else:
+                todo.append(name)
+        return todo
+
+    def path(self, out_dir: Path) -> Path:
+        return Path(out_dir) / f"{self.stage}_summary.json"
+
     def finish(self, out_dir: Path, **extra) -> dict:
+        """Write ``<stage>_summary.json`` into ``out_dir`` and print the totals in one line."""
         record = {"stage": self.stage, "kept": self.kept, "dropped": dict(sorted(self.dropped.items())),
                   "shards_written": self.shards_written, "shards_already_done": self.shards_skipped, **extra}
-        SD_Data.write_text_atomic(Path(out_dir) / f"{self.stage}_summary.json", json.dumps(record, indent=1) + "\n")
-        dropped = ", ".join(f"{reason} {n}" for reason, n in sorted(self.dropped.items())) or "none"
-        print(f"{self.stage}: kept {self.kept}; dropped: {dropped}; shards written {self.shards_written}, "
-              f"already done {self.shards_skipped}; output in {out_dir}")
+        SD_Files.write_json_atomic(self.path(out_dir), record)
+        dropped = ", ".join(f"{reason} {n}" for reason, n in sorted(self.dropped.items()) if n) or "none"
+        shards = (f" shards written {self.shards_written}, already done {self.shards_skipped};"
+                  if self.shards_written or self.shards_skipped else "")
+        print(f"{self.stage}: kept {self.kept}; dropped: {dropped};{shards} output in {out_dir}")
         return record
 
 
@@ -120,35 +165,35 @@ def encode_jpeg(rgb: np.ndarray, quality: int = 95) -> bytes:
 
     ok, data = cv2.imencode(".jpg", cv2.cvtColor(rgb, cv2.COLOR_RGB2BGR), [cv2.IMWRITE_JPEG_QUALITY, quality])
     if not ok:
-        raise SD_Data.ImageSkip("undecodable", "JPEG encoding failed")
+        raise SD_Shards.ImageSkip("undecodable", "JPEG encoding failed")
     return data.tobytes()
 
 
 def image_sample(key: str, data: bytes, ext: str, caption: str, resolution: int, metadata: dict | None = None,
-                 max_pixels: int = SD_Data.DEFAULT_MAX_PIXELS) -> SD_Data.ShardSample:
+                 max_pixels: int = SD_Shards.DEFAULT_MAX_PIXELS) -> SD_Shards.ShardSample:
     """Decode, resize the short side and centre-crop to ``resolution``, re-encode as JPEG.
 
-    Raises ``SD_Data.ImageSkip`` (with a reason) for an unusable image. The metadata records the
+    Raises ``SD_Shards.ImageSkip`` (with a reason) for an unusable image. The metadata records the
     original size.
     """
-    rgb = SD_Data.decode_image(data, ext.lower().lstrip("."), max_pixels)
+    rgb = SD_Shards.decode_image(data, ext.lower().lstrip("."), max_pixels)
     height, width = rgb.shape[:2]
-    square = SD_Data.resize_center_crop(rgb, resolution)
+    square = SD_Shards.resize_center_crop(rgb, resolution)
     meta = {"key": key, "caption": caption, "original_width": width, "original_height": height,
             **(metadata or {})}
-    return SD_Data.ShardSample(key, encode_jpeg(square), "jpg", caption, json.dumps(meta).encode("utf-8"))
+    return SD_Shards.ShardSample(key, encode_jpeg(square), "jpg", caption, json.dumps(meta).encode("utf-8"))
 
 
 def _to_sample(item: tuple, resolution: int, max_pixels: int):
     key, data, ext, caption, metadata = item
     try:
         return key, image_sample(key, data, ext, caption, resolution, metadata, max_pixels)
-    except SD_Data.ImageSkip as skip:
+    except SD_Shards.ImageSkip as skip:
         return key, skip
 
 
-def convert_images(items, stats: ShardStats, pool, resolution: int, max_pixels: int = SD_Data.DEFAULT_MAX_PIXELS,
-                   read_ahead: int = 32) -> list[SD_Data.ShardSample]:
+def convert_images(items, stats: ShardStats, pool, resolution: int, max_pixels: int = SD_Shards.DEFAULT_MAX_PIXELS,
+                   read_ahead: int = 32) -> list[SD_Shards.ShardSample]:
     """``image_sample`` over ``(key, data, ext, caption, metadata)`` items on a thread pool, in order.
 
     At most ``read_ahead`` raw images are held at once (a whole archive would not fit in memory);
@@ -158,7 +203,7 @@ def convert_images(items, stats: ShardStats, pool, resolution: int, max_pixels: 
 
     def flush():
         for key, result in pool.map(lambda item: _to_sample(item, resolution, max_pixels), batch):
-            if isinstance(result, SD_Data.ImageSkip):
+            if isinstance(result, SD_Shards.ImageSkip):
                 stats.skip(result.reason, key)
             else:
                 samples.append(result)
@@ -174,7 +219,7 @@ def convert_images(items, stats: ShardStats, pool, resolution: int, max_pixels: 
 
 def image_extension(name: str) -> str | None:
     ext = name.rsplit(".", 1)[-1].lower() if "." in name else ""
-    return ext if ext in SD_Data.IMAGE_EXTENSIONS else None
+    return ext if ext in SD_Shards.IMAGE_EXTENSIONS else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -215,7 +260,7 @@ class DownloadError(RuntimeError):
         self.missing = missing
 
 
-def download(url: str, dest: Path, *, retries: int = 5, backoff: float = 1.0, timeout: float = 60.0) -> Path:
+def download(url: str, dest: Path, *, retries: int = DEFAULT_RETRIES, backoff: float = 1.0, timeout: float = 60.0) -> Path:
     """Fetch ``url`` to ``dest`` unless it is already there; resume a partial ``.part`` file.
 
     Transient failures (connection errors, timeouts, HTTP 429 and 5xx) are retried with exponential
@@ -276,7 +321,7 @@ def _fetch(url: str, part: Path, timeout: float) -> None:
         source = Path(url[len("file://"):] if url.startswith("file://") else url)
         if not source.exists():
             raise DownloadError(f"{source} does not exist", missing=True)
-        SD_Data.write_atomic(part, lambda tmp: Path(tmp).write_bytes(source.read_bytes()))
+        SD_Files.write_atomic(part, lambda tmp: Path(tmp).write_bytes(source.read_bytes()))
         return
     have = part.stat().st_size if part.exists() else 0
     request = urllib.request.Request(url, headers={"Range": f"bytes={have}-"} if have else {})
@@ -344,28 +389,98 @@ def detect_columns(path: Path, names: list[str], overrides: dict) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
-class StageArgumentParser(argparse.ArgumentParser):
-    """A bad command line is one line on stderr (the stage contract), not argparse's usage + error."""
+class StageHelpFormatter(SD_Cli.HelpFormatter):
+    """SD_Cli's, except that a help text stating its default in words (``(default: none)``) keeps it."""
+
+    def _get_help_string(self, action):
+        if "(default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+class StageArgumentParser(SD_Cli.ArgumentParser):
+    """The command line of a pipeline stage: SD_Cli's conventions, one line on stderr and exit 2 for a
+    bad command line, and the flags stages share (``--input``, ``--out``, ``--workers``, ``--retries``,
+    ``--resolution``, the download flags) spelled, defaulted and checked in one place.
+
+    ``StageArgumentParser(__file__, __doc__)``: the script's name as prog, its docstring as description.
+    """
+
+    def __init__(self, script: str, doc: str | None):
+        super().__init__(prog=Path(script).name, description=doc, formatter_class=StageHelpFormatter)
+        self.required_dests: list[str] = []  # required flags that have an alias: argparse cannot check them
+        self.checks: list[tuple[str, object, str]] = []  # (dest, predicate, message) run after parsing
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
+    def parse_args(self, args=None, namespace=None):
+        parsed = super().parse_args(args, namespace)
+        missing = [f"--{dest}" for dest in self.required_dests if getattr(parsed, dest) is None]
+        if missing:
+            self.error(f"the following arguments are required: {', '.join(missing)}")
+        for dest, predicate, message in self.checks:
+            if not predicate(getattr(parsed, dest)):
+                self.error(message)
+        return parsed
 
-def add_download_flags(parser: argparse.ArgumentParser, archives: str) -> None:
-    """The flags every downloading stage shares; ``archives`` names what it downloads ("zip parts")."""
-    parser.add_argument("--download_dir", default=None, help=f"where {archives} are downloaded (default: OUT/_downloads)")
-    parser.add_argument("--keep_archives", action="store_true",
-                        help=f"keep the downloaded {archives} once their shards are written (default: delete them)")
-    parser.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
-                        help="threads decoding and resizing images")
-    parser.add_argument("--retries", type=int, default=5, help="download retries on transient errors")
+    def add_required(self, flag: str, help: str, *, old: tuple[str, ...] = (), **kwargs) -> None:
+        """A required flag; ``old`` spellings keep working as hidden aliases."""
+        dest = flag.lstrip("-")
+        self.add_argument(flag, required=not old, default=None, help=f"{help} (required)", **kwargs)
+        for spelling in old:
+            self.add_alias(spelling, dest, **kwargs)
+        if old:
+            self.required_dests.append(dest)
+
+    def add_input(self, help: str, *, old: tuple[str, ...] = ()) -> None:
+        """``--input``: what the stage reads."""
+        self.add_required("--input", help, old=old)
+
+    def add_out(self, help: str) -> None:
+        """``--out``: the folder the stage writes."""
+        self.add_required("--out", help)
+
+    def add_workers(self, help: str = "threads decoding and resizing images") -> None:
+        self.add_argument("--workers", type=int, default=DEFAULT_WORKERS, help=help)
+        self.checks.append(("workers", lambda n: n >= 1, "--workers must be >= 1"))
+
+    def add_retries(self, help: str = "extra tries of a failed download") -> None:
+        self.add_argument("--retries", type=int, default=DEFAULT_RETRIES, help=help)
+        self.checks.append(("retries", lambda n: n >= 0, "--retries must be >= 0"))
+
+    def add_resolution(self, help: str = "side of the square output images in pixels") -> None:
+        self.add_argument("--resolution", type=int, default=512, help=help)
+        self.checks.append(("resolution", lambda n: n >= 8, "--resolution must be >= 8"))
+
+    def add_download_flags(self, archives: str) -> None:
+        """The flags every archive-downloading stage shares; ``archives`` names what it downloads."""
+        self.add_argument("--download_dir", default=None,
+                          help=f"where {archives} are downloaded (default: OUT/_downloads)")
+        self.add_bool("--keep_archives",
+                      help=f"keep the downloaded {archives} once their shards are written (default: delete them)")
+        self.add_workers()
+        self.add_retries()
+
+    def number_list(self, text: str, flag: str) -> list[int]:
+        """``--flag 1-3,7`` -> ``[1, 2, 3, 7]``; a bad or empty list is a command-line error."""
+        try:
+            numbers = parse_range(text)
+        except ValueError as error:
+            self.error(f"{flag}: {error}")
+        if not numbers:
+            self.error(f"{flag}: no numbers given")
+        return numbers
 
 
-def prepare_output(args) -> None:
-    """Create ``args.out`` and resolve ``args.download_dir`` (default ``OUT/_downloads``) as Paths."""
+def start_downloads(args, stage: str) -> Summary:
+    """What a downloading stage does once its command line is read: logging on, ``args.out`` created and
+    ``args.download_dir`` resolved (default ``OUT/_downloads``) as Paths; returns the stage's Summary."""
+    setup_logging()
     args.out = Path(args.out)
     args.out.mkdir(parents=True, exist_ok=True)
     args.download_dir = Path(args.download_dir) if args.download_dir else args.out / "_downloads"
+    return Summary(stage)
 
 
 def parse_range(text: str) -> list[int]:

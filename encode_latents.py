@@ -1,7 +1,7 @@
 """Encode webdataset image shards into fp16 VAE latents, keeping the accelerator busy.
 
     python encode_latents.py --shards 'DIR/*.tar' --out DIR --vae ID_OR_PATH [--resolution 512]
-                             [--batch_size 64] [--workers 16] [--dtype bf16] [--compile] [--device auto]
+                             [--batch_size 64] [--workers 16] [--precision bf16] [--compile] [--device auto]
 
 Four stages overlap: a prefetch thread reads whole shards ahead and splits the tar in memory; a pool
 of threads decodes (OpenCV), resizes the short side and centre-crops; batches are assembled in
@@ -12,16 +12,15 @@ Per input shard NNNNN.tar the output folder gets NNNNN.npy (float16, (N, 4, H/8,
 mean, unscaled), NNNNN.report.json (what was skipped and why) and NNNNN.keys.txt, written last as
 the shard's done marker; --flip adds NNNNN.flip.npy with the latents of the mirrored images.
 latents.json holds the VAE id, scaling factor, resolution, dtype and the totals. A re-run encodes only
-the shards not done; bad samples are skipped, counted and named, never fatal.
+the shards not done; bad samples are skipped, counted and named, never fatal. ``--dtype`` is the old
+spelling of ``--precision`` and still works.
 """
 
 from __future__ import annotations
 
-import argparse
 import glob
 import json
 import logging
-import os
 import queue
 import sys
 import threading
@@ -33,32 +32,37 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import SD_Data
+import SD_Cli
+import SD_Faults
+import SD_Files
 import SD_Model
+import SD_Runtime
+import SD_Shards
 
 log = logging.getLogger("encode_latents")
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+PRECISION_CHOICES = ("auto", *SD_Runtime.PRECISIONS)
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = SD_Cli.ArgumentParser(prog="encode_latents.py", description=__doc__)
     parser.add_argument("--shards", required=True, help="glob of input tars, quoted: 'DIR/*.tar'")
     parser.add_argument("--out", required=True, help="output folder for the latent shards and latents.json")
     parser.add_argument("--vae", default=SD_Model.DEFAULT_VAE,
-                        help="VAE hub id, local folder (a diffusers pipeline folder works) or 'tiny' (default: %(default)s)")
+                        help="VAE hub id, local folder (a diffusers pipeline folder works) or 'tiny'")
     parser.add_argument("--resolution", type=int, default=512,
-                        help="square output size in pixels; must be a multiple of 8 (default: %(default)s)")
-    parser.add_argument("--batch_size", type=int, default=64, help="images per VAE call (default: %(default)s)")
-    parser.add_argument("--workers", type=int, default=16, help="decode threads (default: %(default)s)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                        help="VAE compute dtype (default: bf16 on CUDA, fp32 elsewhere); outputs are always fp16")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the VAE encoder")
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: %(default)s)")
-    parser.add_argument("--flip", action="store_true",
-                        help="also store the latents of the horizontally flipped images (NNNNN.flip.npy)")
-    parser.add_argument("--max_pixels", type=int, default=SD_Data.DEFAULT_MAX_PIXELS,
-                        help="skip images with more pixels than this, read from the header (default: %(default)s)")
-    parser.add_argument("--prefetch", type=int, default=2, help="shards read ahead of the encoder (default: %(default)s)")
+                        help="square output size in pixels; must be a multiple of 8")
+    parser.add_argument("--batch_size", type=int, default=64, help="images per VAE call")
+    parser.add_argument("--workers", type=int, default=16, help="decode threads")
+    parser.add_argument("--precision", choices=PRECISION_CHOICES, default="auto",
+                        help="VAE compute precision; auto = bf16 on CUDA, fp16 on MPS, fp32 on the CPU. "
+                             "The latents are always stored as fp16")
+    parser.add_alias("--dtype", "precision", choices=PRECISION_CHOICES)
+    parser.add_bool("--compile", help="torch.compile the VAE encoder")
+    parser.add_argument("--device", default="auto", help="auto (CUDA, then MPS, then the CPU), cpu, cuda or cuda:N")
+    parser.add_bool("--flip", help="also store the latents of the horizontally flipped images (NNNNN.flip.npy)")
+    parser.add_argument("--max_pixels", type=int, default=SD_Shards.DEFAULT_MAX_PIXELS,
+                        help="skip images with more pixels than this, read from the header")
+    parser.add_argument("--prefetch", type=int, default=2, help="shards read ahead of the encoder")
     args = parser.parse_args(argv)
     if args.resolution <= 0 or args.resolution % 8:
         parser.error(f"--resolution must be a positive multiple of 8, got {args.resolution}")
@@ -127,7 +131,7 @@ def write_summary(out: Path, meta: dict) -> dict:
         encoded += report["encoded"]
         skipped.update({reason: len(keys) for reason, keys in report["skipped"].items()})
     summary = {**meta, "shards": shards, "count": encoded, "skipped": dict(sorted(skipped.items()))}
-    SD_Data.write_text_atomic(out / "latents.json", json.dumps(summary, indent=2) + "\n")
+    SD_Files.write_text_atomic(out / "latents.json", json.dumps(summary, indent=2) + "\n")
     return summary
 
 
@@ -145,7 +149,7 @@ def prefetch_shards(paths: list[Path], depth: int):
         for path in paths:
             job = ShardJob(path)
             try:
-                samples, truncated_key = SD_Data.read_shard(path.read_bytes())
+                samples, truncated_key = SD_Shards.read_shard(path.read_bytes())
             except OSError as error:
                 samples, truncated_key = [], f"<unreadable: {error}>"
             if truncated_key is not None:
@@ -158,16 +162,16 @@ def prefetch_shards(paths: list[Path], depth: int):
         yield item
 
 
-def decode_sample(sample: SD_Data.ShardSample, resolution: int, max_pixels: int):
+def decode_sample(sample: SD_Shards.ShardSample, resolution: int, max_pixels: int):
     """``(key, image (res, res, 3) uint8)`` or ``(key, skip reason)``."""
     if sample.image is None:
         return sample.key, "no_image"
     if not sample.caption:
         return sample.key, "no_caption"
     try:
-        image = SD_Data.decode_image(sample.image, sample.image_ext, max_pixels)
-        return sample.key, SD_Data.resize_center_crop(image, resolution)
-    except SD_Data.ImageSkip as skip:
+        image = SD_Shards.decode_image(sample.image, sample.image_ext, max_pixels)
+        return sample.key, SD_Shards.resize_center_crop(image, resolution)
+    except SD_Shards.ImageSkip as skip:
         return sample.key, skip.reason
     except Exception:  # a decoder failing in a way of its own: still one bad image, not a bad run
         return sample.key, "undecodable"
@@ -221,25 +225,17 @@ class Writer:
             if bad.any():
                 keys = [k for k, b in zip(job.keys, bad) if b]
                 raise RuntimeError(f"{job.path.name}: non-finite {name} for keys {keys[:10]} (a VAE overflow: "
-                                   "try --dtype fp32 or bf16)")
+                                   "try --precision fp32 or bf16)")
         files = outputs(self.out, job.stem)
-        SD_Data.save_npy_atomic(files["npy"], job.latents)
+        SD_Files.save_npy_atomic(files["npy"], job.latents)
         if self.flip:
-            SD_Data.save_npy_atomic(files["flip"], job.flipped)
-        _fault_point("after_npy", job.stem)
+            SD_Files.save_npy_atomic(files["flip"], job.flipped)
+        SD_Faults.point("after_npy", job.stem)  # tests: SD_FAULT=after_npy:NNNNN kills the run here
         report = {"shard": str(job.path), "encoded": len(job.keys), "skipped": job.skipped}
-        SD_Data.write_text_atomic(files["report"], json.dumps(report, indent=1) + "\n")
-        SD_Data.write_text_atomic(files["keys"], "".join(k + "\n" for k in job.keys))
+        SD_Files.write_text_atomic(files["report"], json.dumps(report, indent=1) + "\n")
+        SD_Files.write_text_atomic(files["keys"], "".join(k + "\n" for k in job.keys))
         job.latents = job.flipped = None
         self.finished.append(job)
-
-
-def _fault_point(name: str, stem: str) -> None:
-    """Fault injection for the tests, off unless ``SD_ENCODE_FAULT=NAME:STEM`` is set: SIGKILL there."""
-    if os.environ.get("SD_ENCODE_FAULT") == f"{name}:{stem}":
-        import signal
-
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 class Encoder:
@@ -267,12 +263,6 @@ class Encoder:
 # ---------------------------------------------------------------------------------------------
 # Main
 # ---------------------------------------------------------------------------------------------
-
-
-def pick_device(choice: str) -> torch.device:
-    if choice == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(choice)
 
 
 def estimated_images(paths: list[Path]) -> int | None:
@@ -332,6 +322,7 @@ def _encode_job(job: ShardJob, futures, args, encoder: Encoder, writer: Writer, 
 
 
 def main(argv=None) -> int:
+    SD_Runtime.start_process()
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     paths = sorted(Path(p) for p in glob.glob(args.shards))
@@ -344,8 +335,8 @@ def main(argv=None) -> int:
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    device = pick_device(args.device)
-    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    device = SD_Runtime.pick_device(args.device)
+    dtype = SD_Runtime.resolve_precision(args.precision, device)
     vae = SD_Model.load_vae(args.vae).to(device=device, dtype=dtype)
     meta = check_meta(out, args, vae.config)
     meta["compute_dtype"] = str(dtype).replace("torch.", "")

@@ -29,8 +29,9 @@ from PIL import Image
 
 import encode_latents
 import harness
-import SD_Data
 import SD_Model
+import SD_Runtime
+import SD_Shards
 
 
 def make_shards(folder: Path, images: int, per_shard: int, resolution: int, seed: int = 0) -> None:
@@ -43,8 +44,8 @@ def make_shards(folder: Path, images: int, per_shard: int, resolution: int, seed
             small = rng.integers(0, 256, size=(height // 16, width // 16, 3), dtype=np.uint8)
             buffer = io.BytesIO()
             Image.fromarray(small).resize((width, height), Image.BICUBIC).save(buffer, format="JPEG", quality=90)
-            samples.append(SD_Data.ShardSample(f"{i:08d}", buffer.getvalue(), "jpg", f"image {i}"))
-        SD_Data.write_shard(folder / f"{shard:05d}.tar", samples)
+            samples.append(SD_Shards.ShardSample(f"{i:08d}", buffer.getvalue(), "jpg", f"image {i}"))
+        SD_Shards.write_shard(folder / f"{shard:05d}.tar", samples)
 
 
 def naive_encode(shards: list[Path], vae, device, dtype, resolution: int) -> int:
@@ -95,8 +96,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--json", default="", help="also write the result JSON to this file")
     args = parser.parse_args(argv)
 
-    device = encode_latents.pick_device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    device = SD_Runtime.pick_device(args.device)
+    dtype = SD_Runtime.resolve_precision("auto", device)  # what encode_latents.py picks for this device
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         make_shards(tmp / "shards", args.images, args.per_shard, args.resolution)

@@ -17,13 +17,15 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository's modules
 
-import numpy as np
-from PIL import Image, ImageDraw
+import numpy as np  # noqa: E402
+from PIL import Image, ImageDraw  # noqa: E402
 
-import SD_Data
-import SD_Pipeline
+import SD_Files  # noqa: E402
+import SD_Pipeline  # noqa: E402
+import SD_Runtime  # noqa: E402
+import SD_Shards  # noqa: E402
 
 STAGE = "00_make_demo_data"
 PALETTE = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (235, 200, 30),
@@ -35,14 +37,14 @@ SUPERSAMPLE = 4  # draw large, then downscale: anti-aliased edges like a real ph
 
 
 def parse_args(argv):
-    parser = SD_Pipeline.StageArgumentParser(prog=Path(__file__).name, description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True, help="output folder for the shards and demo_prompts.json")
-    parser.add_argument("--count", type=int, default=4000, help="training images (default: %(default)s)")
-    parser.add_argument("--size", type=int, default=64, help="image side in pixels (default: %(default)s)")
-    parser.add_argument("--shard_size", type=int, default=1000, help="images per shard (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
+    parser = SD_Pipeline.StageArgumentParser(__file__, __doc__)
+    parser.add_out("output folder for the shards and demo_prompts.json")
+    parser.add_argument("--count", type=int, default=4000, help="training images")
+    parser.add_argument("--size", type=int, default=64, help="image side in pixels")
+    parser.add_argument("--shard_size", type=int, default=1000, help="images per shard")
+    parser.add_argument("--seed", type=int, default=0, help="random seed")
     parser.add_argument("--holdout", default=DEFAULT_HOLDOUT,
-                        help="comma-separated 'colour shape' pairs kept out of training (default: %(default)s)")
+                        help="comma-separated 'colour shape' pairs kept out of training")
     args = parser.parse_args(argv)
     if args.count < 1 or args.size < 16 or args.shard_size < 1:
         parser.error("--count and --shard_size must be >= 1 and --size >= 16")
@@ -87,29 +89,29 @@ def png(array: np.ndarray) -> bytes:
 
 
 def main(argv=None) -> int:
+    SD_Runtime.start_process()
     args = parse_args(argv)
     out = Path(args.out)
     seen = [(c, s) for c in PALETTE for s in SHAPES if (c, s) not in args.holdout]
     rng = np.random.default_rng(args.seed)
     combos = [seen[i] for i in rng.integers(0, len(seen), size=args.count)]
     summary = SD_Pipeline.Summary(STAGE)
-    for index, start in enumerate(range(0, args.count, args.shard_size)):
+    shards = range(-(-args.count // args.shard_size))
+    for index in summary.pending(out, list(shards)):
+        start = index * args.shard_size
         shard_rng = np.random.default_rng([args.seed, index])  # shards independent: resumable, same bytes
-        if SD_Pipeline.shard_done(out, index):
-            summary.add_done(SD_Pipeline.shard_paths(out, index)[1])
-            continue
         samples = []
         for i in range(start, min(args.count, start + args.shard_size)):
             colour, shape = combos[i]
             array, meta = draw_shape(colour, shape, args.size, shard_rng)
             text = caption(colour, shape)
-            samples.append(SD_Data.ShardSample(f"demo{i:06d}", png(array), "png", text,
+            samples.append(SD_Shards.ShardSample(f"demo{i:06d}", png(array), "png", text,
                                                json.dumps({"caption": text, **meta}).encode()))
         summary.add(SD_Pipeline.write_shard(out, index, samples, SD_Pipeline.ShardStats()))
     prompts = {"palette": PALETTE, "shapes": list(SHAPES), "background": BACKGROUND,
                "seen": [caption(c, s) for c, s in seen], "held_out": [caption(c, s) for c, s in args.holdout]}
-    SD_Data.write_text_atomic(out / "demo_prompts.json", json.dumps(prompts, indent=1) + "\n")
-    SD_Data.write_text_atomic(out / "prompts.txt", "".join(p + "\n" for p in prompts["seen"] + prompts["held_out"]))
+    SD_Files.write_json_atomic(out / "demo_prompts.json", prompts)
+    SD_Files.write_text_atomic(out / "prompts.txt", "".join(p + "\n" for p in prompts["seen"] + prompts["held_out"]))
     summary.finish(out, seen_combinations=len(seen), held_out=len(args.holdout))
     return 0
 

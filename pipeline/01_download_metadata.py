@@ -16,7 +16,6 @@ under ``unreadable_parquet`` and named in the summary.
 
 from __future__ import annotations
 
-import argparse
 import fnmatch
 import logging
 import shutil
@@ -28,8 +27,9 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import SD_Data  # noqa: E402
+import SD_Files  # noqa: E402
 import SD_Pipeline  # noqa: E402
+import SD_Runtime  # noqa: E402
 
 STAGE = "01_download_metadata"
 DEFAULT_REPO = "laion/laion2B-en-aesthetic"
@@ -37,15 +37,15 @@ log = logging.getLogger(STAGE)
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--out", required=True, help="folder the parquet files are downloaded or copied to")
+    parser = SD_Pipeline.StageArgumentParser(__file__, __doc__)
+    parser.add_out("folder the parquet files are downloaded or copied to")
     parser.add_argument("--repo_id", default=DEFAULT_REPO, help="Hugging Face dataset repository")
     parser.add_argument("--revision", default="main", help="branch, tag or commit of the repository")
     parser.add_argument("--patterns", nargs="+", default=["*.parquet"],
                         help="glob patterns of the files to fetch, matched against paths in the repository")
     parser.add_argument("--local_dir", default=None,
-                        help="copy matching files from this folder instead of downloading; None = download")
+                        help="copy matching files from this folder instead of downloading "
+                             "(default: none, download from the hub)")
     return parser.parse_args(argv)
 
 
@@ -69,7 +69,7 @@ def copy_local(source_root: Path, out: Path, patterns: list[str]) -> tuple[int, 
         if dest.exists() and dest.stat().st_size == source.stat().st_size:
             skipped += 1
             continue
-        SD_Data.write_atomic(dest, lambda tmp, source=source: shutil.copyfile(source, tmp))
+        SD_Files.write_atomic(dest, lambda tmp, source=source: shutil.copyfile(source, tmp))
         copied += 1
     return copied, skipped
 
@@ -100,6 +100,7 @@ def count_rows(out: Path, patterns: list[str], summary: SD_Pipeline.Summary) -> 
 
 
 def main(argv=None) -> int:
+    SD_Runtime.start_process()
     args = parse_args(argv)
     SD_Pipeline.setup_logging()
     out = Path(args.out)

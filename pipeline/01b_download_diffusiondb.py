@@ -19,7 +19,6 @@ deleted so the next run downloads it again) and the stage goes on with the other
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import re
@@ -34,6 +33,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import SD_Pipeline  # noqa: E402
+import SD_Runtime  # noqa: E402
 
 STAGE = "01b_download_diffusiondb"
 DEFAULT_BASE_URL = "https://huggingface.co/datasets/poloclub/diffusiondb/resolve/main/images"
@@ -44,23 +44,15 @@ log = logging.getLogger(STAGE)
 
 
 def parse_args(argv):
-    parser = SD_Pipeline.StageArgumentParser(prog=Path(__file__).name, description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--parts", required=True, help="part numbers to fetch: a range list such as 1-500 or 1,4,9")
-    parser.add_argument("--out", required=True, help="output folder for the NNNNN.tar shards")
+    parser = SD_Pipeline.StageArgumentParser(__file__, __doc__)
+    parser.add_required("--parts", "part numbers to fetch: a range list such as 1-500 or 1,4,9")
+    parser.add_out("output folder for the NNNNN.tar shards")
     parser.add_argument("--base_url", default=DEFAULT_BASE_URL,
                         help="folder URL (or local folder) holding part-NNNNNN.zip")
-    parser.add_argument("--resolution", type=int, default=512, help="side of the square output images in pixels")
-    SD_Pipeline.add_download_flags(parser, "zip parts")
+    parser.add_resolution()
+    parser.add_download_flags("zip parts")
     args = parser.parse_args(argv)
-    try:
-        args.parts = SD_Pipeline.parse_range(args.parts)
-    except ValueError as error:
-        parser.error(f"--parts: {error}")
-    if not args.parts:
-        parser.error("--parts: no part numbers given")
-    if args.resolution < 8 or args.workers < 1:
-        parser.error("--resolution must be at least 8 and --workers at least 1")
+    args.parts = parser.number_list(args.parts, "--parts")
     return args
 
 
@@ -105,13 +97,8 @@ def part_items(archive: zipfile.ZipFile, part: int, stats: SD_Pipeline.ShardStat
         key = sample_key(part, file_name)
         entry = prompts.get(file_name)
         caption = str(entry.get("p") or "").strip() if isinstance(entry, dict) else ""
-        if not caption:
-            stats.skip("no_caption", key)
+        if not SD_Pipeline.admit_sample(stats, seen, key, caption):
             continue
-        if key in seen:
-            stats.skip("duplicate_key", key)
-            continue
-        seen.add(key)
         try:
             data = archive.read(info)
         except (zipfile.BadZipFile, zlib.error, EOFError) as error:  # a damaged entry in an otherwise readable zip
@@ -140,14 +127,10 @@ def process_part(args, part: int, summary: SD_Pipeline.Summary) -> None:
 
 
 def main(argv=None) -> int:
+    SD_Runtime.start_process()
     args = parse_args(argv)
-    SD_Pipeline.setup_logging()
-    SD_Pipeline.prepare_output(args)
-    summary = SD_Pipeline.Summary(STAGE)
-    for part in tqdm(args.parts, desc="DiffusionDB parts", unit="part"):
-        if SD_Pipeline.shard_done(args.out, part):
-            summary.add_done(SD_Pipeline.shard_paths(args.out, part)[1])
-            continue
+    summary = SD_Pipeline.start_downloads(args, STAGE)
+    for part in tqdm(summary.pending(args.out, args.parts), desc="DiffusionDB parts", unit="part"):
         process_part(args, part, summary)
     summary.finish(args.out, parts=len(args.parts), failed_parts=summary.failed_inputs)
     return 0

@@ -23,7 +23,6 @@ downloaded annotation file is kept in the download folder: every archive needs i
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import json
 import logging
@@ -39,6 +38,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import SD_Pipeline  # noqa: E402
+import SD_Runtime  # noqa: E402
 
 STAGE = "01c_download_journeydb_images"
 DEFAULT_BASE_URL = "https://huggingface.co/datasets/JourneyDB/JourneyDB/resolve/main/data/train/imgs"
@@ -51,29 +51,20 @@ log = logging.getLogger(STAGE)
 
 
 def parse_args(argv):
-    parser = SD_Pipeline.StageArgumentParser(prog=Path(__file__).name, description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--archives", required=True, help="archive numbers to fetch: a range list such as 0-9 or 0,3")
-    parser.add_argument("--annotations", required=True,
-                        help=f"annotation JSON lines (.jsonl, .jsonl.gz or a .tgz holding one .jsonl): a path "
-                             f"or URL, e.g. {ANNOTATIONS_URL}")
-    parser.add_argument("--out", required=True, help="output folder for the NNNNN.tar shards")
+    parser = SD_Pipeline.StageArgumentParser(__file__, __doc__)
+    parser.add_required("--archives", "archive numbers to fetch: a range list such as 0-9 or 0,3")
+    parser.add_required("--annotations", f"annotation JSON lines (.jsonl, .jsonl.gz or a .tgz holding one .jsonl): "
+                                         f"a path or URL, e.g. {ANNOTATIONS_URL}")
+    parser.add_out("output folder for the NNNNN.tar shards")
     parser.add_argument("--base_url", default=DEFAULT_BASE_URL, help="folder URL (or local folder) holding NNN.tgz")
     parser.add_argument("--caption", choices=("prompt", "caption"), default="prompt",
                         help="caption source: the generation prompt, or Task2.Caption (falling back to the prompt)")
-    parser.add_argument("--resolution", type=int, default=512, help="side of the square output images in pixels")
-    SD_Pipeline.add_download_flags(parser, "tgz archives")
+    parser.add_resolution()
+    parser.add_download_flags("tgz archives")
     args = parser.parse_args(argv)
-    try:
-        args.archives = SD_Pipeline.parse_range(args.archives)
-    except ValueError as error:
-        parser.error(f"--archives: {error}")
-    if not args.archives:
-        parser.error("--archives: no archive numbers given")
+    args.archives = parser.number_list(args.archives, "--archives")
     if "://" not in args.annotations and not Path(args.annotations).is_file():
         parser.error(f"--annotations: {args.annotations} does not exist")
-    if args.resolution < 8 or args.workers < 1:
-        parser.error("--resolution must be at least 8 and --workers at least 1")
     return args
 
 
@@ -162,13 +153,8 @@ def archive_items(tar: tarfile.TarFile, number: int, annotations: dict, field: s
         key = re.sub(r"[^A-Za-z0-9_-]", "_", f"jdb_{number:03d}_{PurePosixPath(name).name.split('.')[0]}")
         annotation = annotations.get(name)
         caption = pick_caption(annotation, field)
-        if not caption:
-            stats.skip("no_caption", key)
+        if not SD_Pipeline.admit_sample(stats, seen, key, caption):
             continue
-        if key in seen:
-            stats.skip("duplicate_key", key)
-            continue
-        seen.add(key)
         metadata = {"source": "journeydb", "archive": number, "img_path": name,
                     "prompt": annotation[0], "task2_caption": annotation[1]}
         yield key, tar.extractfile(member).read(), ext, caption, metadata
@@ -191,16 +177,10 @@ def process_archive(args, number: int, annotations: dict, summary: SD_Pipeline.S
 
 
 def main(argv=None) -> int:
+    SD_Runtime.start_process()
     args = parse_args(argv)
-    SD_Pipeline.setup_logging()
-    SD_Pipeline.prepare_output(args)
-    summary = SD_Pipeline.Summary(STAGE)
-    pending = []
-    for number in args.archives:
-        if SD_Pipeline.shard_done(args.out, number):
-            summary.add_done(SD_Pipeline.shard_paths(args.out, number)[1])
-        else:
-            pending.append(number)
+    summary = SD_Pipeline.start_downloads(args, STAGE)
+    pending = summary.pending(args.out, args.archives)
     annotations, bad_lines = {}, 0
     if pending:  # a finished run reads (and downloads) nothing
         try:

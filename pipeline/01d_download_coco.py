@@ -22,7 +22,6 @@ from them); a downloaded images zip is deleted once every shard is written, unle
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import sys
@@ -36,6 +35,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import SD_Pipeline  # noqa: E402
+import SD_Runtime  # noqa: E402
 
 STAGE = "01d_download_coco"
 
@@ -51,24 +51,22 @@ def local_path(source: str) -> Path:
 
 
 def parse_args(argv):
-    parser = SD_Pipeline.StageArgumentParser(prog=Path(__file__).name, description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--images", required=True,
-                        help="folder of COCO images, or a zip of them (path or URL, e.g. "
-                             "http://images.cocodataset.org/zips/train2017.zip)")
-    parser.add_argument("--captions", required=True,
-                        help="COCO captions JSON (path or URL), e.g. captions_train2017.json")
-    parser.add_argument("--out", required=True, help="output folder for the NNNNN.tar shards")
+    parser = SD_Pipeline.StageArgumentParser(__file__, __doc__)
+    parser.add_required("--images", "folder of COCO images, or a zip of them (path or URL, e.g. "
+                                    "http://images.cocodataset.org/zips/train2017.zip)")
+    parser.add_required("--captions", "COCO captions JSON (path or URL), e.g. captions_train2017.json")
+    parser.add_out("output folder for the NNNNN.tar shards")
     parser.add_argument("--instances", default=None,
                         help="COCO instances JSON (path or URL), e.g. instances_train2017.json; "
-                             "needed by --person_filter")
-    parser.add_argument("--person_filter", action="store_true",
-                        help="keep only images with a non-crowd person box of at least --min_person_height")
+                             "needed by --person_filter (default: none)")
+    parser.add_bool("--person_filter",
+                    help="keep only images with a non-crowd person box of at least --min_person_height "
+                         "(default: off)")
     parser.add_argument("--min_person_height", type=float, default=0.55,
                         help="smallest person box height, as a fraction of the image height, for --person_filter")
     parser.add_argument("--shard_size", type=int, default=1000, help="images (before filtering) per output shard")
-    parser.add_argument("--resolution", type=int, default=512, help="side of the square output images in pixels")
-    SD_Pipeline.add_download_flags(parser, "images zip and annotation files")
+    parser.add_resolution()
+    parser.add_download_flags("images zip and annotation files")
     args = parser.parse_args(argv)
     for flag in ("images", "captions", "instances"):
         source = getattr(args, flag)
@@ -78,8 +76,8 @@ def parse_args(argv):
         parser.error("--person_filter needs --instances (the COCO instances JSON with the person boxes)")
     if not 0 < args.min_person_height <= 1:
         parser.error("--min_person_height must be in (0, 1]")
-    if args.shard_size < 1 or args.resolution < 8 or args.workers < 1:
-        parser.error("--shard_size and --workers must be at least 1, --resolution at least 8")
+    if args.shard_size < 1:
+        parser.error("--shard_size must be >= 1")
     return args
 
 
@@ -253,22 +251,16 @@ def write_pending(pending: list[int], images, captions, tallest, args, summary) 
 
 
 def main(argv=None) -> int:
+    SD_Runtime.start_process()
     args = parse_args(argv)
-    SD_Pipeline.setup_logging()
-    SD_Pipeline.prepare_output(args)
+    summary = SD_Pipeline.start_downloads(args, STAGE)
     try:
         images, captions, tallest = load_inputs(args)
     except (SD_Pipeline.DownloadError, ValueError, KeyError, TypeError, OSError) as error:
         print(f"{STAGE}: cannot read the COCO annotations: {type(error).__name__}: {error}", file=sys.stderr)
         return 1
-    summary = SD_Pipeline.Summary(STAGE)
     shard_count = -(-len(images) // args.shard_size)
-    pending = []
-    for index in range(shard_count):
-        if SD_Pipeline.shard_done(args.out, index):
-            summary.add_done(SD_Pipeline.shard_paths(args.out, index)[1])
-        else:
-            pending.append(index)
+    pending = summary.pending(args.out, list(range(shard_count)))
     if pending:  # a finished run opens (and downloads) no images
         try:
             write_pending(pending, images, captions, tallest, args, summary)

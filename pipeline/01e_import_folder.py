@@ -1,8 +1,8 @@
 """Import a local folder of images into webdataset shards.
 
-    python pipeline/01e_import_folder.py --src DIR --out SHARD_DIR [--layout flat|metadata|template]
+    python pipeline/01e_import_folder.py --input DIR --out SHARD_DIR [--layout flat|metadata|template]
 
-Reads every image under ``--src`` (recursively; hidden files and folders are ignored) with its
+Reads every image under ``--input`` (recursively; hidden files and folders are ignored) with its
 caption, in one of three layouts:
 
 * ``flat`` (default): ``photo.png`` + ``photo.txt`` beside it (the kohya / DreamBooth layout).
@@ -43,8 +43,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tqdm import tqdm  # noqa: E402
 
-import SD_Data  # noqa: E402
 import SD_Pipeline  # noqa: E402
+import SD_Runtime  # noqa: E402
+import SD_Shards  # noqa: E402
 
 STAGE = "01e_import_folder"
 DEFAULT_TEMPLATE = "a photo of a person"
@@ -87,21 +88,20 @@ class CaptionRules:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = SD_Pipeline.StageArgumentParser(prog="01e_import_folder.py", description=__doc__,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = SD_Pipeline.StageArgumentParser(__file__, __doc__)
     add = parser.add_argument
-    add("--src", required=True, help="folder of images to import, searched recursively (required; no default)")
-    add("--out", required=True, help="output folder for NNNNN.tar + NNNNN_stats.json (required; no default)")
+    parser.add_input("folder of images to import, searched recursively", old=("--src",))
+    parser.add_out("output folder for NNNNN.tar + NNNNN_stats.json")
     add("--layout", choices=("flat", "metadata", "template"), default="flat",
         help="where captions come from: flat = same-name .txt, metadata = same-name .json tags, "
              "template = --template per folder (default: %(default)s)")
-    add("--resolution", type=int, default=512, help="square output size, a multiple of 8 (default: %(default)s)")
+    parser.add_resolution("side of the square output images in pixels, a multiple of 8")
     add("--shard_size", type=int, default=1000, help="images per output shard (default: %(default)s)")
-    add("--max_pixels", type=int, default=SD_Data.DEFAULT_MAX_PIXELS,
+    add("--max_pixels", type=int, default=SD_Shards.DEFAULT_MAX_PIXELS,
         help="skip images with more pixels than this, read from the header (default: %(default)s)")
     add("--default_caption", default=None,
-        help="caption for images whose .txt is missing or empty, or whose tags are all removed "
-             "(flat/metadata; default: none, such images are skipped as no_caption)")
+        help="flat/metadata: caption for images whose .txt is missing or empty, or whose tags are all removed "
+             "(default: none, such images are skipped as no_caption)")
     add("--caption_prefix", default="", help="text put first in every caption, joined with ', ' (default: none)")
     add("--exclude_tags", action="append", default=[], metavar="A,B",
         help="metadata: skip images carrying any of these tags; repeatable (default: none)")
@@ -117,10 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--tag_bonus", action="append", default=[], metavar="TAG=X",
         help="metadata: add X to the score of images carrying TAG, before --min_score; repeatable "
              "(default: none)")
-    add("--score_tags", action="store_true",
-        help="metadata: start each caption with score_N, N = floor(score + bonuses) clamped to 0..9 (default: off)")
-    add("--shuffle_tags", action="store_true",
-        help="metadata: shuffle tag order per image, seeded by --seed and the key (default: off)")
+    parser.add_bool("--score_tags", help="metadata: start each caption with score_N, N = floor(score + bonuses) "
+                                         "clamped to 0..9 (default: off)")
+    parser.add_bool("--shuffle_tags",
+                    help="metadata: shuffle tag order per image, seeded by --seed and the key (default: off)")
     add("--keep_first", type=int, default=1,
         help="with --shuffle_tags: tags kept in place at the front (default: %(default)s)")
     add("--seed", type=int, default=0, help="seed of --shuffle_tags (default: %(default)s)")
@@ -143,15 +143,15 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, CaptionRules]:
 
 
 def check_values(args) -> None:
-    if args.resolution <= 0 or args.resolution % 8:
+    if args.resolution % 8:
         raise ValueError(f"--resolution must be a positive multiple of 8, got {args.resolution}")
     for name in ("shard_size", "max_pixels"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
     if args.keep_first < 0:
         raise ValueError(f"--keep_first must be >= 0, got {args.keep_first}")
-    if not Path(args.src).is_dir():
-        raise ValueError(f"--src {args.src} is not a folder")
+    if not Path(args.input).is_dir():
+        raise ValueError(f"--input {args.input} is not a folder")
     # Options of another layout would be silently ignored; a user who passes them expects an effect.
     def given(name):  # 0 and "" count as given: --min_score 0 is a real threshold
         value = getattr(args, name)
@@ -259,7 +259,7 @@ def make_keys(rels: list[str]) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Captions (each returns caption + metadata or raises SD_Data.ImageSkip with the reason)
+# Captions (each returns caption + metadata or raises SD_Shards.ImageSkip with the reason)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -272,7 +272,7 @@ def flat_caption(src: Path, rel: str, rules: CaptionRules) -> tuple[str, dict]:
     text = path.read_text(encoding="utf-8", errors="replace").strip() if path.is_file() else ""
     text = text or rules.default_caption or ""
     if not text:
-        raise SD_Data.ImageSkip("no_caption", f"{path.name} missing or empty")
+        raise SD_Shards.ImageSkip("no_caption", f"{path.name} missing or empty")
     return join_caption(rules, [text]), {}
 
 
@@ -288,7 +288,7 @@ def read_tag_record(src: Path, rel: str) -> tuple[list[str], float | None]:
     stem_json, full_json = src / (rel.rsplit(".", 1)[0] + ".json"), src / (rel + ".json")
     path = stem_json if stem_json.is_file() else full_json
     if not path.is_file():
-        raise SD_Data.ImageSkip("no_metadata", f"{stem_json.name} missing")
+        raise SD_Shards.ImageSkip("no_metadata", f"{stem_json.name} missing")
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
         tags, score = record.get("tags", []), record.get("score")
@@ -303,7 +303,7 @@ def read_tag_record(src: Path, rel: str) -> tuple[list[str], float | None]:
             if not math.isfinite(score):
                 raise ValueError("score is not finite")
     except (OSError, UnicodeDecodeError, ValueError, TypeError, AttributeError) as error:
-        raise SD_Data.ImageSkip("bad_metadata", f"{path.name}: {error}") from None
+        raise SD_Shards.ImageSkip("bad_metadata", f"{path.name}: {error}") from None
     return [tag.strip() for tag in tags if tag.strip()], score
 
 
@@ -314,19 +314,19 @@ def metadata_caption(src: Path, rel: str, key: str, rules: CaptionRules) -> tupl
     # can write whichever they see.
     names = {name for pair in renamed for name in pair}
     if names & rules.exclude_tags:
-        raise SD_Data.ImageSkip("excluded_tag", ", ".join(sorted(names & rules.exclude_tags)))
+        raise SD_Shards.ImageSkip("excluded_tag", ", ".join(sorted(names & rules.exclude_tags)))
     score = source_score
     if score is not None:
         score += sum(bonus for tag, bonus in rules.tag_bonus.items() if tag in names)
     if rules.min_score is not None and score is None:
-        raise SD_Data.ImageSkip("no_score")
+        raise SD_Shards.ImageSkip("no_score")
     if rules.min_score is not None and score < rules.min_score:
-        raise SD_Data.ImageSkip("low_score", f"{score} < {rules.min_score}")
+        raise SD_Shards.ImageSkip("low_score", f"{score} < {rules.min_score}")
     tags = final_tags(renamed, rules, key)
     if not tags and rules.default_caption:
         tags = [rules.default_caption]
     if not tags:
-        raise SD_Data.ImageSkip("no_caption", "no tags left")
+        raise SD_Shards.ImageSkip("no_caption", "no tags left")
     score_tag = [f"score_{min(9, max(0, math.floor(score)))}"] if rules.score_tags and score is not None else []
     meta = {"tags": tags, "score": score, "source_score": source_score}
     return join_caption(rules, score_tag + tags), meta
@@ -368,7 +368,7 @@ def import_shard(src: Path, out: Path, index: int, items: list[tuple[str, str]],
             data = (src / rel).read_bytes()
             samples.append(SD_Pipeline.image_sample(key, data, SD_Pipeline.image_extension(rel), caption,
                                                     args.resolution, {"source": rel, **meta}, args.max_pixels))
-        except SD_Data.ImageSkip as skip:
+        except SD_Shards.ImageSkip as skip:
             stats.skip(skip.reason, rel)
         except OSError as error:  # unreadable file (permissions, vanished mid-run)
             log.warning("%s: %s", rel, error)
@@ -396,18 +396,19 @@ def check_done_shards(out: Path, plan: list[list[tuple[str, str]]], rules: Capti
         expected = shard_fingerprints(plan[index], rules, args)
         for name, value in expected.items():
             if record.get(name) != value:
-                changed = "images under --src" if name == "sources_sha1" else "options"
+                changed = "images under --input" if name == "sources_sha1" else "options"
                 return f"shard {index:05d} in {out} was written from different {changed}"
     return None
 
 
 def main(argv=None) -> int:
+    SD_Runtime.start_process()
     args, rules = parse_args(argv)
     SD_Pipeline.setup_logging()
-    src, out = Path(args.src), Path(args.out)
+    src, out = Path(args.input), Path(args.out)
     rels = list_images(src)
-    if not rels:  # most likely a wrong --src; an empty dataset is never what was meant
-        print(f"01e_import_folder.py: no images ({', '.join(SD_Data.IMAGE_EXTENSIONS)}) under {src}", file=sys.stderr)
+    if not rels:  # most likely a wrong --input; an empty dataset is never what was meant
+        print(f"01e_import_folder.py: no images ({', '.join(SD_Shards.IMAGE_EXTENSIONS)}) under {src}", file=sys.stderr)
         return 2
     items = list(zip(rels, make_keys(rels)))
     plan = [items[i : i + args.shard_size] for i in range(0, len(items), args.shard_size)]
@@ -418,9 +419,7 @@ def main(argv=None) -> int:
         return 2
     log.info("%d images under %s -> %d shards of up to %d", len(items), src, len(plan), args.shard_size)
     summary = SD_Pipeline.Summary(STAGE)
-    todo = [i for i in range(len(plan)) if not SD_Pipeline.shard_done(out, i)]
-    for index in sorted(set(range(len(plan))) - set(todo)):
-        summary.add_done(SD_Pipeline.shard_paths(out, index)[1])
+    todo = summary.pending(out, list(range(len(plan))))
     with tqdm(total=sum(len(plan[i]) for i in todo), unit="img", desc=STAGE) as bar:
         for index in todo:
             record = import_shard(src, out, index, plan[index], rules, args,

@@ -30,7 +30,6 @@ A re-run skips done files and re-reads their kept rows so later files are dedupl
 
 from __future__ import annotations
 
-import argparse
 import glob
 import json
 import logging
@@ -44,8 +43,9 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import SD_Data  # noqa: E402
+import SD_Files  # noqa: E402
 import SD_Pipeline  # noqa: E402
+import SD_Runtime  # noqa: E402
 
 STAGE = "02_filter_metadata"
 log = logging.getLogger(STAGE)
@@ -56,10 +56,9 @@ SAFE_NSFW_LABEL = "UNLIKELY"  # LAION-5B's string NSFW column: UNLIKELY / UNSURE
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--input", required=True, help="glob of input parquet files, quoted: 'DIR/*.parquet'")
-    parser.add_argument("--out", required=True, help="output folder for the filtered parquet files")
+    parser = SD_Pipeline.StageArgumentParser(__file__, __doc__)
+    parser.add_input("glob of input parquet files, quoted: 'DIR/*.parquet'")
+    parser.add_out("output folder for the filtered parquet files")
     parser.add_argument("--min_aesthetic", type=float, default=6.5, help="keep rows with aesthetic score >= this")
     parser.add_argument("--min_similarity", type=float, default=0.28, help="keep rows with CLIP similarity >= this")
     parser.add_argument("--min_size", type=int, default=512, help="keep rows with width and height >= this (px)")
@@ -67,7 +66,7 @@ def parse_args(argv):
     parser.add_argument("--max_nsfw", type=float, default=0.5, help="keep rows with unsafe probability < this")
     for role, names in SD_Pipeline.COLUMN_CANDIDATES.items():
         parser.add_argument(f"--{role}_col", default=None,
-                            help=f"{role} column; None = the first of {'|'.join(names)} present (any case)")
+                            help=f"{role} column (default: the first of {'|'.join(names)} present, any case)")
     return parser.parse_args(argv)
 
 
@@ -206,21 +205,20 @@ def filter_file(path: Path, columns: dict, out: Path, limits: dict, index: Dupli
     frame = table.select(role_columns(columns)).to_pandas()
     reasons = assign_reasons(frame, columns, limits, index)
     kept = np.flatnonzero(reasons == -1)
-    SD_Data.write_atomic(out / f"{path.stem}.parquet", lambda tmp: pq.write_table(table.take(kept), tmp))
     urls = text(frame, columns["url"])
-    failed, examples = {}, {}
+    stats = SD_Pipeline.ShardStats()
+    stats.successes = int(len(kept))
     for number, reason in enumerate(REASONS):
         rows = np.flatnonzero(reasons == number)
         if len(rows):
-            failed[reason] = int(len(rows))
-            examples[reason] = [str(url) for url in urls[rows[:SD_Pipeline.MAX_EXAMPLES]]]
-    record = {"input": str(path), "count": len(frame), "successes": int(len(kept)), "failed": failed,
-              "examples": examples, "columns": columns, "thresholds": limits}
-    SD_Data.write_text_atomic(out / f"{path.stem}_stats.json", json.dumps(record, indent=1) + "\n")
-    return record
+            stats.failed[reason] = int(len(rows))
+            stats.examples[reason] = [str(url) for url in urls[rows[:SD_Pipeline.MAX_EXAMPLES]]]
+    return SD_Pipeline.write_output(out, path.stem, lambda tmp: pq.write_table(table.take(kept), tmp), stats,
+                                    ".parquet", input=str(path), columns=columns, thresholds=limits)
 
 
 def main(argv=None) -> int:
+    SD_Runtime.start_process()
     args = parse_args(argv)
     SD_Pipeline.setup_logging()
     try:
@@ -232,8 +230,8 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     limits, index, summary = thresholds(args), DuplicateIndex(), SD_Pipeline.Summary(STAGE)
     for path, columns in tqdm(files, desc="filter", unit="file"):
-        kept_path, stats_path = out / f"{path.stem}.parquet", out / f"{path.stem}_stats.json"
-        if stats_path.exists() and kept_path.exists():
+        kept_path, stats_path = SD_Pipeline.output_paths(out, path.stem, ".parquet")
+        if SD_Pipeline.output_done(out, path.stem, ".parquet"):
             # Re-seed from the kept rows so later files are deduplicated exactly as in the first run.
             index.add_frame(pq.read_table(kept_path, columns=role_columns(columns)).to_pandas(), columns)
             summary.add_done(stats_path)

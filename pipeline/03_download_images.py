@@ -18,11 +18,9 @@ Exits 1 when a shard is still unfinished after img2dataset's own retries: run th
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
-import os
 import re
 import sys
 from pathlib import Path
@@ -32,6 +30,7 @@ import pyarrow.parquet as pq
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import SD_Pipeline  # noqa: E402
+import SD_Runtime  # noqa: E402
 
 STAGE = "03_download_images"
 SUMMARY_NAME = f"{STAGE}_summary.json"
@@ -44,22 +43,21 @@ log = logging.getLogger(STAGE)
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--input", required=True, help="folder of filtered parquet files (or one parquet file)")
-    parser.add_argument("--out", required=True, help="output folder for the NNNNN.tar shards")
-    parser.add_argument("--resolution", type=int, default=512, help="side of the square (centre-cropped) images in px")
+    parser = SD_Pipeline.StageArgumentParser(__file__, __doc__)
+    parser.add_input("folder of filtered parquet files (or one parquet file)")
+    parser.add_out("output folder for the NNNNN.tar shards")
+    parser.add_resolution("side of the square (centre-cropped) output images in pixels")
     parser.add_argument("--processes", type=int, default=4, help="img2dataset download processes")
     parser.add_argument("--threads", type=int, default=16, help="download threads per process")
-    parser.add_argument("--url_col", default=None, help="URL column; None = detected as in stage 02 (URL|url)")
+    parser.add_argument("--url_col", default=None, help="URL column (default: detected as in stage 02, URL|url)")
     parser.add_argument("--caption_col", default=None,
-                        help="caption column; None = detected as in stage 02 (TEXT|caption|text)")
+                        help="caption column (default: detected as in stage 02, TEXT|caption|text)")
     parser.add_argument("--shard_size", type=int, default=10000, help="samples per output shard")
     parser.add_argument("--timeout", type=int, default=10, help="seconds before one image download is abandoned")
-    parser.add_argument("--retries", type=int, default=2, help="extra tries for a failed image download")
+    parser.add_retries("extra tries of a failed image download")
     args = parser.parse_args(argv)
-    if min(args.resolution, args.processes, args.threads, args.shard_size, args.timeout) < 1 or args.retries < 0:
-        parser.error("--resolution, --processes, --threads, --shard_size and --timeout must be >= 1, --retries >= 0")
+    if min(args.processes, args.threads, args.shard_size, args.timeout) < 1:
+        parser.error("--processes, --threads, --shard_size and --timeout must be >= 1")
     return args
 
 
@@ -105,8 +103,8 @@ def stats_path(out: Path, shard: int) -> Path:
 
 
 def run_img2dataset(args, url_col: str, caption_col: str, scores: list[str]) -> None:
-    # Its import pulls in albumentations, which otherwise asks the network for a newer version.
-    os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
+    # SD_Runtime.start_process() has set NO_ALBUMENTATIONS_UPDATE: this import pulls in albumentations,
+    # which otherwise asks the network for a newer version.
     from img2dataset import download
 
     download(
@@ -139,6 +137,7 @@ def summarize(out: Path, shards: list[int], done_before: set[int]) -> dict:
 
 
 def main(argv=None) -> int:
+    SD_Runtime.start_process()
     args = parse_args(argv)
     SD_Pipeline.setup_logging()
     args.input, args.out = Path(args.input), Path(args.out)

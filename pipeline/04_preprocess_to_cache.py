@@ -1,40 +1,39 @@
 """Stage 04: image shards -> caption parquet with 77 CLIP token ids per sample.
 
-    python pipeline/04_preprocess_to_cache.py --shards 'SHARD_DIR/*.tar' --out CAPTION_DIR [--tokenizer ID_OR_PATH|tiny]
+    python pipeline/04_preprocess_to_cache.py --input 'SHARD_DIR/*.tar' --out CAPTION_DIR [--tokenizer ID_OR_PATH|tiny]
 
 For each input shard NNNNN.tar, writes CAPTION_DIR/NNNNN.parquet with columns ``key`` (string),
 ``caption`` (string) and ``input_ids`` (77 int32 CLIP token ids, padded with the end token and
 truncated the way SD 1.x was trained), then NNNNN_stats.json as the shard's done marker. Samples
 without a caption, or without an image, are skipped and counted. A re-run skips finished shards.
+``--shards`` is the old spelling of ``--input`` and still works.
 """
 
 from __future__ import annotations
 
-import argparse
 import glob
-import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository's modules
 
-import numpy as np
+import numpy as np  # noqa: E402
 
-import SD_Data
-import SD_Model
-import SD_Pipeline
+import SD_Model  # noqa: E402
+import SD_Pipeline  # noqa: E402
+import SD_Runtime  # noqa: E402
+import SD_Shards  # noqa: E402
 
 STAGE = "04_preprocess_to_cache"
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shards", required=True, help="glob of image shards, quoted: 'SHARD_DIR/*.tar'")
-    parser.add_argument("--out", required=True, help="output folder for NNNNN.parquet caption shards")
+    parser = SD_Pipeline.StageArgumentParser(__file__, __doc__)
+    parser.add_input("glob of image shards, quoted: 'SHARD_DIR/*.tar'", old=("--shards",))
+    parser.add_out("output folder for NNNNN.parquet caption shards")
     parser.add_argument("--tokenizer", default=SD_Model.DEFAULT_TEXT_ENCODER,
-                        help="CLIP tokenizer hub id, local folder, or 'tiny' (the same BPE, built offline) "
-                             "(default: %(default)s)")
-    parser.add_argument("--batch_size", type=int, default=4096, help="captions per tokenizer call (default: %(default)s)")
+                        help="CLIP tokenizer hub id, local folder, or 'tiny' (the same BPE, built offline)")
+    parser.add_argument("--batch_size", type=int, default=4096, help="captions per tokenizer call")
     return parser.parse_args(argv)
 
 
@@ -49,7 +48,7 @@ def process_shard(path: Path, out: Path, tokenizer, batch_size: int) -> dict:
     import pyarrow.parquet as pq
 
     stats = SD_Pipeline.ShardStats()
-    samples, truncated_key = SD_Data.read_shard(path.read_bytes())
+    samples, truncated_key = SD_Shards.read_shard(path.read_bytes())
     if truncated_key is not None:
         stats.skip("truncated_tar", truncated_key)
     keys, captions = [], []
@@ -65,38 +64,38 @@ def process_shard(path: Path, out: Path, tokenizer, batch_size: int) -> dict:
     for start in range(0, len(keys), batch_size):
         batch = captions[start : start + batch_size]
         input_ids[start : start + len(batch)] = SD_Model.tokenize(tokenizer, batch).numpy()
-    stem = path.name[: -len(".tar")]
     table = caption_table(keys, captions, input_ids)
-    SD_Data.write_atomic(out / f"{stem}.parquet", lambda tmp: pq.write_table(table, tmp))
     stats.successes = len(keys)
-    record = stats.as_dict(shard=str(path))
-    SD_Data.write_text_atomic(out / f"{stem}_stats.json", json.dumps(record, indent=1) + "\n")
-    return record
+    return SD_Pipeline.write_output(out, stem(path), lambda tmp: pq.write_table(table, tmp), stats, ".parquet",
+                                    shard=str(path))
+
+
+def stem(path: Path) -> str:
+    return path.name[: -len(".tar")]
 
 
 def main(argv=None) -> int:
+    SD_Runtime.start_process()
     args = parse_args(argv)
     SD_Pipeline.setup_logging()
-    paths = sorted(Path(p) for p in glob.glob(args.shards) if p.endswith(".tar"))
+    paths = sorted(Path(p) for p in glob.glob(args.input) if p.endswith(".tar"))
     if not paths:
-        print(f"{STAGE}.py: no shards match {args.shards!r}", file=sys.stderr)
+        print(f"{STAGE}.py: no shards match {args.input!r}", file=sys.stderr)
+        return 2
+    by_stem = {stem(path): path for path in paths}
+    if len(by_stem) != len(paths):
+        print(f"{STAGE}.py: two input shards share a file name; their outputs would collide", file=sys.stderr)
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     summary = SD_Pipeline.Summary(STAGE)
-    todo = []
-    for path in paths:
-        stats_path = out / f"{path.name[:-len('.tar')]}_stats.json"
-        if stats_path.exists() and (out / f"{path.name[:-len('.tar')]}.parquet").exists():
-            summary.add_done(stats_path)
-        else:
-            todo.append(path)
+    todo = summary.pending(out, list(by_stem), ".parquet")
     if todo:
         from tqdm.auto import tqdm
 
         tokenizer = SD_Model.load_tokenizer(args.tokenizer)
-        for path in tqdm(todo, desc="tokenize", unit="shard"):
-            summary.add(process_shard(path, out, tokenizer, args.batch_size))
+        for name in tqdm(todo, desc="tokenize", unit="shard"):
+            summary.add(process_shard(by_stem[name], out, tokenizer, args.batch_size))
     summary.finish(out, tokenizer=args.tokenizer)
     return 0
 

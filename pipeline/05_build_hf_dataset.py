@@ -7,35 +7,35 @@ that have a latent (the rest are counted and named: their images were skipped by
 their shards are not encoded yet). A deterministic hash of the key puts a sample in the
 ``validation`` split with probability ``--val_fraction``, so the split never changes when data is
 added. The result is a DatasetDict written with ``save_to_disk`` (columns key, caption, input_ids),
-assembled under a temporary name and renamed. build_stats.json in it records what it was built from;
-a re-run on unchanged inputs does nothing.
+assembled under a temporary name and renamed. 05_build_hf_dataset_summary.json in it, written last,
+records what it was built from; a re-run on unchanged inputs does nothing.
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
-import os
-import shutil
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository's modules
 
-import SD_Data
+import SD_Data  # noqa: E402
+import SD_Files  # noqa: E402
+import SD_Pipeline  # noqa: E402
+import SD_Runtime  # noqa: E402
 
 STAGE = "05_build_hf_dataset"
-MAX_EXAMPLES = 20
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--captions", required=True, help="folder of NNNNN.parquet caption shards (stage 04)")
-    parser.add_argument("--latents", required=True, help="latent folder (encode_latents.py) the captions join to")
-    parser.add_argument("--out", required=True, help="output datasets folder (train and validation splits)")
+    parser = SD_Pipeline.StageArgumentParser(__file__, __doc__)
+    # Two inputs, so neither is --input: the caption shards and the latents they join to.
+    parser.add_required("--captions", "folder of NNNNN.parquet caption shards (stage 04)")
+    parser.add_required("--latents", "latent folder (encode_latents.py) the captions join to")
+    parser.add_out("output datasets folder (train and validation splits)")
     parser.add_argument("--val_fraction", type=float, default=0.01,
-                        help="fraction of keys in the validation split, picked by a hash of the key (default: %(default)s)")
+                        help="fraction of keys in the validation split, picked by a hash of the key")
     args = parser.parse_args(argv)
     if not 0 <= args.val_fraction < 1:
         parser.error(f"--val_fraction must be in [0, 1), got {args.val_fraction}")
@@ -49,7 +49,7 @@ def is_validation(key: str, fraction: float) -> bool:
 
 def caption_files(folder: Path) -> list[Path]:
     """Caption shards finished by stage 04 (their stats file exists)."""
-    return sorted(p for p in folder.glob("*.parquet") if (folder / f"{p.stem}_stats.json").exists())
+    return sorted(p for p in folder.glob("*.parquet") if SD_Pipeline.output_done(folder, p.stem, ".parquet"))
 
 
 def input_fingerprint(files: list[Path], args) -> dict:
@@ -90,20 +90,18 @@ def write_dataset(table, train_rows, val_rows, out: Path) -> None:
     for name, rows in (("train", train_rows), ("validation", val_rows)):
         if rows:
             splits[name] = Dataset(InMemoryTable(table.take(rows)))
-    staging = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(staging, ignore_errors=True)
-    DatasetDict(splits).save_to_disk(str(staging))
-    if out.exists():
-        old = out.with_name(f".{out.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(out, old)
-        os.replace(staging, out)
-        shutil.rmtree(old)
-    else:
-        os.replace(staging, out)
+    SD_Files.write_folder_atomic(out, lambda staging: DatasetDict(splits).save_to_disk(str(staging)))
+
+
+def up_to_date(summary: SD_Pipeline.Summary, out: Path, fingerprint: dict) -> dict | None:
+    """The summary of an earlier build from the same inputs, or None."""
+    path = summary.path(out)
+    record = json.loads(path.read_text()) if path.exists() else {}
+    return record if record.get("inputs") == fingerprint else None
 
 
 def main(argv=None) -> int:
+    SD_Runtime.start_process()
     args = parse_args(argv)
     captions_dir, latents_dir, out = Path(args.captions), Path(args.latents), Path(args.out)
     for name, folder in (("--captions", captions_dir), ("--latents", latents_dir)):
@@ -116,25 +114,25 @@ def main(argv=None) -> int:
         return 2
     key_files = sorted(latents_dir.glob("*.keys.txt")) or sorted(latents_dir.glob("*.npy"))
     fingerprint = input_fingerprint(files + key_files, args)
-    stats_path = out / "build_stats.json"
-    if stats_path.exists() and json.loads(stats_path.read_text()).get("inputs") == fingerprint:
-        record = json.loads(stats_path.read_text())
-        print(f"{STAGE}: {out} is up to date (train {record['train']}, validation {record['validation']})")
+    summary = SD_Pipeline.Summary(STAGE)
+    earlier = up_to_date(summary, out, fingerprint)
+    if earlier is not None:
+        print(f"{STAGE}: {out} is up to date (train {earlier['train']}, validation {earlier['validation']})")
         return 0
     keys = SD_Data.latent_keys(latents_dir)
     table = load_captions(files)
     train_rows, val_rows, dropped, caption_keys = join(table, set(keys), args.val_fraction)
     write_dataset(table, train_rows, val_rows, out)
     latents_without_caption = [k for k in keys if k not in caption_keys]
-    record = {"stage": STAGE, "train": len(train_rows), "validation": len(val_rows),
-              "dropped": {reason: len(keys) for reason, keys in dropped.items()},
-              "examples": {reason: keys[:MAX_EXAMPLES] for reason, keys in dropped.items() if keys},
-              "latents_without_caption": len(latents_without_caption),
-              "latents": str(latents_dir), "captions": str(captions_dir), "inputs": fingerprint}
-    SD_Data.write_text_atomic(stats_path, json.dumps(record, indent=1) + "\n")
-    print(f"{STAGE}: train {len(train_rows)}, validation {len(val_rows)}; dropped: captions without a latent "
-          f"{len(dropped['no_latent'])}, duplicate keys {len(dropped['duplicate_key'])}; latents without a caption "
-          f"{len(latents_without_caption)}; output in {out}")
+    summary.kept = len(train_rows) + len(val_rows)
+    summary.dropped.update({reason: len(names) for reason, names in dropped.items()})
+    # Written last, into the finished folder: the record of what it was built from.
+    summary.finish(out, train=len(train_rows), validation=len(val_rows),
+                   examples={reason: names[:SD_Pipeline.MAX_EXAMPLES] for reason, names in dropped.items() if names},
+                   latents_without_caption=len(latents_without_caption), latents=str(latents_dir),
+                   captions=str(captions_dir), inputs=fingerprint)
+    print(f"  train {len(train_rows)}, validation {len(val_rows)}; latents without a caption "
+          f"{len(latents_without_caption)}")
     if dropped["no_latent"]:
         print(f"  e.g. no latent for: {', '.join(dropped['no_latent'][:5])}")
     return 0

@@ -1,5 +1,6 @@
 """make demo's chain (demo/run.sh) at a smaller size: the model must follow its prompts' colours."""
 
+import importlib
 import json
 import os
 import subprocess
@@ -38,17 +39,17 @@ def test_classifier_reads_the_ground_truth_images(tmp_path):
 
     from PIL import Image
 
-    import SD_Data
+    import SD_Shards
     import evaluate
-    from stage_loader import load_stage
 
-    assert load_stage("00_make_demo_data").main(["--out", str(tmp_path), "--count", "300", "--shard_size", "100"]) == 0
+    stage00 = importlib.import_module("pipeline.00_make_demo_data")
+    assert stage00.main(["--out", str(tmp_path), "--count", "300", "--shard_size", "100"]) == 0
     prompts = json.loads((tmp_path / "demo_prompts.json").read_text())
     palette = {k: tuple(v) for k, v in prompts["palette"].items()}
     assert len(prompts["seen"]) == 15 and len((tmp_path / "prompts.txt").read_text().splitlines()) == 18
     hits, seen_captions = [], set()
     for shard in sorted(tmp_path.glob("*.tar")):
-        samples, truncated = SD_Data.read_shard(shard.read_bytes())
+        samples, truncated = SD_Shards.read_shard(shard.read_bytes())
         assert truncated is None
         for sample in samples:
             meta = json.loads(sample.metadata)

@@ -11,6 +11,7 @@ import torch
 import encode_latents
 import SD_Data
 import SD_Model
+import SD_Shards
 from shard_factory import clean_shard, image_bytes, random_image
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,21 +24,21 @@ def build_shards(folder: Path) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(0)
     pixels = clean_shard(folder / "00000.tar", [f"a{i}" for i in range(5)], rng)
     # A JPEG that needs resizing (80x64 -> 80x64 crop to 64x64): only its shape is checked.
-    wide = SD_Data.ShardSample("a5", image_bytes(random_image(rng, 64, 80), "JPEG"), "jpg", "wide", None)
-    samples, _ = SD_Data.read_shard((folder / "00000.tar").read_bytes())
-    SD_Data.write_shard(folder / "00000.tar", samples + [wide])
+    wide = SD_Shards.ShardSample("a5", image_bytes(random_image(rng, 64, 80), "JPEG"), "jpg", "wide", None)
+    samples, _ = SD_Shards.read_shard((folder / "00000.tar").read_bytes())
+    SD_Shards.write_shard(folder / "00000.tar", samples + [wide])
 
     pixels.update(clean_shard(folder / "00001.tar", ["b0", "b1", "b2"], rng))
-    samples, _ = SD_Data.read_shard((folder / "00001.tar").read_bytes())
+    samples, _ = SD_Shards.read_shard((folder / "00001.tar").read_bytes())
     jpeg = image_bytes(random_image(rng, 64, 64), "JPEG")
     samples += [
-        SD_Data.ShardSample("b3", os.urandom(500) + b"\xff\xd9", "jpg", "garbage bytes"),
-        SD_Data.ShardSample("b4", jpeg[: len(jpeg) // 2], "jpg", "cut-off jpeg"),
-        SD_Data.ShardSample("b5", image_bytes(random_image(rng, 64, 64), "PNG"), "png", None),
-        SD_Data.ShardSample("b6", image_bytes(random_image(rng, 200, 200), "PNG"), "png", "too many pixels"),
-        SD_Data.ShardSample("b7", None, "", "a caption without an image"),
+        SD_Shards.ShardSample("b3", os.urandom(500) + b"\xff\xd9", "jpg", "garbage bytes"),
+        SD_Shards.ShardSample("b4", jpeg[: len(jpeg) // 2], "jpg", "cut-off jpeg"),
+        SD_Shards.ShardSample("b5", image_bytes(random_image(rng, 64, 64), "PNG"), "png", None),
+        SD_Shards.ShardSample("b6", image_bytes(random_image(rng, 200, 200), "PNG"), "png", "too many pixels"),
+        SD_Shards.ShardSample("b7", None, "", "a caption without an image"),
     ]
-    SD_Data.write_shard(folder / "00001.tar", samples)
+    SD_Shards.write_shard(folder / "00001.tar", samples)
 
     pixels.update(clean_shard(folder / "00002.tar", ["c0", "c1", "c2", "c3"], rng))
     data = (folder / "00002.tar").read_bytes()
@@ -125,11 +126,12 @@ def test_a_rerun_encodes_nothing(encoded, caplog):
 def test_a_run_killed_mid_shard_resumes_to_the_same_files(encoded, tmp_path):
     root, _ = encoded
     out = tmp_path / "latents"
+    # DESIGN.md's spelling --dtype (now an alias of --precision): fp32 is what the reference run used on the CPU.
     cmd = [sys.executable, str(ROOT / "encode_latents.py"), "--shards", str(root / "shards" / "*.tar"), "--out",
            str(out), "--vae", "tiny", "--resolution", "64", "--batch_size", "2", "--workers", "3",
-           "--max_pixels", str(MAX_PIXELS), "--flip"]
+           "--max_pixels", str(MAX_PIXELS), "--flip", "--dtype", "fp32"]
     killed = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "SD_ENCODE_FAULT": "after_npy:00001"})
+                            env={**os.environ, "SD_FAULT": "after_npy:00001"})
     assert killed.returncode == -9
     assert (out / "00000.keys.txt").exists()
     assert (out / "00001.npy").exists() and not (out / "00001.keys.txt").exists()  # not done
@@ -171,9 +173,35 @@ def test_no_matching_shards_is_a_one_line_error(tmp_path, capsys):
 def test_help_documents_every_flag():
     result = subprocess.run([sys.executable, str(ROOT / "encode_latents.py"), "--help"], capture_output=True, text=True)
     assert result.returncode == 0
-    for flag in ("--shards", "--out", "--vae", "--resolution", "--batch_size", "--workers", "--dtype", "--compile",
-                 "--device", "--flip", "--max_pixels", "--prefetch"):
-        assert flag in result.stdout
+    for flag in ("--shards", "--out", "--vae", "--resolution", "--batch_size", "--workers", "--precision",
+                 "--compile", "--device", "--flip", "--max_pixels", "--prefetch"):
+        assert f"  {flag} " in result.stdout, flag
+    assert "--dtype" not in result.stdout.split("options:")[1]  # the old spelling works, not listed as a flag
+
+
+ARGS = ["--shards", "x/*.tar", "--out", "o"]
+
+
+def test_precision_is_named_once_and_the_old_dtype_spelling_still_works(capsys):
+    assert encode_latents.parse_args(ARGS).precision == "auto"
+    assert encode_latents.parse_args([*ARGS, "--precision", "bf16"]).precision == "bf16"
+    assert encode_latents.parse_args([*ARGS, "--dtype", "fp16"]).precision == "fp16"
+    with pytest.raises(SystemExit) as exit_info:
+        encode_latents.parse_args([*ARGS, "--dtype", "fp8"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == ("encode_latents.py: error: argument --dtype: invalid choice: 'fp8' "
+                                       "(choose from 'auto', 'fp32', 'bf16', 'fp16')\n")
+    with pytest.raises(SystemExit) as exit_info:
+        encode_latents.parse_args([*ARGS, "--prec", "fp32"])  # never abbreviated
+    assert exit_info.value.code == 2 and capsys.readouterr().err.count("\n") == 1
+
+
+@pytest.mark.parametrize("form, expected", [([], False), (["FLAG"], True), (["FLAG", "true"], True),
+                                            (["FLAG", "false"], False)])
+def test_boolean_flags_take_an_optional_true_or_false(form, expected):
+    for flag in ("--flip", "--compile"):
+        args = encode_latents.parse_args([*ARGS, *[word.replace("FLAG", flag) for word in form], "--workers", "3"])
+        assert getattr(args, flag[2:]) is expected and args.workers == 3
 
 
 def test_resize_center_crop_geometry():
@@ -183,28 +211,28 @@ def test_resize_center_crop_geometry():
     image[:, :64, 0] = 255
     image[:, 64:128, 1] = 255
     image[:, 128:, 2] = 255
-    out = SD_Data.resize_center_crop(image, 32)
+    out = SD_Shards.resize_center_crop(image, 32)
     assert out.shape == (32, 32, 3)
     assert (out[:, 7:25] == (0, 255, 0)).all()
     assert (out[:, :4] == (255, 0, 0)).all() and (out[:, -4:] == (0, 0, 255)).all()
     # Upscaling a 16x24 image: short side 16 -> 32, long 24 -> 48, crop rows 0..32, cols 8..40.
     small = np.arange(16 * 24 * 3, dtype=np.uint8).reshape(16, 24, 3)
-    assert SD_Data.resize_center_crop(small, 32).shape == (32, 32, 3)
-    same = SD_Data.resize_center_crop(image[:64, :64], 64)
+    assert SD_Shards.resize_center_crop(small, 32).shape == (32, 32, 3)
+    same = SD_Shards.resize_center_crop(image[:64, :64], 64)
     assert np.array_equal(same, image[:64, :64])
 
 
 def test_decode_image_reports_reasons():
     rng = np.random.default_rng(0)
     png = image_bytes(random_image(rng, 40, 30), "PNG")
-    assert SD_Data.decode_image(png, "png").shape == (40, 30, 3)
+    assert SD_Shards.decode_image(png, "png").shape == (40, 30, 3)
     for data, ext, reason in ((png[:-20], "png", "truncated_image"), (b"\x89PNG" + os.urandom(64) + b"IEND\xaeB`\x82",
                                                                      "png", "undecodable")):
-        with pytest.raises(SD_Data.ImageSkip) as info:
-            SD_Data.decode_image(data, ext)
+        with pytest.raises(SD_Shards.ImageSkip) as info:
+            SD_Shards.decode_image(data, ext)
         assert info.value.reason == reason
-    with pytest.raises(SD_Data.ImageSkip) as info:
-        SD_Data.decode_image(png, "png", max_pixels=40 * 30 - 1)
+    with pytest.raises(SD_Shards.ImageSkip) as info:
+        SD_Shards.decode_image(png, "png", max_pixels=40 * 30 - 1)
     assert info.value.reason == "too_large"
-    rgb = SD_Data.decode_image(image_bytes(np.full((8, 8, 3), (200, 10, 30), np.uint8), "PNG"), "png")
+    rgb = SD_Shards.decode_image(image_bytes(np.full((8, 8, 3), (200, 10, 30), np.uint8), "PNG"), "png")
     assert tuple(rgb[0, 0]) == (200, 10, 30)  # RGB order, not OpenCV's BGR

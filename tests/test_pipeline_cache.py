@@ -1,5 +1,6 @@
 """Stages 04 (captions -> token ids) and 05 (captions + latents -> the trainer's dataset)."""
 
+import importlib
 import json
 import subprocess
 import sys
@@ -11,33 +12,33 @@ import pytest
 
 import SD_Data
 import SD_Model
+import SD_Shards
 from data_factory import make_latents
 from shard_factory import image_bytes, random_image
-from stage_loader import load_stage
 
 ROOT = Path(__file__).resolve().parents[1]
-stage04 = load_stage("04_preprocess_to_cache")
-stage05 = load_stage("05_build_hf_dataset")
+stage04 = importlib.import_module("pipeline.04_preprocess_to_cache")
+stage05 = importlib.import_module("pipeline.05_build_hf_dataset")
 
 
 def make_shards(folder: Path) -> None:
     rng = np.random.default_rng(0)
     png = image_bytes(random_image(rng, 16, 16), "PNG")
-    SD_Data.write_shard(folder / "00000.tar", [
-        SD_Data.ShardSample("k0", png, "png", "a photo of a cat"),
-        SD_Data.ShardSample("k1", png, "png", "A Photo, of THE café!! " + "long " * 100),
-        SD_Data.ShardSample("k2", png, "png", None),  # no caption
+    SD_Shards.write_shard(folder / "00000.tar", [
+        SD_Shards.ShardSample("k0", png, "png", "a photo of a cat"),
+        SD_Shards.ShardSample("k1", png, "png", "A Photo, of THE café!! " + "long " * 100),
+        SD_Shards.ShardSample("k2", png, "png", None),  # no caption
     ])
-    SD_Data.write_shard(folder / "00001.tar", [
-        SD_Data.ShardSample("k3", png, "png", "a red circle"),
-        SD_Data.ShardSample("k4", None, "", "a caption without an image"),
+    SD_Shards.write_shard(folder / "00001.tar", [
+        SD_Shards.ShardSample("k3", png, "png", "a red circle"),
+        SD_Shards.ShardSample("k4", None, "", "a caption without an image"),
     ])
 
 
 @pytest.fixture()
 def captions(tmp_path):
     make_shards(tmp_path / "shards")
-    code = stage04.main(["--shards", str(tmp_path / "shards" / "*.tar"), "--out", str(tmp_path / "captions"),
+    code = stage04.main(["--input", str(tmp_path / "shards" / "*.tar"), "--out", str(tmp_path / "captions"),
                          "--tokenizer", "tiny"])
     assert code == 0
     return tmp_path
@@ -65,6 +66,7 @@ def test_04_writes_keys_captions_and_77_token_ids(captions):
 def test_04_rerun_is_a_no_op(captions):
     out = captions / "captions"
     before = {p.name: p.stat().st_mtime_ns for p in out.glob("0000*")}
+    # DESIGN.md's spelling --shards, an alias of --input: the same run, so nothing is redone.
     assert stage04.main(["--shards", str(captions / "shards" / "*.tar"), "--out", str(out), "--tokenizer", "tiny"]) == 0
     assert len(before) == 4 and {p.name: p.stat().st_mtime_ns for p in out.glob("0000*")} == before
     assert json.loads((out / "04_preprocess_to_cache_summary.json").read_text())["shards_already_done"] == 2
@@ -76,7 +78,7 @@ def test_05_joins_to_latents_splits_by_hash_and_the_trainer_reads_it(captions, c
     args = ["--captions", str(captions / "captions"), "--latents", str(captions / "latents"), "--out", str(out),
             "--val_fraction", "0.5"]
     assert stage05.main(args) == 0
-    stats = json.loads((out / "build_stats.json").read_text())
+    stats = json.loads((out / "05_build_hf_dataset_summary.json").read_text())
     assert stats["dropped"] == {"no_latent": 1, "duplicate_key": 0} and stats["examples"] == {"no_latent": ["k1"]}
     assert stats["latents_without_caption"] == 1
     assert "no latent for: k1" in capsys.readouterr().out
@@ -91,8 +93,8 @@ def test_05_joins_to_latents_splits_by_hash_and_the_trainer_reads_it(captions, c
     assert sorted(joined) == ["k0", "k3"]
     assert joined["k0"][:7].tolist() == [49406, 320, 1125, 539, 320, 2368, 49407]
     # Unchanged inputs: nothing is rebuilt.
-    mtime = (out / "build_stats.json").stat().st_mtime_ns
-    assert stage05.main(args) == 0 and (out / "build_stats.json").stat().st_mtime_ns == mtime
+    mtime = (out / "05_build_hf_dataset_summary.json").stat().st_mtime_ns
+    assert stage05.main(args) == 0 and (out / "05_build_hf_dataset_summary.json").stat().st_mtime_ns == mtime
     assert "up to date" in capsys.readouterr().out
 
 
@@ -110,7 +112,7 @@ def test_05_missing_inputs_exit_2(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("script, flags", [
-    ("04_preprocess_to_cache.py", ["--shards", "--out", "--tokenizer", "--batch_size"]),
+    ("04_preprocess_to_cache.py", ["--input", "--out", "--tokenizer", "--batch_size"]),
     ("05_build_hf_dataset.py", ["--captions", "--latents", "--out", "--val_fraction"]),
 ])
 def test_help_lists_every_flag(script, flags):

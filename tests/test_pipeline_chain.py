@@ -1,5 +1,6 @@
 """The whole data path on a local folder: 01e -> encode_latents.py -> 04 -> 05 -> SD_Train.py."""
 
+import importlib
 import json
 from pathlib import Path
 
@@ -10,7 +11,6 @@ import encode_latents
 import SD_Data
 import SD_Train
 from shard_factory import image_bytes, random_image
-from stage_loader import load_stage
 
 
 def make_folder(folder: Path, count: int) -> None:
@@ -25,19 +25,19 @@ def make_folder(folder: Path, count: int) -> None:
 
 def test_folder_to_training_run(tmp_path):
     make_folder(tmp_path / "src", 24)
-    assert load_stage("01e_import_folder").main(
-        ["--src", str(tmp_path / "src"), "--out", str(tmp_path / "shards"), "--layout", "flat",
+    assert importlib.import_module("pipeline.01e_import_folder").main(
+        ["--input", str(tmp_path / "src"), "--out", str(tmp_path / "shards"), "--layout", "flat",
          "--resolution", "64", "--shard_size", "10"]) == 0
     assert sorted(p.name for p in (tmp_path / "shards").glob("*.tar")) == ["00000.tar", "00001.tar", "00002.tar"]
     assert encode_latents.main(["--shards", str(tmp_path / "shards" / "*.tar"), "--out", str(tmp_path / "latents"),
                                 "--vae", "tiny", "--resolution", "64", "--batch_size", "4", "--workers", "2"]) == 0
-    assert load_stage("04_preprocess_to_cache").main(
-        ["--shards", str(tmp_path / "shards" / "*.tar"), "--out", str(tmp_path / "captions"), "--tokenizer", "tiny"]) == 0
-    assert load_stage("05_build_hf_dataset").main(
+    assert importlib.import_module("pipeline.04_preprocess_to_cache").main(
+        ["--input", str(tmp_path / "shards" / "*.tar"), "--out", str(tmp_path / "captions"), "--tokenizer", "tiny"]) == 0
+    assert importlib.import_module("pipeline.05_build_hf_dataset").main(
         ["--captions", str(tmp_path / "captions"), "--latents", str(tmp_path / "latents"),
          "--out", str(tmp_path / "dataset"), "--val_fraction", "0.2"]) == 0
 
-    build = json.loads((tmp_path / "dataset" / "build_stats.json").read_text())
+    build = json.loads((tmp_path / "dataset" / "05_build_hf_dataset_summary.json").read_text())
     assert build["train"] + build["validation"] == 24 and build["validation"] > 0
     assert build["dropped"]["no_latent"] == 0 and build["latents_without_caption"] == 0
     assert json.loads((tmp_path / "latents" / "latents.json").read_text())["count"] == 24

@@ -1,7 +1,9 @@
 """pipeline/01e_import_folder.py: local folders (flat, metadata, template layouts) -> image shards."""
 
+import importlib
 import io
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,11 +12,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-import SD_Data
+import SD_Shards
 from shard_factory import image_bytes, random_image
-from stage_loader import ROOT, load_stage
 
-stage = load_stage("01e_import_folder")
+ROOT = Path(__file__).resolve().parents[1]
+stage = importlib.import_module("pipeline.01e_import_folder")
 RES = ["--resolution", "64"]
 
 
@@ -36,7 +38,7 @@ def read_output(out: Path) -> dict[str, dict]:
     """key -> caption, metadata, decoded image size and shard name, in shard order."""
     samples = {}
     for tar in sorted(out.glob("*.tar")):
-        shard, truncated = SD_Data.read_shard(tar.read_bytes())
+        shard, truncated = SD_Shards.read_shard(tar.read_bytes())
         assert truncated is None
         for sample in shard:
             size = Image.open(io.BytesIO(sample.image)).size
@@ -83,7 +85,7 @@ def flat_src(tmp_path_factory):
 @pytest.fixture(scope="module")
 def flat_run(flat_src, tmp_path_factory):
     out = tmp_path_factory.mktemp("flat_out") / "shards"
-    argv = ["--src", str(flat_src), "--out", str(out), "--shard_size", "2", "--max_pixels", "50000", *RES]
+    argv = ["--input", str(flat_src), "--out", str(out), "--shard_size", "2", "--max_pixels", "50000", *RES]
     assert stage.main(argv) == 0
     return out, argv
 
@@ -140,7 +142,7 @@ def test_a_rerun_with_other_options_into_the_same_folder_is_refused(flat_run, ca
 
 def test_interrupted_run_resumes_only_missing_shards(flat_src, tmp_path):
     out = tmp_path / "shards"
-    argv = ["--src", str(flat_src), "--out", str(out), "--shard_size", "2", "--max_pixels", "50000", *RES]
+    argv = ["--input", str(flat_src), "--out", str(out), "--shard_size", "2", "--max_pixels", "50000", *RES]
     assert stage.main(argv) == 0
     (out / "00001_stats.json").unlink()  # as if killed between the tar and its done marker
     kept_tar = (out / "00000.tar").stat().st_mtime_ns
@@ -153,7 +155,7 @@ def test_interrupted_run_resumes_only_missing_shards(flat_src, tmp_path):
 
 def test_default_caption_fills_missing_and_empty_captions(flat_src, tmp_path):
     out = tmp_path / "shards"
-    assert stage.main(["--src", str(flat_src), "--out", str(out), "--default_caption", "a photo",
+    assert stage.main(["--input", str(flat_src), "--out", str(out), "--default_caption", "a photo",
                        "--caption_prefix", "sks, ", *RES]) == 0
     samples = read_output(out)
     assert {key: s["caption"] for key, s in samples.items()} == {
@@ -205,7 +207,7 @@ META_FLAGS = ["--layout", "metadata", "--exclude_tags", "gore", "--drop_tags", "
 @pytest.fixture(scope="module")
 def meta_run(meta_src, tmp_path_factory):
     out = tmp_path_factory.mktemp("meta_out") / "shards"
-    argv = ["--src", str(meta_src), "--out", str(out), "--tag_map", str(meta_src / "tag_map.json"),
+    argv = ["--input", str(meta_src), "--out", str(out), "--tag_map", str(meta_src / "tag_map.json"),
             *META_FLAGS, *RES]
     assert stage.main(argv) == 0
     return out
@@ -246,7 +248,7 @@ def test_metadata_layout_skip_reasons(meta_run):
 def test_without_a_bonus_the_low_score_image_is_dropped(meta_src, tmp_path):
     out = tmp_path / "shards"
     flags = [f for f in META_FLAGS if f not in ("--tag_bonus", "masterpiece=3")]
-    assert stage.main(["--src", str(meta_src), "--out", str(out), *flags, *RES]) == 0
+    assert stage.main(["--input", str(meta_src), "--out", str(out), *flags, *RES]) == 0
     assert summary(out)["dropped"]["low_score"] == 2
     assert "d" not in read_output(out)
     # Without the tag map, tags keep their source names (but --rename still applies).
@@ -255,7 +257,7 @@ def test_without_a_bonus_the_low_score_image_is_dropped(meta_src, tmp_path):
 
 def test_default_caption_replaces_an_empty_tag_list(meta_src, tmp_path):
     out = tmp_path / "shards"
-    assert stage.main(["--src", str(meta_src), "--out", str(out), "--layout", "metadata", "--drop_tags", "solo",
+    assert stage.main(["--input", str(meta_src), "--out", str(out), "--layout", "metadata", "--drop_tags", "solo",
                        "--tag_map", str(meta_src / "tag_map.json"), "--default_caption", "anime picture", *RES]) == 0
     samples = read_output(out)
     assert samples["k"]["caption"] == "anime picture" and samples["k"]["meta"]["tags"] == ["anime picture"]
@@ -278,7 +280,7 @@ TAGS = ["first", "second"] + [f"t{i}" for i in range(8)]
 
 
 def shuffled_caption(src: Path, out: Path, *flags) -> str:
-    assert stage.main(["--src", str(src), "--out", str(out), "--layout", "metadata", "--score_tags",
+    assert stage.main(["--input", str(src), "--out", str(out), "--layout", "metadata", "--score_tags",
                        "--caption_prefix", "masterpiece", *flags, *RES]) == 0
     return read_output(out)["p"]["caption"]
 
@@ -302,7 +304,7 @@ def test_shuffled_tags_are_stable_across_runs_and_keep_the_first(shuffle_src, tm
 
 def test_score_tag_omitted_and_no_score_kept_without_min_score(meta_src, tmp_path):
     out = tmp_path / "shards"
-    assert stage.main(["--src", str(meta_src), "--out", str(out), "--layout", "metadata", "--score_tags", *RES]) == 0
+    assert stage.main(["--input", str(meta_src), "--out", str(out), "--layout", "metadata", "--score_tags", *RES]) == 0
     samples = read_output(out)
     assert samples["e"]["caption"] == "tree"
     assert samples["b"]["caption"] == "score_9, 1boy, gore"
@@ -328,7 +330,7 @@ def faces_src(tmp_path_factory):
 
 def test_template_layout_uses_folder_names_and_the_map(faces_src, tmp_path):
     out = tmp_path / "shards"
-    assert stage.main(["--src", str(faces_src), "--out", str(out), "--layout", "template",
+    assert stage.main(["--input", str(faces_src), "--out", str(out), "--layout", "template",
                        "--template", "a photo of {folder}", "--template_map", str(faces_src.parent / "names.json"),
                        *RES]) == 0
     samples = read_output(out)
@@ -345,7 +347,7 @@ def test_template_layout_uses_folder_names_and_the_map(faces_src, tmp_path):
 
 def test_template_layout_default_template(faces_src, tmp_path):
     out = tmp_path / "shards"
-    assert stage.main(["--src", str(faces_src), "--out", str(out), "--layout", "template", *RES]) == 0
+    assert stage.main(["--input", str(faces_src), "--out", str(out), "--layout", "template", *RES]) == 0
     assert {s["caption"] for s in read_output(out).values()} == {"a photo of a person"}
     assert summary(out)["kept"] == 4 and summary(out)["dropped"] == {}
 
@@ -372,7 +374,7 @@ def bad_tag_map(tmp_path):
 
 
 @pytest.mark.parametrize("flags, message", [
-    ([], "--src"),
+    ([], "--input"),
     (["--resolution", "60"], "multiple of 8"),
     (["--shard_size", "0"], "--shard_size must be >= 1"),
     (["--layout", "metadata", "--tag_map", "BAD"], "bad.json"),
@@ -388,7 +390,7 @@ def bad_tag_map(tmp_path):
 def test_bad_command_lines_exit_2_with_one_line_before_any_work(tmp_path, capsys, flags, message):
     flags = [bad_tag_map(tmp_path) if f == "BAD" else str(tmp_path / "missing.json") if f == "MISSING" else f
              for f in flags]
-    src = [] if not flags else ["--src", str(tmp_path)]
+    src = [] if not flags else ["--input", str(tmp_path)]
     out = tmp_path / "out"
     with pytest.raises(SystemExit) as exit_info:
         stage.main([*src, "--out", str(out), *flags])
@@ -400,10 +402,10 @@ def test_bad_command_lines_exit_2_with_one_line_before_any_work(tmp_path, capsys
 
 def test_missing_or_imageless_src_folder_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        stage.main(["--src", str(tmp_path / "nope"), "--out", str(tmp_path / "out")])
+        stage.main(["--input", str(tmp_path / "nope"), "--out", str(tmp_path / "out")])
     assert exit_info.value.code == 2 and "is not a folder" in capsys.readouterr().err
     (tmp_path / "notes.txt").write_text("no images here")
-    assert stage.main(["--src", str(tmp_path), "--out", str(tmp_path / "out")]) == 2
+    assert stage.main(["--input", str(tmp_path), "--out", str(tmp_path / "out")]) == 2
     assert "no images" in capsys.readouterr().err and not (tmp_path / "out").exists()
 
 
@@ -411,12 +413,13 @@ def test_help_lists_every_flag_with_its_default():
     result = subprocess.run([sys.executable, "pipeline/01e_import_folder.py", "--help"], cwd=ROOT,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0
-    flags = ["--src", "--out", "--layout", "--resolution", "--shard_size", "--max_pixels", "--default_caption",
+    flags = ["--input", "--out", "--layout", "--resolution", "--shard_size", "--max_pixels", "--default_caption",
              "--caption_prefix", "--exclude_tags", "--drop_tags", "--tag_map", "--rename", "--min_score",
              "--tag_bonus", "--score_tags", "--shuffle_tags", "--keep_first", "--seed", "--template",
              "--template_map"]
+    options = result.stdout.split("options:")[1]
+    entries = {entry.split()[0].rstrip(","): " ".join(entry.split())
+               for entry in re.split(r"\n  (?=-)", options) if entry.strip()}
+    assert sorted(entries) == sorted(["-h", *flags])  # the old spelling --src is accepted, not shown
     for flag in flags:
-        assert f"  {flag}" in result.stdout, flag
-    for action in stage.build_parser()._actions:
-        if action.dest != "help":
-            assert "default" in action.help, action.dest
+        assert "(required)" in entries[flag] if flag in ("--input", "--out") else "(default: " in entries[flag], flag

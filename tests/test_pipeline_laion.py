@@ -1,5 +1,6 @@
 """The LAION stages: 01 metadata download/copy, 02 metadata filter, 03 img2dataset image download."""
 
+import importlib
 import inspect
 import json
 import os
@@ -15,15 +16,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import SD_Data
+import SD_Shards
 from http_server import LoopbackServer
 from shard_factory import image_bytes, random_image
-from stage_loader import load_stage
 
 ROOT = Path(__file__).resolve().parents[1]
-stage01 = load_stage("01_download_metadata")
-stage02 = load_stage("02_filter_metadata")
-stage03 = load_stage("03_download_images")
+stage01 = importlib.import_module("pipeline.01_download_metadata")
+stage02 = importlib.import_module("pipeline.02_filter_metadata")
+stage03 = importlib.import_module("pipeline.03_download_images")
 
 
 def laion_row(url, text, width=600, height=700, aesthetic=7.0, similarity=0.31, pwatermark=0.1, punsafe=0.1):
@@ -312,7 +312,7 @@ def run03(inputs: Path, out: Path) -> dict:
 def read_samples(out: Path) -> dict:
     samples = {}
     for tar in sorted(out.glob("*.tar")):
-        read, truncated = SD_Data.read_shard(tar.read_bytes())
+        read, truncated = SD_Shards.read_shard(tar.read_bytes())
         assert truncated is None
         samples.update((sample.key, sample) for sample in read)
     return samples
@@ -324,7 +324,7 @@ def check_samples(out: Path, metadata: list[dict]) -> None:
     by_url = {row["URL"]: row for row in metadata}
     for sample in samples.values():
         meta = json.loads(sample.metadata)
-        assert SD_Data.decode_image(sample.image, sample.image_ext).shape == (64, 64, 3)
+        assert SD_Shards.decode_image(sample.image, sample.image_ext).shape == (64, 64, 3)
         assert sample.caption == by_url[meta["url"]]["TEXT"]
         assert meta["aesthetic"] == pytest.approx(by_url[meta["url"]]["aesthetic"])
         assert meta["punsafe"] == pytest.approx(0.1) and {"similarity", "pwatermark"} <= meta.keys()
@@ -389,6 +389,7 @@ def test_help_names_every_flag_with_its_default(stage, capsys):
     entries = {entry.split()[0].rstrip(","): " ".join(entry.split())
                for entry in re.split(r"\n  (?=-)", options) if entry.strip()}
     assert sorted(entries) == sorted(["-h", *FLAGS[stage]])
-    assert all("(default: " in text for flag, text in entries.items() if flag != "-h")
+    assert all(("(required)" if flag in ("--input", "--out") else "(default: ") in text
+               for flag, text in entries.items() if flag != "-h")
     if stage == "02_filter_metadata":
         assert entries["--min_aesthetic"].endswith("keep rows with aesthetic score >= this (default: 6.5)")

@@ -1,10 +1,15 @@
+import importlib
 import json
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-import SD_Data
 import SD_Pipeline
+import SD_Shards
 from http_server import LoopbackServer
 from shard_factory import image_bytes, random_image
 
@@ -52,26 +57,149 @@ def test_parse_range():
 def test_image_sample_is_a_square_jpeg_with_metadata():
     data = image_bytes(random_image(np.random.default_rng(0), 300, 200), "PNG")
     sample = SD_Pipeline.image_sample("k1", data, "png", "a cat", 64, {"source": "test"})
-    rgb = SD_Data.decode_image(sample.image, "jpg")
+    rgb = SD_Shards.decode_image(sample.image, "jpg")
     assert rgb.shape == (64, 64, 3) and sample.caption == "a cat" and sample.image_ext == "jpg"
     meta = json.loads(sample.metadata)
     assert (meta["original_width"], meta["original_height"], meta["source"]) == (200, 300, "test")
-    with pytest.raises(SD_Data.ImageSkip):
+    with pytest.raises(SD_Shards.ImageSkip):
         SD_Pipeline.image_sample("k2", b"not an image\xff\xd9", "jpg", "x", 64)
 
 
 def test_write_shard_marks_done_last_and_summary_adds_up(tmp_path):
     stats = SD_Pipeline.ShardStats()
     stats.skip("undecodable", "bad.jpg")
-    samples = [SD_Data.ShardSample("k0", b"\xff\xd8\xff\xd9", "jpg", "c", b"{}")]
+    samples = [SD_Shards.ShardSample("k0", b"\xff\xd8\xff\xd9", "jpg", "c", b"{}")]
     record = SD_Pipeline.write_shard(tmp_path, 3, samples, stats, source="x")
-    assert SD_Pipeline.shard_done(tmp_path, 3) and not SD_Pipeline.shard_done(tmp_path, 2)
+    assert SD_Pipeline.output_done(tmp_path, 3) and not SD_Pipeline.output_done(tmp_path, 2)
     assert record == {"count": 2, "successes": 1, "failed": {"undecodable": 1},
                       "examples": {"undecodable": ["bad.jpg"]}, "source": "x"}
-    read, truncated = SD_Data.read_shard((tmp_path / "00003.tar").read_bytes())
+    read, truncated = SD_Shards.read_shard((tmp_path / "00003.tar").read_bytes())
     assert truncated is None and [s.key for s in read] == ["k0"]
     summary = SD_Pipeline.Summary("test")
     summary.add_done(tmp_path / "00003_stats.json")
     result = summary.finish(tmp_path)
     assert (result["kept"], result["dropped"], result["shards_already_done"]) == (1, {"undecodable": 1}, 1)
     assert json.loads((tmp_path / "test_summary.json").read_text())["kept"] == 1
+
+
+def test_pending_counts_finished_outputs_and_returns_the_rest_in_order(tmp_path):
+    for name, successes in (("b", 3), ("d", 5)):
+        stats = SD_Pipeline.ShardStats()
+        stats.successes = successes
+        stats.skip("no_caption", f"{name}0")
+        SD_Pipeline.write_output(tmp_path, name, lambda tmp: Path(tmp).write_text("rows"), stats, ".parquet")
+    (tmp_path / "c.parquet").write_text("no stats file: not done")
+    summary = SD_Pipeline.Summary("test")
+    assert summary.pending(tmp_path, ["a", "b", "c", "d"], ".parquet") == ["a", "c"]
+    assert (summary.kept, summary.dropped, summary.shards_skipped) == (8, {"no_caption": 2}, 2)
+    assert json.loads((tmp_path / "b_stats.json").read_text())["count"] == 4
+
+
+# ---------------------------------------------------------------------------------------------
+# The stage contract: every numbered stage
+# ---------------------------------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+STAGES = sorted(path.stem for path in (ROOT / "pipeline").glob("0*.py"))
+
+
+def stage(name: str):
+    return importlib.import_module(f"pipeline.{name}")
+
+
+def help_entries(name: str, capsys) -> dict[str, str]:
+    """flag -> its --help text on one line."""
+    with pytest.raises(SystemExit) as exit_info:
+        stage(name).main(["--help"])
+    assert exit_info.value.code == 0
+    options = capsys.readouterr().out.split("options:")[1]
+    return {entry.split()[0].rstrip(","): " ".join(entry.split())
+            for entry in re.split(r"\n  (?=-)", options) if entry.strip()}
+
+
+def test_there_are_ten_stages():
+    assert STAGES == ["00_make_demo_data", "01_download_metadata", "01b_download_diffusiondb",
+                      "01c_download_journeydb_images", "01d_download_coco", "01e_import_folder",
+                      "02_filter_metadata", "03_download_images", "04_preprocess_to_cache", "05_build_hf_dataset"]
+
+
+@pytest.mark.parametrize("name", STAGES)
+def test_every_stage_spells_shared_flags_one_way_with_one_default(name, capsys):
+    entries = help_entries(name, capsys)
+    assert entries["--out"].endswith("(required)")
+    assert not {"--shards", "--src", "--dtype"} & set(entries)  # old spellings are hidden aliases
+    if "--workers" in entries:
+        assert entries["--workers"] == (f"--workers WORKERS threads decoding and resizing images "
+                                        f"(default: {SD_Pipeline.DEFAULT_WORKERS})")
+    if "--retries" in entries:
+        assert entries["--retries"].endswith(f"(default: {SD_Pipeline.DEFAULT_RETRIES})")
+    if "--resolution" in entries:
+        assert entries["--resolution"].endswith("(default: 512)")
+    downloads = name in ("01b_download_diffusiondb", "01c_download_journeydb_images", "01d_download_coco")
+    assert ("--workers" in entries, "--retries" in entries) == (downloads, downloads or name == "03_download_images")
+    single_input = name in ("01e_import_folder", "02_filter_metadata", "03_download_images", "04_preprocess_to_cache")
+    assert ("--input" in entries) == single_input
+
+
+@pytest.mark.parametrize("name, argv, flag", [
+    ("04_preprocess_to_cache", ["--input", "x/*.tar", "--out", "o", "--tok", "tiny"], "--tok tiny"),
+    ("01e_import_folder", ["--input", "x", "--out", "o", "--lay", "flat"], "--lay flat"),
+])
+def test_an_abbreviated_flag_is_refused_in_one_line(name, argv, flag, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        stage(name).main(argv)
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == f"{name}.py: error: unrecognized arguments: {flag} (see --help)\n"
+
+
+BOOL_FORMS = [([], False), (["FLAG"], True), (["FLAG", "true"], True), (["FLAG", "false"], False),
+              (["FLAG", "1"], True), (["FLAG", "no"], False)]
+
+
+@pytest.mark.parametrize("form, expected", BOOL_FORMS)
+def test_a_boolean_flag_reads_the_same_in_two_stages(tmp_path, form, expected):
+    flag = [word.replace("FLAG", "--keep_archives") for word in form]
+    diffusiondb = stage("01b_download_diffusiondb").parse_args(["--parts", "1", "--out", str(tmp_path), *flag])
+    assert diffusiondb.keep_archives is expected
+    # Followed by another flag, a bare boolean still takes no value.
+    trailing = stage("01b_download_diffusiondb").parse_args(["--parts", "1", *flag, "--out", str(tmp_path)])
+    assert trailing.keep_archives is expected and trailing.out == str(tmp_path)
+    flag = [word.replace("FLAG", "--score_tags") for word in form]
+    args, rules = stage("01e_import_folder").parse_args(["--input", str(tmp_path), "--out", str(tmp_path / "o"),
+                                                         "--layout", "metadata", *flag])
+    assert args.score_tags is expected and rules.score_tags is expected
+
+
+def test_a_boolean_flag_refuses_other_words(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        stage("01b_download_diffusiondb").parse_args(["--parts", "1", "--out", str(tmp_path), "--keep_archives", "maybe"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == ("01b_download_diffusiondb.py: error: argument --keep_archives: expected true "
+                                       "or false, got 'maybe' (see --help)\n")
+
+
+@pytest.mark.parametrize("name, old, extra", [
+    ("04_preprocess_to_cache", "--shards", []),
+    ("01e_import_folder", "--src", []),
+])
+def test_the_old_input_spelling_is_an_alias(tmp_path, name, old, extra, capsys):
+    parsed = stage(name).parse_args([old, str(tmp_path), "--out", str(tmp_path / "o"), *extra])
+    args = parsed[0] if isinstance(parsed, tuple) else parsed
+    assert args.input == str(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        stage(name).parse_args(["--out", str(tmp_path / "o")])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == f"{name}.py: error: the following arguments are required: --input (see --help)\n"
+
+
+@pytest.mark.slow
+def test_every_stage_runs_as_a_script_from_any_folder(tmp_path):
+    """``python pipeline/NN_x.py --help`` from outside the repository (the tests of each stage run it
+    from the repository root): the scripts find the repository's modules by their own path."""
+    runs = [(name, cwd, subprocess.Popen([sys.executable, str(ROOT / "pipeline" / f"{name}.py"), "--help"], cwd=cwd,
+                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+            for name in STAGES for cwd in [tmp_path]]
+    for name, cwd, process in runs:
+        out, err = process.communicate(timeout=300)
+        assert process.returncode == 0, (name, cwd, err[-2000:])
+        assert out.startswith(f"usage: {name}.py ") and "--out OUT" in out
