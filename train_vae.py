@@ -29,8 +29,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-import SD_Data
 import SD_Model
+import SD_Shards
 
 log = logging.getLogger("train_vae")
 
@@ -79,16 +79,16 @@ def load_images(pattern: str, resolution: int, max_images: int) -> torch.Tensor:
     """All usable images of the shards as uint8 ``(N, 3, R, R)``; bad ones are counted and skipped."""
     images, skipped = [], {}
     for path in sorted(glob.glob(pattern)):
-        samples, _ = SD_Data.read_shard(Path(path).read_bytes())
+        samples, _ = SD_Shards.read_shard(Path(path).read_bytes())
         for sample in samples:
             if sample.image is None:
                 continue
             try:
-                rgb = SD_Data.decode_image(sample.image, sample.image_ext)
-            except SD_Data.ImageSkip as skip:
+                rgb = SD_Shards.decode_image(sample.image, sample.image_ext)
+            except SD_Shards.ImageSkip as skip:
                 skipped[skip.reason] = skipped.get(skip.reason, 0) + 1
                 continue
-            images.append(SD_Data.resize_center_crop(rgb, resolution))
+            images.append(SD_Shards.resize_center_crop(rgb, resolution))
             if max_images and len(images) >= max_images:
                 break
         if max_images and len(images) >= max_images:

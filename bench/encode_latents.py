@@ -75,11 +75,11 @@ def vae_ceiling(vae, device, dtype, resolution: int, batch_size: int, batches: i
     pixels = torch.rand(batch_size, 3, resolution, resolution, device=device, dtype=dtype) * 2 - 1
     with torch.no_grad(), SD_Model.attention_context(device):
         vae.encode(pixels)  # warm-up
-        harness.sync(device)
+        SD_Runtime.synchronize(device)
         start = time.perf_counter()
         for _ in range(batches):
             vae.encode(pixels).latent_dist.mean.to(torch.float16)
-        harness.sync(device)
+        SD_Runtime.synchronize(device)
     return batch_size * batches / (time.perf_counter() - start)
 
 

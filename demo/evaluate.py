@@ -21,7 +21,7 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import SD_Data
+import SD_Files
 
 FOREGROUND_DISTANCE = 80  # RGB distance from white beyond which a pixel is shape, not background
 # Fill-ratio boundaries: triangle 0.5 | circle 0.785 | square 1.0, split half way.
@@ -93,7 +93,7 @@ def main(argv=None) -> int:
     records = json.loads((images_dir / "images.json").read_text())
     prompts = json.loads(Path(args.prompts).read_text())
     result = score(records, images_dir, prompts)
-    SD_Data.write_text_atomic(Path(args.out), json.dumps(result, indent=1) + "\n")
+    SD_Files.write_text_atomic(Path(args.out), json.dumps(result, indent=1) + "\n")
     for group, values in result.items():
         if values["n"]:
             print(f"{group:9s} n={values['n']:3d}  colour {values['colour']:.0%}  shape {values['shape']:.0%}  "
