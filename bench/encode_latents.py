@@ -12,7 +12,6 @@ for any pipeline. Prints images/s of each, the ratios, and one JSON line for BEN
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import sys
@@ -30,6 +29,7 @@ from PIL import Image
 import encode_latents
 import harness
 import SD_Model
+import SD_Cli
 import SD_Runtime
 import SD_Shards
 
@@ -84,7 +84,7 @@ def vae_ceiling(vae, device, dtype, resolution: int, batch_size: int, batches: i
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = SD_Cli.ArgumentParser(description=__doc__)
     parser.add_argument("--vae", choices=["tiny", "sd1"], default="tiny", help="tiny, or the SD 1.x VAE architecture "
                         "with random weights (default: %(default)s)")
     parser.add_argument("--resolution", type=int, default=64, help="pixels (default: %(default)s)")

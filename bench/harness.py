@@ -55,10 +55,10 @@ def peak_tflops(device: torch.device, override: float | None = None) -> float | 
 
 def argument_parser(doc: str, *, cpu_resolution: int = 64):
     """The flags every benchmark shares: --arch, --resolution, --device, --json."""
-    import argparse
+    import SD_Cli
 
     cuda = torch.cuda.is_available()
-    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = SD_Cli.ArgumentParser(description=doc)
     parser.add_argument("--arch", choices=["sd1", "tiny"], default="sd1" if cuda else "tiny",
                         help="sd1 (860M UNet) or the tiny CPU preset (default: sd1 on a GPU, else tiny)")
     parser.add_argument("--resolution", type=int, default=512 if cuda else cpu_resolution,

@@ -55,7 +55,7 @@ def peak_rss_gb() -> float:
 def cpu_trial(impl: str, checkpointing: bool, batch: int, args) -> dict:
     """One batch in a fresh process, so its peak is its own."""
     command = [sys.executable, __file__, "--_trial", f"{impl},{int(checkpointing)},{batch}", "--arch", args.arch,
-               "--resolution", str(args.resolution), "--precision", args.precision, "--steps", str(args.steps),
+               "--resolution", str(args.resolution), "--precision", args.precision, "--trial_steps", str(args.trial_steps),
                "--device", "cpu"]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
@@ -64,13 +64,13 @@ def cpu_trial(impl: str, checkpointing: bool, batch: int, args) -> dict:
 
 
 def run_trial_here(spec: str, args) -> None:
-    """The child side of cpu_trial: build, run ``--steps`` steps, print the memory used."""
+    """The child side of cpu_trial: build, run ``--trial_steps`` steps, print the memory used."""
     impl, checkpointing, batch = spec.split(",")
     device = torch.device("cpu")
     before = current_rss_gb()
     step = build_step(impl, checkpointing == "1", args.arch, device, args.precision)
     latents, input_ids = harness.synthetic_batch(int(batch), args.resolution // harness.vae_factor(args.arch))
-    for _ in range(args.steps):
+    for _ in range(args.trial_steps):
         step(latents, input_ids)
     print(json.dumps({"peak_gb": round(peak_rss_gb() - before, 3)}))
 
@@ -88,7 +88,7 @@ class GpuTrials:
         torch.cuda.empty_cache()
         harness.reset_peak(self.device)
         try:
-            for _ in range(self.args.steps):
+            for _ in range(self.args.trial_steps):
                 self.step(latents, input_ids)
         except harness.out_of_memory_errors():
             torch.cuda.empty_cache()
@@ -139,7 +139,9 @@ def parse_args(argv=None):
     parser.add_argument("--limit_gb", type=float, default=None, help="memory a batch may use (default: the GPU's "
                         "memory; on a CPU 0.4 GB)")
     parser.add_argument("--max_batch", type=int, default=512 if cuda else 256, help="largest batch tried")
-    parser.add_argument("--steps", type=int, default=2, help="steps per trial (the first allocates the optimizer)")
+    parser.add_argument("--trial_steps", type=int, default=2, help="training steps per trial (the first allocates "
+                        "the optimizer)")
+    parser.add_alias("--steps", "trial_steps", type=int)
     parser.add_argument("--precision", choices=["bf16", "fp32"], default="bf16" if cuda else "fp32")
     parser.add_argument("--_trial", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

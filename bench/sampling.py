@@ -85,8 +85,9 @@ def parse_args(argv=None):
     parser.add_argument("--cfg", type=float, default=7.5, help="guidance scale")
     parser.add_argument("--repeats", type=int, default=5 if cuda else 3,
                         help="timed sampling calls per measurement, alternating ours and the peer; the median counts")
-    parser.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
+    parser.add_argument("--precision", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
                         help="auto: bf16 on a GPU, fp32 on a CPU (as SD_ImageGen.py)")
+    parser.add_alias("--dtype", "precision", choices=["auto", "bf16", "fp16", "fp32"])
     args = parser.parse_args(argv)
     unknown = set(harness.parse_list(args.modes, str)) - set(MODES)
     if unknown:
@@ -97,7 +98,7 @@ def parse_args(argv=None):
 def main(argv=None) -> dict:
     args = parse_args(argv)
     device = SD_Runtime.pick_device(args.device)
-    dtype = SD_Runtime.resolve_precision(args.dtype, device)
+    dtype = SD_Runtime.resolve_precision(args.precision, device)
     model, pipeline = build(args.arch, device, dtype)
     base_unet = model.unet
     latent_size = args.resolution // harness.vae_factor(args.arch)

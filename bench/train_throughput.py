@@ -203,7 +203,7 @@ def measure(entries: list[tuple[str, str, object]], batch: int, device, args, fl
 
     With ``--rounds 1`` each entry is built, timed and freed in turn, and its peak memory covers
     building and stepping. With more rounds all entries are built together, warmed, then timed in
-    alternating rounds of ``--steps`` steps, the median round counting (drift on a shared machine
+    alternating rounds of ``--timed_steps`` steps, the median round counting (drift on a shared machine
     then hits every entry alike; no peak memory per entry).
     """
     latents, input_ids = harness.synthetic_batch(batch, args.resolution // harness.vae_factor(args.arch))
@@ -216,7 +216,7 @@ def measure(entries: list[tuple[str, str, object]], batch: int, device, args, fl
             for _ in range(args.warmup):
                 step(latents, input_ids)
             if args.rounds == 1:
-                rows[-1]["step_s"] = [harness.time_steps(lambda: step(latents, input_ids), device, 0, args.steps)]
+                rows[-1]["step_s"] = [harness.time_steps(lambda: step(latents, input_ids), device, 0, args.timed_steps)]
                 rows[-1].update(harness.peak_gb(device))
                 step = None
         except harness.out_of_memory_errors():
@@ -228,7 +228,7 @@ def measure(entries: list[tuple[str, str, object]], batch: int, device, args, fl
         for row, step in zip(rows, steps):
             if step is not None:
                 row.setdefault("step_s", []).append(
-                    harness.time_steps(lambda: step(latents, input_ids), device, 0, args.steps))
+                    harness.time_steps(lambda: step(latents, input_ids), device, 0, args.timed_steps))
     del steps
     harness.release(device)
     for row in rows:
@@ -274,7 +274,8 @@ def parse_args(argv=None):
     parser.add_argument("--precision", choices=["bf16", "fp32"], default="bf16" if cuda else "fp32",
                         help="bf16 autocast (GPU default) or fp32 (CPU default)")
     parser.add_argument("--warmup", type=int, default=5 if cuda else 1, help="untimed steps (compilation included)")
-    parser.add_argument("--steps", type=int, default=20 if cuda else 3, help="timed steps (per round)")
+    parser.add_argument("--timed_steps", type=int, default=20 if cuda else 3, help="timed steps (per round)")
+    parser.add_alias("--steps", "timed_steps", type=int)
     parser.add_argument("--rounds", type=int, default=1 if cuda else 5, help="1: each configuration built, timed "
                         "and freed in turn, with its peak memory; more: all of one batch built together and timed "
                         "in alternating rounds, the median counting (steadier on a shared CPU; default: 1 on a GPU, "
@@ -327,7 +328,7 @@ def main(argv=None) -> dict:
             with tempfile.TemporaryDirectory() as tmp:
                 model_dir, data_dir = prepare_peer_inputs(Path(tmp), args.arch, args.resolution, args.peer_images)
                 row = run_peer_script(args.peer_script, Path(tmp), model_dir, data_dir, args.resolution, batch,
-                                      args.warmup, args.steps, args.precision)
+                                      args.warmup, args.timed_steps, args.precision)
             if peak:
                 row["mfu"] = row["images_per_s"] * flops / (peak * 1e12)
             rows.append(row)
