@@ -11,6 +11,9 @@ The stage contract:
   img2dataset produces). A re-run skips every output whose stats file exists, so stages are
   idempotent and resumable per shard.
 * At the end ``Summary`` prints what was kept and dropped and writes ``<stage>_summary.json``.
+
+It is one module (about 500 lines) on purpose: the whole stage contract, read in one place by
+whoever writes a new stage.
 """
 
 from __future__ import annotations

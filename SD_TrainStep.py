@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 import SD_Distributed
+import SD_EMA
 import SD_Model
 import SD_Runtime
 from SD_Distributed import Dist
@@ -48,7 +49,7 @@ class Step:
     empty_embedding: torch.Tensor  # (1, 77, D): the empty prompt, for CFG dropout
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
-    ema: SD_Model.EMA | None
+    ema: SD_EMA.EMA | None
     noise_generator: torch.Generator  # noise, timesteps and CFG dropout; saved per rank
     alphas_cumprod: torch.Tensor
     scaling_factor: float
@@ -118,7 +119,7 @@ def build_step(config, d: Dist, unet, text_encoder, empty_ids: torch.Tensor, sca
         empty = SD_Model.encode_prompt_ids(text_encoder, empty_ids)
     ema = None
     if config.ema_decay > 0:
-        ema = SD_Model.EMA(unet, config.ema_decay, device="cpu" if config.ema_device == "cpu" else None,
+        ema = SD_EMA.EMA(unet, config.ema_decay, device="cpu" if config.ema_device == "cpu" else None,
                            update_every=config.ema_update_every)
     noise_generator = torch.Generator(device=d.device).manual_seed(config.seed * 7919 + d.rank + 1)
     return Step(unet, unet, text_encoder, empty, build_optimizer(unet, config),

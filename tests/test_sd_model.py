@@ -3,6 +3,7 @@ import math
 import pytest
 import torch
 
+import SD_EMA
 import SD_Model as M
 import SD_Sampling
 import SD_Tokenizer
@@ -373,7 +374,7 @@ def _linear(seed=0):
 def test_ema_after_k_updates_matches_the_closed_form():
     model = _linear()
     start = [p.detach().clone() for p in model.parameters()]
-    ema = M.EMA(model, decay=0.9)
+    ema = SD_EMA.EMA(model, decay=0.9)
     with torch.no_grad():
         for p in model.parameters():
             p.fill_(2.0)
@@ -391,7 +392,7 @@ def test_ema_after_k_updates_matches_the_closed_form():
 
 def test_ema_tracks_changing_weights_like_the_recursion():
     model = _linear()
-    ema = M.EMA(model, decay=0.999)
+    ema = SD_EMA.EMA(model, decay=0.999)
     reference = [p.detach().double().clone() for p in model.parameters()]
     g = torch.Generator().manual_seed(0)
     for step in range(12):
@@ -399,33 +400,33 @@ def test_ema_tracks_changing_weights_like_the_recursion():
             for p in model.parameters():
                 p.add_(torch.randn(p.shape, generator=g))
         ema.update(model, step)
-        d = M.ema_decay_at(step, 0.999)
+        d = SD_EMA.ema_decay_at(step, 0.999)
         reference = [d * r + (1 - d) * p.detach().double() for r, p in zip(reference, model.parameters())]
     for r, s in zip(reference, ema.shadow):
         torch.testing.assert_close(s.double(), r, rtol=1e-5, atol=1e-6)
-    assert M.ema_decay_at(0, 0.9999) == pytest.approx(0.1)
-    assert M.ema_decay_at(10**7, 0.9999) == 0.9999
+    assert SD_EMA.ema_decay_at(0, 0.9999) == pytest.approx(0.1)
+    assert SD_EMA.ema_decay_at(10**7, 0.9999) == 0.9999
 
 
 def test_ema_every_n_steps_on_cpu_uses_the_powered_decay():
     model = _linear()
     start = [p.detach().clone() for p in model.parameters()]
-    ema = M.EMA(model, decay=0.5, device="cpu", update_every=3)
+    ema = SD_EMA.EMA(model, decay=0.5, device="cpu", update_every=3)
     with torch.no_grad():
         for p in model.parameters():
             p.fill_(1.0)
     applied = [ema.update(model, step) for step in range(6)]
     assert applied == [False, False, True, False, False, True]
-    product = (M.ema_decay_at(2, 0.5) ** 3) * (M.ema_decay_at(5, 0.5) ** 3)
+    product = (SD_EMA.ema_decay_at(2, 0.5) ** 3) * (SD_EMA.ema_decay_at(5, 0.5) ** 3)
     for s0, shadow in zip(start, ema.shadow):
         torch.testing.assert_close(shadow, 1.0 + (s0 - 1.0) * product)
 
 
 def test_ema_state_dict_round_trip_and_mismatch_errors():
     model = _linear()
-    ema = M.EMA(model, decay=0.99)
+    ema = SD_EMA.EMA(model, decay=0.99)
     ema.update(model, 0)
-    other = M.EMA(_linear(seed=1), decay=0.99)
+    other = SD_EMA.EMA(_linear(seed=1), decay=0.99)
     other.load_state_dict(ema.state_dict())
     for a, b in zip(ema.shadow, other.shadow):
         assert torch.equal(a, b)
@@ -435,7 +436,7 @@ def test_ema_state_dict_round_trip_and_mismatch_errors():
 
 def test_swapping_ema_weights_in_and_out_is_exact():
     model = M.build_unet("tiny", seed=0, from_scratch=False)
-    ema = M.EMA(model, decay=0.9)
+    ema = SD_EMA.EMA(model, decay=0.9)
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(1.1).add_(0.01)
@@ -451,9 +452,9 @@ def test_swapping_ema_weights_in_and_out_is_exact():
 
 def test_ema_rejects_bad_settings():
     with pytest.raises(ValueError, match="decay"):
-        M.EMA(_linear(), decay=1.0)
+        SD_EMA.EMA(_linear(), decay=1.0)
     with pytest.raises(ValueError, match="update_every"):
-        M.EMA(_linear(), update_every=0)
+        SD_EMA.EMA(_linear(), update_every=0)
 
 
 def test_training_flops_count_attention_in_full():
