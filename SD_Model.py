@@ -69,21 +69,6 @@ TINY_TEXT_ENCODER = dict(
     pad_token_id=49407,
 )
 
-# AutoencoderKL preset with the real VAE's interface: 4 latent channels, downsampling factor 8.
-TINY_VAE = dict(
-    in_channels=3,
-    out_channels=3,
-    down_block_types=("DownEncoderBlock2D",) * 4,
-    up_block_types=("UpDecoderBlock2D",) * 4,
-    block_out_channels=(16, 32, 32, 32),
-    layers_per_block=1,
-    latent_channels=4,
-    norm_num_groups=8,
-    sample_size=64,
-    scaling_factor=SD1_SCALING_FACTOR,
-)
-
-
 # The SD 1.x AutoencoderKL architecture (the config of sd-vae-ft-mse), for benchmarks with random weights.
 SD1_VAE = dict(
     in_channels=3,
@@ -97,6 +82,8 @@ SD1_VAE = dict(
     sample_size=512,
     scaling_factor=SD1_SCALING_FACTOR,
 )
+# AutoencoderKL preset with the real VAE's interface: 4 latent channels, downsampling factor 8.
+TINY_VAE = dict(SD1_VAE, block_out_channels=(16, 32, 32, 32), layers_per_block=1, norm_num_groups=8, sample_size=64)
 
 
 # ---------------------------------------------------------------------------------------------
