@@ -49,10 +49,12 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Keeps the module docstring's layout and appends each flag's default to its help."""
+    """Keeps the module docstring's layout and appends each flag's default to its help (unless the help
+    already states it, e.g. ``(default: OUT/_downloads)``)."""
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if "%(default)" in text or action.default in (None, argparse.SUPPRESS, False) or not action.option_strings:
+        if ("%(default)" in text or "(default:" in text or action.default in (None, argparse.SUPPRESS, False)
+                or not action.option_strings):
             return text
         return f"{text} (default: %(default)s)"

@@ -392,15 +392,6 @@ def detect_columns(path: Path, names: list[str], overrides: dict) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
-class StageHelpFormatter(SD_Cli.HelpFormatter):
-    """SD_Cli's, except that a help text stating its default in words (``(default: none)``) keeps it."""
-
-    def _get_help_string(self, action):
-        if "(default:" in (action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
-
-
 class StageArgumentParser(SD_Cli.ArgumentParser):
     """The command line of a pipeline stage: SD_Cli's conventions, one line on stderr and exit 2 for a
     bad command line, and the flags stages share (``--input``, ``--out``, ``--workers``, ``--retries``,
@@ -410,7 +401,7 @@ class StageArgumentParser(SD_Cli.ArgumentParser):
     """
 
     def __init__(self, script: str, doc: str | None):
-        super().__init__(prog=Path(script).name, description=doc, formatter_class=StageHelpFormatter)
+        super().__init__(prog=Path(script).name, description=doc)
         self.required_dests: list[str] = []  # required flags that have an alias: argparse cannot check them
         self.checks: list[tuple[str, object, str]] = []  # (dest, predicate, message) run after parsing
 
