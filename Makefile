@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 # wandb never needs the network in tests.
 export NO_ALBUMENTATIONS_UPDATE := 1
 
-.PHONY: setup test demo clean
+.PHONY: setup test check demo clean
 
 setup: $(STAMP)
 
@@ -19,8 +19,13 @@ $(STAMP): requirements.txt
 	$(PY) -m pip install --quiet -r requirements.txt
 	touch $(STAMP)
 
+# The whole suite (what CI runs): about 10 minutes on a 2-core CPU.
 test: $(STAMP)
 	$(PY) -m pytest
+
+# The fast tier for the edit-test loop: unit tests and the short integration tests (under 3 minutes).
+check: $(STAMP)
+	$(PY) -m pytest -m "not slow and not gpu"
 
 # The whole system on built-in synthetic data: outputs under runs/demo/ (see demo/run.sh).
 demo: $(STAMP)

@@ -60,3 +60,12 @@ def all_reduce_sum(values: torch.Tensor, d: Dist) -> torch.Tensor:
 def barrier(d: Dist) -> None:
     if d.world_size > 1:
         dist.barrier()
+
+
+def all_gather_objects(value, d: Dist) -> list:
+    """Every rank's ``value`` (picklable, small), in rank order, on every rank."""
+    if d.world_size == 1:
+        return [value]
+    gathered = [None] * d.world_size
+    dist.all_gather_object(gathered, value)
+    return gathered

@@ -344,7 +344,7 @@ def save(run: Run) -> None:
 
 
 def validate(run: Run, record: dict) -> Path | None:
-    """Validation loss with live and EMA weights (all ranks), and the EMA sample grid (rank 0)."""
+    """Validation loss with live and EMA weights, and the EMA sample grid; every rank takes part."""
     step, config = run.step, run.config
     if run.val_data is not None:
         record["val_loss"] = SD_TrainStep.validation_loss(step, run.val_data, config.validation_samples,
@@ -353,11 +353,10 @@ def validate(run: Run, record: dict) -> Path | None:
             with step.ema.swapped_in(step.unet):
                 record["val_loss_ema"] = SD_TrainStep.validation_loss(step, run.val_data, config.validation_samples,
                                                                       config.batch_size)
-    path = None
-    if run.d.is_main and config.validation_prompts:
-        path = run.run_dir / "samples" / f"step_{run.state.step:08d}.png"
-        sample_grid(run, path)
-    SD_Distributed.barrier(run.d)
+    if not config.validation_prompts:
+        return None
+    path = run.run_dir / "samples" / f"step_{run.state.step:08d}.png"
+    sample_grid(run, path)
     return path
 
 
@@ -365,21 +364,26 @@ def validate(run: Run, record: dict) -> Path | None:
 def sample_grid(run: Run, path: Path) -> None:
     """One image per validation prompt, seed ``config.seed``, with the EMA weights: a labelled grid.
 
-    Made by ``SD_Sampling.generate``, the path of ``SD_ImageGen.py``: ``SD_ImageGen.py --ckpt
-    <the checkpoint of this step> --prompt P --seed SEED --n 1 --steps validation_steps --cfg
-    validation_cfg`` at the same precision draws the same image.
+    The prompts are shared out across the ranks (no rank waits in a collective while another
+    samples alone) and rank 0 writes the grid. Each image is made by ``SD_Sampling.generate`` at
+    batch 1, the path of ``SD_ImageGen.py``: ``SD_ImageGen.py --ckpt <the checkpoint of this step>
+    --prompt P --seed SEED --n 1 --steps validation_steps --cfg validation_cfg`` at the same precision
+    draws the same image.
     """
-    config, unet = run.config, run.step.unet
+    config, unet, d = run.config, run.step.unet, run.d
     _, h, w = run.train_data.sample_shape
+    mine = list(enumerate(config.validation_prompts))[d.rank :: d.world_size]
     swap = run.step.ema.swapped_in(unet) if run.step.ema is not None else contextlib.nullcontext()
     unet.eval()
-    with swap, SD_Runtime.autocast(config.precision, run.d.device):
-        rows = [(prompt, SD_Sampling.generate(run.sampler, prompt, "", [config.seed], steps=config.validation_steps,
-                                              cfg=config.validation_cfg, height=h * 8, width=w * 8, batch_size=1,
-                                              device=run.d.device))
-                for prompt in config.validation_prompts]
+    with swap, SD_Runtime.autocast(config.precision, d.device):
+        made = [(i, prompt, SD_Sampling.generate(run.sampler, prompt, "", [config.seed], steps=config.validation_steps,
+                                                 cfg=config.validation_cfg, height=h * 8, width=w * 8, batch_size=1,
+                                                 device=d.device))
+                for i, prompt in mine]
     unet.train()
-    SD_Sampling.save_grid(path, rows)
+    rows = sorted(row for part in SD_Distributed.all_gather_objects(made, d) for row in part)
+    if d.is_main:
+        SD_Sampling.save_grid(path, [(prompt, images) for _, prompt, images in rows])
 
 
 class StopSignal:
