@@ -419,6 +419,45 @@ def test_resume_refuses_a_changed_batch_size(run_a, tmp_path, data):
     assert result.returncode != 0 and "different batch_size" in result.stderr
 
 
+
+def folder_bytes(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_resume_with_another_world_size_is_refused_and_writes_nothing(run_a, tmp_path, capsys):
+    import shutil
+
+    run_dir_a, config_a = run_a
+    shutil.copytree(run_dir_a, tmp_path / "run")
+    fields = yaml.safe_load(config_a.read_text())
+    config = tmp_path / "one_rank.yaml"
+    config.write_text(yaml.safe_dump({**fields, "out_dir": str(tmp_path / "run")}))
+    before = folder_bytes(tmp_path / "run")
+    assert SD_Train.main(["--config", str(config)]) == 2  # one process: world size 1
+    latest = tmp_path / "run" / "checkpoints" / ckpt.step_dir_name(TOTAL)
+    assert f"{latest} was written by 2 ranks; resume with --nproc_per_node 2" in capsys.readouterr().err
+    after = folder_bytes(tmp_path / "run")
+    assert after.keys() == before.keys()  # no new checkpoint, sample or log
+    assert [name for name in before if after[name] != before[name]] == []  # metrics.jsonl included
+
+
+def test_latents_of_another_scaling_factor_are_refused_before_any_work(tmp_path, data, capsys):
+    import shutil
+
+    latents = tmp_path / "latents_sdxl_vae"
+    shutil.copytree(data["latents"], latents)
+    meta = json.loads((latents / "latents.json").read_text())
+    (latents / "latents.json").write_text(json.dumps({**meta, "scaling_factor": 0.13025}))
+    config = write_config(tmp_path / "s.yaml", datasets=[{"dataset": data["dataset"], "latents": str(latents)}],
+                          max_steps=2, out_dir=str(tmp_path / "run"))
+    assert SD_Model.load_vae("tiny").config.scaling_factor == 0.18215
+    assert SD_Train.main(["--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert f"{latents.resolve() / 'latents.json'} records 0.13025" in err
+    assert "vae: tiny has scaling factor 0.18215" in err
+    assert not (tmp_path / "run").exists()
+
+
 # (lr, warm-up, CFG dropout, {dataset: weight}) of the reference curriculum, DESIGN.md.
 PHASES = {
     "p1_laion_broad": (1e-5, 500, 0.05, {"laion_p1": 1.0}),
