@@ -247,8 +247,8 @@ def test_reduced_precision_steps_run_in_that_dtype_and_keep_fp32_master_weights(
     outputs = unet_output_dtypes(run.step)
     before = snapshot(run.step)
     results = [SD_TrainStep.train_step(run.step, [run.train_data.batch(np.arange(2 * i, 2 * i + 2))], i)
-               for i in range(3)]
-    assert outputs == [dtype] * 3  # every forward ran under autocast in the reduced dtype
+               for i in range(2)]
+    assert outputs == [dtype] * 2  # every forward ran under autocast in the reduced dtype
     assert all(math.isfinite(r["loss"]) and not r["bad"] and not r["overflow"] for r in results)
     # Gradients are unscaled before clipping: the norm is the true one, not 65536 times it.
     assert all(0 < r["grad_norm"] < 100 for r in results), [r["grad_norm"] for r in results]
@@ -267,10 +267,9 @@ def test_reduced_precision_steps_run_in_that_dtype_and_keep_fp32_master_weights(
     # are equal: the from-scratch UNet's zeroed output layer predicts exact zeros in any dtype.)
     reference = make_run(tmp_path / "fp32", data, grad_accum=1, batch_size=2)
     fp32 = [SD_TrainStep.train_step(reference.step, [reference.train_data.batch(np.arange(2 * i, 2 * i + 2))], i)
-            for i in range(3)]
-    for ours, theirs in zip(results[1:], fp32[1:]):
-        assert ours["loss"] != theirs["loss"]
-        assert ours["loss"] == pytest.approx(theirs["loss"], rel=2e-2)
+            for i in range(2)]
+    assert results[1]["loss"] != fp32[1]["loss"]
+    assert results[1]["loss"] == pytest.approx(fp32[1]["loss"], rel=2e-2)
 
 
 def ema_replay(initial, live_after_each_step, decay, every):
