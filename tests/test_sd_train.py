@@ -234,6 +234,81 @@ def test_non_finite_loss_updates_nothing(tmp_path, data):
     assert any(not torch.equal(before["unet"][k], v) for k, v in run.step.unet.state_dict().items())
 
 
+def unet_output_dtypes(step) -> list[torch.dtype]:
+    """The dtype of every UNet forward's output from now on (what autocast really ran in)."""
+    seen = []
+    step.unet.register_forward_hook(lambda module, args, output: seen.append(output.sample.dtype))
+    return seen
+
+
+@pytest.mark.parametrize("precision, dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_reduced_precision_steps_run_in_that_dtype_and_keep_fp32_master_weights(tmp_path, data, precision, dtype):
+    run = make_run(tmp_path, data, precision=precision, grad_accum=1, batch_size=2)
+    outputs = unet_output_dtypes(run.step)
+    before = snapshot(run.step)
+    results = [SD_TrainStep.train_step(run.step, [run.train_data.batch(np.arange(2 * i, 2 * i + 2))], i)
+               for i in range(2)]
+    assert outputs == [dtype] * 2  # every forward ran under autocast in the reduced dtype
+    assert all(math.isfinite(r["loss"]) and not r["bad"] and not r["overflow"] for r in results)
+    # Gradients are unscaled before clipping: the norm is the true one, not 65536 times it.
+    assert all(0 < r["grad_norm"] < 100 for r in results), [r["grad_norm"] for r in results]
+    after = run.step.unet.state_dict()
+    assert sum(not torch.equal(before["unet"][k], v) for k, v in after.items()) > len(after) // 2
+    assert {p.dtype for p in run.step.unet.parameters()} == {torch.float32}
+    assert {s.dtype for s in run.step.ema.shadow} == {torch.float32}
+    optimizer_state = run.step.optimizer.state_dict()["state"]
+    assert {v.dtype for st in optimizer_state.values() for k, v in st.items() if k != "step"} == {torch.float32}
+    scaler = run.step.scaler
+    assert scaler.is_enabled() == (precision == "fp16")
+    if precision == "fp16":
+        scale = scaler.get_scale()
+        assert math.isfinite(scale) and scale >= 1 and math.log2(scale).is_integer(), scale
+    # The same steps in fp32 give close but not identical losses: the reduced dtype is real. (Step 0's
+    # are equal: the from-scratch UNet's zeroed output layer predicts exact zeros in any dtype.)
+    reference = make_run(tmp_path / "fp32", data, grad_accum=1, batch_size=2)
+    fp32 = [SD_TrainStep.train_step(reference.step, [reference.train_data.batch(np.arange(2 * i, 2 * i + 2))], i)
+            for i in range(2)]
+    assert results[1]["loss"] != fp32[1]["loss"]
+    assert results[1]["loss"] == pytest.approx(fp32[1]["loss"], rel=2e-2)
+
+
+def ema_replay(initial, live_after_each_step, decay, every):
+    """The EMA recursion by hand: shadow += (1 - d^every) * (live - shadow) on every every-th step."""
+    shadow = [t.double() for t in initial]
+    for step, live in enumerate(live_after_each_step):
+        if (step + 1) % every == 0:
+            d = SD_Model.ema_decay_at(step, decay) ** every
+            shadow = [s + (1 - d) * (p.double() - s) for s, p in zip(shadow, live)]
+    return shadow
+
+
+@pytest.mark.parametrize("every", [1, 2])
+def test_cpu_ema_follows_the_hand_computed_recursion(tmp_path, data, every):
+    # decay 0.2: the warm-up (1 + t) / (10 + t) is below it at steps 0-1 and above it from step 2.
+    run = make_run(tmp_path, data, ema_device="cpu", ema_decay=0.2, ema_update_every=every, grad_accum=1,
+                   batch_size=4)
+    ema = run.step.ema
+    assert ema.update_every == every
+    initial = [p.detach().clone() for p in run.step.unet.parameters()]
+    assert all(s.device.type == "cpu" and s.dtype == torch.float32 for s in ema.shadow)
+    assert all(s.data_ptr() != p.data_ptr() for s, p in zip(ema.shadow, run.step.unet.parameters()))
+    live, shadows = [], []
+    for i in range(4):
+        SD_TrainStep.train_step(run.step, [run.train_data.batch(np.arange(4 * i, 4 * i + 4))], i)
+        live.append([p.detach().clone() for p in run.step.unet.parameters()])
+        shadows.append([s.clone() for s in ema.shadow])
+    if every == 2:  # step 0 (and 2) leave the shadow alone
+        assert all(torch.equal(s, p) for s, p in zip(shadows[0], initial))
+        assert all(torch.equal(a, b) for a, b in zip(shadows[2], shadows[1]))
+    for n in range(1, 5):
+        expected = ema_replay(initial, live[:n], 0.2, every)
+        worst = max((s.double() - e).abs().max().item() for s, e in zip(shadows[n - 1], expected))
+        assert worst < 1e-6, (n, worst)
+    # The shadow is neither the live weights nor the start: it really averages.
+    assert any(not torch.allclose(s, p, atol=1e-6) for s, p in zip(ema.shadow, live[-1]))
+    assert any(not torch.allclose(s, p, atol=1e-6) for s, p in zip(ema.shadow, initial))
+
+
 def test_max_bad_steps_saves_and_stops_naming_the_step(tmp_path, caplog):
     entry = make_dataset(tmp_path / "data", n_train=16, n_val=0)
     for shard in Path(entry["latents"]).glob("*.npy"):
@@ -341,6 +416,45 @@ def test_resume_refuses_a_changed_batch_size(run_a, tmp_path, data):
                         batch_size=4)
     result = torchrun(copy, check=False)
     assert result.returncode != 0 and "different batch_size" in result.stderr
+
+
+
+def folder_bytes(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_resume_with_another_world_size_is_refused_and_writes_nothing(run_a, tmp_path, capsys):
+    import shutil
+
+    run_dir_a, config_a = run_a
+    shutil.copytree(run_dir_a, tmp_path / "run")
+    fields = yaml.safe_load(config_a.read_text())
+    config = tmp_path / "one_rank.yaml"
+    config.write_text(yaml.safe_dump({**fields, "out_dir": str(tmp_path / "run")}))
+    before = folder_bytes(tmp_path / "run")
+    assert SD_Train.main(["--config", str(config)]) == 2  # one process: world size 1
+    latest = tmp_path / "run" / "checkpoints" / ckpt.step_dir_name(TOTAL)
+    assert f"{latest} was written by 2 ranks; resume with --nproc_per_node 2" in capsys.readouterr().err
+    after = folder_bytes(tmp_path / "run")
+    assert after.keys() == before.keys()  # no new checkpoint, sample or log
+    assert [name for name in before if after[name] != before[name]] == []  # metrics.jsonl included
+
+
+def test_latents_of_another_scaling_factor_are_refused_before_any_work(tmp_path, data, capsys):
+    import shutil
+
+    latents = tmp_path / "latents_sdxl_vae"
+    shutil.copytree(data["latents"], latents)
+    meta = json.loads((latents / "latents.json").read_text())
+    (latents / "latents.json").write_text(json.dumps({**meta, "scaling_factor": 0.13025}))
+    config = write_config(tmp_path / "s.yaml", datasets=[{"dataset": data["dataset"], "latents": str(latents)}],
+                          max_steps=2, out_dir=str(tmp_path / "run"))
+    assert SD_Model.load_vae("tiny").config.scaling_factor == 0.18215
+    assert SD_Train.main(["--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert f"{latents.resolve() / 'latents.json'} records 0.13025" in err
+    assert "vae: tiny has scaling factor 0.18215" in err
+    assert not (tmp_path / "run").exists()
 
 
 # (lr, warm-up, CFG dropout, {dataset: weight}) of the reference curriculum, DESIGN.md.
