@@ -20,6 +20,7 @@ def run_bench(script: str, *args) -> tuple[str, dict]:
     return result.stdout, json.loads(lines[-1])
 
 
+@pytest.mark.slow
 def test_encode_latents_bench_prints_both_rates_and_the_ratio():
     stdout, result = run_bench("encode_latents.py", "--images", "48", "--per_shard", "16", "--batch_size", "8")
     assert "ratio ours/naive" in stdout
@@ -29,6 +30,7 @@ def test_encode_latents_bench_prints_both_rates_and_the_ratio():
     assert result["ratio_vs_naive"] == round(result["ours_images_per_s"] / result["naive_images_per_s"], 2)
 
 
+@pytest.mark.slow
 def test_train_throughput_bench_measures_ours_and_both_peers(tmp_path):
     import SD_Model
 
@@ -50,6 +52,7 @@ def test_train_throughput_bench_measures_ours_and_both_peers(tmp_path):
         assert f"ratio ours/{peer} at batch 2 = {ratio:.2f}x" in stdout
 
 
+@pytest.mark.slow
 def test_train_throughput_bench_one_configuration_at_a_time():
     _, result = run_bench("train_throughput.py", "--batch_sizes", "3", "--peers", "", "--steps", "1", "--rounds", "1")
     [row] = result["rows"]
@@ -57,6 +60,7 @@ def test_train_throughput_bench_one_configuration_at_a_time():
     assert row["images_per_s"] > 0 and result["ratios"] == []
 
 
+@pytest.mark.slow
 def test_train_throughput_bench_rejects_unknown_variants():
     result = subprocess.run([sys.executable, str(ROOT / "bench" / "train_throughput.py"), "--variants", "eager,jit"],
                             capture_output=True, text=True)
@@ -100,6 +104,7 @@ def test_largest_batch_search_doubles_then_bisects():
     assert memory.largest_batch(trial, limit_gb=0.5, max_batch=8)[0] == 0
 
 
+@pytest.mark.slow
 def test_memory_bench_finds_the_largest_batch_of_ours_and_the_peer():
     stdout, result = run_bench("memory.py", "--checkpointing", "1", "--max_batch", "2", "--batch", "2")
     rows = {row["impl"]: row for row in result["rows"]}
@@ -113,6 +118,7 @@ def test_memory_bench_finds_the_largest_batch_of_ours_and_the_peer():
     assert "ratio ours/peer with checkpointing: largest batch 2/2 = 1.0x" in stdout
 
 
+@pytest.mark.slow
 def test_sampling_bench_matches_the_diffusers_pipeline():
     stdout, result = run_bench("sampling.py", "--batch_sizes", "1,2", "--steps", "10", "--repeats", "1")
     assert [(r["impl"], r["batch"]) for r in result["rows"]] == [("ours", 1), ("peer", 1), ("ours", 2), ("peer", 2)]

@@ -123,6 +123,7 @@ def test_a_rerun_encodes_nothing(encoded, caplog):
     assert "3 already encoded, 0 to do" in caplog.text
 
 
+@pytest.mark.slow
 def test_a_run_killed_mid_shard_resumes_to_the_same_files(encoded, tmp_path):
     root, _ = encoded
     out = tmp_path / "latents"

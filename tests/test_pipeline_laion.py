@@ -331,6 +331,7 @@ def check_samples(out: Path, metadata: list[dict]) -> None:
     assert sorted(json.loads(s.metadata)["original_width"] for s in samples.values()) == [30, 64, 90, 90, 100, 120]
 
 
+@pytest.mark.slow
 def test_download_images_with_img2dataset(tmp_path):
     forbidden = image_bytes(random_image(np.random.default_rng(1), 64, 64), "PNG")
     with LoopbackServer(image_routes()) as server, NoAIServer(forbidden) as noai:

@@ -90,6 +90,7 @@ def run_a(tmp_path_factory, data):
 # ------------------------------------------------------------------------------ distributed runs
 
 
+@pytest.mark.slow
 def test_two_ranks_end_with_identical_weights_and_a_full_run_folder(run_a):
     run_dir, _ = run_a
     folder = run_dir / "checkpoints" / ckpt.step_dir_name(TOTAL)
@@ -111,6 +112,7 @@ def test_two_ranks_end_with_identical_weights_and_a_full_run_folder(run_a):
     assert (run_dir / "loss.png").stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_lr_follows_warmup_and_cosine_over_the_true_step_count(run_a):
     run_dir, _ = run_a
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -123,6 +125,7 @@ def test_lr_follows_warmup_and_cosine_over_the_true_step_count(run_a):
         assert record["lr"] == pytest.approx(expected, rel=1e-9), step
 
 
+@pytest.mark.slow
 def test_stop_at_step_then_resume_is_bitwise_identical(run_a, tmp_path, data):
     run_dir_a, _ = run_a
     config = write_config(tmp_path / "b.yaml", datasets=[data], max_steps=TOTAL, out_dir=str(tmp_path / "run"),
@@ -141,6 +144,7 @@ def test_stop_at_step_then_resume_is_bitwise_identical(run_a, tmp_path, data):
     assert len(changed) > len(at_half) // 2  # the second half really trained
 
 
+@pytest.mark.slow
 def test_sigterm_mid_epoch_then_resume_is_bitwise_identical(run_a, tmp_path, data):
     run_dir_a, _ = run_a
     config = write_config(tmp_path / "c.yaml", datasets=[data], max_steps=TOTAL, out_dir=str(tmp_path / "run"),
@@ -157,6 +161,7 @@ def test_sigterm_mid_epoch_then_resume_is_bitwise_identical(run_a, tmp_path, dat
     assert losses(tmp_path / "run") == losses(run_dir_a)
 
 
+@pytest.mark.slow
 def test_sigkill_while_saving_keeps_the_previous_checkpoint_and_resumes(run_a, tmp_path, data):
     run_dir_a, _ = run_a
     config = write_config(tmp_path / "d.yaml", datasets=[data], max_steps=TOTAL, out_dir=str(tmp_path / "run"),
@@ -178,6 +183,7 @@ def test_sigkill_while_saving_keeps_the_previous_checkpoint_and_resumes(run_a, t
     assert losses(tmp_path / "run") == losses(run_dir_a)
 
 
+@pytest.mark.slow
 def test_a_nan_sample_skips_its_steps_on_both_ranks(tmp_path):
     entry = make_dataset(tmp_path / "data", n_train=64, n_val=0)
     shard = Path(entry["latents"]) / "00000.npy"
@@ -241,6 +247,7 @@ def unet_output_dtypes(step) -> list[torch.dtype]:
     return seen
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision, dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
 def test_reduced_precision_steps_run_in_that_dtype_and_keep_fp32_master_weights(tmp_path, data, precision, dtype):
     run = make_run(tmp_path, data, precision=precision, grad_accum=1, batch_size=2)
@@ -324,6 +331,7 @@ def test_max_bad_steps_saves_and_stops_naming_the_step(tmp_path, caplog):
     assert all(torch.equal(saved[k], initial[k]) for k in initial)
 
 
+@pytest.mark.slow
 def test_epochs_size_the_schedule_from_real_optimizer_steps(tmp_path, data):
     # 1 rank, batch 4, accumulation 2: 64 samples -> 16 micro-batches -> 8 steps per epoch.
     config = write_config(tmp_path / "e.yaml", datasets=[data], epochs=2, out_dir=str(tmp_path / "run"),
@@ -341,6 +349,7 @@ def test_epochs_size_the_schedule_from_real_optimizer_steps(tmp_path, data):
         reference.step()
 
 
+@pytest.mark.slow
 def test_loss_falls_on_a_learnable_task(tmp_path, data):
     config = write_config(tmp_path / "toy.yaml", datasets=[data], max_steps=150, out_dir=str(tmp_path / "run"),
                           batch_size=16, grad_accum=1, lr=3e-3, warmup_steps=10, cfg_dropout=0.0, ema_decay=0.99)
@@ -362,6 +371,7 @@ def test_cfg_dropout_replaces_the_embedding_at_the_configured_rate():
     assert not none.any()
 
 
+@pytest.mark.slow
 def test_init_from_takes_weights_and_ema_with_a_fresh_optimizer(run_a, tmp_path, data):
     run_dir_a, _ = run_a
     run = make_run(tmp_path, data, init_from=str(run_dir_a))
@@ -407,6 +417,7 @@ def test_latents_missing_for_captions_stop_with_counts_and_keys(tmp_path):
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+@pytest.mark.slow
 def test_resume_refuses_a_changed_batch_size(run_a, tmp_path, data):
     import shutil
 
@@ -423,6 +434,7 @@ def folder_bytes(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.slow
 def test_resume_with_another_world_size_is_refused_and_writes_nothing(run_a, tmp_path, capsys):
     import shutil
 
@@ -490,6 +502,7 @@ def test_phase_recipes_match_the_reference_curriculum(name, tmp_path, monkeypatc
     assert raw.get("init_from") == (f"runs/{order[order.index(name) - 1]}" if name != "p1_laion_broad" else None)
 
 
+@pytest.mark.slow
 def test_wandb_offline_logs_one_run_across_a_resume(tmp_path, data, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     config = write_config(tmp_path / "w.yaml", datasets=[data], max_steps=4, out_dir=str(tmp_path / "run"),
