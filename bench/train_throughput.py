@@ -259,7 +259,7 @@ def parse_args(argv=None):
     cuda = torch.cuda.is_available()
     parser = harness.argument_parser(__doc__)
     parser.add_argument("--batch_sizes", default="16,32" if cuda else "4", help="comma-separated per-GPU batches")
-    parser.add_argument("--sweep", action="store_true", help="after the listed batches, keep doubling the batch "
+    parser.add_bool("--sweep", help="after the listed batches, keep doubling the batch "
                         "until every variant of ours runs out of memory (or --max_batch)")
     parser.add_argument("--max_batch", type=int, default=1024, help="largest batch --sweep tries")
     parser.add_argument("--variants", default="eager,compile" if cuda else "eager", help="eager and/or compile")
@@ -267,7 +267,7 @@ def parse_args(argv=None):
     parser.add_argument("--checkpointing", default="0,1" if cuda else "1", help="gradient checkpointing: 0 and/or 1")
     parser.add_argument("--peers", default="unet,vae", help="in-process peers: unet (its step on our latents) "
                         "and/or vae (with its online VAE encode); empty for none")
-    parser.add_argument("--peer_ema", action="store_true", help="the in-process peers with --use_ema (EMAModel)")
+    parser.add_bool("--peer_ema", help="the in-process peers with --use_ema (EMAModel)")
     parser.add_argument("--peer_script", default="", help="diffusers' examples/text_to_image/train_text_to_image.py "
                         "to run end to end as well (needs accelerate, torchvision, datasets)")
     parser.add_argument("--peer_images", type=int, default=256, help="images in the peer script's dataset")

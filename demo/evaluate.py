@@ -11,7 +11,6 @@ for the held-out ones.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import SD_Cli
 import SD_Files
 
 FOREGROUND_DISTANCE = 80  # RGB distance from white beyond which a pixel is shape, not background
@@ -84,7 +84,7 @@ def score(records: list[dict], images_dir: Path, prompts: dict) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = SD_Cli.ArgumentParser(description=__doc__)
     parser.add_argument("--images", required=True, help="folder written by SD_ImageGen.py (with images.json)")
     parser.add_argument("--prompts", required=True, help="demo_prompts.json written by pipeline/00_make_demo_data.py")
     parser.add_argument("--out", required=True, help="where to write eval.json")
