@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 import SD_Checkpoint as ckpt
 import SD_Data
+import SD_EMA
 import SD_Model
 import SD_Train
 import SD_TrainConfig
@@ -284,7 +285,7 @@ def ema_replay(initial, live_after_each_step, decay, every):
     shadow = [t.double() for t in initial]
     for step, live in enumerate(live_after_each_step):
         if (step + 1) % every == 0:
-            d = SD_Model.ema_decay_at(step, decay) ** every
+            d = SD_EMA.ema_decay_at(step, decay) ** every
             shadow = [s + (1 - d) * (p.double() - s) for s, p in zip(shadow, live)]
     return shadow
 
