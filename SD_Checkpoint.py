@@ -73,8 +73,8 @@ def resolve_checkpoint(path: str | Path) -> Path:
 # ---------------------------------------------------------------------------------------------
 
 
-class Weights:
-    """An object whose state is a flat dict of tensors (a module, the EMA): saved as safetensors."""
+class _Entry:
+    """Marks how a state object is stored; passes ``state_dict`` / ``load_state_dict`` through."""
 
     def __init__(self, obj):
         self.obj = obj
@@ -86,7 +86,11 @@ class Weights:
         self.obj.load_state_dict(state)
 
 
-class PerRank(Weights):
+class Weights(_Entry):
+    """An object whose state is a flat dict of tensors (a module, the EMA): saved as safetensors."""
+
+
+class PerRank(_Entry):
     """State that differs between ranks: every rank writes and reads its own file."""
 
 
@@ -139,7 +143,7 @@ def save(checkpoints_dir: Path, step: int, states: dict, d, config_text: str) ->
 
 
 def write_entry(path: Path, obj) -> None:
-    if isinstance(obj, Weights) and not isinstance(obj, PerRank):
+    if isinstance(obj, Weights):
         save_weights(obj.state_dict(), path)
     else:
         save_torch(obj.state_dict(), path)
@@ -149,7 +153,7 @@ def load(folder: Path, states: dict, rank: int) -> None:
     """Restore every entry of ``states`` from ``folder``; a missing file is an error."""
     for name, obj in states.items():
         path = folder / file_name(name, obj, rank)
-        if isinstance(obj, Weights) and not isinstance(obj, PerRank):
+        if isinstance(obj, Weights):
             obj.load_state_dict(load_weights(path))
         else:
             obj.load_state_dict(load_torch(path))
