@@ -21,7 +21,7 @@ $PY pipeline/00_make_demo_data.py --out "$OUT/shards" --count "$COUNT" --size 64
 
 step "2/7 a VAE for these images (train_vae.py)"
 if [ -f "$OUT/vae/config.json" ]; then echo "$OUT/vae exists"; else
-  $PY train_vae.py --shards "$OUT/shards/*.tar" --out "$OUT/vae" --resolution 64 --steps "$VAE_STEPS"
+  $PY train_vae.py --shards "$OUT/shards/*.tar" --out "$OUT/vae" --resolution 64 --max_steps "$VAE_STEPS"
 fi
 
 step "3/7 latents, token ids, training dataset (encode_latents.py, stages 04 and 05)"
