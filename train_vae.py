@@ -1,6 +1,6 @@
 """Train (or fine-tune) a VAE on image shards, for styles a stock VAE renders poorly.
 
-    python train_vae.py --shards 'DIR/*.tar' --out VAE_DIR [--preset demo] [--resolution 64] [--steps 900]
+    python train_vae.py --shards 'DIR/*.tar' --out VAE_DIR [--preset demo] [--resolution 64] [--max_steps 900]
                         [--batch_size 16] [--lr 4e-3] [--kl_weight 1e-6] [--foreground_weight 5] [--precision bf16]
     python train_vae.py --shards 'DIR/*.tar' --out VAE_DIR --init_from stabilityai/sd-vae-ft-mse --resolution 512 --lr 1e-5
 
@@ -9,18 +9,15 @@ small KL term towards a unit Gaussian. Pixels that differ from the image's borde
 more (``--foreground_weight``): on sparse images (logos, shapes, line art) the background would
 otherwise dominate the loss and colours wash out. The result is a diffusers folder (``save_pretrained``)
 whose ``scaling_factor`` is measured as 1 / std of the latents, so the UNet trains on unit variance.
-It is written under a temporary name and renamed; ``vae_stats.json`` in it records the held-out PSNR.
+It is written under a temporary name and renamed; ``vae_stats.json`` in it records the held-out PSNR
+before and after training. ``--max_steps`` was ``--steps`` (still accepted): ``--steps`` is the sampler's.
 """
 
 from __future__ import annotations
 
-import argparse
 import glob
-import json
 import logging
 import math
-import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -29,7 +26,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+import SD_Cli
+import SD_Files
 import SD_Model
+import SD_Runtime
 import SD_Shards
 
 log = logging.getLogger("train_vae")
@@ -42,43 +42,58 @@ VAE_PRESETS = {
 }
 
 
+class InputError(Exception):
+    """A problem with the user's input that one line can explain (exit status 2)."""
+
+
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shards", required=True, help="glob of image shards, quoted: 'DIR/*.tar'")
+    parser = SD_Cli.ArgumentParser(prog="train_vae.py", description=__doc__)
+    parser.add_argument("--shards", required=True, help="glob of image shards, quoted: 'DIR/*.tar' (or the folder)")
     parser.add_argument("--out", required=True, help="output diffusers VAE folder")
-    parser.add_argument("--preset", choices=sorted(VAE_PRESETS), default="demo",
-                        help="architecture of a new VAE (default: %(default)s)")
+    parser.add_argument("--preset", choices=sorted(VAE_PRESETS), default="demo", help="architecture of a new VAE")
     parser.add_argument("--init_from", help="fine-tune this VAE (hub id or folder) instead of a new one")
-    parser.add_argument("--resolution", type=int, default=64, help="training size, multiple of 8 (default: %(default)s)")
-    parser.add_argument("--steps", type=int, default=900, help="optimizer steps (default: %(default)s)")
-    parser.add_argument("--batch_size", type=int, default=16, help="(default: %(default)s)")
-    parser.add_argument("--lr", type=float, default=4e-3, help="peak AdamW learning rate, cosine decay (default: %(default)s)")
-    parser.add_argument("--warmup_steps", type=int, default=50, help="linear warm-up (default: %(default)s)")
-    parser.add_argument("--kl_weight", type=float, default=1e-6, help="weight of the KL term (default: %(default)s)")
+    parser.add_argument("--resolution", type=int, default=64, help="training size, multiple of 8")
+    parser.add_argument("--max_steps", type=int, default=900, help="optimizer steps")
+    parser.add_alias("--steps", "max_steps", type=int)
+    parser.add_argument("--batch_size", type=int, default=16, help="images per optimizer step")
+    parser.add_argument("--lr", type=float, default=4e-3, help="peak AdamW learning rate, cosine decay")
+    parser.add_argument("--warmup_steps", type=int, default=50, help="linear warm-up")
+    parser.add_argument("--kl_weight", type=float, default=1e-6, help="weight of the KL term")
     parser.add_argument("--foreground_weight", type=float, default=5.0,
-                        help="loss weight of pixels unlike the image's border colour; 1 = uniform (default: %(default)s)")
+                        help="loss weight of pixels unlike the image's border colour; 1 = uniform")
     parser.add_argument("--initial_logvar", type=float, default=-6.0,
-                        help="initial posterior log-variance of a new VAE: low, so early samples are near the "
-                             "mean (default: %(default)s)")
-    parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
-                        help="autocast dtype (default: %(default)s)")
-    parser.add_argument("--holdout", type=int, default=64, help="images kept out of training for the PSNR (default: %(default)s)")
-    parser.add_argument("--max_images", type=int, default=0, help="use at most this many images; 0 = all (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
-    parser.add_argument("--device", default="auto", help="auto, cpu or cuda (default: %(default)s)")
+                        help="initial posterior log-variance of a new VAE: low, so early samples are near the mean")
+    # fp16 would need a GradScaler; bf16 autocast trains this VAE as well as fp32 does.
+    parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16", help="autocast dtype")
+    parser.add_argument("--holdout", type=int, default=64, help="images kept out of training for the PSNR")
+    parser.add_argument("--max_images", type=int, default=0, help="use at most this many images; 0 = all")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the init, batch order, flips and noise")
+    parser.add_argument("--device", default="auto", help="auto (CUDA, then MPS, then CPU), cpu, cuda or mps")
     args = parser.parse_args(argv)
     if args.resolution % 8 or args.resolution <= 0:
         parser.error("--resolution must be a positive multiple of 8")
-    for name in ("steps", "batch_size"):
+    for name in ("max_steps", "batch_size"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1")
+    if args.holdout < 1 or args.max_images < 0 or args.warmup_steps < 0:
+        parser.error("--holdout must be >= 1, --max_images and --warmup_steps >= 0")
     return args
+
+
+def shard_paths(pattern: str) -> list[str]:
+    """The shard files ``pattern`` names: a glob, or a folder meaning its ``*.tar``."""
+    if Path(pattern).is_dir():
+        pattern = str(Path(pattern) / "*.tar")
+    paths = sorted(p for p in glob.glob(pattern) if Path(p).is_file())
+    if not paths:
+        raise InputError(f"--shards {pattern!r} matches no shard files (expected 'DIR/*.tar')")
+    return paths
 
 
 def load_images(pattern: str, resolution: int, max_images: int) -> torch.Tensor:
     """All usable images of the shards as uint8 ``(N, 3, R, R)``; bad ones are counted and skipped."""
     images, skipped = [], {}
-    for path in sorted(glob.glob(pattern)):
+    for path in shard_paths(pattern):
         samples, _ = SD_Shards.read_shard(Path(path).read_bytes())
         for sample in samples:
             if sample.image is None:
@@ -96,7 +111,7 @@ def load_images(pattern: str, resolution: int, max_images: int) -> torch.Tensor:
     if skipped:
         log.warning("skipped images: %s", skipped)
     if not images:
-        raise SystemExit(f"train_vae.py: no usable images in {pattern!r}")
+        raise InputError(f"--shards {pattern!r}: no usable images in {len(shard_paths(pattern))} shard file(s)")
     return torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2).contiguous()
 
 
@@ -158,40 +173,34 @@ def evaluate(vae, images: torch.Tensor, device, batch_size: int) -> tuple[float,
 
 
 def save(vae, out: Path, stats: dict) -> None:
-    staging = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(staging, ignore_errors=True)
-    vae.save_pretrained(str(staging), safe_serialization=True)
-    (staging / "vae_stats.json").write_text(json.dumps(stats, indent=1) + "\n")
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(staging, out)
+    """``out`` as a diffusers folder with ``vae_stats.json``, swapped in whole (SD_Files)."""
+    def write(staging: Path) -> None:
+        vae.save_pretrained(str(staging), safe_serialization=True)
+        SD_Files.write_json_atomic(staging / "vae_stats.json", stats)
+
+    SD_Files.write_folder_atomic(out, write)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else torch.device(args.device)
-    torch.manual_seed(args.seed)
-    images = load_images(args.shards, args.resolution, args.max_images)
-    holdout = images[: args.holdout]
-    train = images[args.holdout:] if len(images) > args.holdout else images
-    vae = build_vae(args).to(device).train()
-    optimizer = torch.optim.AdamW(vae.parameters(), lr=args.lr, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps))
-                                                 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / args.steps))))
-    generator = torch.Generator(device=device).manual_seed(args.seed)
-    order = torch.Generator().manual_seed(args.seed)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16")
+def lr_factor(step: int, warmup_steps: int, max_steps: int) -> float:
+    """Linear warm-up times a cosine decay to 0 over ``max_steps``."""
+    warmup = min(1.0, (step + 1) / max(1, warmup_steps))
+    return warmup * 0.5 * (1 + math.cos(math.pi * min(1.0, step / max_steps)))
+
+
+def train(vae, train_images: torch.Tensor, args, device) -> None:
+    """``args.max_steps`` AdamW steps on random, randomly flipped batches (all draws seeded)."""
     from tqdm.auto import tqdm
 
-    log.info("%d training images, %d held out, %s on %s", len(train), len(holdout), args.precision, device)
-    start = time.perf_counter()
-    bar = tqdm(range(args.steps), desc="vae", unit="step")
+    optimizer = torch.optim.AdamW(vae.parameters(), lr=args.lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, args.warmup_steps, args.max_steps))
+    generator = torch.Generator(device=device).manual_seed(args.seed)
+    order = torch.Generator().manual_seed(args.seed)
+    bar = tqdm(range(args.max_steps), desc="vae", unit="step")
     for step in bar:
-        batch = train[torch.randint(0, len(train), (args.batch_size,), generator=order)]
+        batch = train_images[torch.randint(0, len(train_images), (args.batch_size,), generator=order)]
         flip = torch.rand(args.batch_size, generator=order) < 0.5
         batch = torch.where(flip[:, None, None, None], batch.flip(-1), batch)
-        with autocast:
+        with SD_Runtime.autocast(args.precision, device):
             loss, reconstruction = vae_loss(vae, to_pixels(batch, device), args, generator)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -200,12 +209,34 @@ def main(argv=None) -> int:
         schedule.step()
         if step % 20 == 0:
             bar.set_postfix(loss=f"{reconstruction.item():.4f}")
+
+
+def main(argv=None) -> int:
+    SD_Runtime.start_process()
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    device = SD_Runtime.pick_device(args.device)
+    torch.manual_seed(args.seed)
+    try:
+        images = load_images(args.shards, args.resolution, args.max_images)
+    except InputError as error:
+        print(f"train_vae.py: error: {error}", file=sys.stderr)
+        return 2
+    holdout = images[: args.holdout]
+    train_images = images[args.holdout:] if len(images) > args.holdout else images
+    vae = build_vae(args).to(device).train()
+    log.info("%d training images, %d held out, %s on %s", len(train_images), len(holdout), args.precision, device)
+    start = time.perf_counter()
+    psnr_start, _ = evaluate(vae, holdout, device, args.batch_size * 4)
+    train(vae, train_images, args, device)
     psnr, latent_std = evaluate(vae, holdout, device, args.batch_size * 4)
     vae.register_to_config(scaling_factor=1.0 / latent_std)
-    stats = {"psnr_db": round(psnr, 2), "latent_std": latent_std, "scaling_factor": 1.0 / latent_std,
-             "steps": args.steps, "seconds": round(time.perf_counter() - start, 1), "images": len(train)}
+    stats = {"psnr_db": round(psnr, 2), "psnr_db_start": round(psnr_start, 2), "latent_std": latent_std,
+             "scaling_factor": 1.0 / latent_std, "steps": args.max_steps,
+             "seconds": round(time.perf_counter() - start, 1), "images": len(train_images)}
     save(vae.to("cpu", torch.float32), Path(args.out), stats)
-    log.info("held-out PSNR %.2f dB, scaling factor %.4f; saved %s", psnr, 1.0 / latent_std, args.out)
+    log.info("held-out PSNR %.2f dB (%.2f dB before training), scaling factor %.4f; saved %s",
+             stats["psnr_db"], stats["psnr_db_start"], stats["scaling_factor"], args.out)
     return 0
 
 

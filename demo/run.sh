@@ -2,7 +2,9 @@
 # make demo: every part of the system on built-in synthetic data, on a CPU (or a GPU when there is one).
 # Each step is a real command of the repository and resumes if re-run. Sizes can be lowered through the
 # environment (the test suite runs a small version): DEMO_OUT, DEMO_COUNT, DEMO_VAE_STEPS,
-# DEMO_TRAIN_FLAGS (extra SD_Train.py flags), DEMO_N (images per prompt), DEMO_NPROC.
+# DEMO_TRAIN_FLAGS (extra SD_Train.py flags), DEMO_N (images per prompt), DEMO_NPROC, and DEMO_THREADS
+# (CPU threads of each step but the trainer, which gives each rank cpu_count / ranks; unset = torch's
+# default). Every step is seeded (data, VAE, UNet, sampler: seed 0).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -13,6 +15,7 @@ N=${DEMO_N:-8}
 # One rank per GPU (NCCL); two gloo ranks on a CPU, to show DDP there too.
 NPROC=${DEMO_NPROC:-$($PY -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 2)")}
 export NO_ALBUMENTATIONS_UPDATE=1 WANDB_MODE=${WANDB_MODE:-disabled} HF_HUB_OFFLINE=1
+if [ -n "${DEMO_THREADS:-}" ]; then export OMP_NUM_THREADS=$DEMO_THREADS MKL_NUM_THREADS=$DEMO_THREADS; fi
 start=$(date +%s)
 step() { printf '\n=== [%ss] %s ===\n' "$(( $(date +%s) - start ))" "$*"; }
 
@@ -21,7 +24,8 @@ $PY pipeline/00_make_demo_data.py --out "$OUT/shards" --count "$COUNT" --size 64
 
 step "2/7 a VAE for these images (train_vae.py)"
 if [ -f "$OUT/vae/config.json" ]; then echo "$OUT/vae exists"; else
-  $PY train_vae.py --shards "$OUT/shards/*.tar" --out "$OUT/vae" --resolution 64 --steps "$VAE_STEPS"
+  $PY train_vae.py --shards "$OUT/shards/*.tar" --out "$OUT/vae" --resolution 64 --max_steps "$VAE_STEPS" \
+      --seed 0
 fi
 
 step "3/7 latents, token ids, training dataset (encode_latents.py, stages 04 and 05)"
@@ -40,7 +44,7 @@ $PY -m torch.distributed.run --standalone --nproc_per_node "$NPROC" SD_Train.py 
 step "5/7 samples of seen and held-out prompts with the EMA weights (SD_ImageGen.py)"
 rm -rf "$OUT/samples"
 $PY SD_ImageGen.py --ckpt "$OUT/train" --prompts_file "$OUT/shards/prompts.txt" --n "$N" --steps 25 --cfg 3.5 \
-    --height 64 --width 64 --batch_size 16 --out "$OUT/samples"
+    --seed 0 --height 64 --width 64 --batch_size 16 --out "$OUT/samples"
 
 step "6/7 prompt adherence (demo/evaluate.py)"
 $PY demo/evaluate.py --images "$OUT/samples" --prompts "$OUT/shards/demo_prompts.json" --out "$OUT/eval.json"

@@ -14,23 +14,42 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "demo"))
 
 
+# The small run, sized to learn well clear of the thresholds below rather than on the edge (400 UNet
+# steps of 64 measured seen colour 0.38 on one machine and 0.73 on another): 600 UNet steps of 64. The
+# VAE keeps its 500 steps: at 250 (19.5 dB held-out PSNR against 27.3) it decodes only about two of
+# the six colours, and seen colour fell to 0.47 however well the UNet learnt.
+# Everything is seeded (data, VAE, UNet, sampler: seed 0). The steps other than the trainer run on one
+# CPU thread (DEMO_THREADS): the same split of float sums on any machine, and no OpenMP threads spinning
+# against other jobs on a shared 2-core machine. Two threads are faster on an idle machine (VAE 164 s
+# against 291 s) but measured far slower on a loaded one (sampling over 6 minutes against 21 s; the old
+# settings took 16 minutes end to end). The trainer runs two gloo ranks, to which SD_Train.py gives
+# cpu_count / 2 threads each (one each on a 2-core machine). Two machines still need not agree bit for
+# bit: the trainer's thread count differs where there are more cores and changes how float sums are
+# split (one thread against two gave VAE weights 3e-3 apart after 20 steps, and 24.7 against 27.3 dB
+# after 500), and oneDNN / ATen pick kernels by the CPU's vector instruction set (AVX2, AVX-512), which
+# changes the order of float sums too. Hence wide margins rather than exact numbers. On one machine
+# with one thread count the run is bitwise repeatable (VAE, latents and EMA weights measured equal).
+SMALL_DEMO = {"DEMO_COUNT": "1200", "DEMO_VAE_STEPS": "500", "DEMO_N": "4", "DEMO_NPROC": "2", "DEMO_THREADS": "1",
+              "DEMO_TRAIN_FLAGS": "--max_steps 600 --warmup_steps 30 --validate_every 300 --save_steps 300"}
+
+
 @pytest.mark.slow
 def test_demo_chain_learns_prompted_colours(tmp_path):
-    env = {**os.environ, "PY": sys.executable, "DEMO_OUT": str(tmp_path / "demo"), "DEMO_COUNT": "1200",
-           "DEMO_VAE_STEPS": "500", "DEMO_N": "3",
-           "DEMO_TRAIN_FLAGS": "--max_steps 400 --warmup_steps 30 --validate_every 200 --save_steps 200"}
+    env = {**os.environ, "PY": sys.executable, "DEMO_OUT": str(tmp_path / "demo"), **SMALL_DEMO}
     result = subprocess.run(["bash", str(ROOT / "demo" / "run.sh")], cwd=ROOT, env=env, capture_output=True,
-                            text=True, timeout=900)
+                            text=True, timeout=3600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     out = tmp_path / "demo"
     scores = json.loads((out / "eval.json").read_text())
-    assert scores["seen"]["n"] == 15 * 3 and scores["held_out"]["n"] == 3 * 3
-    # Chance is 1/6 for colour and 1/3 for shape. At this size the run measured colour 0.53 and shape
-    # 0.91 on seen prompts; the full demo (850 steps of 64) reaches 100% on both.
-    assert scores["seen"]["colour"] >= 0.4, scores
-    assert scores["seen"]["shape"] >= 0.6, scores
+    assert scores["seen"]["n"] == 15 * 4 and scores["held_out"]["n"] == 3 * 4
+    # Chance is 1/6 for colour and 1/3 for shape. Measured on seen prompts at this size (2-core CPU):
+    # colour 1.00 and shape 0.93 with one thread; 0.96 and 0.93 (3 images a prompt) with two. The full
+    # demo (850 steps of 64) reaches 100% on both.
+    assert scores["seen"]["colour"] >= 0.6, scores
+    assert scores["seen"]["shape"] >= 0.7, scores
     assert (out / "samples" / "grid.png").exists() and (out / "train" / "loss.png").exists()
-    assert (out / "train" / "samples" / "step_00000200.png").exists()
+    assert (out / "train" / "samples" / "step_00000300.png").exists()
+    assert json.loads((out / "vae" / "vae_stats.json").read_text())["steps"] == 500
     assert "sample grid" in result.stdout
 
 

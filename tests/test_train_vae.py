@@ -1,0 +1,141 @@
+"""train_vae.py on a CPU: a tiny VAE learns, saves a diffusers folder atomically, and its CLI is strict."""
+
+import io
+import json
+import logging
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+import train_vae  # noqa: E402
+from stage_loader import load_stage  # noqa: E402
+
+# 48 images of 32 px; the "tiny" preset (factor 8: 4x4x4 latents), 60 fp32 steps of 8: a few seconds.
+STEPS = 60
+PSNR_GAIN_DB = 4.0  # measured: 5.7 dB -> 12.5 dB held-out PSNR over these 60 steps (+6.8)
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("shards")
+    assert load_stage("00_make_demo_data").main(["--out", str(folder), "--count", "48", "--size", "32",
+                                                 "--shard_size", "24"]) == 0
+    return folder
+
+
+def vae_argv(shards: Path, out: Path, *extra: str) -> list[str]:
+    return ["--shards", str(shards / "*.tar"), "--out", str(out), "--preset", "tiny", "--resolution", "32",
+            "--max_steps", str(STEPS), "--batch_size", "8", "--warmup_steps", "5", "--holdout", "8",
+            "--precision", "fp32", "--device", "cpu", *extra]
+
+
+@pytest.fixture(scope="module")
+def trained(shards, tmp_path_factory):
+    """One run of main(): its output folder, the log it printed, and the weights it held when saving."""
+    out = tmp_path_factory.mktemp("run") / "vae"
+    held = {}
+    real_save = train_vae.save
+
+    def spy(vae, folder, stats):
+        held.update({name: tensor.clone() for name, tensor in vae.state_dict().items()})
+        real_save(vae, folder, stats)
+
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    train_vae.log.addHandler(handler)
+    level = train_vae.log.level
+    train_vae.log.setLevel(logging.INFO)  # pytest's root handler makes main()'s basicConfig a no-op
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(train_vae, "save", spy)
+            assert train_vae.main(vae_argv(shards, out)) == 0
+    finally:
+        train_vae.log.removeHandler(handler)
+        train_vae.log.setLevel(level)
+    return out, stream.getvalue(), held
+
+
+def test_reconstruction_improves_and_stats_match_the_log(trained):
+    out, printed, _ = trained
+    stats = json.loads((out / "vae_stats.json").read_text())
+    assert stats["steps"] == STEPS and stats["images"] == 40
+    assert stats["psnr_db"] - stats["psnr_db_start"] >= PSNR_GAIN_DB, stats
+    match = re.search(r"held-out PSNR ([\d.]+) dB \(([\d.]+) dB before training\), scaling factor ([\d.]+)", printed)
+    assert match, printed
+    assert float(match[1]) == stats["psnr_db"] and float(match[2]) == stats["psnr_db_start"]
+    assert float(match[3]) == pytest.approx(stats["scaling_factor"], abs=5e-5)
+    assert stats["scaling_factor"] == pytest.approx(1 / stats["latent_std"])
+
+
+def test_saved_folder_loads_in_diffusers_bit_for_bit(trained):
+    from diffusers import AutoencoderKL
+
+    out, _, held = trained
+    vae = AutoencoderKL.from_pretrained(out)
+    loaded = vae.state_dict()
+    assert loaded.keys() == held.keys()
+    assert all(torch.equal(loaded[name], held[name]) for name in held)
+    assert vae.config.scaling_factor == pytest.approx(json.loads((out / "vae_stats.json").read_text())["scaling_factor"])
+    # Nothing of the staging folder or the swapped-out old folder is left beside the result.
+    assert sorted(p.name for p in out.parent.iterdir()) == ["vae"]
+
+
+def test_a_failed_save_keeps_the_previous_folder_whole(trained, tmp_path):
+    import shutil
+
+    out, _, _ = trained
+    target = tmp_path / "vae"
+    shutil.copytree(out, target)
+    before = {p.name: p.read_bytes() for p in target.iterdir()}
+
+    class Broken:
+        def save_pretrained(self, folder, **_):  # dies half way: one file written, then an error
+            Path(folder).mkdir(parents=True, exist_ok=True)
+            (Path(folder) / "config.json").write_text("{}")
+            raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        train_vae.save(Broken(), target, {"psnr_db": 0.0})
+    assert {p.name: p.read_bytes() for p in target.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["vae"]  # no .vae.tmp left behind
+
+
+def test_steps_is_a_hidden_alias_of_max_steps(shards, tmp_path, capsys):
+    base = ["--shards", str(shards), "--out", str(tmp_path / "vae")]
+    assert train_vae.parse_args(base + ["--steps", "7"]).max_steps == 7
+    assert train_vae.parse_args(base + ["--max_steps", "9"]).max_steps == 9
+    assert train_vae.parse_args(base).max_steps == 900
+    with pytest.raises(SystemExit) as exit_info:
+        train_vae.parse_args(["--help"])
+    assert exit_info.value.code == 0
+    help_text = capsys.readouterr().out
+    assert re.search(r"^  --max_steps MAX_STEPS", help_text, re.M) and not re.search(r"^\s+--steps", help_text, re.M)
+
+
+def test_an_abbreviated_flag_is_refused(shards, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        train_vae.main(["--shards", str(shards), "--out", str(tmp_path / "vae"), "--max_step", "5"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unrecognized arguments: --max_step" in err
+    assert not (tmp_path / "vae").exists()
+
+
+@pytest.mark.parametrize("kind", ["missing", "empty", "not_shards"])
+def test_a_bad_input_folder_is_one_line_naming_it(kind, tmp_path, capsys):
+    folder = tmp_path / "input"
+    if kind != "missing":
+        folder.mkdir()
+    if kind == "not_shards":
+        (folder / "00000.tar").write_bytes(b"this is not a tar file")
+    assert train_vae.main(["--shards", str(folder / "*.tar"), "--out", str(tmp_path / "vae"), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("train_vae.py: error: ") and str(folder) in err, err
+    assert not (tmp_path / "vae").exists()
