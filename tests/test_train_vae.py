@@ -1,5 +1,6 @@
 """train_vae.py on a CPU: a tiny VAE learns, saves a diffusers folder atomically, and its CLI is strict."""
 
+import importlib
 import io
 import json
 import logging
@@ -11,11 +12,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
-
-import train_vae  # noqa: E402
-from stage_loader import load_stage  # noqa: E402
+import train_vae
 
 # 48 images of 32 px; the "tiny" preset (factor 8: 4x4x4 latents), 60 fp32 steps of 8: a few seconds.
 STEPS = 60
@@ -25,7 +22,7 @@ PSNR_GAIN_DB = 4.0  # measured: 5.7 dB -> 12.5 dB held-out PSNR over these 60 st
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
     folder = tmp_path_factory.mktemp("shards")
-    assert load_stage("00_make_demo_data").main(["--out", str(folder), "--count", "48", "--size", "32",
+    assert importlib.import_module("pipeline.00_make_demo_data").main(["--out", str(folder), "--count", "48", "--size", "32",
                                                  "--shard_size", "24"]) == 0
     return folder
 
