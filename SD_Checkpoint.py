@@ -252,7 +252,3 @@ def load_weights(path: Path) -> dict[str, torch.Tensor]:
     if not path.exists():
         raise FileNotFoundError(f"checkpoint file {path} is missing")
     return load_file(str(path))
-
-
-def rank_count(folder: Path) -> int:
-    return len(list(folder.glob("rng_rank*.pt")))
