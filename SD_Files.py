@@ -1,4 +1,5 @@
-"""Atomic writes: a reader (or a crash) never sees a half-written file or folder.
+"""Atomic writes (a reader, or a crash, never sees a half-written file or folder) and one-writer
+folder locks.
 
 Every output of the project goes through these: the data is written under a temporary name in the
 same folder, flushed, and renamed onto the final name (``os.replace`` is atomic on one file system).
@@ -92,3 +93,78 @@ def fsync_tree(folder: Path) -> None:
         if path.is_file():
             with open(path, "rb") as handle:
                 os.fsync(handle.fileno())
+
+
+# ---------------------------------------------------------------------------------------------
+# One writer per folder
+# ---------------------------------------------------------------------------------------------
+
+
+class FolderLocked(RuntimeError):
+    """Another live process holds the folder's lock."""
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by someone else
+        return True
+    return True
+
+
+class FolderLock:
+    """``FOLDER/.lock`` holding this process's host and pid, created exclusively (``O_EXCL``).
+
+    A second process that finds a lock of a live process raises ``FolderLocked`` naming the folder,
+    host and pid. A lock left by a dead process on this host (a crash, SIGKILL) is taken over; a
+    lock from another host cannot be checked from here, so it is reported and left for the user to
+    remove once that job is gone.
+    """
+
+    NAME = ".lock"
+
+    def __init__(self, folder: str | Path):
+        self.path = Path(folder) / self.NAME
+        self.held = False
+        self.created_folder = False  # removed again on release if nothing else was written
+
+    def acquire(self) -> "FolderLock":
+        import socket
+
+        if not self.path.parent.exists():
+            self.path.parent.mkdir(parents=True)
+            self.created_folder = True
+        mine = {"host": socket.gethostname(), "pid": os.getpid()}
+        for _ in range(2):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = self._holder()
+                if holder.get("host") == mine["host"] and not _process_alive(int(holder.get("pid", -1))):
+                    self.path.unlink(missing_ok=True)  # stale: its process is gone
+                    continue
+                raise FolderLocked(
+                    f"{self.path.parent} is in use by process {holder.get('pid', '?')} on host "
+                    f"{holder.get('host', '?')} (lock file {self.path}); wait for it to finish, or remove the lock "
+                    "file if that process is gone") from None
+            with os.fdopen(fd, "w") as handle:
+                handle.write(json.dumps(mine) + "\n")
+            self.held = True
+            return self
+        raise FolderLocked(f"could not take the lock {self.path}")
+
+    def _holder(self) -> dict:
+        try:
+            value = json.loads(self.path.read_text() or "{}")
+            return value if isinstance(value, dict) else {}
+        except (OSError, ValueError):
+            return {}
+
+    def release(self) -> None:
+        if self.held:
+            self.path.unlink(missing_ok=True)
+            self.held = False
+            if self.created_folder and not any(self.path.parent.iterdir()):
+                self.path.parent.rmdir()

@@ -24,6 +24,7 @@ import SD_Checkpoint as ckpt
 import SD_Data
 import SD_Distributed
 import SD_Faults
+import SD_Files
 import SD_Metrics
 import SD_Model
 import SD_Runtime
@@ -215,7 +216,33 @@ def main(argv=None) -> int:
 
 
 def train(config: TrainConfig, d: Dist) -> int:
+    lock = lock_run_folder(Path(config.out_dir), d)
+    try:
+        return train_locked(config, d)
+    finally:
+        lock.release()
+
+
+def lock_run_folder(run_dir: Path, d: Dist) -> SD_Files.FolderLock:
+    """One trainer per run folder: rank 0 takes ``out_dir/.lock``; every rank stops if it could not."""
+    lock, refusal = SD_Files.FolderLock(run_dir), None
+    if d.is_main:
+        try:
+            lock.acquire()
+        except SD_Files.FolderLocked as error:
+            refusal = str(error)
+    refusal = SD_Distributed.all_gather_objects(refusal, d)[0]
+    if refusal:
+        raise ConfigError(refusal)
+    return lock
+
+
+def train_locked(config: TrainConfig, d: Dist) -> int:
     run = build(config, d)
+    if config.stop_at_step and run.state.step >= config.stop_at_step:
+        log.info("the run is at step %d, at or past stop_at_step %d: nothing to do", run.state.step,
+                 config.stop_at_step)
+        return 0
     metrics = None
     if d.is_main:
         run.run_dir.mkdir(parents=True, exist_ok=True)

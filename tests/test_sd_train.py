@@ -200,6 +200,9 @@ def test_a_nan_sample_skips_its_steps_on_both_ranks(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["skipped"]] == expected
     assert records[-1]["bad_steps"] == len(expected)
+    # Skipped steps still count: the learning rate of every step is the schedule's for its step number.
+    for record in records:
+        assert record["lr"] == pytest.approx(SD_TrainStep.lr_at(record["step"] - 1, 1e-3, 2, 8, 0.01), rel=1e-12)
     folder = tmp_path / "run" / "checkpoints" / ckpt.step_dir_name(8)
     fingerprints = [torch.load(folder / f"rng_rank{r}.pt", weights_only=True)["fingerprint"] for r in range(2)]
     assert torch.equal(*fingerprints) and torch.isfinite(fingerprints[0]).all()
@@ -515,3 +518,64 @@ def test_wandb_offline_logs_one_run_across_a_resume(tmp_path, data, monkeypatch)
     files = list((tmp_path / "run" / "wandb").rglob("*.wandb"))
     assert files and all(run_id in f.name for f in files) and all(f.stat().st_size > 0 for f in files)
     assert len(losses(tmp_path / "run")) == 4
+
+
+# ------------------------------------------------------------------------------ one writer, stop points
+
+
+def test_a_stale_lock_is_taken_over_and_a_live_one_stops_the_second_trainer_at_once(tmp_path, data, capsys):
+    import socket
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    config = write_config(tmp_path / "l.yaml", datasets=[data], max_steps=2, out_dir=str(run_dir), batch_size=4,
+                          grad_accum=1)
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        (run_dir / ".lock").write_text(json.dumps({"host": socket.gethostname(), "pid": holder.pid}))
+        assert SD_Train.main(["--config", str(config)]) == 2
+        err = capsys.readouterr().err
+        assert f"{run_dir} is in use by process {holder.pid} on host {socket.gethostname()}" in err
+        assert [p.name for p in run_dir.iterdir()] == [".lock"]  # nothing written
+    finally:
+        holder.kill()
+        holder.wait()
+    # Its process is gone: the lock is stale, and the next trainer takes it over and removes it at the end.
+    assert SD_Train.main(["--config", str(config)]) == 0
+    assert (run_dir / "checkpoints" / ckpt.step_dir_name(2) / "COMPLETE").exists()
+    assert not (run_dir / ".lock").exists()
+
+
+@pytest.mark.slow
+def test_two_trainers_on_one_folder_the_second_exits_at_once(tmp_path, data, capsys):
+    import time
+
+    run_dir = tmp_path / "run"
+    config = write_config(tmp_path / "t.yaml", datasets=[data], max_steps=400, out_dir=str(run_dir), batch_size=2,
+                          grad_accum=1, save_steps=1000, log_every=100)
+    first = subprocess.Popen([sys.executable, str(ROOT / "SD_Train.py"), "--config", str(config)], cwd=ROOT,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not (run_dir / ".lock").exists():
+        assert first.poll() is None and time.monotonic() < deadline, "the first trainer never took the lock"
+        time.sleep(0.05)
+    assert SD_Train.main(["--config", str(config)]) == 2
+    assert f"is in use by process {first.pid}" in capsys.readouterr().err
+    assert first.poll() is None  # the first one trains on, to the end
+    assert first.wait(timeout=600) == 0, first.stderr.read()[-2000:]
+    assert ckpt.latest_checkpoint(run_dir / "checkpoints").name == ckpt.step_dir_name(400)
+    assert not (run_dir / ".lock").exists()
+
+
+def test_stop_at_step_at_or_below_the_resumed_step_trains_nothing(tmp_path, data):
+    run_dir = tmp_path / "run"
+    config = write_config(tmp_path / "s.yaml", datasets=[data], max_steps=6, out_dir=str(run_dir), batch_size=4,
+                          grad_accum=1)
+    assert SD_Train.main(["--config", str(config), "--stop_at_step", "4"]) == 0
+    metrics = (run_dir / "metrics.jsonl").read_bytes()
+    for stop in ("4", "2"):
+        assert SD_Train.main(["--config", str(config), "--stop_at_step", stop]) == 0
+        assert [p.name for p in (run_dir / "checkpoints").iterdir()] == [ckpt.step_dir_name(4)]
+        assert (run_dir / "metrics.jsonl").read_bytes() == metrics
+    assert SD_Train.main(["--config", str(config)]) == 0  # without it, the run goes on to max_steps
+    assert ckpt.latest_checkpoint(run_dir / "checkpoints").name == ckpt.step_dir_name(6)
