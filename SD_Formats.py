@@ -219,7 +219,29 @@ def export_diffusers(folder: Path, unet, vae, text_encoder, tokenizer, predictio
         unet=unet, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
         scheduler=SD_Model.build_noise_scheduler(prediction_type, DDIMScheduler),
         safety_checker=None, feature_extractor=None, requires_safety_checker=False)
-    SD_Files.write_folder_atomic(folder, lambda staging: pipeline.save_pretrained(str(staging), safe_serialization=True))
+
+    def write(staging: Path) -> None:
+        pipeline.save_pretrained(str(staging), safe_serialization=True)
+        prefix_text_encoder_keys(staging / "text_encoder")
+
+    SD_Files.write_folder_atomic(folder, write)
+
+
+def prefix_text_encoder_keys(folder: Path) -> None:
+    """Give the saved CLIP text encoder's keys the ``text_model.`` prefix.
+
+    transformers 5 saves ``CLIPTextModel`` without it; transformers 4 (which then initialises a
+    random text encoder, with only a warning) and ComfyUI's diffusers loader (which then finds none of
+    the keys) need it, and transformers 5 loads either layout.
+    """
+    from safetensors.torch import load_file, save_file
+
+    for path in sorted(folder.glob("*.safetensors")):
+        state = load_file(str(path))
+        if all(key.startswith("text_model.") for key in state):
+            continue
+        renamed = {key if key.startswith("text_model.") else f"text_model.{key}": tensor for key, tensor in state.items()}
+        save_file(renamed, str(path), metadata={"format": "pt"})
 
 
 def is_diffusers_folder(path: Path) -> bool:

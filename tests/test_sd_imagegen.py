@@ -175,6 +175,31 @@ def test_diffusers_loads_the_exported_folder_with_our_weights(exported, model):
     assert not list((exported / "pipe").rglob("*.bin"))  # safetensors only
 
 
+def transformers4_clip_text_keys(num_layers: int) -> set[str]:
+    """The state-dict keys of transformers 4's ``CLIPTextModel``: ``text_model`` = ``CLIPTextTransformer``
+    (embeddings, ``encoder.layers[i]`` of attention + two layer norms + MLP, ``final_layer_norm``);
+    ``position_ids`` is a non-persistent buffer since 4.31, so it is not among them."""
+    keys = {"text_model.embeddings.token_embedding.weight", "text_model.embeddings.position_embedding.weight",
+            "text_model.final_layer_norm.weight", "text_model.final_layer_norm.bias"}
+    for i in range(num_layers):
+        for module in ("self_attn.k_proj", "self_attn.v_proj", "self_attn.q_proj", "self_attn.out_proj",
+                       "layer_norm1", "mlp.fc1", "mlp.fc2", "layer_norm2"):
+            keys |= {f"text_model.encoder.layers.{i}.{module}.{p}" for p in ("weight", "bias")}
+    return keys
+
+
+def test_exported_text_encoder_has_the_layout_transformers_4_and_comfyui_read(exported, model):
+    from transformers import CLIPTextModel
+
+    state = load_file(exported / "pipe" / "text_encoder" / "model.safetensors")
+    layers = json.loads((exported / "pipe" / "text_encoder" / "config.json").read_text())["num_hidden_layers"]
+    assert set(state) == transformers4_clip_text_keys(layers)
+    ours = model.text_encoder.state_dict()
+    assert all(torch.equal(state[f"text_model.{k.removeprefix('text_model.')}"], v) for k, v in ours.items())
+    loaded = CLIPTextModel.from_pretrained(str(exported / "pipe" / "text_encoder")).state_dict()  # transformers 5
+    assert loaded.keys() == ours.keys() and all(torch.equal(loaded[k], ours[k]) for k in ours)
+
+
 def test_diffusers_loads_the_single_file_with_our_weights(exported, model):
     from diffusers import StableDiffusionPipeline
 
