@@ -21,11 +21,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 
 import SD_Cli
 import SD_Files
 import SD_Formats
-import SD_Model
 import SD_Runtime
 import SD_Sampling
 from SD_Sampling import Pipeline
@@ -139,7 +139,7 @@ def main(argv=None) -> int:
     try:
         model = SD_Formats.load_pipeline(args.ckpt, use_ema=not args.no_ema, vae=args.vae, text_encoder=args.text_encoder,
                            tokenizer=args.tokenizer, arch=args.arch)
-    except (FileNotFoundError, KeyError, ValueError, OSError) as error:
+    except (FileNotFoundError, KeyError, ValueError, OSError, SafetensorError) as error:
         print(f"SD_ImageGen.py: cannot load {args.ckpt}: {error}", file=sys.stderr)
         return 2
     log.info("loaded %s (%s)", model.source, model.prediction_type)

@@ -297,3 +297,12 @@ def test_compile_unet_wraps_the_same_weights_and_rejects_unknown_modes():
     assert [p.data_ptr() for p in compiled.parameters()] == [p.data_ptr() for p in unet.parameters()]
     with pytest.raises(ValueError, match="compile mode must be one of"):
         SD_ImageGen.compile_unet(unet, "fast")
+
+
+def test_a_damaged_single_file_is_a_one_line_error_naming_it(tmp_path, capsys):
+    path = tmp_path / "damaged.safetensors"
+    path.write_bytes(b"\xff" * 100)  # a header length far past the file
+    assert SD_ImageGen.main(["--ckpt", str(path), "--prompt", "x", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"SD_ImageGen.py: cannot load {path}: ")
+    assert not (tmp_path / "o").exists()
