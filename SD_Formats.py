@@ -16,12 +16,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 import SD_Checkpoint as ckpt
 import SD_Files
 import SD_Model
+
+if TYPE_CHECKING:
+    import SD_Sampling
 
 # CLIP ViT-L/14's text tower, as SD 1.x uses it.
 CLIP_L_TEXT = dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,

@@ -17,7 +17,6 @@ import yaml
 
 import SD_Cli
 import SD_Model
-import SD_Runtime
 
 def _doc(text, default=dataclasses.MISSING, default_factory=dataclasses.MISSING):
     if default_factory is not dataclasses.MISSING:

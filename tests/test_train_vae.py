@@ -5,7 +5,6 @@ import io
 import json
 import logging
 import re
-import sys
 from pathlib import Path
 
 import pytest
