@@ -6,24 +6,33 @@ and ``load_state_dict()``, and each becomes one file of ``run_dir/checkpoints/st
     Weights(obj)  -> NAME.safetensors     written by rank 0 (unet, ema): any safetensors reader loads it
     PerRank(obj)  -> NAME_rank{R}.pt      written by every rank R (its RNGs and a weight fingerprint)
     anything else -> NAME.pt              written by rank 0 (optimizer, scaler, train_state)
-    config.yaml, COMPLETE                 the resolved config; COMPLETE last
+    config.yaml                           the resolved config
+    manifest.json                         every other file's size and xxh3-128 content hash
+    COMPLETE                              written last
 
 Adding a piece of resumable state is one more entry in that dict. The folder is assembled in
 ``.tmp_step_NNNNNNNN`` and renamed, so a crash while saving never leaves a folder that looks done;
-only folders with ``COMPLETE`` count. ``.pt`` files are read with ``torch.load(weights_only=True)``:
-nothing is unpickled beyond tensors and plain containers. A missing file on resume is an error.
+only folders with ``COMPLETE`` count. Before a save the ranks compare fingerprints of their weights
+(replicas that diverged stop the run). ``verify`` checks a folder against its manifest before
+anything in it is read; a folder that fails is ``Damaged``. ``.pt`` files are read with
+``torch.load(weights_only=True)``: nothing is unpickled beyond tensors and plain containers.
 """
 
 from __future__ import annotations
 
+import errno
+import json
 import os
+import pickle
 import random
 import re
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 import SD_Distributed
@@ -32,6 +41,18 @@ import SD_Files
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 COMPLETE = "COMPLETE"
+MANIFEST = "manifest.json"
+DAMAGED_SUFFIX = ".damaged"
+HASH = "xxh3_128"
+HASH_CHUNK = 16 << 20  # bytes read at a time while hashing
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written, or the ranks' weights disagree: the run stops."""
+
+
+class Damaged(CheckpointError):
+    """A checkpoint folder whose files do not match its manifest or cannot be read (names the file)."""
 
 
 def step_dir_name(step: int) -> str:
@@ -96,16 +117,41 @@ class PerRank(_Entry):
 
 class RankRNG:
     """This rank's RNGs (torch, CUDA, numpy, python, the noise generator) and a fingerprint of its
-    weights (DDP ranks must hold identical ones)."""
+    weights.
+
+    Loading checks the fingerprint against the weights loaded before it (the ``unet`` entry comes
+    first): a mismatch means the weights file is not the one this rank saved. The RNG states are
+    applied by ``start`` when the loop begins, not at load: whatever draws from the global RNGs while
+    the run is being built (model construction, wrappers, libraries) cannot shift them, and a run
+    that did not resume seeds them there from the run's seed, so an interrupted and an uninterrupted
+    run hold equal RNG states at every step.
+    """
 
     def __init__(self, noise_generator: torch.Generator, model):
         self.noise_generator, self.model = noise_generator, model
+        self.pending: dict | None = None
 
     def state_dict(self) -> dict:
         return {"rng": capture_rng(self.noise_generator), "fingerprint": weights_fingerprint(self.model.parameters())}
 
     def load_state_dict(self, state: dict) -> None:
-        restore_rng(state["rng"], self.noise_generator)
+        loaded = weights_fingerprint(self.model.parameters())
+        saved = state["fingerprint"]
+        if saved.shape != loaded.shape or not torch.allclose(saved, loaded, rtol=1e-9, atol=1e-9):
+            raise Damaged("the loaded weights do not match the fingerprint saved with them")
+        self.pending = state["rng"]
+
+    def start(self, seed: int, rank: int) -> None:
+        """Set every RNG of this process for the loop: the loaded states, or seeded from ``seed`` and
+        ``rank`` (the noise generator keeps the seed it was built with)."""
+        if self.pending is not None:
+            restore_rng(self.pending, self.noise_generator)
+            self.pending = None
+            return
+        base = seed * 1_000_003 + rank
+        torch.manual_seed(base)  # also seeds every CUDA device
+        np.random.seed(base % 2**32)
+        random.seed(base)
 
 
 def file_name(name: str, obj, rank: int) -> str:
@@ -117,10 +163,13 @@ def file_name(name: str, obj, rank: int) -> str:
 
 
 def save(checkpoints_dir: Path, step: int, states: dict, d, config_text: str) -> Path:
-    """Write ``checkpoints_dir/step_N`` from every rank, atomically, then prune old checkpoints.
+    """Write ``checkpoints_dir/step_N`` from every rank, atomically; returns the folder.
 
     Collective: every rank calls it. Rank 0 writes the shared entries in the dict's order (a fault
-    point ``after_NAME:STEP`` follows each file), every rank its ``PerRank`` entries.
+    point ``after_NAME:STEP`` follows each file), every rank its ``PerRank`` entries, and each rank
+    hashes what it wrote; rank 0 writes the manifest and completes the folder. A write that fails on
+    any rank (a full disk) removes the staging folder and raises ``CheckpointError`` on every rank,
+    naming the file and the error; earlier checkpoints are untouched.
     """
     staging = staging_dir(checkpoints_dir, step)
     final = checkpoints_dir / step_dir_name(step)
@@ -129,14 +178,32 @@ def save(checkpoints_dir: Path, step: int, states: dict, d, config_text: str) ->
             shutil.rmtree(staging)
         staging.mkdir(parents=True)
     SD_Distributed.barrier(d)
-    for name, obj in states.items():
-        if isinstance(obj, PerRank) or d.is_main:
-            write_entry(staging / file_name(name, obj, d.rank), obj)
-            SD_Faults.point(f"after_{name}", step)
+    written, failure, path = [], None, staging
+    try:
+        for name, obj in states.items():
+            if isinstance(obj, PerRank) or d.is_main:
+                path = staging / file_name(name, obj, d.rank)
+                write_entry(path, obj)
+                written.append(path)
+                SD_Faults.point(f"after_{name}", step)
+        if d.is_main:
+            path = staging / "config.yaml"
+            path.write_text(config_text)
+            written.append(path)
+        entries = describe_files(written)
+    except (OSError, RuntimeError) as error:  # torch and safetensors wrap the OSError of a failed write
+        failure, entries = f"could not write {path}: {write_error_text(error)}", {}
+    gathered = SD_Distributed.all_gather_objects((entries, failure), d)
+    failures = [f for _, f in gathered if f]
+    if failures:
+        if d.is_main:
+            shutil.rmtree(staging, ignore_errors=True)
+        SD_Distributed.barrier(d)
+        raise CheckpointError(f"{failures[0]}; the unfinished {staging.name} was removed and earlier checkpoints "
+                              "are untouched")
     if d.is_main:
-        (staging / "config.yaml").write_text(config_text)
-    SD_Distributed.barrier(d)
-    if d.is_main:
+        manifest = {"hash": HASH, "files": {name: entry for part, _ in gathered for name, entry in part.items()}}
+        (staging / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
         finalize(staging, final)
     SD_Distributed.barrier(d)
     return final
@@ -149,14 +216,120 @@ def write_entry(path: Path, obj) -> None:
         save_torch(obj.state_dict(), path)
 
 
+def write_error_text(error: BaseException) -> str:
+    """``[ENOSPC] No space left on device`` from the OSError inside a library's write error."""
+    seen = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno:
+            return f"[{errno.errorcode.get(seen.errno, seen.errno)}] {os.strerror(seen.errno)}"
+        seen = seen.__cause__ or seen.__context__
+    found = re.search(r"os error (\d+)", str(error))
+    if found:
+        code = int(found.group(1))
+        return f"[{errno.errorcode.get(code, code)}] {os.strerror(code)}"
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+
+
 def load(folder: Path, states: dict, rank: int) -> None:
-    """Restore every entry of ``states`` from ``folder``; a missing file is an error."""
+    """Restore every entry of ``states`` from ``folder``.
+
+    Raises ``Damaged`` naming the file for a missing or unreadable one (verify the folder first).
+    """
     for name, obj in states.items():
         path = folder / file_name(name, obj, rank)
-        if isinstance(obj, Weights):
-            obj.load_state_dict(load_weights(path))
-        else:
-            obj.load_state_dict(load_torch(path))
+        try:
+            if isinstance(obj, Weights):
+                obj.load_state_dict(load_weights(path))
+            else:
+                obj.load_state_dict(load_torch(path))
+        except Damaged as error:
+            raise Damaged(f"{path}: {error}") from error
+        except (OSError, RuntimeError, KeyError, ValueError, EOFError, pickle.UnpicklingError, SafetensorError) as error:
+            raise Damaged(f"{path}: {first_line(error)}") from error
+
+
+def first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+# ---------------------------------------------------------------------------------------------
+# The manifest
+# ---------------------------------------------------------------------------------------------
+
+
+def file_hash(path: Path) -> str:
+    """xxh3-128 of a file's bytes, read in 16 MiB pieces (memory stays bounded)."""
+    import xxhash
+
+    digest = xxhash.xxh3_128()
+    buffer = bytearray(HASH_CHUNK)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            n = f.readinto(buffer)
+            if not n:
+                break
+            digest.update(view[:n])
+    return digest.hexdigest()
+
+
+def describe_files(paths: list[Path], threads: int = 4) -> dict[str, dict]:
+    """``{file name: {"size": bytes, "xxh3_128": hex}}``, files hashed in parallel threads."""
+    with ThreadPoolExecutor(max(1, min(threads, len(paths)))) as pool:
+        hashes = list(pool.map(file_hash, paths))
+    return {path.name: {"size": path.stat().st_size, HASH: digest} for path, digest in zip(paths, hashes)}
+
+
+def read_manifest(folder: Path) -> dict | None:
+    """The manifest's ``files`` entry; None for a folder written without one (not verifiable)."""
+    path = folder / MANIFEST
+    if not path.exists():
+        return None
+    try:
+        manifest = json.loads(path.read_text())
+        files = manifest["files"]
+        if manifest.get("hash") != HASH or not isinstance(files, dict):
+            raise ValueError(f"unknown hash {manifest.get('hash')!r}")
+        return files
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise Damaged(f"{path}: unreadable manifest ({first_line(error)})") from error
+
+
+def verify(folder: Path, names: list[str], hash_contents: bool = True) -> bool:
+    """Check the files ``names`` of ``folder`` against its manifest: present, the recorded size and
+    (with ``hash_contents``) the recorded hash. Raises ``Damaged`` naming the first file that fails;
+    returns False for a folder without a manifest (nothing to check against), True when verified.
+    """
+    files = read_manifest(folder)
+    if files is None:
+        return False
+    for name in names:
+        path = folder / name
+        if name not in files:
+            raise Damaged(f"{path}: not in the checkpoint's manifest")
+        if not path.exists():
+            raise Damaged(f"{path}: missing")
+        size = path.stat().st_size
+        if size != files[name]["size"]:
+            raise Damaged(f"{path}: {size} bytes where the manifest records {files[name]['size']}")
+    if hash_contents:
+        paths = [folder / name for name in names]
+        with ThreadPoolExecutor(max(1, min(4, len(paths)))) as pool:
+            for path, digest in zip(paths, pool.map(file_hash, paths)):
+                if digest != files[path.name][HASH]:
+                    raise Damaged(f"{path}: contents differ from the manifest's hash (the file was changed or damaged)")
+    return True
+
+
+def set_aside(folder: Path) -> Path:
+    """Rename a damaged checkpoint out of the way (kept for inspection, never counted or pruned)."""
+    target = folder.with_name(folder.name + DAMAGED_SUFFIX)
+    n = 1
+    while target.exists():
+        target, n = folder.with_name(f"{folder.name}{DAMAGED_SUFFIX}{n}"), n + 1
+    os.replace(folder, target)
+    return target
 
 
 # ---------------------------------------------------------------------------------------------
@@ -174,13 +347,28 @@ def save_weights(state_dict: dict[str, torch.Tensor], path: Path) -> None:
 
 
 def save_torch(obj, path: Path) -> None:
-    torch.save(obj, path)
+    with open(path, "wb") as f:  # a Python file object: a failed write keeps its OSError (errno) in the chain
+        torch.save(obj, f)
 
 
 @torch.no_grad()
 def weights_fingerprint(tensors) -> torch.Tensor:
     """Per-tensor float64 sums ``(n,)``: equal on every rank unless the replicas diverged."""
     return torch.stack([t.detach().double().sum() for t in tensors]).cpu()
+
+
+def check_ranks_agree(model, d, step: int) -> None:
+    """Compare every rank's weight fingerprint with rank 0's (collective); raise naming the ranks
+    whose weights differ. DDP keeps replicas equal; a difference means they silently diverged."""
+    mine = weights_fingerprint(model.parameters())
+    gathered = SD_Distributed.all_gather_objects(mine, d)
+    differ = [rank for rank, theirs in enumerate(gathered) if not torch.equal(theirs, gathered[0])]
+    if differ:
+        names = [name for name, _ in model.named_parameters()]
+        first = next(i for i in range(len(names)) if any(g[i] != gathered[0][i] for g in gathered))
+        raise CheckpointError(
+            f"step {step}: the weights of rank(s) {', '.join(map(str, differ))} differ from rank 0's (first in "
+            f"{names[first]}): the replicas diverged; nothing was saved. Resume from the last checkpoint")
 
 
 def finalize(staging: Path, final: Path) -> None:
@@ -192,12 +380,23 @@ def finalize(staging: Path, final: Path) -> None:
     os.replace(staging, final)
 
 
+def intact(folder: Path) -> bool:
+    """The cheap check: a manifest whose every file is present at its recorded size."""
+    try:
+        files = read_manifest(folder)
+        return files is not None and verify(folder, sorted(files), hash_contents=False)
+    except Damaged:
+        return False
+
+
 def prune(checkpoints_dir: Path, keep_last: int, keep_every: int = 0) -> list[Path]:
-    """Delete complete checkpoints beyond the newest ``keep_last``, sparing every ``keep_every``-th
-    step, and leftover staging folders. Called only after a newer checkpoint is complete."""
+    """Delete complete checkpoints beyond the newest ``keep_last`` intact ones, sparing every
+    ``keep_every``-th step, and leftover staging folders. A checkpoint that fails the cheap check
+    (manifest sizes) neither counts nor is deleted, so the newest good one is never removed."""
     found = complete_checkpoints(checkpoints_dir)
+    good = [(step, folder) for step, folder in found if intact(folder)]
     removed = []
-    for step, folder in found[:-keep_last] if keep_last else found:
+    for step, folder in good[:-keep_last] if keep_last else good:
         if keep_every and step % keep_every == 0:
             continue
         shutil.rmtree(folder)

@@ -69,6 +69,7 @@ class Run:
     train_data: SD_Data.MixedData
     val_data: SD_Data.MixedData | None
     sampler: SD_Sampling.Pipeline  # the frozen parts of the validation grid, around step.unet
+    rng: ckpt.RankRNG  # this rank's RNGs, applied when the loop starts
     steps_per_epoch: int
     total_steps: int  # optimizer steps of the phase: sizes the LR schedule
     run_dir: Path
@@ -80,7 +81,7 @@ def resumable(run: Run) -> dict:
     if run.step.ema is not None:
         states["ema"] = ckpt.Weights(run.step.ema)
     states.update(optimizer=run.step.optimizer, scaler=run.step.scaler, train_state=run.state,
-                  rng=ckpt.PerRank(ckpt.RankRNG(run.step.noise_generator, run.step.unet)))
+                  rng=ckpt.PerRank(run.rng))
     return states
 
 
@@ -140,32 +141,93 @@ def build(config: TrainConfig, d: Dist) -> Run:
     steps_per_epoch = steps_per_epoch_of(config, train_data, d)
     total = config.max_steps if config.max_steps > 0 else config.epochs * steps_per_epoch
     sampler = SD_Sampling.Pipeline(unet, vae, step.text_encoder, tokenizer, config.prediction_type)
-    run = Run(config, d, step, TrainState(world_size=d.world_size), train_data, val_data, sampler, steps_per_epoch,
-              total, Path(config.out_dir))
-    latest = ckpt.latest_checkpoint(run.run_dir / "checkpoints")
-    if latest is not None:
-        resume(run, latest)
-    elif config.init_from:
+    run = Run(config, d, step, TrainState(world_size=d.world_size), train_data, val_data, sampler,
+              ckpt.RankRNG(step.noise_generator, unet), steps_per_epoch, total, Path(config.out_dir))
+    if not resume_newest_usable(run) and config.init_from:
         init_weights(run, config.init_from)
     SD_TrainStep.wrap_model(step, config.compile)
     return run
 
 
+def resume_newest_usable(run: Run) -> bool:
+    """Resume from the newest complete checkpoint that verifies; False when the run has none yet.
+
+    A checkpoint that fails (a file that does not match the manifest, cannot be read, or loads weights
+    that do not match their fingerprint) is named in one log line, renamed ``step_N.damaged``, and the
+    next older one is tried. If every checkpoint is damaged the run stops rather than start over.
+    """
+    checkpoints = run.run_dir / "checkpoints"
+    damaged = []
+    for _, folder in reversed(ckpt.complete_checkpoints(checkpoints)):
+        try:
+            agreed(run.d, lambda: verify_checkpoint(run, folder))
+            agreed(run.d, lambda: resume(run, folder))
+            return True
+        except ckpt.Damaged as error:
+            log.warning("checkpoint %s is damaged, skipped: %s", folder, error)
+        damaged.append(folder)
+        if run.d.is_main:
+            ckpt.set_aside(folder)
+        SD_Distributed.barrier(run.d)
+    damaged = damaged or sorted(checkpoints.glob(f"step_*{ckpt.DAMAGED_SUFFIX}*"))
+    if damaged:
+        raise ckpt.CheckpointError(
+            f"no usable checkpoint in {checkpoints}: {', '.join(f.name for f in damaged)} damaged (set aside as "
+            f"*{ckpt.DAMAGED_SUFFIX}); restore a good copy there, or move them away to start the run over")
+    return False
+
+
+def agreed(d: Dist, attempt) -> None:
+    """Run ``attempt`` on every rank and raise the same error on all of them if it failed on any:
+    ``ckpt.Damaged`` before ``ConfigError`` (no rank is left waiting in a collective)."""
+    try:
+        attempt()
+        outcome = None
+    except ckpt.Damaged as error:
+        outcome = ("damaged", f"rank {d.rank}: {error}" if d.world_size > 1 else str(error))
+    except ConfigError as error:
+        outcome = ("config", str(error))
+    outcomes = [o for o in SD_Distributed.all_gather_objects(outcome, d) if o]
+    for kind, error_type in (("damaged", ckpt.Damaged), ("config", ConfigError)):
+        for found, message in outcomes:
+            if found == kind:
+                raise error_type(message)
+
+
+def verify_checkpoint(run: Run, folder: Path) -> None:
+    """Check the files this rank reads against the manifest (rank 0 the shared ones and the config,
+    each rank its own); raises ``ckpt.Damaged`` naming the first that fails."""
+    mine = [ckpt.file_name(name, obj, run.d.rank) for name, obj in resumable(run).items()
+            if run.d.is_main or isinstance(obj, ckpt.PerRank)]
+    if not ckpt.verify(folder, mine + (["config.yaml"] if run.d.is_main else [])):
+        log.warning("%s has no manifest (written by an older version): its files are not verified", folder)
+
+
 def resume(run: Run, folder: Path) -> None:
-    """Restore everything from a complete checkpoint of the same run; any missing piece is an error."""
+    """Restore everything from a complete, verified checkpoint of the same run.
+
+    An unreadable file raises ``ckpt.Damaged``; a checkpoint of another configuration or world size
+    is a ``ConfigError``.
+    """
     import yaml
 
-    saved = yaml.safe_load((folder / "config.yaml").read_text())
+    try:
+        saved = yaml.safe_load((folder / "config.yaml").read_text())
+        written_by = ckpt.load_torch(folder / "train_state.pt")["world_size"]
+        if not isinstance(saved, dict):
+            raise TypeError("config.yaml is not a mapping")
+    except (OSError, yaml.YAMLError, RuntimeError, KeyError, TypeError) as error:
+        raise ckpt.Damaged(f"{folder}: {ckpt.first_line(error)}") from error
     changed = [name for name in RESUME_FIXED if saved.get(name) != getattr(run.config, name)]
     if changed:
         raise ConfigError(
             f"{folder} was written with different {', '.join(changed)}; resuming would not continue the same run. "
             "Restore those values, or use a new out_dir with init_from to start a new phase from these weights")
-    written_by = ckpt.load_torch(folder / "train_state.pt")["world_size"]
     if written_by != run.d.world_size:
         raise ConfigError(f"{folder} was written by {written_by} ranks; resume with --nproc_per_node {written_by} "
                           "(the data order depends on it)")
     ckpt.load(folder, resumable(run), run.d.rank)
+    log.info("verified and loaded %s", folder)
 
 
 def init_weights(run: Run, source: str) -> None:
@@ -208,7 +270,7 @@ def main(argv=None) -> int:
                         format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     try:
         return train(config, d)
-    except (ConfigError, SD_Data.DataError, FileNotFoundError) as error:
+    except (ConfigError, SD_Data.DataError, FileNotFoundError, ckpt.CheckpointError) as error:
         print(f"SD_Train.py: error (rank {d.rank}): {error}", file=sys.stderr)
         return 2
     finally:
@@ -257,6 +319,7 @@ def train_locked(config: TrainConfig, d: Dist) -> int:
                      run.state.position)
     SD_Distributed.barrier(d)
     stopper = StopSignal()
+    run.rng.start(config.seed, d.rank)
     try:
         code = loop(run, stopper, metrics)
     finally:
@@ -359,6 +422,7 @@ def stop_code(run: Run, result: dict, stopper: "StopSignal") -> int | None:
 
 def save(run: Run) -> None:
     checkpoints = run.run_dir / "checkpoints"
+    ckpt.check_ranks_agree(run.step.unet, run.d, run.state.step)
     final = ckpt.save(checkpoints, run.state.step, resumable(run), run.d, config_yaml(run.config))
     if run.d.is_main:
         removed = ckpt.prune(checkpoints, run.config.keep_checkpoints, run.config.keep_every_steps)

@@ -1,3 +1,5 @@
+import json
+
 import numpy as np
 import pytest
 
@@ -100,6 +102,7 @@ def test_prune_keeps_newest_and_every_kth(tmp_path):
     for step in (2, 4, 6, 8, 10):
         folder = tmp_path / ckpt.step_dir_name(step)
         folder.mkdir()
+        (folder / ckpt.MANIFEST).write_text(json.dumps({"hash": ckpt.HASH, "files": {}}))
         (folder / ckpt.COMPLETE).write_text("ok")
     (tmp_path / ckpt.step_dir_name(12)).mkdir()  # incomplete: never counted, never the newest
     (tmp_path / ".tmp_step_00000014").mkdir()
