@@ -64,6 +64,11 @@ def final_state(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
     for index, state in optimizer["state"].items():
         for name, value in state.items():
             tensors[f"opt.{index}.{name}"] = value
+    for rank_file in sorted(folder.glob("rng_rank*.pt")):  # every RNG of every rank, global ones included
+        rng = torch.load(rank_file, weights_only=True)["rng"]
+        tensors.update({f"{rank_file.stem}.{name}": rng[name] for name in ("torch", "noise")})
+        tensors[f"{rank_file.stem}.numpy"] = rng["numpy"][1]
+        tensors[f"{rank_file.stem}.python"] = torch.tensor(rng["python"][1])
     return tensors
 
 
