@@ -333,9 +333,19 @@ def train_locked(config: TrainConfig, d: Dist) -> int:
 def loop(run: Run, stopper: "StopSignal", metrics) -> int:
     from tqdm.auto import tqdm
 
+    state, total = run.state, run.total_steps
+    bar = tqdm(total=total, initial=state.step, disable=not run.d.is_main, desc="train", unit="step")
+    prefetch = Prefetcher(run.train_data, pin=run.d.device.type == "cuda")
+    try:
+        return epochs(run, stopper, metrics, bar, prefetch)
+    finally:
+        prefetch.close()
+        bar.close()
+
+
+def epochs(run: Run, stopper: "StopSignal", metrics, bar, prefetch: "Prefetcher") -> int:
     config, d, state, total = run.config, run.d, run.state, run.total_steps
     images_per_step = config.batch_size * config.grad_accum * d.world_size
-    bar = tqdm(total=total, initial=state.step, disable=not d.is_main, desc="train", unit="step")
     tick, window_images = time.perf_counter(), 0
     while state.step < total:
         order = SD_Data.epoch_order(run.train_data.sizes, run.train_data.weights, config.seed, state.epoch,
@@ -343,7 +353,10 @@ def loop(run: Run, stopper: "StopSignal", metrics) -> int:
         batches = SD_Data.rank_batches(order, d.rank, d.world_size, config.batch_size)
         usable = len(batches) // config.grad_accum * config.grad_accum
         while state.position < usable and state.step < total:
-            micro = [run.train_data.batch(b) for b in batches[state.position : state.position + config.grad_accum]]
+            position, accum = state.position, config.grad_accum
+            micro = prefetch.take((state.epoch, position), batches[position : position + accum])
+            if position + accum < usable and state.step + 1 < total:  # the next step's batch, built meanwhile
+                prefetch.ahead((state.epoch, position + accum), batches[position + accum : position + 2 * accum])
             lr = SD_TrainStep.lr_at(state.step, config.lr, config.warmup_steps, total, config.min_lr_ratio)
             SD_TrainStep.set_lr(run.step.optimizer, lr)
             with SD_Model.attention_context(d.device):
@@ -368,13 +381,47 @@ def loop(run: Run, stopper: "StopSignal", metrics) -> int:
             if code is not None or epoch_done or state.step % config.save_steps == 0 or state.step == total:
                 save(run)
             if code is not None:
-                bar.close()
                 return code
             if epoch_done:
                 break  # the next epoch has its own order
-    bar.close()
     log.info("finished: %d steps, %d images", state.step, state.samples_seen)
     return 0
+
+
+class Prefetcher:
+    """Builds the next optimizer step's micro-batches in a background thread while the current step
+    runs, into pinned memory on a CUDA run (so the copy to the device is asynchronous).
+
+    A batch depends only on its key ``(epoch, position)``, never on when it was built, so resuming
+    is unaffected: a batch read ahead and not used is dropped.
+    """
+
+    def __init__(self, data: SD_Data.MixedData, pin: bool):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.data, self.pin = data, pin
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="prefetch")
+        self.pending = None  # (key, future)
+
+    def build(self, batches: list) -> list:
+        micro = [self.data.batch(rows) for rows in batches]
+        if self.pin:
+            micro = [tuple(t.pin_memory() for t in pair) for pair in micro]
+        return micro
+
+    def ahead(self, key, batches: list) -> None:
+        self.pending = (key, self.pool.submit(self.build, batches))
+
+    def take(self, key, batches: list) -> list:
+        pending, self.pending = self.pending, None
+        if pending is not None and pending[0] == key:
+            return pending[1].result()
+        if pending is not None:
+            pending[1].cancel()
+        return self.build(batches)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 def advance(state: TrainState, result: dict, grad_accum: int, usable: int, images_per_step: int) -> bool:

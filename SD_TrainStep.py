@@ -168,17 +168,24 @@ def compute_loss(step: Step, model, latents: torch.Tensor, input_ids: torch.Tens
     return loss, timesteps
 
 
+STATS = 13  # loss, bad, stop, per-quartile loss sums (4) and counts (4), grad norm, fp16 overflow
+
+
 def train_step(step: Step, micro_batches: list, step_index: int, stop_requested: bool = False) -> dict:
     """Forward/backward over the accumulation, then one optimizer update unless anything is non-finite.
 
     ``micro_batches``: ``[(latents (B, 4, h, w), input_ids (B, 77)), ...]``; ``step_index``: the
-    0-based optimizer step (the EMA's warm-up). The learning rate is set by the caller. A non-finite loss or gradient norm on any rank skips the update on
-    every rank: weights, optimizer and EMA stay as they were. One all-reduce carries the loss, the
-    bad-step flag, the stop request and the per-quartile losses, so every rank takes the same decision.
+    0-based optimizer step (the EMA's warm-up). The learning rate is set by the caller. A non-finite
+    loss or gradient norm on any rank skips the update on every rank: weights, optimizer and EMA stay
+    as they were. One all-reduce carries the loss, the bad-step flag, the stop request, the
+    per-quartile losses and the gradient norm, so every rank takes the same decision; reading its
+    result is the step's one device-to-host synchronisation (with fp16 on an optimizer without fused
+    kernels, GradScaler adds its own).
     """
     settings, d = step.loss, step.d
+    fp16 = settings.precision == "fp16"
     step.optimizer.zero_grad(set_to_none=True)
-    stats = torch.zeros(11, dtype=torch.float64, device=d.device)  # loss, bad, stop, q-sums(4), q-counts(4)
+    stats = torch.zeros(STATS, dtype=torch.float64, device=d.device)
     for i, (latents, input_ids) in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
         sync = contextlib.nullcontext() if last or step.ddp is None else step.ddp.no_sync()
@@ -193,29 +200,33 @@ def train_step(step: Step, micro_batches: list, step_index: int, stop_requested:
     params = [p for p in step.unet.parameters() if p.grad is not None]
     clip = settings.grad_clip if settings.grad_clip > 0 else float("inf")
     grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
-    overflow = settings.precision == "fp16" and not torch.isfinite(grad_norm)  # the scaler's business
-    stats[1] = float(not torch.isfinite(stats[0]) or (not torch.isfinite(grad_norm) and not overflow))
+    grads_finite = torch.isfinite(grad_norm)
+    bad = ~torch.isfinite(stats[0])
+    if not fp16:  # with fp16, non-finite gradients are an overflow: the scaler skips the step and backs off
+        bad = bad | ~grads_finite
+    stats[1] = bad
     stats[2] = float(stop_requested)
-    stats = SD_Distributed.all_reduce_sum(stats, d).cpu()
-    bad = bool(stats[1] > 0)
+    stats[11] = grad_norm.double()
+    stats[12] = ~grads_finite
+    values = SD_Distributed.all_reduce_sum(stats, d).tolist()  # the one device-to-host read of the step
+    bad, overflow = values[1] > 0, fp16 and values[12] > 0
     if bad:
         step.optimizer.zero_grad(set_to_none=True)
-        if settings.precision == "fp16":
+        if fp16:
             step.scaler.update()
     else:
         step.scaler.step(step.optimizer)  # skips the update itself on an fp16 overflow
         step.scaler.update()
         if not overflow and step.ema is not None:
             step.ema.update(step.unet, step_index)
-    counts = stats[7:11]
-    quartiles = [(stats[3 + q] / counts[q]).item() if counts[q] > 0 else None for q in range(4)]
+    sums, counts = values[3:7], values[7:11]
     return {
-        "loss": (stats[0] / d.world_size).item(),
-        "grad_norm": grad_norm.item(),
+        "loss": values[0] / d.world_size,
+        "grad_norm": values[11] / d.world_size,
         "bad": bad,
-        "overflow": bool(overflow),
-        "stop": bool(stats[2] > 0),
-        "loss_quartiles": quartiles,
+        "overflow": overflow,
+        "stop": values[2] > 0,
+        "loss_quartiles": [sums[q] / counts[q] if counts[q] > 0 else None for q in range(4)],
     }
 
 

@@ -584,3 +584,49 @@ def test_stop_at_step_at_or_below_the_resumed_step_trains_nothing(tmp_path, data
         assert (run_dir / "metrics.jsonl").read_bytes() == metrics
     assert SD_Train.main(["--config", str(config)]) == 0  # without it, the run goes on to max_steps
     assert ckpt.latest_checkpoint(run_dir / "checkpoints").name == ckpt.step_dir_name(6)
+
+
+# ------------------------------------------------------------------------------ host synchronisation, prefetch
+
+
+class HostReads(torch.overrides.TorchFunctionMode):
+    """Counts the tensor calls that wait for the device on a GPU: reading values to the host."""
+
+    READS = {torch.Tensor.item, torch.Tensor.cpu, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__bool__,
+             torch.Tensor.__float__, torch.Tensor.__int__, torch.Tensor.__index__}
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.count += func in self.READS
+        return func(*args, **(kwargs or {}))
+
+
+def test_an_optimizer_step_reads_from_the_device_once(tmp_path, data):
+    run = make_run(tmp_path, data, grad_accum=2, batch_size=2)
+    micro = [run.train_data.batch(np.arange(2)), run.train_data.batch(np.arange(2, 4))]
+    SD_TrainStep.train_step(run.step, micro, 0)  # the optimizer's state is created on the first step
+    bad = [(latents.clone(), ids) for latents, ids in micro]
+    bad[1][0][0, 0, 0, 0] = float("nan")
+    with HostReads() as reads:
+        results = [SD_TrainStep.train_step(run.step, batch, i) for i, batch in enumerate([micro, bad, micro], 1)]
+    assert [r["bad"] for r in results] == [False, True, False]
+    assert reads.count == 3  # one per optimizer step, skipped steps included
+
+
+def test_prefetched_batches_equal_the_ones_built_in_place_and_a_stale_one_is_dropped(tmp_path, data):
+    run = make_run(tmp_path, data)
+    prefetch = SD_Train.Prefetcher(run.train_data, pin=False)
+    try:
+        rows = [np.array([3, 1]), np.array([7, 5])]
+        prefetch.ahead((0, 2), rows)
+        got = prefetch.take((0, 2), [np.array([0, 0])])  # the key matches: the prefetched rows are used
+        prefetch.ahead((0, 4), rows)
+        fresh = prefetch.take((1, 0), [np.array([0, 0])])  # another key: built from the rows given now
+    finally:
+        prefetch.close()
+    for (latents, ids), expected in zip(got, [run.train_data.batch(r) for r in rows]):
+        assert torch.equal(latents, expected[0]) and torch.equal(ids, expected[1])
+    assert torch.equal(fresh[0][0], run.train_data.batch(np.array([0, 0]))[0])
