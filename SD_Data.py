@@ -289,3 +289,27 @@ def rank_batches(order: np.ndarray, rank: int, world_size: int, batch_size: int)
     per_rank = len(order) // (world_size * batch_size) * batch_size
     mine = order[rank : per_rank * world_size : world_size]
     return [mine[i : i + batch_size] for i in range(0, per_rank, batch_size)]
+
+
+def validation_indices(sizes: list[int], weights: list[float], count: int) -> np.ndarray:
+    """Up to ``count`` global indices of a mixed validation set, each dataset's share in proportion
+    to its weight (capped by its size, the rest shared among the others), spread evenly over each
+    dataset. Deterministic: every validation scores the same samples."""
+    want = np.zeros(len(sizes), dtype=np.int64)
+    open_ = [i for i, n in enumerate(sizes) if n > 0]
+    left = min(count, sum(sizes))
+    while left > 0 and open_:
+        share = np.array([weights[i] for i in open_], dtype=np.float64)
+        exact = left * share / share.sum()
+        take = np.floor(exact).astype(np.int64)
+        for j in np.argsort(-(exact - take), kind="stable")[: left - int(take.sum())]:
+            take[j] += 1  # largest remainders
+        for j, i in enumerate(open_):
+            take[j] = min(take[j], sizes[i] - want[i])
+            want[i] += take[j]
+        left -= int(take.sum())
+        open_ = [i for i in open_ if want[i] < sizes[i]]
+    offsets = np.cumsum([0] + list(sizes))
+    parts = [offsets[i] + np.linspace(0, sizes[i], want[i], endpoint=False).astype(np.int64)
+             for i in range(len(sizes)) if want[i]]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)

@@ -13,9 +13,9 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
+import SD_Data
 import SD_Distributed
 import SD_EMA
 import SD_Model
@@ -234,11 +234,12 @@ def train_step(step: Step, micro_batches: list, step_index: int, stop_requested:
 def validation_loss(step: Step, data, count: int, batch_size: int) -> float:
     """Mean loss of the plain UNet on up to ``count`` held-out samples, with fixed noise and timesteps.
 
+    Every dataset of a mixed phase contributes in proportion to its weight (``SD_Data.validation_indices``).
     The samples are split across ranks and drawn with a generator seeded the same at every
     validation, so values at different steps are comparable.
     """
     d = step.d
-    indices = np.arange(min(count, len(data)))[d.rank :: d.world_size]
+    indices = SD_Data.validation_indices(data.sizes, data.weights, count)[d.rank :: d.world_size]
     generator = torch.Generator(device=d.device).manual_seed(1234 + d.rank)
     totals = torch.zeros(2, dtype=torch.float64, device=d.device)
     step.unet.eval()

@@ -110,3 +110,15 @@ def test_prune_keeps_newest_and_every_kth(tmp_path):
     assert [s for s, _ in ckpt.complete_checkpoints(tmp_path)] == [4, 8, 10]
     assert not (tmp_path / ".tmp_step_00000014").exists()
     assert ckpt.latest_checkpoint(tmp_path).name == "step_00000010"
+
+
+def test_validation_indices_share_the_count_by_weight_and_spread_over_each_dataset():
+    indices = SD_Data.validation_indices([100, 50, 0, 10], [1.0, 1.0, 5.0, 2.0], 40)
+    which = np.searchsorted(np.cumsum([0, 100, 50, 0, 10]), indices, side="right") - 1
+    # 40 by weight 1:1:2 is 10, 10, 20; dataset 3 holds only 10, and the other 10 go to datasets 0 and 1 by weight
+    assert np.bincount(which, minlength=4).tolist() == [15, 15, 0, 10]
+    assert len(set(indices.tolist())) == 40
+    first = indices[which == 0]
+    assert first.min() == 0 and first.max() >= 90  # spread over all of dataset 0, not its first rows
+    assert SD_Data.validation_indices([3, 2], [1.0, 1.0], 100).tolist() == [0, 1, 2, 3, 4]
+    assert SD_Data.validation_indices([0, 0], [1.0, 1.0], 8).tolist() == []

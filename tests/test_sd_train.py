@@ -630,3 +630,14 @@ def test_prefetched_batches_equal_the_ones_built_in_place_and_a_stale_one_is_dro
     for (latents, ids), expected in zip(got, [run.train_data.batch(r) for r in rows]):
         assert torch.equal(latents, expected[0]) and torch.equal(ids, expected[1])
     assert torch.equal(fresh[0][0], run.train_data.batch(np.array([0, 0]))[0])
+
+
+def test_validation_loss_scores_every_dataset_of_a_mixed_phase(tmp_path, data):
+    other = make_dataset(tmp_path / "b", n_train=16, n_val=8, seed=1, prefix="b")
+    run = make_run(tmp_path, data, datasets=[data, {**other, "weight": 3.0}])
+    asked = []
+    batch = run.val_data.batch
+    run.val_data.batch = lambda rows: asked.extend(rows.tolist()) or batch(rows)
+    loss = SD_TrainStep.validation_loss(run.step, run.val_data, 8, 4)
+    which = np.searchsorted(run.val_data.offsets, asked, side="right") - 1
+    assert np.bincount(which, minlength=2).tolist() == [2, 6] and math.isfinite(loss)  # 8 by weight 1:3
