@@ -128,3 +128,12 @@ def test_sampling_bench_matches_the_diffusers_pipeline():
         # the same DDIM on the same noise and weights: the same latents
         assert compared["max_abs_difference"] < 1e-3
     assert "ratio ours/peer eager at batch 2" in stdout
+
+
+def test_checkpoint_hash_bench_writes_real_shapes_and_times_both_hashes(tmp_path):
+    stdout, result = run_bench("checkpoint_hash.py", "--scale", "0.001", "--dir", str(tmp_path))
+    assert "hash/save" in stdout and "sha256/xxh3" in stdout
+    assert 800_000 < result["parameters"] < 1_700_000  # 859.5M scaled by 0.001 along dim 0 (at least 1 each)
+    assert result["bytes"] > 4 * 4 * result["parameters"]  # UNet + EMA + two moments, fp32
+    assert result["save_s"] > 0 and result["xxh3_s"] > 0 and result["sha256_s"] > 0
+    assert list(tmp_path.iterdir()) == []  # the files are removed
