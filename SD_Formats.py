@@ -15,6 +15,7 @@ they hold for the SD 1.x UNet and for any other UNet2DConditionModel / Autoencod
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -27,12 +28,16 @@ import SD_Model
 if TYPE_CHECKING:
     import SD_Sampling
 
+log = logging.getLogger("sd_formats")
+
 # CLIP ViT-L/14's text tower, as SD 1.x uses it.
 CLIP_L_TEXT = dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
                    num_attention_heads=12, max_position_embeddings=77, hidden_act="quick_gelu", projection_dim=768)
 # What a single file in the original layout holds: (UNet preset, VAE config, text encoder config).
 SINGLE_FILE_ARCHS = {"sd1": ("sd1", SD_Model.SD1_VAE, CLIP_L_TEXT),
                      "tiny": ("tiny", SD_Model.TINY_VAE, SD_Model.TINY_TEXT_ENCODER)}
+
+PREDICTION_TYPES = ("epsilon", "v_prediction")
 
 UNET_PREFIX = "model.diffusion_model."
 VAE_PREFIX = "first_stage_model."
@@ -297,11 +302,47 @@ def run_config(source: str) -> dict | None:
 
 
 def diffusers_prediction_type(source: str) -> str:
-    """The prediction type in a diffusers folder's scheduler config (epsilon if absent)."""
-    path = Path(source) / "scheduler" / "scheduler_config.json"
-    if path.exists():
-        return json.loads(path.read_text()).get("prediction_type", "epsilon")
-    return "epsilon"
+    """The prediction type in a diffusers folder's (or hub id's) scheduler config; epsilon if it names none.
+
+    ``model_index.json`` names only the scheduler's class: the type lives in ``scheduler_config.json``.
+    """
+    path = Path(source)
+    if path.is_dir():
+        config_file = path / "scheduler" / "scheduler_config.json"
+        if not config_file.exists():
+            return "epsilon"
+        try:
+            config = json.loads(config_file.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise ValueError(f"{config_file}: not valid JSON ({error})") from error
+        where = config_file
+    else:
+        from diffusers import DDIMScheduler
+
+        config, where = DDIMScheduler.load_config(source, subfolder="scheduler"), f"{source} scheduler_config.json"
+    return checked_prediction_type(config.get("prediction_type", "epsilon"), where)
+
+
+def single_file_prediction_type(path: Path) -> str | None:
+    """The ``prediction_type`` a ``.safetensors`` single file records in its metadata (as
+    ``save_single_file`` writes it), or None when it records none (other tools' files, a ``.ckpt``)."""
+    if Path(path).suffix != ".safetensors":
+        return None
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            metadata = handle.metadata() or {}
+    except SafetensorError as error:
+        raise ValueError(f"{path}: not a readable safetensors file ({error})") from error
+    value = metadata.get("prediction_type")
+    return None if value is None else checked_prediction_type(value, path)
+
+
+def checked_prediction_type(value, where) -> str:
+    if value not in PREDICTION_TYPES:
+        raise ValueError(f"{where}: prediction_type {value!r} is neither of {', '.join(PREDICTION_TYPES)}")
+    return value
 
 
 # ---------------------------------------------------------------------------------------------
@@ -310,8 +351,21 @@ def diffusers_prediction_type(source: str) -> str:
 
 
 def load_pipeline(source: str, *, use_ema: bool = True, vae: str | None = None, text_encoder: str | None = None,
-                  tokenizer: str | None = None, arch: str = "sd1") -> "SD_Sampling.Pipeline":
-    """UNet, VAE, text encoder and tokenizer from any checkpoint kind; the keywords override the parts."""
+                  tokenizer: str | None = None, arch: str = "sd1",
+                  prediction_type: str | None = None) -> "SD_Sampling.Pipeline":
+    """UNet, VAE, text encoder and tokenizer from any checkpoint kind; the keywords override the parts.
+
+    The prediction type is the source's own (the training config, a single file's metadata, a diffusers
+    scheduler config) unless ``prediction_type`` names one.
+    """
+    pipeline = _load_pipeline(source, use_ema, vae, text_encoder, tokenizer, arch)
+    if prediction_type is not None:
+        pipeline.prediction_type = checked_prediction_type(prediction_type, "prediction_type")
+    return pipeline
+
+
+def _load_pipeline(source: str, use_ema: bool, vae: str | None, text_encoder: str | None, tokenizer: str | None,
+                   arch: str) -> "SD_Sampling.Pipeline":
     import SD_Sampling
 
     config = run_config(source)
@@ -358,5 +412,8 @@ def _load_single_file(path: Path, arch: str, vae: str | None, text_encoder: str 
         encoder.load_state_dict(
             from_single_file(state, encoder, text_key_map(encoder), "text encoder"))
     default_tokenizer = "tiny" if arch == "tiny" else SD_Model.DEFAULT_TEXT_ENCODER
+    prediction_type = single_file_prediction_type(path)
+    if prediction_type is None:
+        log.info("%s records no prediction_type: sampling as epsilon (say otherwise with --prediction_type)", path)
     return SD_Sampling.Pipeline(unet.eval(), vae_model.eval(), encoder.eval(), SD_Model.load_tokenizer(tokenizer or default_tokenizer),
-                 "epsilon", f"single file {path}")
+                 prediction_type or "epsilon", f"single file {path}")

@@ -306,3 +306,68 @@ def test_a_damaged_single_file_is_a_one_line_error_naming_it(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"SD_ImageGen.py: cannot load {path}: ")
     assert not (tmp_path / "o").exists()
+
+
+# ------------------------------------------------------------------------------ prediction type
+
+
+@pytest.fixture(scope="module")
+def v_checkpoint(run_dir, tmp_path_factory):
+    """The run's checkpoint as a v-prediction model: its config.yaml says so (sampling reads only that)."""
+    import shutil
+
+    folder = tmp_path_factory.mktemp("v") / ckpt.step_dir_name(6)
+    shutil.copytree(ckpt.resolve_checkpoint(run_dir), folder)
+    config = yaml.safe_load((folder / "config.yaml").read_text())
+    (folder / "config.yaml").write_text(yaml.safe_dump({**config, "prediction_type": "v_prediction"}))
+    return folder
+
+
+def sample_png(ckpt_path, out, *flags):
+    from PIL import Image
+
+    assert SD_ImageGen.main(["--ckpt", str(ckpt_path), "--prompt", "a red circle", "--seed", "3", "--n", "1",
+                             "--steps", str(STEPS), "--cfg", "4.0", "--height", "64", "--width", "64",
+                             "--device", "cpu", "--precision", "fp32", "--out", str(out), *flags]) == 0
+    return np.asarray(Image.open(out / "000_000003.png").convert("RGB"))
+
+
+def test_v_prediction_survives_export_to_a_single_file_and_a_diffusers_folder(v_checkpoint, tmp_path):
+    single, folder = tmp_path / "v.safetensors", tmp_path / "v_pipe"
+    assert SD_ImageGen.main(["--ckpt", str(v_checkpoint), "--export_single_file", str(single),
+                             "--export_diffusers", str(folder)]) == 0
+    assert SD_Formats.load_pipeline(str(single), arch="tiny").prediction_type == "v_prediction"
+    assert SD_Formats.load_pipeline(str(folder)).prediction_type == "v_prediction"
+    # SD_ImageGen samples the single file as the checkpoint it came from, and as epsilon only when told.
+    reference = sample_png(v_checkpoint, tmp_path / "ref")
+    assert np.array_equal(sample_png(single, tmp_path / "single", "--arch", "tiny"), reference)
+    assert np.array_equal(sample_png(folder, tmp_path / "folder"), reference)
+    as_epsilon = sample_png(single, tmp_path / "eps", "--arch", "tiny", "--prediction_type", "epsilon")
+    assert not np.array_equal(as_epsilon, reference)
+
+
+def test_a_single_file_without_a_recorded_prediction_type_is_epsilon_unless_told(exported, tmp_path):
+    from safetensors.torch import save_file
+
+    bare = tmp_path / "bare.safetensors"  # as other tools write them: tensors only
+    save_file(load_file(exported / "model.safetensors"), str(bare))
+    assert SD_Formats.load_pipeline(str(bare), arch="tiny").prediction_type == "epsilon"
+    told = SD_Formats.load_pipeline(str(bare), arch="tiny", prediction_type="v_prediction")
+    assert told.prediction_type == "v_prediction"
+    odd = tmp_path / "odd.safetensors"
+    save_file(load_file(exported / "model.safetensors"), str(odd), metadata={"prediction_type": "sample"})
+    with pytest.raises(ValueError, match=rf"^{odd}: prediction_type 'sample' is neither of epsilon, v_prediction$"):
+        SD_Formats.load_pipeline(str(odd), arch="tiny")
+
+
+def test_a_diffusers_folder_takes_the_prediction_type_of_its_scheduler_config(exported, tmp_path):
+    import shutil
+
+    folder = tmp_path / "pipe"
+    shutil.copytree(exported / "pipe", folder)
+    scheduler = folder / "scheduler" / "scheduler_config.json"
+    assert json.loads(scheduler.read_text())["prediction_type"] == "epsilon"
+    assert SD_Formats.load_pipeline(str(folder)).prediction_type == "epsilon"
+    scheduler.write_text(json.dumps({**json.loads(scheduler.read_text()), "prediction_type": "v_prediction"}))
+    assert SD_Formats.load_pipeline(str(folder)).prediction_type == "v_prediction"
+    assert SD_Formats.load_pipeline(str(folder), prediction_type="epsilon").prediction_type == "epsilon"
