@@ -144,8 +144,8 @@ def main(argv=None) -> int:
         model = SD_Formats.load_pipeline(args.ckpt, use_ema=not args.no_ema, vae=args.vae, text_encoder=args.text_encoder,
                                          tokenizer=args.tokenizer, arch=args.arch,
                                          prediction_type=None if args.prediction_type == "auto" else args.prediction_type)
-    except (FileNotFoundError, KeyError, ValueError, OSError, SafetensorError) as error:
-        print(f"SD_ImageGen.py: cannot load {args.ckpt}: {error}", file=sys.stderr)
+    except (KeyError, ValueError, OSError, SafetensorError) as error:  # the message names the file
+        print(f"SD_ImageGen.py: cannot load {args.ckpt}: {SD_Formats.first_line(error)}", file=sys.stderr)
         return 2
     log.info("loaded %s (%s)", model.source, model.prediction_type)
     if args.export_diffusers or args.export_single_file:

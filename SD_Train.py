@@ -179,15 +179,14 @@ def init_weights(run: Run, source: str) -> None:
     unet, ema = run.step.unet, run.step.ema
     try:
         loaded = SD_Formats.load_unet_weights(source, unet, use_ema=False)
-    except (OSError, KeyError, ValueError) as error:
-        raise ConfigError(f"init_from: {source} is not a run folder, checkpoint, single file or diffusers folder "
-                          f"here, and could not be loaded as a hub id ({error})") from error
-    if ema is not None:
-        ema_path = None
-        if SD_Formats.run_config(source) is not None:
-            ema_path = ckpt.resolve_checkpoint(source) / "ema.safetensors"
-        ema.load_state_dict(ckpt.load_weights(ema_path) if ema_path is not None and ema_path.exists()
-                            else unet.state_dict())
+        if ema is not None:
+            ema_state = SD_Formats.run_ema_weights(source, unet)
+            ema.load_state_dict(unet.state_dict() if ema_state is None else ema_state)
+    except (OSError, KeyError, ValueError) as error:  # the message names the file
+        if Path(source).exists():
+            raise ConfigError(f"init_from: cannot load {source}: {SD_Formats.first_line(error)}") from error
+        raise ConfigError(f"init_from: {source} is no local file or folder, and could not be loaded as a hub id "
+                          f"({SD_Formats.first_line(error)})") from error
     log.info("initialised weights from %s", loaded)
 
 
