@@ -207,7 +207,7 @@ def main(argv=None) -> int:
                         format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     try:
         return train(config, d)
-    except (ConfigError, SD_Data.DataError, FileNotFoundError) as error:
+    except (ConfigError, SD_Data.DataError, SD_Metrics.MetricsError, FileNotFoundError) as error:
         print(f"SD_Train.py: error (rank {d.rank}): {error}", file=sys.stderr)
         return 2
     finally:
@@ -242,11 +242,9 @@ def train_locked(config: TrainConfig, d: Dist) -> int:
         log.info("the run is at step %d, at or past stop_at_step %d: nothing to do", run.state.step,
                  config.stop_at_step)
         return 0
-    metrics = None
+    metrics = open_metrics(run)
     if d.is_main:
-        run.run_dir.mkdir(parents=True, exist_ok=True)
         (run.run_dir / "config.yaml").write_text(config_yaml(config))
-        metrics = SD_Metrics.MetricsLog(run.run_dir, config, run.state.step)
         log.info("%d training samples in %d dataset(s), latents %s; %d steps/epoch, %d steps in all; "
                  "%d images per optimizer step", len(run.train_data), len(run.train_data.splits),
                  run.train_data.sample_shape, run.steps_per_epoch, run.total_steps,
@@ -264,6 +262,21 @@ def train_locked(config: TrainConfig, d: Dist) -> int:
         SD_Metrics.plot_metrics(run.run_dir / "metrics.jsonl", run.run_dir / "loss.png")
         metrics.close()
     return code
+
+
+def open_metrics(run: Run) -> SD_Metrics.MetricsLog | None:
+    """Rank 0 opens ``metrics.jsonl`` at the resumed step; every rank stops if it could not."""
+    metrics, refusal = None, None
+    if run.d.is_main:
+        run.run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            metrics = SD_Metrics.MetricsLog(run.run_dir, run.config, run.state.step)
+        except SD_Metrics.MetricsError as error:
+            refusal = str(error)
+    refusal = SD_Distributed.all_gather_objects(refusal, run.d)[0]
+    if refusal:
+        raise SD_Metrics.MetricsError(refusal)
+    return metrics
 
 
 def loop(run: Run, stopper: "StopSignal", metrics) -> int:
