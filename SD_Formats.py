@@ -15,6 +15,7 @@ they hold for the SD 1.x UNet and for any other UNet2DConditionModel / Autoencod
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -27,12 +28,16 @@ import SD_Model
 if TYPE_CHECKING:
     import SD_Sampling
 
+log = logging.getLogger("sd_formats")
+
 # CLIP ViT-L/14's text tower, as SD 1.x uses it.
 CLIP_L_TEXT = dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
                    num_attention_heads=12, max_position_embeddings=77, hidden_act="quick_gelu", projection_dim=768)
 # What a single file in the original layout holds: (UNet preset, VAE config, text encoder config).
 SINGLE_FILE_ARCHS = {"sd1": ("sd1", SD_Model.SD1_VAE, CLIP_L_TEXT),
                      "tiny": ("tiny", SD_Model.TINY_VAE, SD_Model.TINY_TEXT_ENCODER)}
+
+PREDICTION_TYPES = ("epsilon", "v_prediction")
 
 UNET_PREFIX = "model.diffusion_model."
 VAE_PREFIX = "first_stage_model."
@@ -177,26 +182,74 @@ def save_single_file(path: Path, unet, vae, text_encoder, half: bool = False, me
 
 
 def read_single_file(path: str | Path) -> dict[str, torch.Tensor]:
-    """A ``.safetensors`` file, or a ``.ckpt`` read with ``weights_only=True`` (never unpickling code)."""
+    """A ``.safetensors`` file, or a ``.ckpt`` read with ``weights_only=True`` (never unpickling code).
+
+    A damaged file is a one-line ValueError naming it.
+    """
     path = Path(path)
     if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        return load_file(str(path))
+        return read_weights(path)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # pickles holding objects beyond tensors are refused
-        raise ValueError(f"{path}: not loadable without unpickling arbitrary objects ({error}); "
-                         "convert it to .safetensors with a tool you trust") from error
-    return state.get("state_dict", state)
+        reason = str(error).split("WeightsUnpickler error:")[-1]  # torch's own advice comes first; the cause last
+        raise ValueError(f"{path}: not loadable without unpickling arbitrary objects, or damaged "
+                         f"({first_line(reason).split('. ')[0]}); convert it to .safetensors with a tool you "
+                         "trust") from error
+    state = state.get("state_dict", state) if isinstance(state, dict) else state
+    if not isinstance(state, dict):
+        raise ValueError(f"{path}: holds a {type(state).__name__}, not a state dict of tensors")
+    return state
 
 
-def from_single_file(state: dict[str, torch.Tensor], model, mapping: dict[str, str], what: str) -> dict:
+def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """The tensors of a ``.safetensors`` file; a missing or damaged file is an error naming it.
+
+    (safetensors has no checksum: a flipped bit inside the tensor data loads as a different number.)
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"weights file {path} is missing")
+    try:
+        return load_file(str(path))
+    except SafetensorError as error:
+        raise ValueError(f"{path}: not a readable safetensors file, damaged or truncated ({error})") from error
+
+
+def load_into(model, state: dict[str, torch.Tensor], source) -> None:
+    """``model.load_state_dict(state)``, strict; weights that do not fit are one line naming ``source``."""
+    check_fits(model, state, source)
+    model.load_state_dict(state)
+
+
+def check_fits(model, state: dict[str, torch.Tensor], source) -> None:
+    """``state`` has exactly ``model``'s tensor names and shapes, or a ValueError names ``source``."""
+    own = model.state_dict()
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    misshaped = sorted(k for k in set(own) & set(state) if tuple(own[k].shape) != tuple(state[k].shape))
+    if missing or unexpected or misshaped:
+        raise ValueError(f"{source}: its weights do not fit this {type(model).__name__} ({len(missing)} missing, "
+                         f"{len(unexpected)} unexpected, {len(misshaped)} of another shape, e.g. "
+                         f"{(missing + unexpected + misshaped)[:2]}); damaged, or another architecture")
+
+
+def first_line(error) -> str:
+    """The first non-empty line of an error's message (some libraries' messages run over several)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0] if lines else type(error).__name__
+
+
+def from_single_file(state: dict[str, torch.Tensor], model, mapping: dict[str, str], what: str,
+                     source="the single file") -> dict:
     """The part of an original-layout state dict that belongs to ``model``, under its own key names."""
     missing = [name for name in mapping.values() if name not in state]
     if missing:
-        raise KeyError(f"the single file lacks {len(missing)} {what} tensors, e.g. {missing[:3]}; "
-                       "is it an SD 1.x checkpoint of this architecture?")
+        raise ValueError(f"{source} lacks {len(missing)} {what} tensors, e.g. {missing[:3]}; "
+                         "is it an SD 1.x checkpoint of this architecture?")
     own = model.state_dict()
     out = {}
     for key, name in mapping.items():
@@ -204,7 +257,8 @@ def from_single_file(state: dict[str, torch.Tensor], model, mapping: dict[str, s
         if tensor.ndim == 4 and own[key].ndim == 2:
             tensor = tensor[:, :, 0, 0]
         if tensor.shape != own[key].shape:
-            raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not fit {what} {key} {tuple(own[key].shape)}")
+            raise ValueError(f"{source}: {name} of shape {tuple(tensor.shape)} does not fit {what} {key} "
+                             f"{tuple(own[key].shape)}")
         out[key] = tensor.to(own[key].dtype)
     return out
 
@@ -266,42 +320,102 @@ def load_unet_weights(source: str, unet, *, use_ema: bool = True) -> str:
     """
     path = Path(source)
     if path.is_file():
-        state = from_single_file(read_single_file(path), unet, unet_key_map(unet), "UNet")
-        unet.load_state_dict(state)
+        unet.load_state_dict(from_single_file(read_single_file(path), unet, unet_key_map(unet), "UNet", path))
         return f"single file {path}"
     if path.is_dir() and not is_diffusers_folder(path):
         folder = ckpt.resolve_checkpoint(path)
         weights = folder / ("ema.safetensors" if use_ema else "unet.safetensors")
         if use_ema and not weights.exists():
             weights = folder / "unet.safetensors"
-        unet.load_state_dict(ckpt.load_weights(weights))
+        load_into(unet, read_weights(weights), weights)
         return f"{weights}"
     from diffusers import UNet2DConditionModel
 
     loaded = UNet2DConditionModel.from_pretrained(source, subfolder="unet")
-    unet.load_state_dict(loaded.state_dict())
+    load_into(unet, loaded.state_dict(), f"{source} unet")
     return f"diffusers {source}"
 
 
+def run_ema_weights(source: str, unet) -> dict[str, torch.Tensor] | None:
+    """The EMA weights of one of our checkpoints or run folders, checked to fit ``unet``; None for other
+    sources, or a checkpoint saved without an EMA."""
+    if run_config(source) is None:
+        return None
+    path = ckpt.resolve_checkpoint(source) / "ema.safetensors"
+    if not path.exists():
+        return None
+    state = read_weights(path)
+    check_fits(unet, state, path)
+    return state
+
+
 def run_config(source: str) -> dict | None:
-    """The resolved training config of one of our checkpoints or run folders, else None."""
+    """The resolved training config of one of our checkpoints or run folders; None for other sources.
+
+    A folder that is no diffusers folder is taken for ours: without a complete checkpoint, or with a
+    missing or unreadable ``config.yaml``, it is an error naming it.
+    """
+    import yaml
+
     path = Path(source)
     if not path.is_dir() or is_diffusers_folder(path):
         return None
+    config_file = ckpt.resolve_checkpoint(path) / "config.yaml"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"checkpoint file {config_file} is missing")
     try:
-        import yaml
-
-        return yaml.safe_load((ckpt.resolve_checkpoint(path) / "config.yaml").read_text())
-    except FileNotFoundError:
-        return None
+        config = yaml.safe_load(config_file.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as error:
+        raise ValueError(f"{config_file}: not valid YAML ({first_line(error)})") from error
+    missing = [key for key in ("unet", "vae", "text_encoder", "prediction_type")
+               if not isinstance(config, dict) or key not in config]
+    if missing:
+        raise ValueError(f"{config_file}: not a training config (lacks {', '.join(missing)})")
+    return config
 
 
 def diffusers_prediction_type(source: str) -> str:
-    """The prediction type in a diffusers folder's scheduler config (epsilon if absent)."""
-    path = Path(source) / "scheduler" / "scheduler_config.json"
-    if path.exists():
-        return json.loads(path.read_text()).get("prediction_type", "epsilon")
-    return "epsilon"
+    """The prediction type in a diffusers folder's (or hub id's) scheduler config; epsilon if it names none.
+
+    ``model_index.json`` names only the scheduler's class: the type lives in ``scheduler_config.json``.
+    """
+    path = Path(source)
+    if path.is_dir():
+        config_file = path / "scheduler" / "scheduler_config.json"
+        if not config_file.exists():
+            return "epsilon"
+        try:
+            config = json.loads(config_file.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise ValueError(f"{config_file}: not valid JSON ({error})") from error
+        where = config_file
+    else:
+        from diffusers import DDIMScheduler
+
+        config, where = DDIMScheduler.load_config(source, subfolder="scheduler"), f"{source} scheduler_config.json"
+    return checked_prediction_type(config.get("prediction_type", "epsilon"), where)
+
+
+def single_file_prediction_type(path: Path) -> str | None:
+    """The ``prediction_type`` a ``.safetensors`` single file records in its metadata (as
+    ``save_single_file`` writes it), or None when it records none (other tools' files, a ``.ckpt``)."""
+    if Path(path).suffix != ".safetensors":
+        return None
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            metadata = handle.metadata() or {}
+    except SafetensorError as error:
+        raise ValueError(f"{path}: not a readable safetensors file ({error})") from error
+    value = metadata.get("prediction_type")
+    return None if value is None else checked_prediction_type(value, path)
+
+
+def checked_prediction_type(value, where) -> str:
+    if value not in PREDICTION_TYPES:
+        raise ValueError(f"{where}: prediction_type {value!r} is neither of {', '.join(PREDICTION_TYPES)}")
+    return value
 
 
 # ---------------------------------------------------------------------------------------------
@@ -310,8 +424,21 @@ def diffusers_prediction_type(source: str) -> str:
 
 
 def load_pipeline(source: str, *, use_ema: bool = True, vae: str | None = None, text_encoder: str | None = None,
-                  tokenizer: str | None = None, arch: str = "sd1") -> "SD_Sampling.Pipeline":
-    """UNet, VAE, text encoder and tokenizer from any checkpoint kind; the keywords override the parts."""
+                  tokenizer: str | None = None, arch: str = "sd1",
+                  prediction_type: str | None = None) -> "SD_Sampling.Pipeline":
+    """UNet, VAE, text encoder and tokenizer from any checkpoint kind; the keywords override the parts.
+
+    The prediction type is the source's own (the training config, a single file's metadata, a diffusers
+    scheduler config) unless ``prediction_type`` names one.
+    """
+    pipeline = _load_pipeline(source, use_ema, vae, text_encoder, tokenizer, arch)
+    if prediction_type is not None:
+        pipeline.prediction_type = checked_prediction_type(prediction_type, "prediction_type")
+    return pipeline
+
+
+def _load_pipeline(source: str, use_ema: bool, vae: str | None, text_encoder: str | None, tokenizer: str | None,
+                   arch: str) -> "SD_Sampling.Pipeline":
     import SD_Sampling
 
     config = run_config(source)
@@ -319,7 +446,7 @@ def load_pipeline(source: str, *, use_ema: bool = True, vae: str | None = None, 
     if config is not None:  # ours: the parts named in the training config
         unet = SD_Model.build_unet(config["unet"], from_scratch=False)
         parts = (config["vae"], config["text_encoder"], config.get("tokenizer") or config["text_encoder"])
-        prediction_type = config["prediction_type"]
+        prediction_type = checked_prediction_type(config["prediction_type"], f"{source} config.yaml")
     elif path.is_file():  # a single file holds all three models
         return _load_single_file(path, arch, vae, text_encoder, tokenizer)
     else:  # a diffusers folder or hub id
@@ -345,18 +472,20 @@ def _load_single_file(path: Path, arch: str, vae: str | None, text_encoder: str 
     unet_preset, vae_config, text_config = SINGLE_FILE_ARCHS[arch]
     state = read_single_file(path)
     unet = SD_Model.build_unet(unet_preset, from_scratch=False)
-    unet.load_state_dict(from_single_file(state, unet, unet_key_map(unet), "UNet"))
+    unet.load_state_dict(from_single_file(state, unet, unet_key_map(unet), "UNet", path))
     if vae:
         vae_model = SD_Model.load_vae(vae)
     else:
         vae_model = AutoencoderKL(**vae_config)
-        vae_model.load_state_dict(from_single_file(state, vae_model, vae_key_map(vae_model), "VAE"))
+        vae_model.load_state_dict(from_single_file(state, vae_model, vae_key_map(vae_model), "VAE", path))
     if text_encoder:
         encoder = SD_Model.load_text_encoder(text_encoder)
     else:
         encoder = CLIPTextModel(CLIPTextConfig(**text_config))
-        encoder.load_state_dict(
-            from_single_file(state, encoder, text_key_map(encoder), "text encoder"))
+        encoder.load_state_dict(from_single_file(state, encoder, text_key_map(encoder), "text encoder", path))
     default_tokenizer = "tiny" if arch == "tiny" else SD_Model.DEFAULT_TEXT_ENCODER
+    prediction_type = single_file_prediction_type(path)
+    if prediction_type is None:
+        log.info("%s records no prediction_type: sampling as epsilon (say otherwise with --prediction_type)", path)
     return SD_Sampling.Pipeline(unet.eval(), vae_model.eval(), encoder.eval(), SD_Model.load_tokenizer(tokenizer or default_tokenizer),
-                 "epsilon", f"single file {path}")
+                 prediction_type or "epsilon", f"single file {path}")

@@ -57,6 +57,10 @@ def parse_args(argv=None):
                         "after a first batch that compiles, worth it for many images (default: %(default)s)")
     parser.add_argument("--arch", choices=sorted(SD_Formats.SINGLE_FILE_ARCHS), default="sd1",
                         help="architecture of a single-file --ckpt (default: %(default)s)")
+    parser.add_argument("--prediction_type", choices=("auto", *SD_Formats.PREDICTION_TYPES), default="auto",
+                        help="what the UNet predicts; auto = what the checkpoint records (its training config, a "
+                        "single file's metadata, a diffusers scheduler config), epsilon when it records nothing "
+                        "(default: %(default)s)")
     parser.add_argument("--vae", help="override the checkpoint's VAE (hub id, folder or tiny)")
     parser.add_argument("--text_encoder", help="override the checkpoint's text encoder (hub id, folder or tiny)")
     parser.add_argument("--tokenizer", help="override the checkpoint's tokenizer (hub id, folder or tiny)")
@@ -138,9 +142,10 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     try:
         model = SD_Formats.load_pipeline(args.ckpt, use_ema=not args.no_ema, vae=args.vae, text_encoder=args.text_encoder,
-                           tokenizer=args.tokenizer, arch=args.arch)
-    except (FileNotFoundError, KeyError, ValueError, OSError, SafetensorError) as error:
-        print(f"SD_ImageGen.py: cannot load {args.ckpt}: {error}", file=sys.stderr)
+                                         tokenizer=args.tokenizer, arch=args.arch,
+                                         prediction_type=None if args.prediction_type == "auto" else args.prediction_type)
+    except (KeyError, ValueError, OSError, SafetensorError) as error:  # the message names the file
+        print(f"SD_ImageGen.py: cannot load {args.ckpt}: {SD_Formats.first_line(error)}", file=sys.stderr)
         return 2
     log.info("loaded %s (%s)", model.source, model.prediction_type)
     if args.export_diffusers or args.export_single_file:

@@ -1,19 +1,50 @@
 """Run metrics: ``metrics.jsonl`` (the source of truth), wandb when enabled, and the loss plot.
 
 Rank 0 writes one JSON object per logged optimizer step; wandb and ``loss.png`` are built from the
-same records.
+same records. A crash while a record is being written can leave a torn last line: a resume drops it
+(and the records past the resumed step) and rewrites the file atomically. Any other line that is no
+record is an error naming the file and the line.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import secrets
 from pathlib import Path
 
 import torch
 
 import SD_Files
+
+log = logging.getLogger("sd_metrics")
+
+
+class MetricsError(ValueError):
+    """``metrics.jsonl`` holds a line that is no record (other than a torn last line)."""
+
+
+def read_records(path: Path) -> tuple[list[tuple[str, dict]], str | None]:
+    """``(line, record)`` for every record of a ``metrics.jsonl``, and its torn last line or None.
+
+    The last line alone may be cut short (a crash mid-write): it is returned apart, not as a record.
+    """
+    numbered = [(n, line) for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1) if line.strip()]
+    records = []
+    for number, line in numbered:  # numbered as an editor shows the file
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            if number == numbered[-1][0]:
+                return records, line
+            raise MetricsError(f"{path}: line {number} is not JSON ({error.msg}); only the last line may be torn "
+                               "by a crash: repair or delete that line") from error
+        if not isinstance(record, dict) or type(record.get("step")) is not int:
+            raise MetricsError(f"{path}: line {number} is not a metrics record (a JSON object with an integer "
+                               "step): repair or delete that line")
+        records.append((line, record))
+    return records, None
 
 
 class MetricsLog:
@@ -33,12 +64,14 @@ class MetricsLog:
                                     resume="allow", dir=str(run_dir), config=dataclasses.asdict(config))
 
     def _truncate_after(self, step: int) -> None:
-        """Drop records past the checkpoint being resumed (they will be logged again)."""
+        """Drop records past the checkpoint being resumed (they will be logged again) and a torn last line."""
         if not self.path.exists():
             return
-        lines = [line for line in self.path.read_text().splitlines() if line.strip()]
-        kept = [line for line in lines if json.loads(line).get("step", 0) <= step]
-        if len(kept) != len(lines):
+        records, torn = read_records(self.path)
+        kept = [line for line, record in records if record["step"] <= step]
+        if torn is not None:
+            log.warning("%s: dropped its torn last line (a crash while writing it): %.80r", self.path, torn)
+        if torn is not None or len(kept) != len(records):
             SD_Files.write_text_atomic(self.path, "".join(line + "\n" for line in kept))
 
     def write(self, record: dict, image: Path | None = None) -> None:
@@ -66,7 +99,7 @@ def plot_metrics(metrics_path: Path, out: Path) -> None:
 
     if not metrics_path.exists():  # a run shorter than log_every logged nothing
         return
-    records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    records = [record for _, record in read_records(metrics_path)[0]]  # without a torn last line
     if not records:
         return
     fig, ax = plt.subplots(figsize=(7, 4))

@@ -241,15 +241,14 @@ def init_weights(run: Run, source: str) -> None:
     unet, ema = run.step.unet, run.step.ema
     try:
         loaded = SD_Formats.load_unet_weights(source, unet, use_ema=False)
-    except (OSError, KeyError, ValueError) as error:
-        raise ConfigError(f"init_from: {source} is not a run folder, checkpoint, single file or diffusers folder "
-                          f"here, and could not be loaded as a hub id ({error})") from error
-    if ema is not None:
-        ema_path = None
-        if SD_Formats.run_config(source) is not None:
-            ema_path = ckpt.resolve_checkpoint(source) / "ema.safetensors"
-        ema.load_state_dict(ckpt.load_weights(ema_path) if ema_path is not None and ema_path.exists()
-                            else unet.state_dict())
+        if ema is not None:
+            ema_state = SD_Formats.run_ema_weights(source, unet)
+            ema.load_state_dict(unet.state_dict() if ema_state is None else ema_state)
+    except (OSError, KeyError, ValueError) as error:  # the message names the file
+        if Path(source).exists():
+            raise ConfigError(f"init_from: cannot load {source}: {SD_Formats.first_line(error)}") from error
+        raise ConfigError(f"init_from: {source} is no local file or folder, and could not be loaded as a hub id "
+                          f"({SD_Formats.first_line(error)})") from error
     log.info("initialised weights from %s", loaded)
 
 
@@ -270,7 +269,8 @@ def main(argv=None) -> int:
                         format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     try:
         return train(config, d)
-    except (ConfigError, SD_Data.DataError, FileNotFoundError, ckpt.CheckpointError) as error:
+    except (ConfigError, SD_Data.DataError, SD_Metrics.MetricsError, FileNotFoundError,
+            ckpt.CheckpointError) as error:
         print(f"SD_Train.py: error (rank {d.rank}): {error}", file=sys.stderr)
         return 2
     finally:
@@ -305,11 +305,9 @@ def train_locked(config: TrainConfig, d: Dist) -> int:
         log.info("the run is at step %d, at or past stop_at_step %d: nothing to do", run.state.step,
                  config.stop_at_step)
         return 0
-    metrics = None
+    metrics = open_metrics(run)
     if d.is_main:
-        run.run_dir.mkdir(parents=True, exist_ok=True)
         (run.run_dir / "config.yaml").write_text(config_yaml(config))
-        metrics = SD_Metrics.MetricsLog(run.run_dir, config, run.state.step)
         log.info("%d training samples in %d dataset(s), latents %s; %d steps/epoch, %d steps in all; "
                  "%d images per optimizer step", len(run.train_data), len(run.train_data.splits),
                  run.train_data.sample_shape, run.steps_per_epoch, run.total_steps,
@@ -328,6 +326,21 @@ def train_locked(config: TrainConfig, d: Dist) -> int:
         SD_Metrics.plot_metrics(run.run_dir / "metrics.jsonl", run.run_dir / "loss.png")
         metrics.close()
     return code
+
+
+def open_metrics(run: Run) -> SD_Metrics.MetricsLog | None:
+    """Rank 0 opens ``metrics.jsonl`` at the resumed step; every rank stops if it could not."""
+    metrics, refusal = None, None
+    if run.d.is_main:
+        run.run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            metrics = SD_Metrics.MetricsLog(run.run_dir, run.config, run.state.step)
+        except SD_Metrics.MetricsError as error:
+            refusal = str(error)
+    refusal = SD_Distributed.all_gather_objects(refusal, run.d)[0]
+    if refusal:
+        raise SD_Metrics.MetricsError(refusal)
+    return metrics
 
 
 def loop(run: Run, stopper: "StopSignal", metrics) -> int:

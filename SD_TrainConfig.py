@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,10 +19,44 @@ import yaml
 import SD_Cli
 import SD_Model
 
-def _doc(text, default=dataclasses.MISSING, default_factory=dataclasses.MISSING):
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric field allows: an interval with finite ends, so inf and nan never fit."""
+
+    low: float
+    high: float = math.inf
+    low_open: bool = False  # low itself is out
+    high_open: bool = True  # high itself is out
+
+    def allows(self, value) -> bool:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return False
+        above = value > self.low if self.low_open else value >= self.low
+        below = value < self.high if self.high_open else value <= self.high
+        return above and below
+
+    def describe(self, kind: str = "float") -> str:
+        """``>= 1``, ``in [0, 1)``, ``> 0 and finite`` (a float with no upper end)."""
+        if self.high == math.inf:
+            return f"{'>' if self.low_open else '>='} {_number(self.low)}{' and finite' if kind == 'float' else ''}"
+        return (f"in {'(' if self.low_open else '['}{_number(self.low)}, {_number(self.high)}"
+                f"{')' if self.high_open else ']'}")
+
+
+def _number(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else repr(x)
+
+
+POSITIVE, NON_NEGATIVE, COUNT = Range(0, low_open=True), Range(0), Range(1)
+FRACTION, BELOW_ONE = Range(0, 1, high_open=False), Range(0, 1)
+
+
+def _doc(text, default=dataclasses.MISSING, default_factory=dataclasses.MISSING, allowed: Range | None = None):
+    """A field with its one-line doc; ``allowed``: the range of a numeric field (every int and float has one)."""
+    metadata = {"help": text, "allowed": allowed}
     if default_factory is not dataclasses.MISSING:
-        return field(default_factory=default_factory, metadata={"help": text})
-    return field(default=default, metadata={"help": text})
+        return field(default_factory=default_factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 @dataclass
@@ -30,8 +65,9 @@ class TrainConfig:
     datasets: list = _doc("[{dataset: DIR, latents: DIR, weight: 1.0}, ...]: caption datasets "
                           "(05_build_hf_dataset.py) joined to latent folders (encode_latents.py), mixed by weight",
                           default_factory=list)
-    epoch_size: int = _doc("samples per epoch across all datasets; 0 = every sample once", 0)
-    data_threads: int = _doc("threads that load latent files into RAM at start", 16)
+    epoch_size: int = _doc("samples per epoch across all datasets; 0 = every sample once", 0,
+                           allowed=NON_NEGATIVE)
+    data_threads: int = _doc("threads that load latent files into RAM at start", 16, allowed=COUNT)
     mmap_latents: bool = _doc("memory-map latent shards instead of loading them into RAM", False)
     allow_missing_latents: bool = _doc("drop captions without a latent (reported) instead of stopping", False)
     # -- models -----------------------------------------------------------------------------
@@ -43,88 +79,119 @@ class TrainConfig:
     init_from: str = _doc("start from these weights (a checkpoint or run folder) with a fresh optimizer "
                           "and schedule; ignored when out_dir already holds a checkpoint to resume", "")
     # -- optimisation -----------------------------------------------------------------------
-    batch_size: int = _doc("micro-batch size per GPU", 24)
-    grad_accum: int = _doc("micro-batches accumulated per optimizer step", 2)
-    max_steps: int = _doc("optimizer steps of the phase; 0 = run `epochs` epochs", 0)
-    epochs: int = _doc("epochs of the phase when max_steps is 0", 1)
-    lr: float = _doc("peak learning rate", 1e-5)
-    warmup_steps: int = _doc("linear warm-up steps from lr * 0.01 to lr", 500)
-    min_lr_ratio: float = _doc("cosine decay ends at lr * min_lr_ratio", 0.01)
-    weight_decay: float = _doc("AdamW weight decay", 1e-2)
-    adam_beta1: float = _doc("AdamW beta1", 0.9)
-    adam_beta2: float = _doc("AdamW beta2", 0.999)
-    adam_eps: float = _doc("AdamW epsilon", 1e-8)
-    grad_clip: float = _doc("clip the global gradient norm to this; 0 = no clipping", 1.0)
-    min_snr_gamma: float = _doc("Min-SNR-gamma loss weighting; 0 = plain MSE", 5.0)
-    cfg_dropout: float = _doc("fraction of samples trained with the empty prompt (for classifier-free guidance)", 0.05)
-    ema_decay: float = _doc("EMA decay; 0 = no EMA", 0.9999)
+    batch_size: int = _doc("micro-batch size per GPU", 24, allowed=COUNT)
+    grad_accum: int = _doc("micro-batches accumulated per optimizer step", 2, allowed=COUNT)
+    max_steps: int = _doc("optimizer steps of the phase; 0 = run `epochs` epochs", 0, allowed=NON_NEGATIVE)
+    epochs: int = _doc("epochs of the phase when max_steps is 0", 1, allowed=NON_NEGATIVE)
+    lr: float = _doc("peak learning rate", 1e-5, allowed=POSITIVE)
+    warmup_steps: int = _doc("linear warm-up steps from lr * 0.01 to lr", 500, allowed=NON_NEGATIVE)
+    min_lr_ratio: float = _doc("cosine decay ends at lr * min_lr_ratio", 0.01, allowed=FRACTION)
+    weight_decay: float = _doc("AdamW weight decay", 1e-2, allowed=NON_NEGATIVE)
+    adam_beta1: float = _doc("AdamW beta1", 0.9, allowed=BELOW_ONE)
+    adam_beta2: float = _doc("AdamW beta2", 0.999, allowed=BELOW_ONE)
+    adam_eps: float = _doc("AdamW epsilon", 1e-8, allowed=POSITIVE)
+    grad_clip: float = _doc("clip the global gradient norm to this; 0 = no clipping", 1.0,
+                            allowed=NON_NEGATIVE)
+    min_snr_gamma: float = _doc("Min-SNR-gamma loss weighting; 0 = plain MSE", 5.0, allowed=NON_NEGATIVE)
+    cfg_dropout: float = _doc("fraction of samples trained with the empty prompt (for classifier-free guidance)", 0.05,
+                              allowed=BELOW_ONE)
+    ema_decay: float = _doc("EMA decay; 0 = no EMA", 0.9999, allowed=BELOW_ONE)
     ema_device: str = _doc("where the EMA lives: same (the training device) or cpu", "same")
-    ema_update_every: int = _doc("update the EMA every N optimizer steps (decay raised to the N-th power)", 1)
+    ema_update_every: int = _doc("update the EMA every N optimizer steps (decay raised to the N-th power)", 1,
+                                 allowed=COUNT)
     precision: str = _doc("bf16 (autocast), fp16 (autocast + GradScaler) or fp32", "bf16")
     grad_checkpointing: bool = _doc("recompute activations in backward to save memory", True)
     channels_last: bool = _doc("channels_last memory format for the UNet", False)
     compile: bool = _doc("torch.compile the UNet (works with grad_checkpointing)", False)
-    max_bad_steps: int = _doc("stop after this many non-finite steps in a row", 10)
+    max_bad_steps: int = _doc("stop after this many non-finite steps in a row", 10, allowed=COUNT)
     # -- checkpoints and logging ------------------------------------------------------------
     out_dir: str = _doc("run folder: config.yaml, metrics.jsonl, samples/, checkpoints/", "runs/train")
-    save_steps: int = _doc("save a checkpoint every N optimizer steps (also at each epoch end and the end)", 1500)
-    keep_checkpoints: int = _doc("keep the newest N checkpoints (at least 2)", 3)
-    keep_every_steps: int = _doc("also keep every checkpoint whose step is a multiple of this; 0 = none", 0)
-    stop_at_step: int = _doc("end after this optimizer step as an interruption would (save, exit 0); 0 = off", 0)
-    log_every: int = _doc("log metrics every N optimizer steps", 10)
-    validate_every: int = _doc("validation loss and sample grid every N optimizer steps; 0 = never", 1000)
+    save_steps: int = _doc("save a checkpoint every N optimizer steps (also at each epoch end and the end)", 1500,
+                           allowed=COUNT)
+    keep_checkpoints: int = _doc("keep the newest N checkpoints (at least 2: the newest may be mid-write when a "
+                                "run dies)", 3, allowed=Range(2))
+    keep_every_steps: int = _doc("also keep every checkpoint whose step is a multiple of this; 0 = none", 0,
+                                 allowed=NON_NEGATIVE)
+    stop_at_step: int = _doc("end after this optimizer step as an interruption would (save, exit 0); 0 = off", 0,
+                             allowed=NON_NEGATIVE)
+    log_every: int = _doc("log metrics every N optimizer steps", 10, allowed=COUNT)
+    validate_every: int = _doc("validation loss and sample grid every N optimizer steps; 0 = never", 1000,
+                               allowed=NON_NEGATIVE)
     validation_prompts: list = _doc("prompts of the validation sample grid",
                                     default_factory=lambda: ["a photograph of an astronaut riding a horse"])
-    validation_samples: int = _doc("held-out samples used for the validation loss", 256)
-    validation_steps: int = _doc("DDIM steps of the validation samples", 50)
-    validation_cfg: float = _doc("classifier-free guidance scale of the validation samples", 7.5)
+    validation_samples: int = _doc("held-out samples used for the validation loss", 256, allowed=COUNT)
+    validation_steps: int = _doc("DDIM steps of the validation samples", 50, allowed=COUNT)
+    validation_cfg: float = _doc("classifier-free guidance scale of the validation samples", 7.5,
+                                 allowed=NON_NEGATIVE)
     wandb_project: str = _doc("wandb project name", "sd1-train")
     wandb_mode: str = _doc("wandb: online, offline or disabled (API key from the environment)", "disabled")
     # -- run --------------------------------------------------------------------------------
-    seed: int = _doc("seed of the model init, data order and diffusion noise", 0)
+    seed: int = _doc("seed of the model init, data order and diffusion noise", 0,
+                     allowed=Range(0, 2**32 - 1, high_open=False))
     device: str = _doc("auto, cpu, cuda", "auto")
 
     def validate(self) -> None:
-        """Reject bad values before any work, naming the field and the fix."""
+        """Reject bad values before any work, naming the field, the value and what is allowed."""
         def need(ok, message):
             if not ok:
                 raise ConfigError(message)
 
+        for name, f in FIELDS.items():
+            check_type_and_range(name, getattr(self, name), f)
         need(self.datasets, "datasets: list at least one {dataset: DIR, latents: DIR, weight: 1.0}")
         for i, entry in enumerate(self.datasets):
-            need(isinstance(entry, dict), f"datasets[{i}]: expected a mapping with dataset, latents, weight")
-            unknown = set(entry) - {"dataset", "latents", "weight"}
-            need(not unknown, f"datasets[{i}]: unknown keys {sorted(unknown)} (allowed: dataset, latents, weight)")
-            for key in ("dataset", "latents"):
-                need(key in entry, f"datasets[{i}].{key} is missing")
-                need(Path(entry[key]).is_dir(), f"datasets[{i}].{key}: folder {entry[key]} does not exist")
-            weight = entry.get("weight", 1.0)
-            need(isinstance(weight, (int, float)) and weight > 0, f"datasets[{i}].weight must be > 0, got {weight}")
+            check_dataset_entry(i, entry)
         need(self.unet in SD_Model.UNET_PRESETS, f"unet: choose one of {sorted(SD_Model.UNET_PRESETS)}")
         need(self.prediction_type in ("epsilon", "v_prediction"), "prediction_type: epsilon or v_prediction")
         need(self.precision in ("bf16", "fp16", "fp32"), "precision: bf16, fp16 or fp32")
         need(self.ema_device in ("same", "cpu"), "ema_device: same or cpu")
         need(self.wandb_mode in ("online", "offline", "disabled"), "wandb_mode: online, offline or disabled")
         need(self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda"), "device: auto, cpu or cuda")
-        for name in ("batch_size", "grad_accum", "data_threads", "save_steps", "log_every", "ema_update_every",
-                     "max_bad_steps", "validation_steps"):
-            need(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_steps", "epochs", "warmup_steps", "epoch_size", "stop_at_step", "keep_every_steps",
-                     "validate_every", "validation_samples"):
-            need(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("vae", "text_encoder", "out_dir"):
+            need(getattr(self, name).strip(), f"{name} must not be empty")
+        need(all(isinstance(p, str) for p in self.validation_prompts), "validation_prompts: a list of strings")
         need(self.max_steps > 0 or self.epochs > 0, "set max_steps or epochs to a positive number")
-        need(self.lr > 0, f"lr must be > 0, got {self.lr}")
-        need(0 <= self.min_lr_ratio <= 1, "min_lr_ratio must be in [0, 1]")
-        need(0 <= self.cfg_dropout < 1, f"cfg_dropout must be in [0, 1), got {self.cfg_dropout}")
-        need(0 <= self.ema_decay < 1, f"ema_decay must be in [0, 1), got {self.ema_decay}")
-        need(self.grad_clip >= 0 and self.min_snr_gamma >= 0, "grad_clip and min_snr_gamma must be >= 0")
-        need(self.keep_checkpoints >= 2, "keep_checkpoints must be >= 2 (the newest may be mid-write when a run dies)")
         need(not self.init_from or Path(self.init_from).exists() or _looks_like_hub_id(self.init_from),
              f"init_from: {self.init_from} is neither an existing path nor a hub id (owner/name)")
 
 
 class ConfigError(ValueError):
     pass
+
+
+TYPES = {"int": int, "float": (int, float), "bool": bool, "str": str, "list": list}
+
+
+def check_type_and_range(name: str, value, f: dataclasses.Field) -> None:
+    """A field's value has the field's type and, for a number, lies in its ``allowed`` range."""
+    if isinstance(value, bool) and f.type != "bool" or not isinstance(value, TYPES[f.type]):
+        raise ConfigError(f"{name}: expected {f.type}, got {value!r}")
+    allowed = f.metadata["allowed"]
+    if allowed is not None and not allowed.allows(value):
+        raise ConfigError(f"{name} must be {allowed.describe(f.type)}, got {value!r} ({f.metadata['help']})")
+
+
+def check_dataset_entry(i: int, entry) -> None:
+    """One ``{dataset: DIR, latents: DIR, weight: W}``: known keys, existing folders, a finite weight > 0."""
+    if not isinstance(entry, dict):
+        raise ConfigError(f"datasets[{i}]: expected a mapping with dataset, latents, weight")
+    unknown = set(entry) - {"dataset", "latents", "weight"}
+    if unknown:
+        raise ConfigError(f"datasets[{i}]: unknown keys {sorted(unknown)} (allowed: dataset, latents, weight)")
+    for key in ("dataset", "latents"):
+        if key not in entry:
+            raise ConfigError(f"datasets[{i}].{key} is missing")
+        if not Path(str(entry[key])).is_dir():
+            raise ConfigError(f"datasets[{i}].{key}: folder {entry[key]} does not exist")
+    weight = entry.get("weight", 1.0)
+    if isinstance(weight, str):  # YAML reads 1e-3 (no dot) as a string
+        try:
+            weight = float(weight)
+        except ValueError:
+            pass
+    if not POSITIVE.allows(weight):
+        raise ConfigError(f"datasets[{i}].weight must be {POSITIVE.describe()}, got {entry.get('weight')!r} "
+                          "(the share of each epoch drawn from this dataset, relative to the others)")
 
 
 def _looks_like_hub_id(text: str) -> bool:
@@ -186,7 +253,8 @@ def build_parser(description: str = "") -> SD_Cli.ArgumentParser:
     for name, f in FIELDS.items():
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         extra = {"nargs": "?", "const": "true"} if f.type == "bool" else {}
-        parser.add_argument(f"--{name}", metavar="VALUE", help=f"{f.metadata['help']} (default: {default!r})",
+        allowed = f"; allowed: {f.metadata['allowed'].describe(f.type)}" if f.metadata["allowed"] else ""
+        parser.add_argument(f"--{name}", metavar="VALUE", help=f"{f.metadata['help']} (default: {default!r}{allowed})",
                             **extra)
     return parser
 

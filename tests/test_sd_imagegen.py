@@ -306,3 +306,189 @@ def test_a_damaged_single_file_is_a_one_line_error_naming_it(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"SD_ImageGen.py: cannot load {path}: ")
     assert not (tmp_path / "o").exists()
+
+
+# ------------------------------------------------------------------------------ prediction type
+
+
+@pytest.fixture(scope="module")
+def v_checkpoint(run_dir, tmp_path_factory):
+    """The run's checkpoint as a v-prediction model: its config.yaml says so (sampling reads only that)."""
+    import shutil
+
+    folder = tmp_path_factory.mktemp("v") / ckpt.step_dir_name(6)
+    shutil.copytree(ckpt.resolve_checkpoint(run_dir), folder)
+    config = yaml.safe_load((folder / "config.yaml").read_text())
+    (folder / "config.yaml").write_text(yaml.safe_dump({**config, "prediction_type": "v_prediction"}))
+    return folder
+
+
+def sample_png(ckpt_path, out, *flags):
+    from PIL import Image
+
+    assert SD_ImageGen.main(["--ckpt", str(ckpt_path), "--prompt", "a red circle", "--seed", "3", "--n", "1",
+                             "--steps", str(STEPS), "--cfg", "4.0", "--height", "64", "--width", "64",
+                             "--device", "cpu", "--precision", "fp32", "--out", str(out), *flags]) == 0
+    return np.asarray(Image.open(out / "000_000003.png").convert("RGB"))
+
+
+def test_v_prediction_survives_export_to_a_single_file_and_a_diffusers_folder(v_checkpoint, tmp_path):
+    single, folder = tmp_path / "v.safetensors", tmp_path / "v_pipe"
+    assert SD_ImageGen.main(["--ckpt", str(v_checkpoint), "--export_single_file", str(single),
+                             "--export_diffusers", str(folder)]) == 0
+    assert SD_Formats.load_pipeline(str(single), arch="tiny").prediction_type == "v_prediction"
+    assert SD_Formats.load_pipeline(str(folder)).prediction_type == "v_prediction"
+    # SD_ImageGen samples the single file as the checkpoint it came from, and as epsilon only when told.
+    reference = sample_png(v_checkpoint, tmp_path / "ref")
+    assert np.array_equal(sample_png(single, tmp_path / "single", "--arch", "tiny"), reference)
+    assert np.array_equal(sample_png(folder, tmp_path / "folder"), reference)
+    as_epsilon = sample_png(single, tmp_path / "eps", "--arch", "tiny", "--prediction_type", "epsilon")
+    assert not np.array_equal(as_epsilon, reference)
+
+
+def test_a_single_file_without_a_recorded_prediction_type_is_epsilon_unless_told(exported, tmp_path):
+    from safetensors.torch import save_file
+
+    bare = tmp_path / "bare.safetensors"  # as other tools write them: tensors only
+    save_file(load_file(exported / "model.safetensors"), str(bare))
+    assert SD_Formats.load_pipeline(str(bare), arch="tiny").prediction_type == "epsilon"
+    told = SD_Formats.load_pipeline(str(bare), arch="tiny", prediction_type="v_prediction")
+    assert told.prediction_type == "v_prediction"
+    odd = tmp_path / "odd.safetensors"
+    save_file(load_file(exported / "model.safetensors"), str(odd), metadata={"prediction_type": "sample"})
+    with pytest.raises(ValueError, match=rf"^{odd}: prediction_type 'sample' is neither of epsilon, v_prediction$"):
+        SD_Formats.load_pipeline(str(odd), arch="tiny")
+
+
+def test_a_diffusers_folder_takes_the_prediction_type_of_its_scheduler_config(exported, tmp_path):
+    import shutil
+
+    folder = tmp_path / "pipe"
+    shutil.copytree(exported / "pipe", folder)
+    scheduler = folder / "scheduler" / "scheduler_config.json"
+    assert json.loads(scheduler.read_text())["prediction_type"] == "epsilon"
+    assert SD_Formats.load_pipeline(str(folder)).prediction_type == "epsilon"
+    scheduler.write_text(json.dumps({**json.loads(scheduler.read_text()), "prediction_type": "v_prediction"}))
+    assert SD_Formats.load_pipeline(str(folder)).prediction_type == "v_prediction"
+    assert SD_Formats.load_pipeline(str(folder), prediction_type="epsilon").prediction_type == "epsilon"
+
+
+# ------------------------------------------------------------------------------ damaged inputs
+
+
+def truncate(path, keep=0.5):
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep)])
+
+
+def flip_header_byte(path):
+    data = bytearray(path.read_bytes())
+    data[20] ^= 0xFF  # inside the JSON header that follows the 8-byte length
+    path.write_bytes(bytes(data))
+
+
+def damaged_source(kind, tmp_path, run_dir, exported):
+    """A copy of a good checkpoint with one file damaged: ``(source, the damaged file, extra flags)``."""
+    import shutil
+
+    if kind.startswith("single_file"):
+        source = tmp_path / "model.safetensors"
+        shutil.copy(exported / "model.safetensors", source)
+        damage = kind.removeprefix("single_file_")
+        if damage == "truncated":
+            truncate(source)
+        elif damage == "bit_flipped":
+            flip_header_byte(source)
+        elif damage == "garbage":
+            source.write_bytes(np.random.default_rng(0).bytes(4096))
+        elif damage == "empty":
+            source.write_bytes(b"")
+        return source, source, ["--arch", "tiny"]
+    if kind == "ckpt_file_truncated":
+        source = tmp_path / "model.ckpt"
+        torch.save({"state_dict": load_file(exported / "model.safetensors")}, source)
+        truncate(source)
+        return source, source, ["--arch", "tiny"]
+    if kind.startswith("checkpoint"):
+        source = tmp_path / ckpt.step_dir_name(6)
+        shutil.copytree(ckpt.resolve_checkpoint(run_dir), source)
+        name, damage = {"checkpoint_unet_missing": ("unet.safetensors", "missing"),
+                        "checkpoint_unet_truncated": ("unet.safetensors", "truncated"),
+                        "checkpoint_unet_bit_flipped": ("unet.safetensors", "bit_flipped"),
+                        "checkpoint_ema_truncated": ("ema.safetensors", "truncated"),
+                        "checkpoint_config_broken": ("config.yaml", "broken")}[kind]
+        bad = source / name
+        {"missing": bad.unlink, "truncated": lambda: truncate(bad), "bit_flipped": lambda: flip_header_byte(bad),
+         "broken": lambda: bad.write_text("unet: [tiny\n")}[damage]()
+        return source, bad, (["--no_ema"] if name == "unet.safetensors" else [])
+    source = tmp_path / "pipe"
+    shutil.copytree(exported / "pipe", source)
+    part = kind.removeprefix("diffusers_")
+    if part == "unet_weights_truncated":
+        bad = source / "unet" / "diffusion_pytorch_model.safetensors"
+        truncate(bad)
+    else:
+        bad = source / part / ("scheduler_config.json" if part == "scheduler" else "config.json")
+        bad.write_text('{"_class_name": "UNet2DCondition')
+    return source, bad, []
+
+
+def error_lines(err: str, prefix: str) -> list[str]:
+    """The lines a script printed itself. (In process, a traceback would be an exception out of main(),
+    not text; libraries may add warnings of their own to stderr.)"""
+    return [line for line in err.splitlines() if line.startswith(prefix)]
+
+
+@pytest.mark.parametrize("kind", [
+    "single_file_truncated", "single_file_bit_flipped", "single_file_garbage", "single_file_empty",
+    "ckpt_file_truncated", "checkpoint_unet_missing", "checkpoint_unet_truncated", "checkpoint_unet_bit_flipped",
+    "checkpoint_ema_truncated", "checkpoint_config_broken", "diffusers_unet", "diffusers_vae", "diffusers_text_encoder",
+    "diffusers_scheduler", "diffusers_unet_weights_truncated"])
+def test_a_damaged_ckpt_is_a_one_line_error_naming_the_bad_file(kind, run_dir, exported, tmp_path, capsys):
+    source, bad, flags = damaged_source(kind, tmp_path, run_dir, exported)
+    capsys.readouterr()
+    assert SD_ImageGen.main(["--ckpt", str(source), "--prompt", "x", "--out", str(tmp_path / "o"), *flags]) == 2
+    [line] = error_lines(capsys.readouterr().err, "SD_ImageGen.py")
+    assert line.startswith(f"SD_ImageGen.py: cannot load {source}: ") and str(bad) in line, line
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_checkpoint_without_unet_safetensors_still_samples_its_ema(run_dir, exported, tmp_path):
+    source, _, _ = damaged_source("checkpoint_unet_missing", tmp_path, run_dir, exported)
+    model = SD_Formats.load_pipeline(str(source))
+    ema = load_file(source / "ema.safetensors")
+    assert all(torch.equal(v, ema[k]) for k, v in model.unet.state_dict().items())
+
+
+def test_weights_of_another_architecture_are_a_one_line_error_naming_the_file(run_dir, tmp_path, capsys):
+    import shutil
+
+    source = tmp_path / ckpt.step_dir_name(6)
+    shutil.copytree(ckpt.resolve_checkpoint(run_dir), source)
+    from safetensors.torch import save_file
+
+    save_file({"conv_in.weight": torch.zeros(3, 3)}, str(source / "ema.safetensors"))
+    assert SD_ImageGen.main(["--ckpt", str(source), "--prompt", "x", "--out", str(tmp_path / "o")]) == 2
+    [line] = error_lines(capsys.readouterr().err, "SD_ImageGen.py")
+    assert f"{source / 'ema.safetensors'}: its weights do not fit this UNet2DConditionModel (" in line
+    assert "1 of another shape" in line
+
+
+@pytest.mark.parametrize("kind", [
+    "single_file_truncated", "single_file_bit_flipped", "single_file_garbage", "ckpt_file_truncated",
+    "checkpoint_unet_missing", "checkpoint_unet_truncated", "checkpoint_ema_truncated", "checkpoint_config_broken",
+    "diffusers_unet", "diffusers_unet_weights_truncated"])
+def test_init_from_a_damaged_source_is_a_one_line_error_naming_the_bad_file(kind, run_dir, exported, tmp_path,
+                                                                           capsys):
+    source, bad, _ = damaged_source(kind, tmp_path, run_dir, exported)
+    data = yaml.safe_load((ckpt.resolve_checkpoint(run_dir) / "config.yaml").read_text())["datasets"]
+    config = tmp_path / "ft.yaml"
+    config.write_text(yaml.safe_dump(dict(datasets=data, unet="tiny", vae="tiny", text_encoder="tiny",
+                                          precision="fp32", device="cpu", grad_checkpointing=False, batch_size=8,
+                                          grad_accum=1, max_steps=2, validate_every=0, out_dir=str(tmp_path / "ft"),
+                                          init_from=str(source))))
+    capsys.readouterr()
+    assert SD_Train.main(["--config", str(config)]) == 2
+    [line] = error_lines(capsys.readouterr().err, "SD_Train.py")
+    assert line.startswith(f"SD_Train.py: error (rank 0): init_from: cannot load {source}: ") and str(bad) in line
+    assert not (tmp_path / "ft" / "checkpoints").exists()

@@ -641,3 +641,28 @@ def test_validation_loss_scores_every_dataset_of_a_mixed_phase(tmp_path, data):
     loss = SD_TrainStep.validation_loss(run.step, run.val_data, 8, 4)
     which = np.searchsorted(run.val_data.offsets, asked, side="right") - 1
     assert np.bincount(which, minlength=2).tolist() == [2, 6] and math.isfinite(loss)  # 8 by weight 1:3
+
+
+def test_resume_drops_a_torn_last_metrics_line_and_stops_at_a_corrupt_one(tmp_path, data, capsys, caplog):
+    run_dir = tmp_path / "run"
+    config = write_config(tmp_path / "m.yaml", datasets=[data], max_steps=4, out_dir=str(run_dir), batch_size=4,
+                          grad_accum=1)
+    assert SD_Train.main(["--config", str(config), "--stop_at_step", "2"]) == 0
+    metrics = run_dir / "metrics.jsonl"
+    good = metrics.read_text()
+    # A line in the middle that is no record: one line naming the file and the line, nothing trained.
+    lines = good.splitlines()
+    metrics.write_text(f"{lines[0]}\n{lines[1][:25]}\n{lines[1]}\n")
+    corrupt = metrics.read_bytes()
+    capsys.readouterr()
+    assert SD_Train.main(["--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"SD_Train.py: error (rank 0): {metrics}: line 2 is not JSON (") and err.count("\n") == 1
+    assert metrics.read_bytes() == corrupt
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == [ckpt.step_dir_name(2)]
+    # The last line torn by a crash while writing step 3's record: dropped, and the run resumes.
+    metrics.write_text(good + lines[1][:25].replace('"step": 2', '"step": 3'))
+    assert SD_Train.main(["--config", str(config)]) == 0
+    assert f"{metrics}: dropped its torn last line" in caplog.text
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2, 3, 4]
+    assert ckpt.latest_checkpoint(run_dir / "checkpoints").name == ckpt.step_dir_name(4)

@@ -1,5 +1,6 @@
 """SD_TrainConfig: flags, bools, numbers given as text, and ``extends`` chains of YAML files."""
 
+import math
 import re
 from pathlib import Path
 
@@ -135,3 +136,129 @@ def test_an_extends_loop_is_an_error_naming_the_file(tmp_path, datasets, chain):
     with pytest.raises(ConfigError) as error:
         load_config(["--config", str(tmp_path / chain[0])])
     assert str(error.value) == f"{tmp_path / chain[0]}: 'extends' loops back to itself"
+
+
+# ------------------------------------------------------------------------------ numeric ranges
+
+# Every numeric field: (what is allowed, values just inside, values outside besides inf and nan).
+RANGES = {
+    "epoch_size": (">= 0", [0, 1000], [-1]),
+    "data_threads": (">= 1", [1], [0, -2]),
+    "batch_size": (">= 1", [1, 64], [0, -1]),
+    "grad_accum": (">= 1", [1], [0]),
+    "max_steps": (">= 0", [0, 5], [-1]),
+    "epochs": (">= 0", [0, 3], [-1]),
+    "lr": ("> 0 and finite", [1e-12, 10.0], [0.0, -1e-5]),
+    "warmup_steps": (">= 0", [0], [-1]),
+    "min_lr_ratio": ("in [0, 1]", [0.0, 1.0], [-0.01, 1.01]),
+    "weight_decay": (">= 0 and finite", [0.0, 5.0], [-1e-3]),
+    "adam_beta1": ("in [0, 1)", [0.0, 0.999], [1.0, 5.0, -0.1]),
+    "adam_beta2": ("in [0, 1)", [0.0, 0.9999], [1.0, -0.5]),
+    "adam_eps": ("> 0 and finite", [1e-30, 1.0], [0.0, -1e-8]),
+    "grad_clip": (">= 0 and finite", [0.0, 100.0], [-1.0]),
+    "min_snr_gamma": (">= 0 and finite", [0.0, 20.0], [-5.0]),
+    "cfg_dropout": ("in [0, 1)", [0.0, 0.99], [1.0, -0.1]),
+    "ema_decay": ("in [0, 1)", [0.0, 0.99999], [1.0, 1.5, -0.1]),
+    "ema_update_every": (">= 1", [1], [0]),
+    "max_bad_steps": (">= 1", [1], [0]),
+    "save_steps": (">= 1", [1], [0]),
+    "keep_checkpoints": (">= 2", [2], [1, 0]),
+    "keep_every_steps": (">= 0", [0], [-1]),
+    "stop_at_step": (">= 0", [0, 1], [-1]),
+    "log_every": (">= 1", [1], [0]),
+    "validate_every": (">= 0", [0], [-1]),
+    "validation_samples": (">= 1", [1], [0]),
+    "validation_steps": (">= 1", [1], [0]),
+    "validation_cfg": (">= 0 and finite", [0.0, 1.0, 30.0], [-1.0]),
+    "seed": ("in [0, 4294967295]", [0, 2**32 - 1], [-1, 2**32]),
+}
+
+
+def test_every_numeric_field_has_a_range_here():
+    numeric = {name for name, f in SD_TrainConfig.FIELDS.items() if f.type in ("int", "float")}
+    assert numeric == set(RANGES)
+
+
+def out_of_range_cases():
+    for name, (allowed, _, bad) in RANGES.items():
+        kind = SD_TrainConfig.FIELDS[name].type
+        for value in bad + ([math.inf, -math.inf, math.nan] if kind == "float" else []):
+            yield pytest.param(name, value, allowed, id=f"{name}={value}")
+
+
+@pytest.mark.parametrize("name, value, allowed", out_of_range_cases())
+def test_a_value_out_of_range_is_refused_naming_field_value_and_range(base_config, tmp_path, name, value, allowed):
+    base = yaml.safe_load(base_config.read_text())
+    path = write_yaml(tmp_path / "bad.yaml", **{**base, name: value})  # inf and nan are written .inf and .nan
+    with pytest.raises(ConfigError) as error:
+        load_config(["--config", str(path)])
+    message = str(error.value)
+    assert message.startswith(f"{name} must be {allowed}, got {value!r} (")
+    assert "\n" not in message
+    with pytest.raises(ConfigError) as flagged:  # the same on the command line (= keeps -1e-05 a value)
+        load_config(["--config", str(base_config), f"--{name}={value}"])
+    assert str(flagged.value) == message
+
+
+@pytest.mark.parametrize("name, value", [pytest.param(n, v, id=f"{n}={v}") for n, (_, good, _) in RANGES.items()
+                                         for v in good])
+def test_the_ends_of_each_range_are_accepted(base_config, name, value):
+    config = load_config(["--config", str(base_config), f"--{name}", str(value)])
+    assert getattr(config, name) == value
+
+
+@pytest.mark.parametrize("name, text", [("max_steps", ".inf"), ("batch_size", ".nan"), ("seed", "1e400")])
+def test_an_integer_field_refuses_inf_and_nan_as_not_an_integer(base_config, tmp_path, name, text):
+    path = tmp_path / "c.yaml"
+    path.write_text(base_config.read_text() + f"{name}: {text}\n")
+    with pytest.raises(ConfigError, match=rf"^{name}: expected int, got (inf|nan)$"):
+        load_config(["--config", str(path)])
+
+
+@pytest.mark.parametrize("text", [".inf", ".Inf", "inf", "1e400", ".nan", "nan", "-.inf"])
+def test_yaml_spellings_of_inf_and_nan_are_refused_for_lr(base_config, tmp_path, text):
+    path = tmp_path / "c.yaml"
+    path.write_text(base_config.read_text() + f"lr: {text}\n")
+    with pytest.raises(ConfigError, match=r"^lr must be > 0 and finite, got -?(inf|nan) \(peak learning rate\)$"):
+        load_config(["--config", str(path)])
+
+
+@pytest.mark.parametrize("flags, shown", [(["--lr", "inf"], "lr must be > 0 and finite, got inf"),
+                                          (["--lr", "nan"], "lr must be > 0 and finite, got nan"),
+                                          (["--adam_beta1", "5"], "adam_beta1 must be in [0, 1), got 5.0"),
+                                          (["--weight_decay=-inf"], "weight_decay must be >= 0 and finite, got -inf")])
+def test_the_trainer_stops_with_a_config_error_before_any_work(base_config, tmp_path, capsys, flags, shown):
+    assert SD_Train.main(["--config", str(base_config), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"SD_Train.py: config error: {shown} (") and err.count("\n") == 1
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("weight, shown", [(math.inf, "inf"), (math.nan, "nan"), (0, "0"), (-1.0, "-1.0"),
+                                           (True, "True"), ("heavy", "'heavy'"), ("1e400", "'1e400'")])
+def test_a_dataset_weight_must_be_finite_and_positive(tmp_path, datasets, weight, shown):
+    path = write_yaml(tmp_path / "w.yaml", datasets=[{**datasets[0], "weight": weight}], max_steps=2)
+    with pytest.raises(ConfigError) as error:
+        load_config(["--config", str(path)])
+    assert str(error.value).startswith(f"datasets[0].weight must be > 0 and finite, got {shown} (")
+
+
+def test_a_dataset_weight_written_1e_3_is_a_number(tmp_path, datasets):
+    path = tmp_path / "w.yaml"
+    path.write_text(yaml.safe_dump({"datasets": [datasets[0]], "max_steps": 2}).replace(
+        "datasets:\n-", "datasets:\n- weight: 1e-3\n "))
+    assert load_config(["--config", str(path)]).datasets[0]["weight"] == "1e-3"  # build_data reads it as 0.001
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"lr": "fast"}, "lr: expected float, got 'fast'"),
+    ({"batch_size": 2.0}, "batch_size: expected int, got 2.0"),
+    ({"compile": "yes"}, "compile: expected bool, got 'yes'"),
+    ({"max_steps": True}, "max_steps: expected int, got True"),
+    ({"vae": ""}, "vae must not be empty"),
+])
+def test_a_config_built_in_code_is_checked_like_a_yaml(datasets, fields, message):
+    config = SD_TrainConfig.TrainConfig(**{"datasets": datasets, "max_steps": 2, **fields})
+    with pytest.raises(ConfigError) as error:
+        config.validate()
+    assert str(error.value) == message
