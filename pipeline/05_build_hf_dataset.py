@@ -119,7 +119,11 @@ def main(argv=None) -> int:
     if earlier is not None:
         print(f"{STAGE}: {out} is up to date (train {earlier['train']}, validation {earlier['validation']})")
         return 0
-    keys = SD_Data.latent_keys(latents_dir)
+    try:
+        keys = SD_Data.latent_keys(latents_dir)
+    except SD_Data.DataError as error:
+        print(f"{STAGE}.py: {error}", file=sys.stderr)
+        return 2
     table = load_captions(files)
     train_rows, val_rows, dropped, caption_keys = join(table, set(keys), args.val_fraction)
     write_dataset(table, train_rows, val_rows, out)
