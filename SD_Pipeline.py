@@ -39,6 +39,9 @@ log = logging.getLogger("pipeline")
 MAX_EXAMPLES = 20  # keys named per skip reason in a stats file
 DEFAULT_WORKERS = min(8, os.cpu_count() or 1)  # image decoding threads, in every stage that has them
 DEFAULT_RETRIES = 2  # extra tries of a failed download, in every stage that downloads
+# The most bytes one archive member (an image, a prompt table) or one input image file may hold: a
+# few-kilobyte zip member can inflate to gigabytes. Such members are skipped as "too_large_member".
+MAX_MEMBER_BYTES = 256 << 20
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,9 +4,9 @@
   ``<key>.jpg|png|webp`` (the image), ``<key>.txt`` (the caption), ``<key>.json`` (metadata).
   ``read_shard`` splits an in-memory tar and keeps what precedes a damaged member; ``write_shard``
   writes one atomically.
-* ``decode_image`` turns image bytes into RGB pixels, refusing truncated, undecodable and huge images
-  with an ``ImageSkip`` whose ``reason`` is the counter the caller adds it to; ``resize_center_crop``
-  makes the square the VAE sees.
+* ``decode_image`` turns image bytes into RGB pixels, refusing truncated, undecodable, huge and
+  extremely elongated images with an ``ImageSkip`` whose ``reason`` is the counter the caller adds it
+  to; ``resize_center_crop`` makes the square the VAE sees, cutting it out before scaling.
 """
 
 from __future__ import annotations
@@ -21,6 +21,9 @@ import SD_Files
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
 DEFAULT_MAX_PIXELS = 8192 * 8192
+# Long side / short side above which an image is refused ("extreme_aspect"): its centre square would
+# keep under an eighth of it, and a 12000x1 strip says nothing its caption describes.
+DEFAULT_MAX_ASPECT = 8.0
 
 
 @dataclass
@@ -132,8 +135,10 @@ def image_size(data: bytes) -> tuple[int, int]:
             return image.size
 
 
-def decode_image(data: bytes, ext: str, max_pixels: int = DEFAULT_MAX_PIXELS) -> np.ndarray:
-    """RGB ``(H, W, 3)`` uint8 via OpenCV; raises ``ImageSkip`` for truncated, undecodable or huge images."""
+def decode_image(data: bytes, ext: str, max_pixels: int = DEFAULT_MAX_PIXELS,
+                 max_aspect: float = DEFAULT_MAX_ASPECT) -> np.ndarray:
+    """RGB ``(H, W, 3)`` uint8 via OpenCV; raises ``ImageSkip`` for truncated, undecodable, huge or
+    extremely elongated images (size and shape are read from the header, before decoding)."""
     import cv2
 
     if looks_truncated(data, ext):
@@ -146,6 +151,8 @@ def decode_image(data: bytes, ext: str, max_pixels: int = DEFAULT_MAX_PIXELS) ->
         raise ImageSkip("undecodable", str(error)) from error
     if width * height > max_pixels:
         raise ImageSkip("too_large", f"{width}x{height}")
+    if max(width, height) > max_aspect * min(width, height):
+        raise ImageSkip("extreme_aspect", f"{width}x{height}")
     bgr = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR)
     if bgr is None:
         raise ImageSkip("undecodable")
@@ -153,14 +160,20 @@ def decode_image(data: bytes, ext: str, max_pixels: int = DEFAULT_MAX_PIXELS) ->
 
 
 def resize_center_crop(image: np.ndarray, resolution: int) -> np.ndarray:
-    """Scale the short side to ``resolution`` (area filter down, cubic up), then crop the centre square."""
+    """The centre square scaled to ``resolution`` (area filter down, cubic up): the short side is scaled
+    to ``resolution`` and the long one cropped to it.
+
+    The square is cut before scaling, so the work is bounded by the input and the output: scaling the
+    whole image first would turn a 12000x1 strip into 1.5M x 128 pixels (590 MB) at 128 px, to keep
+    128 x 128 of them.
+    """
     import cv2
 
     height, width = image.shape[:2]
-    scale = resolution / min(height, width)
-    new_w, new_h = max(resolution, round(width * scale)), max(resolution, round(height * scale))
-    if (new_w, new_h) != (width, height):
-        interpolation = cv2.INTER_AREA if scale < 1 else cv2.INTER_CUBIC
-        image = cv2.resize(image, (new_w, new_h), interpolation=interpolation)
-    top, left = (new_h - resolution) // 2, (new_w - resolution) // 2
-    return np.ascontiguousarray(image[top : top + resolution, left : left + resolution])
+    side = min(height, width)
+    top, left = (height - side) // 2, (width - side) // 2
+    square = image[top : top + side, left : left + side]
+    if side != resolution:
+        interpolation = cv2.INTER_AREA if side > resolution else cv2.INTER_CUBIC
+        square = cv2.resize(square, (resolution, resolution), interpolation=interpolation)
+    return np.ascontiguousarray(square)

@@ -4,7 +4,7 @@
                              [--batch_size 64] [--workers 16] [--precision bf16] [--compile] [--device auto]
 
 Four stages overlap: a prefetch thread reads whole shards ahead and splits the tar in memory; a pool
-of threads decodes (OpenCV), resizes the short side and centre-crops; batches are assembled in
+of threads decodes (OpenCV), cuts out the centre square and scales it; batches are assembled in
 pinned memory and copied to the device without blocking; the VAE encodes while a writer thread moves
 finished latents to the host and saves each completed shard.
 
@@ -67,12 +67,15 @@ def parse_args(argv=None):
     parser.add_bool("--flip", help="also store the latents of the horizontally flipped images (NNNNN.flip.npy)")
     parser.add_argument("--max_pixels", type=int, default=SD_Shards.DEFAULT_MAX_PIXELS,
                         help="skip images with more pixels than this, read from the header")
+    parser.add_argument("--max_aspect", type=float, default=SD_Shards.DEFAULT_MAX_ASPECT,
+                        help="skip images whose long side is more than this many times the short side "
+                             "(extreme_aspect), read from the header")
     parser.add_argument("--prefetch", type=int, default=2, help="shards read ahead of the encoder")
     args = parser.parse_args(argv)
     if args.resolution <= 0 or args.resolution % 8:
         parser.error(f"--resolution must be a positive multiple of 8, got {args.resolution}")
-    for name in ("batch_size", "workers", "prefetch", "max_pixels"):
-        if getattr(args, name) < 1:
+    for name in ("batch_size", "workers", "prefetch", "max_pixels", "max_aspect"):
+        if not getattr(args, name) >= 1:
             parser.error(f"--{name} must be >= 1")
     return args
 
@@ -238,14 +241,14 @@ def prefetch_shards(paths: list[Path], depth: int):
         yield item
 
 
-def decode_sample(sample: SD_Shards.ShardSample, resolution: int, max_pixels: int):
+def decode_sample(sample: SD_Shards.ShardSample, resolution: int, max_pixels: int, max_aspect: float):
     """``(key, image (res, res, 3) uint8)`` or ``(key, skip reason)``."""
     if sample.image is None:
         return sample.key, "no_image"
     if not sample.caption:
         return sample.key, "no_caption"
     try:
-        image = SD_Shards.decode_image(sample.image, sample.image_ext, max_pixels)
+        image = SD_Shards.decode_image(sample.image, sample.image_ext, max_pixels, max_aspect)
         return sample.key, SD_Shards.resize_center_crop(image, resolution)
     except SD_Shards.ImageSkip as skip:
         return sample.key, skip.reason
@@ -370,7 +373,8 @@ def encode_shards(todo: list[Path], args, encoder: Encoder, writer: Writer) -> N
         pending = []  # (job, futures): decoding runs ahead by the prefetch depth
         shards = prefetch_shards(todo, args.prefetch)
         for job, samples in shards:
-            futures = [pool.submit(decode_sample, s, args.resolution, args.max_pixels) for s in samples]
+            futures = [pool.submit(decode_sample, s, args.resolution, args.max_pixels, args.max_aspect)
+                       for s in samples]
             pending.append((job, futures))
             if len(pending) > args.prefetch:
                 _encode_job(*pending.pop(0), args, encoder, writer, bar)

@@ -15,8 +15,8 @@ Output: ``SHARD_DIR/NNNNN.tar`` with NNNNN = the archive number (``key.jpg`` at 
 ``key.txt``, ``key.json`` with the prompt, the Task2 caption and the original size), then
 ``NNNNN_stats.json`` (the done marker), and ``01c_download_journeydb_images_summary.json``. Keys are
 ``jdb_{NNN}_{image stem}``. A re-run skips finished archives without downloading or reading anything.
-Images without an annotation, undecodable or truncated images and unsafe member paths are skipped
-and counted by reason; an archive that does not exist (HTTP 404) or cannot be read is counted in the
+Images without an annotation, undecodable or truncated images, unsafe member paths and members
+over ``SD_Pipeline.MAX_MEMBER_BYTES`` (``too_large_member``) are skipped and counted by reason; an archive that does not exist (HTTP 404) or cannot be read is counted in the
 summary (a bad archive is deleted so the next run downloads it again) and the stage goes on. A
 downloaded annotation file is kept in the download folder: every archive needs it.
 """
@@ -154,6 +154,11 @@ def archive_items(tar: tarfile.TarFile, number: int, annotations: dict, field: s
         annotation = annotations.get(name)
         caption = pick_caption(annotation, field)
         if not SD_Pipeline.admit_sample(stats, seen, key, caption):
+            continue
+        if member.size > SD_Pipeline.MAX_MEMBER_BYTES:  # the size the stream will inflate to, from the header
+            log.warning("archive %d: %s has %d bytes, over the cap of %d", number, member.name, member.size,
+                        SD_Pipeline.MAX_MEMBER_BYTES)
+            stats.skip("too_large_member", member.name)
             continue
         metadata = {"source": "journeydb", "archive": number, "img_path": name,
                     "prompt": annotation[0], "task2_caption": annotation[1]}

@@ -15,7 +15,8 @@ Output: the images sorted by id, split into shards of ``--shard_size``: ``SHARD_
 images ``[N * size, (N + 1) * size)`` (``coco_{image id}.jpg`` at ``--resolution``, ``.txt``, ``.json``),
 then ``NNNNN_stats.json`` (the done marker), and ``01d_download_coco_summary.json``. A re-run skips
 finished shards (and downloads no images zip when all are done). Images without a caption, without
-a (tall enough) person, missing from the folder or zip, undecodable or truncated are skipped and
+a (tall enough) person, missing from the folder or zip, undecodable or truncated, or over
+``SD_Pipeline.MAX_MEMBER_BYTES`` (``too_large_member``, checked before reading) are skipped and
 counted by reason. Downloaded JSON files are kept in the download folder (a re-run plans its shards
 from them); a downloaded images zip is deleted once every shard is written, unless --keep_archives.
 """
@@ -34,6 +35,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import SD_Files  # noqa: E402
 import SD_Pipeline  # noqa: E402
 import SD_Runtime  # noqa: E402
 
@@ -138,7 +140,7 @@ class FolderImages:
 
     def read(self, file_name: str) -> bytes | None:
         path = self.folder / file_name
-        return path.read_bytes() if path.is_file() else None
+        return SD_Files.read_file_bounded(path, SD_Pipeline.MAX_MEMBER_BYTES) if path.is_file() else None
 
     def close(self) -> None:
         pass
@@ -161,7 +163,7 @@ class ZipImages:
 
     def read(self, file_name: str) -> bytes | None:
         info = self.members.get(file_name)
-        return self.archive.read(info) if info is not None else None
+        return SD_Files.read_zip_member(self.archive, info, SD_Pipeline.MAX_MEMBER_BYTES) if info is not None else None
 
     def close(self) -> None:
         self.archive.close()
@@ -213,7 +215,11 @@ def shard_items(images: list[dict], captions: dict, tallest: dict | None, source
             continue
         try:
             data = source.read(file_name)
-        except (zipfile.BadZipFile, zlib.error, EOFError) as error:  # one damaged entry in a readable zip
+        except SD_Files.TooLarge as error:  # a zip bomb, or a file no image should be
+            log.warning("%s: %s", key, error)
+            stats.skip("too_large_member", file_name)
+            continue
+        except (zipfile.BadZipFile, zlib.error, EOFError, OSError) as error:  # one damaged entry or unreadable file
             log.warning("%s: cannot read %s: %s", key, file_name, error)
             stats.skip("unreadable_member", key)
             continue

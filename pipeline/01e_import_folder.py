@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tqdm import tqdm  # noqa: E402
 
+import SD_Files  # noqa: E402
 import SD_Pipeline  # noqa: E402
 import SD_Runtime  # noqa: E402
 import SD_Shards  # noqa: E402
@@ -365,11 +366,14 @@ def import_shard(src: Path, out: Path, index: int, items: list[tuple[str, str]],
     for rel, key in items:
         try:
             caption, meta = caption_for(src, rel, key, rules)
-            data = (src / rel).read_bytes()
+            data = SD_Files.read_file_bounded(src / rel, SD_Pipeline.MAX_MEMBER_BYTES)
             samples.append(SD_Pipeline.image_sample(key, data, SD_Pipeline.image_extension(rel), caption,
                                                     args.resolution, {"source": rel, **meta}, args.max_pixels))
         except SD_Shards.ImageSkip as skip:
             stats.skip(skip.reason, rel)
+        except SD_Files.TooLarge as error:  # no image file is this big: refused before it is read whole
+            log.warning("%s", error)
+            stats.skip("too_large_file", rel)
         except OSError as error:  # unreadable file (permissions, vanished mid-run)
             log.warning("%s: %s", rel, error)
             stats.skip("unreadable", rel)

@@ -246,7 +246,7 @@ def test_help_documents_every_flag():
     result = subprocess.run([sys.executable, str(ROOT / "encode_latents.py"), "--help"], capture_output=True, text=True)
     assert result.returncode == 0
     for flag in ("--shards", "--out", "--vae", "--resolution", "--batch_size", "--workers", "--precision",
-                 "--compile", "--device", "--flip", "--max_pixels", "--prefetch"):
+                 "--compile", "--device", "--flip", "--max_pixels", "--max_aspect", "--prefetch"):
         assert f"  {flag} " in result.stdout, flag
     assert "--dtype" not in result.stdout.split("options:")[1]  # the old spelling works, not listed as a flag
 
@@ -328,3 +328,39 @@ def test_a_shard_with_nothing_to_encode_is_counted_and_named_and_the_run_finishe
     assert SD_Data.LatentStore(out).keys == ["k0", "k1"]
     assert encode(shards, out) == 0  # a re-run tries them again (a fixed tar would be encoded) and adds up the same
     assert json.loads((out / "latents.json").read_text()) == meta
+
+
+def test_resize_center_crop_work_is_bounded_by_the_output():
+    import tracemalloc
+
+    strip = np.full((1, 4000, 3), 200, np.uint8)  # scaled whole to 64 px high it would be 256000 x 64 (49 MB)
+    tracemalloc.start()
+    try:
+        square = SD_Shards.resize_center_crop(strip, 64)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert square.shape == (64, 64, 3) and (square == 200).all()
+    assert peak < 4 * 64 * 64 * 3  # a few output-sized buffers, not the scaled strip
+
+
+def test_an_extremely_elongated_image_is_skipped_before_decoding(tmp_path):
+    strip = image_bytes(np.zeros((1, 12000, 3), np.uint8), "PNG")  # ~120 bytes, 12000 pixels: under any pixel cap
+    assert len(strip) < 200
+    with pytest.raises(SD_Shards.ImageSkip) as info:
+        SD_Shards.decode_image(strip, "png")
+    assert info.value.reason == "extreme_aspect" and "12000x1" in str(info.value)
+    assert SD_Shards.decode_image(strip, "png", max_aspect=12000).shape == (1, 12000, 3)
+
+    shards, out = tmp_path / "shards", tmp_path / "latents"
+    clean_shard(shards / "00000.tar", ["ok"], np.random.default_rng(4))
+    samples, _ = SD_Shards.read_shard((shards / "00000.tar").read_bytes())
+    tall = image_bytes(np.zeros((270, 30, 3), np.uint8), "PNG")  # 9:1, over the default 8
+    samples += [SD_Shards.ShardSample("strip", strip, "png", "a strip"),
+                SD_Shards.ShardSample("tall", tall, "png", "a tall one")]
+    SD_Shards.write_shard(shards / "00000.tar", samples)
+    assert encode(shards, out) == 0
+    report = json.loads((out / "00000.report.json").read_text())
+    assert report["skipped"] == {"extreme_aspect": ["strip", "tall"]} and report["encoded"] == 1
+    assert encode(shards, tmp_path / "wide_ok", "--max_aspect", "10") == 0
+    assert (tmp_path / "wide_ok" / "00000.keys.txt").read_text().split() == ["ok", "tall"]
