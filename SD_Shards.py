@@ -33,20 +33,31 @@ class ShardSample:
     image_ext: str = ""
     caption: str | None = None
     metadata: bytes | None = None
+    problem: str | None = None  # set by read_shard: the skip reason of a sample no reader may use
+
+
+def is_valid_key(key: str) -> bool:
+    """A key a reader can trust: keys end up one per line in ``keys.txt``, in parquet and in file names,
+    so empty parts, absolute paths, ``..``, backslashes and control characters are refused."""
+    if not key or key.startswith("/") or "\\" in key or any(ord(c) < 32 or ord(c) == 127 for c in key):
+        return False
+    return all(part not in ("", "..") for part in key.split("/"))
 
 
 def split_member_name(name: str) -> tuple[str, str]:
     """webdataset naming: the key is everything before the first dot of the file name."""
-    folder, _, base = name.rpartition("/")
+    folder, slash, base = name.rpartition("/")
     stem, _, ext = base.partition(".")
-    return (f"{folder}/{stem}" if folder else stem), ext.lower()
+    return f"{folder}{slash}{stem}", ext.lower()  # "/abs.jpg" keeps its "/", for is_valid_key to refuse
 
 
 def read_shard(data: bytes) -> tuple[list[ShardSample], str | None]:
     """The samples of an in-memory tar, in order, and the key cut off if the tar is truncated.
 
     Members of one sample are consecutive and share a key. Reading stops at the first damaged
-    member; the samples before it are kept.
+    member; the samples before it are kept. A sample with an unusable key (``bad_key``), a caption that
+    is not UTF-8 (``bad_caption_encoding``) or a member given twice (``duplicate_key``) is returned
+    with ``problem`` set to that reason, for the caller to skip and count.
     """
     import io
     import tarfile
@@ -65,17 +76,31 @@ def read_shard(data: bytes) -> tuple[list[ShardSample], str | None]:
                     raise tarfile.ReadError("unexpected end of data")
                 truncated_key = None
                 sample = samples.setdefault(key, ShardSample(key))
-                if ext in IMAGE_EXTENSIONS:
-                    sample.image, sample.image_ext = payload, ext
-                elif ext == "txt":
-                    sample.caption = payload.decode("utf-8", errors="replace").strip()
-                elif ext == "json":
-                    sample.metadata = payload
+                add_member(sample, ext, payload)
     except (tarfile.TarError, EOFError, OSError) as error:
         truncated_key = truncated_key or f"<after {len(samples)} samples: {error}>"
         samples.pop(truncated_key, None)
         return list(samples.values()), truncated_key
     return list(samples.values()), None
+
+
+def add_member(sample: ShardSample, ext: str, payload: bytes) -> None:
+    if not is_valid_key(sample.key):
+        sample.problem = "bad_key"
+    field = "image" if ext in IMAGE_EXTENSIONS else {"txt": "caption", "json": "metadata"}.get(ext)
+    if field is None:
+        return
+    if getattr(sample, field) is not None:
+        sample.problem = sample.problem or "duplicate_key"
+    if field == "image":
+        sample.image, sample.image_ext = payload, ext
+    elif field == "metadata":
+        sample.metadata = payload
+    else:
+        try:
+            sample.caption = payload.decode("utf-8").strip()
+        except UnicodeDecodeError:
+            sample.caption, sample.problem = "", sample.problem or "bad_caption_encoding"
 
 
 def write_shard(path: Path, samples: list[ShardSample]) -> None:
@@ -103,13 +128,24 @@ def write_tar(path: Path, samples: list[ShardSample]) -> None:
                 add(tar, f"{sample.key}.json", sample.metadata)
 
 
-def looks_truncated(data: bytes, ext: str) -> bool:
+def sniff_format(data: bytes) -> str | None:
+    """The image format from the file's first bytes; a file's name is not trusted to say it."""
+    if data.startswith(b"\xff\xd8\xff"):
+        return "jpg"
+    if data.startswith(b"\x89PNG\r\n\x1a\n"):
+        return "png"
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "webp"
+    return None
+
+
+def looks_truncated(data: bytes, fmt: str) -> bool:
     """Cheap end-of-file checks: decoders often return a half-grey image for a cut-off file."""
-    if ext in ("jpg", "jpeg"):
+    if fmt in ("jpg", "jpeg"):
         return data.rstrip(b"\x00\r\n ")[-2:] != b"\xff\xd9"
-    if ext == "png":
+    if fmt == "png":
         return b"IEND" not in data[-16:]
-    if ext == "webp":
+    if fmt == "webp":
         return len(data) < 12 or int.from_bytes(data[4:8], "little") + 8 > len(data)
     return False
 
@@ -138,10 +174,17 @@ def image_size(data: bytes) -> tuple[int, int]:
 def decode_image(data: bytes, ext: str, max_pixels: int = DEFAULT_MAX_PIXELS,
                  max_aspect: float = DEFAULT_MAX_ASPECT) -> np.ndarray:
     """RGB ``(H, W, 3)`` uint8 via OpenCV; raises ``ImageSkip`` for truncated, undecodable, huge or
-    extremely elongated images (size and shape are read from the header, before decoding)."""
+    extremely elongated images (size and shape are read from the header, before decoding).
+
+    The bytes decide the format: ``ext``, the name's extension, is only what the source claims (a PNG
+    named ``.jpg`` decodes as the PNG it is; an HTML error page named ``.jpg`` is ``undecodable``).
+    """
     import cv2
 
-    if looks_truncated(data, ext):
+    fmt = sniff_format(data)
+    if fmt is None:
+        raise ImageSkip("undecodable", f"not a JPEG, PNG or WebP file (named .{ext})")
+    if looks_truncated(data, fmt):
         raise ImageSkip("truncated_image")
     try:
         width, height = image_size(data)

@@ -243,6 +243,8 @@ def prefetch_shards(paths: list[Path], depth: int):
 
 def decode_sample(sample: SD_Shards.ShardSample, resolution: int, max_pixels: int, max_aspect: float):
     """``(key, image (res, res, 3) uint8)`` or ``(key, skip reason)``."""
+    if sample.problem is not None:  # a bad key, a caption that is not UTF-8, a member given twice
+        return sample.key, sample.problem
     if sample.image is None:
         return sample.key, "no_image"
     if not sample.caption:
@@ -354,9 +356,11 @@ def estimated_images(paths: list[Path]) -> int | None:
     total = 0
     for path in paths:
         stats = path.with_name(path.name.replace(".tar", "_stats.json"))
-        if not stats.exists():
+        try:
+            successes = json.loads(stats.read_text(encoding="utf-8")).get("successes", 0)
+            total += int(successes)
+        except (OSError, ValueError, TypeError, AttributeError):  # absent or not img2dataset's: no estimate
             return None
-        total += json.loads(stats.read_text()).get("successes", 0)
     return total
 
 

@@ -22,7 +22,8 @@ Images are sorted by relative path and cut into shards of ``--shard_size``, so a
 finished shards and is a no-op once all are done. The key is the relative path without its
 extension, ``/`` -> ``__`` and other punctuation -> ``_`` (``sub/dir/img.01.png`` ->
 ``sub__dir__img_01``); a collision or a very long path gets a short hash of the path appended.
-Bad images and captions are skipped and counted, never fatal.
+Bad images and captions (a caption file that is not UTF-8: ``bad_caption_encoding``) are skipped and
+counted, never fatal; an image's format is read from its bytes, not its extension.
 """
 
 from __future__ import annotations
@@ -270,7 +271,10 @@ def join_caption(rules: CaptionRules, parts: list[str]) -> str:
 
 def flat_caption(src: Path, rel: str, rules: CaptionRules) -> tuple[str, dict]:
     path = src / (rel.rsplit(".", 1)[0] + ".txt")
-    text = path.read_text(encoding="utf-8", errors="replace").strip() if path.is_file() else ""
+    try:
+        text = path.read_text(encoding="utf-8").strip() if path.is_file() else ""
+    except UnicodeDecodeError:  # replacing the bad bytes would train on a caption nobody wrote
+        raise SD_Shards.ImageSkip("bad_caption_encoding", f"{path.name} is not UTF-8") from None
     text = text or rules.default_caption or ""
     if not text:
         raise SD_Shards.ImageSkip("no_caption", f"{path.name} missing or empty")
