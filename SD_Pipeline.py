@@ -380,6 +380,32 @@ def find_column(names: list[str], role: str, given: str | None = None) -> str | 
     return None
 
 
+TEXT_ROLES = ("url", "caption")  # every other role is a number (or, for nsfw, a label)
+
+
+def check_column_types(path: Path, schema, columns: dict) -> None:
+    """The detected columns hold what their role needs: text for URL and caption; numbers or text (read
+    as numbers, junk failing its filter) for the rest. A list, struct or binary column is a UsageError
+    naming the file, the column and its type, before any row is read."""
+    import pyarrow as pa
+
+    def is_text(kind):
+        return pa.types.is_string(kind) or pa.types.is_large_string(kind) or (
+            pa.types.is_dictionary(kind) and is_text(kind.value_type))
+
+    def is_scalar(kind):
+        return is_text(kind) or pa.types.is_integer(kind) or pa.types.is_floating(kind) or \
+            pa.types.is_decimal(kind) or pa.types.is_null(kind) or pa.types.is_boolean(kind)
+
+    for role, name in columns.items():
+        if name is None:
+            continue
+        kind = schema.field(name).type
+        if not (is_text(kind) if role in TEXT_ROLES else is_scalar(kind)):
+            wanted = "text" if role in TEXT_ROLES else "numbers"
+            raise UsageError(f"{path}: column {name!r} ({role}) holds {kind}, not {wanted}")
+
+
 def detect_columns(path: Path, names: list[str], overrides: dict) -> dict:
     """role -> column name (or None) for one file; missing required columns are a UsageError."""
     columns = {role: find_column(names, role, overrides.get(role)) for role in COLUMN_CANDIDATES}

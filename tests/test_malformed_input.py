@@ -234,3 +234,191 @@ def test_import_folder_counts_bad_caption_encodings_and_reads_images_by_content(
     assert stats["examples"] == {"bad_caption_encoding": ["latin.png"], "undecodable": ["page.jpg"]}
     samples, _ = SD_Shards.read_shard((out / "00000.tar").read_bytes())
     assert [s.key for s in samples] == ["good", "really_png"]
+
+
+# ---------------------------------------------------------------------------------------------
+# 01b, 01c, 01d: archives and annotation files from the web
+# ---------------------------------------------------------------------------------------------
+
+
+def test_diffusiondb_odd_members_and_prompt_tables(tmp_path):
+    webp = image_bytes(random_image(np.random.default_rng(5), 64, 64), "WEBP")
+    prompts = {"webp.png": {"p": "a WebP named .png"}, "page.png": {"p": "an error page"}, "list.png": ["not", "a dict"],
+               "number.png": {"p": 7}, "../up.png": {"p": "escapes"}}
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    (parts / "part-000001.zip").write_bytes(zip_bytes({
+        "webp.png": webp, "page.png": HTML, "list.png": png(), "number.png": png(1), "../up.png": png(2),
+        "part-000001.json": json.dumps(prompts).encode()}))
+    (parts / "part-000002.zip").write_bytes(zip_bytes({"a.png": png(), "part-000002.json": b'{"a.png": {"p": "caf\xe9"}}'}))
+    out = tmp_path / "shards"
+    assert DIFFUSIONDB.main(["--parts", "1-2", "--out", str(out), "--base_url", str(parts), "--resolution", str(RES),
+                             "--workers", "1"]) == 0
+    stats = stats_of(out, 1)
+    assert (stats["successes"], stats["failed"]) == (2, {"no_caption": 1, "undecodable": 1, "unsafe_path": 1})
+    assert stats["examples"] == {"no_caption": ["ddb_1_list"], "undecodable": ["ddb_1_page"],
+                                 "unsafe_path": ["../up.png"]}
+    summary = json.loads((out / "01b_download_diffusiondb_summary.json").read_text())
+    assert summary["failed_parts"] == {"bad_archive": [2]}  # its prompt table is not UTF-8 JSON
+    assert not (out / "00002.tar").exists()
+
+
+def test_journeydb_annotation_lines_that_are_not_utf8_are_counted(tmp_path):
+    lines = [json.dumps({"img_path": "./imgs/000/a.jpg", "prompt": "a red fox"}).encode(),
+             b'{"img_path": "./imgs/000/b.jpg", "prompt": "caf\xe9"}', b"[1, 2]", b'{"img_path": 5}']
+    (tmp_path / "anno.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    archive = io.BytesIO()
+    with tarfile.open(fileobj=archive, mode="w:gz") as tar:
+        for name in ("000/a.jpg", "000/b.jpg"):
+            data = image_bytes(random_image(np.random.default_rng(0), 64, 64), "JPEG")
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    (tmp_path / "000.tgz").write_bytes(archive.getvalue())
+    out = tmp_path / "shards"
+    assert JOURNEYDB.main(["--archives", "0", "--annotations", str(tmp_path / "anno.jsonl"), "--out", str(out),
+                           "--base_url", str(tmp_path), "--resolution", str(RES), "--workers", "1"]) == 0
+    summary = json.loads((out / "01c_download_journeydb_images_summary.json").read_text())
+    assert (summary["kept"], summary["bad_annotation_lines"], summary["dropped"]) == (1, 3, {"no_caption": 1})
+
+
+COCO_CAPTIONS = {"images": [{"id": 1, "file_name": "1.png", "height": 64, "width": 64}],
+                 "annotations": [{"id": 10, "image_id": 1, "caption": "one"}]}
+COCO_PERSONS = {"categories": [{"id": 1, "name": "person"}],
+                "annotations": [{"image_id": 1, "category_id": 1, "bbox": [0, 0, 5, 60]}]}
+
+
+@pytest.mark.parametrize("which, content, message", [
+    ("captions", b"{not json", "is not readable JSON"),
+    ("captions", b'{"images": [], "annotations": [], "info": "caf\xe9"}', "is not readable JSON"),
+    ("captions", json.dumps({"images": 5, "annotations": []}).encode(), "needs a list 'images'"),
+    ("captions", json.dumps({**COCO_CAPTIONS, "images": [{"id": "1", "file_name": "1.png"}]}).encode(),
+     "an entry of 'images' without integer id"),
+    ("captions", json.dumps({**COCO_CAPTIONS, "annotations": [{"image_id": 1, "caption": "x"}]}).encode(),
+     "an entry of 'annotations' without integer id, image_id"),
+    ("captions", json.dumps({**COCO_CAPTIONS, "images": [{"id": 1, "file_name": "1.png", "height": "tall"}]}).encode(),
+     "image 1 has height 'tall', not a positive number"),
+    ("instances", json.dumps({**COCO_PERSONS, "annotations": [{"image_id": 1, "category_id": 1,
+                                                               "bbox": [0, 0, 5, "x"]}]}).encode(),
+     "has bbox [0, 0, 5, 'x'], not 4 numbers"),
+    ("instances", json.dumps({"categories": {"person": 1}, "annotations": []}).encode(), "needs a list 'categories'"),
+])
+def test_coco_annotation_files_of_the_wrong_shape_are_one_line_naming_the_file(tmp_path, capsys, which, content,
+                                                                              message):
+    (tmp_path / "images").mkdir()
+    (tmp_path / "images" / "1.png").write_bytes(png())
+    files = {"captions": json.dumps(COCO_CAPTIONS).encode(), "instances": json.dumps(COCO_PERSONS).encode()}
+    files[which] = content
+    for name, data in files.items():
+        (tmp_path / f"{name}.json").write_bytes(data)
+    out = tmp_path / "shards"
+    code = COCO.main(["--images", str(tmp_path / "images"), "--captions", str(tmp_path / "captions.json"),
+                      "--instances", str(tmp_path / "instances.json"), "--person_filter", "--out", str(out),
+                      "--resolution", str(RES)])
+    err = one_line_error(capsys)
+    assert code == 2 and str(tmp_path / f"{which}.json") in err and message in err
+    assert files_in(out) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Parquet tables: columns of another type than the stage reads
+# ---------------------------------------------------------------------------------------------
+
+
+def laion_table(**columns) -> pa.Table:
+    base = {"URL": ["http://x/1", "http://x/2"], "TEXT": ["a cat", "a dog"], "WIDTH": [600, 600],
+            "HEIGHT": [700, 700], "aesthetic": [7.0, 7.0], "similarity": [0.3, 0.3]}
+    return pa.table({**base, **columns})
+
+
+@pytest.mark.parametrize("column, values, kind", [
+    ("URL", [1, 2], "int64"),
+    ("TEXT", [b"a cat", b"a dog"], "binary"),
+    ("aesthetic", [[7.0], [8.0]], "list<"),
+    ("WIDTH", [{"px": 600}, {"px": 600}], "struct<px: int64>"),
+])
+@pytest.mark.parametrize("stage", ["02", "03"])
+def test_laion_columns_of_the_wrong_type_are_one_line_naming_file_and_column(tmp_path, capsys, column, values, kind,
+                                                                             stage):
+    (tmp_path / "meta").mkdir()
+    pq.write_table(laion_table(**{column: values}), tmp_path / "meta" / "part-0.parquet")
+    out = tmp_path / "out"
+    if stage == "02":
+        code = FILTER.main(["--input", str(tmp_path / "meta" / "*.parquet"), "--out", str(out)])
+    else:
+        code = DOWNLOAD_IMAGES.main(["--input", str(tmp_path / "meta"), "--out", str(out), "--processes", "1"])
+    err = one_line_error(capsys)
+    assert code == 2 and str(tmp_path / "meta" / "part-0.parquet") in err and f"column {column!r}" in err
+    assert kind in err
+    assert files_in(out) == []
+
+
+@pytest.mark.parametrize("stage", ["01", "02", "03"])
+def test_a_file_that_is_not_parquet_is_counted_or_one_line_naming_it(tmp_path, capsys, stage):
+    (tmp_path / "meta").mkdir()
+    (tmp_path / "meta" / "part-0.parquet").write_bytes(HTML)
+    out = tmp_path / "out"
+    if stage == "01":
+        assert METADATA.main(["--out", str(out), "--local_dir", str(tmp_path / "meta")]) == 0
+        summary = json.loads((out / "01_download_metadata_summary.json").read_text())
+        assert summary["dropped"] == {"unreadable_parquet": 1}
+        assert summary["files"][0]["file"] == "part-0.parquet" and summary["files"][0]["rows"] is None
+        return
+    if stage == "02":
+        code = FILTER.main(["--input", str(tmp_path / "meta" / "*.parquet"), "--out", str(out)])
+    else:
+        code = DOWNLOAD_IMAGES.main(["--input", str(tmp_path / "meta"), "--out", str(out), "--processes", "1"])
+    err = one_line_error(capsys)
+    assert code == 2 and f"{tmp_path / 'meta' / 'part-0.parquet'}: not a readable parquet file" in err
+    assert files_in(out) == []
+
+
+def caption_folder(tmp_path, table) -> tuple:
+    captions, latents = tmp_path / "captions", tmp_path / "latents"
+    captions.mkdir()
+    latents.mkdir()
+    if isinstance(table, bytes):
+        (captions / "00000.parquet").write_bytes(table)
+    else:
+        pq.write_table(table, captions / "00000.parquet")
+    (captions / "00000_stats.json").write_text('{"successes": 1}')
+    np.save(latents / "00000.npy", np.zeros((1, 4, 8, 8), np.float16))
+    (latents / "00000.keys.txt").write_text("k\n")
+    return captions, latents
+
+
+IDS = [[49406] + [49407] * 76]
+
+
+@pytest.mark.parametrize("table, message", [
+    (pa.table({"key": [1], "caption": ["c"], "input_ids": IDS}), "column 'key' holds int64, not text"),
+    (pa.table({"key": [None], "caption": ["c"], "input_ids": IDS}, schema=pa.schema(
+        [("key", pa.string()), ("caption", pa.string()), ("input_ids", pa.list_(pa.int64()))])),
+     "column 'key' has 1 empty (null) values"),
+    (pa.table({"key": ["k"], "caption": [b"c"], "input_ids": IDS}), "column 'caption' holds binary, not text"),
+    (pa.table({"key": ["k"], "caption": ["c"], "input_ids": ["49406 49407"]}), "input_ids of type string are not 77"),
+    (pa.table({"key": ["k"], "caption": ["c"], "input_ids": [[49406, 49407]]}), "input_ids of type list<"),
+    (pa.table({"key": ["k"], "caption": ["c"]}), "lacks the columns ['input_ids']"),
+    (HTML, "is not a readable parquet file"),
+])
+def test_stage_05_refuses_caption_tables_of_the_wrong_shape_naming_the_file(tmp_path, capsys, table, message):
+    captions, latents = caption_folder(tmp_path, table)
+    code = DATASET.main(["--captions", str(captions), "--latents", str(latents), "--out", str(tmp_path / "dataset")])
+    err = one_line_error(capsys)
+    assert code == 2 and f"{captions / '00000.parquet'}" in err and message in err
+    assert not (tmp_path / "dataset").exists()
+
+
+def test_stage_05_refuses_an_unfinished_or_damaged_latent_folder(tmp_path, capsys):
+    captions, latents = caption_folder(tmp_path, pa.table({"key": ["k"], "caption": ["c"], "input_ids": IDS}))
+    argv = ["--captions", str(captions), "--latents", str(latents), "--out", str(tmp_path / "dataset")]
+    (latents / "latents.json").write_text('{"vae": "tiny", "complete": false}')
+    assert DATASET.main(argv) == 2
+    assert f"latent folder {latents} is not completely encoded" in one_line_error(capsys)
+    (latents / "latents.json").write_text('{"vae": "tiny", "complete": true}')
+    (latents / "00000.keys.txt").write_bytes(b"k\xff\n")
+    assert DATASET.main(argv) == 2
+    assert f"{latents / '00000.keys.txt'} is not readable UTF-8" in one_line_error(capsys)
+    assert not (tmp_path / "dataset").exists()
+    (latents / "00000.keys.txt").write_text("k\n")
+    assert DATASET.main(argv) == 0
