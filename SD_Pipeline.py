@@ -18,6 +18,7 @@ whoever writes a new stage.
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import os
@@ -271,7 +272,9 @@ def download(url: str, dest: Path, *, retries: int = DEFAULT_RETRIES, backoff: f
 
     Transient failures (connection errors, timeouts, HTTP 429 and 5xx) are retried with exponential
     backoff; other HTTP errors (404, 403, ...) fail at once. The file appears under its name only
-    once complete. A local path or ``file://`` URL is read directly.
+    once complete: a body shorter than its Content-Length (or Content-Range total) is a failed try,
+    and a 206 reply that does not start where the partial file ends fails at once. A local path or
+    ``file://`` URL is read directly.
     """
     dest = Path(dest)
     if dest.exists():
@@ -331,16 +334,36 @@ def _fetch(url: str, part: Path, timeout: float) -> None:
         return
     have = part.stat().st_size if part.exists() else 0
     request = urllib.request.Request(url, headers={"Range": f"bytes={have}-"} if have else {})
-    with urllib.request.urlopen(request, timeout=timeout) as response:
-        resumed = have and response.status == 206
-        expected = response.headers.get("Content-Length")
-        with open(part, "ab" if resumed else "wb") as handle:
-            written = 0
-            while chunk := response.read(1 << 20):
-                handle.write(chunk)
-                written += len(chunk)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            start, total = _reply_range(url, part, response, have)
+            expected = response.headers.get("Content-Length")
+            with open(part, "ab" if start else "wb") as handle:
+                written = 0
+                while chunk := response.read(1 << 20):
+                    handle.write(chunk)
+                    written += len(chunk)
+    except http.client.HTTPException as error:  # IncompleteRead and kin: the body was cut short
+        raise ConnectionError(f"connection cut short ({error!r})") from error
     if expected is not None and written != int(expected):
         raise ConnectionError(f"short read: {written} of {expected} bytes")
+    if total is not None and part.stat().st_size != total:
+        raise ConnectionError(f"short read: {part.stat().st_size} of {total} bytes")
+
+
+def _reply_range(url: str, part: Path, response, have: int) -> tuple[int, int | None]:
+    """``(offset the body starts at, whole size or None)``. A 206 whose Content-Range does not start
+    where the partial file ends (a server answering a range nobody asked for) would splice two files:
+    it is refused, and the partial file is dropped so the next try starts clean."""
+    if response.status != 206:
+        return 0, None  # the whole file: any partial one is overwritten
+    content_range = response.headers.get("Content-Range") or ""
+    match = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+|\*)", content_range.strip())
+    if match is None or int(match.group(1)) != have:
+        part.unlink(missing_ok=True)
+        raise DownloadError(f"{url}: the server sent partial content ({content_range or 'no Content-Range'}) "
+                            f"that does not start at byte {have}, where the download stands")
+    return have, None if match.group(3) == "*" else int(match.group(3))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -422,3 +422,97 @@ def test_stage_05_refuses_an_unfinished_or_damaged_latent_folder(tmp_path, capsy
     assert not (tmp_path / "dataset").exists()
     (latents / "00000.keys.txt").write_text("k\n")
     assert DATASET.main(argv) == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Downloads: a server that sends a range nobody asked for, or a body cut short
+# ---------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def http_server(respond):
+    """A loopback server answering every GET with ``respond(handler)``."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_GET(self):
+            respond(self)
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def partial_from(body: bytes, start: int):
+    """206 with the body from ``start``, whatever the request asked for."""
+
+    def respond(handler):
+        handler.send_response(206)
+        handler.send_header("Content-Range", f"bytes {start}-{len(body) - 1}/{len(body)}")
+        handler.send_header("Content-Length", str(len(body) - start))
+        handler.end_headers()
+        handler.wfile.write(body[start:])
+
+    return respond
+
+
+def cut_short(body: bytes):
+    """200 announcing the whole body, then half of it and the connection closed."""
+
+    def respond(handler):
+        handler.send_response(200)
+        handler.send_header("Content-Length", str(len(body)))
+        handler.end_headers()
+        handler.wfile.write(body[: len(body) // 2])
+        handler.close_connection = True
+
+    return respond
+
+
+BODY = bytes(range(256)) * 40
+
+
+def test_a_partial_reply_nobody_asked_for_is_refused(tmp_path):
+    with http_server(partial_from(BODY, 100)) as url:
+        with pytest.raises(SD_Pipeline.DownloadError, match="partial content .bytes 100-10239/10240. that does not "
+                                                           "start at byte 0"):
+            SD_Pipeline.download(f"{url}/f.bin", tmp_path / "f.bin", retries=0)
+    assert files_in(tmp_path) == []
+
+
+def test_a_resumed_download_answered_from_the_wrong_offset_is_refused(tmp_path):
+    (tmp_path / "f.bin.part").write_bytes(BODY[:500])
+    with http_server(partial_from(BODY, 0)) as url:  # 206 from byte 0 though byte 500 was asked for
+        with pytest.raises(SD_Pipeline.DownloadError, match="does not start at byte 500"):
+            SD_Pipeline.download(f"{url}/f.bin", tmp_path / "f.bin", retries=0)
+    assert files_in(tmp_path) == []  # the partial file is dropped: the next try starts clean
+
+
+def test_a_body_cut_short_is_retried_then_a_download_error(tmp_path):
+    with http_server(cut_short(BODY)) as url:
+        with pytest.raises(SD_Pipeline.DownloadError, match="gave up after 2 tries"):
+            SD_Pipeline.download(f"{url}/f.bin", tmp_path / "f.bin", retries=1, backoff=0.01)
+    assert not (tmp_path / "f.bin").exists()
+
+
+def test_stages_count_or_name_a_download_that_went_wrong(tmp_path, capsys):
+    with http_server(cut_short(zip_bytes({"a.png": png()}))) as url:
+        out = tmp_path / "ddb"
+        assert DIFFUSIONDB.main(["--parts", "1", "--out", str(out), "--base_url", url, "--retries", "0"]) == 0
+        summary = json.loads((out / "01b_download_diffusiondb_summary.json").read_text())
+        assert summary["failed_parts"] == {"download_failed": [1]} and not (out / "00001.tar").exists()
+    capsys.readouterr()
+    annotations = json.dumps({"img_path": "./imgs/000/a.jpg", "prompt": "a fox"}).encode() * 50
+    with http_server(partial_from(annotations, 30)) as url:
+        out = tmp_path / "jdb"
+        code = JOURNEYDB.main(["--archives", "0", "--annotations", f"{url}/anno.jsonl", "--out", str(out),
+                               "--base_url", url, "--retries", "0"])
+        err = one_line_error(capsys)
+        assert code == 2 and f"{url}/anno.jsonl" in err and "does not start at byte 0" in err
+        assert files_in(out) == ["_downloads"]  # the download folder, empty
