@@ -455,7 +455,8 @@ class StageArgumentParser(SD_Cli.ArgumentParser):
     def __init__(self, script: str, doc: str | None):
         super().__init__(prog=Path(script).name, description=doc)
         self.required_dests: list[str] = []  # required flags that have an alias: argparse cannot check them
-        self.checks: list[tuple[str, object, str]] = []  # (dest, predicate, message) run after parsing
+        # (dest, predicate, message) run after parsing; "{value}" in the message is the flag's value
+        self.checks: list[tuple[str, object, str]] = []
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
@@ -467,7 +468,7 @@ class StageArgumentParser(SD_Cli.ArgumentParser):
             self.error(f"the following arguments are required: {', '.join(missing)}")
         for dest, predicate, message in self.checks:
             if not predicate(getattr(parsed, dest)):
-                self.error(message)
+                self.error(message.format(value=getattr(parsed, dest)))
         return parsed
 
     def add_required(self, flag: str, help: str, *, old: tuple[str, ...] = (), **kwargs) -> None:
@@ -484,8 +485,10 @@ class StageArgumentParser(SD_Cli.ArgumentParser):
         self.add_required("--input", help, old=old)
 
     def add_out(self, help: str) -> None:
-        """``--out``: the folder the stage writes."""
+        """``--out``: the folder the stage writes; an existing file there is refused before any work."""
         self.add_required("--out", help)
+        self.checks.append(("out", lambda path: not Path(path).exists() or Path(path).is_dir(),
+                            "--out {value} is a file, not a folder"))
 
     def add_workers(self, help: str = "threads decoding and resizing images") -> None:
         self.add_argument("--workers", type=int, default=DEFAULT_WORKERS, help=help)

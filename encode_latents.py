@@ -429,6 +429,9 @@ def main(argv=None) -> int:
         print("encode_latents.py: two input shards share a file name; their outputs would collide", file=sys.stderr)
         return 2
     out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        print(f"encode_latents.py: error: --out {out} is a file, not a folder", file=sys.stderr)
+        return 2
     try:
         # Before any work: a folder begun with other settings, or a damaged latents.json, stops the run.
         previous = read_meta(out)

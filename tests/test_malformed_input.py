@@ -516,3 +516,29 @@ def test_stages_count_or_name_a_download_that_went_wrong(tmp_path, capsys):
         err = one_line_error(capsys)
         assert code == 2 and f"{url}/anno.jsonl" in err and "does not start at byte 0" in err
         assert files_in(out) == ["_downloads"]  # the download folder, empty
+
+
+# ---------------------------------------------------------------------------------------------
+# An output path that is a file
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("entry", ["encode_latents", "01e", "02", "04", "05"])
+def test_an_out_path_that_is_a_file_is_one_line_naming_it(tmp_path, capsys, entry):
+    out = tmp_path / "taken"
+    out.write_text("someone's file")
+    (tmp_path / "src").mkdir()
+    argv = {"encode_latents": ["--shards", str(tmp_path / "src" / "*.tar"), "--vae", "tiny"],
+            "01e": ["--input", str(tmp_path / "src")], "02": ["--input", str(tmp_path / "src" / "*.parquet")],
+            "04": ["--input", str(tmp_path / "src" / "*.tar")],
+            "05": ["--captions", str(tmp_path / "src"), "--latents", str(tmp_path / "src")]}[entry]
+    (tmp_path / "src" / "00000.tar").write_bytes(b"")  # so encode_latents gets past its glob
+    main = {"encode_latents": encode_latents.main, "01e": IMPORT_FOLDER.main, "02": FILTER.main,
+            "04": CAPTIONS.main, "05": DATASET.main}[entry]
+    try:
+        code = main([*argv, "--out", str(out)])
+    except SystemExit as exit_info:  # the stages' parsers refuse it
+        code = exit_info.code
+    err = one_line_error(capsys)
+    assert code == 2 and f"--out {out} is a file, not a folder" in err
+    assert out.read_text() == "someone's file"
