@@ -143,9 +143,10 @@ def requested_settings(args) -> dict:
 
 
 def vae_settings(args, vae_config) -> dict:
-    return {"vae": args.vae, "scaling_factor": float(vae_config.scaling_factor), "resolution": args.resolution,
-            "latent_shape": [int(vae_config.latent_channels), args.resolution // 8, args.resolution // 8],
-            "dtype": "float16", "flip": bool(args.flip)}
+    """Every setting in SETTINGS, once the VAE is loaded."""
+    latent_shape = [int(vae_config.latent_channels), args.resolution // 8, args.resolution // 8]
+    return {**requested_settings(args), "scaling_factor": float(vae_config.scaling_factor),
+            "latent_shape": latent_shape}
 
 
 def compare_settings(out: Path, previous: dict, settings: dict) -> None:
