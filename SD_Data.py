@@ -3,6 +3,9 @@
 * A latent folder holds either shards written by ``encode_latents.py`` (``NNNNN.npy`` of shape
   ``(N, 4, H/8, W/8)`` float16 + ``NNNNN.keys.txt``, and ``latents.json``) or one ``<key>.npy`` per
   image (the older layout). ``LatentStore`` loads it into RAM with a thread pool, or memory-maps it.
+  A folder whose ``latents.json`` says ``"complete": false`` (an encoder run not finished) is refused,
+  and a damaged file (a truncated ``.npy``, bad JSON, keys that are not UTF-8) is a ``DataError``
+  naming it.
 * A caption dataset is a ``datasets`` Arrow folder (``save_to_disk``) with ``train`` and
   ``validation`` splits holding ``key``, ``caption`` and ``input_ids`` (77 CLIP token ids).
 * ``epoch_order`` mixes several datasets by weight into one deterministic order per (seed, epoch);
@@ -41,8 +44,7 @@ class LatentStore:
         self.folder = Path(folder)
         if not self.folder.is_dir():
             raise DataError(f"latent folder {self.folder} does not exist")
-        meta_path = self.folder / "latents.json"
-        self.meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+        self.meta = read_latents_meta(self.folder)
         shard_files = sorted(self.folder.glob("*.keys.txt"))
         if shard_files:
             self._load_shards(shard_files, threads, mmap)
@@ -59,8 +61,8 @@ class LatentStore:
             npy = key_file.with_name(key_file.name[: -len(".keys.txt")] + ".npy")
             if not npy.exists():
                 raise DataError(f"{key_file} has no matching latent file {npy.name}")
-            keys = key_file.read_text(encoding="utf-8").splitlines()
-            array = np.load(npy, mmap_mode="r")
+            keys = read_keys(key_file)
+            array = load_npy(npy, mmap=True)
             if array.ndim != 4 or array.shape[0] != len(keys):
                 raise DataError(f"{npy}: shape {array.shape} does not match {len(keys)} keys in {key_file.name}")
             shards.append((npy, keys, array))
@@ -90,13 +92,13 @@ class LatentStore:
         self.keys = [f.stem for f in files]
         if not files:
             return
-        first = np.load(files[0])
+        first = load_npy(files[0])
         self.sample_shape = tuple(first.shape[-3:])
         data = np.empty((len(files), *self.sample_shape), dtype=np.float16)
         bad: list[str] = []
 
         def copy(i):
-            array = np.load(files[i])
+            array = load_npy(files[i])
             if array.shape[-3:] != self.sample_shape or array.size != data[i].size:
                 bad.append(f"{files[i].name} {array.shape}")
                 return
@@ -144,13 +146,53 @@ class LatentStore:
         return np.stack([self.arrays[s][r] for s, r in self.locations[rows]])
 
 
+def read_latents_meta(folder: Path) -> dict:
+    """``latents.json`` of a latent folder ({} without one); a folder encode_latents.py has not finished
+    (``"complete": false``) is refused, as training on it would silently use part of the data."""
+    path = Path(folder) / "latents.json"
+    if not path.exists():
+        return {}
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:  # ValueError: bad JSON or bad UTF-8
+        raise DataError(f"{path} is not readable JSON ({error}); re-run encode_latents.py into a fresh folder") from None
+    if not isinstance(meta, dict):
+        raise DataError(f"{path} is not a JSON object; re-run encode_latents.py into a fresh folder")
+    factor = meta.get("scaling_factor")
+    if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float))):
+        raise DataError(f"{path}: scaling_factor {factor!r} is not a number")
+    if meta.get("complete") is False:
+        raise DataError(f"latent folder {path.parent} is not completely encoded (latents.json: complete false): "
+                        "encode_latents.py was interrupted or is still running; run it again to finish")
+    return meta
+
+
+def read_keys(key_file: Path) -> list[str]:
+    try:
+        return key_file.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as error:
+        raise DataError(f"{key_file} is not readable UTF-8 text ({error})") from None
+
+
+def load_npy(path: Path, mmap: bool = False) -> np.ndarray:
+    """A latent ``.npy`` (memory-mapped if asked); a damaged or truncated file is a DataError naming it."""
+    try:
+        array = np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as error:  # numpy raises these for a bad header or short data
+        raise DataError(f"{path} is not a readable latent .npy file ({error}); delete it and re-encode its shard") from None
+    if array.dtype.kind != "f":
+        raise DataError(f"{path} holds {array.dtype} values, not float latents")
+    return array
+
+
 def latent_keys(folder: str | Path) -> list[str]:
     """The keys a latent folder holds, without loading any latents (finished shards only)."""
     folder = Path(folder)
+    read_latents_meta(folder)
     key_files = sorted(folder.glob("*.keys.txt"))
     if key_files:
         return [k for f in key_files if f.with_name(f.name[: -len(".keys.txt")] + ".npy").exists()
-                for k in f.read_text(encoding="utf-8").splitlines()]
+                for k in read_keys(f)]
     return [f.stem for f in sorted(folder.glob("*.npy")) if not f.name.endswith(".flip.npy")]
 
 

@@ -1,8 +1,10 @@
-"""Atomic writes (a reader, or a crash, never sees a half-written file or folder) and one-writer
-folder locks.
+"""Atomic writes (a reader, or a crash, never sees a half-written file or folder), bounded reads of
+untrusted files and archive members, and one-writer folder locks.
 
 Every output of the project goes through these: the data is written under a temporary name in the
 same folder, flushed, and renamed onto the final name (``os.replace`` is atomic on one file system).
+Inputs from outside (a zip member, a gzip file, an image on disk) are read with a size cap, so a
+small archive that inflates to gigabytes is refused instead of filling the memory.
 """
 
 from __future__ import annotations
@@ -93,6 +95,59 @@ def fsync_tree(folder: Path) -> None:
         if path.is_file():
             with open(path, "rb") as handle:
                 os.fsync(handle.fileno())
+
+
+# ---------------------------------------------------------------------------------------------
+# Bounded reads
+# ---------------------------------------------------------------------------------------------
+
+
+class TooLarge(ValueError):
+    """A file or archive member bigger than the cap its reader allows."""
+
+
+def read_zip_member(archive, info, limit: int) -> bytes:
+    """The bytes of zip member ``info``, refusing one that declares, or inflates to, more than ``limit``.
+
+    The declared size is checked before reading; the read itself stops at ``limit + 1`` bytes, so a
+    header that lies about the size cannot make it inflate further.
+    """
+    if info.file_size > limit:
+        raise TooLarge(f"{info.filename} declares {info.file_size} bytes, over the cap of {limit}")
+    with archive.open(info) as handle:
+        data = handle.read(limit + 1)
+    if len(data) > limit:
+        raise TooLarge(f"{info.filename} inflates past the cap of {limit} bytes")
+    return data
+
+
+def read_file_bounded(path: str | Path, limit: int) -> bytes:
+    """A file's bytes, refusing one over ``limit`` (checked before and while reading)."""
+    path = Path(path)
+    with open(path, "rb") as handle:
+        size = os.fstat(handle.fileno()).st_size
+        if size > limit:
+            raise TooLarge(f"{path} has {size} bytes, over the cap of {limit}")
+        data = handle.read(limit + 1)
+    if len(data) > limit:
+        raise TooLarge(f"{path} grew past the cap of {limit} bytes while read")
+    return data
+
+
+def gunzip_bounded(data: bytes, limit: int, name: str = "gzip data") -> bytes:
+    """Decompress gzip ``data``, refusing output over ``limit`` bytes (a gzip bomb stops at the cap)."""
+    import zlib
+
+    inflater = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
+    try:
+        out = inflater.decompress(data, limit + 1)
+    except zlib.error as error:
+        raise ValueError(f"{name} is not valid gzip data ({error})") from None
+    if len(out) > limit:
+        raise TooLarge(f"{name} inflates past the cap of {limit} bytes")
+    if not inflater.eof:
+        raise ValueError(f"{name} is truncated gzip data")
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

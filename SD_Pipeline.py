@@ -18,6 +18,7 @@ whoever writes a new stage.
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import os
@@ -39,6 +40,9 @@ log = logging.getLogger("pipeline")
 MAX_EXAMPLES = 20  # keys named per skip reason in a stats file
 DEFAULT_WORKERS = min(8, os.cpu_count() or 1)  # image decoding threads, in every stage that has them
 DEFAULT_RETRIES = 2  # extra tries of a failed download, in every stage that downloads
+# The most bytes one archive member (an image, a prompt table) or one input image file may hold: a
+# few-kilobyte zip member can inflate to gigabytes. Such members are skipped as "too_large_member".
+MAX_MEMBER_BYTES = 256 << 20
 
 
 # ---------------------------------------------------------------------------------------------
@@ -268,7 +272,9 @@ def download(url: str, dest: Path, *, retries: int = DEFAULT_RETRIES, backoff: f
 
     Transient failures (connection errors, timeouts, HTTP 429 and 5xx) are retried with exponential
     backoff; other HTTP errors (404, 403, ...) fail at once. The file appears under its name only
-    once complete. A local path or ``file://`` URL is read directly.
+    once complete: a body shorter than its Content-Length (or Content-Range total) is a failed try,
+    and a 206 reply that does not start where the partial file ends fails at once. A local path or
+    ``file://`` URL is read directly.
     """
     dest = Path(dest)
     if dest.exists():
@@ -328,16 +334,36 @@ def _fetch(url: str, part: Path, timeout: float) -> None:
         return
     have = part.stat().st_size if part.exists() else 0
     request = urllib.request.Request(url, headers={"Range": f"bytes={have}-"} if have else {})
-    with urllib.request.urlopen(request, timeout=timeout) as response:
-        resumed = have and response.status == 206
-        expected = response.headers.get("Content-Length")
-        with open(part, "ab" if resumed else "wb") as handle:
-            written = 0
-            while chunk := response.read(1 << 20):
-                handle.write(chunk)
-                written += len(chunk)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            start, total = _reply_range(url, part, response, have)
+            expected = response.headers.get("Content-Length")
+            with open(part, "ab" if start else "wb") as handle:
+                written = 0
+                while chunk := response.read(1 << 20):
+                    handle.write(chunk)
+                    written += len(chunk)
+    except http.client.HTTPException as error:  # IncompleteRead and kin: the body was cut short
+        raise ConnectionError(f"connection cut short ({error!r})") from error
     if expected is not None and written != int(expected):
         raise ConnectionError(f"short read: {written} of {expected} bytes")
+    if total is not None and part.stat().st_size != total:
+        raise ConnectionError(f"short read: {part.stat().st_size} of {total} bytes")
+
+
+def _reply_range(url: str, part: Path, response, have: int) -> tuple[int, int | None]:
+    """``(offset the body starts at, whole size or None)``. A 206 whose Content-Range does not start
+    where the partial file ends (a server answering a range nobody asked for) would splice two files:
+    it is refused, and the partial file is dropped so the next try starts clean."""
+    if response.status != 206:
+        return 0, None  # the whole file: any partial one is overwritten
+    content_range = response.headers.get("Content-Range") or ""
+    match = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+|\*)", content_range.strip())
+    if match is None or int(match.group(1)) != have:
+        part.unlink(missing_ok=True)
+        raise DownloadError(f"{url}: the server sent partial content ({content_range or 'no Content-Range'}) "
+                            f"that does not start at byte {have}, where the download stands")
+    return have, None if match.group(3) == "*" else int(match.group(3))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -377,6 +403,32 @@ def find_column(names: list[str], role: str, given: str | None = None) -> str | 
     return None
 
 
+TEXT_ROLES = ("url", "caption")  # every other role is a number (or, for nsfw, a label)
+
+
+def check_column_types(path: Path, schema, columns: dict) -> None:
+    """The detected columns hold what their role needs: text for URL and caption; numbers or text (read
+    as numbers, junk failing its filter) for the rest. A list, struct or binary column is a UsageError
+    naming the file, the column and its type, before any row is read."""
+    import pyarrow as pa
+
+    def is_text(kind):
+        return pa.types.is_string(kind) or pa.types.is_large_string(kind) or (
+            pa.types.is_dictionary(kind) and is_text(kind.value_type))
+
+    def is_scalar(kind):
+        return is_text(kind) or pa.types.is_integer(kind) or pa.types.is_floating(kind) or \
+            pa.types.is_decimal(kind) or pa.types.is_null(kind) or pa.types.is_boolean(kind)
+
+    for role, name in columns.items():
+        if name is None:
+            continue
+        kind = schema.field(name).type
+        if not (is_text(kind) if role in TEXT_ROLES else is_scalar(kind)):
+            wanted = "text" if role in TEXT_ROLES else "numbers"
+            raise UsageError(f"{path}: column {name!r} ({role}) holds {kind}, not {wanted}")
+
+
 def detect_columns(path: Path, names: list[str], overrides: dict) -> dict:
     """role -> column name (or None) for one file; missing required columns are a UsageError."""
     columns = {role: find_column(names, role, overrides.get(role)) for role in COLUMN_CANDIDATES}
@@ -403,7 +455,8 @@ class StageArgumentParser(SD_Cli.ArgumentParser):
     def __init__(self, script: str, doc: str | None):
         super().__init__(prog=Path(script).name, description=doc)
         self.required_dests: list[str] = []  # required flags that have an alias: argparse cannot check them
-        self.checks: list[tuple[str, object, str]] = []  # (dest, predicate, message) run after parsing
+        # (dest, predicate, message) run after parsing; "{value}" in the message is the flag's value
+        self.checks: list[tuple[str, object, str]] = []
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
@@ -415,7 +468,7 @@ class StageArgumentParser(SD_Cli.ArgumentParser):
             self.error(f"the following arguments are required: {', '.join(missing)}")
         for dest, predicate, message in self.checks:
             if not predicate(getattr(parsed, dest)):
-                self.error(message)
+                self.error(message.format(value=getattr(parsed, dest)))
         return parsed
 
     def add_required(self, flag: str, help: str, *, old: tuple[str, ...] = (), **kwargs) -> None:
@@ -432,8 +485,10 @@ class StageArgumentParser(SD_Cli.ArgumentParser):
         self.add_required("--input", help, old=old)
 
     def add_out(self, help: str) -> None:
-        """``--out``: the folder the stage writes."""
+        """``--out``: the folder the stage writes; an existing file there is refused before any work."""
         self.add_required("--out", help)
+        self.checks.append(("out", lambda path: not Path(path).exists() or Path(path).is_dir(),
+                            "--out {value} is a file, not a folder"))
 
     def add_workers(self, help: str = "threads decoding and resizing images") -> None:
         self.add_argument("--workers", type=int, default=DEFAULT_WORKERS, help=help)

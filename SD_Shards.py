@@ -4,9 +4,9 @@
   ``<key>.jpg|png|webp`` (the image), ``<key>.txt`` (the caption), ``<key>.json`` (metadata).
   ``read_shard`` splits an in-memory tar and keeps what precedes a damaged member; ``write_shard``
   writes one atomically.
-* ``decode_image`` turns image bytes into RGB pixels, refusing truncated, undecodable and huge images
-  with an ``ImageSkip`` whose ``reason`` is the counter the caller adds it to; ``resize_center_crop``
-  makes the square the VAE sees.
+* ``decode_image`` turns image bytes into RGB pixels, refusing truncated, undecodable, huge and
+  extremely elongated images with an ``ImageSkip`` whose ``reason`` is the counter the caller adds it
+  to; ``resize_center_crop`` makes the square the VAE sees, cutting it out before scaling.
 """
 
 from __future__ import annotations
@@ -21,6 +21,9 @@ import SD_Files
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
 DEFAULT_MAX_PIXELS = 8192 * 8192
+# Long side / short side above which an image is refused ("extreme_aspect"): its centre square would
+# keep under an eighth of it, and a 12000x1 strip says nothing its caption describes.
+DEFAULT_MAX_ASPECT = 8.0
 
 
 @dataclass
@@ -30,20 +33,31 @@ class ShardSample:
     image_ext: str = ""
     caption: str | None = None
     metadata: bytes | None = None
+    problem: str | None = None  # set by read_shard: the skip reason of a sample no reader may use
+
+
+def is_valid_key(key: str) -> bool:
+    """A key a reader can trust: keys end up one per line in ``keys.txt``, in parquet and in file names,
+    so empty parts, absolute paths, ``..``, backslashes and control characters are refused."""
+    if not key or key.startswith("/") or "\\" in key or any(ord(c) < 32 or ord(c) == 127 for c in key):
+        return False
+    return all(part not in ("", "..") for part in key.split("/"))
 
 
 def split_member_name(name: str) -> tuple[str, str]:
     """webdataset naming: the key is everything before the first dot of the file name."""
-    folder, _, base = name.rpartition("/")
+    folder, slash, base = name.rpartition("/")
     stem, _, ext = base.partition(".")
-    return (f"{folder}/{stem}" if folder else stem), ext.lower()
+    return f"{folder}{slash}{stem}", ext.lower()  # "/abs.jpg" keeps its "/", for is_valid_key to refuse
 
 
 def read_shard(data: bytes) -> tuple[list[ShardSample], str | None]:
     """The samples of an in-memory tar, in order, and the key cut off if the tar is truncated.
 
     Members of one sample are consecutive and share a key. Reading stops at the first damaged
-    member; the samples before it are kept.
+    member; the samples before it are kept. A sample with an unusable key (``bad_key``), a caption that
+    is not UTF-8 (``bad_caption_encoding``) or a member given twice (``duplicate_key``) is returned
+    with ``problem`` set to that reason, for the caller to skip and count.
     """
     import io
     import tarfile
@@ -62,17 +76,31 @@ def read_shard(data: bytes) -> tuple[list[ShardSample], str | None]:
                     raise tarfile.ReadError("unexpected end of data")
                 truncated_key = None
                 sample = samples.setdefault(key, ShardSample(key))
-                if ext in IMAGE_EXTENSIONS:
-                    sample.image, sample.image_ext = payload, ext
-                elif ext == "txt":
-                    sample.caption = payload.decode("utf-8", errors="replace").strip()
-                elif ext == "json":
-                    sample.metadata = payload
+                add_member(sample, ext, payload)
     except (tarfile.TarError, EOFError, OSError) as error:
         truncated_key = truncated_key or f"<after {len(samples)} samples: {error}>"
         samples.pop(truncated_key, None)
         return list(samples.values()), truncated_key
     return list(samples.values()), None
+
+
+def add_member(sample: ShardSample, ext: str, payload: bytes) -> None:
+    if not is_valid_key(sample.key):
+        sample.problem = "bad_key"
+    field = "image" if ext in IMAGE_EXTENSIONS else {"txt": "caption", "json": "metadata"}.get(ext)
+    if field is None:
+        return
+    if getattr(sample, field) is not None:
+        sample.problem = sample.problem or "duplicate_key"
+    if field == "image":
+        sample.image, sample.image_ext = payload, ext
+    elif field == "metadata":
+        sample.metadata = payload
+    else:
+        try:
+            sample.caption = payload.decode("utf-8").strip()
+        except UnicodeDecodeError:
+            sample.caption, sample.problem = "", sample.problem or "bad_caption_encoding"
 
 
 def write_shard(path: Path, samples: list[ShardSample]) -> None:
@@ -100,13 +128,24 @@ def write_tar(path: Path, samples: list[ShardSample]) -> None:
                 add(tar, f"{sample.key}.json", sample.metadata)
 
 
-def looks_truncated(data: bytes, ext: str) -> bool:
+def sniff_format(data: bytes) -> str | None:
+    """The image format from the file's first bytes; a file's name is not trusted to say it."""
+    if data.startswith(b"\xff\xd8\xff"):
+        return "jpg"
+    if data.startswith(b"\x89PNG\r\n\x1a\n"):
+        return "png"
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "webp"
+    return None
+
+
+def looks_truncated(data: bytes, fmt: str) -> bool:
     """Cheap end-of-file checks: decoders often return a half-grey image for a cut-off file."""
-    if ext in ("jpg", "jpeg"):
+    if fmt in ("jpg", "jpeg"):
         return data.rstrip(b"\x00\r\n ")[-2:] != b"\xff\xd9"
-    if ext == "png":
+    if fmt == "png":
         return b"IEND" not in data[-16:]
-    if ext == "webp":
+    if fmt == "webp":
         return len(data) < 12 or int.from_bytes(data[4:8], "little") + 8 > len(data)
     return False
 
@@ -132,11 +171,20 @@ def image_size(data: bytes) -> tuple[int, int]:
             return image.size
 
 
-def decode_image(data: bytes, ext: str, max_pixels: int = DEFAULT_MAX_PIXELS) -> np.ndarray:
-    """RGB ``(H, W, 3)`` uint8 via OpenCV; raises ``ImageSkip`` for truncated, undecodable or huge images."""
+def decode_image(data: bytes, ext: str, max_pixels: int = DEFAULT_MAX_PIXELS,
+                 max_aspect: float = DEFAULT_MAX_ASPECT) -> np.ndarray:
+    """RGB ``(H, W, 3)`` uint8 via OpenCV; raises ``ImageSkip`` for truncated, undecodable, huge or
+    extremely elongated images (size and shape are read from the header, before decoding).
+
+    The bytes decide the format: ``ext``, the name's extension, is only what the source claims (a PNG
+    named ``.jpg`` decodes as the PNG it is; an HTML error page named ``.jpg`` is ``undecodable``).
+    """
     import cv2
 
-    if looks_truncated(data, ext):
+    fmt = sniff_format(data)
+    if fmt is None:
+        raise ImageSkip("undecodable", f"not a JPEG, PNG or WebP file (named .{ext})")
+    if looks_truncated(data, fmt):
         raise ImageSkip("truncated_image")
     try:
         width, height = image_size(data)
@@ -146,6 +194,8 @@ def decode_image(data: bytes, ext: str, max_pixels: int = DEFAULT_MAX_PIXELS) ->
         raise ImageSkip("undecodable", str(error)) from error
     if width * height > max_pixels:
         raise ImageSkip("too_large", f"{width}x{height}")
+    if max(width, height) > max_aspect * min(width, height):
+        raise ImageSkip("extreme_aspect", f"{width}x{height}")
     bgr = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR)
     if bgr is None:
         raise ImageSkip("undecodable")
@@ -153,14 +203,20 @@ def decode_image(data: bytes, ext: str, max_pixels: int = DEFAULT_MAX_PIXELS) ->
 
 
 def resize_center_crop(image: np.ndarray, resolution: int) -> np.ndarray:
-    """Scale the short side to ``resolution`` (area filter down, cubic up), then crop the centre square."""
+    """The centre square scaled to ``resolution`` (area filter down, cubic up): the short side is scaled
+    to ``resolution`` and the long one cropped to it.
+
+    The square is cut before scaling, so the work is bounded by the input and the output: scaling the
+    whole image first would turn a 12000x1 strip into 1.5M x 128 pixels (590 MB) at 128 px, to keep
+    128 x 128 of them.
+    """
     import cv2
 
     height, width = image.shape[:2]
-    scale = resolution / min(height, width)
-    new_w, new_h = max(resolution, round(width * scale)), max(resolution, round(height * scale))
-    if (new_w, new_h) != (width, height):
-        interpolation = cv2.INTER_AREA if scale < 1 else cv2.INTER_CUBIC
-        image = cv2.resize(image, (new_w, new_h), interpolation=interpolation)
-    top, left = (new_h - resolution) // 2, (new_w - resolution) // 2
-    return np.ascontiguousarray(image[top : top + resolution, left : left + resolution])
+    side = min(height, width)
+    top, left = (height - side) // 2, (width - side) // 2
+    square = image[top : top + side, left : left + side]
+    if side != resolution:
+        interpolation = cv2.INTER_AREA if side > resolution else cv2.INTER_CUBIC
+        square = cv2.resize(square, (resolution, resolution), interpolation=interpolation)
+    return np.ascontiguousarray(square)

@@ -9,7 +9,6 @@ orders its 49,408 tokens: 256 byte symbols, the same with "</w>", the merges, th
 
 from __future__ import annotations
 
-import gzip
 import json
 import os
 import subprocess
@@ -18,10 +17,15 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+import SD_Files
+
 TOKENIZER_MAX_LENGTH = 77
 OPEN_CLIP_WHEEL = "open-clip-torch>=2.20,<4"
 CLIP_BPE_MEMBER = "open_clip/bpe_simple_vocab_16e6.txt.gz"
 CLIP_NUM_MERGES = 49152 - 256 - 2
+# The BPE file is 1.3 MB gzipped, 1.6 MB unpacked: caps far above both, far below a zip or gzip bomb.
+MAX_BPE_GZ_BYTES = 16 << 20
+MAX_BPE_TEXT_BYTES = 64 << 20
 
 
 def cache_dir() -> Path:
@@ -48,7 +52,8 @@ def clip_tokenizer_folder() -> Path:
 def _read_clip_bpe() -> str:
     override = os.environ.get("SD_CLIP_BPE")
     if override:
-        return gzip.decompress(Path(override).read_bytes()).decode("utf-8")
+        data = SD_Files.read_file_bounded(override, MAX_BPE_GZ_BYTES)
+        return SD_Files.gunzip_bounded(data, MAX_BPE_TEXT_BYTES, override).decode("utf-8")
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", tmp,
                OPEN_CLIP_WHEEL]
@@ -60,7 +65,8 @@ def _read_clip_bpe() -> str:
                 f"({result.stderr.strip()[-500:]}); set SD_CLIP_BPE to a local bpe_simple_vocab_16e6.txt.gz"
             )
         with zipfile.ZipFile(wheels[0]) as wheel:
-            return gzip.decompress(wheel.read(CLIP_BPE_MEMBER)).decode("utf-8")
+            data = SD_Files.read_zip_member(wheel, wheel.getinfo(CLIP_BPE_MEMBER), MAX_BPE_GZ_BYTES)
+        return SD_Files.gunzip_bounded(data, MAX_BPE_TEXT_BYTES, f"{wheels[0].name}:{CLIP_BPE_MEMBER}").decode("utf-8")
 
 
 def _bytes_to_unicode() -> dict[int, str]:

@@ -4,15 +4,20 @@
                              [--batch_size 64] [--workers 16] [--precision bf16] [--compile] [--device auto]
 
 Four stages overlap: a prefetch thread reads whole shards ahead and splits the tar in memory; a pool
-of threads decodes (OpenCV), resizes the short side and centre-crops; batches are assembled in
+of threads decodes (OpenCV), cuts out the centre square and scales it; batches are assembled in
 pinned memory and copied to the device without blocking; the VAE encodes while a writer thread moves
 finished latents to the host and saves each completed shard.
 
 Per input shard NNNNN.tar the output folder gets NNNNN.npy (float16, (N, 4, H/8, W/8), the posterior
 mean, unscaled), NNNNN.report.json (what was skipped and why) and NNNNN.keys.txt, written last as
 the shard's done marker; --flip adds NNNNN.flip.npy with the latents of the mirrored images.
-latents.json holds the VAE id, scaling factor, resolution, dtype and the totals. A re-run encodes only
-the shards not done; bad samples are skipped, counted and named, never fatal. ``--dtype`` is the old
+latents.json holds the settings (VAE id, scaling factor, resolution, latent shape, dtype, flip) and
+the totals. It is written first, with ``"complete": false``, before any shard is encoded, and again
+with ``"complete": true`` once every input shard has been through (the trainer refuses a folder that
+is not complete). A re-run compares its settings with it before any work: a mismatch stops with exit
+2 and writes nothing. A re-run encodes only the shards not done; bad samples are skipped, counted and
+named, never fatal; a shard that gives no latent at all (an empty or unreadable tar, no usable
+sample) is named under ``failed_shards`` and tried again by the next run. ``--dtype`` is the old
 spelling of ``--precision`` and still works.
 """
 
@@ -62,12 +67,15 @@ def parse_args(argv=None):
     parser.add_bool("--flip", help="also store the latents of the horizontally flipped images (NNNNN.flip.npy)")
     parser.add_argument("--max_pixels", type=int, default=SD_Shards.DEFAULT_MAX_PIXELS,
                         help="skip images with more pixels than this, read from the header")
+    parser.add_argument("--max_aspect", type=float, default=SD_Shards.DEFAULT_MAX_ASPECT,
+                        help="skip images whose long side is more than this many times the short side "
+                             "(extreme_aspect), read from the header")
     parser.add_argument("--prefetch", type=int, default=2, help="shards read ahead of the encoder")
     args = parser.parse_args(argv)
     if args.resolution <= 0 or args.resolution % 8:
         parser.error(f"--resolution must be a positive multiple of 8, got {args.resolution}")
-    for name in ("batch_size", "workers", "prefetch", "max_pixels"):
-        if getattr(args, name) < 1:
+    for name in ("batch_size", "workers", "prefetch", "max_pixels", "max_aspect"):
+        if not getattr(args, name) >= 1:
             parser.error(f"--{name} must be >= 1")
     return args
 
@@ -84,6 +92,7 @@ class ShardJob:
     path: Path
     keys: list[str] = field(default_factory=list)  # encoded keys, in shard order
     skipped: dict[str, list[str]] = field(default_factory=dict)  # reason -> keys
+    failed: str | None = None  # why the whole shard gave no latent (empty_tar, unreadable_tar, no_usable_sample)
     latents: np.ndarray | None = None  # (N, 4, h, w) float16, filled by the writer
     flipped: np.ndarray | None = None
 
@@ -105,32 +114,89 @@ def shard_done(out: Path, stem: str, flip: bool) -> bool:
     return files["keys"].exists() and files["npy"].exists() and (not flip or files["flip"].exists())
 
 
-def check_meta(out: Path, args, vae_config) -> dict:
-    """latents.json of earlier runs must describe the same encoding: mixing VAEs is silent corruption."""
-    meta = {"vae": args.vae, "scaling_factor": float(vae_config.scaling_factor), "resolution": args.resolution,
-            "latent_shape": [int(vae_config.latent_channels), args.resolution // 8, args.resolution // 8],
-            "dtype": "float16", "flip": bool(args.flip)}
+# What a re-run must share with the run that started a folder: anything else mixes latents that do not
+# belong together (other shapes, another VAE's space, flipped or not) in one folder, silently.
+SETTINGS = ("vae", "scaling_factor", "resolution", "latent_shape", "dtype", "flip")
+
+
+class FolderMismatch(Exception):
+    """The output folder holds another encoding, or a latents.json that cannot be read: exit 2, nothing written."""
+
+
+def read_meta(out: Path) -> dict:
+    """The folder's latents.json, or {} for a new folder."""
     path = out / "latents.json"
-    if path.exists():
-        previous = json.loads(path.read_text())
-        for key in ("vae", "scaling_factor", "resolution", "flip"):
-            if key in previous and previous[key] != meta[key]:
-                raise SystemExit(f"encode_latents.py: {path} records {key}={previous[key]!r} but this run uses "
-                                 f"{meta[key]!r}; write to another --out folder")
+    if not path.exists():
+        return {}
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:  # ValueError: bad JSON or bad UTF-8
+        raise FolderMismatch(f"{path} is not readable JSON ({error}); remove the folder or write to another --out")
+    if not isinstance(meta, dict):
+        raise FolderMismatch(f"{path} is not a JSON object; remove the folder or write to another --out")
     return meta
 
 
-def write_summary(out: Path, meta: dict) -> dict:
-    """Totals over every shard report in the folder, so resumed runs add up."""
-    encoded, skipped, shards = 0, Counter(), 0
+def requested_settings(args) -> dict:
+    """The settings known from the command line alone, checked before the VAE is loaded."""
+    return {"vae": args.vae, "resolution": args.resolution, "dtype": "float16", "flip": bool(args.flip)}
+
+
+def vae_settings(args, vae_config) -> dict:
+    """Every setting in SETTINGS, once the VAE is loaded."""
+    latent_shape = [int(vae_config.latent_channels), args.resolution // 8, args.resolution // 8]
+    return {**requested_settings(args), "scaling_factor": float(vae_config.scaling_factor),
+            "latent_shape": latent_shape}
+
+
+def compare_settings(out: Path, previous: dict, settings: dict) -> None:
+    for key in SETTINGS:
+        if key in previous and key in settings and previous[key] != settings[key]:
+            raise FolderMismatch(f"{out} was encoded with {key}={previous[key]!r} but this run asks for "
+                                 f"{key}={settings[key]!r}; use the same settings or another --out")
+
+
+def check_existing_shards(out: Path, settings: dict) -> None:
+    """A folder without latents.json (an older version wrote it only at the end) is checked by its shards."""
+    for keys_file in sorted(out.glob("*.keys.txt")):
+        npy = out / keys_file.name.replace(".keys.txt", ".npy")
+        try:
+            shape = list(np.load(npy, mmap_mode="r").shape[1:])
+        except (OSError, ValueError):
+            continue  # unreadable: the trainer names it; the shape question is for the readable ones
+        if shape != settings["latent_shape"]:
+            raise FolderMismatch(f"{out} holds {npy.name} with latent_shape={shape} but this run asks for "
+                                 f"latent_shape={settings['latent_shape']}; use the same settings or another --out")
+        return
+
+
+def read_report(path: Path) -> dict:
+    try:
+        report = json.loads(path.read_text(encoding="utf-8"))
+        if isinstance(report, dict) and isinstance(report.get("skipped"), dict):
+            return report
+    except (OSError, ValueError):
+        pass
+    raise FolderMismatch(f"{path} is damaged; delete it and its shard's .keys.txt, then re-run to encode that shard again")
+
+
+def write_summary(out: Path, meta: dict, complete: bool) -> dict:
+    """latents.json: the settings, then totals over every shard report in the folder (so resumed runs add
+    up). ``complete`` is False while a run is under way: the trainer refuses such a folder."""
+    encoded, skipped, shards, failed = 0, Counter(), 0, {}
     for report_path in sorted(out.glob("*.report.json")):
-        if not (out / report_path.name.replace(".report.json", ".keys.txt")).exists():
-            continue
-        report = json.loads(report_path.read_text())
-        shards += 1
-        encoded += report["encoded"]
+        done = (out / report_path.name.replace(".report.json", ".keys.txt")).exists()
+        report = read_report(report_path)
+        if not (done or report.get("failed")):
+            continue  # a shard under way (or left by a killed run): counted once it is done
         skipped.update({reason: len(keys) for reason, keys in report["skipped"].items()})
-    summary = {**meta, "shards": shards, "count": encoded, "skipped": dict(sorted(skipped.items()))}
+        if done:
+            shards += 1
+            encoded += report["encoded"]
+        else:
+            failed.setdefault(report["failed"], []).append(Path(report["shard"]).name)
+    summary = {**meta, "complete": complete, "shards": shards, "count": encoded,
+               "skipped": dict(sorted(skipped.items())), "failed_shards": dict(sorted(failed.items()))}
     SD_Files.write_text_atomic(out / "latents.json", json.dumps(summary, indent=2) + "\n")
     return summary
 
@@ -140,6 +206,27 @@ def write_summary(out: Path, meta: dict) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
+def read_job(path: Path) -> tuple[ShardJob, list[SD_Shards.ShardSample]]:
+    """A shard's job and samples; a shard that cannot be read at all is marked failed, not raised."""
+    job = ShardJob(path)
+    try:
+        data = path.read_bytes()
+    except OSError as error:
+        log.warning("%s: cannot read the file (%s)", path, error)
+        job.failed = "unreadable_tar"
+        return job, []
+    if not data:
+        job.failed = "empty_tar"
+        return job, []
+    samples, truncated_key = SD_Shards.read_shard(data)
+    if truncated_key is not None and not samples and truncated_key.startswith("<"):
+        log.warning("%s: not a readable tar (%s)", path, truncated_key)
+        job.failed = "unreadable_tar"
+    elif truncated_key is not None:
+        job.skip("truncated_tar", truncated_key)
+    return job, samples
+
+
 def prefetch_shards(paths: list[Path], depth: int):
     """Yield ``(job, samples)`` with a thread reading and splitting up to ``depth`` shards ahead."""
     handoff: queue.Queue = queue.Queue(maxsize=depth)
@@ -147,14 +234,7 @@ def prefetch_shards(paths: list[Path], depth: int):
 
     def reader():
         for path in paths:
-            job = ShardJob(path)
-            try:
-                samples, truncated_key = SD_Shards.read_shard(path.read_bytes())
-            except OSError as error:
-                samples, truncated_key = [], f"<unreadable: {error}>"
-            if truncated_key is not None:
-                job.skip("truncated_tar", truncated_key)
-            handoff.put((job, samples))
+            handoff.put(read_job(path))
         handoff.put(done)
 
     threading.Thread(target=reader, daemon=True, name="shard-reader").start()
@@ -162,14 +242,16 @@ def prefetch_shards(paths: list[Path], depth: int):
         yield item
 
 
-def decode_sample(sample: SD_Shards.ShardSample, resolution: int, max_pixels: int):
+def decode_sample(sample: SD_Shards.ShardSample, resolution: int, max_pixels: int, max_aspect: float):
     """``(key, image (res, res, 3) uint8)`` or ``(key, skip reason)``."""
+    if sample.problem is not None:  # a bad key, a caption that is not UTF-8, a member given twice
+        return sample.key, sample.problem
     if sample.image is None:
         return sample.key, "no_image"
     if not sample.caption:
         return sample.key, "no_caption"
     try:
-        image = SD_Shards.decode_image(sample.image, sample.image_ext, max_pixels)
+        image = SD_Shards.decode_image(sample.image, sample.image_ext, max_pixels, max_aspect)
         return sample.key, SD_Shards.resize_center_crop(image, resolution)
     except SD_Shards.ImageSkip as skip:
         return sample.key, skip.reason
@@ -218,6 +300,12 @@ class Writer:
             job.flipped[start : start + len(host)] = flipped.cpu().numpy()
 
     def _save(self, job: ShardJob):
+        files = outputs(self.out, job.stem)
+        if job.failed is not None:  # nothing to save: the report counts and names the shard, no done marker
+            report = {"shard": str(job.path), "encoded": 0, "skipped": job.skipped, "failed": job.failed}
+            SD_Files.write_text_atomic(files["report"], json.dumps(report, indent=1) + "\n")
+            self.finished.append(job)
+            return
         for name, array in (("latents", job.latents), ("flipped", job.flipped)):
             if array is None:
                 continue
@@ -226,7 +314,6 @@ class Writer:
                 keys = [k for k, b in zip(job.keys, bad) if b]
                 raise RuntimeError(f"{job.path.name}: non-finite {name} for keys {keys[:10]} (a VAE overflow: "
                                    "try --precision fp32 or bf16)")
-        files = outputs(self.out, job.stem)
         SD_Files.save_npy_atomic(files["npy"], job.latents)
         if self.flip:
             SD_Files.save_npy_atomic(files["flip"], job.flipped)
@@ -270,9 +357,11 @@ def estimated_images(paths: list[Path]) -> int | None:
     total = 0
     for path in paths:
         stats = path.with_name(path.name.replace(".tar", "_stats.json"))
-        if not stats.exists():
+        try:
+            successes = json.loads(stats.read_text(encoding="utf-8")).get("successes", 0)
+            total += int(successes)
+        except (OSError, ValueError, TypeError, AttributeError):  # absent or not img2dataset's: no estimate
             return None
-        total += json.loads(stats.read_text()).get("successes", 0)
     return total
 
 
@@ -289,7 +378,8 @@ def encode_shards(todo: list[Path], args, encoder: Encoder, writer: Writer) -> N
         pending = []  # (job, futures): decoding runs ahead by the prefetch depth
         shards = prefetch_shards(todo, args.prefetch)
         for job, samples in shards:
-            futures = [pool.submit(decode_sample, s, args.resolution, args.max_pixels) for s in samples]
+            futures = [pool.submit(decode_sample, s, args.resolution, args.max_pixels, args.max_aspect)
+                       for s in samples]
             pending.append((job, futures))
             if len(pending) > args.prefetch:
                 _encode_job(*pending.pop(0), args, encoder, writer, bar)
@@ -307,6 +397,12 @@ def _encode_job(job: ShardJob, futures, args, encoder: Encoder, writer: Writer, 
         else:
             decoded.append((key, result))
     job.keys = [k for k, _ in decoded]
+    if not decoded:
+        job.failed = job.failed or "no_usable_sample"
+        writer.put(job, 0, None, None)  # the writer writes its report, after the shards queued before it
+        log.warning("%s: nothing to encode (%s); the shard is counted under failed_shards in latents.json",
+                    job.path, job.failed)
+        return
     latent_shape = (len(decoded), 4, args.resolution // 8, args.resolution // 8)
     job.latents = np.empty(latent_shape, dtype=np.float16)
     job.flipped = np.empty(latent_shape, dtype=np.float16) if args.flip else None
@@ -334,28 +430,49 @@ def main(argv=None) -> int:
         print("encode_latents.py: two input shards share a file name; their outputs would collide", file=sys.stderr)
         return 2
     out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        print(f"encode_latents.py: error: --out {out} is a file, not a folder", file=sys.stderr)
+        return 2
+    try:
+        # Before any work: a folder begun with other settings, or a damaged latents.json, stops the run.
+        previous = read_meta(out)
+        compare_settings(out, previous, requested_settings(args))
+        device = SD_Runtime.pick_device(args.device)
+        dtype = SD_Runtime.resolve_precision(args.precision, device)
+        vae = SD_Model.load_vae(args.vae).to(device=device, dtype=dtype)
+        meta = vae_settings(args, vae.config)
+        compare_settings(out, previous, meta)
+        if not previous:
+            check_existing_shards(out, meta)
+        meta["compute_dtype"] = str(dtype).replace("torch.", "")
+        return encode_folder(paths, out, args, meta, Encoder(vae, device, dtype, args.compile, args.flip))
+    except FolderMismatch as error:
+        print(f"encode_latents.py: error: {error}", file=sys.stderr)
+        return 2
+
+
+def encode_folder(paths: list[Path], out: Path, args, meta: dict, encoder: Encoder) -> int:
+    """Settings first (marked incomplete), then the shards not done, then the totals (marked complete)."""
     out.mkdir(parents=True, exist_ok=True)
-    device = SD_Runtime.pick_device(args.device)
-    dtype = SD_Runtime.resolve_precision(args.precision, device)
-    vae = SD_Model.load_vae(args.vae).to(device=device, dtype=dtype)
-    meta = check_meta(out, args, vae.config)
-    meta["compute_dtype"] = str(dtype).replace("torch.", "")
     todo = [p for p in paths if not shard_done(out, ShardJob(p).stem, args.flip)]
     log.info("%d shards, %d already encoded, %d to do, on %s in %s", len(paths), len(paths) - len(todo),
-             len(todo), device, meta["compute_dtype"])
+             len(todo), encoder.device, meta["compute_dtype"])
     if todo:
+        write_summary(out, meta, complete=False)
         writer = Writer(out, args.flip)
         try:
             try:
-                encode_shards(todo, args, Encoder(vae, device, dtype, args.compile, args.flip), writer)
+                encode_shards(todo, args, encoder, writer)
             finally:
                 writer.close()
         except RuntimeError as error:
             print(f"encode_latents.py: error: {error}", file=sys.stderr)
             return 1
-    summary = write_summary(out, meta)
+    summary = write_summary(out, meta, complete=True)
     skipped = ", ".join(f"{reason} {n}" for reason, n in summary["skipped"].items()) or "none"
     log.info("done: %d latents in %d shards in %s; skipped: %s", summary["count"], summary["shards"], out, skipped)
+    for reason, names in summary["failed_shards"].items():
+        log.warning("%d shards gave no latent (%s): %s", len(names), reason, ", ".join(names[:20]))
     return 0
 
 

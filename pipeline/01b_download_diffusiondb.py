@@ -12,9 +12,11 @@ Output: ``SHARD_DIR/NNNNN.tar`` with NNNNN = the part number (``key.jpg`` at ``-
 = the prompt, ``key.json`` = seed, cfg, steps, sampler and the original size), then
 ``NNNNN_stats.json`` (the done marker), and ``01b_download_diffusiondb_summary.json``. Keys are
 ``ddb_{part}_{image stem}``. A re-run skips finished parts without downloading them. Images without a
-prompt, undecodable or truncated images and unsafe member paths are skipped and counted by reason; a
-part that does not exist (HTTP 404) or is not a valid zip is counted in the summary (a bad zip is
-deleted so the next run downloads it again) and the stage goes on with the other parts.
+prompt, undecodable or truncated images, unsafe member paths and members that inflate past
+``SD_Pipeline.MAX_MEMBER_BYTES`` (``too_large_member``, checked before reading) are skipped and
+counted by reason; a part that does not exist (HTTP 404) or is not a valid zip is counted in the
+summary (a bad zip is deleted so the next run downloads it again) and the stage goes on with the
+other parts.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import SD_Files  # noqa: E402
 import SD_Pipeline  # noqa: E402
 import SD_Runtime  # noqa: E402
 
@@ -69,7 +72,7 @@ def read_prompts(archive: zipfile.ZipFile, part: int) -> dict:
     if not members:
         log.warning("part %d has no %s; its images have no captions", part, name)
         return {}
-    table = json.loads(archive.read(members[0]))
+    table = json.loads(SD_Files.read_zip_member(archive, archive.getinfo(members[0]), SD_Pipeline.MAX_MEMBER_BYTES))
     if not isinstance(table, dict):
         raise ValueError(f"{name} is not a JSON object")
     return table
@@ -100,7 +103,11 @@ def part_items(archive: zipfile.ZipFile, part: int, stats: SD_Pipeline.ShardStat
         if not SD_Pipeline.admit_sample(stats, seen, key, caption):
             continue
         try:
-            data = archive.read(info)
+            data = SD_Files.read_zip_member(archive, info, SD_Pipeline.MAX_MEMBER_BYTES)
+        except SD_Files.TooLarge as error:  # a zip bomb, or a member no image should be
+            log.warning("part %d: %s", part, error)
+            stats.skip("too_large_member", info.filename)
+            continue
         except (zipfile.BadZipFile, zlib.error, EOFError) as error:  # a damaged entry in an otherwise readable zip
             log.warning("part %d: cannot read %s: %s", part, info.filename, error)
             stats.skip("unreadable_member", key)

@@ -15,8 +15,8 @@ Output: ``SHARD_DIR/NNNNN.tar`` with NNNNN = the archive number (``key.jpg`` at 
 ``key.txt``, ``key.json`` with the prompt, the Task2 caption and the original size), then
 ``NNNNN_stats.json`` (the done marker), and ``01c_download_journeydb_images_summary.json``. Keys are
 ``jdb_{NNN}_{image stem}``. A re-run skips finished archives without downloading or reading anything.
-Images without an annotation, undecodable or truncated images and unsafe member paths are skipped
-and counted by reason; an archive that does not exist (HTTP 404) or cannot be read is counted in the
+Images without an annotation, undecodable or truncated images, unsafe member paths and members
+over ``SD_Pipeline.MAX_MEMBER_BYTES`` (``too_large_member``) are skipped and counted by reason; an archive that does not exist (HTTP 404) or cannot be read is counted in the
 summary (a bad archive is deleted so the next run downloads it again) and the stage goes on. A
 downloaded annotation file is kept in the download folder: every archive needs it.
 """
@@ -79,19 +79,20 @@ def match_name(path: str) -> str:
 
 
 def annotation_lines(path: Path):
-    """Text lines of a .jsonl, a gzip-compressed one, or the first .jsonl inside a tar(.gz)."""
+    """Raw lines (bytes) of a .jsonl, a gzip-compressed one, or the first .jsonl inside a tar(.gz).
+
+    Bytes, not text: a line that is not UTF-8 is one bad line for the caller to count, not the end.
+    """
     if tarfile.is_tarfile(path):
         with tarfile.open(path, "r|*") as tar:
             for member in tar:
                 if member.isfile() and member.name.endswith(".jsonl"):
-                    # A streamed member cannot seek, which io.TextIOWrapper needs: decode line by line.
-                    for raw_line in tar.extractfile(member):
-                        yield raw_line.decode("utf-8")
+                    yield from tar.extractfile(member)
                     return
         raise ValueError(f"{path} holds no .jsonl file")
     with open(path, "rb") as handle:
         compressed = handle.read(2) == b"\x1f\x8b"
-    with (gzip.open if compressed else open)(path, "rt", encoding="utf-8") as handle:
+    with (gzip.open if compressed else open)(path, "rb") as handle:
         yield from handle
 
 
@@ -105,9 +106,9 @@ def read_annotations(path: Path, folders: set[str]) -> tuple[dict[str, tuple[str
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            record = json.loads(line)  # bytes: UTF-8 checked here (a UnicodeDecodeError is a ValueError)
             name = match_name(record["img_path"])
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, AttributeError):
             bad_lines += 1
             continue
         if name.split("/")[0] in folders:
@@ -155,6 +156,11 @@ def archive_items(tar: tarfile.TarFile, number: int, annotations: dict, field: s
         caption = pick_caption(annotation, field)
         if not SD_Pipeline.admit_sample(stats, seen, key, caption):
             continue
+        if member.size > SD_Pipeline.MAX_MEMBER_BYTES:  # the size the stream will inflate to, from the header
+            log.warning("archive %d: %s has %d bytes, over the cap of %d", number, member.name, member.size,
+                        SD_Pipeline.MAX_MEMBER_BYTES)
+            stats.skip("too_large_member", member.name)
+            continue
         metadata = {"source": "journeydb", "archive": number, "img_path": name,
                     "prompt": annotation[0], "task2_caption": annotation[1]}
         yield key, tar.extractfile(member).read(), ext, caption, metadata
@@ -187,7 +193,7 @@ def main(argv=None) -> int:
             annotations, bad_lines = load_annotations(args, pending)
         except (SD_Pipeline.DownloadError, ValueError, OSError, *ARCHIVE_ERRORS) as error:
             print(f"{STAGE}: cannot read the annotations {args.annotations}: {error}", file=sys.stderr)
-            return 1
+            return 2
     for number in tqdm(pending, desc="JourneyDB archives", unit="archive"):
         process_archive(args, number, annotations, summary)
     summary.finish(args.out, archives=len(args.archives), failed_archives=summary.failed_inputs,

@@ -15,7 +15,8 @@ Output: the images sorted by id, split into shards of ``--shard_size``: ``SHARD_
 images ``[N * size, (N + 1) * size)`` (``coco_{image id}.jpg`` at ``--resolution``, ``.txt``, ``.json``),
 then ``NNNNN_stats.json`` (the done marker), and ``01d_download_coco_summary.json``. A re-run skips
 finished shards (and downloads no images zip when all are done). Images without a caption, without
-a (tall enough) person, missing from the folder or zip, undecodable or truncated are skipped and
+a (tall enough) person, missing from the folder or zip, undecodable or truncated, or over
+``SD_Pipeline.MAX_MEMBER_BYTES`` (``too_large_member``, checked before reading) are skipped and
 counted by reason. Downloaded JSON files are kept in the download folder (a re-run plans its shards
 from them); a downloaded images zip is deleted once every shard is written, unless --keep_archives.
 """
@@ -34,6 +35,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import SD_Files  # noqa: E402
 import SD_Pipeline  # noqa: E402
 import SD_Runtime  # noqa: E402
 
@@ -94,14 +96,37 @@ def fetch(source: str, args) -> Path:
     return SD_Pipeline.download(source, args.download_dir / name, retries=args.retries)
 
 
+def read_json(path: Path):
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:  # ValueError: bad JSON or bad UTF-8
+        raise ValueError(f"{path} is not readable JSON ({error})") from None
+
+
+def is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def checked_entries(coco, path: Path, name: str, fields: tuple[str, ...]) -> list[dict]:
+    """``coco[name]``, a list of objects whose ``fields`` are integers; anything else names the file."""
+    entries = coco.get(name) if isinstance(coco, dict) else None
+    if not isinstance(entries, list):
+        raise ValueError(f"{path} is not a COCO file (needs a list '{name}')")
+    for entry in entries:
+        if not isinstance(entry, dict) or not all(isinstance(entry.get(f), int) for f in fields):
+            raise ValueError(f"{path}: an entry of '{name}' without integer {', '.join(fields)}: {str(entry)[:80]}")
+    return entries
+
+
 def read_captions(path: Path) -> tuple[list[dict], dict[int, list[str]]]:
     """The images sorted by id, and each image's captions in annotation-id order."""
-    coco = json.loads(path.read_text(encoding="utf-8"))
-    if not isinstance(coco, dict) or "images" not in coco or "annotations" not in coco:
-        raise ValueError(f"{path} is not a COCO captions file (needs 'images' and 'annotations')")
-    images = sorted(coco["images"], key=lambda image: image["id"])
+    coco = read_json(path)
+    images = sorted(checked_entries(coco, path, "images", ("id",)), key=lambda image: image["id"])
+    for image in images:
+        if image.get("height") is not None and not (is_number(image["height"]) and image["height"] > 0):
+            raise ValueError(f"{path}: image {image['id']} has height {image['height']!r}, not a positive number")
     captions: dict[int, list[str]] = {}
-    for annotation in sorted(coco["annotations"], key=lambda a: a["id"]):
+    for annotation in sorted(checked_entries(coco, path, "annotations", ("id", "image_id")), key=lambda a: a["id"]):
         text = str(annotation.get("caption") or "").strip()
         if text:
             captions.setdefault(annotation["image_id"], []).append(text)
@@ -113,15 +138,18 @@ def tallest_persons(path: Path) -> dict[int, float]:
 
     Crowd boxes cover a group of people, so their height says nothing about one full body.
     """
-    coco = json.loads(path.read_text(encoding="utf-8"))
-    person_ids = {c["id"] for c in coco.get("categories", []) if c.get("name") == "person"}
+    coco = read_json(path)
+    categories = checked_entries(coco, path, "categories", ("id",))
+    person_ids = {c["id"] for c in categories if c.get("name") == "person"}
     if not person_ids:
         raise ValueError(f"{path} has no 'person' category")
     tallest: dict[int, float] = {}
-    for annotation in coco.get("annotations", []):
+    for annotation in checked_entries(coco, path, "annotations", ("image_id",)):
         if annotation.get("category_id") in person_ids and not annotation.get("iscrowd"):
-            height = float(annotation["bbox"][3])
-            tallest[annotation["image_id"]] = max(height, tallest.get(annotation["image_id"], 0.0))
+            box = annotation.get("bbox")
+            if not (isinstance(box, list) and len(box) == 4 and all(is_number(v) for v in box)):
+                raise ValueError(f"{path}: annotation {annotation.get('id')} has bbox {box!r}, not 4 numbers")
+            tallest[annotation["image_id"]] = max(float(box[3]), tallest.get(annotation["image_id"], 0.0))
     return tallest
 
 
@@ -138,7 +166,7 @@ class FolderImages:
 
     def read(self, file_name: str) -> bytes | None:
         path = self.folder / file_name
-        return path.read_bytes() if path.is_file() else None
+        return SD_Files.read_file_bounded(path, SD_Pipeline.MAX_MEMBER_BYTES) if path.is_file() else None
 
     def close(self) -> None:
         pass
@@ -161,7 +189,7 @@ class ZipImages:
 
     def read(self, file_name: str) -> bytes | None:
         info = self.members.get(file_name)
-        return self.archive.read(info) if info is not None else None
+        return SD_Files.read_zip_member(self.archive, info, SD_Pipeline.MAX_MEMBER_BYTES) if info is not None else None
 
     def close(self) -> None:
         self.archive.close()
@@ -213,7 +241,11 @@ def shard_items(images: list[dict], captions: dict, tallest: dict | None, source
             continue
         try:
             data = source.read(file_name)
-        except (zipfile.BadZipFile, zlib.error, EOFError) as error:  # one damaged entry in a readable zip
+        except SD_Files.TooLarge as error:  # a zip bomb, or a file no image should be
+            log.warning("%s: %s", key, error)
+            stats.skip("too_large_member", file_name)
+            continue
+        except (zipfile.BadZipFile, zlib.error, EOFError, OSError) as error:  # one damaged entry or unreadable file
             log.warning("%s: cannot read %s: %s", key, file_name, error)
             stats.skip("unreadable_member", key)
             continue
@@ -256,9 +288,9 @@ def main(argv=None) -> int:
     summary = SD_Pipeline.start_downloads(args, STAGE)
     try:
         images, captions, tallest = load_inputs(args)
-    except (SD_Pipeline.DownloadError, ValueError, KeyError, TypeError, OSError) as error:
-        print(f"{STAGE}: cannot read the COCO annotations: {type(error).__name__}: {error}", file=sys.stderr)
-        return 1
+    except (SD_Pipeline.DownloadError, ValueError, OSError) as error:  # each names its file or URL
+        print(f"{STAGE}: cannot read the COCO annotations: {error}", file=sys.stderr)
+        return 2
     shard_count = -(-len(images) // args.shard_size)
     pending = summary.pending(args.out, list(range(shard_count)))
     if pending:  # a finished run opens (and downloads) no images
@@ -266,7 +298,7 @@ def main(argv=None) -> int:
             write_pending(pending, images, captions, tallest, args, summary)
         except (SD_Pipeline.DownloadError, zipfile.BadZipFile) as error:
             print(f"{STAGE}: cannot read the images {args.images}: {error}", file=sys.stderr)
-            return 1
+            return 2
     summary.finish(args.out, images=len(images), shards=shard_count, person_filter=args.person_filter,
                    min_person_height=args.min_person_height if args.person_filter else None)
     return 0

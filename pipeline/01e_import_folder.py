@@ -22,7 +22,8 @@ Images are sorted by relative path and cut into shards of ``--shard_size``, so a
 finished shards and is a no-op once all are done. The key is the relative path without its
 extension, ``/`` -> ``__`` and other punctuation -> ``_`` (``sub/dir/img.01.png`` ->
 ``sub__dir__img_01``); a collision or a very long path gets a short hash of the path appended.
-Bad images and captions are skipped and counted, never fatal.
+Bad images and captions (a caption file that is not UTF-8: ``bad_caption_encoding``) are skipped and
+counted, never fatal; an image's format is read from its bytes, not its extension.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tqdm import tqdm  # noqa: E402
 
+import SD_Files  # noqa: E402
 import SD_Pipeline  # noqa: E402
 import SD_Runtime  # noqa: E402
 import SD_Shards  # noqa: E402
@@ -269,7 +271,10 @@ def join_caption(rules: CaptionRules, parts: list[str]) -> str:
 
 def flat_caption(src: Path, rel: str, rules: CaptionRules) -> tuple[str, dict]:
     path = src / (rel.rsplit(".", 1)[0] + ".txt")
-    text = path.read_text(encoding="utf-8", errors="replace").strip() if path.is_file() else ""
+    try:
+        text = path.read_text(encoding="utf-8").strip() if path.is_file() else ""
+    except UnicodeDecodeError:  # replacing the bad bytes would train on a caption nobody wrote
+        raise SD_Shards.ImageSkip("bad_caption_encoding", f"{path.name} is not UTF-8") from None
     text = text or rules.default_caption or ""
     if not text:
         raise SD_Shards.ImageSkip("no_caption", f"{path.name} missing or empty")
@@ -365,11 +370,14 @@ def import_shard(src: Path, out: Path, index: int, items: list[tuple[str, str]],
     for rel, key in items:
         try:
             caption, meta = caption_for(src, rel, key, rules)
-            data = (src / rel).read_bytes()
+            data = SD_Files.read_file_bounded(src / rel, SD_Pipeline.MAX_MEMBER_BYTES)
             samples.append(SD_Pipeline.image_sample(key, data, SD_Pipeline.image_extension(rel), caption,
                                                     args.resolution, {"source": rel, **meta}, args.max_pixels))
         except SD_Shards.ImageSkip as skip:
             stats.skip(skip.reason, rel)
+        except SD_Files.TooLarge as error:  # no image file is this big: refused before it is read whole
+            log.warning("%s", error)
+            stats.skip("too_large_file", rel)
         except OSError as error:  # unreadable file (permissions, vanished mid-run)
             log.warning("%s: %s", rel, error)
             stats.skip("unreadable", rel)

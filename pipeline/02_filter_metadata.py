@@ -21,7 +21,9 @@ filter: a row cannot show that it passes.
 Each row is dropped for the first failing reason, in this order: missing_url_or_caption,
 low_aesthetic, low_similarity, too_small, watermark, nsfw, duplicate_url, duplicate_caption_size (same
 caption and width x height as an earlier kept row). Duplicates are found across all inputs, processed
-in sorted order.
+in sorted order. A column of the wrong type (URL or caption not text; a score, size or NSFW column
+holding lists, structs or bytes) stops the stage before any work with one line naming the file and
+column, exit 2.
 
 Output, per input file: ``OUT/<stem>.parquet`` (the kept rows, all original columns), then
 ``OUT/<stem>_stats.json`` (counts per reason; the done marker), and ``02_filter_metadata_summary.json``.
@@ -38,6 +40,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
@@ -91,10 +94,12 @@ def plan(args) -> tuple[list[tuple[Path, dict]], Path]:
     files = []
     for path in paths:
         try:
-            names = pq.read_schema(path).names
+            schema = pq.read_schema(path)
         except Exception as error:  # pyarrow raises several types for a damaged file
             raise SD_Pipeline.UsageError(f"{path}: not a readable parquet file ({error})") from error
-        files.append((path, SD_Pipeline.detect_columns(path, names, overrides)))
+        columns = SD_Pipeline.detect_columns(path, schema.names, overrides)
+        SD_Pipeline.check_column_types(path, schema, columns)
+        files.append((path, columns))
         check_earlier_run(out / f"{path.stem}_stats.json", thresholds(args))
     return files, out
 
@@ -235,7 +240,11 @@ def main(argv=None) -> int:
             index.add_frame(pq.read_table(kept_path, columns=role_columns(columns)).to_pandas(), columns)
             summary.add_done(stats_path)
         else:
-            summary.add(filter_file(path, columns, out, limits, index))
+            try:
+                summary.add(filter_file(path, columns, out, limits, index))
+            except (OSError, pa.ArrowException) as error:  # a damaged file whose footer read fine
+                print(f"{STAGE}.py: {path}: not a readable parquet file ({error})", file=sys.stderr)
+                return 2
     summary.finish(out, thresholds=limits)
     return 0
 

@@ -4,8 +4,9 @@
         [--threads 16] [--url_col URL] [--caption_col TEXT] [--shard_size 10000] [--timeout 10] [--retries 2]
 
 Input: the parquet files of 02_filter_metadata.py (a folder, or one file). URL and caption columns are
-detected as in stage 02 unless given; the score columns present (aesthetic, similarity, watermark,
-NSFW) are copied into every sample's JSON.
+detected as in stage 02 unless given, and checked as there (a URL column of numbers is one line
+naming the file and column, exit 2, before img2dataset starts); the score columns present
+(aesthetic, similarity, watermark, NSFW) are copied into every sample's JSON.
 
 Output (written by img2dataset): ``SHARD_DIR/NNNNN.tar`` (``key.jpg`` centre-cropped to
 ``--resolution``, ``key.txt`` the caption, ``key.json`` the metadata), ``NNNNN.parquet`` and
@@ -74,8 +75,12 @@ def detect_columns(files: list[Path], args) -> tuple[str, str, list[str]]:
     overrides = {"url": args.url_col, "caption": args.caption_col}
     found = set()
     for path in files:
-        names = pq.read_schema(path).names
-        columns = SD_Pipeline.detect_columns(path, names, overrides)
+        try:
+            schema = pq.read_schema(path)
+        except Exception as error:  # pyarrow raises several types for a damaged file
+            raise SD_Pipeline.UsageError(f"{path}: not a readable parquet file ({error})") from error
+        columns = SD_Pipeline.detect_columns(path, schema.names, overrides)
+        SD_Pipeline.check_column_types(path, schema, columns)
         scores = tuple(columns[role] for role in SCORE_ROLES if columns[role] not in (None, *IMG2DATASET_RESERVED))
         found.add((columns["url"], columns["caption"], scores))
     if len(found) > 1:

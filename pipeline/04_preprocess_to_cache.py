@@ -5,7 +5,9 @@
 For each input shard NNNNN.tar, writes CAPTION_DIR/NNNNN.parquet with columns ``key`` (string),
 ``caption`` (string) and ``input_ids`` (77 int32 CLIP token ids, padded with the end token and
 truncated the way SD 1.x was trained), then NNNNN_stats.json as the shard's done marker. Samples
-without a caption, or without an image, are skipped and counted. A re-run skips finished shards.
+without a caption or an image, with an unusable key (empty, absolute, ``..``, control characters),
+a caption that is not UTF-8, or a member given twice are skipped and counted, as encode_latents.py
+skips them. A re-run skips finished shards.
 ``--shards`` is the old spelling of ``--input`` and still works.
 """
 
@@ -53,7 +55,9 @@ def process_shard(path: Path, out: Path, tokenizer, batch_size: int) -> dict:
         stats.skip("truncated_tar", truncated_key)
     keys, captions = [], []
     for sample in samples:
-        if sample.image is None:
+        if sample.problem is not None:  # a bad key, a caption that is not UTF-8, a member given twice
+            stats.skip(sample.problem, sample.key)
+        elif sample.image is None:
             stats.skip("no_image", sample.key)
         elif not sample.caption:
             stats.skip("no_caption", sample.key)
@@ -95,8 +99,11 @@ def main(argv=None) -> int:
 
         tokenizer = SD_Model.load_tokenizer(args.tokenizer)
         for name in tqdm(todo, desc="tokenize", unit="shard"):
-            summary.add(process_shard(by_stem[name], out, tokenizer, args.batch_size))
-    summary.finish(out, tokenizer=args.tokenizer)
+            try:
+                summary.add(process_shard(by_stem[name], out, tokenizer, args.batch_size))
+            except OSError as error:  # the tar itself cannot be read: counted and named, tried again next run
+                summary.input_failed("unreadable_tar", by_stem[name].name, error)
+    summary.finish(out, tokenizer=args.tokenizer, failed_shards=summary.failed_inputs)
     return 0
 
 

@@ -8,7 +8,10 @@ their shards are not encoded yet). A deterministic hash of the key puts a sample
 ``validation`` split with probability ``--val_fraction``, so the split never changes when data is
 added. The result is a DatasetDict written with ``save_to_disk`` (columns key, caption, input_ids),
 assembled under a temporary name and renamed. 05_build_hf_dataset_summary.json in it, written last,
-records what it was built from; a re-run on unchanged inputs does nothing.
+records what it was built from; a re-run on unchanged inputs does nothing. A caption file that is not
+what stage 04 writes (key and caption text, 77 integer token ids per row), a damaged latent folder
+or one encode_latents.py has not finished stops the stage with one line naming it, exit 2, before
+anything is written.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script:
 
 import SD_Data  # noqa: E402
 import SD_Files  # noqa: E402
+import SD_Model  # noqa: E402
 import SD_Pipeline  # noqa: E402
 import SD_Runtime  # noqa: E402
 
@@ -58,12 +62,40 @@ def input_fingerprint(files: list[Path], args) -> dict:
 
 
 def load_captions(files: list[Path]):
+    """All caption shards as one table of key (string), caption (string), input_ids (77 int32);
+    a file that is not that is a DataError naming it."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     if not files:
         return None
-    return pa.concat_tables([pq.read_table(p, columns=["key", "caption", "input_ids"]) for p in files])
+    return pa.concat_tables([read_caption_file(path) for path in files])
+
+
+def read_caption_file(path: Path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except (OSError, pa.ArrowException) as error:
+        raise SD_Data.DataError(f"{path} is not a readable parquet file ({error})") from None
+    missing = {"key", "caption", "input_ids"} - set(table.column_names)
+    if missing:
+        raise SD_Data.DataError(f"{path} lacks the columns {sorted(missing)} (stage 04 writes key, caption, input_ids)")
+    for name in ("key", "caption"):
+        kind = table.schema.field(name).type
+        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+            raise SD_Data.DataError(f"{path}: column {name!r} holds {kind}, not text")
+        if table.column(name).null_count:
+            raise SD_Data.DataError(f"{path}: column {name!r} has {table.column(name).null_count} empty (null) values")
+    ids_type = pa.list_(pa.int32(), SD_Model.TOKENIZER_MAX_LENGTH)
+    try:
+        input_ids = table.column("input_ids").cast(ids_type)
+    except (pa.ArrowException, NotImplementedError) as error:  # not lists of 77 integers
+        raise SD_Data.DataError(f"{path}: input_ids of type {table.schema.field('input_ids').type} are not "
+                                f"{SD_Model.TOKENIZER_MAX_LENGTH} token ids per row ({error})") from None
+    return pa.table({"key": table.column("key").cast(pa.string()), "caption": table.column("caption").cast(pa.string()),
+                     "input_ids": input_ids})
 
 
 def join(table, latent_keys: set[str], val_fraction: float):
@@ -119,8 +151,12 @@ def main(argv=None) -> int:
     if earlier is not None:
         print(f"{STAGE}: {out} is up to date (train {earlier['train']}, validation {earlier['validation']})")
         return 0
-    keys = SD_Data.latent_keys(latents_dir)
-    table = load_captions(files)
+    try:
+        keys = SD_Data.latent_keys(latents_dir)
+        table = load_captions(files)
+    except SD_Data.DataError as error:
+        print(f"{STAGE}.py: {error}", file=sys.stderr)
+        return 2
     train_rows, val_rows, dropped, caption_keys = join(table, set(keys), args.val_fraction)
     write_dataset(table, train_rows, val_rows, out)
     latents_without_caption = [k for k in keys if k not in caption_keys]

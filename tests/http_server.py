@@ -34,6 +34,7 @@ class LoopbackServer:
                 if range_header and range_header.startswith("bytes="):
                     start = int(range_header[6:].split("-")[0])
                     self.send_response(206)
+                    self.send_header("Content-Range", f"bytes {start}-{len(body) - 1}/{len(body)}")
                 else:
                     self.send_response(200)
                 self.send_header("Content-Length", str(len(body) - start))

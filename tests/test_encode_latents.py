@@ -159,11 +159,82 @@ def test_non_finite_latents_stop_naming_the_key(tmp_path, capsys):
     assert not (tmp_path / "out" / "00000.npy").exists() and not (tmp_path / "out" / "00000.keys.txt").exists()
 
 
-def test_a_different_encoding_into_the_same_folder_is_refused(encoded):
+def folder_state(folder: Path) -> dict[str, tuple[int, int]]:
+    return {p.name: (p.stat().st_mtime_ns, p.stat().st_size) for p in folder.iterdir()}
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--resolution", "128", "--flip"], "was encoded with resolution=64 but this run asks for resolution=128"),
+    (["--resolution", "64"], "was encoded with flip=True but this run asks for flip=False"),
+])
+def test_a_different_encoding_into_the_same_folder_is_refused(encoded, capsys, flags, message):
     root, _ = encoded
-    with pytest.raises(SystemExit, match="resolution=64"):
-        encode_latents.main(["--shards", str(root / "shards" / "*.tar"), "--out", str(root / "latents"),
-                             "--vae", "tiny", "--resolution", "128", "--flip"])
+    before = folder_state(root / "latents")
+    capsys.readouterr()
+    assert encode_latents.main(["--shards", str(root / "shards" / "*.tar"), "--out", str(root / "latents"),
+                                "--vae", "tiny", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(root / "latents") in err and message in err
+    assert folder_state(root / "latents") == before  # nothing written
+
+
+class Killed(BaseException):
+    """Stands for SIGKILL in-process: nothing in the encoder catches it."""
+
+
+def test_settings_are_written_before_any_shard_and_a_killed_folder_keeps_them(tmp_path, monkeypatch, capsys):
+    shards, out = tmp_path / "shards", tmp_path / "latents"
+    rng = np.random.default_rng(3)
+    clean_shard(shards / "00000.tar", ["p0", "p1"], rng)
+    clean_shard(shards / "00001.tar", ["q0", "q1"], rng)
+
+    def kill_at(name, key):
+        if (name, key) == ("after_npy", "00000"):
+            meta = json.loads((out / "latents.json").read_text())  # already there when the first shard lands
+            assert (meta["resolution"], meta["latent_shape"], meta["complete"]) == (64, [4, 8, 8], False)
+            raise Killed
+
+    monkeypatch.setattr(encode_latents.SD_Faults, "point", kill_at)
+    with pytest.raises(Killed):
+        encode(shards, out)
+    monkeypatch.undo()
+    meta = json.loads((out / "latents.json").read_text())
+    assert (meta["vae"], meta["resolution"], meta["flip"], meta["dtype"]) == ("tiny", 64, False, "float16")
+    assert meta["complete"] is False and meta["count"] == 0
+    before = folder_state(out)
+    capsys.readouterr()
+    code = encode_latents.main(["--shards", str(shards / "*.tar"), "--out", str(out), "--vae", "tiny",
+                                "--resolution", "128"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert f"{out} was encoded with resolution=64 but this run asks for resolution=128" in err
+    assert folder_state(out) == before
+    assert encode(shards, out) == 0
+    meta = json.loads((out / "latents.json").read_text())
+    assert (meta["complete"], meta["count"], meta["shards"]) == (True, 4, 2)
+
+
+def test_a_folder_from_before_latents_json_is_checked_by_its_shards(encoded, tmp_path, capsys):
+    root, _ = encoded
+    old = tmp_path / "old"
+    old.mkdir()
+    for name in ("00000.npy", "00000.keys.txt", "00000.report.json"):
+        (old / name).write_bytes((root / "latents" / name).read_bytes())
+    assert encode_latents.main(["--shards", str(root / "shards" / "*.tar"), "--out", str(old), "--vae", "tiny",
+                                "--resolution", "128"]) == 2
+    assert "latent_shape=[4, 8, 8] but this run asks for latent_shape=[4, 16, 16]" in capsys.readouterr().err
+    assert not (old / "latents.json").exists()
+
+
+def test_a_damaged_latents_json_is_a_one_line_error(encoded, tmp_path, capsys):
+    out = tmp_path / "latents"
+    out.mkdir()
+    (out / "latents.json").write_text('{"vae": "tiny", "resol')
+    root, _ = encoded
+    assert encode_latents.main(["--shards", str(root / "shards" / "*.tar"), "--out", str(out), "--vae", "tiny"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{out / 'latents.json'} is not readable JSON" in err
+    assert sorted(p.name for p in out.iterdir()) == ["latents.json"]
 
 
 def test_no_matching_shards_is_a_one_line_error(tmp_path, capsys):
@@ -175,7 +246,7 @@ def test_help_documents_every_flag():
     result = subprocess.run([sys.executable, str(ROOT / "encode_latents.py"), "--help"], capture_output=True, text=True)
     assert result.returncode == 0
     for flag in ("--shards", "--out", "--vae", "--resolution", "--batch_size", "--workers", "--precision",
-                 "--compile", "--device", "--flip", "--max_pixels", "--prefetch"):
+                 "--compile", "--device", "--flip", "--max_pixels", "--max_aspect", "--prefetch"):
         assert f"  {flag} " in result.stdout, flag
     assert "--dtype" not in result.stdout.split("options:")[1]  # the old spelling works, not listed as a flag
 
@@ -237,3 +308,59 @@ def test_decode_image_reports_reasons():
     assert info.value.reason == "too_large"
     rgb = SD_Shards.decode_image(image_bytes(np.full((8, 8, 3), (200, 10, 30), np.uint8), "PNG"), "png")
     assert tuple(rgb[0, 0]) == (200, 10, 30)  # RGB order, not OpenCV's BGR
+
+
+def test_a_shard_with_nothing_to_encode_is_counted_and_named_and_the_run_finishes(tmp_path, caplog):
+    shards, out = tmp_path / "shards", tmp_path / "latents"
+    clean_shard(shards / "00000.tar", ["k0", "k1"], np.random.default_rng(2))
+    (shards / "00001.tar").write_bytes(b"")
+    (shards / "00002.tar").write_bytes(b"this is not a tar file\n" * 100)
+    SD_Shards.write_shard(shards / "00003.tar", [SD_Shards.ShardSample("bad", os.urandom(300) + b"\xff\xd9", "jpg", "garbage")])
+    caplog.set_level("INFO")
+    assert encode(shards, out) == 0
+    meta = json.loads((out / "latents.json").read_text())
+    assert meta["failed_shards"] == {"empty_tar": ["00001.tar"], "no_usable_sample": ["00003.tar"],
+                                     "unreadable_tar": ["00002.tar"]}
+    assert (meta["count"], meta["shards"], meta["skipped"], meta["complete"]) == (2, 1, {"undecodable": 1}, True)
+    assert "00001.tar" in caplog.text and "00002.tar" in caplog.text and "00003.tar" in caplog.text
+    assert json.loads((out / "00003.report.json").read_text())["skipped"] == {"undecodable": ["bad"]}
+    assert sorted(p.name for p in out.glob("*.keys.txt")) == ["00000.keys.txt"]  # no done marker for them
+    assert SD_Data.LatentStore(out).keys == ["k0", "k1"]
+    assert encode(shards, out) == 0  # a re-run tries them again (a fixed tar would be encoded) and adds up the same
+    assert json.loads((out / "latents.json").read_text()) == meta
+
+
+def test_resize_center_crop_work_is_bounded_by_the_output():
+    import tracemalloc
+
+    strip = np.full((1, 4000, 3), 200, np.uint8)  # scaled whole to 64 px high it would be 256000 x 64 (49 MB)
+    tracemalloc.start()
+    try:
+        square = SD_Shards.resize_center_crop(strip, 64)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert square.shape == (64, 64, 3) and (square == 200).all()
+    assert peak < 4 * 64 * 64 * 3  # a few output-sized buffers, not the scaled strip
+
+
+def test_an_extremely_elongated_image_is_skipped_before_decoding(tmp_path):
+    strip = image_bytes(np.zeros((1, 12000, 3), np.uint8), "PNG")  # ~120 bytes, 12000 pixels: under any pixel cap
+    assert len(strip) < 200
+    with pytest.raises(SD_Shards.ImageSkip) as info:
+        SD_Shards.decode_image(strip, "png")
+    assert info.value.reason == "extreme_aspect" and "12000x1" in str(info.value)
+    assert SD_Shards.decode_image(strip, "png", max_aspect=12000).shape == (1, 12000, 3)
+
+    shards, out = tmp_path / "shards", tmp_path / "latents"
+    clean_shard(shards / "00000.tar", ["ok"], np.random.default_rng(4))
+    samples, _ = SD_Shards.read_shard((shards / "00000.tar").read_bytes())
+    tall = image_bytes(np.zeros((270, 30, 3), np.uint8), "PNG")  # 9:1, over the default 8
+    samples += [SD_Shards.ShardSample("strip", strip, "png", "a strip"),
+                SD_Shards.ShardSample("tall", tall, "png", "a tall one")]
+    SD_Shards.write_shard(shards / "00000.tar", samples)
+    assert encode(shards, out) == 0
+    report = json.loads((out / "00000.report.json").read_text())
+    assert report["skipped"] == {"extreme_aspect": ["strip", "tall"]} and report["encoded"] == 1
+    assert encode(shards, tmp_path / "wide_ok", "--max_aspect", "10") == 0
+    assert (tmp_path / "wide_ok" / "00000.keys.txt").read_text().split() == ["ok", "tall"]

@@ -122,3 +122,87 @@ def test_validation_indices_share_the_count_by_weight_and_spread_over_each_datas
     assert first.min() == 0 and first.max() >= 90  # spread over all of dataset 0, not its first rows
     assert SD_Data.validation_indices([3, 2], [1.0, 1.0], 100).tolist() == [0, 1, 2, 3, 4]
     assert SD_Data.validation_indices([0, 0], [1.0, 1.0], 8).tolist() == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Damaged latent folders: one DataError naming the file, never a traceback from numpy or json
+# ---------------------------------------------------------------------------------------------
+
+
+def _truncate(path):
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 100])
+
+
+DAMAGE = {
+    "truncated shard": ("00001.npy", _truncate, "is not a readable latent .npy file"),
+    "garbage shard": ("00000.npy", lambda p: p.write_bytes(b"\x93NUMPY garbage" * 10), "is not a readable latent .npy"),
+    "text shard": ("00000.npy", lambda p: np.save(p, np.full((2, 4, 8, 8), "a")), "holds <U1 values, not float"),
+    "bad json": ("latents.json", lambda p: p.write_text('{"vae": "tiny", "sca'), "is not readable JSON"),
+    "json list": ("latents.json", lambda p: p.write_text("[1, 2]"), "is not a JSON object"),
+    "bad scaling factor": ("latents.json", lambda p: p.write_text('{"scaling_factor": "0.18"}'),
+                           "scaling_factor '0.18' is not a number"),
+    "bad utf-8 keys": ("00000.keys.txt", lambda p: p.write_bytes(b"k0_0\n\xff\xfe\n"), "is not readable UTF-8"),
+}
+
+
+@pytest.mark.parametrize("case", list(DAMAGE))
+@pytest.mark.parametrize("mmap", [False, True])
+def test_a_damaged_latent_folder_is_one_error_naming_the_file(tmp_path, case, mmap):
+    folder = _store(tmp_path, [(4, 8, 8), (4, 8, 8)])
+    (folder / "latents.json").write_text('{"vae": "tiny", "scaling_factor": 0.18215, "complete": true}')
+    name, damage, message = DAMAGE[case]
+    damage(folder / name)
+    with pytest.raises(SD_Data.DataError) as info:
+        SD_Data.LatentStore(folder, mmap=mmap)
+    assert str(folder / name) in str(info.value) and message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_a_damaged_per_image_latent_is_one_error_naming_the_file(tmp_path):
+    folder = tmp_path / "per_image"
+    folder.mkdir()
+    for i in range(3):
+        np.save(folder / f"img{i}.npy", np.full((4, 8, 8), i, dtype=np.float16))
+    _truncate(folder / "img1.npy")
+    with pytest.raises(SD_Data.DataError, match=r"img1\.npy is not a readable latent \.npy file"):
+        SD_Data.LatentStore(folder)
+
+
+def test_an_unfinished_latent_folder_is_refused_naming_it(tmp_path):
+    folder = _store(tmp_path, [(4, 8, 8)])
+    (folder / "latents.json").write_text('{"vae": "tiny", "scaling_factor": 0.18215, "complete": false}')
+    with pytest.raises(SD_Data.DataError, match=f"latent folder {folder} is not completely encoded"):
+        SD_Data.LatentStore(folder)
+    with pytest.raises(SD_Data.DataError, match="not completely encoded"):
+        SD_Data.latent_keys(folder)
+    (folder / "latents.json").write_text('{"vae": "tiny", "scaling_factor": 0.18215, "complete": true}')
+    assert len(SD_Data.LatentStore(folder)) == 2
+    (folder / "latents.json").write_text('{"vae": "tiny", "scaling_factor": 0.18215}')  # written before the flag
+    assert len(SD_Data.LatentStore(folder)) == 2
+
+
+@pytest.mark.parametrize("case", ["truncated shard", "bad json", "unfinished"])
+def test_the_trainer_names_a_damaged_latent_file_in_one_line(tmp_path, capsys, case):
+    import yaml
+
+    import SD_Train
+
+    entry = make_dataset(tmp_path / "data", n_train=8, n_val=0)
+    latents = tmp_path / "data" / "latents"
+    if case == "unfinished":
+        (latents / "latents.json").write_text('{"vae": "tiny", "scaling_factor": 0.18215, "complete": false}')
+        named = f"latent folder {latents.resolve()} is not completely encoded"
+    else:
+        name, damage, message = DAMAGE[case]
+        damage(latents / name.replace("00001", "00000"))
+        named = f"{latents.resolve() / name.replace('00001', '00000')} {message}"
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"datasets": [entry], "unet": "tiny", "vae": "tiny", "text_encoder": "tiny",
+                                      "device": "cpu", "precision": "fp32", "batch_size": 2, "max_steps": 1,
+                                      "out_dir": str(tmp_path / "run")}))
+    capsys.readouterr()  # the dataset's own progress output
+    assert SD_Train.main(["--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("SD_Train.py: error") and err.count("\n") == 1 and named in err
+    assert not (tmp_path / "run").exists()
