@@ -327,7 +327,7 @@ def load_unet_weights(source: str, unet, *, use_ema: bool = True) -> str:
         weights = folder / ("ema.safetensors" if use_ema else "unet.safetensors")
         if use_ema and not weights.exists():
             weights = folder / "unet.safetensors"
-        load_into(unet, read_weights(weights), weights)
+        load_into(unet, read_weights(verified(weights)), weights)
         return f"{weights}"
     from diffusers import UNet2DConditionModel
 
@@ -344,9 +344,20 @@ def run_ema_weights(source: str, unet) -> dict[str, torch.Tensor] | None:
     path = ckpt.resolve_checkpoint(source) / "ema.safetensors"
     if not path.exists():
         return None
-    state = read_weights(path)
+    state = read_weights(verified(path))
     check_fits(unet, state, path)
     return state
+
+
+def verified(path: Path) -> Path:
+    """A file of one of our checkpoints, checked against the checkpoint's manifest (size and content
+    hash) when it has one: a damaged file is a ValueError naming it. Returns ``path``."""
+    if path.is_file():
+        try:
+            ckpt.verify(path.parent, [path.name])
+        except ckpt.Damaged as error:
+            raise ValueError(str(error)) from error
+    return path
 
 
 def run_config(source: str) -> dict | None:
@@ -364,7 +375,7 @@ def run_config(source: str) -> dict | None:
     if not config_file.is_file():
         raise FileNotFoundError(f"checkpoint file {config_file} is missing")
     try:
-        config = yaml.safe_load(config_file.read_text())
+        config = yaml.safe_load(verified(config_file).read_text())
     except (yaml.YAMLError, UnicodeDecodeError) as error:
         raise ValueError(f"{config_file}: not valid YAML ({first_line(error)})") from error
     missing = [key for key in ("unet", "vae", "text_encoder", "prediction_type")

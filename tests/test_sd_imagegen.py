@@ -387,6 +387,14 @@ def flip_header_byte(path):
     path.write_bytes(bytes(data))
 
 
+def overwrite_data(path):
+    """4 KiB of tensor data overwritten: header and size intact, only the manifest's hash can tell."""
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 4096] = b"\x7f" * 4096
+    path.write_bytes(bytes(data))
+
+
 def damaged_source(kind, tmp_path, run_dir, exported):
     """A copy of a good checkpoint with one file damaged: ``(source, the damaged file, extra flags)``."""
     import shutil
@@ -416,9 +424,11 @@ def damaged_source(kind, tmp_path, run_dir, exported):
                         "checkpoint_unet_truncated": ("unet.safetensors", "truncated"),
                         "checkpoint_unet_bit_flipped": ("unet.safetensors", "bit_flipped"),
                         "checkpoint_ema_truncated": ("ema.safetensors", "truncated"),
+                        "checkpoint_ema_data_overwritten": ("ema.safetensors", "overwritten"),
                         "checkpoint_config_broken": ("config.yaml", "broken")}[kind]
         bad = source / name
         {"missing": bad.unlink, "truncated": lambda: truncate(bad), "bit_flipped": lambda: flip_header_byte(bad),
+         "overwritten": lambda: overwrite_data(bad),
          "broken": lambda: bad.write_text("unet: [tiny\n")}[damage]()
         return source, bad, (["--no_ema"] if name == "unet.safetensors" else [])
     source = tmp_path / "pipe"
@@ -442,7 +452,8 @@ def error_lines(err: str, prefix: str) -> list[str]:
 @pytest.mark.parametrize("kind", [
     "single_file_truncated", "single_file_bit_flipped", "single_file_garbage", "single_file_empty",
     "ckpt_file_truncated", "checkpoint_unet_missing", "checkpoint_unet_truncated", "checkpoint_unet_bit_flipped",
-    "checkpoint_ema_truncated", "checkpoint_config_broken", "diffusers_unet", "diffusers_vae", "diffusers_text_encoder",
+    "checkpoint_ema_truncated", "checkpoint_ema_data_overwritten", "checkpoint_config_broken", "diffusers_unet",
+    "diffusers_vae", "diffusers_text_encoder",
     "diffusers_scheduler", "diffusers_unet_weights_truncated"])
 def test_a_damaged_ckpt_is_a_one_line_error_naming_the_bad_file(kind, run_dir, exported, tmp_path, capsys):
     source, bad, flags = damaged_source(kind, tmp_path, run_dir, exported)
@@ -468,6 +479,9 @@ def test_weights_of_another_architecture_are_a_one_line_error_naming_the_file(ru
     from safetensors.torch import save_file
 
     save_file({"conv_in.weight": torch.zeros(3, 3)}, str(source / "ema.safetensors"))
+    manifest = json.loads((source / ckpt.MANIFEST).read_text())  # a file the manifest vouches for
+    manifest["files"].update(ckpt.describe_files([source / "ema.safetensors"]))
+    (source / ckpt.MANIFEST).write_text(json.dumps(manifest))
     assert SD_ImageGen.main(["--ckpt", str(source), "--prompt", "x", "--out", str(tmp_path / "o")]) == 2
     [line] = error_lines(capsys.readouterr().err, "SD_ImageGen.py")
     assert f"{source / 'ema.safetensors'}: its weights do not fit this UNet2DConditionModel (" in line
@@ -476,8 +490,8 @@ def test_weights_of_another_architecture_are_a_one_line_error_naming_the_file(ru
 
 @pytest.mark.parametrize("kind", [
     "single_file_truncated", "single_file_bit_flipped", "single_file_garbage", "ckpt_file_truncated",
-    "checkpoint_unet_missing", "checkpoint_unet_truncated", "checkpoint_ema_truncated", "checkpoint_config_broken",
-    "diffusers_unet", "diffusers_unet_weights_truncated"])
+    "checkpoint_unet_missing", "checkpoint_unet_truncated", "checkpoint_ema_truncated",
+    "checkpoint_ema_data_overwritten", "checkpoint_config_broken", "diffusers_unet", "diffusers_unet_weights_truncated"])
 def test_init_from_a_damaged_source_is_a_one_line_error_naming_the_bad_file(kind, run_dir, exported, tmp_path,
                                                                            capsys):
     source, bad, _ = damaged_source(kind, tmp_path, run_dir, exported)
