@@ -33,16 +33,19 @@ class EMA:
 
     ``device=None`` keeps the shadow on the model's device. A CPU shadow (``device="cpu"``) saves
     accelerator memory; with ``update_every=N`` it is updated on every N-th step only, with the decay
-    raised to the N-th power so its horizon in steps stays the same.
+    raised to the N-th power so its horizon in steps stays the same. ``warmup=False`` applies the full
+    decay from the first update: for a shadow that already holds an average worth keeping (an EMA
+    inherited from an earlier phase), which the warm-up would otherwise overwrite within ~10 steps.
     """
 
-    def __init__(self, model, decay: float = 0.9999, device=None, update_every: int = 1):
+    def __init__(self, model, decay: float = 0.9999, device=None, update_every: int = 1, warmup: bool = True):
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"EMA decay must be in [0, 1), got {decay}")
         if update_every < 1:
             raise ValueError(f"EMA update_every must be >= 1, got {update_every}")
         self.decay = decay
         self.update_every = update_every
+        self.warmup = warmup
         self.names = [name for name, _ in model.named_parameters()]
         self.shadow = [
             p.detach().to(device=device or p.device, dtype=torch.float32, copy=True) for p in model.parameters()
@@ -54,7 +57,7 @@ class EMA:
         """Fold the live weights in after optimizer step ``step`` (0-based). Returns whether it did."""
         if (step + 1) % self.update_every:
             return False
-        decay = ema_decay_at(step, self.decay) ** self.update_every
+        decay = (ema_decay_at(step, self.decay) if self.warmup else self.decay) ** self.update_every
         torch._foreach_lerp_(self.shadow, self._live_weights(model), 1.0 - decay)
         return True
 

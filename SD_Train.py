@@ -143,8 +143,14 @@ def build(config: TrainConfig, d: Dist) -> Run:
     sampler = SD_Sampling.Pipeline(unet, vae, step.text_encoder, tokenizer, config.prediction_type)
     run = Run(config, d, step, TrainState(world_size=d.world_size), train_data, val_data, sampler,
               ckpt.RankRNG(step.noise_generator, unet), steps_per_epoch, total, Path(config.out_dir))
-    if not resume_newest_usable(run) and config.init_from:
-        init_weights(run, config.init_from)
+    resumed = resume_newest_usable(run)  # damaged newer checkpoints are set aside: the latest is the one resumed
+    inherited = False
+    if not resumed and config.init_from:
+        inherited = init_weights(run, config.init_from)
+    resumed_from = ckpt.latest_checkpoint(run.run_dir / "checkpoints") if resumed else None
+    config.ema_warmup = ema_warmup_of(config, resumed_from, inherited)
+    if step.ema is not None:
+        step.ema.warmup = config.ema_warmup == "restart"
     SD_TrainStep.wrap_model(step, config.compile)
     return run
 
@@ -230,15 +236,16 @@ def resume(run: Run, folder: Path) -> None:
     log.info("verified and loaded %s", folder)
 
 
-def init_weights(run: Run, source: str) -> None:
+def init_weights(run: Run, source: str) -> bool:
     """Start a new phase from other weights; optimizer and schedule stay fresh.
 
     ``source``: a run or checkpoint folder of ours (its live weights, and its EMA for the EMA), a
     diffusers pipeline folder or hub id, or a single-file SD checkpoint (both for UNet and EMA).
+    Returns whether the EMA came from ``source``'s own EMA (else it starts as the live weights).
     """
     import SD_Formats
 
-    unet, ema = run.step.unet, run.step.ema
+    unet, ema, ema_state = run.step.unet, run.step.ema, None
     try:
         loaded = SD_Formats.load_unet_weights(source, unet, use_ema=False)
         if ema is not None:
@@ -249,7 +256,27 @@ def init_weights(run: Run, source: str) -> None:
             raise ConfigError(f"init_from: cannot load {source}: {SD_Formats.first_line(error)}") from error
         raise ConfigError(f"init_from: {source} is no local file or folder, and could not be loaded as a hub id "
                           f"({SD_Formats.first_line(error)})") from error
-    log.info("initialised weights from %s", loaded)
+    log.info("initialised weights from %s%s", loaded, " and its EMA" if ema_state is not None else "")
+    return ema_state is not None
+
+
+def ema_warmup_of(config: TrainConfig, resumed_from: Path | None, inherited: bool) -> str:
+    """``ema_warmup`` made concrete (restart or off), as config.yaml and every checkpoint record it.
+
+    Issue 13: an EMA inherited from the previous phase under a restarted warm-up, whose decay is 0.1
+    at step 0, weighs ~1e-5 after 10 steps: the phase's EMA would be its live weights. ``auto`` is
+    therefore off when ``init_from`` brought an EMA of ours (``inherited``), and restart for an EMA
+    that starts as the live weights. A resume keeps the choice its checkpoint recorded (restart when it predates
+    the field: what it was trained with).
+    """
+    if config.ema_warmup != "auto":
+        return config.ema_warmup
+    if resumed_from is not None:
+        import yaml
+
+        recorded = yaml.safe_load((resumed_from / "config.yaml").read_text()).get("ema_warmup")
+        return recorded if recorded in ("restart", "off") else "restart"
+    return "off" if inherited else "restart"
 
 
 # =============================================================================================

@@ -541,6 +541,26 @@ def test_ema_of_other_dtype_weights_reuses_one_staging_buffer_and_stays_exact():
         torch.testing.assert_close(s.double(), r, rtol=1e-6, atol=1e-6)
 
 
+def test_ema_without_warmup_matches_the_constant_decay_closed_form():
+    # An inherited EMA E0, live weights w_1..w_k: E_k = d^k E0 + sum_i (1 - d) d^(k - i) w_i.
+    model = _linear()
+    start = [p.detach().double().clone() for p in model.parameters()]
+    ema = SD_EMA.EMA(model, decay=0.9, warmup=False)
+    g = torch.Generator().manual_seed(0)
+    live = []
+    for step in range(5):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=g))
+        live.append([p.detach().double().clone() for p in model.parameters()])
+        ema.update(model, step)
+    k, d = len(live), 0.9
+    for j, (e0, shadow) in enumerate(zip(start, ema.shadow)):
+        expected = d**k * e0 + sum((1 - d) * d ** (k - i) * w[j] for i, w in enumerate(live, start=1))
+        torch.testing.assert_close(shadow.double(), expected, rtol=0, atol=1e-6)
+    assert d**k == pytest.approx(0.59049)  # E0 keeps its weight (the warm-up would leave it 1e-3)
+
+
 def test_ema_rejects_bad_settings():
     with pytest.raises(ValueError, match="decay"):
         SD_EMA.EMA(_linear(), decay=1.0)

@@ -1,5 +1,6 @@
 """SD_Train.py on the tiny presets: 2-rank gloo runs under torchrun, and in-process pieces."""
 
+import dataclasses
 import json
 import math
 import os
@@ -323,6 +324,51 @@ def test_cpu_ema_follows_the_hand_computed_recursion(tmp_path, data, every):
     # The shadow is neither the live weights nor the start: it really averages.
     assert any(not torch.allclose(s, p, atol=1e-6) for s, p in zip(ema.shadow, live[-1]))
     assert any(not torch.allclose(s, p, atol=1e-6) for s, p in zip(ema.shadow, initial))
+
+
+def train_steps(run, steps: int) -> list[list[torch.Tensor]]:
+    """``steps`` optimizer steps as the loop takes them (step index = train state step); live weights after each."""
+    live, size = [], run.config.batch_size
+    for _ in range(steps):
+        i = run.state.step
+        SD_TrainStep.train_step(run.step, [run.train_data.batch(np.arange(size * i, size * i + size))], i)
+        run.state.step += 1
+        live.append([p.detach().clone() for p in run.step.unet.parameters()])
+    return live
+
+
+def test_an_inherited_ema_keeps_its_weight_across_phases_and_a_resume(tmp_path, data):
+    small = dict(grad_accum=1, batch_size=2, ema_decay=0.9)
+    previous = make_run(tmp_path / "p1", data, **small)
+    assert previous.config.ema_warmup == "restart" and previous.step.ema.warmup  # a fresh EMA warms up
+    train_steps(previous, 1)
+    SD_Train.save(previous)
+    inherited = [s.clone() for s in previous.step.ema.shadow]
+    assert any(not torch.equal(s, p) for s, p in zip(inherited, previous.step.unet.parameters()))
+
+    run = make_run(tmp_path / "p2", data, **small, init_from=str(previous.run_dir))
+    assert run.config.ema_warmup == "off" and not run.step.ema.warmup
+    assert all(torch.equal(s, e) for s, e in zip(run.step.ema.shadow, inherited))
+    live = train_steps(run, 3)
+    # Constant decay d from the inherited EMA E0: E_k = d^k E0 + sum_i (1 - d) d^(k - i) w_i.
+    k, d = 3, 0.9
+    worst = 0.0
+    for j, (e0, shadow) in enumerate(zip(inherited, run.step.ema.shadow)):
+        expected = d**k * e0.double() + sum((1 - d) * d ** (k - i) * w[j].double() for i, w in enumerate(live, 1))
+        worst = max(worst, (shadow.double() - expected).abs().max().item())
+    assert worst < 1e-6
+    # The restarted warm-up (decays 0.1, 0.18, 0.25) would have left E0 a weight of 0.0045, not 0.729.
+    restarted = ema_replay(inherited, live, d, 1)
+    assert max((r - s.double()).abs().max().item() for r, s in zip(restarted, run.step.ema.shadow)) > 1e-3
+
+    SD_Train.save(run)  # a resume keeps the recorded choice, whatever init_from says now
+    resumed = make_run(tmp_path / "p2", data, **small)
+    assert resumed.config.ema_warmup == "off" and not resumed.step.ema.warmup
+    # What auto becomes for a new phase: off when init_from brought an EMA of ours, else restart.
+    fresh = dataclasses.replace(resumed.config, ema_warmup="auto")
+    assert SD_Train.ema_warmup_of(fresh, None, inherited=True) == "off"
+    assert SD_Train.ema_warmup_of(fresh, None, inherited=False) == "restart"
+    assert SD_Train.ema_warmup_of(dataclasses.replace(fresh, ema_warmup="restart"), None, inherited=True) == "restart"
 
 
 def test_max_bad_steps_saves_and_stops_naming_the_step(tmp_path, caplog):
