@@ -96,7 +96,8 @@ def build_data(config: TrainConfig):
     for entry in config.datasets:
         folder = str(Path(entry["latents"]).resolve())
         if folder not in stores:
-            stores[folder] = SD_Data.LatentStore(folder, threads=config.data_threads, mmap=config.mmap_latents)
+            stores[folder] = SD_Data.LatentStore(folder, threads=config.data_threads, mmap=config.mmap_latents,
+                                                 flip=config.flip)
         store = stores[folder]
         train.append(SD_Data.join_split(entry["dataset"], "train", store, allow_missing=config.allow_missing_latents))
         val.append(SD_Data.join_split(entry["dataset"], "validation", store, allow_missing=True))
@@ -391,12 +392,16 @@ def epochs(run: Run, stopper: "StopSignal", metrics, bar, prefetch: "Prefetcher"
         order = SD_Data.epoch_order(run.train_data.sizes, run.train_data.weights, config.seed, state.epoch,
                                     config.epoch_size or None)
         batches = SD_Data.rank_batches(order, d.rank, d.world_size, config.batch_size)
+        flips = (SD_Data.rank_batches(SD_Data.flip_coins(config.seed, state.epoch, len(order)), d.rank, d.world_size,
+                                      config.batch_size) if config.flip else [None] * len(batches))
         usable = len(batches) // config.grad_accum * config.grad_accum
         while state.position < usable and state.step < total:
             position, accum = state.position, config.grad_accum
-            micro = prefetch.take((state.epoch, position), batches[position : position + accum])
+            micro = prefetch.take((state.epoch, position), batches[position : position + accum],
+                                  flips[position : position + accum])
             if position + accum < usable and state.step + 1 < total:  # the next step's batch, built meanwhile
-                prefetch.ahead((state.epoch, position + accum), batches[position + accum : position + 2 * accum])
+                prefetch.ahead((state.epoch, position + accum), batches[position + accum : position + 2 * accum],
+                               flips[position + accum : position + 2 * accum])
             lr = SD_TrainStep.lr_at(state.step, config.lr, config.warmup_steps, total, config.min_lr_ratio)
             SD_TrainStep.set_lr(run.step.optimizer, lr)
             with SD_Model.attention_context(d.device):
@@ -443,22 +448,22 @@ class Prefetcher:
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="prefetch")
         self.pending = None  # (key, future)
 
-    def build(self, batches: list) -> list:
-        micro = [self.data.batch(rows) for rows in batches]
+    def build(self, batches: list, flips: list | None = None) -> list:
+        micro = [self.data.batch(rows, flipped) for rows, flipped in zip(batches, flips or [None] * len(batches))]
         if self.pin:
             micro = [tuple(t.pin_memory() for t in pair) for pair in micro]
         return micro
 
-    def ahead(self, key, batches: list) -> None:
-        self.pending = (key, self.pool.submit(self.build, batches))
+    def ahead(self, key, batches: list, flips: list | None = None) -> None:
+        self.pending = (key, self.pool.submit(self.build, batches, flips))
 
-    def take(self, key, batches: list) -> list:
+    def take(self, key, batches: list, flips: list | None = None) -> list:
         pending, self.pending = self.pending, None
         if pending is not None and pending[0] == key:
             return pending[1].result()
         if pending is not None:
             pending[1].cancel()
-        return self.build(batches)
+        return self.build(batches, flips)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)

@@ -70,6 +70,8 @@ class TrainConfig:
     data_threads: int = _doc("threads that load latent files into RAM at start", 16, allowed=COUNT)
     mmap_latents: bool = _doc("memory-map latent shards instead of loading them into RAM", False)
     allow_missing_latents: bool = _doc("drop captions without a latent (reported) instead of stopping", False)
+    flip: bool = _doc("train each sample on the latents of its mirrored image with probability 1/2 (a coin "
+                      "fixed by seed, epoch and position); needs latents from encode_latents.py --flip", False)
     # -- models -----------------------------------------------------------------------------
     unet: str = _doc("UNet preset: sd1 or tiny", "sd1")
     vae: str = _doc("VAE hub id, local folder or tiny (used for validation images)", SD_Model.DEFAULT_VAE)
