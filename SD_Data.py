@@ -9,8 +9,10 @@
 * A caption dataset is a ``datasets`` Arrow folder (``save_to_disk``) with ``train`` and
   ``validation`` splits holding ``key``, ``caption`` and ``input_ids`` (77 CLIP token ids).
 * ``epoch_order`` mixes several datasets by weight into one deterministic order per (seed, epoch);
-  ``rank_batches`` gives each rank a disjoint slice of it. Nothing else is random, so a resumed run
-  only needs the epoch and its position to continue exactly.
+  ``rank_batches`` gives each rank a disjoint slice of it. With ``flip``, ``flip_coins`` draws one
+  coin per position of that order, also from (seed, epoch) alone: a sample whose coin is True is
+  read from the latents of its mirrored image (``NNNNN.flip.npy``). Nothing else is random, so a
+  resumed run only needs the epoch and its position to continue exactly.
 """
 
 from __future__ import annotations
@@ -37,10 +39,12 @@ class LatentStore:
     """All latents of one folder, addressable by key.
 
     ``mmap=False`` copies every shard into one preallocated array (peak memory = the data once);
-    ``mmap=True`` keeps the shard files memory-mapped and reads rows on demand.
+    ``mmap=True`` keeps the shard files memory-mapped and reads rows on demand. ``flip=True`` also
+    reads the latents of the mirrored images (``encode_latents.py --flip``) the same way, into
+    ``flipped`` (twice the memory), and stops naming the folder when they are not there.
     """
 
-    def __init__(self, folder: str | Path, *, threads: int = 16, mmap: bool = False):
+    def __init__(self, folder: str | Path, *, threads: int = 16, mmap: bool = False, flip: bool = False):
         self.folder = Path(folder)
         if not self.folder.is_dir():
             raise DataError(f"latent folder {self.folder} does not exist")
@@ -52,6 +56,7 @@ class LatentStore:
             self._load_per_image(sorted(self.folder.glob("*.npy")), threads)
         if not self.keys:
             raise DataError(f"latent folder {self.folder} holds no latents (no *.keys.txt shards, no <key>.npy files)")
+        self.flipped = self._load_flipped(shard_files, threads, mmap) if flip else None
 
     # -- loading ------------------------------------------------------------------------------
 
@@ -115,6 +120,36 @@ class LatentStore:
         self.locations = np.stack([np.zeros(len(files), dtype=np.int64), np.arange(len(files))], 1)
         self._index_keys()
 
+    def _load_flipped(self, key_files: list[Path], threads: int, mmap: bool) -> list[np.ndarray]:
+        """The mirrored images' latents, laid out like ``self.arrays`` so ``self.locations`` address them."""
+        stems = [f.name[: -len(".keys.txt")] for f in key_files] or self.keys  # shards, or one file per image
+        paths = [self.folder / f"{stem}.flip.npy" for stem in stems]
+        missing = [p.name for p in paths if not p.exists()]
+        if missing:
+            raise DataError(f"flip: latent folder {self.folder} has no flipped latents for {len(missing)} of "
+                            f"{len(paths)} files (e.g. {missing[:3]}); encode it with encode_latents.py --flip, "
+                            "or set flip: false")
+        arrays = [load_npy(p, mmap=True) for p in paths]  # a damaged file is a DataError naming it
+        rows = [load_npy(p.with_name(f"{stem}.npy"), mmap=True).shape[0] if key_files else 1
+                for p, stem in zip(paths, stems)]
+        bad = [f"{p.name} {a.shape}" for p, a, n in zip(paths, arrays, rows)
+               if a.size != n * int(np.prod(self.sample_shape))]
+        if bad:
+            raise DataError(f"flip: {len(bad)} flipped latent files in {self.folder} do not match their latents "
+                            f"({self.sample_shape} per sample): {', '.join(bad[:10])}")
+        arrays = [a.reshape(n, *self.sample_shape) for a, n in zip(arrays, rows)]
+        if mmap and key_files:
+            return arrays
+        data = np.empty((len(self.keys), *self.sample_shape), dtype=np.float16)
+        offsets = np.cumsum([0] + rows)
+
+        def copy(i):
+            data[offsets[i] : offsets[i + 1]] = arrays[i]
+
+        with ThreadPoolExecutor(max(1, threads)) as pool:
+            list(pool.map(copy, range(len(arrays))))
+        return [data]
+
     def _check_shapes(self, shapes: list[tuple[Path, tuple]]) -> None:
         reference = shapes[0][1]
         bad = [f"{path.name} {tuple(shape)}" for path, shape in shapes if tuple(shape) != tuple(reference)]
@@ -139,11 +174,22 @@ class LatentStore:
     def __len__(self) -> int:
         return len(self.keys)
 
-    def gather(self, rows: np.ndarray) -> np.ndarray:
-        """Latents of the given rows, ``(B, 4, h, w)`` float16, in order."""
-        if len(self.arrays) == 1:
-            return np.asarray(self.arrays[0][self.locations[rows, 1]])
-        return np.stack([self.arrays[s][r] for s, r in self.locations[rows]])
+    def gather(self, rows: np.ndarray, flipped: np.ndarray | None = None) -> np.ndarray:
+        """Latents of the given rows, ``(B, 4, h, w)`` float16, in order.
+
+        Where the boolean ``flipped`` is True, those of the mirrored image (needs ``flip=True``).
+        """
+        latents = self._rows(self.arrays, rows)
+        if flipped is not None and flipped.any():
+            if self.flipped is None:
+                raise DataError(f"flipped latents of {self.folder} were asked for but not loaded (flip=False)")
+            latents[flipped] = self._rows(self.flipped, rows[flipped])
+        return latents
+
+    def _rows(self, arrays: list[np.ndarray], rows: np.ndarray) -> np.ndarray:
+        if len(arrays) == 1:
+            return np.asarray(arrays[0][self.locations[rows, 1]])
+        return np.stack([arrays[s][r] for s, r in self.locations[rows]])
 
 
 def read_latents_meta(folder: Path) -> dict:
@@ -280,8 +326,11 @@ class MixedData:
     def sample_shape(self):
         return next(s.store.sample_shape for s in self.splits if len(s))
 
-    def batch(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(latents (B, 4, h, w) float16, input_ids (B, 77) int64)`` for global indices, in order."""
+    def batch(self, indices: np.ndarray, flipped: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(latents (B, 4, h, w) float16, input_ids (B, 77) int64)`` for global indices, in order.
+
+        ``flipped`` (B,) bool: which samples take the latents of their mirrored image (``flip_coins``).
+        """
         which = np.searchsorted(self.offsets, indices, side="right") - 1
         latents = np.empty((len(indices), *self.sample_shape), dtype=np.float16)
         input_ids = np.empty((len(indices), 77), dtype=np.int64)
@@ -289,7 +338,7 @@ class MixedData:
             mask = which == d
             local = indices[mask] - self.offsets[d]
             split = self.splits[d]
-            latents[mask] = split.store.gather(split.rows[local])
+            latents[mask] = split.store.gather(split.rows[local], None if flipped is None else flipped[mask])
             input_ids[mask] = split.input_ids[local]
         return torch.from_numpy(latents), torch.from_numpy(input_ids)
 
@@ -320,6 +369,18 @@ def epoch_order(sizes: list[int], weights: list[float], seed: int, epoch: int, e
         parts.append(local.numpy() + offsets[i])
     order = np.concatenate(parts)
     return order[torch.randperm(len(order), generator=generator).numpy()]
+
+
+_FLIP_STREAM = 0x666C6970  # "flip": keeps these coins apart from any other stream seeded from (seed, epoch)
+
+
+def flip_coins(seed: int, epoch: int, size: int) -> np.ndarray:
+    """One fair coin per position of an epoch's order, ``(size,)`` bool: True = the mirrored latents.
+
+    A function of ``(seed, epoch)`` only, never of what the process drew before, so a run resumed
+    mid-epoch flips the same samples; its own stream, so it is independent of ``epoch_order``'s.
+    """
+    return np.random.default_rng([seed % 2**63, epoch, _FLIP_STREAM]).random(size) < 0.5
 
 
 def rank_batches(order: np.ndarray, rank: int, world_size: int, batch_size: int) -> list[np.ndarray]:

@@ -12,38 +12,72 @@ def ema_decay_at(step: int, decay: float) -> float:
     return min(decay, (1 + step) / (10 + step))
 
 
+def copy_weights(buffers: list[torch.Tensor], params: list[torch.Tensor]) -> None:
+    """Copy ``params`` into ``buffers``; returns once the data is there.
+
+    The copies are queued without blocking. One from CUDA into host memory returns before its data
+    has arrived (PyTorch's notes on pinned memory and ``non_blocking``), so the host then waits on
+    an event recorded after the last copy: whoever reads the buffers next sees finished copies.
+    """
+    for buffer, param in zip(buffers, params):
+        buffer.copy_(param, non_blocking=True)
+    source = params[0].device
+    if source.type == "cuda" and buffers[0].device.type == "cpu":
+        copied = torch.cuda.Event()
+        copied.record(torch.cuda.current_stream(source))
+        copied.synchronize()
+
+
 class EMA:
     """An fp32 shadow copy of a model's parameters, updated by a foreach lerp after optimizer steps.
 
     ``device=None`` keeps the shadow on the model's device. A CPU shadow (``device="cpu"``) saves
     accelerator memory; with ``update_every=N`` it is updated on every N-th step only, with the decay
-    raised to the N-th power so its horizon in steps stays the same.
+    raised to the N-th power so its horizon in steps stays the same. ``warmup=False`` applies the full
+    decay from the first update: for a shadow that already holds an average worth keeping (an EMA
+    inherited from an earlier phase), which the warm-up would otherwise overwrite within ~10 steps.
     """
 
-    def __init__(self, model, decay: float = 0.9999, device=None, update_every: int = 1):
+    def __init__(self, model, decay: float = 0.9999, device=None, update_every: int = 1, warmup: bool = True):
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"EMA decay must be in [0, 1), got {decay}")
         if update_every < 1:
             raise ValueError(f"EMA update_every must be >= 1, got {update_every}")
         self.decay = decay
         self.update_every = update_every
+        self.warmup = warmup
         self.names = [name for name, _ in model.named_parameters()]
         self.shadow = [
             p.detach().to(device=device or p.device, dtype=torch.float32, copy=True) for p in model.parameters()
         ]
+        self.staging: list[torch.Tensor] | None = None  # see _live_weights
 
     @torch.no_grad()
     def update(self, model, step: int) -> bool:
         """Fold the live weights in after optimizer step ``step`` (0-based). Returns whether it did."""
         if (step + 1) % self.update_every:
             return False
-        decay = ema_decay_at(step, self.decay) ** self.update_every
-        params = [p.detach() for p in model.parameters()]
-        device = self.shadow[0].device
-        if params[0].device != device or params[0].dtype != torch.float32:
-            params = [p.to(device=device, dtype=torch.float32, non_blocking=True) for p in params]
-        torch._foreach_lerp_(self.shadow, params, 1.0 - decay)
+        decay = (ema_decay_at(step, self.decay) if self.warmup else self.decay) ** self.update_every
+        torch._foreach_lerp_(self.shadow, self._live_weights(model), 1.0 - decay)
         return True
+
+    def _live_weights(self, model) -> list[torch.Tensor]:
+        """The model's weights as fp32 on the shadow's device (the parameters, or copies of them).
+
+        Copies go into staging buffers allocated on the first update and reused: a fresh 3.4 GB per
+        update at SD 1.x size costs page faults and allocator churn (bench/ema_copy.py). From CUDA to
+        a CPU shadow the buffers are pinned, so the copies are DMA transfers.
+        """
+        params = [p.detach() for p in model.parameters()]
+        target, source = self.shadow[0].device, params[0].device
+        if source == target and params[0].dtype == torch.float32:
+            return params
+        if self.staging is None:
+            pin = source.type == "cuda" and target.type == "cpu"
+            self.staging = [torch.empty(s.shape, dtype=torch.float32, device=target, pin_memory=pin)
+                            for s in self.shadow]
+        copy_weights(self.staging, params)
+        return self.staging
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return dict(zip(self.names, self.shadow))

@@ -96,7 +96,8 @@ def build_data(config: TrainConfig):
     for entry in config.datasets:
         folder = str(Path(entry["latents"]).resolve())
         if folder not in stores:
-            stores[folder] = SD_Data.LatentStore(folder, threads=config.data_threads, mmap=config.mmap_latents)
+            stores[folder] = SD_Data.LatentStore(folder, threads=config.data_threads, mmap=config.mmap_latents,
+                                                 flip=config.flip)
         store = stores[folder]
         train.append(SD_Data.join_split(entry["dataset"], "train", store, allow_missing=config.allow_missing_latents))
         val.append(SD_Data.join_split(entry["dataset"], "validation", store, allow_missing=True))
@@ -143,8 +144,14 @@ def build(config: TrainConfig, d: Dist) -> Run:
     sampler = SD_Sampling.Pipeline(unet, vae, step.text_encoder, tokenizer, config.prediction_type)
     run = Run(config, d, step, TrainState(world_size=d.world_size), train_data, val_data, sampler,
               ckpt.RankRNG(step.noise_generator, unet), steps_per_epoch, total, Path(config.out_dir))
-    if not resume_newest_usable(run) and config.init_from:
-        init_weights(run, config.init_from)
+    resumed = resume_newest_usable(run)  # damaged newer checkpoints are set aside: the latest is the one resumed
+    inherited = False
+    if not resumed and config.init_from:
+        inherited = init_weights(run, config.init_from)
+    resumed_from = ckpt.latest_checkpoint(run.run_dir / "checkpoints") if resumed else None
+    config.ema_warmup = ema_warmup_of(config, resumed_from, inherited)
+    if step.ema is not None:
+        step.ema.warmup = config.ema_warmup == "restart"
     SD_TrainStep.wrap_model(step, config.compile)
     return run
 
@@ -230,15 +237,16 @@ def resume(run: Run, folder: Path) -> None:
     log.info("verified and loaded %s", folder)
 
 
-def init_weights(run: Run, source: str) -> None:
+def init_weights(run: Run, source: str) -> bool:
     """Start a new phase from other weights; optimizer and schedule stay fresh.
 
     ``source``: a run or checkpoint folder of ours (its live weights, and its EMA for the EMA), a
     diffusers pipeline folder or hub id, or a single-file SD checkpoint (both for UNet and EMA).
+    Returns whether the EMA came from ``source``'s own EMA (else it starts as the live weights).
     """
     import SD_Formats
 
-    unet, ema = run.step.unet, run.step.ema
+    unet, ema, ema_state = run.step.unet, run.step.ema, None
     try:
         loaded = SD_Formats.load_unet_weights(source, unet, use_ema=False)
         if ema is not None:
@@ -249,7 +257,27 @@ def init_weights(run: Run, source: str) -> None:
             raise ConfigError(f"init_from: cannot load {source}: {SD_Formats.first_line(error)}") from error
         raise ConfigError(f"init_from: {source} is no local file or folder, and could not be loaded as a hub id "
                           f"({SD_Formats.first_line(error)})") from error
-    log.info("initialised weights from %s", loaded)
+    log.info("initialised weights from %s%s", loaded, " and its EMA" if ema_state is not None else "")
+    return ema_state is not None
+
+
+def ema_warmup_of(config: TrainConfig, resumed_from: Path | None, inherited: bool) -> str:
+    """``ema_warmup`` made concrete (restart or off), as config.yaml and every checkpoint record it.
+
+    Issue 13: an EMA inherited from the previous phase under a restarted warm-up, whose decay is 0.1
+    at step 0, weighs ~1e-5 after 10 steps: the phase's EMA would be its live weights. ``auto`` is
+    therefore off when ``init_from`` brought an EMA of ours (``inherited``), and restart for an EMA
+    that starts as the live weights. A resume keeps the choice its checkpoint recorded (restart when it predates
+    the field: what it was trained with).
+    """
+    if config.ema_warmup != "auto":
+        return config.ema_warmup
+    if resumed_from is not None:
+        import yaml
+
+        recorded = yaml.safe_load((resumed_from / "config.yaml").read_text()).get("ema_warmup")
+        return recorded if recorded in ("restart", "off") else "restart"
+    return "off" if inherited else "restart"
 
 
 # =============================================================================================
@@ -364,12 +392,16 @@ def epochs(run: Run, stopper: "StopSignal", metrics, bar, prefetch: "Prefetcher"
         order = SD_Data.epoch_order(run.train_data.sizes, run.train_data.weights, config.seed, state.epoch,
                                     config.epoch_size or None)
         batches = SD_Data.rank_batches(order, d.rank, d.world_size, config.batch_size)
+        flips = (SD_Data.rank_batches(SD_Data.flip_coins(config.seed, state.epoch, len(order)), d.rank, d.world_size,
+                                      config.batch_size) if config.flip else [None] * len(batches))
         usable = len(batches) // config.grad_accum * config.grad_accum
         while state.position < usable and state.step < total:
             position, accum = state.position, config.grad_accum
-            micro = prefetch.take((state.epoch, position), batches[position : position + accum])
+            micro = prefetch.take((state.epoch, position), batches[position : position + accum],
+                                  flips[position : position + accum])
             if position + accum < usable and state.step + 1 < total:  # the next step's batch, built meanwhile
-                prefetch.ahead((state.epoch, position + accum), batches[position + accum : position + 2 * accum])
+                prefetch.ahead((state.epoch, position + accum), batches[position + accum : position + 2 * accum],
+                               flips[position + accum : position + 2 * accum])
             lr = SD_TrainStep.lr_at(state.step, config.lr, config.warmup_steps, total, config.min_lr_ratio)
             SD_TrainStep.set_lr(run.step.optimizer, lr)
             with SD_Model.attention_context(d.device):
@@ -416,22 +448,22 @@ class Prefetcher:
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="prefetch")
         self.pending = None  # (key, future)
 
-    def build(self, batches: list) -> list:
-        micro = [self.data.batch(rows) for rows in batches]
+    def build(self, batches: list, flips: list | None = None) -> list:
+        micro = [self.data.batch(rows, flipped) for rows, flipped in zip(batches, flips or [None] * len(batches))]
         if self.pin:
             micro = [tuple(t.pin_memory() for t in pair) for pair in micro]
         return micro
 
-    def ahead(self, key, batches: list) -> None:
-        self.pending = (key, self.pool.submit(self.build, batches))
+    def ahead(self, key, batches: list, flips: list | None = None) -> None:
+        self.pending = (key, self.pool.submit(self.build, batches, flips))
 
-    def take(self, key, batches: list) -> list:
+    def take(self, key, batches: list, flips: list | None = None) -> list:
         pending, self.pending = self.pending, None
         if pending is not None and pending[0] == key:
             return pending[1].result()
         if pending is not None:
             pending[1].cancel()
-        return self.build(batches)
+        return self.build(batches, flips)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)

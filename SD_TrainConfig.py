@@ -70,6 +70,8 @@ class TrainConfig:
     data_threads: int = _doc("threads that load latent files into RAM at start", 16, allowed=COUNT)
     mmap_latents: bool = _doc("memory-map latent shards instead of loading them into RAM", False)
     allow_missing_latents: bool = _doc("drop captions without a latent (reported) instead of stopping", False)
+    flip: bool = _doc("train each sample on the latents of its mirrored image with probability 1/2 (a coin "
+                      "fixed by seed, epoch and position); needs latents from encode_latents.py --flip", False)
     # -- models -----------------------------------------------------------------------------
     unet: str = _doc("UNet preset: sd1 or tiny", "sd1")
     vae: str = _doc("VAE hub id, local folder or tiny (used for validation images)", SD_Model.DEFAULT_VAE)
@@ -99,6 +101,10 @@ class TrainConfig:
     ema_device: str = _doc("where the EMA lives: same (the training device) or cpu", "same")
     ema_update_every: int = _doc("update the EMA every N optimizer steps (decay raised to the N-th power)", 1,
                                  allowed=COUNT)
+    ema_warmup: str = _doc("EMA decay warm-up: restart (min(ema_decay, (1+t)/(10+t)) from this run's step 0), "
+                           "off (the full ema_decay from the first step, so an inherited EMA keeps its weight), or "
+                           "auto (off when init_from brings an EMA of ours, else restart; config.yaml records which)",
+                           "auto")
     precision: str = _doc("bf16 (autocast), fp16 (autocast + GradScaler) or fp32", "bf16")
     grad_checkpointing: bool = _doc("recompute activations in backward to save memory", True)
     channels_last: bool = _doc("channels_last memory format for the UNet", False)
@@ -145,6 +151,7 @@ class TrainConfig:
         need(self.prediction_type in ("epsilon", "v_prediction"), "prediction_type: epsilon or v_prediction")
         need(self.precision in ("bf16", "fp16", "fp32"), "precision: bf16, fp16 or fp32")
         need(self.ema_device in ("same", "cpu"), "ema_device: same or cpu")
+        need(self.ema_warmup in ("auto", "restart", "off"), "ema_warmup: auto, restart or off")
         need(self.wandb_mode in ("online", "offline", "disabled"), "wandb_mode: online, offline or disabled")
         need(self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda"), "device: auto, cpu or cuda")
         for name in ("vae", "text_encoder", "out_dir"):

@@ -10,9 +10,9 @@ finished latents to the host and saves each completed shard.
 
 Per input shard NNNNN.tar the output folder gets NNNNN.npy (float16, (N, 4, H/8, W/8), the posterior
 mean, unscaled), NNNNN.report.json (what was skipped and why) and NNNNN.keys.txt, written last as
-the shard's done marker; --flip adds NNNNN.flip.npy with the latents of the mirrored images.
-latents.json holds the settings (VAE id, scaling factor, resolution, latent shape, dtype, flip) and
-the totals. It is written first, with ``"complete": false``, before any shard is encoded, and again
+the shard's done marker; --flip adds NNNNN.flip.npy with the latents of the mirrored images (the
+trainer reads them with ``flip: true``). latents.json holds the settings (VAE id, scaling factor,
+resolution, latent shape, dtype, flip) and the totals. It is written first, with ``"complete": false``, before any shard is encoded, and again
 with ``"complete": true`` once every input shard has been through (the trainer refuses a folder that
 is not complete). A re-run compares its settings with it before any work: a mismatch stops with exit
 2 and writes nothing. A re-run encodes only the shards not done; bad samples are skipped, counted and
@@ -64,7 +64,8 @@ def parse_args(argv=None):
     parser.add_alias("--dtype", "precision", choices=PRECISION_CHOICES)
     parser.add_bool("--compile", help="torch.compile the VAE encoder")
     parser.add_argument("--device", default="auto", help="auto (CUDA, then MPS, then the CPU), cpu, cuda or cuda:N")
-    parser.add_bool("--flip", help="also store the latents of the horizontally flipped images (NNNNN.flip.npy)")
+    parser.add_bool("--flip", help="also store the latents of the horizontally flipped images (NNNNN.flip.npy; "
+                    "SD_Train.py --flip trains on them for a random half of the samples)")
     parser.add_argument("--max_pixels", type=int, default=SD_Shards.DEFAULT_MAX_PIXELS,
                         help="skip images with more pixels than this, read from the header")
     parser.add_argument("--max_aspect", type=float, default=SD_Shards.DEFAULT_MAX_ASPECT,

@@ -10,13 +10,18 @@ import SD_Model
 WORDS = ["red circle", "blue square", "green triangle", "yellow star"]
 
 
-def make_latents(folder: Path, keys: list[str], latents: np.ndarray, shard_size: int = 16) -> Path:
-    """Write ``NNNNN.npy`` + ``NNNNN.keys.txt`` shards and ``latents.json`` like encode_latents.py."""
+def make_latents(folder: Path, keys: list[str], latents: np.ndarray, shard_size: int = 16,
+                 flipped: np.ndarray | None = None) -> Path:
+    """Write ``NNNNN.npy`` + ``NNNNN.keys.txt`` shards and ``latents.json`` like encode_latents.py
+    (with ``flipped``, also ``NNNNN.flip.npy`` as ``--flip`` does)."""
     folder.mkdir(parents=True, exist_ok=True)
     for shard, start in enumerate(range(0, len(keys), shard_size)):
         np.save(folder / f"{shard:05d}.npy", latents[start : start + shard_size].astype(np.float16))
+        if flipped is not None:
+            np.save(folder / f"{shard:05d}.flip.npy", flipped[start : start + shard_size].astype(np.float16))
         (folder / f"{shard:05d}.keys.txt").write_text("\n".join(keys[start : start + shard_size]) + "\n")
-    meta = {"vae": "tiny", "scaling_factor": SD_Model.SD1_SCALING_FACTOR, "count": len(keys)}
+    meta = {"vae": "tiny", "scaling_factor": SD_Model.SD1_SCALING_FACTOR, "count": len(keys),
+            **({"flip": True} if flipped is not None else {})}
     (folder / "latents.json").write_text(json.dumps(meta))
     return folder
 
@@ -40,7 +45,7 @@ def make_captions(folder: Path, train: list[tuple[str, str]], validation: list[t
 
 
 def make_dataset(root: Path, n_train: int = 64, n_val: int = 8, size: int = 8, seed: int = 0,
-                 prefix: str = "s") -> dict:
+                 prefix: str = "s", flip: bool = False) -> dict:
     """A learnable toy set: each caption's class fixes a distinct latent pattern (plus a little noise)."""
     rng = np.random.default_rng(seed)
     patterns = rng.normal(0, 4, size=(len(WORDS), 4, size, size))
@@ -49,7 +54,7 @@ def make_dataset(root: Path, n_train: int = 64, n_val: int = 8, size: int = 8, s
     latents = patterns[classes] + rng.normal(0, 0.2, size=(n, 4, size, size))
     keys = [f"{prefix}{i:05d}" for i in range(n)]
     captions = [f"a {WORDS[c]}" for c in classes]
-    make_latents(root / "latents", keys, latents)
+    make_latents(root / "latents", keys, latents, flipped=latents[..., ::-1] if flip else None)
     rows = list(zip(keys, captions))
     make_captions(root / "captions", rows[:n_train], rows[n_train:])
     return {"dataset": str(root / "captions"), "latents": str(root / "latents"), "weight": 1.0}

@@ -137,3 +137,18 @@ def test_checkpoint_hash_bench_writes_real_shapes_and_times_both_hashes(tmp_path
     assert result["bytes"] > 4 * 4 * result["parameters"]  # UNet + EMA + two moments, fp32
     assert result["save_s"] > 0 and result["xxh3_s"] > 0 and result["sha256_s"] > 0
     assert list(tmp_path.iterdir()) == []  # the files are removed
+
+
+def test_ema_copy_bench_times_both_paths_and_computes_the_sd1_transfer(capsys):
+    import ema_copy
+
+    result = ema_copy.main(["--arch", "sd1", "--fraction", "0.001", "--rounds", "1", "--device", "cpu"])
+    assert result["params_full"] == 859_520_964 and result["bytes_full"] == 3_438_083_856
+    assert 0 < result["params_measured"] < 0.01 * result["params_full"]
+    assert result["ours_s"] > 0 and result["previous_s"] > 0
+    assert result["ours_s_full"] == pytest.approx(result["ours_s"] * 859_520_964 / result["params_measured"], rel=1e-2,
+                                                    abs=1e-3)
+    assert result["pcie_s_computed"] == {"PCIe 4.0 x16": 0.138, "PCIe 5.0 x16": 0.069}
+    stdout = capsys.readouterr().out
+    assert f"ratio ours/previous = {result['ratio_ours_vs_previous']:.2f}x" in stdout
+    assert "computed, not measured: 3.44 GB over PCIe 4.0 x16 at 25 GB/s = 0.138 s" in stdout

@@ -66,3 +66,22 @@ def test_benchmarks_run_the_sd1_unet_on_the_gpu():
     result = _bench("sampling.py", "--arch", "sd1", "--resolution", "256", "--batch_sizes", "1", "--steps", "10",
                     "--modes", "eager,default")
     assert all(r["max_abs_difference"] < 0.05 for r in result["ratios"])  # bf16: ours and diffusers agree
+
+
+def test_cpu_ema_of_cuda_weights_reads_finished_copies():
+    import SD_EMA
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)]).cuda()
+    ema = SD_EMA.EMA(model, decay=0.9, device="cpu")
+    reference = [p.detach().cpu().double() for p in model.parameters()]
+    for step in range(3):
+        with torch.no_grad():  # queued GPU work right before the update: the copies must wait for it
+            for p in model.parameters():
+                p.mul_(1.5).add_(1.0)
+        ema.update(model, step)
+        d = SD_EMA.ema_decay_at(step, 0.9)
+        reference = [d * r + (1 - d) * p.detach().cpu().double() for r, p in zip(reference, model.parameters())]
+    assert all(b.is_pinned() for b in ema.staging)
+    for r, s in zip(reference, ema.shadow):
+        torch.testing.assert_close(s.double(), r, rtol=1e-6, atol=1e-5)

@@ -206,3 +206,63 @@ def test_the_trainer_names_a_damaged_latent_file_in_one_line(tmp_path, capsys, c
     err = capsys.readouterr().err
     assert err.startswith("SD_Train.py: error") and err.count("\n") == 1 and named in err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("mmap", [False, True])
+def test_flip_reads_each_samples_mirrored_latents_by_its_coin(tmp_path, mmap):
+    rng = np.random.default_rng(0)
+    latents = rng.normal(size=(40, 4, 8, 8)).astype(np.float16)
+    keys = [f"key{i}" for i in range(40)]
+    folder = make_latents(tmp_path / "lat", keys, latents, shard_size=16, flipped=latents[..., ::-1])
+    store = SD_Data.LatentStore(folder, mmap=mmap, flip=True)
+    rows = np.arange(40)[::-1].copy()  # sample i of the split is row 39 - i of the store
+    data = SD_Data.MixedData([SD_Data.JoinedSplit("d", store, rows, np.zeros((40, 77), np.int64), keys[::-1])], [1.0])
+    order = SD_Data.epoch_order(data.sizes, data.weights, seed=3, epoch=1)
+    coins = SD_Data.flip_coins(3, 1, len(order))
+    for start in (0, 20):  # two batches of 20: each takes about half from the mirrored latents
+        batch = slice(start, start + 20)
+        got, _ = data.batch(order[batch], coins[batch])
+        source = rows[order[batch]]
+        expected = np.where(coins[batch, None, None, None], latents[source][..., ::-1], latents[source])
+        assert np.array_equal(got.numpy(), expected)
+        assert 5 <= coins[batch].sum() <= 15
+        again, _ = data.batch(order[batch], coins[batch])
+        assert np.array_equal(again.numpy(), got.numpy())
+    plain, _ = data.batch(order)
+    assert np.array_equal(plain.numpy(), latents[rows[order]])  # no coins: the latents as encoded
+    assert abs(SD_Data.flip_coins(3, 1, 20_000).mean() - 0.5) < 0.02
+
+
+def test_flip_coins_depend_only_on_seed_epoch_and_position():
+    coins = SD_Data.flip_coins(7, 2, 64)
+    np.random.seed(1)
+    np.random.random(100)  # the process's other random streams do not move them
+    assert np.array_equal(SD_Data.flip_coins(7, 2, 64), coins)
+    assert np.array_equal(SD_Data.flip_coins(7, 2, 100)[:64], coins)  # a position's coin is its own
+    assert not np.array_equal(SD_Data.flip_coins(7, 3, 64), coins)
+    assert not np.array_equal(SD_Data.flip_coins(8, 2, 64), coins)
+
+
+def test_flip_without_flipped_latents_names_the_folder(tmp_path):
+    folder = make_latents(tmp_path / "lat", ["a", "b"], np.zeros((2, 4, 8, 8)))
+    with pytest.raises(SD_Data.DataError, match=f"flip: latent folder {folder} has no flipped latents.*"
+                                                r"00000\.flip\.npy.*encode_latents\.py --flip"):
+        SD_Data.LatentStore(folder, flip=True)
+    assert SD_Data.LatentStore(folder).flipped is None
+    (folder / "00000.flip.npy").write_bytes(b"\x93NUMPY damaged")
+    with pytest.raises(SD_Data.DataError, match=r"00000\.flip\.npy is not a readable latent \.npy file"):
+        SD_Data.LatentStore(folder, flip=True)
+    with pytest.raises(SD_Data.DataError, match="not loaded"):
+        SD_Data.LatentStore(folder).gather(np.array([0]), np.array([True]))
+
+
+def test_flip_reads_the_per_image_layout(tmp_path):
+    folder = tmp_path / "per_image"
+    folder.mkdir()
+    for i in range(3):
+        np.save(folder / f"img{i}.npy", np.full((4, 8, 8), i, dtype=np.float16))
+        np.save(folder / f"img{i}.flip.npy", np.full((4, 8, 8), -i, dtype=np.float16))
+    store = SD_Data.LatentStore(folder, flip=True)
+    assert store.keys == ["img0", "img1", "img2"]
+    got = store.gather(np.array([2, 1, 2]), np.array([True, False, False]))
+    assert got[:, 0, 0, 0].tolist() == [-2, 1, 2]

@@ -450,6 +450,117 @@ def test_swapping_ema_weights_in_and_out_is_exact():
     assert any(not torch.equal(a, b) for a, b in zip(live, inside))
 
 
+class _CudaCalls:
+    """Stands in for torch.cuda's Event and current_stream on a CPU-only build, logging each call."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def current_stream(self, device=None):
+        return ("stream", torch.device(device))
+
+    def Event(self):
+        log = self.log
+
+        class Event:
+            def record(self, stream=None):
+                log.append(("record", stream))
+
+            def synchronize(self):
+                log.append(("synchronize",))
+
+        return Event()
+
+
+def test_cpu_ema_of_cuda_weights_stages_into_pinned_buffers_once_and_waits_before_the_lerp(monkeypatch):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    log = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func not in (torch.ops.aten.detach.default, torch.ops.prim.device.default):
+                log.append((func, args, kwargs or {}))
+            return func(*args, **(kwargs or {}))
+
+    cuda = _CudaCalls(log)
+    monkeypatch.setattr(torch.cuda, "Event", cuda.Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", cuda.current_stream)
+    aten = torch.ops.aten
+    with FakeTensorMode():  # cuda tensors on a CPU-only build
+        model = torch.nn.Module()
+        model.weight = torch.nn.Parameter(torch.zeros(3, 2, device="cuda"))
+        model.bias = torch.nn.Parameter(torch.zeros(2, device="cuda"))
+        params = list(model.parameters())
+        ema = SD_EMA.EMA(model, decay=0.9, device="cpu")
+        assert [s.device.type for s in ema.shadow] == ["cpu", "cpu"]
+        updates = []
+        for step in range(3):
+            log.clear()
+            with Ops():
+                ema.update(model, step)
+            updates.append(list(log))
+    first, *later = updates
+    allocations = [op for op in first if op[0] is aten.empty.memory_format]
+    assert len(allocations) == 2
+    assert all(kw["pin_memory"] is True and kw["device"] == torch.device("cpu") and kw["dtype"] == torch.float32
+               for _, _, kw in allocations)
+    buffers = ema.staging
+    assert [tuple(b.shape) for b in buffers] == [(3, 2), (2,)]
+    for ops in [first[2:], *later]:  # every update: copies, an event after them, a wait, then the lerp
+        assert [op[0] for op in ops] == [aten.copy_.default, aten.copy_.default, "record", "synchronize",
+                                          aten._foreach_lerp_.Scalar]
+        copies = ops[:2]
+        assert all(args[0] is b and args[1].device == p.device and args[1].shape == p.shape and args[2] is True
+                   for (_, args, _), b, p in zip(copies, buffers, params))  # into the same buffers, non-blocking
+        assert ops[2][1] == ("stream", torch.device("cuda", 0))
+        lerp_args = ops[4][1]
+        assert all(a is s for a, s in zip(lerp_args[0], ema.shadow))
+        assert all(a is b for a, b in zip(lerp_args[1], buffers))
+    assert [op[4][1][2] for op in [first[2:], *later]] == pytest.approx([1 - 0.1, 1 - 2 / 11, 1 - 3 / 12])
+
+
+def test_ema_of_other_dtype_weights_reuses_one_staging_buffer_and_stays_exact():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3).to(torch.bfloat16)
+    ema = SD_EMA.EMA(model, decay=0.9, device="cpu")
+    reference = [p.detach().double() for p in model.parameters()]
+    pointers = None
+    for step in range(4):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape).to(torch.bfloat16))
+        ema.update(model, step)
+        d = SD_EMA.ema_decay_at(step, 0.9)
+        reference = [d * r + (1 - d) * p.detach().double() for r, p in zip(reference, model.parameters())]
+        pointers = pointers or [b.data_ptr() for b in ema.staging]
+        assert [b.data_ptr() for b in ema.staging] == pointers
+    assert not any(b.is_pinned() for b in ema.staging)  # pinned only for a CUDA source
+    for r, s in zip(reference, ema.shadow):
+        torch.testing.assert_close(s.double(), r, rtol=1e-6, atol=1e-6)
+
+
+def test_ema_without_warmup_matches_the_constant_decay_closed_form():
+    # An inherited EMA E0, live weights w_1..w_k: E_k = d^k E0 + sum_i (1 - d) d^(k - i) w_i.
+    model = _linear()
+    start = [p.detach().double().clone() for p in model.parameters()]
+    ema = SD_EMA.EMA(model, decay=0.9, warmup=False)
+    g = torch.Generator().manual_seed(0)
+    live = []
+    for step in range(5):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=g))
+        live.append([p.detach().double().clone() for p in model.parameters()])
+        ema.update(model, step)
+    k, d = len(live), 0.9
+    for j, (e0, shadow) in enumerate(zip(start, ema.shadow)):
+        expected = d**k * e0 + sum((1 - d) * d ** (k - i) * w[j] for i, w in enumerate(live, start=1))
+        torch.testing.assert_close(shadow.double(), expected, rtol=0, atol=1e-6)
+    assert d**k == pytest.approx(0.59049)  # E0 keeps its weight (the warm-up would leave it 1e-3)
+
+
 def test_ema_rejects_bad_settings():
     with pytest.raises(ValueError, match="decay"):
         SD_EMA.EMA(_linear(), decay=1.0)

@@ -1,5 +1,6 @@
 """SD_Train.py on the tiny presets: 2-rank gloo runs under torchrun, and in-process pieces."""
 
+import dataclasses
 import json
 import math
 import os
@@ -325,6 +326,86 @@ def test_cpu_ema_follows_the_hand_computed_recursion(tmp_path, data, every):
     assert any(not torch.allclose(s, p, atol=1e-6) for s, p in zip(ema.shadow, initial))
 
 
+def train_steps(run, steps: int) -> list[list[torch.Tensor]]:
+    """``steps`` optimizer steps as the loop takes them (step index = train state step); live weights after each."""
+    live, size = [], run.config.batch_size
+    for _ in range(steps):
+        i = run.state.step
+        SD_TrainStep.train_step(run.step, [run.train_data.batch(np.arange(size * i, size * i + size))], i)
+        run.state.step += 1
+        live.append([p.detach().clone() for p in run.step.unet.parameters()])
+    return live
+
+
+def test_an_inherited_ema_keeps_its_weight_across_phases_and_a_resume(tmp_path, data):
+    small = dict(grad_accum=1, batch_size=2, ema_decay=0.9)
+    previous = make_run(tmp_path / "p1", data, **small)
+    assert previous.config.ema_warmup == "restart" and previous.step.ema.warmup  # a fresh EMA warms up
+    train_steps(previous, 1)
+    SD_Train.save(previous)
+    inherited = [s.clone() for s in previous.step.ema.shadow]
+    assert any(not torch.equal(s, p) for s, p in zip(inherited, previous.step.unet.parameters()))
+
+    run = make_run(tmp_path / "p2", data, **small, init_from=str(previous.run_dir))
+    assert run.config.ema_warmup == "off" and not run.step.ema.warmup
+    assert all(torch.equal(s, e) for s, e in zip(run.step.ema.shadow, inherited))
+    live = train_steps(run, 3)
+    # Constant decay d from the inherited EMA E0: E_k = d^k E0 + sum_i (1 - d) d^(k - i) w_i.
+    k, d = 3, 0.9
+    worst = 0.0
+    for j, (e0, shadow) in enumerate(zip(inherited, run.step.ema.shadow)):
+        expected = d**k * e0.double() + sum((1 - d) * d ** (k - i) * w[j].double() for i, w in enumerate(live, 1))
+        worst = max(worst, (shadow.double() - expected).abs().max().item())
+    assert worst < 1e-6
+    # The restarted warm-up (decays 0.1, 0.18, 0.25) would have left E0 a weight of 0.0045, not 0.729.
+    restarted = ema_replay(inherited, live, d, 1)
+    assert max((r - s.double()).abs().max().item() for r, s in zip(restarted, run.step.ema.shadow)) > 1e-3
+
+    SD_Train.save(run)  # a resume keeps the recorded choice, whatever init_from says now
+    resumed = make_run(tmp_path / "p2", data, **small)
+    assert resumed.config.ema_warmup == "off" and not resumed.step.ema.warmup
+    # What auto becomes for a new phase: off when init_from brought an EMA of ours, else restart.
+    fresh = dataclasses.replace(resumed.config, ema_warmup="auto")
+    assert SD_Train.ema_warmup_of(fresh, None, inherited=True) == "off"
+    assert SD_Train.ema_warmup_of(fresh, None, inherited=False) == "restart"
+    assert SD_Train.ema_warmup_of(dataclasses.replace(fresh, ema_warmup="restart"), None, inherited=True) == "restart"
+
+
+def recorded_batches(monkeypatch) -> list:
+    """The latents of every micro-batch the loop hands to train_step, which here only records them."""
+    seen = []
+
+    def record(step, micro_batches, step_index, stop_requested=False):
+        seen.append([latents.clone() for latents, _ in micro_batches])
+        return {"loss": 1.0, "grad_norm": 1.0, "bad": False, "overflow": False, "stop": False,
+                "loss_quartiles": [None] * 4}
+
+    monkeypatch.setattr(SD_TrainStep, "train_step", record)
+    return seen
+
+
+def test_flip_mirrors_about_half_the_samples_and_a_resume_flips_the_same_ones(tmp_path, monkeypatch):
+    data = make_dataset(tmp_path / "data", n_train=16, n_val=0, flip=True)
+    config = write_config(tmp_path / "f.yaml", datasets=[data], max_steps=6, batch_size=2, grad_accum=2, flip=True,
+                          ema_decay=0.0, out_dir=str(tmp_path / "run"))
+    seen = recorded_batches(monkeypatch)
+    assert SD_Train.main(["--config", str(config), "--stop_at_step", "3"]) == 0  # mid-epoch (4 steps per epoch)
+    assert SD_Train.main(["--config", str(config)]) == 0  # resumes at step 3
+    assert len(seen) == 6 and all(len(micro) == 2 for micro in seen)
+    # On one rank the micro-batches are the epoch order in slices; each sample comes from its latents
+    # or their mirror image as the coin of its (seed, epoch, position) says, across the resume too.
+    store = SD_Data.LatentStore(data["latents"], flip=True)
+    expected, flipped = [], 0
+    for epoch in (0, 1):
+        rows = [store.row_of[f"s{i:05d}"] for i in SD_Data.epoch_order([16], [1.0], 0, epoch)]
+        coins = SD_Data.flip_coins(0, epoch, 16)
+        expected.append(np.where(coins[:, None, None, None], store.flipped[0][rows], store.arrays[0][rows]))
+        flipped += coins.sum()
+    expected = np.concatenate(expected)[: 6 * 4]
+    assert np.array_equal(torch.cat([torch.cat(micro) for micro in seen]).numpy(), expected)
+    assert 10 <= flipped <= 22  # of 32
+
+
 def test_max_bad_steps_saves_and_stops_naming_the_step(tmp_path, caplog):
     entry = make_dataset(tmp_path / "data", n_train=16, n_val=0)
     for shard in Path(entry["latents"]).glob("*.npy"):
@@ -402,6 +483,8 @@ def test_init_from_takes_weights_and_ema_with_a_fresh_optimizer(run_a, tmp_path,
     ({"keep_checkpoints": 1}, [], "keep_checkpoints must be >= 2"),
     ({"datasets": [{"dataset": "/nonexistent/captions", "latents": "/nonexistent/latents"}]}, [],
      "datasets\\[0\\].dataset: folder /nonexistent/captions does not exist"),
+    ({}, ["--flip"], "flip: latent folder .*/latents has no flipped latents for 5 of 5 files.*encode_latents.py --flip"),
+    ({"ema_warmup": "continue"}, [], "ema_warmup: auto, restart or off"),
 ])
 def test_bad_configs_stop_before_any_work(tmp_path, data, capsys, fields, flags, message):
     config = write_config(tmp_path / "c.yaml", **{"datasets": [data], "max_steps": 2,
