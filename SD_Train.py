@@ -225,7 +225,8 @@ def resume(run: Run, folder: Path) -> None:
             raise TypeError("config.yaml is not a mapping")
     except (OSError, yaml.YAMLError, RuntimeError, KeyError, TypeError) as error:
         raise ckpt.Damaged(f"{folder}: {ckpt.first_line(error)}") from error
-    changed = [name for name in RESUME_FIXED if saved.get(name) != getattr(run.config, name)]
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}  # a field newer than the checkpoint
+    changed = [name for name in RESUME_FIXED if saved.get(name, defaults[name]) != getattr(run.config, name)]
     if changed:
         raise ConfigError(
             f"{folder} was written with different {', '.join(changed)}; resuming would not continue the same run. "
@@ -264,8 +265,8 @@ def init_weights(run: Run, source: str) -> bool:
 def ema_warmup_of(config: TrainConfig, resumed_from: Path | None, inherited: bool) -> str:
     """``ema_warmup`` made concrete (restart or off), as config.yaml and every checkpoint record it.
 
-    Issue 13: an EMA inherited from the previous phase under a restarted warm-up, whose decay is 0.1
-    at step 0, weighs ~1e-5 after 10 steps: the phase's EMA would be its live weights. ``auto`` is
+    An EMA inherited from the previous phase under a restarted warm-up, whose decay is 0.1 at step
+    0, weighs ~1e-5 after 10 steps: the phase's EMA would be its live weights. ``auto`` is
     therefore off when ``init_from`` brought an EMA of ours (``inherited``), and restart for an EMA
     that starts as the live weights. A resume keeps the choice its checkpoint recorded (restart when it predates
     the field: what it was trained with).

@@ -311,4 +311,4 @@ def config_yaml(config: TrainConfig) -> str:
 
 # Fields that fix the data order and the math: a resume must not change them.
 RESUME_FIXED = ("datasets", "epoch_size", "unet", "prediction_type", "batch_size", "grad_accum", "seed",
-                "max_steps", "epochs", "lr", "warmup_steps", "min_lr_ratio")
+                "max_steps", "epochs", "lr", "warmup_steps", "min_lr_ratio", "flip")
