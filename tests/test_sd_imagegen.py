@@ -320,6 +320,9 @@ def v_checkpoint(run_dir, tmp_path_factory):
     shutil.copytree(ckpt.resolve_checkpoint(run_dir), folder)
     config = yaml.safe_load((folder / "config.yaml").read_text())
     (folder / "config.yaml").write_text(yaml.safe_dump({**config, "prediction_type": "v_prediction"}))
+    manifest = json.loads((folder / ckpt.MANIFEST).read_text())  # an edit the manifest vouches for
+    manifest["files"].update(ckpt.describe_files([folder / "config.yaml"]))
+    (folder / ckpt.MANIFEST).write_text(json.dumps(manifest))
     return folder
 
 
