@@ -439,6 +439,20 @@ def detect_columns(path: Path, names: list[str], overrides: dict) -> dict:
     return columns
 
 
+def parquet_columns(path: Path, overrides: dict) -> dict:
+    """``detect_columns`` and ``check_column_types`` from a parquet file's schema (no row is read);
+    an unreadable file is a UsageError naming it."""
+    import pyarrow.parquet as pq
+
+    try:
+        schema = pq.read_schema(path)
+    except Exception as error:  # pyarrow raises several types for a damaged file
+        raise UsageError(f"{path}: not a readable parquet file ({error})") from error
+    columns = detect_columns(path, schema.names, overrides)
+    check_column_types(path, schema, columns)
+    return columns
+
+
 # ---------------------------------------------------------------------------------------------
 # Arguments
 # ---------------------------------------------------------------------------------------------

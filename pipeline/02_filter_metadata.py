@@ -93,12 +93,7 @@ def plan(args) -> tuple[list[tuple[Path, dict]], Path]:
     overrides = {role: getattr(args, f"{role}_col") for role in SD_Pipeline.COLUMN_CANDIDATES}
     files = []
     for path in paths:
-        try:
-            schema = pq.read_schema(path)
-        except Exception as error:  # pyarrow raises several types for a damaged file
-            raise SD_Pipeline.UsageError(f"{path}: not a readable parquet file ({error})") from error
-        columns = SD_Pipeline.detect_columns(path, schema.names, overrides)
-        SD_Pipeline.check_column_types(path, schema, columns)
+        columns = SD_Pipeline.parquet_columns(path, overrides)
         files.append((path, columns))
         check_earlier_run(out / f"{path.stem}_stats.json", thresholds(args))
     return files, out

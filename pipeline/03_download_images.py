@@ -75,12 +75,7 @@ def detect_columns(files: list[Path], args) -> tuple[str, str, list[str]]:
     overrides = {"url": args.url_col, "caption": args.caption_col}
     found = set()
     for path in files:
-        try:
-            schema = pq.read_schema(path)
-        except Exception as error:  # pyarrow raises several types for a damaged file
-            raise SD_Pipeline.UsageError(f"{path}: not a readable parquet file ({error})") from error
-        columns = SD_Pipeline.detect_columns(path, schema.names, overrides)
-        SD_Pipeline.check_column_types(path, schema, columns)
+        columns = SD_Pipeline.parquet_columns(path, overrides)
         scores = tuple(columns[role] for role in SCORE_ROLES if columns[role] not in (None, *IMG2DATASET_RESERVED))
         found.add((columns["url"], columns["caption"], scores))
     if len(found) > 1:
