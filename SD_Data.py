@@ -38,29 +38,36 @@ class DataError(ValueError):
 class LatentStore:
     """All latents of one folder, addressable by key.
 
-    ``mmap=False`` copies every shard into one preallocated array (peak memory = the data once);
-    ``mmap=True`` keeps the shard files memory-mapped and reads rows on demand. ``flip=True`` also
-    reads the latents of the mirrored images (``encode_latents.py --flip``) the same way, into
-    ``flipped`` (twice the memory), and stops naming the folder when they are not there.
+    Shard files (``NNNNN.npy``) are memory-mapped, never copied into a process: every rank of a node
+    reads the same pages of the page cache, so the node holds one copy of the latents however many
+    ranks it runs. ``mmap=False`` reads every file once at start so the rows are in the page cache
+    before training (``share=(i, n)``: this process reads every n-th file from the i-th, the node's
+    ranks splitting the work); ``mmap=True`` reads rows from storage on demand (latent sets larger
+    than RAM; the trainer builds batches in a background thread). The older one-file-per-image
+    layout is loaded into this process's memory. ``flip=True`` also maps the latents of the mirrored
+    images (``encode_latents.py --flip``) into ``flipped``, and stops naming the folder when they are
+    not there.
     """
 
-    def __init__(self, folder: str | Path, *, threads: int = 16, mmap: bool = False, flip: bool = False):
+    def __init__(self, folder: str | Path, *, threads: int = 16, mmap: bool = False, flip: bool = False,
+                 share: tuple[int, int] = (0, 1)):
         self.folder = Path(folder)
+        self.warm_share = None if mmap else share
         if not self.folder.is_dir():
             raise DataError(f"latent folder {self.folder} does not exist")
         self.meta = read_latents_meta(self.folder)
         shard_files = sorted(self.folder.glob("*.keys.txt"))
         if shard_files:
-            self._load_shards(shard_files, threads, mmap)
+            self._load_shards(shard_files, threads)
         else:
             self._load_per_image(sorted(self.folder.glob("*.npy")), threads)
         if not self.keys:
             raise DataError(f"latent folder {self.folder} holds no latents (no *.keys.txt shards, no <key>.npy files)")
-        self.flipped = self._load_flipped(shard_files, threads, mmap) if flip else None
+        self.flipped = self._load_flipped(shard_files, threads) if flip else None
 
     # -- loading ------------------------------------------------------------------------------
 
-    def _load_shards(self, key_files: list[Path], threads: int, mmap: bool) -> None:
+    def _load_shards(self, key_files: list[Path], threads: int) -> None:
         shards = []  # (npy path, keys, mmapped array)
         for key_file in key_files:
             npy = key_file.with_name(key_file.name[: -len(".keys.txt")] + ".npy")
@@ -74,23 +81,20 @@ class LatentStore:
         self._check_shapes([(npy, a.shape[1:]) for npy, _, a in shards])
         self.sample_shape = tuple(shards[0][2].shape[1:])
         self.keys = [k for _, keys, _ in shards for k in keys]
-        if mmap:
-            self.arrays = [a for _, _, a in shards]
-            self.locations = np.concatenate(
-                [np.stack([np.full(len(k), i), np.arange(len(k))], 1) for i, (_, k, _) in enumerate(shards)]
-            )
-        else:
-            data = np.empty((len(self.keys), *self.sample_shape), dtype=np.float16)
-            offsets = np.cumsum([0] + [len(k) for _, k, _ in shards])
-
-            def copy(i):
-                data[offsets[i] : offsets[i + 1]] = shards[i][2]
-
-            with ThreadPoolExecutor(max(1, threads)) as pool:
-                list(pool.map(copy, range(len(shards))))
-            self.arrays = [data]
-            self.locations = np.stack([np.zeros(len(self.keys), dtype=np.int64), np.arange(len(self.keys))], 1)
+        self.arrays = [a for _, _, a in shards]
+        self.locations = np.concatenate(
+            [np.stack([np.full(len(k), i), np.arange(len(k))], 1) for i, (_, k, _) in enumerate(shards)]
+        )
+        self._warm([npy for npy, _, _ in shards], threads)
         self._index_keys()
+
+    def _warm(self, files: list[Path], threads: int) -> None:
+        """Read this process's share of ``files`` once, into the page cache (no copy is kept)."""
+        if self.warm_share is None:
+            return
+        index, count = self.warm_share
+        with ThreadPoolExecutor(max(1, threads)) as pool:
+            list(pool.map(read_through, files[index::count]))
 
     def _load_per_image(self, files: list[Path], threads: int) -> None:
         files = [f for f in files if not f.name.endswith(".flip.npy")]
@@ -120,7 +124,7 @@ class LatentStore:
         self.locations = np.stack([np.zeros(len(files), dtype=np.int64), np.arange(len(files))], 1)
         self._index_keys()
 
-    def _load_flipped(self, key_files: list[Path], threads: int, mmap: bool) -> list[np.ndarray]:
+    def _load_flipped(self, key_files: list[Path], threads: int) -> list[np.ndarray]:
         """The mirrored images' latents, laid out like ``self.arrays`` so ``self.locations`` address them."""
         stems = [f.name[: -len(".keys.txt")] for f in key_files] or self.keys  # shards, or one file per image
         paths = [self.folder / f"{stem}.flip.npy" for stem in stems]
@@ -138,7 +142,8 @@ class LatentStore:
             raise DataError(f"flip: {len(bad)} flipped latent files in {self.folder} do not match their latents "
                             f"({self.sample_shape} per sample): {', '.join(bad[:10])}")
         arrays = [a.reshape(n, *self.sample_shape) for a, n in zip(arrays, rows)]
-        if mmap and key_files:
+        if key_files:
+            self._warm(paths, threads)
             return arrays
         data = np.empty((len(self.keys), *self.sample_shape), dtype=np.float16)
         offsets = np.cumsum([0] + rows)
@@ -187,9 +192,24 @@ class LatentStore:
         return latents
 
     def _rows(self, arrays: list[np.ndarray], rows: np.ndarray) -> np.ndarray:
-        if len(arrays) == 1:
-            return np.asarray(arrays[0][self.locations[rows, 1]])
-        return np.stack([arrays[s][r] for s, r in self.locations[rows]])
+        """One fancy-indexed read per shard touched (rows sorted within it), scattered back in order."""
+        where = self.locations[rows]
+        out = np.empty((len(rows), *self.sample_shape), dtype=np.float16)
+        for shard in np.unique(where[:, 0]):
+            picked = np.flatnonzero(where[:, 0] == shard)
+            order = np.argsort(where[picked, 1], kind="stable")
+            out[picked[order]] = arrays[shard][where[picked[order], 1]]
+        return out
+
+
+def read_through(path: Path, chunk: int = 1 << 20) -> int:
+    """Read a file once through a reused buffer, leaving its pages in the page cache; returns bytes read."""
+    buffer = bytearray(chunk)
+    total = 0
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            total += n
+    return total
 
 
 def read_latents_meta(folder: Path) -> dict:

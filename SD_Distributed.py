@@ -22,6 +22,7 @@ class Dist:
     local_rank: int
     device: torch.device
     is_main: bool
+    local_world_size: int = 1  # the ranks on this machine
 
     @classmethod
     def single(cls, device="cpu") -> "Dist":
@@ -43,7 +44,7 @@ def setup(device_choice: str = "auto") -> Dist:
     if world_size > 1:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                 device_id=device if device.type == "cuda" else None)
-    return Dist(rank, world_size, local_rank, device, rank == 0)
+    return Dist(rank, world_size, local_rank, device, rank == 0, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
 
 
 def teardown() -> None:

@@ -90,14 +90,19 @@ def resumable(run: Run) -> dict:
 # =============================================================================================
 
 
-def build_data(config: TrainConfig):
-    """Train and validation data; every problem found is reported before training starts."""
+def build_data(config: TrainConfig, d: Dist | None = None):
+    """Train and validation data; every problem found is reported before training starts.
+
+    The latent files are memory-mapped: the ranks of a machine share one copy in its page cache, and
+    each reads its share of the files once at start (unless ``mmap_latents``: read on demand).
+    """
+    share = (d.local_rank, d.local_world_size) if d is not None else (0, 1)
     stores, train, val, weights = {}, [], [], []
     for entry in config.datasets:
         folder = str(Path(entry["latents"]).resolve())
         if folder not in stores:
             stores[folder] = SD_Data.LatentStore(folder, threads=config.data_threads, mmap=config.mmap_latents,
-                                                 flip=config.flip)
+                                                 flip=config.flip, share=share)
         store = stores[folder]
         train.append(SD_Data.join_split(entry["dataset"], "train", store, allow_missing=config.allow_missing_latents))
         val.append(SD_Data.join_split(entry["dataset"], "validation", store, allow_missing=True))
@@ -131,7 +136,7 @@ def steps_per_epoch_of(config: TrainConfig, data: SD_Data.MixedData, d: Dist) ->
 
 def build(config: TrainConfig, d: Dist) -> Run:
     """Data, models and the step, resumed from ``out_dir`` or initialised from ``init_from``."""
-    train_data, val_data = build_data(config)
+    train_data, val_data = build_data(config, d)
     text_encoder = SD_Model.load_text_encoder(config.text_encoder)
     tokenizer = SD_Model.load_tokenizer(config.tokenizer or config.text_encoder)
     vae = SD_Model.load_vae(config.vae).to(d.device)

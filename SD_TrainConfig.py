@@ -67,8 +67,9 @@ class TrainConfig:
                           default_factory=list)
     epoch_size: int = _doc("samples per epoch across all datasets; 0 = every sample once", 0,
                            allowed=NON_NEGATIVE)
-    data_threads: int = _doc("threads that load latent files into RAM at start", 16, allowed=COUNT)
-    mmap_latents: bool = _doc("memory-map latent shards instead of loading them into RAM", False)
+    data_threads: int = _doc("threads that read latent files into the page cache at start", 16, allowed=COUNT)
+    mmap_latents: bool = _doc("read latent shards from storage on demand instead of reading them all once at "
+                              "start (for latent sets larger than RAM)", False)
     allow_missing_latents: bool = _doc("drop captions without a latent (reported) instead of stopping", False)
     flip: bool = _doc("train each sample on the latents of its mirrored image with probability 1/2 (a coin "
                       "fixed by seed, epoch and position); needs latents from encode_latents.py --flip", False)

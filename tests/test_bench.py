@@ -152,3 +152,14 @@ def test_ema_copy_bench_times_both_paths_and_computes_the_sd1_transfer(capsys):
     stdout = capsys.readouterr().out
     assert f"ratio ours/previous = {result['ratio_ours_vs_previous']:.2f}x" in stdout
     assert "computed, not measured: 3.44 GB over PCIe 4.0 x16 at 25 GB/s = 0.138 s" in stdout
+
+
+@pytest.mark.slow
+def test_latent_store_bench_compares_shared_and_private_memory(tmp_path):
+    stdout, result = run_bench("latent_store.py", "--sizes", "512", "--shard_size", "128", "--batches", "2",
+                               "--batch", "8", "--dir", str(tmp_path))
+    [row] = result["rows"]
+    assert row["latents"] == 512 and row["ranks"] == 2 and "projected to 1,300,000 latents" in stdout
+    assert row["peer_rss_anon_mb"] > 1.5 * row["data_mb"]  # each of the two ranks holds a copy of 16 MB
+    assert row["ours_rss_anon_mb"] < row["peer_rss_anon_mb"]
+    assert row["storage_samples_per_s"] > 0

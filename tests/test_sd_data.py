@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -266,3 +267,40 @@ def test_flip_reads_the_per_image_layout(tmp_path):
     assert store.keys == ["img0", "img1", "img2"]
     got = store.gather(np.array([2, 1, 2]), np.array([True, False, False]))
     assert got[:, 0, 0, 0].tolist() == [-2, 1, 2]
+
+
+def rss_kb(kind: str) -> int:
+    """This process's resident memory of one kind (``RssAnon``: its own; ``RssFile``: mapped files)."""
+    for line in open("/proc/self/status"):
+        if line.startswith(kind + ":"):
+            return int(line.split()[1])
+    raise KeyError(kind)
+
+
+def test_the_store_maps_the_shard_files_and_keeps_no_copy_of_its_own(tmp_path):
+    """Every rank of a machine maps the same files: the page cache holds the one copy they share."""
+    n = 1536  # 48 MiB of 4x64x64 float16 latents in 6 shards
+    latents = np.random.default_rng(0).normal(size=(n, 4, 64, 64)).astype(np.float16)
+    folder = make_latents(tmp_path / "lat", [f"k{i}" for i in range(n)], latents, shard_size=256)
+    del latents
+    before = rss_kb("RssAnon")
+    store = SD_Data.LatentStore(folder, threads=2)
+    grown_mb = (rss_kb("RssAnon") - before) / 1024
+    assert grown_mb < 12, f"the process grew by {grown_mb:.0f} MB for 48 MB of latents"  # a private copy: 48
+    assert [Path(a.filename).name for a in store.arrays] == [f"{i:05d}.npy" for i in range(6)]
+    assert all(isinstance(a, np.memmap) for a in store.arrays)
+    rows = np.array([1500, 3, 700, 4, 1499])
+    expected = np.concatenate([np.load(folder / f"{r // 256:05d}.npy")[[r % 256]] for r in rows])
+    assert np.array_equal(store.gather(rows), expected)
+
+
+def test_the_machines_ranks_split_the_first_read_of_the_files(tmp_path, monkeypatch):
+    latents = np.zeros((10, 4, 2, 2), dtype=np.float16)
+    folder = make_latents(tmp_path / "lat", [f"k{i}" for i in range(10)], latents, shard_size=2)
+    read = []
+    monkeypatch.setattr(SD_Data, "read_through", lambda path: read.append(path.name) or 0)
+    SD_Data.LatentStore(folder, share=(1, 2))
+    assert sorted(read) == ["00001.npy", "00003.npy"]  # rank 1 of 2 reads every second file from the second
+    read.clear()
+    SD_Data.LatentStore(folder, mmap=True)
+    assert read == []  # on demand: nothing read at start
