@@ -1,7 +1,8 @@
 """Download the images of filtered LAION metadata with img2dataset into square webdataset shards.
 
     python pipeline/03_download_images.py --input DIR --out SHARD_DIR [--resolution 512] [--processes 4] \\
-        [--threads 16] [--url_col URL] [--caption_col TEXT] [--shard_size 10000] [--timeout 10] [--retries 2]
+        [--threads 16] [--distributor multiprocessing|pyspark|ray] [--spark_master URL] [--url_col URL] \\
+        [--caption_col TEXT] [--shard_size 10000] [--timeout 10] [--retries 2]
 
 Input: the parquet files of 02_filter_metadata.py (a folder, or one file). URL and caption columns are
 detected as in stage 02 unless given, and checked as there (a URL column of numbers is one line
@@ -15,13 +16,23 @@ successes and the failures by img2dataset's reason. img2dataset runs in incremen
 downloads only unfinished shards (and when all are finished it is not started at all). Sites whose
 ``X-Robots-Tag`` header says noai/noimageai/noindex/noimageindex are skipped, img2dataset's default.
 Exits 1 when a shard is still unfinished after img2dataset's own retries: run the same command again.
+
+``--distributor`` is img2dataset's: ``multiprocessing`` (one machine, ``--processes`` x ``--threads``),
+``pyspark`` (``pip install pyspark``; local with ``--processes`` cores, the Spark cluster at
+``--spark_master``, or the ``--master`` of ``spark-submit`` when it runs this script; every executor
+downloads whole shards) or ``ray`` (``pip install ray``; the cluster at ``RAY_ADDRESS``, else a local
+one). On a cluster, ``--input`` and ``--out`` must be the same path on every machine (a shared file
+system), and every worker needs this Python environment (``PYSPARK_PYTHON`` names it for Spark).
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import json
 import logging
 import math
+import os
 import re
 import sys
 from pathlib import Path
@@ -40,6 +51,7 @@ SCORE_ROLES = ("aesthetic", "similarity", "watermark", "nsfw")
 IMG2DATASET_RESERVED = {"key", "caption", "url", "width", "height", "original_width", "original_height",
                         "status", "error_message", "exif", "md5", "sha256", "sha512"}
 SHARD_DIGITS = 5  # img2dataset's oom_shard_count default: NNNNN.tar
+DISTRIBUTORS = {"multiprocessing": None, "pyspark": "pyspark", "ray": "ray"}  # img2dataset's, and what each imports
 log = logging.getLogger(STAGE)
 
 
@@ -50,6 +62,11 @@ def parse_args(argv):
     parser.add_resolution("side of the square (centre-cropped) output images in pixels")
     parser.add_argument("--processes", type=int, default=4, help="img2dataset download processes")
     parser.add_argument("--threads", type=int, default=16, help="download threads per process")
+    parser.add_argument("--distributor", choices=sorted(DISTRIBUTORS), default="multiprocessing",
+                        help="how img2dataset spreads the shards: processes on this machine, a Spark or a Ray cluster")
+    parser.add_argument("--spark_master", default="",
+                        help="with --distributor pyspark: the cluster's master URL, e.g. spark://HOST:7077 "
+                             "(default: local[--processes], this machine)")
     parser.add_argument("--url_col", default=None, help="URL column (default: detected as in stage 02, URL|url)")
     parser.add_argument("--caption_col", default=None,
                         help="caption column (default: detected as in stage 02, TEXT|caption|text)")
@@ -59,6 +76,11 @@ def parse_args(argv):
     args = parser.parse_args(argv)
     if min(args.processes, args.threads, args.shard_size, args.timeout) < 1:
         parser.error("--processes, --threads, --shard_size and --timeout must be >= 1")
+    if args.spark_master and args.distributor != "pyspark":
+        parser.error("--spark_master needs --distributor pyspark")
+    module = DISTRIBUTORS[args.distributor]
+    if module and importlib.util.find_spec(module) is None:
+        parser.error(f"--distributor {args.distributor} needs {module}: pip install {module}")
     return args
 
 
@@ -107,13 +129,41 @@ def run_img2dataset(args, url_col: str, caption_col: str, scores: list[str]) -> 
     # which otherwise asks the network for a newer version.
     from img2dataset import download
 
-    download(
-        url_list=str(args.input), input_format="parquet", url_col=url_col, caption_col=caption_col,
-        save_additional_columns=scores or None, output_folder=str(args.out), output_format="webdataset",
-        image_size=args.resolution, resize_mode="center_crop", encode_format="jpg", encode_quality=95,
-        processes_count=args.processes, thread_count=args.threads, number_sample_per_shard=args.shard_size,
-        timeout=args.timeout, retries=args.retries, incremental_mode="incremental", enable_wandb=False,
-    )
+    with spark_session(args):
+        download(
+            url_list=str(args.input), input_format="parquet", url_col=url_col, caption_col=caption_col,
+            save_additional_columns=scores or None, output_folder=str(args.out), output_format="webdataset",
+            image_size=args.resolution, resize_mode="center_crop", encode_format="jpg", encode_quality=95,
+            processes_count=args.processes, thread_count=args.threads, number_sample_per_shard=args.shard_size,
+            timeout=args.timeout, retries=args.retries, incremental_mode="incremental", enable_wandb=False,
+            distributor=args.distributor,
+        )
+
+
+@contextlib.contextmanager
+def spark_session(args):
+    """For --distributor pyspark, the session img2dataset runs on: it takes the active one (as its
+    pyspark example shows) or makes a local[processes] one itself."""
+    if args.distributor != "pyspark":
+        yield
+        return
+    from pyspark.sql import SparkSession
+
+    if args.spark_master:
+        builder = SparkSession.builder.master(args.spark_master)
+    elif "PYSPARK_GATEWAY_PORT" in os.environ:  # started by spark-submit: its --master and --conf hold
+        builder = SparkSession.builder
+    else:
+        # Local workers run pyspark's default "python3" from PATH, which may lack img2dataset: this one has it.
+        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+        yield
+        return
+    spark = builder.appName(STAGE).getOrCreate()
+    log.info("Spark master %s", spark.sparkContext.master)
+    try:
+        yield
+    finally:
+        spark.stop()
 
 
 def summarize(out: Path, shards: list[int], done_before: set[int]) -> dict:

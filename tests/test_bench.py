@@ -163,3 +163,18 @@ def test_latent_store_bench_compares_shared_and_private_memory(tmp_path):
     assert row["peer_rss_anon_mb"] > 1.5 * row["data_mb"]  # each of the two ranks holds a copy of 16 MB
     assert row["ours_rss_anon_mb"] < row["peer_rss_anon_mb"]
     assert row["storage_samples_per_s"] > 0
+
+
+def test_caption_scale_bench_compares_both_loads_and_the_three_stage_04_reads():
+    stdout, result = run_bench("caption_scale.py", "--sizes", "3000", "--shard_sizes", "60", "--image_kb", "16")
+    load = {row["way"]: row for row in result["caption_load"]}
+    assert set(load) == {"per_row", "arrow"} and all(row["rows"] == 3000 and row["seconds"] > 0 for row in load.values())
+    assert load["arrow"]["speedup"] == round(load["per_row"]["seconds"] / load["arrow"]["seconds"], 1)
+    reads = {row["way"]: row for row in result["stage04"]}
+    assert list(reads) == ["previous: whole tar", "tar, headers only", "img2dataset parquet"]
+    assert {row["samples_read"] for row in reads.values()} == {57}  # every 20th download failed
+    if reads["previous: whole tar"]["read_mb"] >= 0:  # /proc/self/io is there (Linux)
+        assert reads["previous: whole tar"]["read_mb"] >= reads["previous: whole tar"]["tar_mb"] - 0.1
+        assert reads["tar, headers only"]["read_mb"] < reads["previous: whole tar"]["tar_mb"] / 3
+        assert reads["img2dataset parquet"]["read_mb"] < reads["tar, headers only"]["read_mb"]
+    assert "trainer caption load" in stdout and "stage 04 caption read" in stdout

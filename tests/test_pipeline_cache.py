@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -119,3 +120,122 @@ def test_05_missing_inputs_exit_2(tmp_path, capsys):
 def test_help_lists_every_flag(script, flags):
     result = subprocess.run([sys.executable, str(ROOT / "pipeline" / script), "--help"], capture_output=True, text=True)
     assert result.returncode == 0 and all(flag in result.stdout for flag in flags)
+
+
+# ---------------------------------------------------------------------------------------------
+# 04 reads captions without the images
+# ---------------------------------------------------------------------------------------------
+
+
+def sample_view(samples):
+    """What stage 04 uses of read samples: key, caption, whether there is an image, the problem."""
+    return [(s.key, s.caption, s.image is not None, s.problem) for s in samples]
+
+
+def test_04_tar_reader_matches_read_shard_at_every_cut(tmp_path):
+    rng = np.random.default_rng(0)
+    png = image_bytes(random_image(rng, 24, 24), "PNG")
+    SD_Shards.write_shard(tmp_path / "full.tar", [
+        SD_Shards.ShardSample("k0", png, "png", "first", b"{}"),
+        SD_Shards.ShardSample("k1", png, "png", "", b"{}"),
+        SD_Shards.ShardSample("k2", None, "", "no image"),
+        SD_Shards.ShardSample("k3", png * 3, "png", "third", b"{}"),
+    ])
+    data = (tmp_path / "full.tar").read_bytes()
+    cuts = sorted({*range(0, len(data), 512), *range(100, len(data), 700), len(data)})
+    for cut in cuts:  # every header, payload and padding boundary, and points inside them
+        (tmp_path / "cut.tar").write_bytes(data[:cut])
+        expected, expected_cut = SD_Shards.read_shard(data[:cut])
+        samples, truncated_key = stage04.tar_samples(tmp_path / "cut.tar")
+        assert (sample_view(samples), truncated_key) == (sample_view(expected), expected_cut), cut
+    assert sample_view(stage04.tar_samples(tmp_path / "full.tar")[0])[0] == ("k0", "first", True, None)
+
+
+def sparse_tar(path: Path, members: list[tuple[str, int | bytes]]) -> None:
+    """A tar whose members given as a size are holes in the file: declared, never written to disk."""
+    import tarfile
+
+    with open(path, "wb") as file:
+        for name, content in members:
+            info = tarfile.TarInfo(name)
+            info.size = content if isinstance(content, int) else len(content)
+            file.write(info.tobuf(format=tarfile.USTAR_FORMAT))
+            if isinstance(content, int):
+                file.seek(content, 1)
+            else:
+                file.write(content)
+            file.seek(-info.size % 512, 1)
+        file.write(bytes(1024))  # the end-of-archive blocks
+
+
+def test_04_reads_no_image_bytes_and_skips_oversized_captions(tmp_path, monkeypatch):
+    import tracemalloc
+
+    monkeypatch.setattr(stage04.SD_Pipeline, "MAX_MEMBER_BYTES", 1 << 20)
+    image = 256 << 20  # 256 MB of image bytes per sample, on disk only as holes
+    sparse_tar(tmp_path / "00000.tar", [
+        ("a.jpg", image), ("a.txt", b"a huge image"), ("a.json", image),
+        ("b.jpg", image), ("b.txt", 2 << 20),  # a 2 MB caption: over the (patched) member cap
+        ("c.jpg", image), ("c.txt", b"  a third caption \n"),
+    ])
+    tokenizer = SD_Model.load_tokenizer("tiny")
+    sparse_tar(tmp_path / "warm.tar", [("w.jpg", 8), ("w.txt", b"first call: imports")])
+    stage04.process_shard(tmp_path / "warm.tar", tmp_path / "out", tokenizer, 64)
+    io_before = Path("/proc/self/io").read_text() if Path("/proc/self/io").exists() else None
+    tracemalloc.start()
+    record = stage04.process_shard(tmp_path / "00000.tar", tmp_path / "out", tokenizer, 64)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 8 << 20, peak  # reading one image would allocate 256 MB
+    if io_before is not None:  # bytes that read() calls returned; headers and captions are a few kB
+        rchar = {k: int(v) for k, v in (line.split(": ") for line in io_before.splitlines())}["rchar"]
+        now = {k: int(v) for k, v in (line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())}
+        assert now["rchar"] - rchar < 4 << 20, now["rchar"] - rchar
+    assert (record["successes"], record["failed"]) == (2, {"too_large_member": 1})
+    table = pq.read_table(tmp_path / "out" / "00000.parquet")
+    assert table.column("caption").to_pylist() == ["a huge image", "a third caption"]
+
+
+def img2dataset_shard(folder: Path) -> None:
+    """A shard as img2dataset writes it: the tar holds the successes (caption "" for a null one), the
+    parquet every row with its status, in download order."""
+    rng = np.random.default_rng(1)
+    jpg = image_bytes(random_image(rng, 16, 16), "JPEG")
+    rows = [("000000000", "a cat ", "success"), ("000000001", "lost", "failed_to_download"),
+            ("000000002", None, "success"), ("000000003", "   ", "success"), ("000000004", "x", "failed_to_resize"),
+            ("000000005", "a dog\n", "success"), ("000000005", "again", "success"), ("000000007", "café", "success")]
+    samples = [SD_Shards.ShardSample(k, jpg, "jpg", "" if c is None else c, b"{}") for k, c, s in rows if s == "success"]
+    folder.mkdir(parents=True)
+    SD_Shards.write_shard(folder / "00000.tar", samples)
+    schema = pa.schema([("url", pa.string()), ("caption", pa.string()), ("key", pa.string()), ("status", pa.string()),
+                        ("width", pa.int32())])
+    pq.write_table(pa.table({"url": [f"http://x/{i}" for i in range(len(rows))], "caption": [c for _, c, _ in rows],
+                             "key": [k for k, _, _ in rows], "status": [s for _, _, s in rows],
+                             "width": [16] * len(rows)}, schema=schema), folder / "00000.parquet")
+
+
+def run04(shards: Path, out: Path) -> tuple:
+    assert stage04.main(["--input", str(shards / "*.tar"), "--out", str(out), "--tokenizer", "tiny"]) == 0
+    return pq.read_table(out / "00000.parquet"), json.loads((out / "00000_stats.json").read_text())
+
+
+def test_04_img2dataset_parquet_gives_the_tar_output_without_reading_the_tar(tmp_path, monkeypatch):
+    shards = tmp_path / "shards"
+    img2dataset_shard(shards)
+    with monkeypatch.context() as patch:
+        patch.setattr(stage04, "tar_samples", lambda path: pytest.fail("the tar was read"))
+        from_parquet = run04(shards, tmp_path / "from_parquet")
+    (shards / "00000.parquet").rename(tmp_path / "aside.parquet")
+    from_tar = run04(shards, tmp_path / "from_tar")
+    assert from_parquet[0].equals(from_tar[0]) and from_parquet[1] == from_tar[1]
+    assert from_tar[0].column("key").to_pylist() == ["000000000", "000000007"]
+    assert from_tar[1]["failed"] == {"duplicate_key": 1, "no_caption": 2}
+    # A tar cut short, or a parquet that is not img2dataset's: the tar is read, as before.
+    (tmp_path / "aside.parquet").rename(shards / "00000.parquet")
+    assert stage04.img2dataset_samples(shards / "00000.tar") is not None
+    data = (shards / "00000.tar").read_bytes()
+    (shards / "00000.tar").write_bytes(data[: len(data) // 2])
+    assert stage04.img2dataset_samples(shards / "00000.tar") is None
+    (shards / "00000.tar").write_bytes(data)
+    pq.write_table(pq.read_table(shards / "00000.parquet").drop_columns(["status"]), shards / "00000.parquet")
+    assert stage04.img2dataset_samples(shards / "00000.tar") is None

@@ -300,13 +300,25 @@ def image_routes() -> dict:
     return routes
 
 
-def run03(inputs: Path, out: Path) -> dict:
+def start03(inputs: Path, out: Path, *extra) -> subprocess.Popen:
     command = [sys.executable, "pipeline/03_download_images.py", "--input", str(inputs), "--out", str(out),
-               "--resolution", "64", "--processes", "1", "--threads", "4", "--shard_size", "2", "--retries", "1"]
+               "--resolution", "64", "--processes", "1", "--threads", "4", "--shard_size", "2", "--retries", "1",
+               *extra]
     env = {**os.environ, "NO_ALBUMENTATIONS_UPDATE": "1", "no_proxy": "127.0.0.1,localhost"}
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish03(process: subprocess.Popen, out: Path) -> dict:
+    try:
+        stdout, stderr = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode == 0, stdout[-2000:] + stderr[-3000:]
     return json.loads((out / "03_download_images_summary.json").read_text())
+
+
+def run03(inputs: Path, out: Path, *extra) -> dict:
+    return finish03(start03(inputs, out, *extra), out)
 
 
 def read_samples(out: Path) -> dict:
@@ -357,9 +369,35 @@ def test_download_images_with_img2dataset(tmp_path):
         assert server.hits == {**hits, "/missing": 4}
         assert (resumed["kept"], resumed["dropped"], resumed["shards_written"]) == (6, STATUS, 1)
         check_samples(out, metadata)
+    # Stage 04 reads the captions of img2dataset's shards from the parquet beside each: the tars' samples.
+    stage04 = importlib.import_module("pipeline.04_preprocess_to_cache")
+    for tar in sorted(out.glob("*.tar")):
+        from_parquet, (from_tar, cut) = stage04.img2dataset_samples(tar), stage04.tar_samples(tar)
+        assert from_parquet is not None and cut is None
+        assert [(s.key, s.caption, s.problem) for s in from_parquet] == [(s.key, s.caption, s.problem) for s in from_tar]
 
 
-def test_download_images_bad_command_lines_exit_2(tmp_path, capsys):
+@pytest.mark.slow
+def test_the_pyspark_distributor_downloads_what_multiprocessing_does(tmp_path):
+    pytest.importorskip("pyspark")  # not in requirements.txt: ~450 MB and a JVM, for multi-machine downloads
+    forbidden = image_bytes(random_image(np.random.default_rng(1), 64, 64), "PNG")
+    with LoopbackServer(image_routes()) as server, NoAIServer(forbidden) as noai:
+        metadata = image_metadata(server.url, noai.url)
+        write_parquet(tmp_path / "meta" / "part-00000.parquet", metadata)
+        run02(tmp_path, tmp_path / "meta", tmp_path / "filtered")
+        # Side by side (each spends most of its time starting up); pyspark: a local[1] Spark session.
+        runs = {name: start03(tmp_path / "filtered", tmp_path / name, "--distributor", name)
+                for name in ("multiprocessing", "pyspark")}
+        summaries = {name: finish03(process, tmp_path / name) for name, process in runs.items()}
+    assert {(s["kept"], json.dumps(s["dropped"])) for s in summaries.values()} == {(6, json.dumps(STATUS))}
+    by_process, by_spark = read_samples(tmp_path / "multiprocessing"), read_samples(tmp_path / "pyspark")
+    assert sorted(by_spark) == sorted(by_process) and len(by_process) == 6
+    for key, sample in by_process.items():
+        assert (by_spark[key].caption, by_spark[key].image) == (sample.caption, sample.image)
+    check_samples(tmp_path / "pyspark", metadata)
+
+
+def test_download_images_bad_command_lines_exit_2(tmp_path, capsys, monkeypatch):
     assert stage03.main(["--input", str(tmp_path / "nothing"), "--out", str(tmp_path / "out")]) == 2
     assert "no parquet files" in capsys.readouterr().err
     write_parquet(tmp_path / "in" / "a.parquet", [{"URL": "u/1", "aesthetic": 7.0}])
@@ -367,6 +405,13 @@ def test_download_images_bad_command_lines_exit_2(tmp_path, capsys):
     assert "no caption column" in capsys.readouterr().err
     assert stage03.main(["--input", str(tmp_path / "in"), "--out", str(tmp_path / "out"), "--caption_col", "alt"]) == 2
     assert "no column 'alt' (--caption_col)" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        stage03.main(["--input", str(tmp_path / "in"), "--out", str(tmp_path / "out"), "--spark_master", "spark://h:7077"])
+    assert exit_info.value.code == 2 and "--spark_master needs --distributor pyspark" in capsys.readouterr().err
+    monkeypatch.setattr(stage03.importlib.util, "find_spec", lambda name: None)  # as where ray is not installed
+    with pytest.raises(SystemExit) as exit_info:
+        stage03.main(["--input", str(tmp_path / "in"), "--out", str(tmp_path / "out"), "--distributor", "ray"])
+    assert exit_info.value.code == 2 and "--distributor ray needs ray: pip install ray" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 
@@ -375,8 +420,8 @@ FLAGS = {
     "02_filter_metadata": ["--input", "--out", "--min_aesthetic", "--min_similarity", "--min_size",
                            "--max_watermark", "--max_nsfw", "--url_col", "--caption_col", "--width_col",
                            "--height_col", "--aesthetic_col", "--similarity_col", "--watermark_col", "--nsfw_col"],
-    "03_download_images": ["--input", "--out", "--resolution", "--processes", "--threads", "--url_col",
-                           "--caption_col", "--shard_size", "--timeout", "--retries"],
+    "03_download_images": ["--input", "--out", "--resolution", "--processes", "--threads", "--distributor",
+                           "--spark_master", "--url_col", "--caption_col", "--shard_size", "--timeout", "--retries"],
 }
 
 

@@ -99,6 +99,66 @@ def test_mixed_data_batches_join_latents_to_their_tokens(tmp_path):
     assert ids.shape == (2, 77) and ids[0].tolist() == splits[1].input_ids[1].tolist()
 
 
+def per_row_caption_split(dataset_dir, split):
+    """The previous load_caption_split: datasets' Python objects row by row (88 us a row)."""
+    from datasets import load_from_disk
+
+    table = load_from_disk(str(dataset_dir))[split]
+    keys = list(table["key"])
+    return keys, np.asarray(table.with_format("numpy")["input_ids"], dtype=np.int64).reshape(len(keys), -1)
+
+
+def caption_table(keys, ids, ids_type):
+    import pyarrow as pa
+
+    if pa.types.is_fixed_size_list(ids_type):
+        column = pa.FixedSizeListArray.from_arrays(pa.array(ids.reshape(-1), ids_type.value_type), ids.shape[1])
+    else:
+        column = pa.array(ids.tolist(), ids_type)
+    return pa.table({"key": keys, "caption": [f"c{k}" for k in keys], "input_ids": column})
+
+
+@pytest.mark.parametrize("ids_type", ["fixed int32 (stage 05)", "list int64", "large_list int16"])
+def test_caption_split_arrow_load_equals_the_per_row_load(tmp_path, ids_type):
+    import pyarrow as pa
+    from datasets import Dataset, DatasetDict
+    from datasets.table import InMemoryTable
+
+    kind = {"fixed int32 (stage 05)": pa.list_(pa.int32(), 77), "list int64": pa.list_(pa.int64()),
+            "large_list int16": pa.large_list(pa.int16())}[ids_type]
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 30000 if "int16" in ids_type else 49408, size=(203, 77))
+    table = caption_table([f"k{i:04d}" for i in range(203)], ids, kind)
+    splits = DatasetDict({"train": Dataset(InMemoryTable(table.slice(3))),
+                          "validation": Dataset(InMemoryTable(table.slice(0, 3)))})
+    splits.save_to_disk(str(tmp_path / "ds"), max_shard_size=8000)  # several files: a column of several chunks
+    assert len(list((tmp_path / "ds" / "train").glob("*.arrow"))) > 1
+    for split, rows in (("train", ids[3:]), ("validation", ids[:3])):
+        keys, input_ids = SD_Data.load_caption_split(tmp_path / "ds", split)
+        expected_keys, expected_ids = per_row_caption_split(tmp_path / "ds", split)
+        assert keys == expected_keys and all(type(k) is str for k in keys)
+        assert input_ids.dtype == expected_ids.dtype == np.int64 and np.array_equal(input_ids, expected_ids)
+        assert np.array_equal(input_ids, rows)
+
+
+@pytest.mark.parametrize("ids, message", [
+    ([[1] * 77, [1] * 76], "input_ids rows have 76 to 77 tokens, expected 77 each"),
+    ([[1] * 76, [1] * 76], "input_ids have 76 tokens, expected 77"),
+    ([[1] * 77, None], "1 input_ids rows are empty (null)"),
+    ([[0.5] * 77, [1.0] * 77], "input_ids of type list<item: double> are not lists of token ids"),
+])
+def test_caption_split_token_ids_of_the_wrong_shape_are_one_error(tmp_path, ids, message):
+    from datasets import Dataset, DatasetDict
+
+    DatasetDict({"train": Dataset.from_dict({"key": ["a", "b"], "input_ids": ids})}).save_to_disk(str(tmp_path / "ds"))
+    with pytest.raises(SD_Data.DataError) as info:
+        SD_Data.load_caption_split(tmp_path / "ds", "train")
+    assert str(tmp_path / "ds") in str(info.value) and message in str(info.value)
+    Dataset.from_dict({"key": ["a"], "input_ids": [[1] * 77]}).save_to_disk(str(tmp_path / "single"))
+    with pytest.raises(SD_Data.DataError, match="is a single table, not train/validation splits"):
+        SD_Data.load_caption_split(tmp_path / "single", "train")
+
+
 def test_prune_keeps_newest_and_every_kth(tmp_path):
     for step in (2, 4, 6, 8, 10):
         folder = tmp_path / ckpt.step_dir_name(step)
