@@ -70,3 +70,22 @@ def all_gather_objects(value, d: Dist) -> list:
     gathered = [None] * d.world_size
     dist.all_gather_object(gathered, value)
     return gathered
+
+
+def independent(device_choice: str = "auto", rank: int | None = None, world_size: int | None = None) -> Dist:
+    """This process's rank, world size and device, without joining a process group.
+
+    For workers that share nothing but a folder (``encode_latents.py`` splits its shards by rank): under
+    torchrun the ranks come from its environment, from a launcher without it (a SLURM array) as
+    ``rank`` and ``world_size``. Nothing here waits for another process.
+    """
+    rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+    world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = SD_Runtime.pick_device(device_choice, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    elif device.type == "cpu" and int(os.environ.get("LOCAL_WORLD_SIZE", 1)) > 1:  # the ranks on one machine share its cores
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        torch.set_num_threads(max(1, cores // int(os.environ["LOCAL_WORLD_SIZE"])))
+    return Dist(rank, world_size, local_rank, device, rank == 0)

@@ -2,11 +2,14 @@
 
     python encode_latents.py --shards 'DIR/*.tar' --out DIR --vae ID_OR_PATH [--resolution 512]
                              [--batch_size 64] [--workers 16] [--precision bf16] [--compile] [--device auto]
+    torchrun --nproc_per_node 8 encode_latents.py --shards ... --out ...           # one process per GPU
+    python encode_latents.py ... --rank $SLURM_ARRAY_TASK_ID --world_size $SLURM_ARRAY_TASK_COUNT
 
-Four stages overlap: a prefetch thread reads whole shards ahead and splits the tar in memory; a pool
-of threads decodes (OpenCV), cuts out the centre square and scales it; batches are assembled in
-pinned memory and copied to the device without blocking; the VAE encodes while a writer thread moves
-finished latents to the host and saves each completed shard.
+Four stages overlap and stream: a prefetch thread reads shards ahead and splits each tar in memory; a
+pool of threads decodes (OpenCV), cuts out the centre square and scales it, a bounded number of images
+ahead of the VAE whatever the shard size; batches are assembled in pinned memory and copied to the
+device without blocking; the VAE encodes while a writer thread moves finished latents to the host and
+appends them to the shard's output file.
 
 Per input shard NNNNN.tar the output folder gets NNNNN.npy (float16, (N, 4, H/8, W/8), the posterior
 mean, unscaled), NNNNN.report.json (what was skipped and why) and NNNNN.keys.txt, written last as
@@ -19,17 +22,26 @@ is not complete). A re-run compares its settings with it before any work: a mism
 named, never fatal; a shard that gives no latent at all (an empty or unreadable tar, no usable
 sample) is named under ``failed_shards`` and tried again by the next run. ``--dtype`` is the old
 spelling of ``--precision`` and still works.
+
+Several processes (torchrun's ranks, or --rank/--world_size) share one folder and nothing else: shard
+i of the sorted list is rank i % world_size's; each rank encodes its own on its device (cuda:LOCAL_RANK)
+and the rank that finds every input shard through when it finishes writes the totals. No process
+waits for another, so a slow or crashed rank holds nobody up; re-running a crashed rank's command
+(or any rank's) encodes what it left and completes latents.json.
 """
 
 from __future__ import annotations
 
 import glob
+import io
 import json
 import logging
+import os
 import queue
+import socket
 import sys
 import threading
-from collections import Counter
+from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +50,7 @@ import numpy as np
 import torch
 
 import SD_Cli
+import SD_Distributed
 import SD_Faults
 import SD_Files
 import SD_Model
@@ -71,14 +84,34 @@ def parse_args(argv=None):
     parser.add_argument("--max_aspect", type=float, default=SD_Shards.DEFAULT_MAX_ASPECT,
                         help="skip images whose long side is more than this many times the short side "
                              "(extreme_aspect), read from the header")
-    parser.add_argument("--prefetch", type=int, default=2, help="shards read ahead of the encoder")
+    parser.add_argument("--prefetch", type=int, default=1,
+                        help="shards read ahead of the one being encoded (each is held in memory as its tar bytes)")
+    parser.add_argument("--rank", type=int, default=None,
+                        help="this process's place among --world_size processes started without torchrun "
+                             "(a SLURM array: $SLURM_ARRAY_TASK_ID); under torchrun it comes from RANK")
+    parser.add_argument("--world_size", type=int, default=None,
+                        help="how many processes share the shards (shard i of the sorted list goes to rank "
+                             "i %% world_size); under torchrun it comes from WORLD_SIZE")
     args = parser.parse_args(argv)
     if args.resolution <= 0 or args.resolution % 8:
         parser.error(f"--resolution must be a positive multiple of 8, got {args.resolution}")
     for name in ("batch_size", "workers", "prefetch", "max_pixels", "max_aspect"):
         if not getattr(args, name) >= 1:
             parser.error(f"--{name} must be >= 1")
+    check_ranks(parser, args)
     return args
+
+
+def check_ranks(parser, args) -> None:
+    if (args.rank is None) != (args.world_size is None):
+        parser.error("--rank and --world_size go together: give both or neither")
+    if args.rank is None:
+        return
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        parser.error("--rank and --world_size are for launchers without torchrun; under torchrun "
+                     "(WORLD_SIZE is set) leave them out")
+    if not (args.world_size >= 1 and 0 <= args.rank < args.world_size):
+        parser.error(f"--rank must be in 0..{args.world_size - 1} (--world_size {args.world_size}), got {args.rank}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -91,11 +124,11 @@ class ShardJob:
     """One input shard on its way through the pipeline."""
 
     path: Path
-    keys: list[str] = field(default_factory=list)  # encoded keys, in shard order
+    keys: list[str] = field(default_factory=list)  # encoded keys, in shard order, appended batch by batch
     skipped: dict[str, list[str]] = field(default_factory=dict)  # reason -> keys
     failed: str | None = None  # why the whole shard gave no latent (empty_tar, unreadable_tar, no_usable_sample)
-    latents: np.ndarray | None = None  # (N, 4, h, w) float16, filled by the writer
-    flipped: np.ndarray | None = None
+    rows: dict[str, "NpyRows"] = field(default_factory=dict)  # the writer's open output files: "npy", "flip"
+    non_finite: list[tuple[str, str]] = field(default_factory=list)  # (output, key) of non-finite latents
 
     @property
     def stem(self) -> str:
@@ -103,6 +136,11 @@ class ShardJob:
 
     def skip(self, reason: str, key: str) -> None:
         self.skipped.setdefault(reason, []).append(key)
+
+
+def shards_of_rank(paths: list[Path], rank: int, world_size: int) -> list[Path]:
+    """Shard i of the sorted list is rank i % world_size's: every rank computes the same split alone."""
+    return sorted(paths)[rank::world_size]
 
 
 def outputs(out: Path, stem: str) -> dict[str, Path]:
@@ -181,25 +219,75 @@ def read_report(path: Path) -> dict:
     raise FolderMismatch(f"{path} is damaged; delete it and its shard's .keys.txt, then re-run to encode that shard again")
 
 
-def write_summary(out: Path, meta: dict, complete: bool) -> dict:
-    """latents.json: the settings, then totals over every shard report in the folder (so resumed runs add
-    up). ``complete`` is False while a run is under way: the trainer refuses such a folder."""
-    encoded, skipped, shards, failed = 0, Counter(), 0, {}
+def folder_totals(out: Path) -> tuple[dict, set[str]]:
+    """Totals over every shard report in the folder (so resumed runs and other ranks add up), and the
+    stems of the shards that are through: done (their keys file exists) or failed."""
+    encoded, skipped, shards, failed, through = 0, Counter(), 0, {}, set()
     for report_path in sorted(out.glob("*.report.json")):
-        done = (out / report_path.name.replace(".report.json", ".keys.txt")).exists()
+        stem = report_path.name[: -len(".report.json")]
+        done = (out / f"{stem}.keys.txt").exists()
         report = read_report(report_path)
         if not (done or report.get("failed")):
             continue  # a shard under way (or left by a killed run): counted once it is done
+        through.add(stem)
         skipped.update({reason: len(keys) for reason, keys in report["skipped"].items()})
         if done:
             shards += 1
             encoded += report["encoded"]
         else:
             failed.setdefault(report["failed"], []).append(Path(report["shard"]).name)
-    summary = {**meta, "complete": complete, "shards": shards, "count": encoded,
-               "skipped": dict(sorted(skipped.items())), "failed_shards": dict(sorted(failed.items()))}
-    SD_Files.write_text_atomic(out / "latents.json", json.dumps(summary, indent=2) + "\n")
+    totals = {"shards": shards, "count": encoded, "skipped": dict(sorted(skipped.items())),
+              "failed_shards": dict(sorted(failed.items()))}
+    return totals, through
+
+
+def write_summary(out: Path, meta: dict, complete: bool, exclusive: bool = False, totals: dict | None = None) -> dict:
+    """latents.json: the settings, then the folder's totals. ``complete`` is False while a run is under
+    way: the trainer refuses such a folder. ``exclusive``: only if there is none yet (FileExistsError
+    otherwise), so that of several ranks starting on a new folder one sets the settings."""
+    summary = {**meta, "complete": complete, **(folder_totals(out)[0] if totals is None else totals)}
+    # Several ranks may write latents.json at once, and SD_Files' temporary name is one per target:
+    # each process writes a file of its own first, then renames (or links) it onto latents.json.
+    mine, target = out / f".latents.json.{socket.gethostname()}.{os.getpid()}", out / "latents.json"
+    SD_Files.write_text_atomic(mine, json.dumps(summary, indent=2) + "\n")
+    try:
+        if not exclusive:
+            os.replace(mine, target)
+            return summary
+        try:
+            os.link(mine, target)  # atomic, and refused when the file exists
+        except FileExistsError:
+            raise
+        except OSError:  # a file system without hard links: check, then rename (a narrow race, no link)
+            if target.exists():
+                raise FileExistsError(target) from None
+            os.replace(mine, target)
+    finally:
+        mine.unlink(missing_ok=True)
     return summary
+
+
+def start_folder(out: Path, meta: dict) -> None:
+    """Settings first, before this rank encodes anything, marked incomplete. On a new folder the first
+    rank creates latents.json; the others (and re-runs) compare their settings with it, then mark it."""
+    try:
+        write_summary(out, meta, complete=False, exclusive=True)
+    except FileExistsError:
+        compare_settings(out, read_meta(out), meta)
+        write_summary(out, meta, complete=False)
+
+
+def finish_folder(out: Path, meta: dict, paths: list[Path]) -> dict | None:
+    """latents.json marked complete, with the totals, once every input shard is through; None (and
+    nothing written) while shards of other ranks are still under way: the last rank to finish writes it."""
+    totals, through = folder_totals(out)
+    waiting = [p.name for p in paths if ShardJob(p).stem not in through]
+    if waiting:
+        log.info("%d input shards are not through yet (%s%s): the rank that finishes them writes the totals; "
+                 "re-running any rank's command completes a folder whose ranks were stopped", len(waiting),
+                 ", ".join(waiting[:5]), ", ..." if len(waiting) > 5 else "")
+        return None
+    return write_summary(out, meta, complete=True, totals=totals)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,17 +317,22 @@ def read_job(path: Path) -> tuple[ShardJob, list[SD_Shards.ShardSample]]:
 
 
 def prefetch_shards(paths: list[Path], depth: int):
-    """Yield ``(job, samples)`` with a thread reading and splitting up to ``depth`` shards ahead."""
-    handoff: queue.Queue = queue.Queue(maxsize=depth)
+    """Yield ``(job, samples)`` with a thread reading and splitting up to ``depth`` shards ahead of the
+    one the caller holds (each is held whole as its samples' bytes: the part of the memory that still
+    grows with the shard size, compressed)."""
+    handoff: queue.Queue = queue.Queue()
+    room = threading.Semaphore(depth)
     done = object()
 
     def reader():
         for path in paths:
+            room.acquire()
             handoff.put(read_job(path))
         handoff.put(done)
 
     threading.Thread(target=reader, daemon=True, name="shard-reader").start()
     while (item := handoff.get()) is not done:
+        room.release()
         yield item
 
 
@@ -260,25 +353,73 @@ def decode_sample(sample: SD_Shards.ShardSample, resolution: int, max_pixels: in
         return sample.key, "undecodable"
 
 
+class NpyRows:
+    """An .npy file written a batch of rows at a time under its temporary name, renamed into place by
+    ``commit``: the rows go to the file as they come, never all held in memory.
+
+    The header is written first for 0 rows and rewritten with the final count. numpy pads the header so
+    the first axis can grow to 21 digits in place (``np.lib.format.GROWTH_AXIS_MAX_DIGITS``), so its
+    length does not change and the file is byte for byte what ``np.save`` writes for the whole array.
+    """
+
+    def __init__(self, path: Path, row_shape: tuple[int, ...], dtype=np.float16):
+        self.path, self.tmp = path, SD_Files.temporary_name(path)
+        self.row_shape, self.dtype, self.count = tuple(row_shape), np.dtype(dtype), 0
+        self.handle = open(self.tmp, "wb")
+        self.header_size = self.handle.write(self._header())
+
+    def _header(self) -> bytes:
+        header = io.BytesIO()
+        np.lib.format.write_array_header_1_0(header, {"descr": np.lib.format.dtype_to_descr(self.dtype),
+                                                      "fortran_order": False, "shape": (self.count, *self.row_shape)})
+        return header.getvalue()
+
+    def append(self, rows: np.ndarray) -> None:
+        self.handle.write(np.ascontiguousarray(rows, dtype=self.dtype).tobytes())
+        self.count += len(rows)
+
+    def commit(self) -> None:
+        header = self._header()
+        if len(header) != self.header_size:
+            raise RuntimeError(f"{self.path.name}: this numpy writes .npy headers whose size depends on the row "
+                               "count; upgrade numpy")
+        self.handle.seek(0)
+        self.handle.write(header)
+        self.handle.flush()
+        os.fsync(self.handle.fileno())
+        self.handle.close()
+        os.replace(self.tmp, self.path)
+
+    def discard(self) -> None:
+        self.handle.close()
+        self.tmp.unlink(missing_ok=True)
+
+
 class Writer:
-    """Moves latents to the host and saves each shard once its last batch is back."""
+    """Moves latents to the host, appends them to their shard's files, and completes each shard once its
+    last batch is back."""
+
+    NAMES = {"npy": "latents", "flip": "flipped"}  # output file -> what its rows are, in messages
 
     def __init__(self, out: Path, flip: bool):
         self.out, self.flip = out, flip
         self.jobs: queue.Queue = queue.Queue(maxsize=8)
         self.error: BaseException | None = None
-        self.finished: list[ShardJob] = []
+        self.current: ShardJob | None = None  # the shard whose files are open
         self.thread = threading.Thread(target=self._run, daemon=True, name="latent-writer")
         self.thread.start()
 
-    def put(self, job: ShardJob, start: int, latents: torch.Tensor, flipped: torch.Tensor | None):
+    def put(self, job: ShardJob, keys: list[str] | None, latents: torch.Tensor | None, flipped: torch.Tensor | None):
+        """One batch of ``job`` (its ``keys``, in order), or with ``latents`` None the shard's closing notice."""
         if self.error is not None:
             raise self.error
-        self.jobs.put((job, start, latents, flipped))
+        self.jobs.put((job, keys, latents, flipped))
 
     def close(self) -> None:
         self.jobs.put(None)
         self.thread.join()
+        if self.current is not None:  # a shard cut off by an error: no half-written file is left
+            self._discard(self.current)
         if self.error is not None:
             raise self.error
 
@@ -291,39 +432,49 @@ class Writer:
             except BaseException as error:  # surfaced to the main thread by put()/close()
                 self.error = error
 
-    def _handle(self, job: ShardJob, start: int, latents, flipped):
-        if latents is None:  # the shard's closing notice: its batches were all queued before it
+    def _handle(self, job: ShardJob, keys, latents, flipped):
+        if latents is None:  # the closing notice: the shard's batches were all queued before it
             self._save(job)
             return
-        host = latents.cpu().numpy()  # waits for this batch only; the device works on
-        job.latents[start : start + len(host)] = host
+        self.current = job
+        self._append(job, "npy", keys, latents)
         if flipped is not None:
-            job.flipped[start : start + len(host)] = flipped.cpu().numpy()
+            self._append(job, "flip", keys, flipped)
+
+    def _append(self, job: ShardJob, name: str, keys: list[str], latents: torch.Tensor) -> None:
+        host = latents.cpu().numpy()  # waits for this batch only; the device works on
+        finite = np.isfinite(host.reshape(len(host), -1)).all(axis=1)
+        job.non_finite.extend((name, key) for key, ok in zip(keys, finite) if not ok)
+        if name not in job.rows:
+            job.rows[name] = NpyRows(outputs(self.out, job.stem)[name], host.shape[1:])
+        job.rows[name].append(host)
+
+    def _discard(self, job: ShardJob) -> None:
+        for rows in job.rows.values():
+            rows.discard()
+        job.rows, self.current = {}, None
 
     def _save(self, job: ShardJob):
         files = outputs(self.out, job.stem)
         if job.failed is not None:  # nothing to save: the report counts and names the shard, no done marker
+            self._discard(job)
             report = {"shard": str(job.path), "encoded": 0, "skipped": job.skipped, "failed": job.failed}
             SD_Files.write_text_atomic(files["report"], json.dumps(report, indent=1) + "\n")
-            self.finished.append(job)
             return
-        for name, array in (("latents", job.latents), ("flipped", job.flipped)):
-            if array is None:
-                continue
-            bad = ~np.isfinite(array.reshape(len(array), -1)).all(axis=1)
-            if bad.any():
-                keys = [k for k, b in zip(job.keys, bad) if b]
-                raise RuntimeError(f"{job.path.name}: non-finite {name} for keys {keys[:10]} (a VAE overflow: "
+        for name, label in self.NAMES.items():
+            keys = [key for file, key in job.non_finite if file == name]
+            if keys:
+                self._discard(job)
+                raise RuntimeError(f"{job.path.name}: non-finite {label} for keys {keys[:10]} (a VAE overflow: "
                                    "try --precision fp32 or bf16)")
-        SD_Files.save_npy_atomic(files["npy"], job.latents)
-        if self.flip:
-            SD_Files.save_npy_atomic(files["flip"], job.flipped)
+        for name in self.NAMES:
+            if name in job.rows:
+                job.rows[name].commit()
+        job.rows, self.current = {}, None
         SD_Faults.point("after_npy", job.stem)  # tests: SD_FAULT=after_npy:NNNNN kills the run here
         report = {"shard": str(job.path), "encoded": len(job.keys), "skipped": job.skipped}
         SD_Files.write_text_atomic(files["report"], json.dumps(report, indent=1) + "\n")
         SD_Files.write_text_atomic(files["keys"], "".join(k + "\n" for k in job.keys))
-        job.latents = job.flipped = None
-        self.finished.append(job)
 
 
 class Encoder:
@@ -348,6 +499,95 @@ class Encoder:
         return latents, flipped
 
 
+def in_flight_limit(batch_size: int, workers: int) -> int:
+    """Images decoding or decoded and not yet handed to the VAE: the batch being filled, one more behind
+    it, and two per decode thread so that none of them waits. A few batches, whatever the shard size."""
+    return 2 * batch_size + 2 * workers
+
+
+class InFlight:
+    """Counts the images handed to the decode pool and not yet to the VAE, and keeps the peak."""
+
+    def __init__(self, limit: int):
+        self.limit, self.count, self.peak = limit, 0, 0
+
+    def add(self, n: int) -> None:
+        self.count += n
+        self.peak = max(self.peak, self.count)
+
+    def remove(self, n: int) -> None:
+        self.count -= n
+
+
+class ShardStream:
+    """Decode -> batch -> encode -> writer, image by image in shard order, decoding ahead of the VAE by
+    at most ``in_flight.limit`` images. Before, whole shards were decoded ahead (about 32 GB per process
+    at 10k-image shards); now the decoded images in memory do not grow with the shard (issue 14).
+
+    The look-ahead runs across shard boundaries, so the VAE does not wait at the start of a shard; but
+    batches never span two shards, so a shard is always split into the same batches and an interrupted
+    and resumed run (or one split across ranks) writes the same bytes as an uninterrupted one.
+    """
+
+    def __init__(self, pool: ThreadPoolExecutor, args, encoder: "Encoder", writer: Writer, bar):
+        self.pool, self.args, self.encoder, self.writer, self.bar = pool, args, encoder, writer, bar
+        self.in_flight = InFlight(in_flight_limit(args.batch_size, args.workers))
+        self.window: deque = deque()  # (job, decode future) in shard order; (job, None) closes a shard
+        self.batch: list[tuple[str, np.ndarray]] = []  # decoded images of the oldest shard in the window
+
+    def add_shard(self, job: ShardJob, samples: list) -> None:
+        for i, sample in enumerate(samples):
+            samples[i] = None  # its bytes now go with the decode task: the shard's memory falls as it streams
+            while self.in_flight.count >= self.in_flight.limit:
+                self.take()
+            args = self.args
+            self.window.append((job, self.pool.submit(decode_sample, sample, args.resolution, args.max_pixels,
+                                                      args.max_aspect)))
+            self.in_flight.add(1)
+        self.window.append((job, None))
+
+    def drain(self) -> None:
+        while self.window:
+            self.take()
+
+    def take(self) -> None:
+        """The oldest decode: skipped and counted, or into the batch (encoded once full)."""
+        job, future = self.window.popleft()
+        if future is None:
+            self.close(job)
+            return
+        key, result = future.result()
+        if isinstance(result, str):
+            job.skip(result, key)
+            self.in_flight.remove(1)
+            return
+        self.batch.append((key, result))
+        if len(self.batch) == self.args.batch_size:
+            self.encode(job)
+
+    def encode(self, job: ShardJob) -> None:
+        keys = [key for key, _ in self.batch]
+        latents, flipped = self.encoder([image for _, image in self.batch])
+        self.in_flight.remove(len(keys))
+        self.batch = []
+        job.keys.extend(keys)
+        self.writer.put(job, keys, latents, flipped)
+        self.bar.update(len(keys))
+
+    def close(self, job: ShardJob) -> None:
+        if self.batch:
+            self.encode(job)
+        if not job.keys:
+            job.failed = job.failed or "no_usable_sample"
+            log.warning("%s: nothing to encode (%s); the shard is counted under failed_shards in latents.json",
+                        job.path, job.failed)
+        self.writer.put(job, None, None, None)  # the closing notice: saved once the batches before it are back
+        skipped = sum(len(v) for v in job.skipped.values())
+        if skipped:
+            self.bar.write(f"{job.path.name}: skipped {skipped} "
+                           f"({', '.join(f'{r} {len(k)}' for r, k in job.skipped.items())})")
+
+
 # ---------------------------------------------------------------------------------------------
 # Main
 # ---------------------------------------------------------------------------------------------
@@ -366,56 +606,18 @@ def estimated_images(paths: list[Path]) -> int | None:
     return total
 
 
-def encode_shards(todo: list[Path], args, encoder: Encoder, writer: Writer) -> None:
-    """Decode in the pool, batch per shard (never across shards), encode, hand off to the writer.
-
-    Batches never span two shards, so a shard is always split into the same batches: an interrupted
-    and resumed run writes the same bytes as an uninterrupted one.
-    """
+def encode_shards(todo: list[Path], args, encoder: Encoder, writer: Writer, desc: str = "encode") -> InFlight:
+    """Stream the shards through decoding, the VAE and the writer; returns the in-flight count."""
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=estimated_images(todo), unit="img", desc="encode", dynamic_ncols=True)
+    bar = tqdm(total=estimated_images(todo), unit="img", desc=desc, dynamic_ncols=True)
     with ThreadPoolExecutor(args.workers, thread_name_prefix="decode") as pool:
-        pending = []  # (job, futures): decoding runs ahead by the prefetch depth
-        shards = prefetch_shards(todo, args.prefetch)
-        for job, samples in shards:
-            futures = [pool.submit(decode_sample, s, args.resolution, args.max_pixels, args.max_aspect)
-                       for s in samples]
-            pending.append((job, futures))
-            if len(pending) > args.prefetch:
-                _encode_job(*pending.pop(0), args, encoder, writer, bar)
-        for job, futures in pending:
-            _encode_job(job, futures, args, encoder, writer, bar)
+        stream = ShardStream(pool, args, encoder, writer, bar)
+        for job, samples in prefetch_shards(todo, args.prefetch):
+            stream.add_shard(job, samples)
+        stream.drain()
     bar.close()
-
-
-def _encode_job(job: ShardJob, futures, args, encoder: Encoder, writer: Writer, bar) -> None:
-    decoded = []
-    for future in futures:
-        key, result = future.result()
-        if isinstance(result, str):
-            job.skip(result, key)
-        else:
-            decoded.append((key, result))
-    job.keys = [k for k, _ in decoded]
-    if not decoded:
-        job.failed = job.failed or "no_usable_sample"
-        writer.put(job, 0, None, None)  # the writer writes its report, after the shards queued before it
-        log.warning("%s: nothing to encode (%s); the shard is counted under failed_shards in latents.json",
-                    job.path, job.failed)
-        return
-    latent_shape = (len(decoded), 4, args.resolution // 8, args.resolution // 8)
-    job.latents = np.empty(latent_shape, dtype=np.float16)
-    job.flipped = np.empty(latent_shape, dtype=np.float16) if args.flip else None
-    for start in range(0, len(decoded), args.batch_size):
-        images = [image for _, image in decoded[start : start + args.batch_size]]
-        latents, flipped = encoder(images)
-        writer.put(job, start, latents, flipped)
-        bar.update(len(images))
-    writer.put(job, 0, None, None)  # the closing notice: save once the batches before it are back
-    skipped = sum(len(v) for v in job.skipped.values())
-    if skipped:
-        bar.write(f"{job.path.name}: skipped {skipped} ({', '.join(f'{r} {len(k)}' for r, k in job.skipped.items())})")
+    return stream.in_flight
 
 
 def main(argv=None) -> int:
@@ -438,38 +640,47 @@ def main(argv=None) -> int:
         # Before any work: a folder begun with other settings, or a damaged latents.json, stops the run.
         previous = read_meta(out)
         compare_settings(out, previous, requested_settings(args))
-        device = SD_Runtime.pick_device(args.device)
-        dtype = SD_Runtime.resolve_precision(args.precision, device)
-        vae = SD_Model.load_vae(args.vae).to(device=device, dtype=dtype)
+        place = SD_Distributed.independent(args.device, args.rank, args.world_size)
+        dtype = SD_Runtime.resolve_precision(args.precision, place.device)
+        vae = SD_Model.load_vae(args.vae).to(device=place.device, dtype=dtype)
         meta = vae_settings(args, vae.config)
         compare_settings(out, previous, meta)
         if not previous:
             check_existing_shards(out, meta)
         meta["compute_dtype"] = str(dtype).replace("torch.", "")
-        return encode_folder(paths, out, args, meta, Encoder(vae, device, dtype, args.compile, args.flip))
+        encoder = Encoder(vae, place.device, dtype, args.compile, args.flip)
+        return encode_folder(paths, out, args, meta, encoder, place)
     except FolderMismatch as error:
         print(f"encode_latents.py: error: {error}", file=sys.stderr)
         return 2
 
 
-def encode_folder(paths: list[Path], out: Path, args, meta: dict, encoder: Encoder) -> int:
-    """Settings first (marked incomplete), then the shards not done, then the totals (marked complete)."""
+def encode_folder(paths: list[Path], out: Path, args, meta: dict, encoder: Encoder,
+                  place: SD_Distributed.Dist | None = None) -> int:
+    """This rank's shards not done: settings first (marked incomplete), then the shards, then the totals
+    (marked complete) if every input shard of every rank is through."""
+    place = place or SD_Distributed.Dist.single(encoder.device)
+    who = f"rank {place.rank} of {place.world_size}: " if place.world_size > 1 else ""
     out.mkdir(parents=True, exist_ok=True)
-    todo = [p for p in paths if not shard_done(out, ShardJob(p).stem, args.flip)]
-    log.info("%d shards, %d already encoded, %d to do, on %s in %s", len(paths), len(paths) - len(todo),
+    mine = shards_of_rank(paths, place.rank, place.world_size)
+    todo = [p for p in mine if not shard_done(out, ShardJob(p).stem, args.flip)]
+    log.info("%s%d shards, %d already encoded, %d to do, on %s in %s", who, len(mine), len(mine) - len(todo),
              len(todo), encoder.device, meta["compute_dtype"])
     if todo:
-        write_summary(out, meta, complete=False)
+        start_folder(out, meta)
         writer = Writer(out, args.flip)
         try:
             try:
-                encode_shards(todo, args, encoder, writer)
+                in_flight = encode_shards(todo, args, encoder, writer, f"encode {who}".rstrip(": "))
             finally:
                 writer.close()
         except RuntimeError as error:
             print(f"encode_latents.py: error: {error}", file=sys.stderr)
             return 1
-    summary = write_summary(out, meta, complete=True)
+        log.info("%sat most %d images were decoded ahead of the VAE (limit %d)", who, in_flight.peak, in_flight.limit)
+    summary = finish_folder(out, meta, paths)
+    if summary is None:
+        return 0
     skipped = ", ".join(f"{reason} {n}" for reason, n in summary["skipped"].items()) or "none"
     log.info("done: %d latents in %d shards in %s; skipped: %s", summary["count"], summary["shards"], out, skipped)
     for reason, names in summary["failed_shards"].items():

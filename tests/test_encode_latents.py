@@ -1,7 +1,9 @@
+import io
 import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -78,6 +80,9 @@ def test_latents_are_the_posterior_means_of_the_images_in_key_order(encoded):
         assert (out / f"{stem}.keys.txt").read_text().split() == keys
         latents = np.load(out / f"{stem}.npy")
         assert latents.dtype == np.float16 and latents.shape == (len(keys), 4, 8, 8)
+        saved = io.BytesIO()  # written a batch at a time, yet exactly what np.save writes for the array
+        np.save(saved, latents)
+        assert (out / f"{stem}.npy").read_bytes() == saved.getvalue()
         exact = [k for k in keys if k != "a5"]  # a5 went through the resize path
         want = expected_means([pixels[k] for k in exact])
         got = latents[[keys.index(k) for k in exact]].astype(np.float32)
@@ -144,6 +149,109 @@ def test_a_run_killed_mid_shard_resumes_to_the_same_files(encoded, tmp_path):
     for name in names:
         assert (out / name).read_bytes() == (reference / name).read_bytes(), name
     assert json.loads((out / "latents.json").read_text())["count"] == 11
+
+
+def same_files(folder: Path, reference: Path) -> None:
+    """Every file (hidden leftovers included) byte for byte: latents, flips, keys, reports, latents.json."""
+    names = sorted(p.name for p in reference.iterdir())
+    assert sorted(p.name for p in folder.iterdir()) == names
+    for name in names:
+        assert (folder / name).read_bytes() == (reference / name).read_bytes(), name
+
+
+@pytest.mark.slow
+def test_two_ranks_under_torchrun_write_what_one_process_writes(encoded, tmp_path):
+    root, _ = encoded
+    # The two CPU ranks share the cores, a thread each; the CPU convolutions round differently with another
+    # thread count, so the single process they are held to runs on one thread too.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert encode(root / "shards", tmp_path / "one", "--flip") == 0
+    finally:
+        torch.set_num_threads(threads)
+    out = tmp_path / "latents"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "encode_latents.py"), "--shards", str(root / "shards" / "*.tar"), "--out", str(out), "--vae",
+           "tiny", "--resolution", "64", "--batch_size", "2", "--workers", "3", "--max_pixels", str(MAX_PIXELS),
+           "--flip"]
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "rank 0 of 2: 2 shards, 0 already encoded, 2 to do" in result.stderr  # 00000 and 00002
+    assert "rank 1 of 2: 1 shards, 0 already encoded, 1 to do" in result.stderr  # 00001
+    same_files(out, tmp_path / "one")
+    assert json.loads((out / "latents.json").read_text())["complete"] is True
+
+
+def test_ranks_without_torchrun_split_the_shards_and_the_last_to_finish_writes_the_totals(encoded, tmp_path,
+                                                                                         monkeypatch):
+    root, _ = encoded
+    out = tmp_path / "latents"
+    assert encode(root / "shards", out, "--flip", "--rank", 1, "--world_size", 2) == 0
+    assert sorted(p.name for p in out.glob("*.keys.txt")) == ["00001.keys.txt"]
+    assert json.loads((out / "latents.json").read_text())["complete"] is False  # rank 0 has not run
+
+    def kill_at(name, key):
+        if (name, key) == ("after_npy", "00000"):
+            raise Killed
+
+    monkeypatch.setattr(encode_latents.SD_Faults, "point", kill_at)
+    with pytest.raises(Killed):  # rank 0 dies after its first shard's .npy, before its done marker
+        encode(root / "shards", out, "--flip", "--rank", 0, "--world_size", 2)
+    monkeypatch.undo()
+    assert (out / "00000.npy").exists() and not (out / "00000.keys.txt").exists()
+    assert encode(root / "shards", out, "--flip", "--rank", 1, "--world_size", 2) == 0  # nothing to do, not last
+    assert json.loads((out / "latents.json").read_text())["complete"] is False
+    assert encode(root / "shards", out, "--flip", "--rank", 0, "--world_size", 2) == 0  # redoes 00000, then 00002
+    same_files(out, root / "latents")
+
+
+@pytest.mark.parametrize("flags, environment, message", [
+    (["--rank", "0"], {}, "--rank and --world_size go together"),
+    (["--rank", "2", "--world_size", "2"], {}, "--rank must be in 0..1 (--world_size 2), got 2"),
+    (["--rank", "0", "--world_size", "2"], {"WORLD_SIZE": "2"}, "under torchrun (WORLD_SIZE is set) leave them out"),
+])
+def test_bad_ranks_are_one_line_errors(flags, environment, message, monkeypatch, capsys):
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as exit_info:
+        encode_latents.parse_args(["--shards", "x/*.tar", "--out", "o", *flags])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and message in err
+
+
+def test_decoded_images_in_flight_stay_under_the_limit_on_shards_larger_than_it(tmp_path, monkeypatch, caplog):
+    rng = np.random.default_rng(5)
+    shards, out = tmp_path / "shards", tmp_path / "latents"
+    for shard in range(2):  # two, so that the look-ahead crosses a shard boundary
+        clean_shard(shards / f"{shard:05d}.tar", [f"s{shard}_{i:02d}" for i in range(20)], rng, size=16)
+    limit = encode_latents.in_flight_limit(batch_size=2, workers=2)
+    assert limit < 20
+    # Counted from the outside: an image counts once decoded, and until it is handed to the VAE.
+    lock, count = threading.Lock(), {"now": 0, "peak": 0}
+    decode, encode_batch = encode_latents.decode_sample, encode_latents.Encoder.__call__
+
+    def counting_decode(*args):
+        key, result = decode(*args)
+        with lock:
+            count["now"] += not isinstance(result, str)  # a skip reason is not an image
+            count["peak"] = max(count["peak"], count["now"])
+        return key, result
+
+    def counting_encode(self, images):
+        with lock:
+            count["now"] -= len(images)
+        return encode_batch(self, images)
+
+    monkeypatch.setattr(encode_latents, "decode_sample", counting_decode)
+    monkeypatch.setattr(encode_latents.Encoder, "__call__", counting_encode)
+    caplog.set_level("INFO")
+    assert encode_latents.main(["--shards", str(shards / "*.tar"), "--out", str(out), "--vae", "tiny",
+                                "--resolution", "16", "--batch_size", "2", "--workers", "2"]) == 0
+    assert count["now"] == 0 and 2 <= count["peak"] <= limit  # a batch needs 2 decoded; never more than the limit
+    assert f"images were decoded ahead of the VAE (limit {limit})" in caplog.text
+    assert [len(np.load(out / f"0000{shard}.npy")) for shard in range(2)] == [20, 20]
+    assert (out / "00001.keys.txt").read_text().split() == [f"s1_{i:02d}" for i in range(20)]
 
 
 def test_non_finite_latents_stop_naming_the_key(tmp_path, capsys):
@@ -246,7 +354,8 @@ def test_help_documents_every_flag():
     result = subprocess.run([sys.executable, str(ROOT / "encode_latents.py"), "--help"], capture_output=True, text=True)
     assert result.returncode == 0
     for flag in ("--shards", "--out", "--vae", "--resolution", "--batch_size", "--workers", "--precision",
-                 "--compile", "--device", "--flip", "--max_pixels", "--max_aspect", "--prefetch"):
+                 "--compile", "--device", "--flip", "--max_pixels", "--max_aspect", "--prefetch", "--rank",
+                 "--world_size"):
         assert f"  {flag} " in result.stdout, flag
     assert "--dtype" not in result.stdout.split("options:")[1]  # the old spelling works, not listed as a flag
 
