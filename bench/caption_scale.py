@@ -130,7 +130,7 @@ def caption_load_rows(work: Path, sizes: list[int]) -> list[dict]:
         if results["per_row"]["checksum"] != results["arrow"]["checksum"]:
             raise SystemExit(f"the two loads of {folder} differ")
         for way, result in results.items():
-            rows.append({"rows": size, "way": way, "seconds": round(result["seconds"], 3),
+            rows.append({"rows": size, "way": way, "seconds": round(result["seconds"], 5),
                          "rows_per_s": round(size / result["seconds"]), "peak_rss_mb": result["peak_rss_mb"],
                          "rss_growth_mb": result["rss_growth_mb"]})
         rows[-1]["speedup"] = round(results["per_row"]["seconds"] / results["arrow"]["seconds"], 1)
