@@ -6,8 +6,8 @@
 1. The trainer's caption load (``SD_Data.load_caption_split``, run by every rank at every start) on a
    caption dataset of ``--sizes`` rows laid out as ``05_build_hf_dataset.py`` writes it: the Arrow
    load against the previous per-row conversion through datasets' Python objects. Each load runs in
-   a fresh process: seconds, rows/s, the ratio, and the process's peak RSS (and its growth over the
-   RSS before the load; both processes have imported torch and datasets, as the trainer has).
+   a fresh process: seconds, rows/s, the ratio, and the process's peak RSS (VmHWM) and its growth
+   over the RSS before the load (both processes have imported torch and datasets, as the trainer has).
 2. Stage 04's caption read (``process_shard``) on one img2dataset-like shard per ``--shard_sizes``
    (``--image_kb`` of incompressible image bytes per sample, a caption and a JSON, and the parquet
    img2dataset writes beside it) in three ways: the previous whole-tar read, the tar read header by
@@ -24,7 +24,6 @@ import argparse
 import importlib
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -94,9 +93,11 @@ def per_row_load(dataset_dir: str):
     return keys, np.asarray(table.with_format("numpy")["input_ids"], dtype=np.int64).reshape(len(keys), -1)
 
 
-def rss_mb() -> float:
+def memory_mb(field: str) -> float:
+    """``VmRSS`` (now) or ``VmHWM`` (peak) of this process. Not ``ru_maxrss``: Linux carries that over
+    ``exec`` from the forking parent, so a child of a big parent reports the parent's peak."""
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) / 1024
     return float("nan")
 
@@ -107,11 +108,11 @@ def measure_load(way: str, dataset_dir: str) -> dict:
 
     import SD_Data
 
-    before = rss_mb()
+    before = memory_mb("VmRSS")
     start = time.perf_counter()
     keys, input_ids = per_row_load(dataset_dir) if way == "per_row" else SD_Data.load_caption_split(dataset_dir, "train")
     seconds = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kB on Linux
+    peak = memory_mb("VmHWM")
     return {"seconds": seconds, "rows": len(keys), "peak_rss_mb": round(peak), "rss_growth_mb": round(peak - before),
             "checksum": int(input_ids.sum() % 1_000_003) + sum(map(len, keys[:: max(1, len(keys) // 1000)]))}
 
@@ -129,7 +130,7 @@ def caption_load_rows(work: Path, sizes: list[int]) -> list[dict]:
         if results["per_row"]["checksum"] != results["arrow"]["checksum"]:
             raise SystemExit(f"the two loads of {folder} differ")
         for way, result in results.items():
-            rows.append({"rows": size, "way": way, "seconds": round(result["seconds"], 3),
+            rows.append({"rows": size, "way": way, "seconds": round(result["seconds"], 5),
                          "rows_per_s": round(size / result["seconds"]), "peak_rss_mb": result["peak_rss_mb"],
                          "rss_growth_mb": result["rss_growth_mb"]})
         rows[-1]["speedup"] = round(results["per_row"]["seconds"] / results["arrow"]["seconds"], 1)

@@ -169,7 +169,7 @@ def test_caption_scale_bench_compares_both_loads_and_the_three_stage_04_reads():
     stdout, result = run_bench("caption_scale.py", "--sizes", "3000", "--shard_sizes", "60", "--image_kb", "16")
     load = {row["way"]: row for row in result["caption_load"]}
     assert set(load) == {"per_row", "arrow"} and all(row["rows"] == 3000 and row["seconds"] > 0 for row in load.values())
-    assert load["arrow"]["speedup"] == round(load["per_row"]["seconds"] / load["arrow"]["seconds"], 1)
+    assert load["arrow"]["speedup"] == pytest.approx(load["per_row"]["seconds"] / load["arrow"]["seconds"], abs=0.051)
     reads = {row["way"]: row for row in result["stage04"]}
     assert list(reads) == ["previous: whole tar", "tar, headers only", "img2dataset parquet"]
     assert {row["samples_read"] for row in reads.values()} == {57}  # every 20th download failed
