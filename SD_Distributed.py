@@ -85,7 +85,8 @@ def independent(device_choice: str = "auto", rank: int | None = None, world_size
     device = SD_Runtime.pick_device(device_choice, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    elif device.type == "cpu" and int(os.environ.get("LOCAL_WORLD_SIZE", 1)) > 1:  # the ranks on one machine share its cores
+    elif device.type == "cpu" and int(os.environ.get("LOCAL_WORLD_SIZE", 1)) > 1:
+        # The ranks on one machine share its cores (the ones this process may run on, under SLURM too).
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         torch.set_num_threads(max(1, cores // int(os.environ["LOCAL_WORLD_SIZE"])))
     return Dist(rank, world_size, local_rank, device, rank == 0)
