@@ -190,6 +190,160 @@ def test_filter_bad_command_lines_exit_2_before_any_work(tmp_path, capsys):
     assert not out.exists()
 
 
+def reference_filter(files: list[list[dict]], limits: dict) -> tuple[list[list[int]], list[dict], list[dict]]:
+    """The stage's rules as plain loops over rows: per file the ids kept (in order), the rows dropped per
+    reason and the first URLs of each reason. LAION column names; every file has every column."""
+    def text(value):
+        return "" if value is None else str(value).strip()
+
+    def number(value):
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            return float("nan")  # NaN fails every comparison, as NULL and junk do in the stage
+
+    def first_failure(row):
+        if not text(row["URL"]) or not text(row["TEXT"]):
+            return "missing_url_or_caption"
+        big_enough = [number(row[side]) >= limits["min_size"] for side in ("WIDTH", "HEIGHT")]
+        checks = [("low_aesthetic", number(row["aesthetic"]) >= limits["min_aesthetic"]),
+                  ("low_similarity", number(row["similarity"]) >= limits["min_similarity"]),
+                  ("too_small", all(big_enough)),
+                  ("watermark", number(row["pwatermark"]) < limits["max_watermark"]),
+                  ("nsfw", number(row["punsafe"]) < limits["max_nsfw"])]
+        return next((reason for reason, passes in checks if not passes), None)
+
+    seen_urls, seen_keys, kept, counts, examples = set(), set(), [], [], []
+    for rows in files:
+        kept.append([])
+        counts.append({})
+        examples.append({})
+        for row in rows:
+            url, key = text(row["URL"]), (text(row["TEXT"]), number(row["WIDTH"]), number(row["HEIGHT"]))
+            reason = first_failure(row)
+            if reason is None and url in seen_urls:
+                reason = "duplicate_url"
+            elif reason is None and key in seen_keys:
+                reason = "duplicate_caption_size"
+            if reason is None:
+                kept[-1].append(row["id"])
+                seen_urls.add(url)
+                seen_keys.add(key)
+            else:
+                counts[-1][reason] = counts[-1].get(reason, 0) + 1
+                examples[-1].setdefault(reason, [])
+                if len(examples[-1][reason]) < 20:
+                    examples[-1][reason].append(url)
+    return kept, counts, examples
+
+
+def random_laion_files(seed: int, n_files: int = 3, rows: int = 300) -> list[list[dict]]:
+    """Rows drawn from small pools, so URLs and caption+size keys repeat within and across files and
+    form chains (A and B share a caption, B and C a URL, ...) that take the stage several rounds. Each
+    filter fails on about one row in twenty: NULL, NaN, text of whitespace, values at the thresholds."""
+    rng = np.random.default_rng(seed)
+
+    def pick(passing, failing):
+        values = failing if rng.random() < 0.05 else passing
+        return values[rng.integers(len(values))]
+
+    files, next_id = [], 0
+    for _ in range(n_files):
+        rows_of_file = []
+        for _ in range(rows):
+            width, height = pick([(600, 700), (512, 512), (800, 600)], [(511, 900), (None, 700), (float("nan"), 600), (600, float("nan"))])
+            rows_of_file.append({
+                "id": next_id, "URL": pick([f"http://x/{rng.integers(150)}", f" http://x/{rng.integers(150)}\u3000"],
+                                          [None, "", " \t"]),
+                "TEXT": pick([f"caption {rng.integers(40)}", f"\u00a0caption {rng.integers(40)} "], [None, "\u2003"]),
+                "WIDTH": width, "HEIGHT": height,
+                "aesthetic": pick([7.0, 6.5, float("inf")], [6.4, None, float("nan")]),
+                "similarity": pick([0.31, 0.28], [0.27, None]), "pwatermark": pick([0.1, 0.49], [0.5, 0.9]),
+                "punsafe": pick([0.1, 0.49], [0.5, None, float("nan")])})
+            next_id += 1
+        files.append(rows_of_file)
+    return files
+
+
+def test_filter_matches_a_plain_python_reference_on_random_duplicates(tmp_path, monkeypatch):
+    files = random_laion_files(seed=4)
+    for number, rows in enumerate(files):
+        write_parquet(tmp_path / "meta" / f"part-{number}.parquet", rows)
+    # One file's aesthetic scores as text: read as numbers, junk failing the filter.
+    files[2] = [{**row, "aesthetic": None if row["aesthetic"] is None else str(row["aesthetic"])} for row in files[2]]
+    files[2][0]["aesthetic"] = "junk"
+    write_parquet(tmp_path / "meta" / "part-2.parquet", files[2])
+    limits = {"min_aesthetic": 6.5, "min_similarity": 0.28, "min_size": 512, "max_watermark": 0.5, "max_nsfw": 0.5}
+    kept, counts, examples = reference_filter(files, limits)
+    rounds, deduplicate = [], stage02.deduplicate
+    monkeypatch.setattr(stage02, "deduplicate", lambda con: rounds.append(deduplicate(con)) or rounds[-1])
+    summary = run02(tmp_path, tmp_path / "meta", tmp_path / "out", "--threads", "2")
+    for number in range(len(files)):
+        assert pq.read_table(tmp_path / "out" / f"part-{number}.parquet").column("id").to_pylist() == kept[number]
+        stats = json.loads((tmp_path / "out" / f"part-{number}_stats.json").read_text())
+        assert (stats["successes"], stats["failed"], stats["examples"]) == (len(kept[number]), counts[number],
+                                                                            examples[number])
+    assert set(summary["dropped"]) == set(stage02.REASONS)  # every reason is hit
+    assert summary["dropped"]["duplicate_url"] > 100 and summary["dropped"]["duplicate_caption_size"] > 100
+    assert max(rounds) >= 3  # chains of duplicates that the sequential rule resolves one link at a time
+
+
+def test_filter_in_two_steps_keeps_the_rows_of_one_run(tmp_path):
+    """The cluster recipe: the filters alone per group of files (--dedup false), then one run over
+    their outputs drops the duplicates: the same rows as one run over everything."""
+    files = random_laion_files(seed=5, n_files=4, rows=150)
+    for number, rows in enumerate(files):
+        write_parquet(tmp_path / "meta" / f"part-{number}.parquet", rows)
+    run02(tmp_path, tmp_path / "meta", tmp_path / "one")
+    for group, pattern in (("0", "part-[01].parquet"), ("1", "part-[23].parquet")):
+        assert stage02.main(["--input", str(tmp_path / "meta" / pattern), "--out", str(tmp_path / "groups" / group),
+                             "--dedup", "false"]) == 0
+    filtered = json.loads((tmp_path / "groups" / "0" / "part-0_stats.json").read_text())
+    assert filtered["dedup"] is False and "duplicate_url" not in filtered["failed"]
+    second = stage02.main(["--input", str(tmp_path / "groups" / "*" / "*.parquet"), "--out", str(tmp_path / "two")])
+    assert second == 0
+    for number in range(4):
+        one, two = (pq.read_table(tmp_path / run / f"part-{number}.parquet") for run in ("one", "two"))
+        assert one.column("id").to_pylist() == two.column("id").to_pylist()
+    # Mixing the two modes in one folder is refused before any work.
+    assert stage02.main(["--input", str(tmp_path / "meta" / "*.parquet"), "--out", str(tmp_path / "one"),
+                         "--dedup", "false"]) == 2
+
+
+def test_filter_spills_to_disk_under_a_memory_limit_smaller_than_its_data(tmp_path, monkeypatch, capsys):
+    # 2 files x 20,000 rows carrying 3 kB each (an EXIF dump): 120 MB of rows to hold, against 64 MB.
+    (tmp_path / "meta").mkdir()
+    rows = 20_000
+    for number in range(2):
+        table = pa.table({"URL": [f"u/{(row + number * rows) % 30_000}" for row in range(rows)],
+                          "TEXT": [f"caption {row % 5_000}" for row in range(rows)], "WIDTH": [600] * rows,
+                          "HEIGHT": [700] * rows, "EXIF": [f"{row:06d}" * 500 for row in range(rows)]})
+        pq.write_table(table, tmp_path / "meta" / f"p{number}.parquet", row_group_size=2_000)
+    spilled, settings = [], []
+    deduplicate = stage02.deduplicate
+
+    def spy(con):  # what DuckDB holds once the file's rows that pass the filters are loaded
+        settings.append(con.execute("SELECT current_setting('memory_limit'), current_setting('temp_directory')")
+                        .fetchall()[0])
+        spilled.append(con.execute("SELECT coalesce(sum(size), 0) FROM duckdb_temporary_files()").fetchall()[0][0])
+        return deduplicate(con)
+
+    monkeypatch.setattr(stage02, "deduplicate", spy)
+    summary = run02(tmp_path, tmp_path / "meta", tmp_path / "out", "--memory_limit", "64MB", "--threads", "1")
+    # Captions repeat every 5,000 rows at one size: file 0 keeps rows 0-4,999. File 1's rows 10,000-19,999
+    # repeat the URLs of file 0's rows 0-9,999, of which only the first 5,000 were kept.
+    assert summary["kept"] == 5_000
+    assert summary["dropped"] == {"duplicate_url": 5_000, "duplicate_caption_size": 30_000}
+    assert settings[0] == ("61.0 MiB", str(tmp_path / "out" / ".duckdb_tmp"))
+    assert min(spilled) > 10 << 20  # the candidates did not fit and went to disk
+    assert not (tmp_path / "out" / ".duckdb_tmp").exists()
+    # Below what DuckDB needs to work at all: one line naming the flag.
+    code = stage02.main(["--input", str(tmp_path / "meta" / "*.parquet"), "--out", str(tmp_path / "tiny"),
+                         "--memory_limit", "8MB", "--threads", "1"])
+    err = [line for line in capsys.readouterr().err.splitlines() if "02_filter_metadata.py:" in line]  # beside tqdm's
+    assert code == 2 and len(err) == 1 and "more memory needed than --memory_limit 8MB allows" in err[0]
+
+
 # ---------------------------------------------------------------------------------------------
 # 01_download_metadata
 # ---------------------------------------------------------------------------------------------
@@ -419,7 +573,8 @@ FLAGS = {
     "01_download_metadata": ["--out", "--repo_id", "--revision", "--patterns", "--local_dir"],
     "02_filter_metadata": ["--input", "--out", "--min_aesthetic", "--min_similarity", "--min_size",
                            "--max_watermark", "--max_nsfw", "--url_col", "--caption_col", "--width_col",
-                           "--height_col", "--aesthetic_col", "--similarity_col", "--watermark_col", "--nsfw_col"],
+                           "--height_col", "--aesthetic_col", "--similarity_col", "--watermark_col", "--nsfw_col",
+                           "--memory_limit", "--threads", "--dedup"],
     "03_download_images": ["--input", "--out", "--resolution", "--processes", "--threads", "--distributor",
                            "--spark_master", "--url_col", "--caption_col", "--shard_size", "--timeout", "--retries"],
 }
