@@ -152,3 +152,16 @@ def test_ema_copy_bench_times_both_paths_and_computes_the_sd1_transfer(capsys):
     stdout = capsys.readouterr().out
     assert f"ratio ours/previous = {result['ratio_ours_vs_previous']:.2f}x" in stdout
     assert "computed, not measured: 3.44 GB over PCIe 4.0 x16 at 25 GB/s = 0.138 s" in stdout
+
+
+@pytest.mark.slow
+def test_data_scale_bench_measures_stage_02_and_its_peers_in_their_own_processes():
+    stdout, result = run_bench("data_scale.py", "--stage", "02", "--sizes", "20000", "--files", "2",
+                               "--memory_limit", "500MB", "--threads", "1")
+    rows = {row["impl"]: row for row in result["rows"]}
+    assert set(rows) == {"ours", "previous", "duckdb-sql"}
+    for row in rows.values():
+        assert row["rows"] == 20_000 and row["cpu_s"] > 0 and row["peak_rss_gb"] > 0.05
+        assert row["rows_per_cpu_s"] == pytest.approx(20_000 / row["cpu_s"])
+    assert rows["ours"]["same_as_previous"] is True
+    assert "ratio ours/previous" in stdout and "LAION-2B-en" in stdout
