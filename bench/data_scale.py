@@ -6,10 +6,11 @@
 For each size the stage's synthetic inputs are built once, then ours and each peer run in their own
 process on them; ``os.wait4`` gives each process's CPU time (user + system, all threads) and peak
 resident memory (the inputs are built in yet another process, so that the measuring process stays
-small: a child's peak starts from its parent's). Printed per run: wall time, CPU time, input rows per CPU-second and peak RSS; then,
-per implementation, the growth from the smallest to the largest size, the marginal rate (extra rows
-over extra CPU time, so start-up cancels out), a projection to LAION-2B-en (2.3 billion rows in 128
-parquet files) and the ratio ours/peer; and one JSON line (``--json FILE`` writes it too).
+small: a child's peak starts from its parent's). Printed per run: wall time, CPU time, input rows per
+CPU-second and peak RSS; then, per implementation, the growth from the smallest to the largest size,
+the marginal rate (extra rows over extra CPU time, so start-up cancels out), a projection to
+LAION-2B-en (2.3 billion rows in 128 parquet files) and the ratio ours/peer; and one JSON line
+(``--json FILE`` writes it too).
 
 One function per stage (``stage_02``) builds its inputs and returns its measurements; the command
 line, the process measurement and the printing are shared, so another stage adds one function to
@@ -17,8 +18,8 @@ STAGES.
 
 Stage 02 (``pipeline/02_filter_metadata.py``, phase 1 thresholds): inputs are LAION-shaped metadata
 (URL, TEXT, WIDTH, HEIGHT, similarity, hash, punsafe, pwatermark, aesthetic with laion2B-en-aesthetic's
-types; about 8% of rows pass the filters, 3% repeat an earlier URL, 2% share stock captions and sizes,
-0.1% lack a URL) split over ``--files`` files. Peers: the previous stage (pandas + Python sets, taken
+types; about 8% of rows pass the filters, 3% repeat an earlier URL, 2% share stock captions and
+sizes, 0.1% lack a URL) split over ``--files`` files. Peers: the previous stage (pandas + Python sets, taken
 from git at PREVIOUS_02) and one plain DuckDB query (the same filters; first row per URL and per
 caption+size, a looser rule than the stage's; no counts per reason; one output file).
 """
@@ -195,8 +196,10 @@ inputs, out, memory_limit, threads = sys.argv[1:]
 con = duckdb.connect(config={"memory_limit": memory_limit, "threads": int(threads), "temp_directory": out + ".tmp"})
 con.execute(f'''COPY (
     SELECT * EXCLUDE (filename, file_row_number, first_of_url, first_of_key) FROM (
-        SELECT *, row_number() OVER (PARTITION BY trim(URL) ORDER BY filename, file_row_number) AS first_of_url,
-                  row_number() OVER (PARTITION BY trim(TEXT), WIDTH, HEIGHT ORDER BY filename, file_row_number) AS first_of_key
+        SELECT *,
+            row_number() OVER (PARTITION BY trim(URL) ORDER BY filename, file_row_number) AS first_of_url,
+            row_number() OVER (PARTITION BY trim(TEXT), WIDTH, HEIGHT ORDER BY filename, file_row_number)
+                AS first_of_key
         FROM read_parquet('{inputs}', filename = true, file_row_number = true)
         WHERE trim(URL) <> '' AND trim(TEXT) <> '' AND aesthetic >= 6.5 AND similarity >= 0.28
           AND WIDTH >= 512 AND HEIGHT >= 512 AND pwatermark < 0.5 AND punsafe < 0.5)
