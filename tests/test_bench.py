@@ -165,6 +165,7 @@ def test_latent_store_bench_compares_shared_and_private_memory(tmp_path):
     assert row["storage_samples_per_s"] > 0
 
 
+@pytest.mark.slow
 def test_caption_scale_bench_compares_both_loads_and_the_three_stage_04_reads():
     stdout, result = run_bench("caption_scale.py", "--sizes", "3000", "--shard_sizes", "60", "--image_kb", "16")
     load = {row["way"]: row for row in result["caption_load"]}
@@ -178,3 +179,16 @@ def test_caption_scale_bench_compares_both_loads_and_the_three_stage_04_reads():
         assert reads["tar, headers only"]["read_mb"] < reads["previous: whole tar"]["tar_mb"] / 3
         assert reads["img2dataset parquet"]["read_mb"] < reads["tar, headers only"]["read_mb"]
     assert "trainer caption load" in stdout and "stage 04 caption read" in stdout
+
+
+@pytest.mark.slow
+def test_data_scale_bench_measures_stage_02_and_its_peers_in_their_own_processes():
+    stdout, result = run_bench("data_scale.py", "--stage", "02", "--sizes", "20000", "--files", "2",
+                               "--memory_limit", "500MB", "--threads", "1")
+    rows = {row["impl"]: row for row in result["rows"]}
+    assert set(rows) == {"ours", "previous", "duckdb-sql"}
+    for row in rows.values():
+        assert row["rows"] == 20_000 and row["cpu_s"] > 0 and row["peak_rss_gb"] > 0.05
+        assert row["rows_per_cpu_s"] == pytest.approx(20_000 / row["cpu_s"])
+    assert rows["ours"]["same_as_previous"] is True
+    assert "ratio ours/previous" in stdout and "LAION-2B-en" in stdout
