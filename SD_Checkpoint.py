@@ -281,9 +281,14 @@ def file_hash(path: Path) -> str:
 
 def describe_files(paths: list[Path], threads: int = 4) -> dict[str, dict]:
     """``{file name: {"size": bytes, "xxh3_128": hex}}``, files hashed in parallel threads."""
-    with ThreadPoolExecutor(max(1, min(threads, len(paths)))) as pool:
-        hashes = list(pool.map(file_hash, paths))
+    hashes = file_hashes(paths, threads)
     return {path.name: {"size": path.stat().st_size, HASH: digest} for path, digest in zip(paths, hashes)}
+
+
+def file_hashes(paths: list[Path], threads: int = 4) -> list[str]:
+    """``file_hash`` of each path, in order, several files at a time."""
+    with ThreadPoolExecutor(max(1, min(threads, len(paths)))) as pool:
+        return list(pool.map(file_hash, paths))
 
 
 def read_manifest(folder: Path) -> dict | None:
@@ -320,10 +325,9 @@ def verify(folder: Path, names: list[str], hash_contents: bool = True) -> bool:
             raise Damaged(f"{path}: {size} bytes where the manifest records {files[name]['size']}")
     if hash_contents:
         paths = [folder / name for name in names]
-        with ThreadPoolExecutor(max(1, min(4, len(paths)))) as pool:
-            for path, digest in zip(paths, pool.map(file_hash, paths)):
-                if digest != files[path.name][HASH]:
-                    raise Damaged(f"{path}: contents differ from the manifest's hash (the file was changed or damaged)")
+        for path, digest in zip(paths, file_hashes(paths)):
+            if digest != files[path.name][HASH]:
+                raise Damaged(f"{path}: contents differ from the manifest's hash (the file was changed or damaged)")
     return True
 
 

@@ -134,8 +134,7 @@ class LatentStore:
                             f"{len(paths)} files (e.g. {missing[:3]}); encode it with encode_latents.py --flip, "
                             "or set flip: false")
         arrays = [load_npy(p, mmap=True) for p in paths]  # a damaged file is a DataError naming it
-        rows = [load_npy(p.with_name(f"{stem}.npy"), mmap=True).shape[0] if key_files else 1
-                for p, stem in zip(paths, stems)]
+        rows = [len(a) for a in self.arrays] if key_files else [1] * len(paths)  # the shards, already mapped
         bad = [f"{p.name} {a.shape}" for p, a, n in zip(paths, arrays, rows)
                if a.size != n * int(np.prod(self.sample_shape))]
         if bad:

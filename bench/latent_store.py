@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -147,7 +148,7 @@ def main(argv=None) -> int:
                          "ours_samples_per_s": min(r["samples_per_s"] for r in ours),
                          "peer_samples_per_s": min(r["samples_per_s"] for r in peer),
                          "storage_samples_per_s": storage["samples_per_s"]})
-            shutil_rmtree(folder)
+            shutil.rmtree(folder, ignore_errors=True)
     print(f"{'latents':>8} {'data MB':>8} | {'own memory of all ranks, MB':>28} | {'load s':>13} | "
           f"{'batch samples/s':>24} | {'from storage':>12}")
     print(f"{'':>8} {'':>8} | {'ours':>8} {'peer':>8} {'ratio':>10} | {'ours':>6} {'peer':>6} | "
@@ -173,12 +174,6 @@ def main(argv=None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(result) + "\n")
     return 0
-
-
-def shutil_rmtree(folder: Path) -> None:
-    import shutil
-
-    shutil.rmtree(folder, ignore_errors=True)
 
 
 if __name__ == "__main__":
