@@ -2,8 +2,8 @@
 
 * A shard is a tar ``NNNNN.tar`` whose samples are consecutive members sharing a key:
   ``<key>.jpg|png|webp`` (the image), ``<key>.txt`` (the caption), ``<key>.json`` (metadata).
-  ``read_shard`` splits an in-memory tar and keeps what precedes a damaged member; ``write_shard``
-  writes one atomically.
+  ``TarSamples`` reads one a sample at a time (bounded memory) and keeps what precedes a damaged
+  member; ``read_shard`` does the same for a tar in memory; ``write_shard`` writes one atomically.
 * ``decode_image`` turns image bytes into RGB pixels, refusing truncated, undecodable, huge and
   extremely elongated images with an ``ImageSkip`` whose ``reason`` is the counter the caller adds it
   to; ``resize_center_crop`` makes the square the VAE sees, cutting it out before scaling.
@@ -33,7 +33,7 @@ class ShardSample:
     image_ext: str = ""
     caption: str | None = None
     metadata: bytes | None = None
-    problem: str | None = None  # set by read_shard: the skip reason of a sample no reader may use
+    problem: str | None = None  # set by TarSamples: the skip reason of a sample no reader may use
 
 
 def is_valid_key(key: str) -> bool:
@@ -51,43 +51,97 @@ def split_member_name(name: str) -> tuple[str, str]:
     return f"{folder}{slash}{stem}", ext.lower()  # "/abs.jpg" keeps its "/", for is_valid_key to refuse
 
 
-def read_shard(data: bytes) -> tuple[list[ShardSample], str | None]:
-    """The samples of an in-memory tar, in order, and the key cut off if the tar is truncated.
+class TarSamples:
+    """The samples of a webdataset tar, one at a time as the file is read: memory holds one sample's
+    members (and the keys seen), whatever the shard's size.
 
-    Members of one sample are consecutive and share a key. Reading stops at the first damaged
-    member; the samples before it are kept. A sample with an unusable key (``bad_key``), a caption that
-    is not UTF-8 (``bad_caption_encoding``) or a member given twice (``duplicate_key``) is returned
-    with ``problem`` set to that reason, for the caller to skip and count.
+    ``for sample in TarSamples(file, size)``: members that follow each other and share a key are one
+    sample. A key that comes back after another key is a sample of its own with ``problem``
+    ``duplicate_key`` (the first keeps the key), as is one that repeats a member (``dup.png, dup.txt,
+    dup.png``). A key a reader cannot trust is ``bad_key``, a caption that is not UTF-8
+    ``bad_caption_encoding``, a member to be read that is over ``max_member_bytes`` ``too_large_member``
+    (it is not read).
+
+    Only the payloads of ``fields`` (``image``, ``caption``, ``metadata``) are read; a member of another
+    field stands as ``b""`` and passing it over is a seek. Reading stops at the first member whose data
+    runs past ``size`` (a cut-off file) or that tarfile cannot read; that member's sample is dropped
+    and, once the loop ends, ``truncated_key`` names it (``<after N samples: error>`` where no key was
+    read). A file that is not a tar at all raises ``tarfile.ReadError`` from the first ``next``.
     """
+
+    FIELDS = ("image", "caption", "metadata")
+
+    def __init__(self, file, size: int, fields=FIELDS, max_member_bytes: int | None = None):
+        self.file, self.size, self.fields, self.max_member_bytes = file, size, set(fields), max_member_bytes
+        self.truncated_key: str | None = None
+        self.count = 0  # samples yielded
+
+    def __iter__(self):
+        import tarfile
+
+        seen: set[str] = set()
+        current: ShardSample | None = None
+        reading = None
+        try:
+            with tarfile.open(fileobj=self.file, mode="r:") as tar:
+                while (member := tar.next()) is not None:
+                    tar.members.clear()  # tarfile keeps every header it reads; a shard's are not needed again
+                    if not member.isfile():
+                        continue
+                    key, ext = split_member_name(member.name)
+                    if current is None or key != current.key:
+                        if current is not None:
+                            self.count += 1
+                            yield current
+                        current = ShardSample(key)
+                        if key in seen:
+                            current.problem = "duplicate_key"
+                        seen.add(key)
+                    reading = key
+                    if member.size < 0 or member.offset_data + member.size > self.size:
+                        raise tarfile.ReadError("unexpected end of data")
+                    payload = b""
+                    if field_of(ext) in self.fields:
+                        if self.max_member_bytes is not None and member.size > self.max_member_bytes:
+                            current.problem = current.problem or "too_large_member"
+                        else:
+                            payload = tar.extractfile(member).read()
+                            if len(payload) != member.size:
+                                raise tarfile.ReadError("unexpected end of data")
+                    reading = None
+                    add_member(current, ext, payload)
+        except (tarfile.TarError, EOFError) as error:
+            if self.count == 0 and current is None:
+                raise  # not a tar: nothing was read
+            self.truncated_key = reading or f"<after {self.count + (current is not None)} samples: {error}>"
+            if reading is not None:
+                current = None  # the sample whose member is cut off
+        if current is not None:
+            self.count += 1
+            yield current
+
+
+def read_shard(data: bytes) -> tuple[list[ShardSample], str | None]:
+    """``TarSamples`` of an in-memory tar: the samples, in order, and the key cut off if the tar is
+    truncated (``<...>`` with no sample when ``data`` is not a tar)."""
     import io
     import tarfile
 
-    samples: dict[str, ShardSample] = {}
-    truncated_key = None
+    reader = TarSamples(io.BytesIO(data), len(data))
     try:
-        with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
-            for member in tar:
-                if not member.isfile():
-                    continue
-                key, ext = split_member_name(member.name)
-                truncated_key = key
-                payload = tar.extractfile(member).read()
-                if len(payload) != member.size:
-                    raise tarfile.ReadError("unexpected end of data")
-                truncated_key = None
-                sample = samples.setdefault(key, ShardSample(key))
-                add_member(sample, ext, payload)
-    except (tarfile.TarError, EOFError, OSError) as error:
-        truncated_key = truncated_key or f"<after {len(samples)} samples: {error}>"
-        samples.pop(truncated_key, None)
-        return list(samples.values()), truncated_key
-    return list(samples.values()), None
+        return list(reader), reader.truncated_key
+    except (tarfile.TarError, EOFError) as error:
+        return [], f"<after 0 samples: {error}>"
+
+
+def field_of(ext: str) -> str | None:
+    return "image" if ext in IMAGE_EXTENSIONS else {"txt": "caption", "json": "metadata"}.get(ext)
 
 
 def add_member(sample: ShardSample, ext: str, payload: bytes) -> None:
     if not is_valid_key(sample.key):
         sample.problem = "bad_key"
-    field = "image" if ext in IMAGE_EXTENSIONS else {"txt": "caption", "json": "metadata"}.get(ext)
+    field = field_of(ext)
     if field is None:
         return
     if getattr(sample, field) is not None:

@@ -5,8 +5,8 @@
     torchrun --nproc_per_node 8 encode_latents.py --shards ... --out ...           # one process per GPU
     python encode_latents.py ... --rank $SLURM_ARRAY_TASK_ID --world_size $SLURM_ARRAY_TASK_COUNT
 
-Four stages overlap and stream: a prefetch thread reads shards ahead and splits each tar in memory; a
-pool of threads decodes (OpenCV), cuts out the centre square and scales it, a bounded number of images
+Four stages overlap and stream: a reader thread reads the tars a sample at a time, up to --prefetch
+samples ahead (never a whole shard in memory); a pool of threads decodes (OpenCV), cuts out the centre square and scales it, a bounded number of images
 ahead of the VAE whatever the shard size; batches are assembled in pinned memory and copied to the
 device without blocking; the VAE encodes while a writer thread moves finished latents to the host and
 appends them to the shard's output file.
@@ -40,6 +40,7 @@ import os
 import queue
 import socket
 import sys
+import tarfile
 import threading
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
@@ -54,6 +55,7 @@ import SD_Distributed
 import SD_Faults
 import SD_Files
 import SD_Model
+import SD_Pipeline
 import SD_Runtime
 import SD_Shards
 
@@ -84,8 +86,9 @@ def parse_args(argv=None):
     parser.add_argument("--max_aspect", type=float, default=SD_Shards.DEFAULT_MAX_ASPECT,
                         help="skip images whose long side is more than this many times the short side "
                              "(extreme_aspect), read from the header")
-    parser.add_argument("--prefetch", type=int, default=1,
-                        help="shards read ahead of the one being encoded (each is held in memory as its tar bytes)")
+    parser.add_argument("--prefetch", type=int, default=256,
+                        help="samples read from the tars ahead of the decode threads (their compressed bytes "
+                             "are held; whole shards never are)")
     parser.add_argument("--rank", type=int, default=None,
                         help="this process's place among --world_size processes started without torchrun "
                              "(a SLURM array: $SLURM_ARRAY_TASK_ID); under torchrun it comes from RANK")
@@ -127,6 +130,7 @@ class ShardJob:
     keys: list[str] = field(default_factory=list)  # encoded keys, in shard order, appended batch by batch
     skipped: dict[str, list[str]] = field(default_factory=dict)  # reason -> keys
     failed: str | None = None  # why the whole shard gave no latent (empty_tar, unreadable_tar, no_usable_sample)
+    truncated: str | None = None  # the key cut off where the tar ends early (set once it has been read)
     rows: dict[str, NpyRows] = field(default_factory=dict)  # the writer's open output files: "npy", "flip"
     non_finite: list[tuple[str, str]] = field(default_factory=list)  # (output, key) of non-finite latents
 
@@ -295,44 +299,56 @@ def finish_folder(out: Path, meta: dict, paths: list[Path]) -> dict | None:
 # ---------------------------------------------------------------------------------------------
 
 
-def read_job(path: Path) -> tuple[ShardJob, list[SD_Shards.ShardSample]]:
-    """A shard's job and samples; a shard that cannot be read at all is marked failed, not raised."""
-    job = ShardJob(path)
+def shard_samples(job: ShardJob):
+    """The samples of ``job``'s tar, one at a time (``SD_Shards.TarSamples``: one sample's bytes in
+    memory, whatever the shard's size). A shard that cannot be read at all is marked failed, not
+    raised; a cut-off one keeps what precedes the cut and ``job.truncated`` names the key cut off."""
+    path = job.path
     try:
-        data = path.read_bytes()
+        file = open(path, "rb")
     except OSError as error:
         log.warning("%s: cannot read the file (%s)", path, error)
         job.failed = "unreadable_tar"
-        return job, []
-    if not data:
-        job.failed = "empty_tar"
-        return job, []
-    samples, truncated_key = SD_Shards.read_shard(data)
-    if truncated_key is not None and not samples and truncated_key.startswith("<"):
-        log.warning("%s: not a readable tar (%s)", path, truncated_key)
-        job.failed = "unreadable_tar"
-    elif truncated_key is not None:
-        job.skip("truncated_tar", truncated_key)
-    return job, samples
+        return
+    with file:
+        size = os.fstat(file.fileno()).st_size
+        if not size:
+            job.failed = "empty_tar"
+            return
+        reader = SD_Shards.TarSamples(file, size, max_member_bytes=SD_Pipeline.MAX_MEMBER_BYTES)
+        try:
+            yield from reader
+        except (tarfile.TarError, EOFError) as error:  # raised before any sample: not a tar
+            log.warning("%s: not a readable tar (%s)", path, error)
+            job.failed = "unreadable_tar"
+            return
+        except OSError as error:  # a read failing part way (a storage error): what came before is kept
+            reader.truncated_key = f"<after {reader.count} samples: {error}>"
+        job.truncated = reader.truncated_key
 
 
-def prefetch_shards(paths: list[Path], depth: int):
-    """Yield ``(job, samples)`` with a thread reading and splitting up to ``depth`` shards ahead of the
-    one the caller holds (each is held whole as its samples' bytes: the part of the memory that still
-    grows with the shard size, compressed)."""
-    handoff: queue.Queue = queue.Queue()
-    room = threading.Semaphore(depth)
+def read_ahead(paths: list[Path], depth: int):
+    """Yield ``(job, sample)`` for every sample of every shard in order, and ``(job, None)`` after a
+    shard's last, with a thread reading up to ``depth`` samples ahead of the caller (their compressed
+    bytes are all it holds: memory does not grow with the shard)."""
+    handoff: queue.Queue = queue.Queue(maxsize=depth)
     done = object()
 
     def reader():
-        for path in paths:
-            room.acquire()
-            handoff.put(read_job(path))
+        try:
+            for path in paths:
+                job = ShardJob(path)
+                for sample in shard_samples(job):
+                    handoff.put((job, sample))
+                handoff.put((job, None))
+        except BaseException as error:  # noqa: BLE001 - raised again in the caller's thread
+            handoff.put(error)
         handoff.put(done)
 
     threading.Thread(target=reader, daemon=True, name="shard-reader").start()
     while (item := handoff.get()) is not done:
-        room.release()
+        if isinstance(item, BaseException):
+            raise item
         yield item
 
 
@@ -536,16 +552,17 @@ class ShardStream:
         self.window: deque = deque()  # (job, decode future) in shard order; (job, None) closes a shard
         self.batch: list[tuple[str, np.ndarray]] = []  # decoded images of the oldest shard in the window
 
-    def add_shard(self, job: ShardJob, samples: list) -> None:
+    def add(self, job: ShardJob, sample: SD_Shards.ShardSample | None) -> None:
+        """One sample of ``job`` to decode, or with ``sample`` None the end of the shard."""
+        if sample is None:
+            self.window.append((job, None))
+            return
+        while self.in_flight.count >= self.in_flight.limit:
+            self.take()
         args = self.args
-        for i, sample in enumerate(samples):
-            samples[i] = None  # its bytes now go with the decode task: the shard's memory falls as it streams
-            while self.in_flight.count >= self.in_flight.limit:
-                self.take()
-            self.window.append((job, self.pool.submit(decode_sample, sample, args.resolution, args.max_pixels,
-                                                      args.max_aspect)))
-            self.in_flight.add(1)
-        self.window.append((job, None))
+        self.window.append((job, self.pool.submit(decode_sample, sample, args.resolution, args.max_pixels,
+                                                  args.max_aspect)))
+        self.in_flight.add(1)
 
     def drain(self) -> None:
         while self.window:
@@ -576,6 +593,8 @@ class ShardStream:
         self.bar.update(len(keys))
 
     def close(self, job: ShardJob) -> None:
+        if job.truncated is not None:
+            job.skip("truncated_tar", job.truncated)
         if self.batch:
             self.encode(job)
         if not job.keys:
@@ -614,8 +633,8 @@ def encode_shards(todo: list[Path], args, encoder: Encoder, writer: Writer, desc
     bar = tqdm(total=estimated_images(todo), unit="img", desc=desc, dynamic_ncols=True)
     with ThreadPoolExecutor(args.workers, thread_name_prefix="decode") as pool:
         stream = ShardStream(pool, args, encoder, writer, bar)
-        for job, samples in prefetch_shards(todo, args.prefetch):
-            stream.add_shard(job, samples)
+        for job, sample in read_ahead(todo, args.prefetch):
+            stream.add(job, sample)
         stream.drain()
     bar.close()
     return stream.in_flight

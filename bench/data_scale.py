@@ -1,27 +1,36 @@
-"""Benchmark: a data stage at growing input sizes, beside its peers, projected to LAION-2B-en.
+"""Benchmark: every data stage at growing input sizes, beside its peers, projected to the real scale.
 
-    python bench/data_scale.py --stage 02                                # 250k and 1M rows: about a minute
+    python bench/data_scale.py --stage all                               # each stage at its default sizes
     python bench/data_scale.py --stage 02 --sizes 1000000,4000000,16000000
+    python bench/data_scale.py --stage latents --sizes 50000,200000 --ranks 8
 
-For each size the stage's synthetic inputs are built once, then ours and each peer run in their own
-process on them; ``os.wait4`` gives each process's CPU time (user + system, all threads) and peak
-resident memory (the inputs are built in yet another process, so that the measuring process stays
-small: a child's peak starts from its parent's). Printed per run: wall time, CPU time, input rows per
-CPU-second and peak RSS; then, per implementation, the growth from the smallest to the largest size,
-the marginal rate (extra rows over extra CPU time, so start-up cancels out), a projection to
-LAION-2B-en (2.3 billion rows in 128 parquet files) and the ratio ours/peer; and one JSON line
-(``--json FILE`` writes it too).
+Stages (default sizes in brackets) and what is measured at each size:
+* ``02`` (250k, 1M metadata rows): pipeline/02_filter_metadata.py, the previous pandas stage and one
+  plain DuckDB query, each in its own process: wall and CPU time (``os.wait4``: user + system, every
+  thread), rows per CPU-second, peak RSS; projected to LAION-2B-en (2.3 billion rows in 128 files).
+* ``04`` (1k, 4k samples a shard of 77 kB images): stage 04's caption read from the img2dataset
+  parquet and from the tar header by header, against the previous whole-tar read: seconds from a cold
+  page cache, MB read (bench/caption_scale.py).
+* ``captions`` (100k, 400k rows): the trainer's caption load (``SD_Data.load_caption_split``, every
+  rank at every start) through Arrow against the previous per-row load, one fresh process each:
+  seconds, rows/s, memory the load added (bench/caption_scale.py).
+* ``latents`` (10k, 40k latents of 4x64x64): the trainer's latent store on ``--ranks`` ranks started
+  at once, against a private copy per rank: load seconds, random-batch samples/s, memory of the
+  ranks' own (bench/latent_store.py).
+* ``encode`` (1k, 10k images a shard): encode_latents.py with the tiny VAE at 64 px on the CPU:
+  seconds, images/s and the process's peak RSS (bench/encode_scale.py).
+Per stage: a table, the growth from the smallest to the largest size, the ratio against the previous
+implementation, and the projection to the reference curriculum (LAION-2B-en metadata; 1.3M images,
+captions and latents per phase; 10k-image shards); then one JSON line (``--json FILE`` writes it too).
 
-One function per stage (``stage_02``) builds its inputs and returns its measurements; the command
-line, the process measurement and the printing are shared, so another stage adds one function to
-STAGES.
-
-Stage 02 (``pipeline/02_filter_metadata.py``, phase 1 thresholds): inputs are LAION-shaped metadata
-(URL, TEXT, WIDTH, HEIGHT, similarity, hash, punsafe, pwatermark, aesthetic with laion2B-en-aesthetic's
-types; about 8% of rows pass the filters, 3% repeat an earlier URL, 2% share stock captions and
-sizes, 0.1% lack a URL) split over ``--files`` files. Peers: the previous stage (pandas + Python sets, taken
-from git at PREVIOUS_02) and one plain DuckDB query (the same filters; first row per URL and per
-caption+size, a looser rule than the stage's; no counts per reason; one output file).
+Stage 02 is measured here; the others run their own benchmark as a child and put its results in one
+form. Inputs of stage 02 are built in another process so that the measuring process stays small (a
+child's peak starts from its parent's): LAION-shaped metadata (URL, TEXT, WIDTH, HEIGHT, similarity,
+hash, punsafe, pwatermark, aesthetic with laion2B-en-aesthetic's types; about 8% of rows pass phase
+1's filters, 3% repeat an earlier URL, 2% share stock captions and sizes, 0.1% lack a URL) split over
+``--files`` files. Its peers: the previous stage (pandas + Python sets, from git at PREVIOUS_02) and
+one DuckDB query (the same filters; first row per URL and per caption+size, a looser rule than the
+stage's; no counts per reason; one output file).
 """
 
 from __future__ import annotations
@@ -253,33 +262,180 @@ def stage_02(args, size: int, work: Path) -> list[dict]:
     return rows
 
 
-STAGES = {"02": stage_02}
+# ---------------------------------------------------------------------------------------------
+# The other stages: their own benchmarks (each measures what its stage is about), run as a child,
+# their results put in one form: per implementation and size, seconds, a rate and memory
+# ---------------------------------------------------------------------------------------------
+
+IMAGES_PER_PHASE = 1_300_000  # images (latents, captions) the reference curriculum trains on per phase
+SHARD_IMAGES = 10_000  # stage 03's images per shard
+
+
+def run_bench(script: str, arguments: list[str], work: Path) -> dict:
+    """``bench/<script>`` with ``arguments`` in a child process; its ``--json`` result."""
+    result = work / f"{Path(script).stem}.json"
+    command = [sys.executable, str(Path(__file__).with_name(script)), *arguments, "--json", str(result)]
+    print(f"$ python bench/{script} {' '.join(arguments)}", flush=True)
+    completed = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    if completed.returncode != 0:
+        raise RuntimeError(f"bench/{script} exited {completed.returncode}:\n{completed.stdout[-2000:]}"
+                           f"{completed.stderr[-2000:]}")
+    return json.loads(result.read_text())
+
+
+def uniform(stage: str, impl: str, size: int, seconds: float, rate: float, memory_mb: float, **extra) -> dict:
+    return {"stage": stage, "impl": impl, "size": size, "seconds": seconds, "rate": rate, "memory_mb": memory_mb,
+            **extra}
+
+
+def project(rows: list[dict], target: int) -> list[tuple[str, float, float]]:
+    """Per implementation: seconds and memory at ``target``, linear from its smallest and largest size
+    (the marginal cost of the extra size, never below the largest measured), or proportional to the
+    size where there is one."""
+    projected = []
+    for impl in dict.fromkeys(row["impl"] for row in rows):
+        runs = sorted((row for row in rows if row["impl"] == impl), key=lambda row: row["size"])
+        small, large = runs[0], runs[-1]
+
+        def at(key):
+            if large["size"] == small["size"]:
+                return large[key] * target / large["size"]
+            slope = (large[key] - small[key]) / (large["size"] - small["size"])
+            return large[key] + max(0.0, slope) * (target - large["size"])
+
+        projected.append((impl, at("seconds"), at("memory_mb")))
+    return projected
+
+
+def stage_captions(args, sizes: list[int], work: Path) -> tuple[list[dict], list[str]]:
+    """The trainer's caption load (every rank, every start): Arrow against the previous per-row load.
+    Memory: what the load added to the process."""
+    result = run_bench("caption_scale.py", ["--sizes", ",".join(map(str, sizes)), "--shard_sizes", "100"], work)
+    names = {"arrow": "ours", "per_row": "previous"}
+    rows = [uniform("captions", names[r["way"]], r["rows"], r["seconds"], r["rows_per_s"], r["rss_growth_mb"],
+                    peak_rss_mb=r["peak_rss_mb"]) for r in result["caption_load"]]
+    return rows, [f"{impl}: {IMAGES_PER_PHASE:,} captions load in ~{seconds:.1f} s, adding ~{memory / 1024:.2f} GB"
+                  for impl, seconds, memory in project(rows, IMAGES_PER_PHASE)]
+
+
+def stage_04(args, sizes: list[int], work: Path) -> tuple[list[dict], list[str]]:
+    """Stage 04's caption read, one shard of each size (77 kB images): the img2dataset parquet and the
+    tar walked header by header against the previous whole-tar read. Seconds: the read from a cold page
+    cache; memory: the bytes read calls returned."""
+    result = run_bench("caption_scale.py", ["--sizes", "1000", "--shard_sizes", ",".join(map(str, sizes))], work)
+    names = {"previous: whole tar": "previous", "tar, headers only": "ours (tar)", "img2dataset parquet": "ours (parquet)"}
+    rows = [uniform("04", names.get(r["way"], r["way"]), r["samples"], r["cold_read_s"],
+                    r["samples"] / r["cold_read_s"], r["read_mb"], tar_mb=r["tar_mb"]) for r in result["stage04"]]
+    return rows, [f"{impl}: {IMAGES_PER_PHASE:,} captions read in ~{seconds / 60:.1f} min from a cold disk, "
+                  f"{read_mb / 1024:.2f} GB read" for impl, seconds, read_mb in project(rows, IMAGES_PER_PHASE)]
+
+
+def stage_latents(args, sizes: list[int], work: Path) -> tuple[list[dict], list[str]]:
+    """The trainer's latent store on ``--ranks`` ranks of one machine: the memory of their own (all
+    ranks together), the load and the random-batch rate, against a private copy per rank."""
+    result = run_bench("latent_store.py", ["--sizes", ",".join(map(str, sizes)), "--ranks", str(args.ranks)], work)
+    rows = []
+    for r in result["rows"]:
+        for impl, key in (("ours", "ours"), ("previous", "peer")):
+            rows.append(uniform("latents", impl, r["latents"], r[f"{key}_load_s"], r[f"{key}_samples_per_s"],
+                                r[f"{key}_rss_anon_mb"], data_mb=r["data_mb"], ranks=r["ranks"]))
+    data_gb = result["projected"]["data_gb"]
+    own = ", ".join(f"{impl} {memory / 1024 * 8 / args.ranks:.1f} GB" for impl, _, memory in project(rows, IMAGES_PER_PHASE))
+    return rows, [f"{IMAGES_PER_PHASE:,} latents at 512 px are {data_gb:.1f} GB; on an 8-rank machine the previous "
+                  f"store holds {8 * data_gb:.0f} GB of process memory, ours {data_gb:.1f} GB of page cache that "
+                  f"the ranks share (memory of their own, 8 ranks: {own})"]
+
+
+def stage_encode(args, sizes: list[int], work: Path) -> tuple[list[dict], list[str]]:
+    """encode_latents.py on one shard of each size (tiny VAE, 64 px, CPU): the process's peak RSS."""
+    result = run_bench("encode_scale.py", ["--sizes", ",".join(map(str, sizes))], work)
+    rows = [uniform("encode", "ours", r["images_per_shard"], r["seconds"], r["images_per_shard"] / r["seconds"],
+                    r["peak_rss_mb"], tar_mb=r["tar_mb_per_shard"]) for r in result["rows"]]
+    small, large = rows[0], rows[-1]
+    per_image_kb = (large["memory_mb"] - small["memory_mb"]) * 1024 / max(1, large["size"] - small["size"])
+    at_shard = small["memory_mb"] + per_image_kb * (SHARD_IMAGES - small["size"]) / 1024
+    return rows, [f"ours: {per_image_kb:.2f} KB more per image of a shard; a {SHARD_IMAGES:,}-image shard peaks at "
+                  f"~{at_shard:.0f} MB per process, and shards are encoded one after another, so "
+                  f"{IMAGES_PER_PHASE:,} images need no more (the VAE's rate is a GPU figure: bench/encode_latents.py)"]
+
+
+def print_uniform(stage: str, rows: list[dict], lines: list[str], units: tuple[str, str, str]) -> None:
+    size_unit, rate_unit, memory_unit = units
+    print(f"\nstage {stage}:")
+    print(f"  {'impl':<16}{size_unit:>14}{'seconds':>10}{rate_unit:>14}{memory_unit:>20}")
+    for row in rows:
+        print(f"  {row['impl']:<16}{row['size']:>14,}{row['seconds']:>10.3f}{row['rate']:>14,.0f}"
+              f"{row['memory_mb']:>20,.1f}")
+    impls = list(dict.fromkeys(row["impl"] for row in rows))
+    for impl in impls:
+        runs = sorted((row for row in rows if row["impl"] == impl), key=lambda row: row["size"])
+        if len(runs) > 1 and runs[0]["seconds"] > 0 and runs[0]["memory_mb"] > 0:
+            print(f"  growth {impl}: size x{runs[-1]['size'] / runs[0]['size']:.0f} -> seconds "
+                  f"x{runs[-1]['seconds'] / runs[0]['seconds']:.1f}, {memory_unit.strip()} "
+                  f"x{runs[-1]['memory_mb'] / runs[0]['memory_mb']:.2f}")
+    largest = max(row["size"] for row in rows)
+    at_largest = {row["impl"]: row for row in rows if row["size"] == largest}
+    if "previous" in at_largest:
+        peer = at_largest["previous"]
+        for impl, row in at_largest.items():
+            if impl != "previous":
+                print(f"  ratio {impl}/previous at {largest:,}: rate {row['rate'] / peer['rate']:.2f}x, "
+                      f"{memory_unit.strip()} {row['memory_mb'] / max(peer['memory_mb'], 1e-9):.3f}x")
+    for line in lines:
+        print(f"  projected: {line}")
+
+
+OTHER_STAGES = {  # name: (function, default sizes, (size, rate, memory) column names)
+    "04": (stage_04, "1000,4000", ("shard samples", "samples/s", "MB read")),
+    "captions": (stage_captions, "100000,400000", ("rows", "rows/s", "RSS growth MB")),
+    "latents": (stage_latents, "10000,40000", ("latents", "samples/s", "own MB, all ranks")),
+    "encode": (stage_encode, "1000,10000", ("shard images", "images/s", "peak RSS MB")),
+}
+STAGES = {"02": stage_02, **{name: function for name, (function, _, _) in OTHER_STAGES.items()}}
+DEFAULT_SIZES = {"02": "250000,1000000", **{name: sizes for name, (_, sizes, _) in OTHER_STAGES.items()}}
 
 
 def main(argv=None) -> int:
     parser = SD_Cli.ArgumentParser(description=__doc__)
-    parser.add_argument("--stage", choices=sorted(STAGES), required=True, help="the stage to measure")
-    parser.add_argument("--sizes", default="250000,1000000", help="input rows, comma-separated")
-    parser.add_argument("--files", type=int, default=4, help="input files each size is split over")
-    parser.add_argument("--memory_limit", default="4GB", help="the stage's --memory_limit (and the DuckDB peer's)")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="the stage's --threads")
+    parser.add_argument("--stage", choices=[*STAGES, "all"], required=True,
+                        help="the stage to measure, or all of them at their default sizes")
+    parser.add_argument("--sizes", default="", help="input sizes, comma-separated (default: the stage's, see above)")
+    parser.add_argument("--files", type=int, default=4, help="stage 02: input files each size is split over")
+    parser.add_argument("--memory_limit", default="4GB", help="stage 02: its --memory_limit (and the DuckDB peer's)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="stage 02: its --threads")
+    parser.add_argument("--ranks", type=int, default=2, help="latents: ranks of one machine loading the store")
     parser.add_argument("--work_dir", default=None, help="where inputs and outputs go (default: a temporary folder)")
     parser.add_argument("--json", default="", help="also write the result JSON to this file")
     args = parser.parse_args(argv)
-    sizes = sorted(int(size) for size in args.sizes.split(",") if size.strip())
+    stages = list(STAGES) if args.stage == "all" else [args.stage]
+    if args.sizes and len(stages) > 1:
+        parser.error("--sizes is one stage's; give --stage NAME with it")
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="data_scale_"))
     work.mkdir(parents=True, exist_ok=True)
     info = machine()
     print(f"machine: {info['cpus']} CPUs ({info['cpu_model']}), load average {info['load_average'][0]:.1f}")
+    results = {}
     try:
-        rows = [row for size in sizes for row in STAGES[args.stage](args, size, work / str(size))]
+        for stage in stages:
+            sizes = sorted(int(size) for size in (args.sizes or DEFAULT_SIZES[stage]).split(",") if size.strip())
+            folder = work / f"stage_{stage}"
+            folder.mkdir(parents=True, exist_ok=True)
+            if stage == "02":
+                rows = [row for size in sizes for row in stage_02(args, size, folder / str(size))]
+                summary = growth(rows)
+                print("\nstage 02:")
+                print_results(rows, summary)
+                results[stage] = {"memory_limit": args.memory_limit, "threads": args.threads, "rows": rows,
+                                  "growth": summary}
+            else:
+                function, _, units = OTHER_STAGES[stage]
+                rows, lines = function(args, sizes, folder)
+                print_uniform(stage, rows, lines, units)
+                results[stage] = {"rows": rows, "projected": lines}
     finally:
         if not args.work_dir:
             shutil.rmtree(work, ignore_errors=True)
-    summary = growth(rows)
-    print_results(rows, summary)
-    result = {"stage": args.stage, "machine": {**info, "load_average_end": list(os.getloadavg())},
-              "memory_limit": args.memory_limit, "threads": args.threads, "rows": rows, "growth": summary}
+    result = {"stages": results, "machine": {**info, "load_average_end": list(os.getloadavg())}}
     line = json.dumps(result)
     print(line)
     if args.json:

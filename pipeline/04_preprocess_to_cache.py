@@ -90,41 +90,22 @@ def process_shard(path: Path, out: Path, tokenizer, batch_size: int) -> dict:
 
 
 def tar_samples(path: Path) -> tuple[list[SD_Shards.ShardSample], str | None]:
-    """``SD_Shards.read_shard`` of the tar at ``path`` (same samples, problems and truncated key) without
-    its images: only ``.txt`` payloads are read; an image or ``.json`` member stands as ``b""``.
+    """``SD_Shards.TarSamples`` of the tar at ``path`` without its images: only ``.txt`` payloads are
+    read (over SD_Pipeline.MAX_MEMBER_BYTES: ``too_large_member``); an image or ``.json`` member stands
+    as ``b""``.
 
     Passing a member over is a seek: through a one-page buffer, what is read is the 4 kB around each
     header, never a payload's bulk. (A 2850-sample shard of 77 kB images, 221 MB, read from a cold
     page cache: 22 MB came from the disk with this buffer, 39 MB unbuffered, 221 MB with 64 kB.)
-    A member whose data would run past the end of the file is the truncation read_shard finds by a
-    short read. An OSError (the file cannot be read at all) is left to the caller.
+    An OSError (the file cannot be read at all) is left to the caller.
     """
-    samples: dict[str, SD_Shards.ShardSample] = {}
-    truncated_key = None
     with open(path, "rb", buffering=4096) as file:
-        size = os.fstat(file.fileno()).st_size
+        reader = SD_Shards.TarSamples(file, os.fstat(file.fileno()).st_size, fields=("caption",),
+                                      max_member_bytes=SD_Pipeline.MAX_MEMBER_BYTES)
         try:
-            with tarfile.open(fileobj=file, mode="r:") as tar:
-                while (member := tar.next()) is not None:
-                    tar.members.clear()  # tarfile keeps every header read; a shard's are not needed again
-                    if not member.isfile():
-                        continue
-                    key, ext = SD_Shards.split_member_name(member.name)
-                    truncated_key = key
-                    if member.size < 0 or member.offset_data + member.size > size:
-                        raise tarfile.ReadError("unexpected end of data")
-                    sample = samples.setdefault(key, SD_Shards.ShardSample(key))
-                    if ext == "txt" and member.size > SD_Pipeline.MAX_MEMBER_BYTES:
-                        sample.problem = sample.problem or "too_large_member"
-                        payload = b""
-                    else:
-                        payload = tar.extractfile(member).read() if ext == "txt" else b""
-                    truncated_key = None
-                    SD_Shards.add_member(sample, ext, payload)
+            return list(reader), reader.truncated_key
         except (tarfile.TarError, EOFError) as error:
-            truncated_key = truncated_key or f"<after {len(samples)} samples: {error}>"
-            samples.pop(truncated_key, None)
-    return list(samples.values()), truncated_key
+            return [], f"<after 0 samples: {error}>"
 
 
 def img2dataset_samples(path: Path) -> list[SD_Shards.ShardSample] | None:
@@ -155,15 +136,21 @@ def img2dataset_samples(path: Path) -> list[SD_Shards.ShardSample] | None:
     table = table.filter(pc.equal(table.column("status"), "success"))
     if table.column("key").null_count:
         return None
-    samples: dict[str, SD_Shards.ShardSample] = {}
+    samples, seen = [], set()
     for key, caption in zip(table.column("key").to_pylist(), table.column("caption").to_pylist()):
-        if key in samples:  # as read_shard: a key given twice is one sample, skipped once
-            samples[key].problem = samples[key].problem or "duplicate_key"
-            continue
         # img2dataset writes str(caption), or "" for a null one, into the tar's .txt.
-        samples[key] = SD_Shards.ShardSample(key, image=b"", caption=(caption or "").strip(),
-                                             problem=None if SD_Shards.is_valid_key(key) else "bad_key")
-    return list(samples.values())
+        sample = SD_Shards.ShardSample(key, image=b"", caption=(caption or "").strip(),
+                                       problem=None if SD_Shards.is_valid_key(key) else "bad_key")
+        # As TarSamples reads the tar: a key right after itself is one sample given twice, skipped;
+        # a key back after others is a later sample of its own, skipped (the first keeps the key).
+        if samples and samples[-1].key == key:
+            samples[-1].problem = samples[-1].problem or "duplicate_key"
+            continue
+        if key in seen:
+            sample.problem = sample.problem or "duplicate_key"
+        seen.add(key)
+        samples.append(sample)
+    return samples
 
 
 def tar_is_complete(path: Path) -> bool:

@@ -185,10 +185,22 @@ def test_caption_scale_bench_compares_both_loads_and_the_three_stage_04_reads():
 def test_data_scale_bench_measures_stage_02_and_its_peers_in_their_own_processes():
     stdout, result = run_bench("data_scale.py", "--stage", "02", "--sizes", "20000", "--files", "2",
                                "--memory_limit", "500MB", "--threads", "1")
-    rows = {row["impl"]: row for row in result["rows"]}
+    rows = {row["impl"]: row for row in result["stages"]["02"]["rows"]}
     assert set(rows) == {"ours", "previous", "duckdb-sql"}
     for row in rows.values():
         assert row["rows"] == 20_000 and row["cpu_s"] > 0 and row["peak_rss_gb"] > 0.05
         assert row["rows_per_cpu_s"] == pytest.approx(20_000 / row["cpu_s"])
     assert rows["ours"]["same_as_previous"] is True
     assert "ratio ours/previous" in stdout and "LAION-2B-en" in stdout
+
+
+@pytest.mark.slow
+def test_data_scale_bench_puts_another_stage_in_the_same_form_with_its_projection():
+    stdout, result = run_bench("data_scale.py", "--stage", "encode", "--sizes", "16,48")
+    rows = result["stages"]["encode"]["rows"]
+    assert [(row["impl"], row["size"]) for row in rows] == [("ours", 16), ("ours", 48)]
+    for row in rows:
+        assert row["seconds"] > 0 and row["memory_mb"] > 50 and row["rate"] == pytest.approx(row["size"] / row["seconds"])
+    [projection] = result["stages"]["encode"]["projected"]
+    assert "10,000-image shard peaks at" in projection and f"projected: {projection}" in stdout
+    assert "growth ours: size x3" in stdout

@@ -1,3 +1,4 @@
+import importlib
 import io
 import json
 import os
@@ -252,6 +253,45 @@ def test_decoded_images_in_flight_stay_under_the_limit_on_shards_larger_than_it(
     assert f"images were decoded ahead of the VAE (limit {limit})" in caplog.text
     assert [len(np.load(out / f"0000{shard}.npy")) for shard in range(2)] == [20, 20]
     assert (out / "00001.keys.txt").read_text().split() == [f"s1_{i:02d}" for i in range(20)]
+
+
+def test_the_reader_holds_a_few_samples_of_a_shard_not_the_shard(tmp_path):
+    import tracemalloc
+
+    from test_pipeline_cache import sparse_tar
+
+    # 40 samples of 4 MB images (holes: nothing on disk); the tar was read whole before: 160 MB.
+    members = [member for i in range(40) for member in ((f"k{i:02d}.png", 4 << 20), (f"k{i:02d}.txt", b"a caption"))]
+    sparse_tar(tmp_path / "00000.tar", members)
+    tracemalloc.start()
+    keys = []
+    for job, sample in encode_latents.read_ahead([tmp_path / "00000.tar"], depth=2):
+        keys.append(sample.key if sample is not None else None)
+        del sample
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert keys == [f"k{i:02d}" for i in range(40)] + [None] and job.truncated is None and job.failed is None
+    assert peak < 24 << 20, peak  # the depth, one being read and one being handed over: ~5 images, not 40
+
+
+def test_a_key_that_comes_back_later_is_skipped_and_the_first_kept(tmp_path):
+    rng = np.random.default_rng(7)
+    png = [image_bytes(random_image(rng, 64, 64), "PNG") for _ in range(3)]
+    samples = [SD_Shards.ShardSample("a", png[0], "png", "first a"), SD_Shards.ShardSample("b", png[1], "png", "b"),
+               SD_Shards.ShardSample("a", png[2], "png", "a again")]
+    SD_Shards.write_shard(tmp_path / "shards" / "00000.tar", samples)
+    assert encode(tmp_path / "shards", tmp_path / "latents") == 0
+    assert (tmp_path / "latents" / "00000.keys.txt").read_text().split() == ["a", "b"]
+    report = json.loads((tmp_path / "latents" / "00000.report.json").read_text())
+    assert report["skipped"] == {"duplicate_key": ["a"]}
+    first = expected_means([SD_Shards.resize_center_crop(SD_Shards.decode_image(png[0], "png"), 64)])
+    np.testing.assert_allclose(np.load(tmp_path / "latents" / "00000.npy")[0].astype(np.float32), first[0],
+                               atol=2e-3, rtol=0)
+    # Stage 04 keeps the same first "a" and skips the same later one.
+    stage04 = importlib.import_module("pipeline.04_preprocess_to_cache")
+    read, cut = stage04.tar_samples(tmp_path / "shards" / "00000.tar")
+    assert [(s.key, s.caption, s.problem) for s in read] == [("a", "first a", None), ("b", "b", None),
+                                                             ("a", "a again", "duplicate_key")] and cut is None
 
 
 def test_non_finite_latents_stop_naming_the_key(tmp_path, capsys):
