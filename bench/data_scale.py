@@ -307,6 +307,10 @@ def project(rows: list[dict], target: int) -> list[tuple[str, float, float]]:
     return projected
 
 
+def duration(seconds: float) -> str:
+    return f"{seconds:.1f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
+
+
 def stage_captions(args, sizes: list[int], work: Path) -> tuple[list[dict], list[str]]:
     """The trainer's caption load (every rank, every start): Arrow against the previous per-row load.
     Memory: what the load added to the process."""
@@ -314,7 +318,7 @@ def stage_captions(args, sizes: list[int], work: Path) -> tuple[list[dict], list
     names = {"arrow": "ours", "per_row": "previous"}
     rows = [uniform("captions", names[r["way"]], r["rows"], r["seconds"], r["rows_per_s"], r["rss_growth_mb"],
                     peak_rss_mb=r["peak_rss_mb"]) for r in result["caption_load"]]
-    return rows, [f"{impl}: {IMAGES_PER_PHASE:,} captions load in ~{seconds:.1f} s, adding ~{memory / 1024:.2f} GB"
+    return rows, [f"{impl}: {IMAGES_PER_PHASE:,} captions load in ~{duration(seconds)}, adding ~{memory / 1024:.2f} GB"
                   for impl, seconds, memory in project(rows, IMAGES_PER_PHASE)]
 
 
@@ -326,7 +330,7 @@ def stage_04(args, sizes: list[int], work: Path) -> tuple[list[dict], list[str]]
     names = {"previous: whole tar": "previous", "tar, headers only": "ours (tar)", "img2dataset parquet": "ours (parquet)"}
     rows = [uniform("04", names.get(r["way"], r["way"]), r["samples"], r["cold_read_s"],
                     r["samples"] / r["cold_read_s"], r["read_mb"], tar_mb=r["tar_mb"]) for r in result["stage04"]]
-    return rows, [f"{impl}: {IMAGES_PER_PHASE:,} captions read in ~{seconds / 60:.1f} min from a cold disk, "
+    return rows, [f"{impl}: {IMAGES_PER_PHASE:,} captions read in ~{duration(seconds)} from a cold disk, "
                   f"{read_mb / 1024:.2f} GB read" for impl, seconds, read_mb in project(rows, IMAGES_PER_PHASE)]
 
 
@@ -353,8 +357,10 @@ def stage_encode(args, sizes: list[int], work: Path) -> tuple[list[dict], list[s
                     r["peak_rss_mb"], tar_mb=r["tar_mb_per_shard"]) for r in result["rows"]]
     small, large = rows[0], rows[-1]
     per_image_kb = (large["memory_mb"] - small["memory_mb"]) * 1024 / max(1, large["size"] - small["size"])
-    at_shard = small["memory_mb"] + per_image_kb * (SHARD_IMAGES - small["size"]) / 1024
-    return rows, [f"ours: {per_image_kb:.2f} KB more per image of a shard; a {SHARD_IMAGES:,}-image shard peaks at "
+    at_shard = small["memory_mb"] + max(0.0, per_image_kb) * (SHARD_IMAGES - small["size"]) / 1024
+    grows = f"{per_image_kb:.2f} KB more per image of a shard" if per_image_kb > 0 else \
+        f"no growth with the shard ({per_image_kb:.2f} KB per image: noise)"
+    return rows, [f"ours: {grows}; a {SHARD_IMAGES:,}-image shard peaks at "
                   f"~{at_shard:.0f} MB per process, and shards are encoded one after another, so "
                   f"{IMAGES_PER_PHASE:,} images need no more (the VAE's rate is a GPU figure: bench/encode_latents.py)"]
 
