@@ -1,0 +1,359 @@
+"""Predicted device memory of a training step, computed without the device.
+
+``estimate`` builds the configured models on fake tensors (shapes, dtypes and devices; no data),
+runs two real optimizer steps of ``SD_TrainStep.train_step`` at the configured batch, precision,
+gradient checkpointing, optimizer and EMA placement, and records every storage the step's operators
+create: its size (rounded up to 512 bytes, as the CUDA caching allocator rounds), when it was made
+and when it was freed. The peak of the live bytes, and what was live at that moment (weights,
+gradients, optimizer state, EMA, the frozen text encoder and VAE, activations and temporaries), is
+the prediction of ``torch.cuda.max_memory_allocated``. Two allowances turn it into what the card
+must hold: the allocator's rounding of blocks into segments and fragmentation (``RESERVE_FACTOR``,
+peak reserved / peak allocated), and the CUDA context with its kernels (``CONTEXT_GB``). Two steps,
+because the optimizer state is created in the first: the second is the steady state.
+
+Fake tensors run on the CPU device here: PyTorch's CPU-only builds cannot record autograd on fake
+CUDA tensors (the autograd engine asks for a CUDA device guard and a current stream that do not
+exist without the CUDA library). What differs between the devices is emulated where it changes
+memory: ``bf16``/``fp16`` autocast casts the operators CUDA's autocast casts (convolutions, linear
+layers, matmuls and attention to the low precision; group and layer norms, softmax and losses to
+fp32), caching each weight's cast for the autocast region as CUDA's autocast does; attention runs
+the fused kernel, which keeps the output and the log-sum-exp for the backward pass, as the CUDA
+kernels do. Not seen: memory inside one operator (cuDNN and attention workspaces), freed before it
+returns; the allowances cover it.
+
+``max_batch`` finds the largest micro-batch that fits ``gpu_memory_gb``: the peak is affine in the
+batch (fixed weights and states, activations per image), so two estimates give the line and a third
+checks its answer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.overrides import TorchFunctionMode
+from torch.utils.weak import WeakIdKeyDictionary
+
+import SD_Model
+import SD_Runtime
+
+ROUND = {"cuda": 512, "cpu": 64}  # the smallest block: the CUDA caching allocator's, the CPU allocator's alignment
+RESERVE_FACTOR = 1.10  # peak reserved / peak allocated allowed for segments and fragmentation
+CONTEXT_GB = 0.55  # the CUDA context, cuBLAS/cuDNN handles and loaded kernels, outside the allocator
+GB = 1e9
+
+# The SD 1.x text encoder (CLIP ViT-L/14's text tower), known without its weights.
+SD1_TEXT_ENCODER = dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                        num_attention_heads=12, max_position_embeddings=77, hidden_act="quick_gelu",
+                        projection_dim=768, bos_token_id=49406, eos_token_id=49407, pad_token_id=49407)
+
+
+# ---------------------------------------------------------------------------------------------
+# Recording allocations
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Record:
+    size: int
+    born: int
+    died: int = 1 << 62
+
+
+class Allocations(TorchDispatchMode):
+    """Every storage created by an operator under this mode: size, and the operator counts at which it
+    was made and freed (its Python storage object dying: the last tensor using it is gone)."""
+
+    def __init__(self, round_to: int = ROUND["cuda"]):
+        super().__init__()
+        self.round_to = round_to
+        self.records: list[Record] = []
+        self.of = WeakIdKeyDictionary()  # storage -> Record
+        self.clock = 0
+        self.now = 0
+        self.peak = 0
+        self.peak_at = 0
+
+    def reset_peak(self) -> None:
+        self.peak, self.peak_at = self.now, self.clock
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.clock += 1
+        for leaf in tree_leaves(out):
+            if isinstance(leaf, torch.Tensor):
+                self.track(leaf)
+        return out
+
+    def track(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        if storage in self.of:
+            return
+        record = Record(math.ceil(storage.nbytes() / self.round_to) * self.round_to, self.clock)
+        self.records.append(record)
+        self.of[storage] = record
+        self.now += record.size
+        if self.now > self.peak:
+            self.peak, self.peak_at = self.now, self.clock
+        import weakref
+
+        weakref.finalize(storage, self._freed, record)
+
+    def _freed(self, record: Record) -> None:
+        record.died = self.clock
+        self.now -= record.size
+
+    def record_of(self, tensor: torch.Tensor) -> Record | None:
+        return self.of.get(tensor.untyped_storage())
+
+    def live_at(self, clock: int) -> list[Record]:
+        return [r for r in self.records if r.born <= clock < r.died]
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA's autocast, emulated where it changes memory
+# ---------------------------------------------------------------------------------------------
+
+F = torch.nn.functional
+LOW_PRECISION_OPS = {  # CUDA autocast casts these to the autocast dtype
+    torch.conv1d, torch.conv2d, torch.conv3d, torch.conv_transpose1d, torch.conv_transpose2d,
+    torch.conv_transpose3d, F.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm,
+    torch.Tensor.mm, torch.bmm, torch.Tensor.bmm, torch.baddbmm, torch.Tensor.baddbmm, torch.addmm,
+    torch.Tensor.addmm, F.scaled_dot_product_attention,
+}
+FP32_OPS = {  # and these to fp32
+    F.group_norm, torch.group_norm, F.layer_norm, torch.layer_norm, F.softmax, torch.softmax, torch.Tensor.softmax,
+    F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax, F.mse_loss, torch.exp, torch.Tensor.exp,
+    torch.pow, torch.Tensor.pow, torch.Tensor.__pow__, torch.rsqrt, torch.Tensor.rsqrt, torch.cumsum,
+    torch.Tensor.cumsum,
+}
+
+
+class CudaAutocast(TorchFunctionMode):
+    """``torch.autocast("cuda", dtype)`` for tensors of another device: inside a ``region`` the same
+    casts on the same operators, each weight (a leaf that requires grad) cast once per region and
+    the cast kept until the region ends, as CUDA's autocast caches it. Outside a region, nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.dtype: torch.dtype | None = None  # None: outside any region
+        self.cache: dict[int, torch.Tensor] = {}
+        self.on_cast = lambda cast: None  # told of every cached weight cast (for the breakdown)
+
+    @contextlib.contextmanager
+    def region(self, dtype: torch.dtype | None):
+        saved = self.dtype, self.cache
+        self.dtype, self.cache = dtype, {} if dtype != saved[0] or saved[0] is None else saved[1]
+        try:
+            yield
+        finally:
+            self.dtype, self.cache = saved
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.dtype is not None:
+            if func in LOW_PRECISION_OPS:
+                args, kwargs = self._cast(args, self.dtype), self._cast(kwargs, self.dtype)
+            elif func in FP32_OPS:
+                args, kwargs = self._cast(args, torch.float32), self._cast(kwargs, torch.float32)
+        return func(*args, **kwargs)
+
+    def _cast(self, value, dtype):
+        if isinstance(value, torch.Tensor):
+            if not value.is_floating_point() or value.dtype in (dtype, torch.float64):
+                return value
+            if value.is_leaf and value.requires_grad and dtype != torch.float32:
+                cast = self.cache.get(id(value))
+                if cast is None:
+                    cast = self.cache[id(value)] = value.to(dtype)
+                    self.on_cast(cast)
+                return cast
+            return value.to(dtype)
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._cast(v, dtype) for v in value)
+        if isinstance(value, dict):
+            return {k: self._cast(v, dtype) for k, v in value.items()}
+        return value
+
+
+@contextlib.contextmanager
+def as_if_cuda(unet, on_cast=lambda cast: None):
+    """Inside: the trainer's autocast regions are CUDA's (emulated), also when gradient checkpointing
+    recomputes a block in the backward pass under the region it first ran in."""
+    autocast = CudaAutocast()
+    autocast.on_cast = on_cast
+
+    def trainer_autocast(precision, device):
+        return autocast.region(None if precision == "fp32" else SD_Runtime.dtype_of(precision))
+
+    def checkpoint(function, *args):
+        dtype = autocast.dtype
+
+        def recompute(*inner):
+            # The backward pass runs the recomputation without the modes of the forward pass.
+            from torch.overrides import _get_current_function_mode_stack
+
+            active = contextlib.nullcontext() if autocast in _get_current_function_mode_stack() else autocast
+            with active, autocast.region(dtype):
+                return function(*inner)
+
+        return torch.utils.checkpoint.checkpoint(recompute, *args, use_reentrant=False)
+
+    original = SD_Runtime.autocast
+    SD_Runtime.autocast = trainer_autocast
+    if unet.is_gradient_checkpointing:
+        unet.enable_gradient_checkpointing(gradient_checkpointing_func=lambda module, *args: checkpoint(module.__call__,
+                                                                                                       *args))
+    try:
+        with autocast:
+            yield
+    finally:
+        SD_Runtime.autocast = original
+
+
+# ---------------------------------------------------------------------------------------------
+# The estimate
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Estimate:
+    batch_size: int
+    resolution: int
+    parts: dict  # name -> bytes live at the peak
+    allocated: int  # peak allocated bytes (the sum of the parts)
+
+    @property
+    def reserved(self) -> int:
+        return int(self.allocated * RESERVE_FACTOR)
+
+    @property
+    def peak_gb(self) -> float:
+        """What the card must hold: reserved by the allocator, plus the CUDA context."""
+        return self.reserved / GB + CONTEXT_GB
+
+    def as_dict(self) -> dict:
+        return {"batch_size": self.batch_size, "resolution": self.resolution,
+                "parts_gb": {name: round(size / GB, 3) for name, size in self.parts.items()},
+                "allocated_gb": round(self.allocated / GB, 3), "reserved_gb": round(self.reserved / GB, 3),
+                "context_gb": CONTEXT_GB, "peak_gb": round(self.peak_gb, 3)}
+
+
+def frozen_models(config):
+    """The text encoder and VAE architectures the config names, with fresh weights (the SD 1.x ones
+    for anything but the tiny presets: their shapes are all the estimate needs)."""
+    from diffusers import AutoencoderKL
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    text = SD_Model.TINY_TEXT_ENCODER if config.text_encoder == "tiny" else SD1_TEXT_ENCODER
+    vae = SD_Model.TINY_VAE if config.vae == "tiny" else SD_Model.SD1_VAE
+    return (SD_Model._frozen(CLIPTextModel(CLIPTextConfig(**text))), SD_Model._frozen(AutoencoderKL(**vae)))
+
+
+def estimate(config, batch_size: int | None = None, resolution: int = 512, device: str = "cuda") -> Estimate:
+    """The peak of one steady-state training step of ``config`` at ``batch_size`` images per micro-batch
+    (default: the config's) and ``resolution`` pixels, on ``device``: ``"cuda"`` (CUDA's autocast
+    emulated) or ``"cpu"`` (the CPU's own autocast and allocator: to compare with a real CPU run)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import SD_TrainStep
+    from SD_Distributed import Dist
+
+    batch_size = batch_size or config.batch_size
+    latent = resolution // 8
+    allocations = Allocations(ROUND[device])
+    casts: set[int] = set()
+    with FakeTensorMode(allow_non_fake_inputs=False), allocations, module_moves_of_fake_tensors():
+        text_encoder, vae = frozen_models(config)
+        unet = SD_Model.build_unet(config.unet, from_scratch=False, grad_checkpointing=config.grad_checkpointing,
+                                   channels_last=config.channels_last).train()
+        empty_ids = torch.full((1, SD_Model.TOKENIZER_MAX_LENGTH), 49407, dtype=torch.long)
+        emulate = as_if_cuda(unet, lambda cast: casts.add(id(allocations.record_of(cast)))) if device == "cuda" \
+            else contextlib.nullcontext()
+        with emulate, SD_Model.attention_context(torch.device("cpu")), HostReadsAsZeros():
+            step = SD_TrainStep.build_step(config, Dist.single("cpu"), unet, text_encoder, empty_ids,
+                                           SD_Model.SD1_SCALING_FACTOR)
+            batches = [(torch.zeros(batch_size, 4, latent, latent, dtype=torch.float16),
+                        torch.zeros(batch_size, SD_Model.TOKENIZER_MAX_LENGTH, dtype=torch.long))
+                       for _ in range(config.grad_accum)]
+            SD_TrainStep.train_step(step, batches, 0)  # creates the optimizer state
+            allocations.reset_peak()
+            SD_TrainStep.train_step(step, batches, 1)
+        parts = breakdown(allocations, step, vae, config, casts)
+    return Estimate(batch_size, resolution, parts, sum(parts.values()))
+
+
+def breakdown(allocations: Allocations, step, vae, config, casts: set[int]) -> dict:
+    """What was live at the peak, by what it is."""
+    def records(tensors):
+        found = {}
+        for tensor in tensors:
+            record = allocations.record_of(tensor)
+            if record is not None:
+                found[id(record)] = record
+        return found
+
+    unet = step.unet
+    groups = {
+        "weights": records([*unet.parameters(), *unet.buffers()]),
+        "gradients": records([p.grad for p in unet.parameters() if p.grad is not None]),
+        "optimizer_state": records([t for state in step.optimizer.state.values() for t in state.values()
+                                    if isinstance(t, torch.Tensor)]),
+        "ema": records(step.ema.shadow + (step.ema.staging or [])) if step.ema is not None else {},
+        "text_encoder_and_vae": records([*step.text_encoder.parameters(), *step.text_encoder.buffers(),
+                                         *vae.parameters(), *vae.buffers()]),
+    }
+    groups["autocast_weight_copies"] = casts
+    live = allocations.live_at(allocations.peak_at)
+    parts = {name: 0 for name in groups}
+    parts["activations_and_temporaries"] = 0
+    for record in live:
+        name = next((name for name, found in groups.items() if id(record) in found), "activations_and_temporaries")
+        parts[name] += record.size
+    if config.ema_device == "cpu":  # host memory: not on the card
+        parts["ema"] = 0
+    return parts
+
+
+class HostReadsAsZeros(TorchFunctionMode):
+    """The step's one read of device values to the host (``tolist``, ``item``) sees zeros: a fake tensor holds
+    no values, and zeros are a finite, non-overflowing step that updates the optimizer and the EMA."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name == "tolist":
+            import numpy as np
+
+            return np.zeros(tuple(args[0].shape)).tolist()
+        if name == "item":  # fake tensors turn tolist into items
+            return False if args[0].dtype == torch.bool else 0 if not args[0].is_floating_point() else 0.0
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def module_moves_of_fake_tensors():
+    """``Module.to`` for modules of fake tensors: each parameter and buffer converted in place (its
+    ``.data`` replaced). torch's own ``Module.to`` swaps fake parameters for new ones, which fails
+    while the fake tensor mode holds weak references to them."""
+    original = torch.nn.Module.to
+
+    def to(module, *args, **kwargs):
+        device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        for tensor in [*module.parameters(), *module.buffers()]:
+            new = tensor.to(device=device or tensor.device,
+                            dtype=dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype,
+                            memory_format=memory_format if memory_format is not None and tensor.dim() == 4
+                            else torch.preserve_format)
+            if new is not tensor:
+                tensor.data = new
+        return module
+
+    torch.nn.Module.to = to
+    try:
+        yield
+    finally:
+        torch.nn.Module.to = original
