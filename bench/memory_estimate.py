@@ -1,0 +1,157 @@
+"""Benchmark: SD_Memory's predicted peak against measured peaks, on the CPU and against published GPU figures.
+
+    python bench/memory_estimate.py                       # CPU grid (tiny 64 px, demo 128 px) + SD 1.x predictions
+    python bench/memory_estimate.py --grid demo:128:8:1   # one point: preset:resolution:batch:checkpointing
+
+1. CPU calibration. For each grid point, a real training run is measured in a fresh process: the
+   trainer's models (tiny text encoder and VAE, the preset's UNet) built and two steps of
+   ``SD_TrainStep.train_step`` (bf16 autocast, fused AdamW, EMA on the device) on random latents,
+   under the PyTorch profiler with ``profile_memory``: every allocation and free of the CPU allocator,
+   those inside an operator included, turned into live bytes over time by PyTorch's memory timeline
+   (``torch.profiler._memory_profiler``, what ``export_memory_timeline`` draws); the measure is its
+   peak. A first build and step at batch 1 runs before the record (imports, kernel set-up). Beside
+   it, ``SD_Memory.estimate(..., device="cpu")``: the same two steps on fake tensors (the CPU's own
+   autocast), allocated bytes at the peak. The error is estimate / measured - 1. (The process's
+   resident memory is no measure at this size: glibc keeps freed blocks and the libraries' caches
+   add tens of MB that no GPU run has on the card.)
+2. SD 1.x on CUDA, predicted (``device="cuda"``), for the configurations with published figures; the
+   figures and where they come from are printed beside the predictions (BENCHMARKS.md discusses the
+   differences).
+Prints a table per part and one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+DEFAULT_GRID = ("tiny:64:2:0,tiny:64:8:0,tiny:64:8:1,demo:128:2:0,demo:128:8:0,demo:128:8:1,demo:128:16:0,"
+                "demo:128:16:1")
+# (label, config fields, resolution, published peak in GB or None, where the figure comes from)
+PUBLISHED = [
+    ("reference from-scratch run: batch 24, bf16, checkpointing, fused AdamW, fp32 EMA on the GPU",
+     dict(batch_size=24, precision="bf16", grad_checkpointing=True, ema_decay=0.9999, ema_device="same"), 512, 25.3,
+     "the reference run's own log (issue 15)"),
+    ("batch 1, bf16, checkpointing, no EMA", dict(batch_size=1, precision="bf16", grad_checkpointing=True,
+                                                  ema_decay=0.0), 512, None, ""),
+    ("batch 1, bf16, checkpointing, EMA on the CPU", dict(batch_size=1, precision="bf16", grad_checkpointing=True,
+                                                          ema_decay=0.9999, ema_device="cpu"), 512, None, ""),
+    ("batch 8, bf16, checkpointing, EMA on the GPU", dict(batch_size=8, precision="bf16", grad_checkpointing=True,
+                                                          ema_decay=0.9999), 512, None, ""),
+    ("batch 8, bf16, no checkpointing, EMA on the GPU", dict(batch_size=8, precision="bf16", grad_checkpointing=False,
+                                                             ema_decay=0.9999), 512, None, ""),
+]
+
+
+def config_for(preset: str, batch: int, checkpointing: bool, **fields):
+    from SD_TrainConfig import TrainConfig
+
+    tiny = preset != "sd1"
+    return TrainConfig(unet=preset, text_encoder="tiny" if tiny else "sd1", vae="tiny" if tiny else "sd1",
+                       batch_size=batch, grad_accum=1, grad_checkpointing=checkpointing, precision="bf16",
+                       datasets=[], **fields)
+
+
+def measure(preset: str, resolution: int, batch: int, checkpointing: bool) -> dict:
+    """In this (fresh) process: the peak of the CPU allocator's live bytes over building the models and
+    two real steps, from the profiler's record of every allocation and free."""
+    import numpy as np
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import MemoryProfileTimeline
+
+    import SD_Model
+    import SD_TrainStep
+    from SD_Distributed import Dist
+
+    def run(batch: int) -> None:
+        torch.manual_seed(0)
+        config = config_for(preset, batch, checkpointing)
+        latent = resolution // 8
+        batches = [(torch.randn(batch, 4, latent, latent).half(), torch.randint(0, 49407, (batch, 77)))]
+        text_encoder, vae = SD_Model.load_text_encoder("tiny"), SD_Model.load_vae("tiny")
+        unet = SD_Model.build_unet(preset, grad_checkpointing=checkpointing).train()
+        step = SD_TrainStep.build_step(config, Dist.single("cpu"), unet, text_encoder,
+                                       torch.full((1, 77), 49407, dtype=torch.long), SD_Model.SD1_SCALING_FACTOR)
+        with SD_Model.attention_context(torch.device("cpu")):
+            for index in range(2):
+                SD_TrainStep.train_step(step, batches, index)
+
+    run(1)  # imports and the kernels' first use, outside the record
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+        run(batch)
+    _, sizes = MemoryProfileTimeline(prof._memory_profile())._coalesce_timeline(torch.device("cpu"))
+    return {"measured_bytes": int(np.asarray(sizes).sum(axis=1).max())}
+
+
+def run_measure(point: str) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, __file__, "--measure", point], cwd=ROOT, env=env, capture_output=True,
+                            text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"measuring {point} failed:\n{result.stderr[-3000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def parse_point(point: str) -> tuple[str, int, int, bool]:
+    preset, resolution, batch, checkpointing = point.split(":")
+    return preset, int(resolution), int(batch), checkpointing == "1"
+
+
+def main(argv=None) -> int:
+    import SD_Cli
+
+    parser = SD_Cli.ArgumentParser(description=__doc__)
+    parser.add_argument("--grid", default=DEFAULT_GRID,
+                        help="CPU points preset:resolution:batch:checkpointing, comma-separated (default: %(default)s)")
+    parser.add_argument("--sd1", default="true", help="also predict the SD 1.x configurations (true/false)")
+    parser.add_argument("--json", default="", help="also write the result JSON to this file")
+    parser.add_argument("--measure", default="", help=__import__("argparse").SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.measure:
+        print(json.dumps(measure(*parse_point(args.measure))))
+        return 0
+    import SD_Memory
+
+    rows = []
+    print(f"{'point':<16}{'measured MB':>13}{'estimate MB':>13}{'error':>9}")
+    for point in [p for p in args.grid.split(",") if p.strip()]:
+        preset, resolution, batch, checkpointing = parse_point(point)
+        measured = run_measure(point)["measured_bytes"]
+        estimate = SD_Memory.estimate(config_for(preset, batch, checkpointing), resolution=resolution, device="cpu")
+        row = {"point": point, "measured_mb": round(measured / 2**20, 1),
+               "estimate_mb": round(estimate.allocated / 2**20, 1), "error": round(estimate.allocated / measured - 1, 4),
+               "parts_mb": {k: round(v / 2**20, 1) for k, v in estimate.parts.items()}}
+        rows.append(row)
+        print(f"{point:<16}{row['measured_mb']:>13.1f}{row['estimate_mb']:>13.1f}{row['error']:>+9.1%}", flush=True)
+    worst = max((abs(row["error"]) for row in rows), default=0.0)
+    print(f"largest error on the CPU grid: {worst:.1%}")
+    predictions = []
+    if args.sd1.lower() in ("1", "true", "yes"):
+        print("\nSD 1.x at 512 px on CUDA, predicted")
+        for label, fields, resolution, published, source in PUBLISHED:
+            fields = dict(fields)
+            config = config_for("sd1", fields.pop("batch_size"), fields.pop("grad_checkpointing"), **fields)
+            estimate = SD_Memory.estimate(config, resolution=resolution, device="cuda")
+            item = {"label": label, **estimate.as_dict(), "published_gb": published, "source": source}
+            predictions.append(item)
+            versus = f"; published {published} GB ({source}): {estimate.peak_gb / published - 1:+.1%}" if published else ""
+            print(f"  {label}: allocated {item['allocated_gb']:.2f} GB, card {item['peak_gb']:.2f} GB{versus}")
+            print("    " + ", ".join(f"{k} {v:.2f}" for k, v in item["parts_gb"].items()))
+    result = {"cpu_grid": rows, "largest_cpu_error": worst, "sd1": predictions,
+              "reserve_factor": SD_Memory.RESERVE_FACTOR, "context_gb": SD_Memory.CONTEXT_GB}
+    line = json.dumps(result)
+    print(line)
+    if args.json:
+        Path(args.json).write_text(line + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
