@@ -254,17 +254,17 @@ def frozen_models(config):
     return (SD_Model._frozen(CLIPTextModel(CLIPTextConfig(**text))), SD_Model._frozen(AutoencoderKL(**vae)))
 
 
-def estimate(config, batch_size: int | None = None, resolution: int = 512, device: str = "cuda") -> Estimate:
-    """The peak of one steady-state training step of ``config`` at ``batch_size`` images per micro-batch
-    (default: the config's) and ``resolution`` pixels, on ``device``: ``"cuda"`` (CUDA's autocast
-    emulated) or ``"cpu"`` (the CPU's own autocast and allocator: to compare with a real CPU run)."""
+@contextlib.contextmanager
+def session(config, resolution: int = 512, device: str = "cuda"):
+    """The configured models and step built once on fake tensors; yields ``run(batch_size) -> Estimate``,
+    the peak of one steady-state training step at that micro-batch. ``device``: ``"cuda"`` (CUDA's
+    autocast emulated, its allocator's rounding) or ``"cpu"`` (the CPU's own autocast: for comparing
+    with a real CPU run)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     import SD_TrainStep
     from SD_Distributed import Dist
 
-    batch_size = batch_size or config.batch_size
-    latent = resolution // 8
     allocations = Allocations(ROUND[device])
     casts: set[int] = set()
     with FakeTensorMode(allow_non_fake_inputs=False), allocations, module_moves_of_fake_tensors():
@@ -277,14 +277,78 @@ def estimate(config, batch_size: int | None = None, resolution: int = 512, devic
         with emulate, SD_Model.attention_context(torch.device("cpu")), HostReadsAsZeros():
             step = SD_TrainStep.build_step(config, Dist.single("cpu"), unet, text_encoder, empty_ids,
                                            SD_Model.SD1_SCALING_FACTOR)
-            batches = [(torch.zeros(batch_size, 4, latent, latent, dtype=torch.float16),
-                        torch.zeros(batch_size, SD_Model.TOKENIZER_MAX_LENGTH, dtype=torch.long))
-                       for _ in range(config.grad_accum)]
-            SD_TrainStep.train_step(step, batches, 0)  # creates the optimizer state
-            allocations.reset_peak()
-            SD_TrainStep.train_step(step, batches, 1)
-        parts = breakdown(allocations, step, vae, config, casts)
-    return Estimate(batch_size, resolution, parts, sum(parts.values()))
+            steps = 0
+
+            def run(batch_size: int) -> Estimate:
+                nonlocal steps
+                latent = resolution // 8
+                batches = [(torch.zeros(batch_size, 4, latent, latent, dtype=torch.float16),
+                            torch.zeros(batch_size, SD_Model.TOKENIZER_MAX_LENGTH, dtype=torch.long))
+                           for _ in range(config.grad_accum)]
+                if steps == 0:
+                    SD_TrainStep.train_step(step, batches, steps)  # creates the optimizer state
+                    steps += 1
+                allocations.reset_peak()
+                SD_TrainStep.train_step(step, batches, steps)
+                steps += 1
+                parts = breakdown(allocations, step, vae, config, casts)
+                return Estimate(batch_size, resolution, parts, sum(parts.values()))
+
+            yield run
+
+
+def estimate(config, batch_size: int | None = None, resolution: int = 512, device: str = "cuda") -> Estimate:
+    """The peak of one steady-state training step of ``config`` at ``batch_size`` images per micro-batch
+    (default: the config's) and ``resolution`` pixels (see ``session``)."""
+    with session(config, resolution, device) as run:
+        return run(batch_size or config.batch_size)
+
+
+def max_batch(config, gpu_memory_gb: float, resolution: int = 512, limit: int = 1024, run=None):
+    """The largest micro-batch (up to ``limit``) whose predicted peak fits ``gpu_memory_gb``, and its
+    estimate; ``(0, None)`` when not even one image fits. The peak grows about linearly with the batch:
+    estimates at 4 and 8 images give the line, the batch it predicts is checked, and a search from
+    there (a step doubling until the answer is bracketed, then halving) finds the last batch that fits."""
+    if run is None:
+        with session(config, resolution) as run:
+            return max_batch(config, gpu_memory_gb, resolution, limit, run)
+    cache: dict[int, Estimate] = {}
+
+    def fits(batch: int) -> bool:
+        if batch not in cache:
+            cache[batch] = run(batch)
+        return cache[batch].peak_gb <= gpu_memory_gb
+
+    fits(4), fits(8)
+    per_image = max((cache[8].peak_gb - cache[4].peak_gb) / 4, 1e-9)
+    guess = int(max(1, min(limit, 8 + (gpu_memory_gb - cache[8].peak_gb) // per_image)))
+    if fits(guess):  # low fits; find a high that does not
+        low, high, stride = guess, None, 1
+        while high is None:
+            if low == limit:
+                return low, cache[low]
+            candidate = min(low + stride, limit)
+            if fits(candidate):
+                low, stride = candidate, stride * 2
+            else:
+                high = candidate
+    else:  # high does not fit; find a low that does
+        low, high, stride = None, guess, 1
+        while low is None:
+            candidate = max(high - stride, 1)
+            if fits(candidate):
+                low = candidate
+            elif candidate == 1:
+                return 0, None
+            else:
+                high, stride = candidate, stride * 2
+    while high - low > 1:
+        middle = (low + high) // 2
+        if fits(middle):
+            low = middle
+        else:
+            high = middle
+    return low, cache[low]
 
 
 def breakdown(allocations: Allocations, step, vae, config, casts: set[int]) -> dict:
@@ -357,3 +421,28 @@ def module_moves_of_fake_tensors():
         yield
     finally:
         torch.nn.Module.to = original
+
+
+def report(config, resolution: int, gpu_memory_gb: float) -> dict:
+    """``SD_Train.py --estimate_memory``: the breakdown at the config's batch and the largest batch that
+    fits ``gpu_memory_gb``, printed; the result as a dict (the JSON line)."""
+    with session(config, resolution) as run:
+        at_config = run(config.batch_size)
+        batch, at_max = max_batch(config, gpu_memory_gb, resolution, run=run)
+    print(f"Predicted device memory of one training step: {config.unet} UNet, {resolution} px, "
+          f"micro-batch {config.batch_size}, {config.precision}, gradient checkpointing "
+          f"{'on' if config.grad_checkpointing else 'off'}, EMA "
+          f"{'off' if config.ema_decay == 0 else 'on the CPU' if config.ema_device == 'cpu' else 'on the GPU'}")
+    rows = [*((name.replace("_", " "), size) for name, size in at_config.parts.items()),
+            ("allocated at the peak", at_config.allocated),
+            (f"allocator allowance (x{RESERVE_FACTOR:.2f})", at_config.reserved - at_config.allocated),
+            ("CUDA context allowance", CONTEXT_GB * GB), ("peak on the card", at_config.peak_gb * GB)]
+    for name, size in rows:
+        print(f"  {name:<32}{size / GB:9.3f} GB")
+    if batch:
+        print(f"Largest micro-batch within {gpu_memory_gb:.2f} GB: {batch} (peak {at_max.peak_gb:.2f} GB)")
+    else:
+        print(f"Not even one image fits within {gpu_memory_gb:.2f} GB with these settings; try "
+              "grad_checkpointing: true, ema_device: cpu or precision: bf16")
+    return {**at_config.as_dict(), "gpu_memory_gb": gpu_memory_gb, "max_batch": batch,
+            "fits": at_config.peak_gb <= gpu_memory_gb}

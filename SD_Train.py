@@ -31,7 +31,7 @@ import SD_Runtime
 import SD_Sampling
 import SD_TrainStep
 from SD_Distributed import Dist
-from SD_TrainConfig import RESUME_FIXED, ConfigError, TrainConfig, config_yaml, load_config
+from SD_TrainConfig import RESUME_FIXED, ConfigError, TrainConfig, config_yaml, estimate_flags, load_config
 
 log = logging.getLogger("sd_train")
 
@@ -294,10 +294,13 @@ def ema_warmup_of(config: TrainConfig, resumed_from: Path | None, inherited: boo
 def main(argv=None) -> int:
     SD_Runtime.start_process()
     try:
-        config = load_config(argv, description=__doc__)
+        estimate, gpu_memory_gb, resolution = estimate_flags(argv)
+        config = load_config(argv, description=__doc__, check_paths=not estimate)
     except ConfigError as error:
         print(f"SD_Train.py: config error: {error}", file=sys.stderr)
         return 2
+    if estimate:
+        return estimate_memory(config, gpu_memory_gb, resolution)
     d = SD_Distributed.setup(config.device)
     logging.basicConfig(level=logging.INFO if d.is_main else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
@@ -309,6 +312,31 @@ def main(argv=None) -> int:
         return 2
     finally:
         SD_Distributed.teardown()
+
+
+def estimate_memory(config: TrainConfig, gpu_memory_gb: float | None, resolution: int | None) -> int:
+    """``--estimate_memory``: the prediction, without data, weights or a GPU (``SD_Memory``)."""
+    import json
+
+    import SD_Memory
+
+    if gpu_memory_gb is None:
+        gpu_memory_gb = (torch.cuda.get_device_properties(0).total_memory / 1e9 if torch.cuda.is_available()
+                         else 24 * 2**30 / 1e9)
+    resolution = resolution or resolution_of(config)
+    print(json.dumps(SD_Memory.report(config, resolution, gpu_memory_gb)))
+    return 0
+
+
+def resolution_of(config: TrainConfig) -> int:
+    """The image size of the first dataset's latents (``latents.json``), else 512."""
+    for entry in config.datasets[:1]:
+        try:
+            meta = SD_Data.read_latents_meta(Path(str(entry["latents"])))
+            return int(meta["latent_shape"][-1]) * 8
+        except Exception:  # no folder yet, or no settings in it: the default
+            pass
+    return 512
 
 
 def train(config: TrainConfig, d: Dist) -> int:

@@ -137,17 +137,20 @@ class TrainConfig:
                      allowed=Range(0, 2**32 - 1, high_open=False))
     device: str = _doc("auto, cpu, cuda", "auto")
 
-    def validate(self) -> None:
-        """Reject bad values before any work, naming the field, the value and what is allowed."""
+    def validate(self, check_paths: bool = True) -> None:
+        """Reject bad values before any work, naming the field, the value and what is allowed.
+        ``check_paths=False`` leaves the data folders and ``init_from`` unchecked (a memory estimate
+        reads neither)."""
         def need(ok, message):
             if not ok:
                 raise ConfigError(message)
 
         for name, f in FIELDS.items():
             check_type_and_range(name, getattr(self, name), f)
-        need(self.datasets, "datasets: list at least one {dataset: DIR, latents: DIR, weight: 1.0}")
-        for i, entry in enumerate(self.datasets):
-            check_dataset_entry(i, entry)
+        if check_paths:
+            need(self.datasets, "datasets: list at least one {dataset: DIR, latents: DIR, weight: 1.0}")
+            for i, entry in enumerate(self.datasets):
+                check_dataset_entry(i, entry)
         need(self.unet in SD_Model.UNET_PRESETS, f"unet: choose one of {sorted(SD_Model.UNET_PRESETS)}")
         need(self.prediction_type in ("epsilon", "v_prediction"), "prediction_type: epsilon or v_prediction")
         need(self.precision in ("bf16", "fp16", "fp32"), "precision: bf16, fp16 or fp32")
@@ -159,7 +162,8 @@ class TrainConfig:
             need(getattr(self, name).strip(), f"{name} must not be empty")
         need(all(isinstance(p, str) for p in self.validation_prompts), "validation_prompts: a list of strings")
         need(self.max_steps > 0 or self.epochs > 0, "set max_steps or epochs to a positive number")
-        need(not self.init_from or Path(self.init_from).exists() or _looks_like_hub_id(self.init_from),
+        need(not check_paths or not self.init_from or Path(self.init_from).exists()
+             or _looks_like_hub_id(self.init_from),
              f"init_from: {self.init_from} is neither an existing path nor a hub id (owner/name)")
 
 
@@ -264,6 +268,16 @@ def build_parser(description: str = "") -> SD_Cli.ArgumentParser:
         allowed = f"; allowed: {f.metadata['allowed'].describe(f.type)}" if f.metadata["allowed"] else ""
         parser.add_argument(f"--{name}", metavar="VALUE", help=f"{f.metadata['help']} (default: {default!r}{allowed})",
                             **extra)
+    estimate = parser.add_argument_group("memory estimate (no training, no data, no GPU needed)")
+    estimate.add_argument("--estimate_memory", nargs="?", const="true", default="false", metavar="BOOL",
+                          help="print the predicted peak device memory of one training step of this config, "
+                               "broken down, and the largest micro-batch that fits --gpu_memory_gb; ends with "
+                               "one JSON line (peak_gb, max_batch, ...)")
+    estimate.add_argument("--gpu_memory_gb", type=float, default=None, metavar="GB",
+                          help="the card's memory in GB (1e9 bytes) for --estimate_memory (default: this "
+                               "machine's CUDA device, else 24 GiB = 25.77)")
+    estimate.add_argument("--resolution", type=int, default=None, metavar="PX",
+                          help="image size for --estimate_memory (default: the first dataset's latents, else 512)")
     return parser
 
 
@@ -290,8 +304,9 @@ def read_yaml(path: Path, seen: tuple = ()) -> dict:
     return values
 
 
-def load_config(argv=None, description: str = "") -> TrainConfig:
-    """YAML from ``--config`` (with its ``extends``), then ``--field value`` overrides; validated."""
+def load_config(argv=None, description: str = "", check_paths: bool = True) -> TrainConfig:
+    """YAML from ``--config`` (with its ``extends``), then ``--field value`` overrides; validated
+    (``check_paths``: see ``TrainConfig.validate``)."""
     args, unknown = build_parser(description).parse_known_args(argv)
     if unknown:
         flag = next((u for u in unknown if u.startswith("--")), unknown[0])
@@ -302,8 +317,22 @@ def load_config(argv=None, description: str = "") -> TrainConfig:
         if raw is not None:
             values[name] = _coerce(name, raw)
     config = TrainConfig(**values)
-    config.validate()
+    config.validate(check_paths)
     return config
+
+
+def estimate_flags(argv=None) -> tuple[bool, float | None, int | None]:
+    """``--estimate_memory``, ``--gpu_memory_gb``, ``--resolution`` of a command line."""
+    args, _ = build_parser().parse_known_args(argv)
+    try:
+        estimate = SD_Cli.parse_bool(args.estimate_memory)
+    except Exception:
+        raise ConfigError(f"--estimate_memory: expected true or false, got {args.estimate_memory!r}") from None
+    if args.gpu_memory_gb is not None and not args.gpu_memory_gb > 0:
+        raise ConfigError(f"--gpu_memory_gb must be > 0, got {args.gpu_memory_gb}")
+    if args.resolution is not None and (args.resolution <= 0 or args.resolution % 8):
+        raise ConfigError(f"--resolution must be a positive multiple of 8, got {args.resolution}")
+    return estimate, args.gpu_memory_gb, args.resolution
 
 
 def config_yaml(config: TrainConfig) -> str:

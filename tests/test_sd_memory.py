@@ -1,0 +1,113 @@
+"""SD_Memory: the predicted peak of a training step, against measured peaks and exact sizes."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import SD_Memory
+import SD_Model
+from SD_TrainConfig import TrainConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tiny_config(**fields) -> TrainConfig:
+    values = dict(unet="tiny", text_encoder="tiny", vae="tiny", batch_size=4, grad_accum=1, datasets=[])
+    return TrainConfig(**{**values, **fields})
+
+
+def rounded(tensors, block=SD_Memory.ROUND["cuda"]) -> int:
+    return sum(-(-t.numel() * t.element_size() // block) * block for t in tensors)
+
+
+def test_the_breakdown_holds_the_exact_sizes_of_the_weights_and_their_states():
+    config = tiny_config(grad_checkpointing=False, ema_decay=0.999)
+    estimate = SD_Memory.estimate(config, batch_size=4, resolution=64)
+    unet = SD_Model.build_unet("tiny")
+    weights = rounded([*unet.parameters(), *unet.buffers()])
+    fp32 = rounded(unet.parameters())
+    parts = estimate.parts
+    assert parts["weights"] == weights and parts["ema"] == fp32  # the EMA: an fp32 copy of every parameter
+    assert parts["optimizer_state"] == 2 * fp32 + rounded([torch.zeros(())] * len(list(unet.parameters())))
+    assert estimate.allocated == sum(parts.values()) and parts["activations_and_temporaries"] > 0
+
+
+@pytest.mark.slow
+def test_ema_on_the_cpu_and_no_ema_take_the_shadow_off_the_card():
+    on_card = SD_Memory.estimate(tiny_config(ema_decay=0.999), resolution=64).parts["ema"]
+    assert on_card > 0
+    assert SD_Memory.estimate(tiny_config(ema_decay=0.999, ema_device="cpu"), resolution=64).parts["ema"] == 0
+    assert SD_Memory.estimate(tiny_config(ema_decay=0.0), resolution=64).parts["ema"] == 0
+
+
+def test_cuda_autocast_emulation_casts_what_cuda_casts_and_caches_weights_for_the_region():
+    conv = torch.nn.Conv2d(4, 8, 3, padding=1)
+    norm = torch.nn.GroupNorm(2, 8)
+    casts = []
+    autocast = SD_Memory.CudaAutocast()
+    autocast.on_cast = casts.append
+    x = torch.randn(1, 4, 8, 8)
+    with autocast:
+        with autocast.region(torch.bfloat16):
+            y = conv(x)
+            z = norm(y)
+            again = conv(x)
+        outside = conv(x)
+    assert (y.dtype, z.dtype, again.dtype, outside.dtype) == (torch.bfloat16, torch.float32, torch.bfloat16,
+                                                              torch.float32)
+    assert len(casts) == 2  # weight and bias, cast once for both calls in the region
+    assert {c.dtype for c in casts} == {torch.bfloat16}
+
+
+@pytest.mark.slow
+def test_the_largest_batch_fits_and_one_more_does_not():
+    config = tiny_config(grad_checkpointing=False)
+    with SD_Memory.session(config, resolution=64) as run:
+        budget = run(12).peak_gb  # a budget that batch 12 just fits
+        batch, at_batch = SD_Memory.max_batch(config, budget, resolution=64, run=run)
+        assert batch >= 12 and at_batch.peak_gb <= budget
+        assert run(batch + 1).peak_gb > budget
+
+
+@pytest.mark.slow
+def test_the_estimate_is_within_five_percent_of_the_cpu_allocators_measured_peak():
+    """A real run on the CPU, its allocator's peak read from the profiler (bench/memory_estimate.py),
+    against the estimate of the same run on fake tensors."""
+    point = "demo:128:8:0"
+    result = subprocess.run([sys.executable, str(ROOT / "bench" / "memory_estimate.py"), "--grid", point, "--sd1",
+                             "false"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    [row] = json.loads(result.stdout.strip().splitlines()[-1])["cpu_grid"]
+    assert row["point"] == point and row["measured_mb"] > 100
+    assert abs(row["error"]) <= 0.05, row
+
+
+@pytest.mark.slow
+def test_estimate_memory_needs_no_data_and_ends_with_one_json_line(tmp_path):
+    config = tmp_path / "phase.yaml"
+    config.write_text("unet: tiny\ntext_encoder: tiny\nvae: tiny\nbatch_size: 4\ngrad_accum: 1\nmax_steps: 5\n"
+                      f"datasets: [{{dataset: {tmp_path / 'absent'}, latents: {tmp_path / 'absent'}}}]\n")
+    result = subprocess.run([sys.executable, str(ROOT / "SD_Train.py"), "--config", str(config), "--estimate_memory",
+                             "--gpu_memory_gb", "0.595", "--resolution", "64"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.strip().splitlines()
+    answer = json.loads(lines[-1])
+    assert answer["peak_gb"] == pytest.approx(answer["reserved_gb"] + SD_Memory.CONTEXT_GB, abs=1e-3)
+    assert answer["max_batch"] >= 1 and answer["gpu_memory_gb"] == 0.595
+    assert any(line.startswith("  peak on the card") for line in lines)
+    assert f"Largest micro-batch within 0.59 GB: {answer['max_batch']}" in result.stdout
+    assert not (tmp_path / "absent").exists()
+
+
+def test_estimate_flags_are_checked_before_any_work(capsys):
+    import SD_Train
+
+    assert SD_Train.main(["--estimate_memory", "--gpu_memory_gb", "-3", "--unet", "tiny"]) == 2
+    assert "--gpu_memory_gb must be > 0, got -3.0" in capsys.readouterr().err
+    assert SD_Train.main(["--estimate_memory", "--resolution", "100", "--unet", "tiny"]) == 2
+    assert "--resolution must be a positive multiple of 8, got 100" in capsys.readouterr().err
