@@ -400,20 +400,29 @@ class HostReadsAsZeros(TorchFunctionMode):
 
 @contextlib.contextmanager
 def module_moves_of_fake_tensors():
-    """``Module.to`` for modules of fake tensors: each parameter and buffer converted in place (its
-    ``.data`` replaced). torch's own ``Module.to`` swaps fake parameters for new ones, which fails
-    while the fake tensor mode holds weak references to them."""
+    """``Module.to`` for modules of fake tensors: each converted parameter is a new ``Parameter`` in
+    its module (and each buffer a new tensor), as torch does when it overwrites parameters on
+    conversion. torch's own ``Module.to`` swaps fake parameters in place, which fails while the fake
+    mode holds weak references to them."""
     original = torch.nn.Module.to
 
     def to(module, *args, **kwargs):
         device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
-        for tensor in [*module.parameters(), *module.buffers()]:
-            new = tensor.to(device=device or tensor.device,
-                            dtype=dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype,
-                            memory_format=memory_format if memory_format is not None and tensor.dim() == 4
-                            else torch.preserve_format)
-            if new is not tensor:
-                tensor.data = new
+
+        def convert(tensor):
+            return tensor.to(device=device or tensor.device,
+                             dtype=dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype,
+                             memory_format=memory_format if memory_format is not None and tensor.dim() == 4
+                             else torch.preserve_format)
+
+        with torch.no_grad():  # as torch's own: the conversion is not part of any graph
+            for child in module.modules():
+                for name, parameter in child._parameters.items():
+                    if parameter is not None and (new := convert(parameter)) is not parameter:
+                        child._parameters[name] = torch.nn.Parameter(new, requires_grad=parameter.requires_grad)
+                for name, buffer in child._buffers.items():
+                    if buffer is not None:
+                        child._buffers[name] = convert(buffer)
         return module
 
     torch.nn.Module.to = to

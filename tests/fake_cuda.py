@@ -1,0 +1,151 @@
+"""CUDA code paths on a machine without CUDA: fake tensors on a ``cuda`` device (``FakeTensorMode``).
+
+Fake tensors carry shape, dtype and device and no data; an operator mixing devices raises
+``FakeTensorDeviceMismatchError`` as it would fail on a GPU. The CPU-only build of PyTorch has no
+CUDA device guard, which moving a tensor to ``cuda``, indexing one or recording autograd on one
+ask for: ``install_device_guard`` registers c10's ``FakeGuardImpl`` for CUDA (a few lines of C++,
+compiled once into torch's extension cache). What the build still cannot do, ``fake_cuda()`` stands
+in for, each stand-in named here:
+
+* ``Module.to`` converts each parameter and buffer in place (``SD_Memory.module_moves_of_fake_tensors``):
+  torch's own swaps fake parameters for new ones, which fails while the fake mode holds weak
+  references to them.
+* ``torch.Generator(device="cuda")``: a CPU generator that reports ``cuda`` as its device. Every
+  random operator given a generator is checked: a generator of another device than the tensor it
+  fills raises, as CUDA does (fake tensors do not check this).
+* ``torch.cuda.is_available``/``is_bf16_supported`` say yes (so ``torch.autocast("cuda")`` is on);
+  ``Event``, ``current_stream`` and ``synchronize`` do nothing: ordering between streams is not tested.
+* ``pin_memory`` returns the tensor unpinned: pinned copies run as plain copies.
+* Reads of values to the host (``tolist``, ``item``, ``numpy``) give zeros.
+* ``Tensor.backward``: the autograd engine asks for the CUDA library's current streams, which this
+  build does not have. The forward pass records its graph as on a GPU; the caller's stand-in then sets
+  the gradients (zeros of each parameter's shape on its device): the backward pass is not exercised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import torch
+from torch.overrides import TorchFunctionMode
+
+import SD_Memory
+
+RealGenerator = torch.Generator
+NUMPY_DTYPES = {torch.uint8: np.uint8, torch.bool: np.bool_, torch.int32: np.int32, torch.int64: np.int64,
+                torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}
+
+
+class Generator(RealGenerator):
+    """``torch.Generator`` whose ``device`` may be ``cuda``: the state is a CPU generator's."""
+
+    def __new__(cls, device="cpu"):
+        return super().__new__(cls)  # the CPU generator's state, whatever the device
+
+    def __init__(self, device="cpu"):
+        super().__init__()
+        self._device = torch.device(device)
+        if self._device.type == "cuda" and self._device.index is None:
+            self._device = torch.device("cuda", 0)
+
+    @property
+    def device(self):
+        return self._device
+
+
+class Event:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def wait(self, stream=None):
+        pass
+
+    def query(self):
+        return True
+
+
+def _target_device(args, kwargs) -> torch.device:
+    if kwargs.get("device") is not None:
+        return torch.device(kwargs["device"])
+    first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    return first.device if first is not None else torch.device("cpu")
+
+
+class CudaStandIns(TorchFunctionMode):
+    """The stand-ins of the module docstring that act on tensor calls."""
+
+    def __init__(self, backward):
+        super().__init__()
+        self.backward = backward
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        generator = kwargs.get("generator")
+        if generator is not None:
+            target = _target_device(args, kwargs)
+            if generator.device.type != target.type:
+                raise RuntimeError(f"{name}: a generator on {generator.device} used for a tensor on {target}")
+        if name == "pin_memory":
+            return args[0]
+        if name == "tolist":
+            return np.zeros(tuple(args[0].shape)).tolist()
+        if name == "item":
+            return False if args[0].dtype == torch.bool else 0 if not args[0].is_floating_point() else 0.0
+        if name == "numpy":
+            return np.zeros(tuple(args[0].shape), dtype=NUMPY_DTYPES.get(args[0].dtype, np.float32))
+        if name == "backward":
+            return self.backward(args[0])
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def fake_cuda(backward=lambda loss: None):
+    """Run code written for CUDA on fake CUDA tensors (see the module docstring for what stands in)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    patches = {(torch, "Generator"): Generator, (torch.cuda, "is_available"): lambda: True,
+               (torch.cuda, "is_bf16_supported"): lambda including_emulation=True: True,
+               (torch.cuda, "Event"): Event, (torch.cuda, "current_stream"): lambda device=None: None,
+               (torch.cuda, "synchronize"): lambda device=None: None}
+    saved = {key: getattr(*key) for key in patches}
+    install_device_guard()
+    # The fake mode first: it looks at torch.cuda.is_available() to keep device initialisation away.
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        for (owner, name), value in patches.items():
+            setattr(owner, name, value)
+        try:
+            with SD_Memory.module_moves_of_fake_tensors(), CudaStandIns(backward):
+                yield
+        finally:
+            for (owner, name), value in saved.items():
+                setattr(owner, name, value)
+
+
+GUARD_SOURCE = """
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/core/impl/FakeGuardImpl.h>
+#include <torch/extension.h>
+
+static c10::impl::FakeGuardImpl<c10::DeviceType::CUDA> fake_cuda_guard;
+
+void install() {
+  auto& slot = c10::impl::device_guard_impl_registry[static_cast<size_t>(c10::DeviceType::CUDA)];
+  if (slot.load() == nullptr) slot.store(&fake_cuda_guard);
+}
+"""
+
+
+def install_device_guard() -> None:
+    """Register a CUDA device guard that only counts devices (c10's FakeGuardImpl), once per process;
+    does nothing where CUDA has a real one."""
+    from torch.utils.cpp_extension import load_inline
+
+    load_inline("sd1_fake_cuda_guard", cpp_sources=GUARD_SOURCE, functions=["install"]).install()

@@ -1,0 +1,103 @@
+"""The CUDA-only code paths, run on fake CUDA tensors: a device mismatch fails here, not on a GPU.
+
+Covered: a training step (bf16 autocast on CUDA, fused AdamW on CUDA tensors, clipping, the EMA on
+the GPU and on the CPU with its pinned staging copies, CUDA generators for noise, timesteps and CFG
+dropout, channels_last, the SDPA kernels allowed on CUDA), one validation sample (the sampler and
+the VAE decode on CUDA, CPU-seeded noise moved over) and one encode batch (pinned upload, the VAE
+encoder on CUDA). Not covered, because the CPU-only build cannot run it on fake CUDA tensors (see
+tests/fake_cuda.py): the backward pass (zero gradients of each parameter's shape stand in for it),
+the order of work between CUDA streams and events, page-locked memory, values.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+import encode_latents
+import SD_Model
+import SD_Sampling
+import SD_TrainStep
+from fake_cuda import fake_cuda
+from SD_Distributed import Dist
+from SD_TrainConfig import TrainConfig
+
+CUDA = torch.device("cuda", 0)
+
+
+def config(**fields) -> TrainConfig:
+    values = dict(unet="tiny", text_encoder="tiny", vae="tiny", batch_size=2, grad_accum=2, precision="bf16",
+                  grad_checkpointing=True, channels_last=True, ema_decay=0.999, datasets=[])
+    return TrainConfig(**{**values, **fields})
+
+
+def train_one_step(cfg: TrainConfig):
+    """Build the trainer's step on CUDA and run one optimizer step; returns the step and its result."""
+    holder = {}
+
+    def backward(loss):  # the stand-in for autograd's engine: gradients of the parameters' shapes, on their device
+        assert loss.device == CUDA and loss.dim() == 0 and loss.requires_grad  # the forward recorded its graph
+        for parameter in holder["unet"].parameters():
+            parameter.grad = torch.zeros_like(parameter)
+
+    with fake_cuda(backward):
+        d = Dist.single(CUDA)
+        text_encoder = SD_Model.load_text_encoder("tiny")
+        unet = holder["unet"] = SD_Model.build_unet("tiny", grad_checkpointing=cfg.grad_checkpointing,
+                                                    channels_last=cfg.channels_last).to(d.device).train()
+        step = SD_TrainStep.build_step(cfg, d, unet, text_encoder, torch.full((1, 77), 49407), 0.18215)
+        batches = [(torch.randn(2, 4, 8, 8).half(), torch.randint(0, 49407, (2, 77))) for _ in range(cfg.grad_accum)]
+        with SD_Model.attention_context(d.device):
+            result = SD_TrainStep.train_step(step, batches, 0)
+    return step, result
+
+
+@pytest.mark.parametrize("ema_device", ["same", "cpu"])
+def test_a_training_step_keeps_every_tensor_on_its_device(ema_device):
+    step, result = train_one_step(config(ema_device=ema_device))
+    assert result["bad"] is False and result["stop"] is False  # zeros read back: a finite step, applied
+    assert {p.device for p in step.unet.parameters()} == {CUDA}
+    assert {p.grad.device for p in step.unet.parameters()} == {CUDA}
+    state = [t for s in step.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    assert state and {t.device for t in state} == {CUDA}  # fused AdamW's moments and steps, on the GPU
+    assert step.optimizer.defaults.get("fused") is True
+    assert step.noise_generator.device == CUDA
+    shadow = {t.device.type for t in step.ema.shadow}
+    assert shadow == ({"cpu"} if ema_device == "cpu" else {"cuda"})
+    if ema_device == "cpu":  # the staging buffers the GPU weights are copied into
+        assert {t.device.type for t in step.ema.staging} == {"cpu"}
+    assert step.unet.conv_in.weight.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_a_validation_sample_and_an_encode_batch_run_on_cuda():
+    with fake_cuda():
+        unet = SD_Model.build_unet("tiny").to(CUDA).eval()
+        vae, text_encoder = SD_Model.load_vae("tiny").to(CUDA), SD_Model.load_text_encoder("tiny").to(CUDA)
+        pipe = SD_Sampling.Pipeline(unet, vae, text_encoder, SD_Model.load_tokenizer("tiny"), "epsilon")
+        with SD_Model.attention_context(CUDA), torch.autocast("cuda", dtype=torch.bfloat16):
+            images = SD_Sampling.generate(pipe, "a photo", "", [1, 2], steps=2, cfg=7.5, height=64, width=64,
+                                          batch_size=2, device=CUDA)
+        encoder_vae = SD_Model.load_vae("tiny").to(device=CUDA, dtype=torch.bfloat16)  # as encode_latents.main
+        encoder = encode_latents.Encoder(encoder_vae, CUDA, torch.bfloat16, compile_encoder=False, flip=True)
+        latents, flipped = encoder([np.zeros((64, 64, 3), np.uint8)] * 3)
+    assert [image.shape for image in images] == [(64, 64, 3)] * 2
+    assert (latents.device, latents.dtype, tuple(latents.shape)) == (CUDA, torch.float16, (3, 4, 8, 8))
+    assert flipped.device == CUDA
+
+
+def test_a_cpu_only_assumption_fails_here(monkeypatch):
+    """Two deliberately broken versions of CFG dropout, each a bug that only shows on a GPU."""
+    def mask_drawn_on_the_cpu(hidden, empty, p, generator):  # a CUDA generator for a CPU tensor
+        drop = torch.rand(hidden.shape[0], generator=generator) < p
+        return torch.where(drop[:, None, None], empty, hidden), drop
+
+    monkeypatch.setattr(SD_TrainStep, "apply_cfg_dropout", mask_drawn_on_the_cpu)
+    with pytest.raises(RuntimeError, match="a generator on cuda:0 used for a tensor on cpu"):
+        train_one_step(config())
+
+    def mask_left_on_the_cpu(hidden, empty, p, generator):  # a CPU mask selecting between CUDA tensors
+        drop = torch.rand(hidden.shape[0], generator=generator, device=generator.device).cpu() < p
+        return torch.where(drop[:, None, None], empty.to(hidden.dtype), hidden), drop
+
+    monkeypatch.setattr(SD_TrainStep, "apply_cfg_dropout", mask_left_on_the_cpu)
+    with pytest.raises(Exception, match="(?i)device"):
+        train_one_step(config())
