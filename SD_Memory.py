@@ -307,8 +307,7 @@ def estimate(config, batch_size: int | None = None, resolution: int = 512, devic
 def max_batch(config, gpu_memory_gb: float, resolution: int = 512, limit: int = 1024, run=None):
     """The largest micro-batch (up to ``limit``) whose predicted peak fits ``gpu_memory_gb``, and its
     estimate; ``(0, None)`` when not even one image fits. The peak grows about linearly with the batch:
-    estimates at 4 and 8 images give the line, the batch it predicts is checked, and a search from
-    there (a step doubling until the answer is bracketed, then halving) finds the last batch that fits."""
+    estimates at 4 and 8 images give the line, and the search starts from the batch it predicts."""
     if run is None:
         with session(config, resolution) as run:
             return max_batch(config, gpu_memory_gb, resolution, limit, run)
@@ -322,11 +321,20 @@ def max_batch(config, gpu_memory_gb: float, resolution: int = 512, limit: int = 
     fits(4), fits(8)
     per_image = max((cache[8].peak_gb - cache[4].peak_gb) / 4, 1e-9)
     guess = int(max(1, min(limit, 8 + (gpu_memory_gb - cache[8].peak_gb) // per_image)))
+    batch = largest_that_fits(fits, guess, limit)
+    return batch, cache.get(batch)
+
+
+def largest_that_fits(fits, guess: int = 1, limit: int = 1 << 20) -> int:
+    """The largest ``n`` in ``[1, limit]`` with ``fits(n)``, for a ``fits`` true up to some ``n`` and false
+    after it; 0 when ``fits(1)`` is false. From ``guess``, a step that doubles until the answer is
+    bracketed, then bisection: about 2 log2 of the distance from the guess calls."""
+    guess = max(1, min(guess, limit))
     if fits(guess):  # low fits; find a high that does not
         low, high, stride = guess, None, 1
         while high is None:
             if low == limit:
-                return low, cache[low]
+                return low
             candidate = min(low + stride, limit)
             if fits(candidate):
                 low, stride = candidate, stride * 2
@@ -339,7 +347,7 @@ def max_batch(config, gpu_memory_gb: float, resolution: int = 512, limit: int = 
             if fits(candidate):
                 low = candidate
             elif candidate == 1:
-                return 0, None
+                return 0
             else:
                 high, stride = candidate, stride * 2
     while high - low > 1:
@@ -348,7 +356,7 @@ def max_batch(config, gpu_memory_gb: float, resolution: int = 512, limit: int = 
             low = middle
         else:
             high = middle
-    return low, cache[low]
+    return low
 
 
 def breakdown(allocations: Allocations, step, vae, config, casts: set[int]) -> dict:

@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 import harness
+import SD_Memory
 import SD_Runtime
 import train_throughput
 
@@ -112,22 +113,7 @@ def largest_batch(trial, limit_gb: float, max_batch: int) -> tuple[int, list[dic
         tried.append(result)
         return result["fits"]
 
-    good, bad = 0, None
-    batch = 1
-    while batch <= max_batch:
-        if not fits(batch):
-            bad = batch
-            break
-        good, batch = batch, batch * 2
-    if bad is None:
-        return good, tried
-    while bad - good > 1:
-        middle = (good + bad) // 2
-        if fits(middle):
-            good = middle
-        else:
-            bad = middle
-    return good, tried
+    return SD_Memory.largest_that_fits(fits, 1, max_batch), tried
 
 
 def parse_args(argv=None):

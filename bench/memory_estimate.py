@@ -2,6 +2,7 @@
 
     python bench/memory_estimate.py                       # CPU grid (tiny 64 px, demo 128 px) + SD 1.x predictions
     python bench/memory_estimate.py --grid demo:128:8:1   # one point: preset:resolution:batch:checkpointing
+    python bench/memory_estimate.py --grid "" --sd1 false --cards 8,12,16,24,48,80   # the README's VRAM table
 
 1. CPU calibration. For each grid point, a real training run is measured in a fresh process: the
    trainer's models (tiny text encoder and VAE, the preset's UNet) built and two steps of
@@ -17,6 +18,8 @@
 2. SD 1.x on CUDA, predicted (``device="cuda"``), for the configurations with published figures; the
    figures and where they come from are printed beside the predictions (BENCHMARKS.md discusses the
    differences).
+3. ``--cards``: for each card size, the largest micro-batch at 512 px predicted for the settings in
+   CARD_SETTINGS (README's VRAM table).
 Prints a table per part and one JSON line.
 """
 
@@ -37,7 +40,11 @@ DEFAULT_GRID = ("tiny:64:2:0,tiny:64:8:0,tiny:64:8:1,demo:128:2:0,demo:128:8:0,d
 PUBLISHED = [
     ("reference from-scratch run: batch 24, bf16, checkpointing, fused AdamW, fp32 EMA on the GPU",
      dict(batch_size=24, precision="bf16", grad_checkpointing=True, ema_decay=0.9999, ema_device="same"), 512, 25.3,
-     "the reference run's own log (issue 15)"),
+     "the reference curriculum's from-scratch run, as its log reports it"),
+    ("DreamBooth-style: batch 1, fp16, checkpointing, AdamW, no EMA",
+     dict(batch_size=1, precision="fp16", grad_checkpointing=True, ema_decay=0.0), 512, 15.79,
+     "ShivamShrirao/diffusers examples/dreambooth README table, Tesla T4 (VAE and text encoder outputs cached and "
+     "the models freed; xformers attention)"),
     ("batch 1, bf16, checkpointing, no EMA", dict(batch_size=1, precision="bf16", grad_checkpointing=True,
                                                   ema_decay=0.0), 512, None, ""),
     ("batch 1, bf16, checkpointing, EMA on the CPU", dict(batch_size=1, precision="bf16", grad_checkpointing=True,
@@ -49,13 +56,19 @@ PUBLISHED = [
 ]
 
 
+CARD_SETTINGS = [  # (label, config fields) of the VRAM table
+    ("from scratch: EMA on the GPU", dict(ema_decay=0.9999, ema_device="same")),
+    ("fine-tuning: EMA on the CPU", dict(ema_decay=0.9999, ema_device="cpu")),
+]
+
+
 def config_for(preset: str, batch: int, checkpointing: bool, **fields):
     from SD_TrainConfig import TrainConfig
 
     tiny = preset != "sd1"
-    return TrainConfig(unet=preset, text_encoder="tiny" if tiny else "sd1", vae="tiny" if tiny else "sd1",
-                       batch_size=batch, grad_accum=1, grad_checkpointing=checkpointing, precision="bf16",
-                       datasets=[], **fields)
+    return TrainConfig(**{"unet": preset, "text_encoder": "tiny" if tiny else "sd1", "vae": "tiny" if tiny else "sd1",
+                          "batch_size": batch, "grad_accum": 1, "grad_checkpointing": checkpointing,
+                          "precision": "bf16", "datasets": [], **fields})
 
 
 def measure(preset: str, resolution: int, batch: int, checkpointing: bool) -> dict:
@@ -111,12 +124,15 @@ def main(argv=None) -> int:
     parser.add_argument("--grid", default=DEFAULT_GRID,
                         help="CPU points preset:resolution:batch:checkpointing, comma-separated (default: %(default)s)")
     parser.add_argument("--sd1", default="true", help="also predict the SD 1.x configurations (true/false)")
+    parser.add_argument("--cards", default="",
+                        help="card sizes in GiB (e.g. 8,12,16,24,48,80): the largest batch of each CARD_SETTINGS")
     parser.add_argument("--json", default="", help="also write the result JSON to this file")
     parser.add_argument("--measure", default="", help=__import__("argparse").SUPPRESS)
     args = parser.parse_args(argv)
     if args.measure:
         print(json.dumps(measure(*parse_point(args.measure))))
         return 0
+    import harness
     import SD_Memory
 
     rows = []
@@ -144,12 +160,22 @@ def main(argv=None) -> int:
             versus = f"; published {published} GB ({source}): {estimate.peak_gb / published - 1:+.1%}" if published else ""
             print(f"  {label}: allocated {item['allocated_gb']:.2f} GB, card {item['peak_gb']:.2f} GB{versus}")
             print("    " + ", ".join(f"{k} {v:.2f}" for k, v in item["parts_gb"].items()))
-    result = {"cpu_grid": rows, "largest_cpu_error": worst, "sd1": predictions,
+    cards = []
+    if args.cards:
+        print("\nLargest micro-batch at 512 px, predicted (SD 1.x UNet, bf16 autocast, gradient checkpointing, fused "
+              "AdamW)")
+        for card in [float(c) for c in args.cards.split(",") if c.strip()]:
+            usable = card * 2**30 / 1e9  # a "24 GB" card holds 24 GiB
+            for label, fields in CARD_SETTINGS:
+                config = config_for("sd1", 1, True, **fields)
+                batch, at_batch = SD_Memory.max_batch(config, usable, resolution=512)
+                cards.append({"card_gib": card, "settings": label, "max_batch": batch,
+                              "peak_gb": round(at_batch.peak_gb, 2) if at_batch else None})
+                print(f"  {card:g} GiB, {label}: {batch or 'does not fit'}"
+                      + (f" (peak {at_batch.peak_gb:.2f} GB of {usable:.2f})" if at_batch else ""), flush=True)
+    result = {"cpu_grid": rows, "largest_cpu_error": worst, "sd1": predictions, "cards": cards,
               "reserve_factor": SD_Memory.RESERVE_FACTOR, "context_gb": SD_Memory.CONTEXT_GB}
-    line = json.dumps(result)
-    print(line)
-    if args.json:
-        Path(args.json).write_text(line + "\n")
+    harness.emit(result, args.json)
     return 0
 
 

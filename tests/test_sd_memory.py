@@ -111,3 +111,16 @@ def test_estimate_flags_are_checked_before_any_work(capsys):
     assert "--gpu_memory_gb must be > 0, got -3.0" in capsys.readouterr().err
     assert SD_Train.main(["--estimate_memory", "--resolution", "100", "--unet", "tiny"]) == 2
     assert "--resolution must be a positive multiple of 8, got 100" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("answer", [0, 1, 2, 37, 100])
+@pytest.mark.parametrize("guess", [1, 8, 36, 37, 38, 90])
+def test_the_search_finds_the_last_batch_that_fits_from_any_guess(answer, guess):
+    calls = []
+
+    def fits(n):
+        calls.append(n)
+        return n <= answer
+
+    assert SD_Memory.largest_that_fits(fits, guess, limit=100) == answer
+    assert all(1 <= n <= 100 for n in calls) and len(calls) <= 16
