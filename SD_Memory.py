@@ -444,10 +444,11 @@ def report(config, resolution: int, gpu_memory_gb: float) -> dict:
     """``SD_Train.py --estimate_memory``: the breakdown at the config's batch and the largest batch that
     fits ``gpu_memory_gb``, printed; the result as a dict (the JSON line)."""
     with session(config, resolution) as run:
-        at_config = run(config.batch_size)
         batch, at_max = max_batch(config, gpu_memory_gb, resolution, run=run)
+        shown = config.batch_size or batch or 1  # batch_size: auto shows the batch it would choose
+        at_config = run(shown)
     print(f"Predicted device memory of one training step: {config.unet} UNet, {resolution} px, "
-          f"micro-batch {config.batch_size}, {config.precision}, gradient checkpointing "
+          f"micro-batch {shown}{' (auto)' if not config.batch_size else ''}, {config.precision}, gradient checkpointing "
           f"{'on' if config.grad_checkpointing else 'off'}, EMA "
           f"{'off' if config.ema_decay == 0 else 'on the CPU' if config.ema_device == 'cpu' else 'on the GPU'}")
     rows = [*((name.replace("_", " "), size) for name, size in at_config.parts.items()),

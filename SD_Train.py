@@ -31,7 +31,8 @@ import SD_Runtime
 import SD_Sampling
 import SD_TrainStep
 from SD_Distributed import Dist
-from SD_TrainConfig import RESUME_FIXED, ConfigError, TrainConfig, config_yaml, estimate_flags, load_config
+from SD_TrainConfig import (AUTO_BATCH, RESUME_FIXED, ConfigError, TrainConfig, config_yaml, estimate_flags,
+                            load_config)
 
 log = logging.getLogger("sd_train")
 
@@ -328,6 +329,33 @@ def estimate_memory(config: TrainConfig, gpu_memory_gb: float | None, resolution
     return 0
 
 
+def auto_batch_size(config: TrainConfig, d: Dist, gpu_memory_gb: float | None = None) -> int:
+    """``batch_size: auto``: the run folder's own choice when it has one (a resume keeps its batch),
+    else the largest micro-batch whose predicted peak fits the smallest GPU of the run."""
+    import SD_Memory
+
+    saved = Path(config.out_dir) / "config.yaml"
+    if saved.exists():
+        import yaml
+
+        chosen = (yaml.safe_load(saved.read_text()) or {}).get("batch_size")
+        if isinstance(chosen, int) and chosen > 0:
+            log.info("batch_size: auto -> %d, as this run chose before (%s)", chosen, saved)
+            return chosen
+    if gpu_memory_gb is None:
+        if d.device.type != "cuda":
+            raise ConfigError("batch_size: auto sizes the batch to a CUDA device's memory; on the CPU give a number")
+        gpu_memory_gb = torch.cuda.get_device_properties(d.device).total_memory / 1e9
+    gpu_memory_gb = min(SD_Distributed.all_gather_objects(gpu_memory_gb, d))
+    resolution = resolution_of(config)
+    batch, estimate = SD_Memory.max_batch(config, gpu_memory_gb, resolution)
+    if batch == 0:
+        raise ConfigError(f"batch_size: auto: not even one {resolution} px image fits {gpu_memory_gb:.1f} GB with "
+                          "these settings (SD_Train.py --estimate_memory shows where the memory goes)")
+    log.info("batch_size: auto -> %d (predicted peak %.2f of %.2f GB)", batch, estimate.peak_gb, gpu_memory_gb)
+    return batch
+
+
 def resolution_of(config: TrainConfig) -> int:
     """The image size of the first dataset's latents (``latents.json``), else 512."""
     for entry in config.datasets[:1]:
@@ -362,6 +390,8 @@ def lock_run_folder(run_dir: Path, d: Dist) -> SD_Files.FolderLock:
 
 
 def train_locked(config: TrainConfig, d: Dist) -> int:
+    if config.batch_size == AUTO_BATCH:
+        config.batch_size = auto_batch_size(config, d)
     run = build(config, d)
     if config.stop_at_step and run.state.step >= config.stop_at_step:
         log.info("the run is at step %d, at or past stop_at_step %d: nothing to do", run.state.step,

@@ -82,7 +82,9 @@ class TrainConfig:
     init_from: str = _doc("start from these weights (a checkpoint or run folder) with a fresh optimizer "
                           "and schedule; ignored when out_dir already holds a checkpoint to resume", "")
     # -- optimisation -----------------------------------------------------------------------
-    batch_size: int = _doc("micro-batch size per GPU", 24, allowed=COUNT)
+    batch_size: int = _doc("micro-batch size per GPU; auto (or 0): the largest that the GPU's memory holds, as "
+                           "--estimate_memory predicts it (CUDA only; fixed for the run once chosen)", 24,
+                           allowed=NON_NEGATIVE)
     grad_accum: int = _doc("micro-batches accumulated per optimizer step", 2, allowed=COUNT)
     max_steps: int = _doc("optimizer steps of the phase; 0 = run `epochs` epochs", 0, allowed=NON_NEGATIVE)
     epochs: int = _doc("epochs of the phase when max_steps is 0", 1, allowed=NON_NEGATIVE)
@@ -214,9 +216,14 @@ def _looks_like_hub_id(text: str) -> bool:
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 
 
+AUTO_BATCH = 0  # batch_size: auto
+
+
 def _coerce(name: str, value):
     """Convert a YAML or command-line value to the field's type, or say what was expected."""
     kind = FIELDS[name].type
+    if name == "batch_size" and isinstance(value, str) and value.strip().lower() == "auto":
+        return AUTO_BATCH
     if kind == "bool":
         try:
             return SD_Cli.parse_bool(value)

@@ -124,3 +124,30 @@ def test_the_search_finds_the_last_batch_that_fits_from_any_guess(answer, guess)
 
     assert SD_Memory.largest_that_fits(fits, guess, limit=100) == answer
     assert all(1 <= n <= 100 for n in calls) and len(calls) <= 16
+
+
+def test_batch_size_auto_is_read_refused_on_the_cpu_and_kept_by_a_resumed_run(tmp_path):
+    import SD_Train
+    from SD_Distributed import Dist
+    from SD_TrainConfig import AUTO_BATCH, ConfigError, load_config
+
+    config = load_config(["--unet", "tiny", "--batch_size", "auto", "--out_dir", str(tmp_path / "run")],
+                         check_paths=False)
+    assert config.batch_size == AUTO_BATCH
+    with pytest.raises(ConfigError, match="batch_size: auto sizes the batch to a CUDA device's memory"):
+        SD_Train.auto_batch_size(config, Dist.single("cpu"))
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.yaml").write_text("batch_size: 7\n")  # what the run chose when it started
+    assert SD_Train.auto_batch_size(config, Dist.single("cpu")) == 7
+
+
+@pytest.mark.slow
+def test_batch_size_auto_takes_the_largest_batch_the_estimate_fits():
+    import SD_Train
+    from SD_Distributed import Dist
+
+    config = tiny_config(batch_size=0, text_encoder="tiny", grad_checkpointing=False, out_dir="/nonexistent/run")
+    with SD_Memory.session(config, resolution=512) as run:
+        budget = run(3).peak_gb
+    batch = SD_Train.auto_batch_size(config, Dist.single("cpu"), gpu_memory_gb=budget)
+    assert batch >= 3 and batch == SD_Memory.max_batch(config, budget, resolution=512)[0]

@@ -144,7 +144,7 @@ def test_an_extends_loop_is_an_error_naming_the_file(tmp_path, datasets, chain):
 RANGES = {
     "epoch_size": (">= 0", [0, 1000], [-1]),
     "data_threads": (">= 1", [1], [0, -2]),
-    "batch_size": (">= 1", [1, 64], [0, -1]),
+    "batch_size": (">= 0", [0, 1, 64], [-1, -8]),  # 0: auto
     "grad_accum": (">= 1", [1], [0]),
     "max_steps": (">= 0", [0, 5], [-1]),
     "epochs": (">= 0", [0, 3], [-1]),
