@@ -170,7 +170,9 @@ def test_caption_scale_bench_compares_both_loads_and_the_three_stage_04_reads():
     stdout, result = run_bench("caption_scale.py", "--sizes", "3000", "--shard_sizes", "60", "--image_kb", "16")
     load = {row["way"]: row for row in result["caption_load"]}
     assert set(load) == {"per_row", "arrow"} and all(row["rows"] == 3000 and row["seconds"] > 0 for row in load.values())
-    assert load["arrow"]["speedup"] == pytest.approx(load["per_row"]["seconds"] / load["arrow"]["seconds"], abs=0.051)
+    # speedup is rounded to 0.1 and the seconds to 10 us: the ratio of the rounded seconds is within 1% of it
+    assert load["arrow"]["speedup"] == pytest.approx(load["per_row"]["seconds"] / load["arrow"]["seconds"], rel=0.01,
+                                                     abs=0.051)
     reads = {row["way"]: row for row in result["stage04"]}
     assert list(reads) == ["previous: whole tar", "tar, headers only", "img2dataset parquet"]
     assert {row["samples_read"] for row in reads.values()} == {57}  # every 20th download failed
@@ -196,9 +198,9 @@ def test_data_scale_bench_measures_stage_02_and_its_peers_in_their_own_processes
 
 @pytest.mark.slow
 def test_data_scale_bench_puts_another_stage_in_the_same_form_with_its_projection():
-    stdout, result = run_bench("data_scale.py", "--stage", "encode", "--sizes", "16,48")
+    stdout, result = run_bench("data_scale.py", "--stage", "encode", "--sizes", "8,24")
     rows = result["stages"]["encode"]["rows"]
-    assert [(row["impl"], row["size"]) for row in rows] == [("ours", 16), ("ours", 48)]
+    assert [(row["impl"], row["size"]) for row in rows] == [("ours", 8), ("ours", 24)]
     for row in rows:
         assert row["seconds"] > 0 and row["memory_mb"] > 50 and row["rate"] == pytest.approx(row["size"] / row["seconds"])
     [projection] = result["stages"]["encode"]["projected"]
