@@ -1,7 +1,7 @@
 """Predicted device memory of a training step, computed without the device.
 
 ``estimate`` builds the configured models on fake tensors (shapes, dtypes and devices; no data),
-runs two real optimizer steps of ``SD_TrainStep.train_step`` at the configured batch, precision,
+runs two optimizer steps of ``SD_TrainStep.train_step`` at the configured batch, precision,
 gradient checkpointing, optimizer and EMA placement, and records every storage the step's operators
 create: its size (rounded up to 512 bytes, as the CUDA caching allocator rounds), when it was made
 and when it was freed. The peak of the live bytes, and what was live at that moment (weights,
@@ -21,9 +21,10 @@ the fused kernel, which keeps the output and the log-sum-exp for the backward pa
 kernels do. Not seen: memory inside one operator (cuDNN and attention workspaces), freed before it
 returns; the allowances cover it.
 
-``max_batch`` finds the largest micro-batch that fits ``gpu_memory_gb``: the peak is affine in the
-batch (fixed weights and states, activations per image), so two estimates give the line and a third
-checks its answer.
+``session`` builds the models once and runs a step at any batch; ``max_batch`` finds the largest
+micro-batch that fits ``gpu_memory_gb``: the peak grows about linearly with the batch (fixed weights
+and states, activations per image), so estimates at 4 and 8 images give a first guess, and a search
+from it (``largest_that_fits``) settles the answer on estimates alone.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -99,8 +101,6 @@ class Allocations(TorchDispatchMode):
         self.now += record.size
         if self.now > self.peak:
             self.peak, self.peak_at = self.now, self.clock
-        import weakref
-
         weakref.finalize(storage, self._freed, record)
 
     def _freed(self, record: Record) -> None:
@@ -391,19 +391,27 @@ def breakdown(allocations: Allocations, step, vae, config, casts: set[int]) -> d
     return parts
 
 
+def _zero_item(tensor):
+    return False if tensor.dtype == torch.bool else 0.0 if tensor.is_floating_point() else 0
+
+
+def _zeros_list(tensor):
+    import numpy as np
+
+    return np.zeros(tuple(tensor.shape)).tolist()
+
+
+# What reading a fake tensor's values to the host gives: zeros (fake tensors turn tolist into items).
+HOST_READS = {"tolist": _zeros_list, "item": _zero_item}
+
+
 class HostReadsAsZeros(TorchFunctionMode):
     """The step's one read of device values to the host (``tolist``, ``item``) sees zeros: a fake tensor holds
     no values, and zeros are a finite, non-overflowing step that updates the optimizer and the EMA."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        if name == "tolist":
-            import numpy as np
-
-            return np.zeros(tuple(args[0].shape)).tolist()
-        if name == "item":  # fake tensors turn tolist into items
-            return False if args[0].dtype == torch.bool else 0 if not args[0].is_floating_point() else 0.0
-        return func(*args, **(kwargs or {}))
+        read = HOST_READS.get(getattr(func, "__name__", ""))
+        return read(args[0]) if read is not None else func(*args, **(kwargs or {}))
 
 
 @contextlib.contextmanager

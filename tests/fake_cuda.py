@@ -95,10 +95,8 @@ class CudaStandIns(TorchFunctionMode):
                 raise RuntimeError(f"{name}: a generator on {generator.device} used for a tensor on {target}")
         if name == "pin_memory":
             return args[0]
-        if name == "tolist":
-            return np.zeros(tuple(args[0].shape)).tolist()
-        if name == "item":
-            return False if args[0].dtype == torch.bool else 0 if not args[0].is_floating_point() else 0.0
+        if name in SD_Memory.HOST_READS:
+            return SD_Memory.HOST_READS[name](args[0])
         if name == "numpy":
             return np.zeros(tuple(args[0].shape), dtype=NUMPY_DTYPES.get(args[0].dtype, np.float32))
         if name == "backward":
