@@ -3,9 +3,9 @@
 Fake tensors carry shape, dtype and device and no data; an operator mixing devices raises
 ``FakeTensorDeviceMismatchError`` as it would fail on a GPU. The CPU-only build of PyTorch has no
 CUDA device guard, which moving a tensor to ``cuda``, indexing one or recording autograd on one
-ask for: ``install_device_guard`` registers c10's ``FakeGuardImpl`` for CUDA (a few lines of C++,
-compiled once into torch's extension cache). What the build still cannot do, ``fake_cuda()`` stands
-in for, each stand-in named here:
+ask for: ``install_device_guard`` registers c10's ``FakeGuardImpl`` for CUDA (a few lines of C++
+against c10's headers, compiled once per torch build with the system's C++ compiler). What the build
+still cannot do, ``fake_cuda()`` stands in for, each stand-in named here:
 
 * ``Module.to`` converts each parameter and buffer in place (``SD_Memory.module_moves_of_fake_tensors``):
   torch's own swaps fake parameters for new ones, which fails while the fake mode holds weak
@@ -130,11 +130,10 @@ def fake_cuda(backward=lambda loss: None):
 GUARD_SOURCE = """
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/impl/FakeGuardImpl.h>
-#include <torch/extension.h>
 
 static c10::impl::FakeGuardImpl<c10::DeviceType::CUDA> fake_cuda_guard;
 
-void install() {
+extern "C" void install() {
   auto& slot = c10::impl::device_guard_impl_registry[static_cast<size_t>(c10::DeviceType::CUDA)];
   if (slot.load() == nullptr) slot.store(&fake_cuda_guard);
 }
@@ -142,8 +141,25 @@ void install() {
 
 
 def install_device_guard() -> None:
-    """Register a CUDA device guard that only counts devices (c10's FakeGuardImpl), once per process;
-    does nothing where CUDA has a real one."""
-    from torch.utils.cpp_extension import load_inline
+    """Register a CUDA device guard that only counts devices (c10's FakeGuardImpl); does nothing where
+    CUDA has a real one. The library is compiled once per torch build (about a second: c10's headers
+    only) into the temporary folder, and loaded with ctypes."""
+    import ctypes
+    import hashlib
+    import os
+    import subprocess
+    import tempfile
+    from pathlib import Path
 
-    load_inline("sd1_fake_cuda_guard", cpp_sources=GUARD_SOURCE, functions=["install"]).install()
+    torch_dir = Path(torch.__file__).parent
+    key = hashlib.sha256(f"{GUARD_SOURCE}{torch.__version__}{torch_dir}".encode()).hexdigest()[:16]
+    library = Path(tempfile.gettempdir()) / f"sd1_fake_cuda_guard_{key}.so"
+    if not library.exists():
+        source = library.with_suffix(".cpp")
+        source.write_text(GUARD_SOURCE)
+        partial = library.with_name(f"{library.name}.{os.getpid()}.tmp")
+        subprocess.run([os.environ.get("CXX", "c++"), "-O1", "-std=c++17", "-shared", "-fPIC",
+                        f"-I{torch_dir / 'include'}", str(source), f"-L{torch_dir / 'lib'}", "-lc10",
+                        f"-Wl,-rpath,{torch_dir / 'lib'}", "-o", str(partial)], check=True)
+        os.replace(partial, library)
+    ctypes.CDLL(str(library)).install()
