@@ -631,12 +631,14 @@ def encode_shards(todo: list[Path], args, encoder: Encoder, writer: Writer, desc
     from tqdm.auto import tqdm
 
     bar = tqdm(total=estimated_images(todo), unit="img", desc=desc, dynamic_ncols=True)
-    with ThreadPoolExecutor(args.workers, thread_name_prefix="decode") as pool:
-        stream = ShardStream(pool, args, encoder, writer, bar)
-        for job, sample in read_ahead(todo, args.prefetch):
-            stream.add(job, sample)
-        stream.drain()
-    bar.close()
+    try:  # the bar is closed here also when the run stops on an error, not whenever it is collected
+        with ThreadPoolExecutor(args.workers, thread_name_prefix="decode") as pool:
+            stream = ShardStream(pool, args, encoder, writer, bar)
+            for job, sample in read_ahead(todo, args.prefetch):
+                stream.add(job, sample)
+            stream.drain()
+    finally:
+        bar.close()
     return stream.in_flight
 
 
