@@ -38,7 +38,8 @@ class EMA:
     inherited from an earlier phase), which the warm-up would otherwise overwrite within ~10 steps.
     """
 
-    def __init__(self, model, decay: float = 0.9999, device=None, update_every: int = 1, warmup: bool = True):
+    def __init__(self, model, decay: float = 0.9999, device=None, update_every: int = 1, warmup: bool = True,
+                 trainable_only: bool = False):
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"EMA decay must be in [0, 1), got {decay}")
         if update_every < 1:
@@ -46,11 +47,17 @@ class EMA:
         self.decay = decay
         self.update_every = update_every
         self.warmup = warmup
-        self.names = [name for name, _ in model.named_parameters()]
+        # trainable_only: average the parameters that train (a LoRA adapter), not the frozen base
+        self.names = [name for name, p in model.named_parameters() if p.requires_grad or not trainable_only]
         self.shadow = [
-            p.detach().to(device=device or p.device, dtype=torch.float32, copy=True) for p in model.parameters()
+            p.detach().to(device=device or p.device, dtype=torch.float32, copy=True) for p in self.parameters(model)
         ]
         self.staging: list[torch.Tensor] | None = None  # see _live_weights
+
+    def parameters(self, model) -> list[torch.Tensor]:
+        """The parameters of ``model`` that the shadow averages, in the shadow's order."""
+        params = dict(model.named_parameters())
+        return [params[name] for name in self.names]
 
     @torch.no_grad()
     def update(self, model, step: int) -> bool:
@@ -68,7 +75,7 @@ class EMA:
         update at SD 1.x size costs page faults and allocator churn (bench/ema_copy.py). From CUDA to
         a CPU shadow the buffers are pinned, so the copies are DMA transfers.
         """
-        params = [p.detach() for p in model.parameters()]
+        params = [p.detach() for p in self.parameters(model)]
         target, source = self.shadow[0].device, params[0].device
         if source == target and params[0].dtype == torch.float32:
             return params
@@ -96,7 +103,7 @@ class EMA:
     @torch.no_grad()
     def copy_to(self, model) -> None:
         """Write the EMA weights into ``model`` (for export or sampling)."""
-        for p, s in zip(model.parameters(), self.shadow):
+        for p, s in zip(self.parameters(model), self.shadow):
             p.copy_(s)
 
     @contextlib.contextmanager
@@ -106,11 +113,11 @@ class EMA:
         The live weights wait in CPU memory, so swapping costs no accelerator memory.
         """
         with torch.no_grad():
-            live = [p.detach().to("cpu", copy=True) for p in model.parameters()]
+            live = [p.detach().to("cpu", copy=True) for p in self.parameters(model)]
             self.copy_to(model)
         try:
             yield model
         finally:
             with torch.no_grad():
-                for p, saved in zip(model.parameters(), live):
+                for p, saved in zip(self.parameters(model), live):
                     p.copy_(saved)

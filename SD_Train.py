@@ -32,7 +32,7 @@ import SD_Sampling
 import SD_TrainStep
 from SD_Distributed import Dist
 from SD_TrainConfig import (AUTO_BATCH, RESUME_FIXED, ConfigError, TrainConfig, config_yaml, estimate_flags,
-                            load_config)
+                            field_default, load_config)
 
 log = logging.getLogger("sd_train")
 
@@ -231,8 +231,7 @@ def resume(run: Run, folder: Path) -> None:
             raise TypeError("config.yaml is not a mapping")
     except (OSError, yaml.YAMLError, RuntimeError, KeyError, TypeError) as error:
         raise ckpt.Damaged(f"{folder}: {ckpt.first_line(error)}") from error
-    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}  # a field newer than the checkpoint
-    changed = [name for name in RESUME_FIXED if saved.get(name, defaults[name]) != getattr(run.config, name)]
+    changed = [name for name in RESUME_FIXED if saved.get(name, field_default(name)) != getattr(run.config, name)]
     if changed:
         raise ConfigError(
             f"{folder} was written with different {', '.join(changed)}; resuming would not continue the same run. "

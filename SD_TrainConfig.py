@@ -81,6 +81,29 @@ class TrainConfig:
     prediction_type: str = _doc("epsilon or v_prediction", "epsilon")
     init_from: str = _doc("start from these weights (a checkpoint or run folder) with a fresh optimizer "
                           "and schedule; ignored when out_dir already holds a checkpoint to resume", "")
+    # -- fine-tuning: LoRA, DreamBooth -------------------------------------------------------
+    lora_rank: int = _doc("LoRA rank of the adapters trained instead of the full UNet; 0 = full fine-tuning. "
+                          "Needs init_from (the base weights, which stay unchanged)", 0, allowed=NON_NEGATIVE)
+    lora_alpha: float = _doc("LoRA alpha: the adapter's output is scaled by lora_alpha / lora_rank; 0 = lora_rank "
+                             "(scale 1)", 0.0, allowed=NON_NEGATIVE)
+    lora_dropout: float = _doc("dropout on the adapter's input during training", 0.0, allowed=BELOW_ONE)
+    lora_targets: list = _doc("UNet layers that get an adapter: groups attention (q/k/v/out projections), "
+                              "transformer (+ feed-forward and proj_in/out), resnet (the convolutions: LoCon), "
+                              "or module-name suffixes such as to_q", default_factory=lambda: ["attention"])
+    lora_text_encoder: bool = _doc("also train a LoRA adapter on the text encoder's attention projections", False)
+    instance_dir: str = _doc("DreamBooth: a folder of images of the new subject or style (replaces datasets)", "")
+    instance_prompt: str = _doc("DreamBooth: the prompt of every instance image, e.g. 'a photo of sks dog'", "")
+    class_dir: str = _doc("DreamBooth prior preservation: a folder of class images; the missing ones are generated "
+                          "there by the base model from class_prompt", "")
+    class_prompt: str = _doc("DreamBooth prior preservation: the prompt of the class images, e.g. 'a photo of dog'",
+                             "")
+    num_class_images: int = _doc("class images to use (and generate when class_dir has fewer); 0 = 200 per "
+                                 "instance image", 0, allowed=NON_NEGATIVE)
+    prior_loss_weight: float = _doc("weight of the class images' loss beside the instance loss", 1.0,
+                                    allowed=NON_NEGATIVE)
+    cache_text_embeddings: bool = _doc("encode every distinct prompt of the run once at start (host memory: 77 x "
+                                       "768 floats each) and keep the text encoder off the device; not with "
+                                       "lora_text_encoder", False)
     # -- optimisation -----------------------------------------------------------------------
     batch_size: int = _doc("micro-batch size per GPU; auto (or 0): the largest that the GPU's memory holds, as "
                            "--estimate_memory predicts it (CUDA only; fixed for the run once chosen)", 24,
@@ -95,6 +118,13 @@ class TrainConfig:
     adam_beta1: float = _doc("AdamW beta1", 0.9, allowed=BELOW_ONE)
     adam_beta2: float = _doc("AdamW beta2", 0.999, allowed=BELOW_ONE)
     adam_eps: float = _doc("AdamW epsilon", 1e-8, allowed=POSITIVE)
+    optimizer: str = _doc("adamw (fused or foreach, fp32 state) or adamw8bit (bitsandbytes' 8-bit state: a "
+                          "quarter of the optimizer memory)", "adamw")
+    noise_offset: float = _doc("add noise_offset * N(0, 1) per sample and channel to the training noise (lets "
+                               "the model learn very dark and very bright images); 0 = off", 0.0,
+                               allowed=NON_NEGATIVE)
+    zero_terminal_snr: bool = _doc("rescale the noise schedule so the last timestep is pure noise (needs "
+                                   "prediction_type v_prediction); samplers then space timesteps 'trailing'", False)
     grad_clip: float = _doc("clip the global gradient norm to this; 0 = no clipping", 1.0,
                             allowed=NON_NEGATIVE)
     min_snr_gamma: float = _doc("Min-SNR-gamma loss weighting; 0 = plain MSE", 5.0, allowed=NON_NEGATIVE)
@@ -150,7 +180,15 @@ class TrainConfig:
         for name, f in FIELDS.items():
             check_type_and_range(name, getattr(self, name), f)
         if check_paths:
-            need(self.datasets, "datasets: list at least one {dataset: DIR, latents: DIR, weight: 1.0}")
+            need(self.datasets or self.instance_dir,
+                 "datasets: list at least one {dataset: DIR, latents: DIR, weight: 1.0} (or set instance_dir)")
+            need(not (self.datasets and self.instance_dir), "instance_dir replaces datasets: set one of them")
+            for name in ("instance_dir", "class_dir"):
+                need(not getattr(self, name) or Path(getattr(self, name)).is_dir() or name == "class_dir",
+                     f"{name}: folder {getattr(self, name)} does not exist")
+            need(not self.lora_rank or self.init_from,
+                 "lora_rank > 0 trains an adapter on existing weights: set init_from (a diffusers folder or hub id, "
+                 "a single file, or a run of ours)")
             for i, entry in enumerate(self.datasets):
                 check_dataset_entry(i, entry)
         need(self.unet in SD_Model.UNET_PRESETS, f"unet: choose one of {sorted(SD_Model.UNET_PRESETS)}")
@@ -164,6 +202,19 @@ class TrainConfig:
             need(getattr(self, name).strip(), f"{name} must not be empty")
         need(all(isinstance(p, str) for p in self.validation_prompts), "validation_prompts: a list of strings")
         need(self.max_steps > 0 or self.epochs > 0, "set max_steps or epochs to a positive number")
+        need(self.optimizer in ("adamw", "adamw8bit"), "optimizer: adamw or adamw8bit")
+        need(self.lora_targets and all(isinstance(t, str) and t.strip() for t in self.lora_targets),
+             "lora_targets: a list of groups (attention, transformer, resnet) or module-name suffixes")
+        need(self.lora_rank or not self.lora_text_encoder, "lora_text_encoder needs lora_rank > 0")
+        need(not (self.cache_text_embeddings and self.lora_text_encoder),
+             "cache_text_embeddings needs a frozen text encoder: turn off lora_text_encoder or the cache")
+        need(not self.instance_dir or self.instance_prompt.strip(), "instance_dir needs an instance_prompt")
+        need(bool(self.class_dir) == bool(self.class_prompt.strip()),
+             "prior preservation needs both class_dir and class_prompt (or neither)")
+        need(not self.class_dir or self.instance_dir, "class_dir (prior preservation) needs instance_dir")
+        need(not self.zero_terminal_snr or self.prediction_type == "v_prediction",
+             "zero_terminal_snr: the last timestep is pure noise, where epsilon cannot be predicted; set "
+             "prediction_type: v_prediction")
         need(not check_paths or not self.init_from or Path(self.init_from).exists()
              or _looks_like_hub_id(self.init_from),
              f"init_from: {self.init_from} is neither an existing path nor a hub id (owner/name)")
@@ -348,4 +399,12 @@ def config_yaml(config: TrainConfig) -> str:
 
 # Fields that fix the data order and the math: a resume must not change them.
 RESUME_FIXED = ("datasets", "epoch_size", "unet", "prediction_type", "batch_size", "grad_accum", "seed",
-                "max_steps", "epochs", "lr", "warmup_steps", "min_lr_ratio", "flip")
+                "max_steps", "epochs", "lr", "warmup_steps", "min_lr_ratio", "flip", "lora_rank", "lora_alpha",
+                "lora_dropout", "lora_targets", "lora_text_encoder", "instance_prompt", "class_prompt",
+                "num_class_images", "prior_loss_weight", "optimizer", "noise_offset", "zero_terminal_snr")
+
+
+def field_default(name: str):
+    """A field's default value (for a field newer than a saved config)."""
+    f = FIELDS[name]
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default

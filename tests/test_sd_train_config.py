@@ -171,6 +171,12 @@ RANGES = {
     "validation_steps": (">= 1", [1], [0]),
     "validation_cfg": (">= 0 and finite", [0.0, 1.0, 30.0], [-1.0]),
     "seed": ("in [0, 4294967295]", [0, 2**32 - 1], [-1, 2**32]),
+    "lora_rank": (">= 0", [0], [-1]),
+    "lora_alpha": (">= 0 and finite", [0.0, 16.0], [-1.0]),
+    "lora_dropout": ("in [0, 1)", [0.0, 0.5], [1.0, -0.1]),
+    "num_class_images": (">= 0", [0, 200], [-1]),
+    "prior_loss_weight": (">= 0 and finite", [0.0, 1.0], [-1.0]),
+    "noise_offset": (">= 0 and finite", [0.0, 0.1], [-0.1]),
 }
 
 

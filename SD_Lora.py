@@ -1,0 +1,150 @@
+"""LoRA adapters on the UNet and the text encoder, through PEFT.
+
+An adapter adds ``scale * up(down(x))`` beside a Linear or Conv2d layer (``down``: PEFT's ``lora_A``,
+rank ``r`` outputs; ``up``: ``lora_B``, zero at the start, so an adapted model starts equal to its
+base); ``scale = alpha / r``. Only the adapter trains: every base parameter is frozen.
+
+Which layers carry one is a list of group names and/or module-name suffixes (``lora_targets``):
+``attention`` (the default: the attention projections, as diffusers' LoRA example and most SD 1.x
+LoRAs), ``transformer`` (attention plus the feed-forward and the 1x1 projections around each
+transformer, kohya's default), ``resnet`` (the ResNet convolutions and the down/up-sampling
+convolutions: LoCon), or suffixes such as ``to_q`` or ``ff.net.2``.
+
+Adapters live inside the model's modules under PEFT's adapter name ``default``; ``adapter_state``
+reads them as a flat dict, ``merge`` folds them into the base weights (for export) and restores
+plain layers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import SD_Model
+
+ADAPTER = "default"  # PEFT's adapter name inside the modules
+ATTENTION = ("to_q", "to_k", "to_v", "to_out.0")
+TARGET_GROUPS = {
+    "attention": ATTENTION,
+    "transformer": ATTENTION + ("ff.net.0.proj", "ff.net.2", "proj_in", "proj_out"),
+    "resnet": ("conv1", "conv2", "conv_shortcut", "downsamplers.0.conv", "upsamplers.0.conv"),
+}
+TEXT_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj")  # the CLIP text encoder's attention
+LAYER_TYPES = (torch.nn.Linear, torch.nn.Conv2d)
+
+
+class LoraError(ValueError):
+    pass
+
+
+def resolve_targets(model, targets) -> list[str]:
+    """The full names of the Linear / Conv2d modules of ``model`` that ``targets`` (group names or
+    module-name suffixes) select, in model order; a target that selects nothing is an error."""
+    suffixes = []
+    for target in targets:
+        suffixes += TARGET_GROUPS.get(target, (target,))
+    layers = [name for name, module in model.named_modules() if isinstance(module, LAYER_TYPES)]
+    chosen = set()
+    for target in targets:
+        found = [n for n in layers for s in TARGET_GROUPS.get(target, (target,)) if n == s or n.endswith("." + s)]
+        if not found:
+            raise LoraError(f"lora_targets: {target!r} selects no Linear or Conv2d layer; use a group "
+                            f"({', '.join(TARGET_GROUPS)}) or a module-name suffix such as to_q or ff.net.2")
+        chosen.update(found)
+    return [n for n in layers if n in chosen]
+
+
+def add_lora(model, modules: list[str], rank: int, alpha: float, dropout: float = 0.0, seed: int = 0):
+    """Inject a LoRA adapter into ``modules`` of ``model`` and freeze everything else.
+
+    ``down`` is initialised (Kaiming-uniform, seeded by ``seed`` without touching the global RNG),
+    ``up`` is zero. Returns ``model``.
+    """
+    from peft import LoraConfig, inject_adapter_in_model
+
+    if rank < 1:
+        raise LoraError(f"lora rank must be >= 1, got {rank}")
+    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(modules),
+                        init_lora_weights=True)
+    model.requires_grad_(False)
+    with SD_Model._seeded(seed):
+        inject_adapter_in_model(config, model, adapter_name=ADAPTER)
+    for name, param in model.named_parameters():
+        param.requires_grad_(is_adapter_name(name))
+    model.lora_settings = {"rank": rank, "alpha": float(alpha), "dropout": float(dropout), "modules": list(modules)}
+    return model
+
+
+def is_adapter_name(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def has_lora(model) -> bool:
+    return any(is_adapter_name(name) for name, _ in model.named_parameters())
+
+
+def adapter_state(model) -> dict[str, torch.Tensor]:
+    """The adapter tensors by parameter name (``<module>.lora_A.default.weight``, ...)."""
+    return {name: p for name, p in model.named_parameters() if is_adapter_name(name)}
+
+
+def base_parameters(model) -> list[torch.Tensor]:
+    return [p for name, p in model.named_parameters() if not is_adapter_name(name)]
+
+
+@torch.no_grad()
+def load_adapter_state(model, state: dict[str, torch.Tensor], where: str = "adapter") -> None:
+    """Copy ``state`` into the adapter; its names and shapes must match exactly."""
+    own = adapter_state(model)
+    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+    if missing or unexpected:
+        raise KeyError(f"{where} does not match the model's adapter: missing {missing[:3]}, unexpected {unexpected[:3]} "
+                       f"({len(missing)} missing, {len(unexpected)} unexpected)")
+    for name, param in own.items():
+        if state[name].shape != param.shape:
+            raise ValueError(f"{where}: {name} has shape {tuple(state[name].shape)}, the model {tuple(param.shape)}")
+        param.copy_(state[name])
+
+
+def lora_layers(model):
+    """``(name, layer)`` of every PEFT LoRA layer of ``model``."""
+    from peft.tuners.lora import LoraLayer
+
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, LoraLayer)]
+
+
+@torch.no_grad()
+def merge(model):
+    """Fold every adapter into its base weight (``W + scale * up @ down``) and put the plain layer
+    back in place of the LoRA wrapper. Returns ``model``, which then has no adapter."""
+    for name, layer in lora_layers(model):
+        layer.merge(adapter_names=[ADAPTER])
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, layer.get_base_layer())
+    for attribute in ("lora_settings", "peft_config", "_hf_peft_config_loaded"):
+        if hasattr(model, attribute):
+            try:
+                delattr(model, attribute)
+            except AttributeError:
+                pass
+    return model
+
+
+class AdapterWeights:
+    """The trained adapters of a run as one flat dict of tensors (``unet.``/``text_encoder.`` +
+    parameter name): what a LoRA run's checkpoints hold instead of the full UNet."""
+
+    def __init__(self, **models):
+        self.models = {prefix: m for prefix, m in models.items() if m is not None and has_lora(m)}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {f"{prefix}.{name}": p for prefix, m in self.models.items() for name, p in adapter_state(m).items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        for prefix, model in self.models.items():
+            mine = {k[len(prefix) + 1:]: v for k, v in state.items() if k.startswith(prefix + ".")}
+            load_adapter_state(model, mine, f"adapter weights ({prefix})")
+        known = tuple(p + "." for p in self.models)
+        stray = [k for k in state if not k.startswith(known)]
+        if stray:
+            raise KeyError(f"adapter weights hold tensors of no adapted model: {stray[:3]}")
