@@ -130,6 +130,25 @@ def merge(model):
     return model
 
 
+def apply_config(config, unet, text_encoder) -> None:
+    """Add the adapters a training config asks for (``lora_rank`` > 0): on the UNet's ``lora_targets``
+    and, with ``lora_text_encoder``, on the text encoder's attention projections."""
+    if not config.lora_rank:
+        return
+    alpha = config.lora_alpha or config.lora_rank
+    add_lora(unet, resolve_targets(unet, config.lora_targets), config.lora_rank, alpha, config.lora_dropout,
+             seed=config.seed)
+    if config.lora_text_encoder:
+        add_lora(text_encoder, resolve_targets(text_encoder, TEXT_TARGETS), config.lora_rank, alpha,
+                 config.lora_dropout, seed=config.seed + 1)
+    else:
+        text_encoder.requires_grad_(False)
+
+
+def trainable_count(model) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
 class AdapterWeights:
     """The trained adapters of a run as one flat dict of tensors (``unet.``/``text_encoder.`` +
     parameter name): what a LoRA run's checkpoints hold instead of the full UNet."""

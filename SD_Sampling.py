@@ -165,7 +165,7 @@ def generate(pipe: Pipeline, prompt: str, negative: str, seeds: list[int], *, st
     """RGB uint8 images ``(H, W, 3)`` of ``prompt``, one per seed, decoded by the pipeline's VAE."""
     device = device or next(pipe.unet.parameters()).device
     ids = SD_Model.tokenize(pipe.tokenizer, [prompt, negative])
-    embeddings = SD_Model.encode_prompt_ids(pipe.text_encoder, ids).float()
+    embeddings = SD_Model.encode_prompt_ids(pipe.text_encoder, ids).float().to(device)  # the encoder may wait on the CPU
     cond, uncond = embeddings[:1], embeddings[1:]
     factor = float(pipe.vae.config.scaling_factor)
     vae_dtype = next(pipe.vae.parameters()).dtype

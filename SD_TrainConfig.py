@@ -99,6 +99,8 @@ class TrainConfig:
                              "")
     num_class_images: int = _doc("class images to use (and generate when class_dir has fewer); 0 = 200 per "
                                  "instance image", 0, allowed=NON_NEGATIVE)
+    image_size: int = _doc("DreamBooth: the instance and class images are centre-cropped and resized to this many "
+                           "pixels square (a multiple of 8)", 512, allowed=Range(8))
     prior_loss_weight: float = _doc("weight of the class images' loss beside the instance loss", 1.0,
                                     allowed=NON_NEGATIVE)
     cache_text_embeddings: bool = _doc("encode every distinct prompt of the run once at start (host memory: 77 x "
@@ -209,6 +211,9 @@ class TrainConfig:
         need(not (self.cache_text_embeddings and self.lora_text_encoder),
              "cache_text_embeddings needs a frozen text encoder: turn off lora_text_encoder or the cache")
         need(not self.instance_dir or self.instance_prompt.strip(), "instance_dir needs an instance_prompt")
+        need(self.image_size % 8 == 0, f"image_size must be a multiple of 8, got {self.image_size}")
+        need(not (self.instance_dir and self.flip), "flip needs latents of mirrored images from encode_latents.py; "
+             "with instance_dir add mirrored copies to the folder instead")
         need(bool(self.class_dir) == bool(self.class_prompt.strip()),
              "prior preservation needs both class_dir and class_prompt (or neither)")
         need(not self.class_dir or self.instance_dir, "class_dir (prior preservation) needs instance_dir")
@@ -401,7 +406,7 @@ def config_yaml(config: TrainConfig) -> str:
 RESUME_FIXED = ("datasets", "epoch_size", "unet", "prediction_type", "batch_size", "grad_accum", "seed",
                 "max_steps", "epochs", "lr", "warmup_steps", "min_lr_ratio", "flip", "lora_rank", "lora_alpha",
                 "lora_dropout", "lora_targets", "lora_text_encoder", "instance_prompt", "class_prompt",
-                "num_class_images", "prior_loss_weight", "optimizer", "noise_offset", "zero_terminal_snr")
+                "num_class_images", "prior_loss_weight", "image_size", "optimizer", "noise_offset", "zero_terminal_snr")
 
 
 def field_default(name: str):

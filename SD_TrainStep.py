@@ -33,10 +33,14 @@ class LossSettings:
     precision: str = "bf16"
     channels_last: bool = False
     grad_clip: float = 1.0
+    noise_offset: float = 0.0
+    prior_loss_weight: float = 1.0
+    prior_preservation: bool = False  # every micro-batch: instance samples, then as many class samples
 
     @classmethod
     def from_config(cls, config) -> "LossSettings":
-        return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(cls)})
+        values = {f.name: getattr(config, f.name) for f in dataclasses.fields(cls) if hasattr(config, f.name)}
+        return cls(**{**values, "prior_preservation": bool(getattr(config, "class_dir", ""))})
 
 
 @dataclass
@@ -45,7 +49,7 @@ class Step:
 
     unet: torch.nn.Module  # the plain module: parameters, clipping, EMA, checkpoints
     model: torch.nn.Module  # what the step calls: the unet, DDP-wrapped and/or compiled
-    text_encoder: torch.nn.Module
+    text_encoder: torch.nn.Module  # on the device, or on the CPU when text_cache serves the prompts
     empty_embedding: torch.Tensor  # (1, 77, D): the empty prompt, for CFG dropout
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
@@ -56,6 +60,14 @@ class Step:
     loss: LossSettings
     d: Dist
     ddp: torch.nn.Module | None = None  # the DDP wrapper, for no_sync()
+    trainable: list = dataclasses.field(default_factory=list)  # what the optimizer updates (UNet, text adapter)
+    text_trains: bool = False  # a text-encoder adapter trains: prompts are encoded with gradients
+    text_cache: "TextCache | None" = None  # prompt embeddings computed once (a frozen text encoder)
+    empty_ids: torch.Tensor | None = None  # (1, 77): the empty prompt's ids
+
+    def __post_init__(self):
+        if not self.trainable:
+            self.trainable = [p for p in self.unet.parameters() if p.requires_grad]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -97,11 +109,18 @@ def apply_cfg_dropout(hidden: torch.Tensor, empty: torch.Tensor, p: float, gener
 # ---------------------------------------------------------------------------------------------
 
 
-def build_optimizer(unet, config):
-    """Fused AdamW where the device has the kernels, the foreach version otherwise."""
+def build_optimizer(params, config):
+    """AdamW over ``params`` (a module's trainable parameters, or a list): fused where the device has
+    the kernels, the foreach version otherwise; ``optimizer: adamw8bit`` is bitsandbytes' 8-bit AdamW
+    (block-wise quantised moments: 2 bytes a parameter instead of 8)."""
     kwargs = dict(lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
                   weight_decay=config.weight_decay)
-    params = [p for p in unet.parameters() if p.requires_grad]
+    if isinstance(params, torch.nn.Module):
+        params = [p for p in params.parameters() if p.requires_grad]
+    if getattr(config, "optimizer", "adamw") == "adamw8bit":
+        import bitsandbytes
+
+        return bitsandbytes.optim.AdamW8bit(params, **kwargs)
     try:
         return torch.optim.AdamW(params, fused=True, **kwargs)
     except (RuntimeError, TypeError):  # fused kernels missing for this device or dtype
@@ -111,20 +130,29 @@ def build_optimizer(unet, config):
 def build_step(config, d: Dist, unet, text_encoder, empty_ids: torch.Tensor, scaling_factor: float) -> Step:
     """A step around a built UNet (on ``d.device``) and text encoder, at step 0.
 
-    ``empty_ids``: the empty prompt's token ids ``(1, 77)``. The UNet is not wrapped yet: call
+    ``empty_ids``: the empty prompt's token ids ``(1, 77)``. What trains is what requires a gradient:
+    the whole UNet, or the LoRA adapters of the UNet and text encoder (``SD_Lora.add_lora`` freezes
+    the rest); the EMA then averages the adapter only. The UNet is not wrapped yet: call
     ``wrap_model`` after loading weights, so DDP broadcasts the right ones.
     """
+    import SD_Lora
+
     text_encoder = text_encoder.to(d.device)
     with SD_Runtime.autocast(config.precision, d.device):
         empty = SD_Model.encode_prompt_ids(text_encoder, empty_ids)
+    lora = SD_Lora.has_lora(unet)
     ema = None
     if config.ema_decay > 0:
         ema = SD_EMA.EMA(unet, config.ema_decay, device="cpu" if config.ema_device == "cpu" else None,
-                           update_every=config.ema_update_every)
+                         update_every=config.ema_update_every, trainable_only=lora)
+    trainable = [p for p in unet.parameters() if p.requires_grad] + [
+        p for p in text_encoder.parameters() if p.requires_grad]
     noise_generator = torch.Generator(device=d.device).manual_seed(config.seed * 7919 + d.rank + 1)
-    return Step(unet, unet, text_encoder, empty, build_optimizer(unet, config),
+    return Step(unet, unet, text_encoder, empty, build_optimizer(trainable, config),
                 torch.amp.GradScaler(d.device.type, enabled=config.precision == "fp16"), ema, noise_generator,
-                SD_Model.ddpm_alphas_cumprod().to(d.device), scaling_factor, LossSettings.from_config(config), d)
+                SD_Model.ddpm_alphas_cumprod().to(d.device), scaling_factor, LossSettings.from_config(config), d,
+                trainable=trainable, text_trains=any(p.requires_grad for p in text_encoder.parameters()),
+                empty_ids=empty_ids)
 
 
 def wrap_model(step: Step, compile: bool) -> None:
@@ -156,16 +184,80 @@ def compute_loss(step: Step, model, latents: torch.Tensor, input_ids: torch.Tens
     if settings.channels_last:
         latents = latents.contiguous(memory_format=torch.channels_last)
     noise = torch.randn(latents.shape, generator=generator, device=device)
+    if settings.noise_offset:  # a per-sample, per-channel shift: the mean brightness becomes learnable
+        noise = noise + settings.noise_offset * torch.randn((*latents.shape[:2], 1, 1), generator=generator,
+                                                             device=device)
     timesteps = SD_Model.sample_timesteps(latents.shape[0], generator).to(device)
     noisy = SD_Model.add_noise(latents, noise, timesteps, step.alphas_cumprod)
     target = SD_Model.prediction_target(latents, noise, timesteps, step.alphas_cumprod, settings.prediction_type)
     with SD_Runtime.autocast(settings.precision, device):
-        hidden = SD_Model.encode_prompt_ids(step.text_encoder, input_ids)
-        hidden, _ = apply_cfg_dropout(hidden, step.empty_embedding, settings.cfg_dropout, generator)
+        hidden = prompt_embeddings(step, input_ids, generator)
         pred = model(noisy, timesteps, encoder_hidden_states=hidden).sample
     loss = SD_Model.diffusion_loss(pred, target, timesteps, step.alphas_cumprod, settings.prediction_type,
                                    settings.min_snr_gamma)
     return loss, timesteps
+
+
+def prompt_embeddings(step: Step, input_ids: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """The UNet's context for a micro-batch, CFG dropout applied: from the text cache, the frozen
+    text encoder, or, when its adapter trains, the encoder run with gradients (the dropped samples
+    then get the empty prompt's ids, so their embedding follows the adapter too)."""
+    device = step.d.device
+    if step.text_trains:
+        drop = torch.rand(input_ids.shape[0], generator=generator, device=generator.device) < step.loss.cfg_dropout
+        ids = torch.where(drop.cpu()[:, None], step.empty_ids.to(input_ids.device), input_ids)
+        return step.text_encoder(ids.to(device)).last_hidden_state
+    if step.text_cache is not None:
+        hidden = step.text_cache.lookup(input_ids).to(device, non_blocking=True)
+    else:
+        hidden = SD_Model.encode_prompt_ids(step.text_encoder, input_ids)
+    hidden, _ = apply_cfg_dropout(hidden, step.empty_embedding, step.loss.cfg_dropout, generator)
+    return hidden
+
+
+def objective(loss: torch.Tensor, settings: LossSettings) -> torch.Tensor:
+    """The scalar a micro-batch minimises: the mean per-sample loss, or with prior preservation the
+    instance half's mean plus ``prior_loss_weight`` times the class half's mean."""
+    if not settings.prior_preservation:
+        return loss.mean()
+    instance, prior = loss.chunk(2)
+    return instance.mean() + settings.prior_loss_weight * prior.mean()
+
+
+class TextCache:
+    """Prompt embeddings computed once by a frozen text encoder, looked up by token ids.
+
+    Holds one ``(77, D)`` float32 embedding per distinct prompt in host memory (pinned for a CUDA
+    run), so the encoder need not stay on the device or run at every step.
+    """
+
+    def __init__(self, ids: torch.Tensor, embeddings: torch.Tensor):
+        self.index = {row.numpy().tobytes(): i for i, row in enumerate(ids.to(torch.int64))}
+        self.embeddings = embeddings
+
+    @classmethod
+    @torch.no_grad()
+    def build(cls, text_encoder, input_ids: torch.Tensor, precision: str, device, batch_size: int = 64):
+        unique = torch.unique(input_ids.to(torch.int64), dim=0)
+        parts = []
+        for start in range(0, len(unique), batch_size):
+            with SD_Runtime.autocast(precision, device):
+                parts.append(SD_Model.encode_prompt_ids(text_encoder, unique[start : start + batch_size]).float().cpu())
+        embeddings = torch.cat(parts)
+        if device.type == "cuda":
+            embeddings = embeddings.pin_memory()
+        return cls(unique, embeddings)
+
+    def lookup(self, input_ids: torch.Tensor) -> torch.Tensor:
+        try:
+            rows = [self.index[row.numpy().tobytes()] for row in input_ids.to(torch.int64).cpu()]
+        except KeyError:
+            raise KeyError("a prompt of this batch is not in the text-embedding cache") from None
+        return self.embeddings[rows]
+
+    @property
+    def nbytes(self) -> int:
+        return self.embeddings.numel() * self.embeddings.element_size()
 
 
 STATS = 13  # loss, bad, stop, per-quartile loss sums (4) and counts (4), grad norm, fp16 overflow
@@ -191,13 +283,16 @@ def train_step(step: Step, micro_batches: list, step_index: int, stop_requested:
         sync = contextlib.nullcontext() if last or step.ddp is None else step.ddp.no_sync()
         with sync:
             loss, timesteps = compute_loss(step, step.model, latents, input_ids, step.noise_generator)
-            step.scaler.scale(loss.mean() / len(micro_batches)).backward()
+            value = objective(loss, settings)
+            step.scaler.scale(value / len(micro_batches)).backward()
         quartile = (timesteps * 4 // SD_Model.NUM_TRAIN_TIMESTEPS).clamp(max=3)
-        stats[0] += loss.detach().mean().double() / len(micro_batches)
+        stats[0] += value.detach().double() / len(micro_batches)
         stats[3:7].index_add_(0, quartile, loss.detach().double())
         stats[7:11].index_add_(0, quartile, torch.ones_like(loss, dtype=torch.float64))
+    if step.text_trains and d.world_size > 1:
+        average_text_gradients(step)
     step.scaler.unscale_(step.optimizer)
-    params = [p for p in step.unet.parameters() if p.grad is not None]
+    params = [p for p in step.trainable if p.grad is not None]
     clip = settings.grad_clip if settings.grad_clip > 0 else float("inf")
     grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
     grads_finite = torch.isfinite(grad_norm)
@@ -228,6 +323,20 @@ def train_step(step: Step, micro_batches: list, step_index: int, stop_requested:
         "stop": values[2] > 0,
         "loss_quartiles": [sums[q] / counts[q] if counts[q] > 0 else None for q in range(4)],
     }
+
+
+def average_text_gradients(step: Step) -> None:
+    """The text adapter's gradients averaged over the ranks (DDP wraps the UNet only): one flat
+    all-reduce, a few MB at most."""
+    params = [p for p in step.text_encoder.parameters() if p.requires_grad and p.grad is not None]
+    if not params:
+        return
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    flat = SD_Distributed.all_reduce_sum(flat, step.d) / step.d.world_size
+    offset = 0
+    for p in params:
+        p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
+        offset += p.numel()
 
 
 @torch.no_grad()

@@ -177,6 +177,7 @@ RANGES = {
     "num_class_images": (">= 0", [0, 200], [-1]),
     "prior_loss_weight": (">= 0 and finite", [0.0, 1.0], [-1.0]),
     "noise_offset": (">= 0 and finite", [0.0, 0.1], [-0.1]),
+    "image_size": (">= 8", [8, 512], [0, -8]),
 }
 
 

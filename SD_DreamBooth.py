@@ -1,0 +1,203 @@
+"""DreamBooth data: a few instance images with one prompt, and class images for prior preservation.
+
+* ``ensure_class_images``: the class folder is filled up to ``num_class_images`` by the base model
+  (``class_prompt``, seeds fixed by index), the ranks sharing the work; existing images are kept, so
+  the folder is a cache that a rerun or a later run reuses.
+* ``DreamBoothData``: the instance and class images as latents (the VAE's posterior mean, encoded
+  once and cached in the run folder), with the interface of ``SD_Data.MixedData``. An epoch is
+  ``max(instances, class images)`` samples; sample ``i`` pairs instance ``i mod instances`` with
+  class image ``i mod class images``, and every micro-batch holds its instance samples followed by
+  their class samples, so the loss is instance loss + ``prior_loss_weight`` x class loss
+  (``SD_TrainStep.objective``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import SD_Data
+import SD_Distributed
+import SD_Files
+import SD_Model
+import SD_Runtime
+import SD_Shards
+
+log = logging.getLogger("sd_dreambooth")
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
+CLASS_IMAGES_PER_INSTANCE = 200  # num_class_images: 0
+CLASS_SAMPLER_STEPS, CLASS_CFG = 50, 7.5
+
+
+def image_files(folder: str | Path) -> list[Path]:
+    folder = Path(folder)
+    return sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES and not p.name.startswith("."))
+
+
+def class_image_count(config, instances: int) -> int:
+    return config.num_class_images or CLASS_IMAGES_PER_INSTANCE * instances
+
+
+def class_image_name(index: int) -> str:
+    return f"class_{index:05d}.png"
+
+
+def missing_class_images(config, instances: int) -> list[int]:
+    """Indices of the generated class images still to make (an image of another name counts too)."""
+    folder = Path(config.class_dir)
+    have = image_files(folder) if folder.is_dir() else []
+    wanted = class_image_count(config, instances)
+    if len(have) >= wanted:
+        return []
+    names = {p.name for p in have}
+    free = [i for i in range(wanted * 2) if class_image_name(i) not in names]
+    return free[: wanted - len(have)]
+
+
+def ensure_class_images(config, d, pipeline, instances: int, precision: str) -> int:
+    """Generate the missing class images with ``pipeline`` (the base model); every rank makes every
+    ``world_size``-th one, then all meet at a barrier. Returns how many were made here."""
+    todo = missing_class_images(config, instances)
+    if not todo:
+        return 0
+    import SD_Sampling
+    from tqdm.auto import tqdm
+
+    folder = Path(config.class_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    mine = todo[d.rank :: d.world_size]
+    if d.is_main:
+        log.info("generating %d class images of %r in %s (%d ranks)", len(todo), config.class_prompt, folder,
+                 d.world_size)
+    pipeline.unet.eval()
+    try:
+        with SD_Runtime.autocast(precision, d.device):
+            for index in tqdm(mine, desc="class images", disable=not d.is_main, unit="image"):
+                image = SD_Sampling.generate(pipeline, config.class_prompt, "", [config.seed * 100_003 + index],
+                                             steps=CLASS_SAMPLER_STEPS, cfg=CLASS_CFG, height=config.image_size,
+                                             width=config.image_size, batch_size=1, device=d.device)[0]
+                save_png(folder / class_image_name(index), image)
+    finally:
+        pipeline.unet.train()
+    SD_Distributed.barrier(d)
+    return len(mine)
+
+
+def save_png(path: Path, image: np.ndarray) -> None:
+    from PIL import Image
+
+    SD_Files.write_atomic(path, lambda tmp: Image.fromarray(image).save(tmp, format="PNG"))
+
+
+def read_images(files: list[Path], size: int) -> tuple[list[np.ndarray], list[tuple[str, str]]]:
+    """Centre-square crops at ``size`` px, and ``(file, reason)`` of every image that was skipped."""
+    images, skipped = [], []
+    for path in files:
+        try:
+            image = SD_Shards.decode_image(path.read_bytes(), path.suffix.lstrip("."))
+        except SD_Shards.ImageSkip as error:
+            skipped.append((str(path), str(error)))
+            continue
+        images.append(SD_Shards.resize_center_crop(image, size))
+    return images, skipped
+
+
+@torch.no_grad()
+def encode_images(vae, images: list[np.ndarray], device, batch_size: int = 8) -> np.ndarray:
+    """The VAE's posterior means ``(N, 4, h, w)`` float16, unscaled (as encode_latents.py stores them)."""
+    out = []
+    dtype = next(vae.parameters()).dtype
+    for start in range(0, len(images), batch_size):
+        batch = torch.from_numpy(np.stack(images[start : start + batch_size])).permute(0, 3, 1, 2)
+        pixels = (batch.to(device, dtype) / 127.5 - 1.0).contiguous()
+        out.append(vae.encode(pixels).latent_dist.mean.to(torch.float16).cpu().numpy())
+    return np.concatenate(out) if out else np.zeros((0, 4, 1, 1), np.float16)
+
+
+def latents_of(files: list[Path], size: int, vae, device, cache: Path, what: str) -> np.ndarray:
+    """The latents of ``files``, from ``cache`` when it was made from the same files (names, sizes,
+    modification times), image size and VAE; else encoded and cached (written atomically)."""
+    from safetensors.numpy import load_file, save_file
+
+    vae_id = hashlib.sha256(json.dumps(dict(vae.config), sort_keys=True, default=str).encode()).hexdigest()[:16]
+    stamp = hashlib.sha256(json.dumps(
+        [size, vae_id] + [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]).encode()).hexdigest()
+    if cache.exists():
+        try:
+            from safetensors import safe_open
+
+            with safe_open(str(cache), framework="np") as handle:
+                if (handle.metadata() or {}).get("stamp") == stamp:
+                    return load_file(str(cache))["latents"]
+        except Exception as error:  # a damaged cache is rebuilt
+            log.warning("%s unreadable (%s): encoding again", cache, error)
+    images, skipped = read_images(files, size)
+    for name, reason in skipped:
+        log.warning("%s image skipped: %s (%s)", what, name, reason)
+    if not images:
+        raise SD_Data.DataError(f"no readable {what} image among {len(files)} files ({skipped[:1]})")
+    latents = encode_images(vae, images, device)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    SD_Files.write_atomic(cache, lambda tmp: save_file({"latents": latents}, str(tmp), metadata={"stamp": stamp}))
+    return latents
+
+
+class DreamBoothData:
+    """Instance (and class) latents with fixed prompts, addressed like ``SD_Data.MixedData``."""
+
+    def __init__(self, instance: np.ndarray, instance_ids: torch.Tensor, prior: np.ndarray | None = None,
+                 prior_ids: torch.Tensor | None = None):
+        self.instance, self.instance_ids = instance, instance_ids.reshape(1, -1)
+        self.prior = prior
+        self.prior_ids = None if prior_ids is None else prior_ids.reshape(1, -1)
+        self.sizes = [max(len(instance), len(prior) if prior is not None else 0)]
+        self.weights = [1.0]
+        self.splits = []
+
+    def __len__(self) -> int:
+        return self.sizes[0]
+
+    @property
+    def sample_shape(self):
+        return tuple(self.instance.shape[1:])
+
+    def batch(self, indices: np.ndarray, flipped: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(latents, input_ids)``: the instance samples of ``indices``, then (with prior preservation)
+        one class sample each."""
+        indices = np.asarray(indices)
+        latents = [self.instance[indices % len(self.instance)]]
+        ids = [self.instance_ids.expand(len(indices), -1)]
+        if self.prior is not None:
+            latents.append(self.prior[indices % len(self.prior)])
+            ids.append(self.prior_ids.expand(len(indices), -1))
+        return torch.from_numpy(np.concatenate(latents)), torch.cat(ids).clone()
+
+    def all_input_ids(self) -> torch.Tensor:
+        return torch.cat([self.instance_ids] + ([] if self.prior_ids is None else [self.prior_ids]))
+
+
+def build_data(config, d, vae, tokenizer, make_pipeline) -> DreamBoothData:
+    """The run's DreamBooth data; class images generated first where missing (``make_pipeline()``
+    gives the base-model pipeline for that)."""
+    instances = image_files(config.instance_dir)
+    if not instances:
+        raise SD_Data.DataError(f"instance_dir {config.instance_dir} holds no .png/.jpg/.jpeg/.webp image")
+    run_dir = Path(config.out_dir)
+    instance = latents_of(instances, config.image_size, vae, d.device, run_dir / "dreambooth" / "instance.safetensors",
+                          "instance")
+    prior = prior_ids = None
+    if config.class_dir:
+        ensure_class_images(config, d, make_pipeline(), len(instances), config.precision)
+        classes = image_files(config.class_dir)[: class_image_count(config, len(instances))]
+        prior = latents_of(classes, config.image_size, vae, d.device, run_dir / "dreambooth" / "class.safetensors",
+                           "class")
+        prior_ids = SD_Model.tokenize(tokenizer, [config.class_prompt])
+        log.info("prior preservation: %d class images of %r, weight %g", len(prior), config.class_prompt,
+                 config.prior_loss_weight)
+    log.info("DreamBooth: %d instance images of %r at %d px", len(instance), config.instance_prompt, config.image_size)
+    return DreamBoothData(instance, SD_Model.tokenize(tokenizer, [config.instance_prompt]), prior, prior_ids)

@@ -1,0 +1,120 @@
+"""LoRA and DreamBooth training on the tiny presets: what trains, what the checkpoints hold, exact resume,
+the prior-preservation loss, noise offset, 8-bit AdamW and cached text embeddings."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+import SD_Checkpoint as ckpt
+import SD_Formats
+import SD_Lora
+import SD_Model
+import SD_Train
+import SD_TrainConfig
+import SD_TrainStep
+from SD_Distributed import Dist
+from data_factory import make_dataset
+from test_sd_train import BASE, assert_bitwise_equal
+
+LORA = dict(BASE, lora_rank=4, lora_alpha=8.0, lora_dropout=0.25, lr=1e-2, warmup_steps=0, ema_decay=0.9,
+            cfg_dropout=0.1, batch_size=2, grad_accum=2)
+
+
+@pytest.fixture(scope="module")
+def base_model(tmp_path_factory) -> Path:
+    """A tiny pipeline folder whose UNet has non-zero output layers (a trained model's stand-in)."""
+    folder = tmp_path_factory.mktemp("base") / "pipeline"
+    SD_Formats.export_diffusers(folder, SD_Model.build_unet("tiny", seed=3, from_scratch=False),
+                                SD_Model.load_vae("tiny"), SD_Model.load_text_encoder("tiny"),
+                                SD_Model.load_tokenizer("tiny"))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return make_dataset(tmp_path_factory.mktemp("data"), n_train=16, n_val=4)
+
+
+def write_config(path: Path, **fields) -> Path:
+    path.write_text(yaml.safe_dump({**LORA, **fields}))
+    return path
+
+
+def base_unet(folder: Path):
+    unet = SD_Model.build_unet("tiny", from_scratch=False)
+    SD_Formats.load_unet_weights(str(folder), unet)
+    return unet
+
+
+def run_state(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    """Every tensor a checkpoint holds: adapter, EMA, optimizer moments, every RNG."""
+    folder = run_dir / "checkpoints" / ckpt.step_dir_name(step)
+    tensors = {f"adapter.{k}": v for k, v in load_file(folder / "adapter.safetensors").items()}
+    tensors.update({f"ema.{k}": v for k, v in load_file(folder / "ema.safetensors").items()})
+    for index, state in torch.load(folder / "optimizer.pt", weights_only=True)["state"].items():
+        tensors.update({f"opt.{index}.{name}": value for name, value in state.items()})
+    rng = torch.load(folder / "rng_rank0.pt", weights_only=True)["rng"]
+    tensors.update({"rng.torch": rng["torch"], "rng.noise": rng["noise"]})
+    return tensors
+
+
+def test_lora_trains_the_adapter_only_and_resumes_bitwise_with_adapter_dropout(tmp_path, base_model, data):
+    straight = write_config(tmp_path / "a.yaml", datasets=[data], init_from=str(base_model), max_steps=6,
+                            out_dir=str(tmp_path / "a"))
+    assert SD_Train.main(["--config", str(straight)]) == 0
+    stopped = write_config(tmp_path / "b.yaml", datasets=[data], init_from=str(base_model), max_steps=6,
+                           out_dir=str(tmp_path / "b"))
+    assert SD_Train.main(["--config", str(stopped), "--stop_at_step", "3"]) == 0  # mid-epoch (4 steps an epoch)
+    assert SD_Train.main(["--config", str(stopped)]) == 0
+    assert_bitwise_equal(run_state(tmp_path / "a", 6), run_state(tmp_path / "b", 6))
+
+    folder = tmp_path / "a" / "checkpoints" / ckpt.step_dir_name(6)
+    assert not (folder / "unet.safetensors").exists()
+    adapter = load_file(folder / "adapter.safetensors")
+    assert adapter and all(SD_Lora.is_adapter_name(k) and k.startswith("unet.") for k in adapter)
+    assert all(SD_Lora.is_adapter_name(k) for k in load_file(folder / "ema.safetensors"))
+    assert sum(v.numel() for v in adapter.values()) < 0.1 * sum(v.numel() for v in base_unet(base_model).parameters())
+    assert any(k.endswith("lora_B.default.weight") and v.abs().max() > 0 for k, v in adapter.items())  # it trained
+
+    # The base weights of the trained model are the base model's, bit for bit.
+    unet = base_unet(base_model)
+    before = {k: v.clone() for k, v in unet.state_dict().items()}
+    config = SD_TrainConfig.load_config(["--config", str(straight)])
+    run = SD_Train.build(config, Dist.single())
+    after = {k.replace(".base_layer", ""): v for k, v in run.step.unet.state_dict().items()
+             if not SD_Lora.is_adapter_name(k)}
+    assert_bitwise_equal(before, after)
+    assert run.state.step == 6  # resumed: the adapter of step 6 is loaded
+    assert torch.equal(SD_Lora.adapter_state(run.step.unet)["down_blocks.0.attentions.0.transformer_blocks.0.attn1"
+                                                              ".to_q.lora_B.default.weight"],
+                       adapter["unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q.lora_B.default.weight"])
+
+
+def test_a_resume_on_another_base_model_is_refused(tmp_path, base_model, data, capsys):
+    config = write_config(tmp_path / "a.yaml", datasets=[data], init_from=str(base_model), max_steps=2,
+                          out_dir=str(tmp_path / "run"), ema_decay=0.0)
+    assert SD_Train.main(["--config", str(config), "--stop_at_step", "1"]) == 0
+    other = tmp_path / "other"
+    SD_Formats.export_diffusers(other, SD_Model.build_unet("tiny", seed=4, from_scratch=False),
+                                SD_Model.load_vae("tiny"), SD_Model.load_text_encoder("tiny"),
+                                SD_Model.load_tokenizer("tiny"))
+    assert SD_Train.main(["--config", str(config), "--init_from", str(other)]) == 2
+    assert "is not the base model the adapter" in capsys.readouterr().err
+    assert (tmp_path / "run" / "checkpoints" / ckpt.step_dir_name(1)).is_dir()  # not set aside as damaged
+
+
+def test_lora_needs_base_weights(tmp_path, data, capsys):
+    config = write_config(tmp_path / "a.yaml", datasets=[data], max_steps=2, out_dir=str(tmp_path / "run"))
+    assert SD_Train.main(["--config", str(config)]) == 2
+    assert "lora_rank > 0 trains an adapter on existing weights: set init_from" in capsys.readouterr().err
+
+
+def test_prior_preservation_loss_is_instance_mean_plus_weighted_class_mean():
+    settings = SD_TrainStep.LossSettings(prior_preservation=True, prior_loss_weight=0.3)
+    loss = torch.tensor([1.0, 2.0, 3.0, 10.0, 20.0, 30.0])
+    assert SD_TrainStep.objective(loss, settings).item() == pytest.approx(2.0 + 0.3 * 20.0)
+    assert SD_TrainStep.objective(loss, SD_TrainStep.LossSettings()).item() == pytest.approx(11.0)
