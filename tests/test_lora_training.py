@@ -56,18 +56,20 @@ def run_state(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
     tensors = {f"adapter.{k}": v for k, v in load_file(folder / "adapter.safetensors").items()}
     tensors.update({f"ema.{k}": v for k, v in load_file(folder / "ema.safetensors").items()})
     for index, state in torch.load(folder / "optimizer.pt", weights_only=True)["state"].items():
-        tensors.update({f"opt.{index}.{name}": value for name, value in state.items()})
+        for name, value in state.items():  # bitsandbytes nests its quantisation state one level down
+            for inner, tensor in (value.items() if isinstance(value, dict) else [("", value)]):
+                tensors[f"opt.{index}.{name}.{inner}"] = torch.as_tensor(tensor)
     rng = torch.load(folder / "rng_rank0.pt", weights_only=True)["rng"]
     tensors.update({"rng.torch": rng["torch"], "rng.noise": rng["noise"]})
     return tensors
 
 
 def test_lora_trains_the_adapter_only_and_resumes_bitwise_with_adapter_dropout(tmp_path, base_model, data):
-    straight = write_config(tmp_path / "a.yaml", datasets=[data], init_from=str(base_model), max_steps=6,
-                            out_dir=str(tmp_path / "a"))
+    # bitsandbytes' 8-bit moments and the noise offset's extra draws are part of the resumed state too
+    fields = dict(datasets=[data], init_from=str(base_model), max_steps=6, optimizer="adamw8bit", noise_offset=0.1)
+    straight = write_config(tmp_path / "a.yaml", out_dir=str(tmp_path / "a"), **fields)
     assert SD_Train.main(["--config", str(straight)]) == 0
-    stopped = write_config(tmp_path / "b.yaml", datasets=[data], init_from=str(base_model), max_steps=6,
-                           out_dir=str(tmp_path / "b"))
+    stopped = write_config(tmp_path / "b.yaml", out_dir=str(tmp_path / "b"), **fields)
     assert SD_Train.main(["--config", str(stopped), "--stop_at_step", "3"]) == 0  # mid-epoch (4 steps an epoch)
     assert SD_Train.main(["--config", str(stopped)]) == 0
     assert_bitwise_equal(run_state(tmp_path / "a", 6), run_state(tmp_path / "b", 6))
@@ -79,6 +81,7 @@ def test_lora_trains_the_adapter_only_and_resumes_bitwise_with_adapter_dropout(t
     assert all(SD_Lora.is_adapter_name(k) for k in load_file(folder / "ema.safetensors"))
     assert sum(v.numel() for v in adapter.values()) < 0.1 * sum(v.numel() for v in base_unet(base_model).parameters())
     assert any(k.endswith("lora_B.default.weight") and v.abs().max() > 0 for k, v in adapter.items())  # it trained
+    assert "__bnb_optimizer_quant_state__" in torch.load(folder / "optimizer.pt", weights_only=True)["state"][0]
 
     # The base weights of the trained model are the base model's, bit for bit.
     unet = base_unet(base_model)
@@ -144,7 +147,8 @@ def test_dreambooth_generates_missing_class_images_and_trains_on_both_halves(tmp
     fields = dict(instance_dir=str(instance), instance_prompt="a sks square", class_dir=str(class_dir),
                   class_prompt="a square", num_class_images=6, prior_loss_weight=0.5, image_size=64,
                   init_from=str(base_model), max_steps=3, lora_rank=lora_rank, cfg_dropout=0.0,
-                  out_dir=str(tmp_path / "run"), validate_every=3, validation_prompts=["a sks square"])
+                  out_dir=str(tmp_path / "run"), validate_every=3, validation_prompts=["a sks square"],
+                  lora_text_encoder=lora_rank > 0)
     config = write_config(tmp_path / "db.yaml", **fields)
     seen = []
     real = SD_TrainStep.train_step
@@ -161,6 +165,12 @@ def test_dreambooth_generates_missing_class_images_and_trains_on_both_halves(tmp
         assert all(torch.equal(row, instance_ids) for row in ids[:2])
         assert all(torch.equal(row, class_ids) for row in ids[2:])
     assert (tmp_path / "run" / "samples" / "step_00000003.png").exists()
+    saved = tmp_path / "run" / "checkpoints" / ckpt.step_dir_name(3)
+    if lora_rank:  # the text encoder's adapter trained and is saved beside the UNet's
+        adapter = load_file(saved / "adapter.safetensors")
+        assert any(k.startswith("text_encoder.") and "lora_B" in k and v.abs().max() > 0 for k, v in adapter.items())
+    else:
+        assert (saved / "unet.safetensors").exists()
     # The epoch is the 6 class images, each paired with instance i mod 3: all of them in 6 samples.
     data = SD_Train.build(SD_TrainConfig.load_config(["--config", str(config)]), Dist.single()).train_data
     assert len(data) == 6 and data.instance.shape[0] == 3 and data.prior.shape[0] == 6
@@ -200,3 +210,32 @@ def test_prior_preservation_step_loss_equals_the_hand_computed_composition(tmp_p
     per_sample = ((pred - noise) ** 2).mean(dim=(1, 2, 3))
     expected = per_sample[:2].mean() + 0.3 * per_sample[2:].mean()
     assert result["loss"] == pytest.approx(expected.item(), rel=1e-5)
+
+
+def test_cached_prompt_embeddings_give_the_same_step_with_the_text_encoder_off_the_device(base_model):
+    config = SD_TrainConfig.TrainConfig(**{**LORA, "lora_rank": 0, "cfg_dropout": 0.5, "ema_decay": 0.0})
+    tokenizer = SD_Model.load_tokenizer("tiny")
+    ids = SD_Model.tokenize(tokenizer, ["a red circle", "a blue square", "a red circle", "a green star"])
+    latents = torch.randn(4, 4, 8, 8, generator=torch.Generator().manual_seed(0)).half()
+    results = []
+    for cached in (False, True):
+        step = SD_TrainStep.build_step(config, Dist.single(), base_unet(base_model), SD_Model.load_text_encoder("tiny"),
+                                       SD_Model.tokenize(tokenizer, [""]), 1.0)
+        if cached:
+            step.text_cache = SD_TrainStep.TextCache.build(step.text_encoder, ids, "fp32", torch.device("cpu"))
+            assert len(step.text_cache.embeddings) == 3  # distinct prompts
+            step.text_encoder = None  # never called
+        results.append(SD_TrainStep.train_step(step, [(latents, ids)], 0)["loss"])
+    assert results[0] == results[1]
+    with pytest.raises(KeyError, match="not in the text-embedding cache"):
+        step.text_cache.lookup(SD_Model.tokenize(tokenizer, ["a yellow star"]))
+
+
+def test_adamw8bit_keeps_one_byte_moments_for_large_tensors():
+    config = SD_TrainConfig.TrainConfig(**{**LORA, "optimizer": "adamw8bit"})
+    big, small = torch.nn.Parameter(torch.randn(128, 64)), torch.nn.Parameter(torch.randn(4, 32))
+    optimizer = SD_TrainStep.build_optimizer([big, small], config)
+    (big.square().sum() + small.square().sum()).backward()
+    optimizer.step()
+    assert optimizer.state[big]["state1"].dtype == torch.uint8 and optimizer.state[big]["state2"].dtype == torch.uint8
+    assert optimizer.state[small]["state1"].dtype == torch.float32  # bitsandbytes keeps small tensors in fp32
