@@ -132,7 +132,11 @@ def merge(model):
 
 def apply_config(config, unet, text_encoder) -> None:
     """Add the adapters a training config asks for (``lora_rank`` > 0): on the UNet's ``lora_targets``
-    and, with ``lora_text_encoder``, on the text encoder's attention projections."""
+    and, with ``lora_text_encoder``, on the text encoder's attention projections.
+
+    With bf16 or fp16 precision the frozen base weights are then stored in that type (half their
+    memory: autocast computes the layers in it anyway); the adapters stay fp32.
+    """
     if not config.lora_rank:
         return
     alpha = config.lora_alpha or config.lora_rank
@@ -143,6 +147,18 @@ def apply_config(config, unet, text_encoder) -> None:
                  config.lora_dropout, seed=config.seed + 1)
     else:
         text_encoder.requires_grad_(False)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.precision)
+    if dtype is not None:
+        for model in (unet, text_encoder):
+            cast_base(model, dtype)
+
+
+@torch.no_grad()
+def cast_base(model, dtype: torch.dtype) -> None:
+    """Store the frozen (non-adapter) floating-point parameters of ``model`` in ``dtype``."""
+    for name, param in model.named_parameters():
+        if not is_adapter_name(name) and param.is_floating_point():
+            param.data = param.data.to(dtype)
 
 
 def trainable_count(model) -> int:

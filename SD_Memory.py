@@ -40,6 +40,7 @@ from torch.utils._pytree import tree_leaves
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
+import SD_Lora
 import SD_Model
 import SD_Runtime
 
@@ -271,19 +272,24 @@ def session(config, resolution: int = 512, device: str = "cuda"):
         text_encoder, vae = frozen_models(config)
         unet = SD_Model.build_unet(config.unet, from_scratch=False, grad_checkpointing=config.grad_checkpointing,
                                    channels_last=config.channels_last).train()
+        SD_Lora.apply_config(config, unet, text_encoder)
         empty_ids = torch.full((1, SD_Model.TOKENIZER_MAX_LENGTH), 49407, dtype=torch.long)
         emulate = as_if_cuda(unet, lambda cast: casts.add(id(allocations.record_of(cast)))) if device == "cuda" \
             else contextlib.nullcontext()
         with emulate, SD_Model.attention_context(torch.device("cpu")), HostReadsAsZeros():
             step = SD_TrainStep.build_step(config, Dist.single("cpu"), unet, text_encoder, empty_ids,
                                            SD_Model.SD1_SCALING_FACTOR)
+            if config.cache_text_embeddings:  # the encoder waits in host memory; lookups give fp32 embeddings
+                step.text_cache = CachedPrompts(text_encoder.config.hidden_size)
             steps = 0
+            per_batch = 2 if config.class_dir else 1  # prior preservation: a class image beside each instance
 
             def run(batch_size: int) -> Estimate:
                 nonlocal steps
                 latent = resolution // 8
-                batches = [(torch.zeros(batch_size, 4, latent, latent, dtype=torch.float16),
-                            torch.zeros(batch_size, SD_Model.TOKENIZER_MAX_LENGTH, dtype=torch.long))
+                images = batch_size * per_batch
+                batches = [(torch.zeros(images, 4, latent, latent, dtype=torch.float16),
+                            torch.zeros(images, SD_Model.TOKENIZER_MAX_LENGTH, dtype=torch.long))
                            for _ in range(config.grad_accum)]
                 if steps == 0:
                     SD_TrainStep.train_step(step, batches, steps)  # creates the optimizer state
@@ -295,6 +301,17 @@ def session(config, resolution: int = 512, device: str = "cuda"):
                 return Estimate(batch_size, resolution, parts, sum(parts.values()))
 
             yield run
+
+
+class CachedPrompts:
+    """Stands in for ``SD_TrainStep.TextCache`` (whose index reads token values): a lookup returns
+    the fp32 embeddings a real one gathers."""
+
+    def __init__(self, hidden_size: int):
+        self.hidden_size = hidden_size
+
+    def lookup(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(input_ids.shape[0], input_ids.shape[1], self.hidden_size)
 
 
 def estimate(config, batch_size: int | None = None, resolution: int = 512, device: str = "cuda") -> Estimate:
@@ -388,6 +405,10 @@ def breakdown(allocations: Allocations, step, vae, config, casts: set[int]) -> d
         parts[name] += record.size
     if config.ema_device == "cpu":  # host memory: not on the card
         parts["ema"] = 0
+    if config.cache_text_embeddings:  # the text encoder waits in host memory
+        parts["text_encoder_and_vae"] -= sum(
+            r.size for key, r in records([*step.text_encoder.parameters(), *step.text_encoder.buffers()]).items()
+            if key in {id(x) for x in live})
     return parts
 
 

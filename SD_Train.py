@@ -80,6 +80,7 @@ class Run:
     steps_per_epoch: int
     total_steps: int  # optimizer steps of the phase: sizes the LR schedule
     run_dir: Path
+    base_fingerprint: torch.Tensor | None = None  # a LoRA run's base weights as loaded (see BaseFingerprint)
 
 
 def resumable(run: Run) -> dict:
@@ -90,7 +91,7 @@ def resumable(run: Run) -> dict:
     ``init_from`` at every start.
     """
     if run.config.lora_rank:
-        states = {"lora_base": ckpt.Weights(BaseFingerprint(run.step.unet)),
+        states = {"lora_base": ckpt.Weights(BaseFingerprint(run.base_fingerprint)),
                   "adapter": ckpt.Weights(SD_Lora.AdapterWeights(unet=run.step.unet,
                                                                  text_encoder=run.step.text_encoder))}
     else:
@@ -103,13 +104,14 @@ def resumable(run: Run) -> dict:
 
 
 class BaseFingerprint:
-    """A LoRA run's base weights in one small tensor (saved; compared by ``resume`` before loading)."""
+    """A LoRA run's base weights in one small tensor, taken as loaded (before any cast to bf16):
+    saved with every checkpoint and compared by ``resume`` before anything is loaded."""
 
-    def __init__(self, model):
-        self.model = model
+    def __init__(self, fingerprint: torch.Tensor):
+        self.fingerprint = fingerprint
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {"fingerprint": ckpt.weights_fingerprint(SD_Lora.base_parameters(self.model))}
+        return {"fingerprint": self.fingerprint}
 
     def load_state_dict(self, state) -> None:  # checked by resume, where a mismatch is a config error
         pass
@@ -184,6 +186,7 @@ def build(config: TrainConfig, d: Dist) -> Run:
     else:
         train_data, val_data = build_data(config, d)
     scaling = scaling_factor_of(config, train_data, vae)
+    base_fingerprint = ckpt.weights_fingerprint(unet.parameters()) if config.lora_rank else None
     SD_Lora.apply_config(config, unet, text_encoder)
     step = SD_TrainStep.build_step(config, d, unet, text_encoder, SD_Model.tokenize(tokenizer, [""]), scaling)
     if config.lora_rank:
@@ -197,7 +200,7 @@ def build(config: TrainConfig, d: Dist) -> Run:
     total = config.max_steps if config.max_steps > 0 else config.epochs * steps_per_epoch
     sampler = SD_Sampling.Pipeline(unet, vae, step.text_encoder, tokenizer, config.prediction_type)
     run = Run(config, d, step, TrainState(world_size=d.world_size), train_data, val_data, sampler,
-              ckpt.RankRNG(step.noise_generator, unet), steps_per_epoch, total, Path(config.out_dir))
+              ckpt.RankRNG(step.noise_generator, unet), steps_per_epoch, total, Path(config.out_dir), base_fingerprint)
     resumed = resume_newest_usable(run)  # damaged newer checkpoints are set aside: the latest is the one resumed
     inherited = False
     if not resumed and config.init_from and not config.lora_rank:
@@ -322,7 +325,7 @@ def check_lora_base(run: Run, folder: Path) -> None:
         saved = ckpt.load_weights(folder / "lora_base.safetensors")["fingerprint"]
     except (OSError, KeyError, RuntimeError, SafetensorError) as error:
         raise ckpt.Damaged(f"{folder / 'lora_base.safetensors'}: {ckpt.first_line(error)}") from error
-    now = BaseFingerprint(run.step.unet).state_dict()["fingerprint"]
+    now = run.base_fingerprint
     if saved.shape != now.shape or not torch.allclose(saved, now, rtol=1e-9, atol=1e-9):
         raise ConfigError(f"init_from {run.config.init_from} is not the base model the adapter in {folder} was "
                           "trained on; restore that base, or start a new out_dir")
