@@ -12,15 +12,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import signal
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 import numpy as np
+import torch
 from safetensors import SafetensorError
 
 import SD_Checkpoint as ckpt
@@ -228,9 +228,14 @@ def cache_text_embeddings(step: SD_TrainStep.Step, config: TrainConfig, train_da
     if isinstance(train_data, SD_DreamBooth.DreamBoothData):
         ids = train_data.all_input_ids()
     else:
-        ids = torch.from_numpy(np.concatenate([split.input_ids for data in (train_data, val_data) if data is not None
-                                               for split in data.splits]))
-    step.text_cache = SD_TrainStep.TextCache.build(step.text_encoder, ids, config.precision, step.d.device)
+        ids = np.concatenate([split.input_ids for data in (train_data, val_data) if data is not None
+                              for split in data.splits])
+    host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:  # every rank of a machine holds its own copy: at most a quarter of the memory between them
+        step.text_cache = SD_TrainStep.TextCache.build(step.text_encoder, ids, config.precision, step.d.device,
+                                                       max_bytes=host / 4 / step.d.local_world_size)
+    except MemoryError as error:
+        raise ConfigError(f"cache_text_embeddings: {error}; turn the cache off for a dataset this varied") from error
     step.text_encoder.to("cpu")
     log.info("cached the embeddings of %d distinct prompts (%.1f MB host memory); the text encoder stays on the CPU",
              len(step.text_cache.embeddings), step.text_cache.nbytes / 1e6)

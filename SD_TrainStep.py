@@ -13,6 +13,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 import SD_Data
@@ -231,18 +232,27 @@ class TextCache:
     run), so the encoder need not stay on the device or run at every step.
     """
 
-    def __init__(self, ids: torch.Tensor, embeddings: torch.Tensor):
-        self.index = {row.numpy().tobytes(): i for i, row in enumerate(ids.to(torch.int64))}
+    def __init__(self, ids: np.ndarray, embeddings: torch.Tensor):
+        self.index = {row.tobytes(): i for i, row in enumerate(np.asarray(ids, dtype=np.int64))}
         self.embeddings = embeddings
 
     @classmethod
     @torch.no_grad()
-    def build(cls, text_encoder, input_ids: torch.Tensor, precision: str, device, batch_size: int = 64):
-        unique = torch.unique(input_ids.to(torch.int64), dim=0)
+    def build(cls, text_encoder, input_ids, precision: str, device, batch_size: int = 64,
+              max_bytes: float = float("inf")):
+        """``input_ids``: ``(N, 77)`` token ids (array or tensor), repeats allowed. A cache larger than
+        ``max_bytes`` is refused (``MemoryError``) before any prompt is encoded."""
+        ids = input_ids.cpu().numpy() if isinstance(input_ids, torch.Tensor) else input_ids
+        unique = np.unique(np.asarray(ids, dtype=np.int64), axis=0)
+        need = unique.shape[0] * unique.shape[1] * text_encoder.config.hidden_size * 4
+        if need > max_bytes:
+            raise MemoryError(f"{len(unique)} distinct prompts need {need / 1e9:.1f} GB of cached embeddings, more "
+                              f"than the {max_bytes / 1e9:.1f} GB allowed")
         parts = []
         for start in range(0, len(unique), batch_size):
+            chunk = torch.from_numpy(unique[start : start + batch_size])
             with SD_Runtime.autocast(precision, device):
-                parts.append(SD_Model.encode_prompt_ids(text_encoder, unique[start : start + batch_size]).float().cpu())
+                parts.append(SD_Model.encode_prompt_ids(text_encoder, chunk).float().cpu())
         embeddings = torch.cat(parts)
         if device.type == "cuda":
             embeddings = embeddings.pin_memory()
@@ -250,7 +260,7 @@ class TextCache:
 
     def lookup(self, input_ids: torch.Tensor) -> torch.Tensor:
         try:
-            rows = [self.index[row.numpy().tobytes()] for row in input_ids.to(torch.int64).cpu()]
+            rows = [self.index[row.tobytes()] for row in input_ids.cpu().numpy().astype(np.int64)]
         except KeyError:
             raise KeyError("a prompt of this batch is not in the text-embedding cache") from None
         return self.embeddings[rows]

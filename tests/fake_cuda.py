@@ -25,6 +25,7 @@ still cannot do, ``fake_cuda()`` stands in for, each stand-in named here:
 from __future__ import annotations
 
 import contextlib
+import importlib
 
 import numpy as np
 import torch
@@ -104,6 +105,11 @@ class CudaStandIns(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+# Libraries that set themselves up for CUDA when first imported (bitsandbytes loads its CUDA kernels when
+# CUDA is available, and diffusers' and peft's model code imports it) are imported while CUDA is not faked.
+FIRST_IMPORTED = ("bitsandbytes", "peft", "diffusers.models.modeling_utils")
+
+
 @contextlib.contextmanager
 def fake_cuda(backward=lambda loss: None):
     """Run code written for CUDA on fake CUDA tensors (see the module docstring for what stands in)."""
@@ -115,6 +121,8 @@ def fake_cuda(backward=lambda loss: None):
                (torch.cuda, "synchronize"): lambda device=None: None}
     saved = {key: getattr(*key) for key in patches}
     install_device_guard()
+    for library in FIRST_IMPORTED:
+        importlib.import_module(library)
     # The fake mode first: it looks at torch.cuda.is_available() to keep device initialisation away.
     with FakeTensorMode(allow_non_fake_inputs=True):
         for (owner, name), value in patches.items():

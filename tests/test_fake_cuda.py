@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import encode_latents
+import SD_Lora
 import SD_Model
 import SD_Sampling
 import SD_TrainStep
@@ -36,16 +37,22 @@ def train_one_step(cfg: TrainConfig):
 
     def backward(loss):  # the stand-in for autograd's engine: gradients of the parameters' shapes, on their device
         assert loss.device == CUDA and loss.dim() == 0 and loss.requires_grad  # the forward recorded its graph
-        for parameter in holder["unet"].parameters():
-            parameter.grad = torch.zeros_like(parameter)
+        for parameter in [*holder["unet"].parameters(), *holder["text_encoder"].parameters()]:
+            if parameter.requires_grad:
+                parameter.grad = torch.zeros_like(parameter)
 
     with fake_cuda(backward):
         d = Dist.single(CUDA)
-        text_encoder = SD_Model.load_text_encoder("tiny")
+        text_encoder = holder["text_encoder"] = SD_Model.load_text_encoder("tiny")
         unet = holder["unet"] = SD_Model.build_unet("tiny", grad_checkpointing=cfg.grad_checkpointing,
                                                     channels_last=cfg.channels_last).to(d.device).train()
+        SD_Lora.apply_config(cfg, unet, text_encoder)
         step = SD_TrainStep.build_step(cfg, d, unet, text_encoder, torch.full((1, 77), 49407), 0.18215)
-        batches = [(torch.randn(2, 4, 8, 8).half(), torch.randint(0, 49407, (2, 77))) for _ in range(cfg.grad_accum)]
+        ids = torch.randint(0, 49407, (2, 77))
+        if cfg.cache_text_embeddings:  # as SD_Train.cache_text_embeddings: built on the GPU, kept on the host
+            step.text_cache = SD_TrainStep.TextCache.build(step.text_encoder, ids, cfg.precision, d.device)
+            step.text_encoder.to("cpu")
+        batches = [(torch.randn(2, 4, 8, 8).half(), ids) for _ in range(cfg.grad_accum)]
         with SD_Model.attention_context(d.device):
             result = SD_TrainStep.train_step(step, batches, 0)
     return step, result
@@ -66,6 +73,28 @@ def test_a_training_step_keeps_every_tensor_on_its_device(ema_device):
     if ema_device == "cpu":  # the staging buffers the GPU weights are copied into
         assert {t.device.type for t in step.ema.staging} == {"cpu"}
     assert step.unet.conv_in.weight.is_contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("fields", [
+    dict(lora_rank=4, lora_dropout=0.1, lora_text_encoder=True, lora_targets=["attention", "resnet"],
+         optimizer="adamw8bit"),
+    dict(lora_rank=4, cache_text_embeddings=True, noise_offset=0.05, class_dir="x", ema_device="cpu"),
+], ids=["text-adapter-8bit", "cached-prompts-prior"])
+def test_a_lora_step_keeps_every_tensor_on_its_device(fields):
+    step, result = train_one_step(config(**fields))
+    assert result["bad"] is False
+    adapters = [p for p in step.trainable]
+    assert adapters and all(SD_Lora.is_adapter_name(n) for n, p in step.unet.named_parameters() if p.requires_grad)
+    assert {p.device for p in adapters} == {CUDA} and {p.dtype for p in adapters} == {torch.float32}
+    assert {p.dtype for n, p in step.unet.named_parameters() if not p.requires_grad} == {torch.bfloat16}
+    state = [t for s in step.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    assert state and {t.device for t in state} == {CUDA}
+    assert {t.device.type for t in step.ema.shadow} == ({"cpu"} if fields.get("ema_device") == "cpu" else {"cuda"})
+    if fields.get("cache_text_embeddings"):
+        assert {p.device.type for p in step.text_encoder.parameters()} == {"cpu"}
+        assert step.text_cache.embeddings.device.type == "cpu"
+    else:
+        assert any(p.requires_grad for p in step.text_encoder.parameters())
 
 
 def test_a_validation_sample_and_an_encode_batch_run_on_cuda():

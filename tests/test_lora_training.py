@@ -239,3 +239,10 @@ def test_adamw8bit_keeps_one_byte_moments_for_large_tensors():
     optimizer.step()
     assert optimizer.state[big]["state1"].dtype == torch.uint8 and optimizer.state[big]["state2"].dtype == torch.uint8
     assert optimizer.state[small]["state1"].dtype == torch.float32  # bitsandbytes keeps small tensors in fp32
+
+
+def test_a_text_cache_too_large_is_refused_before_encoding():
+    encoder = SD_Model.load_text_encoder("tiny")
+    ids = np.arange(10 * 77).reshape(10, 77) % 1000
+    with pytest.raises(MemoryError, match="10 distinct prompts need"):
+        SD_TrainStep.TextCache.build(encoder, ids, "fp32", torch.device("cpu"), max_bytes=10 * 77 * 4)
