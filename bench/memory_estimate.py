@@ -19,7 +19,7 @@
    figures and where they come from are printed beside the predictions (BENCHMARKS.md discusses the
    differences).
 3. ``--cards``: for each card size, the largest micro-batch at 512 px predicted for the settings in
-   CARD_SETTINGS (README's VRAM table).
+   CARD_SETTINGS (README's VRAM table; ``--card_settings`` picks columns).
 Prints a table per part and one JSON line.
 """
 
@@ -56,10 +56,17 @@ PUBLISHED = [
 ]
 
 
-CARD_SETTINGS = [  # (label, config fields) of the VRAM table
-    ("from scratch: EMA on the GPU", dict(ema_decay=0.9999, ema_device="same")),
-    ("fine-tuning: EMA on the CPU", dict(ema_decay=0.9999, ema_device="cpu")),
-]
+CARD_SETTINGS = {  # name: (label, config fields) of the VRAM table's columns
+    "scratch": ("from scratch: EMA on the GPU", dict(ema_decay=0.9999, ema_device="same")),
+    "finetune": ("fine-tuning: EMA on the CPU", dict(ema_decay=0.9999, ema_device="cpu")),
+    "finetune8bit": ("fine-tuning: 8-bit AdamW, EMA on the CPU, cached prompts",
+                     dict(ema_decay=0.9999, ema_device="cpu", optimizer="adamw8bit", cache_text_embeddings=True)),
+    "lora": ("LoRA rank 16 on attention, no EMA, cached prompts",
+             dict(ema_decay=0.0, lora_rank=16, cache_text_embeddings=True)),
+    "dreambooth_lora": ("DreamBooth LoRA rank 16 with prior preservation (batch = instance images; as many class "
+                        "images beside them)", dict(ema_decay=0.0, lora_rank=16, cache_text_embeddings=True,
+                                                    class_dir="class")),
+}
 
 
 def config_for(preset: str, batch: int, checkpointing: bool, **fields):
@@ -126,6 +133,8 @@ def main(argv=None) -> int:
     parser.add_argument("--sd1", default="true", help="also predict the SD 1.x configurations (true/false)")
     parser.add_argument("--cards", default="",
                         help="card sizes in GiB (e.g. 8,12,16,24,48,80): the largest batch of each CARD_SETTINGS")
+    parser.add_argument("--card_settings", default=",".join(CARD_SETTINGS),
+                        help="which CARD_SETTINGS columns (default: all: %(default)s)")
     parser.add_argument("--json", default="", help="also write the result JSON to this file")
     parser.add_argument("--measure", default="", help=__import__("argparse").SUPPRESS)
     args = parser.parse_args(argv)
@@ -166,7 +175,10 @@ def main(argv=None) -> int:
               "AdamW)")
         for card in [float(c) for c in args.cards.split(",") if c.strip()]:
             usable = card * 2**30 / 1e9  # a "24 GB" card holds 24 GiB
-            for label, fields in CARD_SETTINGS:
+            for name in [n.strip() for n in args.card_settings.split(",") if n.strip()]:
+                if name not in CARD_SETTINGS:
+                    parser.error(f"--card_settings: {name!r} is none of {', '.join(CARD_SETTINGS)}")
+                label, fields = CARD_SETTINGS[name]
                 config = config_for("sd1", 1, True, **fields)
                 batch, at_batch = SD_Memory.max_batch(config, usable, resolution=512)
                 cards.append({"card_gib": card, "settings": label, "max_batch": batch,

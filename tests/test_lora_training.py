@@ -246,3 +246,12 @@ def test_a_text_cache_too_large_is_refused_before_encoding():
     ids = np.arange(10 * 77).reshape(10, 77) % 1000
     with pytest.raises(MemoryError, match="10 distinct prompts need"):
         SD_TrainStep.TextCache.build(encoder, ids, "fp32", torch.device("cpu"), max_bytes=10 * 77 * 4)
+
+
+@pytest.mark.parametrize("name", ["lora", "dreambooth_lora"])
+def test_fine_tuning_recipes_load(name):
+    path = Path(__file__).resolve().parents[1] / "configs" / "finetune" / f"{name}.yaml"
+    config = SD_TrainConfig.load_config(["--config", str(path)], check_paths=False)
+    assert config.lora_rank == 16 and config.init_from and config.cache_text_embeddings
+    assert config.precision == "bf16" and config.grad_checkpointing
+    assert bool(config.instance_dir) == (name == "dreambooth_lora")
