@@ -1,8 +1,9 @@
 """DreamBooth data: a few instance images with one prompt, and class images for prior preservation.
 
 * ``ensure_class_images``: the class folder is filled up to ``num_class_images`` by the base model
-  (``class_prompt``, seeds fixed by index), the ranks sharing the work; existing images are kept, so
-  the folder is a cache that a rerun or a later run reuses.
+  (``class_prompt``, DDIM with the run's ``validation_steps`` and ``validation_cfg``, seeds fixed by
+  index), the ranks sharing the work; existing images are kept, so the folder is a cache that a
+  rerun or a later run reuses.
 * ``DreamBoothData``: the instance and class images as latents (the VAE's posterior mean, encoded
   once and cached in the run folder), with the interface of ``SD_Data.MixedData``. An epoch is
   ``max(instances, class images)`` samples; sample ``i`` pairs instance ``i mod instances`` with
@@ -31,7 +32,12 @@ import SD_Shards
 log = logging.getLogger("sd_dreambooth")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 CLASS_IMAGES_PER_INSTANCE = 200  # num_class_images: 0
-CLASS_SAMPLER_STEPS, CLASS_CFG = 50, 7.5
+GENERATE_BATCH = 8  # class images per sampler call
+
+
+def class_seed(config, index: int) -> int:
+    """Class image ``index``'s seed: the image does not depend on the rank or batch that makes it."""
+    return config.seed * 100_003 + index
 
 
 def image_files(folder: str | Path) -> list[Path]:
@@ -77,11 +83,17 @@ def ensure_class_images(config, d, pipeline, instances: int, precision: str) -> 
     pipeline.unet.eval()
     try:
         with SD_Runtime.autocast(precision, d.device):
-            for index in tqdm(mine, desc="class images", disable=not d.is_main, unit="image"):
-                image = SD_Sampling.generate(pipeline, config.class_prompt, "", [config.seed * 100_003 + index],
-                                             steps=CLASS_SAMPLER_STEPS, cfg=CLASS_CFG, height=config.image_size,
-                                             width=config.image_size, batch_size=1, device=d.device)[0]
-                save_png(folder / class_image_name(index), image)
+            bar = tqdm(total=len(mine), desc="class images", disable=not d.is_main, unit="image")
+            for start in range(0, len(mine), GENERATE_BATCH):
+                chunk = mine[start : start + GENERATE_BATCH]
+                images = SD_Sampling.generate(pipeline, config.class_prompt, "", [class_seed(config, i) for i in chunk],
+                                              steps=config.validation_steps, cfg=config.validation_cfg,
+                                              height=config.image_size, width=config.image_size,
+                                              batch_size=GENERATE_BATCH, device=d.device)
+                for index, image in zip(chunk, images):
+                    save_png(folder / class_image_name(index), image)
+                bar.update(len(chunk))
+            bar.close()
     finally:
         pipeline.unet.train()
     SD_Distributed.barrier(d)

@@ -6,6 +6,7 @@ variables or torch flags when imported or deep inside a function.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -23,8 +24,11 @@ def start_process(*, threads: int | None = None) -> None:
     - ``NO_ALBUMENTATIONS_UPDATE=1``: img2dataset's albumentations import otherwise calls out.
     - ``threads``: CPU threads for this process (several processes on one CPU share its cores).
     - The test-only fault points of ``SD_Faults`` (armed by ``SD_FAULT``; inert otherwise).
+    - bitsandbytes' notice, on CPUs with AVX-512 BF16, that its optional 4-bit CPU kernels are not
+      installed (diffusers imports it with every model; nothing here uses 4-bit layers) is muted.
     A value the user already set in the environment is kept.
     """
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
     torch.backends.cuda.matmul.allow_tf32 = True

@@ -65,14 +65,20 @@ def parse_prompt(prompt: str, palette, shapes) -> tuple[str, str]:
 
 
 def score(records: list[dict], images_dir: Path, prompts: dict) -> dict:
+    """Accuracies by group: ``seen``, ``held_out`` and, when ``prompts`` has ``concepts`` (prompt ->
+    [colour, shape] for a word the base model never saw, e.g. "a sks circle"), ``concept``."""
     palette = {k: tuple(v) for k, v in prompts["palette"].items()}
     held_out = set(prompts["held_out"])
-    groups = {"seen": [], "held_out": []}
+    concepts = prompts.get("concepts", {})
+    groups = {"seen": [], "held_out": []} | ({"concept": []} if concepts else {})
     for record in records:
         image = np.asarray(Image.open(images_dir / record["file"]).convert("RGB"))
-        want_colour, want_shape = parse_prompt(record["prompt"], palette, prompts["shapes"])
+        if record["prompt"] in concepts:
+            want_colour, want_shape = concepts[record["prompt"]]
+        else:
+            want_colour, want_shape = parse_prompt(record["prompt"], palette, prompts["shapes"])
         colour, shape = classify(image, palette, tuple(prompts["background"]))
-        group = "held_out" if record["prompt"] in held_out else "seen"
+        group = "concept" if record["prompt"] in concepts else "held_out" if record["prompt"] in held_out else "seen"
         groups[group].append((colour == want_colour, shape == want_shape))
     result = {}
     for group, hits in groups.items():
@@ -86,7 +92,8 @@ def score(records: list[dict], images_dir: Path, prompts: dict) -> dict:
 def main(argv=None) -> int:
     parser = SD_Cli.ArgumentParser(description=__doc__)
     parser.add_argument("--images", required=True, help="folder written by SD_ImageGen.py (with images.json)")
-    parser.add_argument("--prompts", required=True, help="demo_prompts.json written by pipeline/00_make_demo_data.py")
+    parser.add_argument("--prompts", required=True, help="demo_prompts.json written by pipeline/00_make_demo_data.py "
+                        "(or demo/concept.py's concept_prompts.json)")
     parser.add_argument("--out", required=True, help="where to write eval.json")
     args = parser.parse_args(argv)
     images_dir = Path(args.images)

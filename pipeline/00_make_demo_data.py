@@ -60,8 +60,10 @@ def caption(colour: str, shape: str) -> str:
     return f"a {colour} {shape} on a white background"
 
 
-def draw_shape(colour: str, shape: str, size: int, rng: np.random.Generator) -> tuple[np.ndarray, dict]:
-    """RGB ``(size, size, 3)``: the shape about 45-70% of the image wide, its centre jittered."""
+def draw_shape(colour: str, shape: str, size: int, rng: np.random.Generator,
+               palette: dict | None = None) -> tuple[np.ndarray, dict]:
+    """RGB ``(size, size, 3)``: the shape about 45-70% of the image wide, its centre jittered.
+    ``palette``: colour name -> RGB (default: PALETTE)."""
     scale = SUPERSAMPLE * size
     extent = rng.uniform(0.45, 0.7) * scale
     cx, cy = (0.5 + rng.uniform(-0.08, 0.08, size=2)) * scale
@@ -69,7 +71,7 @@ def draw_shape(colour: str, shape: str, size: int, rng: np.random.Generator) -> 
     draw = ImageDraw.Draw(image)
     half = extent / 2
     box = (cx - half, cy - half, cx + half, cy + half)
-    fill = PALETTE[colour]
+    fill = tuple((palette or PALETTE)[colour])
     if shape == "circle":
         draw.ellipse(box, fill=fill)
     elif shape == "square":

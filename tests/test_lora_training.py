@@ -139,9 +139,6 @@ def write_images(folder: Path, count: int, colour, size: int = 72) -> Path:
 @pytest.mark.parametrize("lora_rank", [4, 0])
 def test_dreambooth_generates_missing_class_images_and_trains_on_both_halves(tmp_path, base_model, monkeypatch,
                                                                             lora_rank):
-    import SD_DreamBooth
-
-    monkeypatch.setattr(SD_DreamBooth, "CLASS_SAMPLER_STEPS", 2)
     instance = write_images(tmp_path / "instance", 3, (0, 200, 200))
     class_dir = write_images(tmp_path / "class", 2, (200, 100, 0))  # two exist already; four more to make
     fields = dict(instance_dir=str(instance), instance_prompt="a sks square", class_dir=str(class_dir),
