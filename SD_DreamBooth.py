@@ -131,9 +131,10 @@ def encode_images(vae, images: list[np.ndarray], device, batch_size: int = 8) ->
     return np.concatenate(out) if out else np.zeros((0, 4, 1, 1), np.float16)
 
 
-def latents_of(files: list[Path], size: int, vae, device, cache: Path, what: str) -> np.ndarray:
+def latents_of(files: list[Path], size: int, vae, device, cache: Path, what: str, write: bool = True) -> np.ndarray:
     """The latents of ``files``, from ``cache`` when it was made from the same files (names, sizes,
-    modification times), image size and VAE; else encoded and cached (written atomically)."""
+    modification times), image size and VAE; else encoded, and cached (written atomically) when
+    ``write`` (one rank writes; the others encode the same latents for themselves)."""
     from safetensors.numpy import load_file, save_file
 
     vae_id = hashlib.sha256(json.dumps(dict(vae.config), sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -154,8 +155,8 @@ def latents_of(files: list[Path], size: int, vae, device, cache: Path, what: str
     if not images:
         raise SD_Data.DataError(f"no readable {what} image among {len(files)} files ({skipped[:1]})")
     latents = encode_images(vae, images, device)
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    SD_Files.write_atomic(cache, lambda tmp: save_file({"latents": latents}, str(tmp), metadata={"stamp": stamp}))
+    if write:
+        SD_Files.write_atomic(cache, lambda tmp: save_file({"latents": latents}, str(tmp), metadata={"stamp": stamp}))
     return latents
 
 
@@ -201,13 +202,13 @@ def build_data(config, d, vae, tokenizer, make_pipeline) -> DreamBoothData:
         raise SD_Data.DataError(f"instance_dir {config.instance_dir} holds no .png/.jpg/.jpeg/.webp image")
     run_dir = Path(config.out_dir)
     instance = latents_of(instances, config.image_size, vae, d.device, run_dir / "dreambooth" / "instance.safetensors",
-                          "instance")
+                          "instance", write=d.is_main)
     prior = prior_ids = None
     if config.class_dir:
         ensure_class_images(config, d, make_pipeline(), len(instances), config.precision)
         classes = image_files(config.class_dir)[: class_image_count(config, len(instances))]
         prior = latents_of(classes, config.image_size, vae, d.device, run_dir / "dreambooth" / "class.safetensors",
-                           "class")
+                           "class", write=d.is_main)
         prior_ids = SD_Model.tokenize(tokenizer, [config.class_prompt])
         log.info("prior preservation: %d class images of %r, weight %g", len(prior), config.class_prompt,
                  config.prior_loss_weight)

@@ -187,7 +187,10 @@ def build(config: TrainConfig, d: Dist) -> Run:
         train_data, val_data = build_data(config, d)
     scaling = scaling_factor_of(config, train_data, vae)
     base_fingerprint = ckpt.weights_fingerprint(unet.parameters()) if config.lora_rank else None
-    SD_Lora.apply_config(config, unet, text_encoder)
+    try:
+        SD_Lora.apply_config(config, unet, text_encoder)
+    except SD_Lora.LoraError as error:
+        raise ConfigError(str(error)) from error
     step = SD_TrainStep.build_step(config, d, unet, text_encoder, SD_Model.tokenize(tokenizer, [""]), scaling)
     if config.lora_rank:
         log.info("LoRA rank %d (alpha %g) on %d UNet layers%s: %d trainable parameters", config.lora_rank,

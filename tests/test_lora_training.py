@@ -138,8 +138,9 @@ def write_images(folder: Path, count: int, colour, size: int = 72) -> Path:
 
 @pytest.mark.parametrize("lora_rank", [4, 0])
 def test_dreambooth_generates_missing_class_images_and_trains_on_both_halves(tmp_path, base_model, monkeypatch,
-                                                                            lora_rank):
+                                                                            lora_rank, caplog):
     instance = write_images(tmp_path / "instance", 3, (0, 200, 200))
+    (instance / "broken.png").write_bytes(b"not an image")  # skipped and named
     class_dir = write_images(tmp_path / "class", 2, (200, 100, 0))  # two exist already; four more to make
     fields = dict(instance_dir=str(instance), instance_prompt="a sks square", class_dir=str(class_dir),
                   class_prompt="a square", num_class_images=6, prior_loss_weight=0.5, image_size=64,
@@ -162,6 +163,7 @@ def test_dreambooth_generates_missing_class_images_and_trains_on_both_halves(tmp
         assert all(torch.equal(row, instance_ids) for row in ids[:2])
         assert all(torch.equal(row, class_ids) for row in ids[2:])
     assert (tmp_path / "run" / "samples" / "step_00000003.png").exists()
+    assert "instance image skipped: " in caplog.text and "broken.png" in caplog.text
     saved = tmp_path / "run" / "checkpoints" / ckpt.step_dir_name(3)
     if lora_rank:  # the text encoder's adapter trained and is saved beside the UNet's
         adapter = load_file(saved / "adapter.safetensors")
@@ -252,3 +254,11 @@ def test_fine_tuning_recipes_load(name):
     assert config.lora_rank == 16 and config.init_from and config.cache_text_embeddings
     assert config.precision == "bf16" and config.grad_checkpointing
     assert bool(config.instance_dir) == (name == "dreambooth_lora")
+
+
+def test_a_lora_target_that_selects_nothing_stops_before_training(tmp_path, base_model, data, capsys):
+    config = write_config(tmp_path / "a.yaml", datasets=[data], init_from=str(base_model), max_steps=2,
+                          out_dir=str(tmp_path / "run"), lora_targets=["attention", "to_nowhere"])
+    assert SD_Train.main(["--config", str(config)]) == 2
+    assert "lora_targets: 'to_nowhere' selects no Linear or Conv2d layer" in capsys.readouterr().err
+    assert not (tmp_path / "run" / "checkpoints").exists()
