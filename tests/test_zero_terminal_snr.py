@@ -1,10 +1,13 @@
 """Zero terminal SNR (Lin et al. 2023, arXiv:2305.08891): the rescaled schedule, trailing sampling, training,
 and the flag through exports and loaders, with diffusers as the reference."""
 
+import math
+
 import pytest
 import torch
 
 import SD_Model
+import SD_Sampling
 
 
 # ------------------------------------------------------------------------------ the schedule
@@ -60,3 +63,58 @@ def test_training_math_is_finite_at_the_last_timestep():
     assert torch.equal(noisy[-1], noise[-1]) and torch.equal(target[-1], -x0[-1])  # pure noise; v = -x0
     loss = SD_Model.diffusion_loss(torch.zeros_like(target), target, t, alphas, "v_prediction", 5.0)
     assert torch.isfinite(loss).all() and loss[-1] == 0
+
+
+# ------------------------------------------------------------------------------ sampling
+
+
+def test_trailing_timesteps_are_diffusers():
+    from diffusers import DDIMScheduler
+
+    scheduler = DDIMScheduler.from_config(SD_Model.noise_schedule_config("v_prediction", True))
+    assert SD_Sampling.ddim_timesteps(50, spacing="trailing") == list(range(999, 0, -20))
+    for n in (1, 3, 7, 30, 48, 50, 61, 100, 999, 1000):
+        scheduler.set_timesteps(n)
+        # For some n (61 here) diffusers appends an (n+1)-th timestep, -1: ours stops at n.
+        assert SD_Sampling.ddim_timesteps(n, spacing="trailing") == scheduler.timesteps.tolist()[:n], n
+    assert SD_Sampling.ddim_timesteps(50) == list(range(981, 0, -20))  # the default stays SD's leading
+    with pytest.raises(ValueError, match="spacing"):
+        SD_Sampling.ddim_timesteps(50, spacing="linspace")
+
+
+def test_our_trailing_ddim_steps_equal_diffusers_on_random_tensors():
+    from diffusers import DDIMScheduler
+
+    ours = SD_Sampling.make_scheduler("ddim", 50, "v_prediction", zero_terminal_snr=True)
+    theirs = DDIMScheduler.from_config(SD_Model.noise_schedule_config("v_prediction", True))
+    theirs.set_timesteps(50)
+    assert ours.timesteps == theirs.timesteps.tolist()
+    generator = torch.Generator().manual_seed(0)
+    for t in ours.timesteps[:3] + ours.timesteps[-2:]:  # from pure noise (alpha-bar 0) to the final step
+        sample, output = torch.randn(2, 4, 8, 8, generator=generator), torch.randn(2, 4, 8, 8, generator=generator)
+        expected = theirs.step(output, t, sample).prev_sample
+        torch.testing.assert_close(ours.step(output, t, sample), expected, rtol=0, atol=2e-6)
+    assert ours.previous[999] == 979 and ours.previous[19] == -1
+
+
+@pytest.mark.parametrize("sampler", ["ddim", "dpm++", "euler"])
+def test_every_sampler_denoises_from_pure_noise_to_the_data(sampler):
+    # An oracle v-model for a fixed x0 of +-4: each sampler, started at the last timestep, ends on x0.
+    scheduler = SD_Sampling.make_scheduler(sampler, 20, "v_prediction", zero_terminal_snr=True)
+    alphas = scheduler.alphas_cumprod  # Euler and DPM++ put 2**-24 at the end, finite sigma
+    assert int(scheduler.timesteps[0]) == 999 and math.isfinite(float(scheduler.init_noise_sigma))
+    x0 = torch.full((1, 4, 8, 8), 4.0)
+    x0[..., ::2] = -4.0
+    latents = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(0)) * scheduler.init_noise_sigma
+    for t in scheduler.timesteps:
+        a = alphas[int(t)].float()
+        x_in = scheduler.scale_model_input(latents, t)
+        eps = (x_in - a.sqrt() * x0) / (1 - a).sqrt()
+        latents = scheduler.step(a.sqrt() * eps - (1 - a).sqrt() * x0, t, latents)
+    # DDIM ends at alpha-bar_0 (SD's set_alpha_to_one=False): x0 plus 0.03 of the noise.
+    torch.testing.assert_close(latents, x0, rtol=0, atol=0.15 if sampler == "ddim" else 0.02)
+
+
+def test_epsilon_on_the_rescaled_schedule_is_refused():
+    with pytest.raises(ValueError, match="^zero_terminal_snr: .* v_prediction"):
+        SD_Sampling.make_scheduler("ddim", 10, "epsilon", zero_terminal_snr=True)
