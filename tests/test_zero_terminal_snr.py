@@ -1,13 +1,22 @@
 """Zero terminal SNR (Lin et al. 2023, arXiv:2305.08891): the rescaled schedule, trailing sampling, training,
 and the flag through exports and loaders, with diffusers as the reference."""
 
+import json
 import math
 
 import pytest
 import torch
+import yaml
 
 import SD_Model
 import SD_Sampling
+import SD_Train
+from SD_Distributed import Dist
+from SD_TrainConfig import TrainConfig
+from data_factory import make_dataset
+
+STEPS = 4  # divides 1000: diffusers' trailing DDIM and ours visit and step to the same timesteps
+PROMPT = "a red circle"
 
 
 # ------------------------------------------------------------------------------ the schedule
@@ -118,3 +127,34 @@ def test_every_sampler_denoises_from_pure_noise_to_the_data(sampler):
 def test_epsilon_on_the_rescaled_schedule_is_refused():
     with pytest.raises(ValueError, match="^zero_terminal_snr: .* v_prediction"):
         SD_Sampling.make_scheduler("ddim", 10, "epsilon", zero_terminal_snr=True)
+
+
+# ------------------------------------------------------------------------------ training, validation, files
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """One tiny optimizer step on the rescaled schedule, its validation grid and a checkpoint."""
+    root = tmp_path_factory.mktemp("ztsnr")
+    data = make_dataset(root / "data", n_train=8, n_val=0)
+    config = TrainConfig(datasets=[data], unet="tiny", vae="tiny", text_encoder="tiny", precision="fp32",
+                         device="cpu", grad_checkpointing=False, batch_size=8, grad_accum=1, max_steps=1,
+                         warmup_steps=0, lr=3e-3, ema_decay=0.0, validate_every=1, out_dir=str(root / "run"),
+                         validation_prompts=[PROMPT], validation_steps=STEPS, validation_cfg=4.0, seed=5,
+                         prediction_type="v_prediction", zero_terminal_snr=True)
+    config.validate()
+    assert SD_Train.train(config, Dist.single()) == 0
+    return root / "run"
+
+
+def test_training_step_on_the_rescaled_schedule_is_finite(run_dir):
+    record = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+    assert record["step"] == 1 and math.isfinite(record["loss"]) and record["loss"] > 0
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["zero_terminal_snr"] is True
+
+
+def test_build_uses_the_rescaled_schedule_for_the_loss_and_the_validation_grid(run_dir, tmp_path):
+    config = TrainConfig(**{**yaml.safe_load((run_dir / "config.yaml").read_text()), "out_dir": str(tmp_path / "r")})
+    run = SD_Train.build(config, Dist.single())
+    assert torch.equal(run.step.alphas_cumprod, SD_Model.ddpm_alphas_cumprod(zero_terminal_snr=True))
+    assert run.sampler.zero_terminal_snr
