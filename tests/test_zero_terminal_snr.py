@@ -4,10 +4,14 @@ and the flag through exports and loaders, with diffusers as the reference."""
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 import yaml
+from safetensors import safe_open
 
+import SD_Formats
+import SD_ImageGen
 import SD_Model
 import SD_Sampling
 import SD_Train
@@ -158,3 +162,85 @@ def test_build_uses_the_rescaled_schedule_for_the_loss_and_the_validation_grid(r
     run = SD_Train.build(config, Dist.single())
     assert torch.equal(run.step.alphas_cumprod, SD_Model.ddpm_alphas_cumprod(zero_terminal_snr=True))
     assert run.sampler.zero_terminal_snr
+
+
+def sample(ckpt_path, out, *flags):
+    from PIL import Image
+
+    assert SD_ImageGen.main(["--ckpt", str(ckpt_path), "--prompt", PROMPT, "--seed", "5", "--n", "1",
+                             "--steps", str(STEPS), "--cfg", "4.0", "--height", "64", "--width", "64",
+                             "--device", "cpu", "--precision", "fp32", "--out", str(out), *flags]) == 0
+    return np.asarray(Image.open(out / "000_000005.png").convert("RGB"))
+
+
+def test_validation_grid_equals_sd_imagegen_on_the_recorded_schedule(run_dir, tmp_path):
+    from PIL import Image
+
+    # SD_ImageGen samples the checkpoint on the schedule it records (test_diffusers_samples_... shows the
+    # two schedules give different images), so the grid was drawn on it too.
+    grid = np.asarray(Image.open(run_dir / "samples" / "step_00000001.png").convert("RGB"))
+    image = sample(run_dir, tmp_path / "auto")
+    assert image.std() > 0 and np.array_equal(SD_Sampling.grid_cell(grid, 0, 0, 64, 64), image)
+
+
+@pytest.fixture(scope="module")
+def exported(run_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ztsnr_export")
+    assert SD_ImageGen.main(["--ckpt", str(run_dir), "--export_diffusers", str(out / "pipe"),
+                             "--export_single_file", str(out / "model.safetensors")]) == 0
+    return out
+
+
+def test_exports_record_the_schedule_and_every_loader_restores_it(run_dir, exported):
+    from diffusers import DDIMScheduler, StableDiffusionPipeline
+
+    pipe = StableDiffusionPipeline.from_pretrained(str(exported / "pipe"), local_files_only=True)
+    assert isinstance(pipe.scheduler, DDIMScheduler)
+    assert pipe.scheduler.config.rescale_betas_zero_snr and pipe.scheduler.config.timestep_spacing == "trailing"
+    assert pipe.scheduler.config.prediction_type == "v_prediction"
+    with safe_open(str(exported / "model.safetensors"), framework="pt") as handle:
+        assert handle.metadata()["zero_terminal_snr"] == "true"
+    for source, kwargs in ((run_dir, {}), (exported / "pipe", {}), (exported / "model.safetensors", {"arch": "tiny"})):
+        assert SD_Formats.load_pipeline(str(source), **kwargs).zero_terminal_snr, source
+    pipe_folder = str(exported / "pipe")
+    assert not SD_Formats.load_pipeline(pipe_folder, zero_terminal_snr=False).zero_terminal_snr
+    with pytest.raises(ValueError, match=rf"^{pipe_folder}: .* say --prediction_type v_prediction or "
+                                         "--zero_terminal_snr false$"):
+        SD_Formats.load_pipeline(pipe_folder, prediction_type="epsilon")
+
+
+def test_a_record_that_is_no_boolean_is_an_error_naming_the_file(exported, tmp_path):
+    import shutil
+
+    folder = tmp_path / "pipe"
+    shutil.copytree(exported / "pipe", folder)
+    scheduler = folder / "scheduler" / "scheduler_config.json"
+    scheduler.write_text(json.dumps({**json.loads(scheduler.read_text()), "rescale_betas_zero_snr": "maybe"}))
+    with pytest.raises(ValueError, match=rf"^{scheduler}: rescale_betas_zero_snr 'maybe' is neither true nor false$"):
+        SD_Formats.load_pipeline(str(folder))
+
+
+def test_diffusers_samples_the_exported_folder_as_we_do(run_dir, exported):
+    from diffusers import StableDiffusionPipeline
+
+    pipe = StableDiffusionPipeline.from_pretrained(str(exported / "pipe"), local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    model = SD_Formats.load_pipeline(str(run_dir))
+    ours = SD_Sampling.generate(model, PROMPT, "", [3], steps=STEPS, cfg=4.0, height=64, width=64, batch_size=1)[0]
+    theirs = pipe(PROMPT, num_inference_steps=STEPS, guidance_scale=4.0, height=64, width=64,
+                  latents=SD_Sampling.initial_noise([3], (4, 8, 8)), output_type="np").images[0]
+    theirs = (theirs * 255).round().astype(np.uint8)
+    assert np.abs(ours.astype(int) - theirs.astype(int)).max() <= 2  # float rounding only
+    leading = SD_Formats.load_pipeline(str(run_dir), zero_terminal_snr=False)
+    other = SD_Sampling.generate(leading, PROMPT, "", [3], steps=STEPS, cfg=4.0, height=64, width=64, batch_size=1)[0]
+    assert np.abs(other.astype(int) - theirs.astype(int)).max() > 2  # the comparison can tell the schedules apart
+
+
+def test_the_flag_reads_auto_true_and_false():
+    base = ["--ckpt", "x", "--export_diffusers", "y"]
+    assert SD_ImageGen.parse_args(base).zero_terminal_snr is None
+    assert SD_ImageGen.parse_args(base + ["--zero_terminal_snr", "auto"]).zero_terminal_snr is None
+    assert SD_ImageGen.parse_args(base + ["--zero_terminal_snr", "true"]).zero_terminal_snr is True
+    assert SD_ImageGen.parse_args(base + ["--zero_terminal_snr", "no"]).zero_terminal_snr is False
+    with pytest.raises(SystemExit):
+        SD_ImageGen.parse_args(base + ["--zero_terminal_snr", "maybe"])
