@@ -27,6 +27,16 @@ def parse_bool(text) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+def parse_auto_bool(text) -> bool | None:
+    """``auto`` (None: decided later, e.g. by what a checkpoint records) or a bool as ``parse_bool`` reads it."""
+    if str(text).strip().lower() == "auto":
+        return None
+    try:
+        return parse_bool(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected auto, true or false, got {text!r}") from None
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """``argparse`` with abbreviations off, defaults shown in ``--help`` and one-line errors."""
 

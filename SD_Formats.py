@@ -4,7 +4,8 @@
 * ``single_file_state_dict`` / ``save_single_file``: one file in the original SD 1.x key layout
   (``model.diffusion_model.*``, ``first_stage_model.*``, ``cond_stage_model.transformer.text_model.*``)
   that AUTOMATIC1111, ComfyUI and diffusers' ``from_single_file`` load.
-* ``load_pipeline``: UNet, VAE, text encoder and tokenizer from any of the sources below.
+* ``load_pipeline``: UNet, VAE, text encoder and tokenizer from any of the sources below, with the
+  prediction type and noise schedule (zero terminal SNR or not) the source records.
 * ``load_unet_weights``: UNet weights from any of: a training checkpoint or run folder of ours (EMA or
   live), a diffusers pipeline folder or hub id, or a single ``.safetensors`` / ``.ckpt`` file.
 
@@ -268,14 +269,18 @@ def from_single_file(state: dict[str, torch.Tensor], model, mapping: dict[str, s
 # ---------------------------------------------------------------------------------------------
 
 
-def export_diffusers(folder: Path, unet, vae, text_encoder, tokenizer, prediction_type: str = "epsilon") -> None:
-    """Write a StableDiffusionPipeline folder in safetensors (no safety checker), atomically."""
+def export_diffusers(folder: Path, unet, vae, text_encoder, tokenizer, prediction_type: str = "epsilon",
+                     zero_terminal_snr: bool = False) -> None:
+    """Write a StableDiffusionPipeline folder in safetensors (no safety checker), atomically.
+
+    ``zero_terminal_snr``: the scheduler config says ``rescale_betas_zero_snr`` and trailing spacing.
+    """
     from diffusers import DDIMScheduler, StableDiffusionPipeline
 
     folder = Path(folder)
     pipeline = StableDiffusionPipeline(
         unet=unet, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
-        scheduler=SD_Model.build_noise_scheduler(prediction_type, DDIMScheduler),
+        scheduler=SD_Model.build_noise_scheduler(prediction_type, DDIMScheduler, zero_terminal_snr),
         safety_checker=None, feature_extractor=None, requires_safety_checker=False)
 
     def write(staging: Path) -> None:
@@ -390,37 +395,69 @@ def diffusers_prediction_type(source: str) -> str:
 
     ``model_index.json`` names only the scheduler's class: the type lives in ``scheduler_config.json``.
     """
+    config, where = diffusers_scheduler_config(source)
+    return checked_prediction_type(config.get("prediction_type", "epsilon"), where)
+
+
+def diffusers_scheduler_config(source: str) -> tuple[dict, str]:
+    """A diffusers folder's (or hub id's) scheduler config, ``{}`` if the folder has none, and its name."""
     path = Path(source)
     if path.is_dir():
         config_file = path / "scheduler" / "scheduler_config.json"
         if not config_file.exists():
-            return "epsilon"
+            return {}, str(config_file)
         try:
-            config = json.loads(config_file.read_text())
+            return json.loads(config_file.read_text()), str(config_file)
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
             raise ValueError(f"{config_file}: not valid JSON ({error})") from error
-        where = config_file
-    else:
-        from diffusers import DDIMScheduler
+    from diffusers import DDIMScheduler
 
-        config, where = DDIMScheduler.load_config(source, subfolder="scheduler"), f"{source} scheduler_config.json"
-    return checked_prediction_type(config.get("prediction_type", "epsilon"), where)
+    return DDIMScheduler.load_config(source, subfolder="scheduler"), f"{source} scheduler_config.json"
 
 
 def single_file_prediction_type(path: Path) -> str | None:
     """The ``prediction_type`` a ``.safetensors`` single file records in its metadata (as
     ``save_single_file`` writes it), or None when it records none (other tools' files, a ``.ckpt``)."""
+    value = single_file_metadata(path).get("prediction_type")
+    return None if value is None else checked_prediction_type(value, path)
+
+
+def single_file_metadata(path: Path) -> dict[str, str]:
+    """The text metadata of a ``.safetensors`` file (``{}`` for none, and for a ``.ckpt``)."""
     if Path(path).suffix != ".safetensors":
-        return None
+        return {}
     from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(str(path), framework="pt") as handle:
-            metadata = handle.metadata() or {}
+            return handle.metadata() or {}
     except SafetensorError as error:
         raise ValueError(f"{path}: not a readable safetensors file ({error})") from error
-    value = metadata.get("prediction_type")
-    return None if value is None else checked_prediction_type(value, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# The noise schedule a source records: SD's, or rescaled to zero terminal SNR
+# ---------------------------------------------------------------------------------------------
+
+
+def recorded_zero_terminal_snr(source: str) -> bool:
+    """Whether ``source`` was trained on the zero-terminal-SNR schedule, as it records it: our training
+    config's ``zero_terminal_snr``, a single file's ``zero_terminal_snr`` metadata (as ``save_single_file``
+    is given it), a diffusers scheduler config's ``rescale_betas_zero_snr``. False when it records none."""
+    config = run_config(source)
+    if config is not None:
+        return checked_flag(config.get("zero_terminal_snr", False), "zero_terminal_snr", f"{source} config.yaml")
+    if Path(source).is_file():
+        value = single_file_metadata(Path(source)).get("zero_terminal_snr", "false")
+        return checked_flag({"true": True, "false": False}.get(value.lower(), value), "zero_terminal_snr", source)
+    config, where = diffusers_scheduler_config(source)
+    return checked_flag(config.get("rescale_betas_zero_snr", False), "rescale_betas_zero_snr", where)
+
+
+def checked_flag(value, name: str, where) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{where}: {name} {value!r} is neither true nor false")
+    return value
 
 
 def checked_prediction_type(value, where) -> str:
@@ -435,16 +472,22 @@ def checked_prediction_type(value, where) -> str:
 
 
 def load_pipeline(source: str, *, use_ema: bool = True, vae: str | None = None, text_encoder: str | None = None,
-                  tokenizer: str | None = None, arch: str = "sd1",
-                  prediction_type: str | None = None) -> "SD_Sampling.Pipeline":
+                  tokenizer: str | None = None, arch: str = "sd1", prediction_type: str | None = None,
+                  zero_terminal_snr: bool | None = None) -> "SD_Sampling.Pipeline":
     """UNet, VAE, text encoder and tokenizer from any checkpoint kind; the keywords override the parts.
 
-    The prediction type is the source's own (the training config, a single file's metadata, a diffusers
-    scheduler config) unless ``prediction_type`` names one.
+    The prediction type and the schedule (zero terminal SNR or not) are the source's own (the training
+    config, a single file's metadata, a diffusers scheduler config) unless ``prediction_type`` /
+    ``zero_terminal_snr`` say otherwise. Zero terminal SNR with epsilon is refused: it cannot be sampled.
     """
     pipeline = _load_pipeline(source, use_ema, vae, text_encoder, tokenizer, arch)
     if prediction_type is not None:
         pipeline.prediction_type = checked_prediction_type(prediction_type, "prediction_type")
+    pipeline.zero_terminal_snr = recorded_zero_terminal_snr(source) if zero_terminal_snr is None else zero_terminal_snr
+    if pipeline.zero_terminal_snr and pipeline.prediction_type != "v_prediction":
+        raise ValueError(f"{source}: a zero-terminal-SNR schedule starts from pure noise, where a "
+                         f"{pipeline.prediction_type} prediction gives no image; say --prediction_type v_prediction "
+                         "or --zero_terminal_snr false")
     return pipeline
 
 

@@ -10,6 +10,11 @@
 diffusers pipeline folder or hub id, or a single ``.safetensors`` / ``.ckpt`` file in the original
 SD layout. Image i of a prompt uses seed ``--seed + i``: the same seed gives the same image whatever
 the batch size. Each PNG stores its generation parameters in a ``parameters`` text chunk.
+
+``--prediction_type`` and ``--zero_terminal_snr`` default to what the checkpoint records. A model
+trained with ``zero_terminal_snr`` (Lin et al. 2023) is sampled on that rescaled schedule with
+"trailing" timesteps that start from pure noise, and its exports say so (a diffusers scheduler config
+with ``rescale_betas_zero_snr`` and trailing spacing, a single file's ``zero_terminal_snr`` metadata).
 """
 
 from __future__ import annotations
@@ -61,6 +66,11 @@ def parse_args(argv=None):
                         help="what the UNet predicts; auto = what the checkpoint records (its training config, a "
                         "single file's metadata, a diffusers scheduler config), epsilon when it records nothing "
                         "(default: %(default)s)")
+    parser.add_argument("--zero_terminal_snr", type=SD_Cli.parse_auto_bool, default=None, metavar="auto|true|false",
+                        help="sample on the zero-terminal-SNR schedule with trailing timesteps (needs v_prediction); "
+                        "auto = what the checkpoint records (its training config, a single file's metadata, a "
+                        "diffusers scheduler config's rescale_betas_zero_snr), false when it records nothing "
+                        "(default: auto)")
     parser.add_argument("--vae", help="override the checkpoint's VAE (hub id, folder or tiny)")
     parser.add_argument("--text_encoder", help="override the checkpoint's text encoder (hub id, folder or tiny)")
     parser.add_argument("--tokenizer", help="override the checkpoint's tokenizer (hub id, folder or tiny)")
@@ -127,12 +137,13 @@ def read_parameters(path: Path) -> str:
 def export(args, model: Pipeline) -> None:
     if args.export_diffusers:
         SD_Formats.export_diffusers(Path(args.export_diffusers), model.unet, model.vae, model.text_encoder,
-                                    model.tokenizer, model.prediction_type)
+                                    model.tokenizer, model.prediction_type, model.zero_terminal_snr)
         log.info("wrote diffusers pipeline folder %s", args.export_diffusers)
     if args.export_single_file:
+        metadata = {"source": model.source, "prediction_type": model.prediction_type,
+                    "zero_terminal_snr": str(model.zero_terminal_snr).lower()}
         SD_Formats.save_single_file(Path(args.export_single_file), model.unet, model.vae, model.text_encoder,
-                                    half=args.half, metadata={"source": model.source,
-                                                              "prediction_type": model.prediction_type})
+                                    half=args.half, metadata=metadata)
         log.info("wrote single file %s%s", args.export_single_file, " (fp16)" if args.half else "")
 
 
@@ -143,11 +154,13 @@ def main(argv=None) -> int:
     try:
         model = SD_Formats.load_pipeline(args.ckpt, use_ema=not args.no_ema, vae=args.vae, text_encoder=args.text_encoder,
                                          tokenizer=args.tokenizer, arch=args.arch,
-                                         prediction_type=None if args.prediction_type == "auto" else args.prediction_type)
+                                         prediction_type=None if args.prediction_type == "auto" else args.prediction_type,
+                                         zero_terminal_snr=args.zero_terminal_snr)
     except (KeyError, ValueError, OSError, SafetensorError) as error:  # the message names the file
         print(f"SD_ImageGen.py: cannot load {args.ckpt}: {SD_Formats.first_line(error)}", file=sys.stderr)
         return 2
-    log.info("loaded %s (%s)", model.source, model.prediction_type)
+    log.info("loaded %s (%s%s)", model.source, model.prediction_type,
+             ", zero terminal SNR" if model.zero_terminal_snr else "")
     if args.export_diffusers or args.export_single_file:
         export(args, model)
     if not args.prompt:

@@ -301,15 +301,37 @@ def encode_prompt_ids(text_encoder, input_ids: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 
 
-def ddpm_alphas_cumprod(num_timesteps: int = NUM_TRAIN_TIMESTEPS) -> torch.Tensor:
-    """alpha-bar_t of the SD 1.x schedule: "scaled_linear" betas 0.00085 -> 0.012, float64 ``(T,)``."""
+def ddpm_alphas_cumprod(num_timesteps: int = NUM_TRAIN_TIMESTEPS, zero_terminal_snr: bool = False) -> torch.Tensor:
+    """alpha-bar_t of the SD 1.x schedule: "scaled_linear" betas 0.00085 -> 0.012, float64 ``(T,)``.
+
+    ``zero_terminal_snr``: rescaled so the last timestep is pure noise (Lin et al. 2023,
+    arXiv:2305.08891, Algorithm 1): sqrt(alpha-bar) is shifted so its last value is 0 and scaled so
+    its first keeps its value. The SD schedule otherwise ends at alpha-bar 0.0047, so the model never
+    sees pure noise in training yet starts from it in sampling (images stuck near mid-grey). The last
+    value is stored as exactly 0, as diffusers' DDPM and DDIM schedulers store it; every consumer here
+    handles it: ``add_noise`` and the v target are finite, the Min-SNR weight of v-prediction there is
+    min(0, gamma) / (0 + 1) = 0, and DDIM with v-prediction steps from it (epsilon cannot: x0 =
+    (x - eps) / 0, which is why the config and the sampler refuse that pairing).
+    """
     betas = torch.linspace(BETA_START**0.5, BETA_END**0.5, num_timesteps, dtype=torch.float64) ** 2
-    return torch.cumprod(1.0 - betas, dim=0)
+    alphas_cumprod = torch.cumprod(1.0 - betas, dim=0)
+    if not zero_terminal_snr:
+        return alphas_cumprod
+    root = alphas_cumprod.sqrt()  # tensor ops only, no .item(): SD_Memory builds the step on fake tensors
+    return ((root - root[-1]) * (root[0] / (root[0] - root[-1]))) ** 2
 
 
-def noise_schedule_config(prediction_type: str = "epsilon") -> dict:
-    """The SD 1.x schedule as a diffusers scheduler config (what a pipeline's scheduler/ folder holds)."""
-    return dict(
+def noise_schedule_config(prediction_type: str = "epsilon", zero_terminal_snr: bool = False) -> dict:
+    """The SD 1.x schedule as a diffusers scheduler config (what a pipeline's scheduler/ folder holds).
+
+    ``zero_terminal_snr`` adds diffusers' own switch for the rescaled schedule and "trailing" timestep
+    spacing, so that sampling starts at the last timestep (pure noise) as the model was trained
+    (Lin et al. 2023, sections 3.1 and 3.3). Nothing else needs changing: DDIM keeps SD's final
+    alpha-bar (``set_alpha_to_one=False``, as our DDIM), and Euler and DPM-Solver++ end at sigma 0
+    (their default ``final_sigmas_type="zero"``) and replace the terminal alpha-bar 0 by 2**-24 themselves
+    so their first sigma is finite.
+    """
+    config = dict(
         num_train_timesteps=NUM_TRAIN_TIMESTEPS,
         beta_start=BETA_START,
         beta_end=BETA_END,
@@ -320,14 +342,17 @@ def noise_schedule_config(prediction_type: str = "epsilon") -> dict:
         steps_offset=1,
         timestep_spacing="leading",
     )
+    if zero_terminal_snr:
+        config.update(rescale_betas_zero_snr=True, timestep_spacing="trailing")
+    return config
 
 
-def build_noise_scheduler(prediction_type: str = "epsilon", scheduler_class=None):
+def build_noise_scheduler(prediction_type: str = "epsilon", scheduler_class=None, zero_terminal_snr: bool = False):
     """A diffusers scheduler on the training schedule (``DDPMScheduler`` unless another class is given)."""
     if scheduler_class is None:
         from diffusers import DDPMScheduler as scheduler_class
     # from_config drops the keys a scheduler class does not take (DDPM has no set_alpha_to_one).
-    return scheduler_class.from_config(noise_schedule_config(prediction_type))
+    return scheduler_class.from_config(noise_schedule_config(prediction_type, zero_terminal_snr))
 
 
 def scale_latents(latents: torch.Tensor, scaling_factor: float = SD1_SCALING_FACTOR) -> torch.Tensor:
@@ -379,13 +404,16 @@ def min_snr_weights(timesteps, alphas_cumprod, prediction_type: str, gamma: floa
     a factor SNR relative to x0-MSE, so the weight is min(SNR, gamma) / SNR. Predicting v, the MSE
     carries SNR + 1, so the weight is min(SNR, gamma) / (SNR + 1); dividing by SNR there (a bug
     several trainers shipped) over-weights the noisiest timesteps. ``gamma`` None or 0 disables it.
+
+    At SNR 0 (the last timestep of a zero-terminal-SNR schedule) the v weight is 0, the formula's own
+    value, and the epsilon weight its limit 1 rather than 0 / 0.
     """
     if not gamma:
         return torch.ones(timesteps.shape, dtype=torch.float32, device=timesteps.device)
     s = snr(timesteps, alphas_cumprod)
     clipped = torch.clamp(s, max=gamma)
     if prediction_type == "epsilon":
-        weights = clipped / s
+        weights = torch.where(s > 0, clipped / s, torch.ones_like(s))
     elif prediction_type == "v_prediction":
         weights = clipped / (s + 1)
     else:

@@ -2,7 +2,9 @@
 
 * ``sample_latents``: DDIM (ours, "leading" spacing as SD), DPM-Solver++ 2M or Euler (diffusers'
   schedulers) on the training schedule, with classifier-free guidance against a real
-  negative-prompt embedding. The predicted x0 is never clamped.
+  negative-prompt embedding. The predicted x0 is never clamped. A model trained on the
+  zero-terminal-SNR schedule (``zero_terminal_snr``) is sampled on that schedule with "trailing"
+  spacing, which starts at the last timestep, pure noise (Lin et al. 2023, arXiv:2305.08891).
 * ``generate``: images for one prompt from a list of seeds. Image i's noise comes from a CPU
   generator seeded with ``seeds[i]``, so the same seed gives the same image on any device and at any
   batch size; the training grid and ``SD_ImageGen.py --seed`` therefore make the same picture.
@@ -31,6 +33,7 @@ class Pipeline:
     tokenizer: object
     prediction_type: str
     source: str = ""
+    zero_terminal_snr: bool = False  # trained on the rescaled schedule: sample it with trailing spacing
 
 
 # ---------------------------------------------------------------------------------------------
@@ -38,12 +41,30 @@ class Pipeline:
 # ---------------------------------------------------------------------------------------------
 
 
-def ddim_timesteps(num_steps: int, num_train_timesteps: int = SD_Model.NUM_TRAIN_TIMESTEPS) -> list[int]:
-    """SD's "leading" spacing with offset 1: e.g. 50 steps -> 981, 961, ..., 1."""
+SPACINGS = ("leading", "trailing")
+
+
+def ddim_timesteps(num_steps: int, num_train_timesteps: int = SD_Model.NUM_TRAIN_TIMESTEPS,
+                   spacing: str = "leading") -> list[int]:
+    """Timesteps, highest first, spaced as diffusers names it.
+
+    "leading" (SD's, offset 1): e.g. 50 steps -> 981, 961, ..., 1; it never visits the last timestep.
+    "trailing": counted down from the last timestep, e.g. 50 steps -> 999, 979, ..., 19, and 30 steps
+    -> 999, 966, 932, ... (round(T - i * T / n) - 1, halves to even), as diffusers spaces them.
+    """
     if not 1 <= num_steps <= num_train_timesteps:
         raise ValueError(f"steps must be in 1..{num_train_timesteps}, got {num_steps}")
-    stride = num_train_timesteps // num_steps
-    return [i * stride + 1 for i in reversed(range(num_steps))]
+    if spacing == "leading":
+        stride = num_train_timesteps // num_steps
+        return [i * stride + 1 for i in reversed(range(num_steps))]
+    if spacing == "trailing":
+        # NumPy's arange (which diffusers uses) steps by its first difference, not by T / n: the same
+        # arithmetic here makes the halves that round to even fall where diffusers' do. For some n
+        # (61, 103, 121, ...) that arange also yields an (n+1)-th value, and diffusers a last timestep -1
+        # (alpha-bar[-1], pure noise, as the final step); that one is not copied.
+        delta = (num_train_timesteps - num_train_timesteps / num_steps) - num_train_timesteps
+        return [round(num_train_timesteps + i * delta) - 1 for i in range(num_steps)]
+    raise ValueError(f"spacing must be one of {SPACINGS}, got {spacing!r}")
 
 
 def ddim_step(sample, model_output, timestep: int, prev_timestep: int, alphas_cumprod, prediction_type: str):
@@ -69,13 +90,19 @@ def ddim_step(sample, model_output, timestep: int, prev_timestep: int, alphas_cu
 
 
 class DDIM:
-    """Our DDIM behind the three calls of a diffusers scheduler that ``sample_latents`` makes."""
+    """Our DDIM behind the three calls of a diffusers scheduler that ``sample_latents`` makes.
+
+    Each step goes to the next timestep of the list (the last one to alpha-bar_0). With "leading"
+    spacing, and "trailing" with a step count that divides the 1000 timesteps, that is where diffusers'
+    DDIM goes (``t - 1000 // steps``); for other counts diffusers' trailing DDIM sometimes lands one
+    timestep above the one it evaluates next, and this one does not.
+    """
 
     init_noise_sigma = 1.0
 
-    def __init__(self, steps: int, alphas_cumprod: torch.Tensor, prediction_type: str):
-        self.timesteps = ddim_timesteps(steps, len(alphas_cumprod))
-        self.stride = len(alphas_cumprod) // steps
+    def __init__(self, steps: int, alphas_cumprod: torch.Tensor, prediction_type: str, spacing: str = "leading"):
+        self.timesteps = ddim_timesteps(steps, len(alphas_cumprod), spacing)
+        self.previous = dict(zip(self.timesteps, self.timesteps[1:] + [-1]))
         self.alphas_cumprod = alphas_cumprod
         self.prediction_type = prediction_type
 
@@ -84,21 +111,31 @@ class DDIM:
 
     def step(self, prediction, timestep, latents):
         t = int(timestep)
-        return ddim_step(latents, prediction, t, t - self.stride, self.alphas_cumprod, self.prediction_type)
+        return ddim_step(latents, prediction, t, self.previous[t], self.alphas_cumprod, self.prediction_type)
 
 
-def make_scheduler(sampler: str, steps: int, prediction_type: str, alphas_cumprod=None, device=None):
-    """A scheduler with ``timesteps``, ``init_noise_sigma``, ``scale_model_input`` and ``step``."""
+def make_scheduler(sampler: str, steps: int, prediction_type: str, alphas_cumprod=None, device=None,
+                   zero_terminal_snr: bool = False):
+    """A scheduler with ``timesteps``, ``init_noise_sigma``, ``scale_model_input`` and ``step``.
+
+    ``zero_terminal_snr``: the rescaled schedule with "trailing" spacing (``alphas_cumprod``, when
+    given, is DDIM's schedule either way).
+    """
+    if zero_terminal_snr and prediction_type != "v_prediction":
+        raise ValueError("zero_terminal_snr: the first timestep is pure noise, from which an epsilon prediction "
+                         "gives no image; sample a v_prediction model, or this one with zero_terminal_snr off")
     if sampler == "ddim":
-        return DDIM(steps, SD_Model.ddpm_alphas_cumprod() if alphas_cumprod is None else alphas_cumprod,
-                    prediction_type)
+        if alphas_cumprod is None:
+            alphas_cumprod = SD_Model.ddpm_alphas_cumprod(zero_terminal_snr=zero_terminal_snr)
+        return DDIM(steps, alphas_cumprod, prediction_type, "trailing" if zero_terminal_snr else "leading")
     from diffusers import DPMSolverMultistepScheduler, EulerDiscreteScheduler
 
+    config = SD_Model.noise_schedule_config(prediction_type, zero_terminal_snr)
     if sampler == "dpm++":
-        scheduler = DPMSolverMultistepScheduler.from_config(
-            {**SD_Model.noise_schedule_config(prediction_type), "algorithm_type": "dpmsolver++", "solver_order": 2})
+        scheduler = DPMSolverMultistepScheduler.from_config({**config, "algorithm_type": "dpmsolver++",
+                                                             "solver_order": 2})
     elif sampler == "euler":
-        scheduler = SD_Model.build_noise_scheduler(prediction_type, EulerDiscreteScheduler)
+        scheduler = EulerDiscreteScheduler.from_config(config)
     else:
         raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
     scheduler.set_timesteps(steps, device=device)
@@ -134,12 +171,13 @@ def guided_prediction(unet, latents, timestep: int, cond, uncond, guidance_scale
 @torch.no_grad()
 def sample_latents(unet, noise: torch.Tensor, cond: torch.Tensor, uncond: torch.Tensor, *, sampler: str = "ddim",
                    steps: int = 100, cfg: float = 7.5, prediction_type: str = "epsilon", alphas_cumprod=None,
-                   progress: bool = False) -> torch.Tensor:
+                   progress: bool = False, zero_terminal_snr: bool = False) -> torch.Tensor:
     """Denoise unit-variance ``noise`` ``(B, 4, H/8, W/8)`` into scaled latents.
 
-    ``cond`` / ``uncond``: ``(B, 77, D)`` prompt and negative-prompt embeddings.
+    ``cond`` / ``uncond``: ``(B, 77, D)`` prompt and negative-prompt embeddings. ``zero_terminal_snr``:
+    the model was trained on that schedule (see ``make_scheduler``).
     """
-    scheduler = make_scheduler(sampler, steps, prediction_type, alphas_cumprod, noise.device)
+    scheduler = make_scheduler(sampler, steps, prediction_type, alphas_cumprod, noise.device, zero_terminal_snr)
     latents = noise.float() * scheduler.init_noise_sigma
     timesteps = scheduler.timesteps
     if progress:
@@ -176,7 +214,7 @@ def generate(pipe: Pipeline, prompt: str, negative: str, seeds: list[int], *, st
         with SD_Model.attention_context(device):
             latents = sample_latents(pipe.unet, noise, cond.expand(len(chunk), -1, -1),
                                      uncond.expand(len(chunk), -1, -1), sampler=sampler, steps=steps, cfg=cfg,
-                                     prediction_type=pipe.prediction_type)
+                                     prediction_type=pipe.prediction_type, zero_terminal_snr=pipe.zero_terminal_snr)
             pixels = pipe.vae.decode(SD_Model.unscale_latents(latents, factor).to(vae_dtype)).sample
         pixels = ((pixels.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
         images += list(pixels.permute(0, 2, 3, 1).cpu().numpy())

@@ -201,7 +201,8 @@ def build(config: TrainConfig, d: Dist) -> Run:
         cache_text_embeddings(step, config, train_data, val_data)
     steps_per_epoch = steps_per_epoch_of(config, train_data, d)
     total = config.max_steps if config.max_steps > 0 else config.epochs * steps_per_epoch
-    sampler = SD_Sampling.Pipeline(unet, vae, step.text_encoder, tokenizer, config.prediction_type)
+    sampler = SD_Sampling.Pipeline(unet, vae, step.text_encoder, tokenizer, config.prediction_type,
+                                   zero_terminal_snr=config.zero_terminal_snr)
     run = Run(config, d, step, TrainState(world_size=d.world_size), train_data, val_data, sampler,
               ckpt.RankRNG(step.noise_generator, unet), steps_per_epoch, total, Path(config.out_dir), base_fingerprint)
     resumed = resume_newest_usable(run)  # damaged newer checkpoints are set aside: the latest is the one resumed

@@ -151,9 +151,9 @@ def build_step(config, d: Dist, unet, text_encoder, empty_ids: torch.Tensor, sca
     noise_generator = torch.Generator(device=d.device).manual_seed(config.seed * 7919 + d.rank + 1)
     return Step(unet, unet, text_encoder, empty, build_optimizer(trainable, config),
                 torch.amp.GradScaler(d.device.type, enabled=config.precision == "fp16"), ema, noise_generator,
-                SD_Model.ddpm_alphas_cumprod().to(d.device), scaling_factor, LossSettings.from_config(config), d,
-                trainable=trainable, text_trains=any(p.requires_grad for p in text_encoder.parameters()),
-                empty_ids=empty_ids)
+                SD_Model.ddpm_alphas_cumprod(zero_terminal_snr=config.zero_terminal_snr).to(d.device), scaling_factor,
+                LossSettings.from_config(config), d, trainable=trainable,
+                text_trains=any(p.requires_grad for p in text_encoder.parameters()), empty_ids=empty_ids)
 
 
 def wrap_model(step: Step, compile: bool) -> None:
