@@ -1,0 +1,143 @@
+"""LoRA files in diffusers' and kohya's layouts, on the tiny presets with diffusers as the outside
+reader."""
+
+import copy
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+import SD_Formats
+import SD_Lora
+import SD_Model
+
+RANK, ALPHA = 4, 8.0  # alpha != rank: every reader must apply alpha / rank = 2
+
+
+@pytest.fixture(scope="module")
+def base():
+    """The tiny base parts: UNet, text encoder, VAE, tokenizer."""
+    return (SD_Model.build_unet("tiny", seed=0, from_scratch=False).eval(), SD_Model.load_text_encoder("tiny"),
+            SD_Model.load_vae("tiny"), SD_Model.load_tokenizer("tiny"))
+
+
+def adapted(base, targets, rank=RANK, alpha=ALPHA, seed=1, text=True):
+    """Copies of the base UNet (and text encoder) with random non-zero adapters."""
+    unet, encoder = copy.deepcopy(base[0]), copy.deepcopy(base[1])
+    SD_Lora.add_lora(unet, SD_Lora.resolve_targets(unet, targets), rank, alpha)
+    if text:
+        SD_Lora.add_lora(encoder, SD_Lora.resolve_targets(encoder, SD_Lora.TEXT_TARGETS), rank, alpha)
+    randomize(unet, seed)
+    randomize(encoder, seed + 100)
+    return unet.eval(), encoder.eval()
+
+
+@torch.no_grad()
+def randomize(model, seed):
+    generator = torch.Generator().manual_seed(seed)
+    for param in SD_Lora.adapter_state(model).values():
+        param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+
+
+def write(fmt, tmp_path, unet, encoder, name="lora"):
+    out = tmp_path / (f"{name}.safetensors" if fmt == "kohya" else name)
+    return SD_Formats.save_model_lora(out, unet, encoder, fmt)
+
+
+def unet_output(unet):
+    generator = torch.Generator().manual_seed(0)
+    sample, context = torch.randn(2, 4, 8, 8, generator=generator), torch.randn(2, 77, 64, generator=generator)
+    with torch.no_grad():
+        return unet(sample, 10, context).sample
+
+
+def text_output(encoder, tokenizer):
+    with torch.no_grad():
+        return encoder(SD_Model.tokenize(tokenizer, ["a red circle", "a blue square"])).last_hidden_state
+
+
+# ------------------------------------------------------------------------------ diffusers as the reader
+
+
+@pytest.mark.parametrize("fmt,targets", [("diffusers", ["transformer"]), ("kohya", ["attention", "resnet"])])
+def test_diffusers_loads_our_files_whole_and_computes_what_we_do(fmt, targets, base, tmp_path):
+    from diffusers import DDIMScheduler, StableDiffusionPipeline
+    from peft.utils import get_peft_model_state_dict
+
+    unet, encoder = adapted(base, targets)
+    path = write(fmt, tmp_path, unet, encoder)
+    pipe = StableDiffusionPipeline(unet=copy.deepcopy(base[0]), text_encoder=copy.deepcopy(base[1]), vae=base[2],
+                                   tokenizer=base[3], scheduler=SD_Model.build_noise_scheduler("epsilon", DDIMScheduler),
+                                   safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    pipe.load_lora_weights(str(path.parent if fmt == "diffusers" else path))
+    # Every layer of ours got its adapter in diffusers' model, with our very tensors; none more.
+    for theirs, ours in ((pipe.unet, unet), (pipe.text_encoder, encoder)):
+        loaded = get_peft_model_state_dict(theirs, adapter_name="default_0")
+        own = {k.replace(f".{SD_Lora.ADAPTER}.", "."): v for k, v in SD_Lora.adapter_state(ours).items()}
+        assert set(loaded) == set(own) and all(torch.equal(loaded[k], own[k]) for k in own)
+    assert any(m.down.ndim == 4 and m.down.shape[2:] == (3, 3) for m in SD_Formats.adapter_lora_modules(unet).values()) \
+        == ("resnet" in targets)
+    expected, plain = unet_output(unet), unet_output(base[0])
+    assert (expected - plain).abs().max() > 1e-2  # the adapter changes the output: the comparison below can fail
+    torch.testing.assert_close(unet_output(pipe.unet), expected, atol=1e-5, rtol=0)
+    expected = text_output(encoder, base[3])
+    assert (expected - text_output(base[1], base[3])).abs().max() > 1e-2
+    torch.testing.assert_close(text_output(pipe.text_encoder, base[3]), expected, atol=1e-5, rtol=0)
+
+
+# ------------------------------------------------------------------------------ our reader
+
+
+@pytest.mark.parametrize("fmt", SD_Formats.LORA_FORMATS)
+def test_written_files_read_back_to_the_same_tensors(fmt, base, tmp_path):
+    unet, encoder = adapted(base, ["transformer", "resnet"])
+    path = write(fmt, tmp_path, unet, encoder)
+    back = SD_Formats.read_lora(path.parent if fmt == "diffusers" else path, base[0], base[1])
+    for part, model in (("unet", unet), ("text_encoder", encoder)):
+        own = SD_Formats.adapter_lora_modules(model)
+        assert set(back[part]) == set(own)
+        for name, m in own.items():
+            assert torch.equal(back[part][name].down, m.down) and torch.equal(back[part][name].up, m.up)
+            assert back[part][name].alpha == ALPHA
+    with safe_open(str(path), framework="pt") as handle:
+        header = handle.metadata()
+    assert (header["lora_rank"], header["lora_alpha"]) == (str(RANK), str(ALPHA))
+    assert json.loads(header["lora_targets"]) == sorted(SD_Formats.adapter_lora_modules(unet))
+    keys = set(load_file(str(path)))
+    if fmt == "kohya":
+        assert "lora_te_text_model_encoder_layers_0_self_attn_q_proj.alpha" in keys
+        assert "lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_out_0.lora_down.weight" in keys
+        assert "lora_unet_down_blocks_0_downsamplers_0_conv.lora_up.weight" in keys
+    else:
+        assert "text_encoder.text_model.encoder.layers.0.self_attn.q_proj.lora_A.weight" in keys
+        assert "unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_out.0.lora_B.weight" in keys
+
+
+def test_peft_keys_without_a_prefix_read_as_the_unet_and_without_metadata_alpha_is_the_rank(base, tmp_path):
+    unet, _ = adapted(base, ["attention"], text=False)
+    state = {k.replace(f".{SD_Lora.ADAPTER}.", "."): v for k, v in SD_Lora.adapter_state(unet).items()}
+    save_file(state, str(tmp_path / "peft.safetensors"))
+    back = SD_Formats.read_lora(tmp_path / "peft.safetensors", base[0], base[1])
+    assert set(back) == {"unet"} and len(back["unet"]) == len(state) // 2
+    assert {m.alpha for m in back["unet"].values()} == {float(RANK)}
+
+
+def test_unknown_keys_shape_mismatches_and_missing_files_are_errors_naming_the_file(base, tmp_path):
+    unet, encoder = adapted(base, ["attention"])
+    path = write("kohya", tmp_path, unet, encoder)
+    tensors = load_file(str(path))
+    odd = tmp_path / "odd.safetensors"
+    save_file({**tensors, "lora_unet_no_such_layer.lora_down.weight": torch.zeros(4, 8)}, str(odd))
+    with pytest.raises(ValueError, match=r"odd\.safetensors: 1 of its .*lora_unet_no_such_layer"):
+        SD_Formats.read_lora(odd, base[0], base[1])
+    key = "lora_unet_mid_block_attentions_0_transformer_blocks_0_attn2_to_k.lora_up.weight"
+    save_file({**tensors, key: torch.zeros(3, RANK)}, str(tmp_path / "shape.safetensors"))
+    with pytest.raises(ValueError, match=r"shape\.safetensors: unet layer mid_block.*attn2\.to_k: .*do not fit"):
+        SD_Formats.read_lora(tmp_path / "shape.safetensors", base[0], base[1])
+    save_file({k: v for k, v in tensors.items() if not k.endswith("lora_up.weight")}, str(tmp_path / "half.safetensors"))
+    with pytest.raises(ValueError, match=r"half\.safetensors: .* has no up weight"):
+        SD_Formats.read_lora(tmp_path / "half.safetensors", base[0], base[1])
+    with pytest.raises(FileNotFoundError, match="pytorch_lora_weights.safetensors is missing"):
+        SD_Formats.read_lora(tmp_path, base[0], base[1])
