@@ -7,6 +7,8 @@
 * ``load_pipeline``: UNet, VAE, text encoder and tokenizer from any of the sources below.
 * ``load_unet_weights``: UNet weights from any of: a training checkpoint or run folder of ours (EMA or
   live), a diffusers pipeline folder or hub id, or a single ``.safetensors`` / ``.ckpt`` file.
+* LoRA runs of ours (``adapter.safetensors`` instead of ``unet.safetensors``): ``load_lora_run`` loads
+  the base from the run's ``init_from`` and the adapter on top, as PEFT layers.
 * LoRA files: ``save_lora`` / ``save_model_lora`` write diffusers' format
   (``pytorch_lora_weights.safetensors``) or the kohya / AUTOMATIC1111 one (``lora_unet_...``),
   ``read_lora`` reads either, ``merge_lora`` adds one to a model's weights.
@@ -17,6 +19,7 @@ they hold for the SD 1.x UNet and for any other UNet2DConditionModel / Autoencod
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from pathlib import Path
@@ -315,12 +318,13 @@ def is_diffusers_folder(path: Path) -> bool:
 # ---------------------------------------------------------------------------------------------
 
 
-def load_unet_weights(source: str, unet, *, use_ema: bool = True) -> str:
+def load_unet_weights(source: str, unet, *, use_ema: bool = True, keep_adapter: bool = False) -> str:
     """Load ``source``'s UNet weights into ``unet`` (same architecture). Returns what was loaded.
 
     ``source``: a training checkpoint or run folder of ours (EMA weights unless ``use_ema=False``),
     a ``.safetensors`` / ``.ckpt`` single file in the original layout, or a diffusers pipeline folder
-    or hub id (its ``unet/``).
+    or hub id (its ``unet/``). A LoRA run of ours gives its base with its adapter (see ``load_lora_run``),
+    merged into the weights, or with ``keep_adapter`` left in ``unet`` as PEFT layers.
     """
     path = Path(source)
     if path.is_file():
@@ -328,6 +332,14 @@ def load_unet_weights(source: str, unet, *, use_ema: bool = True) -> str:
         return f"single file {path}"
     if path.is_dir() and not is_diffusers_folder(path):
         folder = ckpt.resolve_checkpoint(path)
+        if is_lora_checkpoint(folder):
+            trainable, training = {n: p.requires_grad for n, p in unet.named_parameters()}, unet.training
+            loaded = load_lora_run(folder, unet, use_ema=use_ema)
+            if not keep_adapter:  # the plain model it was: add_lora froze it and put it in eval mode
+                SD_Lora.merge(unet).train(training)
+                for name, param in unet.named_parameters():
+                    param.requires_grad_(trainable[name])
+            return loaded
         weights = folder / ("ema.safetensors" if use_ema else "unet.safetensors")
         if use_ema and not weights.exists():
             weights = folder / "unet.safetensors"
@@ -342,12 +354,19 @@ def load_unet_weights(source: str, unet, *, use_ema: bool = True) -> str:
 
 def run_ema_weights(source: str, unet) -> dict[str, torch.Tensor] | None:
     """The EMA weights of one of our checkpoints or run folders, checked to fit ``unet``; None for other
-    sources, or a checkpoint saved without an EMA."""
+    sources, or a checkpoint saved without an EMA. A LoRA run's: its base with the EMA adapter merged."""
     if run_config(source) is None:
         return None
-    path = ckpt.resolve_checkpoint(source) / "ema.safetensors"
+    folder = ckpt.resolve_checkpoint(source)
+    path = folder / "ema.safetensors"
     if not path.exists():
         return None
+    if is_lora_checkpoint(folder):
+        import copy
+
+        merged = copy.deepcopy(unet)
+        load_unet_weights(str(folder), merged, use_ema=True)
+        return merged.state_dict()
     state = read_weights(verified(path))
     check_fits(unet, state, path)
     return state
@@ -471,9 +490,15 @@ def _load_pipeline(source: str, use_ema: bool, vae: str | None, text_encoder: st
         SD_Model.use_sdpa_attention(unet)
         parts = (source, source, source)
         prediction_type = diffusers_prediction_type(source)
-    loaded = load_unet_weights(source, unet, use_ema=use_ema) if config is not None else f"diffusers {source}"
-    return SD_Sampling.Pipeline(unet.eval(), SD_Model.load_vae(vae or parts[0]), SD_Model.load_text_encoder(text_encoder or parts[1]),
-                 SD_Model.load_tokenizer(tokenizer or parts[2]), prediction_type, loaded)
+    encoder = SD_Model.load_text_encoder(text_encoder or parts[1])
+    if config is None:
+        loaded = f"diffusers {source}"
+    elif is_lora_checkpoint(ckpt.resolve_checkpoint(source)):  # the adapters stay PEFT layers (see SD_Lora.merge)
+        loaded = load_lora_run(ckpt.resolve_checkpoint(source), unet, encoder, use_ema=use_ema)
+    else:
+        loaded = load_unet_weights(source, unet, use_ema=use_ema)
+    return SD_Sampling.Pipeline(unet.eval(), SD_Model.load_vae(vae or parts[0]), encoder.eval(),
+                                SD_Model.load_tokenizer(tokenizer or parts[2]), prediction_type, loaded)
 
 
 def _load_single_file(path: Path, arch: str, vae: str | None, text_encoder: str | None,
@@ -504,6 +529,96 @@ def _load_single_file(path: Path, arch: str, vae: str | None, text_encoder: str 
         log.info("%s records no prediction_type: sampling as epsilon (say otherwise with --prediction_type)", path)
     return SD_Sampling.Pipeline(unet.eval(), vae_model.eval(), encoder.eval(), SD_Model.load_tokenizer(tokenizer or default_tokenizer),
                  prediction_type or "epsilon", f"single file {path}")
+
+
+# ---------------------------------------------------------------------------------------------
+# LoRA runs: a base model (init_from) and an adapter
+# ---------------------------------------------------------------------------------------------
+
+# A LoRA run's checkpoint holds this instead of unet.safetensors: unet.<PEFT parameter name> and, with
+# a text-encoder adapter, text_encoder.<...> (SD_Lora.AdapterWeights); its ema.safetensors is the UNet
+# adapter's EMA under the bare PEFT names.
+RUN_ADAPTER_FILE = "adapter.safetensors"
+
+
+def is_lora_checkpoint(folder: Path) -> bool:
+    """A checkpoint folder of a run that trained a LoRA adapter (its adapter file, or lora_rank in its config)."""
+    folder = Path(folder)
+    if (folder / RUN_ADAPTER_FILE).exists():
+        return True
+    return (folder / "config.yaml").is_file() and lora_run_settings(str(folder)) is not None
+
+
+def lora_run_settings(source: str) -> dict | None:
+    """The adapter of a LoRA run or checkpoint of ours as its config records it: ``rank``, ``alpha``
+    (the config's 0 made the rank), ``targets``, ``text_encoder`` (bool) and ``init_from`` (the base);
+    None for any other source. A value that cannot be a LoRA run's is an error naming the config."""
+    config = run_config(source)
+    if config is None or not config.get("lora_rank"):
+        return None
+    where = ckpt.resolve_checkpoint(source) / "config.yaml"
+    rank, alpha = config["lora_rank"], config.get("lora_alpha") or config["lora_rank"]
+    targets = config.get("lora_targets") or ["attention"]
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"{where}: lora_rank {rank!r} is no positive integer")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha < 0:
+        raise ValueError(f"{where}: lora_alpha {alpha!r} is no number >= 0")
+    if not isinstance(targets, list) or not all(isinstance(t, str) and t for t in targets):
+        raise ValueError(f"{where}: lora_targets {targets!r} is no list of groups or module-name suffixes")
+    if not config.get("init_from"):
+        raise ValueError(f"{where}: a LoRA run (lora_rank {rank}) that names no init_from, the base its adapter "
+                         "was trained on")
+    return {"rank": rank, "alpha": float(alpha), "targets": list(targets), "init_from": str(config["init_from"]),
+            "text_encoder": bool(config.get("lora_text_encoder", False))}
+
+
+def load_lora_run(folder: Path, unet, text_encoder=None, *, use_ema: bool = True) -> str:
+    """Load a LoRA checkpoint: the base UNet from its ``init_from``, then the adapter as PEFT layers in
+    ``unet`` (the EMA adapter of ``ema.safetensors`` unless ``use_ema=False`` or there is none) and, when
+    the run trained one and ``text_encoder`` is given, in ``text_encoder``. Returns what was loaded.
+
+    The base is ``init_from``'s live weights when it is a run of ours, as ``SD_Train.init_weights``
+    loads it: the weights the adapter was trained on.
+    """
+    folder = Path(folder)
+    settings = lora_run_settings(str(folder))
+    if settings is None:
+        raise ValueError(f"{folder}: holds {RUN_ADAPTER_FILE}, but its config.yaml sets no lora_rank")
+    base = load_unet_weights(settings["init_from"], unet, use_ema=False)
+    models = {"unet": add_run_lora(unet, settings["targets"], settings)}
+    if text_encoder is not None and settings["text_encoder"]:
+        models["text_encoder"] = add_run_lora(text_encoder, SD_Lora.TEXT_TARGETS, settings)
+    adapter_path = verified(folder / RUN_ADAPTER_FILE)
+    state = read_weights(adapter_path)
+    if text_encoder is None:  # the UNet alone
+        state = {k: v for k, v in state.items() if not k.startswith("text_encoder.")}
+    loaded = adapter_path
+    with _naming(adapter_path):
+        SD_Lora.AdapterWeights(**models).load_state_dict(state)
+    ema_path = folder / "ema.safetensors"
+    if use_ema and ema_path.exists():
+        with _naming(ema_path):
+            SD_Lora.load_adapter_state(unet, read_weights(verified(ema_path)), "the EMA adapter")
+        loaded = ema_path
+    return f"{base} + LoRA {loaded}"
+
+
+@contextlib.contextmanager
+def _naming(path: Path):
+    """Re-raise an adapter's KeyError / ValueError as one ValueError that names ``path``."""
+    try:
+        yield
+    except (KeyError, ValueError) as error:
+        message = error.args[0] if isinstance(error, KeyError) and error.args else error  # KeyError quotes its str()
+        raise ValueError(f"{path}: {message}") from error
+
+
+def add_run_lora(model, targets, settings: dict):
+    """``model`` with an adapter of ``settings``' rank and alpha on the layers ``targets`` selects."""
+    SD_Lora.add_lora(model, SD_Lora.resolve_targets(model, targets), settings["rank"], settings["alpha"])
+    model.lora_settings["targets"] = list(targets)
+    model.eval()
+    return model
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,14 +1,16 @@
-"""LoRA files in diffusers' and kohya's layouts, on the tiny presets with diffusers as the outside
-reader."""
+"""LoRA files (diffusers and kohya layouts) and LoRA runs' checkpoints, on the tiny presets with
+diffusers as the outside reader."""
 
 import copy
 import json
 
 import pytest
 import torch
+import yaml
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+import SD_Checkpoint as ckpt
 import SD_Formats
 import SD_Lora
 import SD_Model
@@ -141,3 +143,55 @@ def test_unknown_keys_shape_mismatches_and_missing_files_are_errors_naming_the_f
         SD_Formats.read_lora(tmp_path / "half.safetensors", base[0], base[1])
     with pytest.raises(FileNotFoundError, match="pytorch_lora_weights.safetensors is missing"):
         SD_Formats.read_lora(tmp_path, base[0], base[1])
+
+
+# ------------------------------------------------------------------------------ a LoRA run of ours
+
+
+@pytest.fixture(scope="module")
+def base_dir(base, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("base") / "pipe"
+    SD_Formats.export_diffusers(folder, base[0], base[2], base[1], base[3])
+    return folder
+
+
+@pytest.fixture(scope="module")
+def lora_run(base, base_dir, tmp_path_factory):
+    """A LoRA run's checkpoint folder as the trainer writes it: adapter (UNet and text encoder), the UNet
+    adapter's EMA, config.yaml, COMPLETE; no unet.safetensors. Returns (run folder, live models, EMA UNet)."""
+    run = tmp_path_factory.mktemp("lora_run") / "run"
+    folder = run / "checkpoints" / ckpt.step_dir_name(12)
+    folder.mkdir(parents=True)
+    unet, encoder = adapted(base, ["attention"], seed=3)
+    ema = copy.deepcopy(unet)
+    randomize(ema, 5)
+    ckpt.save_weights(SD_Lora.AdapterWeights(unet=unet, text_encoder=encoder).state_dict(), folder / "adapter.safetensors")
+    ckpt.save_weights(SD_Lora.adapter_state(ema), folder / "ema.safetensors")
+    config = dict(init_from=str(base_dir), lora_rank=RANK, lora_alpha=ALPHA, lora_dropout=0.0, lora_targets=["attention"],
+                  lora_text_encoder=True, unet="tiny", vae=str(base_dir), text_encoder=str(base_dir),
+                  tokenizer=str(base_dir), prediction_type="epsilon")
+    (folder / "config.yaml").write_text(yaml.safe_dump(config))
+    (folder / ckpt.COMPLETE).write_text("ok\n")
+    return run, unet, encoder, ema
+
+
+def adapters_equal(model, reference) -> bool:
+    mine, theirs = SD_Lora.adapter_state(model), SD_Lora.adapter_state(reference)
+    return set(mine) == set(theirs) and all(torch.equal(v, theirs[k]) for k, v in mine.items())
+
+
+def test_a_lora_run_loads_its_base_and_keeps_the_ema_adapter_unmerged(lora_run, base):
+    run, unet, encoder, ema = lora_run
+    model = SD_Formats.load_pipeline(str(run))
+    assert adapters_equal(model.unet, ema) and adapters_equal(model.text_encoder, encoder)
+    torch.testing.assert_close(unet_output(model.unet), unet_output(ema), atol=0, rtol=0)
+    live = SD_Formats.load_pipeline(str(run), use_ema=False)
+    assert adapters_equal(live.unet, unet)
+    # As init_from of a new phase (SD_Train.init_weights): plain weights, base + adapter merged.
+    plain = SD_Model.build_unet("tiny", from_scratch=False)
+    SD_Formats.load_unet_weights(str(run), plain, use_ema=False)
+    assert not SD_Lora.has_lora(plain) and plain.training and all(p.requires_grad for p in plain.parameters())
+    torch.testing.assert_close(unet_output(plain), unet_output(unet), atol=1e-5, rtol=0)
+    ema_state = SD_Formats.run_ema_weights(str(run), plain)
+    plain.load_state_dict(ema_state)
+    torch.testing.assert_close(unet_output(plain), unet_output(ema), atol=1e-5, rtol=0)
