@@ -1,9 +1,10 @@
-"""LoRA files (diffusers and kohya layouts) and LoRA runs' checkpoints, on the tiny presets with
-diffusers as the outside reader."""
+"""LoRA files (diffusers and kohya layouts), LoRA runs' checkpoints, and SD_ImageGen.py's --lora /
+--export_lora, on the tiny presets with diffusers as the outside reader."""
 
 import copy
 import json
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -12,10 +13,12 @@ from safetensors.torch import load_file, save_file
 
 import SD_Checkpoint as ckpt
 import SD_Formats
+import SD_ImageGen
 import SD_Lora
 import SD_Model
 
 RANK, ALPHA = 4, 8.0  # alpha != rank: every reader must apply alpha / rank = 2
+STEPS = 2
 
 
 @pytest.fixture(scope="module")
@@ -195,3 +198,106 @@ def test_a_lora_run_loads_its_base_and_keeps_the_ema_adapter_unmerged(lora_run, 
     ema_state = SD_Formats.run_ema_weights(str(run), plain)
     plain.load_state_dict(ema_state)
     torch.testing.assert_close(unet_output(plain), unet_output(ema), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("fmt", SD_Formats.LORA_FORMATS)
+def test_export_lora_writes_the_runs_ema_adapter(fmt, lora_run, base, tmp_path):
+    run, unet, encoder, ema = lora_run
+    out = tmp_path / ("style.safetensors" if fmt == "kohya" else "style")
+    assert SD_ImageGen.main(["--ckpt", str(run), "--export_lora", str(out), "--lora_format", fmt]) == 0
+    back = SD_Formats.read_lora(out, base[0], base[1])
+    for part, model in (("unet", ema), ("text_encoder", encoder)):
+        own = SD_Formats.adapter_lora_modules(model)
+        assert set(back[part]) == set(own)
+        assert all(torch.equal(back[part][n].down, m.down) and torch.equal(back[part][n].up, m.up)
+                   and back[part][n].alpha == ALPHA for n, m in own.items())
+    with safe_open(str(SD_Formats.lora_file(out)), framework="pt") as handle:
+        header = handle.metadata()
+    assert json.loads(header["lora_targets"]) == ["attention"] and header["lora_text_encoder"] == "True"
+
+
+def test_export_lora_of_a_model_without_an_adapter_is_a_clear_error(base_dir, tmp_path, capsys):
+    assert SD_ImageGen.main(["--ckpt", str(base_dir), "--export_lora", str(tmp_path / "x")]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("SD_ImageGen.py:")]
+    assert len(err) == 1 and f"{base_dir} carries no LoRA adapter" in err[0]
+    assert not (tmp_path / "x").exists()
+
+
+# ------------------------------------------------------------------------------ merging: --lora
+
+
+def sample_args(ckpt_path, out):
+    return ["--ckpt", str(ckpt_path), "--prompt", "a red circle", "--seed", "3", "--n", "1", "--steps", str(STEPS),
+            "--cfg", "4.0", "--height", "64", "--width", "64", "--device", "cpu", "--precision", "fp32",
+            "--out", str(out)]
+
+
+@pytest.fixture(scope="module")
+def merged(lora_run, base, tmp_path_factory):
+    """The LoRA run sampled and exported with a LoCon kohya file merged at 0.5 on top of its own adapter."""
+    root = tmp_path_factory.mktemp("merged")
+    file_unet, file_encoder = adapted(base, ["attention", "resnet"], rank=2, alpha=3.0, seed=7)
+    path = write("kohya", root, file_unet, file_encoder, "locon")
+    assert SD_ImageGen.main([*sample_args(lora_run[0], root / "lora_images"), "--lora", f"{path}:0.5",
+                             "--export_diffusers", str(root / "merged")]) == 0
+    return root, file_unet, file_encoder
+
+
+def expected_weights(plain, adapters: list[tuple[torch.nn.Module, float]]) -> dict[str, torch.Tensor]:
+    """``plain``'s weights + scale x (alpha / rank) x up @ down of every adapter, computed here."""
+    state = {k: v.clone() for k, v in plain.state_dict().items()}
+    for model, scale in adapters:
+        for name, layer in SD_Lora.lora_layers(model):
+            down, up = layer.lora_A[SD_Lora.ADAPTER].weight, layer.lora_B[SD_Lora.ADAPTER].weight
+            alpha, rank = layer.lora_alpha[SD_Lora.ADAPTER], down.shape[0]
+            weight = state[f"{name}.weight"]
+            state[f"{name}.weight"] = weight + scale * (alpha / rank) * (up.flatten(1) @ down.flatten(1)).reshape(weight.shape)
+    return state
+
+
+def test_merged_export_is_the_base_plus_each_scaled_adapter(merged, lora_run, base):
+    from diffusers import UNet2DConditionModel
+
+    root, file_unet, file_encoder = merged
+    _, _, encoder, ema = lora_run
+    exported = {"unet": UNet2DConditionModel.from_pretrained(root / "merged", subfolder="unet").state_dict(),
+                "text_encoder": SD_Model.load_text_encoder(str(root / "merged")).state_dict()}
+    for part, plain, adapters in (("unet", base[0], [(ema, 1.0), (file_unet, 0.5)]),
+                                  ("text_encoder", base[1], [(encoder, 1.0), (file_encoder, 0.5)])):
+        expected = expected_weights(plain, adapters)
+        assert set(exported[part]) == set(expected)
+        changed = [k for k in expected if not torch.equal(expected[k], plain.state_dict()[k])]
+        assert len(changed) == len({n for m, _ in adapters for n, _ in SD_Lora.lora_layers(m)}) > 0
+        for key, value in expected.items():
+            torch.testing.assert_close(exported[part][key], value, atol=1e-6, rtol=0, msg=f"{part} {key}")
+
+
+def test_sampling_with_lora_equals_sampling_the_merged_export(merged, tmp_path):
+    from PIL import Image
+
+    root = merged[0]
+    assert SD_ImageGen.main(sample_args(root / "merged", tmp_path / "plain")) == 0
+    with_lora = np.asarray(Image.open(root / "lora_images" / "000_000003.png").convert("RGB")).astype(int)
+    plain = np.asarray(Image.open(tmp_path / "plain" / "000_000003.png").convert("RGB")).astype(int)
+    assert with_lora.std() > 0 and np.abs(with_lora - plain).max() <= 1
+    assert "+ LoRA" in SD_ImageGen.read_parameters(root / "lora_images" / "000_000003.png")
+
+
+def test_lora_specs_split_on_the_last_colon_only_before_a_number(tmp_path):
+    assert SD_ImageGen.parse_lora_spec("style.safetensors") == ("style.safetensors", 1.0)
+    assert SD_ImageGen.parse_lora_spec("style.safetensors:0.5") == ("style.safetensors", 0.5)
+    assert SD_ImageGen.parse_lora_spec("C:\\loras\\style.safetensors:-1e-1") == ("C:\\loras\\style.safetensors", -0.1)
+    assert SD_ImageGen.parse_lora_spec("C:\\loras\\style.safetensors") == ("C:\\loras\\style.safetensors", 1.0)
+    odd = tmp_path / "a:2"
+    odd.mkdir()
+    assert SD_ImageGen.parse_lora_spec(str(odd)) == (str(odd), 1.0)
+    with pytest.raises(ValueError, match="finite"):
+        SD_ImageGen.parse_lora_spec("style.safetensors:nan")
+
+
+def test_lora_flags_that_could_do_nothing_are_refused(capsys):
+    for argv in (["--export_lora", "out", "--lora", "style.safetensors"],  # --lora: nothing sampled or exported whole
+                 ["--export_lora", "out", "--lora_format", "kohya"]):  # a kohya LoRA is one .safetensors file
+        with pytest.raises(SystemExit):
+            SD_ImageGen.parse_args(["--ckpt", "run", *argv])
+    assert "--lora merges into the weights" in capsys.readouterr().err
