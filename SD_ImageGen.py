@@ -5,6 +5,8 @@
                           [--height 512 --width 512] [--device auto] --out DIR
     python SD_ImageGen.py --ckpt runs/p7_consolidation --export_diffusers exported/sd1
     python SD_ImageGen.py --ckpt runs/p7_consolidation --export_single_file sd1.safetensors --half
+    python SD_ImageGen.py --ckpt runs/style_lora --export_lora exported/style [--lora_format diffusers|kohya]
+    python SD_ImageGen.py --ckpt sd1_folder --lora style.safetensors:0.7 [--lora other_dir] --prompt "..." --out DIR
 
 ``--ckpt`` is a training checkpoint or run folder of ours (EMA weights unless ``--no_ema``), a
 diffusers pipeline folder or hub id, or a single ``.safetensors`` / ``.ckpt`` file in the original
@@ -15,12 +17,21 @@ the batch size. Each PNG stores its generation parameters in a ``parameters`` te
 trained with ``zero_terminal_snr`` (Lin et al. 2023) is sampled on that rescaled schedule with
 "trailing" timesteps that start from pure noise, and its exports say so (a diffusers scheduler config
 with ``rescale_betas_zero_snr`` and trailing spacing, a single file's ``zero_terminal_snr`` metadata).
+
+LoRA: a LoRA run of ours loads its base (the run's ``init_from``) and its adapter (the EMA adapter
+unless ``--no_ema``). ``--export_lora OUT`` writes that adapter alone: a diffusers folder
+``OUT/pytorch_lora_weights.safetensors`` (diffusers' ``load_lora_weights``) or, with ``--lora_format
+kohya``, one file ``OUT`` (``.safetensors``; ComfyUI, AUTOMATIC1111, kohya's sd-scripts, and diffusers
+too). For sampling and the full exports the run's adapter is merged into the weights at scale 1, and
+each ``--lora FILE_OR_DIR[:SCALE]`` (either format; scale 1 unless given) is merged after it, so
+``--export_diffusers`` / ``--export_single_file`` write the merged model.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import sys
 from pathlib import Path
 
@@ -31,12 +42,15 @@ from safetensors import SafetensorError
 import SD_Cli
 import SD_Files
 import SD_Formats
+import SD_Lora
 import SD_Runtime
 import SD_Sampling
 from SD_Sampling import Pipeline
 
 log = logging.getLogger("sd_imagegen")
 COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune")
+
+
 def parse_args(argv=None):
     parser = SD_Cli.ArgumentParser(description=__doc__)
     parser.add_argument("--ckpt", required=True, help="our checkpoint or run folder, a diffusers folder or hub id, "
@@ -78,21 +92,82 @@ def parse_args(argv=None):
     parser.add_argument("--export_diffusers", metavar="DIR", help="write a diffusers StableDiffusionPipeline folder")
     parser.add_argument("--export_single_file", metavar="FILE", help="write one .safetensors in the original SD layout")
     parser.add_bool("--half", help="fp16 weights in --export_single_file")
+    parser.add_argument("--export_lora", metavar="OUT", help="write the LoRA adapter of --ckpt (a LoRA run of ours): "
+                        "a folder OUT with pytorch_lora_weights.safetensors, or with --lora_format kohya the file OUT")
+    parser.add_argument("--lora_format", choices=SD_Formats.LORA_FORMATS, default="diffusers",
+                        help="format of --export_lora: diffusers (load_lora_weights) or kohya (ComfyUI, AUTOMATIC1111, "
+                        "sd-scripts; diffusers converts it) (default: %(default)s)")
+    parser.add_argument("--lora", action="append", default=[], metavar="FILE_OR_DIR[:SCALE]",
+                        help="merge this LoRA (a kohya .safetensors, or a diffusers file or folder) into the weights "
+                        "before sampling and the full exports, times SCALE (default 1); repeat for several")
     args = parser.parse_args(argv)
     if args.prompts_file:
         path = Path(args.prompts_file)
         if not path.exists():
             parser.error(f"--prompts_file {path} does not exist")
         args.prompt += [line.strip() for line in path.read_text().splitlines() if line.strip()]
-    exporting = args.export_diffusers or args.export_single_file
+    exporting = args.export_diffusers or args.export_single_file or args.export_lora
     if not exporting and not (args.prompt and args.out):
         parser.error("give --prompt (or --prompts_file) and --out to sample, or an --export_* flag")
+    if args.export_lora and args.lora_format == "kohya" and not args.export_lora.endswith(".safetensors"):
+        parser.error("--export_lora with --lora_format kohya is one file: give it a name ending in .safetensors")
+    if args.lora and not (args.prompt or args.export_diffusers or args.export_single_file):
+        parser.error("--lora merges into the weights that are sampled or exported whole (--export_diffusers, "
+                     "--export_single_file); --export_lora writes the --ckpt's own adapter alone")
+    try:
+        args.lora = [parse_lora_spec(spec) for spec in args.lora]
+    except ValueError as error:
+        parser.error(str(error))
     if args.height % 8 or args.width % 8 or args.height <= 0 or args.width <= 0:
         parser.error("--height and --width must be positive multiples of 8")
     for name in ("steps", "n", "batch_size"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1")
     return args
+
+
+def parse_lora_spec(spec: str) -> tuple[str, float]:
+    """``FILE_OR_DIR[:SCALE]`` -> (path, scale). A path may hold ':' itself (``C:\\x``, ``a:b.safetensors``):
+    the text after the last ':' is a scale only when it reads as a number, and never when the whole
+    text names an existing file or folder."""
+    path, sep, tail = spec.rpartition(":")
+    if not sep or Path(spec).exists():
+        return spec, 1.0
+    try:
+        scale = float(tail)
+    except ValueError:
+        return spec, 1.0
+    if not math.isfinite(scale) or not path:
+        raise ValueError(f"--lora {spec}: give FILE_OR_DIR[:SCALE] with a finite SCALE")
+    return path, scale
+
+
+# ---------------------------------------------------------------------------------------------
+# LoRA
+# ---------------------------------------------------------------------------------------------
+
+
+def merge_adapters(model: Pipeline, loras: list[tuple[str, float]]) -> None:
+    """Fold the checkpoint's own adapter (a LoRA run's, scale 1) into the weights, then add each
+    ``(file, scale)`` LoRA: the plain models that sampling and the full exports use."""
+    for part in (model.unet, model.text_encoder):
+        if SD_Lora.has_lora(part):
+            SD_Lora.merge(part)
+    for path, scale in loras:
+        lora = SD_Formats.read_lora(path, model.unet, model.text_encoder)
+        SD_Formats.merge_lora({"unet": model.unet, "text_encoder": model.text_encoder}, lora, scale)
+        layers = sum(len(modules) for modules in lora.values())
+        log.info("merged LoRA %s at scale %g (%d layers)", path, scale, layers)
+        model.source += f" + LoRA {path}:{scale:g}"
+
+
+def export_lora(args, model: Pipeline) -> None:
+    if not (SD_Lora.has_lora(model.unet) or SD_Lora.has_lora(model.text_encoder)):
+        raise ValueError(f"{args.ckpt} carries no LoRA adapter to export (--export_lora takes a LoRA run of ours; "
+                         "--lora merges LoRA files into a model)")
+    path = SD_Formats.save_model_lora(args.export_lora, model.unet, model.text_encoder, args.lora_format,
+                                      metadata={"source": model.source})
+    log.info("wrote LoRA %s (%s format)", path, args.lora_format)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -161,6 +236,14 @@ def main(argv=None) -> int:
         return 2
     log.info("loaded %s (%s%s)", model.source, model.prediction_type,
              ", zero terminal SNR" if model.zero_terminal_snr else "")
+    try:
+        if args.export_lora:
+            export_lora(args, model)
+        if args.prompt or args.export_diffusers or args.export_single_file:  # the plain, merged weights
+            merge_adapters(model, args.lora)
+    except (KeyError, ValueError, OSError, SafetensorError) as error:  # the message names the file
+        print(f"SD_ImageGen.py: {SD_Formats.first_line(error)}", file=sys.stderr)
+        return 2
     if args.export_diffusers or args.export_single_file:
         export(args, model)
     if not args.prompt:

@@ -1,0 +1,303 @@
+"""LoRA files (diffusers and kohya layouts), LoRA runs' checkpoints, and SD_ImageGen.py's --lora /
+--export_lora, on the tiny presets with diffusers as the outside reader."""
+
+import copy
+import json
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+import SD_Checkpoint as ckpt
+import SD_Formats
+import SD_ImageGen
+import SD_Lora
+import SD_Model
+
+RANK, ALPHA = 4, 8.0  # alpha != rank: every reader must apply alpha / rank = 2
+STEPS = 2
+
+
+@pytest.fixture(scope="module")
+def base():
+    """The tiny base parts: UNet, text encoder, VAE, tokenizer."""
+    return (SD_Model.build_unet("tiny", seed=0, from_scratch=False).eval(), SD_Model.load_text_encoder("tiny"),
+            SD_Model.load_vae("tiny"), SD_Model.load_tokenizer("tiny"))
+
+
+def adapted(base, targets, rank=RANK, alpha=ALPHA, seed=1, text=True):
+    """Copies of the base UNet (and text encoder) with random non-zero adapters."""
+    unet, encoder = copy.deepcopy(base[0]), copy.deepcopy(base[1])
+    SD_Lora.add_lora(unet, SD_Lora.resolve_targets(unet, targets), rank, alpha)
+    if text:
+        SD_Lora.add_lora(encoder, SD_Lora.resolve_targets(encoder, SD_Lora.TEXT_TARGETS), rank, alpha)
+    randomize(unet, seed)
+    randomize(encoder, seed + 100)
+    return unet.eval(), encoder.eval()
+
+
+@torch.no_grad()
+def randomize(model, seed):
+    generator = torch.Generator().manual_seed(seed)
+    for param in SD_Lora.adapter_state(model).values():
+        param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+
+
+def write(fmt, tmp_path, unet, encoder, name="lora"):
+    out = tmp_path / (f"{name}.safetensors" if fmt == "kohya" else name)
+    return SD_Formats.save_model_lora(out, unet, encoder, fmt)
+
+
+def unet_output(unet):
+    generator = torch.Generator().manual_seed(0)
+    sample, context = torch.randn(2, 4, 8, 8, generator=generator), torch.randn(2, 77, 64, generator=generator)
+    with torch.no_grad():
+        return unet(sample, 10, context).sample
+
+
+def text_output(encoder, tokenizer):
+    with torch.no_grad():
+        return encoder(SD_Model.tokenize(tokenizer, ["a red circle", "a blue square"])).last_hidden_state
+
+
+# ------------------------------------------------------------------------------ diffusers as the reader
+
+
+@pytest.mark.parametrize("fmt,targets", [("diffusers", ["transformer"]), ("kohya", ["attention", "resnet"])])
+def test_diffusers_loads_our_files_whole_and_computes_what_we_do(fmt, targets, base, tmp_path):
+    from diffusers import DDIMScheduler, StableDiffusionPipeline
+    from peft.utils import get_peft_model_state_dict
+
+    unet, encoder = adapted(base, targets)
+    path = write(fmt, tmp_path, unet, encoder)
+    pipe = StableDiffusionPipeline(unet=copy.deepcopy(base[0]), text_encoder=copy.deepcopy(base[1]), vae=base[2],
+                                   tokenizer=base[3], scheduler=SD_Model.build_noise_scheduler("epsilon", DDIMScheduler),
+                                   safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    pipe.load_lora_weights(str(path.parent if fmt == "diffusers" else path))
+    # Every layer of ours got its adapter in diffusers' model, with our very tensors; none more.
+    for theirs, ours in ((pipe.unet, unet), (pipe.text_encoder, encoder)):
+        loaded = get_peft_model_state_dict(theirs, adapter_name="default_0")
+        own = {k.replace(f".{SD_Lora.ADAPTER}.", "."): v for k, v in SD_Lora.adapter_state(ours).items()}
+        assert set(loaded) == set(own) and all(torch.equal(loaded[k], own[k]) for k in own)
+    assert any(m.down.ndim == 4 and m.down.shape[2:] == (3, 3) for m in SD_Formats.adapter_lora_modules(unet).values()) \
+        == ("resnet" in targets)
+    expected, plain = unet_output(unet), unet_output(base[0])
+    assert (expected - plain).abs().max() > 1e-2  # the adapter changes the output: the comparison below can fail
+    torch.testing.assert_close(unet_output(pipe.unet), expected, atol=1e-5, rtol=0)
+    expected = text_output(encoder, base[3])
+    assert (expected - text_output(base[1], base[3])).abs().max() > 1e-2
+    torch.testing.assert_close(text_output(pipe.text_encoder, base[3]), expected, atol=1e-5, rtol=0)
+
+
+# ------------------------------------------------------------------------------ our reader
+
+
+@pytest.mark.parametrize("fmt", SD_Formats.LORA_FORMATS)
+def test_written_files_read_back_to_the_same_tensors(fmt, base, tmp_path):
+    unet, encoder = adapted(base, ["transformer", "resnet"])
+    path = write(fmt, tmp_path, unet, encoder)
+    back = SD_Formats.read_lora(path.parent if fmt == "diffusers" else path, base[0], base[1])
+    for part, model in (("unet", unet), ("text_encoder", encoder)):
+        own = SD_Formats.adapter_lora_modules(model)
+        assert set(back[part]) == set(own)
+        for name, m in own.items():
+            assert torch.equal(back[part][name].down, m.down) and torch.equal(back[part][name].up, m.up)
+            assert back[part][name].alpha == ALPHA
+    with safe_open(str(path), framework="pt") as handle:
+        header = handle.metadata()
+    assert (header["lora_rank"], header["lora_alpha"]) == (str(RANK), str(ALPHA))
+    assert json.loads(header["lora_targets"]) == sorted(SD_Formats.adapter_lora_modules(unet))
+    keys = set(load_file(str(path)))
+    if fmt == "kohya":
+        assert "lora_te_text_model_encoder_layers_0_self_attn_q_proj.alpha" in keys
+        assert "lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_out_0.lora_down.weight" in keys
+        assert "lora_unet_down_blocks_0_downsamplers_0_conv.lora_up.weight" in keys
+    else:
+        assert "text_encoder.text_model.encoder.layers.0.self_attn.q_proj.lora_A.weight" in keys
+        assert "unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_out.0.lora_B.weight" in keys
+
+
+def test_peft_keys_without_a_prefix_read_as_the_unet_and_without_metadata_alpha_is_the_rank(base, tmp_path):
+    unet, _ = adapted(base, ["attention"], text=False)
+    state = {k.replace(f".{SD_Lora.ADAPTER}.", "."): v for k, v in SD_Lora.adapter_state(unet).items()}
+    save_file(state, str(tmp_path / "peft.safetensors"))
+    back = SD_Formats.read_lora(tmp_path / "peft.safetensors", base[0], base[1])
+    assert set(back) == {"unet"} and len(back["unet"]) == len(state) // 2
+    assert {m.alpha for m in back["unet"].values()} == {float(RANK)}
+
+
+def test_unknown_keys_shape_mismatches_and_missing_files_are_errors_naming_the_file(base, tmp_path):
+    unet, encoder = adapted(base, ["attention"])
+    path = write("kohya", tmp_path, unet, encoder)
+    tensors = load_file(str(path))
+    odd = tmp_path / "odd.safetensors"
+    save_file({**tensors, "lora_unet_no_such_layer.lora_down.weight": torch.zeros(4, 8)}, str(odd))
+    with pytest.raises(ValueError, match=r"odd\.safetensors: 1 of its .*lora_unet_no_such_layer"):
+        SD_Formats.read_lora(odd, base[0], base[1])
+    key = "lora_unet_mid_block_attentions_0_transformer_blocks_0_attn2_to_k.lora_up.weight"
+    save_file({**tensors, key: torch.zeros(3, RANK)}, str(tmp_path / "shape.safetensors"))
+    with pytest.raises(ValueError, match=r"shape\.safetensors: unet layer mid_block.*attn2\.to_k: .*do not fit"):
+        SD_Formats.read_lora(tmp_path / "shape.safetensors", base[0], base[1])
+    save_file({k: v for k, v in tensors.items() if not k.endswith("lora_up.weight")}, str(tmp_path / "half.safetensors"))
+    with pytest.raises(ValueError, match=r"half\.safetensors: .* has no up weight"):
+        SD_Formats.read_lora(tmp_path / "half.safetensors", base[0], base[1])
+    with pytest.raises(FileNotFoundError, match="pytorch_lora_weights.safetensors is missing"):
+        SD_Formats.read_lora(tmp_path, base[0], base[1])
+
+
+# ------------------------------------------------------------------------------ a LoRA run of ours
+
+
+@pytest.fixture(scope="module")
+def base_dir(base, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("base") / "pipe"
+    SD_Formats.export_diffusers(folder, base[0], base[2], base[1], base[3])
+    return folder
+
+
+@pytest.fixture(scope="module")
+def lora_run(base, base_dir, tmp_path_factory):
+    """A LoRA run's checkpoint folder as the trainer writes it: adapter (UNet and text encoder), the UNet
+    adapter's EMA, config.yaml, COMPLETE; no unet.safetensors. Returns (run folder, live models, EMA UNet)."""
+    run = tmp_path_factory.mktemp("lora_run") / "run"
+    folder = run / "checkpoints" / ckpt.step_dir_name(12)
+    folder.mkdir(parents=True)
+    unet, encoder = adapted(base, ["attention"], seed=3)
+    ema = copy.deepcopy(unet)
+    randomize(ema, 5)
+    ckpt.save_weights(SD_Lora.AdapterWeights(unet=unet, text_encoder=encoder).state_dict(), folder / "adapter.safetensors")
+    ckpt.save_weights(SD_Lora.adapter_state(ema), folder / "ema.safetensors")
+    config = dict(init_from=str(base_dir), lora_rank=RANK, lora_alpha=ALPHA, lora_dropout=0.0, lora_targets=["attention"],
+                  lora_text_encoder=True, unet="tiny", vae=str(base_dir), text_encoder=str(base_dir),
+                  tokenizer=str(base_dir), prediction_type="epsilon")
+    (folder / "config.yaml").write_text(yaml.safe_dump(config))
+    (folder / ckpt.COMPLETE).write_text("ok\n")
+    return run, unet, encoder, ema
+
+
+def adapters_equal(model, reference) -> bool:
+    mine, theirs = SD_Lora.adapter_state(model), SD_Lora.adapter_state(reference)
+    return set(mine) == set(theirs) and all(torch.equal(v, theirs[k]) for k, v in mine.items())
+
+
+def test_a_lora_run_loads_its_base_and_keeps_the_ema_adapter_unmerged(lora_run, base):
+    run, unet, encoder, ema = lora_run
+    model = SD_Formats.load_pipeline(str(run))
+    assert adapters_equal(model.unet, ema) and adapters_equal(model.text_encoder, encoder)
+    torch.testing.assert_close(unet_output(model.unet), unet_output(ema), atol=0, rtol=0)
+    live = SD_Formats.load_pipeline(str(run), use_ema=False)
+    assert adapters_equal(live.unet, unet)
+    # As init_from of a new phase (SD_Train.init_weights): plain weights, base + adapter merged.
+    plain = SD_Model.build_unet("tiny", from_scratch=False)
+    SD_Formats.load_unet_weights(str(run), plain, use_ema=False)
+    assert not SD_Lora.has_lora(plain) and plain.training and all(p.requires_grad for p in plain.parameters())
+    torch.testing.assert_close(unet_output(plain), unet_output(unet), atol=1e-5, rtol=0)
+    ema_state = SD_Formats.run_ema_weights(str(run), plain)
+    plain.load_state_dict(ema_state)
+    torch.testing.assert_close(unet_output(plain), unet_output(ema), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("fmt", SD_Formats.LORA_FORMATS)
+def test_export_lora_writes_the_runs_ema_adapter(fmt, lora_run, base, tmp_path):
+    run, unet, encoder, ema = lora_run
+    out = tmp_path / ("style.safetensors" if fmt == "kohya" else "style")
+    assert SD_ImageGen.main(["--ckpt", str(run), "--export_lora", str(out), "--lora_format", fmt]) == 0
+    back = SD_Formats.read_lora(out, base[0], base[1])
+    for part, model in (("unet", ema), ("text_encoder", encoder)):
+        own = SD_Formats.adapter_lora_modules(model)
+        assert set(back[part]) == set(own)
+        assert all(torch.equal(back[part][n].down, m.down) and torch.equal(back[part][n].up, m.up)
+                   and back[part][n].alpha == ALPHA for n, m in own.items())
+    with safe_open(str(SD_Formats.lora_file(out)), framework="pt") as handle:
+        header = handle.metadata()
+    assert json.loads(header["lora_targets"]) == ["attention"] and header["lora_text_encoder"] == "True"
+
+
+def test_export_lora_of_a_model_without_an_adapter_is_a_clear_error(base_dir, tmp_path, capsys):
+    assert SD_ImageGen.main(["--ckpt", str(base_dir), "--export_lora", str(tmp_path / "x")]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("SD_ImageGen.py:")]
+    assert len(err) == 1 and f"{base_dir} carries no LoRA adapter" in err[0]
+    assert not (tmp_path / "x").exists()
+
+
+# ------------------------------------------------------------------------------ merging: --lora
+
+
+def sample_args(ckpt_path, out):
+    return ["--ckpt", str(ckpt_path), "--prompt", "a red circle", "--seed", "3", "--n", "1", "--steps", str(STEPS),
+            "--cfg", "4.0", "--height", "64", "--width", "64", "--device", "cpu", "--precision", "fp32",
+            "--out", str(out)]
+
+
+@pytest.fixture(scope="module")
+def merged(lora_run, base, tmp_path_factory):
+    """The LoRA run sampled and exported with a LoCon kohya file merged at 0.5 on top of its own adapter."""
+    root = tmp_path_factory.mktemp("merged")
+    file_unet, file_encoder = adapted(base, ["attention", "resnet"], rank=2, alpha=3.0, seed=7)
+    path = write("kohya", root, file_unet, file_encoder, "locon")
+    assert SD_ImageGen.main([*sample_args(lora_run[0], root / "lora_images"), "--lora", f"{path}:0.5",
+                             "--export_diffusers", str(root / "merged")]) == 0
+    return root, file_unet, file_encoder
+
+
+def expected_weights(plain, adapters: list[tuple[torch.nn.Module, float]]) -> dict[str, torch.Tensor]:
+    """``plain``'s weights + scale x (alpha / rank) x up @ down of every adapter, computed here."""
+    state = {k: v.clone() for k, v in plain.state_dict().items()}
+    for model, scale in adapters:
+        for name, layer in SD_Lora.lora_layers(model):
+            down, up = layer.lora_A[SD_Lora.ADAPTER].weight, layer.lora_B[SD_Lora.ADAPTER].weight
+            alpha, rank = layer.lora_alpha[SD_Lora.ADAPTER], down.shape[0]
+            weight = state[f"{name}.weight"]
+            state[f"{name}.weight"] = weight + scale * (alpha / rank) * (up.flatten(1) @ down.flatten(1)).reshape(weight.shape)
+    return state
+
+
+def test_merged_export_is_the_base_plus_each_scaled_adapter(merged, lora_run, base):
+    from diffusers import UNet2DConditionModel
+
+    root, file_unet, file_encoder = merged
+    _, _, encoder, ema = lora_run
+    exported = {"unet": UNet2DConditionModel.from_pretrained(root / "merged", subfolder="unet").state_dict(),
+                "text_encoder": SD_Model.load_text_encoder(str(root / "merged")).state_dict()}
+    for part, plain, adapters in (("unet", base[0], [(ema, 1.0), (file_unet, 0.5)]),
+                                  ("text_encoder", base[1], [(encoder, 1.0), (file_encoder, 0.5)])):
+        expected = expected_weights(plain, adapters)
+        assert set(exported[part]) == set(expected)
+        changed = [k for k in expected if not torch.equal(expected[k], plain.state_dict()[k])]
+        assert len(changed) == len({n for m, _ in adapters for n, _ in SD_Lora.lora_layers(m)}) > 0
+        for key, value in expected.items():
+            torch.testing.assert_close(exported[part][key], value, atol=1e-6, rtol=0, msg=f"{part} {key}")
+
+
+def test_sampling_with_lora_equals_sampling_the_merged_export(merged, tmp_path):
+    from PIL import Image
+
+    root = merged[0]
+    assert SD_ImageGen.main(sample_args(root / "merged", tmp_path / "plain")) == 0
+    with_lora = np.asarray(Image.open(root / "lora_images" / "000_000003.png").convert("RGB")).astype(int)
+    plain = np.asarray(Image.open(tmp_path / "plain" / "000_000003.png").convert("RGB")).astype(int)
+    assert with_lora.std() > 0 and np.abs(with_lora - plain).max() <= 1
+    assert "+ LoRA" in SD_ImageGen.read_parameters(root / "lora_images" / "000_000003.png")
+
+
+def test_lora_specs_split_on_the_last_colon_only_before_a_number(tmp_path):
+    assert SD_ImageGen.parse_lora_spec("style.safetensors") == ("style.safetensors", 1.0)
+    assert SD_ImageGen.parse_lora_spec("style.safetensors:0.5") == ("style.safetensors", 0.5)
+    assert SD_ImageGen.parse_lora_spec("C:\\loras\\style.safetensors:-1e-1") == ("C:\\loras\\style.safetensors", -0.1)
+    assert SD_ImageGen.parse_lora_spec("C:\\loras\\style.safetensors") == ("C:\\loras\\style.safetensors", 1.0)
+    odd = tmp_path / "a:2"
+    odd.mkdir()
+    assert SD_ImageGen.parse_lora_spec(str(odd)) == (str(odd), 1.0)
+    with pytest.raises(ValueError, match="finite"):
+        SD_ImageGen.parse_lora_spec("style.safetensors:nan")
+
+
+def test_lora_flags_that_could_do_nothing_are_refused(capsys):
+    for argv in (["--export_lora", "out", "--lora", "style.safetensors"],  # --lora: nothing sampled or exported whole
+                 ["--export_lora", "out", "--lora_format", "kohya"]):  # a kohya LoRA is one .safetensors file
+        with pytest.raises(SystemExit):
+            SD_ImageGen.parse_args(["--ckpt", "run", *argv])
+    assert "--lora merges into the weights" in capsys.readouterr().err
