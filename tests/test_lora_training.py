@@ -262,3 +262,34 @@ def test_a_lora_target_that_selects_nothing_stops_before_training(tmp_path, base
     assert SD_Train.main(["--config", str(config)]) == 2
     assert "lora_targets: 'to_nowhere' selects no Linear or Conv2d layer" in capsys.readouterr().err
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_trained_lora_run_exports_and_samples_through_sd_imagegen(tmp_path, base_model, data):
+    """The trainer's checkpoint layout as SD_ImageGen reads it: the exported kohya file holds the run's
+    EMA adapter (UNet and text encoder), and sampling the run equals sampling its merged export."""
+    import SD_ImageGen
+
+    config = write_config(tmp_path / "a.yaml", datasets=[data], init_from=str(base_model), max_steps=2,
+                          out_dir=str(tmp_path / "run"), lora_text_encoder=True, lora_dropout=0.0)
+    assert SD_Train.main(["--config", str(config)]) == 0
+    run = str(tmp_path / "run")
+    assert SD_ImageGen.main(["--ckpt", run, "--export_lora", str(tmp_path / "k.safetensors"),
+                             "--lora_format", "kohya"]) == 0
+    unet, encoder = base_unet(base_model), SD_Model.load_text_encoder("tiny")
+    lora = SD_Formats.read_lora(tmp_path / "k.safetensors", unet, encoder)
+    saved = tmp_path / "run" / "checkpoints" / ckpt.step_dir_name(2)
+    ema, adapter = load_file(saved / "ema.safetensors"), load_file(saved / "adapter.safetensors")
+    module = "down_blocks.0.attentions.0.transformer_blocks.0.attn2.to_k"
+    assert torch.equal(lora["unet"][module].up, ema[f"{module}.lora_B.default.weight"])
+    assert lora["unet"][module].alpha == 8.0 and lora["unet"][module].rank == 4
+    text = [k for k in adapter if k.startswith("text_encoder.") and k.endswith("layers.0.self_attn.q_proj.lora_B.default.weight")]
+    assert len(text) == 1 and any(torch.equal(m.up, adapter[text[0]]) for name, m in lora["text_encoder"].items()
+                                  if name.endswith("layers.0.self_attn.q_proj"))
+    flags = ["--prompt", "a red circle", "--n", "1", "--steps", "2", "--height", "64", "--width", "64"]
+    assert SD_ImageGen.main(["--ckpt", run, "--export_diffusers", str(tmp_path / "merged"), *flags,
+                             "--out", str(tmp_path / "s1")]) == 0
+    assert SD_ImageGen.main(["--ckpt", str(tmp_path / "merged"), *flags, "--out", str(tmp_path / "s2")]) == 0
+    from PIL import Image
+
+    first, second = (np.asarray(Image.open(tmp_path / s / "000_000000.png")) for s in ("s1", "s2"))
+    assert np.abs(first.astype(int) - second.astype(int)).max() <= 1
