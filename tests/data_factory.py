@@ -58,3 +58,20 @@ def make_dataset(root: Path, n_train: int = 64, n_val: int = 8, size: int = 8, s
     rows = list(zip(keys, captions))
     make_captions(root / "captions", rows[:n_train], rows[n_train:])
     return {"dataset": str(root / "captions"), "latents": str(root / "latents"), "weight": 1.0}
+
+
+def train_tiny_run(root: Path, n_train: int, **fields) -> Path:
+    """A tiny single-process training run on a fresh toy dataset under ``root``; returns its run folder.
+    ``fields`` override the tiny fp32 CPU defaults (``max_steps``, ``validation_prompts``, ...)."""
+    import SD_Train
+    from SD_Distributed import Dist
+    from SD_TrainConfig import TrainConfig
+
+    data = make_dataset(root / "data", n_train=n_train, n_val=0)
+    values = dict(datasets=[data], unet="tiny", vae="tiny", text_encoder="tiny", precision="fp32", device="cpu",
+                  grad_checkpointing=False, batch_size=8, grad_accum=1, lr=3e-3, out_dir=str(root / "run"),
+                  validation_cfg=4.0, seed=5)
+    config = TrainConfig(**{**values, **fields})
+    config.validate()
+    assert SD_Train.train(config, Dist.single()) == 0
+    return root / "run"

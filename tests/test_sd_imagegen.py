@@ -16,7 +16,7 @@ import SD_Sampling
 import SD_Train
 from SD_Distributed import Dist
 from SD_TrainConfig import TrainConfig
-from data_factory import make_dataset
+from data_factory import train_tiny_run
 
 STEPS = 4
 GRID_PROMPTS = ["a red circle", "a blue square on a white background"]
@@ -25,15 +25,8 @@ GRID_PROMPTS = ["a red circle", "a blue square on a white background"]
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     """A short tiny training run whose EMA differs from its live weights."""
-    root = tmp_path_factory.mktemp("gen")
-    data = make_dataset(root / "data", n_train=32, n_val=0)
-    config = TrainConfig(datasets=[data], unet="tiny", vae="tiny", text_encoder="tiny", precision="fp32",
-                         device="cpu", grad_checkpointing=False, batch_size=8, grad_accum=1, max_steps=6,
-                         warmup_steps=1, lr=3e-3, ema_decay=0.5, validate_every=6, out_dir=str(root / "run"),
-                         validation_prompts=GRID_PROMPTS, validation_steps=STEPS, validation_cfg=4.0, seed=5)
-    config.validate()
-    assert SD_Train.train(config, Dist.single()) == 0
-    return root / "run"
+    return train_tiny_run(tmp_path_factory.mktemp("gen"), 32, max_steps=6, warmup_steps=1, ema_decay=0.5,
+                          validate_every=6, validation_prompts=GRID_PROMPTS, validation_steps=STEPS)
 
 
 def gen(model, prompt="a red circle", negative="", seeds=(0, 1), cfg=3.0, sampler="ddim", batch_size=2):

@@ -17,7 +17,7 @@ import SD_Sampling
 import SD_Train
 from SD_Distributed import Dist
 from SD_TrainConfig import TrainConfig
-from data_factory import make_dataset
+from data_factory import train_tiny_run
 
 STEPS = 4  # divides 1000: diffusers' trailing DDIM and ours visit and step to the same timesteps
 PROMPT = "a red circle"
@@ -139,16 +139,9 @@ def test_epsilon_on_the_rescaled_schedule_is_refused():
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     """One tiny optimizer step on the rescaled schedule, its validation grid and a checkpoint."""
-    root = tmp_path_factory.mktemp("ztsnr")
-    data = make_dataset(root / "data", n_train=8, n_val=0)
-    config = TrainConfig(datasets=[data], unet="tiny", vae="tiny", text_encoder="tiny", precision="fp32",
-                         device="cpu", grad_checkpointing=False, batch_size=8, grad_accum=1, max_steps=1,
-                         warmup_steps=0, lr=3e-3, ema_decay=0.0, validate_every=1, out_dir=str(root / "run"),
-                         validation_prompts=[PROMPT], validation_steps=STEPS, validation_cfg=4.0, seed=5,
-                         prediction_type="v_prediction", zero_terminal_snr=True)
-    config.validate()
-    assert SD_Train.train(config, Dist.single()) == 0
-    return root / "run"
+    return train_tiny_run(tmp_path_factory.mktemp("ztsnr"), 8, max_steps=1, warmup_steps=0, ema_decay=0.0,
+                          validate_every=1, validation_prompts=[PROMPT], validation_steps=STEPS,
+                          prediction_type="v_prediction", zero_terminal_snr=True)
 
 
 def test_training_step_on_the_rescaled_schedule_is_finite(run_dir):
