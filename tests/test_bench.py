@@ -82,9 +82,10 @@ def test_peer_script_inputs_load_as_a_diffusers_pipeline_and_an_imagefolder(tmp_
     rows = datasets.load_dataset("imagefolder", data_dir=str(data_dir), split="train")
     assert len(rows) == 5 and rows.column_names == ["image", "text"]
     assert rows[3]["text"] == "a photograph number 3" and rows[3]["image"].size == (96, 80)
-    command = train_throughput.peer_script_command("t2i.py", model_dir, data_dir, tmp_path / "out", 64, 4, 7, "bf16")
+    command = train_throughput.peer_script_command("t2i.py", model_dir, data_dir, tmp_path / "out", 64, 4, 7, "bf16",
+                                                   ["--rank", "8"])  # the LoRA script's extra flag
     flags = dict(zip(command[2::2], command[3::2]))
-    assert flags["--train_batch_size"] == "4" and flags["--max_train_steps"] == "7"
+    assert flags["--train_batch_size"] == "4" and flags["--max_train_steps"] == "7" and flags["--rank"] == "8"
     assert flags["--mixed_precision"] == "bf16" and flags["--pretrained_model_name_or_path"] == str(model_dir)
 
 
