@@ -219,7 +219,8 @@ def row_of(impl: str, setting: Setting, batch: int) -> dict:
 def measure(entries: list, batch: int, device: torch.device, args) -> list[dict]:
     """Time each ``(impl, setting, make)`` on one synthetic batch; ``make(input_ids)`` returns
     ``(step, trainable)``. With ``--interleave`` all are built and warmed first, then each timed step
-    goes to every entry in turn (no peak memory then: the entries share the device)."""
+    goes to every entry in turn, the order reversed every other step (no peak memory then: the entries
+    share the device)."""
     latents, input_ids = harness.synthetic_batch(batch, args.resolution // harness.vae_factor(args.arch))
     rows, steps = [], []
     for impl, setting, make in entries:
@@ -239,8 +240,9 @@ def measure(entries: list, batch: int, device: torch.device, args) -> list[dict]
         steps.append(step)
         if step is None:
             harness.release(device)
-    for _ in range(args.timed_steps if args.interleave else 0):
-        for row, step in zip(rows, steps):
+    for i in range(args.timed_steps if args.interleave else 0):
+        pairs = list(zip(rows, steps))
+        for row, step in pairs if i % 2 == 0 else reversed(pairs):  # no row always first or last
             if step is not None:
                 row["step_s"].append(harness.time_steps(lambda: step(latents, input_ids), device, 0, 1))
     del steps
