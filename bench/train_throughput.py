@@ -167,15 +167,16 @@ def prepare_peer_inputs(folder: Path, arch: str, resolution: int, images: int) -
 
 
 def peer_script_command(script: str, model_dir: Path, data_dir: Path, out_dir: Path, resolution: int, batch: int,
-                        steps: int, precision: str) -> list[str]:
+                        steps: int, precision: str, extra_args=()) -> list[str]:
+    """The flags the diffusers text-to-image scripts share, then ``extra_args`` (e.g. the LoRA script's --rank)."""
     return [sys.executable, script, "--pretrained_model_name_or_path", str(model_dir), "--train_data_dir",
             str(data_dir), "--resolution", str(resolution), "--train_batch_size", str(batch), "--max_train_steps",
             str(steps), "--mixed_precision", "bf16" if precision == "bf16" else "no", "--output_dir", str(out_dir),
-            "--checkpointing_steps", str(10**9), "--seed", "0"]
+            "--checkpointing_steps", str(10**9), "--seed", "0", *extra_args]
 
 
 def run_peer_script(script: str, folder: Path, model_dir: Path, data_dir: Path, resolution: int, batch: int,
-                    warmup: int, steps: int, precision: str) -> dict:
+                    warmup: int, steps: int, precision: str, extra_args=()) -> dict:
     """images/s of the script: (steps) x batch over the wall-time difference of a long and a short run."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     seconds = []
@@ -183,7 +184,7 @@ def run_peer_script(script: str, folder: Path, model_dir: Path, data_dir: Path, 
         out_dir = folder / f"out_{count}"
         start = time.perf_counter()
         result = subprocess.run(peer_script_command(script, model_dir, data_dir, out_dir, resolution, batch, count,
-                                                    precision), env=env, capture_output=True, text=True)
+                                                    precision, extra_args), env=env, capture_output=True, text=True)
         seconds.append(time.perf_counter() - start)
         if result.returncode != 0:
             raise RuntimeError(f"{script} failed ({result.returncode}):\n{result.stderr[-3000:]}")

@@ -82,9 +82,10 @@ def test_peer_script_inputs_load_as_a_diffusers_pipeline_and_an_imagefolder(tmp_
     rows = datasets.load_dataset("imagefolder", data_dir=str(data_dir), split="train")
     assert len(rows) == 5 and rows.column_names == ["image", "text"]
     assert rows[3]["text"] == "a photograph number 3" and rows[3]["image"].size == (96, 80)
-    command = train_throughput.peer_script_command("t2i.py", model_dir, data_dir, tmp_path / "out", 64, 4, 7, "bf16")
+    command = train_throughput.peer_script_command("t2i.py", model_dir, data_dir, tmp_path / "out", 64, 4, 7, "bf16",
+                                                   ["--rank", "8"])  # the LoRA script's extra flag
     flags = dict(zip(command[2::2], command[3::2]))
-    assert flags["--train_batch_size"] == "4" and flags["--max_train_steps"] == "7"
+    assert flags["--train_batch_size"] == "4" and flags["--max_train_steps"] == "7" and flags["--rank"] == "8"
     assert flags["--mixed_precision"] == "bf16" and flags["--pretrained_model_name_or_path"] == str(model_dir)
 
 
@@ -206,3 +207,39 @@ def test_data_scale_bench_puts_another_stage_in_the_same_form_with_its_projectio
     [projection] = result["stages"]["encode"]["projected"]
     assert "10,000-image shard peaks at" in projection and f"projected: {projection}" in stdout
     assert "growth ours: size x3" in stdout
+
+
+def test_lora_step_bench_times_ours_against_full_fine_tuning_and_the_peer(tmp_path):
+    stdout, result = run_bench("lora_step.py", "--batch_sizes", "2", "--warmup", "0", "--timed_steps", "1",
+                               "--threads", "1", "--estimate", "false", "--json", str(tmp_path / "out.json"))
+    assert result == json.loads((tmp_path / "out.json").read_text())
+    rows = {row["impl"]: row for row in result["rows"]}
+    assert list(rows) == ["ours-lora", "ours-full", "peer-lora"]
+    for row in rows.values():
+        assert (row["batch"], row["setting"]) == (2, "adamw")
+        assert row["images_per_s"] == pytest.approx(2000 / row["step_ms"])
+    # rank 4 on the attention projections: the same adapter in ours and the peer, a sliver of the UNet
+    assert rows["ours-lora"]["trainable_params"] == rows["peer-lora"]["trainable_params"]
+    assert rows["ours-lora"]["trainable_params"] < 0.05 * rows["ours-full"]["trainable_params"]
+    assert rows["ours-full"]["trainable_params"] == 803_204  # the tiny UNet
+    [compared] = result["ratios"]
+    for key, other in (("lora_vs_full_images_per_s", "ours-full"), ("lora_vs_peer_images_per_s", "peer-lora")):
+        assert compared[key] == round(rows["ours-lora"]["images_per_s"] / rows[other]["images_per_s"], 3)
+    assert compared["lora_vs_full_peak"] is None and compared["lora_vs_full_estimate"] is None  # CPU, no estimate
+    peer_ratio = compared["lora_vs_peer_images_per_s"]
+    assert f"ratio ours-lora/peer-lora at batch 2 (adamw): images/s {peer_ratio:.2f}x" in stdout
+
+
+def test_lora_step_ratios_pair_each_lora_row_with_full_fine_tuning_and_the_peer_of_its_setting():
+    import lora_step
+
+    cached = lora_step.Setting("adamw8bit", True, True)
+    rows = [{"impl": "ours-lora", "batch": 4, "setting": cached.name, "images_per_s": 30.0, "estimate_gb": 2.0},
+            {"impl": "ours-full", "batch": 4, "setting": cached.name, "images_per_s": 20.0, "estimate_gb": 8.0},
+            {"impl": "peer-lora", "batch": 4, "setting": "adamw8bit+checkpointing", "images_per_s": 24.0,
+             "peak_allocated_gb": 3.0},
+            {"impl": "peer-lora", "batch": 8, "setting": "adamw8bit+checkpointing", "images_per_s": 1.0}]
+    [compared] = lora_step.ratios(rows, [cached])
+    assert compared == {"batch": 4, "setting": "adamw8bit+checkpointing+text_cache", "lora_vs_full_images_per_s": 1.5,
+                        "lora_vs_full_peak": None, "lora_vs_full_estimate": 0.25, "lora_vs_peer_images_per_s": 1.25,
+                        "lora_vs_peer_peak": None}
