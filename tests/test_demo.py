@@ -47,8 +47,8 @@ def test_demo_chain_learns_prompted_colours(tmp_path):
     scores = json.loads((out / "eval.json").read_text())
     assert scores["seen"]["n"] == 15 * 4 and scores["held_out"]["n"] == 3 * 4
     # Chance is 1/6 for colour and 1/3 for shape. Measured on seen prompts at this size (2-core CPU):
-    # colour 1.00 and shape 0.93 with one thread; 0.97 and 0.92 with two. The full demo (850 steps of
-    # 64) reaches 100% on both.
+    # colour 1.00 and shape 0.93 with one thread; 0.97 and 0.92 with two; 0.93 and 0.95 with two since
+    # the VAE also sees cyan. The full demo (850 steps of 64) reaches 100% on both.
     assert scores["seen"]["colour"] >= 0.6, scores
     assert scores["seen"]["shape"] >= 0.7, scores
     assert (out / "samples" / "grid.png").exists() and (out / "train" / "loss.png").exists()
