@@ -65,7 +65,7 @@ def missing_class_images(config, instances: int) -> list[int]:
     return free[: wanted - len(have)]
 
 
-def ensure_class_images(config, d, pipeline, instances: int, precision: str) -> int:
+def ensure_class_images(config, d, pipeline, instances: int) -> int:
     """Generate the missing class images with ``pipeline`` (the base model); every rank makes every
     ``world_size``-th one, then all meet at a barrier. Returns how many were made here."""
     todo = missing_class_images(config, instances)
@@ -82,7 +82,7 @@ def ensure_class_images(config, d, pipeline, instances: int, precision: str) -> 
                  d.world_size)
     pipeline.unet.eval()
     try:
-        with SD_Runtime.autocast(precision, d.device):
+        with SD_Runtime.autocast(config.precision, d.device):
             bar = tqdm(total=len(mine), desc="class images", disable=not d.is_main, unit="image")
             for start in range(0, len(mine), GENERATE_BATCH):
                 chunk = mine[start : start + GENERATE_BATCH]
@@ -205,7 +205,7 @@ def build_data(config, d, vae, tokenizer, make_pipeline) -> DreamBoothData:
                           "instance", write=d.is_main)
     prior = prior_ids = None
     if config.class_dir:
-        ensure_class_images(config, d, make_pipeline(), len(instances), config.precision)
+        ensure_class_images(config, d, make_pipeline(), len(instances))
         classes = image_files(config.class_dir)[: class_image_count(config, len(instances))]
         prior = latents_of(classes, config.image_size, vae, d.device, run_dir / "dreambooth" / "class.safetensors",
                            "class", write=d.is_main)

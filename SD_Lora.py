@@ -39,9 +39,6 @@ class LoraError(ValueError):
 def resolve_targets(model, targets) -> list[str]:
     """The full names of the Linear / Conv2d modules of ``model`` that ``targets`` (group names or
     module-name suffixes) select, in model order; a target that selects nothing is an error."""
-    suffixes = []
-    for target in targets:
-        suffixes += TARGET_GROUPS.get(target, (target,))
     layers = [name for name, module in model.named_modules() if isinstance(module, LAYER_TYPES)]
     chosen = set()
     for target in targets:

@@ -66,10 +66,6 @@ class Step:
     text_cache: "TextCache | None" = None  # prompt embeddings computed once (a frozen text encoder)
     empty_ids: torch.Tensor | None = None  # (1, 77): the empty prompt's ids
 
-    def __post_init__(self):
-        if not self.trainable:
-            self.trainable = [p for p in self.unet.parameters() if p.requires_grad]
-
 
 # ---------------------------------------------------------------------------------------------
 # Pure pieces
@@ -110,15 +106,13 @@ def apply_cfg_dropout(hidden: torch.Tensor, empty: torch.Tensor, p: float, gener
 # ---------------------------------------------------------------------------------------------
 
 
-def build_optimizer(params, config):
-    """AdamW over ``params`` (a module's trainable parameters, or a list): fused where the device has
+def build_optimizer(params: list, config):
+    """AdamW over ``params``: fused where the device has
     the kernels, the foreach version otherwise; ``optimizer: adamw8bit`` is bitsandbytes' 8-bit AdamW
     (block-wise quantised moments: 2 bytes a parameter instead of 8)."""
     kwargs = dict(lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
                   weight_decay=config.weight_decay)
-    if isinstance(params, torch.nn.Module):
-        params = [p for p in params.parameters() if p.requires_grad]
-    if getattr(config, "optimizer", "adamw") == "adamw8bit":
+    if config.optimizer == "adamw8bit":
         import bitsandbytes
 
         return bitsandbytes.optim.AdamW8bit(params, **kwargs)
