@@ -8,8 +8,13 @@
   naming it.
 * A caption dataset is a ``datasets`` Arrow folder (``save_to_disk``) with ``train`` and
   ``validation`` splits holding ``key``, ``caption`` and ``input_ids`` (77 CLIP token ids).
+* A latent folder encoded with ``encode_latents.py --buckets`` holds, per shard, one array per
+  aspect-ratio bucket (``NNNNN.WxH.npy``) and ``NNNNN.buckets.json`` (the buckets in the order of
+  ``NNNNN.keys.txt``, whose keys are grouped by bucket, and each sample's original size and crop).
+  Such a folder is recognised by those files alone; square and bucketed folders mix in one phase.
 * ``epoch_order`` mixes several datasets by weight into one deterministic order per (seed, epoch);
-  ``rank_batches`` gives each rank a disjoint slice of it. With ``flip``, ``flip_coins`` draws one
+  ``epoch_batches`` cuts it into each rank's micro-batches: ``rank_batches`` (a disjoint slice of the
+  order) when every sample has one shape, else ``bucket_batches`` (every batch from one bucket). With ``flip``, ``flip_coins`` draws one
   coin per position of that order, also from (seed, epoch) alone: a sample whose coin is True is
   read from the latents of its mirrored image (``NNNNN.flip.npy``). Nothing else is random, so a
   resumed run only needs the epoch and its position to continue exactly.
@@ -24,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+import SD_Buckets
 
 
 class DataError(ValueError):
@@ -46,7 +53,8 @@ class LatentStore:
     than RAM; the trainer builds batches in a background thread). The older one-file-per-image
     layout is loaded into this process's memory. ``flip=True`` also maps the latents of the mirrored
     images (``encode_latents.py --flip``) into ``flipped``, and stops naming the folder when they are
-    not there.
+    not there. ``shapes`` lists the latent shapes held (one unless the folder is bucketed) and
+    ``bucket_of_row`` each row's index into it.
     """
 
     def __init__(self, folder: str | Path, *, threads: int = 16, mmap: bool = False, flip: bool = False,
@@ -68,25 +76,25 @@ class LatentStore:
     # -- loading ------------------------------------------------------------------------------
 
     def _load_shards(self, key_files: list[Path], threads: int) -> None:
-        shards = []  # (npy path, keys, mmapped array)
-        for key_file in key_files:
-            npy = key_file.with_name(key_file.name[: -len(".keys.txt")] + ".npy")
-            if not npy.exists():
-                raise DataError(f"{key_file} has no matching latent file {npy.name}")
-            keys = read_keys(key_file)
-            array = load_npy(npy, mmap=True)
-            if array.ndim != 4 or array.shape[0] != len(keys):
-                raise DataError(f"{npy}: shape {array.shape} does not match {len(keys)} keys in {key_file.name}")
-            shards.append((npy, keys, array))
-        self._check_shapes([(npy, a.shape[1:]) for npy, _, a in shards])
-        self.sample_shape = tuple(shards[0][2].shape[1:])
+        shards = [part for key_file in key_files for part in shard_parts(key_file)]  # (npy, keys, mmapped array)
+        bucketed = any(bucket_layout_path(f).exists() for f in key_files)
+        if not bucketed:  # one resolution per folder: a shard of another shape is a mistake, not a bucket
+            self._check_shapes([(npy, a.shape[1:]) for npy, _, a in shards])
         self.keys = [k for _, keys, _ in shards for k in keys]
         self.arrays = [a for _, _, a in shards]
+        self.paths = [npy for npy, _, _ in shards]
         self.locations = np.concatenate(
             [np.stack([np.full(len(k), i), np.arange(len(k))], 1) for i, (_, k, _) in enumerate(shards)]
         )
-        self._warm([npy for npy, _, _ in shards], threads)
+        self._index_shapes([tuple(a.shape[1:]) for a in self.arrays], [len(k) for _, k, _ in shards])
+        self._warm(self.paths, threads)
         self._index_keys()
+
+    def _index_shapes(self, array_shapes: list[tuple], rows: list[int]) -> None:
+        self.shapes = sorted(set(array_shapes), key=lambda s: (SD_Buckets.aspect(s), s))
+        index = {shape: i for i, shape in enumerate(self.shapes)}
+        self.bucket_of_row = np.repeat(np.array([index[s] for s in array_shapes], dtype=np.int16), rows)
+        self.sample_shape = self.shapes[0] if len(self.shapes) == 1 else None  # None: several buckets
 
     def _warm(self, files: list[Path], threads: int) -> None:
         """Read this process's share of ``files`` once, into the page cache (no copy is kept)."""
@@ -122,30 +130,35 @@ class LatentStore:
             )
         self.arrays = [data]
         self.locations = np.stack([np.zeros(len(files), dtype=np.int64), np.arange(len(files))], 1)
+        self._index_shapes([self.sample_shape], [len(files)])
         self._index_keys()
 
     def _load_flipped(self, key_files: list[Path], threads: int) -> list[np.ndarray]:
         """The mirrored images' latents, laid out like ``self.arrays`` so ``self.locations`` address them."""
-        stems = [f.name[: -len(".keys.txt")] for f in key_files] or self.keys  # shards, or one file per image
-        paths = [self.folder / f"{stem}.flip.npy" for stem in stems]
+        if key_files:  # beside each shard's (or bucket's) array
+            paths = [p.with_name(p.name[: -len(".npy")] + ".flip.npy") for p in self.paths]
+        else:  # one file per image
+            paths = [self.folder / f"{key}.flip.npy" for key in self.keys]
         missing = [p.name for p in paths if not p.exists()]
         if missing:
             raise DataError(f"flip: latent folder {self.folder} has no flipped latents for {len(missing)} of "
                             f"{len(paths)} files (e.g. {missing[:3]}); encode it with encode_latents.py --flip, "
                             "or set flip: false")
         arrays = [load_npy(p, mmap=True) for p in paths]  # a damaged file is a DataError naming it
-        rows = [len(a) for a in self.arrays] if key_files else [1] * len(paths)  # the shards, already mapped
-        bad = [f"{p.name} {a.shape}" for p, a, n in zip(paths, arrays, rows)
-               if a.size != n * int(np.prod(self.sample_shape))]
+        # (rows, sample shape) of the latents each flipped file mirrors: the shards, already mapped
+        expected = ([(len(a), a.shape[1:]) for a in self.arrays] if key_files
+                    else [(1, self.sample_shape)] * len(paths))
+        bad = [f"{p.name} {a.shape}" for p, a, (n, shape) in zip(paths, arrays, expected)
+               if a.size != n * int(np.prod(shape))]
         if bad:
             raise DataError(f"flip: {len(bad)} flipped latent files in {self.folder} do not match their latents "
-                            f"({self.sample_shape} per sample): {', '.join(bad[:10])}")
-        arrays = [a.reshape(n, *self.sample_shape) for a, n in zip(arrays, rows)]
+                            f"({', '.join(bad[:10])})")
+        arrays = [a.reshape(n, *shape) for a, (n, shape) in zip(arrays, expected)]
         if key_files:
             self._warm(paths, threads)
             return arrays
         data = np.empty((len(self.keys), *self.sample_shape), dtype=np.float16)
-        offsets = np.cumsum([0] + rows)
+        offsets = np.cumsum([0] + [n for n, _ in expected])
 
         def copy(i):
             data[offsets[i] : offsets[i + 1]] = arrays[i]
@@ -193,12 +206,53 @@ class LatentStore:
     def _rows(self, arrays: list[np.ndarray], rows: np.ndarray) -> np.ndarray:
         """One fancy-indexed read per shard touched (rows sorted within it), scattered back in order."""
         where = self.locations[rows]
-        out = np.empty((len(rows), *self.sample_shape), dtype=np.float16)
-        for shard in np.unique(where[:, 0]):
+        touched = np.unique(where[:, 0])
+        shapes = {arrays[shard].shape[1:] for shard in touched}
+        if len(shapes) > 1:
+            raise DataError(f"{self.folder}: one batch asked for latents of several shapes {sorted(shapes)}")
+        out = np.empty((len(rows), *shapes.pop()), dtype=np.float16)
+        for shard in touched:
             picked = np.flatnonzero(where[:, 0] == shard)
             order = np.argsort(where[picked, 1], kind="stable")
             out[picked[order]] = arrays[shard][where[picked[order], 1]]
         return out
+
+
+def bucket_layout_path(key_file: Path) -> Path:
+    """``NNNNN.buckets.json`` beside ``NNNNN.keys.txt``: present only in a bucketed folder."""
+    return key_file.with_name(key_file.name[: -len(".keys.txt")] + ".buckets.json")
+
+
+def read_bucket_layout(path: Path, key_count: int) -> list[tuple[str, int]]:
+    """``[(bucket name "WxH", rows), ...]`` in the order of the shard's keys; a damaged file is a DataError."""
+    try:
+        layout = json.loads(path.read_text(encoding="utf-8"))
+        groups = [(SD_Buckets.name(tuple(b["size"])), int(b["count"])) for b in layout["buckets"]]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise DataError(f"{path} is not a readable bucket layout ({error!r}); delete its shard's .keys.txt "
+                        "and re-run encode_latents.py to encode it again") from None
+    if sum(n for _, n in groups) != key_count:
+        raise DataError(f"{path} counts {sum(n for _, n in groups)} samples but its keys file has {key_count}")
+    return groups
+
+
+def shard_parts(key_file: Path) -> list[tuple[Path, list[str], np.ndarray]]:
+    """``(npy, keys, memory-mapped latents)`` of one shard: one part, or one per bucket when bucketed."""
+    stem = key_file.name[: -len(".keys.txt")]
+    keys = read_keys(key_file)
+    layout = bucket_layout_path(key_file)
+    groups = read_bucket_layout(layout, len(keys)) if layout.exists() else [(None, len(keys))]
+    parts, start = [], 0
+    for bucket, count in groups:
+        npy = key_file.with_name(f"{stem}.npy" if bucket is None else f"{stem}.{bucket}.npy")
+        if not npy.exists():
+            raise DataError(f"{key_file} has no matching latent file {npy.name}")
+        array = load_npy(npy, mmap=True)
+        if array.ndim != 4 or array.shape[0] != count:
+            raise DataError(f"{npy}: shape {array.shape} does not match its {count} keys in {key_file.name}")
+        parts.append((npy, keys[start : start + count], array))
+        start += count
+    return parts
 
 
 def read_through(path: Path, chunk: int = 1 << 20) -> int:
@@ -257,7 +311,7 @@ def latent_keys(folder: str | Path) -> list[str]:
     key_files = sorted(folder.glob("*.keys.txt"))
     if key_files:
         return [k for f in key_files if f.with_name(f.name[: -len(".keys.txt")] + ".npy").exists()
-                for k in read_keys(f)]
+                or bucket_layout_path(f).exists() for k in read_keys(f)]
     return [f.stem for f in sorted(folder.glob("*.npy")) if not f.name.endswith(".flip.npy")]
 
 
@@ -360,40 +414,76 @@ def join_split(dataset_dir, split: str, store: LatentStore, *, allow_missing: bo
 
 
 class MixedData:
-    """Several joined datasets and their sampling weights, addressed by one global index."""
+    """Several joined datasets and their sampling weights, addressed by one global index.
+
+    ``shapes`` are the latent shapes present (one per aspect-ratio bucket; one in all for square
+    folders), ``bucket_of`` each global index's shape, and ``target`` where each shape trains:
+    itself, or after ``merge_small`` the bucket a too-small one was merged into.
+    """
 
     def __init__(self, splits: list[JoinedSplit], weights: list[float]):
         if not splits:
             raise DataError("no datasets")
-        shapes = {s.store.sample_shape for s in splits if len(s)}
-        if len(shapes) > 1:
-            detail = ", ".join(f"{s.store.folder}: {s.store.sample_shape}" for s in splits)
-            raise DataError(f"latent shapes differ between datasets ({detail}); encode them at one resolution")
         self.splits, self.weights = splits, list(weights)
         self.sizes = [len(s) for s in splits]
         self.offsets = np.cumsum([0] + self.sizes)
+        per_split = [[split.store.shapes[b] for b in np.unique(split.store.bucket_of_row[split.rows])]
+                     for split in splits]
+        self.shapes = sorted({s for shapes in per_split for s in shapes}, key=lambda s: (SD_Buckets.aspect(s), s))
+        channels = {s[0] for s in self.shapes}
+        if len(channels) > 1:
+            detail = ", ".join(f"{s.store.folder}: {s.store.shapes}" for s in splits)
+            raise DataError(f"latent channels differ between datasets ({detail}); encode them with one VAE")
+        index = {shape: i for i, shape in enumerate(self.shapes)}
+        self.bucket_of = np.concatenate(
+            [np.array([index.get(s, -1) for s in split.store.shapes], dtype=np.int16)[split.store.bucket_of_row[split.rows]]
+             for split in splits] or [np.zeros(0, dtype=np.int16)])
+        self.target = np.arange(len(self.shapes))
 
     def __len__(self) -> int:
         return int(self.offsets[-1])
 
-    @property
-    def sample_shape(self):
-        return next(s.store.sample_shape for s in self.splits if len(s))
+    def bucket_targets(self, order: np.ndarray) -> np.ndarray | None:
+        """The shape index each sample of ``order`` trains at, or None when all train at one shape."""
+        targets = self.target[self.bucket_of[order]]
+        return None if len(np.unique(targets)) <= 1 else targets
+
+    def merge_small(self, order: np.ndarray, minimum: int) -> list[tuple[tuple, tuple, int]]:
+        """Fold the buckets with fewer than ``minimum`` samples in ``order`` (one global batch) into the
+        nearest by aspect ratio (``SD_Buckets.merge_small``); returns ``(shape, into, samples)`` of each."""
+        counts = np.bincount(self.bucket_of[order], minlength=len(self.shapes))
+        goes = SD_Buckets.merge_small({s: int(n) for s, n in zip(self.shapes, counts)}, minimum)
+        index = {shape: i for i, shape in enumerate(self.shapes)}
+        self.target = np.array([index[goes[s]] for s in self.shapes])
+        return [(s, goes[s], int(n)) for s, n in zip(self.shapes, counts) if goes[s] != s and n]
+
+    def shape_of(self, indices: np.ndarray) -> tuple:
+        """The latent shape the samples ``indices`` train at (one batch: a single shape)."""
+        targets = np.unique(self.target[self.bucket_of[indices]])
+        if len(targets) != 1:
+            raise DataError(f"one batch mixes latent shapes {[self.shapes[t] for t in targets]}; batches are "
+                            "drawn from one bucket each (SD_Data.epoch_batches)")
+        return self.shapes[targets[0]]
 
     def batch(self, indices: np.ndarray, flipped: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(latents (B, 4, h, w) float16, input_ids (B, 77) int64)`` for global indices, in order.
 
         ``flipped`` (B,) bool: which samples take the latents of their mirrored image (``flip_coins``).
+        Samples of a merged bucket are brought to the shape they train at (``SD_Buckets.fit_latents``).
         """
+        shape = self.shape_of(indices)
         which = np.searchsorted(self.offsets, indices, side="right") - 1
-        latents = np.empty((len(indices), *self.sample_shape), dtype=np.float16)
+        stored = self.bucket_of[indices]
+        latents = np.empty((len(indices), *shape), dtype=np.float16)
         input_ids = np.empty((len(indices), 77), dtype=np.int64)
         for d in np.unique(which):
-            mask = which == d
-            local = indices[mask] - self.offsets[d]
             split = self.splits[d]
-            latents[mask] = split.store.gather(split.rows[local], None if flipped is None else flipped[mask])
-            input_ids[mask] = split.input_ids[local]
+            for b in np.unique(stored[which == d]):
+                mask = (which == d) & (stored == b)
+                local = indices[mask] - self.offsets[d]
+                part = split.store.gather(split.rows[local], None if flipped is None else flipped[mask])
+                latents[mask] = part if part.shape[1:] == shape else SD_Buckets.fit_latents(part, shape)
+                input_ids[mask] = split.input_ids[local]
         return torch.from_numpy(latents), torch.from_numpy(input_ids)
 
 
@@ -437,6 +527,57 @@ def flip_coins(seed: int, epoch: int, size: int) -> np.ndarray:
     return np.random.default_rng([seed % 2**63, epoch, _FLIP_STREAM]).random(size) < 0.5
 
 
+def epoch_batches(data, seed: int, epoch: int, rank: int, world_size: int, batch_size: int,
+                  epoch_size: int | None = None, flip: bool = False) -> tuple[list[np.ndarray], list]:
+    """This rank's micro-batches of one epoch, ``(global indices per batch, flip coins per batch or None)``.
+
+    The order is ``epoch_order``'s; with several latent shapes (aspect-ratio buckets) each batch is
+    drawn from one of them (``bucket_batches``), else the order is sliced as it is (``rank_batches``).
+    Deterministic in ``(seed, epoch)``: a resumed run cuts the same batches.
+    """
+    order = epoch_order(data.sizes, data.weights, seed, epoch, epoch_size)
+    targets = data.bucket_targets(order)
+    if targets is None:
+        positions = rank_batches(np.arange(len(order)), rank, world_size, batch_size)
+    else:
+        positions = bucket_batches(targets, seed, epoch, rank, world_size, batch_size)
+    coins = flip_coins(seed, epoch, len(order)) if flip else None
+    return [order[p] for p in positions], [coins[p] if flip else None for p in positions]
+
+
+_BUCKET_STREAM = 0x6275636B  # "buck": the order of an epoch's bucket batches, apart from the other streams
+
+
+def bucket_batches(buckets: np.ndarray, seed: int, epoch: int, rank: int, world_size: int,
+                   batch_size: int) -> list[np.ndarray]:
+    """This rank's micro-batches of positions in an epoch's order, each batch from one bucket.
+
+    ``buckets`` (N,): each position's bucket. The positions of a bucket, in the order's (shuffled)
+    sequence, are cut into global batches of ``batch_size x world_size``, and rank r takes every
+    world_size-th position of each from the r-th: at every step all ranks train one bucket, each on
+    its own samples. A bucket's tail that does not fill a global batch is left out of this epoch
+    (a different tail each epoch, as the order is reshuffled). The global batches are then
+    shuffled, seeded by ``(seed, epoch)``.
+    """
+    global_batch = batch_size * world_size
+    by_bucket = np.argsort(buckets, kind="stable")  # positions grouped by bucket, in order within each
+    bounds = np.flatnonzero(np.diff(buckets[by_bucket])) + 1
+    chunks = []
+    for positions in np.split(by_bucket, bounds):
+        full = len(positions) // global_batch * global_batch
+        chunks.extend(positions[:full].reshape(-1, global_batch))
+    shuffle = np.random.default_rng([seed % 2**63, epoch, _BUCKET_STREAM]).permutation(len(chunks))
+    return [chunks[i][rank::world_size] for i in shuffle]
+
+
+def bucket_report(data, order: np.ndarray, global_batch: int) -> list[tuple[tuple, int, int]]:
+    """``(latent shape, samples, left out)`` per bucket trained in an epoch of ``order``: the tail of
+    each bucket that does not fill a global batch is left out of that epoch."""
+    targets = data.target[data.bucket_of[order]]
+    counts = np.bincount(targets, minlength=len(data.shapes))
+    return [(data.shapes[i], int(n), int(n % global_batch)) for i, n in enumerate(counts) if n]
+
+
 def rank_batches(order: np.ndarray, rank: int, world_size: int, batch_size: int) -> list[np.ndarray]:
     """This rank's micro-batches of an epoch: disjoint across ranks, equal in number on every rank.
 
@@ -446,6 +587,14 @@ def rank_batches(order: np.ndarray, rank: int, world_size: int, batch_size: int)
     per_rank = len(order) // (world_size * batch_size) * batch_size
     mine = order[rank : per_rank * world_size : world_size]
     return [mine[i : i + batch_size] for i in range(0, per_rank, batch_size)]
+
+
+def shape_batches(data, indices: np.ndarray, batch_size: int) -> list[np.ndarray]:
+    """``indices`` cut into batches of at most ``batch_size``, each of one latent shape (a validation set
+    spans every bucket; samples keep their order within a shape)."""
+    targets = data.bucket_targets(indices) if len(indices) else None
+    groups = [indices] if targets is None else [indices[targets == t] for t in np.unique(targets)]
+    return [group[i : i + batch_size] for group in groups for i in range(0, len(group), batch_size)]
 
 
 def validation_indices(sizes: list[int], weights: list[float], count: int) -> np.ndarray:

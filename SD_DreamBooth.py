@@ -176,8 +176,11 @@ class DreamBoothData:
         return self.sizes[0]
 
     @property
-    def sample_shape(self):
-        return tuple(self.instance.shape[1:])
+    def shapes(self) -> list[tuple]:
+        return [tuple(self.instance.shape[1:])]
+
+    def bucket_targets(self, order: np.ndarray) -> None:
+        return None  # one image size: no buckets
 
     def batch(self, indices: np.ndarray, flipped: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(latents, input_ids)``: the instance samples of ``indices``, then (with prior preservation)

@@ -258,19 +258,12 @@ def decode_image(data: bytes, ext: str, max_pixels: int = DEFAULT_MAX_PIXELS,
 
 def resize_center_crop(image: np.ndarray, resolution: int) -> np.ndarray:
     """The centre square scaled to ``resolution`` (area filter down, cubic up): the short side is scaled
-    to ``resolution`` and the long one cropped to it.
+    to ``resolution`` and the long one cropped to it; the square bucket of ``SD_Buckets.fit_to_bucket``.
 
     The square is cut before scaling, so the work is bounded by the input and the output: scaling the
     whole image first would turn a 12000x1 strip into 1.5M x 128 pixels (590 MB) at 128 px, to keep
     128 x 128 of them.
     """
-    import cv2
+    import SD_Buckets
 
-    height, width = image.shape[:2]
-    side = min(height, width)
-    top, left = (height - side) // 2, (width - side) // 2
-    square = image[top : top + side, left : left + side]
-    if side != resolution:
-        interpolation = cv2.INTER_AREA if side > resolution else cv2.INTER_CUBIC
-        square = cv2.resize(square, (resolution, resolution), interpolation=interpolation)
-    return np.ascontiguousarray(square)
+    return SD_Buckets.fit_to_bucket(image, (resolution, resolution))[0]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import signal
 import sys
@@ -23,6 +24,7 @@ import numpy as np
 import torch
 from safetensors import SafetensorError
 
+import SD_Buckets
 import SD_Checkpoint as ckpt
 import SD_Data
 import SD_Distributed
@@ -157,9 +159,36 @@ def scaling_factor_of(config: TrainConfig, data: SD_Data.MixedData, vae) -> floa
     return factor
 
 
-def steps_per_epoch_of(config: TrainConfig, data: SD_Data.MixedData, d: Dist) -> int:
+def plan_buckets(config: TrainConfig, data: SD_Data.MixedData, d: Dist) -> None:
+    """Aspect-ratio buckets: fold those too small to fill one global batch into their nearest, then
+    report what an epoch trains (rank 0 logs; every rank computes the same plan)."""
+    global_batch = config.batch_size * d.world_size
     order = SD_Data.epoch_order(data.sizes, data.weights, config.seed, 0, config.epoch_size or None)
-    steps = len(SD_Data.rank_batches(order, d.rank, d.world_size, config.batch_size)) // config.grad_accum
+    merged = data.merge_small(order, global_batch)
+    if not d.is_main:
+        return
+    for shape, into, count in merged:
+        log.warning("bucket %s: %d samples, fewer than one global batch of %d; merged into bucket %s (their "
+                    "latents cropped and resized to it)", pixel_size(shape), count, global_batch,
+                    pixel_size(into))
+    report = SD_Data.bucket_report(data, order, global_batch)
+    log.info("%d aspect-ratio buckets (an epoch's samples, left out as the tail of a batch): %s", len(report),
+             ", ".join(f"{pixel_size(s)} {n} ({left})" for s, n, left in report))
+    log.info("left out of each epoch: %d of %d samples (a different tail each epoch)",
+             sum(left for *_, left in report), len(order))
+
+
+def pixel_size(shape: tuple) -> str:
+    """``"WxH"`` in pixels of a latent shape ``(C, h, w)`` (the SD VAE's 8x)."""
+    return f"{shape[-1] * 8}x{shape[-2] * 8}"
+
+
+def steps_per_epoch_of(config: TrainConfig, data: SD_Data.MixedData, d: Dist) -> int:
+    """Optimizer steps in an epoch (the first's: with buckets and weighted mixing, later epochs can
+    differ by a few batches, as each bucket's tail left out varies)."""
+    batches, _ = SD_Data.epoch_batches(data, config.seed, 0, d.rank, d.world_size, config.batch_size,
+                                       config.epoch_size or None)
+    steps = len(batches) // config.grad_accum
     if steps == 0:
         raise ConfigError(f"an epoch of {len(data)} samples is less than one optimizer step of "
                           f"{config.batch_size} x {config.grad_accum} x {d.world_size} ranks; lower batch_size")
@@ -186,6 +215,8 @@ def build(config: TrainConfig, d: Dist) -> Run:
     else:
         train_data, val_data = build_data(config, d)
     scaling = scaling_factor_of(config, train_data, vae)
+    if len(train_data.shapes) > 1:
+        plan_buckets(config, train_data, d)
     base_fingerprint = ckpt.weights_fingerprint(unet.parameters()) if config.lora_rank else None
     try:
         SD_Lora.apply_config(config, unet, text_encoder)
@@ -451,10 +482,14 @@ def auto_batch_size(config: TrainConfig, d: Dist, gpu_memory_gb: float | None = 
 
 
 def resolution_of(config: TrainConfig) -> int:
-    """The image size of the first dataset's latents (``latents.json``), else 512."""
+    """The image size of the first dataset's latents (``latents.json``), else 512. With aspect-ratio
+    buckets, the side of a square of the largest bucket's pixel count (the step's memory grows with
+    the pixels)."""
     for entry in config.datasets[:1]:
         try:
             meta = SD_Data.read_latents_meta(Path(str(entry["latents"])))
+            if meta.get("buckets"):
+                return -(-(math.isqrt(max(w * h for w, h in meta["buckets"]) - 1) + 1) // 8) * 8
             return int(meta["latent_shape"][-1]) * 8
         except Exception:  # no folder yet, or no settings in it: the default
             pass
@@ -496,7 +531,7 @@ def train_locked(config: TrainConfig, d: Dist) -> int:
         (run.run_dir / "config.yaml").write_text(config_yaml(config))
         log.info("%d training samples in %d dataset(s), latents %s; %d steps/epoch, %d steps in all; "
                  "%d images per optimizer step", len(run.train_data), len(run.train_data.splits),
-                 run.train_data.sample_shape, run.steps_per_epoch, run.total_steps,
+                 " ".join(str(s) for s in run.train_data.shapes), run.steps_per_epoch, run.total_steps,
                  config.batch_size * config.grad_accum * d.world_size)
         if run.state.step:
             log.info("resumed at step %d (epoch %d, micro-batch %d of the epoch)", run.state.step, run.state.epoch,
@@ -547,11 +582,8 @@ def epochs(run: Run, stopper: "StopSignal", metrics, bar, prefetch: "Prefetcher"
     images_per_step = config.batch_size * config.grad_accum * d.world_size
     tick, window_images = time.perf_counter(), 0
     while state.step < total:
-        order = SD_Data.epoch_order(run.train_data.sizes, run.train_data.weights, config.seed, state.epoch,
-                                    config.epoch_size or None)
-        batches = SD_Data.rank_batches(order, d.rank, d.world_size, config.batch_size)
-        flips = (SD_Data.rank_batches(SD_Data.flip_coins(config.seed, state.epoch, len(order)), d.rank, d.world_size,
-                                      config.batch_size) if config.flip else [None] * len(batches))
+        batches, flips = SD_Data.epoch_batches(run.train_data, config.seed, state.epoch, d.rank, d.world_size,
+                                               config.batch_size, config.epoch_size or None, config.flip)
         usable = len(batches) // config.grad_accum * config.grad_accum
         while state.position < usable and state.step < total:
             position, accum = state.position, config.grad_accum
@@ -712,19 +744,31 @@ def sample_grid(run: Run, path: Path) -> None:
     draws the same image.
     """
     config, unet, d = run.config, run.step.unet, run.d
-    _, h, w = run.train_data.sample_shape
+    width, height = validation_size(config, run.train_data)
     mine = list(enumerate(config.validation_prompts))[d.rank :: d.world_size]
     swap = run.step.ema.swapped_in(unet) if run.step.ema is not None else contextlib.nullcontext()
     unet.eval()
     with swap, SD_Runtime.autocast(config.precision, d.device):
         made = [(i, prompt, SD_Sampling.generate(run.sampler, prompt, "", [config.seed], steps=config.validation_steps,
-                                                 cfg=config.validation_cfg, height=h * 8, width=w * 8, batch_size=1,
+                                                 cfg=config.validation_cfg, height=height, width=width, batch_size=1,
                                                  device=d.device))
                 for i, prompt in mine]
     unet.train()
     rows = sorted(row for part in SD_Distributed.all_gather_objects(made, d) for row in part)
     if d.is_main:
         SD_Sampling.save_grid(path, [(prompt, images) for _, prompt, images in rows])
+
+
+def validation_size(config: TrainConfig, data) -> tuple[int, int]:
+    """``(width, height)`` of the validation samples: the config's, else the training latents' size
+    (with buckets, the one nearest square; between equals, the one with more samples)."""
+    if config.validation_width:
+        return config.validation_width, config.validation_height
+    counts = np.bincount(data.bucket_of, minlength=len(data.shapes)) if hasattr(data, "bucket_of") else [1]
+    best = min(range(len(data.shapes)),
+               key=lambda i: (abs(np.log(SD_Buckets.aspect(data.shapes[i]))), -counts[i]))
+    _, h, w = data.shapes[best]
+    return w * 8, h * 8
 
 
 class StopSignal:

@@ -164,6 +164,11 @@ class TrainConfig:
     validation_steps: int = _doc("DDIM steps of the validation samples", 50, allowed=COUNT)
     validation_cfg: float = _doc("classifier-free guidance scale of the validation samples", 7.5,
                                  allowed=NON_NEGATIVE)
+    validation_width: int = _doc("width of the validation samples in pixels, a multiple of 8; 0 = the training "
+                                 "latents' size (with aspect-ratio buckets: the bucket nearest square)", 0,
+                                 allowed=NON_NEGATIVE)
+    validation_height: int = _doc("height of the validation samples in pixels, a multiple of 8; 0 = as "
+                                  "validation_width's default", 0, allowed=NON_NEGATIVE)
     wandb_project: str = _doc("wandb project name", "sd1-train")
     wandb_mode: str = _doc("wandb: online, offline or disabled (API key from the environment)", "disabled")
     # -- run --------------------------------------------------------------------------------
@@ -212,6 +217,10 @@ class TrainConfig:
              "cache_text_embeddings needs a frozen text encoder: turn off lora_text_encoder or the cache")
         need(not self.instance_dir or self.instance_prompt.strip(), "instance_dir needs an instance_prompt")
         need(self.image_size % 8 == 0, f"image_size must be a multiple of 8, got {self.image_size}")
+        need(self.validation_width % 8 == 0 and self.validation_height % 8 == 0
+             and bool(self.validation_width) == bool(self.validation_height),
+             f"validation_width and validation_height: both multiples of 8, or both 0 (got "
+             f"{self.validation_width}x{self.validation_height})")
         need(not (self.instance_dir and self.flip), "flip needs latents of mirrored images from encode_latents.py; "
              "with instance_dir add mirrored copies to the folder instead")
         need(bool(self.class_dir) == bool(self.class_prompt.strip()),

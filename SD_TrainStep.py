@@ -357,8 +357,8 @@ def validation_loss(step: Step, data, count: int, batch_size: int) -> float:
     totals = torch.zeros(2, dtype=torch.float64, device=d.device)
     step.unet.eval()
     try:
-        for start in range(0, len(indices), batch_size):
-            latents, input_ids = data.batch(indices[start : start + batch_size])
+        for batch in SD_Data.shape_batches(data, indices, batch_size):
+            latents, input_ids = data.batch(batch)
             loss, _ = compute_loss(step, step.unet, latents, input_ids, generator)
             totals[0] += loss.double().sum()
             totals[1] += loss.numel()

@@ -2,20 +2,28 @@
 
     python encode_latents.py --shards 'DIR/*.tar' --out DIR --vae ID_OR_PATH [--resolution 512]
                              [--batch_size 64] [--workers 16] [--precision bf16] [--compile] [--device auto]
+                             [--buckets [--bucket_list WxH,...] [--bucket_step 64]] [--flip]
     torchrun --nproc_per_node 8 encode_latents.py --shards ... --out ...           # one process per GPU
     python encode_latents.py ... --rank $SLURM_ARRAY_TASK_ID --world_size $SLURM_ARRAY_TASK_COUNT
 
 Four stages overlap and stream: a reader thread reads the tars a sample at a time, up to --prefetch
-samples ahead (never a whole shard in memory); a pool of threads decodes (OpenCV), cuts out the centre square and scales it, a bounded number of images
-ahead of the VAE whatever the shard size; batches are assembled in pinned memory and copied to the
-device without blocking; the VAE encodes while a writer thread moves finished latents to the host and
-appends them to the shard's output file.
+samples ahead (never a whole shard in memory); a pool of threads decodes (OpenCV), cuts out the
+centre square (or, with --buckets, the image's aspect-ratio bucket) and scales it, a bounded number
+of images ahead of the VAE whatever the shard size; batches are assembled in pinned memory and copied
+to the device without blocking; the VAE encodes while a writer thread moves finished latents to the
+host and appends them to the shard's output file.
 
 Per input shard NNNNN.tar the output folder gets NNNNN.npy (float16, (N, 4, H/8, W/8), the posterior
 mean, unscaled), NNNNN.report.json (what was skipped and why) and NNNNN.keys.txt, written last as
 the shard's done marker; --flip adds NNNNN.flip.npy with the latents of the mirrored images (the
-trainer reads them with ``flip: true``). latents.json holds the settings (VAE id, scaling factor,
-resolution, latent shape, dtype, flip) and the totals. It is written first, with ``"complete": false``, before any shard is encoded, and again
+trainer reads them with ``flip: true``). With --buckets (``SD_Buckets``: sizes of about
+--resolution squared pixels, each image in the one nearest its aspect ratio, scaled to cover it and
+cropped minimally) a shard gets one NNNNN.WxH.npy (and NNNNN.WxH.flip.npy) per bucket it fills, and
+NNNNN.buckets.json before its keys file: the buckets in the order of the keys (grouped by bucket),
+each with its size, latent shape and count, and per key its original size and crop offset.
+latents.json holds the settings (VAE id, scaling factor, resolution, latent shape or bucket list,
+dtype, flip) and the totals. It is written first, with ``"complete": false``, before any shard is
+encoded, and again
 with ``"complete": true`` once every input shard has been through (the trainer refuses a folder that
 is not complete). A re-run compares its settings with it before any work: a mismatch stops with exit
 2 and writes nothing. A re-run encodes only the shards not done; bad samples are skipped, counted and
@@ -50,6 +58,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import SD_Buckets
 import SD_Cli
 import SD_Distributed
 import SD_Faults
@@ -71,6 +80,15 @@ def parse_args(argv=None):
                         help="VAE hub id, local folder (a diffusers pipeline folder works) or 'tiny'")
     parser.add_argument("--resolution", type=int, default=512,
                         help="square output size in pixels; must be a multiple of 8")
+    parser.add_bool("--buckets", help="aspect-ratio buckets: each image goes to the size of about --resolution "
+                    "squared pixels nearest its aspect ratio (--bucket_step px steps, sides from half to twice "
+                    "--resolution), is scaled to cover it and cropped minimally, instead of its centre square; "
+                    "per shard one NNNNN.WxH.npy per bucket and NNNNN.buckets.json (SD_Train.py detects them)")
+    parser.add_argument("--bucket_list", default=None, metavar="WxH,...",
+                        help="with --buckets (implies it): the bucket sizes instead of the default list, e.g. "
+                             "512x512,576x448,448x576; sides multiples of 8 (of 64 for the SD 1.x UNet)")
+    parser.add_argument("--bucket_step", type=int, default=64,
+                        help="side step of the default bucket list in pixels (64 for SD 1.x), a multiple of 8")
     parser.add_argument("--batch_size", type=int, default=64, help="images per VAE call")
     parser.add_argument("--workers", type=int, default=16, help="decode threads")
     parser.add_argument("--precision", choices=PRECISION_CHOICES, default="auto",
@@ -102,7 +120,20 @@ def parse_args(argv=None):
         if not getattr(args, name) >= 1:
             parser.error(f"--{name} must be >= 1")
     check_ranks(parser, args)
+    args.bucket_sizes = bucket_sizes(parser, args)
     return args
+
+
+def bucket_sizes(parser, args) -> list[SD_Buckets.Bucket] | None:
+    """The bucket list of ``--buckets`` / ``--bucket_list``, or None for square centre crops."""
+    if args.bucket_step <= 0 or args.bucket_step % 8:
+        parser.error(f"--bucket_step must be a positive multiple of 8, got {args.bucket_step}")
+    try:
+        if args.bucket_list is not None:
+            return SD_Buckets.parse_bucket_list(args.bucket_list)
+        return SD_Buckets.default_buckets(args.resolution, args.bucket_step) if args.buckets else None
+    except ValueError as error:
+        parser.error(f"--bucket_list: {error}" if args.bucket_list is not None else str(error))
 
 
 def check_ranks(parser, args) -> None:
@@ -128,10 +159,11 @@ class ShardJob:
 
     path: Path
     keys: list[str] = field(default_factory=list)  # encoded keys, in shard order, appended batch by batch
+    buckets: dict[int, list] = field(default_factory=dict)  # --buckets: bucket -> [(key, (h, w), (top, left))]
     skipped: dict[str, list[str]] = field(default_factory=dict)  # reason -> keys
     failed: str | None = None  # why the whole shard gave no latent (empty_tar, unreadable_tar, no_usable_sample)
     truncated: str | None = None  # the key cut off where the tar ends early (set once it has been read)
-    rows: dict[str, NpyRows] = field(default_factory=dict)  # the writer's open output files: "npy", "flip"
+    rows: dict[tuple, NpyRows] = field(default_factory=dict)  # the writer's open files: ("npy"|"flip", bucket)
     non_finite: list[tuple[str, str]] = field(default_factory=list)  # (output, key) of non-finite latents
 
     @property
@@ -149,17 +181,26 @@ def shards_of_rank(paths: list[Path], rank: int, world_size: int) -> list[Path]:
 
 def outputs(out: Path, stem: str) -> dict[str, Path]:
     return {"npy": out / f"{stem}.npy", "flip": out / f"{stem}.flip.npy", "report": out / f"{stem}.report.json",
-            "keys": out / f"{stem}.keys.txt"}
+            "keys": out / f"{stem}.keys.txt", "buckets": out / f"{stem}.buckets.json"}
 
 
-def shard_done(out: Path, stem: str, flip: bool) -> bool:
+def latent_file(out: Path, stem: str, name: str, bucket: SD_Buckets.Bucket | None) -> Path:
+    """``NNNNN.npy`` / ``NNNNN.flip.npy``, or per bucket ``NNNNN.WxH.npy`` / ``NNNNN.WxH.flip.npy``."""
+    middle = "" if bucket is None else f".{SD_Buckets.name(bucket)}"
+    return out / f"{stem}{middle}{'.flip' if name == 'flip' else ''}.npy"
+
+
+def shard_done(out: Path, stem: str, flip: bool, bucketed: bool = False) -> bool:
+    """The keys file is written last; a bucketed shard's layout file and arrays come before it."""
     files = outputs(out, stem)
+    if bucketed:
+        return files["keys"].exists() and files["buckets"].exists()
     return files["keys"].exists() and files["npy"].exists() and (not flip or files["flip"].exists())
 
 
 # What a re-run must share with the run that started a folder: anything else mixes latents that do not
 # belong together (other shapes, another VAE's space, flipped or not) in one folder, silently.
-SETTINGS = ("vae", "scaling_factor", "resolution", "latent_shape", "dtype", "flip")
+SETTINGS = ("vae", "scaling_factor", "resolution", "latent_shape", "dtype", "flip", "buckets")
 
 
 class FolderMismatch(Exception):
@@ -182,14 +223,18 @@ def read_meta(out: Path) -> dict:
 
 def requested_settings(args) -> dict:
     """The settings known from the command line alone, checked before the VAE is loaded."""
-    return {"vae": args.vae, "resolution": args.resolution, "dtype": "float16", "flip": bool(args.flip)}
+    buckets = None if args.bucket_sizes is None else [list(b) for b in args.bucket_sizes]
+    return {"vae": args.vae, "resolution": args.resolution, "dtype": "float16", "flip": bool(args.flip),
+            "buckets": buckets}
 
 
 def vae_settings(args, vae_config) -> dict:
-    """Every setting in SETTINGS, once the VAE is loaded."""
-    latent_shape = [int(vae_config.latent_channels), args.resolution // 8, args.resolution // 8]
+    """Every setting in SETTINGS, once the VAE is loaded (``latent_shape`` None with buckets: one per
+    bucket, recorded in each shard's NNNNN.buckets.json)."""
+    channels = int(vae_config.latent_channels)
+    latent_shape = None if args.bucket_sizes else [channels, args.resolution // 8, args.resolution // 8]
     return {**requested_settings(args), "scaling_factor": float(vae_config.scaling_factor),
-            "latent_shape": latent_shape}
+            "latent_shape": latent_shape, "latent_channels": channels}
 
 
 def compare_settings(out: Path, previous: dict, settings: dict) -> None:
@@ -201,6 +246,10 @@ def compare_settings(out: Path, previous: dict, settings: dict) -> None:
 
 def check_existing_shards(out: Path, settings: dict) -> None:
     """A folder without latents.json (an older version wrote it only at the end) is checked by its shards."""
+    if settings["latent_shape"] is None:  # --buckets: such a folder predates buckets, so it holds squares
+        if any(out.glob("*.keys.txt")):
+            raise FolderMismatch(f"{out} holds square latents but this run asks for --buckets; use another --out")
+        return
     for keys_file in sorted(out.glob("*.keys.txt")):
         npy = out / keys_file.name.replace(".keys.txt", ".npy")
         try:
@@ -352,8 +401,10 @@ def read_ahead(paths: list[Path], depth: int):
         yield item
 
 
-def decode_sample(sample: SD_Shards.ShardSample, resolution: int, max_pixels: int, max_aspect: float):
-    """``(key, image (res, res, 3) uint8)`` or ``(key, skip reason)``."""
+def decode_sample(sample: SD_Shards.ShardSample, resolution: int, max_pixels: int, max_aspect: float,
+                  buckets: list[SD_Buckets.Bucket] | None = None):
+    """``(key, image (res, res, 3) uint8)`` or ``(key, skip reason)``; with ``buckets``
+    ``(key, (bucket index, image (H, W, 3) of that bucket, original (h, w), crop (top, left)))``."""
     if sample.problem is not None:  # a bad key, a caption that is not UTF-8, a member given twice
         return sample.key, sample.problem
     if sample.image is None:
@@ -362,7 +413,12 @@ def decode_sample(sample: SD_Shards.ShardSample, resolution: int, max_pixels: in
         return sample.key, "no_caption"
     try:
         image = SD_Shards.decode_image(sample.image, sample.image_ext, max_pixels, max_aspect)
-        return sample.key, SD_Shards.resize_center_crop(image, resolution)
+        if buckets is None:
+            return sample.key, SD_Shards.resize_center_crop(image, resolution)
+        height, width = image.shape[:2]
+        bucket = SD_Buckets.nearest_bucket(width, height, buckets)
+        pixels, crop = SD_Buckets.fit_to_bucket(image, buckets[bucket])
+        return sample.key, (bucket, pixels, (height, width), crop)
     except SD_Shards.ImageSkip as skip:
         return sample.key, skip.reason
     except Exception:  # a decoder failing in a way of its own: still one bad image, not a bad run
@@ -417,19 +473,21 @@ class Writer:
 
     NAMES = {"npy": "latents", "flip": "flipped"}  # output file -> what its rows are, in messages
 
-    def __init__(self, out: Path, flip: bool):
-        self.out, self.flip = out, flip
+    def __init__(self, out: Path, flip: bool, buckets: list[SD_Buckets.Bucket] | None = None):
+        self.out, self.flip, self.buckets = out, flip, buckets
         self.jobs: queue.Queue = queue.Queue(maxsize=8)
         self.error: BaseException | None = None
         self.current: ShardJob | None = None  # the shard whose files are open
         self.thread = threading.Thread(target=self._run, daemon=True, name="latent-writer")
         self.thread.start()
 
-    def put(self, job: ShardJob, keys: list[str] | None, latents: torch.Tensor | None, flipped: torch.Tensor | None):
-        """One batch of ``job`` (its ``keys``, in order), or with ``latents`` None the shard's closing notice."""
+    def put(self, job: ShardJob, keys: list[str] | None, latents: torch.Tensor | None, flipped: torch.Tensor | None,
+            bucket: int | None = None):
+        """One batch of ``job`` (its ``keys``, in order; with buckets, all of ``bucket``), or with
+        ``latents`` None the shard's closing notice."""
         if self.error is not None:
             raise self.error
-        self.jobs.put((job, keys, latents, flipped))
+        self.jobs.put((job, keys, latents, flipped, bucket))
 
     def close(self) -> None:
         self.jobs.put(None)
@@ -448,22 +506,23 @@ class Writer:
             except BaseException as error:  # surfaced to the main thread by put()/close()
                 self.error = error
 
-    def _handle(self, job: ShardJob, keys, latents, flipped):
+    def _handle(self, job: ShardJob, keys, latents, flipped, bucket):
         if latents is None:  # the closing notice: the shard's batches were all queued before it
             self._save(job)
             return
         self.current = job
-        self._append(job, "npy", keys, latents)
+        self._append(job, "npy", keys, latents, bucket)
         if flipped is not None:
-            self._append(job, "flip", keys, flipped)
+            self._append(job, "flip", keys, flipped, bucket)
 
-    def _append(self, job: ShardJob, name: str, keys: list[str], latents: torch.Tensor) -> None:
+    def _append(self, job: ShardJob, name: str, keys: list[str], latents: torch.Tensor, bucket: int | None) -> None:
         host = latents.cpu().numpy()  # waits for this batch only; the device works on
         finite = np.isfinite(host.reshape(len(host), -1)).all(axis=1)
         job.non_finite.extend((name, key) for key, ok in zip(keys, finite) if not ok)
-        if name not in job.rows:
-            job.rows[name] = NpyRows(outputs(self.out, job.stem)[name], host.shape[1:])
-        job.rows[name].append(host)
+        if (name, bucket) not in job.rows:
+            size = None if bucket is None else self.buckets[bucket]
+            job.rows[name, bucket] = NpyRows(latent_file(self.out, job.stem, name, size), host.shape[1:])
+        job.rows[name, bucket].append(host)
 
     def _discard(self, job: ShardJob) -> None:
         for rows in job.rows.values():
@@ -483,14 +542,29 @@ class Writer:
                 self._discard(job)
                 raise RuntimeError(f"{job.path.name}: non-finite {label} for keys {keys[:10]} (a VAE overflow: "
                                    "try --precision fp32 or bf16)")
-        for name in self.NAMES:
-            if name in job.rows:
-                job.rows[name].commit()
+        for rows in job.rows.values():
+            rows.commit()
+        latent_shapes = {bucket: list(rows.row_shape) for (name, bucket), rows in job.rows.items()}
         job.rows, self.current = {}, None
         SD_Faults.point("after_npy", job.stem)  # tests: SD_FAULT=after_npy:NNNNN kills the run here
+        keys = job.keys
+        if self.buckets is not None:
+            keys = self._save_layout(job, files["buckets"], latent_shapes)
         report = {"shard": str(job.path), "encoded": len(job.keys), "skipped": job.skipped}
         SD_Files.write_text_atomic(files["report"], json.dumps(report, indent=1) + "\n")
-        SD_Files.write_text_atomic(files["keys"], "".join(k + "\n" for k in job.keys))
+        SD_Files.write_text_atomic(files["keys"], "".join(k + "\n" for k in keys))
+
+    def _save_layout(self, job: ShardJob, path: Path, latent_shapes: dict) -> list[str]:
+        """NNNNN.buckets.json: the buckets in the order of the keys file (keys grouped by bucket, each
+        group in its array's row order), with each sample's original size and crop; returns the keys."""
+        order = sorted(job.buckets)
+        samples = [sample for bucket in order for sample in job.buckets[bucket]]
+        layout = {"buckets": [{"size": list(self.buckets[b]), "latent_shape": latent_shapes[b],
+                               "count": len(job.buckets[b])} for b in order],
+                  "original_size": [list(original) for _, original, _ in samples],
+                  "crop_top_left": [list(crop) for _, _, crop in samples]}
+        SD_Files.write_text_atomic(path, json.dumps(layout, separators=(",", ":")) + "\n")
+        return [key for key, _, _ in samples]
 
 
 class Encoder:
@@ -550,7 +624,8 @@ class ShardStream:
         self.pool, self.args, self.encoder, self.writer, self.bar = pool, args, encoder, writer, bar
         self.in_flight = InFlight(in_flight_limit(args.batch_size, args.workers))
         self.window: deque = deque()  # (job, decode future) in shard order; (job, None) closes a shard
-        self.batch: list[tuple[str, np.ndarray]] = []  # decoded images of the oldest shard in the window
+        # Decoded images of the oldest shard in the window, by bucket (0 without buckets): (key, image, info)
+        self.pending: dict[int, list] = {}
 
     def add(self, job: ShardJob, sample: SD_Shards.ShardSample | None) -> None:
         """One sample of ``job`` to decode, or with ``sample`` None the end of the shard."""
@@ -561,7 +636,7 @@ class ShardStream:
             self.take()
         args = self.args
         self.window.append((job, self.pool.submit(decode_sample, sample, args.resolution, args.max_pixels,
-                                                  args.max_aspect)))
+                                                  args.max_aspect, args.bucket_sizes)))
         self.in_flight.add(1)
 
     def drain(self) -> None:
@@ -569,7 +644,13 @@ class ShardStream:
             self.take()
 
     def take(self) -> None:
-        """The oldest decode: skipped and counted, or into the batch (encoded once full)."""
+        """The oldest decode: skipped and counted, or into its bucket's batch (encoded once full).
+
+        With buckets, images wait in up to one partial batch per bucket; when more than two batches'
+        worth wait in all, the fullest partial batch is encoded early. Which depends on the shard's
+        own images alone, so a shard is always cut into the same batches (and the waiting images stay
+        below ``in_flight.limit``, leaving decodes in the window to take).
+        """
         job, future = self.window.popleft()
         if future is None:
             self.close(job)
@@ -579,24 +660,31 @@ class ShardStream:
             job.skip(result, key)
             self.in_flight.remove(1)
             return
-        self.batch.append((key, result))
-        if len(self.batch) == self.args.batch_size:
-            self.encode(job)
+        bucket, image, info = (0, result, None) if self.args.bucket_sizes is None else \
+            (result[0], result[1], result[2:])
+        self.pending.setdefault(bucket, []).append((key, image, info))
+        batch_size = self.args.batch_size
+        if len(self.pending[bucket]) == batch_size:
+            self.encode(job, bucket)
+        elif sum(len(waiting) for waiting in self.pending.values()) > 2 * batch_size:
+            self.encode(job, max(self.pending, key=lambda b: (len(self.pending[b]), -b)))
 
-    def encode(self, job: ShardJob) -> None:
-        keys = [key for key, _ in self.batch]
-        latents, flipped = self.encoder([image for _, image in self.batch])
+    def encode(self, job: ShardJob, bucket: int) -> None:
+        batch = self.pending.pop(bucket)
+        keys = [key for key, _, _ in batch]
+        latents, flipped = self.encoder([image for _, image, _ in batch])
         self.in_flight.remove(len(keys))
-        self.batch = []
         job.keys.extend(keys)
-        self.writer.put(job, keys, latents, flipped)
+        if self.args.bucket_sizes is not None:
+            job.buckets.setdefault(bucket, []).extend((key, *info) for key, _, info in batch)
+        self.writer.put(job, keys, latents, flipped, None if self.args.bucket_sizes is None else bucket)
         self.bar.update(len(keys))
 
     def close(self, job: ShardJob) -> None:
         if job.truncated is not None:
             job.skip("truncated_tar", job.truncated)
-        if self.batch:
-            self.encode(job)
+        for bucket in sorted(self.pending):
+            self.encode(job, bucket)
         if not job.keys:
             job.failed = job.failed or "no_usable_sample"
             log.warning("%s: nothing to encode (%s); the shard is counted under failed_shards in latents.json",
@@ -685,12 +773,12 @@ def encode_folder(paths: list[Path], out: Path, args, meta: dict, encoder: Encod
     who = f"rank {place.rank} of {place.world_size}: " if place.world_size > 1 else ""
     out.mkdir(parents=True, exist_ok=True)
     mine = shards_of_rank(paths, place.rank, place.world_size)
-    todo = [p for p in mine if not shard_done(out, ShardJob(p).stem, args.flip)]
+    todo = [p for p in mine if not shard_done(out, ShardJob(p).stem, args.flip, args.bucket_sizes is not None)]
     log.info("%s%d shards, %d already encoded, %d to do, on %s in %s", who, len(mine), len(mine) - len(todo),
              len(todo), encoder.device, meta["compute_dtype"])
     if todo:
         start_folder(out, meta)
-        writer = Writer(out, args.flip)
+        writer = Writer(out, args.flip, args.bucket_sizes)
         try:
             try:
                 in_flight = encode_shards(todo, args, encoder, writer, f"encode {who}".rstrip(": "))
