@@ -34,7 +34,8 @@ def test_nothing_is_cropped():
     # A centre square of this 2:1 image would lose the red and blue bands entirely.
     out = SD_Shards.resize_keep_aspect(banded(100, 200), 64)  # -> 64 x 128: bands at 0-32, 32-96, 96-128
     assert (out[:, :30] == RED).all() and (out[:, 34:94] == GREEN).all() and (out[:, 98:] == BLUE).all()
-    tall = SD_Shards.resize_keep_aspect(banded(100, 200).transpose(1, 0, 2).copy(), 32, "long")  # 32 x 16, bands as rows
+    rows = banded(100, 200).transpose(1, 0, 2).copy()  # 200 high, 100 wide, the bands as rows
+    tall = SD_Shards.resize_keep_aspect(rows, 32, "long")  # -> 32 x 16
     assert (tall[:7] == RED).all() and (tall[9:23] == GREEN).all() and (tall[25:] == BLUE).all()
 
 
