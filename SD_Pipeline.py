@@ -177,18 +177,24 @@ def encode_jpeg(rgb: np.ndarray, quality: int = 95) -> bytes:
 
 
 def image_sample(key: str, data: bytes, ext: str, caption: str, resolution: int, metadata: dict | None = None,
-                 max_pixels: int = SD_Shards.DEFAULT_MAX_PIXELS) -> SD_Shards.ShardSample:
-    """Decode, resize the short side and centre-crop to ``resolution``, re-encode as JPEG.
+                 max_pixels: int = SD_Shards.DEFAULT_MAX_PIXELS, keep_aspect: str | None = None
+                 ) -> SD_Shards.ShardSample:
+    """Decode, resize, re-encode as JPEG. Without ``keep_aspect``: the short side scaled to
+    ``resolution`` and the centre square cut out; with ``keep_aspect`` "short" or "long": the whole
+    image with that side scaled to ``resolution`` (``SD_Shards.resize_keep_aspect``).
 
     Raises ``SD_Shards.ImageSkip`` (with a reason) for an unusable image. The metadata records the
-    original size.
+    original size and the written one.
     """
     rgb = SD_Shards.decode_image(data, ext.lower().lstrip("."), max_pixels)
     height, width = rgb.shape[:2]
-    square = SD_Shards.resize_center_crop(rgb, resolution)
+    if keep_aspect:
+        resized = SD_Shards.resize_keep_aspect(rgb, resolution, keep_aspect)
+    else:
+        resized = SD_Shards.resize_center_crop(rgb, resolution)
     meta = {"key": key, "caption": caption, "original_width": width, "original_height": height,
-            **(metadata or {})}
-    return SD_Shards.ShardSample(key, encode_jpeg(square), "jpg", caption, json.dumps(meta).encode("utf-8"))
+            "width": resized.shape[1], "height": resized.shape[0], **(metadata or {})}
+    return SD_Shards.ShardSample(key, encode_jpeg(resized), "jpg", caption, json.dumps(meta).encode("utf-8"))
 
 
 def _to_sample(item: tuple, resolution: int, max_pixels: int):

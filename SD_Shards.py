@@ -6,7 +6,8 @@
   member; ``read_shard`` does the same for a tar in memory; ``write_shard`` writes one atomically.
 * ``decode_image`` turns image bytes into RGB pixels, refusing truncated, undecodable, huge and
   extremely elongated images with an ``ImageSkip`` whose ``reason`` is the counter the caller adds it
-  to; ``resize_center_crop`` makes the square the VAE sees, cutting it out before scaling.
+  to; ``resize_center_crop`` makes the square the VAE sees, cutting it out before scaling, and
+  ``resize_keep_aspect`` scales the whole image (for aspect-ratio buckets, which crop later).
 """
 
 from __future__ import annotations
@@ -267,3 +268,35 @@ def resize_center_crop(image: np.ndarray, resolution: int) -> np.ndarray:
     import SD_Buckets
 
     return SD_Buckets.fit_to_bucket(image, (resolution, resolution))[0]
+
+
+KEEP_ASPECT_SIDES = ("short", "long")
+
+
+def resize_keep_aspect(image: np.ndarray, resolution: int, side: str = "short",
+                       max_aspect: float = DEFAULT_MAX_ASPECT) -> np.ndarray:
+    """The whole image scaled so that its ``side`` ("short" or "long") is ``resolution`` pixels, the
+    other side in proportion (rounded to the nearest pixel, at least 1): area filter down, cubic up.
+    Returned as is when that side is already ``resolution``.
+
+    Nothing is cropped, so with ``side="short"`` the output's long side is ``resolution`` times the
+    aspect ratio: images more elongated than ``max_aspect`` raise ``ImageSkip("extreme_aspect")``
+    (``decode_image`` refuses them first in the stages), so that a 12000x1 strip is not scaled to
+    1.5M x 128 pixels at 128 px.
+    """
+    import cv2
+
+    if side not in KEEP_ASPECT_SIDES:
+        raise ValueError(f"side must be one of {KEEP_ASPECT_SIDES}, got {side!r}")
+    height, width = image.shape[:2]
+    if max(height, width) > max_aspect * min(height, width):
+        raise ImageSkip("extreme_aspect", f"{width}x{height}")
+    fixed = min(height, width) if side == "short" else max(height, width)
+    if fixed == resolution:
+        return image
+
+    def scaled(length: int) -> int:  # round half up in integers: no float error at .5
+        return max(1, (2 * length * resolution + fixed) // (2 * fixed))
+
+    interpolation = cv2.INTER_AREA if fixed > resolution else cv2.INTER_CUBIC
+    return cv2.resize(image, (scaled(width), scaled(height)), interpolation=interpolation)

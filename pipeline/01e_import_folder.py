@@ -1,6 +1,7 @@
 """Import a local folder of images into webdataset shards.
 
-    python pipeline/01e_import_folder.py --input DIR --out SHARD_DIR [--layout flat|metadata|template]
+    python pipeline/01e_import_folder.py --input DIR --out SHARD_DIR [--layout flat|metadata|template] \\
+        [--resolution 512] [--keep_aspect [short|long]]
 
 Reads every image under ``--input`` (recursively; hidden files and folders are ignored) with its
 caption, in one of three layouts:
@@ -13,10 +14,14 @@ caption, in one of three layouts:
   name (identity datasets such as VGGFace2: ``n000001/0001_01.jpg``), optionally mapped through
   ``--template_map``.
 
-Writes ``SHARD_DIR/NNNNN.tar`` (``key.jpg`` square at ``--resolution``, ``key.txt`` caption,
-``key.json`` metadata with the source path, the original size and, for the metadata layout, the
-final tags and score), each followed by ``NNNNN_stats.json`` (its done marker: kept and skipped
-counts by reason), and ``01e_import_folder_summary.json`` at the end.
+Writes ``SHARD_DIR/NNNNN.tar`` (``key.jpg``, ``key.txt`` caption, ``key.json`` metadata with the
+source path, the original and the written size and, for the metadata layout, the final tags and
+score), each followed by ``NNNNN_stats.json`` (its done marker: kept and skipped counts by reason),
+and ``01e_import_folder_summary.json`` at the end. ``key.jpg`` is the centre square scaled to
+``--resolution``; with ``--keep_aspect`` it is the whole image, its short side (``--keep_aspect long``:
+its long side) scaled to ``--resolution`` and the other in proportion, for ``encode_latents.py
+--buckets``, which crops each image to its aspect-ratio bucket. Either way images more elongated
+than 8:1 are skipped (``extreme_aspect``), which bounds an output's long side at 8 x ``--resolution``.
 
 Images are sorted by relative path and cut into shards of ``--shard_size``, so a re-run skips
 finished shards and is a no-op once all are done. The key is the relative path without its
@@ -97,7 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("--layout", choices=("flat", "metadata", "template"), default="flat",
         help="where captions come from: flat = same-name .txt, metadata = same-name .json tags, "
              "template = --template per folder (default: %(default)s)")
-    parser.add_resolution("side of the square output images in pixels, a multiple of 8")
+    parser.add_resolution("side of the square output images in pixels, a multiple of 8; with --keep_aspect "
+                          "the short (or long) side")
+    add("--keep_aspect", nargs="?", const="short", choices=SD_Shards.KEEP_ASPECT_SIDES, default=None,
+        metavar="short|long",
+        help="keep the whole image instead of its centre square: its short side (--keep_aspect alone) or its "
+             "long side (--keep_aspect long) scaled to --resolution, for encode_latents.py --buckets "
+             "(default: off, the centre square)")
     add("--shard_size", type=int, default=1000, help="images per output shard (default: %(default)s)")
     add("--max_pixels", type=int, default=SD_Shards.DEFAULT_MAX_PIXELS,
         help="skip images with more pixels than this, read from the header (default: %(default)s)")
@@ -372,7 +383,8 @@ def import_shard(src: Path, out: Path, index: int, items: list[tuple[str, str]],
             caption, meta = caption_for(src, rel, key, rules)
             data = SD_Files.read_file_bounded(src / rel, SD_Pipeline.MAX_MEMBER_BYTES)
             samples.append(SD_Pipeline.image_sample(key, data, SD_Pipeline.image_extension(rel), caption,
-                                                    args.resolution, {"source": rel, **meta}, args.max_pixels))
+                                                    args.resolution, {"source": rel, **meta}, args.max_pixels,
+                                                    args.keep_aspect))
         except SD_Shards.ImageSkip as skip:
             stats.skip(skip.reason, rel)
         except SD_Files.TooLarge as error:  # no image file is this big: refused before it is read whole
@@ -387,8 +399,10 @@ def import_shard(src: Path, out: Path, index: int, items: list[tuple[str, str]],
 
 def shard_fingerprints(items: list[tuple[str, str]], rules: CaptionRules, args) -> dict:
     sources = hashlib.sha1("\n".join(rel for rel, _ in items).encode("utf-8")).hexdigest()
+    # keep_aspect enters only when set, so shards written before the flag existed still match.
+    shape = {"keep_aspect": args.keep_aspect} if args.keep_aspect else {}
     return {"sources_sha1": sources,
-            "options_sha1": rules.fingerprint(resolution=args.resolution, max_pixels=args.max_pixels)}
+            "options_sha1": rules.fingerprint(resolution=args.resolution, max_pixels=args.max_pixels, **shape)}
 
 
 def check_done_shards(out: Path, plan: list[list[tuple[str, str]]], rules: CaptionRules, args) -> str | None:
@@ -433,7 +447,8 @@ def main(argv=None) -> int:
             record = import_shard(src, out, index, plan[index], rules, args,
                                   shard_fingerprints(plan[index], rules, args), bar)
             summary.add(record)
-    summary.finish(out, layout=args.layout, source=str(src.resolve()), images=len(items))
+    summary.finish(out, layout=args.layout, source=str(src.resolve()), images=len(items),
+                   resolution=args.resolution, keep_aspect=args.keep_aspect)
     return 0
 
 

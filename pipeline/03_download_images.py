@@ -1,7 +1,8 @@
-"""Download the images of filtered LAION metadata with img2dataset into square webdataset shards.
+"""Download the images of filtered LAION metadata with img2dataset into webdataset shards.
 
-    python pipeline/03_download_images.py --input DIR --out SHARD_DIR [--resolution 512] [--processes 4] \\
-        [--threads 16] [--distributor multiprocessing|pyspark|ray] [--spark_master URL] [--url_col URL] \\
+    python pipeline/03_download_images.py --input DIR --out SHARD_DIR [--resolution 512] \\
+        [--keep_aspect [short|long]] [--processes 4] [--threads 16] \\
+        [--distributor multiprocessing|pyspark|ray] [--spark_master URL] [--url_col URL] \\
         [--caption_col TEXT] [--shard_size 10000] [--timeout 10] [--retries 2]
 
 Input: the parquet files of 02_filter_metadata.py (a folder, or one file). URL and caption columns are
@@ -9,12 +10,20 @@ detected as in stage 02 unless given, and checked as there (a URL column of numb
 naming the file and column, exit 2, before img2dataset starts); the score columns present
 (aesthetic, similarity, watermark, NSFW) are copied into every sample's JSON.
 
-Output (written by img2dataset): ``SHARD_DIR/NNNNN.tar`` (``key.jpg`` centre-cropped to
-``--resolution``, ``key.txt`` the caption, ``key.json`` the metadata), ``NNNNN.parquet`` and
+Output (written by img2dataset): ``SHARD_DIR/NNNNN.tar`` (``key.jpg``, ``key.txt`` the caption,
+``key.json`` the metadata with the original and the written size), ``NNNNN.parquet`` and
 ``NNNNN_stats.json``, the shard's done marker; then ``03_download_images_summary.json`` with the
-successes and the failures by img2dataset's reason. img2dataset runs in incremental mode, so a re-run
-downloads only unfinished shards (and when all are finished it is not started at all). Sites whose
-``X-Robots-Tag`` header says noai/noimageai/noindex/noimageindex are skipped, img2dataset's default.
+successes, the failures by img2dataset's reason and the size options. ``key.jpg`` is the centre
+square at ``--resolution``; with ``--keep_aspect`` it is the whole image, its short side
+(``--keep_aspect long``: its long side) scaled to ``--resolution`` and the other in proportion, for
+``encode_latents.py --buckets``, which crops each image to its aspect-ratio bucket. Either way
+smaller images are enlarged, and images more elongated than 8:1 are dropped ("aspect ratio too
+large"), as the other stages do.
+
+img2dataset runs in incremental mode, so a re-run downloads only unfinished shards (and when all are
+finished it is not started at all); it does not compare options, so a re-run with another
+``--resolution`` or ``--keep_aspect`` needs a fresh ``--out``. Sites whose ``X-Robots-Tag`` header
+says noai/noimageai/noindex/noimageindex are skipped, img2dataset's default.
 Exits 1 when a shard is still unfinished after img2dataset's own retries: run the same command again.
 
 ``--distributor`` is img2dataset's: ``multiprocessing`` (one machine, ``--processes`` x ``--threads``),
@@ -43,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import SD_Pipeline  # noqa: E402
 import SD_Runtime  # noqa: E402
+import SD_Shards  # noqa: E402
 
 STAGE = "03_download_images"
 SUMMARY_NAME = f"{STAGE}_summary.json"
@@ -52,6 +62,9 @@ IMG2DATASET_RESERVED = {"key", "caption", "url", "width", "height", "original_wi
                         "status", "error_message", "exif", "md5", "sha256", "sha512"}
 SHARD_DIGITS = 5  # img2dataset's oom_shard_count default: NNNNN.tar
 DISTRIBUTORS = {"multiprocessing": None, "pyspark": "pyspark", "ray": "ray"}  # img2dataset's, and what each imports
+# --keep_aspect -> img2dataset's resize_mode (img2dataset/resizer.py): both scale the whole image by
+# the named side, enlarging small ones (resize_only_if_bigger stays False).
+RESIZE_MODES = {"short": "keep_ratio", "long": "keep_ratio_largest"}
 log = logging.getLogger(STAGE)
 
 
@@ -59,7 +72,14 @@ def parse_args(argv):
     parser = SD_Pipeline.StageArgumentParser(__file__, __doc__)
     parser.add_input("folder of filtered parquet files (or one parquet file)")
     parser.add_out("output folder for the NNNNN.tar shards")
-    parser.add_resolution("side of the square (centre-cropped) output images in pixels")
+    parser.add_resolution("side of the square (centre-cropped) output images in pixels; with --keep_aspect "
+                          "the short (or long) side")
+    parser.add_argument("--keep_aspect", nargs="?", const="short", choices=sorted(RESIZE_MODES), default=None,
+                        metavar="short|long",
+                        help="keep the whole image instead of its centre square: its short side (--keep_aspect "
+                             "alone; img2dataset's keep_ratio) or its long side (--keep_aspect long; "
+                             "keep_ratio_largest) scaled to --resolution, smaller images enlarged too; for "
+                             "encode_latents.py --buckets (default: off, the centre square)")
     parser.add_argument("--processes", type=int, default=4, help="img2dataset download processes")
     parser.add_argument("--threads", type=int, default=16, help="download threads per process")
     parser.add_argument("--distributor", choices=sorted(DISTRIBUTORS), default="multiprocessing",
@@ -133,7 +153,10 @@ def run_img2dataset(args, url_col: str, caption_col: str, scores: list[str]) -> 
         download(
             url_list=str(args.input), input_format="parquet", url_col=url_col, caption_col=caption_col,
             save_additional_columns=scores or None, output_folder=str(args.out), output_format="webdataset",
-            image_size=args.resolution, resize_mode="center_crop", encode_format="jpg", encode_quality=95,
+            image_size=args.resolution, resize_mode=RESIZE_MODES.get(args.keep_aspect, "center_crop"),
+            # img2dataset scales the whole image before it crops (or instead): a 20000x10 strip would become
+            # 1M x 512 pixels. The limit the other stages refuse at ("extreme_aspect") bounds that.
+            max_aspect_ratio=SD_Shards.DEFAULT_MAX_ASPECT, encode_format="jpg", encode_quality=95,
             processes_count=args.processes, thread_count=args.threads, number_sample_per_shard=args.shard_size,
             timeout=args.timeout, retries=args.retries, incremental_mode="incremental", enable_wandb=False,
             distributor=args.distributor,
@@ -166,7 +189,7 @@ def spark_session(args):
         spark.stop()
 
 
-def summarize(out: Path, shards: list[int], done_before: set[int]) -> dict:
+def summarize(out: Path, shards: list[int], done_before: set[int], args) -> dict:
     """Add up img2dataset's per-shard stats: successes, and failures by its status message."""
     summary = SD_Pipeline.Summary(STAGE)
     missing, failed_to_download, failed_to_resize = [], 0, 0
@@ -183,7 +206,7 @@ def summarize(out: Path, shards: list[int], done_before: set[int]) -> dict:
     summary.shards_skipped = len(done_before)
     summary.shards_written = len(shards) - len(done_before) - len(missing)
     return summary.finish(out, failed_to_download=failed_to_download, failed_to_resize=failed_to_resize,
-                          shards_unfinished=missing)
+                          shards_unfinished=missing, resolution=args.resolution, keep_aspect=args.keep_aspect)
 
 
 def main(argv=None) -> int:
@@ -208,7 +231,7 @@ def main(argv=None) -> int:
         log.info("downloading %d of %d shards (url %s, caption %s, extra %s)", len(shards) - len(done_before),
                  len(shards), url_col, caption_col, scores)
         run_img2dataset(args, url_col, caption_col, scores)
-    record = summarize(args.out, shards, done_before)
+    record = summarize(args.out, shards, done_before, args)
     if record["shards_unfinished"]:
         print(f"{STAGE}.py: shards {record['shards_unfinished']} did not finish; run the same command again",
               file=sys.stderr)

@@ -353,6 +353,62 @@ def test_template_layout_default_template(faces_src, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
+# --keep_aspect
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def aspect_src(tmp_path_factory):
+    src = tmp_path_factory.mktemp("aspect")
+    rng = np.random.default_rng(4)
+    write_image(src / "square.png", rng, 90, 90)
+    write_image(src / "tall.png", rng, 100, 160)
+    write_image(src / "wide.jpg", rng, 200, 100, "JPEG")
+    # 20000 x 10: its short side at 64 px would make a 128000 x 64 image; refused from the header.
+    (src / "strip.png").write_bytes(image_bytes(np.zeros((10, 20000, 3), np.uint8), "PNG"))
+    return src
+
+
+def import_aspect(src: Path, out: Path, *flags) -> int:
+    return stage.main(["--input", str(src), "--out", str(out), "--default_caption", "a photo", *flags, *RES])
+
+
+# key -> (width, height) written at 64 px; the originals are 90x90, 100x160 and 200x100.
+SIZES = {None: {"square": (64, 64), "tall": (64, 64), "wide": (64, 64)},
+         "short": {"square": (64, 64), "tall": (64, 102), "wide": (128, 64)},  # 160 * 64 / 100 = 102.4
+         "long": {"square": (64, 64), "tall": (40, 64), "wide": (64, 32)}}
+
+
+@pytest.mark.parametrize("flags, mode", [([], None), (["--keep_aspect"], "short"), (["--keep_aspect", "long"], "long")])
+def test_keep_aspect_scales_the_whole_image_by_its_short_or_long_side(aspect_src, tmp_path, flags, mode):
+    out = tmp_path / "shards"
+    assert import_aspect(aspect_src, out, *flags) == 0
+    samples = read_output(out)
+    assert {key: s["size"] for key, s in samples.items()} == SIZES[mode]
+    for key, original in {"square": (90, 90), "tall": (100, 160), "wide": (200, 100)}.items():
+        meta = samples[key]["meta"]
+        assert (meta["original_width"], meta["original_height"]) == original
+        assert (meta["width"], meta["height"]) == SIZES[mode][key]
+    assert summary(out)["dropped"] == {"extreme_aspect": 1} and summary(out)["keep_aspect"] == mode
+    if mode == "short":  # the whole width is kept: the left and right edges are the original's
+        wide = SD_Shards.decode_image((aspect_src / "wide.jpg").read_bytes(), "jpg")
+        tar = SD_Shards.read_shard((out / "00000.tar").read_bytes())[0]
+        written = SD_Shards.decode_image(next(s.image for s in tar if s.key == "wide"), "jpg")
+        expected = SD_Shards.resize_keep_aspect(wide, 64).astype(int)
+        assert np.abs(written.astype(int) - expected).mean() < 8  # JPEG noise only
+
+
+def test_a_rerun_with_another_keep_aspect_is_refused_like_another_resolution(aspect_src, tmp_path, capsys):
+    out = tmp_path / "shards"
+    assert import_aspect(aspect_src, out, "--keep_aspect") == 0
+    assert import_aspect(aspect_src, out, "--keep_aspect", "short") == 0  # the same setting: a no-op
+    assert summary(out)["shards_already_done"] == 1
+    for flags in (["--keep_aspect", "long"], []):
+        assert import_aspect(aspect_src, out, *flags) == 2
+        assert "different options" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
 # keys and the command line
 # ---------------------------------------------------------------------------------------------
 
@@ -387,6 +443,7 @@ def bad_tag_map(tmp_path):
     (["--layout", "metadata", "--template", "x"], "--template does not apply"),
     (["--layout", "template", "--template_map", "BAD"], "bad.json"),
     (["--layout", "metadata", "--keep_first", "-1"], "--keep_first"),
+    (["--keep_aspect", "wide"], "--keep_aspect: invalid choice"),
 ])
 def test_bad_command_lines_exit_2_with_one_line_before_any_work(tmp_path, capsys, flags, message):
     flags = [bad_tag_map(tmp_path) if f == "BAD" else str(tmp_path / "missing.json") if f == "MISSING" else f
@@ -417,7 +474,7 @@ def test_help_lists_every_flag_with_its_default():
     flags = ["--input", "--out", "--layout", "--resolution", "--shard_size", "--max_pixels", "--default_caption",
              "--caption_prefix", "--exclude_tags", "--drop_tags", "--tag_map", "--rename", "--min_score",
              "--tag_bonus", "--score_tags", "--shuffle_tags", "--keep_first", "--seed", "--template",
-             "--template_map"]
+             "--template_map", "--keep_aspect"]
     options = result.stdout.split("options:")[1]
     entries = {entry.split()[0].rstrip(","): " ".join(entry.split())
                for entry in re.split(r"\n  (?=-)", options) if entry.strip()}

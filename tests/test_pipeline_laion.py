@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import threading
+import types
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -551,6 +552,51 @@ def test_the_pyspark_distributor_downloads_what_multiprocessing_does(tmp_path):
     check_samples(tmp_path / "pyspark", metadata)
 
 
+def banded(height: int, width: int) -> np.ndarray:
+    """Red, green, blue vertical bands over the first quarter, the middle half and the last quarter."""
+    image = np.zeros((height, width, 3), np.uint8)
+    image[:, : width // 4] = (255, 0, 0)
+    image[:, width // 4 : 3 * width // 4] = (0, 255, 0)
+    image[:, 3 * width // 4 :] = (0, 0, 255)
+    return image
+
+
+@pytest.mark.slow
+def test_download_images_keep_aspect_keeps_the_whole_image(tmp_path):
+    # (height, width) -> written (height, width) with the short side at 64; None: dropped at 20:1.
+    sizes = {(100, 200): (64, 128), (120, 60): (128, 64), (20, 40): (64, 128), (10, 200): None}
+    routes = {f"/img{i}": image_bytes(banded(*size), "PNG") for i, size in enumerate(sizes)}
+    with LoopbackServer(routes) as server:
+        rows = [laion_row(f"{server.url}/img{i}", f"caption {i}") for i in range(len(sizes))]
+        write_parquet(tmp_path / "filtered" / "part-00000.parquet", rows)
+        summary = run03(tmp_path / "filtered", tmp_path / "shards", "--keep_aspect")
+    assert (summary["kept"], summary["dropped"]) == (3, {"aspect ratio too large": 1})
+    assert (summary["resolution"], summary["keep_aspect"]) == (64, "short")
+    written = {}
+    for sample in read_samples(tmp_path / "shards").values():
+        meta = json.loads(sample.metadata)
+        image = SD_Shards.decode_image(sample.image, sample.image_ext)
+        assert (meta["height"], meta["width"]) == image.shape[:2]
+        written[meta["original_height"], meta["original_width"]] = image
+    assert {original: image.shape[:2] for original, image in written.items()} == {
+        original: size for original, size in sizes.items() if size}
+    wide = written[100, 200].astype(int)  # nothing cropped: the outer red and blue bands are there
+    assert np.abs(wide[:, 4:28] - (255, 0, 0)).max() < 40 and np.abs(wide[:, 100:124] - (0, 0, 255)).max() < 40
+
+
+def test_keep_aspect_picks_img2dataset_resize_mode(tmp_path, monkeypatch, capsys):
+    calls = []
+    monkeypatch.setitem(sys.modules, "img2dataset", types.SimpleNamespace(download=lambda **kw: calls.append(kw)))
+    write_parquet(tmp_path / "in" / "a.parquet", [laion_row("http://127.0.0.1:9/x", "a cat")])
+    for name, flags in (("square", []), ("short", ["--keep_aspect"]), ("long", ["--keep_aspect", "long"])):
+        # The fake downloads nothing: shard 0 stays unfinished (exit 1) and the summary is still written.
+        assert stage03.main(["--input", str(tmp_path / "in"), "--out", str(tmp_path / name), *flags]) == 1
+        assert json.loads((tmp_path / name / "03_download_images_summary.json").read_text())["keep_aspect"] == (
+            None if name == "square" else name)
+    assert [(call["resize_mode"], call["image_size"], call["max_aspect_ratio"]) for call in calls] == [
+        ("center_crop", 512, 8.0), ("keep_ratio", 512, 8.0), ("keep_ratio_largest", 512, 8.0)]
+
+
 def test_download_images_bad_command_lines_exit_2(tmp_path, capsys, monkeypatch):
     assert stage03.main(["--input", str(tmp_path / "nothing"), "--out", str(tmp_path / "out")]) == 2
     assert "no parquet files" in capsys.readouterr().err
@@ -575,8 +621,9 @@ FLAGS = {
                            "--max_watermark", "--max_nsfw", "--url_col", "--caption_col", "--width_col",
                            "--height_col", "--aesthetic_col", "--similarity_col", "--watermark_col", "--nsfw_col",
                            "--memory_limit", "--threads", "--dedup"],
-    "03_download_images": ["--input", "--out", "--resolution", "--processes", "--threads", "--distributor",
-                           "--spark_master", "--url_col", "--caption_col", "--shard_size", "--timeout", "--retries"],
+    "03_download_images": ["--input", "--out", "--resolution", "--keep_aspect", "--processes", "--threads",
+                           "--distributor", "--spark_master", "--url_col", "--caption_col", "--shard_size", "--timeout",
+                           "--retries"],
 }
 
 

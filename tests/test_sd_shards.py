@@ -1,0 +1,60 @@
+"""SD_Shards.resize_keep_aspect: the whole image scaled by its short or long side."""
+
+import cv2
+import numpy as np
+import pytest
+
+import SD_Shards
+
+RED, GREEN, BLUE = (255, 0, 0), (0, 255, 0), (0, 0, 255)
+
+
+def banded(height: int, width: int) -> np.ndarray:
+    """Red, green, blue vertical bands over the first quarter, the middle half and the last quarter."""
+    image = np.zeros((height, width, 3), np.uint8)
+    image[:, : width // 4] = RED
+    image[:, width // 4 : 3 * width // 4] = GREEN
+    image[:, 3 * width // 4 :] = BLUE
+    return image
+
+
+@pytest.mark.parametrize("height, width, resolution, side, shape", [
+    (100, 200, 64, "short", (64, 128, 3)),
+    (100, 200, 64, "long", (32, 64, 3)),
+    (300, 100, 64, "short", (192, 64, 3)),  # tall
+    (300, 100, 64, "long", (64, 21, 3)),  # 100 * 64 / 300 = 21.3
+    (5, 16, 8, "long", (3, 8, 3)),  # 2.5 rounds up, not to the even 2
+    (10, 20, 64, "short", (64, 128, 3)),  # enlarged
+])
+def test_the_chosen_side_gets_the_resolution_and_the_other_follows(height, width, resolution, side, shape):
+    assert SD_Shards.resize_keep_aspect(banded(height, width), resolution, side).shape == shape
+
+
+def test_nothing_is_cropped():
+    # A centre square of this 2:1 image would lose the red and blue bands entirely.
+    out = SD_Shards.resize_keep_aspect(banded(100, 200), 64)  # -> 64 x 128: bands at 0-32, 32-96, 96-128
+    assert (out[:, :30] == RED).all() and (out[:, 34:94] == GREEN).all() and (out[:, 98:] == BLUE).all()
+    rows = banded(100, 200).transpose(1, 0, 2).copy()  # 200 high, 100 wide, the bands as rows
+    tall = SD_Shards.resize_keep_aspect(rows, 32, "long")  # -> 32 x 16
+    assert (tall[:7] == RED).all() and (tall[9:23] == GREEN).all() and (tall[25:] == BLUE).all()
+
+
+def test_area_filter_down_cubic_up_and_unchanged_at_size():
+    image = np.random.default_rng(0).integers(0, 256, (30, 40, 3), np.uint8)
+    down = SD_Shards.resize_keep_aspect(image, 15)
+    assert np.array_equal(down, cv2.resize(image, (20, 15), interpolation=cv2.INTER_AREA))
+    up = SD_Shards.resize_keep_aspect(image, 60)
+    assert np.array_equal(up, cv2.resize(image, (80, 60), interpolation=cv2.INTER_CUBIC))
+    assert SD_Shards.resize_keep_aspect(image, 30) is image
+    assert SD_Shards.resize_keep_aspect(image, 40, "long") is image
+
+
+def test_an_elongated_strip_is_refused_not_scaled_to_a_huge_image():
+    strip = np.zeros((10, 20000, 3), np.uint8)  # short side 10 -> 64 would make 128000 x 64 pixels
+    with pytest.raises(SD_Shards.ImageSkip) as info:
+        SD_Shards.resize_keep_aspect(strip, 64)
+    assert info.value.reason == "extreme_aspect"
+    # Within a raised limit the short side still never drops under one pixel.
+    assert SD_Shards.resize_keep_aspect(np.zeros((1, 64, 3), np.uint8), 8, "long", max_aspect=100).shape == (1, 8, 3)
+    with pytest.raises(ValueError, match="side must be one of"):
+        SD_Shards.resize_keep_aspect(strip[:, :20], 8, "width")
