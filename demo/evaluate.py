@@ -29,30 +29,40 @@ TRIANGLE_BELOW = 0.64
 SQUARE_ABOVE = 0.89
 
 
+def foreground_regions(image: np.ndarray, background=(255, 255, 255)) -> tuple[np.ndarray, np.ndarray]:
+    """``(labels (H, W), areas)``: the connected regions of pixels far from the background (after a
+    3x3 opening that cuts thin bridges), labelled 1.. with ``areas[i - 1]`` pixels (0 = background)."""
+    import cv2
+
+    distance = np.linalg.norm(image.astype(np.float32) - np.array(background, np.float32), axis=-1)
+    mask = (distance > FOREGROUND_DISTANCE).astype(np.uint8)
+    mask = cv2.morphologyEx(mask, cv2.MORPH_OPEN, np.ones((3, 3), np.uint8))
+    _, labels, stats, _ = cv2.connectedComponentsWithStats(mask, connectivity=8)
+    return labels, stats[1:, cv2.CC_STAT_AREA]
+
+
+def largest_region(image: np.ndarray, background=(255, 255, 255)) -> np.ndarray | None:
+    """Boolean ``(H, W)`` mask of the largest foreground region, or None when there is none of at
+    least 12 pixels."""
+    labels, areas = foreground_regions(image, background)
+    if not len(areas) or areas.max() < 12:
+        return None
+    return labels == 1 + int(np.argmax(areas))
+
+
 def classify(image: np.ndarray, palette: dict[str, tuple], background=(255, 255, 255)) -> tuple[str | None, str | None]:
     """``(colour, shape)`` measured from an RGB uint8 image; None where there is no foreground.
 
-    The shape is the largest connected foreground region (after a 3x3 opening that cuts thin
-    bridges), so stray specks or smudges elsewhere in a sample do not count as part of it.
+    The shape is the largest connected foreground region, so stray specks or smudges elsewhere in a
+    sample do not count as part of it.
     """
-    import cv2
-
-    pixels = image.astype(np.float32)
-    distance = np.linalg.norm(pixels - np.array(background, np.float32), axis=-1)
-    mask = (distance > FOREGROUND_DISTANCE).astype(np.uint8)
-    mask = cv2.morphologyEx(mask, cv2.MORPH_OPEN, np.ones((3, 3), np.uint8))
-    count, labels, stats, _ = cv2.connectedComponentsWithStats(mask, connectivity=8)
-    if count < 2:
+    region = largest_region(image, background)
+    if region is None:
         return None, None
-    largest = 1 + int(np.argmax(stats[1:, cv2.CC_STAT_AREA]))
-    area = stats[largest, cv2.CC_STAT_AREA]
-    if area < 12:
-        return None, None
-    region = labels == largest
-    median = np.median(pixels[region], axis=0)
+    median = np.median(image.astype(np.float32)[region], axis=0)
     colour = min(palette, key=lambda name: np.linalg.norm(median - np.array(palette[name], np.float32)))
-    width, height = stats[largest, cv2.CC_STAT_WIDTH], stats[largest, cv2.CC_STAT_HEIGHT]
-    fill = area / (width * height)
+    rows, cols = np.nonzero(region)
+    fill = region.sum() / ((rows.max() - rows.min() + 1) * (cols.max() - cols.min() + 1))
     shape = "triangle" if fill < TRIANGLE_BELOW else "square" if fill > SQUARE_ABOVE else "circle"
     return colour, shape
 

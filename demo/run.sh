@@ -4,8 +4,10 @@
 # environment (the test suite runs a small version): DEMO_OUT, DEMO_COUNT, DEMO_VAE_STEPS,
 # DEMO_TRAIN_FLAGS (extra SD_Train.py flags), DEMO_N (images per prompt), DEMO_NPROC, and DEMO_THREADS
 # (CPU threads of each step but the trainer, which gives each rank cpu_count / ranks; unset = torch's
-# default), DEMO_CONCEPT_COUNT (instance images of the new concept) and DEMO_CONCEPT_FLAGS (extra
-# SD_Train.py flags of its two LoRA runs). Every step is seeded (data, VAE, UNet, sampler: seed 0).
+# default), DEMO_CONCEPT_COUNT (instance images of the new concept), DEMO_CONCEPT_FLAGS (extra
+# SD_Train.py flags of its two LoRA runs), DEMO_ASPECT_COUNT (wide, tall and square images of the
+# aspect-ratio step), DEMO_ASPECT_FLAGS (extra SD_Train.py flags of its two runs) and DEMO_ASPECT_RUNS
+# (which models it samples: base buckets square). Every step is seeded (data, VAE, UNet, sampler: seed 0).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -20,38 +22,38 @@ if [ -n "${DEMO_THREADS:-}" ]; then export OMP_NUM_THREADS=$DEMO_THREADS MKL_NUM
 start=$(date +%s)
 step() { printf '\n=== [%ss] %s ===\n' "$(( $(date +%s) - start ))" "$*"; }
 
-step "1/9 synthetic captioned images (pipeline/00_make_demo_data.py)"
+step "1/10 synthetic captioned images (pipeline/00_make_demo_data.py)"
 $PY pipeline/00_make_demo_data.py --out "$OUT/shards" --count "$COUNT" --size 64 --vae_count $((COUNT / 3)) \
     --vae_out "$OUT/vae_shards"
 
-step "2/9 a VAE for these images and the same shapes in cyan, a colour the UNet never sees (train_vae.py)"
+step "2/10 a VAE for these images and the same shapes in cyan, a colour the UNet never sees (train_vae.py)"
 if [ -f "$OUT/vae/config.json" ]; then echo "$OUT/vae exists"; else
   $PY train_vae.py --shards "$OUT/*shards/*.tar" --out "$OUT/vae" --resolution 64 --max_steps "$VAE_STEPS" \
       --seed 0
 fi
 
-step "3/9 latents, token ids, training dataset (encode_latents.py, stages 04 and 05)"
+step "3/10 latents, token ids, training dataset (encode_latents.py, stages 04 and 05)"
 $PY encode_latents.py --shards "$OUT/shards/*.tar" --out "$OUT/latents" --vae "$OUT/vae" --resolution 64 \
     --batch_size 64 --workers 2
 $PY pipeline/04_preprocess_to_cache.py --shards "$OUT/shards/*.tar" --out "$OUT/captions" --tokenizer tiny
 $PY pipeline/05_build_hf_dataset.py --captions "$OUT/captions" --latents "$OUT/latents" --out "$OUT/dataset" \
     --val_fraction 0.03
 
-step "4/9 the UNet, $NPROC ranks (torchrun SD_Train.py --config configs/demo.yaml)"
+step "4/10 the UNet, $NPROC ranks (torchrun SD_Train.py --config configs/demo.yaml)"
 # shellcheck disable=SC2086  # DEMO_TRAIN_FLAGS is a list of flags
 $PY -m torch.distributed.run --standalone --nproc_per_node "$NPROC" SD_Train.py --config configs/demo.yaml \
     --datasets "[{dataset: $OUT/dataset, latents: $OUT/latents}]" --vae "$OUT/vae" --out_dir "$OUT/train" \
     ${DEMO_TRAIN_FLAGS:-}
 
-step "5/9 samples of seen and held-out prompts with the EMA weights (SD_ImageGen.py)"
+step "5/10 samples of seen and held-out prompts with the EMA weights (SD_ImageGen.py)"
 rm -rf "$OUT/samples"
 $PY SD_ImageGen.py --ckpt "$OUT/train" --prompts_file "$OUT/shards/prompts.txt" --n "$N" --steps 25 --cfg 3.5 \
     --seed 0 --height 64 --width 64 --batch_size 16 --out "$OUT/samples"
 
-step "6/9 prompt adherence (demo/evaluate.py)"
+step "6/10 prompt adherence (demo/evaluate.py)"
 $PY demo/evaluate.py --images "$OUT/samples" --prompts "$OUT/shards/demo_prompts.json" --out "$OUT/eval.json"
 
-step "7/9 a new concept: a DreamBooth LoRA teaching 'a sks circle' = a cyan circle, with and without prior preservation"
+step "7/10 a new concept: a DreamBooth LoRA teaching 'a sks circle' = a cyan circle, with and without prior preservation"
 CONCEPT=$OUT/concept
 $PY demo/concept.py images --prompts "$OUT/shards/demo_prompts.json" --out "$CONCEPT" --vae "$OUT/vae" \
     --count "${DEMO_CONCEPT_COUNT:-12}"
@@ -62,7 +64,7 @@ for prior in prior no_prior; do
       --instance_dir "$CONCEPT/instance" "${classes[@]}" --out_dir "$CONCEPT/lora_$prior" ${DEMO_CONCEPT_FLAGS:-}
 done
 
-step "8/9 the seen prompts and the concept, sampled before and after (SD_ImageGen.py, demo/evaluate.py)"
+step "8/10 the seen prompts and the concept, sampled before and after (SD_ImageGen.py, demo/evaluate.py)"
 for run in base prior no_prior; do
   if [ "$run" = base ]; then ckpt=$OUT/train; else ckpt=$CONCEPT/lora_$run; fi
   rm -rf "$CONCEPT/samples_$run"
@@ -73,7 +75,33 @@ for run in base prior no_prior; do
 done
 $PY demo/concept.py report --out "$CONCEPT"
 
-step "9/9 done"
+step "9/10 aspect-ratio buckets: wide and tall images with the shape at one end, trained in buckets and as centre squares"
+ASPECT=$OUT/aspect
+$PY demo/aspect.py images --prompts "$OUT/shards/demo_prompts.json" --out "$ASPECT" --count "${DEMO_ASPECT_COUNT:-600}"
+$PY pipeline/04_preprocess_to_cache.py --shards "$ASPECT/shards/*.tar" --out "$ASPECT/captions" --tokenizer tiny
+for kind in buckets square; do
+  if [ "$kind" = buckets ]; then fit=(--bucket_list 64x64,144x48,48x144); else fit=(); fi
+  $PY encode_latents.py --shards "$ASPECT/shards/*.tar" --out "$ASPECT/latents_$kind" --vae "$OUT/vae" --resolution 64 \
+      "${fit[@]}" --batch_size 64 --workers 2
+  $PY pipeline/05_build_hf_dataset.py --captions "$ASPECT/captions" --latents "$ASPECT/latents_$kind" \
+      --out "$ASPECT/dataset_$kind" --val_fraction 0
+  # shellcheck disable=SC2086  # DEMO_ASPECT_FLAGS is a list of flags
+  $PY SD_Train.py --config configs/demo_aspect.yaml --init_from "$OUT/train" --vae "$OUT/vae" \
+      --datasets "[{dataset: $ASPECT/dataset_$kind, latents: $ASPECT/latents_$kind}]" --out_dir "$ASPECT/train_$kind" \
+      ${DEMO_ASPECT_FLAGS:-}
+done
+for run in ${DEMO_ASPECT_RUNS:-base buckets square}; do
+  if [ "$run" = base ]; then ckpt=$OUT/train; else ckpt=$ASPECT/train_$run; fi
+  for size in wide:144x48 tall:48x144; do
+    width=${size#*:}; width=${width%x*}; height=${size#*x}
+    rm -rf "$ASPECT/samples_${run}_${size%%:*}"
+    $PY SD_ImageGen.py --ckpt "$ckpt" --prompts_file "$ASPECT/prompts.txt" --n "$N" --steps 25 --cfg 3.5 --seed 0 \
+        --width "$width" --height "$height" --batch_size 16 --out "$ASPECT/samples_${run}_${size%%:*}"
+  done
+done
+$PY demo/aspect.py report --out "$ASPECT" --prompts "$OUT/shards/demo_prompts.json"
+
+step "10/10 done"
 cat <<SUMMARY
   sample grid        $OUT/samples/grid.png (rows: the seen prompts, then the held-out ones)
   loss curve         $OUT/train/loss.png
@@ -83,4 +111,5 @@ cat <<SUMMARY
   VAE                $OUT/vae (vae_stats.json: held-out PSNR)
   accuracy           $OUT/eval.json
   new concept        $CONCEPT/concept.json ($CONCEPT/samples_*/grid.png: base, with and without prior preservation)
+  aspect buckets     $ASPECT/aspect.json ($ASPECT/samples_*_wide|tall/grid.png: base, buckets, centre squares)
 SUMMARY
