@@ -319,3 +319,34 @@ def test_a_bucketed_run_resumed_mid_epoch_is_bitwise_equal(bucketed, tmp_path, m
     losses = [[json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
               for run in (tmp_path / "whole", tmp_path / "split")]
     assert losses[0] == losses[1]
+
+
+def test_weighted_mixing_holds_with_buckets(bucketed):
+    root, _ = bucketed
+    data = mixed(root, extra_square=True)
+    data.weights = [1.0, 3.0]  # a quarter of each epoch from the bucketed set, three quarters from the square one
+    order = SD_Data.epoch_order(data.sizes, data.weights, 0, 0)
+    data.merge_small(order, 4)
+    batches, _ = SD_Data.epoch_batches(data, 0, 0, 0, 1, 4)
+    seen = np.concatenate(batches)
+    from_square = int((seen >= data.offsets[1]).sum())
+    left_out = sum(left for *_, left in SD_Data.bucket_report(data, order, 4))
+    assert len(seen) == len(order) - left_out
+    # The epoch order holds 18 and 54 (the square set repeated); the batches keep them but for the tails.
+    assert int((order >= data.offsets[1]).sum()) == 54
+    assert 54 - left_out <= from_square <= 54
+
+
+def test_validation_samples_take_a_size_of_their_own(bucketed):
+    root, _ = bucketed
+    data = mixed(root)
+    config = SD_TrainConfig.TrainConfig(datasets=[{"dataset": "x", "latents": "y"}])
+    assert SD_Train.validation_size(config, data) == (64, 64)  # the bucket nearest square
+    config = SD_TrainConfig.TrainConfig(datasets=[{"dataset": "x", "latents": "y"}], validation_width=96,
+                                        validation_height=32)
+    assert SD_Train.validation_size(config, data) == (96, 32)
+    for width, height in ((96, 0), (60, 64)):
+        bad = SD_TrainConfig.TrainConfig(datasets=[{"dataset": "x", "latents": "y"}], validation_width=width,
+                                         validation_height=height)
+        with pytest.raises(SD_TrainConfig.ConfigError, match="validation_width and validation_height"):
+            bad.validate(check_paths=False)
