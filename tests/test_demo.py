@@ -34,12 +34,13 @@ sys.path.insert(0, str(ROOT / "demo"))
 # cyan in 0 of 4 base samples and 4 of 4 with either adapter; the seen prompts' colour (palette plus
 # cyan) 80% before, 53% after the adapter with prior preservation, 28% without (300 steps and 64 class
 # images: 58% and 27%).
-# The aspect-ratio step (demo/aspect.py, configs/demo_aspect.yaml) at this size (300 images, 150 steps,
-# 2 samples per prompt), measured on the 2-core machine: one shape at an end in 57% / 67% of the wide /
-# tall samples of the model fine-tuned in buckets, 33% / 3% of the one fine-tuned on centre squares
-# (make demo, 600 images and 300 steps: 60% / 73% against 17% / 10%; the demo model before either 2% / 8%).
+# The aspect-ratio step (demo/aspect.py, configs/demo_aspect.yaml) at this size (300 images, 150 steps
+# from the small demo model), measured on the 2-core machine: one shape at an end in 37% / 33% of the
+# wide / tall samples of the model fine-tuned in buckets, 20% / 3% of the one fine-tuned on centre
+# squares (from the full demo model, 600 images and 300 steps: 60% / 73% against 17% / 10%; the demo
+# model before either 2% / 8%).
 CONCEPT_BASE_AT_MOST, CONCEPT_AT_LEAST = 0.25, 0.5
-ASPECT_BUCKETS_AT_LEAST, ASPECT_GAP_AT_LEAST = 0.35, 0.2
+ASPECT_BUCKETS_AT_LEAST, ASPECT_GAP_AT_LEAST = 0.25, 0.15
 SMALL_DEMO = {"DEMO_COUNT": "1200", "DEMO_VAE_STEPS": "500", "DEMO_N": "4", "DEMO_NPROC": "2", "DEMO_THREADS": "2",
               "DEMO_TRAIN_FLAGS": "--max_steps 600 --warmup_steps 30 --validate_every 300 --save_steps 300",
               "DEMO_CONCEPT_FLAGS": "--max_steps 150 --num_class_images 32 --save_steps 150 --validate_every 150",
@@ -80,6 +81,7 @@ def test_demo_chain_learns_prompted_colours(tmp_path):
     for orientation in ("wide", "tall"):
         assert aspect["buckets"][orientation]["n"] == 15 * 4
         assert aspect["buckets"][orientation]["at_end"] >= ASPECT_BUCKETS_AT_LEAST, aspect
+        assert aspect["buckets"][orientation]["at_end"] > aspect["square"][orientation]["at_end"], aspect
     gap = np.mean([aspect["buckets"][o]["at_end"] - aspect["square"][o]["at_end"] for o in ("wide", "tall")])
     assert gap >= ASPECT_GAP_AT_LEAST, aspect
 
