@@ -190,6 +190,10 @@ def measure(cycles: dict, batch: int, device, args) -> list[dict]:
     results.update({row.name: row.result() for row in live})
     del rows, live
     harness.release(device)
+    for name in cycles:  # as each batch ends: a compiled run on a GPU takes minutes
+        row = results[name]
+        print(f"{name} at batch {batch}: " + ("out of memory" if row.get("oom") else
+              f"{row['images_per_s']:.2f} images/s, first steps {row['first_step_s']:.2f} s"), file=sys.stderr, flush=True)
     return [results[name] for name in cycles]
 
 
