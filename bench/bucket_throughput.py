@@ -183,18 +183,23 @@ def measure(cycles: dict, batch: int, device, args) -> list[dict]:
         if row.name in results:
             row.step = None
             harness.release(device)
+            progress(results[row.name])
     live = [row for row in rows if row.name not in results]
     for i in range(args.rounds if live else 0):
         for row in live if i % 2 == 0 else reversed(live):  # no row always first or last
             row.time_round()
-    results.update({row.name: row.result() for row in live})
+    for row in live:
+        results[row.name] = row.result()
+        progress(results[row.name])
     del rows, live
     harness.release(device)
-    for name in cycles:  # as each batch ends: a compiled run on a GPU takes minutes
-        row = results[name]
-        print(f"{name} at batch {batch}: " + ("out of memory" if row.get("oom") else
-              f"{row['images_per_s']:.2f} images/s, first steps {row['first_step_s']:.2f} s"), file=sys.stderr, flush=True)
     return [results[name] for name in cycles]
+
+
+def progress(row: dict) -> None:
+    """A line on stderr as each row ends (a compiled run on a GPU takes minutes a row)."""
+    print(f"{row['variant']} at batch {row['batch']}: " + ("out of memory" if row.get("oom") else
+          f"{row['images_per_s']:.2f} images/s, first steps {row['first_step_s']:.2f} s"), file=sys.stderr, flush=True)
 
 
 def add_ratios(rows: list[dict]) -> list[dict]:
