@@ -32,7 +32,8 @@ times (every shape weighs the same, as over a cycle).
 ``--compile`` compiles the way the trainer does, ``SD_TrainStep.wrap_model``: ``torch.compile(model)``
 with the default ``dynamic=None``, under which the first shape compiles with static sizes and the
 first shape change recompiles with symbolic ones ("automatic dynamic shapes"), reused by later shapes
-while its guards hold; the ``graphs`` column counts the graphs compiled per row. Compiled rows (and
+while its guards hold; the ``graphs`` column counts the graphs compiled per row, and a row whose
+compile fails is printed with the error while the run goes on. Compiled rows (and
 every row with ``--rounds 1``, the GPU default) are built, timed and freed one at a time, with
 dynamo's caches reset between rows: the compile cache and its dynamic-shape marks belong to the
 UNet's ``forward``, shared by every UNet in the process, so a square row built beside bucketed ones
@@ -128,12 +129,14 @@ class Row:
         graphs = compiled_graphs()
         variant = train_throughput.Variant(self.args.compile, self.args.channels_last, self.args.checkpointing)
         self.step = train_throughput.our_step(self.args.arch, variant, self.device, self.args.precision)
-        for cycle in range(self.args.warmup):
-            for i, (latents, input_ids) in enumerate(self.batches):
-                seconds = harness.time_steps(lambda: self.step(latents, input_ids), self.device, 0, 1)
-                if cycle == 0:
-                    self.first[i] = seconds
-        self.graphs = compiled_graphs() - graphs
+        try:
+            for cycle in range(self.args.warmup):
+                for i, (latents, input_ids) in enumerate(self.batches):
+                    seconds = harness.time_steps(lambda: self.step(latents, input_ids), self.device, 0, 1)
+                    if cycle == 0:
+                        self.first[i] = seconds
+        finally:
+            self.graphs = compiled_graphs() - graphs
 
     def time_round(self) -> None:
         """Whole cycles over the sizes, at least ``--steps`` steps, each step timed alone."""
@@ -180,6 +183,10 @@ def measure(cycles: dict, batch: int, device, args) -> list[dict]:
                 results[row.name] = {**row.result(), **harness.peak_gb(device)}
         except harness.out_of_memory_errors():
             results[row.name] = {**row.result(), "oom": True}
+        except Exception as error:  # a shape change the compiler cannot handle is a result, not the end of the run
+            if not args.compile:
+                raise
+            results[row.name] = {**row.result(), "error": f"{type(error).__name__}: {str(error).splitlines()[0]}"}
         if row.name in results:
             row.step = None
             harness.release(device)
@@ -198,8 +205,11 @@ def measure(cycles: dict, batch: int, device, args) -> list[dict]:
 
 def progress(row: dict) -> None:
     """A line on stderr as each row ends (a compiled run on a GPU takes minutes a row)."""
-    print(f"{row['variant']} at batch {row['batch']}: " + ("out of memory" if row.get("oom") else
-          f"{row['images_per_s']:.2f} images/s, first steps {row['first_step_s']:.2f} s"), file=sys.stderr, flush=True)
+    if row.get("oom") or row.get("error"):
+        outcome = row.get("error") or "out of memory"
+    else:
+        outcome = f"{row['images_per_s']:.2f} images/s, first steps {row['first_step_s']:.2f} s"
+    print(f"{row['variant']} at batch {row['batch']}: {outcome}", file=sys.stderr, flush=True)
 
 
 def add_ratios(rows: list[dict]) -> list[dict]:

@@ -174,12 +174,15 @@ def out_of_memory_errors() -> tuple:
 
 
 def print_table(rows: list[dict], label, columns: list[tuple[str, str, str]]) -> None:
-    """One line per row: ``label(row)``, then each (key, heading, format) column; None prints as '-'."""
+    """One line per row: ``label(row)``, then each (key, heading, format) column; None prints as '-', and a
+    row that ran out of memory or failed (``error``) says so instead."""
     print(f"{'':44}" + "".join(f"{heading:>12}" for _, heading, _ in columns))
     for row in rows:
         cells = ["-" if row.get(key) is None else format(row[key], fmt) for key, _, fmt in columns]
         if row.get("oom"):
             cells = ["out of memory"]
+        elif row.get("error"):
+            cells = [f"failed: {row['error']}"]
         print(f"{label(row):44}" + "".join(f"{cell:>12}" for cell in cells))
 
 
