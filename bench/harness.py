@@ -103,18 +103,26 @@ def vae_factor(arch: str) -> int:
     return 2 ** (len(SD_Formats.SINGLE_FILE_ARCHS[arch][1]["block_out_channels"]) - 1)
 
 
+def pixel_multiple(arch: str) -> int:
+    """What image sides must be multiples of for ``arch``'s UNet: pixels per latent cell times
+    2 ** (UNet down blocks - 1), the halvings a latent side goes through (64 for sd1, 16 for tiny)."""
+    return vae_factor(arch) * 2 ** (len(SD_Model.UNET_PRESETS[unet_preset(arch)]["down_block_types"]) - 1)
+
+
 def empty_prompt_ids(length: int = SD_Model.TOKENIZER_MAX_LENGTH) -> torch.Tensor:
     """The empty prompt as the CLIP tokenizer pads it: BOS, then EOS to the end."""
     return torch.tensor([[BOS] + [EOS] * (length - 1)])
 
 
-def synthetic_batch(batch: int, latent_size: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Unscaled fp16 latents ``(B, 4, L, L)`` as the latent store holds them, and 77 token ids each.
+def synthetic_batch(batch: int, latent_size: int | tuple[int, int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unscaled fp16 latents ``(B, 4, L, L)`` (or ``(B, 4, h, w)`` for ``latent_size=(h, w)``, an
+    aspect-ratio bucket) as the latent store holds them, and 77 token ids each.
 
     Captions are 8 to 40 random tokens between BOS and EOS padding, like real prompts.
     """
+    height, width = (latent_size, latent_size) if isinstance(latent_size, int) else latent_size
     g = torch.Generator().manual_seed(seed)
-    latents = (torch.randn(batch, 4, latent_size, latent_size, generator=g) / SD_Model.SD1_SCALING_FACTOR).half()
+    latents = (torch.randn(batch, 4, height, width, generator=g) / SD_Model.SD1_SCALING_FACTOR).half()
     ids = torch.full((batch, SD_Model.TOKENIZER_MAX_LENGTH), EOS)
     ids[:, 0] = BOS
     for row in range(batch):
@@ -166,12 +174,15 @@ def out_of_memory_errors() -> tuple:
 
 
 def print_table(rows: list[dict], label, columns: list[tuple[str, str, str]]) -> None:
-    """One line per row: ``label(row)``, then each (key, heading, format) column; None prints as '-'."""
+    """One line per row: ``label(row)``, then each (key, heading, format) column; None prints as '-', and a
+    row that ran out of memory or failed (``error``) says so instead."""
     print(f"{'':44}" + "".join(f"{heading:>12}" for _, heading, _ in columns))
     for row in rows:
         cells = ["-" if row.get(key) is None else format(row[key], fmt) for key, _, fmt in columns]
         if row.get("oom"):
             cells = ["out of memory"]
+        elif row.get("error"):
+            cells = [f"failed: {row['error']}"]
         print(f"{label(row):44}" + "".join(f"{cell:>12}" for cell in cells))
 
 

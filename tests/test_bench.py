@@ -243,3 +243,46 @@ def test_lora_step_ratios_pair_each_lora_row_with_full_fine_tuning_and_the_peer_
     assert compared == {"batch": 4, "setting": "adamw8bit+checkpointing+text_cache", "lora_vs_full_images_per_s": 1.5,
                         "lora_vs_full_peak": None, "lora_vs_full_estimate": 0.25, "lora_vs_peer_images_per_s": 1.25,
                         "lora_vs_peer_peak": None}
+
+
+def test_bucket_cycles_hold_exactly_the_square_pixels_and_only_sizes_the_unet_takes():
+    import bucket_throughput
+
+    assert bucket_throughput.equal_pixel_buckets(512, 64) == [(256, 1024), (512, 512), (1024, 256)]
+    assert bucket_throughput.equal_pixel_buckets(64, 16) == [(32, 128), (64, 64), (128, 32)]
+    sizes = bucket_throughput.equal_pixel_buckets(96, 8)
+    assert sizes == [(48, 192), (64, 144), (72, 128), (96, 96), (128, 72), (144, 64), (192, 48)]
+    assert all(w * h == 96 * 96 for w, h in sizes)
+    kept, dropped = bucket_throughput.usable(sizes, "tiny")  # the tiny UNet halves its latents once: 16 px sides
+    assert dropped == [(72, 128), (128, 72)] and len(kept) == 5
+    kept, dropped = bucket_throughput.usable(sizes, "sd1")  # three halvings: 64 px sides
+    assert kept == [] and dropped == sizes
+
+
+def test_bucket_throughput_bench_compares_bucket_cycles_with_square_training(tmp_path):
+    import SD_Buckets
+
+    stdout, result = run_bench("bucket_throughput.py", "--batch_sizes", "2", "--steps", "1", "--rounds", "1",
+                               "--json", str(tmp_path / "out.json"))
+    assert result == json.loads((tmp_path / "out.json").read_text())
+    assert (result["arch"], result["resolution"], result["bucket_step"]) == ("tiny", 64, 16)
+    assert result["cycles"] == {"square": ["64x64"], "buckets": ["32x128", "64x64", "128x32"],
+                                "buckets-default": [SD_Buckets.name(b) for b in SD_Buckets.default_buckets(64, 16)]}
+    rows = {row["variant"]: row for row in result["rows"]}
+    assert list(rows) == ["square", "buckets", "buckets-default"]
+    assert [s["pixels"] for s in rows["buckets"]["shapes"]] == [64 * 64] * 3  # equal pixel count, exactly
+    assert len(rows["buckets-default"]["shapes"]) == 9
+    assert all(s["pixels"] <= 64 * 64 for s in rows["buckets-default"]["shapes"])
+    for row in rows.values():
+        assert row["batch"] == 2 and all(s["first_step_s"] > 0 and s["step_ms"] > 0 for s in row["shapes"])
+        cycle_s = sum(s["step_ms"] for s in row["shapes"]) / 1000
+        assert row["images_per_s"] == pytest.approx(2 * len(row["shapes"]) / cycle_s)
+        assert row["megapixels_per_s"] == pytest.approx(2 * sum(s["pixels"] for s in row["shapes"]) / cycle_s / 1e6)
+    assert rows["square"]["pixels_ratio"] == 1.0
+    ratios = {r["variant"]: r for r in result["ratios"]}
+    assert list(ratios) == ["buckets", "buckets-default"]
+    for name, r in ratios.items():
+        assert 0 < r["pixels_per_s"] < float("inf") and 0 < r["images_per_s"] < float("inf")
+        assert r["pixels_per_s"] == round(rows[name]["megapixels_per_s"] / rows["square"]["megapixels_per_s"], 3)
+        assert f"ratio {name}/square at batch 2: pixels/s {r['pixels_per_s']:.3f}x" in stdout
+    assert ratios["buckets"]["pixels_per_s"] == ratios["buckets"]["images_per_s"]  # same pixels per image
