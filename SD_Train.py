@@ -244,7 +244,7 @@ def build(config: TrainConfig, d: Dist) -> Run:
     config.ema_warmup = ema_warmup_of(config, resumed_from, inherited)
     if step.ema is not None:
         step.ema.warmup = config.ema_warmup == "restart"
-    SD_TrainStep.wrap_model(step, config.compile)
+    SD_TrainStep.wrap_model(step, config.compile, len(train_data.shapes))
     return run
 
 

@@ -150,11 +150,11 @@ def build_step(config, d: Dist, unet, text_encoder, empty_ids: torch.Tensor, sca
                 text_trains=any(p.requires_grad for p in text_encoder.parameters()), empty_ids=empty_ids)
 
 
-def wrap_model(step: Step, compile: bool) -> None:
+def wrap_model(step: Step, compile: bool, shapes: int = 1) -> None:
     """DDP-wrap, then compile (after weights are loaded, so DDP broadcasts the right ones).
 
     Compiling the DDP module lets the compiler split graphs at bucket boundaries so communication
-    overlaps the backward pass.
+    overlaps the backward pass. ``shapes``: the latent shapes the run trains (aspect-ratio buckets).
     """
     model = step.unet
     if step.d.world_size > 1:
@@ -163,8 +163,29 @@ def wrap_model(step: Step, compile: bool) -> None:
         device_ids = [step.d.device.index] if step.d.device.type == "cuda" else None
         model = step.ddp = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
     if compile:
-        model = torch.compile(model)
+        model = torch.compile(model, **compile_options(shapes))
     step.model = model
+
+
+def compile_options(shapes: int) -> dict:
+    """``torch.compile`` options for a run over ``shapes`` latent shapes.
+
+    Several shapes (aspect-ratio buckets): one static graph per shape, compiled the first time it
+    comes. The default (``dynamic=None``) recompiles with symbolic sizes at the first shape change,
+    which fails for this UNet once both sides change (torch 2.13 on the CPU: "cannot determine truth
+    value of Relational", pytorch/pytorch#185510) and took minutes on an H100; and dynamo's default
+    limit of 8 recompiles per function would send the rest of SD 1.x's 17 default buckets to eager.
+    """
+    if shapes <= 1:
+        return {}
+    import torch._dynamo.config as dynamo_config
+
+    for name in ("recompile_limit", "cache_size_limit"):  # the newer and the older name of one limit
+        if hasattr(dynamo_config, name):
+            setattr(dynamo_config, name, max(getattr(dynamo_config, name), 2 * shapes + 8))
+    if hasattr(dynamo_config, "accumulated_recompile_limit"):
+        dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 64 * shapes)
+    return {"dynamic": False}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -29,15 +29,14 @@ of cycles, each step timed alone (the step already ends in one host sync); a sha
 median of its timed steps, and a row's images/s the batch times its shapes over the sum of their step
 times (every shape weighs the same, as over a cycle).
 
-``--compile`` compiles the way the trainer does, ``SD_TrainStep.wrap_model``: ``torch.compile(model)``
-with the default ``dynamic=None``, under which the first shape compiles with static sizes and the
-first shape change recompiles with symbolic ones ("automatic dynamic shapes"), reused by later shapes
-while its guards hold; the ``graphs`` column counts the graphs compiled per row, and a row whose
-compile fails is printed with the error while the run goes on. Compiled rows (and
+``--compile`` compiles the way the trainer does, ``SD_TrainStep.wrap_model``: a row of several sizes
+with ``dynamic=False`` (one static graph per size, compiled when the size first comes; see
+``SD_TrainStep.compile_options``), the square row with torch's defaults; the ``graphs`` column
+counts the graphs compiled per row, and a row whose compile fails is printed with the error while
+the run goes on. Compiled rows (and
 every row with ``--rounds 1``, the GPU default) are built, timed and freed one at a time, with
-dynamo's caches reset between rows: the compile cache and its dynamic-shape marks belong to the
-UNet's ``forward``, shared by every UNet in the process, so a square row built beside bucketed ones
-would inherit their symbolic sizes. Those rows also get their own peak memory (``harness.peak_gb``
+dynamo's caches reset between rows: the compile cache belongs to the UNet's ``forward``, shared by
+every UNet in the process. Those rows also get their own peak memory (``harness.peak_gb``
 after the warm-up: the steady state over all the row's shapes). With more rounds and no compile (the
 CPU default) all rows of a batch are built together and their rounds alternate, the order reversed
 every other round, so drift on a shared machine hits every row alike (no peak memory then).
@@ -128,7 +127,8 @@ class Row:
         """Build the step, then run every size ``--warmup`` times untimed; the first of each timed."""
         graphs = compiled_graphs()
         variant = train_throughput.Variant(self.args.compile, self.args.channels_last, self.args.checkpointing)
-        self.step = train_throughput.our_step(self.args.arch, variant, self.device, self.args.precision)
+        self.step = train_throughput.our_step(self.args.arch, variant, self.device, self.args.precision,
+                                              len(self.sizes))
         try:
             for cycle in range(self.args.warmup):
                 for i, (latents, input_ids) in enumerate(self.batches):

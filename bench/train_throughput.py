@@ -68,8 +68,9 @@ class Variant:
 # ---------------------------------------------------------------------------------------------
 
 
-def our_step(arch: str, variant: Variant, device: torch.device, precision: str):
-    """``step(latents, input_ids)``: one SD_TrainStep.train_step on a batch; returns the logged loss."""
+def our_step(arch: str, variant: Variant, device: torch.device, precision: str, shapes: int = 1):
+    """``step(latents, input_ids)``: one SD_TrainStep.train_step on a batch; returns the logged loss.
+    ``shapes``: how many latent shapes it will see (compiled as the trainer compiles a bucketed run)."""
     config = TrainConfig(unet=harness.unet_preset(arch), grad_accum=1, precision=precision,
                          grad_checkpointing=variant.checkpointing, channels_last=variant.channels_last,
                          compile=variant.compile)
@@ -77,7 +78,7 @@ def our_step(arch: str, variant: Variant, device: torch.device, precision: str):
                                channels_last=config.channels_last).to(device).train()
     step = SD_TrainStep.build_step(config, Dist.single(device), unet, harness.random_text_encoder(arch),
                                    harness.empty_prompt_ids(), SD_Model.SD1_SCALING_FACTOR)
-    SD_TrainStep.wrap_model(step, config.compile)
+    SD_TrainStep.wrap_model(step, config.compile, shapes)
     SD_TrainStep.set_lr(step.optimizer, config.lr)
     count = iter(range(10**9))
 

@@ -350,3 +350,16 @@ def test_validation_samples_take_a_size_of_their_own(bucketed):
                                          validation_height=height)
         with pytest.raises(SD_TrainConfig.ConfigError, match="validation_width and validation_height"):
             bad.validate(check_paths=False)
+
+
+def test_a_bucketed_run_compiles_one_static_graph_per_shape():
+    import torch._dynamo.config as dynamo_config
+
+    limit = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+    before = getattr(dynamo_config, limit)
+    try:
+        assert SD_TrainStep.compile_options(1) == {}  # square: torch's defaults
+        assert SD_TrainStep.compile_options(17) == {"dynamic": False}
+        assert getattr(dynamo_config, limit) >= 2 * 17  # every bucket keeps its graph (8 by default)
+    finally:
+        setattr(dynamo_config, limit, before)

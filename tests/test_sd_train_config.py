@@ -178,6 +178,8 @@ RANGES = {
     "prior_loss_weight": (">= 0 and finite", [0.0, 1.0], [-1.0]),
     "noise_offset": (">= 0 and finite", [0.0, 0.1], [-0.1]),
     "image_size": (">= 8", [8, 512], [0, -8]),
+    "validation_width": (">= 0", [0], [-8]),  # a size other than 0 needs its partner: tests/test_buckets.py
+    "validation_height": (">= 0", [0], [-8]),
 }
 
 
