@@ -363,3 +363,31 @@ def test_a_bucketed_run_compiles_one_static_graph_per_shape():
         assert getattr(dynamo_config, limit) >= 2 * 17  # every bucket keeps its graph (8 by default)
     finally:
         setattr(dynamo_config, limit, before)
+
+
+@pytest.mark.slow
+def test_two_ranks_train_a_bucketed_folder_in_step_and_it_samples_at_a_bucket_size(bucketed, tmp_path):
+    import subprocess
+    import sys
+
+    from PIL import Image
+
+    root, _ = bucketed
+    # 2 ranks x batch 2: global batches of 4, 14 per epoch; 9 steps cross into epoch 1.
+    config = run_config(root, tmp_path / "ddp", batch_size=2, grad_accum=1, max_steps=9, ema_decay=0.5)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               str(Path(SD_Train.__file__)), "--config", str(config)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    folder = tmp_path / "ddp" / "checkpoints" / ckpt.step_dir_name(9)
+    fingerprints = [torch.load(folder / f"rng_rank{r}.pt", weights_only=True)["fingerprint"] for r in range(2)]
+    assert torch.equal(*fingerprints)  # the replicas agree after steps over several shapes
+    assert "merged into bucket 80x48" in result.stderr
+    # The trained model samples at a bucket's size through SD_ImageGen.py.
+    import SD_ImageGen
+
+    out = tmp_path / "samples"
+    assert SD_ImageGen.main(["--ckpt", str(tmp_path / "ddp"), "--prompt", "a picture 1", "--n", "1", "--steps", "2",
+                             "--width", "80", "--height", "48", "--device", "cpu", "--out", str(out)]) == 0
+    images = [p for p in out.glob("*.png") if p.name != "grid.png"]
+    assert len(images) == 1 and Image.open(images[0]).size == (80, 48)
