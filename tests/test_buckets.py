@@ -391,3 +391,19 @@ def test_two_ranks_train_a_bucketed_folder_in_step_and_it_samples_at_a_bucket_si
                              "--width", "80", "--height", "48", "--device", "cpu", "--out", str(out)]) == 0
     images = [p for p in out.glob("*.png") if p.name != "grid.png"]
     assert len(images) == 1 and Image.open(images[0]).size == (80, 48)
+
+
+def test_flipped_latents_of_a_bucketed_folder_mirror_their_bucket(bucketed, tmp_path):
+    root, _ = bucketed
+    out = tmp_path / "flip"
+    assert encode(root / "shards", out, "--buckets", "--bucket_step", str(STEP), "--flip") == 0
+    assert sorted(p.name for p in out.glob("00000.*.flip.npy")) == sorted(
+        p.name.replace(".npy", ".flip.npy") for p in out.glob("00000.*x*.npy") if not p.name.endswith(".flip.npy"))
+    store = SD_Data.LatentStore(out, flip=True)
+    rows = np.arange(len(store))
+    plain = store.bucket_of_row
+    for bucket in np.unique(plain):
+        picked = rows[plain == bucket][:2]
+        flipped = store.gather(picked, np.ones(len(picked), dtype=bool))
+        assert flipped.shape == store.gather(picked).shape == (len(picked), *store.shapes[bucket])
+        assert not np.array_equal(flipped, store.gather(picked))
