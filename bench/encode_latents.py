@@ -34,13 +34,20 @@ import SD_Runtime
 import SD_Shards
 
 
-def make_shards(folder: Path, images: int, per_shard: int, resolution: int, seed: int = 0) -> None:
-    """JPEG photos-like images, 1.25x the resolution on the short side (they need resizing, as real data)."""
+# (height, width) per resolution of the --aspects images: landscape, portrait, square, 3:1 and 1:3
+ASPECTS = ((1.25, 1.6), (1.6, 1.25), (1.25, 1.25), (0.8, 2.4), (2.4, 0.8))
+
+
+def make_shards(folder: Path, images: int, per_shard: int, resolution: int, seed: int = 0,
+                aspects: bool = False) -> None:
+    """JPEG photos-like images, 1.25x the resolution on the short side (they need resizing, as real data);
+    ``aspects``: image i in the i-th shape of ASPECTS, in turn (for aspect-ratio buckets)."""
     rng = np.random.default_rng(seed)
-    height, width = int(resolution * 1.25), int(resolution * 1.6)
+    shapes = [(int(resolution * h), int(resolution * w)) for h, w in (ASPECTS if aspects else ASPECTS[:1])]
     for shard, start in enumerate(range(0, images, per_shard)):
         samples = []
         for i in range(start, min(images, start + per_shard)):
+            height, width = shapes[i % len(shapes)]
             small = rng.integers(0, 256, size=(height // 16, width // 16, 3), dtype=np.uint8)
             buffer = io.BytesIO()
             Image.fromarray(small).resize((width, height), Image.BICUBIC).save(buffer, format="JPEG", quality=90)

@@ -2,12 +2,14 @@
 
     python bench/encode_scale.py                                   # CPU: tiny VAE, 64 px, 1000 and 10000 images a shard
     python bench/encode_scale.py --script OLD/encode_latents.py    # the same for another version of the script
+    python bench/encode_scale.py --buckets                         # aspect-ratio buckets, images of five shapes
 
 For each shard size, one folder of ``--shards`` shards of that many generated JPEGs (larger than the
 resolution, so they are resized as real data is) is encoded by ``encode_latents.py`` in a fresh process
 on the CPU; the peak resident memory is that process's own (``ru_maxrss`` from ``wait4``). A pipeline
 whose decoded images in flight are bounded peaks at about the same memory at both sizes; one that holds
-whole shards grows with them. Prints the peak at each size, the growth, the ratio large/small, the tar
+whole shards grows with them. ``--buckets`` encodes images of five aspect ratios into buckets
+(``--buckets --bucket_step 16``), where images also wait for their bucket's batch. Prints the peak at each size, the growth, the ratio large/small, the tar
 size per shard (the prefetch still holds a shard's compressed bytes whole) and one JSON line.
 """
 
@@ -29,12 +31,12 @@ import harness  # noqa: E402  (bench/ is on the path as the script's folder)
 import SD_Cli  # noqa: E402
 
 
-def make_shards(folder: Path, images: int, per_shard: int, resolution: int) -> None:
+def make_shards(folder: Path, images: int, per_shard: int, resolution: int, aspects: bool = False) -> None:
     """bench/encode_latents.py's shards (that file's name is the top-level module's, hence the loader)."""
     spec = importlib.util.spec_from_file_location("bench_encode_latents", Path(__file__).with_name("encode_latents.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    module.make_shards(folder, images, per_shard, resolution)
+    module.make_shards(folder, images, per_shard, resolution, aspects=aspects)
 
 
 def encode_peak(script: Path, shards: Path, out: Path, args) -> dict:
@@ -42,7 +44,7 @@ def encode_peak(script: Path, shards: Path, out: Path, args) -> dict:
     in-flight peak it logs."""
     command = [sys.executable, str(script), "--shards", str(shards / "*.tar"), "--out", str(out), "--vae", "tiny",
                "--resolution", str(args.resolution), "--batch_size", str(args.batch_size), "--workers",
-               str(args.workers), "--device", "cpu"]
+               str(args.workers), "--device", "cpu"] + (["--buckets", "--bucket_step", "16"] if args.buckets else [])
     log = out.with_suffix(".log")
     environment = {**os.environ, "PYTHONPATH": str(ROOT)}
     start = time.perf_counter()
@@ -70,6 +72,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--workers", type=int, default=2, help="decode threads (default: %(default)s)")
     parser.add_argument("--script", default=str(ROOT / "encode_latents.py"), help="the encoder to measure")
     parser.add_argument("--json", default="", help="also write the result JSON to this file")
+    parser.add_bool("--buckets", help="images of five aspect ratios, encoded into aspect-ratio buckets")
     args = parser.parse_args(argv)
     small, large = harness.parse_list(args.sizes)
 
@@ -77,7 +80,7 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         for size in (small, large):
             shards = Path(tmp) / f"shards_{size}"
-            make_shards(shards, size * args.shards, size, args.resolution)
+            make_shards(shards, size * args.shards, size, args.resolution, aspects=args.buckets)
             tar_mb = sum(p.stat().st_size for p in shards.glob("*.tar")) / args.shards / 2**20
             row = {"images_per_shard": size, "tar_mb_per_shard": round(tar_mb, 1),
                    **encode_peak(Path(args.script), shards, Path(tmp) / f"latents_{size}", args)}
@@ -90,6 +93,7 @@ def main(argv=None) -> dict:
     print(f"growth {growth:.1f} MB for {large // small}x the shard size; ratio peak {large}/{small} = {ratio:.2f}x")
     result = {"benchmark": "encode_scale", "script": os.path.relpath(args.script, ROOT), "device": "cpu",
               "resolution": args.resolution, "batch_size": args.batch_size, "workers": args.workers,
+              "buckets": args.buckets,
               "shards": args.shards, "rows": rows, "growth_mb": round(growth, 1), "ratio": round(ratio, 3)}
     harness.emit(result, args.json)
     return result
