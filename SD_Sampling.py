@@ -5,7 +5,8 @@
   negative-prompt embedding. The predicted x0 is never clamped. A model trained on the
   zero-terminal-SNR schedule (``zero_terminal_snr``) is sampled on that schedule with "trailing"
   spacing, which starts at the last timestep, pure noise (Lin et al. 2023, arXiv:2305.08891).
-* ``generate``: images for one prompt from a list of seeds. Image i's noise comes from a CPU
+* ``generate``: images for one prompt from a list of seeds; ``generate_batch``: one image per
+  (prompt, seed) pair, the evaluation's path (``SD_Eval.py``). Image i's noise comes from a CPU
   generator seeded with ``seeds[i]``, so the same seed gives the same image on any device and at any
   batch size; the training grid and ``SD_ImageGen.py --seed`` therefore make the same picture.
 """
@@ -205,20 +206,43 @@ def generate(pipe: Pipeline, prompt: str, negative: str, seeds: list[int], *, st
     ids = SD_Model.tokenize(pipe.tokenizer, [prompt, negative])
     embeddings = SD_Model.encode_prompt_ids(pipe.text_encoder, ids).float().to(device)  # the encoder may wait on the CPU
     cond, uncond = embeddings[:1], embeddings[1:]
-    factor = float(pipe.vae.config.scaling_factor)
-    vae_dtype = next(pipe.vae.parameters()).dtype
     images = []
     for start in range(0, len(seeds), batch_size):
         chunk = seeds[start : start + batch_size]
-        noise = initial_noise(chunk, (pipe.unet.config.in_channels, height // 8, width // 8)).to(device)
-        with SD_Model.attention_context(device):
-            latents = sample_latents(pipe.unet, noise, cond.expand(len(chunk), -1, -1),
-                                     uncond.expand(len(chunk), -1, -1), sampler=sampler, steps=steps, cfg=cfg,
-                                     prediction_type=pipe.prediction_type, zero_terminal_snr=pipe.zero_terminal_snr)
-            pixels = pipe.vae.decode(SD_Model.unscale_latents(latents, factor).to(vae_dtype)).sample
-        pixels = ((pixels.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
-        images += list(pixels.permute(0, 2, 3, 1).cpu().numpy())
+        images += decode_samples(pipe, cond.expand(len(chunk), -1, -1), uncond.expand(len(chunk), -1, -1), chunk,
+                                 steps=steps, cfg=cfg, sampler=sampler, height=height, width=width, device=device)
     return images
+
+
+@torch.no_grad()
+def generate_batch(pipe: Pipeline, prompts: list[str], negative: str, seeds: list[int], *, steps: int, cfg: float,
+                   sampler: str = "ddim", height: int, width: int,
+                   device: torch.device | None = None) -> list[np.ndarray]:
+    """One image per ``(prompt, seed)`` pair, all in one batch (an evaluation's prompt set).
+
+    Image i's noise depends on ``seeds[i]`` alone (as in ``generate``); the batch itself is part of the
+    arithmetic, so a caller that wants the same pixels every time keeps its batches the same.
+    """
+    device = device or next(pipe.unet.parameters()).device
+    ids = SD_Model.tokenize(pipe.tokenizer, [*prompts, negative])
+    embeddings = SD_Model.encode_prompt_ids(pipe.text_encoder, ids).float().to(device)
+    cond, uncond = embeddings[:-1], embeddings[-1:].expand(len(prompts), -1, -1)
+    return decode_samples(pipe, cond, uncond, seeds, steps=steps, cfg=cfg, sampler=sampler, height=height,
+                          width=width, device=device)
+
+
+def decode_samples(pipe: Pipeline, cond: torch.Tensor, uncond: torch.Tensor, seeds: list[int], *, steps: int,
+                   cfg: float, sampler: str, height: int, width: int, device: torch.device) -> list[np.ndarray]:
+    """Sample one batch (``cond`` / ``uncond``: ``(B, 77, D)``, one seed each) and decode it to uint8 RGB."""
+    factor = float(pipe.vae.config.scaling_factor)
+    vae_dtype = next(pipe.vae.parameters()).dtype
+    noise = initial_noise(seeds, (pipe.unet.config.in_channels, height // 8, width // 8)).to(device)
+    with SD_Model.attention_context(device):
+        latents = sample_latents(pipe.unet, noise, cond, uncond, sampler=sampler, steps=steps, cfg=cfg,
+                                 prediction_type=pipe.prediction_type, zero_terminal_snr=pipe.zero_terminal_snr)
+        pixels = pipe.vae.decode(SD_Model.unscale_latents(latents, factor).to(vae_dtype)).sample
+    pixels = ((pixels.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+    return list(pixels.permute(0, 2, 3, 1).cpu().numpy())
 
 
 def save_grid(path, rows: list[tuple[str, list[np.ndarray]]]) -> None:
