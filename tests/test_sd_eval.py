@@ -1,0 +1,282 @@
+"""SD_Eval.py: FID, CLIP score and Inception Score on the tiny stand-in extractors, on demand and in training."""
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import scipy.linalg
+import torch
+from PIL import Image
+
+import SD_Checkpoint as ckpt
+import SD_Eval
+import SD_Metrics
+from data_factory import train_tiny_run
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "pipeline"))
+demo_data = importlib.import_module("00_make_demo_data")
+COLOURS, SHAPES = ("red", "green", "blue", "yellow"), ("circle", "square", "triangle")
+
+
+def shapes(folder: Path, n: int, seed: int, size: int = 32, noise: float = 0.0, start: int = 0) -> list[str]:
+    """``n`` PNGs of coloured shapes (the demo's drawing), optionally with Gaussian pixel noise; their prompts."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rng, prompts = np.random.default_rng(seed), []
+    for i in range(n):
+        colour, shape = COLOURS[i % 4], SHAPES[(i // 4) % 3]
+        image, _ = demo_data.draw_shape(colour, shape, size, rng)
+        if noise:
+            image = np.clip(image + np.random.default_rng(1000 + i).normal(0, noise, image.shape), 0, 255)
+        Image.fromarray(image.astype(np.uint8)).save(folder / f"{start + i:05d}.png")
+        prompts.append(f"a {colour} {shape}")
+    return prompts
+
+
+def score(*args) -> dict:
+    out = Path(args[args.index("--images") + 1]) / "scores.json"
+    assert SD_Eval.main([*args, "--features", "tiny", "--device", "cpu"]) == 0
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("reference")
+    shapes(folder, 96, seed=0)
+    return folder
+
+
+def test_fid_of_a_set_against_itself_is_zero_and_the_reference_is_cached(reference, tmp_path):
+    result = score("--images", str(reference), "--reference", str(reference), "--out", str(reference / "scores.json"))
+    assert abs(result["fid"]) < 1e-6 and result["n"] == 96 and result["reference_n"] == 96
+    cache = reference / "fid_stats.tiny.npz"
+    assert cache.exists()
+    again = SD_Eval.main(["--images", str(reference), "--reference", str(cache), "--features", "tiny",
+                          "--out", str(tmp_path / "s.json"), "--device", "cpu"])
+    assert again == 0 and json.loads((tmp_path / "s.json").read_text())["fid"] == result["fid"]
+
+
+def test_fid_rises_monotonically_as_noise_is_added(reference, tmp_path):
+    fids = []
+    for noise in (0, 4, 12, 30, 60):
+        folder = tmp_path / f"noise{noise}"
+        shapes(folder, 96, seed=0, noise=noise)
+        fids.append(score("--images", str(folder), "--reference", str(reference))["fid"])
+    assert fids[0] < 1e-6
+    assert all(b > a for a, b in zip(fids, fids[1:])), fids
+
+
+def test_fid_equals_a_direct_scipy_sqrtm_implementation(reference, tmp_path):
+    other = tmp_path / "other"
+    shapes(other, 80, seed=7, noise=20)
+    extractors = SD_Eval.Extractors("tiny", None)
+    feats = [extractors.features([np.asarray(Image.open(p).convert("RGB")) for p in SD_Eval.image_files(f)])[0]
+             for f in (other, reference)]
+    (mu1, s1), (mu2, s2) = [(f.astype(np.float64).mean(0), np.cov(f.astype(np.float64), rowvar=False)) for f in feats]
+    covmean = scipy.linalg.sqrtm(s1 @ s2).real
+    direct = float(((mu1 - mu2) ** 2).sum() + np.trace(s1) + np.trace(s2) - 2 * np.trace(covmean))
+    ours = score("--images", str(other), "--reference", str(reference))["fid"]
+    assert direct > 1 and abs(ours - direct) < 1e-3, (ours, direct)
+
+
+def test_clip_score_equals_the_direct_cosine_similarity(reference, tmp_path):
+    prompts = [f"a {COLOURS[i % 4]} {SHAPES[(i // 4) % 3]}" for i in range(96)]
+    (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n")
+    result = score("--images", str(reference), "--reference", str(reference), "--prompts",
+                   str(tmp_path / "prompts.txt"), "--out", str(reference / "scores.json"))
+    extractors = SD_Eval.Extractors("tiny", "tiny")
+    model, tokenizer = extractors.clip, extractors.tokenizer
+    images = [np.asarray(Image.open(p).convert("RGB")) for p in SD_Eval.image_files(reference)]
+    tokens = tokenizer(prompts, padding="max_length", max_length=77, truncation=True, return_tensors="pt")
+    pixels = torch.stack([SD_Eval.clip_pixels(image, 32) for image in images])
+    with torch.no_grad():
+        out = model(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask, pixel_values=pixels)
+    cosines = (out.image_embeds * out.text_embeds).sum(-1).double()  # both unit length
+    direct = float((100 * cosines.clamp(min=0)).mean())
+    assert abs(result["clip_score"] - direct) < 1e-4, (result["clip_score"], direct)
+
+
+def test_inception_score_is_one_for_identical_predictions_and_c_for_confident_distinct_ones():
+    uniform = SD_Eval.InceptionScore(40, splits=4)
+    uniform.add(np.zeros((40, 10)), 0)
+    assert uniform.value()[0] == pytest.approx(1.0)
+    confident = SD_Eval.InceptionScore(40, splits=4)
+    logits = np.full((40, 10), -50.0)
+    logits[np.arange(40), np.arange(40) % 10] = 50.0
+    confident.add(logits[:25], 0)
+    confident.add(logits[25:], 25)
+    mean, std = confident.value()
+    assert mean == pytest.approx(10.0, rel=1e-6) and std < 1e-6
+
+
+def test_statistics_do_not_depend_on_the_batching(reference):
+    extractors = SD_Eval.Extractors("tiny", None)
+    images = [np.asarray(Image.open(p).convert("RGB")) for p in SD_Eval.image_files(reference)]
+    features = extractors.features(images)[0].astype(np.float64)
+    stats = SD_Eval.FeatureStats(features.shape[1])
+    for start in range(0, len(features), 7):
+        stats.add(features[start : start + 7])
+    mu, sigma = stats.mean_cov()
+    np.testing.assert_allclose(mu, features.mean(0), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(sigma, np.cov(features, rowvar=False), rtol=1e-9, atol=1e-10)
+
+
+def test_a_changed_reference_folder_is_computed_again(tmp_path):
+    folder = tmp_path / "ref"
+    shapes(folder, 20, seed=3)
+    images = tmp_path / "images"
+    shapes(images, 20, seed=4)
+    first = score("--images", str(images), "--reference", str(folder))["fid"]
+    shapes(folder, 20, seed=5, noise=40)  # the same names, new contents
+    second = score("--images", str(images), "--reference", str(folder))["fid"]
+    assert second != first
+
+
+def test_bad_inputs_stop_with_a_message_naming_them(reference, tmp_path, capsys):
+    np.savez(tmp_path / "wide.npz", mu=np.zeros(2048), sigma=np.eye(2048))
+    args = ["--features", "tiny", "--device", "cpu", "--out", str(tmp_path / "s.json")]
+    assert SD_Eval.main(["--images", str(reference), "--reference", str(tmp_path / "wide.npz"), *args]) == 2
+    assert "wide.npz: statistics of 2048-d features" in capsys.readouterr().err
+    (tmp_path / "three.txt").write_text("a\nb\nc\n")
+    assert SD_Eval.main(["--images", str(reference), "--reference", str(reference), "--prompts",
+                         str(tmp_path / "three.txt"), *args]) == 2
+    assert "3 prompts for 96 images" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert SD_Eval.main(["--images", str(tmp_path / "empty"), "--reference", str(reference), *args]) == 2
+    assert "no images" in capsys.readouterr().err
+    (tmp_path / "broken.npz").write_bytes(b"not a zip")
+    assert SD_Eval.main(["--images", str(reference), "--reference", str(tmp_path / "broken.npz"), *args]) == 2
+    assert "broken.npz" in capsys.readouterr().err
+    assert not (tmp_path / "s.json").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Generated images: a tiny trained run, on one and two ranks, and during training
+# ---------------------------------------------------------------------------------------------
+
+EVAL_FIELDS = dict(eval_features="tiny", eval_clip_model="tiny", eval_n=6, eval_batch_size=4, validation_steps=3,
+                   validation_cfg=3.0, validation_width=64, validation_height=64)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, reference):
+    """A tiny run evaluated every 2 steps against the reference folder; its prompts file."""
+    root = tmp_path_factory.mktemp("trained")
+    prompts = root / "prompts.txt"
+    prompts.write_text("".join(f"a {c} {s}\n" for s in SHAPES for c in COLOURS))
+    run = train_tiny_run(root, 32, max_steps=4, warmup_steps=1, ema_decay=0.5, save_steps=2, keep_checkpoints=3,
+                         log_every=1, validate_every=0, eval_every=2, eval_prompts=str(prompts),
+                         eval_reference=str(reference), **EVAL_FIELDS)
+    return run, prompts
+
+
+def generate_args(checkpoint, prompts, reference, images, n_flag="--n"):
+    return ["--ckpt", str(checkpoint), "--prompts", str(prompts), n_flag, "6", "--batch_size", "4", "--steps", "3",
+            "--cfg", "3.0", "--seed", "5", "--height", "64", "--width", "64", "--reference", str(reference),
+            "--images", str(images), "--precision", "fp32"]
+
+
+def test_training_time_evaluation_is_logged_and_equals_the_checkpoints_evaluation(trained, reference, tmp_path,
+                                                                                    capsys):
+    run, prompts = trained
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    evals = {r["step"]: r for r in records if "eval_fid" in r}
+    assert sorted(evals) == [2, 4]
+    assert all(r["eval_n"] == 6 and np.isfinite(r["eval_fid"]) and r["eval_clip_score"] >= 0 for r in evals.values())
+    assert evals[2]["eval_fid"] != evals[4]["eval_fid"]
+    assert all("loss" in r for r in evals.values())
+    # The logged numbers are those of SD_Eval.py on that step's checkpoint (EMA weights, seed = the run's seed).
+    checkpoint = run / "checkpoints" / ckpt.step_dir_name(4)
+    result = score(*generate_args(checkpoint, prompts, reference, tmp_path / "images"))
+    assert result["fid"] == pytest.approx(evals[4]["eval_fid"], abs=1e-9)
+    assert result["clip_score"] == pytest.approx(evals[4]["eval_clip_score"], abs=1e-9)
+    # A re-run into that folder with other settings is refused before any work (never mixes stale images).
+    changed = generate_args(checkpoint, prompts, reference, tmp_path / "images")
+    changed[changed.index("--cfg") + 1] = "5.0"
+    assert SD_Eval.main([*changed, "--features", "tiny", "--device", "cpu"]) == 2
+    assert "cfg differ: 3.0 then, 5.0 now" in capsys.readouterr().err
+    # The loss plot has the evaluation panel beside it.
+    SD_Metrics.plot_metrics(run / "metrics.jsonl", tmp_path / "loss.png")
+    assert Image.open(tmp_path / "loss.png").size[0] == 1200
+
+
+@pytest.fixture
+def one_core_per_process(monkeypatch):
+    """One CPU thread in this process, as each of two ranks has on a 2-core machine: CPU kernels round
+    differently with other thread counts (one GPU per rank has no such difference)."""
+    threads = torch.get_num_threads()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(os.cpu_count()))  # SD_Distributed.setup: cores / local ranks
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.slow
+def test_generated_scores_are_identical_on_rerun_and_on_two_ranks(trained, reference, tmp_path, one_core_per_process):
+    run, prompts = trained
+    checkpoint = run / "checkpoints" / ckpt.step_dir_name(4)
+    one = score(*generate_args(checkpoint, prompts, reference, tmp_path / "one"))
+    assert torch.get_num_threads() == 1
+    assert len(list((tmp_path / "one").glob("*.png"))) == 6 and one["n"] == 6
+    records = json.loads((tmp_path / "one" / "images.json").read_text())
+    assert [r["seed"] for r in records] == [5, 6, 7, 8, 9, 10] and records[1]["prompt"] == "a green circle"
+    stamp = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "one").glob("*.png")}
+    again = score(*generate_args(checkpoint, prompts, reference, tmp_path / "one"))  # reads the images back
+    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "one").glob("*.png")} == stamp
+    env = {k: v for k, v in os.environ.items() if k != "LOCAL_WORLD_SIZE"}
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          str(ROOT / "SD_Eval.py"), *generate_args(checkpoint, prompts, reference, tmp_path / "two", "--num_prompts"),
+                          "--features", "tiny", "--device", "cpu"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert two.returncode == 0, two.stderr[-3000:]
+    two_scores = json.loads((tmp_path / "two" / "scores.json").read_text())
+    for key in ("fid", "clip_score", "n"):
+        assert one[key] == again[key] == two_scores[key], key
+    for path in sorted((tmp_path / "one").glob("*.png")):
+        assert np.array_equal(np.asarray(Image.open(path)), np.asarray(Image.open(tmp_path / "two" / path.name)))
+
+
+def test_per_phase_table_evaluates_the_newest_checkpoint_of_each_run(trained, reference, tmp_path):
+    run, prompts = trained
+    table = tmp_path / "phases.md"
+    args = ["--runs", str(run), "--prompts", str(prompts), "--n", "6", "--batch_size", "4", "--steps", "3", "--cfg",
+            "3.0", "--seed", "5", "--height", "64", "--width", "64", "--reference", str(reference), "--table",
+            str(table), "--features", "tiny", "--device", "cpu", "--precision", "fp32"]
+    assert SD_Eval.main(args) == 0
+    rows = json.loads(table.with_suffix(".json").read_text())
+    assert [(r["step"], r["images_seen"]) for r in rows] == [(4, 4 * 8)]
+    logged = {json.loads(line)["step"]: json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()}
+    assert rows[0]["fid"] == pytest.approx(logged[4]["eval_fid"], abs=1e-9)
+    assert f"| {run} | 4 | 32 | {rows[0]['fid']:.3f} |" in table.read_text()
+    assert (run / "eval" / ckpt.step_dir_name(4) / "scores.json").exists()
+
+
+def test_training_evaluation_settings_are_checked_before_any_work(tmp_path):
+    from SD_TrainConfig import ConfigError, TrainConfig
+
+    base = dict(datasets=[{"dataset": str(tmp_path), "latents": str(tmp_path)}], unet="tiny", vae="tiny",
+                text_encoder="tiny", max_steps=2)
+    with pytest.raises(ConfigError, match="eval_every > 0 needs eval_prompts"):
+        TrainConfig(**base, eval_every=10).validate(check_paths=False)
+    with pytest.raises(ConfigError, match="eval_prompts: .*missing.txt does not exist"):
+        TrainConfig(**base, eval_every=10, eval_prompts=str(tmp_path / "missing.txt"),
+                    eval_reference=str(tmp_path)).validate()
+    with pytest.raises(ConfigError, match="eval_features: inception or tiny"):
+        TrainConfig(**base, eval_features="vgg").validate(check_paths=False)
+
+
+def test_evaluating_during_training_leaves_the_training_bit_for_bit_unchanged(trained, tmp_path):
+    from safetensors.torch import load_file
+
+    run, _ = trained
+    plain = train_tiny_run(tmp_path, 32, max_steps=4, warmup_steps=1, ema_decay=0.5, save_steps=2, keep_checkpoints=3,
+                           log_every=1, validate_every=0, **EVAL_FIELDS)
+    for name in ("unet.safetensors", "ema.safetensors"):
+        ours, theirs = (load_file(r / "checkpoints" / ckpt.step_dir_name(4) / name) for r in (run, plain))
+        assert all(torch.equal(ours[k], theirs[k]) for k in ours), name
+    losses = [[json.loads(line)["loss"] for line in (r / "metrics.jsonl").read_text().splitlines()] for r in (run, plain)]
+    assert losses[0] == losses[1]
