@@ -91,7 +91,8 @@ class MetricsLog:
 
 
 def plot_metrics(metrics_path: Path, out: Path) -> None:
-    """Loss curve (and validation loss) from metrics.jsonl as a PNG."""
+    """Loss curve (and validation loss) from metrics.jsonl as a PNG; with ``eval_every``, the FID and
+    CLIP score in a panel beside it."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -102,7 +103,17 @@ def plot_metrics(metrics_path: Path, out: Path) -> None:
     records = [record for _, record in read_records(metrics_path)[0]]  # without a torn last line
     if not records:
         return
-    fig, ax = plt.subplots(figsize=(7, 4))
+    evals = [r for r in records if r.get("eval_fid") is not None]
+    fig, axes = plt.subplots(1, 2 if evals else 1, figsize=(12 if evals else 7, 4), squeeze=False)
+    plot_loss(axes[0][0], records)
+    if evals:
+        plot_eval(axes[0][1], evals)
+    fig.tight_layout()
+    SD_Files.write_atomic(out, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
+    plt.close(fig)
+
+
+def plot_loss(ax, records: list[dict]) -> None:
     ax.plot([r["step"] for r in records], [r["loss"] for r in records], label="train loss", lw=0.8)
     val = [r for r in records if r.get("val_loss") is not None]
     if val:
@@ -112,9 +123,20 @@ def plot_metrics(metrics_path: Path, out: Path) -> None:
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("Min-SNR loss")
     ax.legend()
-    fig.tight_layout()
-    SD_Files.write_atomic(out, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
-    plt.close(fig)
+
+
+def plot_eval(ax, evals: list[dict]) -> None:
+    """FID (left axis) and, when logged, CLIP score (right axis) of the EMA weights."""
+    steps = [r["step"] for r in evals]
+    ax.plot(steps, [r["eval_fid"] for r in evals], "o-", color="tab:red", label="FID (EMA)")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("FID", color="tab:red")
+    clip = [r for r in evals if r.get("eval_clip_score") is not None]
+    if clip:
+        twin = ax.twinx()
+        twin.plot([r["step"] for r in clip], [r["eval_clip_score"] for r in clip], "s--", color="tab:blue",
+                  label="CLIP score (EMA)")
+        twin.set_ylabel("CLIP score", color="tab:blue")
 
 
 def peak_memory_gb(device: torch.device) -> float:

@@ -29,6 +29,7 @@ import SD_Checkpoint as ckpt
 import SD_Data
 import SD_Distributed
 import SD_DreamBooth
+import SD_Eval
 import SD_Faults
 import SD_Files
 import SD_Formats
@@ -83,6 +84,7 @@ class Run:
     total_steps: int  # optimizer steps of the phase: sizes the LR schedule
     run_dir: Path
     base_fingerprint: torch.Tensor | None = None  # a LoRA run's base weights as loaded (see BaseFingerprint)
+    evaluation: SD_Eval.TrainingEval | None = None  # FID / CLIP score every eval_every steps
 
 
 def resumable(run: Run) -> dict:
@@ -236,6 +238,11 @@ def build(config: TrainConfig, d: Dist) -> Run:
                                    zero_terminal_snr=config.zero_terminal_snr)
     run = Run(config, d, step, TrainState(world_size=d.world_size), train_data, val_data, sampler,
               ckpt.RankRNG(step.noise_generator, unet), steps_per_epoch, total, Path(config.out_dir), base_fingerprint)
+    if config.eval_every:
+        try:
+            run.evaluation = SD_Eval.TrainingEval.build(config, d, *validation_size(config, train_data))
+        except SD_Eval.EvalError as error:
+            raise ConfigError(f"eval_every: {error}") from error
     resumed = resume_newest_usable(run)  # damaged newer checkpoints are set aside: the latest is the one resumed
     inherited = False
     if not resumed and config.init_from and not config.lora_rank:
@@ -606,6 +613,9 @@ def epochs(run: Run, stopper: "StopSignal", metrics, bar, prefetch: "Prefetcher"
             if config.validate_every and state.step % config.validate_every == 0:
                 record = record or step_record(run, result, lr)
                 image = validate(run, record)
+            if config.eval_every and state.step % config.eval_every == 0:
+                record = record or step_record(run, result, lr)
+                record.update(evaluate(run))
             if d.is_main:
                 if record is not None:
                     metrics.write(record, image)
@@ -731,6 +741,27 @@ def validate(run: Run, record: dict) -> Path | None:
     path = run.run_dir / "samples" / f"step_{run.state.step:08d}.png"
     sample_grid(run, path)
     return path
+
+
+@torch.no_grad()
+def evaluate(run: Run) -> dict:
+    """``eval_fid``, ``eval_clip_score``, ``eval_n`` of the EMA weights (SD_Eval.py); every rank takes part.
+
+    The images are those of ``SD_Eval.py --ckpt <this step's checkpoint> --prompts eval_prompts --n eval_n
+    --steps validation_steps --cfg validation_cfg --seed seed`` at the validation size, so the logged
+    numbers can be reproduced from the checkpoint.
+    """
+    config, unet, d = run.config, run.step.unet, run.d
+    swap = run.step.ema.swapped_in(unet) if run.step.ema is not None else contextlib.nullcontext()
+    unet.eval()
+    try:
+        with swap, SD_Runtime.autocast(config.precision, d.device):
+            scores = run.evaluation(run.sampler, d)
+    finally:
+        unet.train()
+    log.info("step %d: FID %.4f%s", run.state.step, scores["eval_fid"],
+             f", CLIP score {scores['eval_clip_score']:.3f}" if "eval_clip_score" in scores else "")
+    return scores
 
 
 @torch.no_grad()

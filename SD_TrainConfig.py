@@ -169,6 +169,18 @@ class TrainConfig:
                                  allowed=NON_NEGATIVE)
     validation_height: int = _doc("height of the validation samples in pixels, a multiple of 8; 0 = as "
                                   "validation_width's default", 0, allowed=NON_NEGATIVE)
+    eval_every: int = _doc("FID and CLIP score (SD_Eval.py) of the EMA weights every N optimizer steps, logged to "
+                           "metrics.jsonl as eval_fid / eval_clip_score; 0 = never", 0, allowed=NON_NEGATIVE)
+    eval_prompts: str = _doc("prompts of the evaluation: a text file (one per line) or a .tsv/.csv with a caption "
+                             "column; image i uses seed + i", "")
+    eval_n: int = _doc("evaluate on the first N of eval_prompts (one image each)", 500, allowed=COUNT)
+    eval_reference: str = _doc("reference of the FID: a folder of images (statistics cached in it) or an .npz "
+                               "(mu, sigma) computed with the same eval_features", "")
+    eval_features: str = _doc("FID network: inception (torch-fidelity's InceptionV3, needs torch-fidelity) or tiny "
+                              "(offline stand-ins)", "inception")
+    eval_clip_model: str = _doc("CLIP of the CLIP score (hub id or folder; empty = no CLIP score); the stand-in "
+                                "with eval_features tiny", "openai/clip-vit-large-patch14")
+    eval_batch_size: int = _doc("images per generation and feature batch of the evaluation", 16, allowed=COUNT)
     wandb_project: str = _doc("wandb project name", "sd1-train")
     wandb_mode: str = _doc("wandb: online, offline or disabled (API key from the environment)", "disabled")
     # -- run --------------------------------------------------------------------------------
@@ -226,6 +238,12 @@ class TrainConfig:
         need(bool(self.class_dir) == bool(self.class_prompt.strip()),
              "prior preservation needs both class_dir and class_prompt (or neither)")
         need(not self.class_dir or self.instance_dir, "class_dir (prior preservation) needs instance_dir")
+        need(self.eval_features in ("inception", "tiny"), "eval_features: inception or tiny")
+        need(not self.eval_every or (self.eval_prompts and self.eval_reference),
+             "eval_every > 0 needs eval_prompts (a prompts file) and eval_reference (a folder of images or an .npz)")
+        for name in ("eval_prompts", "eval_reference"):
+            need(not check_paths or not self.eval_every or Path(getattr(self, name)).exists(),
+                 f"{name}: {getattr(self, name)} does not exist")
         need(not self.zero_terminal_snr or self.prediction_type == "v_prediction",
              "zero_terminal_snr: the last timestep is pure noise, where epsilon cannot be predicted; set "
              "prediction_type: v_prediction")
