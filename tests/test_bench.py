@@ -286,3 +286,13 @@ def test_bucket_throughput_bench_compares_bucket_cycles_with_square_training(tmp
         assert r["pixels_per_s"] == round(rows[name]["megapixels_per_s"] / rows["square"]["megapixels_per_s"], 3)
         assert f"ratio {name}/square at batch 2: pixels/s {r['pixels_per_s']:.3f}x" in stdout
     assert ratios["buckets"]["pixels_per_s"] == ratios["buckets"]["images_per_s"]  # same pixels per image
+
+
+def test_eval_scale_bench_compares_running_statistics_with_keeping_every_feature():
+    stdout, result = run_bench("eval_scale.py", "--sizes", "300,1200", "--dim", "32", "--batch", "50")
+    assert [(row["impl"], row["n"]) for row in result["rows"]] == [("ours", 300), ("peer", 300), ("ours", 1200),
+                                                                   ("peer", 1200)]
+    assert all(row["peak_rss_mb"] > 50 for row in result["rows"])
+    assert result["max_stat_difference"] < 1e-9
+    assert result["distance"]["fid_ours"] > 0 and result["distance"]["abs_difference"] < 1e-6
+    assert "ratio peer/ours" in stdout and "peak memory at N=1200 over N=300" in stdout

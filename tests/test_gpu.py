@@ -85,3 +85,36 @@ def test_cpu_ema_of_cuda_weights_reads_finished_copies():
     assert all(b.is_pinned() for b in ema.staging)
     for r, s in zip(reference, ema.shadow):
         torch.testing.assert_close(s.double(), r, rtol=1e-6, atol=1e-5)
+
+
+def test_eval_feature_extractors_run_on_the_gpu_as_on_the_cpu():
+    """SD_Eval's extractors on CUDA: uint8 images in, the same features as on the CPU (to fp32 kernel
+    differences). torch-fidelity's InceptionV3 is checked when installed, with random weights (its
+    loader is bypassed: these machines cannot download them); the tiny stand-ins always."""
+    import numpy as np
+
+    import SD_Eval
+
+    rng = np.random.default_rng(0)
+    images = [rng.integers(0, 256, (64, 64, 3), dtype=np.uint8) for _ in range(3)]
+    images.append(rng.integers(0, 256, (96, 72, 3), dtype=np.uint8))
+    kinds = ["tiny"]
+    try:
+        import torch_fidelity.feature_extractor_inceptionv3 as inception
+
+        inception.load_state_dict_from_url = lambda *args, **kwargs: {}
+        inception.FeatureExtractorInceptionV3.load_state_dict = lambda self, state, *args, **kwargs: None
+        kinds.append("inception")
+    except ImportError:
+        pass
+    for kind in kinds:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            extractors = SD_Eval.Extractors(kind, "tiny" if kind == "tiny" else None)
+        cpu_features, cpu_logits = extractors.features(images)
+        gpu_features, gpu_logits = extractors.to("cuda").features(images)
+        assert gpu_features.shape == (4, extractors.dim) and np.isfinite(gpu_features).all()
+        np.testing.assert_allclose(gpu_features, cpu_features, rtol=2e-2, atol=2e-2 * np.abs(cpu_features).max())
+        if kind == "tiny":
+            scores = extractors.clip_scores(images, ["a red circle"] * 4)
+            assert scores.shape == (4,) and (scores >= 0).all()
