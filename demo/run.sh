@@ -50,8 +50,9 @@ rm -rf "$OUT/samples"
 $PY SD_ImageGen.py --ckpt "$OUT/train" --prompts_file "$OUT/shards/prompts.txt" --n "$N" --steps 25 --cfg 3.5 \
     --seed 0 --height 64 --width 64 --batch_size 16 --out "$OUT/samples"
 
-step "6/10 prompt adherence (demo/evaluate.py)"
+step "6/10 prompt adherence (demo/evaluate.py) and FID against fresh ground-truth drawings (demo/fid.py, SD_Eval.py)"
 $PY demo/evaluate.py --images "$OUT/samples" --prompts "$OUT/shards/demo_prompts.json" --out "$OUT/eval.json"
+$PY demo/fid.py --samples "$OUT/samples" --prompts "$OUT/shards/demo_prompts.json" --out "$OUT/fid"
 
 step "7/10 a new concept: a DreamBooth LoRA teaching 'a sks circle' = a cyan circle, with and without prior preservation"
 CONCEPT=$OUT/concept
@@ -110,6 +111,7 @@ cat <<SUMMARY
   validation grids   $OUT/train/samples/
   VAE                $OUT/vae (vae_stats.json: held-out PSNR)
   accuracy           $OUT/eval.json
+  FID                $OUT/fid/fid.json (offline stand-in features: demo model, ground-truth floor, blank canvas)
   new concept        $CONCEPT/concept.json ($CONCEPT/samples_*/grid.png: base, with and without prior preservation)
   aspect buckets     $ASPECT/aspect.json ($ASPECT/samples_*_wide|tall/grid.png: base, buckets, centre squares)
 SUMMARY

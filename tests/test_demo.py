@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT / "demo"))
 # model before either 2% / 8%).
 CONCEPT_BASE_AT_MOST, CONCEPT_AT_LEAST = 0.25, 0.5
 ASPECT_BUCKETS_AT_LEAST, ASPECT_GAP_AT_LEAST = 0.25, 0.15
+FID_BELOW_BLANK = 0.15
 SMALL_DEMO = {"DEMO_COUNT": "1200", "DEMO_VAE_STEPS": "500", "DEMO_N": "4", "DEMO_NPROC": "2", "DEMO_THREADS": "2",
               "DEMO_TRAIN_FLAGS": "--max_steps 600 --warmup_steps 30 --validate_every 300 --save_steps 300",
               "DEMO_CONCEPT_FLAGS": "--max_steps 150 --num_class_images 32 --save_steps 150 --validate_every 150",
@@ -62,6 +63,11 @@ def test_demo_chain_learns_prompted_colours(tmp_path):
     # the VAE also sees cyan. The full demo (850 steps of 64) reaches 100% on both.
     assert scores["seen"]["colour"] >= 0.6, scores
     assert scores["seen"]["shape"] >= 0.7, scores
+    # FID against fresh ground-truth drawings on SD_Eval.py's offline stand-in features (demo/fid.py):
+    # above the floor of a second ground-truth set, far below a blank canvas (full demo: 2.4 < 8.1 < 375).
+    fid = json.loads((out / "fid" / "fid.json").read_text())
+    assert fid["n"] == 18 * 4
+    assert fid["ground_truth"] < fid["samples"] < FID_BELOW_BLANK * fid["blank"], fid
     assert (out / "samples" / "grid.png").exists() and (out / "train" / "loss.png").exists()
     assert (out / "train" / "samples" / "step_00000300.png").exists()
     assert json.loads((out / "vae" / "vae_stats.json").read_text())["steps"] == 500
