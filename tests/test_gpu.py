@@ -66,9 +66,11 @@ def test_benchmarks_run_the_sd1_unet_on_the_gpu():
     result = _bench("memory.py", "--arch", "sd1", "--resolution", "256", "--checkpointing", "1", "--max_batch", "2",
                     "--batch", "2")
     assert all(row["largest_batch"] == 2 and row["peak_gb_at_batch"] > 10 for row in result["rows"])
+    # Agreement in fp32: in bf16 the random UNet's latents reach |31| under guidance 7.5, where one bf16 step
+    # is 0.125 (an H100 measured 0.71 between ours, which keeps the latents in fp32, and diffusers).
     result = _bench("sampling.py", "--arch", "sd1", "--resolution", "256", "--batch_sizes", "1", "--steps", "10",
-                    "--modes", "eager,default")
-    assert all(r["max_abs_difference"] < 0.05 for r in result["ratios"])  # bf16: ours and diffusers agree
+                    "--modes", "eager,default", "--precision", "fp32")
+    assert all(r["max_abs_difference"] < 0.05 for r in result["ratios"])  # ours and diffusers agree
 
 
 def test_cpu_ema_of_cuda_weights_reads_finished_copies():
