@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT / "demo"))
 # model before either 2% / 8%).
 CONCEPT_BASE_AT_MOST, CONCEPT_AT_LEAST = 0.25, 0.5
 ASPECT_BUCKETS_AT_LEAST, ASPECT_GAP_AT_LEAST = 0.25, 0.15
-FID_BELOW_BLANK = 0.15
+FID_BELOW_BLANK = 0.2
 SMALL_DEMO = {"DEMO_COUNT": "1200", "DEMO_VAE_STEPS": "500", "DEMO_N": "4", "DEMO_NPROC": "2", "DEMO_THREADS": "2",
               "DEMO_TRAIN_FLAGS": "--max_steps 600 --warmup_steps 30 --validate_every 300 --save_steps 300",
               "DEMO_CONCEPT_FLAGS": "--max_steps 150 --num_class_images 32 --save_steps 150 --validate_every 150",
@@ -64,7 +64,8 @@ def test_demo_chain_learns_prompted_colours(tmp_path):
     assert scores["seen"]["colour"] >= 0.6, scores
     assert scores["seen"]["shape"] >= 0.7, scores
     # FID against fresh ground-truth drawings on SD_Eval.py's offline stand-in features (demo/fid.py):
-    # above the floor of a second ground-truth set, far below a blank canvas (full demo: 2.4 < 8.1 < 375).
+    # above the floor of a second ground-truth set, far below a blank canvas (measured at this size:
+    # 7.9 < 37.8 < 383.7, the model at 0.10 of the blank; the full demo: 2.4 < 8.1 < 375).
     fid = json.loads((out / "fid" / "fid.json").read_text())
     assert fid["n"] == 18 * 4
     assert fid["ground_truth"] < fid["samples"] < FID_BELOW_BLANK * fid["blank"], fid

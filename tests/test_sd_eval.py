@@ -126,6 +126,26 @@ def test_statistics_do_not_depend_on_the_batching(reference):
     np.testing.assert_allclose(sigma, np.cov(features, rowvar=False), rtol=1e-9, atol=1e-10)
 
 
+def test_a_damaged_image_is_skipped_and_named(reference, tmp_path):
+    folder = tmp_path / "images"
+    shapes(folder, 12, seed=9)
+    (folder / "00005.png").write_bytes((folder / "00005.png").read_bytes()[:40])  # truncated
+    result = score("--images", str(folder), "--reference", str(reference))
+    assert result["n"] == 11 and len(result["skipped"]) == 1 and result["skipped"][0].startswith("00005.png")
+
+
+def test_prompts_come_from_text_or_a_caption_column(tmp_path):
+    (tmp_path / "p.txt").write_text("a red circle\n\n  a blue square  \n")
+    assert SD_Eval.read_prompts(tmp_path / "p.txt") == ["a red circle", "a blue square"]
+    (tmp_path / "coco.tsv").write_text("image_id\tfile_name\tcaption\n1\ta.jpg\tA dog on a bed.\n2\tb.jpg\tTwo cats.\n")
+    assert SD_Eval.read_prompts(tmp_path / "coco.tsv", 1) == ["A dog on a bed."]
+    (tmp_path / "bad.csv").write_text("id,text\n1,a dog\n")
+    with pytest.raises(SD_Eval.EvalError, match="needs a 'caption' column"):
+        SD_Eval.read_prompts(tmp_path / "bad.csv")
+    with pytest.raises(SD_Eval.EvalError, match="has 2 prompts, fewer than the 5"):
+        SD_Eval.read_prompts(tmp_path / "coco.tsv", 5)
+
+
 def test_a_changed_reference_folder_is_computed_again(tmp_path):
     folder = tmp_path / "ref"
     shapes(folder, 20, seed=3)
