@@ -118,10 +118,14 @@ def test_statistics_do_not_depend_on_the_batching(reference):
     extractors = SD_Eval.Extractors("tiny", None)
     images = [np.asarray(Image.open(p).convert("RGB")) for p in SD_Eval.image_files(reference)]
     features = extractors.features(images)[0].astype(np.float64)
-    stats = SD_Eval.FeatureStats(features.shape[1])
-    for start in range(0, len(features), 7):
-        stats.add(features[start : start + 7])
-    mu, sigma = stats.mean_cov()
+    results = []
+    for batch in (7, 13, 96):
+        stats = SD_Eval.FeatureStats(features.shape[1], chunk=10)  # 9 full chunks and a partial one
+        for start in range(0, len(features), batch):
+            stats.add(features[start : start + batch])
+        results.append(stats.mean_cov())
+    mu, sigma = results[0]
+    assert all(np.array_equal(mu, m) and np.array_equal(sigma, s) for m, s in results[1:])  # bit for bit
     np.testing.assert_allclose(mu, features.mean(0), rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(sigma, np.cov(features, rowvar=False), rtol=1e-9, atol=1e-10)
 
