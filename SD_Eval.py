@@ -117,12 +117,12 @@ class FeatureStats:
         self.outer += rows.T @ rows
         self.filled = 0
 
-    def mean_cov(self) -> tuple[np.ndarray, np.ndarray]:
-        """``mu`` and the unbiased covariance ``sigma`` (as ``np.cov``), for at least 2 samples."""
+    def mean_cov(self, where: str = "") -> tuple[np.ndarray, np.ndarray]:
+        """``mu`` and the unbiased covariance ``sigma`` (as ``np.cov``), for at least 2 samples (of ``where``)."""
         if self.filled:
             self._flush()
         if self.n < 2:
-            raise EvalError(f"FID needs at least 2 images, got {self.n}")
+            raise EvalError(f"{where}{': ' if where else ''}FID needs at least 2 readable images, got {self.n}")
         mu = self.total / self.n
         return mu, (self.outer - self.n * np.outer(mu, mu)) / (self.n - 1)
 
@@ -414,8 +414,8 @@ def score_parts(parts, n: int, extractors: Extractors, inception_score: bool) ->
     return totals
 
 
-def scores_of(totals: Totals, reference: dict, inception_score: bool) -> dict:
-    mu, sigma = totals.stats.mean_cov()
+def scores_of(totals: Totals, reference: dict, inception_score: bool, where: str = "") -> dict:
+    mu, sigma = totals.stats.mean_cov(where)
     result = {"fid": frechet_distance(mu, sigma, reference["mu"], reference["sigma"]), "n": totals.stats.n}
     if totals.clip_n:
         result["clip_score"] = totals.clip_sum / totals.clip_n
@@ -495,7 +495,7 @@ def reference_stats(reference: str, extractors: Extractors, d: Dist, batch_size:
     parts = gather_in_order(len(batches), folder_work(files, batches, extractors, None, size), d, desc="reference")
     totals = score_parts(parts, len(files), extractors, False)
     _log_skipped(totals.skipped, path)
-    mu, sigma = totals.stats.mean_cov()
+    mu, sigma = totals.stats.mean_cov(str(path))
     if d.is_main:
         try:
             save_stats(cache, mu, sigma, totals.stats.n, extractors.name, fingerprint)
@@ -613,7 +613,7 @@ def evaluate_folder(images_dir: Path, prompts: list[str] | None, extractors: Ext
     parts = gather_in_order(len(batches), folder_work(files, batches, extractors, prompts), d, desc="score")
     totals = score_parts(parts, len(files), extractors, inception_score)
     _log_skipped(totals.skipped, images_dir)
-    result = scores_of(totals, reference, inception_score)
+    result = scores_of(totals, reference, inception_score, str(images_dir))
     if totals.skipped:
         result["skipped"] = totals.skipped
     return result
@@ -838,7 +838,9 @@ def main(argv=None) -> int:
     try:
         return evaluate(args, d)
     except (ValueError, OSError, KeyError) as error:  # EvalError and the loaders' errors name the file
-        print(f"SD_Eval.py: {error}", file=sys.stderr)
+        import SD_Formats
+
+        print(f"SD_Eval.py: {SD_Formats.first_line(error)}", file=sys.stderr)
         return 2
     finally:
         SD_Distributed.teardown()
