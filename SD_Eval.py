@@ -725,7 +725,8 @@ def parse_args(argv=None):
     parser.add_argument("--features", choices=FEATURES, default="inception",
                         help="inception (torch-fidelity's InceptionV3 + --clip_model) or tiny (offline stand-ins)")
     parser.add_argument("--clip_model", default=DEFAULT_CLIP_MODEL,
-                        help="CLIP for the CLIP score (hub id or folder; none = no CLIP score); ignored with --features tiny")
+                        help="CLIP for the CLIP score (hub id or folder; none = no CLIP score); with --features tiny the "
+                        "stand-in CLIP unless none")
     parser.add_bool("--inception_score", help="also compute the Inception Score")
     parser.add_argument("--batch_size", type=int, default=16, help="images per generation and feature batch")
     parser.add_argument("--out", help="JSON of the scores (default: IMAGES/scores.json)")
