@@ -134,8 +134,9 @@ def test_a_damaged_image_is_skipped_and_named(reference, tmp_path):
     folder = tmp_path / "images"
     shapes(folder, 12, seed=9)
     (folder / "00005.png").write_bytes((folder / "00005.png").read_bytes()[:40])  # truncated
-    result = score("--images", str(folder), "--reference", str(reference))
+    result = score("--images", str(folder), "--reference", str(reference), "--inception_score")
     assert result["n"] == 11 and len(result["skipped"]) == 1 and result["skipped"][0].startswith("00005.png")
+    assert 1 <= result["inception_score"] <= 10 and result["inception_score_std"] >= 0  # 10 stand-in classes
 
 
 def test_prompts_come_from_text_or_a_caption_column(tmp_path):
