@@ -176,9 +176,11 @@ class InceptionScore:
             self.count[part] += 1
 
     def value(self) -> tuple[float, float]:
-        """Mean and standard deviation over the splits of ``exp(E[KL(p(y|x) || p(y))])``."""
-        p_mean = self.p_sum / self.count[:, None]
-        kl = self.neg_entropy / self.count - _xlogx(p_mean).sum(1)
+        """Mean and standard deviation over the splits of ``exp(E[KL(p(y|x) || p(y))])`` (a split whose
+        images were all unreadable is left out)."""
+        used = self.count > 0
+        p_mean = self.p_sum[used] / self.count[used, None]
+        kl = self.neg_entropy[used] / self.count[used] - _xlogx(p_mean).sum(1)
         scores = np.exp(kl)
         return float(scores.mean()), float(scores.std())
 
