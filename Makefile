@@ -19,7 +19,7 @@ $(STAMP): requirements.txt
 	$(PY) -m pip install --quiet -r requirements.txt
 	touch $(STAMP)
 
-# The whole suite (what CI runs): about 21 minutes on an idle 2-core CPU (the demo test 12 of them).
+# The whole suite (what CI runs): about 22 minutes on an idle 2-core CPU (the demo test 12.8 of them).
 test: $(STAMP)
 	$(PY) -m pytest
 
