@@ -288,6 +288,7 @@ def test_bucket_throughput_bench_compares_bucket_cycles_with_square_training(tmp
     assert ratios["buckets"]["pixels_per_s"] == ratios["buckets"]["images_per_s"]  # same pixels per image
 
 
+@pytest.mark.slow
 def test_eval_scale_bench_compares_running_statistics_with_keeping_every_feature():
     stdout, result = run_bench("eval_scale.py", "--sizes", "300,1200", "--dim", "32", "--batch", "50")
     assert [(row["impl"], row["n"]) for row in result["rows"]] == [("ours", 300), ("peer", 300), ("ours", 1200),

@@ -206,6 +206,7 @@ def generate_args(checkpoint, prompts, reference, images, n_flag="--n"):
             "--images", str(images), "--precision", "fp32"]
 
 
+@pytest.mark.slow
 def test_training_time_evaluation_is_logged_and_equals_the_checkpoints_evaluation(trained, reference, tmp_path,
                                                                                     capsys):
     run, prompts = trained
@@ -265,6 +266,7 @@ def test_generated_scores_are_identical_on_rerun_and_on_two_ranks(trained, refer
         assert np.array_equal(np.asarray(Image.open(path)), np.asarray(Image.open(tmp_path / "two" / path.name)))
 
 
+@pytest.mark.slow
 def test_per_phase_table_evaluates_the_newest_checkpoint_of_each_run(trained, reference, tmp_path):
     run, prompts = trained
     table = tmp_path / "phases.md"
@@ -294,6 +296,7 @@ def test_training_evaluation_settings_are_checked_before_any_work(tmp_path):
         TrainConfig(**base, eval_features="vgg").validate(check_paths=False)
 
 
+@pytest.mark.slow
 def test_evaluating_during_training_leaves_the_training_bit_for_bit_unchanged(trained, tmp_path):
     from safetensors.torch import load_file
 
