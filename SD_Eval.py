@@ -48,7 +48,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -326,11 +325,9 @@ class Extractors:
     @torch.no_grad()
     def clip_scores(self, images: list[np.ndarray], prompts: list[str]) -> np.ndarray:
         """``100 * max(cos, 0)`` of each image with its prompt (text truncated to CLIP's 77 tokens)."""
-        tokens = self.tokenizer(list(prompts), padding="max_length", max_length=77, truncation=True,
-                                return_tensors="pt")
-        with torch.autocast(self.device.type, enabled=False):
-            text = _projected(self.clip.get_text_features(input_ids=tokens.input_ids.to(self.device),
-                                                          attention_mask=tokens.attention_mask.to(self.device)))
+        input_ids = SD_Model.tokenize(self.tokenizer, prompts)  # padded after the end token, which the causal
+        with torch.autocast(self.device.type, enabled=False):  # mask keeps out of the pooled embedding
+            text = _projected(self.clip.get_text_features(input_ids=input_ids.to(self.device)))
             size = self.clip.config.vision_config.image_size
             pixels = torch.stack([clip_pixels(image, size) for image in images]).to(self.device)
             image_embeds = _projected(self.clip.get_image_features(pixel_values=pixels))
@@ -377,14 +374,14 @@ class Totals:
     skipped: list = field(default_factory=list)
 
     def add(self, part: dict) -> None:
-        if part["features"] is not None and len(part["features"]):
+        if part["features"] is not None:
             self.stats.add(part["features"])
             if self.inception is not None:
                 self.inception.add(part["logits"], part["first"])
         if part.get("clip") is not None:
             self.clip_sum += float(part["clip"].sum())
             self.clip_n += len(part["clip"])
-        self.skipped += part.get("skipped", [])
+        self.skipped += part["skipped"]
 
 
 def gather_in_order(n_batches: int, work, d: Dist, desc: str = "evaluate"):
@@ -447,6 +444,17 @@ def read_image(path: Path, size: int = 0) -> np.ndarray:
     return SD_Shards.resize_center_crop(image, size) if size else image
 
 
+def scored_part(extractors: Extractors, images: list[np.ndarray], prompts: list[str] | None, first: int,
+                skipped: list | None = None) -> dict:
+    """One batch's contribution (``Totals.add``): features, logits and, with prompts and CLIP, CLIP scores."""
+    part = {"first": first, "skipped": skipped or [], "features": None, "logits": None, "clip": None}
+    if images:
+        part["features"], part["logits"] = extractors.features(images)
+        if prompts is not None and extractors.clip is not None:
+            part["clip"] = extractors.clip_scores(images, prompts)
+    return part
+
+
 def folder_work(files: list[Path], batches: list[range], extractors: Extractors, prompts: list[str] | None,
                 size: int = 0):
     """``work(k)`` for ``gather_in_order``: features (and CLIP scores) of the k-th batch of ``files``."""
@@ -458,12 +466,7 @@ def folder_work(files: list[Path], batches: list[range], extractors: Extractors,
                 texts.append(prompts[i] if prompts else None)
             except (SD_Shards.ImageSkip, OSError) as error:
                 skipped.append(f"{files[i].name}: {error}")
-        part = {"first": batches[k].start, "skipped": skipped, "features": None, "logits": None, "clip": None}
-        if images:
-            part["features"], part["logits"] = extractors.features(images)
-            if prompts and extractors.clip is not None:
-                part["clip"] = extractors.clip_scores(images, texts)
-        return part
+        return scored_part(extractors, images, texts if prompts else None, batches[k].start, skipped)
 
     return work
 
@@ -552,11 +555,7 @@ def generated_work(pipe, prompts: list[str], batches: list[range], settings: Sam
             for i, path, image in zip(rows, paths or [], images):
                 SD_ImageGen.save_png(path, image, SD_ImageGen.parameters_text(
                     prompts[i], settings.negative, settings.seed + i, settings, source))
-        part = {"first": rows.start, "features": None, "logits": None, "clip": None}
-        part["features"], part["logits"] = extractors.features(images)
-        if extractors.clip is not None:
-            part["clip"] = extractors.clip_scores(images, [prompts[i] for i in rows])
-        return part
+        return scored_part(extractors, images, [prompts[i] for i in rows], rows.start)
 
     return work
 
@@ -778,9 +777,7 @@ def evaluate_checkpoint(args, ckpt: str, images_dir: Path, prompts: list[str], e
     import SD_Formats
 
     pipe = SD_Formats.load_pipeline(ckpt, use_ema=not args.no_ema)
-    dtype = SD_Runtime.resolve_precision(args.precision, d.device)
-    for part in (pipe.unet, pipe.vae, pipe.text_encoder):
-        part.to(device=d.device, dtype=dtype)
+    pipe.to(d.device, SD_Runtime.resolve_precision(args.precision, d.device))
     scores = evaluate_pipeline(pipe, prompts, sampling_of(args), extractors, reference, d, args.batch_size,
                                images_dir, args.inception_score, pipe.source)
     return {**scores, "ckpt": str(ckpt), **vars(sampling_of(args))}

@@ -250,8 +250,7 @@ def main(argv=None) -> int:
         return 0
     device = SD_Runtime.pick_device(args.device)
     dtype = SD_Runtime.resolve_precision(args.precision, device)
-    for part in (model.unet, model.vae, model.text_encoder):
-        part.to(device=device, dtype=dtype)
+    model.to(device, dtype)
     model.unet = compile_unet(model.unet, args.compile)
     out = Path(args.out)
     rows, records = [], []

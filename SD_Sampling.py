@@ -36,6 +36,12 @@ class Pipeline:
     source: str = ""
     zero_terminal_snr: bool = False  # trained on the rescaled schedule: sample it with trailing spacing
 
+    def to(self, device: torch.device, dtype: torch.dtype) -> "Pipeline":
+        """The UNet, VAE and text encoder on ``device`` in ``dtype``."""
+        for part in (self.unet, self.vae, self.text_encoder):
+            part.to(device=device, dtype=dtype)
+        return self
+
 
 # ---------------------------------------------------------------------------------------------
 # DDIM

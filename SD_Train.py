@@ -743,6 +743,19 @@ def validate(run: Run, record: dict) -> Path | None:
     return path
 
 
+@contextlib.contextmanager
+def ema_sampling(run: Run):
+    """The UNet in eval mode with the EMA weights swapped in (when there is an EMA), under the run's autocast."""
+    unet = run.step.unet
+    swap = run.step.ema.swapped_in(unet) if run.step.ema is not None else contextlib.nullcontext()
+    unet.eval()
+    try:
+        with swap, SD_Runtime.autocast(run.config.precision, run.d.device):
+            yield
+    finally:
+        unet.train()
+
+
 @torch.no_grad()
 def evaluate(run: Run) -> dict:
     """``eval_fid``, ``eval_clip_score``, ``eval_n`` of the EMA weights (SD_Eval.py); every rank takes part.
@@ -751,14 +764,8 @@ def evaluate(run: Run) -> dict:
     --steps validation_steps --cfg validation_cfg --seed seed`` at the validation size, so the logged
     numbers can be reproduced from the checkpoint.
     """
-    config, unet, d = run.config, run.step.unet, run.d
-    swap = run.step.ema.swapped_in(unet) if run.step.ema is not None else contextlib.nullcontext()
-    unet.eval()
-    try:
-        with swap, SD_Runtime.autocast(config.precision, d.device):
-            scores = run.evaluation(run.sampler, d)
-    finally:
-        unet.train()
+    with ema_sampling(run):
+        scores = run.evaluation(run.sampler, run.d)
     log.info("step %d: FID %.4f%s", run.state.step, scores["eval_fid"],
              f", CLIP score {scores['eval_clip_score']:.3f}" if "eval_clip_score" in scores else "")
     return scores
@@ -774,17 +781,14 @@ def sample_grid(run: Run, path: Path) -> None:
     --prompt P --seed SEED --n 1 --steps validation_steps --cfg validation_cfg`` at the same precision
     draws the same image.
     """
-    config, unet, d = run.config, run.step.unet, run.d
+    config, d = run.config, run.d
     width, height = validation_size(config, run.train_data)
     mine = list(enumerate(config.validation_prompts))[d.rank :: d.world_size]
-    swap = run.step.ema.swapped_in(unet) if run.step.ema is not None else contextlib.nullcontext()
-    unet.eval()
-    with swap, SD_Runtime.autocast(config.precision, d.device):
+    with ema_sampling(run):
         made = [(i, prompt, SD_Sampling.generate(run.sampler, prompt, "", [config.seed], steps=config.validation_steps,
                                                  cfg=config.validation_cfg, height=height, width=width, batch_size=1,
                                                  device=d.device))
                 for i, prompt in mine]
-    unet.train()
     rows = sorted(row for part in SD_Distributed.all_gather_objects(made, d) for row in part)
     if d.is_main:
         SD_Sampling.save_grid(path, [(prompt, images) for _, prompt, images in rows])
