@@ -13,10 +13,11 @@ export NO_ALBUMENTATIONS_UPDATE := 1
 
 setup: $(STAMP)
 
-$(STAMP): requirements.txt
+$(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --quiet --no-deps -e .
 	touch $(STAMP)
 
 # The whole suite (what CI runs): about 22 minutes on an idle 2-core CPU (the demo test 12.8 of them).

@@ -35,24 +35,22 @@ import math
 import sys
 from pathlib import Path
 
-import numpy as np
-import torch
 from safetensors import SafetensorError
 
-import SD_Cli
-import SD_Files
-import SD_Formats
-import SD_Lora
-import SD_Runtime
-import SD_Sampling
-from SD_Sampling import Pipeline
+import sd.cli
+import sd.files
+import sd.formats
+import sd.lora.adapters
+import sd.lora.files
+import sd.runtime
+import sd.sampling
+from sd.sampling import Pipeline
 
 log = logging.getLogger("sd_imagegen")
-COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune")
 
 
 def parse_args(argv=None):
-    parser = SD_Cli.ArgumentParser(description=__doc__)
+    parser = sd.cli.ArgumentParser(description=__doc__)
     parser.add_argument("--ckpt", required=True, help="our checkpoint or run folder, a diffusers folder or hub id, "
                         "or a single .safetensors/.ckpt file")
     parser.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for several)")
@@ -63,24 +61,24 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=0, help="seed of image 0; image i uses seed + i (default: %(default)s)")
     parser.add_argument("--n", type=int, default=4, help="images per prompt (default: %(default)s)")
     parser.add_argument("--batch_size", type=int, default=4, help="images per UNet call (default: %(default)s)")
-    parser.add_argument("--sampler", choices=SD_Sampling.SAMPLERS, default="ddim", help="the sampler")
+    parser.add_argument("--sampler", choices=sd.sampling.SAMPLERS, default="ddim", help="the sampler")
     parser.add_bool("--no_ema", help="use the live weights of our checkpoints, not the EMA")
     parser.add_argument("--height", type=int, default=512, help="pixels, a multiple of 8 (default: %(default)s)")
     parser.add_argument("--width", type=int, default=512, help="pixels, a multiple of 8 (default: %(default)s)")
     parser.add_argument("--device", default="auto", help="auto (CUDA, then Apple MPS, then CPU), cpu, cuda, mps")
-    parser.add_argument("--precision", choices=("auto", *SD_Runtime.PRECISIONS), default="auto",
+    parser.add_argument("--precision", choices=("auto", *sd.runtime.PRECISIONS), default="auto",
                         help="model precision; auto = bf16 on CUDA, fp16 on MPS, fp32 on CPU")
-    parser.add_alias("--dtype", "precision", choices=("auto", *SD_Runtime.PRECISIONS))
-    parser.add_argument("--compile", choices=COMPILE_MODES, default="off",
+    parser.add_alias("--dtype", "precision", choices=("auto", *sd.runtime.PRECISIONS))
+    parser.add_argument("--compile", choices=sd.sampling.COMPILE_MODES, default="off",
                         help="torch.compile the UNet with this mode (reduce-overhead = CUDA graphs): faster sampling "
                         "after a first batch that compiles, worth it for many images (default: %(default)s)")
-    parser.add_argument("--arch", choices=sorted(SD_Formats.SINGLE_FILE_ARCHS), default="sd1",
+    parser.add_argument("--arch", choices=sorted(sd.formats.SINGLE_FILE_ARCHS), default="sd1",
                         help="architecture of a single-file --ckpt (default: %(default)s)")
-    parser.add_argument("--prediction_type", choices=("auto", *SD_Formats.PREDICTION_TYPES), default="auto",
+    parser.add_argument("--prediction_type", choices=("auto", *sd.formats.PREDICTION_TYPES), default="auto",
                         help="what the UNet predicts; auto = what the checkpoint records (its training config, a "
                         "single file's metadata, a diffusers scheduler config), epsilon when it records nothing "
                         "(default: %(default)s)")
-    parser.add_argument("--zero_terminal_snr", type=SD_Cli.parse_auto_bool, default=None, metavar="auto|true|false",
+    parser.add_argument("--zero_terminal_snr", type=sd.cli.parse_auto_bool, default=None, metavar="auto|true|false",
                         help="sample on the zero-terminal-SNR schedule with trailing timesteps (needs v_prediction); "
                         "auto = what the checkpoint records (its training config, a single file's metadata, a "
                         "diffusers scheduler config's rescale_betas_zero_snr), false when it records nothing "
@@ -94,7 +92,7 @@ def parse_args(argv=None):
     parser.add_bool("--half", help="fp16 weights in --export_single_file")
     parser.add_argument("--export_lora", metavar="OUT", help="write the LoRA adapter of --ckpt (a LoRA run of ours): "
                         "a folder OUT with pytorch_lora_weights.safetensors, or with --lora_format kohya the file OUT")
-    parser.add_argument("--lora_format", choices=SD_Formats.LORA_FORMATS, default="diffusers",
+    parser.add_argument("--lora_format", choices=sd.lora.files.LORA_FORMATS, default="diffusers",
                         help="format of --export_lora: diffusers (load_lora_weights) or kohya (ComfyUI, AUTOMATIC1111, "
                         "sd-scripts; diffusers converts it) (default: %(default)s)")
     parser.add_argument("--lora", action="append", default=[], metavar="FILE_OR_DIR[:SCALE]",
@@ -147,92 +145,39 @@ def parse_lora_spec(spec: str) -> tuple[str, float]:
 # ---------------------------------------------------------------------------------------------
 
 
-def merge_adapters(model: Pipeline, loras: list[tuple[str, float]]) -> None:
-    """Fold the checkpoint's own adapter (a LoRA run's, scale 1) into the weights, then add each
-    ``(file, scale)`` LoRA: the plain models that sampling and the full exports use."""
-    for part in (model.unet, model.text_encoder):
-        if SD_Lora.has_lora(part):
-            SD_Lora.merge(part)
-    for path, scale in loras:
-        lora = SD_Formats.read_lora(path, model.unet, model.text_encoder)
-        SD_Formats.merge_lora({"unet": model.unet, "text_encoder": model.text_encoder}, lora, scale)
-        layers = sum(len(modules) for modules in lora.values())
-        log.info("merged LoRA %s at scale %g (%d layers)", path, scale, layers)
-        model.source += f" + LoRA {path}:{scale:g}"
-
-
 def export_lora(args, model: Pipeline) -> None:
-    if not (SD_Lora.has_lora(model.unet) or SD_Lora.has_lora(model.text_encoder)):
+    if not (sd.lora.adapters.has_lora(model.unet) or sd.lora.adapters.has_lora(model.text_encoder)):
         raise ValueError(f"{args.ckpt} carries no LoRA adapter to export (--export_lora takes a LoRA run of ours; "
                          "--lora merges LoRA files into a model)")
-    path = SD_Formats.save_model_lora(args.export_lora, model.unet, model.text_encoder, args.lora_format,
+    path = sd.lora.files.save_model_lora(args.export_lora, model.unet, model.text_encoder, args.lora_format,
                                       metadata={"source": model.source})
     log.info("wrote LoRA %s (%s format)", path, args.lora_format)
 
 
-# ---------------------------------------------------------------------------------------------
-# Sampling
-# ---------------------------------------------------------------------------------------------
-
-
-def compile_unet(unet, mode: str):
-    """``unet`` compiled with a ``torch.compile`` mode from COMPILE_MODES; ``"off"`` returns it as it is."""
-    if mode not in COMPILE_MODES:
-        raise ValueError(f"compile mode must be one of {COMPILE_MODES}, got {mode!r}")
-    return unet if mode == "off" else torch.compile(unet, mode=None if mode == "default" else mode)
-
-
-# ---------------------------------------------------------------------------------------------
-# Output
-# ---------------------------------------------------------------------------------------------
-
-
-def parameters_text(prompt: str, negative: str, seed: int, args, source: str) -> str:
-    """The A1111-style ``parameters`` chunk: prompt, negative prompt, then the settings on one line."""
-    return (f"{prompt}\nNegative prompt: {negative}\nSteps: {args.steps}, Sampler: {args.sampler}, "
-            f"CFG scale: {args.cfg}, Seed: {seed}, Size: {args.width}x{args.height}, Model: {source}")
-
-
-def save_png(path: Path, image: np.ndarray, parameters: str) -> None:
-    from PIL import Image
-    from PIL.PngImagePlugin import PngInfo
-
-    info = PngInfo()
-    info.add_text("parameters", parameters)
-    SD_Files.write_atomic(path, lambda tmp: Image.fromarray(image).save(tmp, format="PNG", pnginfo=info))
-
-
-def read_parameters(path: Path) -> str:
-    from PIL import Image
-
-    with Image.open(path) as image:
-        return image.text["parameters"]
-
-
 def export(args, model: Pipeline) -> None:
     if args.export_diffusers:
-        SD_Formats.export_diffusers(Path(args.export_diffusers), model.unet, model.vae, model.text_encoder,
+        sd.formats.export_diffusers(Path(args.export_diffusers), model.unet, model.vae, model.text_encoder,
                                     model.tokenizer, model.prediction_type, model.zero_terminal_snr)
         log.info("wrote diffusers pipeline folder %s", args.export_diffusers)
     if args.export_single_file:
         metadata = {"source": model.source, "prediction_type": model.prediction_type,
                     "zero_terminal_snr": str(model.zero_terminal_snr).lower()}
-        SD_Formats.save_single_file(Path(args.export_single_file), model.unet, model.vae, model.text_encoder,
+        sd.formats.save_single_file(Path(args.export_single_file), model.unet, model.vae, model.text_encoder,
                                     half=args.half, metadata=metadata)
         log.info("wrote single file %s%s", args.export_single_file, " (fp16)" if args.half else "")
 
 
 def main(argv=None) -> int:
-    SD_Runtime.start_process()
+    sd.runtime.start_process()
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     try:
-        model = SD_Formats.load_pipeline(args.ckpt, use_ema=not args.no_ema, vae=args.vae, text_encoder=args.text_encoder,
+        model = sd.formats.load_pipeline(args.ckpt, use_ema=not args.no_ema, vae=args.vae, text_encoder=args.text_encoder,
                                          tokenizer=args.tokenizer, arch=args.arch,
                                          prediction_type=None if args.prediction_type == "auto" else args.prediction_type,
                                          zero_terminal_snr=args.zero_terminal_snr)
     except (KeyError, ValueError, OSError, SafetensorError) as error:  # the message names the file
-        print(f"SD_ImageGen.py: cannot load {args.ckpt}: {SD_Formats.first_line(error)}", file=sys.stderr)
+        print(f"SD_ImageGen.py: cannot load {args.ckpt}: {sd.formats.first_line(error)}", file=sys.stderr)
         return 2
     log.info("loaded %s (%s%s)", model.source, model.prediction_type,
              ", zero terminal SNR" if model.zero_terminal_snr else "")
@@ -240,32 +185,33 @@ def main(argv=None) -> int:
         if args.export_lora:
             export_lora(args, model)
         if args.prompt or args.export_diffusers or args.export_single_file:  # the plain, merged weights
-            merge_adapters(model, args.lora)
+            sd.lora.files.merge_adapters(model, args.lora)
     except (KeyError, ValueError, OSError, SafetensorError) as error:  # the message names the file
-        print(f"SD_ImageGen.py: {SD_Formats.first_line(error)}", file=sys.stderr)
+        print(f"SD_ImageGen.py: {sd.formats.first_line(error)}", file=sys.stderr)
         return 2
     if args.export_diffusers or args.export_single_file:
         export(args, model)
     if not args.prompt:
         return 0
-    device = SD_Runtime.pick_device(args.device)
-    dtype = SD_Runtime.resolve_precision(args.precision, device)
+    device = sd.runtime.pick_device(args.device)
+    dtype = sd.runtime.resolve_precision(args.precision, device)
     model.to(device, dtype)
-    model.unet = compile_unet(model.unet, args.compile)
+    model.unet = sd.sampling.compile_unet(model.unet, args.compile)
     out = Path(args.out)
     rows, records = [], []
     for p, prompt in enumerate(args.prompt):
         seeds = [args.seed + i for i in range(args.n)]
-        images = SD_Sampling.generate(model, prompt, args.negative, seeds, steps=args.steps, cfg=args.cfg,
+        images = sd.sampling.generate(model, prompt, args.negative, seeds, steps=args.steps, cfg=args.cfg,
                                       sampler=args.sampler, height=args.height, width=args.width,
                                       batch_size=args.batch_size, device=device)
         for seed, image in zip(seeds, images):
             path = out / f"{p:03d}_{seed:06d}.png"
-            save_png(path, image, parameters_text(prompt, args.negative, seed, args, model.source))
+            parameters = sd.sampling.parameters_text(prompt, args.negative, seed, args, model.source)
+            sd.sampling.save_png(path, image, parameters)
             records.append({"file": path.name, "prompt": prompt, "negative": args.negative, "seed": seed})
         rows.append((prompt, images))
-    SD_Sampling.save_grid(out / "grid.png", rows)
-    SD_Files.write_text_atomic(out / "images.json", json.dumps(records, indent=1) + "\n")
+    sd.sampling.save_grid(out / "grid.png", rows)
+    sd.files.write_text_atomic(out / "images.json", json.dumps(records, indent=1) + "\n")
     log.info("wrote %d images and grid.png to %s", len(records), out)
     return 0
 

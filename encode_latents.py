@@ -16,7 +16,7 @@ host and appends them to the shard's output file.
 Per input shard NNNNN.tar the output folder gets NNNNN.npy (float16, (N, 4, H/8, W/8), the posterior
 mean, unscaled), NNNNN.report.json (what was skipped and why) and NNNNN.keys.txt, written last as
 the shard's done marker; --flip adds NNNNN.flip.npy with the latents of the mirrored images (the
-trainer reads them with ``flip: true``). With --buckets (``SD_Buckets``: sizes of about
+trainer reads them with ``flip: true``). With --buckets (``sd.data.buckets``: sizes of about
 --resolution squared pixels, each image in the one nearest its aspect ratio, scaled to cover it and
 cropped minimally) a shard gets one NNNNN.WxH.npy (and NNNNN.WxH.flip.npy) per bucket it fills, and
 NNNNN.buckets.json before its keys file: the buckets in the order of the keys (grouped by bucket),
@@ -58,25 +58,25 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import SD_Buckets
-import SD_Cli
-import SD_Distributed
-import SD_Faults
-import SD_Files
-import SD_Model
-import SD_Pipeline
-import SD_Runtime
-import SD_Shards
+import sd.data.buckets
+import sd.cli
+import sd.distributed
+import sd.faults
+import sd.files
+import sd.model
+import sd.data.stages
+import sd.runtime
+import sd.data.shards
 
 log = logging.getLogger("encode_latents")
-PRECISION_CHOICES = ("auto", *SD_Runtime.PRECISIONS)
+PRECISION_CHOICES = ("auto", *sd.runtime.PRECISIONS)
 
 
 def parse_args(argv=None):
-    parser = SD_Cli.ArgumentParser(prog="encode_latents.py", description=__doc__)
+    parser = sd.cli.ArgumentParser(prog="encode_latents.py", description=__doc__)
     parser.add_argument("--shards", required=True, help="glob of input tars, quoted: 'DIR/*.tar'")
     parser.add_argument("--out", required=True, help="output folder for the latent shards and latents.json")
-    parser.add_argument("--vae", default=SD_Model.DEFAULT_VAE,
+    parser.add_argument("--vae", default=sd.model.DEFAULT_VAE,
                         help="VAE hub id, local folder (a diffusers pipeline folder works) or 'tiny'")
     parser.add_argument("--resolution", type=int, default=512,
                         help="square output size in pixels; must be a multiple of 8")
@@ -99,9 +99,9 @@ def parse_args(argv=None):
     parser.add_argument("--device", default="auto", help="auto (CUDA, then MPS, then the CPU), cpu, cuda or cuda:N")
     parser.add_bool("--flip", help="also store the latents of the horizontally flipped images (NNNNN.flip.npy; "
                     "SD_Train.py --flip trains on them for a random half of the samples)")
-    parser.add_argument("--max_pixels", type=int, default=SD_Shards.DEFAULT_MAX_PIXELS,
+    parser.add_argument("--max_pixels", type=int, default=sd.data.shards.DEFAULT_MAX_PIXELS,
                         help="skip images with more pixels than this, read from the header")
-    parser.add_argument("--max_aspect", type=float, default=SD_Shards.DEFAULT_MAX_ASPECT,
+    parser.add_argument("--max_aspect", type=float, default=sd.data.shards.DEFAULT_MAX_ASPECT,
                         help="skip images whose long side is more than this many times the short side "
                              "(extreme_aspect), read from the header")
     parser.add_argument("--prefetch", type=int, default=256,
@@ -124,14 +124,14 @@ def parse_args(argv=None):
     return args
 
 
-def bucket_sizes(parser, args) -> list[SD_Buckets.Bucket] | None:
+def bucket_sizes(parser, args) -> list[sd.data.buckets.Bucket] | None:
     """The bucket list of ``--buckets`` / ``--bucket_list``, or None for square centre crops."""
     if args.bucket_step <= 0 or args.bucket_step % 8:
         parser.error(f"--bucket_step must be a positive multiple of 8, got {args.bucket_step}")
     try:
         if args.bucket_list is not None:
-            return SD_Buckets.parse_bucket_list(args.bucket_list)
-        return SD_Buckets.default_buckets(args.resolution, args.bucket_step) if args.buckets else None
+            return sd.data.buckets.parse_bucket_list(args.bucket_list)
+        return sd.data.buckets.default_buckets(args.resolution, args.bucket_step) if args.buckets else None
     except ValueError as error:
         parser.error(f"--bucket_list: {error}" if args.bucket_list is not None else str(error))
 
@@ -184,9 +184,9 @@ def outputs(out: Path, stem: str) -> dict[str, Path]:
             "keys": out / f"{stem}.keys.txt", "buckets": out / f"{stem}.buckets.json"}
 
 
-def latent_file(out: Path, stem: str, name: str, bucket: SD_Buckets.Bucket | None) -> Path:
+def latent_file(out: Path, stem: str, name: str, bucket: sd.data.buckets.Bucket | None) -> Path:
     """``NNNNN.npy`` / ``NNNNN.flip.npy``, or per bucket ``NNNNN.WxH.npy`` / ``NNNNN.WxH.flip.npy``."""
-    middle = "" if bucket is None else f".{SD_Buckets.name(bucket)}"
+    middle = "" if bucket is None else f".{sd.data.buckets.name(bucket)}"
     return out / f"{stem}{middle}{'.flip' if name == 'flip' else ''}.npy"
 
 
@@ -299,10 +299,10 @@ def write_summary(out: Path, meta: dict, complete: bool, exclusive: bool = False
     way: the trainer refuses such a folder. ``exclusive``: only if there is none yet (FileExistsError
     otherwise), so that of several ranks starting on a new folder one sets the settings."""
     summary = {**meta, "complete": complete, **(folder_totals(out)[0] if totals is None else totals)}
-    # Several ranks may write latents.json at once, and SD_Files' temporary name is one per target:
+    # Several ranks may write latents.json at once, and sd.files' temporary name is one per target:
     # each process writes a file of its own first, then renames (or links) it onto latents.json.
     mine, target = out / f".latents.json.{socket.gethostname()}.{os.getpid()}", out / "latents.json"
-    SD_Files.write_text_atomic(mine, json.dumps(summary, indent=2) + "\n")
+    sd.files.write_text_atomic(mine, json.dumps(summary, indent=2) + "\n")
     try:
         if not exclusive:
             os.replace(mine, target)
@@ -349,7 +349,7 @@ def finish_folder(out: Path, meta: dict, paths: list[Path]) -> dict | None:
 
 
 def shard_samples(job: ShardJob):
-    """The samples of ``job``'s tar, one at a time (``SD_Shards.TarSamples``: one sample's bytes in
+    """The samples of ``job``'s tar, one at a time (``sd.data.shards.TarSamples``: one sample's bytes in
     memory, whatever the shard's size). A shard that cannot be read at all is marked failed, not
     raised; a cut-off one keeps what precedes the cut and ``job.truncated`` names the key cut off."""
     path = job.path
@@ -364,7 +364,7 @@ def shard_samples(job: ShardJob):
         if not size:
             job.failed = "empty_tar"
             return
-        reader = SD_Shards.TarSamples(file, size, max_member_bytes=SD_Pipeline.MAX_MEMBER_BYTES)
+        reader = sd.data.shards.TarSamples(file, size, max_member_bytes=sd.data.stages.MAX_MEMBER_BYTES)
         try:
             yield from reader
         except (tarfile.TarError, EOFError) as error:  # raised before any sample: not a tar
@@ -401,8 +401,8 @@ def read_ahead(paths: list[Path], depth: int):
         yield item
 
 
-def decode_sample(sample: SD_Shards.ShardSample, resolution: int, max_pixels: int, max_aspect: float,
-                  buckets: list[SD_Buckets.Bucket] | None = None):
+def decode_sample(sample: sd.data.shards.ShardSample, resolution: int, max_pixels: int, max_aspect: float,
+                  buckets: list[sd.data.buckets.Bucket] | None = None):
     """``(key, image (res, res, 3) uint8)`` or ``(key, skip reason)``; with ``buckets``
     ``(key, (bucket index, image (H, W, 3) of that bucket, original (h, w), crop (top, left)))``."""
     if sample.problem is not None:  # a bad key, a caption that is not UTF-8, a member given twice
@@ -412,14 +412,14 @@ def decode_sample(sample: SD_Shards.ShardSample, resolution: int, max_pixels: in
     if not sample.caption:
         return sample.key, "no_caption"
     try:
-        image = SD_Shards.decode_image(sample.image, sample.image_ext, max_pixels, max_aspect)
+        image = sd.data.shards.decode_image(sample.image, sample.image_ext, max_pixels, max_aspect)
         if buckets is None:
-            return sample.key, SD_Shards.resize_center_crop(image, resolution)
+            return sample.key, sd.data.shards.resize_center_crop(image, resolution)
         height, width = image.shape[:2]
-        bucket = SD_Buckets.nearest_bucket(width, height, buckets)
-        pixels, crop = SD_Buckets.fit_to_bucket(image, buckets[bucket])
+        bucket = sd.data.buckets.nearest_bucket(width, height, buckets)
+        pixels, crop = sd.data.buckets.fit_to_bucket(image, buckets[bucket])
         return sample.key, (bucket, pixels, (height, width), crop)
-    except SD_Shards.ImageSkip as skip:
+    except sd.data.shards.ImageSkip as skip:
         return sample.key, skip.reason
     except Exception:  # a decoder failing in a way of its own: still one bad image, not a bad run
         return sample.key, "undecodable"
@@ -435,7 +435,7 @@ class NpyRows:
     """
 
     def __init__(self, path: Path, row_shape: tuple[int, ...], dtype=np.float16):
-        self.path, self.tmp = path, SD_Files.temporary_name(path)
+        self.path, self.tmp = path, sd.files.temporary_name(path)
         self.row_shape, self.dtype, self.count = tuple(row_shape), np.dtype(dtype), 0
         self.handle = open(self.tmp, "wb")
         self.header_size = self.handle.write(self._header())
@@ -473,7 +473,7 @@ class Writer:
 
     NAMES = {"npy": "latents", "flip": "flipped"}  # output file -> what its rows are, in messages
 
-    def __init__(self, out: Path, flip: bool, buckets: list[SD_Buckets.Bucket] | None = None):
+    def __init__(self, out: Path, flip: bool, buckets: list[sd.data.buckets.Bucket] | None = None):
         self.out, self.flip, self.buckets = out, flip, buckets
         self.jobs: queue.Queue = queue.Queue(maxsize=8)
         self.error: BaseException | None = None
@@ -534,7 +534,7 @@ class Writer:
         if job.failed is not None:  # nothing to save: the report counts and names the shard, no done marker
             self._discard(job)
             report = {"shard": str(job.path), "encoded": 0, "skipped": job.skipped, "failed": job.failed}
-            SD_Files.write_text_atomic(files["report"], json.dumps(report, indent=1) + "\n")
+            sd.files.write_text_atomic(files["report"], json.dumps(report, indent=1) + "\n")
             return
         for name, label in self.NAMES.items():
             keys = [key for file, key in job.non_finite if file == name]
@@ -546,13 +546,13 @@ class Writer:
             rows.commit()
         latent_shapes = {bucket: list(rows.row_shape) for (name, bucket), rows in job.rows.items()}
         job.rows, self.current = {}, None
-        SD_Faults.point("after_npy", job.stem)  # tests: SD_FAULT=after_npy:NNNNN kills the run here
+        sd.faults.point("after_npy", job.stem)  # tests: SD_FAULT=after_npy:NNNNN kills the run here
         keys = job.keys
         if self.buckets is not None:
             keys = self._save_layout(job, files["buckets"], latent_shapes)
         report = {"shard": str(job.path), "encoded": len(job.keys), "skipped": job.skipped}
-        SD_Files.write_text_atomic(files["report"], json.dumps(report, indent=1) + "\n")
-        SD_Files.write_text_atomic(files["keys"], "".join(k + "\n" for k in keys))
+        sd.files.write_text_atomic(files["report"], json.dumps(report, indent=1) + "\n")
+        sd.files.write_text_atomic(files["keys"], "".join(k + "\n" for k in keys))
 
     def _save_layout(self, job: ShardJob, path: Path, latent_shapes: dict) -> list[str]:
         """NNNNN.buckets.json: the buckets in the order of the keys file (keys grouped by bucket, each
@@ -563,7 +563,7 @@ class Writer:
                                "count": len(job.buckets[b])} for b in order],
                   "original_size": [list(original) for _, original, _ in samples],
                   "crop_top_left": [list(crop) for _, _, crop in samples]}
-        SD_Files.write_text_atomic(path, json.dumps(layout, separators=(",", ":")) + "\n")
+        sd.files.write_text_atomic(path, json.dumps(layout, separators=(",", ":")) + "\n")
         return [key for key, _, _ in samples]
 
 
@@ -583,7 +583,7 @@ class Encoder:
         if self.device.type == "cuda":
             batch = batch.pin_memory().to(self.device, non_blocking=True)
         pixels = (batch.to(self.dtype) / 127.5 - 1.0).contiguous()
-        with SD_Model.attention_context(self.device):
+        with sd.model.attention_context(self.device):
             latents = self.encode_fn(pixels).to(torch.float16)
             flipped = self.encode_fn(pixels.flip(-1)).to(torch.float16) if self.flip else None
         return latents, flipped
@@ -627,7 +627,7 @@ class ShardStream:
         # Decoded images of the oldest shard in the window, by bucket (0 without buckets): (key, image, info)
         self.pending: dict[int, list] = {}
 
-    def add(self, job: ShardJob, sample: SD_Shards.ShardSample | None) -> None:
+    def add(self, job: ShardJob, sample: sd.data.shards.ShardSample | None) -> None:
         """One sample of ``job`` to decode, or with ``sample`` None the end of the shard."""
         if sample is None:
             self.window.append((job, None))
@@ -731,7 +731,7 @@ def encode_shards(todo: list[Path], args, encoder: Encoder, writer: Writer, desc
 
 
 def main(argv=None) -> int:
-    SD_Runtime.start_process()
+    sd.runtime.start_process()
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     paths = sorted(Path(p) for p in glob.glob(args.shards))
@@ -750,9 +750,9 @@ def main(argv=None) -> int:
         # Before any work: a folder begun with other settings, or a damaged latents.json, stops the run.
         previous = read_meta(out)
         compare_settings(out, previous, requested_settings(args))
-        place = SD_Distributed.independent(args.device, args.rank, args.world_size)
-        dtype = SD_Runtime.resolve_precision(args.precision, place.device)
-        vae = SD_Model.load_vae(args.vae).to(device=place.device, dtype=dtype)
+        place = sd.distributed.independent(args.device, args.rank, args.world_size)
+        dtype = sd.runtime.resolve_precision(args.precision, place.device)
+        vae = sd.model.load_vae(args.vae).to(device=place.device, dtype=dtype)
         meta = vae_settings(args, vae.config)
         compare_settings(out, previous, meta)
         if not previous:
@@ -766,10 +766,10 @@ def main(argv=None) -> int:
 
 
 def encode_folder(paths: list[Path], out: Path, args, meta: dict, encoder: Encoder,
-                  place: SD_Distributed.Dist | None = None) -> int:
+                  place: sd.distributed.Dist | None = None) -> int:
     """This rank's shards not done: settings first (marked incomplete), then the shards, then the totals
     (marked complete) if every input shard of every rank is through."""
-    place = place or SD_Distributed.Dist.single(encoder.device)
+    place = place or sd.distributed.Dist.single(encoder.device)
     who = f"rank {place.rank} of {place.world_size}: " if place.world_size > 1 else ""
     out.mkdir(parents=True, exist_ok=True)
     mine = shards_of_rank(paths, place.rank, place.world_size)

@@ -25,19 +25,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import SD_Cli
-import SD_Files
-import SD_Model
-import SD_Runtime
-import SD_Shards
+import sd.cli
+import sd.files
+import sd.model
+import sd.runtime
+import sd.data.shards
 
 log = logging.getLogger("train_vae")
 
 # A small AutoencoderKL with SD's interface (factor 8, 4 latent channels) that trains on a CPU in minutes.
 VAE_PRESETS = {
-    "demo": dict(SD_Model.TINY_VAE, block_out_channels=(16, 32, 64, 64), norm_num_groups=8),
-    "tiny": SD_Model.TINY_VAE,
-    "sd1": SD_Model.SD1_VAE,
+    "demo": dict(sd.model.TINY_VAE, block_out_channels=(16, 32, 64, 64), norm_num_groups=8),
+    "tiny": sd.model.TINY_VAE,
+    "sd1": sd.model.SD1_VAE,
 }
 
 
@@ -46,7 +46,7 @@ class InputError(Exception):
 
 
 def parse_args(argv=None):
-    parser = SD_Cli.ArgumentParser(prog="train_vae.py", description=__doc__)
+    parser = sd.cli.ArgumentParser(prog="train_vae.py", description=__doc__)
     parser.add_argument("--shards", required=True, help="glob of image shards, quoted: 'DIR/*.tar' (or the folder)")
     parser.add_argument("--out", required=True, help="output diffusers VAE folder")
     parser.add_argument("--preset", choices=sorted(VAE_PRESETS), default="demo", help="architecture of a new VAE")
@@ -93,16 +93,16 @@ def load_images(pattern: str, resolution: int, max_images: int) -> torch.Tensor:
     """All usable images of the shards as uint8 ``(N, 3, R, R)``; bad ones are counted and skipped."""
     images, skipped = [], {}
     for path in shard_paths(pattern):
-        samples, _ = SD_Shards.read_shard(Path(path).read_bytes())
+        samples, _ = sd.data.shards.read_shard(Path(path).read_bytes())
         for sample in samples:
             if sample.image is None:
                 continue
             try:
-                rgb = SD_Shards.decode_image(sample.image, sample.image_ext)
-            except SD_Shards.ImageSkip as skip:
+                rgb = sd.data.shards.decode_image(sample.image, sample.image_ext)
+            except sd.data.shards.ImageSkip as skip:
                 skipped[skip.reason] = skipped.get(skip.reason, 0) + 1
                 continue
-            images.append(SD_Shards.resize_center_crop(rgb, resolution))
+            images.append(sd.data.shards.resize_center_crop(rgb, resolution))
             if max_images and len(images) >= max_images:
                 break
         if max_images and len(images) >= max_images:
@@ -144,10 +144,10 @@ def build_vae(args):
     from diffusers import AutoencoderKL
 
     if args.init_from:
-        vae = SD_Model.load_vae(args.init_from)
+        vae = sd.model.load_vae(args.init_from)
         vae.requires_grad_(True)
         return vae
-    with SD_Model._seeded(args.seed):
+    with sd.model._seeded(args.seed):
         vae = AutoencoderKL(**VAE_PRESETS[args.preset])
     latent = vae.config.latent_channels
     with torch.no_grad():  # quant_conv emits (mean, logvar): start the log-variance low
@@ -172,12 +172,12 @@ def evaluate(vae, images: torch.Tensor, device, batch_size: int) -> tuple[float,
 
 
 def save(vae, out: Path, stats: dict) -> None:
-    """``out`` as a diffusers folder with ``vae_stats.json``, swapped in whole (SD_Files)."""
+    """``out`` as a diffusers folder with ``vae_stats.json``, swapped in whole (sd.files)."""
     def write(staging: Path) -> None:
         vae.save_pretrained(str(staging), safe_serialization=True)
-        SD_Files.write_json_atomic(staging / "vae_stats.json", stats)
+        sd.files.write_json_atomic(staging / "vae_stats.json", stats)
 
-    SD_Files.write_folder_atomic(out, write)
+    sd.files.write_folder_atomic(out, write)
 
 
 def lr_factor(step: int, warmup_steps: int, max_steps: int) -> float:
@@ -199,7 +199,7 @@ def train(vae, train_images: torch.Tensor, args, device) -> None:
         batch = train_images[torch.randint(0, len(train_images), (args.batch_size,), generator=order)]
         flip = torch.rand(args.batch_size, generator=order) < 0.5
         batch = torch.where(flip[:, None, None, None], batch.flip(-1), batch)
-        with SD_Runtime.autocast(args.precision, device):
+        with sd.runtime.autocast(args.precision, device):
             loss, reconstruction = vae_loss(vae, to_pixels(batch, device), args, generator)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -211,10 +211,10 @@ def train(vae, train_images: torch.Tensor, args, device) -> None:
 
 
 def main(argv=None) -> int:
-    SD_Runtime.start_process()
+    sd.runtime.start_process()
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
-    device = SD_Runtime.pick_device(args.device)
+    device = sd.runtime.pick_device(args.device)
     torch.manual_seed(args.seed)
     try:
         images = load_images(args.shards, args.resolution, args.max_images)

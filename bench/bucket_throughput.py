@@ -5,18 +5,18 @@
     python bench/bucket_throughput.py --arch sd1 --resolution 512 --batch_sizes 8,16 --precision bf16 --compile
 
 With ``encode_latents.py --buckets`` the trainer draws every micro-batch from one bucket
-(``SD_Data.epoch_batches``), so consecutive steps see different latent shapes. What that costs against
-square training is measured on ``SD_TrainStep.train_step`` as ``train_throughput.our_step`` builds it
+(``sd.data.training_data.epoch_batches``), so consecutive steps see different latent shapes. What that costs against
+square training is measured on ``sd.train.step.train_step`` as ``train_throughput.our_step`` builds it
 (the trainer's loss, fused AdamW, the EMA, one micro-batch per optimizer step), same-seeded random
 weights, the synthetic fp16 latents and token ids of ``harness.synthetic_batch``. Rows:
 
 * ``square``: every step at ``--resolution`` x ``--resolution``: the peer.
 * ``buckets``: step k at the k-th size of a cycle over the sizes w x h with w * h == resolution**2
   exactly, both sides multiples of ``--bucket_step`` and between half and twice the resolution (the
-  range of ``SD_Buckets.default_buckets``): 256x1024, 512x512, 1024x256 at 512 px with 64 px steps;
+  range of ``sd.data.buckets.default_buckets``): 256x1024, 512x512, 1024x256 at 512 px with 64 px steps;
   32x128, 64x64, 128x32 at 64 px with 16 px steps. The same number of latent cells, hence of attention
   tokens, as the square: the same FLOPs, so its ratio is the cost of the changing shapes alone.
-* ``buckets-default``: the cycle over ``SD_Buckets.default_buckets(resolution, bucket_step)``, the
+* ``buckets-default``: the cycle over ``sd.data.buckets.default_buckets(resolution, bucket_step)``, the
   list ``encode_latents.py --buckets`` writes by default: sizes of up to resolution**2 pixels, so
   read its megapixels/s (pixels per second is the ratio printed for every row).
 
@@ -29,9 +29,9 @@ of cycles, each step timed alone (the step already ends in one host sync); a sha
 median of its timed steps, and a row's images/s the batch times its shapes over the sum of their step
 times (every shape weighs the same, as over a cycle).
 
-``--compile`` compiles the way the trainer does, ``SD_TrainStep.wrap_model``: a row of several sizes
+``--compile`` compiles the way the trainer does, ``sd.train.step.wrap_model``: a row of several sizes
 with ``dynamic=False`` (one static graph per size, compiled when the size first comes; see
-``SD_TrainStep.compile_options``), the square row with torch's defaults; the ``graphs`` column
+``sd.train.step.compile_options``), the square row with torch's defaults; the ``graphs`` column
 counts the graphs compiled per row, and a row whose compile fails is printed with the error while
 the run goes on. Compiled rows (and
 every row with ``--rounds 1``, the GPU default) are built, timed and freed one at a time, with
@@ -51,14 +51,13 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-import harness
-import SD_Buckets
-import SD_Runtime
-import train_throughput
+from bench import harness
+import sd.data.buckets
+import sd.runtime
+from bench import train_throughput
 
 
 # ---------------------------------------------------------------------------------------------
@@ -66,7 +65,7 @@ import train_throughput
 # ---------------------------------------------------------------------------------------------
 
 
-def equal_pixel_buckets(resolution: int, step: int) -> list[SD_Buckets.Bucket]:
+def equal_pixel_buckets(resolution: int, step: int) -> list[sd.data.buckets.Bucket]:
     """Sizes ``(width, height)`` of exactly ``resolution``**2 pixels, sides multiples of ``step`` from
     half to twice ``resolution``; sorted from the tallest to the widest, as ``default_buckets``."""
     area = resolution * resolution
@@ -90,12 +89,12 @@ def cycles_of(args) -> dict[str, list]:
     """``{row name: its cycle of sizes}``; prints the sizes left out for the UNet."""
     cycles = {"square": [(args.resolution, args.resolution)],
               "buckets": equal_pixel_buckets(args.resolution, args.bucket_step),
-              "buckets-default": SD_Buckets.default_buckets(args.resolution, args.bucket_step)}
+              "buckets-default": sd.data.buckets.default_buckets(args.resolution, args.bucket_step)}
     factor = harness.vae_factor(args.arch)
     for name, sizes in cycles.items():
         kept, dropped = usable(sizes, args.arch)
         if dropped:
-            print(f"{name}: left out {', '.join(SD_Buckets.name(b) for b in dropped)}: the {args.arch} UNet needs "
+            print(f"{name}: left out {', '.join(sd.data.buckets.name(b) for b in dropped)}: the {args.arch} UNet needs "
                   f"latent sides divisible by {harness.pixel_multiple(args.arch) // factor} (pixel sides by "
                   f"{harness.pixel_multiple(args.arch)})")
         cycles[name] = kept
@@ -146,7 +145,7 @@ class Row:
 
     def result(self) -> dict:
         factor = harness.vae_factor(self.args.arch)
-        shapes = [{"size": SD_Buckets.name(size), "latent": f"{size[0] // factor}x{size[1] // factor}",
+        shapes = [{"size": sd.data.buckets.name(size), "latent": f"{size[0] // factor}x{size[1] // factor}",
                    "pixels": size[0] * size[1], "first_step_s": round(first, 4),
                    "step_ms": 1000 * statistics.median(times) if times else None}
                   for size, first, times in zip(self.sizes, self.first, self.times)]
@@ -239,7 +238,7 @@ def parse_args(argv=None):
                         "(default: what the arch's UNet needs, 64 px for sd1 and 16 px for tiny)")
     parser.add_argument("--precision", choices=["bf16", "fp32"], default="bf16" if cuda else "fp32",
                         help="bf16 autocast (GPU default) or fp32 (CPU default)")
-    parser.add_bool("--compile", help="compile the UNet as the trainer does (SD_TrainStep.wrap_model)")
+    parser.add_bool("--compile", help="compile the UNet as the trainer does (sd.train.step.wrap_model)")
     parser.add_bool("--checkpointing", help="gradient checkpointing")
     parser.add_bool("--channels_last", help="channels-last memory format")
     parser.add_argument("--warmup", type=int, default=2 if cuda else 1, help="untimed steps of each size, before any "
@@ -284,13 +283,13 @@ def print_results(rows: list[dict], compared: list[dict]) -> None:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    device = SD_Runtime.pick_device(args.device)
-    SD_Runtime.start_process(threads=args.threads or None)
+    device = sd.runtime.pick_device(args.device)
+    sd.runtime.start_process(threads=args.threads or None)
     cycles = cycles_of(args)
     print(f"{args.arch} UNet, {args.resolution} px, {args.precision}, {harness.device_name(device)}, "
           f"{torch.get_num_threads()} threads" + ", compiled" * args.compile + ", checkpointing" * args.checkpointing
           + ", channels_last" * args.channels_last + "; cycles: "
-          + "; ".join(f"{name} {','.join(SD_Buckets.name(b) for b in sizes)}" for name, sizes in cycles.items()))
+          + "; ".join(f"{name} {','.join(sd.data.buckets.name(b) for b in sizes)}" for name, sizes in cycles.items()))
     rows = []
     for batch in harness.parse_list(args.batch_sizes):
         rows += measure(cycles, batch, device, args)
@@ -300,7 +299,7 @@ def main(argv=None) -> dict:
               "resolution": args.resolution, "bucket_step": args.bucket_step, "precision": args.precision,
               "compile": args.compile, "checkpointing": args.checkpointing, "channels_last": args.channels_last,
               "torch": torch.__version__, "threads": torch.get_num_threads(),
-              "cycles": {name: [SD_Buckets.name(b) for b in sizes] for name, sizes in cycles.items()},
+              "cycles": {name: [sd.data.buckets.name(b) for b in sizes] for name, sizes in cycles.items()},
               "rows": rows, "ratios": compared}
     harness.emit(result, args.json)
     return result

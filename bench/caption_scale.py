@@ -3,7 +3,7 @@
     python bench/caption_scale.py                                  # about a minute on a 2-core CPU
     python bench/caption_scale.py --sizes 100000,1000000 --shard_sizes 1000,5000,10000
 
-1. The trainer's caption load (``SD_Data.load_caption_split``, run by every rank at every start) on a
+1. The trainer's caption load (``sd.data.training_data.load_caption_split``, run by every rank at every start) on a
    caption dataset of ``--sizes`` rows laid out as ``05_build_hf_dataset.py`` writes it: the Arrow
    load against the previous per-row conversion through datasets' Python objects. Each load runs in
    a fresh process: seconds, rows/s, the ratio, and the process's peak RSS (VmHWM) and its growth
@@ -30,22 +30,21 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 
-import harness
-import SD_Model
-import SD_Shards
+from bench import harness
+import sd.model
+import sd.data.shards
 
 stage04 = importlib.import_module("pipeline.04_preprocess_to_cache")
 WORDS = "a photo of the red blue cat dog on in with at beach city night portrait painting oil old".split()
 
 
 def parse_args(argv=None):
-    import SD_Cli
+    import sd.cli
 
-    parser = SD_Cli.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = sd.cli.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="100000", help="caption dataset rows, comma-separated")
     parser.add_argument("--shard_sizes", default="1000,4000", help="samples per stage-04 shard, comma-separated")
     parser.add_argument("--image_kb", type=int, default=77, help="image bytes per sample (LAION: ~77 kB at 512 px)")
@@ -76,7 +75,7 @@ def build_caption_dataset(folder: Path, rows: int) -> None:
     from datasets.table import InMemoryTable
 
     rng = np.random.default_rng(0)
-    ids = np.full((rows, SD_Model.TOKENIZER_MAX_LENGTH), harness.EOS, dtype=np.int32)
+    ids = np.full((rows, sd.model.TOKENIZER_MAX_LENGTH), harness.EOS, dtype=np.int32)
     ids[:, 0] = harness.BOS
     ids[:, 1:20] = rng.integers(300, 49000, (rows, 19), dtype=np.int32)
     table = pa.table({"key": [f"{i:09d}" for i in range(rows)], "caption": captions(rng, rows),
@@ -85,7 +84,7 @@ def build_caption_dataset(folder: Path, rows: int) -> None:
 
 
 def per_row_load(dataset_dir: str):
-    """The previous SD_Data.load_caption_split: datasets' Python objects, row by row."""
+    """The previous sd.data.training_data.load_caption_split: datasets' Python objects, row by row."""
     from datasets import load_from_disk
 
     table = load_from_disk(dataset_dir)["train"]
@@ -106,11 +105,11 @@ def measure_load(way: str, dataset_dir: str) -> dict:
     """Runs in its own process (``--load``): one load, timed, with this process's memory."""
     import datasets  # noqa: F401  (imported before the baseline, as in the trainer)
 
-    import SD_Data
+    import sd.data.training_data
 
     before = memory_mb("VmRSS")
     start = time.perf_counter()
-    keys, input_ids = per_row_load(dataset_dir) if way == "per_row" else SD_Data.load_caption_split(dataset_dir, "train")
+    keys, input_ids = per_row_load(dataset_dir) if way == "per_row" else sd.data.training_data.load_caption_split(dataset_dir, "train")
     seconds = time.perf_counter() - start
     peak = memory_mb("VmHWM")
     return {"seconds": seconds, "rows": len(keys), "peak_rss_mb": round(peak), "rss_growth_mb": round(peak - before),
@@ -155,8 +154,8 @@ def build_shard(folder: Path, samples: int, image_kb: int) -> Path:
     ok = [i % 20 != 7 for i in range(samples)]
     folder.mkdir(parents=True, exist_ok=True)
     tar = folder / "00000.tar"
-    SD_Shards.write_shard(tar, [
-        SD_Shards.ShardSample(key, b"\xff\xd8\xff" + rng.bytes(image_kb * 1024 - 5) + b"\xff\xd9", "jpg", text,
+    sd.data.shards.write_shard(tar, [
+        sd.data.shards.ShardSample(key, b"\xff\xd8\xff" + rng.bytes(image_kb * 1024 - 5) + b"\xff\xd9", "jpg", text,
                               json.dumps({"key": key, "caption": text, "status": "success", "width": 512}).encode())
         for key, text, good in zip(keys, texts, ok) if good])
     pq.write_table(pa.table({"url": [f"http://example.com/{k}.jpg" for k in keys], "caption": texts, "key": keys,
@@ -184,7 +183,7 @@ def io_counters() -> dict:
 
 def previous_read(path: Path):
     """What process_shard did before: the whole tar into memory, then split."""
-    return SD_Shards.read_shard(path.read_bytes())
+    return sd.data.shards.read_shard(path.read_bytes())
 
 
 WAYS = {  # (samples from the parquet?, tar reader)
@@ -232,7 +231,7 @@ def whole_shard(tar: Path, way: str, out: Path, tokenizer) -> float:
 def stage04_rows(work: Path, shard_sizes: list[int], image_kb: int) -> list[dict]:
     import pyarrow.parquet as pq
 
-    tokenizer = SD_Model.load_tokenizer("tiny")
+    tokenizer = sd.model.load_tokenizer("tiny")
     rows = []
     for size in shard_sizes:
         tar = build_shard(work / f"shard_{size}", size, image_kb)
@@ -263,7 +262,7 @@ def main(argv=None) -> int:
         return 0
     with tempfile.TemporaryDirectory(dir=args.dir or None) as work:
         load = caption_load_rows(Path(work), harness.parse_list(args.sizes))
-        print("trainer caption load (SD_Data.load_caption_split), one fresh process per load")
+        print("trainer caption load (sd.data.training_data.load_caption_split), one fresh process per load")
         harness.print_table(load, lambda r: f"{r['rows']} rows, {r['way']}", [
             ("seconds", "seconds", ".3f"), ("rows_per_s", "rows/s", ",d"), ("peak_rss_mb", "peak RSS MB", "d"),
             ("rss_growth_mb", "RSS growth", "d"), ("speedup", "ratio", ".1f")])

@@ -3,10 +3,10 @@
     python bench/checkpoint_hash.py                     # SD 1.x size: UNet + EMA + AdamW state, 13.8 GB
     python bench/checkpoint_hash.py --scale 0.01        # the same files at 1% of the size (a quick check)
 
-Writes the files of one SD 1.x training checkpoint the way ``SD_Checkpoint.save`` does (fp32 UNet and
+Writes the files of one SD 1.x training checkpoint the way ``sd.train.checkpoint.save`` does (fp32 UNet and
 EMA as safetensors, the AdamW moments with ``torch.save``, each file fsynced), with tensors of the real
 SD 1.x UNet shapes (859,520,964 parameters; ``--scale`` shrinks every tensor's first dimension), then
-times ``SD_Checkpoint.describe_files`` (xxh3-128, files in parallel threads) on them, which is what a
+times ``sd.train.checkpoint.describe_files`` (xxh3-128, files in parallel threads) on them, which is what a
 save adds, and one SHA-256 pass over the same bytes (the hash other tools record for model files).
 Right after the write the files are in the page cache, as they are when a save hashes them. Prints
 seconds, GB/s, the ratio hash/save and sha256/xxh3, and one JSON line. Peak extra memory: the UNet's
@@ -24,13 +24,12 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-import SD_Checkpoint as ckpt
-import SD_Cli
-import SD_Model
+import sd.train.checkpoint as ckpt
+import sd.cli
+import sd.model
 
 
 def unet_shapes(scale: float) -> dict[str, tuple[int, ...]]:
@@ -38,7 +37,7 @@ def unet_shapes(scale: float) -> dict[str, tuple[int, ...]]:
     from diffusers import UNet2DConditionModel
 
     with torch.device("meta"):
-        unet = UNet2DConditionModel(**SD_Model.UNET_PRESETS["sd1"])
+        unet = UNet2DConditionModel(**sd.model.UNET_PRESETS["sd1"])
     return {name: (max(1, round(p.shape[0] * scale)), *p.shape[1:]) for name, p in unet.named_parameters()}
 
 
@@ -57,7 +56,7 @@ def timed(fn):
 
 
 def main(argv=None) -> int:
-    parser = SD_Cli.ArgumentParser(description=__doc__)
+    parser = sd.cli.ArgumentParser(description=__doc__)
     parser.add_argument("--scale", type=float, default=1.0, help="fraction of the SD 1.x size (default 1)")
     parser.add_argument("--dir", default=None, help="where to write the files (default: a temporary folder)")
     parser.add_argument("--json", default=None, help="also write the result to this file")

@@ -11,7 +11,7 @@ Stages (default sizes in brackets) and what is measured at each size:
 * ``04`` (1k, 4k samples a shard of 77 kB images): stage 04's caption read from the img2dataset
   parquet and from the tar header by header, against the previous whole-tar read: seconds from a cold
   page cache, MB read (bench/caption_scale.py).
-* ``captions`` (100k, 400k rows): the trainer's caption load (``SD_Data.load_caption_split``, every
+* ``captions`` (100k, 400k rows): the trainer's caption load (``sd.data.training_data.load_caption_split``, every
   rank at every start) through Arrow against the previous per-row load, one fresh process each:
   seconds, rows/s, memory the load added (bench/caption_scale.py).
 * ``latents`` (10k, 40k latents of 4x64x64): the trainer's latent store on ``--ranks`` ranks started
@@ -47,9 +47,8 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-import SD_Cli  # noqa: E402
+import sd.cli
 
 LAION_ROWS = 2_300_000_000  # LAION-2B-en
 LAION_FILES = 128
@@ -82,7 +81,7 @@ def build_in_another_process(function: str, *arguments) -> None:
     vfork, and at exec Linux counts the memory the child leaves, the parent's, in the child's peak):
     gigabytes of inputs built here would show in every measured run."""
     call = f"{function}(*{[str(argument) if isinstance(argument, Path) else argument for argument in arguments]!r})"
-    code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); from data_scale import *; {call}"
+    code = f"from bench.data_scale import *; {call}"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
 
@@ -217,15 +216,16 @@ con.execute(f'''COPY (
 
 
 def previous_stage_02(work: Path) -> Path | None:
-    """The pandas version of the stage, from git; None where there is no git history."""
-    script = work / "previous_02_filter_metadata.py"
-    result = subprocess.run(["git", "show", f"{PREVIOUS_02}:pipeline/02_filter_metadata.py"], cwd=ROOT,
-                            capture_output=True, text=True)
-    if result.returncode != 0:
-        print(f"previous stage 02 not measured: git show {PREVIOUS_02} failed ({result.stderr.strip()})")
+    """The pandas version of the stage: its commit's whole tree from git (it imports the flat modules of
+    its time), or None where there is no git history."""
+    tree = work / "previous_tree"
+    archive = subprocess.run(["git", "archive", "--format=tar", PREVIOUS_02], cwd=ROOT, capture_output=True)
+    if archive.returncode != 0:
+        print(f"previous stage 02 not measured: git archive {PREVIOUS_02} failed ({archive.stderr.decode().strip()})")
         return None
-    script.write_text(result.stdout)
-    return script
+    tree.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
+    return tree / "pipeline" / "02_filter_metadata.py"
 
 
 def stage_02(args, size: int, work: Path) -> list[dict]:
@@ -242,7 +242,7 @@ def stage_02(args, size: int, work: Path) -> list[dict]:
     previous = previous_stage_02(work)
     if previous is not None:
         runs["previous"] = ([sys.executable, str(previous), "--input", pattern, "--out", str(work / "previous")],
-                            {"PYTHONPATH": str(ROOT)})
+                            {"PYTHONPATH": str(previous.parents[1])})
     rows = []
     for impl, (command, env) in runs.items():
         result = measure(command, env=env, log=work / f"{impl}.log")
@@ -362,7 +362,7 @@ def stage_encode(args, sizes: list[int], work: Path) -> tuple[list[dict], list[s
         f"no growth with the shard ({per_image_kb:.2f} KB per image: noise)"
     return rows, [f"ours: {grows}; a {SHARD_IMAGES:,}-image shard peaks at "
                   f"~{at_shard:.0f} MB per process, and shards are encoded one after another, so "
-                  f"{IMAGES_PER_PHASE:,} images need no more (the VAE's rate is a GPU figure: bench/encode_latents.py)"]
+                  f"{IMAGES_PER_PHASE:,} images need no more (the VAE's rate is a GPU figure: bench/encode_throughput.py)"]
 
 
 def print_uniform(stage: str, rows: list[dict], lines: list[str], units: tuple[str, str, str]) -> None:
@@ -402,7 +402,7 @@ DEFAULT_SIZES = {"02": "250000,1000000", **{name: sizes for name, (_, sizes, _) 
 
 
 def main(argv=None) -> int:
-    parser = SD_Cli.ArgumentParser(description=__doc__)
+    parser = sd.cli.ArgumentParser(description=__doc__)
     parser.add_argument("--stage", choices=[*STAGES, "all"], required=True,
                         help="the stage to measure, or all of them at their default sizes")
     parser.add_argument("--sizes", default="", help="input sizes, comma-separated (default: the stage's, see above)")

@@ -5,7 +5,7 @@
     python bench/ema_copy.py --device cuda        # GPU weights, CPU shadow: the transfer is in the timing
 
 An EMA kept in CPU memory (``ema_device: cpu``) takes the live fp32 weights off their device at
-every update and lerps them into the shadow. Ours (``SD_EMA.copy_weights``): non-blocking copies into
+every update and lerps them into the shadow. Ours (``sd.train.ema.copy_weights``): non-blocking copies into
 buffers allocated once (pinned when the weights are on CUDA), a wait on an event after them, then the
 lerp. The previous code: ``.to("cpu", non_blocking=True)`` into fresh pageable tensors every update,
 then the lerp (on CUDA it did not wait: the lerp could read unfinished copies). Both run on the same
@@ -22,25 +22,24 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-import harness
-import SD_EMA
-import SD_Model
-import SD_Runtime
+from bench import harness
+import sd.train.ema
+import sd.model
+import sd.runtime
 
 PCIE_GB_PER_S = {"PCIe 4.0 x16": 25.0, "PCIe 5.0 x16": 50.0}  # typical pinned-memory rates, one direction
 
 
 def parameter_shapes(arch: str) -> list[torch.Size]:
     with torch.device("meta"):
-        return [p.shape for p in SD_Model.build_unet(harness.unet_preset(arch)).parameters()]
+        return [p.shape for p in sd.model.build_unet(harness.unet_preset(arch)).parameters()]
 
 
 def ours(shadow, buffers, live, weight: float) -> None:
-    SD_EMA.copy_weights(buffers, live)
+    sd.train.ema.copy_weights(buffers, live)
     torch._foreach_lerp_(shadow, buffers, weight)
 
 
@@ -62,10 +61,10 @@ def measure(args) -> dict:
     times = {name: [] for name in paths}
     for round_ in range(args.rounds + 1):  # round 0 warms up (first touch of the buffers)
         for name, update in paths.items():
-            SD_Runtime.synchronize(device)
+            sd.runtime.synchronize(device)
             start = time.perf_counter()
             update()
-            SD_Runtime.synchronize(device)
+            sd.runtime.synchronize(device)
             if round_:
                 times[name].append(time.perf_counter() - start)
     scale = total / used
@@ -92,9 +91,9 @@ def report(result: dict) -> None:
 
 
 def main(argv=None) -> dict:
-    import SD_Cli
+    import sd.cli
 
-    parser = SD_Cli.ArgumentParser(description=__doc__)
+    parser = sd.cli.ArgumentParser(description=__doc__)
     parser.add_argument("--arch", choices=["sd1", "tiny"], default="sd1", help="whose parameter shapes (default: sd1)")
     parser.add_argument("--device", default="auto", help="where the live weights are: auto, cpu or cuda")
     parser.add_argument("--json", default="", help="also write the result JSON to this file")

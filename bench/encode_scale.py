@@ -15,7 +15,6 @@ size per shard (the prefetch still holds a shard's compressed bytes whole) and o
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import subprocess
@@ -25,18 +24,16 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-import harness  # noqa: E402  (bench/ is on the path as the script's folder)
-import SD_Cli  # noqa: E402
+from bench import harness
+import sd.cli
 
 
 def make_shards(folder: Path, images: int, per_shard: int, resolution: int, aspects: bool = False) -> None:
-    """bench/encode_latents.py's shards (that file's name is the top-level module's, hence the loader)."""
-    spec = importlib.util.spec_from_file_location("bench_encode_latents", Path(__file__).with_name("encode_latents.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.make_shards(folder, images, per_shard, resolution, aspects=aspects)
+    """bench/encode_throughput.py's shards."""
+    from bench import encode_throughput
+
+    encode_throughput.make_shards(folder, images, per_shard, resolution, aspects=aspects)
 
 
 def encode_peak(script: Path, shards: Path, out: Path, args) -> dict:
@@ -46,7 +43,7 @@ def encode_peak(script: Path, shards: Path, out: Path, args) -> dict:
                "--resolution", str(args.resolution), "--batch_size", str(args.batch_size), "--workers",
                str(args.workers), "--device", "cpu"] + (["--buckets", "--bucket_step", "16"] if args.buckets else [])
     log = out.with_suffix(".log")
-    environment = {**os.environ, "PYTHONPATH": str(ROOT)}
+    environment = dict(os.environ)
     start = time.perf_counter()
     with open(log, "w") as handle:
         child = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=environment, cwd=ROOT)
@@ -63,7 +60,7 @@ def encode_peak(script: Path, shards: Path, out: Path, args) -> dict:
 
 
 def main(argv=None) -> dict:
-    parser = SD_Cli.ArgumentParser(description=__doc__)
+    parser = sd.cli.ArgumentParser(description=__doc__)
     parser.add_argument("--sizes", default="1000,10000",
                         help="images per shard, small then large (default: %(default)s)")
     parser.add_argument("--shards", type=int, default=1, help="shards at each size (default: %(default)s)")

@@ -28,10 +28,9 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-import harness  # noqa: E402  (bench/ is on the path as the script's folder)
-import SD_Cli  # noqa: E402
+from bench import harness
+import sd.cli
 
 
 def feature_batches(n: int, dim: int, batch: int, seed: int = 0):
@@ -67,7 +66,7 @@ def run_child(impl: str, n: int, args, out: Path) -> dict:
     command = [sys.executable, __file__, "--child", impl, "--sizes", str(n), "--dim", str(args.dim),
                "--batch", str(args.batch), "--json", str(out)]
     child_process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, cwd=ROOT,
-                                     env={**os.environ, "PYTHONPATH": str(ROOT)})
+                                     env=os.environ)
     stdout = child_process.stdout.read()
     _, status, usage = os.wait4(child_process.pid, 0)
     if os.waitstatus_to_exitcode(status) != 0:
@@ -104,7 +103,7 @@ def distance_part(mu: np.ndarray, sigma: np.ndarray, repeats: int = 3) -> dict:
 
 
 def main(argv=None) -> dict:
-    parser = SD_Cli.ArgumentParser(description=__doc__)
+    parser = sd.cli.ArgumentParser(description=__doc__)
     parser.add_argument("--sizes", default="5000,20000,80000", help="numbers of images (default: %(default)s)")
     parser.add_argument("--dim", type=int, default=2048, help="feature width (default: %(default)s, Inception's)")
     parser.add_argument("--batch", type=int, default=64, help="features per batch (default: %(default)s)")

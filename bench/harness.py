@@ -2,7 +2,7 @@
 
 Every benchmark builds its models here with fixed seeds, so ours and the peer start from the same
 weights and see the same inputs. ``arch`` is ``sd1`` (the SD 1.x UNet, VAE and CLIP ViT-L/14 text
-tower, random weights) or ``tiny`` (the CPU presets of SD_Model).
+tower, random weights) or ``tiny`` (the CPU presets of sd.model).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-import SD_Formats
-import SD_Model
-import SD_Runtime
+import sd.formats
+import sd.model
+import sd.runtime
 
 try:  # casting the random VAE to bf16 makes diffusers warn once per build
     from diffusers.utils import logging as _diffusers_logging
@@ -55,10 +55,10 @@ def peak_tflops(device: torch.device, override: float | None = None) -> float | 
 
 def argument_parser(doc: str, *, cpu_resolution: int = 64):
     """The flags every benchmark shares: --arch, --resolution, --device, --json."""
-    import SD_Cli
+    import sd.cli
 
     cuda = torch.cuda.is_available()
-    parser = SD_Cli.ArgumentParser(description=doc)
+    parser = sd.cli.ArgumentParser(description=doc)
     parser.add_argument("--arch", choices=["sd1", "tiny"], default="sd1" if cuda else "tiny",
                         help="sd1 (860M UNet) or the tiny CPU preset (default: sd1 on a GPU, else tiny)")
     parser.add_argument("--resolution", type=int, default=512 if cuda else cpu_resolution,
@@ -81,35 +81,35 @@ def random_text_encoder(arch: str, seed: int = 1):
     """The CLIP text tower of ``arch`` (ViT-L/14 for sd1) with random weights, frozen."""
     from transformers import CLIPTextConfig, CLIPTextModel
 
-    with SD_Model._seeded(seed):
-        model = CLIPTextModel(CLIPTextConfig(**SD_Formats.SINGLE_FILE_ARCHS[arch][2]))
+    with sd.model._seeded(seed):
+        model = CLIPTextModel(CLIPTextConfig(**sd.formats.SINGLE_FILE_ARCHS[arch][2]))
     return model.requires_grad_(False).eval()
 
 
 def random_vae(arch: str, seed: int = 2):
     from diffusers import AutoencoderKL
 
-    with SD_Model._seeded(seed):
-        model = AutoencoderKL(**SD_Formats.SINGLE_FILE_ARCHS[arch][1])
+    with sd.model._seeded(seed):
+        model = AutoencoderKL(**sd.formats.SINGLE_FILE_ARCHS[arch][1])
     return model.requires_grad_(False).eval()
 
 
 def unet_preset(arch: str) -> str:
-    return SD_Formats.SINGLE_FILE_ARCHS[arch][0]
+    return sd.formats.SINGLE_FILE_ARCHS[arch][0]
 
 
 def vae_factor(arch: str) -> int:
     """Pixels per latent cell: 2 ** (number of VAE down blocks - 1)."""
-    return 2 ** (len(SD_Formats.SINGLE_FILE_ARCHS[arch][1]["block_out_channels"]) - 1)
+    return 2 ** (len(sd.formats.SINGLE_FILE_ARCHS[arch][1]["block_out_channels"]) - 1)
 
 
 def pixel_multiple(arch: str) -> int:
     """What image sides must be multiples of for ``arch``'s UNet: pixels per latent cell times
     2 ** (UNet down blocks - 1), the halvings a latent side goes through (64 for sd1, 16 for tiny)."""
-    return vae_factor(arch) * 2 ** (len(SD_Model.UNET_PRESETS[unet_preset(arch)]["down_block_types"]) - 1)
+    return vae_factor(arch) * 2 ** (len(sd.model.UNET_PRESETS[unet_preset(arch)]["down_block_types"]) - 1)
 
 
-def empty_prompt_ids(length: int = SD_Model.TOKENIZER_MAX_LENGTH) -> torch.Tensor:
+def empty_prompt_ids(length: int = sd.model.TOKENIZER_MAX_LENGTH) -> torch.Tensor:
     """The empty prompt as the CLIP tokenizer pads it: BOS, then EOS to the end."""
     return torch.tensor([[BOS] + [EOS] * (length - 1)])
 
@@ -122,8 +122,8 @@ def synthetic_batch(batch: int, latent_size: int | tuple[int, int], seed: int = 
     """
     height, width = (latent_size, latent_size) if isinstance(latent_size, int) else latent_size
     g = torch.Generator().manual_seed(seed)
-    latents = (torch.randn(batch, 4, height, width, generator=g) / SD_Model.SD1_SCALING_FACTOR).half()
-    ids = torch.full((batch, SD_Model.TOKENIZER_MAX_LENGTH), EOS)
+    latents = (torch.randn(batch, 4, height, width, generator=g) / sd.model.SD1_SCALING_FACTOR).half()
+    ids = torch.full((batch, sd.model.TOKENIZER_MAX_LENGTH), EOS)
     ids[:, 0] = BOS
     for row in range(batch):
         length = int(torch.randint(8, 41, (1,), generator=g))
@@ -153,11 +153,11 @@ def time_steps(step, device: torch.device, warmup: int, steps: int) -> float:
     """Seconds per call of ``step`` after ``warmup`` untimed calls (compilation happens there)."""
     for _ in range(warmup):
         step()
-    SD_Runtime.synchronize(device)
+    sd.runtime.synchronize(device)
     start = time.perf_counter()
     for _ in range(steps):
         step()
-    SD_Runtime.synchronize(device)
+    sd.runtime.synchronize(device)
     return (time.perf_counter() - start) / steps
 
 

@@ -6,7 +6,7 @@
 For each size, a latent folder like encode_latents.py writes (float16 ``NNNNN.npy`` shards of
 ``--shard_size`` and keys files) is built, then ``--ranks`` processes start at once, as the ranks of
 one machine do, and each loads the folder:
-* ours: ``SD_Data.LatentStore`` (the files memory-mapped, each rank reading its share once into the
+* ours: ``sd.data.training_data.LatentStore`` (the files memory-mapped, each rank reading its share once into the
   page cache, which holds the one copy all ranks map);
 * peer: the previous store, every shard copied into one array private to each process.
 Each process reports its load time, the memory of its own that loading added (``RssAnon``) and the rate of random batches of
@@ -28,12 +28,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 import numpy as np
 
-import SD_Cli
-import SD_Data
+import sd.cli
+import sd.data.training_data
 
 SHAPE = (4, 64, 64)
 PROJECTED_LATENTS = 1_300_000
@@ -73,11 +72,11 @@ def worker(folder: str, mode: str, rank: int, ranks: int, batch: int, batches: i
     baseline = rss_anon_mb()
     start = time.perf_counter()
     if mode == "ours":
-        store = SD_Data.LatentStore(folder, threads=4, share=(rank, ranks))
+        store = sd.data.training_data.LatentStore(folder, threads=4, share=(rank, ranks))
         gather = store.gather
         n = len(store)
     elif mode == "storage":
-        store = SD_Data.LatentStore(folder, mmap=True)
+        store = sd.data.training_data.LatentStore(folder, mmap=True)
         gather = store.gather
         n = len(store)
     else:
@@ -122,7 +121,7 @@ def main(argv=None) -> int:
         folder, mode, rank, ranks, batch, batches = sys.argv[2:8]
         worker(folder, mode, int(rank), int(ranks), int(batch), int(batches))
         return 0
-    parser = SD_Cli.ArgumentParser(description=__doc__)
+    parser = sd.cli.ArgumentParser(description=__doc__)
     parser.add_argument("--sizes", default="10000,40000", help="latents per folder, comma-separated")
     parser.add_argument("--ranks", type=int, default=2, help="processes loading the folder at once (one machine)")
     parser.add_argument("--shard_size", type=int, default=1000, help="latents per shard file")

@@ -1,4 +1,4 @@
-"""Benchmark: a LoRA step of SD_TrainStep.train_step vs full fine-tuning and diffusers' LoRA example's step.
+"""Benchmark: a LoRA step of sd.train.step.train_step vs full fine-tuning and diffusers' LoRA example's step.
 
     python bench/lora_step.py                  # CPU: tiny UNet, 64 px, batches 4 and 16, 3 + 6 steps a row
     python bench/lora_step.py --arch sd1 --resolution 512 --batch_sizes 1,4 --estimate_only \\
@@ -8,8 +8,8 @@
 
 Rows, for the same synthetic fp16 latents and token ids and the same seeded random base weights
 (the UNet with diffusers' default initialisation, as a base to adapt; the text encoder of the arch):
-* ``ours-lora``: ``SD_TrainStep.train_step`` as the trainer runs a LoRA config (``lora_rank``,
-  ``lora_targets``, adapters added by ``SD_Lora.apply_config``: the frozen base stored in bf16 with
+* ``ours-lora``: ``sd.train.step.train_step`` as the trainer runs a LoRA config (``lora_rank``,
+  ``lora_targets``, adapters added by ``sd.lora.adapters.apply_config``: the frozen base stored in bf16 with
   bf16 precision, adapters fp32), with the trainer's loss settings (Min-SNR 5, CFG dropout 0.05,
   clipping at 1.0), fused AdamW or 8-bit AdamW, no EMA unless ``--ema`` (then of the adapter only),
   the text encoder's forward each step unless ``--cache_text_embeddings`` (the batch's prompts
@@ -50,7 +50,7 @@ Rows, for the same synthetic fp16 latents and token ids and the same seeded rand
 Per row: step time (the median of the timed steps, each timed alone by ``harness.time_steps``
 after the warm-up), images/s, peak memory (``harness.peak_gb``: the CUDA allocator's peak over the
 timed steps, the steady state; nothing on a CPU), the trainable parameters, and for ours the
-``SD_Memory.estimate`` of the same config on CUDA at that batch (allocated bytes at the peak, on
+``sd.train.memory.estimate`` of the same config on CUDA at that batch (allocated bytes at the peak, on
 fake tensors: printed for any arch, meaningful for sd1). Memory columns are GiB (2**30 bytes), the
 unit ``harness.peak_gb`` reports in. Ratios: ours-lora / peer-lora (images/s, and peak memory where
 measured) and ours-lora / ours-full (images/s, measured and predicted peak). ``--estimate_only``
@@ -69,19 +69,18 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 import torch.nn.functional as F
 
-import harness
-import SD_Lora
-import SD_Memory
-import SD_Model
-import SD_Runtime
-import SD_TrainStep
-from SD_Distributed import Dist
-from SD_TrainConfig import TrainConfig
+from bench import harness
+import sd.lora.adapters
+import sd.train.memory
+import sd.model
+import sd.runtime
+import sd.train.step
+from sd.distributed import Dist
+from sd.train.config import TrainConfig
 
 PEER_TARGETS = ["to_k", "to_q", "to_v", "to_out.0"]  # the script's LoraConfig
 PEER_LR = 1e-4  # the script's --learning_rate default; ours uses it too (the rate does not change the cost)
@@ -120,24 +119,24 @@ def our_config(arch: str, rank: int, setting: Setting, args) -> TrainConfig:
 
 
 def our_step(arch: str, config: TrainConfig, device: torch.device, input_ids: torch.Tensor):
-    """``(step(latents, input_ids), trainable parameters)``: SD_TrainStep.train_step as SD_Train.build
+    """``(step(latents, input_ids), trainable parameters)``: sd.train.step.train_step as SD_Train.build
     sets it up for ``config``; with the text cache, the prompts of ``input_ids`` are cached first."""
     text_encoder = harness.random_text_encoder(arch)
-    unet = SD_Model.build_unet(config.unet, from_scratch=False, seed=config.seed,
+    unet = sd.model.build_unet(config.unet, from_scratch=False, seed=config.seed,
                                grad_checkpointing=config.grad_checkpointing).to(device).train()
-    SD_Lora.apply_config(config, unet, text_encoder)
-    step = SD_TrainStep.build_step(config, Dist.single(device), unet, text_encoder, harness.empty_prompt_ids(),
-                                   SD_Model.SD1_SCALING_FACTOR)
+    sd.lora.adapters.apply_config(config, unet, text_encoder)
+    step = sd.train.step.build_step(config, Dist.single(device), unet, text_encoder, harness.empty_prompt_ids(),
+                                   sd.model.SD1_SCALING_FACTOR)
     if config.cache_text_embeddings:
-        step.text_cache = SD_TrainStep.TextCache.build(step.text_encoder, input_ids, config.precision, device)
+        step.text_cache = sd.train.step.TextCache.build(step.text_encoder, input_ids, config.precision, device)
         step.text_encoder.to("cpu")
-    SD_TrainStep.wrap_model(step, False)
-    SD_TrainStep.set_lr(step.optimizer, config.lr)
+    sd.train.step.wrap_model(step, False)
+    sd.train.step.set_lr(step.optimizer, config.lr)
     count = iter(range(10**9))
 
     def run(latents, input_ids):
-        with SD_Model.attention_context(device):
-            return SD_TrainStep.train_step(step, [(latents, input_ids)], next(count))["loss"]
+        with sd.model.attention_context(device):
+            return sd.train.step.train_step(step, [(latents, input_ids)], next(count))["loss"]
 
     return run, sum(p.numel() for p in step.trainable)
 
@@ -150,14 +149,14 @@ def peer_step(arch: str, device: torch.device, precision: str, rank: int, settin
     from peft import LoraConfig
 
     weight_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    noise_scheduler = SD_Model.build_noise_scheduler("epsilon", DDPMScheduler)
+    noise_scheduler = sd.model.build_noise_scheduler("epsilon", DDPMScheduler)
     text_encoder = harness.random_text_encoder(arch)
-    unet = SD_Model.build_unet(harness.unet_preset(arch), from_scratch=False, seed=0)
+    unet = sd.model.build_unet(harness.unet_preset(arch), from_scratch=False, seed=0)
     unet.requires_grad_(False)
     text_encoder.requires_grad_(False)
     unet.to(device, dtype=weight_dtype)
     text_encoder.to(device, dtype=weight_dtype)
-    with SD_Model._seeded(0):
+    with sd.model._seeded(0):
         unet.add_adapter(LoraConfig(r=rank, lora_alpha=rank, init_lora_weights="gaussian", target_modules=PEER_TARGETS))
     lora_layers = filter(lambda p: p.requires_grad, unet.parameters())
     trainable = sum(p.numel() for p in unet.parameters() if p.requires_grad)
@@ -175,7 +174,7 @@ def peer_step(arch: str, device: torch.device, precision: str, rank: int, settin
     unet.train()
 
     def step(latents, input_ids):
-        latents = latents.to(device, weight_dtype) * SD_Model.SD1_SCALING_FACTOR
+        latents = latents.to(device, weight_dtype) * sd.model.SD1_SCALING_FACTOR
         noise = torch.randn_like(latents)
         batch = latents.shape[0]
         timesteps = torch.randint(0, noise_scheduler.config.num_train_timesteps, (batch,), device=device).long()
@@ -200,10 +199,10 @@ def peer_step(arch: str, device: torch.device, precision: str, rank: int, settin
 def trainable_on_meta(arch: str, config: TrainConfig) -> int:
     """Trainable parameters of ``config``'s UNet (and text adapter), counted on meta tensors."""
     with torch.device("meta"):
-        unet = SD_Model.build_unet(config.unet, from_scratch=False)
+        unet = sd.model.build_unet(config.unet, from_scratch=False)
         text_encoder = harness.random_text_encoder(arch)
-    SD_Lora.apply_config(config, unet, text_encoder)
-    return SD_Lora.trainable_count(unet) + SD_Lora.trainable_count(text_encoder)
+    sd.lora.adapters.apply_config(config, unet, text_encoder)
+    return sd.lora.adapters.trainable_count(unet) + sd.lora.adapters.trainable_count(text_encoder)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,7 +228,7 @@ def measure(entries: list, batch: int, device: torch.device, args) -> list[dict]
             step, rows[-1]["trainable_params"] = make(input_ids)
             for _ in range(args.warmup):
                 step(latents, input_ids)
-            harness.reset_peak(device)  # the steady state, as SD_Memory predicts it: not the build or first step
+            harness.reset_peak(device)  # the steady state, as sd.train.memory predicts it: not the build or first step
             if not args.interleave:
                 for _ in range(args.timed_steps):
                     rows[-1]["step_s"].append(harness.time_steps(lambda: step(latents, input_ids), device, 0, 1))
@@ -256,10 +255,10 @@ def measure(entries: list, batch: int, device: torch.device, args) -> list[dict]
 
 
 def add_estimates(rows: list[dict], configs: dict, batches: list[int], resolution: int) -> None:
-    """SD_Memory's CUDA prediction (allocated at the peak, and its parts) on every row of ours;
+    """sd.train.memory's CUDA prediction (allocated at the peak, and its parts) on every row of ours;
     ``configs``: ``{(impl, setting name): TrainConfig}``, one estimate session each."""
     for (impl, setting), config in configs.items():
-        with SD_Memory.session(config, resolution, "cuda") as run:
+        with sd.train.memory.session(config, resolution, "cuda") as run:
             predicted = {batch: run(batch) for batch in batches}
         for row in rows:
             if (row["impl"], row["setting"]) == (impl, setting):
@@ -326,7 +325,7 @@ def parse_args(argv=None):
     parser.add_argument("--optimizer", default="adamw", help="adamw and/or adamw8bit (the peer: --use_8bit_adam)")
     parser.add_argument("--cache_text_embeddings", default="0", help="ours with the text-embedding cache: 0 and/or 1")
     parser.add_bool("--ema", help="ours with an EMA (decay 0.9999; of the adapter only in ours-lora)")
-    parser.add_bool("--estimate", default=True, help="SD_Memory's CUDA prediction for the ours rows")
+    parser.add_bool("--estimate", default=True, help="sd.train.memory's CUDA prediction for the ours rows")
     parser.add_bool("--estimate_only", help="no timing: trainable parameters and the estimate only")
     parser.add_bool("--peer", default=True, help="the in-process peer-lora rows")
     parser.add_argument("--peer_script", default="", help="diffusers' examples/text_to_image/"
@@ -363,8 +362,8 @@ def settings_of(args) -> list[Setting]:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    device = SD_Runtime.pick_device(args.device)
-    SD_Runtime.start_process(threads=args.threads or None)
+    device = sd.runtime.pick_device(args.device)
+    sd.runtime.start_process(threads=args.threads or None)
     settings, batches = settings_of(args), harness.parse_list(args.batch_sizes)
     configs = {(impl, s): our_config(args.arch, rank, s, args) for s in settings
                for impl, rank in (("ours-lora", args.lora_rank), ("ours-full", 0))}
@@ -407,7 +406,7 @@ def main(argv=None) -> dict:
 
 def run_peer_script(args, batch: int, setting: Setting) -> dict:
     """The LoRA script end to end: train_throughput's runner with the LoRA script's extra flags."""
-    import train_throughput
+    from bench import train_throughput
 
     extra = ["--rank", str(args.lora_rank)] + ["--gradient_checkpointing"] * setting.checkpointing
     extra += ["--use_8bit_adam"] * (setting.optimizer == "adamw8bit")

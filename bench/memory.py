@@ -5,7 +5,7 @@
     python bench/memory.py --arch sd1 --resolution 512 --limit_gb 22    # would it fit a 24 GB card?
 
 A full step: forward, backward, clipping, the AdamW update and the EMA update, from fresh weights, so
-the optimizer state is allocated inside the measurement. Ours is SD_TrainStep.train_step with its fp32
+the optimizer state is allocated inside the measurement. Ours is sd.train.step.train_step with its fp32
 EMA on the device; the peer is the step of diffusers' train_text_to_image.py with ``--use_ema``
 (diffusers' EMAModel) and ``--mixed_precision bf16`` (see bench/train_throughput.py), each with and
 without gradient checkpointing.
@@ -27,14 +27,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-import harness
-import SD_Memory
-import SD_Runtime
-import train_throughput
+from bench import harness
+import sd.train.memory
+import sd.runtime
+from bench import train_throughput
 
 
 def build_step(impl: str, checkpointing: bool, arch: str, device, precision: str):
@@ -113,7 +112,7 @@ def largest_batch(trial, limit_gb: float, max_batch: int) -> tuple[int, list[dic
         tried.append(result)
         return result["fits"]
 
-    return SD_Memory.largest_that_fits(fits, 1, max_batch), tried
+    return sd.train.memory.largest_that_fits(fits, 1, max_batch), tried
 
 
 def parse_args(argv=None):
@@ -143,8 +142,8 @@ def main(argv=None) -> dict | None:
     if args._trial:
         run_trial_here(args._trial, args)
         return None
-    device = SD_Runtime.pick_device(args.device)
-    SD_Runtime.start_process()
+    device = sd.runtime.pick_device(args.device)
+    sd.runtime.start_process()
     limit = args.limit_gb or (torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda"
                               else 0.4)
     print(f"{args.arch} UNet, {args.resolution} px, {args.precision}, AdamW + EMA, {harness.device_name(device)}; "

@@ -1,4 +1,4 @@
-"""Benchmark: SD_Memory's predicted peak against measured peaks, on the CPU and against published GPU figures.
+"""Benchmark: sd.train.memory's predicted peak against measured peaks, on the CPU and against published GPU figures.
 
     python bench/memory_estimate.py                       # CPU grid (tiny 64 px, demo 128 px) + SD 1.x predictions
     python bench/memory_estimate.py --grid demo:128:8:1   # one point: preset:resolution:batch:checkpointing
@@ -6,12 +6,12 @@
 
 1. CPU calibration. For each grid point, a real training run is measured in a fresh process: the
    trainer's models (tiny text encoder and VAE, the preset's UNet) built and two steps of
-   ``SD_TrainStep.train_step`` (bf16 autocast, fused AdamW, EMA on the device) on random latents,
+   ``sd.train.step.train_step`` (bf16 autocast, fused AdamW, EMA on the device) on random latents,
    under the PyTorch profiler with ``profile_memory``: every allocation and free of the CPU allocator,
    those inside an operator included, turned into live bytes over time by PyTorch's memory timeline
    (``torch.profiler._memory_profiler``, what ``export_memory_timeline`` draws); the measure is its
    peak. A first build and step at batch 1 runs before the record (imports, kernel set-up). Beside
-   it, ``SD_Memory.estimate(..., device="cpu")``: the same two steps on fake tensors (the CPU's own
+   it, ``sd.train.memory.estimate(..., device="cpu")``: the same two steps on fake tensors (the CPU's own
    autocast), allocated bytes at the peak. The error is estimate / measured - 1. (The process's
    resident memory is no measure at this size: glibc keeps freed blocks and the libraries' caches
    add tens of MB that no GPU run has on the card.)
@@ -32,7 +32,6 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 DEFAULT_GRID = ("tiny:64:2:0,tiny:64:8:0,tiny:64:8:1,demo:128:2:0,demo:128:8:0,demo:128:8:1,demo:128:16:0,"
                 "demo:128:16:1")
@@ -70,7 +69,7 @@ CARD_SETTINGS = {  # name: (label, config fields) of the VRAM table's columns
 
 
 def config_for(preset: str, batch: int, checkpointing: bool, **fields):
-    from SD_TrainConfig import TrainConfig
+    from sd.train.config import TrainConfig
 
     tiny = preset != "sd1"
     return TrainConfig(**{"unet": preset, "text_encoder": "tiny" if tiny else "sd1", "vae": "tiny" if tiny else "sd1",
@@ -86,22 +85,22 @@ def measure(preset: str, resolution: int, batch: int, checkpointing: bool) -> di
     from torch.profiler import ProfilerActivity, profile
     from torch.profiler._memory_profiler import MemoryProfileTimeline
 
-    import SD_Model
-    import SD_TrainStep
-    from SD_Distributed import Dist
+    import sd.model
+    import sd.train.step
+    from sd.distributed import Dist
 
     def run(batch: int) -> None:
         torch.manual_seed(0)
         config = config_for(preset, batch, checkpointing)
         latent = resolution // 8
         batches = [(torch.randn(batch, 4, latent, latent).half(), torch.randint(0, 49407, (batch, 77)))]
-        text_encoder, vae = SD_Model.load_text_encoder("tiny"), SD_Model.load_vae("tiny")
-        unet = SD_Model.build_unet(preset, grad_checkpointing=checkpointing).train()
-        step = SD_TrainStep.build_step(config, Dist.single("cpu"), unet, text_encoder,
-                                       torch.full((1, 77), 49407, dtype=torch.long), SD_Model.SD1_SCALING_FACTOR)
-        with SD_Model.attention_context(torch.device("cpu")):
+        text_encoder, vae = sd.model.load_text_encoder("tiny"), sd.model.load_vae("tiny")
+        unet = sd.model.build_unet(preset, grad_checkpointing=checkpointing).train()
+        step = sd.train.step.build_step(config, Dist.single("cpu"), unet, text_encoder,
+                                       torch.full((1, 77), 49407, dtype=torch.long), sd.model.SD1_SCALING_FACTOR)
+        with sd.model.attention_context(torch.device("cpu")):
             for index in range(2):
-                SD_TrainStep.train_step(step, batches, index)
+                sd.train.step.train_step(step, batches, index)
 
     run(1)  # imports and the kernels' first use, outside the record
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
@@ -111,7 +110,7 @@ def measure(preset: str, resolution: int, batch: int, checkpointing: bool) -> di
 
 
 def run_measure(point: str) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run([sys.executable, __file__, "--measure", point], cwd=ROOT, env=env, capture_output=True,
                             text=True)
     if result.returncode != 0:
@@ -125,9 +124,9 @@ def parse_point(point: str) -> tuple[str, int, int, bool]:
 
 
 def main(argv=None) -> int:
-    import SD_Cli
+    import sd.cli
 
-    parser = SD_Cli.ArgumentParser(description=__doc__)
+    parser = sd.cli.ArgumentParser(description=__doc__)
     parser.add_argument("--grid", default=DEFAULT_GRID,
                         help="CPU points preset:resolution:batch:checkpointing, comma-separated (default: %(default)s)")
     parser.add_argument("--sd1", default="true", help="also predict the SD 1.x configurations (true/false)")
@@ -141,15 +140,15 @@ def main(argv=None) -> int:
     if args.measure:
         print(json.dumps(measure(*parse_point(args.measure))))
         return 0
-    import harness
-    import SD_Memory
+    from bench import harness
+    import sd.train.memory
 
     rows = []
     print(f"{'point':<16}{'measured MB':>13}{'estimate MB':>13}{'error':>9}")
     for point in [p for p in args.grid.split(",") if p.strip()]:
         preset, resolution, batch, checkpointing = parse_point(point)
         measured = run_measure(point)["measured_bytes"]
-        estimate = SD_Memory.estimate(config_for(preset, batch, checkpointing), resolution=resolution, device="cpu")
+        estimate = sd.train.memory.estimate(config_for(preset, batch, checkpointing), resolution=resolution, device="cpu")
         row = {"point": point, "measured_mb": round(measured / 2**20, 1),
                "estimate_mb": round(estimate.allocated / 2**20, 1), "error": round(estimate.allocated / measured - 1, 4),
                "parts_mb": {k: round(v / 2**20, 1) for k, v in estimate.parts.items()}}
@@ -163,7 +162,7 @@ def main(argv=None) -> int:
         for label, fields, resolution, published, source in PUBLISHED:
             fields = dict(fields)
             config = config_for("sd1", fields.pop("batch_size"), fields.pop("grad_checkpointing"), **fields)
-            estimate = SD_Memory.estimate(config, resolution=resolution, device="cuda")
+            estimate = sd.train.memory.estimate(config, resolution=resolution, device="cuda")
             item = {"label": label, **estimate.as_dict(), "published_gb": published, "source": source}
             predictions.append(item)
             versus = f"; published {published} GB ({source}): {estimate.peak_gb / published - 1:+.1%}" if published else ""
@@ -180,13 +179,13 @@ def main(argv=None) -> int:
                     parser.error(f"--card_settings: {name!r} is none of {', '.join(CARD_SETTINGS)}")
                 label, fields = CARD_SETTINGS[name]
                 config = config_for("sd1", 1, True, **fields)
-                batch, at_batch = SD_Memory.max_batch(config, usable, resolution=512)
+                batch, at_batch = sd.train.memory.max_batch(config, usable, resolution=512)
                 cards.append({"card_gib": card, "settings": label, "max_batch": batch,
                               "peak_gb": round(at_batch.peak_gb, 2) if at_batch else None})
                 print(f"  {card:g} GiB, {label}: {batch or 'does not fit'}"
                       + (f" (peak {at_batch.peak_gb:.2f} GB of {usable:.2f})" if at_batch else ""), flush=True)
     result = {"cpu_grid": rows, "largest_cpu_error": worst, "sd1": predictions, "cards": cards,
-              "reserve_factor": SD_Memory.RESERVE_FACTOR, "context_gb": SD_Memory.CONTEXT_GB}
+              "reserve_factor": sd.train.memory.RESERVE_FACTOR, "context_gb": sd.train.memory.CONTEXT_GB}
     harness.emit(result, args.json)
     return 0
 

@@ -6,7 +6,7 @@
 Both denoise the same noise with the same random-weight UNet, the same prompt and negative-prompt
 embeddings (text encoding is outside the timing), 50 DDIM steps and guidance 7.5, and stop at the
 latents (no VAE decode):
-* ours: ``SD_Sampling.sample_latents`` with DDIM, what ``SD_ImageGen.py`` runs;
+* ours: ``sd.sampling.sample_latents`` with DDIM, what ``SD_ImageGen.py`` runs;
 * peer: ``StableDiffusionPipeline`` with a ``DDIMScheduler`` of the same schedule and
   ``output_type="latent"``.
 Each mode is ``eager`` or a ``torch.compile`` mode applied to both UNets (``default``,
@@ -21,15 +21,14 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-import harness
+from bench import harness
 import SD_ImageGen
-import SD_Model
-import SD_Runtime
-import SD_Sampling
+import sd.model
+import sd.runtime
+import sd.sampling
 
 MODES = ("eager",) + SD_ImageGen.COMPILE_MODES[1:]
 
@@ -38,14 +37,14 @@ def build(arch: str, device, dtype):
     """Our Model (random weights) and a diffusers pipeline sharing its UNet, VAE and text encoder."""
     from diffusers import DDIMScheduler, StableDiffusionPipeline
 
-    unet = SD_Model.build_unet(harness.unet_preset(arch), seed=0, from_scratch=False).eval()
+    unet = sd.model.build_unet(harness.unet_preset(arch), seed=0, from_scratch=False).eval()
     vae, text_encoder = harness.random_vae(arch), harness.random_text_encoder(arch)
     for part in (unet, vae, text_encoder):
         part.to(device=device, dtype=dtype)
-    model = SD_Sampling.Pipeline(unet, vae, text_encoder, None, "epsilon", f"random {arch}")
+    model = sd.sampling.Pipeline(unet, vae, text_encoder, None, "epsilon", f"random {arch}")
     pipeline = StableDiffusionPipeline(
         unet=unet, vae=vae, text_encoder=text_encoder, tokenizer=None,
-        scheduler=SD_Model.build_noise_scheduler("epsilon", DDIMScheduler),
+        scheduler=sd.model.build_noise_scheduler("epsilon", DDIMScheduler),
         safety_checker=None, feature_extractor=None, requires_safety_checker=False)
     pipeline.set_progress_bar_config(disable=True)
     return model, pipeline
@@ -54,15 +53,15 @@ def build(arch: str, device, dtype):
 def prompt_embeddings(text_encoder, batch: int):
     """A prompt and the empty negative prompt, encoded once: ``(B, 77, D)`` each."""
     _, ids = harness.synthetic_batch(1, 1)
-    cond = SD_Model.encode_prompt_ids(text_encoder, ids)
-    uncond = SD_Model.encode_prompt_ids(text_encoder, harness.empty_prompt_ids())
+    cond = sd.model.encode_prompt_ids(text_encoder, ids)
+    uncond = sd.model.encode_prompt_ids(text_encoder, harness.empty_prompt_ids())
     return cond.expand(batch, -1, -1), uncond.expand(batch, -1, -1)
 
 
 def run_ours(model, unet, noise, cond, uncond, steps: int, cfg: float):
     model.unet = unet
-    with torch.no_grad(), SD_Model.attention_context(noise.device):
-        return SD_Sampling.sample_latents(model.unet, noise, cond, uncond, sampler="ddim", steps=steps, cfg=cfg,
+    with torch.no_grad(), sd.model.attention_context(noise.device):
+        return sd.sampling.sample_latents(model.unet, noise, cond, uncond, sampler="ddim", steps=steps, cfg=cfg,
                                           prediction_type=model.prediction_type)
 
 
@@ -97,8 +96,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    device = SD_Runtime.pick_device(args.device)
-    dtype = SD_Runtime.resolve_precision(args.precision, device)
+    device = sd.runtime.pick_device(args.device)
+    dtype = sd.runtime.resolve_precision(args.precision, device)
     model, pipeline = build(args.arch, device, dtype)
     base_unet = model.unet
     latent_size = args.resolution // harness.vae_factor(args.arch)
@@ -111,7 +110,7 @@ def main(argv=None) -> dict:
             # dynamic-shape recompile. Both share the module; each call signature gets its own graph.
             harness.release(device)
             unet = SD_ImageGen.compile_unet(base_unet, "off" if mode == "eager" else mode)
-            noise = SD_Sampling.initial_noise(list(range(batch)), (4, latent_size, latent_size)).to(device)
+            noise = sd.sampling.initial_noise(list(range(batch)), (4, latent_size, latent_size)).to(device)
             cond, uncond = prompt_embeddings(model.text_encoder, batch)
             results = {}
             calls = {"ours": lambda: results.__setitem__("ours", run_ours(model, unet, noise, cond, uncond,

@@ -1,11 +1,11 @@
-"""Benchmark: training images/s, step time, peak memory and MFU of SD_TrainStep.train_step vs diffusers' loop.
+"""Benchmark: training images/s, step time, peak memory and MFU of sd.train.step.train_step vs diffusers' loop.
 
     python bench/train_throughput.py                     # CPU: tiny UNet, 64 px, checks that it all runs
     python bench/train_throughput.py --arch sd1 --resolution 512 --batch_sizes 16,32,48 \\
         --variants eager,compile --channels_last 0,1 --checkpointing 0,1 \\
         --peer_script diffusers/examples/text_to_image/train_text_to_image.py      # GPU
 
-Ours: ``SD_TrainStep.train_step`` exactly as the training loop calls it (fp16 latents from host memory,
+Ours: ``sd.train.step.train_step`` exactly as the training loop calls it (fp16 latents from host memory,
 CLIP text encoder forward, CFG dropout, Min-SNR loss, clipping, fused AdamW, EMA update, one host
 sync for the logged numbers), on the same-seeded random weights and synthetic latents and token ids,
 for every combination of the variants asked for.
@@ -19,7 +19,7 @@ The peer, diffusers' ``examples/text_to_image/train_text_to_image.py`` with its 
   from two runs of different length, so start-up, loading and the final save cancel out.
 
 MFU = images/s x training FLOPs per image (forward + backward, counted by FlopCounterMode, see
-SD_Model.training_flops_per_image) / the device's dense bf16 peak. Prints a table, the ratios of our
+sd.model.training_flops_per_image) / the device's dense bf16 peak. Prints a table, the ratios of our
 best variant to each peer at every batch size, and one JSON line.
 """
 
@@ -36,18 +36,17 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 import torch.nn.functional as F
 
-import harness
-import SD_Runtime
-import SD_Formats
-import SD_Model
-import SD_TrainStep
-from SD_Distributed import Dist
-from SD_TrainConfig import TrainConfig
+from bench import harness
+import sd.runtime
+import sd.formats
+import sd.model
+import sd.train.step
+from sd.distributed import Dist
+from sd.train.config import TrainConfig
 
 
 @dataclass(frozen=True)
@@ -69,22 +68,22 @@ class Variant:
 
 
 def our_step(arch: str, variant: Variant, device: torch.device, precision: str, shapes: int = 1):
-    """``step(latents, input_ids)``: one SD_TrainStep.train_step on a batch; returns the logged loss.
+    """``step(latents, input_ids)``: one sd.train.step.train_step on a batch; returns the logged loss.
     ``shapes``: how many latent shapes it will see (compiled as the trainer compiles a bucketed run)."""
     config = TrainConfig(unet=harness.unet_preset(arch), grad_accum=1, precision=precision,
                          grad_checkpointing=variant.checkpointing, channels_last=variant.channels_last,
                          compile=variant.compile)
-    unet = SD_Model.build_unet(config.unet, seed=config.seed, grad_checkpointing=config.grad_checkpointing,
+    unet = sd.model.build_unet(config.unet, seed=config.seed, grad_checkpointing=config.grad_checkpointing,
                                channels_last=config.channels_last).to(device).train()
-    step = SD_TrainStep.build_step(config, Dist.single(device), unet, harness.random_text_encoder(arch),
-                                   harness.empty_prompt_ids(), SD_Model.SD1_SCALING_FACTOR)
-    SD_TrainStep.wrap_model(step, config.compile, shapes)
-    SD_TrainStep.set_lr(step.optimizer, config.lr)
+    step = sd.train.step.build_step(config, Dist.single(device), unet, harness.random_text_encoder(arch),
+                                   harness.empty_prompt_ids(), sd.model.SD1_SCALING_FACTOR)
+    sd.train.step.wrap_model(step, config.compile, shapes)
+    sd.train.step.set_lr(step.optimizer, config.lr)
     count = iter(range(10**9))
 
     def run(latents, input_ids):
-        with SD_Model.attention_context(device):
-            return SD_TrainStep.train_step(step, [(latents, input_ids)], next(count))["loss"]
+        with sd.model.attention_context(device):
+            return sd.train.step.train_step(step, [(latents, input_ids)], next(count))["loss"]
 
     return run
 
@@ -104,11 +103,11 @@ def peer_step(arch: str, device: torch.device, precision: str, *, online_vae: bo
     from diffusers.training_utils import EMAModel
 
     weight_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    unet = SD_Model.build_unet(harness.unet_preset(arch), seed=0, grad_checkpointing=checkpointing).to(device)
+    unet = sd.model.build_unet(harness.unet_preset(arch), seed=0, grad_checkpointing=checkpointing).to(device)
     unet.train()
     text_encoder = harness.random_text_encoder(arch).to(device, weight_dtype)
     vae = harness.random_vae(arch).to(device, weight_dtype) if online_vae else None
-    noise_scheduler = SD_Model.build_noise_scheduler("epsilon", DDPMScheduler)
+    noise_scheduler = sd.model.build_noise_scheduler("epsilon", DDPMScheduler)
     optimizer = torch.optim.AdamW(unet.parameters(), lr=1e-4, betas=(0.9, 0.999), weight_decay=1e-2, eps=1e-8)
     lr_scheduler = get_scheduler("constant", optimizer=optimizer, num_warmup_steps=500, num_training_steps=10**6)
     ema_unet = EMAModel(unet.parameters()) if ema else None
@@ -121,7 +120,7 @@ def peer_step(arch: str, device: torch.device, precision: str, *, online_vae: bo
             pixels = torch.rand(batch, 3, size, size, device=device, dtype=weight_dtype) * 2 - 1
             latents = vae.encode(pixels).latent_dist.sample() * vae.config.scaling_factor
         else:
-            latents = latents.to(device, weight_dtype) * SD_Model.SD1_SCALING_FACTOR
+            latents = latents.to(device, weight_dtype) * sd.model.SD1_SCALING_FACTOR
         noise = torch.randn_like(latents)
         timesteps = torch.randint(0, noise_scheduler.config.num_train_timesteps, (batch,), device=device).long()
         noisy_latents = noise_scheduler.add_noise(latents, noise, timesteps)
@@ -153,9 +152,9 @@ def prepare_peer_inputs(folder: Path, arch: str, resolution: int, images: int) -
     from PIL import Image
 
     model_dir, data_dir = folder / "model", folder / "data"
-    unet = SD_Model.build_unet(harness.unet_preset(arch), seed=0)
-    SD_Formats.export_diffusers(model_dir, unet, harness.random_vae(arch), harness.random_text_encoder(arch),
-                                SD_Model.load_tokenizer("tiny"))
+    unet = sd.model.build_unet(harness.unet_preset(arch), seed=0)
+    sd.formats.export_diffusers(model_dir, unet, harness.random_vae(arch), harness.random_text_encoder(arch),
+                                sd.model.load_tokenizer("tiny"))
     data_dir.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
     height, width = int(resolution * 1.25), int(resolution * 1.5)  # resized and cropped by the script
@@ -299,10 +298,10 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    device = SD_Runtime.pick_device(args.device)
-    SD_Runtime.start_process()
+    device = sd.runtime.pick_device(args.device)
+    sd.runtime.start_process()
     latent_size = args.resolution // harness.vae_factor(args.arch)
-    flops = SD_Model.training_flops_per_image(harness.unet_preset(args.arch), latent_size)
+    flops = sd.model.training_flops_per_image(harness.unet_preset(args.arch), latent_size)
     peak = harness.peak_tflops(device, args.peak_tflops)
     variants = [Variant(c == "compile", bool(cl), bool(ck)) for c, cl, ck in itertools.product(
         harness.parse_list(args.variants, str), harness.parse_list(args.channels_last),

@@ -27,13 +27,11 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "demo"))
 
-import SD_Cli  # noqa: E402
-import SD_Files  # noqa: E402
-import SD_Pipeline  # noqa: E402
-import SD_Shards  # noqa: E402
+import sd.cli
+import sd.files
+import sd.data.stages
+import sd.data.shards
 
 SIDE = 96  # the short side of the drawn images; SD_ImageGen samples at half of it
 RUNS = {"base": "demo model (squares only)", "buckets": "fine-tuned in buckets", "square": "fine-tuned on centre squares"}
@@ -70,7 +68,7 @@ def make_images(prompts_file: Path, out: Path, count: int, seed: int, shard_size
     prompts = json.loads(prompts_file.read_text())
     palette = {k: tuple(v) for k, v in prompts["palette"].items()}
     seen = [(p.split()[1], p.split()[2]) for p in prompts["seen"]]
-    summary = SD_Pipeline.Summary("demo_aspect")
+    summary = sd.data.stages.Summary("demo_aspect")
     for index in summary.pending(out / "shards", list(range(-(-count // shard_size)))):
         rng = np.random.default_rng([seed, index])
         samples = []
@@ -82,18 +80,18 @@ def make_images(prompts_file: Path, out: Path, count: int, seed: int, shard_size
             else:
                 image = draw_at_end(colour, shape, kind, rng, palette)
             text = stage00.caption(colour, shape)
-            samples.append(SD_Shards.ShardSample(f"aspect{i:06d}", stage00.png(image), "png", text,
+            samples.append(sd.data.shards.ShardSample(f"aspect{i:06d}", stage00.png(image), "png", text,
                                                  json.dumps({"caption": text, "kind": kind}).encode()))
-        summary.add(SD_Pipeline.write_shard(out / "shards", index, samples, SD_Pipeline.ShardStats()))
+        summary.add(sd.data.stages.write_shard(out / "shards", index, samples, sd.data.stages.ShardStats()))
     summary.finish(out / "shards")
-    SD_Files.write_text_atomic(out / "prompts.txt", "".join(p + "\n" for p in prompts["seen"]))
+    sd.files.write_text_atomic(out / "prompts.txt", "".join(p + "\n" for p in prompts["seen"]))
     print(f"{count} images (2/5 wide, 2/5 tall with the shape at an end, 1/5 square) in {out / 'shards'}")
 
 
 def at_an_end(image: np.ndarray, colour: str, palette: dict, background) -> tuple[bool, bool]:
     """``(the largest shape has the prompt's colour, and it is the only shape and its centre lies in
     an outer third of the long side)``."""
-    import evaluate
+    from demo import evaluate
 
     region = evaluate.largest_region(image, background)
     found, _ = evaluate.classify(image, palette, background)
@@ -121,7 +119,7 @@ def report(out: Path, prompts_file: Path) -> dict:
     palette, background = {k: tuple(v) for k, v in prompts["palette"].items()}, tuple(prompts["background"])
     table = {run: {o: score(out / f"samples_{run}_{o}", palette, background) for o in ORIENTATIONS}
              for run in RUNS if (out / f"samples_{run}_wide").exists()}
-    SD_Files.write_text_atomic(out / "aspect.json", json.dumps(table, indent=1) + "\n")
+    sd.files.write_text_atomic(out / "aspect.json", json.dumps(table, indent=1) + "\n")
     print(f"{'':32s} {'one shape, at an end':>20s}   {'prompted colour':>16s}")
     print(f"{'':32s} {'wide':>11s} {'tall':>8s}   {'wide':>7s} {'tall':>8s}")
     for run, row in table.items():
@@ -131,7 +129,7 @@ def report(out: Path, prompts_file: Path) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = SD_Cli.ArgumentParser(description=__doc__)
+    parser = sd.cli.ArgumentParser(description=__doc__)
     parser.add_argument("action", choices=("images", "report"))
     parser.add_argument("--out", required=True, help="the aspect step's folder")
     parser.add_argument("--prompts", required=True, help="demo_prompts.json of pipeline/00_make_demo_data.py")

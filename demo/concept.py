@@ -25,10 +25,9 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-import SD_Cli  # noqa: E402
-import SD_Files  # noqa: E402
+import sd.cli
+import sd.files
 
 CONCEPT_PROMPT = "a sks circle on a white background"
 CONCEPT = ("cyan", "circle")
@@ -41,11 +40,11 @@ def as_decoded(images: list[np.ndarray], vae_path: str, background) -> tuple[int
     working in its latents can produce for them (the small demo VAE shifts colours it saw little of)."""
     import torch
 
-    import SD_DreamBooth
-    import SD_Model
+    import sd.data.dreambooth
+    import sd.model
 
-    vae = SD_Model.load_vae(vae_path)
-    latents = torch.from_numpy(SD_DreamBooth.encode_images(vae, images, torch.device("cpu"))).float()
+    vae = sd.model.load_vae(vae_path)
+    latents = torch.from_numpy(sd.data.dreambooth.encode_images(vae, images, torch.device("cpu"))).float()
     with torch.no_grad():
         decoded = ((vae.decode(latents).sample.clamp(-1, 1) + 1) * 127.5).round().byte().permute(0, 2, 3, 1).numpy()
     shape = np.stack([np.linalg.norm(i.astype(np.float32) - np.array(background, np.float32), axis=-1) > 80
@@ -62,13 +61,13 @@ def make_images(prompts_file: Path, out: Path, count: int, size: int, seed: int,
     rng = np.random.default_rng(seed)
     images = [stage00.draw_shape(CONCEPT[0], CONCEPT[1], size, rng, palette)[0] for _ in range(count)]
     for i, image in enumerate(images):
-        SD_Files.write_atomic(out / "instance" / f"sks_{i:03d}.png", lambda tmp: Image.fromarray(image).save(tmp, "PNG"))
+        sd.files.write_atomic(out / "instance" / f"sks_{i:03d}.png", lambda tmp: Image.fromarray(image).save(tmp, "PNG"))
     reference = as_decoded(images, vae, prompts["background"]) if vae else CYAN
     print(f"cyan {CYAN} comes back from the VAE as {reference}: the concept's colour in the evaluation")
     concept_prompts = {**prompts, "palette": {**palette, CONCEPT[0]: reference},
                        "concepts": {CONCEPT_PROMPT: list(CONCEPT)}, "concept_drawn": CYAN}
-    SD_Files.write_text_atomic(out / "concept_prompts.json", json.dumps(concept_prompts, indent=1) + "\n")
-    SD_Files.write_text_atomic(out / "prompts.txt", "".join(p + "\n" for p in prompts["seen"] + [CONCEPT_PROMPT]))
+    sd.files.write_text_atomic(out / "concept_prompts.json", json.dumps(concept_prompts, indent=1) + "\n")
+    sd.files.write_text_atomic(out / "prompts.txt", "".join(p + "\n" for p in prompts["seen"] + [CONCEPT_PROMPT]))
     print(f"{count} instance images of {CONCEPT_PROMPT!r} (cyan {CYAN}) in {out / 'instance'}")
 
 
@@ -76,7 +75,7 @@ def report(out: Path) -> dict:
     scores = {name: json.loads((out / f"eval_{name}.json").read_text()) for name in RUNS}
     table = {name: {"concept_colour": s["concept"]["colour"], "concept_both": s["concept"]["both"],
                     "seen_colour": s["seen"]["colour"], "seen_both": s["seen"]["both"]} for name, s in scores.items()}
-    SD_Files.write_text_atomic(out / "concept.json", json.dumps(table, indent=1) + "\n")
+    sd.files.write_text_atomic(out / "concept.json", json.dumps(table, indent=1) + "\n")
     print(f"{'':34s} {CONCEPT_PROMPT!r:>12s}   seen prompts (base palette + cyan)")
     print(f"{'':34s} {'cyan':>6s} {'cyan circle':>12s}   {'colour':>6s} {'both':>6s}")
     for name, row in table.items():
@@ -86,7 +85,7 @@ def report(out: Path) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = SD_Cli.ArgumentParser(description=__doc__)
+    parser = sd.cli.ArgumentParser(description=__doc__)
     parser.add_argument("action", choices=("images", "report"))
     parser.add_argument("--out", required=True, help="the concept's folder")
     parser.add_argument("--prompts", help="images: demo_prompts.json of pipeline/00_make_demo_data.py")

@@ -18,10 +18,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import SD_Cli
-import SD_Files
+import sd.cli
+import sd.files
 
 FOREGROUND_DISTANCE = 80  # RGB distance from white beyond which a pixel is shape, not background
 # Fill-ratio boundaries: triangle 0.5 | circle 0.785 | square 1.0, split half way.
@@ -100,7 +99,7 @@ def score(records: list[dict], images_dir: Path, prompts: dict) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = SD_Cli.ArgumentParser(description=__doc__)
+    parser = sd.cli.ArgumentParser(description=__doc__)
     parser.add_argument("--images", required=True, help="folder written by SD_ImageGen.py (with images.json)")
     parser.add_argument("--prompts", required=True, help="demo_prompts.json written by pipeline/00_make_demo_data.py "
                         "(or demo/concept.py's concept_prompts.json)")
@@ -110,7 +109,7 @@ def main(argv=None) -> int:
     records = json.loads((images_dir / "images.json").read_text())
     prompts = json.loads(Path(args.prompts).read_text())
     result = score(records, images_dir, prompts)
-    SD_Files.write_text_atomic(Path(args.out), json.dumps(result, indent=1) + "\n")
+    sd.files.write_text_atomic(Path(args.out), json.dumps(result, indent=1) + "\n")
     for group, values in result.items():
         if values["n"]:
             print(f"{group:9s} n={values['n']:3d}  colour {values['colour']:.0%}  shape {values['shape']:.0%}  "

@@ -22,15 +22,13 @@ import numpy as np
 from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "pipeline"))
 
-import SD_Cli  # noqa: E402
-import SD_Eval  # noqa: E402
-import SD_Files  # noqa: E402
-from evaluate import parse_prompt  # noqa: E402
+import sd.cli
+import SD_Eval
+import sd.files
+from demo.evaluate import parse_prompt
 
-demo_data = importlib.import_module("00_make_demo_data")
+demo_data = importlib.import_module("pipeline.00_make_demo_data")
 SETS = {"reference": 1001, "ground_truth": 1002}  # seeds of the drawings (the training images use seed 0)
 FEATURES_NOTE = "tiny: SD_Eval.py's offline stand-in (seeded random conv features, not Inception)"
 
@@ -42,14 +40,14 @@ def draw_set(folder: Path, prompts: list[str], size: int, seed: int, palette: di
     for i, prompt in enumerate(prompts):
         colour, shape = parse_prompt(prompt, palette, shapes)
         image, _ = demo_data.draw_shape(colour, shape, size, rng, palette)
-        SD_Files.save_png_atomic(folder / f"{i:06d}.png", Image.fromarray(image))
+        sd.files.save_png_atomic(folder / f"{i:06d}.png", Image.fromarray(image))
 
 
 def blank_set(folder: Path, n: int, size: int, background) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     canvas = Image.fromarray(np.full((size, size, 3), background, np.uint8))
     for i in range(n):
-        SD_Files.save_png_atomic(folder / f"{i:06d}.png", canvas)
+        sd.files.save_png_atomic(folder / f"{i:06d}.png", canvas)
 
 
 def fid(images: Path, reference: Path, out: Path) -> float:
@@ -61,7 +59,7 @@ def fid(images: Path, reference: Path, out: Path) -> float:
 
 
 def main(argv=None) -> int:
-    parser = SD_Cli.ArgumentParser(description=__doc__)
+    parser = sd.cli.ArgumentParser(description=__doc__)
     parser.add_argument("--samples", required=True, help="folder written by SD_ImageGen.py (with images.json)")
     parser.add_argument("--prompts", required=True, help="demo_prompts.json written by pipeline/00_make_demo_data.py")
     parser.add_argument("--out", required=True, help="folder for the drawn sets and fid.json")
@@ -78,7 +76,7 @@ def main(argv=None) -> int:
     result = {"features": FEATURES_NOTE, "n": len(prompts)}
     for name, images in (("samples", samples), ("ground_truth", out / "ground_truth"), ("blank", out / "blank")):
         result[name] = fid(images, out / "reference", out / f"scores_{name}.json")
-    SD_Files.write_json_atomic(out / "fid.json", result)
+    sd.files.write_json_atomic(out / "fid.json", result)
     print(f"FID against fresh ground-truth drawings ({result['n']} images, {FEATURES_NOTE}):")
     print(f"  ground truth (floor) {result['ground_truth']:8.2f}\n  demo model           {result['samples']:8.2f}\n"
           f"  blank canvas         {result['blank']:8.2f}")

@@ -19,15 +19,14 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository's modules
 
-import numpy as np  # noqa: E402
-from PIL import Image, ImageDraw  # noqa: E402
+import numpy as np
+from PIL import Image, ImageDraw
 
-import SD_Files  # noqa: E402
-import SD_Pipeline  # noqa: E402
-import SD_Runtime  # noqa: E402
-import SD_Shards  # noqa: E402
+import sd.files
+import sd.data.stages
+import sd.runtime
+import sd.data.shards
 
 STAGE = "00_make_demo_data"
 PALETTE = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (235, 200, 30),
@@ -43,7 +42,7 @@ SUPERSAMPLE = 4  # draw large, then downscale: anti-aliased edges like a real ph
 
 
 def parse_args(argv):
-    parser = SD_Pipeline.StageArgumentParser(__file__, __doc__)
+    parser = sd.data.stages.StageArgumentParser(__file__, __doc__)
     parser.add_out("output folder for the shards and demo_prompts.json")
     parser.add_argument("--count", type=int, default=4000, help="training images")
     parser.add_argument("--size", type=int, default=64, help="image side in pixels")
@@ -100,10 +99,10 @@ def png(array: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
-def write_shards(out: Path, count: int, args, pick, prefix: str) -> SD_Pipeline.Summary:
+def write_shards(out: Path, count: int, args, pick, prefix: str) -> sd.data.stages.Summary:
     """``count`` images in shards of ``args.shard_size``; ``pick(i, rng)`` -> (colour name, shape,
     palette). Each shard has its own generator, so the stage resumes shard by shard with the same bytes."""
-    summary = SD_Pipeline.Summary(STAGE)
+    summary = sd.data.stages.Summary(STAGE)
     shards = range(-(-count // args.shard_size))
     for index in summary.pending(out, list(shards)):
         start = index * args.shard_size
@@ -113,14 +112,14 @@ def write_shards(out: Path, count: int, args, pick, prefix: str) -> SD_Pipeline.
             colour, shape, palette = pick(i, shard_rng)
             array, meta = draw_shape(colour, shape, args.size, shard_rng, palette)
             text = caption(colour, shape)
-            samples.append(SD_Shards.ShardSample(f"{prefix}{i:06d}", png(array), "png", text,
+            samples.append(sd.data.shards.ShardSample(f"{prefix}{i:06d}", png(array), "png", text,
                                                json.dumps({"caption": text, **meta}).encode()))
-        summary.add(SD_Pipeline.write_shard(out, index, samples, SD_Pipeline.ShardStats()))
+        summary.add(sd.data.stages.write_shard(out, index, samples, sd.data.stages.ShardStats()))
     return summary
 
 
 def main(argv=None) -> int:
-    SD_Runtime.start_process()
+    sd.runtime.start_process()
     args = parse_args(argv)
     out = Path(args.out)
     seen = [(c, s) for c in PALETTE for s in SHAPES if (c, s) not in args.holdout]
@@ -136,8 +135,8 @@ def main(argv=None) -> int:
         write_shards(vae_out, args.vae_count, args, vae_only, "vae").finish(vae_out, colours=list(VAE_ONLY_PALETTE))
     prompts = {"palette": PALETTE, "shapes": list(SHAPES), "background": BACKGROUND,
                "seen": [caption(c, s) for c, s in seen], "held_out": [caption(c, s) for c, s in args.holdout]}
-    SD_Files.write_json_atomic(out / "demo_prompts.json", prompts)
-    SD_Files.write_text_atomic(out / "prompts.txt", "".join(p + "\n" for p in prompts["seen"] + prompts["held_out"]))
+    sd.files.write_json_atomic(out / "demo_prompts.json", prompts)
+    sd.files.write_text_atomic(out / "prompts.txt", "".join(p + "\n" for p in prompts["seen"] + prompts["held_out"]))
     summary.finish(out, seen_combinations=len(seen), held_out=len(args.holdout))
     return 0
 

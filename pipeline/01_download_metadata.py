@@ -25,11 +25,10 @@ from pathlib import Path
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import SD_Files  # noqa: E402
-import SD_Pipeline  # noqa: E402
-import SD_Runtime  # noqa: E402
+import sd.files
+import sd.data.stages
+import sd.runtime
 
 STAGE = "01_download_metadata"
 DEFAULT_REPO = "laion/laion2B-en-aesthetic"
@@ -37,7 +36,7 @@ log = logging.getLogger(STAGE)
 
 
 def parse_args(argv):
-    parser = SD_Pipeline.StageArgumentParser(__file__, __doc__)
+    parser = sd.data.stages.StageArgumentParser(__file__, __doc__)
     parser.add_out("folder the parquet files are downloaded or copied to")
     parser.add_argument("--repo_id", default=DEFAULT_REPO, help="Hugging Face dataset repository")
     parser.add_argument("--revision", default="main", help="branch, tag or commit of the repository")
@@ -69,7 +68,7 @@ def copy_local(source_root: Path, out: Path, patterns: list[str]) -> tuple[int, 
         if dest.exists() and dest.stat().st_size == source.stat().st_size:
             skipped += 1
             continue
-        SD_Files.write_atomic(dest, lambda tmp, source=source: shutil.copyfile(source, tmp))
+        sd.files.write_atomic(dest, lambda tmp, source=source: shutil.copyfile(source, tmp))
         copied += 1
     return copied, skipped
 
@@ -82,7 +81,7 @@ def download_hub(args, out: Path) -> None:
                                       allow_patterns=args.patterns, local_dir=str(out))
 
 
-def count_rows(out: Path, patterns: list[str], summary: SD_Pipeline.Summary) -> list[dict]:
+def count_rows(out: Path, patterns: list[str], summary: sd.data.stages.Summary) -> list[dict]:
     """Row count of every parquet file in ``out`` from its footer (no data is read)."""
     files = []
     for path in tqdm([p for p in matching_files(out, patterns) if p.suffix == ".parquet"], desc="count", unit="file"):
@@ -100,9 +99,9 @@ def count_rows(out: Path, patterns: list[str], summary: SD_Pipeline.Summary) -> 
 
 
 def main(argv=None) -> int:
-    SD_Runtime.start_process()
+    sd.runtime.start_process()
     args = parse_args(argv)
-    SD_Pipeline.setup_logging()
+    sd.data.stages.setup_logging()
     out = Path(args.out)
     source = Path(args.local_dir) if args.local_dir else None
     if source is not None and not source.is_dir():
@@ -112,7 +111,7 @@ def main(argv=None) -> int:
         print(f"{STAGE}.py: no files in {source} match {' '.join(args.patterns)}", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
-    summary = SD_Pipeline.Summary(STAGE)
+    summary = sd.data.stages.Summary(STAGE)
     if source is not None:
         summary.shards_written, summary.shards_skipped = copy_local(source, out, args.patterns)
     else:

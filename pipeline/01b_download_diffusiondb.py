@@ -13,7 +13,7 @@ Output: ``SHARD_DIR/NNNNN.tar`` with NNNNN = the part number (``key.jpg`` at ``-
 ``NNNNN_stats.json`` (the done marker), and ``01b_download_diffusiondb_summary.json``. Keys are
 ``ddb_{part}_{image stem}``. A re-run skips finished parts without downloading them. Images without a
 prompt, undecodable or truncated images, unsafe member paths and members that inflate past
-``SD_Pipeline.MAX_MEMBER_BYTES`` (``too_large_member``, checked before reading) are skipped and
+``sd.data.stages.MAX_MEMBER_BYTES`` (``too_large_member``, checked before reading) are skipped and
 counted by reason; a part that does not exist (HTTP 404) or is not a valid zip is counted in the
 summary (a bad zip is deleted so the next run downloads it again) and the stage goes on with the
 other parts.
@@ -32,11 +32,10 @@ from pathlib import Path, PurePosixPath
 
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import SD_Files  # noqa: E402
-import SD_Pipeline  # noqa: E402
-import SD_Runtime  # noqa: E402
+import sd.files
+import sd.data.stages
+import sd.runtime
 
 STAGE = "01b_download_diffusiondb"
 DEFAULT_BASE_URL = "https://huggingface.co/datasets/poloclub/diffusiondb/resolve/main/images"
@@ -47,7 +46,7 @@ log = logging.getLogger(STAGE)
 
 
 def parse_args(argv):
-    parser = SD_Pipeline.StageArgumentParser(__file__, __doc__)
+    parser = sd.data.stages.StageArgumentParser(__file__, __doc__)
     parser.add_required("--parts", "part numbers to fetch: a range list such as 1-500 or 1,4,9")
     parser.add_out("output folder for the NNNNN.tar shards")
     parser.add_argument("--base_url", default=DEFAULT_BASE_URL,
@@ -72,26 +71,26 @@ def read_prompts(archive: zipfile.ZipFile, part: int) -> dict:
     if not members:
         log.warning("part %d has no %s; its images have no captions", part, name)
         return {}
-    table = json.loads(SD_Files.read_zip_member(archive, archive.getinfo(members[0]), SD_Pipeline.MAX_MEMBER_BYTES))
+    table = json.loads(sd.files.read_zip_member(archive, archive.getinfo(members[0]), sd.data.stages.MAX_MEMBER_BYTES))
     if not isinstance(table, dict):
         raise ValueError(f"{name} is not a JSON object")
     return table
 
 
-def image_members(archive: zipfile.ZipFile, stats: SD_Pipeline.ShardStats) -> list[zipfile.ZipInfo]:
+def image_members(archive: zipfile.ZipFile, stats: sd.data.stages.ShardStats) -> list[zipfile.ZipInfo]:
     """Image entries in name order; unsafe paths are counted and left out."""
     members = []
     for info in sorted(archive.infolist(), key=lambda i: i.filename):
-        if info.is_dir() or SD_Pipeline.image_extension(info.filename) is None:
+        if info.is_dir() or sd.data.stages.image_extension(info.filename) is None:
             continue
-        if not SD_Pipeline.is_safe_member(info.filename):
+        if not sd.data.stages.is_safe_member(info.filename):
             stats.skip("unsafe_path", info.filename)
             continue
         members.append(info)
     return members
 
 
-def part_items(archive: zipfile.ZipFile, part: int, stats: SD_Pipeline.ShardStats):
+def part_items(archive: zipfile.ZipFile, part: int, stats: sd.data.stages.ShardStats):
     """``(key, bytes, ext, caption, metadata)`` of every usable image; the rest are counted in ``stats``."""
     prompts = read_prompts(archive, part)
     seen = set()
@@ -100,11 +99,11 @@ def part_items(archive: zipfile.ZipFile, part: int, stats: SD_Pipeline.ShardStat
         key = sample_key(part, file_name)
         entry = prompts.get(file_name)
         caption = str(entry.get("p") or "").strip() if isinstance(entry, dict) else ""
-        if not SD_Pipeline.admit_sample(stats, seen, key, caption):
+        if not sd.data.stages.admit_sample(stats, seen, key, caption):
             continue
         try:
-            data = SD_Files.read_zip_member(archive, info, SD_Pipeline.MAX_MEMBER_BYTES)
-        except SD_Files.TooLarge as error:  # a zip bomb, or a member no image should be
+            data = sd.files.read_zip_member(archive, info, sd.data.stages.MAX_MEMBER_BYTES)
+        except sd.files.TooLarge as error:  # a zip bomb, or a member no image should be
             log.warning("part %d: %s", part, error)
             stats.skip("too_large_member", info.filename)
             continue
@@ -114,29 +113,29 @@ def part_items(archive: zipfile.ZipFile, part: int, stats: SD_Pipeline.ShardStat
             continue
         metadata = {"source": "diffusiondb", "part": part, "file_name": file_name,
                     **{FIELD_NAMES.get(k, k): v for k, v in entry.items() if k != "p"}}
-        yield key, data, SD_Pipeline.image_extension(file_name), caption, metadata
+        yield key, data, sd.data.stages.image_extension(file_name), caption, metadata
 
 
 def convert_part(archive_path: Path, part: int, resolution: int, workers: int):
     """All samples of one part and their stats; raises ``zipfile.BadZipFile`` / ``ValueError`` for a bad part."""
-    stats = SD_Pipeline.ShardStats()
+    stats = sd.data.stages.ShardStats()
     with zipfile.ZipFile(archive_path) as archive, ThreadPoolExecutor(workers) as pool:
-        samples = SD_Pipeline.convert_images(part_items(archive, part, stats), stats, pool, resolution,
+        samples = sd.data.stages.convert_images(part_items(archive, part, stats), stats, pool, resolution,
                                              read_ahead=4 * workers)
     return samples, stats
 
 
-def process_part(args, part: int, summary: SD_Pipeline.Summary) -> None:
-    SD_Pipeline.archive_to_shard(args, part, f"part-{part:06d}.zip",
+def process_part(args, part: int, summary: sd.data.stages.Summary) -> None:
+    sd.data.stages.archive_to_shard(args, part, f"part-{part:06d}.zip",
                                  lambda path: convert_part(path, part, args.resolution, args.workers),
                                  (zipfile.BadZipFile, zlib.error, EOFError, ValueError), summary, "missing_part",
                                  part=part)
 
 
 def main(argv=None) -> int:
-    SD_Runtime.start_process()
+    sd.runtime.start_process()
     args = parse_args(argv)
-    summary = SD_Pipeline.start_downloads(args, STAGE)
+    summary = sd.data.stages.start_downloads(args, STAGE)
     for part in tqdm(summary.pending(args.out, args.parts), desc="DiffusionDB parts", unit="part"):
         process_part(args, part, summary)
     summary.finish(args.out, parts=len(args.parts), failed_parts=summary.failed_inputs)

@@ -16,7 +16,7 @@ Output: ``SHARD_DIR/NNNNN.tar`` with NNNNN = the archive number (``key.jpg`` at 
 ``NNNNN_stats.json`` (the done marker), and ``01c_download_journeydb_images_summary.json``. Keys are
 ``jdb_{NNN}_{image stem}``. A re-run skips finished archives without downloading or reading anything.
 Images without an annotation, undecodable or truncated images, unsafe member paths and members
-over ``SD_Pipeline.MAX_MEMBER_BYTES`` (``too_large_member``) are skipped and counted by reason; an archive that does not exist (HTTP 404) or cannot be read is counted in the
+over ``sd.data.stages.MAX_MEMBER_BYTES`` (``too_large_member``) are skipped and counted by reason; an archive that does not exist (HTTP 404) or cannot be read is counted in the
 summary (a bad archive is deleted so the next run downloads it again) and the stage goes on. A
 downloaded annotation file is kept in the download folder: every archive needs it.
 """
@@ -35,10 +35,9 @@ from pathlib import Path, PurePosixPath
 
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import SD_Pipeline  # noqa: E402
-import SD_Runtime  # noqa: E402
+import sd.data.stages
+import sd.runtime
 
 STAGE = "01c_download_journeydb_images"
 DEFAULT_BASE_URL = "https://huggingface.co/datasets/JourneyDB/JourneyDB/resolve/main/data/train/imgs"
@@ -51,7 +50,7 @@ log = logging.getLogger(STAGE)
 
 
 def parse_args(argv):
-    parser = SD_Pipeline.StageArgumentParser(__file__, __doc__)
+    parser = sd.data.stages.StageArgumentParser(__file__, __doc__)
     parser.add_required("--archives", "archive numbers to fetch: a range list such as 0-9 or 0,3")
     parser.add_required("--annotations", f"annotation JSON lines (.jsonl, .jsonl.gz or a .tgz holding one .jsonl): "
                                          f"a path or URL, e.g. {ANNOTATIONS_URL}")
@@ -121,7 +120,7 @@ def load_annotations(args, archives: list[int]):
     """Download (once) and read the annotations of ``archives``; raises DownloadError / ValueError / OSError."""
     source = args.annotations
     if "://" in source and not source.startswith("file://"):
-        source = SD_Pipeline.download(source, args.download_dir / PurePosixPath(source.split("?")[0]).name,
+        source = sd.data.stages.download(source, args.download_dir / PurePosixPath(source.split("?")[0]).name,
                                       retries=args.retries)
     path = Path(str(source).removeprefix("file://"))
     return read_annotations(path, {f"{n:03d}" for n in archives})
@@ -139,26 +138,26 @@ def pick_caption(annotation: tuple[str, str] | None, field: str) -> str:
     return (task2_caption or prompt) if field == "caption" else prompt
 
 
-def archive_items(tar: tarfile.TarFile, number: int, annotations: dict, field: str, stats: SD_Pipeline.ShardStats):
+def archive_items(tar: tarfile.TarFile, number: int, annotations: dict, field: str, stats: sd.data.stages.ShardStats):
     """``(key, bytes, ext, caption, metadata)`` of every usable image; the rest are counted in ``stats``."""
     seen = set()
     for member in tar:
-        ext = SD_Pipeline.image_extension(member.name)
+        ext = sd.data.stages.image_extension(member.name)
         if member.isdir() or ext is None:
             continue
         # Links are refused too: they could point anywhere, and a stream cannot follow them.
-        if not member.isfile() or not SD_Pipeline.is_safe_member(member.name):
+        if not member.isfile() or not sd.data.stages.is_safe_member(member.name):
             stats.skip("unsafe_path", member.name)
             continue
         name = match_name(member.name)
         key = re.sub(r"[^A-Za-z0-9_-]", "_", f"jdb_{number:03d}_{PurePosixPath(name).name.split('.')[0]}")
         annotation = annotations.get(name)
         caption = pick_caption(annotation, field)
-        if not SD_Pipeline.admit_sample(stats, seen, key, caption):
+        if not sd.data.stages.admit_sample(stats, seen, key, caption):
             continue
-        if member.size > SD_Pipeline.MAX_MEMBER_BYTES:  # the size the stream will inflate to, from the header
+        if member.size > sd.data.stages.MAX_MEMBER_BYTES:  # the size the stream will inflate to, from the header
             log.warning("archive %d: %s has %d bytes, over the cap of %d", number, member.name, member.size,
-                        SD_Pipeline.MAX_MEMBER_BYTES)
+                        sd.data.stages.MAX_MEMBER_BYTES)
             stats.skip("too_large_member", member.name)
             continue
         metadata = {"source": "journeydb", "archive": number, "img_path": name,
@@ -168,30 +167,30 @@ def archive_items(tar: tarfile.TarFile, number: int, annotations: dict, field: s
 
 def convert_archive(path: Path, number: int, annotations: dict, args):
     """All samples of one archive and their stats; raises one of ARCHIVE_ERRORS for a damaged archive."""
-    stats = SD_Pipeline.ShardStats()
+    stats = sd.data.stages.ShardStats()
     # Streamed ("r|*"): one pass over the gzip, members read in order, nothing extracted to disk.
     with tarfile.open(path, "r|*") as tar, ThreadPoolExecutor(args.workers) as pool:
         items = archive_items(tar, number, annotations, args.caption, stats)
-        samples = SD_Pipeline.convert_images(items, stats, pool, args.resolution, read_ahead=4 * args.workers)
+        samples = sd.data.stages.convert_images(items, stats, pool, args.resolution, read_ahead=4 * args.workers)
     return samples, stats
 
 
-def process_archive(args, number: int, annotations: dict, summary: SD_Pipeline.Summary) -> None:
-    SD_Pipeline.archive_to_shard(args, number, f"{number:03d}.tgz",
+def process_archive(args, number: int, annotations: dict, summary: sd.data.stages.Summary) -> None:
+    sd.data.stages.archive_to_shard(args, number, f"{number:03d}.tgz",
                                  lambda path: convert_archive(path, number, annotations, args), ARCHIVE_ERRORS,
                                  summary, "missing_archive", archive=number, caption_field=args.caption)
 
 
 def main(argv=None) -> int:
-    SD_Runtime.start_process()
+    sd.runtime.start_process()
     args = parse_args(argv)
-    summary = SD_Pipeline.start_downloads(args, STAGE)
+    summary = sd.data.stages.start_downloads(args, STAGE)
     pending = summary.pending(args.out, args.archives)
     annotations, bad_lines = {}, 0
     if pending:  # a finished run reads (and downloads) nothing
         try:
             annotations, bad_lines = load_annotations(args, pending)
-        except (SD_Pipeline.DownloadError, ValueError, OSError, *ARCHIVE_ERRORS) as error:
+        except (sd.data.stages.DownloadError, ValueError, OSError, *ARCHIVE_ERRORS) as error:
             print(f"{STAGE}: cannot read the annotations {args.annotations}: {error}", file=sys.stderr)
             return 2
     for number in tqdm(pending, desc="JourneyDB archives", unit="archive"):

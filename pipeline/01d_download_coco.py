@@ -16,7 +16,7 @@ images ``[N * size, (N + 1) * size)`` (``coco_{image id}.jpg`` at ``--resolution
 then ``NNNNN_stats.json`` (the done marker), and ``01d_download_coco_summary.json``. A re-run skips
 finished shards (and downloads no images zip when all are done). Images without a caption, without
 a (tall enough) person, missing from the folder or zip, undecodable or truncated, or over
-``SD_Pipeline.MAX_MEMBER_BYTES`` (``too_large_member``, checked before reading) are skipped and
+``sd.data.stages.MAX_MEMBER_BYTES`` (``too_large_member``, checked before reading) are skipped and
 counted by reason. Downloaded JSON files are kept in the download folder (a re-run plans its shards
 from them); a downloaded images zip is deleted once every shard is written, unless --keep_archives.
 """
@@ -33,11 +33,10 @@ from pathlib import Path, PurePosixPath
 
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import SD_Files  # noqa: E402
-import SD_Pipeline  # noqa: E402
-import SD_Runtime  # noqa: E402
+import sd.files
+import sd.data.stages
+import sd.runtime
 
 STAGE = "01d_download_coco"
 
@@ -53,7 +52,7 @@ def local_path(source: str) -> Path:
 
 
 def parse_args(argv):
-    parser = SD_Pipeline.StageArgumentParser(__file__, __doc__)
+    parser = sd.data.stages.StageArgumentParser(__file__, __doc__)
     parser.add_required("--images", "folder of COCO images, or a zip of them (path or URL, e.g. "
                                     "http://images.cocodataset.org/zips/train2017.zip)")
     parser.add_required("--captions", "COCO captions JSON (path or URL), e.g. captions_train2017.json")
@@ -93,7 +92,7 @@ def fetch(source: str, args) -> Path:
     if not is_url(source):
         return local_path(source)
     name = PurePosixPath(source.split("?")[0]).name
-    return SD_Pipeline.download(source, args.download_dir / name, retries=args.retries)
+    return sd.data.stages.download(source, args.download_dir / name, retries=args.retries)
 
 
 def read_json(path: Path):
@@ -166,7 +165,7 @@ class FolderImages:
 
     def read(self, file_name: str) -> bytes | None:
         path = self.folder / file_name
-        return SD_Files.read_file_bounded(path, SD_Pipeline.MAX_MEMBER_BYTES) if path.is_file() else None
+        return sd.files.read_file_bounded(path, sd.data.stages.MAX_MEMBER_BYTES) if path.is_file() else None
 
     def close(self) -> None:
         pass
@@ -182,14 +181,14 @@ class ZipImages:
         self.archive = zipfile.ZipFile(path)
         self.members = {}
         for info in self.archive.infolist():
-            if info.is_dir() or not SD_Pipeline.is_safe_member(info.filename):
+            if info.is_dir() or not sd.data.stages.is_safe_member(info.filename):
                 continue
             parts = PurePosixPath(info.filename).parts
             self.members["/".join(parts[1:] if len(parts) > 1 else parts)] = info
 
     def read(self, file_name: str) -> bytes | None:
         info = self.members.get(file_name)
-        return SD_Files.read_zip_member(self.archive, info, SD_Pipeline.MAX_MEMBER_BYTES) if info is not None else None
+        return sd.files.read_zip_member(self.archive, info, sd.data.stages.MAX_MEMBER_BYTES) if info is not None else None
 
     def close(self) -> None:
         self.archive.close()
@@ -235,13 +234,13 @@ def shard_items(images: list[dict], captions: dict, tallest: dict | None, source
             if reason:
                 stats.skip(reason, key)
                 continue
-        ext = SD_Pipeline.image_extension(file_name)
-        if not SD_Pipeline.is_safe_member(file_name) or ext is None:
+        ext = sd.data.stages.image_extension(file_name)
+        if not sd.data.stages.is_safe_member(file_name) or ext is None:
             stats.skip("unsafe_path" if ext else "unsupported_format", key)
             continue
         try:
             data = source.read(file_name)
-        except SD_Files.TooLarge as error:  # a zip bomb, or a file no image should be
+        except sd.files.TooLarge as error:  # a zip bomb, or a file no image should be
             log.warning("%s: %s", key, error)
             stats.skip("too_large_member", file_name)
             continue
@@ -256,11 +255,11 @@ def shard_items(images: list[dict], captions: dict, tallest: dict | None, source
 
 
 def write_coco_shard(index: int, images: list[dict], captions: dict, tallest, source, args, pool) -> dict:
-    stats = SD_Pipeline.ShardStats()
+    stats = sd.data.stages.ShardStats()
     items = shard_items(images, captions, tallest, source, args, stats)
-    samples = SD_Pipeline.convert_images(items, stats, pool, args.resolution, read_ahead=4 * args.workers)
+    samples = sd.data.stages.convert_images(items, stats, pool, args.resolution, read_ahead=4 * args.workers)
     first = images[0]["id"] if images else None
-    return SD_Pipeline.write_shard(args.out, index, samples, stats, first_image_id=first)
+    return sd.data.stages.write_shard(args.out, index, samples, stats, first_image_id=first)
 
 def load_inputs(args):
     """Images by id, captions, and the tallest person per image (None without --person_filter)."""
@@ -283,12 +282,12 @@ def write_pending(pending: list[int], images, captions, tallest, args, summary) 
 
 
 def main(argv=None) -> int:
-    SD_Runtime.start_process()
+    sd.runtime.start_process()
     args = parse_args(argv)
-    summary = SD_Pipeline.start_downloads(args, STAGE)
+    summary = sd.data.stages.start_downloads(args, STAGE)
     try:
         images, captions, tallest = load_inputs(args)
-    except (SD_Pipeline.DownloadError, ValueError, OSError) as error:  # each names its file or URL
+    except (sd.data.stages.DownloadError, ValueError, OSError) as error:  # each names its file or URL
         print(f"{STAGE}: cannot read the COCO annotations: {error}", file=sys.stderr)
         return 2
     shard_count = -(-len(images) // args.shard_size)
@@ -296,7 +295,7 @@ def main(argv=None) -> int:
     if pending:  # a finished run opens (and downloads) no images
         try:
             write_pending(pending, images, captions, tallest, args, summary)
-        except (SD_Pipeline.DownloadError, zipfile.BadZipFile) as error:
+        except (sd.data.stages.DownloadError, zipfile.BadZipFile) as error:
             print(f"{STAGE}: cannot read the images {args.images}: {error}", file=sys.stderr)
             return 2
     summary.finish(args.out, images=len(images), shards=shard_count, person_filter=args.person_filter,

@@ -45,14 +45,13 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tqdm import tqdm  # noqa: E402
+from tqdm import tqdm
 
-import SD_Files  # noqa: E402
-import SD_Pipeline  # noqa: E402
-import SD_Runtime  # noqa: E402
-import SD_Shards  # noqa: E402
+import sd.files
+import sd.data.stages
+import sd.runtime
+import sd.data.shards
 
 STAGE = "01e_import_folder"
 DEFAULT_TEMPLATE = "a photo of a person"
@@ -95,7 +94,7 @@ class CaptionRules:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = SD_Pipeline.StageArgumentParser(__file__, __doc__)
+    parser = sd.data.stages.StageArgumentParser(__file__, __doc__)
     add = parser.add_argument
     parser.add_input("folder of images to import, searched recursively", old=("--src",))
     parser.add_out("output folder for NNNNN.tar + NNNNN_stats.json")
@@ -104,13 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
              "template = --template per folder (default: %(default)s)")
     parser.add_resolution("side of the square output images in pixels, a multiple of 8; with --keep_aspect "
                           "the short (or long) side")
-    add("--keep_aspect", nargs="?", const="short", choices=SD_Shards.KEEP_ASPECT_SIDES, default=None,
+    add("--keep_aspect", nargs="?", const="short", choices=sd.data.shards.KEEP_ASPECT_SIDES, default=None,
         metavar="short|long",
         help="keep the whole image instead of its centre square: its short side (--keep_aspect alone) or its "
              "long side (--keep_aspect long) scaled to --resolution, for encode_latents.py --buckets "
              "(default: off, the centre square)")
     add("--shard_size", type=int, default=1000, help="images per output shard (default: %(default)s)")
-    add("--max_pixels", type=int, default=SD_Shards.DEFAULT_MAX_PIXELS,
+    add("--max_pixels", type=int, default=sd.data.shards.DEFAULT_MAX_PIXELS,
         help="skip images with more pixels than this, read from the header (default: %(default)s)")
     add("--default_caption", default=None,
         help="flat/metadata: caption for images whose .txt is missing or empty, or whose tags are all removed "
@@ -243,7 +242,7 @@ def list_images(src: Path) -> list[str]:
         subfolders[:] = [name for name in subfolders if not name.startswith(".")]
         relative = Path(folder).relative_to(src)
         found += [(relative / name).as_posix() for name in files
-                  if not name.startswith(".") and SD_Pipeline.image_extension(name)]
+                  if not name.startswith(".") and sd.data.stages.image_extension(name)]
     return sorted(found)
 
 
@@ -272,7 +271,7 @@ def make_keys(rels: list[str]) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Captions (each returns caption + metadata or raises SD_Shards.ImageSkip with the reason)
+# Captions (each returns caption + metadata or raises sd.data.shards.ImageSkip with the reason)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -285,10 +284,10 @@ def flat_caption(src: Path, rel: str, rules: CaptionRules) -> tuple[str, dict]:
     try:
         text = path.read_text(encoding="utf-8").strip() if path.is_file() else ""
     except UnicodeDecodeError:  # replacing the bad bytes would train on a caption nobody wrote
-        raise SD_Shards.ImageSkip("bad_caption_encoding", f"{path.name} is not UTF-8") from None
+        raise sd.data.shards.ImageSkip("bad_caption_encoding", f"{path.name} is not UTF-8") from None
     text = text or rules.default_caption or ""
     if not text:
-        raise SD_Shards.ImageSkip("no_caption", f"{path.name} missing or empty")
+        raise sd.data.shards.ImageSkip("no_caption", f"{path.name} missing or empty")
     return join_caption(rules, [text]), {}
 
 
@@ -304,7 +303,7 @@ def read_tag_record(src: Path, rel: str) -> tuple[list[str], float | None]:
     stem_json, full_json = src / (rel.rsplit(".", 1)[0] + ".json"), src / (rel + ".json")
     path = stem_json if stem_json.is_file() else full_json
     if not path.is_file():
-        raise SD_Shards.ImageSkip("no_metadata", f"{stem_json.name} missing")
+        raise sd.data.shards.ImageSkip("no_metadata", f"{stem_json.name} missing")
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
         tags, score = record.get("tags", []), record.get("score")
@@ -319,7 +318,7 @@ def read_tag_record(src: Path, rel: str) -> tuple[list[str], float | None]:
             if not math.isfinite(score):
                 raise ValueError("score is not finite")
     except (OSError, UnicodeDecodeError, ValueError, TypeError, AttributeError) as error:
-        raise SD_Shards.ImageSkip("bad_metadata", f"{path.name}: {error}") from None
+        raise sd.data.shards.ImageSkip("bad_metadata", f"{path.name}: {error}") from None
     return [tag.strip() for tag in tags if tag.strip()], score
 
 
@@ -330,19 +329,19 @@ def metadata_caption(src: Path, rel: str, key: str, rules: CaptionRules) -> tupl
     # can write whichever they see.
     names = {name for pair in renamed for name in pair}
     if names & rules.exclude_tags:
-        raise SD_Shards.ImageSkip("excluded_tag", ", ".join(sorted(names & rules.exclude_tags)))
+        raise sd.data.shards.ImageSkip("excluded_tag", ", ".join(sorted(names & rules.exclude_tags)))
     score = source_score
     if score is not None:
         score += sum(bonus for tag, bonus in rules.tag_bonus.items() if tag in names)
     if rules.min_score is not None and score is None:
-        raise SD_Shards.ImageSkip("no_score")
+        raise sd.data.shards.ImageSkip("no_score")
     if rules.min_score is not None and score < rules.min_score:
-        raise SD_Shards.ImageSkip("low_score", f"{score} < {rules.min_score}")
+        raise sd.data.shards.ImageSkip("low_score", f"{score} < {rules.min_score}")
     tags = final_tags(renamed, rules, key)
     if not tags and rules.default_caption:
         tags = [rules.default_caption]
     if not tags:
-        raise SD_Shards.ImageSkip("no_caption", "no tags left")
+        raise sd.data.shards.ImageSkip("no_caption", "no tags left")
     score_tag = [f"score_{min(9, max(0, math.floor(score)))}"] if rules.score_tags and score is not None else []
     meta = {"tags": tags, "score": score, "source_score": source_score}
     return join_caption(rules, score_tag + tags), meta
@@ -377,24 +376,24 @@ def caption_for(src: Path, rel: str, key: str, rules: CaptionRules) -> tuple[str
 
 def import_shard(src: Path, out: Path, index: int, items: list[tuple[str, str]], rules: CaptionRules,
                  args, fingerprints: dict, bar) -> dict:
-    stats, samples = SD_Pipeline.ShardStats(), []
+    stats, samples = sd.data.stages.ShardStats(), []
     for rel, key in items:
         try:
             caption, meta = caption_for(src, rel, key, rules)
-            data = SD_Files.read_file_bounded(src / rel, SD_Pipeline.MAX_MEMBER_BYTES)
-            samples.append(SD_Pipeline.image_sample(key, data, SD_Pipeline.image_extension(rel), caption,
+            data = sd.files.read_file_bounded(src / rel, sd.data.stages.MAX_MEMBER_BYTES)
+            samples.append(sd.data.stages.image_sample(key, data, sd.data.stages.image_extension(rel), caption,
                                                     args.resolution, {"source": rel, **meta}, args.max_pixels,
                                                     args.keep_aspect))
-        except SD_Shards.ImageSkip as skip:
+        except sd.data.shards.ImageSkip as skip:
             stats.skip(skip.reason, rel)
-        except SD_Files.TooLarge as error:  # no image file is this big: refused before it is read whole
+        except sd.files.TooLarge as error:  # no image file is this big: refused before it is read whole
             log.warning("%s", error)
             stats.skip("too_large_file", rel)
         except OSError as error:  # unreadable file (permissions, vanished mid-run)
             log.warning("%s: %s", rel, error)
             stats.skip("unreadable", rel)
         bar.update(1)
-    return SD_Pipeline.write_shard(out, index, samples, stats, **fingerprints)
+    return sd.data.stages.write_shard(out, index, samples, stats, **fingerprints)
 
 
 def shard_fingerprints(items: list[tuple[str, str]], rules: CaptionRules, args) -> dict:
@@ -424,13 +423,13 @@ def check_done_shards(out: Path, plan: list[list[tuple[str, str]]], rules: Capti
 
 
 def main(argv=None) -> int:
-    SD_Runtime.start_process()
+    sd.runtime.start_process()
     args, rules = parse_args(argv)
-    SD_Pipeline.setup_logging()
+    sd.data.stages.setup_logging()
     src, out = Path(args.input), Path(args.out)
     rels = list_images(src)
     if not rels:  # most likely a wrong --input; an empty dataset is never what was meant
-        print(f"01e_import_folder.py: no images ({', '.join(SD_Shards.IMAGE_EXTENSIONS)}) under {src}", file=sys.stderr)
+        print(f"01e_import_folder.py: no images ({', '.join(sd.data.shards.IMAGE_EXTENSIONS)}) under {src}", file=sys.stderr)
         return 2
     items = list(zip(rels, make_keys(rels)))
     plan = [items[i : i + args.shard_size] for i in range(0, len(items), args.shard_size)]
@@ -440,7 +439,7 @@ def main(argv=None) -> int:
         print(f"01e_import_folder.py: {problem}; use a fresh --out", file=sys.stderr)
         return 2
     log.info("%d images under %s -> %d shards of up to %d", len(items), src, len(plan), args.shard_size)
-    summary = SD_Pipeline.Summary(STAGE)
+    summary = sd.data.stages.Summary(STAGE)
     todo = summary.pending(out, list(range(len(plan))))
     with tqdm(total=sum(len(plan[i]) for i in todo), unit="img", desc=STAGE) as bar:
         for index in todo:

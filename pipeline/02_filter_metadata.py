@@ -54,10 +54,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import SD_Pipeline  # noqa: E402
-import SD_Runtime  # noqa: E402
+import sd.data.stages
+import sd.runtime
 
 STAGE = "02_filter_metadata"
 log = logging.getLogger(STAGE)
@@ -75,7 +74,7 @@ MEMORY_SIZE = re.compile(r"\d+(\.\d+)?\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB|%)", re.
 
 
 def parse_args(argv):
-    parser = SD_Pipeline.StageArgumentParser(__file__, __doc__)
+    parser = sd.data.stages.StageArgumentParser(__file__, __doc__)
     parser.add_input("glob of input parquet files, quoted: 'DIR/*.parquet'")
     parser.add_out("output folder for the filtered parquet files")
     parser.add_argument("--min_aesthetic", type=float, default=6.5, help="keep rows with aesthetic score >= this")
@@ -83,7 +82,7 @@ def parse_args(argv):
     parser.add_argument("--min_size", type=int, default=512, help="keep rows with width and height >= this (px)")
     parser.add_argument("--max_watermark", type=float, default=0.5, help="keep rows with watermark probability < this")
     parser.add_argument("--max_nsfw", type=float, default=0.5, help="keep rows with unsafe probability < this")
-    for role, names in SD_Pipeline.COLUMN_CANDIDATES.items():
+    for role, names in sd.data.stages.COLUMN_CANDIDATES.items():
         parser.add_argument(f"--{role}_col", default=None,
                             help=f"{role} column (default: the first of {'|'.join(names)} present, any case)")
     parser.add_argument("--memory_limit", default="4GB",
@@ -109,17 +108,17 @@ def plan(args) -> tuple[list[tuple[Path, dict]], Path]:
     if not paths and Path(args.input).is_dir():
         paths = sorted(Path(args.input).glob("*.parquet"))
     if not paths:
-        raise SD_Pipeline.UsageError(f"no parquet files match {args.input!r}")
+        raise sd.data.stages.UsageError(f"no parquet files match {args.input!r}")
     out = Path(args.out)
     if any(path.parent.resolve() == out.resolve() for path in paths):
-        raise SD_Pipeline.UsageError(f"--out {out} holds the inputs; the outputs would overwrite them, pick another folder")
+        raise sd.data.stages.UsageError(f"--out {out} holds the inputs; the outputs would overwrite them, pick another folder")
     stems = [path.stem for path in paths]
     if len(set(stems)) != len(stems):
-        raise SD_Pipeline.UsageError("two inputs share a file name; their outputs would collide (filter them separately)")
-    overrides = {role: getattr(args, f"{role}_col") for role in SD_Pipeline.COLUMN_CANDIDATES}
+        raise sd.data.stages.UsageError("two inputs share a file name; their outputs would collide (filter them separately)")
+    overrides = {role: getattr(args, f"{role}_col") for role in sd.data.stages.COLUMN_CANDIDATES}
     files = []
     for path in paths:
-        columns = SD_Pipeline.parquet_columns(path, overrides)
+        columns = sd.data.stages.parquet_columns(path, overrides)
         files.append((path, columns))
         check_earlier_run(out / f"{path.stem}_stats.json", thresholds(args), args.dedup)
     return files, out
@@ -130,10 +129,10 @@ def check_earlier_run(stats_path: Path, wanted: dict, dedup: bool) -> None:
     if stats_path.exists():
         earlier = json.loads(stats_path.read_text())
         if earlier.get("thresholds") != wanted:
-            raise SD_Pipeline.UsageError(f"{stats_path} was filtered with {earlier.get('thresholds')}, not {wanted}; "
+            raise sd.data.stages.UsageError(f"{stats_path} was filtered with {earlier.get('thresholds')}, not {wanted}; "
                                          "use another --out")
         if earlier.get("dedup", True) != dedup:
-            raise SD_Pipeline.UsageError(f"{stats_path} was written with --dedup {earlier.get('dedup', True)}, "
+            raise sd.data.stages.UsageError(f"{stats_path} was written with --dedup {earlier.get('dedup', True)}, "
                                          f"not {dedup}; use another --out")
 
 
@@ -142,7 +141,7 @@ def warn_skipped_filters(files: list[tuple[Path, dict]]) -> None:
         missing = [path.name for path, columns in files if columns[role] is None]
         if missing:
             log.warning("no %s column (looked for %s) in %s: that filter is skipped there", role,
-                        "|".join(SD_Pipeline.COLUMN_CANDIDATES[role]), ", ".join(missing))
+                        "|".join(sd.data.stages.COLUMN_CANDIDATES[role]), ", ".join(missing))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -297,12 +296,12 @@ def count_failures(con, path: Path, passes: list, url_column: str) -> dict[int, 
     Rows without URL or caption are counted from ``candidates``; the number filters in a read of the
     number columns alone, leaving those rows out."""
     url = f"coalesce({quoted(url_column)}, '')"
-    count, examples = con.execute(f"""SELECT count(*), min_by({url}, _02_row, {SD_Pipeline.MAX_EXAMPLES})
+    count, examples = con.execute(f"""SELECT count(*), min_by({url}, _02_row, {sd.data.stages.MAX_EXAMPLES})
         FROM candidates WHERE _02_reason = 0""").fetchall()[0]
     failures = {0: (count, [example.strip() for example in examples])} if count else {}
     if not passes:
         return failures
-    rows = con.execute(f"""SELECT reason, count(*), min_by(row, row, {SD_Pipeline.MAX_EXAMPLES}) FROM (
+    rows = con.execute(f"""SELECT reason, count(*), min_by(row, row, {sd.data.stages.MAX_EXAMPLES}) FROM (
             SELECT {first_failure(passes)} AS reason, file_row_number AS row FROM {scan(path)}
             WHERE file_row_number NOT IN (SELECT _02_row FROM candidates WHERE _02_reason = 0))
         WHERE reason > 0 GROUP BY reason""").fetchall()
@@ -369,7 +368,7 @@ def count_duplicates(con) -> dict[int, tuple[int, list[str]]]:
             UNION ALL
             SELECT d._02_row FROM dropped d SEMI JOIN kept k ON k._02_url = d._02_url AND k._02_row < d._02_row)
         SELECT CASE WHEN _02_row IN (SELECT _02_row FROM url_kept_before) THEN {url} ELSE {key} END AS reason,
-               count(*), min_by(_02_url, _02_row, {SD_Pipeline.MAX_EXAMPLES})
+               count(*), min_by(_02_url, _02_row, {sd.data.stages.MAX_EXAMPLES})
         FROM dropped GROUP BY reason""").fetchall()
     return {reason: (count, urls) for reason, count, urls in rows}
 
@@ -429,12 +428,12 @@ def filter_file(con, path: Path, columns: dict, out: Path, limits: dict, dedup: 
         failures.update(count_duplicates(con))
     else:
         con.execute("CREATE OR REPLACE TABLE kept AS SELECT _02_row FROM candidates WHERE _02_reason = -1")
-    stats = SD_Pipeline.ShardStats()
+    stats = sd.data.stages.ShardStats()
     stats.successes = scalar(con, "SELECT count(*) FROM kept")
     for number, reason in enumerate(REASONS):
         if number in failures:
             stats.failed[reason], stats.examples[reason] = failures[number]
-    record = SD_Pipeline.write_output(out, path.stem, lambda tmp: write_kept(con, schema, tmp), stats, ".parquet",
+    record = sd.data.stages.write_output(out, path.stem, lambda tmp: write_kept(con, schema, tmp), stats, ".parquet",
                                       input=str(path), columns=columns, thresholds=limits, dedup=dedup)
     if dedup:
         remember_kept(con)
@@ -448,10 +447,10 @@ def one_line(error: Exception) -> str:
 
 
 def run(con, files: list[tuple[Path, dict]], out: Path, args) -> int:
-    limits, summary = thresholds(args), SD_Pipeline.Summary(STAGE)
+    limits, summary = thresholds(args), sd.data.stages.Summary(STAGE)
     for path, columns in tqdm(files, desc="filter", unit="file"):
-        kept_path, stats_path = SD_Pipeline.output_paths(out, path.stem, ".parquet")
-        if SD_Pipeline.output_done(out, path.stem, ".parquet"):
+        kept_path, stats_path = sd.data.stages.output_paths(out, path.stem, ".parquet")
+        if sd.data.stages.output_done(out, path.stem, ".parquet"):
             if args.dedup:  # so later files are deduplicated exactly as in the first run
                 remember_done_file(con, kept_path, columns)
             summary.add_done(stats_path)
@@ -471,12 +470,12 @@ def run(con, files: list[tuple[Path, dict]], out: Path, args) -> int:
 
 
 def main(argv=None) -> int:
-    SD_Runtime.start_process()
+    sd.runtime.start_process()
     args = parse_args(argv)
-    SD_Pipeline.setup_logging()
+    sd.data.stages.setup_logging()
     try:
         files, out = plan(args)
-    except SD_Pipeline.UsageError as error:
+    except sd.data.stages.UsageError as error:
         print(f"{STAGE}.py: {error}", file=sys.stderr)
         return 2
     warn_skipped_filters(files)

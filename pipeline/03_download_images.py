@@ -48,11 +48,10 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import SD_Pipeline  # noqa: E402
-import SD_Runtime  # noqa: E402
-import SD_Shards  # noqa: E402
+import sd.data.stages
+import sd.runtime
+import sd.data.shards
 
 STAGE = "03_download_images"
 SUMMARY_NAME = f"{STAGE}_summary.json"
@@ -69,7 +68,7 @@ log = logging.getLogger(STAGE)
 
 
 def parse_args(argv):
-    parser = SD_Pipeline.StageArgumentParser(__file__, __doc__)
+    parser = sd.data.stages.StageArgumentParser(__file__, __doc__)
     parser.add_input("folder of filtered parquet files (or one parquet file)")
     parser.add_out("output folder for the NNNNN.tar shards")
     parser.add_resolution("side of the square (centre-cropped) output images in pixels; with --keep_aspect "
@@ -113,15 +112,15 @@ def input_files(source: Path) -> list[Path]:
 
 def detect_columns(files: list[Path], args) -> tuple[str, str, list[str]]:
     """URL column, caption column and the score columns to keep; the same names in every file, since
-    img2dataset takes one name per role for all of them. Raises SD_Pipeline.UsageError."""
+    img2dataset takes one name per role for all of them. Raises sd.data.stages.UsageError."""
     overrides = {"url": args.url_col, "caption": args.caption_col}
     found = set()
     for path in files:
-        columns = SD_Pipeline.parquet_columns(path, overrides)
+        columns = sd.data.stages.parquet_columns(path, overrides)
         scores = tuple(columns[role] for role in SCORE_ROLES if columns[role] not in (None, *IMG2DATASET_RESERVED))
         found.add((columns["url"], columns["caption"], scores))
     if len(found) > 1:
-        raise SD_Pipeline.UsageError(f"the input files name their columns differently ({sorted(found)}); "
+        raise sd.data.stages.UsageError(f"the input files name their columns differently ({sorted(found)}); "
                                  "download them in separate runs")
     url, caption, scores = found.pop()
     return url, caption, list(scores)
@@ -145,7 +144,7 @@ def stats_path(out: Path, shard: int) -> Path:
 
 
 def run_img2dataset(args, url_col: str, caption_col: str, scores: list[str]) -> None:
-    # SD_Runtime.start_process() has set NO_ALBUMENTATIONS_UPDATE: this import pulls in albumentations,
+    # sd.runtime.start_process() has set NO_ALBUMENTATIONS_UPDATE: this import pulls in albumentations,
     # which otherwise asks the network for a newer version.
     from img2dataset import download
 
@@ -156,7 +155,7 @@ def run_img2dataset(args, url_col: str, caption_col: str, scores: list[str]) -> 
             image_size=args.resolution, resize_mode=RESIZE_MODES.get(args.keep_aspect, "center_crop"),
             # img2dataset scales the whole image before it crops (or instead): a 20000x10 strip would become
             # 1M x 512 pixels. The limit the other stages refuse at ("extreme_aspect") bounds that.
-            max_aspect_ratio=SD_Shards.DEFAULT_MAX_ASPECT, encode_format="jpg", encode_quality=95,
+            max_aspect_ratio=sd.data.shards.DEFAULT_MAX_ASPECT, encode_format="jpg", encode_quality=95,
             processes_count=args.processes, thread_count=args.threads, number_sample_per_shard=args.shard_size,
             timeout=args.timeout, retries=args.retries, incremental_mode="incremental", enable_wandb=False,
             distributor=args.distributor,
@@ -191,7 +190,7 @@ def spark_session(args):
 
 def summarize(out: Path, shards: list[int], done_before: set[int], args) -> dict:
     """Add up img2dataset's per-shard stats: successes, and failures by its status message."""
-    summary = SD_Pipeline.Summary(STAGE)
+    summary = sd.data.stages.Summary(STAGE)
     missing, failed_to_download, failed_to_resize = [], 0, 0
     for shard in shards:
         path = stats_path(out, shard)
@@ -210,9 +209,9 @@ def summarize(out: Path, shards: list[int], done_before: set[int], args) -> dict
 
 
 def main(argv=None) -> int:
-    SD_Runtime.start_process()
+    sd.runtime.start_process()
     args = parse_args(argv)
-    SD_Pipeline.setup_logging()
+    sd.data.stages.setup_logging()
     args.input, args.out = Path(args.input), Path(args.out)
     files = input_files(args.input)
     try:

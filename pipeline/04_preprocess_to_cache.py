@@ -13,7 +13,7 @@ Captions are read without the images (a LAION shard is ~99.9% image bytes). When
 NNNNN.parquet lies next to NNNNN.tar (its key, caption and status columns) and the tar ends with its
 end-of-archive blocks, only those three columns are read. Otherwise the tar is walked header by header:
 ``.txt`` payloads are read, image and ``.json`` payloads are passed over by seeking, and a caption
-member over SD_Pipeline.MAX_MEMBER_BYTES is skipped as ``too_large_member``. Both give the same
+member over sd.data.stages.MAX_MEMBER_BYTES is skipped as ``too_large_member``. Both give the same
 output and the same counts for an img2dataset shard; memory holds one shard's keys and captions.
 ``--shards`` is the old spelling of ``--input`` and still works.
 """
@@ -27,14 +27,13 @@ import sys
 import tarfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository's modules
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-import SD_Model  # noqa: E402
-import SD_Pipeline  # noqa: E402
-import SD_Runtime  # noqa: E402
-import SD_Shards  # noqa: E402
+import sd.model
+import sd.data.stages
+import sd.runtime
+import sd.data.shards
 
 STAGE = "04_preprocess_to_cache"
 IMG2DATASET_COLUMNS = ("key", "caption", "status")  # what the caption read needs of img2dataset's parquet
@@ -42,10 +41,10 @@ log = logging.getLogger(STAGE)
 
 
 def parse_args(argv):
-    parser = SD_Pipeline.StageArgumentParser(__file__, __doc__)
+    parser = sd.data.stages.StageArgumentParser(__file__, __doc__)
     parser.add_input("glob of image shards, quoted: 'SHARD_DIR/*.tar'", old=("--shards",))
     parser.add_out("output folder for NNNNN.parquet caption shards")
-    parser.add_argument("--tokenizer", default=SD_Model.DEFAULT_TEXT_ENCODER,
+    parser.add_argument("--tokenizer", default=sd.model.DEFAULT_TEXT_ENCODER,
                         help="CLIP tokenizer hub id, local folder, or 'tiny' (the same BPE, built offline)")
     parser.add_argument("--batch_size", type=int, default=4096, help="captions per tokenizer call")
     return parser.parse_args(argv)
@@ -54,14 +53,14 @@ def parse_args(argv):
 def caption_table(keys: list[str], captions: list[str], input_ids: np.ndarray):
     import pyarrow as pa
 
-    ids = pa.FixedSizeListArray.from_arrays(pa.array(input_ids.reshape(-1), type=pa.int32()), SD_Model.TOKENIZER_MAX_LENGTH)
+    ids = pa.FixedSizeListArray.from_arrays(pa.array(input_ids.reshape(-1), type=pa.int32()), sd.model.TOKENIZER_MAX_LENGTH)
     return pa.table({"key": pa.array(keys, pa.string()), "caption": pa.array(captions, pa.string()), "input_ids": ids})
 
 
 def process_shard(path: Path, out: Path, tokenizer, batch_size: int) -> dict:
     import pyarrow.parquet as pq
 
-    stats = SD_Pipeline.ShardStats()
+    stats = sd.data.stages.ShardStats()
     samples = img2dataset_samples(path)
     truncated_key = None
     if samples is None:
@@ -79,19 +78,19 @@ def process_shard(path: Path, out: Path, tokenizer, batch_size: int) -> dict:
         else:
             keys.append(sample.key)
             captions.append(sample.caption)
-    input_ids = np.zeros((len(keys), SD_Model.TOKENIZER_MAX_LENGTH), dtype=np.int32)
+    input_ids = np.zeros((len(keys), sd.model.TOKENIZER_MAX_LENGTH), dtype=np.int32)
     for start in range(0, len(keys), batch_size):
         batch = captions[start : start + batch_size]
-        input_ids[start : start + len(batch)] = SD_Model.tokenize(tokenizer, batch).numpy()
+        input_ids[start : start + len(batch)] = sd.model.tokenize(tokenizer, batch).numpy()
     table = caption_table(keys, captions, input_ids)
     stats.successes = len(keys)
-    return SD_Pipeline.write_output(out, stem(path), lambda tmp: pq.write_table(table, tmp), stats, ".parquet",
+    return sd.data.stages.write_output(out, stem(path), lambda tmp: pq.write_table(table, tmp), stats, ".parquet",
                                     shard=str(path))
 
 
-def tar_samples(path: Path) -> tuple[list[SD_Shards.ShardSample], str | None]:
-    """``SD_Shards.TarSamples`` of the tar at ``path`` without its images: only ``.txt`` payloads are
-    read (over SD_Pipeline.MAX_MEMBER_BYTES: ``too_large_member``); an image or ``.json`` member stands
+def tar_samples(path: Path) -> tuple[list[sd.data.shards.ShardSample], str | None]:
+    """``sd.data.shards.TarSamples`` of the tar at ``path`` without its images: only ``.txt`` payloads are
+    read (over sd.data.stages.MAX_MEMBER_BYTES: ``too_large_member``); an image or ``.json`` member stands
     as ``b""``.
 
     Passing a member over is a seek: through a one-page buffer, what is read is the 4 kB around each
@@ -100,15 +99,15 @@ def tar_samples(path: Path) -> tuple[list[SD_Shards.ShardSample], str | None]:
     An OSError (the file cannot be read at all) is left to the caller.
     """
     with open(path, "rb", buffering=4096) as file:
-        reader = SD_Shards.TarSamples(file, os.fstat(file.fileno()).st_size, fields=("caption",),
-                                      max_member_bytes=SD_Pipeline.MAX_MEMBER_BYTES)
+        reader = sd.data.shards.TarSamples(file, os.fstat(file.fileno()).st_size, fields=("caption",),
+                                      max_member_bytes=sd.data.stages.MAX_MEMBER_BYTES)
         try:
             return list(reader), reader.truncated_key
         except (tarfile.TarError, EOFError) as error:
             return [], f"<after 0 samples: {error}>"
 
 
-def img2dataset_samples(path: Path) -> list[SD_Shards.ShardSample] | None:
+def img2dataset_samples(path: Path) -> list[sd.data.shards.ShardSample] | None:
     """The samples of an img2dataset shard from the NNNNN.parquet it writes next to NNNNN.tar: the rows
     with status "success" are the tar's samples, in its order, and their captions its ``.txt`` files.
 
@@ -139,8 +138,8 @@ def img2dataset_samples(path: Path) -> list[SD_Shards.ShardSample] | None:
     samples, seen = [], set()
     for key, caption in zip(table.column("key").to_pylist(), table.column("caption").to_pylist()):
         # img2dataset writes str(caption), or "" for a null one, into the tar's .txt.
-        sample = SD_Shards.ShardSample(key, image=b"", caption=(caption or "").strip(),
-                                       problem=None if SD_Shards.is_valid_key(key) else "bad_key")
+        sample = sd.data.shards.ShardSample(key, image=b"", caption=(caption or "").strip(),
+                                       problem=None if sd.data.shards.is_valid_key(key) else "bad_key")
         # As TarSamples reads the tar: a key right after itself is one sample given twice, skipped;
         # a key back after others is a later sample of its own, skipped (the first keeps the key).
         if samples and samples[-1].key == key:
@@ -171,9 +170,9 @@ def stem(path: Path) -> str:
 
 
 def main(argv=None) -> int:
-    SD_Runtime.start_process()
+    sd.runtime.start_process()
     args = parse_args(argv)
-    SD_Pipeline.setup_logging()
+    sd.data.stages.setup_logging()
     paths = sorted(Path(p) for p in glob.glob(args.input) if p.endswith(".tar"))
     if not paths:
         print(f"{STAGE}.py: no shards match {args.input!r}", file=sys.stderr)
@@ -184,12 +183,12 @@ def main(argv=None) -> int:
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    summary = SD_Pipeline.Summary(STAGE)
+    summary = sd.data.stages.Summary(STAGE)
     todo = summary.pending(out, list(by_stem), ".parquet")
     if todo:
         from tqdm.auto import tqdm
 
-        tokenizer = SD_Model.load_tokenizer(args.tokenizer)
+        tokenizer = sd.model.load_tokenizer(args.tokenizer)
         for name in tqdm(todo, desc="tokenize", unit="shard"):
             try:
                 summary.add(process_shard(by_stem[name], out, tokenizer, args.batch_size))

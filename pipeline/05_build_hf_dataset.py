@@ -21,19 +21,18 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository's modules
 
-import SD_Data  # noqa: E402
-import SD_Files  # noqa: E402
-import SD_Model  # noqa: E402
-import SD_Pipeline  # noqa: E402
-import SD_Runtime  # noqa: E402
+import sd.data.training_data
+import sd.files
+import sd.model
+import sd.data.stages
+import sd.runtime
 
 STAGE = "05_build_hf_dataset"
 
 
 def parse_args(argv):
-    parser = SD_Pipeline.StageArgumentParser(__file__, __doc__)
+    parser = sd.data.stages.StageArgumentParser(__file__, __doc__)
     # Two inputs, so neither is --input: the caption shards and the latents they join to.
     parser.add_required("--captions", "folder of NNNNN.parquet caption shards (stage 04)")
     parser.add_required("--latents", "latent folder (encode_latents.py) the captions join to")
@@ -53,7 +52,7 @@ def is_validation(key: str, fraction: float) -> bool:
 
 def caption_files(folder: Path) -> list[Path]:
     """Caption shards finished by stage 04 (their stats file exists)."""
-    return sorted(p for p in folder.glob("*.parquet") if SD_Pipeline.output_done(folder, p.stem, ".parquet"))
+    return sorted(p for p in folder.glob("*.parquet") if sd.data.stages.output_done(folder, p.stem, ".parquet"))
 
 
 def input_fingerprint(files: list[Path], args) -> dict:
@@ -78,22 +77,22 @@ def read_caption_file(path: Path):
     try:
         table = pq.read_table(path)
     except (OSError, pa.ArrowException) as error:
-        raise SD_Data.DataError(f"{path} is not a readable parquet file ({error})") from None
+        raise sd.data.training_data.DataError(f"{path} is not a readable parquet file ({error})") from None
     missing = {"key", "caption", "input_ids"} - set(table.column_names)
     if missing:
-        raise SD_Data.DataError(f"{path} lacks the columns {sorted(missing)} (stage 04 writes key, caption, input_ids)")
+        raise sd.data.training_data.DataError(f"{path} lacks the columns {sorted(missing)} (stage 04 writes key, caption, input_ids)")
     for name in ("key", "caption"):
         kind = table.schema.field(name).type
         if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
-            raise SD_Data.DataError(f"{path}: column {name!r} holds {kind}, not text")
+            raise sd.data.training_data.DataError(f"{path}: column {name!r} holds {kind}, not text")
         if table.column(name).null_count:
-            raise SD_Data.DataError(f"{path}: column {name!r} has {table.column(name).null_count} empty (null) values")
-    ids_type = pa.list_(pa.int32(), SD_Model.TOKENIZER_MAX_LENGTH)
+            raise sd.data.training_data.DataError(f"{path}: column {name!r} has {table.column(name).null_count} empty (null) values")
+    ids_type = pa.list_(pa.int32(), sd.model.TOKENIZER_MAX_LENGTH)
     try:
         input_ids = table.column("input_ids").cast(ids_type)
     except (pa.ArrowException, NotImplementedError) as error:  # not lists of 77 integers
-        raise SD_Data.DataError(f"{path}: input_ids of type {table.schema.field('input_ids').type} are not "
-                                f"{SD_Model.TOKENIZER_MAX_LENGTH} token ids per row ({error})") from None
+        raise sd.data.training_data.DataError(f"{path}: input_ids of type {table.schema.field('input_ids').type} are not "
+                                f"{sd.model.TOKENIZER_MAX_LENGTH} token ids per row ({error})") from None
     return pa.table({"key": table.column("key").cast(pa.string()), "caption": table.column("caption").cast(pa.string()),
                      "input_ids": input_ids})
 
@@ -122,10 +121,10 @@ def write_dataset(table, train_rows, val_rows, out: Path) -> None:
     for name, rows in (("train", train_rows), ("validation", val_rows)):
         if rows:
             splits[name] = Dataset(InMemoryTable(table.take(rows)))
-    SD_Files.write_folder_atomic(out, lambda staging: DatasetDict(splits).save_to_disk(str(staging)))
+    sd.files.write_folder_atomic(out, lambda staging: DatasetDict(splits).save_to_disk(str(staging)))
 
 
-def up_to_date(summary: SD_Pipeline.Summary, out: Path, fingerprint: dict) -> dict | None:
+def up_to_date(summary: sd.data.stages.Summary, out: Path, fingerprint: dict) -> dict | None:
     """The summary of an earlier build from the same inputs, or None."""
     path = summary.path(out)
     record = json.loads(path.read_text()) if path.exists() else {}
@@ -133,7 +132,7 @@ def up_to_date(summary: SD_Pipeline.Summary, out: Path, fingerprint: dict) -> di
 
 
 def main(argv=None) -> int:
-    SD_Runtime.start_process()
+    sd.runtime.start_process()
     args = parse_args(argv)
     captions_dir, latents_dir, out = Path(args.captions), Path(args.latents), Path(args.out)
     for name, folder in (("--captions", captions_dir), ("--latents", latents_dir)):
@@ -146,15 +145,15 @@ def main(argv=None) -> int:
         return 2
     key_files = sorted(latents_dir.glob("*.keys.txt")) or sorted(latents_dir.glob("*.npy"))
     fingerprint = input_fingerprint(files + key_files, args)
-    summary = SD_Pipeline.Summary(STAGE)
+    summary = sd.data.stages.Summary(STAGE)
     earlier = up_to_date(summary, out, fingerprint)
     if earlier is not None:
         print(f"{STAGE}: {out} is up to date (train {earlier['train']}, validation {earlier['validation']})")
         return 0
     try:
-        keys = SD_Data.latent_keys(latents_dir)
+        keys = sd.data.training_data.latent_keys(latents_dir)
         table = load_captions(files)
-    except SD_Data.DataError as error:
+    except sd.data.training_data.DataError as error:
         print(f"{STAGE}.py: {error}", file=sys.stderr)
         return 2
     train_rows, val_rows, dropped, caption_keys = join(table, set(keys), args.val_fraction)
@@ -164,7 +163,7 @@ def main(argv=None) -> int:
     summary.dropped.update({reason: len(names) for reason, names in dropped.items()})
     # Written last, into the finished folder: the record of what it was built from.
     summary.finish(out, train=len(train_rows), validation=len(val_rows),
-                   examples={reason: names[:SD_Pipeline.MAX_EXAMPLES] for reason, names in dropped.items() if names},
+                   examples={reason: names[:sd.data.stages.MAX_EXAMPLES] for reason, names in dropped.items() if names},
                    latents_without_caption=len(latents_without_caption), latents=str(latents_dir),
                    captions=str(captions_dir), inputs=fingerprint)
     print(f"  train {len(train_rows)}, validation {len(val_rows)}; latents without a caption "

@@ -12,7 +12,6 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import numpy as np
 
-import SD_Model
+import sd.model
 
 WORDS = ["red circle", "blue square", "green triangle", "yellow star"]
 
@@ -20,7 +20,7 @@ def make_latents(folder: Path, keys: list[str], latents: np.ndarray, shard_size:
         if flipped is not None:
             np.save(folder / f"{shard:05d}.flip.npy", flipped[start : start + shard_size].astype(np.float16))
         (folder / f"{shard:05d}.keys.txt").write_text("\n".join(keys[start : start + shard_size]) + "\n")
-    meta = {"vae": "tiny", "scaling_factor": SD_Model.SD1_SCALING_FACTOR, "count": len(keys),
+    meta = {"vae": "tiny", "scaling_factor": sd.model.SD1_SCALING_FACTOR, "count": len(keys),
             **({"flip": True} if flipped is not None else {})}
     (folder / "latents.json").write_text(json.dumps(meta))
     return folder
@@ -30,12 +30,12 @@ def make_captions(folder: Path, train: list[tuple[str, str]], validation: list[t
     """A datasets DatasetDict with train/validation splits of key, caption, input_ids."""
     from datasets import Dataset, DatasetDict
 
-    tokenizer = SD_Model.load_tokenizer("tiny")
+    tokenizer = sd.model.load_tokenizer("tiny")
 
     def split(rows):
         keys = [k for k, _ in rows]
         captions = [c for _, c in rows]
-        ids = SD_Model.tokenize(tokenizer, captions).numpy().astype(np.int32) if rows else np.zeros((0, 77), np.int32)
+        ids = sd.model.tokenize(tokenizer, captions).numpy().astype(np.int32) if rows else np.zeros((0, 77), np.int32)
         return Dataset.from_dict({"key": keys, "caption": captions, "input_ids": ids.tolist()})
 
     # An empty split is left out: datasets cannot load back an empty split it saved.
@@ -64,8 +64,8 @@ def train_tiny_run(root: Path, n_train: int, **fields) -> Path:
     """A tiny single-process training run on a fresh toy dataset under ``root``; returns its run folder.
     ``fields`` override the tiny fp32 CPU defaults (``max_steps``, ``validation_prompts``, ...)."""
     import SD_Train
-    from SD_Distributed import Dist
-    from SD_TrainConfig import TrainConfig
+    from sd.distributed import Dist
+    from sd.train.config import TrainConfig
 
     data = make_dataset(root / "data", n_train=n_train, n_val=0)
     values = dict(datasets=[data], unet="tiny", vae="tiny", text_encoder="tiny", precision="fp32", device="cpu",

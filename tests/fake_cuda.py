@@ -7,7 +7,7 @@ ask for: ``install_device_guard`` registers c10's ``FakeGuardImpl`` for CUDA (a 
 against c10's headers, compiled once per torch build with the system's C++ compiler). What the build
 still cannot do, ``fake_cuda()`` stands in for, each stand-in named here:
 
-* ``Module.to`` converts each parameter and buffer in place (``SD_Memory.module_moves_of_fake_tensors``):
+* ``Module.to`` converts each parameter and buffer in place (``sd.train.memory.module_moves_of_fake_tensors``):
   torch's own swaps fake parameters for new ones, which fails while the fake mode holds weak
   references to them.
 * ``torch.Generator(device="cuda")``: a CPU generator that reports ``cuda`` as its device. Every
@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 
-import SD_Memory
+import sd.train.memory
 
 RealGenerator = torch.Generator
 NUMPY_DTYPES = {torch.uint8: np.uint8, torch.bool: np.bool_, torch.int32: np.int32, torch.int64: np.int64,
@@ -96,8 +96,8 @@ class CudaStandIns(TorchFunctionMode):
                 raise RuntimeError(f"{name}: a generator on {generator.device} used for a tensor on {target}")
         if name == "pin_memory":
             return args[0]
-        if name in SD_Memory.HOST_READS:
-            return SD_Memory.HOST_READS[name](args[0])
+        if name in sd.train.memory.HOST_READS:
+            return sd.train.memory.HOST_READS[name](args[0])
         if name == "numpy":
             return np.zeros(tuple(args[0].shape), dtype=NUMPY_DTYPES.get(args[0].dtype, np.float32))
         if name == "backward":
@@ -128,7 +128,7 @@ def fake_cuda(backward=lambda loss: None):
         for (owner, name), value in patches.items():
             setattr(owner, name, value)
         try:
-            with SD_Memory.module_moves_of_fake_tensors(), CudaStandIns(backward):
+            with sd.train.memory.module_moves_of_fake_tensors(), CudaStandIns(backward):
                 yield
         finally:
             for (owner, name), value in saved.items():

@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-import SD_Shards
+import sd.data.shards
 
 
 def image_bytes(array: np.ndarray, fmt: str) -> bytes:
@@ -29,6 +29,6 @@ def clean_shard(path: Path, keys: list[str], rng, size: int = 64, fmt: str = "PN
         array = random_image(rng, size, size)
         data = image_bytes(array, fmt)
         pixels[key] = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
-        samples.append(SD_Shards.ShardSample(key, data, "png" if fmt == "PNG" else "jpg", f"caption of {key}", b"{}"))
-    SD_Shards.write_shard(path, samples)
+        samples.append(sd.data.shards.ShardSample(key, data, "png" if fmt == "PNG" else "jpg", f"caption of {key}", b"{}"))
+    sd.data.shards.write_shard(path, samples)
     return pixels

@@ -8,8 +8,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# Last on the path: bench/encode_latents.py must not shadow the top-level encode_latents module.
-sys.path.append(str(ROOT / "bench"))
 
 
 def run_bench(script: str, *args) -> tuple[str, dict]:
@@ -22,7 +20,7 @@ def run_bench(script: str, *args) -> tuple[str, dict]:
 
 @pytest.mark.slow
 def test_encode_latents_bench_prints_both_rates_and_the_ratio():
-    stdout, result = run_bench("encode_latents.py", "--images", "48", "--per_shard", "16", "--batch_size", "8")
+    stdout, result = run_bench("encode_throughput.py", "--images", "48", "--per_shard", "16", "--batch_size", "8")
     assert "ratio ours/naive" in stdout
     assert result["encoded"] == 48
     for key in ("ours_images_per_s", "naive_images_per_s", "vae_only_images_per_s"):
@@ -32,7 +30,7 @@ def test_encode_latents_bench_prints_both_rates_and_the_ratio():
 
 @pytest.mark.slow
 def test_train_throughput_bench_measures_ours_and_both_peers(tmp_path):
-    import SD_Model
+    import sd.model
 
     stdout, result = run_bench("train_throughput.py", "--batch_sizes", "2", "--checkpointing", "0,1", "--steps", "2",
                                "--rounds", "2", "--peak_tflops", "1", "--json", str(tmp_path / "out.json"))
@@ -40,7 +38,7 @@ def test_train_throughput_bench_measures_ours_and_both_peers(tmp_path):
     rows = {(row["impl"], row["variant"]): row for row in result["rows"]}
     assert set(rows) == {("ours", "eager"), ("ours", "eager+checkpointing"), ("peer-unet", "diffusers step"),
                          ("peer-vae", "diffusers step")}
-    assert result["flops_per_image"] == SD_Model.training_flops_per_image("tiny", 8)
+    assert result["flops_per_image"] == sd.model.training_flops_per_image("tiny", 8)
     for row in rows.values():
         assert row["batch"] == 2 and row["images_per_s"] > 0
         assert row["images_per_s"] == pytest.approx(2000 / row["step_ms"])
@@ -72,12 +70,12 @@ def test_peer_script_inputs_load_as_a_diffusers_pipeline_and_an_imagefolder(tmp_
     import torch
     from diffusers import StableDiffusionPipeline
 
-    import SD_Model
-    import train_throughput
+    import sd.model
+    from bench import train_throughput
 
     model_dir, data_dir = train_throughput.prepare_peer_inputs(tmp_path, "tiny", 64, images=5)
     pipeline = StableDiffusionPipeline.from_pretrained(str(model_dir), local_files_only=True)
-    ours = SD_Model.build_unet("tiny", seed=0).state_dict()  # the weights our side of the benchmark trains
+    ours = sd.model.build_unet("tiny", seed=0).state_dict()  # the weights our side of the benchmark trains
     assert all(torch.equal(value, ours[name]) for name, value in pipeline.unet.state_dict().items())
     rows = datasets.load_dataset("imagefolder", data_dir=str(data_dir), split="train")
     assert len(rows) == 5 and rows.column_names == ["image", "text"]
@@ -90,7 +88,7 @@ def test_peer_script_inputs_load_as_a_diffusers_pipeline_and_an_imagefolder(tmp_
 
 
 def test_largest_batch_search_doubles_then_bisects():
-    import memory
+    from bench import memory
 
     calls = []
 
@@ -141,7 +139,7 @@ def test_checkpoint_hash_bench_writes_real_shapes_and_times_both_hashes(tmp_path
 
 
 def test_ema_copy_bench_times_both_paths_and_computes_the_sd1_transfer(capsys):
-    import ema_copy
+    from bench import ema_copy
 
     result = ema_copy.main(["--arch", "sd1", "--fraction", "0.001", "--rounds", "1", "--device", "cpu"])
     assert result["params_full"] == 859_520_964 and result["bytes_full"] == 3_438_083_856
@@ -231,7 +229,7 @@ def test_lora_step_bench_times_ours_against_full_fine_tuning_and_the_peer(tmp_pa
 
 
 def test_lora_step_ratios_pair_each_lora_row_with_full_fine_tuning_and_the_peer_of_its_setting():
-    import lora_step
+    from bench import lora_step
 
     cached = lora_step.Setting("adamw8bit", True, True)
     rows = [{"impl": "ours-lora", "batch": 4, "setting": cached.name, "images_per_s": 30.0, "estimate_gb": 2.0},
@@ -246,7 +244,7 @@ def test_lora_step_ratios_pair_each_lora_row_with_full_fine_tuning_and_the_peer_
 
 
 def test_bucket_cycles_hold_exactly_the_square_pixels_and_only_sizes_the_unet_takes():
-    import bucket_throughput
+    from bench import bucket_throughput
 
     assert bucket_throughput.equal_pixel_buckets(512, 64) == [(256, 1024), (512, 512), (1024, 256)]
     assert bucket_throughput.equal_pixel_buckets(64, 16) == [(32, 128), (64, 64), (128, 32)]
@@ -260,14 +258,14 @@ def test_bucket_cycles_hold_exactly_the_square_pixels_and_only_sizes_the_unet_ta
 
 
 def test_bucket_throughput_bench_compares_bucket_cycles_with_square_training(tmp_path):
-    import SD_Buckets
+    import sd.data.buckets
 
     stdout, result = run_bench("bucket_throughput.py", "--batch_sizes", "2", "--steps", "1", "--rounds", "1",
                                "--json", str(tmp_path / "out.json"))
     assert result == json.loads((tmp_path / "out.json").read_text())
     assert (result["arch"], result["resolution"], result["bucket_step"]) == ("tiny", 64, 16)
     assert result["cycles"] == {"square": ["64x64"], "buckets": ["32x128", "64x64", "128x32"],
-                                "buckets-default": [SD_Buckets.name(b) for b in SD_Buckets.default_buckets(64, 16)]}
+                                "buckets-default": [sd.data.buckets.name(b) for b in sd.data.buckets.default_buckets(64, 16)]}
     rows = {row["variant"]: row for row in result["rows"]}
     assert list(rows) == ["square", "buckets", "buckets-default"]
     assert [s["pixels"] for s in rows["buckets"]["shapes"]] == [64 * 64] * 3  # equal pixel count, exactly

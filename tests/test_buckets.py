@@ -1,5 +1,5 @@
-"""Aspect-ratio buckets end to end: the bucket list and fitting (SD_Buckets), bucketed latent shards
-(encode_latents.py --buckets), batches of one shape over an epoch (SD_Data), merging small buckets,
+"""Aspect-ratio buckets end to end: the bucket list and fitting (sd.data.buckets), bucketed latent shards
+(encode_latents.py --buckets), batches of one shape over an epoch (sd.data.training_data), merging small buckets,
 and an exact resume of a bucketed run (SD_Train.py)."""
 
 import json
@@ -14,14 +14,16 @@ import yaml
 from safetensors.torch import load_file
 
 import encode_latents
-import SD_Buckets
-import SD_Checkpoint as ckpt
-import SD_Data
-import SD_Model
-import SD_Shards
+import sd.data.buckets
+import sd.train.checkpoint as ckpt
+import sd.data.training_data
+import sd.model
+import sd.data.shards
 import SD_Train
-import SD_TrainConfig
-import SD_TrainStep
+import sd.train.config
+import sd.train.step
+import sd.train.memory
+import sd.train.validation
 from data_factory import make_captions, make_dataset
 from shard_factory import image_bytes, random_image
 
@@ -35,54 +37,54 @@ BUCKET_OF_SIZE = {(48, 96): (80, 48), (96, 48): (48, 80), (64, 64): (64, 64), (4
 
 
 def test_the_default_bucket_list_holds_sizes_of_about_the_base_pixel_count():
-    buckets = SD_Buckets.default_buckets(512)
+    buckets = sd.data.buckets.default_buckets(512)
     assert {(512, 512), (576, 448), (448, 576), (640, 384), (384, 640), (704, 320), (320, 704)} <= set(buckets)
     assert all(w % 64 == 0 and h % 64 == 0 for w, h in buckets)
     assert all(0.75 * 512**2 <= w * h <= 512**2 for w, h in buckets)  # never more pixels than the square
     assert {(h, w) for w, h in buckets} == set(buckets)  # every landscape size has its portrait
     assert max(w / h for w, h in buckets) == 4.0  # 1024x256
     assert [b[0] / b[1] for b in buckets] == sorted(b[0] / b[1] for b in buckets)
-    assert SD_Buckets.parse_bucket_list("512x512, 576X448") == [(512, 512), (576, 448)]
+    assert sd.data.buckets.parse_bucket_list("512x512, 576X448") == [(512, 512), (576, 448)]
     for bad in ("512x500", "512", "512x512,512x512", "0x64"):
         with pytest.raises(ValueError):
-            SD_Buckets.parse_bucket_list(bad)
+            sd.data.buckets.parse_bucket_list(bad)
 
 
 def test_each_image_goes_to_the_bucket_nearest_its_aspect_ratio():
-    buckets = SD_Buckets.default_buckets(RES, STEP)
+    buckets = sd.data.buckets.default_buckets(RES, STEP)
     for (height, width), bucket in BUCKET_OF_SIZE.items():
-        assert buckets[SD_Buckets.nearest_bucket(width, height, buckets)] == bucket
+        assert buckets[sd.data.buckets.nearest_bucket(width, height, buckets)] == bucket
     # In log ratio: 3:1 is nearer 4:1 than 1:1, and 2:1 and 1:2 are equally far from 1:1.
-    assert SD_Buckets.nearest_bucket(300, 100, [(64, 64), (128, 32)]) == 1
-    assert SD_Buckets.nearest_bucket(150, 100, [(64, 64), (128, 32)]) == 0
-    assert SD_Buckets.nearest_bucket(200, 100, [(32, 64), (64, 32)]) == 1
-    assert SD_Buckets.nearest_bucket(100, 200, [(32, 64), (64, 32)]) == 0
+    assert sd.data.buckets.nearest_bucket(300, 100, [(64, 64), (128, 32)]) == 1
+    assert sd.data.buckets.nearest_bucket(150, 100, [(64, 64), (128, 32)]) == 0
+    assert sd.data.buckets.nearest_bucket(200, 100, [(32, 64), (64, 32)]) == 1
+    assert sd.data.buckets.nearest_bucket(100, 200, [(32, 64), (64, 32)]) == 0
 
 
 def test_fit_keeps_the_edges_that_a_square_crop_cuts_off():
     image = np.full((96, 160, 3), 255, dtype=np.uint8)  # 5:3, the aspect ratio of the 80x48 bucket
     image[:, :12] = (255, 0, 0)
     image[:, -12:] = (0, 0, 255)
-    fitted, crop = SD_Buckets.fit_to_bucket(image, (80, 48))
+    fitted, crop = sd.data.buckets.fit_to_bucket(image, (80, 48))
     assert fitted.shape == (48, 80, 3) and crop == (0, 0)
     assert fitted[:, :4, 0].min() > 200 and fitted[:, :4, 2].max() < 60  # red survives at the left edge
     assert fitted[:, -4:, 2].min() > 200 and fitted[:, -4:, 0].max() < 60  # blue at the right
-    square = SD_Shards.resize_center_crop(image, 64)
+    square = sd.data.shards.resize_center_crop(image, 64)
     assert (square[:, :, 1] > 200).all()  # the centre square is all white: both edges were cut
     # A 2:1 image in the 5:3 bucket loses only its excess width, centred; the offset is in scaled pixels.
-    fitted, crop = SD_Buckets.fit_to_bucket(np.zeros((100, 200, 3), dtype=np.uint8), (80, 48))
+    fitted, crop = sd.data.buckets.fit_to_bucket(np.zeros((100, 200, 3), dtype=np.uint8), (80, 48))
     assert fitted.shape == (48, 80, 3) and crop == (0, 8)  # 200 x 0.48 = 96 wide, 16 cut, 8 each side
 
 
 def test_merging_folds_a_small_bucket_into_its_nearest_and_keeps_the_rest():
     counts = {(4, 12, 4): 3, (4, 10, 6): 21, (4, 8, 8): 16, (4, 6, 10): 16, (4, 4, 12): 2}
-    target = SD_Buckets.merge_small(counts, minimum=8)
+    target = sd.data.buckets.merge_small(counts, minimum=8)
     assert target == {(4, 12, 4): (4, 10, 6), (4, 10, 6): (4, 10, 6), (4, 8, 8): (4, 8, 8),
                       (4, 6, 10): (4, 6, 10), (4, 4, 12): (4, 6, 10)}
-    assert SD_Buckets.merge_small({(4, 8, 8): 2, (4, 6, 10): 3}, minimum=8) == {(4, 8, 8): (4, 6, 10),
+    assert sd.data.buckets.merge_small({(4, 8, 8): 2, (4, 6, 10): 3}, minimum=8) == {(4, 8, 8): (4, 6, 10),
                                                                                 (4, 6, 10): (4, 6, 10)}
     latents = np.arange(2 * 4 * 4 * 12, dtype=np.float16).reshape(2, 4, 4, 12)
-    assert SD_Buckets.fit_latents(latents, (4, 6, 10)).shape == (2, 4, 6, 10)
+    assert sd.data.buckets.fit_latents(latents, (4, 6, 10)).shape == (2, 4, 6, 10)
 
 
 # ------------------------------------------------------------------------------------ encoding
@@ -98,11 +100,11 @@ def build_shards(folder: Path) -> dict[str, tuple[int, int]]:
     for i, j in enumerate(order):
         key = f"k{i:03d}"
         shape_of[key] = sizes[j]
-        samples.append(SD_Shards.ShardSample(key, image_bytes(random_image(rng, *sizes[j]), "PNG"), "png",
+        samples.append(sd.data.shards.ShardSample(key, image_bytes(random_image(rng, *sizes[j]), "PNG"), "png",
                                              f"caption {i}", b"{}"))
     half = len(samples) // 2
-    SD_Shards.write_shard(folder / "00000.tar", samples[:half])
-    SD_Shards.write_shard(folder / "00001.tar", samples[half:])
+    sd.data.shards.write_shard(folder / "00000.tar", samples[:half])
+    sd.data.shards.write_shard(folder / "00001.tar", samples[half:])
     return shape_of
 
 
@@ -126,9 +128,9 @@ def test_encoding_writes_one_array_per_bucket_with_the_key_layout(bucketed):
     out = root / "latents"
     meta = json.loads((out / "latents.json").read_text())
     assert meta["complete"] and meta["count"] == sum(SIZES.values()) and meta["latent_shape"] is None
-    assert [tuple(b) for b in meta["buckets"]] == SD_Buckets.default_buckets(RES, STEP)
+    assert [tuple(b) for b in meta["buckets"]] == sd.data.buckets.default_buckets(RES, STEP)
     per_bucket = Counter()
-    vae = SD_Model.load_vae("tiny")
+    vae = sd.model.load_vae("tiny")
     for stem in ("00000", "00001"):
         layout = json.loads((out / f"{stem}.buckets.json").read_text())
         keys = (out / f"{stem}.keys.txt").read_text().split()
@@ -144,22 +146,22 @@ def test_encoding_writes_one_array_per_bucket_with_the_key_layout(bucketed):
             start += bucket["count"]
         # The latents are the VAE's posterior means of the fitted images.
         first = layout["buckets"][0]
-        samples, _ = SD_Shards.read_shard((root / "shards" / f"{stem}.tar").read_bytes())
-        images = {s.key: SD_Shards.decode_image(s.image, s.image_ext) for s in samples}
-        fitted = SD_Buckets.fit_to_bucket(images[keys[0]], tuple(first["size"]))[0]
+        samples, _ = sd.data.shards.read_shard((root / "shards" / f"{stem}.tar").read_bytes())
+        images = {s.key: sd.data.shards.decode_image(s.image, s.image_ext) for s in samples}
+        fitted = sd.data.buckets.fit_to_bucket(images[keys[0]], tuple(first["size"]))[0]
         pixels = torch.from_numpy(fitted).permute(2, 0, 1)[None].float() / 127.5 - 1
         with torch.no_grad():
             expected = vae.encode(pixels).latent_dist.mean.numpy()
         stored = np.load(out / f"{stem}.{first['size'][0]}x{first['size'][1]}.npy")[:1].astype(np.float32)
         assert np.abs(stored - expected).max() < 2e-2  # fp16 storage
     assert per_bucket == {BUCKET_OF_SIZE[size]: n for size, n in SIZES.items()}
-    store = SD_Data.LatentStore(out)
+    store = sd.data.training_data.LatentStore(out)
     assert len(store) == sum(SIZES.values()) and store.sample_shape is None
     # batch_size: auto sizes the batch for a square of the largest bucket's pixel count (64x64 here).
-    config = SD_TrainConfig.TrainConfig(datasets=[{"dataset": "x", "latents": str(out)}])
-    assert SD_Train.resolution_of(config) == 64
+    config = sd.train.config.TrainConfig(datasets=[{"dataset": "x", "latents": str(out)}])
+    assert sd.train.memory.resolution_of(config) == 64
     assert sorted(store.shapes) == sorted((4, h // 8, w // 8) for w, h in BUCKET_OF_SIZE.values())
-    assert SD_Data.latent_keys(out) == (out / "00000.keys.txt").read_text().split() + \
+    assert sd.data.training_data.latent_keys(out) == (out / "00000.keys.txt").read_text().split() + \
         (out / "00001.keys.txt").read_text().split()
 
 
@@ -184,16 +186,16 @@ def test_a_bad_bucket_list_stops_before_any_work(tmp_path, capsys):
 # ------------------------------------------------------------------------------------ batches
 
 
-def mixed(root: Path, extra_square: bool = False) -> SD_Data.MixedData:
+def mixed(root: Path, extra_square: bool = False) -> sd.data.training_data.MixedData:
     """The bucketed set (and a square folder beside it, as in a phase mixing both)."""
-    store = SD_Data.LatentStore(root / "latents")
-    splits = [SD_Data.join_split(root / "captions", "train", store)]
+    store = sd.data.training_data.LatentStore(root / "latents")
+    splits = [sd.data.training_data.join_split(root / "captions", "train", store)]
     if extra_square:
         square = root / "square"
         entry = make_dataset(square, n_train=16, n_val=0, size=8, prefix="q") if not square.exists() else \
             {"dataset": str(square / "captions"), "latents": str(square / "latents")}
-        splits.append(SD_Data.join_split(entry["dataset"], "train", SD_Data.LatentStore(entry["latents"])))
-    return SD_Data.MixedData(splits, [len(s) for s in splits])  # weights in proportion: every sample once
+        splits.append(sd.data.training_data.join_split(entry["dataset"], "train", sd.data.training_data.LatentStore(entry["latents"])))
+    return sd.data.training_data.MixedData(splits, [len(s) for s in splits])  # weights in proportion: every sample once
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
@@ -201,12 +203,12 @@ def test_over_an_epoch_every_sample_is_seen_once_in_batches_of_one_shape(buckete
     root, shape_of = bucketed
     data = mixed(root)
     batch_size = 8 // world_size  # a global batch of 8 on 1 and on 2 ranks
-    order = SD_Data.epoch_order(data.sizes, data.weights, 0, 0)
+    order = sd.data.training_data.epoch_order(data.sizes, data.weights, 0, 0)
     merged = data.merge_small(order, 8)
     assert merged == [((4, 4, 12), (4, 6, 10), 3)]  # the 3 images of 120x40 train in the 80x48 bucket
     seen, shapes = [], Counter()
     for rank in range(world_size):
-        batches, flips = SD_Data.epoch_batches(data, 0, 0, rank, world_size, batch_size)
+        batches, flips = sd.data.training_data.epoch_batches(data, 0, 0, rank, world_size, batch_size)
         assert flips == [None] * len(batches) and all(len(b) == batch_size for b in batches)
         for batch in batches:
             latents, input_ids = data.batch(batch)
@@ -218,11 +220,11 @@ def test_over_an_epoch_every_sample_is_seen_once_in_batches_of_one_shape(buckete
     assert shapes == {(4, 6, 10): 21 + 3, (4, 10, 6): 16, (4, 8, 8): 16}
     # Ranks train the same bucket at every step, and the order is seeded by (seed, epoch).
     if world_size == 2:
-        rank0, rank1 = (SD_Data.epoch_batches(data, 0, 0, r, 2, 4)[0] for r in (0, 1))
+        rank0, rank1 = (sd.data.training_data.epoch_batches(data, 0, 0, r, 2, 4)[0] for r in (0, 1))
         assert [data.shape_of(a) for a in rank0] == [data.shape_of(b) for b in rank1]
-    again, _ = SD_Data.epoch_batches(data, 0, 0, 0, world_size, batch_size)
-    other, _ = SD_Data.epoch_batches(data, 0, 1, 0, world_size, batch_size)
-    assert all(np.array_equal(a, b) for a, b in zip(again, SD_Data.epoch_batches(data, 0, 0, 0, world_size,
+    again, _ = sd.data.training_data.epoch_batches(data, 0, 0, 0, world_size, batch_size)
+    other, _ = sd.data.training_data.epoch_batches(data, 0, 1, 0, world_size, batch_size)
+    assert all(np.array_equal(a, b) for a, b in zip(again, sd.data.training_data.epoch_batches(data, 0, 0, 0, world_size,
                                                                                    batch_size)[0]))
     assert not all(np.array_equal(a, b) for a, b in zip(again, other))
 
@@ -230,15 +232,15 @@ def test_over_an_epoch_every_sample_is_seen_once_in_batches_of_one_shape(buckete
 def test_merged_samples_are_cropped_and_resized_to_their_new_bucket(bucketed):
     root, shape_of = bucketed
     data = mixed(root)
-    data.merge_small(SD_Data.epoch_order(data.sizes, data.weights, 0, 0), 8)
+    data.merge_small(sd.data.training_data.epoch_order(data.sizes, data.weights, 0, 0), 8)
     rare = [i for i, k in enumerate(data.splits[0].keys) if shape_of[k] == (40, 120)]
     latents, _ = data.batch(np.array(rare))
     store = data.splits[0].store
     stored = store.gather(data.splits[0].rows[rare])
     assert stored.shape[1:] == (4, 4, 12) and latents.shape[1:] == (4, 6, 10)
-    assert np.array_equal(latents.numpy(), SD_Buckets.fit_latents(stored, (4, 6, 10)))
+    assert np.array_equal(latents.numpy(), sd.data.buckets.fit_latents(stored, (4, 6, 10)))
     square = next(i for i, k in enumerate(data.splits[0].keys) if shape_of[k] == (64, 64))
-    with pytest.raises(SD_Data.DataError, match="one batch mixes latent shapes"):
+    with pytest.raises(sd.data.training_data.DataError, match="one batch mixes latent shapes"):
         data.batch(np.array([rare[0], square]))
 
 
@@ -246,12 +248,12 @@ def test_remainders_are_left_out_and_counted_and_square_folders_mix_in(bucketed)
     root, _ = bucketed
     data = mixed(root, extra_square=True)
     assert len(data.shapes) == 4 and len(data) == sum(SIZES.values()) + 16
-    order = SD_Data.epoch_order(data.sizes, data.weights, 0, 0)
+    order = sd.data.training_data.epoch_order(data.sizes, data.weights, 0, 0)
     data.merge_small(order, 12)
-    report = {shape: (n, left) for shape, n, left in SD_Data.bucket_report(data, order, 12)}
+    report = {shape: (n, left) for shape, n, left in sd.data.training_data.bucket_report(data, order, 12)}
     # The square folder's 16 latents join the 64x64 bucket (16 + 16); 24 wide; 16 tall.
     assert report == {(4, 6, 10): (24, 0), (4, 10, 6): (16, 4), (4, 8, 8): (32, 8)}
-    batches, _ = SD_Data.epoch_batches(data, 0, 0, 0, 1, 12)
+    batches, _ = sd.data.training_data.epoch_batches(data, 0, 0, 0, 1, 12)
     assert len(batches) == 2 + 1 + 2
     assert sum(len(b) for b in batches) == len(order) - 12
 
@@ -259,7 +261,7 @@ def test_remainders_are_left_out_and_counted_and_square_folders_mix_in(bucketed)
 def test_a_validation_set_over_several_buckets_is_cut_by_shape(bucketed):
     root, _ = bucketed
     data = mixed(root)
-    batches = SD_Data.shape_batches(data, np.arange(len(data)), 5)
+    batches = sd.data.training_data.shape_batches(data, np.arange(len(data)), 5)
     assert sorted(i for b in batches for i in b) == list(range(len(data)))
     assert all(len({tuple(data.shapes[t]) for t in data.target[data.bucket_of[b]]}) == 1 for b in batches)
 
@@ -291,13 +293,13 @@ def state(run_dir: Path, step: int) -> dict:
 def test_a_bucketed_run_resumed_mid_epoch_is_bitwise_equal(bucketed, tmp_path, monkeypatch, caplog):
     root, _ = bucketed
     shapes = []
-    real_step = SD_TrainStep.train_step
+    real_step = sd.train.step.train_step
 
     def recording(step, micro_batches, *args, **kwargs):
         shapes.append([tuple(latents.shape) for latents, _ in micro_batches])
         return real_step(step, micro_batches, *args, **kwargs)
 
-    monkeypatch.setattr(SD_TrainStep, "train_step", recording)
+    monkeypatch.setattr(sd.train.step, "train_step", recording)
     caplog.set_level(logging.INFO, logger="sd_train")
     whole = run_config(root, tmp_path / "whole", validate_every=8)
     assert SD_Train.main(["--config", str(whole)]) == 0
@@ -325,12 +327,12 @@ def test_weighted_mixing_holds_with_buckets(bucketed):
     root, _ = bucketed
     data = mixed(root, extra_square=True)
     data.weights = [1.0, 3.0]  # a quarter of each epoch from the bucketed set, three quarters from the square one
-    order = SD_Data.epoch_order(data.sizes, data.weights, 0, 0)
+    order = sd.data.training_data.epoch_order(data.sizes, data.weights, 0, 0)
     data.merge_small(order, 4)
-    batches, _ = SD_Data.epoch_batches(data, 0, 0, 0, 1, 4)
+    batches, _ = sd.data.training_data.epoch_batches(data, 0, 0, 0, 1, 4)
     seen = np.concatenate(batches)
     from_square = int((seen >= data.offsets[1]).sum())
-    left_out = sum(left for *_, left in SD_Data.bucket_report(data, order, 4))
+    left_out = sum(left for *_, left in sd.data.training_data.bucket_report(data, order, 4))
     assert len(seen) == len(order) - left_out
     # The epoch order holds 18 and 54 (the square set repeated); the batches keep them but for the tails.
     assert int((order >= data.offsets[1]).sum()) == 54
@@ -340,15 +342,15 @@ def test_weighted_mixing_holds_with_buckets(bucketed):
 def test_validation_samples_take_a_size_of_their_own(bucketed):
     root, _ = bucketed
     data = mixed(root)
-    config = SD_TrainConfig.TrainConfig(datasets=[{"dataset": "x", "latents": "y"}])
-    assert SD_Train.validation_size(config, data) == (64, 64)  # the bucket nearest square
-    config = SD_TrainConfig.TrainConfig(datasets=[{"dataset": "x", "latents": "y"}], validation_width=96,
+    config = sd.train.config.TrainConfig(datasets=[{"dataset": "x", "latents": "y"}])
+    assert sd.train.validation.validation_size(config, data) == (64, 64)  # the bucket nearest square
+    config = sd.train.config.TrainConfig(datasets=[{"dataset": "x", "latents": "y"}], validation_width=96,
                                         validation_height=32)
-    assert SD_Train.validation_size(config, data) == (96, 32)
+    assert sd.train.validation.validation_size(config, data) == (96, 32)
     for width, height in ((96, 0), (60, 64)):
-        bad = SD_TrainConfig.TrainConfig(datasets=[{"dataset": "x", "latents": "y"}], validation_width=width,
+        bad = sd.train.config.TrainConfig(datasets=[{"dataset": "x", "latents": "y"}], validation_width=width,
                                          validation_height=height)
-        with pytest.raises(SD_TrainConfig.ConfigError, match="validation_width and validation_height"):
+        with pytest.raises(sd.train.config.ConfigError, match="validation_width and validation_height"):
             bad.validate(check_paths=False)
 
 
@@ -358,8 +360,8 @@ def test_a_bucketed_run_compiles_one_static_graph_per_shape():
     limit = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
     before = getattr(dynamo_config, limit)
     try:
-        assert SD_TrainStep.compile_options(1) == {}  # square: torch's defaults
-        assert SD_TrainStep.compile_options(17) == {"dynamic": False}
+        assert sd.train.step.compile_options(1) == {}  # square: torch's defaults
+        assert sd.train.step.compile_options(17) == {"dynamic": False}
         assert getattr(dynamo_config, limit) >= 2 * 17  # every bucket keeps its graph (8 by default)
     finally:
         setattr(dynamo_config, limit, before)
@@ -399,7 +401,7 @@ def test_flipped_latents_of_a_bucketed_folder_mirror_their_bucket(bucketed, tmp_
     assert encode(root / "shards", out, "--buckets", "--bucket_step", str(STEP), "--flip") == 0
     assert sorted(p.name for p in out.glob("00000.*.flip.npy")) == sorted(
         p.name.replace(".npy", ".flip.npy") for p in out.glob("00000.*x*.npy") if not p.name.endswith(".flip.npy"))
-    store = SD_Data.LatentStore(out, flip=True)
+    store = sd.data.training_data.LatentStore(out, flip=True)
     rows = np.arange(len(store))
     plain = store.bucket_of_row
     for bucket in np.unique(plain):

@@ -16,8 +16,8 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-import SD_Checkpoint as ckpt
-import SD_Distributed
+import sd.train.checkpoint as ckpt
+import sd.distributed
 import SD_Train
 from data_factory import make_dataset
 
@@ -139,7 +139,7 @@ def test_weights_that_do_not_match_their_fingerprint_are_damaged(tmp_path, data)
     manifest["files"].update(ckpt.describe_files([new / "unet.safetensors"]))
     (new / ckpt.MANIFEST).write_text(json.dumps(manifest))
     config = SD_Train.load_config(config_file(tmp_path / "c.yaml", data, run_dir, max_steps=4))
-    run = SD_Train.build(config, SD_Distributed.Dist.single())
+    run = SD_Train.build(config, sd.distributed.Dist.single())
     assert run.state.step == 2
     assert (run_dir / "checkpoints" / "step_00000004.damaged").is_dir()
 
@@ -179,11 +179,11 @@ def test_ranks_whose_weights_differ_stop_the_run_naming_them(monkeypatch):
     mine = ckpt.weights_fingerprint(model.parameters())
     other = mine.clone()
     other[2] += 1e-12  # rank 2's second layer's weight
-    monkeypatch.setattr(SD_Distributed, "all_gather_objects", lambda value, d: [mine, mine, other, mine])
+    monkeypatch.setattr(sd.distributed, "all_gather_objects", lambda value, d: [mine, mine, other, mine])
     with pytest.raises(ckpt.CheckpointError, match=r"rank\(s\) 2 differ from rank 0's \(first in 1.weight\)"):
-        ckpt.check_ranks_agree(model, SD_Distributed.Dist.single(), 10)
-    monkeypatch.setattr(SD_Distributed, "all_gather_objects", lambda value, d: [mine] * 4)
-    ckpt.check_ranks_agree(model, SD_Distributed.Dist.single(), 10)
+        ckpt.check_ranks_agree(model, sd.distributed.Dist.single(), 10)
+    monkeypatch.setattr(sd.distributed, "all_gather_objects", lambda value, d: [mine] * 4)
+    ckpt.check_ranks_agree(model, sd.distributed.Dist.single(), 10)
 
 
 def test_a_full_disk_during_a_save_names_the_error_and_file_and_leaves_no_staging(tmp_path, data, monkeypatch,

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "demo"))
 
 
 # The small run, sized to learn well clear of the thresholds below rather than on the edge (400 UNet
@@ -98,15 +97,15 @@ def test_aspect_images_hold_their_shape_outside_the_centre_square(tmp_path):
 
     from PIL import Image
 
-    import SD_Buckets
-    import SD_Shards
-    import aspect
+    import sd.data.buckets
+    import sd.data.shards
+    from demo import aspect
 
     stage00 = importlib.import_module("pipeline.00_make_demo_data")
     assert stage00.main(["--out", str(tmp_path / "demo"), "--count", "10"]) == 0
     prompts = tmp_path / "demo" / "demo_prompts.json"
     assert aspect.main(["images", "--prompts", str(prompts), "--out", str(tmp_path / "aspect"), "--count", "10"]) == 0
-    samples, _ = SD_Shards.read_shard((tmp_path / "aspect" / "shards" / "00000.tar").read_bytes())
+    samples, _ = sd.data.shards.read_shard((tmp_path / "aspect" / "shards" / "00000.tar").read_bytes())
     palette = {k: tuple(v) for k, v in json.loads(prompts.read_text())["palette"].items()}
     kinds = []
     for sample in samples:
@@ -117,10 +116,10 @@ def test_aspect_images_hold_their_shape_outside_the_centre_square(tmp_path):
         assert image.shape[:2] == {"wide": (96, 288), "tall": (288, 96), "square": (96, 96)}[kind]
         if kind == "square":
             continue
-        square = SD_Shards.resize_center_crop(image, 64)
+        square = sd.data.shards.resize_center_crop(image, 64)
         assert (np.abs(square.astype(int) - 255).max(axis=-1) < 40).all()  # the centre square is white
         bucket = (144, 48) if kind == "wide" else (48, 144)
-        fitted, _ = SD_Buckets.fit_to_bucket(image, bucket)
+        fitted, _ = sd.data.buckets.fit_to_bucket(image, bucket)
         assert aspect.at_an_end(fitted, colour, palette, (255, 255, 255)) == (True, True)
     assert kinds.count("wide") == kinds.count("tall") == 4 and kinds.count("square") == 2
 
@@ -130,8 +129,8 @@ def test_classifier_reads_the_ground_truth_images(tmp_path):
 
     from PIL import Image
 
-    import SD_Shards
-    import evaluate
+    import sd.data.shards
+    from demo import evaluate
 
     stage00 = importlib.import_module("pipeline.00_make_demo_data")
     assert stage00.main(["--out", str(tmp_path), "--count", "300", "--shard_size", "100"]) == 0
@@ -140,7 +139,7 @@ def test_classifier_reads_the_ground_truth_images(tmp_path):
     assert len(prompts["seen"]) == 15 and len((tmp_path / "prompts.txt").read_text().splitlines()) == 18
     hits, seen_captions = [], set()
     for shard in sorted(tmp_path.glob("*.tar")):
-        samples, truncated = SD_Shards.read_shard(shard.read_bytes())
+        samples, truncated = sd.data.shards.read_shard(shard.read_bytes())
         assert truncated is None
         for sample in samples:
             meta = json.loads(sample.metadata)

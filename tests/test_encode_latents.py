@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import encode_latents
-import SD_Data
-import SD_Model
-import SD_Shards
+import sd.data.training_data
+import sd.model
+import sd.data.shards
 from shard_factory import clean_shard, image_bytes, random_image
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,21 +27,21 @@ def build_shards(folder: Path) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(0)
     pixels = clean_shard(folder / "00000.tar", [f"a{i}" for i in range(5)], rng)
     # A JPEG that needs resizing (80x64 -> 80x64 crop to 64x64): only its shape is checked.
-    wide = SD_Shards.ShardSample("a5", image_bytes(random_image(rng, 64, 80), "JPEG"), "jpg", "wide", None)
-    samples, _ = SD_Shards.read_shard((folder / "00000.tar").read_bytes())
-    SD_Shards.write_shard(folder / "00000.tar", samples + [wide])
+    wide = sd.data.shards.ShardSample("a5", image_bytes(random_image(rng, 64, 80), "JPEG"), "jpg", "wide", None)
+    samples, _ = sd.data.shards.read_shard((folder / "00000.tar").read_bytes())
+    sd.data.shards.write_shard(folder / "00000.tar", samples + [wide])
 
     pixels.update(clean_shard(folder / "00001.tar", ["b0", "b1", "b2"], rng))
-    samples, _ = SD_Shards.read_shard((folder / "00001.tar").read_bytes())
+    samples, _ = sd.data.shards.read_shard((folder / "00001.tar").read_bytes())
     jpeg = image_bytes(random_image(rng, 64, 64), "JPEG")
     samples += [
-        SD_Shards.ShardSample("b3", os.urandom(500) + b"\xff\xd9", "jpg", "garbage bytes"),
-        SD_Shards.ShardSample("b4", jpeg[: len(jpeg) // 2], "jpg", "cut-off jpeg"),
-        SD_Shards.ShardSample("b5", image_bytes(random_image(rng, 64, 64), "PNG"), "png", None),
-        SD_Shards.ShardSample("b6", image_bytes(random_image(rng, 200, 200), "PNG"), "png", "too many pixels"),
-        SD_Shards.ShardSample("b7", None, "", "a caption without an image"),
+        sd.data.shards.ShardSample("b3", os.urandom(500) + b"\xff\xd9", "jpg", "garbage bytes"),
+        sd.data.shards.ShardSample("b4", jpeg[: len(jpeg) // 2], "jpg", "cut-off jpeg"),
+        sd.data.shards.ShardSample("b5", image_bytes(random_image(rng, 64, 64), "PNG"), "png", None),
+        sd.data.shards.ShardSample("b6", image_bytes(random_image(rng, 200, 200), "PNG"), "png", "too many pixels"),
+        sd.data.shards.ShardSample("b7", None, "", "a caption without an image"),
     ]
-    SD_Shards.write_shard(folder / "00001.tar", samples)
+    sd.data.shards.write_shard(folder / "00001.tar", samples)
 
     pixels.update(clean_shard(folder / "00002.tar", ["c0", "c1", "c2", "c3"], rng))
     data = (folder / "00002.tar").read_bytes()
@@ -57,7 +57,7 @@ def encode(shards: Path, out: Path, *extra) -> int:
 
 
 def expected_means(pixels: list[np.ndarray], flip: bool = False) -> np.ndarray:
-    vae = SD_Model.load_vae("tiny")
+    vae = sd.model.load_vae("tiny")
     batch = torch.from_numpy(np.stack(pixels)).permute(0, 3, 1, 2).float() / 127.5 - 1
     if flip:
         batch = batch.flip(-1)
@@ -113,7 +113,7 @@ def test_bad_samples_are_skipped_counted_and_named(encoded):
 
 def test_the_trainer_reads_the_output(encoded):
     root, _ = encoded
-    store = SD_Data.LatentStore(root / "latents")
+    store = sd.data.training_data.LatentStore(root / "latents")
     assert len(store) == 11 and store.sample_shape == (4, 8, 8)
     assert np.array_equal(store.gather(np.array([store.row_of["b1"]]))[0], np.load(root / "latents" / "00001.npy")[1])
 
@@ -196,7 +196,7 @@ def test_ranks_without_torchrun_split_the_shards_and_the_last_to_finish_writes_t
         if (name, key) == ("after_npy", "00000"):
             raise Killed
 
-    monkeypatch.setattr(encode_latents.SD_Faults, "point", kill_at)
+    monkeypatch.setattr(encode_latents.sd.faults, "point", kill_at)
     with pytest.raises(Killed):  # rank 0 dies after its first shard's .npy, before its done marker
         encode(root / "shards", out, "--flip", "--rank", 0, "--world_size", 2)
     monkeypatch.undo()
@@ -277,14 +277,14 @@ def test_the_reader_holds_a_few_samples_of_a_shard_not_the_shard(tmp_path):
 def test_a_key_that_comes_back_later_is_skipped_and_the_first_kept(tmp_path):
     rng = np.random.default_rng(7)
     png = [image_bytes(random_image(rng, 64, 64), "PNG") for _ in range(3)]
-    samples = [SD_Shards.ShardSample("a", png[0], "png", "first a"), SD_Shards.ShardSample("b", png[1], "png", "b"),
-               SD_Shards.ShardSample("a", png[2], "png", "a again")]
-    SD_Shards.write_shard(tmp_path / "shards" / "00000.tar", samples)
+    samples = [sd.data.shards.ShardSample("a", png[0], "png", "first a"), sd.data.shards.ShardSample("b", png[1], "png", "b"),
+               sd.data.shards.ShardSample("a", png[2], "png", "a again")]
+    sd.data.shards.write_shard(tmp_path / "shards" / "00000.tar", samples)
     assert encode(tmp_path / "shards", tmp_path / "latents") == 0
     assert (tmp_path / "latents" / "00000.keys.txt").read_text().split() == ["a", "b"]
     report = json.loads((tmp_path / "latents" / "00000.report.json").read_text())
     assert report["skipped"] == {"duplicate_key": ["a"]}
-    first = expected_means([SD_Shards.resize_center_crop(SD_Shards.decode_image(png[0], "png"), 64)])
+    first = expected_means([sd.data.shards.resize_center_crop(sd.data.shards.decode_image(png[0], "png"), 64)])
     np.testing.assert_allclose(np.load(tmp_path / "latents" / "00000.npy")[0].astype(np.float32), first[0],
                                atol=2e-3, rtol=0)
     # Stage 04 keeps the same first "a" and skips the same later one.
@@ -295,7 +295,7 @@ def test_a_key_that_comes_back_later_is_skipped_and_the_first_kept(tmp_path):
 
 
 def test_non_finite_latents_stop_naming_the_key(tmp_path, capsys):
-    vae = SD_Model.load_vae("tiny")
+    vae = sd.model.load_vae("tiny")
     with torch.no_grad():
         vae.encoder.conv_in.weight.fill_(float("nan"))
     vae.save_pretrained(tmp_path / "nan_vae")
@@ -342,7 +342,7 @@ def test_settings_are_written_before_any_shard_and_a_killed_folder_keeps_them(tm
             assert (meta["resolution"], meta["latent_shape"], meta["complete"]) == (64, [4, 8, 8], False)
             raise Killed
 
-    monkeypatch.setattr(encode_latents.SD_Faults, "point", kill_at)
+    monkeypatch.setattr(encode_latents.sd.faults, "point", kill_at)
     with pytest.raises(Killed):
         encode(shards, out)
     monkeypatch.undo()
@@ -432,30 +432,30 @@ def test_resize_center_crop_geometry():
     image[:, :64, 0] = 255
     image[:, 64:128, 1] = 255
     image[:, 128:, 2] = 255
-    out = SD_Shards.resize_center_crop(image, 32)
+    out = sd.data.shards.resize_center_crop(image, 32)
     assert out.shape == (32, 32, 3)
     assert (out[:, 7:25] == (0, 255, 0)).all()
     assert (out[:, :4] == (255, 0, 0)).all() and (out[:, -4:] == (0, 0, 255)).all()
     # Upscaling a 16x24 image: short side 16 -> 32, long 24 -> 48, crop rows 0..32, cols 8..40.
     small = np.arange(16 * 24 * 3, dtype=np.uint8).reshape(16, 24, 3)
-    assert SD_Shards.resize_center_crop(small, 32).shape == (32, 32, 3)
-    same = SD_Shards.resize_center_crop(image[:64, :64], 64)
+    assert sd.data.shards.resize_center_crop(small, 32).shape == (32, 32, 3)
+    same = sd.data.shards.resize_center_crop(image[:64, :64], 64)
     assert np.array_equal(same, image[:64, :64])
 
 
 def test_decode_image_reports_reasons():
     rng = np.random.default_rng(0)
     png = image_bytes(random_image(rng, 40, 30), "PNG")
-    assert SD_Shards.decode_image(png, "png").shape == (40, 30, 3)
+    assert sd.data.shards.decode_image(png, "png").shape == (40, 30, 3)
     for data, ext, reason in ((png[:-20], "png", "truncated_image"), (b"\x89PNG" + os.urandom(64) + b"IEND\xaeB`\x82",
                                                                      "png", "undecodable")):
-        with pytest.raises(SD_Shards.ImageSkip) as info:
-            SD_Shards.decode_image(data, ext)
+        with pytest.raises(sd.data.shards.ImageSkip) as info:
+            sd.data.shards.decode_image(data, ext)
         assert info.value.reason == reason
-    with pytest.raises(SD_Shards.ImageSkip) as info:
-        SD_Shards.decode_image(png, "png", max_pixels=40 * 30 - 1)
+    with pytest.raises(sd.data.shards.ImageSkip) as info:
+        sd.data.shards.decode_image(png, "png", max_pixels=40 * 30 - 1)
     assert info.value.reason == "too_large"
-    rgb = SD_Shards.decode_image(image_bytes(np.full((8, 8, 3), (200, 10, 30), np.uint8), "PNG"), "png")
+    rgb = sd.data.shards.decode_image(image_bytes(np.full((8, 8, 3), (200, 10, 30), np.uint8), "PNG"), "png")
     assert tuple(rgb[0, 0]) == (200, 10, 30)  # RGB order, not OpenCV's BGR
 
 
@@ -464,7 +464,7 @@ def test_a_shard_with_nothing_to_encode_is_counted_and_named_and_the_run_finishe
     clean_shard(shards / "00000.tar", ["k0", "k1"], np.random.default_rng(2))
     (shards / "00001.tar").write_bytes(b"")
     (shards / "00002.tar").write_bytes(b"this is not a tar file\n" * 100)
-    SD_Shards.write_shard(shards / "00003.tar", [SD_Shards.ShardSample("bad", os.urandom(300) + b"\xff\xd9", "jpg", "garbage")])
+    sd.data.shards.write_shard(shards / "00003.tar", [sd.data.shards.ShardSample("bad", os.urandom(300) + b"\xff\xd9", "jpg", "garbage")])
     caplog.set_level("INFO")
     assert encode(shards, out) == 0
     meta = json.loads((out / "latents.json").read_text())
@@ -474,7 +474,7 @@ def test_a_shard_with_nothing_to_encode_is_counted_and_named_and_the_run_finishe
     assert "00001.tar" in caplog.text and "00002.tar" in caplog.text and "00003.tar" in caplog.text
     assert json.loads((out / "00003.report.json").read_text())["skipped"] == {"undecodable": ["bad"]}
     assert sorted(p.name for p in out.glob("*.keys.txt")) == ["00000.keys.txt"]  # no done marker for them
-    assert SD_Data.LatentStore(out).keys == ["k0", "k1"]
+    assert sd.data.training_data.LatentStore(out).keys == ["k0", "k1"]
     assert encode(shards, out) == 0  # a re-run tries them again (a fixed tar would be encoded) and adds up the same
     assert json.loads((out / "latents.json").read_text()) == meta
 
@@ -485,7 +485,7 @@ def test_resize_center_crop_work_is_bounded_by_the_output():
     strip = np.full((1, 4000, 3), 200, np.uint8)  # scaled whole to 64 px high it would be 256000 x 64 (49 MB)
     tracemalloc.start()
     try:
-        square = SD_Shards.resize_center_crop(strip, 64)
+        square = sd.data.shards.resize_center_crop(strip, 64)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -496,18 +496,18 @@ def test_resize_center_crop_work_is_bounded_by_the_output():
 def test_an_extremely_elongated_image_is_skipped_before_decoding(tmp_path):
     strip = image_bytes(np.zeros((1, 12000, 3), np.uint8), "PNG")  # ~120 bytes, 12000 pixels: under any pixel cap
     assert len(strip) < 200
-    with pytest.raises(SD_Shards.ImageSkip) as info:
-        SD_Shards.decode_image(strip, "png")
+    with pytest.raises(sd.data.shards.ImageSkip) as info:
+        sd.data.shards.decode_image(strip, "png")
     assert info.value.reason == "extreme_aspect" and "12000x1" in str(info.value)
-    assert SD_Shards.decode_image(strip, "png", max_aspect=12000).shape == (1, 12000, 3)
+    assert sd.data.shards.decode_image(strip, "png", max_aspect=12000).shape == (1, 12000, 3)
 
     shards, out = tmp_path / "shards", tmp_path / "latents"
     clean_shard(shards / "00000.tar", ["ok"], np.random.default_rng(4))
-    samples, _ = SD_Shards.read_shard((shards / "00000.tar").read_bytes())
+    samples, _ = sd.data.shards.read_shard((shards / "00000.tar").read_bytes())
     tall = image_bytes(np.zeros((270, 30, 3), np.uint8), "PNG")  # 9:1, over the default 8
-    samples += [SD_Shards.ShardSample("strip", strip, "png", "a strip"),
-                SD_Shards.ShardSample("tall", tall, "png", "a tall one")]
-    SD_Shards.write_shard(shards / "00000.tar", samples)
+    samples += [sd.data.shards.ShardSample("strip", strip, "png", "a strip"),
+                sd.data.shards.ShardSample("tall", tall, "png", "a tall one")]
+    sd.data.shards.write_shard(shards / "00000.tar", samples)
     assert encode(shards, out) == 0
     report = json.loads((out / "00000.report.json").read_text())
     assert report["skipped"] == {"extreme_aspect": ["strip", "tall"]} and report["encoded"] == 1

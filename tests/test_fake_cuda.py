@@ -14,13 +14,14 @@ import pytest
 import torch
 
 import encode_latents
-import SD_Lora
-import SD_Model
-import SD_Sampling
-import SD_TrainStep
+import sd.lora.adapters
+import sd.model
+import sd.sampling
+import sd.train.step
 from fake_cuda import fake_cuda
-from SD_Distributed import Dist
-from SD_TrainConfig import TrainConfig
+from sd.distributed import Dist
+from sd.train.config import TrainConfig
+import sd.train.run
 
 CUDA = torch.device("cuda", 0)
 
@@ -43,18 +44,18 @@ def train_one_step(cfg: TrainConfig):
 
     with fake_cuda(backward):
         d = Dist.single(CUDA)
-        text_encoder = holder["text_encoder"] = SD_Model.load_text_encoder("tiny")
-        unet = holder["unet"] = SD_Model.build_unet("tiny", grad_checkpointing=cfg.grad_checkpointing,
+        text_encoder = holder["text_encoder"] = sd.model.load_text_encoder("tiny")
+        unet = holder["unet"] = sd.model.build_unet("tiny", grad_checkpointing=cfg.grad_checkpointing,
                                                     channels_last=cfg.channels_last).to(d.device).train()
-        SD_Lora.apply_config(cfg, unet, text_encoder)
-        step = SD_TrainStep.build_step(cfg, d, unet, text_encoder, torch.full((1, 77), 49407), 0.18215)
+        sd.lora.adapters.apply_config(cfg, unet, text_encoder)
+        step = sd.train.step.build_step(cfg, d, unet, text_encoder, torch.full((1, 77), 49407), 0.18215)
         ids = torch.randint(0, 49407, (2, 77))
-        if cfg.cache_text_embeddings:  # as SD_Train.cache_text_embeddings: built on the GPU, kept on the host
-            step.text_cache = SD_TrainStep.TextCache.build(step.text_encoder, ids, cfg.precision, d.device)
+        if cfg.cache_text_embeddings:  # as sd.train.run.cache_text_embeddings: built on the GPU, kept on the host
+            step.text_cache = sd.train.step.TextCache.build(step.text_encoder, ids, cfg.precision, d.device)
             step.text_encoder.to("cpu")
         batches = [(torch.randn(2, 4, 8, 8).half(), ids) for _ in range(cfg.grad_accum)]
-        with SD_Model.attention_context(d.device):
-            result = SD_TrainStep.train_step(step, batches, 0)
+        with sd.model.attention_context(d.device):
+            result = sd.train.step.train_step(step, batches, 0)
     return step, result
 
 
@@ -84,7 +85,7 @@ def test_a_lora_step_keeps_every_tensor_on_its_device(fields):
     step, result = train_one_step(config(**fields))
     assert result["bad"] is False
     adapters = [p for p in step.trainable]
-    assert adapters and all(SD_Lora.is_adapter_name(n) for n, p in step.unet.named_parameters() if p.requires_grad)
+    assert adapters and all(sd.lora.adapters.is_adapter_name(n) for n, p in step.unet.named_parameters() if p.requires_grad)
     assert {p.device for p in adapters} == {CUDA} and {p.dtype for p in adapters} == {torch.float32}
     assert {p.dtype for n, p in step.unet.named_parameters() if not p.requires_grad} == {torch.bfloat16}
     state = [t for s in step.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
@@ -99,13 +100,13 @@ def test_a_lora_step_keeps_every_tensor_on_its_device(fields):
 
 def test_a_validation_sample_and_an_encode_batch_run_on_cuda():
     with fake_cuda():
-        unet = SD_Model.build_unet("tiny").to(CUDA).eval()
-        vae, text_encoder = SD_Model.load_vae("tiny").to(CUDA), SD_Model.load_text_encoder("tiny").to(CUDA)
-        pipe = SD_Sampling.Pipeline(unet, vae, text_encoder, SD_Model.load_tokenizer("tiny"), "epsilon")
-        with SD_Model.attention_context(CUDA), torch.autocast("cuda", dtype=torch.bfloat16):
-            images = SD_Sampling.generate(pipe, "a photo", "", [1, 2], steps=2, cfg=7.5, height=64, width=64,
+        unet = sd.model.build_unet("tiny").to(CUDA).eval()
+        vae, text_encoder = sd.model.load_vae("tiny").to(CUDA), sd.model.load_text_encoder("tiny").to(CUDA)
+        pipe = sd.sampling.Pipeline(unet, vae, text_encoder, sd.model.load_tokenizer("tiny"), "epsilon")
+        with sd.model.attention_context(CUDA), torch.autocast("cuda", dtype=torch.bfloat16):
+            images = sd.sampling.generate(pipe, "a photo", "", [1, 2], steps=2, cfg=7.5, height=64, width=64,
                                           batch_size=2, device=CUDA)
-        encoder_vae = SD_Model.load_vae("tiny").to(device=CUDA, dtype=torch.bfloat16)  # as encode_latents.main
+        encoder_vae = sd.model.load_vae("tiny").to(device=CUDA, dtype=torch.bfloat16)  # as encode_latents.main
         encoder = encode_latents.Encoder(encoder_vae, CUDA, torch.bfloat16, compile_encoder=False, flip=True)
         latents, flipped = encoder([np.zeros((64, 64, 3), np.uint8)] * 3)
     assert [image.shape for image in images] == [(64, 64, 3)] * 2
@@ -119,7 +120,7 @@ def test_a_cpu_only_assumption_fails_here(monkeypatch):
         drop = torch.rand(hidden.shape[0], generator=generator) < p
         return torch.where(drop[:, None, None], empty, hidden), drop
 
-    monkeypatch.setattr(SD_TrainStep, "apply_cfg_dropout", mask_drawn_on_the_cpu)
+    monkeypatch.setattr(sd.train.step, "apply_cfg_dropout", mask_drawn_on_the_cpu)
     with pytest.raises(RuntimeError, match="a generator on cuda:0 used for a tensor on cpu"):
         train_one_step(config())
 
@@ -127,6 +128,6 @@ def test_a_cpu_only_assumption_fails_here(monkeypatch):
         drop = torch.rand(hidden.shape[0], generator=generator, device=generator.device).cpu() < p
         return torch.where(drop[:, None, None], empty.to(hidden.dtype), hidden), drop
 
-    monkeypatch.setattr(SD_TrainStep, "apply_cfg_dropout", mask_left_on_the_cpu)
+    monkeypatch.setattr(sd.train.step, "apply_cfg_dropout", mask_left_on_the_cpu)
     with pytest.raises(Exception, match="(?i)device"):
         train_one_step(config())

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-import SD_Model
+import sd.model
 
 pytestmark = pytest.mark.gpu
 
@@ -18,11 +18,11 @@ def _inputs(batch, size, width, device):
 
 def test_sd1_step_runs_on_the_fast_attention_kernels_with_checkpointing():
     device = torch.device("cuda")
-    unet = SD_Model.build_unet("sd1", seed=0, grad_checkpointing=True, channels_last=True).to(device)
+    unet = sd.model.build_unet("sd1", seed=0, grad_checkpointing=True, channels_last=True).to(device)
     latents, timesteps, context = _inputs(2, 64, 768, device)
     # Backward inside the context too, as the trainer runs train_step: checkpointing recomputes the forward
     # there, and outside it SDPA may pick another kernel, whose saved tensors checkpointing rejects.
-    with SD_Model.attention_context(device):
+    with sd.model.attention_context(device):
         with torch.autocast("cuda", dtype=torch.bfloat16):
             out = unet(latents, timesteps, encoder_hidden_states=context).sample
         assert torch.count_nonzero(out) == 0  # zero-initialised output
@@ -32,13 +32,13 @@ def test_sd1_step_runs_on_the_fast_attention_kernels_with_checkpointing():
 
 def test_compile_with_checkpointing_matches_eager():
     device = torch.device("cuda")
-    eager = SD_Model.build_unet("tiny", seed=0, from_scratch=False, grad_checkpointing=True).to(device)
-    compiled_base = SD_Model.build_unet("tiny", seed=0, from_scratch=False, grad_checkpointing=True).to(device)
+    eager = sd.model.build_unet("tiny", seed=0, from_scratch=False, grad_checkpointing=True).to(device)
+    compiled_base = sd.model.build_unet("tiny", seed=0, from_scratch=False, grad_checkpointing=True).to(device)
     compiled = torch.compile(compiled_base)
     latents, timesteps, context = _inputs(4, 8, 64, device)
     grads = []
     for model, params in ((eager, eager), (compiled, compiled_base)):
-        with SD_Model.attention_context(device):
+        with sd.model.attention_context(device):
             model(latents, timesteps, encoder_hidden_states=context).sample.square().mean().backward()
         grads.append(params.conv_in.weight.grad)
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-3, atol=1e-4)
@@ -74,18 +74,18 @@ def test_benchmarks_run_the_sd1_unet_on_the_gpu():
 
 
 def test_cpu_ema_of_cuda_weights_reads_finished_copies():
-    import SD_EMA
+    import sd.train.ema
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)]).cuda()
-    ema = SD_EMA.EMA(model, decay=0.9, device="cpu")
+    ema = sd.train.ema.EMA(model, decay=0.9, device="cpu")
     reference = [p.detach().cpu().double() for p in model.parameters()]
     for step in range(3):
         with torch.no_grad():  # queued GPU work right before the update: the copies must wait for it
             for p in model.parameters():
                 p.mul_(1.5).add_(1.0)
         ema.update(model, step)
-        d = SD_EMA.ema_decay_at(step, 0.9)
+        d = sd.train.ema.ema_decay_at(step, 0.9)
         reference = [d * r + (1 - d) * p.detach().cpu().double() for r, p in zip(reference, model.parameters())]
     assert all(b.is_pinned() for b in ema.staging)
     for r, s in zip(reference, ema.shadow):

@@ -11,11 +11,13 @@ import yaml
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-import SD_Checkpoint as ckpt
-import SD_Formats
+import sd.train.checkpoint as ckpt
+import sd.formats
+import sd.lora.files
 import SD_ImageGen
-import SD_Lora
-import SD_Model
+import sd.lora.adapters
+import sd.model
+import sd.train.checkpointer
 
 RANK, ALPHA = 4, 8.0  # alpha != rank: every reader must apply alpha / rank = 2
 STEPS = 2
@@ -24,16 +26,16 @@ STEPS = 2
 @pytest.fixture(scope="module")
 def base():
     """The tiny base parts: UNet, text encoder, VAE, tokenizer."""
-    return (SD_Model.build_unet("tiny", seed=0, from_scratch=False).eval(), SD_Model.load_text_encoder("tiny"),
-            SD_Model.load_vae("tiny"), SD_Model.load_tokenizer("tiny"))
+    return (sd.model.build_unet("tiny", seed=0, from_scratch=False).eval(), sd.model.load_text_encoder("tiny"),
+            sd.model.load_vae("tiny"), sd.model.load_tokenizer("tiny"))
 
 
 def adapted(base, targets, rank=RANK, alpha=ALPHA, seed=1, text=True):
     """Copies of the base UNet (and text encoder) with random non-zero adapters."""
     unet, encoder = copy.deepcopy(base[0]), copy.deepcopy(base[1])
-    SD_Lora.add_lora(unet, SD_Lora.resolve_targets(unet, targets), rank, alpha)
+    sd.lora.adapters.add_lora(unet, sd.lora.adapters.resolve_targets(unet, targets), rank, alpha)
     if text:
-        SD_Lora.add_lora(encoder, SD_Lora.resolve_targets(encoder, SD_Lora.TEXT_TARGETS), rank, alpha)
+        sd.lora.adapters.add_lora(encoder, sd.lora.adapters.resolve_targets(encoder, sd.lora.adapters.TEXT_TARGETS), rank, alpha)
     randomize(unet, seed)
     randomize(encoder, seed + 100)
     return unet.eval(), encoder.eval()
@@ -42,13 +44,13 @@ def adapted(base, targets, rank=RANK, alpha=ALPHA, seed=1, text=True):
 @torch.no_grad()
 def randomize(model, seed):
     generator = torch.Generator().manual_seed(seed)
-    for param in SD_Lora.adapter_state(model).values():
+    for param in sd.lora.adapters.adapter_state(model).values():
         param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
 
 
 def write(fmt, tmp_path, unet, encoder, name="lora"):
     out = tmp_path / (f"{name}.safetensors" if fmt == "kohya" else name)
-    return SD_Formats.save_model_lora(out, unet, encoder, fmt)
+    return sd.lora.files.save_model_lora(out, unet, encoder, fmt)
 
 
 def unet_output(unet):
@@ -60,7 +62,7 @@ def unet_output(unet):
 
 def text_output(encoder, tokenizer):
     with torch.no_grad():
-        return encoder(SD_Model.tokenize(tokenizer, ["a red circle", "a blue square"])).last_hidden_state
+        return encoder(sd.model.tokenize(tokenizer, ["a red circle", "a blue square"])).last_hidden_state
 
 
 # ------------------------------------------------------------------------------ diffusers as the reader
@@ -74,15 +76,15 @@ def test_diffusers_loads_our_files_whole_and_computes_what_we_do(fmt, targets, b
     unet, encoder = adapted(base, targets)
     path = write(fmt, tmp_path, unet, encoder)
     pipe = StableDiffusionPipeline(unet=copy.deepcopy(base[0]), text_encoder=copy.deepcopy(base[1]), vae=base[2],
-                                   tokenizer=base[3], scheduler=SD_Model.build_noise_scheduler("epsilon", DDIMScheduler),
+                                   tokenizer=base[3], scheduler=sd.model.build_noise_scheduler("epsilon", DDIMScheduler),
                                    safety_checker=None, feature_extractor=None, requires_safety_checker=False)
     pipe.load_lora_weights(str(path.parent if fmt == "diffusers" else path))
     # Every layer of ours got its adapter in diffusers' model, with our very tensors; none more.
     for theirs, ours in ((pipe.unet, unet), (pipe.text_encoder, encoder)):
         loaded = get_peft_model_state_dict(theirs, adapter_name="default_0")
-        own = {k.replace(f".{SD_Lora.ADAPTER}.", "."): v for k, v in SD_Lora.adapter_state(ours).items()}
+        own = {k.replace(f".{sd.lora.adapters.ADAPTER}.", "."): v for k, v in sd.lora.adapters.adapter_state(ours).items()}
         assert set(loaded) == set(own) and all(torch.equal(loaded[k], own[k]) for k in own)
-    assert any(m.down.ndim == 4 and m.down.shape[2:] == (3, 3) for m in SD_Formats.adapter_lora_modules(unet).values()) \
+    assert any(m.down.ndim == 4 and m.down.shape[2:] == (3, 3) for m in sd.lora.files.adapter_lora_modules(unet).values()) \
         == ("resnet" in targets)
     expected, plain = unet_output(unet), unet_output(base[0])
     assert (expected - plain).abs().max() > 1e-2  # the adapter changes the output: the comparison below can fail
@@ -95,13 +97,13 @@ def test_diffusers_loads_our_files_whole_and_computes_what_we_do(fmt, targets, b
 # ------------------------------------------------------------------------------ our reader
 
 
-@pytest.mark.parametrize("fmt", SD_Formats.LORA_FORMATS)
+@pytest.mark.parametrize("fmt", sd.lora.files.LORA_FORMATS)
 def test_written_files_read_back_to_the_same_tensors(fmt, base, tmp_path):
     unet, encoder = adapted(base, ["transformer", "resnet"])
     path = write(fmt, tmp_path, unet, encoder)
-    back = SD_Formats.read_lora(path.parent if fmt == "diffusers" else path, base[0], base[1])
+    back = sd.lora.files.read_lora(path.parent if fmt == "diffusers" else path, base[0], base[1])
     for part, model in (("unet", unet), ("text_encoder", encoder)):
-        own = SD_Formats.adapter_lora_modules(model)
+        own = sd.lora.files.adapter_lora_modules(model)
         assert set(back[part]) == set(own)
         for name, m in own.items():
             assert torch.equal(back[part][name].down, m.down) and torch.equal(back[part][name].up, m.up)
@@ -109,7 +111,7 @@ def test_written_files_read_back_to_the_same_tensors(fmt, base, tmp_path):
     with safe_open(str(path), framework="pt") as handle:
         header = handle.metadata()
     assert (header["lora_rank"], header["lora_alpha"]) == (str(RANK), str(ALPHA))
-    assert json.loads(header["lora_targets"]) == sorted(SD_Formats.adapter_lora_modules(unet))
+    assert json.loads(header["lora_targets"]) == sorted(sd.lora.files.adapter_lora_modules(unet))
     keys = set(load_file(str(path)))
     if fmt == "kohya":
         assert "lora_te_text_model_encoder_layers_0_self_attn_q_proj.alpha" in keys
@@ -122,9 +124,9 @@ def test_written_files_read_back_to_the_same_tensors(fmt, base, tmp_path):
 
 def test_peft_keys_without_a_prefix_read_as_the_unet_and_without_metadata_alpha_is_the_rank(base, tmp_path):
     unet, _ = adapted(base, ["attention"], text=False)
-    state = {k.replace(f".{SD_Lora.ADAPTER}.", "."): v for k, v in SD_Lora.adapter_state(unet).items()}
+    state = {k.replace(f".{sd.lora.adapters.ADAPTER}.", "."): v for k, v in sd.lora.adapters.adapter_state(unet).items()}
     save_file(state, str(tmp_path / "peft.safetensors"))
-    back = SD_Formats.read_lora(tmp_path / "peft.safetensors", base[0], base[1])
+    back = sd.lora.files.read_lora(tmp_path / "peft.safetensors", base[0], base[1])
     assert set(back) == {"unet"} and len(back["unet"]) == len(state) // 2
     assert {m.alpha for m in back["unet"].values()} == {float(RANK)}
 
@@ -136,16 +138,16 @@ def test_unknown_keys_shape_mismatches_and_missing_files_are_errors_naming_the_f
     odd = tmp_path / "odd.safetensors"
     save_file({**tensors, "lora_unet_no_such_layer.lora_down.weight": torch.zeros(4, 8)}, str(odd))
     with pytest.raises(ValueError, match=r"odd\.safetensors: 1 of its .*lora_unet_no_such_layer"):
-        SD_Formats.read_lora(odd, base[0], base[1])
+        sd.lora.files.read_lora(odd, base[0], base[1])
     key = "lora_unet_mid_block_attentions_0_transformer_blocks_0_attn2_to_k.lora_up.weight"
     save_file({**tensors, key: torch.zeros(3, RANK)}, str(tmp_path / "shape.safetensors"))
     with pytest.raises(ValueError, match=r"shape\.safetensors: unet layer mid_block.*attn2\.to_k: .*do not fit"):
-        SD_Formats.read_lora(tmp_path / "shape.safetensors", base[0], base[1])
+        sd.lora.files.read_lora(tmp_path / "shape.safetensors", base[0], base[1])
     save_file({k: v for k, v in tensors.items() if not k.endswith("lora_up.weight")}, str(tmp_path / "half.safetensors"))
     with pytest.raises(ValueError, match=r"half\.safetensors: .* has no up weight"):
-        SD_Formats.read_lora(tmp_path / "half.safetensors", base[0], base[1])
+        sd.lora.files.read_lora(tmp_path / "half.safetensors", base[0], base[1])
     with pytest.raises(FileNotFoundError, match="pytorch_lora_weights.safetensors is missing"):
-        SD_Formats.read_lora(tmp_path, base[0], base[1])
+        sd.lora.files.read_lora(tmp_path, base[0], base[1])
 
 
 # ------------------------------------------------------------------------------ a LoRA run of ours
@@ -154,7 +156,7 @@ def test_unknown_keys_shape_mismatches_and_missing_files_are_errors_naming_the_f
 @pytest.fixture(scope="module")
 def base_dir(base, tmp_path_factory):
     folder = tmp_path_factory.mktemp("base") / "pipe"
-    SD_Formats.export_diffusers(folder, base[0], base[2], base[1], base[3])
+    sd.formats.export_diffusers(folder, base[0], base[2], base[1], base[3])
     return folder
 
 
@@ -168,8 +170,8 @@ def lora_run(base, base_dir, tmp_path_factory):
     unet, encoder = adapted(base, ["attention"], seed=3)
     ema = copy.deepcopy(unet)
     randomize(ema, 5)
-    ckpt.save_weights(SD_Lora.AdapterWeights(unet=unet, text_encoder=encoder).state_dict(), folder / "adapter.safetensors")
-    ckpt.save_weights(SD_Lora.adapter_state(ema), folder / "ema.safetensors")
+    ckpt.save_weights(sd.lora.adapters.AdapterWeights(unet=unet, text_encoder=encoder).state_dict(), folder / "adapter.safetensors")
+    ckpt.save_weights(sd.lora.adapters.adapter_state(ema), folder / "ema.safetensors")
     config = dict(init_from=str(base_dir), lora_rank=RANK, lora_alpha=ALPHA, lora_dropout=0.0, lora_targets=["attention"],
                   lora_text_encoder=True, unet="tiny", vae=str(base_dir), text_encoder=str(base_dir),
                   tokenizer=str(base_dir), prediction_type="epsilon")
@@ -179,39 +181,39 @@ def lora_run(base, base_dir, tmp_path_factory):
 
 
 def adapters_equal(model, reference) -> bool:
-    mine, theirs = SD_Lora.adapter_state(model), SD_Lora.adapter_state(reference)
+    mine, theirs = sd.lora.adapters.adapter_state(model), sd.lora.adapters.adapter_state(reference)
     return set(mine) == set(theirs) and all(torch.equal(v, theirs[k]) for k, v in mine.items())
 
 
 def test_a_lora_run_loads_its_base_and_keeps_the_ema_adapter_unmerged(lora_run, base):
     run, unet, encoder, ema = lora_run
-    model = SD_Formats.load_pipeline(str(run))
+    model = sd.formats.load_pipeline(str(run))
     assert adapters_equal(model.unet, ema) and adapters_equal(model.text_encoder, encoder)
     torch.testing.assert_close(unet_output(model.unet), unet_output(ema), atol=0, rtol=0)
-    live = SD_Formats.load_pipeline(str(run), use_ema=False)
+    live = sd.formats.load_pipeline(str(run), use_ema=False)
     assert adapters_equal(live.unet, unet)
-    # As init_from of a new phase (SD_Train.init_weights): plain weights, base + adapter merged.
-    plain = SD_Model.build_unet("tiny", from_scratch=False)
-    SD_Formats.load_unet_weights(str(run), plain, use_ema=False)
-    assert not SD_Lora.has_lora(plain) and plain.training and all(p.requires_grad for p in plain.parameters())
+    # As init_from of a new phase (sd.train.checkpointer.init_weights): plain weights, base + adapter merged.
+    plain = sd.model.build_unet("tiny", from_scratch=False)
+    sd.formats.load_unet_weights(str(run), plain, use_ema=False)
+    assert not sd.lora.adapters.has_lora(plain) and plain.training and all(p.requires_grad for p in plain.parameters())
     torch.testing.assert_close(unet_output(plain), unet_output(unet), atol=1e-5, rtol=0)
-    ema_state = SD_Formats.run_ema_weights(str(run), plain)
+    ema_state = sd.formats.run_ema_weights(str(run), plain)
     plain.load_state_dict(ema_state)
     torch.testing.assert_close(unet_output(plain), unet_output(ema), atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("fmt", SD_Formats.LORA_FORMATS)
+@pytest.mark.parametrize("fmt", sd.lora.files.LORA_FORMATS)
 def test_export_lora_writes_the_runs_ema_adapter(fmt, lora_run, base, tmp_path):
     run, unet, encoder, ema = lora_run
     out = tmp_path / ("style.safetensors" if fmt == "kohya" else "style")
     assert SD_ImageGen.main(["--ckpt", str(run), "--export_lora", str(out), "--lora_format", fmt]) == 0
-    back = SD_Formats.read_lora(out, base[0], base[1])
+    back = sd.lora.files.read_lora(out, base[0], base[1])
     for part, model in (("unet", ema), ("text_encoder", encoder)):
-        own = SD_Formats.adapter_lora_modules(model)
+        own = sd.lora.files.adapter_lora_modules(model)
         assert set(back[part]) == set(own)
         assert all(torch.equal(back[part][n].down, m.down) and torch.equal(back[part][n].up, m.up)
                    and back[part][n].alpha == ALPHA for n, m in own.items())
-    with safe_open(str(SD_Formats.lora_file(out)), framework="pt") as handle:
+    with safe_open(str(sd.lora.files.lora_file(out)), framework="pt") as handle:
         header = handle.metadata()
     assert json.loads(header["lora_targets"]) == ["attention"] and header["lora_text_encoder"] == "True"
 
@@ -247,9 +249,9 @@ def expected_weights(plain, adapters: list[tuple[torch.nn.Module, float]]) -> di
     """``plain``'s weights + scale x (alpha / rank) x up @ down of every adapter, computed here."""
     state = {k: v.clone() for k, v in plain.state_dict().items()}
     for model, scale in adapters:
-        for name, layer in SD_Lora.lora_layers(model):
-            down, up = layer.lora_A[SD_Lora.ADAPTER].weight, layer.lora_B[SD_Lora.ADAPTER].weight
-            alpha, rank = layer.lora_alpha[SD_Lora.ADAPTER], down.shape[0]
+        for name, layer in sd.lora.adapters.lora_layers(model):
+            down, up = layer.lora_A[sd.lora.adapters.ADAPTER].weight, layer.lora_B[sd.lora.adapters.ADAPTER].weight
+            alpha, rank = layer.lora_alpha[sd.lora.adapters.ADAPTER], down.shape[0]
             weight = state[f"{name}.weight"]
             state[f"{name}.weight"] = weight + scale * (alpha / rank) * (up.flatten(1) @ down.flatten(1)).reshape(weight.shape)
     return state
@@ -261,13 +263,13 @@ def test_merged_export_is_the_base_plus_each_scaled_adapter(merged, lora_run, ba
     root, file_unet, file_encoder = merged
     _, _, encoder, ema = lora_run
     exported = {"unet": UNet2DConditionModel.from_pretrained(root / "merged", subfolder="unet").state_dict(),
-                "text_encoder": SD_Model.load_text_encoder(str(root / "merged")).state_dict()}
+                "text_encoder": sd.model.load_text_encoder(str(root / "merged")).state_dict()}
     for part, plain, adapters in (("unet", base[0], [(ema, 1.0), (file_unet, 0.5)]),
                                   ("text_encoder", base[1], [(encoder, 1.0), (file_encoder, 0.5)])):
         expected = expected_weights(plain, adapters)
         assert set(exported[part]) == set(expected)
         changed = [k for k in expected if not torch.equal(expected[k], plain.state_dict()[k])]
-        assert len(changed) == len({n for m, _ in adapters for n, _ in SD_Lora.lora_layers(m)}) > 0
+        assert len(changed) == len({n for m, _ in adapters for n, _ in sd.lora.adapters.lora_layers(m)}) > 0
         for key, value in expected.items():
             torch.testing.assert_close(exported[part][key], value, atol=1e-6, rtol=0, msg=f"{part} {key}")
 

@@ -9,14 +9,15 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-import SD_Checkpoint as ckpt
-import SD_Formats
-import SD_Lora
-import SD_Model
+import sd.train.checkpoint as ckpt
+import sd.formats
+import sd.lora.files
+import sd.lora.adapters
+import sd.model
 import SD_Train
-import SD_TrainConfig
-import SD_TrainStep
-from SD_Distributed import Dist
+import sd.train.config
+import sd.train.step
+from sd.distributed import Dist
 from data_factory import make_dataset
 from test_sd_train import BASE, assert_bitwise_equal
 
@@ -28,9 +29,9 @@ LORA = dict(BASE, lora_rank=4, lora_alpha=8.0, lora_dropout=0.25, lr=1e-2, warmu
 def base_model(tmp_path_factory) -> Path:
     """A tiny pipeline folder whose UNet has non-zero output layers (a trained model's stand-in)."""
     folder = tmp_path_factory.mktemp("base") / "pipeline"
-    SD_Formats.export_diffusers(folder, SD_Model.build_unet("tiny", seed=3, from_scratch=False),
-                                SD_Model.load_vae("tiny"), SD_Model.load_text_encoder("tiny"),
-                                SD_Model.load_tokenizer("tiny"))
+    sd.formats.export_diffusers(folder, sd.model.build_unet("tiny", seed=3, from_scratch=False),
+                                sd.model.load_vae("tiny"), sd.model.load_text_encoder("tiny"),
+                                sd.model.load_tokenizer("tiny"))
     return folder
 
 
@@ -45,8 +46,8 @@ def write_config(path: Path, **fields) -> Path:
 
 
 def base_unet(folder: Path):
-    unet = SD_Model.build_unet("tiny", from_scratch=False)
-    SD_Formats.load_unet_weights(str(folder), unet)
+    unet = sd.model.build_unet("tiny", from_scratch=False)
+    sd.formats.load_unet_weights(str(folder), unet)
     return unet
 
 
@@ -77,8 +78,8 @@ def test_lora_trains_the_adapter_only_and_resumes_bitwise_with_adapter_dropout(t
     folder = tmp_path / "a" / "checkpoints" / ckpt.step_dir_name(6)
     assert not (folder / "unet.safetensors").exists()
     adapter = load_file(folder / "adapter.safetensors")
-    assert adapter and all(SD_Lora.is_adapter_name(k) and k.startswith("unet.") for k in adapter)
-    assert all(SD_Lora.is_adapter_name(k) for k in load_file(folder / "ema.safetensors"))
+    assert adapter and all(sd.lora.adapters.is_adapter_name(k) and k.startswith("unet.") for k in adapter)
+    assert all(sd.lora.adapters.is_adapter_name(k) for k in load_file(folder / "ema.safetensors"))
     assert sum(v.numel() for v in adapter.values()) < 0.1 * sum(v.numel() for v in base_unet(base_model).parameters())
     assert any(k.endswith("lora_B.default.weight") and v.abs().max() > 0 for k, v in adapter.items())  # it trained
     assert "__bnb_optimizer_quant_state__" in torch.load(folder / "optimizer.pt", weights_only=True)["state"][0]
@@ -86,13 +87,13 @@ def test_lora_trains_the_adapter_only_and_resumes_bitwise_with_adapter_dropout(t
     # The base weights of the trained model are the base model's, bit for bit.
     unet = base_unet(base_model)
     before = {k: v.clone() for k, v in unet.state_dict().items()}
-    config = SD_TrainConfig.load_config(["--config", str(straight)])
+    config = sd.train.config.load_config(["--config", str(straight)])
     run = SD_Train.build(config, Dist.single())
     after = {k.replace(".base_layer", ""): v for k, v in run.step.unet.state_dict().items()
-             if not SD_Lora.is_adapter_name(k)}
+             if not sd.lora.adapters.is_adapter_name(k)}
     assert_bitwise_equal(before, after)
     assert run.state.step == 6  # resumed: the adapter of step 6 is loaded
-    assert torch.equal(SD_Lora.adapter_state(run.step.unet)["down_blocks.0.attentions.0.transformer_blocks.0.attn1"
+    assert torch.equal(sd.lora.adapters.adapter_state(run.step.unet)["down_blocks.0.attentions.0.transformer_blocks.0.attn1"
                                                               ".to_q.lora_B.default.weight"],
                        adapter["unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q.lora_B.default.weight"])
 
@@ -102,9 +103,9 @@ def test_a_resume_on_another_base_model_is_refused(tmp_path, base_model, data, c
                           out_dir=str(tmp_path / "run"), ema_decay=0.0)
     assert SD_Train.main(["--config", str(config), "--stop_at_step", "1"]) == 0
     other = tmp_path / "other"
-    SD_Formats.export_diffusers(other, SD_Model.build_unet("tiny", seed=4, from_scratch=False),
-                                SD_Model.load_vae("tiny"), SD_Model.load_text_encoder("tiny"),
-                                SD_Model.load_tokenizer("tiny"))
+    sd.formats.export_diffusers(other, sd.model.build_unet("tiny", seed=4, from_scratch=False),
+                                sd.model.load_vae("tiny"), sd.model.load_text_encoder("tiny"),
+                                sd.model.load_tokenizer("tiny"))
     assert SD_Train.main(["--config", str(config), "--init_from", str(other)]) == 2
     assert "is not the base model the adapter" in capsys.readouterr().err
     assert (tmp_path / "run" / "checkpoints" / ckpt.step_dir_name(1)).is_dir()  # not set aside as damaged
@@ -117,10 +118,10 @@ def test_lora_needs_base_weights(tmp_path, data, capsys):
 
 
 def test_prior_preservation_loss_is_instance_mean_plus_weighted_class_mean():
-    settings = SD_TrainStep.LossSettings(prior_preservation=True, prior_loss_weight=0.3)
+    settings = sd.train.step.LossSettings(prior_preservation=True, prior_loss_weight=0.3)
     loss = torch.tensor([1.0, 2.0, 3.0, 10.0, 20.0, 30.0])
-    assert SD_TrainStep.objective(loss, settings).item() == pytest.approx(2.0 + 0.3 * 20.0)
-    assert SD_TrainStep.objective(loss, SD_TrainStep.LossSettings()).item() == pytest.approx(11.0)
+    assert sd.train.step.objective(loss, settings).item() == pytest.approx(2.0 + 0.3 * 20.0)
+    assert sd.train.step.objective(loss, sd.train.step.LossSettings()).item() == pytest.approx(11.0)
 
 
 def write_images(folder: Path, count: int, colour, size: int = 72) -> Path:
@@ -149,15 +150,15 @@ def test_dreambooth_generates_missing_class_images_and_trains_on_both_halves(tmp
                   lora_text_encoder=lora_rank > 0)
     config = write_config(tmp_path / "db.yaml", **fields)
     seen = []
-    real = SD_TrainStep.train_step
-    monkeypatch.setattr(SD_TrainStep, "train_step", lambda step, micro, *a, **k: seen.append(micro) or real(
+    real = sd.train.step.train_step
+    monkeypatch.setattr(sd.train.step, "train_step", lambda step, micro, *a, **k: seen.append(micro) or real(
         step, micro, *a, **k))
     assert SD_Train.main(["--config", str(config)]) == 0
     made = sorted(p.name for p in class_dir.glob("class_*.png"))
     assert made == [f"class_{i:05d}.png" for i in range(4)]
     assert len(seen) == 3 and all(len(micro) == 2 for micro in seen)
-    tokenizer = SD_Model.load_tokenizer("tiny")
-    instance_ids, class_ids = SD_Model.tokenize(tokenizer, ["a sks square", "a square"])
+    tokenizer = sd.model.load_tokenizer("tiny")
+    instance_ids, class_ids = sd.model.tokenize(tokenizer, ["a sks square", "a square"])
     for latents, ids in (pair for micro in seen for pair in micro):
         assert latents.shape == (4, 4, 8, 8)  # batch 2 of instances, then their 2 class images
         assert all(torch.equal(row, instance_ids) for row in ids[:2])
@@ -171,69 +172,69 @@ def test_dreambooth_generates_missing_class_images_and_trains_on_both_halves(tmp
     else:
         assert (saved / "unet.safetensors").exists()
     # The epoch is the 6 class images, each paired with instance i mod 3: all of them in 6 samples.
-    data = SD_Train.build(SD_TrainConfig.load_config(["--config", str(config)]), Dist.single()).train_data
+    data = SD_Train.build(sd.train.config.load_config(["--config", str(config)]), Dist.single()).train_data
     assert len(data) == 6 and data.instance.shape[0] == 3 and data.prior.shape[0] == 6
 
 
 def test_prior_preservation_step_loss_equals_the_hand_computed_composition(tmp_path, base_model):
     """One step's reported loss: mean MSE of the instance half + w x mean MSE of the class half,
     recomputed here from the same noise and timesteps with a plain UNet call."""
-    import SD_DreamBooth
+    import sd.data.dreambooth
 
-    config = SD_TrainConfig.TrainConfig(**{**LORA, "lora_rank": 0, "instance_dir": str(tmp_path), "instance_prompt": "x",
+    config = sd.train.config.TrainConfig(**{**LORA, "lora_rank": 0, "instance_dir": str(tmp_path), "instance_prompt": "x",
                                            "class_dir": str(tmp_path), "class_prompt": "y", "prior_loss_weight": 0.3,
                                            "min_snr_gamma": 0.0, "cfg_dropout": 0.0, "ema_decay": 0.0})
     d = Dist.single()
     unet = base_unet(base_model)
-    tokenizer, encoder = SD_Model.load_tokenizer("tiny"), SD_Model.load_text_encoder("tiny")
+    tokenizer, encoder = sd.model.load_tokenizer("tiny"), sd.model.load_text_encoder("tiny")
     rng = np.random.default_rng(0)
-    data = SD_DreamBooth.DreamBoothData(rng.normal(size=(2, 4, 8, 8)).astype(np.float16),
-                                        SD_Model.tokenize(tokenizer, ["a sks dog"]),
+    data = sd.data.dreambooth.DreamBoothData(rng.normal(size=(2, 4, 8, 8)).astype(np.float16),
+                                        sd.model.tokenize(tokenizer, ["a sks dog"]),
                                         rng.normal(size=(3, 4, 8, 8)).astype(np.float16),
-                                        SD_Model.tokenize(tokenizer, ["a dog"]))
-    step = SD_TrainStep.build_step(config, d, unet, encoder, SD_Model.tokenize(tokenizer, [""]), 1.0)
+                                        sd.model.tokenize(tokenizer, ["a dog"]))
+    step = sd.train.step.build_step(config, d, unet, encoder, sd.model.tokenize(tokenizer, [""]), 1.0)
     latents, ids = data.batch(np.array([0, 1]))
     generator = torch.Generator().manual_seed(5)
     replay = torch.Generator().set_state(generator.get_state())
     step.noise_generator = generator
-    result = SD_TrainStep.train_step(step, [(latents, ids)], 0)
+    result = sd.train.step.train_step(step, [(latents, ids)], 0)
 
     unet_before = base_unet(base_model)
     x0 = latents.float()
     noise = torch.randn(x0.shape, generator=replay)
-    t = SD_Model.sample_timesteps(4, replay)
-    abar = SD_Model.ddpm_alphas_cumprod()[t].float()[:, None, None, None]
+    t = sd.model.sample_timesteps(4, replay)
+    abar = sd.model.ddpm_alphas_cumprod()[t].float()[:, None, None, None]
     noisy = abar.sqrt() * x0 + (1 - abar).sqrt() * noise
     with torch.no_grad():
-        pred = unet_before(noisy, t, encoder_hidden_states=SD_Model.encode_prompt_ids(encoder, ids)).sample
+        pred = unet_before(noisy, t, encoder_hidden_states=sd.model.encode_prompt_ids(encoder, ids)).sample
     per_sample = ((pred - noise) ** 2).mean(dim=(1, 2, 3))
     expected = per_sample[:2].mean() + 0.3 * per_sample[2:].mean()
     assert result["loss"] == pytest.approx(expected.item(), rel=1e-5)
 
 
 def test_cached_prompt_embeddings_give_the_same_step_with_the_text_encoder_off_the_device(base_model):
-    config = SD_TrainConfig.TrainConfig(**{**LORA, "lora_rank": 0, "cfg_dropout": 0.5, "ema_decay": 0.0})
-    tokenizer = SD_Model.load_tokenizer("tiny")
-    ids = SD_Model.tokenize(tokenizer, ["a red circle", "a blue square", "a red circle", "a green star"])
+    config = sd.train.config.TrainConfig(**{**LORA, "lora_rank": 0, "cfg_dropout": 0.5, "ema_decay": 0.0})
+    tokenizer = sd.model.load_tokenizer("tiny")
+    ids = sd.model.tokenize(tokenizer, ["a red circle", "a blue square", "a red circle", "a green star"])
     latents = torch.randn(4, 4, 8, 8, generator=torch.Generator().manual_seed(0)).half()
     results = []
     for cached in (False, True):
-        step = SD_TrainStep.build_step(config, Dist.single(), base_unet(base_model), SD_Model.load_text_encoder("tiny"),
-                                       SD_Model.tokenize(tokenizer, [""]), 1.0)
+        step = sd.train.step.build_step(config, Dist.single(), base_unet(base_model), sd.model.load_text_encoder("tiny"),
+                                       sd.model.tokenize(tokenizer, [""]), 1.0)
         if cached:
-            step.text_cache = SD_TrainStep.TextCache.build(step.text_encoder, ids, "fp32", torch.device("cpu"))
+            step.text_cache = sd.train.step.TextCache.build(step.text_encoder, ids, "fp32", torch.device("cpu"))
             assert len(step.text_cache.embeddings) == 3  # distinct prompts
             step.text_encoder = None  # never called
-        results.append(SD_TrainStep.train_step(step, [(latents, ids)], 0)["loss"])
+        results.append(sd.train.step.train_step(step, [(latents, ids)], 0)["loss"])
     assert results[0] == results[1]
     with pytest.raises(KeyError, match="not in the text-embedding cache"):
-        step.text_cache.lookup(SD_Model.tokenize(tokenizer, ["a yellow star"]))
+        step.text_cache.lookup(sd.model.tokenize(tokenizer, ["a yellow star"]))
 
 
 def test_adamw8bit_keeps_one_byte_moments_for_large_tensors():
-    config = SD_TrainConfig.TrainConfig(**{**LORA, "optimizer": "adamw8bit"})
+    config = sd.train.config.TrainConfig(**{**LORA, "optimizer": "adamw8bit"})
     big, small = torch.nn.Parameter(torch.randn(128, 64)), torch.nn.Parameter(torch.randn(4, 32))
-    optimizer = SD_TrainStep.build_optimizer([big, small], config)
+    optimizer = sd.train.step.build_optimizer([big, small], config)
     (big.square().sum() + small.square().sum()).backward()
     optimizer.step()
     assert optimizer.state[big]["state1"].dtype == torch.uint8 and optimizer.state[big]["state2"].dtype == torch.uint8
@@ -241,16 +242,16 @@ def test_adamw8bit_keeps_one_byte_moments_for_large_tensors():
 
 
 def test_a_text_cache_too_large_is_refused_before_encoding():
-    encoder = SD_Model.load_text_encoder("tiny")
+    encoder = sd.model.load_text_encoder("tiny")
     ids = np.arange(10 * 77).reshape(10, 77) % 1000
     with pytest.raises(MemoryError, match="10 distinct prompts need"):
-        SD_TrainStep.TextCache.build(encoder, ids, "fp32", torch.device("cpu"), max_bytes=10 * 77 * 4)
+        sd.train.step.TextCache.build(encoder, ids, "fp32", torch.device("cpu"), max_bytes=10 * 77 * 4)
 
 
 @pytest.mark.parametrize("name", ["lora", "dreambooth_lora"])
 def test_fine_tuning_recipes_load(name):
     path = Path(__file__).resolve().parents[1] / "configs" / "finetune" / f"{name}.yaml"
-    config = SD_TrainConfig.load_config(["--config", str(path)], check_paths=False)
+    config = sd.train.config.load_config(["--config", str(path)], check_paths=False)
     assert config.lora_rank == 16 and config.init_from and config.cache_text_embeddings
     assert config.precision == "bf16" and config.grad_checkpointing
     assert bool(config.instance_dir) == (name == "dreambooth_lora")
@@ -275,8 +276,8 @@ def test_a_trained_lora_run_exports_and_samples_through_sd_imagegen(tmp_path, ba
     run = str(tmp_path / "run")
     assert SD_ImageGen.main(["--ckpt", run, "--export_lora", str(tmp_path / "k.safetensors"),
                              "--lora_format", "kohya"]) == 0
-    unet, encoder = base_unet(base_model), SD_Model.load_text_encoder("tiny")
-    lora = SD_Formats.read_lora(tmp_path / "k.safetensors", unet, encoder)
+    unet, encoder = base_unet(base_model), sd.model.load_text_encoder("tiny")
+    lora = sd.lora.files.read_lora(tmp_path / "k.safetensors", unet, encoder)
     saved = tmp_path / "run" / "checkpoints" / ckpt.step_dir_name(2)
     ema, adapter = load_file(saved / "ema.safetensors"), load_file(saved / "adapter.safetensors")
     module = "down_blocks.0.attentions.0.transformer_blocks.0.attn2.to_k"

@@ -18,10 +18,10 @@ import pyarrow.parquet as pq
 import pytest
 
 import encode_latents
-import SD_Files
-import SD_Pipeline
-import SD_Shards
-import SD_Tokenizer
+import sd.files
+import sd.data.stages
+import sd.data.shards
+import sd.tokenizer
 from shard_factory import image_bytes, random_image
 
 METADATA = importlib.import_module("pipeline.01_download_metadata")
@@ -75,7 +75,7 @@ def one_line_error(capsys) -> str:
 
 
 def test_zip_members_over_the_cap_are_skipped_and_named_before_they_are_read(tmp_path, monkeypatch):
-    monkeypatch.setattr(SD_Pipeline, "MAX_MEMBER_BYTES", 1 << 20)
+    monkeypatch.setattr(sd.data.stages, "MAX_MEMBER_BYTES", 1 << 20)
     prompts = {name: {"p": f"prompt of {name}"} for name in ("bomb.png", "good.png", "liar.png")}
     part = zip_bytes({"bomb.png": bytes(4 << 20), "good.png": png(), "liar.png": png(1),
                       "part-000001.json": json.dumps(prompts).encode()})
@@ -91,7 +91,7 @@ def test_zip_members_over_the_cap_are_skipped_and_named_before_they_are_read(tmp
 
 
 def test_coco_zip_and_folder_images_over_the_cap_are_skipped_and_named(tmp_path, monkeypatch):
-    monkeypatch.setattr(SD_Pipeline, "MAX_MEMBER_BYTES", 1 << 20)
+    monkeypatch.setattr(sd.data.stages, "MAX_MEMBER_BYTES", 1 << 20)
     captions = {"images": [{"id": 1, "file_name": "1.png", "height": 64, "width": 64},
                            {"id": 2, "file_name": "2.png", "height": 64, "width": 64}],
                 "annotations": [{"id": 10, "image_id": 1, "caption": "one"}, {"id": 11, "image_id": 2, "caption": "two"}]}
@@ -111,24 +111,24 @@ def test_coco_zip_and_folder_images_over_the_cap_are_skipped_and_named(tmp_path,
 
 def test_bounded_reads_stop_at_the_cap():
     archive = zipfile.ZipFile(io.BytesIO(zip_bytes({"big": bytes(5000), "small": b"x" * 10})))
-    assert SD_Files.read_zip_member(archive, archive.getinfo("small"), 100) == b"x" * 10
-    with pytest.raises(SD_Files.TooLarge, match="big declares 5000 bytes, over the cap of 100"):
-        SD_Files.read_zip_member(archive, archive.getinfo("big"), 100)
+    assert sd.files.read_zip_member(archive, archive.getinfo("small"), 100) == b"x" * 10
+    with pytest.raises(sd.files.TooLarge, match="big declares 5000 bytes, over the cap of 100"):
+        sd.files.read_zip_member(archive, archive.getinfo("big"), 100)
     bomb = gzip.compress(bytes(10 << 20))  # 10 KB that inflate to 10 MB
-    with pytest.raises(SD_Files.TooLarge, match="bomb.gz inflates past the cap of 1048576 bytes"):
-        SD_Files.gunzip_bounded(bomb, 1 << 20, "bomb.gz")
-    assert SD_Files.gunzip_bounded(gzip.compress(b"abc"), 3) == b"abc"
+    with pytest.raises(sd.files.TooLarge, match="bomb.gz inflates past the cap of 1048576 bytes"):
+        sd.files.gunzip_bounded(bomb, 1 << 20, "bomb.gz")
+    assert sd.files.gunzip_bounded(gzip.compress(b"abc"), 3) == b"abc"
     with pytest.raises(ValueError, match="truncated"):
-        SD_Files.gunzip_bounded(gzip.compress(bytes(1000))[:-12], 1 << 20)
+        sd.files.gunzip_bounded(gzip.compress(bytes(1000))[:-12], 1 << 20)
 
 
 def test_the_tokenizer_refuses_a_bpe_file_that_inflates_past_its_cap(tmp_path, monkeypatch):
     bomb = tmp_path / "bpe.txt.gz"
     bomb.write_bytes(gzip.compress(b"#version\n" + b"a b\n" * (1 << 20)))  # 4 MB of merges
     monkeypatch.setenv("SD_CLIP_BPE", str(bomb))
-    monkeypatch.setattr(SD_Tokenizer, "MAX_BPE_TEXT_BYTES", 1 << 20)
-    with pytest.raises(SD_Files.TooLarge, match=f"{bomb} inflates past the cap"):
-        SD_Tokenizer._read_clip_bpe()
+    monkeypatch.setattr(sd.tokenizer, "MAX_BPE_TEXT_BYTES", 1 << 20)
+    with pytest.raises(sd.files.TooLarge, match=f"{bomb} inflates past the cap"):
+        sd.tokenizer._read_clip_bpe()
 
 
 def files_in(folder) -> list[str]:
@@ -232,7 +232,7 @@ def test_import_folder_counts_bad_caption_encodings_and_reads_images_by_content(
     stats = stats_of(out, 0)
     assert (stats["successes"], stats["failed"]) == (2, {"bad_caption_encoding": 1, "undecodable": 1})
     assert stats["examples"] == {"bad_caption_encoding": ["latin.png"], "undecodable": ["page.jpg"]}
-    samples, _ = SD_Shards.read_shard((out / "00000.tar").read_bytes())
+    samples, _ = sd.data.shards.read_shard((out / "00000.tar").read_bytes())
     assert [s.key for s in samples] == ["good", "really_png"]
 
 
@@ -480,24 +480,24 @@ BODY = bytes(range(256)) * 40
 
 def test_a_partial_reply_nobody_asked_for_is_refused(tmp_path):
     with http_server(partial_from(BODY, 100)) as url:
-        with pytest.raises(SD_Pipeline.DownloadError, match="partial content .bytes 100-10239/10240. that does not "
+        with pytest.raises(sd.data.stages.DownloadError, match="partial content .bytes 100-10239/10240. that does not "
                                                            "start at byte 0"):
-            SD_Pipeline.download(f"{url}/f.bin", tmp_path / "f.bin", retries=0)
+            sd.data.stages.download(f"{url}/f.bin", tmp_path / "f.bin", retries=0)
     assert files_in(tmp_path) == []
 
 
 def test_a_resumed_download_answered_from_the_wrong_offset_is_refused(tmp_path):
     (tmp_path / "f.bin.part").write_bytes(BODY[:500])
     with http_server(partial_from(BODY, 0)) as url:  # 206 from byte 0 though byte 500 was asked for
-        with pytest.raises(SD_Pipeline.DownloadError, match="does not start at byte 500"):
-            SD_Pipeline.download(f"{url}/f.bin", tmp_path / "f.bin", retries=0)
+        with pytest.raises(sd.data.stages.DownloadError, match="does not start at byte 500"):
+            sd.data.stages.download(f"{url}/f.bin", tmp_path / "f.bin", retries=0)
     assert files_in(tmp_path) == []  # the partial file is dropped: the next try starts clean
 
 
 def test_a_body_cut_short_is_retried_then_a_download_error(tmp_path):
     with http_server(cut_short(BODY)) as url:
-        with pytest.raises(SD_Pipeline.DownloadError, match="gave up after 2 tries"):
-            SD_Pipeline.download(f"{url}/f.bin", tmp_path / "f.bin", retries=1, backoff=0.01)
+        with pytest.raises(sd.data.stages.DownloadError, match="gave up after 2 tries"):
+            sd.data.stages.download(f"{url}/f.bin", tmp_path / "f.bin", retries=1, backoff=0.01)
     assert not (tmp_path / "f.bin").exists()
 
 

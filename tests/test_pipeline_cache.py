@@ -11,9 +11,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import SD_Data
-import SD_Model
-import SD_Shards
+import sd.data.training_data
+import sd.model
+import sd.data.shards
 from data_factory import make_latents
 from shard_factory import image_bytes, random_image
 
@@ -25,14 +25,14 @@ stage05 = importlib.import_module("pipeline.05_build_hf_dataset")
 def make_shards(folder: Path) -> None:
     rng = np.random.default_rng(0)
     png = image_bytes(random_image(rng, 16, 16), "PNG")
-    SD_Shards.write_shard(folder / "00000.tar", [
-        SD_Shards.ShardSample("k0", png, "png", "a photo of a cat"),
-        SD_Shards.ShardSample("k1", png, "png", "A Photo, of THE café!! " + "long " * 100),
-        SD_Shards.ShardSample("k2", png, "png", None),  # no caption
+    sd.data.shards.write_shard(folder / "00000.tar", [
+        sd.data.shards.ShardSample("k0", png, "png", "a photo of a cat"),
+        sd.data.shards.ShardSample("k1", png, "png", "A Photo, of THE café!! " + "long " * 100),
+        sd.data.shards.ShardSample("k2", png, "png", None),  # no caption
     ])
-    SD_Shards.write_shard(folder / "00001.tar", [
-        SD_Shards.ShardSample("k3", png, "png", "a red circle"),
-        SD_Shards.ShardSample("k4", None, "", "a caption without an image"),
+    sd.data.shards.write_shard(folder / "00001.tar", [
+        sd.data.shards.ShardSample("k3", png, "png", "a red circle"),
+        sd.data.shards.ShardSample("k4", None, "", "a caption without an image"),
     ])
 
 
@@ -55,7 +55,7 @@ def test_04_writes_keys_captions_and_77_token_ids(captions):
     assert ids[0, :7].tolist() == [49406, 320, 1125, 539, 320, 2368, 49407]
     assert (ids[0, 7:] == 49407).all()
     assert ids[1, -1] == 49407  # a long caption is truncated and still closed
-    expected = SD_Model.tokenize(SD_Model.load_tokenizer("tiny"), [table.column("caption").to_pylist()[1]])
+    expected = sd.model.tokenize(sd.model.load_tokenizer("tiny"), [table.column("caption").to_pylist()[1]])
     assert ids[1].tolist() == expected[0].tolist()
     stats = json.loads((out / "00000_stats.json").read_text())
     assert (stats["successes"], stats["failed"]) == (2, {"no_caption": 1})
@@ -85,10 +85,10 @@ def test_05_joins_to_latents_splits_by_hash_and_the_trainer_reads_it(captions, c
     assert "no latent for: k1" in capsys.readouterr().out
     expected_val = [k for k in ("k0", "k3") if stage05.is_validation(k, 0.5)]
     assert stats["train"] + stats["validation"] == 2 and stats["validation"] == len(expected_val)
-    store = SD_Data.LatentStore(captions / "latents")
+    store = sd.data.training_data.LatentStore(captions / "latents")
     joined = {}
     for split in ("train", "validation"):
-        part = SD_Data.join_split(out, split, store)
+        part = sd.data.training_data.join_split(out, split, store)
         joined.update({k: ids for k, ids in zip(part.keys, part.input_ids)})
         assert part.input_ids.shape == (1, 77)  # k0 is drawn for validation, k3 for training
     assert sorted(joined) == ["k0", "k3"]
@@ -135,17 +135,17 @@ def sample_view(samples):
 def test_04_tar_reader_matches_read_shard_at_every_cut(tmp_path):
     rng = np.random.default_rng(0)
     png = image_bytes(random_image(rng, 24, 24), "PNG")
-    SD_Shards.write_shard(tmp_path / "full.tar", [
-        SD_Shards.ShardSample("k0", png, "png", "first", b"{}"),
-        SD_Shards.ShardSample("k1", png, "png", "", b"{}"),
-        SD_Shards.ShardSample("k2", None, "", "no image"),
-        SD_Shards.ShardSample("k3", png * 3, "png", "third", b"{}"),
+    sd.data.shards.write_shard(tmp_path / "full.tar", [
+        sd.data.shards.ShardSample("k0", png, "png", "first", b"{}"),
+        sd.data.shards.ShardSample("k1", png, "png", "", b"{}"),
+        sd.data.shards.ShardSample("k2", None, "", "no image"),
+        sd.data.shards.ShardSample("k3", png * 3, "png", "third", b"{}"),
     ])
     data = (tmp_path / "full.tar").read_bytes()
     cuts = sorted({*range(0, len(data), 512), *range(100, len(data), 700), len(data)})
     for cut in cuts:  # every header, payload and padding boundary, and points inside them
         (tmp_path / "cut.tar").write_bytes(data[:cut])
-        expected, expected_cut = SD_Shards.read_shard(data[:cut])
+        expected, expected_cut = sd.data.shards.read_shard(data[:cut])
         samples, truncated_key = stage04.tar_samples(tmp_path / "cut.tar")
         assert (sample_view(samples), truncated_key) == (sample_view(expected), expected_cut), cut
     assert sample_view(stage04.tar_samples(tmp_path / "full.tar")[0])[0] == ("k0", "first", True, None)
@@ -171,14 +171,14 @@ def sparse_tar(path: Path, members: list[tuple[str, int | bytes]]) -> None:
 def test_04_reads_no_image_bytes_and_skips_oversized_captions(tmp_path, monkeypatch):
     import tracemalloc
 
-    monkeypatch.setattr(stage04.SD_Pipeline, "MAX_MEMBER_BYTES", 1 << 20)
+    monkeypatch.setattr(stage04.sd.data.stages, "MAX_MEMBER_BYTES", 1 << 20)
     image = 256 << 20  # 256 MB of image bytes per sample, on disk only as holes
     sparse_tar(tmp_path / "00000.tar", [
         ("a.jpg", image), ("a.txt", b"a huge image"), ("a.json", image),
         ("b.jpg", image), ("b.txt", 2 << 20),  # a 2 MB caption: over the (patched) member cap
         ("c.jpg", image), ("c.txt", b"  a third caption \n"),
     ])
-    tokenizer = SD_Model.load_tokenizer("tiny")
+    tokenizer = sd.model.load_tokenizer("tiny")
     sparse_tar(tmp_path / "warm.tar", [("w.jpg", 8), ("w.txt", b"first call: imports")])
     stage04.process_shard(tmp_path / "warm.tar", tmp_path / "out", tokenizer, 64)
     io_before = Path("/proc/self/io").read_text() if Path("/proc/self/io").exists() else None
@@ -204,9 +204,9 @@ def img2dataset_shard(folder: Path) -> None:
     rows = [("000000000", "a cat ", "success"), ("000000001", "lost", "failed_to_download"),
             ("000000002", None, "success"), ("000000003", "   ", "success"), ("000000004", "x", "failed_to_resize"),
             ("000000005", "a dog\n", "success"), ("000000005", "again", "success"), ("000000007", "café", "success")]
-    samples = [SD_Shards.ShardSample(k, jpg, "jpg", "" if c is None else c, b"{}") for k, c, s in rows if s == "success"]
+    samples = [sd.data.shards.ShardSample(k, jpg, "jpg", "" if c is None else c, b"{}") for k, c, s in rows if s == "success"]
     folder.mkdir(parents=True)
-    SD_Shards.write_shard(folder / "00000.tar", samples)
+    sd.data.shards.write_shard(folder / "00000.tar", samples)
     schema = pa.schema([("url", pa.string()), ("caption", pa.string()), ("key", pa.string()), ("status", pa.string()),
                         ("width", pa.int32())])
     pq.write_table(pa.table({"url": [f"http://x/{i}" for i in range(len(rows))], "caption": [c for _, c, _ in rows],

@@ -8,7 +8,8 @@ import numpy as np
 import torch
 
 import encode_latents
-import SD_Data
+import sd.data.training_data
+import sd.distributed
 import SD_Train
 from shard_factory import image_bytes, random_image
 
@@ -43,24 +44,24 @@ def test_folder_to_training_run(tmp_path):
     assert json.loads((tmp_path / "latents" / "latents.json").read_text())["count"] == 24
 
     # Opened the way the trainer opens it: every caption has its latent and its tokens.
-    store = SD_Data.LatentStore(tmp_path / "latents")
-    train = SD_Data.join_split(tmp_path / "dataset", "train", store)
+    store = sd.data.training_data.LatentStore(tmp_path / "latents")
+    train = sd.data.training_data.join_split(tmp_path / "dataset", "train", store)
     assert len(train) == build["train"] and train.input_ids.shape == (build["train"], 77)
     from datasets import load_from_disk
 
-    import SD_Model
+    import sd.model
 
     rows = load_from_disk(str(tmp_path / "dataset"))["train"]
-    tokenizer = SD_Model.load_tokenizer("tiny")
+    tokenizer = sd.model.load_tokenizer("tiny")
     for key, caption, ids in zip(rows["key"], rows["caption"], train.input_ids):
         assert caption == f"a picture number {int(key.removeprefix('img'))}"
-        assert ids.tolist() == SD_Model.tokenize(tokenizer, [caption])[0].tolist()
+        assert ids.tolist() == sd.model.tokenize(tokenizer, [caption])[0].tolist()
     config = SD_Train.TrainConfig(
         datasets=[{"dataset": str(tmp_path / "dataset"), "latents": str(tmp_path / "latents"), "weight": 1.0}],
         unet="tiny", vae="tiny", text_encoder="tiny", precision="fp32", device="cpu", grad_checkpointing=False,
         batch_size=4, grad_accum=1, max_steps=3, warmup_steps=1, lr=1e-3, validate_every=0,
         out_dir=str(tmp_path / "run"), log_every=1)
     config.validate()
-    assert SD_Train.train(config, SD_Train.Dist(0, 1, 0, torch.device("cpu"), True)) == 0
+    assert SD_Train.train(config, sd.distributed.Dist(0, 1, 0, torch.device("cpu"), True)) == 0
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3] and all(np.isfinite(r["loss"]) for r in records)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-import SD_Shards
+import sd.data.shards
 from shard_factory import image_bytes, random_image
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,7 +38,7 @@ def read_output(out: Path) -> dict[str, dict]:
     """key -> caption, metadata, decoded image size and shard name, in shard order."""
     samples = {}
     for tar in sorted(out.glob("*.tar")):
-        shard, truncated = SD_Shards.read_shard(tar.read_bytes())
+        shard, truncated = sd.data.shards.read_shard(tar.read_bytes())
         assert truncated is None
         for sample in shard:
             size = Image.open(io.BytesIO(sample.image)).size
@@ -391,10 +391,10 @@ def test_keep_aspect_scales_the_whole_image_by_its_short_or_long_side(aspect_src
         assert (meta["width"], meta["height"]) == SIZES[mode][key]
     assert summary(out)["dropped"] == {"extreme_aspect": 1} and summary(out)["keep_aspect"] == mode
     if mode == "short":  # the whole width is kept: the left and right edges are the original's
-        wide = SD_Shards.decode_image((aspect_src / "wide.jpg").read_bytes(), "jpg")
-        tar = SD_Shards.read_shard((out / "00000.tar").read_bytes())[0]
-        written = SD_Shards.decode_image(next(s.image for s in tar if s.key == "wide"), "jpg")
-        expected = SD_Shards.resize_keep_aspect(wide, 64).astype(int)
+        wide = sd.data.shards.decode_image((aspect_src / "wide.jpg").read_bytes(), "jpg")
+        tar = sd.data.shards.read_shard((out / "00000.tar").read_bytes())[0]
+        written = sd.data.shards.decode_image(next(s.image for s in tar if s.key == "wide"), "jpg")
+        expected = sd.data.shards.resize_keep_aspect(wide, 64).astype(int)
         assert np.abs(written.astype(int) - expected).mean() < 8  # JPEG noise only
 
 

@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import SD_Shards
+import sd.data.shards
 from http_server import LoopbackServer
 from shard_factory import image_bytes, random_image
 
@@ -479,7 +479,7 @@ def run03(inputs: Path, out: Path, *extra) -> dict:
 def read_samples(out: Path) -> dict:
     samples = {}
     for tar in sorted(out.glob("*.tar")):
-        read, truncated = SD_Shards.read_shard(tar.read_bytes())
+        read, truncated = sd.data.shards.read_shard(tar.read_bytes())
         assert truncated is None
         samples.update((sample.key, sample) for sample in read)
     return samples
@@ -491,7 +491,7 @@ def check_samples(out: Path, metadata: list[dict]) -> None:
     by_url = {row["URL"]: row for row in metadata}
     for sample in samples.values():
         meta = json.loads(sample.metadata)
-        assert SD_Shards.decode_image(sample.image, sample.image_ext).shape == (64, 64, 3)
+        assert sd.data.shards.decode_image(sample.image, sample.image_ext).shape == (64, 64, 3)
         assert sample.caption == by_url[meta["url"]]["TEXT"]
         assert meta["aesthetic"] == pytest.approx(by_url[meta["url"]]["aesthetic"])
         assert meta["punsafe"] == pytest.approx(0.1) and {"similarity", "pwatermark"} <= meta.keys()
@@ -575,7 +575,7 @@ def test_download_images_keep_aspect_keeps_the_whole_image(tmp_path):
     written = {}
     for sample in read_samples(tmp_path / "shards").values():
         meta = json.loads(sample.metadata)
-        image = SD_Shards.decode_image(sample.image, sample.image_ext)
+        image = sd.data.shards.decode_image(sample.image, sample.image_ext)
         assert (meta["height"], meta["width"]) == image.shape[:2]
         written[meta["original_height"], meta["original_width"]] = image
     assert {original: image.shape[:2] for original, image in written.items()} == {

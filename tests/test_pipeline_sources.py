@@ -10,7 +10,7 @@ import zipfile
 import numpy as np
 import pytest
 
-import SD_Shards
+import sd.data.shards
 from http_server import LoopbackServer
 from shard_factory import image_bytes, random_image
 
@@ -28,7 +28,7 @@ COCO = importlib.import_module("pipeline.01d_download_coco")
 def make_image(seed: int, height: int, width: int, fmt: str) -> tuple[bytes, np.ndarray]:
     """Encoded bytes and the RGB pixels a decoder gets back from them."""
     data = image_bytes(random_image(np.random.default_rng(seed), height, width), fmt)
-    return data, SD_Shards.decode_image(data, {"PNG": "png", "JPEG": "jpg", "WEBP": "webp"}[fmt])
+    return data, sd.data.shards.decode_image(data, {"PNG": "png", "JPEG": "jpg", "WEBP": "webp"}[fmt])
 
 
 def zip_bytes(members: dict[str, bytes]) -> bytes:
@@ -57,19 +57,19 @@ def read_output(out_dir) -> dict[str, tuple[str, dict, np.ndarray]]:
     """key -> (caption, metadata, RGB pixels) over every shard of a stage's output."""
     samples = {}
     for tar in sorted(out_dir.glob("*.tar")):
-        shard, truncated = SD_Shards.read_shard(tar.read_bytes())
+        shard, truncated = sd.data.shards.read_shard(tar.read_bytes())
         assert truncated is None
         for sample in shard:
             assert sample.image_ext == "jpg" and sample.key not in samples
             samples[sample.key] = (sample.caption, json.loads(sample.metadata),
-                                   SD_Shards.decode_image(sample.image, "jpg"))
+                                   sd.data.shards.decode_image(sample.image, "jpg"))
     return samples
 
 
 def assert_same_picture(rgb: np.ndarray, original: np.ndarray) -> None:
     """The output is the original's short-side resize + centre crop (up to JPEG error)."""
     assert rgb.shape == (RES, RES, 3)
-    expected = SD_Shards.resize_center_crop(original, RES).astype(np.float32)
+    expected = sd.data.shards.resize_center_crop(original, RES).astype(np.float32)
     assert np.abs(rgb.astype(np.float32) - expected).mean() < 6
 
 

@@ -4,15 +4,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import SD_Checkpoint as ckpt
-import SD_Data
+import sd.train.checkpoint as ckpt
+import sd.data.training_data
 from data_factory import make_captions, make_dataset, make_latents
 
 
 def test_rank_batches_are_disjoint_equal_and_cover_the_epoch():
-    order = SD_Data.epoch_order([50], [1.0], seed=0, epoch=0)
+    order = sd.data.training_data.epoch_order([50], [1.0], seed=0, epoch=0)
     assert sorted(order.tolist()) == list(range(50))
-    per_rank = [SD_Data.rank_batches(order, r, 3, 4) for r in range(3)]
+    per_rank = [sd.data.training_data.rank_batches(order, r, 3, 4) for r in range(3)]
     assert [len(b) for b in per_rank] == [4, 4, 4]  # 50 // (3 * 4) = 4 batches each; the tail is dropped
     seen = [i for batches in per_rank for b in batches for i in b.tolist()]
     assert len(seen) == len(set(seen)) == 48
@@ -20,15 +20,15 @@ def test_rank_batches_are_disjoint_equal_and_cover_the_epoch():
 
 
 def test_epoch_order_is_deterministic_per_seed_and_epoch():
-    a = SD_Data.epoch_order([40, 10], [1.0, 1.0], seed=3, epoch=2)
-    assert np.array_equal(a, SD_Data.epoch_order([40, 10], [1.0, 1.0], seed=3, epoch=2))
-    assert not np.array_equal(a, SD_Data.epoch_order([40, 10], [1.0, 1.0], seed=3, epoch=3))
-    assert not np.array_equal(a, SD_Data.epoch_order([40, 10], [1.0, 1.0], seed=4, epoch=2))
+    a = sd.data.training_data.epoch_order([40, 10], [1.0, 1.0], seed=3, epoch=2)
+    assert np.array_equal(a, sd.data.training_data.epoch_order([40, 10], [1.0, 1.0], seed=3, epoch=2))
+    assert not np.array_equal(a, sd.data.training_data.epoch_order([40, 10], [1.0, 1.0], seed=3, epoch=3))
+    assert not np.array_equal(a, sd.data.training_data.epoch_order([40, 10], [1.0, 1.0], seed=4, epoch=2))
 
 
 def test_weighted_mix_follows_the_weights_and_repeats_small_sets():
     sizes, weights = [1000, 50, 200], [0.6, 0.2, 0.2]
-    order = SD_Data.epoch_order(sizes, weights, seed=0, epoch=0, epoch_size=2000)
+    order = sd.data.training_data.epoch_order(sizes, weights, seed=0, epoch=0, epoch_size=2000)
     which = np.searchsorted(np.cumsum([0] + sizes), order, side="right") - 1
     assert np.bincount(which).tolist() == [1200, 400, 400]
     small = order[which == 1] - 1000
@@ -54,8 +54,8 @@ def test_latent_store_ram_and_mmap_agree(tmp_path):
     latents = rng.normal(size=(37, 4, 8, 8)).astype(np.float16)
     keys = [f"key{i}" for i in range(37)]
     folder = make_latents(tmp_path / "lat", keys, latents, shard_size=10)
-    ram = SD_Data.LatentStore(folder, threads=4)
-    mapped = SD_Data.LatentStore(folder, mmap=True)
+    ram = sd.data.training_data.LatentStore(folder, threads=4)
+    mapped = sd.data.training_data.LatentStore(folder, mmap=True)
     rows = np.array([36, 0, 15, 15, 9])
     assert np.array_equal(ram.gather(rows), latents[rows])
     assert np.array_equal(mapped.gather(rows), latents[rows])
@@ -67,32 +67,32 @@ def test_latent_store_reads_the_per_image_layout(tmp_path):
     folder.mkdir()
     for i in range(3):
         np.save(folder / f"img{i}.npy", np.full((4, 8, 8), i, dtype=np.float16))
-    store = SD_Data.LatentStore(folder)
+    store = sd.data.training_data.LatentStore(folder)
     assert store.keys == ["img0", "img1", "img2"]
     assert store.gather(np.array([2]))[0, 0, 0, 0] == 2
 
 
 def test_shape_mismatch_names_the_files(tmp_path):
     folder = _store(tmp_path, [(4, 8, 8), (4, 8, 8), (4, 16, 16)])
-    with pytest.raises(SD_Data.DataError, match=r"00002\.npy \(4, 16, 16\)"):
-        SD_Data.LatentStore(folder)
+    with pytest.raises(sd.data.training_data.DataError, match=r"00002\.npy \(4, 16, 16\)"):
+        sd.data.training_data.LatentStore(folder)
 
 
 def test_missing_latents_are_counted_and_named(tmp_path):
     folder = _store(tmp_path, [(4, 8, 8)])
     captions = make_captions(tmp_path / "caps", [("k0_0", "a"), ("k0_1", "b"), ("lost", "c"), ("gone", "d")], [])
-    store = SD_Data.LatentStore(folder)
-    with pytest.raises(SD_Data.DataError, match=r"2 of 4 captions.*'lost', 'gone'"):
-        SD_Data.join_split(captions, "train", store)
-    joined = SD_Data.join_split(captions, "train", store, allow_missing=True)
+    store = sd.data.training_data.LatentStore(folder)
+    with pytest.raises(sd.data.training_data.DataError, match=r"2 of 4 captions.*'lost', 'gone'"):
+        sd.data.training_data.join_split(captions, "train", store)
+    joined = sd.data.training_data.join_split(captions, "train", store, allow_missing=True)
     assert joined.keys == ["k0_0", "k0_1"] and joined.rows.tolist() == [0, 1]
 
 
 def test_mixed_data_batches_join_latents_to_their_tokens(tmp_path):
     entry_a = make_dataset(tmp_path / "a", n_train=8, n_val=0, seed=0, prefix="a")
     entry_b = make_dataset(tmp_path / "b", n_train=4, n_val=0, seed=1, prefix="b")
-    splits = [SD_Data.join_split(e["dataset"], "train", SD_Data.LatentStore(e["latents"])) for e in (entry_a, entry_b)]
-    data = SD_Data.MixedData(splits, [1.0, 1.0])
+    splits = [sd.data.training_data.join_split(e["dataset"], "train", sd.data.training_data.LatentStore(e["latents"])) for e in (entry_a, entry_b)]
+    data = sd.data.training_data.MixedData(splits, [1.0, 1.0])
     latents, ids = data.batch(np.array([9, 1]))  # 9 = dataset b, sample 1
     store_b = splits[1].store
     assert np.array_equal(latents[0].numpy(), store_b.gather(np.array([store_b.row_of["b00001"]]))[0])
@@ -134,7 +134,7 @@ def test_caption_split_arrow_load_equals_the_per_row_load(tmp_path, ids_type):
     splits.save_to_disk(str(tmp_path / "ds"), max_shard_size=8000)  # several files: a column of several chunks
     assert len(list((tmp_path / "ds" / "train").glob("*.arrow"))) > 1
     for split, rows in (("train", ids[3:]), ("validation", ids[:3])):
-        keys, input_ids = SD_Data.load_caption_split(tmp_path / "ds", split)
+        keys, input_ids = sd.data.training_data.load_caption_split(tmp_path / "ds", split)
         expected_keys, expected_ids = per_row_caption_split(tmp_path / "ds", split)
         assert keys == expected_keys and all(type(k) is str for k in keys)
         assert input_ids.dtype == expected_ids.dtype == np.int64 and np.array_equal(input_ids, expected_ids)
@@ -151,12 +151,12 @@ def test_caption_split_token_ids_of_the_wrong_shape_are_one_error(tmp_path, ids,
     from datasets import Dataset, DatasetDict
 
     DatasetDict({"train": Dataset.from_dict({"key": ["a", "b"], "input_ids": ids})}).save_to_disk(str(tmp_path / "ds"))
-    with pytest.raises(SD_Data.DataError) as info:
-        SD_Data.load_caption_split(tmp_path / "ds", "train")
+    with pytest.raises(sd.data.training_data.DataError) as info:
+        sd.data.training_data.load_caption_split(tmp_path / "ds", "train")
     assert str(tmp_path / "ds") in str(info.value) and message in str(info.value)
     Dataset.from_dict({"key": ["a"], "input_ids": [[1] * 77]}).save_to_disk(str(tmp_path / "single"))
-    with pytest.raises(SD_Data.DataError, match="is a single table, not train/validation splits"):
-        SD_Data.load_caption_split(tmp_path / "single", "train")
+    with pytest.raises(sd.data.training_data.DataError, match="is a single table, not train/validation splits"):
+        sd.data.training_data.load_caption_split(tmp_path / "single", "train")
 
 
 def test_prune_keeps_newest_and_every_kth(tmp_path):
@@ -174,15 +174,15 @@ def test_prune_keeps_newest_and_every_kth(tmp_path):
 
 
 def test_validation_indices_share_the_count_by_weight_and_spread_over_each_dataset():
-    indices = SD_Data.validation_indices([100, 50, 0, 10], [1.0, 1.0, 5.0, 2.0], 40)
+    indices = sd.data.training_data.validation_indices([100, 50, 0, 10], [1.0, 1.0, 5.0, 2.0], 40)
     which = np.searchsorted(np.cumsum([0, 100, 50, 0, 10]), indices, side="right") - 1
     # 40 by weight 1:1:2 is 10, 10, 20; dataset 3 holds only 10, and the other 10 go to datasets 0 and 1 by weight
     assert np.bincount(which, minlength=4).tolist() == [15, 15, 0, 10]
     assert len(set(indices.tolist())) == 40
     first = indices[which == 0]
     assert first.min() == 0 and first.max() >= 90  # spread over all of dataset 0, not its first rows
-    assert SD_Data.validation_indices([3, 2], [1.0, 1.0], 100).tolist() == [0, 1, 2, 3, 4]
-    assert SD_Data.validation_indices([0, 0], [1.0, 1.0], 8).tolist() == []
+    assert sd.data.training_data.validation_indices([3, 2], [1.0, 1.0], 100).tolist() == [0, 1, 2, 3, 4]
+    assert sd.data.training_data.validation_indices([0, 0], [1.0, 1.0], 8).tolist() == []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -214,8 +214,8 @@ def test_a_damaged_latent_folder_is_one_error_naming_the_file(tmp_path, case, mm
     (folder / "latents.json").write_text('{"vae": "tiny", "scaling_factor": 0.18215, "complete": true}')
     name, damage, message = DAMAGE[case]
     damage(folder / name)
-    with pytest.raises(SD_Data.DataError) as info:
-        SD_Data.LatentStore(folder, mmap=mmap)
+    with pytest.raises(sd.data.training_data.DataError) as info:
+        sd.data.training_data.LatentStore(folder, mmap=mmap)
     assert str(folder / name) in str(info.value) and message in str(info.value)
     assert "\n" not in str(info.value)
 
@@ -226,21 +226,21 @@ def test_a_damaged_per_image_latent_is_one_error_naming_the_file(tmp_path):
     for i in range(3):
         np.save(folder / f"img{i}.npy", np.full((4, 8, 8), i, dtype=np.float16))
     _truncate(folder / "img1.npy")
-    with pytest.raises(SD_Data.DataError, match=r"img1\.npy is not a readable latent \.npy file"):
-        SD_Data.LatentStore(folder)
+    with pytest.raises(sd.data.training_data.DataError, match=r"img1\.npy is not a readable latent \.npy file"):
+        sd.data.training_data.LatentStore(folder)
 
 
 def test_an_unfinished_latent_folder_is_refused_naming_it(tmp_path):
     folder = _store(tmp_path, [(4, 8, 8)])
     (folder / "latents.json").write_text('{"vae": "tiny", "scaling_factor": 0.18215, "complete": false}')
-    with pytest.raises(SD_Data.DataError, match=f"latent folder {folder} is not completely encoded"):
-        SD_Data.LatentStore(folder)
-    with pytest.raises(SD_Data.DataError, match="not completely encoded"):
-        SD_Data.latent_keys(folder)
+    with pytest.raises(sd.data.training_data.DataError, match=f"latent folder {folder} is not completely encoded"):
+        sd.data.training_data.LatentStore(folder)
+    with pytest.raises(sd.data.training_data.DataError, match="not completely encoded"):
+        sd.data.training_data.latent_keys(folder)
     (folder / "latents.json").write_text('{"vae": "tiny", "scaling_factor": 0.18215, "complete": true}')
-    assert len(SD_Data.LatentStore(folder)) == 2
+    assert len(sd.data.training_data.LatentStore(folder)) == 2
     (folder / "latents.json").write_text('{"vae": "tiny", "scaling_factor": 0.18215}')  # written before the flag
-    assert len(SD_Data.LatentStore(folder)) == 2
+    assert len(sd.data.training_data.LatentStore(folder)) == 2
 
 
 @pytest.mark.parametrize("case", ["truncated shard", "bad json", "unfinished"])
@@ -275,11 +275,11 @@ def test_flip_reads_each_samples_mirrored_latents_by_its_coin(tmp_path, mmap):
     latents = rng.normal(size=(40, 4, 8, 8)).astype(np.float16)
     keys = [f"key{i}" for i in range(40)]
     folder = make_latents(tmp_path / "lat", keys, latents, shard_size=16, flipped=latents[..., ::-1])
-    store = SD_Data.LatentStore(folder, mmap=mmap, flip=True)
+    store = sd.data.training_data.LatentStore(folder, mmap=mmap, flip=True)
     rows = np.arange(40)[::-1].copy()  # sample i of the split is row 39 - i of the store
-    data = SD_Data.MixedData([SD_Data.JoinedSplit("d", store, rows, np.zeros((40, 77), np.int64), keys[::-1])], [1.0])
-    order = SD_Data.epoch_order(data.sizes, data.weights, seed=3, epoch=1)
-    coins = SD_Data.flip_coins(3, 1, len(order))
+    data = sd.data.training_data.MixedData([sd.data.training_data.JoinedSplit("d", store, rows, np.zeros((40, 77), np.int64), keys[::-1])], [1.0])
+    order = sd.data.training_data.epoch_order(data.sizes, data.weights, seed=3, epoch=1)
+    coins = sd.data.training_data.flip_coins(3, 1, len(order))
     for start in (0, 20):  # two batches of 20: each takes about half from the mirrored latents
         batch = slice(start, start + 20)
         got, _ = data.batch(order[batch], coins[batch])
@@ -291,30 +291,30 @@ def test_flip_reads_each_samples_mirrored_latents_by_its_coin(tmp_path, mmap):
         assert np.array_equal(again.numpy(), got.numpy())
     plain, _ = data.batch(order)
     assert np.array_equal(plain.numpy(), latents[rows[order]])  # no coins: the latents as encoded
-    assert abs(SD_Data.flip_coins(3, 1, 20_000).mean() - 0.5) < 0.02
+    assert abs(sd.data.training_data.flip_coins(3, 1, 20_000).mean() - 0.5) < 0.02
 
 
 def test_flip_coins_depend_only_on_seed_epoch_and_position():
-    coins = SD_Data.flip_coins(7, 2, 64)
+    coins = sd.data.training_data.flip_coins(7, 2, 64)
     np.random.seed(1)
     np.random.random(100)  # the process's other random streams do not move them
-    assert np.array_equal(SD_Data.flip_coins(7, 2, 64), coins)
-    assert np.array_equal(SD_Data.flip_coins(7, 2, 100)[:64], coins)  # a position's coin is its own
-    assert not np.array_equal(SD_Data.flip_coins(7, 3, 64), coins)
-    assert not np.array_equal(SD_Data.flip_coins(8, 2, 64), coins)
+    assert np.array_equal(sd.data.training_data.flip_coins(7, 2, 64), coins)
+    assert np.array_equal(sd.data.training_data.flip_coins(7, 2, 100)[:64], coins)  # a position's coin is its own
+    assert not np.array_equal(sd.data.training_data.flip_coins(7, 3, 64), coins)
+    assert not np.array_equal(sd.data.training_data.flip_coins(8, 2, 64), coins)
 
 
 def test_flip_without_flipped_latents_names_the_folder(tmp_path):
     folder = make_latents(tmp_path / "lat", ["a", "b"], np.zeros((2, 4, 8, 8)))
-    with pytest.raises(SD_Data.DataError, match=f"flip: latent folder {folder} has no flipped latents.*"
+    with pytest.raises(sd.data.training_data.DataError, match=f"flip: latent folder {folder} has no flipped latents.*"
                                                 r"00000\.flip\.npy.*encode_latents\.py --flip"):
-        SD_Data.LatentStore(folder, flip=True)
-    assert SD_Data.LatentStore(folder).flipped is None
+        sd.data.training_data.LatentStore(folder, flip=True)
+    assert sd.data.training_data.LatentStore(folder).flipped is None
     (folder / "00000.flip.npy").write_bytes(b"\x93NUMPY damaged")
-    with pytest.raises(SD_Data.DataError, match=r"00000\.flip\.npy is not a readable latent \.npy file"):
-        SD_Data.LatentStore(folder, flip=True)
-    with pytest.raises(SD_Data.DataError, match="not loaded"):
-        SD_Data.LatentStore(folder).gather(np.array([0]), np.array([True]))
+    with pytest.raises(sd.data.training_data.DataError, match=r"00000\.flip\.npy is not a readable latent \.npy file"):
+        sd.data.training_data.LatentStore(folder, flip=True)
+    with pytest.raises(sd.data.training_data.DataError, match="not loaded"):
+        sd.data.training_data.LatentStore(folder).gather(np.array([0]), np.array([True]))
 
 
 def test_flip_reads_the_per_image_layout(tmp_path):
@@ -323,7 +323,7 @@ def test_flip_reads_the_per_image_layout(tmp_path):
     for i in range(3):
         np.save(folder / f"img{i}.npy", np.full((4, 8, 8), i, dtype=np.float16))
         np.save(folder / f"img{i}.flip.npy", np.full((4, 8, 8), -i, dtype=np.float16))
-    store = SD_Data.LatentStore(folder, flip=True)
+    store = sd.data.training_data.LatentStore(folder, flip=True)
     assert store.keys == ["img0", "img1", "img2"]
     got = store.gather(np.array([2, 1, 2]), np.array([True, False, False]))
     assert got[:, 0, 0, 0].tolist() == [-2, 1, 2]
@@ -344,7 +344,7 @@ def test_the_store_maps_the_shard_files_and_keeps_no_copy_of_its_own(tmp_path):
     folder = make_latents(tmp_path / "lat", [f"k{i}" for i in range(n)], latents, shard_size=256)
     del latents
     before = rss_kb("RssAnon")
-    store = SD_Data.LatentStore(folder, threads=2)
+    store = sd.data.training_data.LatentStore(folder, threads=2)
     grown_mb = (rss_kb("RssAnon") - before) / 1024
     assert grown_mb < 12, f"the process grew by {grown_mb:.0f} MB for 48 MB of latents"  # a private copy: 48
     assert [Path(a.filename).name for a in store.arrays] == [f"{i:05d}.npy" for i in range(6)]
@@ -358,9 +358,9 @@ def test_the_machines_ranks_split_the_first_read_of_the_files(tmp_path, monkeypa
     latents = np.zeros((10, 4, 2, 2), dtype=np.float16)
     folder = make_latents(tmp_path / "lat", [f"k{i}" for i in range(10)], latents, shard_size=2)
     read = []
-    monkeypatch.setattr(SD_Data, "read_through", lambda path: read.append(path.name) or 0)
-    SD_Data.LatentStore(folder, share=(1, 2))
+    monkeypatch.setattr(sd.data.training_data, "read_through", lambda path: read.append(path.name) or 0)
+    sd.data.training_data.LatentStore(folder, share=(1, 2))
     assert sorted(read) == ["00001.npy", "00003.npy"]  # rank 1 of 2 reads every second file from the second
     read.clear()
-    SD_Data.LatentStore(folder, mmap=True)
+    sd.data.training_data.LatentStore(folder, mmap=True)
     assert read == []  # on demand: nothing read at start

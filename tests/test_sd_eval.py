@@ -13,14 +13,13 @@ import scipy.linalg
 import torch
 from PIL import Image
 
-import SD_Checkpoint as ckpt
+import sd.train.checkpoint as ckpt
 import SD_Eval
-import SD_Metrics
+import sd.train.metrics
 from data_factory import train_tiny_run
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "pipeline"))
-demo_data = importlib.import_module("00_make_demo_data")
+demo_data = importlib.import_module("pipeline.00_make_demo_data")
 COLOURS, SHAPES = ("red", "green", "blue", "yellow"), ("circle", "square", "triangle")
 
 
@@ -227,7 +226,7 @@ def test_training_time_evaluation_is_logged_and_equals_the_checkpoints_evaluatio
     assert SD_Eval.main([*changed, "--features", "tiny", "--device", "cpu"]) == 2
     assert "cfg differ: 3.0 then, 5.0 now" in capsys.readouterr().err
     # The loss plot has the evaluation panel beside it.
-    SD_Metrics.plot_metrics(run / "metrics.jsonl", tmp_path / "loss.png")
+    sd.train.metrics.plot_metrics(run / "metrics.jsonl", tmp_path / "loss.png")
     assert Image.open(tmp_path / "loss.png").size[0] == 1200
 
 
@@ -236,7 +235,7 @@ def one_core_per_process(monkeypatch):
     """One CPU thread in this process, as each of two ranks has on a 2-core machine: CPU kernels round
     differently with other thread counts (one GPU per rank has no such difference)."""
     threads = torch.get_num_threads()
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(os.cpu_count()))  # SD_Distributed.setup: cores / local ranks
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(os.cpu_count()))  # sd.distributed.setup: cores / local ranks
     yield
     torch.set_num_threads(threads)
 
@@ -283,7 +282,7 @@ def test_per_phase_table_evaluates_the_newest_checkpoint_of_each_run(trained, re
 
 
 def test_training_evaluation_settings_are_checked_before_any_work(tmp_path):
-    from SD_TrainConfig import ConfigError, TrainConfig
+    from sd.train.config import ConfigError, TrainConfig
 
     base = dict(datasets=[{"dataset": str(tmp_path), "latents": str(tmp_path)}], unet="tiny", vae="tiny",
                 text_encoder="tiny", max_steps=2)

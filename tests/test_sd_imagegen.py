@@ -1,4 +1,4 @@
-"""SD_ImageGen.py and SD_Formats.py on the tiny presets, with diffusers as the outside client."""
+"""SD_ImageGen.py and sd/formats.py on the tiny presets, with diffusers as the outside client."""
 
 import json
 
@@ -8,14 +8,14 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-import SD_Checkpoint as ckpt
-import SD_Formats
+import sd.train.checkpoint as ckpt
+import sd.formats
 import SD_ImageGen
-import SD_Model
-import SD_Sampling
+import sd.model
+import sd.sampling
 import SD_Train
-from SD_Distributed import Dist
-from SD_TrainConfig import TrainConfig
+from sd.distributed import Dist
+from sd.train.config import TrainConfig
 from data_factory import train_tiny_run
 
 STEPS = 4
@@ -30,13 +30,13 @@ def run_dir(tmp_path_factory):
 
 
 def gen(model, prompt="a red circle", negative="", seeds=(0, 1), cfg=3.0, sampler="ddim", batch_size=2):
-    return SD_Sampling.generate(model, prompt, negative, list(seeds), steps=STEPS, cfg=cfg, sampler=sampler,
+    return sd.sampling.generate(model, prompt, negative, list(seeds), steps=STEPS, cfg=cfg, sampler=sampler,
                                 height=64, width=64, batch_size=batch_size, device=torch.device("cpu"))
 
 
 @pytest.fixture(scope="module")
 def model(run_dir):
-    return SD_Formats.load_pipeline(str(run_dir))
+    return sd.formats.load_pipeline(str(run_dir))
 
 
 def test_loads_ema_by_default_and_live_weights_with_no_ema(run_dir, model):
@@ -44,7 +44,7 @@ def test_loads_ema_by_default_and_live_weights_with_no_ema(run_dir, model):
     ema, live = load_file(folder / "ema.safetensors"), load_file(folder / "unet.safetensors")
     assert all(torch.equal(v, ema[k]) for k, v in model.unet.state_dict().items())
     assert any(not torch.equal(ema[k], live[k]) for k in ema)
-    no_ema = SD_Formats.load_pipeline(str(run_dir), use_ema=False)
+    no_ema = sd.formats.load_pipeline(str(run_dir), use_ema=False)
     assert all(torch.equal(v, live[k]) for k, v in no_ema.unet.state_dict().items())
 
 
@@ -59,14 +59,14 @@ def test_validation_grid_image_equals_sd_imagegen_with_that_checkpoint_bit_for_b
                                  "--steps", str(STEPS), "--cfg", "4.0", "--height", "64", "--width", "64",
                                  "--device", "cpu", "--precision", "fp32", "--out", str(out)]) == 0
         image = np.asarray(Image.open(out / "000_000005.png").convert("RGB"))
-        cell = SD_Sampling.grid_cell(grid, row, 0, 64, 64)
+        cell = sd.sampling.grid_cell(grid, row, 0, 64, 64)
         assert image.std() > 0 and np.array_equal(cell, image), prompt
     # A different seed gives a different picture: the equality above is not of two blank images.
     assert SD_ImageGen.main(["--ckpt", str(checkpoint), "--prompt", GRID_PROMPTS[0], "--seed", "6", "--n", "1",
                              "--steps", str(STEPS), "--cfg", "4.0", "--height", "64", "--width", "64",
                              "--device", "cpu", "--out", str(tmp_path / "other")]) == 0
     other = np.asarray(Image.open(tmp_path / "other" / "000_000006.png").convert("RGB"))
-    assert not np.array_equal(SD_Sampling.grid_cell(grid, 0, 0, 64, 64), other)
+    assert not np.array_equal(sd.sampling.grid_cell(grid, 0, 0, 64, 64), other)
 
 
 def test_same_seed_same_image_bit_for_bit_and_seeds_differ(model):
@@ -86,18 +86,18 @@ def test_negative_prompt_is_the_unconditional_branch(model):
 
 
 def test_cfg_one_is_the_conditional_branch_alone(model):
-    ids = SD_Model.tokenize(model.tokenizer, ["a red circle"])
-    cond = SD_Model.encode_prompt_ids(model.text_encoder, ids)
-    noise = SD_Sampling.initial_noise([0], (4, 8, 8))
+    ids = sd.model.tokenize(model.tokenizer, ["a red circle"])
+    cond = sd.model.encode_prompt_ids(model.text_encoder, ids)
+    noise = sd.sampling.initial_noise([0], (4, 8, 8))
     latents = noise.clone()
     stride = 1000 // STEPS
-    alphas = SD_Model.ddpm_alphas_cumprod()
+    alphas = sd.model.ddpm_alphas_cumprod()
     with torch.no_grad():
-        for t in SD_Sampling.ddim_timesteps(STEPS):
+        for t in sd.sampling.ddim_timesteps(STEPS):
             eps = model.unet(latents, torch.tensor([t]), encoder_hidden_states=cond).sample
-            latents = SD_Sampling.ddim_step(latents, eps, t, t - stride, alphas, "epsilon")
-    empty = SD_Model.encode_prompt_ids(model.text_encoder, SD_Model.tokenize(model.tokenizer, [""]))
-    ours = SD_Sampling.sample_latents(model.unet, noise, cond, empty, sampler="ddim", steps=STEPS, cfg=1.0)
+            latents = sd.sampling.ddim_step(latents, eps, t, t - stride, alphas, "epsilon")
+    empty = sd.model.encode_prompt_ids(model.text_encoder, sd.model.tokenize(model.tokenizer, [""]))
+    ours = sd.sampling.sample_latents(model.unet, noise, cond, empty, sampler="ddim", steps=STEPS, cfg=1.0)
     assert torch.equal(ours, latents)
 
 
@@ -107,7 +107,7 @@ def test_diffusers_samplers_keep_large_latents(sampler, model):
     from diffusers import DPMSolverMultistepScheduler, EulerDiscreteScheduler
 
     cls = DPMSolverMultistepScheduler if sampler == "dpm++" else EulerDiscreteScheduler
-    scheduler = SD_Model.build_noise_scheduler("epsilon", cls)
+    scheduler = sd.model.build_noise_scheduler("epsilon", cls)
     assert not scheduler.config.get("thresholding", False) and not scheduler.config.get("clip_sample", False)
     scheduler.set_timesteps(10)
     x0 = torch.full((1, 4, 8, 8), 4.0)
@@ -115,7 +115,7 @@ def test_diffusers_samplers_keep_large_latents(sampler, model):
     noise = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(0))
     latents = noise * scheduler.init_noise_sigma
     for t in scheduler.timesteps:
-        a = SD_Model.ddpm_alphas_cumprod()[int(t)].float()
+        a = sd.model.ddpm_alphas_cumprod()[int(t)].float()
         x_in = scheduler.scale_model_input(latents, t)  # what the UNet sees: sqrt(a) x0 + sqrt(1 - a) eps
         eps = (x_in - a.sqrt() * x0) / (1 - a).sqrt()  # an oracle UNet
         latents = scheduler.step(eps, t, latents).prev_sample
@@ -215,7 +215,7 @@ def test_a_diffusers_pipeline_image_equals_ours(exported, model):
     pipe.set_progress_bar_config(disable=True)
     ours = gen(model, prompt="a red circle", negative="a blue square", seeds=(3,), cfg=5.0, batch_size=1)[0]
     theirs = pipe("a red circle", negative_prompt="a blue square", num_inference_steps=STEPS, guidance_scale=5.0,
-                  height=64, width=64, latents=SD_Sampling.initial_noise([3], (4, 8, 8)), output_type="np").images[0]
+                  height=64, width=64, latents=sd.sampling.initial_noise([3], (4, 8, 8)), output_type="np").images[0]
     theirs = (theirs * 255).round().astype(np.uint8)
     assert np.abs(ours.astype(int) - theirs.astype(int)).max() <= 2  # float rounding only
 
@@ -223,7 +223,7 @@ def test_a_diffusers_pipeline_image_equals_ours(exported, model):
 def test_single_file_and_diffusers_folder_sample_like_our_checkpoint(exported, model, tmp_path):
     reference = gen(model, seeds=(0,), batch_size=1)[0]
     for source, kwargs in ((exported / "model.safetensors", {"arch": "tiny"}), (exported / "pipe", {})):
-        loaded = SD_Formats.load_pipeline(str(source), **kwargs)
+        loaded = sd.formats.load_pipeline(str(source), **kwargs)
         assert np.array_equal(gen(loaded, seeds=(0,), batch_size=1)[0], reference), source
 
 
@@ -256,9 +256,9 @@ def test_sd1_key_map_matches_the_original_layout():
     from diffusers import AutoencoderKL
 
     with torch.device("meta"):
-        unet = SD_Model.build_unet("sd1")
-        vae = AutoencoderKL(**SD_Model.SD1_VAE)
-    unet_keys, vae_keys = set(SD_Formats.unet_key_map(unet).values()), set(SD_Formats.vae_key_map(vae).values())
+        unet = sd.model.build_unet("sd1")
+        vae = AutoencoderKL(**sd.model.SD1_VAE)
+    unet_keys, vae_keys = set(sd.formats.unet_key_map(unet).values()), set(sd.formats.vae_key_map(vae).values())
     assert len(unet_keys) == 686 and len(vae_keys) == 248  # the counts of an original SD 1.x checkpoint
     for key in ("input_blocks.3.0.op.weight", "input_blocks.4.0.skip_connection.weight",
                 "middle_block.1.transformer_blocks.0.attn2.to_k.weight", "output_blocks.2.1.conv.weight",
@@ -277,13 +277,13 @@ class TrainerCallback:  # stands for the objects old .ckpt pickles carry (code t
 def test_pickle_checkpoints_with_objects_are_refused(tmp_path):
     torch.save({"state_dict": {"x": torch.zeros(1)}, "callbacks": TrainerCallback()}, tmp_path / "m.ckpt")
     with pytest.raises(ValueError, match="without unpickling"):
-        SD_Formats.read_single_file(tmp_path / "m.ckpt")
+        sd.formats.read_single_file(tmp_path / "m.ckpt")
     torch.save({"state_dict": {"x": torch.ones(1)}}, tmp_path / "ok.ckpt")
-    assert torch.equal(SD_Formats.read_single_file(tmp_path / "ok.ckpt")["x"], torch.ones(1))
+    assert torch.equal(sd.formats.read_single_file(tmp_path / "ok.ckpt")["x"], torch.ones(1))
 
 
 def test_compile_unet_wraps_the_same_weights_and_rejects_unknown_modes():
-    unet = SD_Model.build_unet("tiny", seed=0)
+    unet = sd.model.build_unet("tiny", seed=0)
     assert SD_ImageGen.compile_unet(unet, "off") is unet
     compiled = SD_ImageGen.compile_unet(unet, "reduce-overhead")  # compiles lazily, at its first call
     assert compiled is not unet and compiled._orig_mod is unet
@@ -332,8 +332,8 @@ def test_v_prediction_survives_export_to_a_single_file_and_a_diffusers_folder(v_
     single, folder = tmp_path / "v.safetensors", tmp_path / "v_pipe"
     assert SD_ImageGen.main(["--ckpt", str(v_checkpoint), "--export_single_file", str(single),
                              "--export_diffusers", str(folder)]) == 0
-    assert SD_Formats.load_pipeline(str(single), arch="tiny").prediction_type == "v_prediction"
-    assert SD_Formats.load_pipeline(str(folder)).prediction_type == "v_prediction"
+    assert sd.formats.load_pipeline(str(single), arch="tiny").prediction_type == "v_prediction"
+    assert sd.formats.load_pipeline(str(folder)).prediction_type == "v_prediction"
     # SD_ImageGen samples the single file as the checkpoint it came from, and as epsilon only when told.
     reference = sample_png(v_checkpoint, tmp_path / "ref")
     assert np.array_equal(sample_png(single, tmp_path / "single", "--arch", "tiny"), reference)
@@ -347,13 +347,13 @@ def test_a_single_file_without_a_recorded_prediction_type_is_epsilon_unless_told
 
     bare = tmp_path / "bare.safetensors"  # as other tools write them: tensors only
     save_file(load_file(exported / "model.safetensors"), str(bare))
-    assert SD_Formats.load_pipeline(str(bare), arch="tiny").prediction_type == "epsilon"
-    told = SD_Formats.load_pipeline(str(bare), arch="tiny", prediction_type="v_prediction")
+    assert sd.formats.load_pipeline(str(bare), arch="tiny").prediction_type == "epsilon"
+    told = sd.formats.load_pipeline(str(bare), arch="tiny", prediction_type="v_prediction")
     assert told.prediction_type == "v_prediction"
     odd = tmp_path / "odd.safetensors"
     save_file(load_file(exported / "model.safetensors"), str(odd), metadata={"prediction_type": "sample"})
     with pytest.raises(ValueError, match=rf"^{odd}: prediction_type 'sample' is neither of epsilon, v_prediction$"):
-        SD_Formats.load_pipeline(str(odd), arch="tiny")
+        sd.formats.load_pipeline(str(odd), arch="tiny")
 
 
 def test_a_diffusers_folder_takes_the_prediction_type_of_its_scheduler_config(exported, tmp_path):
@@ -363,10 +363,10 @@ def test_a_diffusers_folder_takes_the_prediction_type_of_its_scheduler_config(ex
     shutil.copytree(exported / "pipe", folder)
     scheduler = folder / "scheduler" / "scheduler_config.json"
     assert json.loads(scheduler.read_text())["prediction_type"] == "epsilon"
-    assert SD_Formats.load_pipeline(str(folder)).prediction_type == "epsilon"
+    assert sd.formats.load_pipeline(str(folder)).prediction_type == "epsilon"
     scheduler.write_text(json.dumps({**json.loads(scheduler.read_text()), "prediction_type": "v_prediction"}))
-    assert SD_Formats.load_pipeline(str(folder)).prediction_type == "v_prediction"
-    assert SD_Formats.load_pipeline(str(folder), prediction_type="epsilon").prediction_type == "epsilon"
+    assert sd.formats.load_pipeline(str(folder)).prediction_type == "v_prediction"
+    assert sd.formats.load_pipeline(str(folder), prediction_type="epsilon").prediction_type == "epsilon"
 
 
 # ------------------------------------------------------------------------------ damaged inputs
@@ -462,7 +462,7 @@ def test_a_damaged_ckpt_is_a_one_line_error_naming_the_bad_file(kind, run_dir, e
 
 def test_a_checkpoint_without_unet_safetensors_still_samples_its_ema(run_dir, exported, tmp_path):
     source, _, _ = damaged_source("checkpoint_unet_missing", tmp_path, run_dir, exported)
-    model = SD_Formats.load_pipeline(str(source))
+    model = sd.formats.load_pipeline(str(source))
     ema = load_file(source / "ema.safetensors")
     assert all(torch.equal(v, ema[k]) for k, v in model.unet.state_dict().items())
 

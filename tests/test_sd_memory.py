@@ -1,4 +1,4 @@
-"""SD_Memory: the predicted peak of a training step, against measured peaks and exact sizes."""
+"""sd.train.memory: the predicted peak of a training step, against measured peaks and exact sizes."""
 
 import json
 import subprocess
@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import SD_Memory
-import SD_Model
-from SD_TrainConfig import TrainConfig
+import sd.train.memory
+import sd.model
+from sd.train.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -20,14 +20,14 @@ def tiny_config(**fields) -> TrainConfig:
     return TrainConfig(**{**values, **fields})
 
 
-def rounded(tensors, block=SD_Memory.ROUND["cuda"]) -> int:
+def rounded(tensors, block=sd.train.memory.ROUND["cuda"]) -> int:
     return sum(-(-t.numel() * t.element_size() // block) * block for t in tensors)
 
 
 def test_the_breakdown_holds_the_exact_sizes_of_the_weights_and_their_states():
     config = tiny_config(grad_checkpointing=False, ema_decay=0.999)
-    estimate = SD_Memory.estimate(config, batch_size=4, resolution=64)
-    unet = SD_Model.build_unet("tiny")
+    estimate = sd.train.memory.estimate(config, batch_size=4, resolution=64)
+    unet = sd.model.build_unet("tiny")
     weights = rounded([*unet.parameters(), *unet.buffers()])
     fp32 = rounded(unet.parameters())
     parts = estimate.parts
@@ -38,15 +38,15 @@ def test_the_breakdown_holds_the_exact_sizes_of_the_weights_and_their_states():
 
 @pytest.mark.slow
 def test_ema_on_the_cpu_and_no_ema_take_the_shadow_off_the_card():
-    assert SD_Memory.estimate(tiny_config(ema_decay=0.999, ema_device="cpu"), resolution=64).parts["ema"] == 0
-    assert SD_Memory.estimate(tiny_config(ema_decay=0.0), resolution=64).parts["ema"] == 0
+    assert sd.train.memory.estimate(tiny_config(ema_decay=0.999, ema_device="cpu"), resolution=64).parts["ema"] == 0
+    assert sd.train.memory.estimate(tiny_config(ema_decay=0.0), resolution=64).parts["ema"] == 0
 
 
 def test_cuda_autocast_emulation_casts_what_cuda_casts_and_caches_weights_for_the_region():
     conv = torch.nn.Conv2d(4, 8, 3, padding=1)
     norm = torch.nn.GroupNorm(2, 8)
     casts = []
-    autocast = SD_Memory.CudaAutocast()
+    autocast = sd.train.memory.CudaAutocast()
     autocast.on_cast = casts.append
     x = torch.randn(1, 4, 8, 8)
     with autocast:
@@ -65,12 +65,11 @@ def test_cuda_autocast_emulation_casts_what_cuda_casts_and_caches_weights_for_th
 def test_the_estimate_is_within_five_percent_of_the_cpu_allocators_measured_peak():
     """A real run on the CPU, its allocator's peak read from the profiler (bench/memory_estimate.py's
     measure), against the estimate of the same run on fake tensors."""
-    sys.path.append(str(ROOT / "bench"))
-    import memory_estimate
+    from bench import memory_estimate
 
     preset, resolution, batch, checkpointing = "tiny", 64, 8, True  # checkpointing: the recomputation too
     measured = memory_estimate.measure(preset, resolution, batch, checkpointing)["measured_bytes"]
-    estimate = SD_Memory.estimate(memory_estimate.config_for(preset, batch, checkpointing), resolution=resolution,
+    estimate = sd.train.memory.estimate(memory_estimate.config_for(preset, batch, checkpointing), resolution=resolution,
                                   device="cpu")
     assert measured > 20 << 20
     assert abs(estimate.allocated / measured - 1) <= 0.05, (estimate.allocated, measured)
@@ -88,7 +87,7 @@ def test_estimate_memory_needs_no_data_and_ends_with_one_json_line(tmp_path, cap
     out = capsys.readouterr().out
     lines = out.strip().splitlines()
     answer = json.loads(lines[-1])
-    assert answer["peak_gb"] == pytest.approx(answer["reserved_gb"] + SD_Memory.CONTEXT_GB, abs=1e-3)
+    assert answer["peak_gb"] == pytest.approx(answer["reserved_gb"] + sd.train.memory.CONTEXT_GB, abs=1e-3)
     assert answer["batch_size"] == 4 and answer["max_batch"] == 0 and answer["fits"] is False
     assert any(line.startswith("  peak on the card") for line in lines)
     assert "Not even one image fits within 0.55 GB" in out
@@ -113,32 +112,32 @@ def test_the_search_finds_the_last_batch_that_fits_from_any_guess(answer, guess)
         calls.append(n)
         return n <= answer
 
-    assert SD_Memory.largest_that_fits(fits, guess, limit=100) == answer
+    assert sd.train.memory.largest_that_fits(fits, guess, limit=100) == answer
     assert all(1 <= n <= 100 for n in calls) and len(calls) <= 16
 
 
 def test_batch_size_auto_is_read_refused_on_the_cpu_and_kept_by_a_resumed_run(tmp_path):
     import SD_Train
-    from SD_Distributed import Dist
-    from SD_TrainConfig import AUTO_BATCH, ConfigError, load_config
+    from sd.distributed import Dist
+    from sd.train.config import AUTO_BATCH, ConfigError, load_config
 
     config = load_config(["--unet", "tiny", "--batch_size", "auto", "--out_dir", str(tmp_path / "run")],
                          check_paths=False)
     assert config.batch_size == AUTO_BATCH
     with pytest.raises(ConfigError, match="batch_size: auto sizes the batch to a CUDA device's memory"):
-        SD_Train.auto_batch_size(config, Dist.single("cpu"))
+        sd.train.memory.auto_batch_size(config, Dist.single("cpu"))
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "config.yaml").write_text("batch_size: 7\n")  # what the run chose when it started
-    assert SD_Train.auto_batch_size(config, Dist.single("cpu")) == 7
+    assert sd.train.memory.auto_batch_size(config, Dist.single("cpu")) == 7
 
 
 @pytest.mark.slow
 def test_batch_size_auto_takes_the_largest_batch_that_fits_and_one_more_would_not():
     import SD_Train
-    from SD_Distributed import Dist
+    from sd.distributed import Dist
 
     config = tiny_config(batch_size=0, grad_checkpointing=False, out_dir="/nonexistent/run")
-    with SD_Memory.session(config, resolution=512) as run:
+    with sd.train.memory.session(config, resolution=512) as run:
         budget = run(3).peak_gb  # a budget that batch 3 just fits
-        batch = SD_Train.auto_batch_size(config, Dist.single("cpu"), gpu_memory_gb=budget)
+        batch = sd.train.memory.auto_batch_size(config, Dist.single("cpu"), gpu_memory_gb=budget)
         assert batch >= 3 and run(batch).peak_gb <= budget < run(batch + 1).peak_gb

@@ -1,12 +1,12 @@
-"""SD_Metrics: metrics.jsonl across crashes and resumes, and the loss plot."""
+"""sd.train.metrics: metrics.jsonl across crashes and resumes, and the loss plot."""
 
 import json
 from types import SimpleNamespace
 
 import pytest
 
-import SD_Metrics
-from SD_Metrics import MetricsError, MetricsLog
+import sd.train.metrics
+from sd.train.metrics import MetricsError, MetricsLog
 
 NO_WANDB = SimpleNamespace(wandb_mode="disabled")
 
@@ -79,9 +79,9 @@ def test_the_line_number_is_the_one_an_editor_shows_blank_lines_included(tmp_pat
 
 def test_plot_leaves_out_a_torn_last_line_and_refuses_a_corrupt_one(tmp_path):
     write_metrics(tmp_path, record_lines([1, 2, 3]), '{"step": 4, "lo')
-    SD_Metrics.plot_metrics(tmp_path / "metrics.jsonl", tmp_path / "loss.png")
+    sd.train.metrics.plot_metrics(tmp_path / "metrics.jsonl", tmp_path / "loss.png")
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     write_metrics(tmp_path, [record_lines([1])[0], "garbage", record_lines([3])[0]])
     with pytest.raises(MetricsError, match=rf"^{tmp_path / 'metrics.jsonl'}: line 2 is not JSON"):
-        SD_Metrics.plot_metrics(tmp_path / "metrics.jsonl", tmp_path / "loss2.png")
+        sd.train.metrics.plot_metrics(tmp_path / "metrics.jsonl", tmp_path / "loss2.png")
     assert not (tmp_path / "loss2.png").exists()

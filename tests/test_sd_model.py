@@ -3,10 +3,10 @@ import math
 import pytest
 import torch
 
-import SD_EMA
-import SD_Model as M
-import SD_Sampling
-import SD_Tokenizer
+import sd.train.ema
+import sd.model as M
+import sd.sampling
+import sd.tokenizer
 
 
 # ----------------------------------------------------------------------------------------- UNet
@@ -145,7 +145,7 @@ def test_tokenizer_is_the_real_clip_bpe():
 
 def test_tokenizer_builds_from_the_wheel_into_an_empty_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("SD_CACHE_DIR", str(tmp_path))
-    folder = SD_Tokenizer.clip_tokenizer_folder()
+    folder = sd.tokenizer.clip_tokenizer_folder()
     assert folder == tmp_path / "clip_tokenizer"
     merges = (folder / "merges.txt").read_text(encoding="utf-8").splitlines()
     assert merges[0].startswith("#version") and len(merges) == 1 + 48894
@@ -308,13 +308,13 @@ def test_ddim_matches_diffusers_ddim_scheduler(prediction_type):
 
     scheduler = M.build_noise_scheduler(prediction_type, DDIMScheduler)
     scheduler.set_timesteps(50)
-    assert scheduler.timesteps.tolist() == SD_Sampling.ddim_timesteps(50)
+    assert scheduler.timesteps.tolist() == sd.sampling.ddim_timesteps(50)
     alphas = M.ddpm_alphas_cumprod()
     g = torch.Generator().manual_seed(0)
     sample = torch.randn(2, 4, 8, 8, generator=g) * 3
     output = torch.randn(2, 4, 8, 8, generator=g)
     for t in (981, 501, 21, 1):
-        ours = SD_Sampling.ddim_step(sample, output, t, t - 20, alphas, prediction_type)
+        ours = sd.sampling.ddim_step(sample, output, t, t - 20, alphas, prediction_type)
         theirs = scheduler.step(output, t, sample).prev_sample
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
 
@@ -327,11 +327,11 @@ def test_ddim_step_never_clamps_large_latents():
     t = 501
     x_t = M.add_noise(x0, noise, torch.tensor([t]), alphas)
     # An oracle model predicts the true noise; the step must land on the true trajectory.
-    x_prev = SD_Sampling.ddim_step(x_t, noise, t, t - 20, alphas, "epsilon")
+    x_prev = sd.sampling.ddim_step(x_t, noise, t, t - 20, alphas, "epsilon")
     expected = M.add_noise(x0, noise, torch.tensor([t - 20]), alphas)
     torch.testing.assert_close(x_prev, expected, rtol=1e-5, atol=1e-5)
     # The last step returns x0 itself (up to the schedule's final alpha-bar), values near +-4.
-    x_last = SD_Sampling.ddim_step(M.add_noise(x0, noise, torch.tensor([1]), alphas), noise, 1, -1, alphas, "epsilon")
+    x_last = sd.sampling.ddim_step(M.add_noise(x0, noise, torch.tensor([1]), alphas), noise, 1, -1, alphas, "epsilon")
     assert x_last.abs().max() > 3.9
     torch.testing.assert_close(x_last, M.add_noise(x0, noise, torch.tensor([0]), alphas), rtol=1e-5, atol=1e-5)
 
@@ -344,9 +344,9 @@ def test_guidance_scale_one_is_the_conditional_branch_and_negatives_matter():
     with torch.no_grad():
         only_cond = unet(latents, torch.tensor([500]), encoder_hidden_states=cond).sample
         only_neg = unet(latents, torch.tensor([500]), encoder_hidden_states=negative).sample
-        at_one = SD_Sampling.guided_prediction(unet, latents, 500, cond, negative, 1.0)
-        guided = SD_Sampling.guided_prediction(unet, latents, 500, cond, negative, 7.5)
-        guided_empty = SD_Sampling.guided_prediction(unet, latents, 500, cond, empty, 7.5)
+        at_one = sd.sampling.guided_prediction(unet, latents, 500, cond, negative, 1.0)
+        guided = sd.sampling.guided_prediction(unet, latents, 500, cond, negative, 7.5)
+        guided_empty = sd.sampling.guided_prediction(unet, latents, 500, cond, empty, 7.5)
     assert torch.equal(at_one, only_cond)
     torch.testing.assert_close(guided, only_neg + 7.5 * (only_cond - only_neg), rtol=1e-4, atol=1e-5)
     assert (guided - guided_empty).abs().max() > 1e-3
@@ -356,8 +356,8 @@ def test_ddim_sample_is_deterministic():
     unet = M.build_unet("tiny", seed=0, from_scratch=False).eval()
     latents, _, cond = _tiny_inputs(batch=2, seed=3)
     uncond = torch.zeros_like(cond)
-    a = SD_Sampling.sample_latents(unet, latents, cond, uncond, steps=5, cfg=3.0)
-    b = SD_Sampling.sample_latents(unet, latents, cond, uncond, steps=5, cfg=3.0)
+    a = sd.sampling.sample_latents(unet, latents, cond, uncond, steps=5, cfg=3.0)
+    b = sd.sampling.sample_latents(unet, latents, cond, uncond, steps=5, cfg=3.0)
     assert torch.equal(a, b)
     assert a.shape == latents.shape and torch.isfinite(a).all()
     assert not torch.equal(a, latents)
@@ -374,7 +374,7 @@ def _linear(seed=0):
 def test_ema_after_k_updates_matches_the_closed_form():
     model = _linear()
     start = [p.detach().clone() for p in model.parameters()]
-    ema = SD_EMA.EMA(model, decay=0.9)
+    ema = sd.train.ema.EMA(model, decay=0.9)
     with torch.no_grad():
         for p in model.parameters():
             p.fill_(2.0)
@@ -392,7 +392,7 @@ def test_ema_after_k_updates_matches_the_closed_form():
 
 def test_ema_tracks_changing_weights_like_the_recursion():
     model = _linear()
-    ema = SD_EMA.EMA(model, decay=0.999)
+    ema = sd.train.ema.EMA(model, decay=0.999)
     reference = [p.detach().double().clone() for p in model.parameters()]
     g = torch.Generator().manual_seed(0)
     for step in range(12):
@@ -400,33 +400,33 @@ def test_ema_tracks_changing_weights_like_the_recursion():
             for p in model.parameters():
                 p.add_(torch.randn(p.shape, generator=g))
         ema.update(model, step)
-        d = SD_EMA.ema_decay_at(step, 0.999)
+        d = sd.train.ema.ema_decay_at(step, 0.999)
         reference = [d * r + (1 - d) * p.detach().double() for r, p in zip(reference, model.parameters())]
     for r, s in zip(reference, ema.shadow):
         torch.testing.assert_close(s.double(), r, rtol=1e-5, atol=1e-6)
-    assert SD_EMA.ema_decay_at(0, 0.9999) == pytest.approx(0.1)
-    assert SD_EMA.ema_decay_at(10**7, 0.9999) == 0.9999
+    assert sd.train.ema.ema_decay_at(0, 0.9999) == pytest.approx(0.1)
+    assert sd.train.ema.ema_decay_at(10**7, 0.9999) == 0.9999
 
 
 def test_ema_every_n_steps_on_cpu_uses_the_powered_decay():
     model = _linear()
     start = [p.detach().clone() for p in model.parameters()]
-    ema = SD_EMA.EMA(model, decay=0.5, device="cpu", update_every=3)
+    ema = sd.train.ema.EMA(model, decay=0.5, device="cpu", update_every=3)
     with torch.no_grad():
         for p in model.parameters():
             p.fill_(1.0)
     applied = [ema.update(model, step) for step in range(6)]
     assert applied == [False, False, True, False, False, True]
-    product = (SD_EMA.ema_decay_at(2, 0.5) ** 3) * (SD_EMA.ema_decay_at(5, 0.5) ** 3)
+    product = (sd.train.ema.ema_decay_at(2, 0.5) ** 3) * (sd.train.ema.ema_decay_at(5, 0.5) ** 3)
     for s0, shadow in zip(start, ema.shadow):
         torch.testing.assert_close(shadow, 1.0 + (s0 - 1.0) * product)
 
 
 def test_ema_state_dict_round_trip_and_mismatch_errors():
     model = _linear()
-    ema = SD_EMA.EMA(model, decay=0.99)
+    ema = sd.train.ema.EMA(model, decay=0.99)
     ema.update(model, 0)
-    other = SD_EMA.EMA(_linear(seed=1), decay=0.99)
+    other = sd.train.ema.EMA(_linear(seed=1), decay=0.99)
     other.load_state_dict(ema.state_dict())
     for a, b in zip(ema.shadow, other.shadow):
         assert torch.equal(a, b)
@@ -436,7 +436,7 @@ def test_ema_state_dict_round_trip_and_mismatch_errors():
 
 def test_swapping_ema_weights_in_and_out_is_exact():
     model = M.build_unet("tiny", seed=0, from_scratch=False)
-    ema = SD_EMA.EMA(model, decay=0.9)
+    ema = sd.train.ema.EMA(model, decay=0.9)
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(1.1).add_(0.01)
@@ -493,7 +493,7 @@ def test_cpu_ema_of_cuda_weights_stages_into_pinned_buffers_once_and_waits_befor
         model.weight = torch.nn.Parameter(torch.zeros(3, 2, device="cuda"))
         model.bias = torch.nn.Parameter(torch.zeros(2, device="cuda"))
         params = list(model.parameters())
-        ema = SD_EMA.EMA(model, decay=0.9, device="cpu")
+        ema = sd.train.ema.EMA(model, decay=0.9, device="cpu")
         assert [s.device.type for s in ema.shadow] == ["cpu", "cpu"]
         updates = []
         for step in range(3):
@@ -524,7 +524,7 @@ def test_cpu_ema_of_cuda_weights_stages_into_pinned_buffers_once_and_waits_befor
 def test_ema_of_other_dtype_weights_reuses_one_staging_buffer_and_stays_exact():
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3).to(torch.bfloat16)
-    ema = SD_EMA.EMA(model, decay=0.9, device="cpu")
+    ema = sd.train.ema.EMA(model, decay=0.9, device="cpu")
     reference = [p.detach().double() for p in model.parameters()]
     pointers = None
     for step in range(4):
@@ -532,7 +532,7 @@ def test_ema_of_other_dtype_weights_reuses_one_staging_buffer_and_stays_exact():
             for p in model.parameters():
                 p.add_(torch.randn(p.shape).to(torch.bfloat16))
         ema.update(model, step)
-        d = SD_EMA.ema_decay_at(step, 0.9)
+        d = sd.train.ema.ema_decay_at(step, 0.9)
         reference = [d * r + (1 - d) * p.detach().double() for r, p in zip(reference, model.parameters())]
         pointers = pointers or [b.data_ptr() for b in ema.staging]
         assert [b.data_ptr() for b in ema.staging] == pointers
@@ -545,7 +545,7 @@ def test_ema_without_warmup_matches_the_constant_decay_closed_form():
     # An inherited EMA E0, live weights w_1..w_k: E_k = d^k E0 + sum_i (1 - d) d^(k - i) w_i.
     model = _linear()
     start = [p.detach().double().clone() for p in model.parameters()]
-    ema = SD_EMA.EMA(model, decay=0.9, warmup=False)
+    ema = sd.train.ema.EMA(model, decay=0.9, warmup=False)
     g = torch.Generator().manual_seed(0)
     live = []
     for step in range(5):
@@ -563,9 +563,9 @@ def test_ema_without_warmup_matches_the_constant_decay_closed_form():
 
 def test_ema_rejects_bad_settings():
     with pytest.raises(ValueError, match="decay"):
-        SD_EMA.EMA(_linear(), decay=1.0)
+        sd.train.ema.EMA(_linear(), decay=1.0)
     with pytest.raises(ValueError, match="update_every"):
-        SD_EMA.EMA(_linear(), update_every=0)
+        sd.train.ema.EMA(_linear(), update_every=0)
 
 
 def test_training_flops_count_attention_in_full():

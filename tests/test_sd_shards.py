@@ -1,10 +1,10 @@
-"""SD_Shards.resize_keep_aspect: the whole image scaled by its short or long side."""
+"""sd.data.shards.resize_keep_aspect: the whole image scaled by its short or long side."""
 
 import cv2
 import numpy as np
 import pytest
 
-import SD_Shards
+import sd.data.shards
 
 RED, GREEN, BLUE = (255, 0, 0), (0, 255, 0), (0, 0, 255)
 
@@ -27,34 +27,34 @@ def banded(height: int, width: int) -> np.ndarray:
     (10, 20, 64, "short", (64, 128, 3)),  # enlarged
 ])
 def test_the_chosen_side_gets_the_resolution_and_the_other_follows(height, width, resolution, side, shape):
-    assert SD_Shards.resize_keep_aspect(banded(height, width), resolution, side).shape == shape
+    assert sd.data.shards.resize_keep_aspect(banded(height, width), resolution, side).shape == shape
 
 
 def test_nothing_is_cropped():
     # A centre square of this 2:1 image would lose the red and blue bands entirely.
-    out = SD_Shards.resize_keep_aspect(banded(100, 200), 64)  # -> 64 x 128: bands at 0-32, 32-96, 96-128
+    out = sd.data.shards.resize_keep_aspect(banded(100, 200), 64)  # -> 64 x 128: bands at 0-32, 32-96, 96-128
     assert (out[:, :30] == RED).all() and (out[:, 34:94] == GREEN).all() and (out[:, 98:] == BLUE).all()
     rows = banded(100, 200).transpose(1, 0, 2).copy()  # 200 high, 100 wide, the bands as rows
-    tall = SD_Shards.resize_keep_aspect(rows, 32, "long")  # -> 32 x 16
+    tall = sd.data.shards.resize_keep_aspect(rows, 32, "long")  # -> 32 x 16
     assert (tall[:7] == RED).all() and (tall[9:23] == GREEN).all() and (tall[25:] == BLUE).all()
 
 
 def test_area_filter_down_cubic_up_and_unchanged_at_size():
     image = np.random.default_rng(0).integers(0, 256, (30, 40, 3), np.uint8)
-    down = SD_Shards.resize_keep_aspect(image, 15)
+    down = sd.data.shards.resize_keep_aspect(image, 15)
     assert np.array_equal(down, cv2.resize(image, (20, 15), interpolation=cv2.INTER_AREA))
-    up = SD_Shards.resize_keep_aspect(image, 60)
+    up = sd.data.shards.resize_keep_aspect(image, 60)
     assert np.array_equal(up, cv2.resize(image, (80, 60), interpolation=cv2.INTER_CUBIC))
-    assert SD_Shards.resize_keep_aspect(image, 30) is image
-    assert SD_Shards.resize_keep_aspect(image, 40, "long") is image
+    assert sd.data.shards.resize_keep_aspect(image, 30) is image
+    assert sd.data.shards.resize_keep_aspect(image, 40, "long") is image
 
 
 def test_an_elongated_strip_is_refused_not_scaled_to_a_huge_image():
     strip = np.zeros((10, 20000, 3), np.uint8)  # short side 10 -> 64 would make 128000 x 64 pixels
-    with pytest.raises(SD_Shards.ImageSkip) as info:
-        SD_Shards.resize_keep_aspect(strip, 64)
+    with pytest.raises(sd.data.shards.ImageSkip) as info:
+        sd.data.shards.resize_keep_aspect(strip, 64)
     assert info.value.reason == "extreme_aspect"
     # Within a raised limit the short side still never drops under one pixel.
-    assert SD_Shards.resize_keep_aspect(np.zeros((1, 64, 3), np.uint8), 8, "long", max_aspect=100).shape == (1, 8, 3)
+    assert sd.data.shards.resize_keep_aspect(np.zeros((1, 64, 3), np.uint8), 8, "long", max_aspect=100).shape == (1, 8, 3)
     with pytest.raises(ValueError, match="side must be one of"):
-        SD_Shards.resize_keep_aspect(strip[:, :20], 8, "width")
+        sd.data.shards.resize_keep_aspect(strip[:, :20], 8, "width")

@@ -14,14 +14,16 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-import SD_Checkpoint as ckpt
-import SD_Data
-import SD_EMA
-import SD_Model
+import sd.train.checkpoint as ckpt
+import sd.data.training_data
+import sd.train.ema
+import sd.model
 import SD_Train
-import SD_TrainConfig
-import SD_TrainStep
-from SD_Distributed import Dist
+import sd.train.config
+import sd.train.step
+from sd.distributed import Dist
+import sd.train.checkpointer
+import sd.data.prefetch
 from data_factory import make_captions, make_dataset, make_latents
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -200,15 +202,15 @@ def test_a_nan_sample_skips_its_steps_on_both_ranks(tmp_path):
     config = write_config(tmp_path / "n.yaml", datasets=[entry], max_steps=8, out_dir=str(tmp_path / "run"))
     torchrun(config)
     # Which optimizer steps hold the poisoned sample (train index 5), on either rank.
-    order = SD_Data.epoch_order([64], [1.0], seed=0, epoch=0)
-    per_rank = [SD_Data.rank_batches(order, r, 2, 2) for r in range(2)]
+    order = sd.data.training_data.epoch_order([64], [1.0], seed=0, epoch=0)
+    per_rank = [sd.data.training_data.rank_batches(order, r, 2, 2) for r in range(2)]
     expected = sorted({i // 2 + 1 for r in range(2) for i, b in enumerate(per_rank[r]) if 5 in b.tolist()})
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["skipped"]] == expected
     assert records[-1]["bad_steps"] == len(expected)
     # Skipped steps still count: the learning rate of every step is the schedule's for its step number.
     for record in records:
-        assert record["lr"] == pytest.approx(SD_TrainStep.lr_at(record["step"] - 1, 1e-3, 2, 8, 0.01), rel=1e-12)
+        assert record["lr"] == pytest.approx(sd.train.step.lr_at(record["step"] - 1, 1e-3, 2, 8, 0.01), rel=1e-12)
     folder = tmp_path / "run" / "checkpoints" / ckpt.step_dir_name(8)
     fingerprints = [torch.load(folder / f"rng_rank{r}.pt", weights_only=True)["fingerprint"] for r in range(2)]
     assert torch.equal(*fingerprints) and torch.isfinite(fingerprints[0]).all()
@@ -219,7 +221,7 @@ def test_a_nan_sample_skips_its_steps_on_both_ranks(tmp_path):
 
 
 def make_run(tmp_path, data, **fields):
-    config = SD_TrainConfig.TrainConfig(**{**BASE, "datasets": [data], "out_dir": str(tmp_path / "run"), **fields})
+    config = sd.train.config.TrainConfig(**{**BASE, "datasets": [data], "out_dir": str(tmp_path / "run"), **fields})
     config.validate()
     return SD_Train.build(config, Dist.single())
 
@@ -235,18 +237,18 @@ def snapshot(step):
 def test_non_finite_loss_updates_nothing(tmp_path, data):
     run = make_run(tmp_path, data, grad_accum=1, batch_size=4)
     good = [run.train_data.batch(np.arange(4))]
-    assert not SD_TrainStep.train_step(run.step, good, 0)["bad"]
+    assert not sd.train.step.train_step(run.step, good, 0)["bad"]
     before = snapshot(run.step)
     latents, ids = run.train_data.batch(np.arange(4, 8))
     latents[1, 0, 0, 0] = float("nan")
-    result = SD_TrainStep.train_step(run.step, [(latents, ids)], 1)
+    result = sd.train.step.train_step(run.step, [(latents, ids)], 1)
     assert result["bad"] and not math.isfinite(result["loss"])
     after = snapshot(run.step)
     assert all(torch.equal(before["unet"][k], after["unet"][k]) for k in before["unet"])
     assert all(torch.equal(a, b) for a, b in zip(before["ema"], after["ema"]))
     assert before["opt"].keys() == after["opt"].keys()
     assert all(torch.equal(before["opt"][k], after["opt"][k]) for k in before["opt"])
-    assert not SD_TrainStep.train_step(run.step, good, 2)["bad"]
+    assert not sd.train.step.train_step(run.step, good, 2)["bad"]
     assert any(not torch.equal(before["unet"][k], v) for k, v in run.step.unet.state_dict().items())
 
 
@@ -263,7 +265,7 @@ def test_reduced_precision_steps_run_in_that_dtype_and_keep_fp32_master_weights(
     run = make_run(tmp_path, data, precision=precision, grad_accum=1, batch_size=2)
     outputs = unet_output_dtypes(run.step)
     before = snapshot(run.step)
-    results = [SD_TrainStep.train_step(run.step, [run.train_data.batch(np.arange(2 * i, 2 * i + 2))], i)
+    results = [sd.train.step.train_step(run.step, [run.train_data.batch(np.arange(2 * i, 2 * i + 2))], i)
                for i in range(2)]
     assert outputs == [dtype] * 2  # every forward ran under autocast in the reduced dtype
     assert all(math.isfinite(r["loss"]) and not r["bad"] and not r["overflow"] for r in results)
@@ -283,7 +285,7 @@ def test_reduced_precision_steps_run_in_that_dtype_and_keep_fp32_master_weights(
     # The same steps in fp32 give close but not identical losses: the reduced dtype is real. (Step 0's
     # are equal: the from-scratch UNet's zeroed output layer predicts exact zeros in any dtype.)
     reference = make_run(tmp_path / "fp32", data, grad_accum=1, batch_size=2)
-    fp32 = [SD_TrainStep.train_step(reference.step, [reference.train_data.batch(np.arange(2 * i, 2 * i + 2))], i)
+    fp32 = [sd.train.step.train_step(reference.step, [reference.train_data.batch(np.arange(2 * i, 2 * i + 2))], i)
             for i in range(2)]
     assert results[1]["loss"] != fp32[1]["loss"]
     assert results[1]["loss"] == pytest.approx(fp32[1]["loss"], rel=2e-2)
@@ -294,7 +296,7 @@ def ema_replay(initial, live_after_each_step, decay, every):
     shadow = [t.double() for t in initial]
     for step, live in enumerate(live_after_each_step):
         if (step + 1) % every == 0:
-            d = SD_EMA.ema_decay_at(step, decay) ** every
+            d = sd.train.ema.ema_decay_at(step, decay) ** every
             shadow = [s + (1 - d) * (p.double() - s) for s, p in zip(shadow, live)]
     return shadow
 
@@ -311,7 +313,7 @@ def test_cpu_ema_follows_the_hand_computed_recursion(tmp_path, data, every):
     assert all(s.data_ptr() != p.data_ptr() for s, p in zip(ema.shadow, run.step.unet.parameters()))
     live, shadows = [], []
     for i in range(4):
-        SD_TrainStep.train_step(run.step, [run.train_data.batch(np.arange(4 * i, 4 * i + 4))], i)
+        sd.train.step.train_step(run.step, [run.train_data.batch(np.arange(4 * i, 4 * i + 4))], i)
         live.append([p.detach().clone() for p in run.step.unet.parameters()])
         shadows.append([s.clone() for s in ema.shadow])
     if every == 2:  # step 0 (and 2) leave the shadow alone
@@ -331,7 +333,7 @@ def train_steps(run, steps: int) -> list[list[torch.Tensor]]:
     live, size = [], run.config.batch_size
     for _ in range(steps):
         i = run.state.step
-        SD_TrainStep.train_step(run.step, [run.train_data.batch(np.arange(size * i, size * i + size))], i)
+        sd.train.step.train_step(run.step, [run.train_data.batch(np.arange(size * i, size * i + size))], i)
         run.state.step += 1
         live.append([p.detach().clone() for p in run.step.unet.parameters()])
     return live
@@ -342,7 +344,7 @@ def test_an_inherited_ema_keeps_its_weight_across_phases_and_a_resume(tmp_path, 
     previous = make_run(tmp_path / "p1", data, **small)
     assert previous.config.ema_warmup == "restart" and previous.step.ema.warmup  # a fresh EMA warms up
     train_steps(previous, 1)
-    SD_Train.save(previous)
+    sd.train.checkpointer.save(previous)
     inherited = [s.clone() for s in previous.step.ema.shadow]
     assert any(not torch.equal(s, p) for s, p in zip(inherited, previous.step.unet.parameters()))
 
@@ -361,14 +363,14 @@ def test_an_inherited_ema_keeps_its_weight_across_phases_and_a_resume(tmp_path, 
     restarted = ema_replay(inherited, live, d, 1)
     assert max((r - s.double()).abs().max().item() for r, s in zip(restarted, run.step.ema.shadow)) > 1e-3
 
-    SD_Train.save(run)  # a resume keeps the recorded choice, whatever init_from says now
+    sd.train.checkpointer.save(run)  # a resume keeps the recorded choice, whatever init_from says now
     resumed = make_run(tmp_path / "p2", data, **small)
     assert resumed.config.ema_warmup == "off" and not resumed.step.ema.warmup
     # What auto becomes for a new phase: off when init_from brought an EMA of ours, else restart.
     fresh = dataclasses.replace(resumed.config, ema_warmup="auto")
-    assert SD_Train.ema_warmup_of(fresh, None, inherited=True) == "off"
-    assert SD_Train.ema_warmup_of(fresh, None, inherited=False) == "restart"
-    assert SD_Train.ema_warmup_of(dataclasses.replace(fresh, ema_warmup="restart"), None, inherited=True) == "restart"
+    assert sd.train.checkpointer.ema_warmup_of(fresh, None, inherited=True) == "off"
+    assert sd.train.checkpointer.ema_warmup_of(fresh, None, inherited=False) == "restart"
+    assert sd.train.checkpointer.ema_warmup_of(dataclasses.replace(fresh, ema_warmup="restart"), None, inherited=True) == "restart"
 
 
 def recorded_batches(monkeypatch) -> list:
@@ -380,7 +382,7 @@ def recorded_batches(monkeypatch) -> list:
         return {"loss": 1.0, "grad_norm": 1.0, "bad": False, "overflow": False, "stop": False,
                 "loss_quartiles": [None] * 4}
 
-    monkeypatch.setattr(SD_TrainStep, "train_step", record)
+    monkeypatch.setattr(sd.train.step, "train_step", record)
     return seen
 
 
@@ -394,11 +396,11 @@ def test_flip_mirrors_about_half_the_samples_and_a_resume_flips_the_same_ones(tm
     assert len(seen) == 6 and all(len(micro) == 2 for micro in seen)
     # On one rank the micro-batches are the epoch order in slices; each sample comes from its latents
     # or their mirror image as the coin of its (seed, epoch, position) says, across the resume too.
-    store = SD_Data.LatentStore(data["latents"], flip=True)
+    store = sd.data.training_data.LatentStore(data["latents"], flip=True)
     expected, flipped = [], 0
     for epoch in (0, 1):
-        rows = [store.row_of[f"s{i:05d}"] for i in SD_Data.epoch_order([16], [1.0], 0, epoch)]
-        coins = SD_Data.flip_coins(0, epoch, 16)
+        rows = [store.row_of[f"s{i:05d}"] for i in sd.data.training_data.epoch_order([16], [1.0], 0, epoch)]
+        coins = sd.data.training_data.flip_coins(0, epoch, 16)
         expected.append(np.where(coins[:, None, None, None], store.flipped[0][rows], store.arrays[0][rows]))
         flipped += coins.sum()
     expected = np.concatenate(expected)[: 6 * 4]
@@ -416,7 +418,7 @@ def test_max_bad_steps_saves_and_stops_naming_the_step(tmp_path, caplog):
     assert code == 3
     assert "step 3: 3 non-finite steps in a row" in caplog.text
     folder = tmp_path / "run" / "checkpoints" / ckpt.step_dir_name(3)
-    initial = SD_Model.build_unet("tiny", seed=0).state_dict()
+    initial = sd.model.build_unet("tiny", seed=0).state_dict()
     saved = load_file(folder / "unet.safetensors")
     assert all(torch.equal(saved[k], initial[k]) for k in initial)
 
@@ -452,12 +454,12 @@ def test_loss_falls_on_a_learnable_task(tmp_path, data):
 def test_cfg_dropout_replaces_the_embedding_at_the_configured_rate():
     hidden = torch.randn(20000, 77, 8)
     empty = torch.randn(1, 77, 8)
-    out, drop = SD_TrainStep.apply_cfg_dropout(hidden, empty, 0.15, torch.Generator().manual_seed(0))
+    out, drop = sd.train.step.apply_cfg_dropout(hidden, empty, 0.15, torch.Generator().manual_seed(0))
     sigma = math.sqrt(0.15 * 0.85 / 20000)
     assert abs(drop.float().mean().item() - 0.15) < 5 * sigma
     assert torch.equal(out[drop], empty.expand(int(drop.sum()), 77, 8))
     assert torch.equal(out[~drop], hidden[~drop])
-    _, none = SD_TrainStep.apply_cfg_dropout(hidden, empty, 0.0, torch.Generator().manual_seed(0))
+    _, none = sd.train.step.apply_cfg_dropout(hidden, empty, 0.0, torch.Generator().manual_seed(0))
     assert not none.any()
 
 
@@ -553,7 +555,7 @@ def test_latents_of_another_scaling_factor_are_refused_before_any_work(tmp_path,
     (latents / "latents.json").write_text(json.dumps({**meta, "scaling_factor": 0.13025}))
     config = write_config(tmp_path / "s.yaml", datasets=[{"dataset": data["dataset"], "latents": str(latents)}],
                           max_steps=2, out_dir=str(tmp_path / "run"))
-    assert SD_Model.load_vae("tiny").config.scaling_factor == 0.18215
+    assert sd.model.load_vae("tiny").config.scaling_factor == 0.18215
     assert SD_Train.main(["--config", str(config)]) == 2
     err = capsys.readouterr().err
     assert f"{latents.resolve() / 'latents.json'} records 0.13025" in err
@@ -582,7 +584,7 @@ def test_phase_recipes_match_the_reference_curriculum(name, tmp_path, monkeypatc
     for dataset in mix:
         (tmp_path / "data" / dataset / "dataset").mkdir(parents=True, exist_ok=True)
         (tmp_path / "data" / dataset / "latents").mkdir(parents=True, exist_ok=True)
-    config = SD_TrainConfig.load_config(["--config", str(path), "--init_from", ""])
+    config = sd.train.config.load_config(["--config", str(path), "--init_from", ""])
     assert (config.lr, config.warmup_steps, config.cfg_dropout) == (lr, warmup, dropout)
     weights = {Path(d["dataset"]).parent.name: d["weight"] for d in config.datasets}
     assert weights == pytest.approx(mix) and sum(weights.values()) == pytest.approx(1.0)
@@ -693,18 +695,18 @@ class HostReads(torch.overrides.TorchFunctionMode):
 def test_an_optimizer_step_reads_from_the_device_once(tmp_path, data):
     run = make_run(tmp_path, data, grad_accum=2, batch_size=2)
     micro = [run.train_data.batch(np.arange(2)), run.train_data.batch(np.arange(2, 4))]
-    SD_TrainStep.train_step(run.step, micro, 0)  # the optimizer's state is created on the first step
+    sd.train.step.train_step(run.step, micro, 0)  # the optimizer's state is created on the first step
     bad = [(latents.clone(), ids) for latents, ids in micro]
     bad[1][0][0, 0, 0, 0] = float("nan")
     with HostReads() as reads:
-        results = [SD_TrainStep.train_step(run.step, batch, i) for i, batch in enumerate([micro, bad, micro], 1)]
+        results = [sd.train.step.train_step(run.step, batch, i) for i, batch in enumerate([micro, bad, micro], 1)]
     assert [r["bad"] for r in results] == [False, True, False]
     assert reads.count == 3  # one per optimizer step, skipped steps included
 
 
 def test_prefetched_batches_equal_the_ones_built_in_place_and_a_stale_one_is_dropped(tmp_path, data):
     run = make_run(tmp_path, data)
-    prefetch = SD_Train.Prefetcher(run.train_data, pin=False)
+    prefetch = sd.data.prefetch.Prefetcher(run.train_data, pin=False)
     try:
         rows = [np.array([3, 1]), np.array([7, 5])]
         prefetch.ahead((0, 2), rows)
@@ -724,7 +726,7 @@ def test_validation_loss_scores_every_dataset_of_a_mixed_phase(tmp_path, data):
     asked = []
     batch = run.val_data.batch
     run.val_data.batch = lambda rows: asked.extend(rows.tolist()) or batch(rows)
-    loss = SD_TrainStep.validation_loss(run.step, run.val_data, 8, 4)
+    loss = sd.train.step.validation_loss(run.step, run.val_data, 8, 4)
     which = np.searchsorted(run.val_data.offsets, asked, side="right") - 1
     assert np.bincount(which, minlength=2).tolist() == [2, 6] and math.isfinite(loss)  # 8 by weight 1:3
 

@@ -1,4 +1,4 @@
-"""SD_TrainConfig: flags, bools, numbers given as text, and ``extends`` chains of YAML files."""
+"""sd.train.config: flags, bools, numbers given as text, and ``extends`` chains of YAML files."""
 
 import math
 import re
@@ -8,8 +8,8 @@ import pytest
 import yaml
 
 import SD_Train
-import SD_TrainConfig
-from SD_TrainConfig import ConfigError, load_config
+import sd.train.config
+from sd.train.config import ConfigError, load_config
 
 
 @pytest.fixture
@@ -91,7 +91,7 @@ def test_numbers_on_the_command_line_take_the_fields_type(base_config, flag, tex
 
 @pytest.mark.parametrize("flag, text", [("--max_steps", "1.5"), ("--batch_size", "two"), ("--lr", "fast")])
 def test_numbers_of_the_wrong_kind_are_refused(base_config, flag, text):
-    kind = SD_TrainConfig.FIELDS[flag[2:]].type
+    kind = sd.train.config.FIELDS[flag[2:]].type
     # A number-like text is shown as the number it read as (1.5), other text quoted ('two').
     with pytest.raises(ConfigError, match=rf"^{flag[2:]}: expected {kind}, got '?{re.escape(text)}'?$"):
         load_config(["--config", str(base_config), flag, text])
@@ -187,13 +187,13 @@ RANGES = {
 
 
 def test_every_numeric_field_has_a_range_here():
-    numeric = {name for name, f in SD_TrainConfig.FIELDS.items() if f.type in ("int", "float")}
+    numeric = {name for name, f in sd.train.config.FIELDS.items() if f.type in ("int", "float")}
     assert numeric == set(RANGES)
 
 
 def out_of_range_cases():
     for name, (allowed, _, bad) in RANGES.items():
-        kind = SD_TrainConfig.FIELDS[name].type
+        kind = sd.train.config.FIELDS[name].type
         for value in bad + ([math.inf, -math.inf, math.nan] if kind == "float" else []):
             yield pytest.param(name, value, allowed, id=f"{name}={value}")
 
@@ -270,7 +270,7 @@ def test_a_dataset_weight_written_1e_3_is_a_number(tmp_path, datasets):
     ({"vae": ""}, "vae must not be empty"),
 ])
 def test_a_config_built_in_code_is_checked_like_a_yaml(datasets, fields, message):
-    config = SD_TrainConfig.TrainConfig(**{"datasets": datasets, "max_steps": 2, **fields})
+    config = sd.train.config.TrainConfig(**{"datasets": datasets, "max_steps": 2, **fields})
     with pytest.raises(ConfigError) as error:
         config.validate()
     assert str(error.value) == message

@@ -35,9 +35,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-import SD_Distributed
-import SD_Faults
-import SD_Files
+import sd.distributed
+import sd.faults
+import sd.files
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 COMPLETE = "COMPLETE"
@@ -177,7 +177,7 @@ def save(checkpoints_dir: Path, step: int, states: dict, d, config_text: str) ->
         if staging.exists():
             shutil.rmtree(staging)
         staging.mkdir(parents=True)
-    SD_Distributed.barrier(d)
+    sd.distributed.barrier(d)
     written, failure, path = [], None, staging
     try:
         for name, obj in states.items():
@@ -185,7 +185,7 @@ def save(checkpoints_dir: Path, step: int, states: dict, d, config_text: str) ->
                 path = staging / file_name(name, obj, d.rank)
                 write_entry(path, obj)
                 written.append(path)
-                SD_Faults.point(f"after_{name}", step)
+                sd.faults.point(f"after_{name}", step)
         if d.is_main:
             path = staging / "config.yaml"
             path.write_text(config_text)
@@ -193,19 +193,19 @@ def save(checkpoints_dir: Path, step: int, states: dict, d, config_text: str) ->
         entries = describe_files(written)
     except (OSError, RuntimeError) as error:  # torch and safetensors wrap the OSError of a failed write
         failure, entries = f"could not write {path}: {write_error_text(error)}", {}
-    gathered = SD_Distributed.all_gather_objects((entries, failure), d)
+    gathered = sd.distributed.all_gather_objects((entries, failure), d)
     failures = [f for _, f in gathered if f]
     if failures:
         if d.is_main:
             shutil.rmtree(staging, ignore_errors=True)
-        SD_Distributed.barrier(d)
+        sd.distributed.barrier(d)
         raise CheckpointError(f"{failures[0]}; the unfinished {staging.name} was removed and earlier checkpoints "
                               "are untouched")
     if d.is_main:
         manifest = {"hash": HASH, "files": {name: entry for part, _ in gathered for name, entry in part.items()}}
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
         finalize(staging, final)
-    SD_Distributed.barrier(d)
+    sd.distributed.barrier(d)
     return final
 
 
@@ -370,7 +370,7 @@ def check_ranks_agree(model, d, step: int) -> None:
     """Compare every rank's weight fingerprint with rank 0's (collective); raise naming the ranks
     whose weights differ. DDP keeps replicas equal; a difference means they silently diverged."""
     mine = weights_fingerprint(model.parameters())
-    gathered = SD_Distributed.all_gather_objects(mine, d)
+    gathered = sd.distributed.all_gather_objects(mine, d)
     differ = [rank for rank, theirs in enumerate(gathered) if not torch.equal(theirs, gathered[0])]
     if differ:
         names = [name for name, _ in model.named_parameters()]
@@ -382,7 +382,7 @@ def check_ranks_agree(model, d, step: int) -> None:
 
 def finalize(staging: Path, final: Path) -> None:
     """Mark a fully written staging folder complete and move it into place (rank 0 only)."""
-    SD_Files.fsync_tree(staging)
+    sd.files.fsync_tree(staging)
     (staging / COMPLETE).write_text("ok\n")
     if final.exists():  # an earlier complete save of the same step (a re-run): replace it
         shutil.rmtree(final)

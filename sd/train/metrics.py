@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-import SD_Files
+import sd.files
 
 log = logging.getLogger("sd_metrics")
 
@@ -72,7 +72,7 @@ class MetricsLog:
         if torn is not None:
             log.warning("%s: dropped its torn last line (a crash while writing it): %.80r", self.path, torn)
         if torn is not None or len(kept) != len(records):
-            SD_Files.write_text_atomic(self.path, "".join(line + "\n" for line in kept))
+            sd.files.write_text_atomic(self.path, "".join(line + "\n" for line in kept))
 
     def write(self, record: dict, image: Path | None = None) -> None:
         with open(self.path, "a") as handle:
@@ -109,7 +109,7 @@ def plot_metrics(metrics_path: Path, out: Path) -> None:
     if evals:
         plot_eval(axes[0][1], evals)
     fig.tight_layout()
-    SD_Files.write_atomic(out, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
+    sd.files.write_atomic(out, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
     plt.close(fig)
 
 

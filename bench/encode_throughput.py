@@ -1,7 +1,7 @@
 """Benchmark: encode_latents.py against the naive loop a user would write, in one process.
 
-    python bench/encode_latents.py                         # CPU: tiny VAE, 64 px
-    python bench/encode_latents.py --vae sd1 --resolution 512 --images 2048 --batch_size 64   # GPU
+    python bench/encode_throughput.py                         # CPU: tiny VAE, 64 px
+    python bench/encode_throughput.py --vae sd1 --resolution 512 --images 2048 --batch_size 64   # GPU
 
 Both encode the same generated JPEG shards with the same VAE weights:
 * ours: encode_latents.main (prefetch thread, OpenCV decode pool, pinned batches, writer thread);
@@ -20,18 +20,17 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 import torch
 from PIL import Image
 
 import encode_latents
-import harness
-import SD_Model
-import SD_Cli
-import SD_Runtime
-import SD_Shards
+from bench import harness
+import sd.model
+import sd.cli
+import sd.runtime
+import sd.data.shards
 
 
 # (height, width) per resolution of the --aspects images: landscape, portrait, square, 3:1 and 1:3
@@ -51,8 +50,8 @@ def make_shards(folder: Path, images: int, per_shard: int, resolution: int, seed
             small = rng.integers(0, 256, size=(height // 16, width // 16, 3), dtype=np.uint8)
             buffer = io.BytesIO()
             Image.fromarray(small).resize((width, height), Image.BICUBIC).save(buffer, format="JPEG", quality=90)
-            samples.append(SD_Shards.ShardSample(f"{i:08d}", buffer.getvalue(), "jpg", f"image {i}"))
-        SD_Shards.write_shard(folder / f"{shard:05d}.tar", samples)
+            samples.append(sd.data.shards.ShardSample(f"{i:08d}", buffer.getvalue(), "jpg", f"image {i}"))
+        sd.data.shards.write_shard(folder / f"{shard:05d}.tar", samples)
 
 
 def naive_encode(shards: list[Path], vae, device, dtype, resolution: int) -> int:
@@ -80,18 +79,18 @@ def naive_encode(shards: list[Path], vae, device, dtype, resolution: int) -> int
 
 def vae_ceiling(vae, device, dtype, resolution: int, batch_size: int, batches: int) -> float:
     pixels = torch.rand(batch_size, 3, resolution, resolution, device=device, dtype=dtype) * 2 - 1
-    with torch.no_grad(), SD_Model.attention_context(device):
+    with torch.no_grad(), sd.model.attention_context(device):
         vae.encode(pixels)  # warm-up
-        SD_Runtime.synchronize(device)
+        sd.runtime.synchronize(device)
         start = time.perf_counter()
         for _ in range(batches):
             vae.encode(pixels).latent_dist.mean.to(torch.float16)
-        SD_Runtime.synchronize(device)
+        sd.runtime.synchronize(device)
     return batch_size * batches / (time.perf_counter() - start)
 
 
 def main(argv=None) -> dict:
-    parser = SD_Cli.ArgumentParser(description=__doc__)
+    parser = sd.cli.ArgumentParser(description=__doc__)
     parser.add_argument("--vae", choices=["tiny", "sd1"], default="tiny", help="tiny, or the SD 1.x VAE architecture "
                         "with random weights (default: %(default)s)")
     parser.add_argument("--resolution", type=int, default=64, help="pixels (default: %(default)s)")
@@ -103,13 +102,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--json", default="", help="also write the result JSON to this file")
     args = parser.parse_args(argv)
 
-    device = SD_Runtime.pick_device(args.device)
-    dtype = SD_Runtime.resolve_precision("auto", device)  # what encode_latents.py picks for this device
+    device = sd.runtime.pick_device(args.device)
+    dtype = sd.runtime.resolve_precision("auto", device)  # what encode_latents.py picks for this device
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         make_shards(tmp / "shards", args.images, args.per_shard, args.resolution)
         if args.vae == "tiny":
-            vae_id, vae = "tiny", SD_Model.load_vae("tiny")
+            vae_id, vae = "tiny", sd.model.load_vae("tiny")
         else:
             vae = harness.random_vae("sd1", seed=0)
             vae.save_pretrained(tmp / "vae")

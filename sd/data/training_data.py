@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import SD_Buckets
+import sd.data.buckets
 
 
 class DataError(ValueError):
@@ -91,7 +91,7 @@ class LatentStore:
         self._index_keys()
 
     def _index_shapes(self, array_shapes: list[tuple], rows: list[int]) -> None:
-        self.shapes = sorted(set(array_shapes), key=lambda s: (SD_Buckets.aspect(s), s))
+        self.shapes = sorted(set(array_shapes), key=lambda s: (sd.data.buckets.aspect(s), s))
         index = {shape: i for i, shape in enumerate(self.shapes)}
         self.bucket_of_row = np.repeat(np.array([index[s] for s in array_shapes], dtype=np.int16), rows)
         self.sample_shape = self.shapes[0] if len(self.shapes) == 1 else None  # None: several buckets
@@ -227,7 +227,7 @@ def read_bucket_layout(path: Path, key_count: int) -> list[tuple[str, int]]:
     """``[(bucket name "WxH", rows), ...]`` in the order of the shard's keys; a damaged file is a DataError."""
     try:
         layout = json.loads(path.read_text(encoding="utf-8"))
-        groups = [(SD_Buckets.name(tuple(b["size"])), int(b["count"])) for b in layout["buckets"]]
+        groups = [(sd.data.buckets.name(tuple(b["size"])), int(b["count"])) for b in layout["buckets"]]
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise DataError(f"{path} is not a readable bucket layout ({error!r}); delete its shard's .keys.txt "
                         "and re-run encode_latents.py to encode it again") from None
@@ -429,7 +429,7 @@ class MixedData:
         self.offsets = np.cumsum([0] + self.sizes)
         per_split = [[split.store.shapes[b] for b in np.unique(split.store.bucket_of_row[split.rows])]
                      for split in splits]
-        self.shapes = sorted({s for shapes in per_split for s in shapes}, key=lambda s: (SD_Buckets.aspect(s), s))
+        self.shapes = sorted({s for shapes in per_split for s in shapes}, key=lambda s: (sd.data.buckets.aspect(s), s))
         channels = {s[0] for s in self.shapes}
         if len(channels) > 1:
             detail = ", ".join(f"{s.store.folder}: {s.store.shapes}" for s in splits)
@@ -450,9 +450,9 @@ class MixedData:
 
     def merge_small(self, order: np.ndarray, minimum: int) -> list[tuple[tuple, tuple, int]]:
         """Fold the buckets with fewer than ``minimum`` samples in ``order`` (one global batch) into the
-        nearest by aspect ratio (``SD_Buckets.merge_small``); returns ``(shape, into, samples)`` of each."""
+        nearest by aspect ratio (``sd.data.buckets.merge_small``); returns ``(shape, into, samples)`` of each."""
         counts = np.bincount(self.bucket_of[order], minlength=len(self.shapes))
-        goes = SD_Buckets.merge_small({s: int(n) for s, n in zip(self.shapes, counts)}, minimum)
+        goes = sd.data.buckets.merge_small({s: int(n) for s, n in zip(self.shapes, counts)}, minimum)
         index = {shape: i for i, shape in enumerate(self.shapes)}
         self.target = np.array([index[goes[s]] for s in self.shapes])
         return [(s, goes[s], int(n)) for s, n in zip(self.shapes, counts) if goes[s] != s and n]
@@ -462,14 +462,14 @@ class MixedData:
         targets = np.unique(self.target[self.bucket_of[indices]])
         if len(targets) != 1:
             raise DataError(f"one batch mixes latent shapes {[self.shapes[t] for t in targets]}; batches are "
-                            "drawn from one bucket each (SD_Data.epoch_batches)")
+                            "drawn from one bucket each (sd.data.training_data.epoch_batches)")
         return self.shapes[targets[0]]
 
     def batch(self, indices: np.ndarray, flipped: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(latents (B, 4, h, w) float16, input_ids (B, 77) int64)`` for global indices, in order.
 
         ``flipped`` (B,) bool: which samples take the latents of their mirrored image (``flip_coins``).
-        Samples of a merged bucket are brought to the shape they train at (``SD_Buckets.fit_latents``).
+        Samples of a merged bucket are brought to the shape they train at (``sd.data.buckets.fit_latents``).
         """
         shape = self.shape_of(indices)
         which = np.searchsorted(self.offsets, indices, side="right") - 1
@@ -482,7 +482,7 @@ class MixedData:
                 mask = (which == d) & (stored == b)
                 local = indices[mask] - self.offsets[d]
                 part = split.store.gather(split.rows[local], None if flipped is None else flipped[mask])
-                latents[mask] = part if part.shape[1:] == shape else SD_Buckets.fit_latents(part, shape)
+                latents[mask] = part if part.shape[1:] == shape else sd.data.buckets.fit_latents(part, shape)
                 input_ids[mask] = split.input_ids[local]
         return torch.from_numpy(latents), torch.from_numpy(input_ids)
 

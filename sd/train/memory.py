@@ -1,7 +1,7 @@
 """Predicted device memory of a training step, computed without the device.
 
 ``estimate`` builds the configured models on fake tensors (shapes, dtypes and devices; no data),
-runs two optimizer steps of ``SD_TrainStep.train_step`` at the configured batch, precision,
+runs two optimizer steps of ``sd.train.step.train_step`` at the configured batch, precision,
 gradient checkpointing, optimizer and EMA placement, and records every storage the step's operators
 create: its size (rounded up to 512 bytes, as the CUDA caching allocator rounds), when it was made
 and when it was freed. The peak of the live bytes, and what was live at that moment (weights,
@@ -31,8 +31,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
 import weakref
+from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -40,9 +42,14 @@ from torch.utils._pytree import tree_leaves
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-import SD_Lora
-import SD_Model
-import SD_Runtime
+import sd.data.training_data
+import sd.distributed
+import sd.lora.adapters
+import sd.model
+import sd.runtime
+from sd.train.config import ConfigError
+
+log = logging.getLogger("sd_train")
 
 ROUND = {"cuda": 512, "cpu": 64}  # the smallest block: the CUDA caching allocator's, the CPU allocator's alignment
 RESERVE_FACTOR = 1.10  # peak reserved / peak allocated allowed for segments and fragmentation
@@ -189,7 +196,7 @@ def as_if_cuda(unet, on_cast=lambda cast: None):
     autocast.on_cast = on_cast
 
     def trainer_autocast(precision, device):
-        return autocast.region(None if precision == "fp32" else SD_Runtime.dtype_of(precision))
+        return autocast.region(None if precision == "fp32" else sd.runtime.dtype_of(precision))
 
     def checkpoint(function, *args):
         dtype = autocast.dtype
@@ -204,8 +211,8 @@ def as_if_cuda(unet, on_cast=lambda cast: None):
 
         return torch.utils.checkpoint.checkpoint(recompute, *args, use_reentrant=False)
 
-    original = SD_Runtime.autocast
-    SD_Runtime.autocast = trainer_autocast
+    original = sd.runtime.autocast
+    sd.runtime.autocast = trainer_autocast
     if unet.is_gradient_checkpointing:
         unet.enable_gradient_checkpointing(gradient_checkpointing_func=lambda module, *args: checkpoint(module.__call__,
                                                                                                        *args))
@@ -213,7 +220,7 @@ def as_if_cuda(unet, on_cast=lambda cast: None):
         with autocast:
             yield
     finally:
-        SD_Runtime.autocast = original
+        sd.runtime.autocast = original
 
 
 # ---------------------------------------------------------------------------------------------
@@ -250,9 +257,9 @@ def frozen_models(config):
     from diffusers import AutoencoderKL
     from transformers import CLIPTextConfig, CLIPTextModel
 
-    text = SD_Model.TINY_TEXT_ENCODER if config.text_encoder == "tiny" else SD1_TEXT_ENCODER
-    vae = SD_Model.TINY_VAE if config.vae == "tiny" else SD_Model.SD1_VAE
-    return (SD_Model._frozen(CLIPTextModel(CLIPTextConfig(**text))), SD_Model._frozen(AutoencoderKL(**vae)))
+    text = sd.model.TINY_TEXT_ENCODER if config.text_encoder == "tiny" else SD1_TEXT_ENCODER
+    vae = sd.model.TINY_VAE if config.vae == "tiny" else sd.model.SD1_VAE
+    return (sd.model._frozen(CLIPTextModel(CLIPTextConfig(**text))), sd.model._frozen(AutoencoderKL(**vae)))
 
 
 @contextlib.contextmanager
@@ -263,22 +270,22 @@ def session(config, resolution: int = 512, device: str = "cuda"):
     with a real CPU run)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    import SD_TrainStep
-    from SD_Distributed import Dist
+    import sd.train.step
+    from sd.distributed import Dist
 
     allocations = Allocations(ROUND[device])
     casts: set[int] = set()
     with FakeTensorMode(allow_non_fake_inputs=False), allocations, module_moves_of_fake_tensors():
         text_encoder, vae = frozen_models(config)
-        unet = SD_Model.build_unet(config.unet, from_scratch=False, grad_checkpointing=config.grad_checkpointing,
+        unet = sd.model.build_unet(config.unet, from_scratch=False, grad_checkpointing=config.grad_checkpointing,
                                    channels_last=config.channels_last).train()
-        SD_Lora.apply_config(config, unet, text_encoder)
-        empty_ids = torch.full((1, SD_Model.TOKENIZER_MAX_LENGTH), 49407, dtype=torch.long)
+        sd.lora.adapters.apply_config(config, unet, text_encoder)
+        empty_ids = torch.full((1, sd.model.TOKENIZER_MAX_LENGTH), 49407, dtype=torch.long)
         emulate = as_if_cuda(unet, lambda cast: casts.add(id(allocations.record_of(cast)))) if device == "cuda" \
             else contextlib.nullcontext()
-        with emulate, SD_Model.attention_context(torch.device("cpu")), HostReadsAsZeros():
-            step = SD_TrainStep.build_step(config, Dist.single("cpu"), unet, text_encoder, empty_ids,
-                                           SD_Model.SD1_SCALING_FACTOR)
+        with emulate, sd.model.attention_context(torch.device("cpu")), HostReadsAsZeros():
+            step = sd.train.step.build_step(config, Dist.single("cpu"), unet, text_encoder, empty_ids,
+                                           sd.model.SD1_SCALING_FACTOR)
             if config.cache_text_embeddings:  # the encoder waits in host memory; lookups give fp32 embeddings
                 step.text_cache = CachedPrompts(text_encoder.config.hidden_size)
             steps = 0
@@ -289,13 +296,13 @@ def session(config, resolution: int = 512, device: str = "cuda"):
                 latent = resolution // 8
                 images = batch_size * per_batch
                 batches = [(torch.zeros(images, 4, latent, latent, dtype=torch.float16),
-                            torch.zeros(images, SD_Model.TOKENIZER_MAX_LENGTH, dtype=torch.long))
+                            torch.zeros(images, sd.model.TOKENIZER_MAX_LENGTH, dtype=torch.long))
                            for _ in range(config.grad_accum)]
                 if steps == 0:
-                    SD_TrainStep.train_step(step, batches, steps)  # creates the optimizer state
+                    sd.train.step.train_step(step, batches, steps)  # creates the optimizer state
                     steps += 1
                 allocations.reset_peak()
-                SD_TrainStep.train_step(step, batches, steps)
+                sd.train.step.train_step(step, batches, steps)
                 steps += 1
                 parts = breakdown(allocations, step, vae, config, casts)
                 return Estimate(batch_size, resolution, parts, sum(parts.values()))
@@ -304,7 +311,7 @@ def session(config, resolution: int = 512, device: str = "cuda"):
 
 
 class CachedPrompts:
-    """Stands in for ``SD_TrainStep.TextCache`` (whose index reads token values): a lookup returns
+    """Stands in for ``sd.train.step.TextCache`` (whose index reads token values): a lookup returns
     the fp32 embeddings a real one gathers."""
 
     def __init__(self, hidden_size: int):
@@ -493,3 +500,48 @@ def report(config, resolution: int, gpu_memory_gb: float) -> dict:
               "grad_checkpointing: true, ema_device: cpu or precision: bf16")
     return {**at_config.as_dict(), "gpu_memory_gb": gpu_memory_gb, "max_batch": batch,
             "fits": at_config.peak_gb <= gpu_memory_gb}
+
+
+# ---------------------------------------------------------------------------------------------
+# batch_size: auto
+# ---------------------------------------------------------------------------------------------
+
+
+def auto_batch_size(config, d, gpu_memory_gb: float | None = None) -> int:
+    """``batch_size: auto``: the run folder's own choice when it has one (a resume keeps its batch),
+    else the largest micro-batch whose predicted peak fits the smallest GPU of the run."""
+    saved = Path(config.out_dir) / "config.yaml"
+    if saved.exists():
+        import yaml
+
+        chosen = (yaml.safe_load(saved.read_text()) or {}).get("batch_size")
+        if isinstance(chosen, int) and chosen > 0:
+            log.info("batch_size: auto -> %d, as this run chose before (%s)", chosen, saved)
+            return chosen
+    if gpu_memory_gb is None:
+        if d.device.type != "cuda":
+            raise ConfigError("batch_size: auto sizes the batch to a CUDA device's memory; on the CPU give a number")
+        gpu_memory_gb = torch.cuda.get_device_properties(d.device).total_memory / 1e9
+    gpu_memory_gb = min(sd.distributed.all_gather_objects(gpu_memory_gb, d))
+    resolution = resolution_of(config)
+    batch, estimate = max_batch(config, gpu_memory_gb, resolution)
+    if batch == 0:
+        raise ConfigError(f"batch_size: auto: not even one {resolution} px image fits {gpu_memory_gb:.1f} GB with "
+                          "these settings (SD_Train.py --estimate_memory shows where the memory goes)")
+    log.info("batch_size: auto -> %d (predicted peak %.2f of %.2f GB)", batch, estimate.peak_gb, gpu_memory_gb)
+    return batch
+
+
+def resolution_of(config) -> int:
+    """The image size of the first dataset's latents (``latents.json``), else 512. With aspect-ratio
+    buckets, the side of a square of the largest bucket's pixel count (the step's memory grows with
+    the pixels)."""
+    for entry in config.datasets[:1]:
+        try:
+            meta = sd.data.training_data.read_latents_meta(Path(str(entry["latents"])))
+            if meta.get("buckets"):
+                return -(-(math.isqrt(max(w * h for w, h in meta["buckets"]) - 1) + 1) // 8) * 8
+            return int(meta["latent_shape"][-1]) * 8
+        except Exception:  # no folder yet, or no settings in it: the default
+            pass
+    return 512

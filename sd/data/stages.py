@@ -3,7 +3,7 @@ the end-of-stage summary, downloads and archive safety.
 
 The stage contract:
 * Each stage is ``pipeline/NN_verb_noun.py`` with ``main(argv=None)``; it calls
-  ``SD_Runtime.start_process()`` first and builds its command line on ``StageArgumentParser``
+  ``sd.runtime.start_process()`` first and builds its command line on ``StageArgumentParser``
   (``--input`` what it reads, ``--out`` where it writes, ``--workers``, ``--retries``, booleans as
   ``--flag [true|false]``; a bad command line is one line on stderr and exit status 2).
 * Per output a stage writes the data (``NNNNN.tar``: webdataset ``key.jpg`` + ``key.txt`` +
@@ -31,9 +31,9 @@ from pathlib import Path, PurePosixPath
 
 import numpy as np
 
-import SD_Cli
-import SD_Files
-import SD_Shards
+import sd.cli
+import sd.files
+import sd.data.shards
 
 log = logging.getLogger("pipeline")
 
@@ -96,16 +96,16 @@ def admit_sample(stats: ShardStats, seen: set, key: str, caption: str) -> bool:
 def write_output(out_dir: Path, name: int | str, write, stats: ShardStats, suffix: str = ".tar", **extra) -> dict:
     """Write an output with ``write(tmp_path)`` and then its stats file (the done marker), both atomically."""
     data, stats_path = output_paths(out_dir, name, suffix)
-    SD_Files.write_atomic(data, write)
+    sd.files.write_atomic(data, write)
     record = stats.as_dict(**extra)
-    SD_Files.write_json_atomic(stats_path, record)
+    sd.files.write_json_atomic(stats_path, record)
     return record
 
 
-def write_shard(out_dir: Path, index: int, samples: list[SD_Shards.ShardSample], stats: ShardStats, **extra) -> dict:
+def write_shard(out_dir: Path, index: int, samples: list[sd.data.shards.ShardSample], stats: ShardStats, **extra) -> dict:
     """Write image shard ``index`` and then its stats file; every sample given counts as kept."""
     stats.successes = len(samples)
-    return write_output(out_dir, index, lambda tmp: SD_Shards.write_tar(tmp, samples), stats, **extra)
+    return write_output(out_dir, index, lambda tmp: sd.data.shards.write_tar(tmp, samples), stats, **extra)
 
 
 class Summary:
@@ -154,7 +154,7 @@ class Summary:
         """Write ``<stage>_summary.json`` into ``out_dir`` and print the totals in one line."""
         record = {"stage": self.stage, "kept": self.kept, "dropped": dict(sorted(self.dropped.items())),
                   "shards_written": self.shards_written, "shards_already_done": self.shards_skipped, **extra}
-        SD_Files.write_json_atomic(self.path(out_dir), record)
+        sd.files.write_json_atomic(self.path(out_dir), record)
         dropped = ", ".join(f"{reason} {n}" for reason, n in sorted(self.dropped.items()) if n) or "none"
         shards = (f" shards written {self.shards_written}, already done {self.shards_skipped};"
                   if self.shards_written or self.shards_skipped else "")
@@ -172,41 +172,41 @@ def encode_jpeg(rgb: np.ndarray, quality: int = 95) -> bytes:
 
     ok, data = cv2.imencode(".jpg", cv2.cvtColor(rgb, cv2.COLOR_RGB2BGR), [cv2.IMWRITE_JPEG_QUALITY, quality])
     if not ok:
-        raise SD_Shards.ImageSkip("undecodable", "JPEG encoding failed")
+        raise sd.data.shards.ImageSkip("undecodable", "JPEG encoding failed")
     return data.tobytes()
 
 
 def image_sample(key: str, data: bytes, ext: str, caption: str, resolution: int, metadata: dict | None = None,
-                 max_pixels: int = SD_Shards.DEFAULT_MAX_PIXELS, keep_aspect: str | None = None
-                 ) -> SD_Shards.ShardSample:
+                 max_pixels: int = sd.data.shards.DEFAULT_MAX_PIXELS, keep_aspect: str | None = None
+                 ) -> sd.data.shards.ShardSample:
     """Decode, resize, re-encode as JPEG. Without ``keep_aspect``: the short side scaled to
     ``resolution`` and the centre square cut out; with ``keep_aspect`` "short" or "long": the whole
-    image with that side scaled to ``resolution`` (``SD_Shards.resize_keep_aspect``).
+    image with that side scaled to ``resolution`` (``sd.data.shards.resize_keep_aspect``).
 
-    Raises ``SD_Shards.ImageSkip`` (with a reason) for an unusable image. The metadata records the
+    Raises ``sd.data.shards.ImageSkip`` (with a reason) for an unusable image. The metadata records the
     original size and the written one.
     """
-    rgb = SD_Shards.decode_image(data, ext.lower().lstrip("."), max_pixels)
+    rgb = sd.data.shards.decode_image(data, ext.lower().lstrip("."), max_pixels)
     height, width = rgb.shape[:2]
     if keep_aspect:
-        resized = SD_Shards.resize_keep_aspect(rgb, resolution, keep_aspect)
+        resized = sd.data.shards.resize_keep_aspect(rgb, resolution, keep_aspect)
     else:
-        resized = SD_Shards.resize_center_crop(rgb, resolution)
+        resized = sd.data.shards.resize_center_crop(rgb, resolution)
     meta = {"key": key, "caption": caption, "original_width": width, "original_height": height,
             "width": resized.shape[1], "height": resized.shape[0], **(metadata or {})}
-    return SD_Shards.ShardSample(key, encode_jpeg(resized), "jpg", caption, json.dumps(meta).encode("utf-8"))
+    return sd.data.shards.ShardSample(key, encode_jpeg(resized), "jpg", caption, json.dumps(meta).encode("utf-8"))
 
 
 def _to_sample(item: tuple, resolution: int, max_pixels: int):
     key, data, ext, caption, metadata = item
     try:
         return key, image_sample(key, data, ext, caption, resolution, metadata, max_pixels)
-    except SD_Shards.ImageSkip as skip:
+    except sd.data.shards.ImageSkip as skip:
         return key, skip
 
 
-def convert_images(items, stats: ShardStats, pool, resolution: int, max_pixels: int = SD_Shards.DEFAULT_MAX_PIXELS,
-                   read_ahead: int = 32) -> list[SD_Shards.ShardSample]:
+def convert_images(items, stats: ShardStats, pool, resolution: int, max_pixels: int = sd.data.shards.DEFAULT_MAX_PIXELS,
+                   read_ahead: int = 32) -> list[sd.data.shards.ShardSample]:
     """``image_sample`` over ``(key, data, ext, caption, metadata)`` items on a thread pool, in order.
 
     At most ``read_ahead`` raw images are held at once (a whole archive would not fit in memory);
@@ -216,7 +216,7 @@ def convert_images(items, stats: ShardStats, pool, resolution: int, max_pixels: 
 
     def flush():
         for key, result in pool.map(lambda item: _to_sample(item, resolution, max_pixels), batch):
-            if isinstance(result, SD_Shards.ImageSkip):
+            if isinstance(result, sd.data.shards.ImageSkip):
                 stats.skip(result.reason, key)
             else:
                 samples.append(result)
@@ -232,7 +232,7 @@ def convert_images(items, stats: ShardStats, pool, resolution: int, max_pixels: 
 
 def image_extension(name: str) -> str | None:
     ext = name.rsplit(".", 1)[-1].lower() if "." in name else ""
-    return ext if ext in SD_Shards.IMAGE_EXTENSIONS else None
+    return ext if ext in sd.data.shards.IMAGE_EXTENSIONS else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -336,7 +336,7 @@ def _fetch(url: str, part: Path, timeout: float) -> None:
         source = Path(url[len("file://"):] if url.startswith("file://") else url)
         if not source.exists():
             raise DownloadError(f"{source} does not exist", missing=True)
-        SD_Files.write_atomic(part, lambda tmp: Path(tmp).write_bytes(source.read_bytes()))
+        sd.files.write_atomic(part, lambda tmp: Path(tmp).write_bytes(source.read_bytes()))
         return
     have = part.stat().st_size if part.exists() else 0
     request = urllib.request.Request(url, headers={"Range": f"bytes={have}-"} if have else {})
@@ -464,8 +464,8 @@ def parquet_columns(path: Path, overrides: dict) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
-class StageArgumentParser(SD_Cli.ArgumentParser):
-    """The command line of a pipeline stage: SD_Cli's conventions, one line on stderr and exit 2 for a
+class StageArgumentParser(sd.cli.ArgumentParser):
+    """The command line of a pipeline stage: sd.cli's conventions, one line on stderr and exit 2 for a
     bad command line, and the flags stages share (``--input``, ``--out``, ``--workers``, ``--retries``,
     ``--resolution``, the download flags) spelled, defaulted and checked in one place.
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-import SD_Model
+import sd.model
 
 ADAPTER = "default"  # PEFT's adapter name inside the modules
 ATTENTION = ("to_q", "to_k", "to_v", "to_out.0")
@@ -63,7 +63,7 @@ def add_lora(model, modules: list[str], rank: int, alpha: float, dropout: float 
     config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(modules),
                         init_lora_weights=True)
     model.requires_grad_(False)
-    with SD_Model._seeded(seed):
+    with sd.model._seeded(seed):
         inject_adapter_in_model(config, model, adapter_name=ADAPTER)
     for name, param in model.named_parameters():
         param.requires_grad_(is_adapter_name(name))

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import yaml
 
-import SD_Cli
-import SD_Model
+import sd.cli
+import sd.model
 
 @dataclass(frozen=True)
 class Range:
@@ -75,8 +75,8 @@ class TrainConfig:
                       "fixed by seed, epoch and position); needs latents from encode_latents.py --flip", False)
     # -- models -----------------------------------------------------------------------------
     unet: str = _doc("UNet preset: sd1 or tiny", "sd1")
-    vae: str = _doc("VAE hub id, local folder or tiny (used for validation images)", SD_Model.DEFAULT_VAE)
-    text_encoder: str = _doc("CLIP text encoder hub id, local folder or tiny", SD_Model.DEFAULT_TEXT_ENCODER)
+    vae: str = _doc("VAE hub id, local folder or tiny (used for validation images)", sd.model.DEFAULT_VAE)
+    text_encoder: str = _doc("CLIP text encoder hub id, local folder or tiny", sd.model.DEFAULT_TEXT_ENCODER)
     tokenizer: str = _doc("CLIP tokenizer; empty = the text encoder's", "")
     prediction_type: str = _doc("epsilon or v_prediction", "epsilon")
     init_from: str = _doc("start from these weights (a checkpoint or run folder) with a fresh optimizer "
@@ -210,7 +210,7 @@ class TrainConfig:
                  "a single file, or a run of ours)")
             for i, entry in enumerate(self.datasets):
                 check_dataset_entry(i, entry)
-        need(self.unet in SD_Model.UNET_PRESETS, f"unet: choose one of {sorted(SD_Model.UNET_PRESETS)}")
+        need(self.unet in sd.model.UNET_PRESETS, f"unet: choose one of {sorted(sd.model.UNET_PRESETS)}")
         need(self.prediction_type in ("epsilon", "v_prediction"), "prediction_type: epsilon or v_prediction")
         need(self.precision in ("bf16", "fp16", "fp32"), "precision: bf16, fp16 or fp32")
         need(self.ema_device in ("same", "cpu"), "ema_device: same or cpu")
@@ -309,7 +309,7 @@ def _coerce(name: str, value):
         return AUTO_BATCH
     if kind == "bool":
         try:
-            return SD_Cli.parse_bool(value)
+            return sd.cli.parse_bool(value)
         except Exception:
             pass
     elif kind in ("int", "float"):
@@ -341,14 +341,14 @@ def _unknown_field(name: str, where: str) -> ConfigError:
     return ConfigError(f"unknown config field '{name}' in {where}{hint}")
 
 
-class _Parser(SD_Cli.ArgumentParser):
+class _Parser(sd.cli.ArgumentParser):
     """Unknown or malformed flags become ConfigErrors, reported like every other config mistake."""
 
     def error(self, message):
         raise ConfigError(message)
 
 
-def build_parser(description: str = "") -> SD_Cli.ArgumentParser:
+def build_parser(description: str = "") -> sd.cli.ArgumentParser:
     """``--config`` plus one flag per field; a bool field also works as a bare flag (``--compile``)."""
     parser = _Parser(description=description)
     parser.add_argument("--config", help="phase YAML; flags override its fields")
@@ -415,7 +415,7 @@ def estimate_flags(argv=None) -> tuple[bool, float | None, int | None]:
     """``--estimate_memory``, ``--gpu_memory_gb``, ``--resolution`` of a command line."""
     args, _ = build_parser().parse_known_args(argv)
     try:
-        estimate = SD_Cli.parse_bool(args.estimate_memory)
+        estimate = sd.cli.parse_bool(args.estimate_memory)
     except Exception:
         raise ConfigError(f"--estimate_memory: expected true or false, got {args.estimate_memory!r}") from None
     if args.gpu_memory_gb is not None and not args.gpu_memory_gb > 0:

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
-import SD_Model
+import sd.files
+import sd.model
 
 SAMPLERS = ("ddim", "dpm++", "euler")
 
@@ -51,7 +53,7 @@ class Pipeline:
 SPACINGS = ("leading", "trailing")
 
 
-def ddim_timesteps(num_steps: int, num_train_timesteps: int = SD_Model.NUM_TRAIN_TIMESTEPS,
+def ddim_timesteps(num_steps: int, num_train_timesteps: int = sd.model.NUM_TRAIN_TIMESTEPS,
                    spacing: str = "leading") -> list[int]:
     """Timesteps, highest first, spaced as diffusers names it.
 
@@ -133,11 +135,11 @@ def make_scheduler(sampler: str, steps: int, prediction_type: str, alphas_cumpro
                          "gives no image; sample a v_prediction model, or this one with zero_terminal_snr off")
     if sampler == "ddim":
         if alphas_cumprod is None:
-            alphas_cumprod = SD_Model.ddpm_alphas_cumprod(zero_terminal_snr=zero_terminal_snr)
+            alphas_cumprod = sd.model.ddpm_alphas_cumprod(zero_terminal_snr=zero_terminal_snr)
         return DDIM(steps, alphas_cumprod, prediction_type, "trailing" if zero_terminal_snr else "leading")
     from diffusers import DPMSolverMultistepScheduler, EulerDiscreteScheduler
 
-    config = SD_Model.noise_schedule_config(prediction_type, zero_terminal_snr)
+    config = sd.model.noise_schedule_config(prediction_type, zero_terminal_snr)
     if sampler == "dpm++":
         scheduler = DPMSolverMultistepScheduler.from_config({**config, "algorithm_type": "dpmsolver++",
                                                              "solver_order": 2})
@@ -209,8 +211,8 @@ def generate(pipe: Pipeline, prompt: str, negative: str, seeds: list[int], *, st
              device: torch.device | None = None) -> list[np.ndarray]:
     """RGB uint8 images ``(H, W, 3)`` of ``prompt``, one per seed, decoded by the pipeline's VAE."""
     device = device or next(pipe.unet.parameters()).device
-    ids = SD_Model.tokenize(pipe.tokenizer, [prompt, negative])
-    embeddings = SD_Model.encode_prompt_ids(pipe.text_encoder, ids).float().to(device)  # the encoder may wait on the CPU
+    ids = sd.model.tokenize(pipe.tokenizer, [prompt, negative])
+    embeddings = sd.model.encode_prompt_ids(pipe.text_encoder, ids).float().to(device)  # the encoder may wait on the CPU
     cond, uncond = embeddings[:1], embeddings[1:]
     images = []
     for start in range(0, len(seeds), batch_size):
@@ -230,8 +232,8 @@ def generate_batch(pipe: Pipeline, prompts: list[str], negative: str, seeds: lis
     arithmetic, so a caller that wants the same pixels every time keeps its batches the same.
     """
     device = device or next(pipe.unet.parameters()).device
-    ids = SD_Model.tokenize(pipe.tokenizer, [*prompts, negative])
-    embeddings = SD_Model.encode_prompt_ids(pipe.text_encoder, ids).float().to(device)
+    ids = sd.model.tokenize(pipe.tokenizer, [*prompts, negative])
+    embeddings = sd.model.encode_prompt_ids(pipe.text_encoder, ids).float().to(device)
     cond, uncond = embeddings[:-1], embeddings[-1:].expand(len(prompts), -1, -1)
     return decode_samples(pipe, cond, uncond, seeds, steps=steps, cfg=cfg, sampler=sampler, height=height,
                           width=width, device=device)
@@ -243,10 +245,10 @@ def decode_samples(pipe: Pipeline, cond: torch.Tensor, uncond: torch.Tensor, see
     factor = float(pipe.vae.config.scaling_factor)
     vae_dtype = next(pipe.vae.parameters()).dtype
     noise = initial_noise(seeds, (pipe.unet.config.in_channels, height // 8, width // 8)).to(device)
-    with SD_Model.attention_context(device):
+    with sd.model.attention_context(device):
         latents = sample_latents(pipe.unet, noise, cond, uncond, sampler=sampler, steps=steps, cfg=cfg,
                                  prediction_type=pipe.prediction_type, zero_terminal_snr=pipe.zero_terminal_snr)
-        pixels = pipe.vae.decode(SD_Model.unscale_latents(latents, factor).to(vae_dtype)).sample
+        pixels = pipe.vae.decode(sd.model.unscale_latents(latents, factor).to(vae_dtype)).sample
     pixels = ((pixels.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
     return list(pixels.permute(0, 2, 3, 1).cpu().numpy())
 
@@ -254,8 +256,6 @@ def decode_samples(pipe: Pipeline, cond: torch.Tensor, uncond: torch.Tensor, see
 def save_grid(path, rows: list[tuple[str, list[np.ndarray]]]) -> None:
     """One row per prompt, its text above it; written atomically as PNG."""
     from PIL import Image, ImageDraw
-
-    import SD_Files
 
     height, width = rows[0][1][0].shape[:2]
     columns = max(len(images) for _, images in rows)
@@ -267,7 +267,7 @@ def save_grid(path, rows: list[tuple[str, list[np.ndarray]]]) -> None:
         draw.text((2, top + 2), prompt[: max(10, columns * width // 6)], fill="black")
         for c, image in enumerate(images):
             grid.paste(Image.fromarray(image), (c * width, top + label))
-    SD_Files.save_png_atomic(path, grid)
+    sd.files.save_png_atomic(path, grid)
 
 
 GRID_LABEL_PX = 16  # the text strip above each row of a grid
@@ -277,3 +277,42 @@ def grid_cell(grid: np.ndarray, row: int, column: int, height: int, width: int) 
     """The image at ``(row, column)`` of a grid written by ``save_grid``."""
     top = row * (height + GRID_LABEL_PX) + GRID_LABEL_PX
     return grid[top : top + height, column * width : (column + 1) * width]
+
+
+# ---------------------------------------------------------------------------------------------
+# Compiling and writing images
+# ---------------------------------------------------------------------------------------------
+
+COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune")
+
+
+def compile_unet(unet, mode: str):
+    """``unet`` compiled with a ``torch.compile`` mode from COMPILE_MODES; ``"off"`` returns it as it is."""
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"compile mode must be one of {COMPILE_MODES}, got {mode!r}")
+    return unet if mode == "off" else torch.compile(unet, mode=None if mode == "default" else mode)
+
+
+def parameters_text(prompt: str, negative: str, seed: int, settings, source: str) -> str:
+    """The A1111-style ``parameters`` chunk: prompt, negative prompt, then the settings on one line
+    (``settings``: ``steps``, ``sampler``, ``cfg``, ``width``, ``height``)."""
+    return (f"{prompt}\nNegative prompt: {negative}\nSteps: {settings.steps}, Sampler: {settings.sampler}, "
+            f"CFG scale: {settings.cfg}, Seed: {seed}, Size: {settings.width}x{settings.height}, Model: {source}")
+
+
+def save_png(path: Path, image: np.ndarray, parameters: str) -> None:
+    """``image`` (uint8 RGB) as a PNG with its ``parameters`` text chunk, written atomically."""
+    from PIL import Image
+    from PIL.PngImagePlugin import PngInfo
+
+    info = PngInfo()
+    info.add_text("parameters", parameters)
+    sd.files.write_atomic(path, lambda tmp: Image.fromarray(image).save(tmp, format="PNG", pnginfo=info))
+
+
+def read_parameters(path: Path) -> str:
+    """The ``parameters`` text chunk of a PNG written by ``save_png``."""
+    from PIL import Image
+
+    with Image.open(path) as image:
+        return image.text["parameters"]

@@ -23,7 +23,7 @@ def start_process(*, threads: int | None = None) -> None:
     - TF32 matmuls and convolutions on Ampere and newer (fp32 parts of bf16 training).
     - ``NO_ALBUMENTATIONS_UPDATE=1``: img2dataset's albumentations import otherwise calls out.
     - ``threads``: CPU threads for this process (several processes on one CPU share its cores).
-    - The test-only fault points of ``SD_Faults`` (armed by ``SD_FAULT``; inert otherwise).
+    - The test-only fault points of ``sd.faults`` (armed by ``SD_FAULT``; inert otherwise).
     - bitsandbytes' notice, on CPUs with AVX-512 BF16, that its optional 4-bit CPU kernels are not
       installed (diffusers imports it with every model; nothing here uses 4-bit layers) is muted.
     A value the user already set in the environment is kept.
@@ -35,9 +35,9 @@ def start_process(*, threads: int | None = None) -> None:
     torch.backends.cudnn.allow_tf32 = True
     if threads is not None:
         torch.set_num_threads(max(1, threads))
-    import SD_Faults
+    import sd.faults
 
-    SD_Faults.arm_from_environment()
+    sd.faults.arm_from_environment()
 
 
 def pick_device(choice: str = "auto", local_rank: int | None = None) -> torch.device:

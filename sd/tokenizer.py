@@ -4,7 +4,7 @@ The CLIP tokenizer's BPE merges ship inside the open-clip-torch wheel. The wheel
 and read as a zip (installing it would pull in torchvision). From the merges we derive the
 vocab.json + merges.txt that transformers' CLIPTokenizer reads, exactly as OpenAI's tokenizer
 orders its 49,408 tokens: 256 byte symbols, the same with "</w>", the merges, then the two specials.
-``SD_Model.load_tokenizer("tiny")`` loads the folder built here.
+``sd.model.load_tokenizer("tiny")`` loads the folder built here.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-import SD_Files
+import sd.files
 
 TOKENIZER_MAX_LENGTH = 77
 OPEN_CLIP_WHEEL = "open-clip-torch>=2.20,<4"
@@ -52,8 +52,8 @@ def clip_tokenizer_folder() -> Path:
 def _read_clip_bpe() -> str:
     override = os.environ.get("SD_CLIP_BPE")
     if override:
-        data = SD_Files.read_file_bounded(override, MAX_BPE_GZ_BYTES)
-        return SD_Files.gunzip_bounded(data, MAX_BPE_TEXT_BYTES, override).decode("utf-8")
+        data = sd.files.read_file_bounded(override, MAX_BPE_GZ_BYTES)
+        return sd.files.gunzip_bounded(data, MAX_BPE_TEXT_BYTES, override).decode("utf-8")
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", tmp,
                OPEN_CLIP_WHEEL]
@@ -65,8 +65,8 @@ def _read_clip_bpe() -> str:
                 f"({result.stderr.strip()[-500:]}); set SD_CLIP_BPE to a local bpe_simple_vocab_16e6.txt.gz"
             )
         with zipfile.ZipFile(wheels[0]) as wheel:
-            data = SD_Files.read_zip_member(wheel, wheel.getinfo(CLIP_BPE_MEMBER), MAX_BPE_GZ_BYTES)
-        return SD_Files.gunzip_bounded(data, MAX_BPE_TEXT_BYTES, f"{wheels[0].name}:{CLIP_BPE_MEMBER}").decode("utf-8")
+            data = sd.files.read_zip_member(wheel, wheel.getinfo(CLIP_BPE_MEMBER), MAX_BPE_GZ_BYTES)
+        return sd.files.gunzip_bounded(data, MAX_BPE_TEXT_BYTES, f"{wheels[0].name}:{CLIP_BPE_MEMBER}").decode("utf-8")
 
 
 def _bytes_to_unicode() -> dict[int, str]:

@@ -16,12 +16,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-import SD_Data
-import SD_Distributed
-import SD_EMA
-import SD_Model
-import SD_Runtime
-from SD_Distributed import Dist
+import sd.data.training_data
+import sd.distributed
+import sd.train.ema
+import sd.model
+import sd.runtime
+from sd.distributed import Dist
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class Step:
     empty_embedding: torch.Tensor  # (1, 77, D): the empty prompt, for CFG dropout
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
-    ema: SD_EMA.EMA | None
+    ema: sd.train.ema.EMA | None
     noise_generator: torch.Generator  # noise, timesteps and CFG dropout; saved per rank
     alphas_cumprod: torch.Tensor
     scaling_factor: float
@@ -126,26 +126,26 @@ def build_step(config, d: Dist, unet, text_encoder, empty_ids: torch.Tensor, sca
     """A step around a built UNet (on ``d.device``) and text encoder, at step 0.
 
     ``empty_ids``: the empty prompt's token ids ``(1, 77)``. What trains is what requires a gradient:
-    the whole UNet, or the LoRA adapters of the UNet and text encoder (``SD_Lora.add_lora`` freezes
+    the whole UNet, or the LoRA adapters of the UNet and text encoder (``sd.lora.adapters.add_lora`` freezes
     the rest); the EMA then averages the adapter only. The UNet is not wrapped yet: call
     ``wrap_model`` after loading weights, so DDP broadcasts the right ones.
     """
-    import SD_Lora
+    import sd.lora.adapters
 
     text_encoder = text_encoder.to(d.device)
-    with SD_Runtime.autocast(config.precision, d.device):
-        empty = SD_Model.encode_prompt_ids(text_encoder, empty_ids)
-    lora = SD_Lora.has_lora(unet)
+    with sd.runtime.autocast(config.precision, d.device):
+        empty = sd.model.encode_prompt_ids(text_encoder, empty_ids)
+    lora = sd.lora.adapters.has_lora(unet)
     ema = None
     if config.ema_decay > 0:
-        ema = SD_EMA.EMA(unet, config.ema_decay, device="cpu" if config.ema_device == "cpu" else None,
+        ema = sd.train.ema.EMA(unet, config.ema_decay, device="cpu" if config.ema_device == "cpu" else None,
                          update_every=config.ema_update_every, trainable_only=lora)
     trainable = [p for p in unet.parameters() if p.requires_grad] + [
         p for p in text_encoder.parameters() if p.requires_grad]
     noise_generator = torch.Generator(device=d.device).manual_seed(config.seed * 7919 + d.rank + 1)
     return Step(unet, unet, text_encoder, empty, build_optimizer(trainable, config),
                 torch.amp.GradScaler(d.device.type, enabled=config.precision == "fp16"), ema, noise_generator,
-                SD_Model.ddpm_alphas_cumprod(zero_terminal_snr=config.zero_terminal_snr).to(d.device), scaling_factor,
+                sd.model.ddpm_alphas_cumprod(zero_terminal_snr=config.zero_terminal_snr).to(d.device), scaling_factor,
                 LossSettings.from_config(config), d, trainable=trainable,
                 text_trains=any(p.requires_grad for p in text_encoder.parameters()), empty_ids=empty_ids)
 
@@ -196,20 +196,20 @@ def compile_options(shapes: int) -> dict:
 def compute_loss(step: Step, model, latents: torch.Tensor, input_ids: torch.Tensor, generator: torch.Generator):
     """Per-sample Min-SNR loss ``(B,)`` and timesteps of one micro-batch through ``model``."""
     settings, device = step.loss, step.d.device
-    latents = SD_Model.scale_latents(latents.to(device, non_blocking=True).float(), step.scaling_factor)
+    latents = sd.model.scale_latents(latents.to(device, non_blocking=True).float(), step.scaling_factor)
     if settings.channels_last:
         latents = latents.contiguous(memory_format=torch.channels_last)
     noise = torch.randn(latents.shape, generator=generator, device=device)
     if settings.noise_offset:  # a per-sample, per-channel shift: the mean brightness becomes learnable
         noise = noise + settings.noise_offset * torch.randn((*latents.shape[:2], 1, 1), generator=generator,
                                                              device=device)
-    timesteps = SD_Model.sample_timesteps(latents.shape[0], generator).to(device)
-    noisy = SD_Model.add_noise(latents, noise, timesteps, step.alphas_cumprod)
-    target = SD_Model.prediction_target(latents, noise, timesteps, step.alphas_cumprod, settings.prediction_type)
-    with SD_Runtime.autocast(settings.precision, device):
+    timesteps = sd.model.sample_timesteps(latents.shape[0], generator).to(device)
+    noisy = sd.model.add_noise(latents, noise, timesteps, step.alphas_cumprod)
+    target = sd.model.prediction_target(latents, noise, timesteps, step.alphas_cumprod, settings.prediction_type)
+    with sd.runtime.autocast(settings.precision, device):
         hidden = prompt_embeddings(step, input_ids, generator)
         pred = model(noisy, timesteps, encoder_hidden_states=hidden).sample
-    loss = SD_Model.diffusion_loss(pred, target, timesteps, step.alphas_cumprod, settings.prediction_type,
+    loss = sd.model.diffusion_loss(pred, target, timesteps, step.alphas_cumprod, settings.prediction_type,
                                    settings.min_snr_gamma)
     return loss, timesteps
 
@@ -226,7 +226,7 @@ def prompt_embeddings(step: Step, input_ids: torch.Tensor, generator: torch.Gene
     if step.text_cache is not None:
         hidden = step.text_cache.lookup(input_ids).to(device, non_blocking=True)
     else:
-        hidden = SD_Model.encode_prompt_ids(step.text_encoder, input_ids)
+        hidden = sd.model.encode_prompt_ids(step.text_encoder, input_ids)
     hidden, _ = apply_cfg_dropout(hidden, step.empty_embedding, step.loss.cfg_dropout, generator)
     return hidden
 
@@ -266,8 +266,8 @@ class TextCache:
         parts = []
         for start in range(0, len(unique), batch_size):
             chunk = torch.from_numpy(unique[start : start + batch_size])
-            with SD_Runtime.autocast(precision, device):
-                parts.append(SD_Model.encode_prompt_ids(text_encoder, chunk).float().cpu())
+            with sd.runtime.autocast(precision, device):
+                parts.append(sd.model.encode_prompt_ids(text_encoder, chunk).float().cpu())
         embeddings = torch.cat(parts)
         if device.type == "cuda":
             embeddings = embeddings.pin_memory()
@@ -310,7 +310,7 @@ def train_step(step: Step, micro_batches: list, step_index: int, stop_requested:
             loss, timesteps = compute_loss(step, step.model, latents, input_ids, step.noise_generator)
             value = objective(loss, settings)
             step.scaler.scale(value / len(micro_batches)).backward()
-        quartile = (timesteps * 4 // SD_Model.NUM_TRAIN_TIMESTEPS).clamp(max=3)
+        quartile = (timesteps * 4 // sd.model.NUM_TRAIN_TIMESTEPS).clamp(max=3)
         stats[0] += value.detach().double() / len(micro_batches)
         stats[3:7].index_add_(0, quartile, loss.detach().double())
         stats[7:11].index_add_(0, quartile, torch.ones_like(loss, dtype=torch.float64))
@@ -328,7 +328,7 @@ def train_step(step: Step, micro_batches: list, step_index: int, stop_requested:
     stats[2] = float(stop_requested)
     stats[11] = grad_norm.double()
     stats[12] = ~grads_finite
-    values = SD_Distributed.all_reduce_sum(stats, d).tolist()  # the one device-to-host read of the step
+    values = sd.distributed.all_reduce_sum(stats, d).tolist()  # the one device-to-host read of the step
     bad, overflow = values[1] > 0, fp16 and values[12] > 0
     if bad:
         step.optimizer.zero_grad(set_to_none=True)
@@ -357,7 +357,7 @@ def average_text_gradients(step: Step) -> None:
     if not params:
         return
     flat = torch.cat([p.grad.reshape(-1) for p in params])
-    flat = SD_Distributed.all_reduce_sum(flat, step.d) / step.d.world_size
+    flat = sd.distributed.all_reduce_sum(flat, step.d) / step.d.world_size
     offset = 0
     for p in params:
         p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
@@ -368,22 +368,22 @@ def average_text_gradients(step: Step) -> None:
 def validation_loss(step: Step, data, count: int, batch_size: int) -> float:
     """Mean loss of the plain UNet on up to ``count`` held-out samples, with fixed noise and timesteps.
 
-    Every dataset of a mixed phase contributes in proportion to its weight (``SD_Data.validation_indices``).
+    Every dataset of a mixed phase contributes in proportion to its weight (``sd.data.training_data.validation_indices``).
     The samples are split across ranks and drawn with a generator seeded the same at every
     validation, so values at different steps are comparable.
     """
     d = step.d
-    indices = SD_Data.validation_indices(data.sizes, data.weights, count)[d.rank :: d.world_size]
+    indices = sd.data.training_data.validation_indices(data.sizes, data.weights, count)[d.rank :: d.world_size]
     generator = torch.Generator(device=d.device).manual_seed(1234 + d.rank)
     totals = torch.zeros(2, dtype=torch.float64, device=d.device)
     step.unet.eval()
     try:
-        for batch in SD_Data.shape_batches(data, indices, batch_size):
+        for batch in sd.data.training_data.shape_batches(data, indices, batch_size):
             latents, input_ids = data.batch(batch)
             loss, _ = compute_loss(step, step.unet, latents, input_ids, generator)
             totals[0] += loss.double().sum()
             totals[1] += loss.numel()
     finally:
         step.unet.train()
-    totals = SD_Distributed.all_reduce_sum(totals, d)
+    totals = sd.distributed.all_reduce_sum(totals, d)
     return (totals[0] / totals[1]).item() if totals[1] > 0 else float("nan")

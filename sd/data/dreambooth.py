@@ -5,11 +5,11 @@
   index), the ranks sharing the work; existing images are kept, so the folder is a cache that a
   rerun or a later run reuses.
 * ``DreamBoothData``: the instance and class images as latents (the VAE's posterior mean, encoded
-  once and cached in the run folder), with the interface of ``SD_Data.MixedData``. An epoch is
+  once and cached in the run folder), with the interface of ``sd.data.training_data.MixedData``. An epoch is
   ``max(instances, class images)`` samples; sample ``i`` pairs instance ``i mod instances`` with
   class image ``i mod class images``, and every micro-batch holds its instance samples followed by
   their class samples, so the loss is instance loss + ``prior_loss_weight`` x class loss
-  (``SD_TrainStep.objective``).
+  (``sd.train.step.objective``).
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import SD_Data
-import SD_Distributed
-import SD_Files
-import SD_Model
-import SD_Runtime
-import SD_Shards
+import sd.data.training_data
+import sd.distributed
+import sd.files
+import sd.model
+import sd.runtime
+import sd.data.shards
 
 log = logging.getLogger("sd_dreambooth")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
@@ -71,7 +71,7 @@ def ensure_class_images(config, d, pipeline, instances: int) -> int:
     todo = missing_class_images(config, instances)
     if not todo:
         return 0
-    import SD_Sampling
+    import sd.sampling
     from tqdm.auto import tqdm
 
     folder = Path(config.class_dir)
@@ -82,11 +82,11 @@ def ensure_class_images(config, d, pipeline, instances: int) -> int:
                  d.world_size)
     pipeline.unet.eval()
     try:
-        with SD_Runtime.autocast(config.precision, d.device):
+        with sd.runtime.autocast(config.precision, d.device):
             bar = tqdm(total=len(mine), desc="class images", disable=not d.is_main, unit="image")
             for start in range(0, len(mine), GENERATE_BATCH):
                 chunk = mine[start : start + GENERATE_BATCH]
-                images = SD_Sampling.generate(pipeline, config.class_prompt, "", [class_seed(config, i) for i in chunk],
+                images = sd.sampling.generate(pipeline, config.class_prompt, "", [class_seed(config, i) for i in chunk],
                                               steps=config.validation_steps, cfg=config.validation_cfg,
                                               height=config.image_size, width=config.image_size,
                                               batch_size=GENERATE_BATCH, device=d.device)
@@ -96,14 +96,14 @@ def ensure_class_images(config, d, pipeline, instances: int) -> int:
             bar.close()
     finally:
         pipeline.unet.train()
-    SD_Distributed.barrier(d)
+    sd.distributed.barrier(d)
     return len(mine)
 
 
 def save_png(path: Path, image: np.ndarray) -> None:
     from PIL import Image
 
-    SD_Files.write_atomic(path, lambda tmp: Image.fromarray(image).save(tmp, format="PNG"))
+    sd.files.write_atomic(path, lambda tmp: Image.fromarray(image).save(tmp, format="PNG"))
 
 
 def read_images(files: list[Path], size: int) -> tuple[list[np.ndarray], list[tuple[str, str]]]:
@@ -111,11 +111,11 @@ def read_images(files: list[Path], size: int) -> tuple[list[np.ndarray], list[tu
     images, skipped = [], []
     for path in files:
         try:
-            image = SD_Shards.decode_image(path.read_bytes(), path.suffix.lstrip("."))
-        except SD_Shards.ImageSkip as error:
+            image = sd.data.shards.decode_image(path.read_bytes(), path.suffix.lstrip("."))
+        except sd.data.shards.ImageSkip as error:
             skipped.append((str(path), str(error)))
             continue
-        images.append(SD_Shards.resize_center_crop(image, size))
+        images.append(sd.data.shards.resize_center_crop(image, size))
     return images, skipped
 
 
@@ -153,15 +153,15 @@ def latents_of(files: list[Path], size: int, vae, device, cache: Path, what: str
     for name, reason in skipped:
         log.warning("%s image skipped: %s (%s)", what, name, reason)
     if not images:
-        raise SD_Data.DataError(f"no readable {what} image among {len(files)} files ({skipped[:1]})")
+        raise sd.data.training_data.DataError(f"no readable {what} image among {len(files)} files ({skipped[:1]})")
     latents = encode_images(vae, images, device)
     if write:
-        SD_Files.write_atomic(cache, lambda tmp: save_file({"latents": latents}, str(tmp), metadata={"stamp": stamp}))
+        sd.files.write_atomic(cache, lambda tmp: save_file({"latents": latents}, str(tmp), metadata={"stamp": stamp}))
     return latents
 
 
 class DreamBoothData:
-    """Instance (and class) latents with fixed prompts, addressed like ``SD_Data.MixedData``."""
+    """Instance (and class) latents with fixed prompts, addressed like ``sd.data.training_data.MixedData``."""
 
     def __init__(self, instance: np.ndarray, instance_ids: torch.Tensor, prior: np.ndarray | None = None,
                  prior_ids: torch.Tensor | None = None):
@@ -202,7 +202,7 @@ def build_data(config, d, vae, tokenizer, make_pipeline) -> DreamBoothData:
     gives the base-model pipeline for that)."""
     instances = image_files(config.instance_dir)
     if not instances:
-        raise SD_Data.DataError(f"instance_dir {config.instance_dir} holds no .png/.jpg/.jpeg/.webp image")
+        raise sd.data.training_data.DataError(f"instance_dir {config.instance_dir} holds no .png/.jpg/.jpeg/.webp image")
     run_dir = Path(config.out_dir)
     instance = latents_of(instances, config.image_size, vae, d.device, run_dir / "dreambooth" / "instance.safetensors",
                           "instance", write=d.is_main)
@@ -212,8 +212,8 @@ def build_data(config, d, vae, tokenizer, make_pipeline) -> DreamBoothData:
         classes = image_files(config.class_dir)[: class_image_count(config, len(instances))]
         prior = latents_of(classes, config.image_size, vae, d.device, run_dir / "dreambooth" / "class.safetensors",
                            "class", write=d.is_main)
-        prior_ids = SD_Model.tokenize(tokenizer, [config.class_prompt])
+        prior_ids = sd.model.tokenize(tokenizer, [config.class_prompt])
         log.info("prior preservation: %d class images of %r, weight %g", len(prior), config.class_prompt,
                  config.prior_loss_weight)
     log.info("DreamBooth: %d instance images of %r at %d px", len(instance), config.instance_prompt, config.image_size)
-    return DreamBoothData(instance, SD_Model.tokenize(tokenizer, [config.instance_prompt]), prior, prior_ids)
+    return DreamBoothData(instance, sd.model.tokenize(tokenizer, [config.instance_prompt]), prior, prior_ids)

@@ -1,7 +1,7 @@
 """Fault injection for the tests: crash points that are inert unless armed.
 
 The tests start a program with ``SD_FAULT=NAME:KEY`` (several separated by commas);
-``SD_Runtime.start_process()`` arms them once, and ``point(NAME, KEY)`` then acts when reached:
+``sd.runtime.start_process()`` arms them once, and ``point(NAME, KEY)`` then acts when reached:
 
     after_unet:STEP       SD_Train.py: SIGKILL this process while checkpoint STEP is half written
     sigterm_parent:STEP   SD_Train.py: SIGTERM the launcher (torchrun) after optimizer step STEP

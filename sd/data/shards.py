@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-import SD_Files
+import sd.files
 
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
@@ -160,7 +160,7 @@ def add_member(sample: ShardSample, ext: str, payload: bytes) -> None:
 
 def write_shard(path: Path, samples: list[ShardSample]) -> None:
     """Write a webdataset tar atomically (see ``write_tar``)."""
-    SD_Files.write_atomic(path, lambda tmp: write_tar(tmp, samples))
+    sd.files.write_atomic(path, lambda tmp: write_tar(tmp, samples))
 
 
 def write_tar(path: Path, samples: list[ShardSample]) -> None:
@@ -259,15 +259,15 @@ def decode_image(data: bytes, ext: str, max_pixels: int = DEFAULT_MAX_PIXELS,
 
 def resize_center_crop(image: np.ndarray, resolution: int) -> np.ndarray:
     """The centre square scaled to ``resolution`` (area filter down, cubic up): the short side is scaled
-    to ``resolution`` and the long one cropped to it; the square bucket of ``SD_Buckets.fit_to_bucket``.
+    to ``resolution`` and the long one cropped to it; the square bucket of ``sd.data.buckets.fit_to_bucket``.
 
     The square is cut before scaling, so the work is bounded by the input and the output: scaling the
     whole image first would turn a 12000x1 strip into 1.5M x 128 pixels (590 MB) at 128 px, to keep
     128 x 128 of them.
     """
-    import SD_Buckets
+    import sd.data.buckets
 
-    return SD_Buckets.fit_to_bucket(image, (resolution, resolution))[0]
+    return sd.data.buckets.fit_to_bucket(image, (resolution, resolution))[0]
 
 
 KEEP_ASPECT_SIDES = ("short", "long")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-import SD_Runtime
+import sd.runtime
 
 
 @dataclass
@@ -34,7 +34,7 @@ def setup(device_choice: str = "auto") -> Dist:
     """Read torchrun's environment, pick this rank's device and join the process group."""
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = SD_Runtime.pick_device(device_choice, local_rank)
+    device = sd.runtime.pick_device(device_choice, local_rank)
     if device.type == "mps":  # the trainer runs on CUDA or the CPU
         device = torch.device("cpu")
     if device.type == "cuda":
@@ -82,7 +82,7 @@ def independent(device_choice: str = "auto", rank: int | None = None, world_size
     rank = int(os.environ.get("RANK", 0)) if rank is None else rank
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = SD_Runtime.pick_device(device_choice, local_rank)
+    device = sd.runtime.pick_device(device_choice, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     elif device.type == "cpu" and int(os.environ.get("LOCAL_WORLD_SIZE", 1)) > 1:

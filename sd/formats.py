@@ -10,9 +10,7 @@
   live), a diffusers pipeline folder or hub id, or a single ``.safetensors`` / ``.ckpt`` file.
 * LoRA runs of ours (``adapter.safetensors`` instead of ``unet.safetensors``): ``load_lora_run`` loads
   the base from the run's ``init_from`` and the adapter on top, as PEFT layers.
-* LoRA files: ``save_lora`` / ``save_model_lora`` write diffusers' format
-  (``pytorch_lora_weights.safetensors``) or the kohya / AUTOMATIC1111 one (``lora_unet_...``),
-  ``read_lora`` reads either, ``merge_lora`` adds one to a model's weights.
+  (LoRA files for other tools are ``sd.lora.files``.)
 
 The key maps are derived from the model's config (blocks, layers per block, which blocks attend), so
 they hold for the SD 1.x UNet and for any other UNet2DConditionModel / AutoencoderKL layout alike.
@@ -24,17 +22,17 @@ import contextlib
 import json
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import torch
 
-import SD_Checkpoint as ckpt
-import SD_Files
-import SD_Lora
-import SD_Model
+import sd.train.checkpoint as ckpt
+import sd.files
+import sd.lora.adapters
+import sd.model
 
 if TYPE_CHECKING:
-    import SD_Sampling
+    import sd.sampling
 
 log = logging.getLogger("sd_formats")
 
@@ -42,8 +40,8 @@ log = logging.getLogger("sd_formats")
 CLIP_L_TEXT = dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
                    num_attention_heads=12, max_position_embeddings=77, hidden_act="quick_gelu", projection_dim=768)
 # What a single file in the original layout holds: (UNet preset, VAE config, text encoder config).
-SINGLE_FILE_ARCHS = {"sd1": ("sd1", SD_Model.SD1_VAE, CLIP_L_TEXT),
-                     "tiny": ("tiny", SD_Model.TINY_VAE, SD_Model.TINY_TEXT_ENCODER)}
+SINGLE_FILE_ARCHS = {"sd1": ("sd1", sd.model.SD1_VAE, CLIP_L_TEXT),
+                     "tiny": ("tiny", sd.model.TINY_VAE, sd.model.TINY_TEXT_ENCODER)}
 
 PREDICTION_TYPES = ("epsilon", "v_prediction")
 
@@ -186,7 +184,7 @@ def save_single_file(path: Path, unet, vae, text_encoder, half: bool = False, me
 
     tensors = single_file_state_dict(unet, vae, text_encoder, half)
     meta = {k: str(v) for k, v in (metadata or {}).items()}
-    SD_Files.write_atomic(Path(path), lambda tmp: save_file(tensors, str(tmp), metadata=meta))
+    sd.files.write_atomic(Path(path), lambda tmp: save_file(tensors, str(tmp), metadata=meta))
 
 
 def read_single_file(path: str | Path) -> dict[str, torch.Tensor]:
@@ -287,14 +285,14 @@ def export_diffusers(folder: Path, unet, vae, text_encoder, tokenizer, predictio
     folder = Path(folder)
     pipeline = StableDiffusionPipeline(
         unet=unet, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
-        scheduler=SD_Model.build_noise_scheduler(prediction_type, DDIMScheduler, zero_terminal_snr),
+        scheduler=sd.model.build_noise_scheduler(prediction_type, DDIMScheduler, zero_terminal_snr),
         safety_checker=None, feature_extractor=None, requires_safety_checker=False)
 
     def write(staging: Path) -> None:
         pipeline.save_pretrained(str(staging), safe_serialization=True)
         prefix_text_encoder_keys(staging / "text_encoder")
 
-    SD_Files.write_folder_atomic(folder, write)
+    sd.files.write_folder_atomic(folder, write)
 
 
 def prefix_text_encoder_keys(folder: Path) -> None:
@@ -341,7 +339,7 @@ def load_unet_weights(source: str, unet, *, use_ema: bool = True, keep_adapter: 
             trainable, training = {n: p.requires_grad for n, p in unet.named_parameters()}, unet.training
             loaded = load_lora_run(folder, unet, use_ema=use_ema)
             if not keep_adapter:  # the plain model it was: add_lora froze it and put it in eval mode
-                SD_Lora.merge(unet).train(training)
+                sd.lora.adapters.merge(unet).train(training)
                 for name, param in unet.named_parameters():
                     param.requires_grad_(trainable[name])
             return loaded
@@ -496,7 +494,7 @@ def checked_prediction_type(value, where) -> str:
 
 def load_pipeline(source: str, *, use_ema: bool = True, vae: str | None = None, text_encoder: str | None = None,
                   tokenizer: str | None = None, arch: str = "sd1", prediction_type: str | None = None,
-                  zero_terminal_snr: bool | None = None) -> "SD_Sampling.Pipeline":
+                  zero_terminal_snr: bool | None = None) -> "sd.sampling.Pipeline":
     """UNet, VAE, text encoder and tokenizer from any checkpoint kind; the keywords override the parts.
 
     The prediction type and the schedule (zero terminal SNR or not) are the source's own (the training
@@ -515,13 +513,13 @@ def load_pipeline(source: str, *, use_ema: bool = True, vae: str | None = None, 
 
 
 def _load_pipeline(source: str, use_ema: bool, vae: str | None, text_encoder: str | None, tokenizer: str | None,
-                   arch: str) -> "SD_Sampling.Pipeline":
-    import SD_Sampling
+                   arch: str) -> "sd.sampling.Pipeline":
+    import sd.sampling
 
     config = run_config(source)
     path = Path(source)
     if config is not None:  # ours: the parts named in the training config
-        unet = SD_Model.build_unet(config["unet"], from_scratch=False)
+        unet = sd.model.build_unet(config["unet"], from_scratch=False)
         parts = (config["vae"], config["text_encoder"], config.get("tokenizer") or config["text_encoder"])
         prediction_type = checked_prediction_type(config["prediction_type"], f"{source} config.yaml")
     elif path.is_file():  # a single file holds all three models
@@ -530,47 +528,47 @@ def _load_pipeline(source: str, use_ema: bool, vae: str | None, text_encoder: st
         from diffusers import UNet2DConditionModel
 
         unet = UNet2DConditionModel.from_pretrained(source, subfolder="unet")
-        SD_Model.use_sdpa_attention(unet)
+        sd.model.use_sdpa_attention(unet)
         parts = (source, source, source)
         prediction_type = diffusers_prediction_type(source)
-    encoder = SD_Model.load_text_encoder(text_encoder or parts[1])
+    encoder = sd.model.load_text_encoder(text_encoder or parts[1])
     if config is None:
         loaded = f"diffusers {source}"
-    elif is_lora_checkpoint(ckpt.resolve_checkpoint(source)):  # the adapters stay PEFT layers (see SD_Lora.merge)
+    elif is_lora_checkpoint(ckpt.resolve_checkpoint(source)):  # the adapters stay PEFT layers (see sd.lora.adapters.merge)
         loaded = load_lora_run(ckpt.resolve_checkpoint(source), unet, encoder, use_ema=use_ema)
     else:
         loaded = load_unet_weights(source, unet, use_ema=use_ema)
-    return SD_Sampling.Pipeline(unet.eval(), SD_Model.load_vae(vae or parts[0]), encoder.eval(),
-                                SD_Model.load_tokenizer(tokenizer or parts[2]), prediction_type, loaded)
+    return sd.sampling.Pipeline(unet.eval(), sd.model.load_vae(vae or parts[0]), encoder.eval(),
+                                sd.model.load_tokenizer(tokenizer or parts[2]), prediction_type, loaded)
 
 
 def _load_single_file(path: Path, arch: str, vae: str | None, text_encoder: str | None,
-                      tokenizer: str | None) -> "SD_Sampling.Pipeline":
+                      tokenizer: str | None) -> "sd.sampling.Pipeline":
     """An original-layout file holds the UNet, VAE and CLIP text encoder weights of ``arch``."""
-    import SD_Sampling
+    import sd.sampling
 
     from diffusers import AutoencoderKL
     from transformers import CLIPTextConfig, CLIPTextModel
 
     unet_preset, vae_config, text_config = SINGLE_FILE_ARCHS[arch]
     state = read_single_file(path)
-    unet = SD_Model.build_unet(unet_preset, from_scratch=False)
+    unet = sd.model.build_unet(unet_preset, from_scratch=False)
     unet.load_state_dict(from_single_file(state, unet, unet_key_map(unet), "UNet", path))
     if vae:
-        vae_model = SD_Model.load_vae(vae)
+        vae_model = sd.model.load_vae(vae)
     else:
         vae_model = AutoencoderKL(**vae_config)
         vae_model.load_state_dict(from_single_file(state, vae_model, vae_key_map(vae_model), "VAE", path))
     if text_encoder:
-        encoder = SD_Model.load_text_encoder(text_encoder)
+        encoder = sd.model.load_text_encoder(text_encoder)
     else:
         encoder = CLIPTextModel(CLIPTextConfig(**text_config))
         encoder.load_state_dict(from_single_file(state, encoder, text_key_map(encoder), "text encoder", path))
-    default_tokenizer = "tiny" if arch == "tiny" else SD_Model.DEFAULT_TEXT_ENCODER
+    default_tokenizer = "tiny" if arch == "tiny" else sd.model.DEFAULT_TEXT_ENCODER
     prediction_type = single_file_prediction_type(path)
     if prediction_type is None:
         log.info("%s records no prediction_type: sampling as epsilon (say otherwise with --prediction_type)", path)
-    return SD_Sampling.Pipeline(unet.eval(), vae_model.eval(), encoder.eval(), SD_Model.load_tokenizer(tokenizer or default_tokenizer),
+    return sd.sampling.Pipeline(unet.eval(), vae_model.eval(), encoder.eval(), sd.model.load_tokenizer(tokenizer or default_tokenizer),
                  prediction_type or "epsilon", f"single file {path}")
 
 
@@ -579,7 +577,7 @@ def _load_single_file(path: Path, arch: str, vae: str | None, text_encoder: str 
 # ---------------------------------------------------------------------------------------------
 
 # A LoRA run's checkpoint holds this instead of unet.safetensors: unet.<PEFT parameter name> and, with
-# a text-encoder adapter, text_encoder.<...> (SD_Lora.AdapterWeights); its ema.safetensors is the UNet
+# a text-encoder adapter, text_encoder.<...> (sd.lora.adapters.AdapterWeights); its ema.safetensors is the UNet
 # adapter's EMA under the bare PEFT names.
 RUN_ADAPTER_FILE = "adapter.safetensors"
 
@@ -630,18 +628,18 @@ def load_lora_run(folder: Path, unet, text_encoder=None, *, use_ema: bool = True
     base = load_unet_weights(settings["init_from"], unet, use_ema=True)
     models = {"unet": add_run_lora(unet, settings["targets"], settings)}
     if text_encoder is not None and settings["text_encoder"]:
-        models["text_encoder"] = add_run_lora(text_encoder, SD_Lora.TEXT_TARGETS, settings)
+        models["text_encoder"] = add_run_lora(text_encoder, sd.lora.adapters.TEXT_TARGETS, settings)
     adapter_path = verified(folder / RUN_ADAPTER_FILE)
     state = read_weights(adapter_path)
     if text_encoder is None:  # the UNet alone
         state = {k: v for k, v in state.items() if not k.startswith("text_encoder.")}
     loaded = adapter_path
     with _naming(adapter_path):
-        SD_Lora.AdapterWeights(**models).load_state_dict(state)
+        sd.lora.adapters.AdapterWeights(**models).load_state_dict(state)
     ema_path = folder / "ema.safetensors"
     if use_ema and ema_path.exists():
         with _naming(ema_path):
-            SD_Lora.load_adapter_state(unet, read_weights(verified(ema_path)), "the EMA adapter")
+            sd.lora.adapters.load_adapter_state(unet, read_weights(verified(ema_path)), "the EMA adapter")
         loaded = ema_path
     return f"{base} + LoRA {loaded}"
 
@@ -658,324 +656,7 @@ def _naming(path: Path):
 
 def add_run_lora(model, targets, settings: dict):
     """``model`` with an adapter of ``settings``' rank and alpha on the layers ``targets`` selects."""
-    SD_Lora.add_lora(model, SD_Lora.resolve_targets(model, targets), settings["rank"], settings["alpha"])
+    sd.lora.adapters.add_lora(model, sd.lora.adapters.resolve_targets(model, targets), settings["rank"], settings["alpha"])
     model.lora_settings["targets"] = list(targets)
     model.eval()
     return model
-
-
-# ---------------------------------------------------------------------------------------------
-# LoRA files
-# ---------------------------------------------------------------------------------------------
-#
-# Both layouts hold, per adapted layer, ``down`` (r, in[, kh, kw]) and ``up`` (out, r[, 1, 1]) with
-# ``W' = W + (alpha / r) * up @ down``:
-#   diffusers  FOLDER/pytorch_lora_weights.safetensors: unet.<module>.lora_A.weight (down), .lora_B.weight
-#              (up), text_encoder.text_model.<module>...; alpha in the header's ``lora_adapter_metadata``
-#              (a JSON LoraConfig per part), without it alpha = r.
-#   kohya      one FILE.safetensors: lora_unet_<module with _>.lora_down.weight, .lora_up.weight, .alpha
-#              (a 0-d tensor; without it alpha = r); text encoder lora_te_text_model_encoder_layers_...
-# A conv layer's ``down`` is a conv of the layer's kernel (3x3 or 1x1), its ``up`` a 1x1 conv.
-# In memory an adapter is ``{part: {module name: LoraModule}}``, part "unet" or "text_encoder", the
-# module names as our models spell them (transformers 5's CLIPTextModel has no ``text_model.``).
-
-LORA_FORMATS = ("diffusers", "kohya")
-DIFFUSERS_LORA_FILE = "pytorch_lora_weights.safetensors"  # what load_lora_weights(FOLDER) looks for first
-DIFFUSERS_LORA_METADATA = "lora_adapter_metadata"  # diffusers' LORA_ADAPTER_METADATA_KEY
-KOHYA_PREFIXES = {"unet": "lora_unet_", "text_encoder": "lora_te_"}
-
-
-class LoraModule(NamedTuple):
-    """One adapted layer: ``W += (alpha / rank) * up @ down``."""
-
-    down: torch.Tensor  # (r, in) or (r, in, kh, kw)
-    up: torch.Tensor  # (out, r) or (out, r, 1, 1)
-    alpha: float
-
-    @property
-    def rank(self) -> int:
-        return self.down.shape[0]
-
-    def delta(self, shape) -> torch.Tensor:
-        """``up @ down`` in fp32, reshaped to the layer's weight ``shape`` (a conv's kernel included)."""
-        return (self.up.flatten(1).float() @ self.down.flatten(1).float()).reshape(shape)
-
-
-def lora_file_name(part: str, module: str) -> str:
-    """A module's name as LoRA files spell it: the text encoder's from ``text_model.`` (transformers 4's
-    CLIPTextModel, kohya, ComfyUI, AUTOMATIC1111 and diffusers' own files all use that layout)."""
-    if part == "text_encoder" and not module.startswith("text_model."):
-        return "text_model." + module
-    return module
-
-
-def lora_layers_of(model) -> dict[str, torch.nn.Module]:
-    """The Linear / Conv2d layers of ``model`` that an adapter can patch, by name; a layer that carries a
-    PEFT adapter appears under its own name, as its base layer."""
-    wrapped = dict(SD_Lora.lora_layers(model))
-    out = {}
-    for name, module in model.named_modules():
-        if name in wrapped:
-            out[name] = module.get_base_layer()
-        elif isinstance(module, SD_Lora.LAYER_TYPES) and not set(name.split(".")) & {"base_layer", "lora_A", "lora_B"}:
-            out[name] = module
-    return out
-
-
-def adapter_lora_modules(model) -> dict[str, LoraModule]:
-    """The PEFT adapter of ``model`` (``SD_Lora.add_lora``) as LoraModules, detached on the CPU."""
-    out = {}
-    for name, layer in SD_Lora.lora_layers(model):
-        if getattr(layer, "use_rslora", {}).get(SD_Lora.ADAPTER, False):
-            raise ValueError(f"{name}: rank-stabilised LoRA (alpha / sqrt(r)) has no place in these file formats")
-        out[name] = LoraModule(layer.lora_A[SD_Lora.ADAPTER].weight.detach().cpu(),
-                               layer.lora_B[SD_Lora.ADAPTER].weight.detach().cpu(),
-                               float(layer.lora_alpha[SD_Lora.ADAPTER]))
-    return out
-
-
-def save_lora(out: str | Path, lora: dict[str, dict[str, LoraModule]], lora_format: str = "diffusers",
-              metadata: dict | None = None) -> Path:
-    """Write ``lora`` (``{part: {module: LoraModule}}``) in ``lora_format``, atomically; returns the file.
-
-    diffusers: ``out`` is a folder, the file ``out/pytorch_lora_weights.safetensors``; kohya: ``out`` is
-    the file. ``metadata`` (string values) joins the header, beside the rank and alpha it records.
-    """
-    layers = [m for part in lora.values() for m in part.values()]
-    if not layers:
-        raise ValueError(f"{out}: no LoRA layers to write")
-    header = {"format": "pt", "lora_rank": str(_most_common(m.rank for m in layers)),
-              "lora_alpha": str(_most_common(m.alpha for m in layers)),
-              **{k: str(v) for k, v in (metadata or {}).items()}}
-    if lora_format == "diffusers":
-        path, tensors = Path(out) / DIFFUSERS_LORA_FILE, _diffusers_lora_tensors(lora)
-        header[DIFFUSERS_LORA_METADATA] = json.dumps(
-            {f"{part}.{key}": value for part, modules in lora.items() if modules
-             for key, value in _peft_config(part, modules).items()}, indent=2, sort_keys=True)
-    elif lora_format == "kohya":
-        path, tensors = Path(out), _kohya_lora_tensors(lora)
-        header.update(_kohya_header(layers))
-    else:
-        raise ValueError(f"LoRA format must be one of {', '.join(LORA_FORMATS)}, got {lora_format!r}")
-    from safetensors.torch import save_file
-
-    tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
-    SD_Files.write_atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata=header))
-    return path
-
-
-def save_model_lora(out: str | Path, unet, text_encoder=None, lora_format: str = "diffusers",
-                    metadata: dict | None = None) -> Path:
-    """Write the PEFT adapters of ``unet`` (and ``text_encoder``) in ``lora_format``; see ``save_lora``.
-
-    The header records the targets (``lora_settings['targets']``, else the adapted modules) and whether
-    the text encoder carries an adapter.
-    """
-    models = {"unet": unet, "text_encoder": text_encoder}
-    lora = {part: adapter_lora_modules(m) for part, m in models.items() if m is not None and SD_Lora.has_lora(m)}
-    if not lora:
-        raise ValueError("the model carries no LoRA adapter")
-    settings = getattr(unet, "lora_settings", None) or {}
-    targets = settings.get("targets") or sorted(lora.get("unet", {}))
-    header = {"lora_targets": json.dumps(list(targets)), "lora_text_encoder": str("text_encoder" in lora),
-              **(metadata or {})}
-    return save_lora(out, lora, lora_format, header)
-
-
-def _most_common(values):
-    from collections import Counter
-
-    return Counter(values).most_common(1)[0][0]
-
-
-def _diffusers_lora_tensors(lora) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for part, modules in lora.items():
-        for name, m in modules.items():
-            key = f"{part}.{lora_file_name(part, name)}"
-            tensors[f"{key}.lora_A.weight"], tensors[f"{key}.lora_B.weight"] = m.down, m.up
-    return tensors
-
-
-def _peft_config(part: str, modules: dict[str, LoraModule]) -> dict:
-    """The LoraConfig arguments that rebuild ``modules`` in diffusers' ``load_lora_weights``.
-
-    alpha != r: this config (diffusers' own ``lora_adapter_metadata``, which ``save_lora_weights``
-    writes and ``load_lora_weights`` reads since diffusers PR #11324, 2025; older versions take
-    alpha = r) carries alpha, so the tensors are stored as trained and read back bit for bit. Folding alpha / r into lora_B instead would suit readers that
-    ignore the header, but rounds every up weight (exact only for a power-of-two ratio); the tools
-    that ignore it (ComfyUI, AUTOMATIC1111) read the kohya file, whose ``.alpha`` they apply.
-    Text-encoder targets are named without ``text_model.``: PEFT matches them as suffixes, so they
-    fit transformers 4's CLIPTextModel and 5's flattened one alike.
-    """
-    import re
-
-    r = _most_common(m.rank for m in modules.values())
-    alpha = _most_common(m.alpha for m in modules.values())
-    names = {name: name.removeprefix("text_model.") if part == "text_encoder" else name for name in modules}
-    return {"r": r, "lora_alpha": alpha, "target_modules": sorted(names.values()),
-            "rank_pattern": {re.escape(names[n]): m.rank for n, m in modules.items() if m.rank != r},
-            "alpha_pattern": {re.escape(names[n]): m.alpha for n, m in modules.items() if m.alpha != alpha}}
-
-
-def _kohya_lora_tensors(lora) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for part, modules in lora.items():
-        for name, m in modules.items():
-            key = KOHYA_PREFIXES[part] + lora_file_name(part, name).replace(".", "_")
-            if f"{key}.alpha" in tensors:
-                raise ValueError(f"{part} layer {name}: its kohya name {key} is taken by another layer")
-            tensors[f"{key}.lora_down.weight"], tensors[f"{key}.lora_up.weight"] = m.down, m.up
-            tensors[f"{key}.alpha"] = torch.tensor(float(m.alpha), dtype=torch.float32)
-    return tensors
-
-
-def _kohya_header(layers: list[LoraModule]) -> dict[str, str]:
-    """sd-scripts' own header fields (AUTOMATIC1111 shows them, and takes a file with any header for SD 1.x)."""
-    header = {"ss_network_module": "networks.lora", "ss_network_dim": str(_most_common(m.rank for m in layers)),
-              "ss_network_alpha": str(_most_common(m.alpha for m in layers)), "ss_v2": "False",
-              "ss_base_model_version": "sd_v1"}
-    convs = [m for m in layers if m.down.ndim == 4 and m.down.shape[2:] != (1, 1)]
-    if convs:  # LoCon: sd-scripts records the conv layers' rank and alpha as network arguments
-        header["ss_network_args"] = json.dumps({"conv_dim": str(_most_common(m.rank for m in convs)),
-                                                "conv_alpha": str(_most_common(m.alpha for m in convs))})
-    return header
-
-
-LORA_KEY_KINDS = {".lora_down.weight": "down", ".lora_up.weight": "up", ".alpha": "alpha",
-                  ".lora_A.weight": "down", ".lora_B.weight": "up"}
-
-
-def lora_file(path: str | Path) -> Path:
-    """The weights file of a LoRA: ``path`` itself, or a diffusers folder's pytorch_lora_weights.safetensors."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / DIFFUSERS_LORA_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"LoRA file {path} is missing")
-    if path.suffix != ".safetensors":
-        raise ValueError(f"{path}: LoRA files are read as .safetensors only (a pickle can run code when loaded)")
-    return path
-
-
-def read_lora(path: str | Path, unet, text_encoder=None) -> dict[str, dict[str, LoraModule]]:
-    """A LoRA file in either format (or a diffusers LoRA folder) as ``{part: {module: LoraModule}}`` for
-    ``unet`` and ``text_encoder``'s own module names.
-
-    Keys: kohya's ``lora_unet_`` / ``lora_te_`` names, diffusers' ``unet.`` / ``text_encoder.`` ones, or
-    PEFT's without a prefix (UNet). kohya names are looked up in a table built from the models' own
-    module names (an underscore there may stand for a dot or be part of a name, so a name is never
-    split). A key of no layer, a layer's down without its up, or a tensor that does not fit its layer
-    is a ValueError naming the file.
-    """
-    file = lora_file(path)
-    tensors = read_weights(file)
-    models = {part: m for part, m in (("unet", unet), ("text_encoder", text_encoder)) if m is not None}
-    layers = {part: lora_layers_of(m) for part, m in models.items()}
-    names = _lora_name_table(layers)
-    pieces, unknown = {}, []
-    for key, tensor in tensors.items():
-        suffix = next((s for s in LORA_KEY_KINDS if key.endswith(s)), None)
-        target = names.get(key[:-len(suffix)]) if suffix else None
-        if target is None:
-            unknown.append(key)
-        else:
-            pieces.setdefault(target, {})[LORA_KEY_KINDS[suffix]] = tensor
-    if unknown:
-        raise ValueError(f"{file}: {len(unknown)} of its {len(tensors)} keys name no LoRA layer of this model, e.g. "
-                         f"{sorted(unknown)[:3]}; another architecture, or an adapter other than LoRA (LoHa, LoKr, "
-                         "DoRA)?")
-    if not pieces:
-        raise ValueError(f"{file}: holds no LoRA tensors")
-    configs = _diffusers_lora_configs(file)
-    out = {}
-    for (part, module), piece in pieces.items():
-        if "down" not in piece or "up" not in piece:
-            raise ValueError(f"{file}: {part} layer {module} has no {'up' if 'down' in piece else 'down'} weight")
-        down, up = piece["down"], piece["up"]
-        check_lora_fits(layers[part][module].weight, down, up, f"{file}: {part} layer {module}")
-        alpha = piece["alpha"].item() if "alpha" in piece else _metadata_alpha(configs.get(part), module, down.shape[0])
-        out.setdefault(part, {})[module] = LoraModule(down, up, float(alpha))
-    return out
-
-
-def _lora_name_table(layers: dict[str, dict]) -> dict[str, tuple[str, str]]:
-    """Every spelling of every layer's name in LoRA files -> ``(part, module)``."""
-    table = {}
-    for part, modules in layers.items():
-        for name in modules:
-            spelled = lora_file_name(part, name)
-            table[KOHYA_PREFIXES[part] + spelled.replace(".", "_")] = (part, name)
-            table[f"{part}.{spelled}"] = table[f"{part}.{name}"] = (part, name)
-            if part == "unet":  # PEFT's own keys, as UNet2DConditionModel.save_lora_adapter writes them
-                table[name] = (part, name)
-    return table
-
-
-def check_lora_fits(weight: torch.Tensor, down: torch.Tensor, up: torch.Tensor, where: str) -> None:
-    """``down`` / ``up`` make a delta of ``weight``'s shape: a Linear's, or a conv's whose ``down`` has the
-    layer's kernel (a 1x1 layer also takes 2-D tensors, a Linear 1x1 ones); else a ValueError."""
-    rank, out_channels, in_channels, kernel = down.shape[0], weight.shape[0], weight.shape[1], tuple(weight.shape[2:])
-    downs = {(rank, in_channels, *kernel)}
-    if kernel in ((), (1, 1)):
-        downs |= {(rank, in_channels), (rank, in_channels, 1, 1)}
-    if tuple(down.shape) not in downs or tuple(up.shape) not in {(out_channels, rank), (out_channels, rank, 1, 1)}:
-        raise ValueError(f"{where}: down {tuple(down.shape)} and up {tuple(up.shape)} do not fit its weight "
-                         f"{tuple(weight.shape)}")
-
-
-def _diffusers_lora_configs(file: Path) -> dict[str, dict]:
-    """Per part, the LoraConfig arguments of a diffusers file's ``lora_adapter_metadata`` ({} when none)."""
-    from safetensors import safe_open
-
-    with safe_open(str(file), framework="pt") as handle:
-        raw = (handle.metadata() or {}).get(DIFFUSERS_LORA_METADATA)
-    if not raw:
-        return {}
-    try:
-        config = json.loads(raw)
-        if not isinstance(config, dict):
-            raise ValueError("not a JSON object")
-    except ValueError as error:
-        raise ValueError(f"{file}: unreadable {DIFFUSERS_LORA_METADATA} ({first_line(error)})") from error
-    out = {}
-    for key, value in config.items():
-        part, _, field = key.partition(".")
-        out.setdefault(part, {})[field] = value
-    for part, fields in out.items():
-        if fields.get("use_dora") or fields.get("lora_bias"):
-            raise ValueError(f"{file}: a {part} adapter with DoRA or LoRA biases, which only LoRA layers can merge")
-    return out
-
-
-def _metadata_alpha(config: dict | None, module: str, rank: int) -> float:
-    """The alpha PEFT gives ``module`` from a diffusers LoraConfig (as its scale ``alpha / rank``): alpha = r
-    without a config; LoraConfig's default alpha 8 when it names none; alpha_pattern as PEFT matches it."""
-    import math
-    import re
-
-    if config is None:
-        return float(rank)
-    alpha = config.get("lora_alpha", 8)
-    for pattern, value in (config.get("alpha_pattern") or {}).items():
-        if re.match(rf"(.*\.)?({pattern})$", module):
-            alpha = value
-            break
-    return alpha * math.sqrt(rank) if config.get("use_rslora") else float(alpha)  # rsLoRA scales by alpha/sqrt(r)
-
-
-@torch.no_grad()
-def merge_lora(models: dict, lora: dict[str, dict[str, LoraModule]], scale: float = 1.0) -> None:
-    """Add ``scale * (alpha / r) * up @ down`` to each adapted layer's weight, in place.
-
-    ``models``: ``{"unet": ..., "text_encoder": ...}``; the sum is taken in fp32 and rounded once to the
-    weight's dtype. A layer under a PEFT adapter gets it in its base weight.
-    """
-    for part, modules in lora.items():
-        if models.get(part) is None:
-            raise ValueError(f"a LoRA of the {part} needs a {part} to merge into")
-        layers = lora_layers_of(models[part])
-        for name, m in modules.items():
-            weight = layers[name].weight
-            delta = (scale * m.alpha / m.rank) * m.delta(weight.shape)
-            weight.copy_(weight.float() + delta.to(weight.device))

@@ -1,0 +1,348 @@
+"""LoRA files other tools load, read, written and merged.
+
+* ``save_lora`` / ``save_model_lora`` write diffusers' format (``pytorch_lora_weights.safetensors``) or the
+  kohya / AUTOMATIC1111 one (``lora_unet_...``); ``read_lora`` reads either; ``merge_lora`` adds one to
+  a model's weights; ``merge_adapters`` folds a run's own adapter and any LoRA files into a sampling
+  pipeline (``SD_ImageGen.py --lora``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+import sd.files
+import sd.lora.adapters
+from sd.formats import first_line, read_weights
+
+log = logging.getLogger("sd_lora")
+
+# # Both layouts hold, per adapted layer, ``down`` (r, in[, kh, kw]) and ``up`` (out, r[, 1, 1]) with
+# ``W' = W + (alpha / r) * up @ down``:
+#   diffusers  FOLDER/pytorch_lora_weights.safetensors: unet.<module>.lora_A.weight (down), .lora_B.weight
+#              (up), text_encoder.text_model.<module>...; alpha in the header's ``lora_adapter_metadata``
+#              (a JSON LoraConfig per part), without it alpha = r.
+#   kohya      one FILE.safetensors: lora_unet_<module with _>.lora_down.weight, .lora_up.weight, .alpha
+#              (a 0-d tensor; without it alpha = r); text encoder lora_te_text_model_encoder_layers_...
+# A conv layer's ``down`` is a conv of the layer's kernel (3x3 or 1x1), its ``up`` a 1x1 conv.
+# In memory an adapter is ``{part: {module name: LoraModule}}``, part "unet" or "text_encoder", the
+# module names as our models spell them (transformers 5's CLIPTextModel has no ``text_model.``).
+
+LORA_FORMATS = ("diffusers", "kohya")
+DIFFUSERS_LORA_FILE = "pytorch_lora_weights.safetensors"  # what load_lora_weights(FOLDER) looks for first
+DIFFUSERS_LORA_METADATA = "lora_adapter_metadata"  # diffusers' LORA_ADAPTER_METADATA_KEY
+KOHYA_PREFIXES = {"unet": "lora_unet_", "text_encoder": "lora_te_"}
+
+
+class LoraModule(NamedTuple):
+    """One adapted layer: ``W += (alpha / rank) * up @ down``."""
+
+    down: torch.Tensor  # (r, in) or (r, in, kh, kw)
+    up: torch.Tensor  # (out, r) or (out, r, 1, 1)
+    alpha: float
+
+    @property
+    def rank(self) -> int:
+        return self.down.shape[0]
+
+    def delta(self, shape) -> torch.Tensor:
+        """``up @ down`` in fp32, reshaped to the layer's weight ``shape`` (a conv's kernel included)."""
+        return (self.up.flatten(1).float() @ self.down.flatten(1).float()).reshape(shape)
+
+
+def lora_file_name(part: str, module: str) -> str:
+    """A module's name as LoRA files spell it: the text encoder's from ``text_model.`` (transformers 4's
+    CLIPTextModel, kohya, ComfyUI, AUTOMATIC1111 and diffusers' own files all use that layout)."""
+    if part == "text_encoder" and not module.startswith("text_model."):
+        return "text_model." + module
+    return module
+
+
+def lora_layers_of(model) -> dict[str, torch.nn.Module]:
+    """The Linear / Conv2d layers of ``model`` that an adapter can patch, by name; a layer that carries a
+    PEFT adapter appears under its own name, as its base layer."""
+    wrapped = dict(sd.lora.adapters.lora_layers(model))
+    out = {}
+    for name, module in model.named_modules():
+        if name in wrapped:
+            out[name] = module.get_base_layer()
+        elif isinstance(module, sd.lora.adapters.LAYER_TYPES) and not set(name.split(".")) & {"base_layer", "lora_A", "lora_B"}:
+            out[name] = module
+    return out
+
+
+def adapter_lora_modules(model) -> dict[str, LoraModule]:
+    """The PEFT adapter of ``model`` (``sd.lora.adapters.add_lora``) as LoraModules, detached on the CPU."""
+    out = {}
+    for name, layer in sd.lora.adapters.lora_layers(model):
+        if getattr(layer, "use_rslora", {}).get(sd.lora.adapters.ADAPTER, False):
+            raise ValueError(f"{name}: rank-stabilised LoRA (alpha / sqrt(r)) has no place in these file formats")
+        out[name] = LoraModule(layer.lora_A[sd.lora.adapters.ADAPTER].weight.detach().cpu(),
+                               layer.lora_B[sd.lora.adapters.ADAPTER].weight.detach().cpu(),
+                               float(layer.lora_alpha[sd.lora.adapters.ADAPTER]))
+    return out
+
+
+def save_lora(out: str | Path, lora: dict[str, dict[str, LoraModule]], lora_format: str = "diffusers",
+              metadata: dict | None = None) -> Path:
+    """Write ``lora`` (``{part: {module: LoraModule}}``) in ``lora_format``, atomically; returns the file.
+
+    diffusers: ``out`` is a folder, the file ``out/pytorch_lora_weights.safetensors``; kohya: ``out`` is
+    the file. ``metadata`` (string values) joins the header, beside the rank and alpha it records.
+    """
+    layers = [m for part in lora.values() for m in part.values()]
+    if not layers:
+        raise ValueError(f"{out}: no LoRA layers to write")
+    header = {"format": "pt", "lora_rank": str(_most_common(m.rank for m in layers)),
+              "lora_alpha": str(_most_common(m.alpha for m in layers)),
+              **{k: str(v) for k, v in (metadata or {}).items()}}
+    if lora_format == "diffusers":
+        path, tensors = Path(out) / DIFFUSERS_LORA_FILE, _diffusers_lora_tensors(lora)
+        header[DIFFUSERS_LORA_METADATA] = json.dumps(
+            {f"{part}.{key}": value for part, modules in lora.items() if modules
+             for key, value in _peft_config(part, modules).items()}, indent=2, sort_keys=True)
+    elif lora_format == "kohya":
+        path, tensors = Path(out), _kohya_lora_tensors(lora)
+        header.update(_kohya_header(layers))
+    else:
+        raise ValueError(f"LoRA format must be one of {', '.join(LORA_FORMATS)}, got {lora_format!r}")
+    from safetensors.torch import save_file
+
+    tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    sd.files.write_atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata=header))
+    return path
+
+
+def save_model_lora(out: str | Path, unet, text_encoder=None, lora_format: str = "diffusers",
+                    metadata: dict | None = None) -> Path:
+    """Write the PEFT adapters of ``unet`` (and ``text_encoder``) in ``lora_format``; see ``save_lora``.
+
+    The header records the targets (``lora_settings['targets']``, else the adapted modules) and whether
+    the text encoder carries an adapter.
+    """
+    models = {"unet": unet, "text_encoder": text_encoder}
+    lora = {part: adapter_lora_modules(m) for part, m in models.items() if m is not None and sd.lora.adapters.has_lora(m)}
+    if not lora:
+        raise ValueError("the model carries no LoRA adapter")
+    settings = getattr(unet, "lora_settings", None) or {}
+    targets = settings.get("targets") or sorted(lora.get("unet", {}))
+    header = {"lora_targets": json.dumps(list(targets)), "lora_text_encoder": str("text_encoder" in lora),
+              **(metadata or {})}
+    return save_lora(out, lora, lora_format, header)
+
+
+def _most_common(values):
+    from collections import Counter
+
+    return Counter(values).most_common(1)[0][0]
+
+
+def _diffusers_lora_tensors(lora) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for part, modules in lora.items():
+        for name, m in modules.items():
+            key = f"{part}.{lora_file_name(part, name)}"
+            tensors[f"{key}.lora_A.weight"], tensors[f"{key}.lora_B.weight"] = m.down, m.up
+    return tensors
+
+
+def _peft_config(part: str, modules: dict[str, LoraModule]) -> dict:
+    """The LoraConfig arguments that rebuild ``modules`` in diffusers' ``load_lora_weights``.
+
+    alpha != r: this config (diffusers' own ``lora_adapter_metadata``, which ``save_lora_weights``
+    writes and ``load_lora_weights`` reads since diffusers PR #11324, 2025; older versions take
+    alpha = r) carries alpha, so the tensors are stored as trained and read back bit for bit. Folding alpha / r into lora_B instead would suit readers that
+    ignore the header, but rounds every up weight (exact only for a power-of-two ratio); the tools
+    that ignore it (ComfyUI, AUTOMATIC1111) read the kohya file, whose ``.alpha`` they apply.
+    Text-encoder targets are named without ``text_model.``: PEFT matches them as suffixes, so they
+    fit transformers 4's CLIPTextModel and 5's flattened one alike.
+    """
+    import re
+
+    r = _most_common(m.rank for m in modules.values())
+    alpha = _most_common(m.alpha for m in modules.values())
+    names = {name: name.removeprefix("text_model.") if part == "text_encoder" else name for name in modules}
+    return {"r": r, "lora_alpha": alpha, "target_modules": sorted(names.values()),
+            "rank_pattern": {re.escape(names[n]): m.rank for n, m in modules.items() if m.rank != r},
+            "alpha_pattern": {re.escape(names[n]): m.alpha for n, m in modules.items() if m.alpha != alpha}}
+
+
+def _kohya_lora_tensors(lora) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for part, modules in lora.items():
+        for name, m in modules.items():
+            key = KOHYA_PREFIXES[part] + lora_file_name(part, name).replace(".", "_")
+            if f"{key}.alpha" in tensors:
+                raise ValueError(f"{part} layer {name}: its kohya name {key} is taken by another layer")
+            tensors[f"{key}.lora_down.weight"], tensors[f"{key}.lora_up.weight"] = m.down, m.up
+            tensors[f"{key}.alpha"] = torch.tensor(float(m.alpha), dtype=torch.float32)
+    return tensors
+
+
+def _kohya_header(layers: list[LoraModule]) -> dict[str, str]:
+    """sd-scripts' own header fields (AUTOMATIC1111 shows them, and takes a file with any header for SD 1.x)."""
+    header = {"ss_network_module": "networks.lora", "ss_network_dim": str(_most_common(m.rank for m in layers)),
+              "ss_network_alpha": str(_most_common(m.alpha for m in layers)), "ss_v2": "False",
+              "ss_base_model_version": "sd_v1"}
+    convs = [m for m in layers if m.down.ndim == 4 and m.down.shape[2:] != (1, 1)]
+    if convs:  # LoCon: sd-scripts records the conv layers' rank and alpha as network arguments
+        header["ss_network_args"] = json.dumps({"conv_dim": str(_most_common(m.rank for m in convs)),
+                                                "conv_alpha": str(_most_common(m.alpha for m in convs))})
+    return header
+
+
+LORA_KEY_KINDS = {".lora_down.weight": "down", ".lora_up.weight": "up", ".alpha": "alpha",
+                  ".lora_A.weight": "down", ".lora_B.weight": "up"}
+
+
+def lora_file(path: str | Path) -> Path:
+    """The weights file of a LoRA: ``path`` itself, or a diffusers folder's pytorch_lora_weights.safetensors."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / DIFFUSERS_LORA_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"LoRA file {path} is missing")
+    if path.suffix != ".safetensors":
+        raise ValueError(f"{path}: LoRA files are read as .safetensors only (a pickle can run code when loaded)")
+    return path
+
+
+def read_lora(path: str | Path, unet, text_encoder=None) -> dict[str, dict[str, LoraModule]]:
+    """A LoRA file in either format (or a diffusers LoRA folder) as ``{part: {module: LoraModule}}`` for
+    ``unet`` and ``text_encoder``'s own module names.
+
+    Keys: kohya's ``lora_unet_`` / ``lora_te_`` names, diffusers' ``unet.`` / ``text_encoder.`` ones, or
+    PEFT's without a prefix (UNet). kohya names are looked up in a table built from the models' own
+    module names (an underscore there may stand for a dot or be part of a name, so a name is never
+    split). A key of no layer, a layer's down without its up, or a tensor that does not fit its layer
+    is a ValueError naming the file.
+    """
+    file = lora_file(path)
+    tensors = read_weights(file)
+    models = {part: m for part, m in (("unet", unet), ("text_encoder", text_encoder)) if m is not None}
+    layers = {part: lora_layers_of(m) for part, m in models.items()}
+    names = _lora_name_table(layers)
+    pieces, unknown = {}, []
+    for key, tensor in tensors.items():
+        suffix = next((s for s in LORA_KEY_KINDS if key.endswith(s)), None)
+        target = names.get(key[:-len(suffix)]) if suffix else None
+        if target is None:
+            unknown.append(key)
+        else:
+            pieces.setdefault(target, {})[LORA_KEY_KINDS[suffix]] = tensor
+    if unknown:
+        raise ValueError(f"{file}: {len(unknown)} of its {len(tensors)} keys name no LoRA layer of this model, e.g. "
+                         f"{sorted(unknown)[:3]}; another architecture, or an adapter other than LoRA (LoHa, LoKr, "
+                         "DoRA)?")
+    if not pieces:
+        raise ValueError(f"{file}: holds no LoRA tensors")
+    configs = _diffusers_lora_configs(file)
+    out = {}
+    for (part, module), piece in pieces.items():
+        if "down" not in piece or "up" not in piece:
+            raise ValueError(f"{file}: {part} layer {module} has no {'up' if 'down' in piece else 'down'} weight")
+        down, up = piece["down"], piece["up"]
+        check_lora_fits(layers[part][module].weight, down, up, f"{file}: {part} layer {module}")
+        alpha = piece["alpha"].item() if "alpha" in piece else _metadata_alpha(configs.get(part), module, down.shape[0])
+        out.setdefault(part, {})[module] = LoraModule(down, up, float(alpha))
+    return out
+
+
+def _lora_name_table(layers: dict[str, dict]) -> dict[str, tuple[str, str]]:
+    """Every spelling of every layer's name in LoRA files -> ``(part, module)``."""
+    table = {}
+    for part, modules in layers.items():
+        for name in modules:
+            spelled = lora_file_name(part, name)
+            table[KOHYA_PREFIXES[part] + spelled.replace(".", "_")] = (part, name)
+            table[f"{part}.{spelled}"] = table[f"{part}.{name}"] = (part, name)
+            if part == "unet":  # PEFT's own keys, as UNet2DConditionModel.save_lora_adapter writes them
+                table[name] = (part, name)
+    return table
+
+
+def check_lora_fits(weight: torch.Tensor, down: torch.Tensor, up: torch.Tensor, where: str) -> None:
+    """``down`` / ``up`` make a delta of ``weight``'s shape: a Linear's, or a conv's whose ``down`` has the
+    layer's kernel (a 1x1 layer also takes 2-D tensors, a Linear 1x1 ones); else a ValueError."""
+    rank, out_channels, in_channels, kernel = down.shape[0], weight.shape[0], weight.shape[1], tuple(weight.shape[2:])
+    downs = {(rank, in_channels, *kernel)}
+    if kernel in ((), (1, 1)):
+        downs |= {(rank, in_channels), (rank, in_channels, 1, 1)}
+    if tuple(down.shape) not in downs or tuple(up.shape) not in {(out_channels, rank), (out_channels, rank, 1, 1)}:
+        raise ValueError(f"{where}: down {tuple(down.shape)} and up {tuple(up.shape)} do not fit its weight "
+                         f"{tuple(weight.shape)}")
+
+
+def _diffusers_lora_configs(file: Path) -> dict[str, dict]:
+    """Per part, the LoraConfig arguments of a diffusers file's ``lora_adapter_metadata`` ({} when none)."""
+    from safetensors import safe_open
+
+    with safe_open(str(file), framework="pt") as handle:
+        raw = (handle.metadata() or {}).get(DIFFUSERS_LORA_METADATA)
+    if not raw:
+        return {}
+    try:
+        config = json.loads(raw)
+        if not isinstance(config, dict):
+            raise ValueError("not a JSON object")
+    except ValueError as error:
+        raise ValueError(f"{file}: unreadable {DIFFUSERS_LORA_METADATA} ({first_line(error)})") from error
+    out = {}
+    for key, value in config.items():
+        part, _, field = key.partition(".")
+        out.setdefault(part, {})[field] = value
+    for part, fields in out.items():
+        if fields.get("use_dora") or fields.get("lora_bias"):
+            raise ValueError(f"{file}: a {part} adapter with DoRA or LoRA biases, which only LoRA layers can merge")
+    return out
+
+
+def _metadata_alpha(config: dict | None, module: str, rank: int) -> float:
+    """The alpha PEFT gives ``module`` from a diffusers LoraConfig (as its scale ``alpha / rank``): alpha = r
+    without a config; LoraConfig's default alpha 8 when it names none; alpha_pattern as PEFT matches it."""
+    import math
+    import re
+
+    if config is None:
+        return float(rank)
+    alpha = config.get("lora_alpha", 8)
+    for pattern, value in (config.get("alpha_pattern") or {}).items():
+        if re.match(rf"(.*\.)?({pattern})$", module):
+            alpha = value
+            break
+    return alpha * math.sqrt(rank) if config.get("use_rslora") else float(alpha)  # rsLoRA scales by alpha/sqrt(r)
+
+
+@torch.no_grad()
+def merge_lora(models: dict, lora: dict[str, dict[str, LoraModule]], scale: float = 1.0) -> None:
+    """Add ``scale * (alpha / r) * up @ down`` to each adapted layer's weight, in place.
+
+    ``models``: ``{"unet": ..., "text_encoder": ...}``; the sum is taken in fp32 and rounded once to the
+    weight's dtype. A layer under a PEFT adapter gets it in its base weight.
+    """
+    for part, modules in lora.items():
+        if models.get(part) is None:
+            raise ValueError(f"a LoRA of the {part} needs a {part} to merge into")
+        layers = lora_layers_of(models[part])
+        for name, m in modules.items():
+            weight = layers[name].weight
+            delta = (scale * m.alpha / m.rank) * m.delta(weight.shape)
+            weight.copy_(weight.float() + delta.to(weight.device))
+
+
+def merge_adapters(pipe, loras: list[tuple[str, float]]) -> None:
+    """Fold the checkpoint's own adapter (a LoRA run's, scale 1) into ``pipe``'s weights, then add each
+    ``(file, scale)`` LoRA: the plain models that sampling and the full exports use."""
+    for part in (pipe.unet, pipe.text_encoder):
+        if sd.lora.adapters.has_lora(part):
+            sd.lora.adapters.merge(part)
+    for path, scale in loras:
+        lora = read_lora(path, pipe.unet, pipe.text_encoder)
+        merge_lora({"unet": pipe.unet, "text_encoder": pipe.text_encoder}, lora, scale)
+        layers = sum(len(modules) for modules in lora.values())
+        log.info("merged LoRA %s at scale %g (%d layers)", path, scale, layers)
+        pipe.source += f" + LoRA {path}:{scale:g}"

@@ -1,0 +1,451 @@
+"""Stable Diffusion 1.x model assembly and diffusion math.
+
+Everything here is importable without side effects:
+
+* ``build_unet``: the SD 1.x UNet (``"sd1"``, 859,520,964 parameters) or a tiny CPU preset, with
+  zero-initialised output projections for from-scratch training.
+* ``load_vae`` / ``load_text_encoder`` / ``load_tokenizer``: the frozen parts, from a hub id, a local
+  folder (a diffusers pipeline folder works too) or the seeded ``"tiny"`` presets.
+* The DDPM training schedule, latent scaling, prediction targets and ``diffusion_loss`` with Min-SNR.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+# ---------------------------------------------------------------------------------------------
+# Constants of the SD 1.x recipe
+# ---------------------------------------------------------------------------------------------
+
+NUM_TRAIN_TIMESTEPS = 1000
+BETA_START = 0.00085
+BETA_END = 0.012
+SD1_SCALING_FACTOR = 0.18215
+TOKENIZER_MAX_LENGTH = 77
+DEFAULT_VAE = "stabilityai/sd-vae-ft-mse"
+DEFAULT_TEXT_ENCODER = "openai/clip-vit-large-patch14"
+TINY_SEED = 0
+
+# UNet2DConditionModel configurations. "sd1" is the exact SD 1.x UNet (v1-inference.yaml).
+UNET_PRESETS = {
+    "sd1": dict(
+        sample_size=64,
+        in_channels=4,
+        out_channels=4,
+        down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
+        block_out_channels=(320, 640, 1280, 1280),
+        layers_per_block=2,
+        cross_attention_dim=768,
+        # diffusers names the SD 1.x head count "attention_head_dim" (8 heads of varying width).
+        attention_head_dim=8,
+        norm_num_groups=32,
+    ),
+}
+# Trains on a CPU in milliseconds per step; cross-attention width matches the tiny text encoder.
+UNET_PRESETS["tiny"] = dict(
+    UNET_PRESETS["sd1"], sample_size=8, down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+    up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), block_out_channels=(32, 64), layers_per_block=1,
+    cross_attention_dim=64, attention_head_dim=4, norm_num_groups=8)
+# The built-in demo's UNet (4.2M parameters): 64x64 images, 8x8 latents, attention at both levels.
+UNET_PRESETS["demo"] = dict(
+    UNET_PRESETS["tiny"], down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+    up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D"), block_out_channels=(64, 128), norm_num_groups=32)
+
+# Text encoder preset: the real CLIP tokenizer's vocabulary, a small transformer on top.
+TINY_TEXT_ENCODER = dict(
+    vocab_size=49408,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=TOKENIZER_MAX_LENGTH,
+    bos_token_id=49406,
+    eos_token_id=49407,
+    pad_token_id=49407,
+)
+
+# The SD 1.x AutoencoderKL architecture (the config of sd-vae-ft-mse), for benchmarks with random weights.
+SD1_VAE = dict(
+    in_channels=3,
+    out_channels=3,
+    down_block_types=("DownEncoderBlock2D",) * 4,
+    up_block_types=("UpDecoderBlock2D",) * 4,
+    block_out_channels=(128, 256, 512, 512),
+    layers_per_block=2,
+    latent_channels=4,
+    norm_num_groups=32,
+    sample_size=512,
+    scaling_factor=SD1_SCALING_FACTOR,
+)
+# AutoencoderKL preset with the real VAE's interface: 4 latent channels, downsampling factor 8.
+TINY_VAE = dict(SD1_VAE, block_out_channels=(16, 32, 32, 32), layers_per_block=1, norm_num_groups=8, sample_size=64)
+
+
+# ---------------------------------------------------------------------------------------------
+# UNet
+# ---------------------------------------------------------------------------------------------
+
+
+def build_unet(
+    preset: str | dict = "sd1",
+    *,
+    from_scratch: bool = True,
+    grad_checkpointing: bool = False,
+    channels_last: bool = False,
+    seed: int | None = None,
+):
+    """Build a ``UNet2DConditionModel`` from a preset name or a config dict.
+
+    ``from_scratch`` zero-initialises the output projections (see ``zero_init_output_projections``),
+    so the untrained UNet predicts exactly zero and every residual branch starts as the identity.
+    ``seed`` makes the random initialisation reproducible without touching the global RNG.
+    """
+    from diffusers import UNet2DConditionModel
+
+    if isinstance(preset, str):
+        if preset not in UNET_PRESETS:
+            raise ValueError(f"unknown UNet preset {preset!r}; choose one of {sorted(UNET_PRESETS)}")
+        config = UNET_PRESETS[preset]
+    else:
+        config = dict(preset)
+    with _seeded(seed):
+        unet = UNet2DConditionModel(**config)
+    if from_scratch:
+        zero_init_output_projections(unet)
+    use_sdpa_attention(unet)
+    configure_unet(unet, grad_checkpointing=grad_checkpointing, channels_last=channels_last)
+    return unet
+
+
+def configure_unet(unet, *, grad_checkpointing: bool = False, channels_last: bool = False):
+    """Switch gradient checkpointing and the channels_last memory format on or off."""
+    if grad_checkpointing:
+        unet.enable_gradient_checkpointing()
+    else:
+        unet.disable_gradient_checkpointing()
+    unet.to(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    return unet
+
+
+def zero_init_output_projections(unet) -> list[str]:
+    """Zero every layer that writes into a residual stream, and the UNet's final conv.
+
+    Zeroed: each ResNet block's ``conv2``, each attention's output projection (``to_out.0``, self and
+    cross), each feed-forward's last linear (``ff.net.2``), each transformer's ``proj_out`` and the
+    UNet's ``conv_out``. Every block then starts as the identity and the model output is exactly
+    zero (the "zero module" initialisation of the original SD and ADM code bases). Returns the
+    names of the zeroed modules.
+    """
+    from diffusers.models.attention import FeedForward
+    from diffusers.models.attention_processor import Attention
+    from diffusers.models.resnet import ResnetBlock2D
+    from diffusers.models.transformers.transformer_2d import Transformer2DModel
+
+    targets = []
+    for name, module in unet.named_modules():
+        if isinstance(module, ResnetBlock2D):
+            targets.append((f"{name}.conv2", module.conv2))
+        elif isinstance(module, Attention):
+            targets.append((f"{name}.to_out.0", module.to_out[0]))
+        elif isinstance(module, FeedForward):
+            targets.append((f"{name}.net.2", module.net[-1]))
+        elif isinstance(module, Transformer2DModel):
+            targets.append((f"{name}.proj_out", module.proj_out))
+    targets.append(("conv_out", unet.conv_out))
+    with torch.no_grad():
+        for _, layer in targets:
+            layer.weight.zero_()
+            if layer.bias is not None:
+                layer.bias.zero_()
+    return [name for name, _ in targets]
+
+
+def use_sdpa_attention(model) -> None:
+    """Route every attention layer through ``F.scaled_dot_product_attention``."""
+    from diffusers.models.attention_processor import AttnProcessor2_0
+
+    if hasattr(model, "set_attn_processor"):
+        model.set_attn_processor(AttnProcessor2_0())
+
+
+def training_flops_per_image(preset: str | dict = "sd1", latent_size: int = 64) -> int:
+    """Model FLOPs of one training image through the UNet, forward + backward (no recomputation).
+
+    Counted by ``torch.utils.flop_counter.FlopCounterMode`` on the meta device, so it costs no
+    memory and gives the same number on every machine: on meta, attention runs as explicit matmuls
+    and is counted in full (on a real CPU the fused SDPA kernel is not counted). SD 1.x: 2.41e12 at
+    512 px (64x64 latents), 0.54e12 at 256 px. This is the numerator of MFU.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.device("meta"):
+        unet = build_unet(preset, from_scratch=False)
+        context_dim = unet.config.cross_attention_dim
+        latents = torch.empty(1, unet.config.in_channels, latent_size, latent_size)
+        context = torch.empty(1, TOKENIZER_MAX_LENGTH, context_dim)
+        timesteps = torch.zeros(1, dtype=torch.long)
+        with FlopCounterMode(display=False) as counter:
+            unet(latents, timesteps, encoder_hidden_states=context).sample.sum().backward()
+    return int(counter.get_total_flops())
+
+
+def sdpa_backends(device) -> list:
+    """The SDPA kernels allowed on ``device``: flash and memory-efficient on CUDA, flash then math elsewhere.
+
+    The math kernel materialises the full attention matrix and keeps it for the backward pass; on
+    a GPU that costs memory and time for nothing, so it is excluded there and a shape the fast
+    kernels cannot take fails loudly. On a CPU the flash kernel (where torch has one for the shape
+    and dtype) trains the tiny UNet at 128 px in about two thirds of the math kernel's memory.
+    """
+    from torch.nn.attention import SDPBackend
+
+    if torch.device(device).type == "cuda":
+        return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+    return [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+
+
+def attention_context(device):
+    """Context the trainer and sampler enter so attention runs on the kernels of ``sdpa_backends``."""
+    from torch.nn.attention import sdpa_kernel
+
+    return sdpa_kernel(sdpa_backends(device))
+
+
+def count_parameters(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+# ---------------------------------------------------------------------------------------------
+# Frozen parts: VAE, text encoder, tokenizer
+# ---------------------------------------------------------------------------------------------
+
+
+def _local_subfolder(name_or_path: str, subfolder: str) -> str | None:
+    """Return ``subfolder`` when ``name_or_path`` is a local diffusers pipeline folder holding it."""
+    path = Path(name_or_path)
+    if path.is_dir() and not (path / "config.json").exists() and (path / subfolder).is_dir():
+        return subfolder
+    return None
+
+
+def _frozen(model):
+    model.requires_grad_(False)
+    model.eval()
+    return model
+
+
+def load_vae(name_or_path: str = DEFAULT_VAE, *, subfolder: str | None = None, seed: int = TINY_SEED):
+    """The frozen ``AutoencoderKL``: a hub id, a local folder (or pipeline folder), or ``"tiny"``."""
+    from diffusers import AutoencoderKL
+
+    if name_or_path == "tiny":
+        with _seeded(seed):
+            return _frozen(AutoencoderKL(**TINY_VAE))
+    subfolder = subfolder or _local_subfolder(name_or_path, "vae")
+    kwargs = {"subfolder": subfolder} if subfolder else {}
+    return _frozen(AutoencoderKL.from_pretrained(name_or_path, **kwargs))
+
+
+def load_text_encoder(
+    name_or_path: str = DEFAULT_TEXT_ENCODER, *, subfolder: str | None = None, seed: int = TINY_SEED
+):
+    """The frozen ``CLIPTextModel`` whose ``last_hidden_state`` conditions the UNet."""
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    if name_or_path == "tiny":
+        with _seeded(seed):
+            return _frozen(CLIPTextModel(CLIPTextConfig(**TINY_TEXT_ENCODER)))
+    subfolder = subfolder or _local_subfolder(name_or_path, "text_encoder")
+    kwargs = {"subfolder": subfolder} if subfolder else {}
+    return _frozen(CLIPTextModel.from_pretrained(name_or_path, **kwargs))
+
+
+def load_tokenizer(name_or_path: str = DEFAULT_TEXT_ENCODER, *, subfolder: str | None = None):
+    """The CLIP tokenizer (77 tokens). ``"tiny"`` is the real CLIP BPE built offline (see below)."""
+    from transformers import CLIPTokenizer
+
+    if name_or_path == "tiny":
+        import sd.tokenizer
+
+        name_or_path, subfolder = str(sd.tokenizer.clip_tokenizer_folder()), None
+    subfolder = subfolder or _local_subfolder(name_or_path, "tokenizer")
+    kwargs = {"subfolder": subfolder} if subfolder else {}
+    return CLIPTokenizer.from_pretrained(name_or_path, model_max_length=TOKENIZER_MAX_LENGTH, **kwargs)
+
+
+def tokenize(tokenizer, prompts: list[str]) -> torch.Tensor:
+    """Token ids ``(B, 77)``, padded and truncated the way SD 1.x was trained."""
+    return tokenizer(
+        list(prompts),
+        padding="max_length",
+        max_length=TOKENIZER_MAX_LENGTH,
+        truncation=True,
+        return_tensors="pt",
+    ).input_ids
+
+
+@torch.no_grad()
+def encode_prompt_ids(text_encoder, input_ids: torch.Tensor) -> torch.Tensor:
+    """CLIP ``last_hidden_state`` for token ids: ``(B, 77, hidden)``, the UNet's context."""
+    device = next(text_encoder.parameters()).device
+    return text_encoder(input_ids.to(device)).last_hidden_state
+
+
+# ---------------------------------------------------------------------------------------------
+# Noise schedule, latent scaling, targets and the loss
+# ---------------------------------------------------------------------------------------------
+
+
+def ddpm_alphas_cumprod(num_timesteps: int = NUM_TRAIN_TIMESTEPS, zero_terminal_snr: bool = False) -> torch.Tensor:
+    """alpha-bar_t of the SD 1.x schedule: "scaled_linear" betas 0.00085 -> 0.012, float64 ``(T,)``.
+
+    ``zero_terminal_snr``: rescaled so the last timestep is pure noise (Lin et al. 2023,
+    arXiv:2305.08891, Algorithm 1): sqrt(alpha-bar) is shifted so its last value is 0 and scaled so
+    its first keeps its value. The SD schedule otherwise ends at alpha-bar 0.0047, so the model never
+    sees pure noise in training yet starts from it in sampling (images stuck near mid-grey). The last
+    value is stored as exactly 0, as diffusers' DDPM and DDIM schedulers store it; every consumer here
+    handles it: ``add_noise`` and the v target are finite, the Min-SNR weight of v-prediction there is
+    min(0, gamma) / (0 + 1) = 0, and DDIM with v-prediction steps from it (epsilon cannot: x0 =
+    (x - eps) / 0, which is why the config and the sampler refuse that pairing).
+    """
+    betas = torch.linspace(BETA_START**0.5, BETA_END**0.5, num_timesteps, dtype=torch.float64) ** 2
+    alphas_cumprod = torch.cumprod(1.0 - betas, dim=0)
+    if not zero_terminal_snr:
+        return alphas_cumprod
+    root = alphas_cumprod.sqrt()  # tensor ops only, no .item(): sd.train.memory builds the step on fake tensors
+    return ((root - root[-1]) * (root[0] / (root[0] - root[-1]))) ** 2
+
+
+def noise_schedule_config(prediction_type: str = "epsilon", zero_terminal_snr: bool = False) -> dict:
+    """The SD 1.x schedule as a diffusers scheduler config (what a pipeline's scheduler/ folder holds).
+
+    ``zero_terminal_snr`` adds diffusers' own switch for the rescaled schedule and "trailing" timestep
+    spacing, so that sampling starts at the last timestep (pure noise) as the model was trained
+    (Lin et al. 2023, sections 3.1 and 3.3). Nothing else needs changing: DDIM keeps SD's final
+    alpha-bar (``set_alpha_to_one=False``, as our DDIM), and Euler and DPM-Solver++ end at sigma 0
+    (their default ``final_sigmas_type="zero"``) and replace the terminal alpha-bar 0 by 2**-24 themselves
+    so their first sigma is finite.
+    """
+    config = dict(
+        num_train_timesteps=NUM_TRAIN_TIMESTEPS,
+        beta_start=BETA_START,
+        beta_end=BETA_END,
+        beta_schedule="scaled_linear",
+        prediction_type=prediction_type,
+        clip_sample=False,
+        set_alpha_to_one=False,
+        steps_offset=1,
+        timestep_spacing="leading",
+    )
+    if zero_terminal_snr:
+        config.update(rescale_betas_zero_snr=True, timestep_spacing="trailing")
+    return config
+
+
+def build_noise_scheduler(prediction_type: str = "epsilon", scheduler_class=None, zero_terminal_snr: bool = False):
+    """A diffusers scheduler on the training schedule (``DDPMScheduler`` unless another class is given)."""
+    if scheduler_class is None:
+        from diffusers import DDPMScheduler as scheduler_class
+    # from_config drops the keys a scheduler class does not take (DDPM has no set_alpha_to_one).
+    return scheduler_class.from_config(noise_schedule_config(prediction_type, zero_terminal_snr))
+
+
+def scale_latents(latents: torch.Tensor, scaling_factor: float = SD1_SCALING_FACTOR) -> torch.Tensor:
+    """VAE posterior mean -> the unit-variance space the UNet is trained in."""
+    return latents * scaling_factor
+
+
+def unscale_latents(latents: torch.Tensor, scaling_factor: float = SD1_SCALING_FACTOR) -> torch.Tensor:
+    return latents / scaling_factor
+
+
+def _per_sample(values: torch.Tensor, timesteps: torch.Tensor, ndim: int) -> torch.Tensor:
+    """Gather ``values[timesteps]`` as float32 shaped ``(B, 1, 1, 1)`` for broadcasting."""
+    out = values.to(timesteps.device)[timesteps].float()
+    return out.reshape(-1, *([1] * (ndim - 1)))
+
+
+def sample_timesteps(batch_size: int, generator: torch.Generator, num_timesteps: int = NUM_TRAIN_TIMESTEPS):
+    """Uniform integer timesteps ``(B,)`` drawn from the dedicated diffusion generator."""
+    return torch.randint(0, num_timesteps, (batch_size,), generator=generator, device=generator.device)
+
+
+def add_noise(latents, noise, timesteps, alphas_cumprod):
+    """Forward diffusion q(x_t | x_0): ``sqrt(a) * x0 + sqrt(1 - a) * eps``."""
+    a = _per_sample(alphas_cumprod, timesteps, latents.ndim)
+    return a.sqrt() * latents.float() + (1 - a).sqrt() * noise.float()
+
+
+def prediction_target(latents, noise, timesteps, alphas_cumprod, prediction_type: str):
+    """What the UNet learns to predict: the noise, or v = sqrt(a) * eps - sqrt(1 - a) * x0."""
+    if prediction_type == "epsilon":
+        return noise.float()
+    if prediction_type == "v_prediction":
+        a = _per_sample(alphas_cumprod, timesteps, latents.ndim)
+        return a.sqrt() * noise.float() - (1 - a).sqrt() * latents.float()
+    raise ValueError(f"prediction_type must be 'epsilon' or 'v_prediction', got {prediction_type!r}")
+
+
+def snr(timesteps: torch.Tensor, alphas_cumprod: torch.Tensor) -> torch.Tensor:
+    """Signal-to-noise ratio a / (1 - a) at each timestep, float64 ``(B,)``."""
+    a = alphas_cumprod.to(timesteps.device)[timesteps]
+    return a / (1 - a)
+
+
+def min_snr_weights(timesteps, alphas_cumprod, prediction_type: str, gamma: float | None) -> torch.Tensor:
+    """Per-sample loss weights of Min-SNR-gamma (Hang et al. 2023, arXiv:2303.09556), float32 ``(B,)``.
+
+    The paper's weight is min(SNR, gamma) on the x0-MSE. Predicting epsilon, the MSE already carries
+    a factor SNR relative to x0-MSE, so the weight is min(SNR, gamma) / SNR. Predicting v, the MSE
+    carries SNR + 1, so the weight is min(SNR, gamma) / (SNR + 1); dividing by SNR there (a bug
+    several trainers shipped) over-weights the noisiest timesteps. ``gamma`` None or 0 disables it.
+
+    At SNR 0 (the last timestep of a zero-terminal-SNR schedule) the v weight is 0, the formula's own
+    value, and the epsilon weight its limit 1 rather than 0 / 0.
+    """
+    if not gamma:
+        return torch.ones(timesteps.shape, dtype=torch.float32, device=timesteps.device)
+    s = snr(timesteps, alphas_cumprod)
+    clipped = torch.clamp(s, max=gamma)
+    if prediction_type == "epsilon":
+        weights = torch.where(s > 0, clipped / s, torch.ones_like(s))
+    elif prediction_type == "v_prediction":
+        weights = clipped / (s + 1)
+    else:
+        raise ValueError(f"prediction_type must be 'epsilon' or 'v_prediction', got {prediction_type!r}")
+    return weights.float()
+
+
+def diffusion_loss(
+    model_pred: torch.Tensor,
+    target: torch.Tensor,
+    timesteps: torch.Tensor,
+    alphas_cumprod: torch.Tensor,
+    prediction_type: str = "epsilon",
+    min_snr_gamma: float | None = 5.0,
+) -> torch.Tensor:
+    """Per-sample Min-SNR-weighted MSE in float32, shape ``(B,)``; the trainer takes the mean."""
+    mse = F.mse_loss(model_pred.float(), target.float(), reduction="none")
+    mse = mse.mean(dim=tuple(range(1, mse.ndim)))
+    return mse * min_snr_weights(timesteps, alphas_cumprod, prediction_type, min_snr_gamma)
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _seeded(seed: int | None):
+    """Seed the CPU RNG for the body only, leaving the caller's RNG stream untouched."""
+    if seed is None:
+        yield
+        return
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield

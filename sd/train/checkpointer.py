@@ -1,0 +1,235 @@
+"""A run's checkpoint policy: what is saved (``resumable``), when, what is pruned, which checkpoint a
+re-run resumes (the newest that verifies; damaged ones are set aside), what a new phase starts from
+(``init_from``) and what a LoRA run's base is. The files themselves are ``sd.train.checkpoint``'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from safetensors import SafetensorError
+
+import sd.distributed
+import sd.formats
+import sd.lora.adapters
+import sd.train.checkpoint as ckpt
+from sd.distributed import Dist
+from sd.train.config import RESUME_FIXED, ConfigError, TrainConfig, config_yaml, field_default
+
+if TYPE_CHECKING:
+    from sd.train.run import Run
+
+log = logging.getLogger("sd_train")
+
+
+def resume_or_init(run: Run) -> None:
+    """Resume from the newest usable checkpoint in ``out_dir`` (damaged newer ones are set aside), else
+    start a new phase from ``init_from``. The run's config is final after this: ``ema_warmup`` made
+    concrete, as config.yaml and every checkpoint record it."""
+    resumed = resume_newest_usable(run)
+    inherited = False
+    if not resumed and run.config.init_from and not run.config.lora_rank:
+        inherited = init_weights(run, run.config.init_from)
+    resumed_from = ckpt.latest_checkpoint(run.run_dir / "checkpoints") if resumed else None
+    run.config = dataclasses.replace(run.config, ema_warmup=ema_warmup_of(run.config, resumed_from, inherited))
+    if run.step.ema is not None:
+        run.step.ema.warmup = run.config.ema_warmup == "restart"
+
+
+def due(run: Run, epoch_done: bool, stopping: bool) -> bool:
+    """Whether the step just taken ends with a save: every ``save_steps``, at the end of the phase,
+    at an epoch's end, and before the run stops."""
+    step = run.state.step
+    return stopping or epoch_done or step % run.config.save_steps == 0 or step == run.total_steps
+
+
+def resumable(run: Run) -> dict:
+    """Every piece of state a resume restores, by name (one file each; see sd.train.checkpoint).
+
+    A LoRA run saves its adapters (``adapter``) and a fingerprint of the base weights they were
+    trained on (``lora_base``, checked by ``resume``) instead of the UNet: the base comes from
+    ``init_from`` at every start.
+    """
+    if run.config.lora_rank:
+        states = {"lora_base": ckpt.Weights(BaseFingerprint(run.base_fingerprint)),
+                  "adapter": ckpt.Weights(sd.lora.adapters.AdapterWeights(unet=run.step.unet,
+                                                                 text_encoder=run.step.text_encoder))}
+    else:
+        states = {"unet": ckpt.Weights(run.step.unet)}
+    if run.step.ema is not None:
+        states["ema"] = ckpt.Weights(run.step.ema)
+    states.update(optimizer=run.step.optimizer, scaler=run.step.scaler, train_state=run.state,
+                  rng=ckpt.PerRank(run.rng))
+    return states
+
+
+class BaseFingerprint:
+    """A LoRA run's base weights in one small tensor, taken as loaded (before any cast to bf16):
+    saved with every checkpoint and compared by ``resume`` before anything is loaded."""
+
+    def __init__(self, fingerprint: torch.Tensor):
+        self.fingerprint = fingerprint
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"fingerprint": self.fingerprint}
+
+    def load_state_dict(self, state) -> None:  # checked by resume, where a mismatch is a config error
+        pass
+
+
+def save(run: Run) -> None:
+    checkpoints = run.run_dir / "checkpoints"
+    ckpt.check_ranks_agree(run.step.unet, run.d, run.state.step)
+    final = ckpt.save(checkpoints, run.state.step, resumable(run), run.d, config_yaml(run.config))
+    if run.d.is_main:
+        removed = ckpt.prune(checkpoints, run.config.keep_checkpoints, run.config.keep_every_steps)
+        log.info("saved %s%s", final, f" (pruned {len(removed)})" if removed else "")
+
+
+def resume_newest_usable(run: Run) -> bool:
+    """Resume from the newest complete checkpoint that verifies; False when the run has none yet.
+
+    A checkpoint that fails (a file that does not match the manifest, cannot be read, or loads weights
+    that do not match their fingerprint) is named in one log line, renamed ``step_N.damaged``, and the
+    next older one is tried. If every checkpoint is damaged the run stops rather than start over.
+    """
+    checkpoints = run.run_dir / "checkpoints"
+    damaged = []
+    for _, folder in reversed(ckpt.complete_checkpoints(checkpoints)):
+        try:
+            agreed(run.d, lambda: verify_checkpoint(run, folder))
+            agreed(run.d, lambda: resume(run, folder))
+            return True
+        except ckpt.Damaged as error:
+            log.warning("checkpoint %s is damaged, skipped: %s", folder, error)
+        damaged.append(folder)
+        if run.d.is_main:
+            ckpt.set_aside(folder)
+        sd.distributed.barrier(run.d)
+    damaged = damaged or sorted(checkpoints.glob(f"step_*{ckpt.DAMAGED_SUFFIX}*"))
+    if damaged:
+        raise ckpt.CheckpointError(
+            f"no usable checkpoint in {checkpoints}: {', '.join(f.name for f in damaged)} damaged (set aside as "
+            f"*{ckpt.DAMAGED_SUFFIX}); restore a good copy there, or move them away to start the run over")
+    return False
+
+
+def agreed(d: Dist, attempt) -> None:
+    """Run ``attempt`` on every rank and raise the same error on all of them if it failed on any:
+    ``ckpt.Damaged`` before ``ConfigError`` (no rank is left waiting in a collective)."""
+    try:
+        attempt()
+        outcome = None
+    except ckpt.Damaged as error:
+        outcome = ("damaged", f"rank {d.rank}: {error}" if d.world_size > 1 else str(error))
+    except ConfigError as error:
+        outcome = ("config", str(error))
+    outcomes = [o for o in sd.distributed.all_gather_objects(outcome, d) if o]
+    for kind, error_type in (("damaged", ckpt.Damaged), ("config", ConfigError)):
+        for found, message in outcomes:
+            if found == kind:
+                raise error_type(message)
+
+
+def verify_checkpoint(run: Run, folder: Path) -> None:
+    """Check the files this rank reads against the manifest (rank 0 the shared ones and the config,
+    each rank its own); raises ``ckpt.Damaged`` naming the first that fails."""
+    mine = [ckpt.file_name(name, obj, run.d.rank) for name, obj in resumable(run).items()
+            if run.d.is_main or isinstance(obj, ckpt.PerRank)]
+    if not ckpt.verify(folder, mine + (["config.yaml"] if run.d.is_main else [])):
+        log.warning("%s has no manifest (written by an older version): its files are not verified", folder)
+
+
+def resume(run: Run, folder: Path) -> None:
+    """Restore everything from a complete, verified checkpoint of the same run.
+
+    An unreadable file raises ``ckpt.Damaged``; a checkpoint of another configuration or world size
+    is a ``ConfigError``.
+    """
+    import yaml
+
+    try:
+        saved = yaml.safe_load((folder / "config.yaml").read_text())
+        written_by = ckpt.load_torch(folder / "train_state.pt")["world_size"]
+        if not isinstance(saved, dict):
+            raise TypeError("config.yaml is not a mapping")
+    except (OSError, yaml.YAMLError, RuntimeError, KeyError, TypeError) as error:
+        raise ckpt.Damaged(f"{folder}: {ckpt.first_line(error)}") from error
+    changed = [name for name in RESUME_FIXED if saved.get(name, field_default(name)) != getattr(run.config, name)]
+    if changed:
+        raise ConfigError(
+            f"{folder} was written with different {', '.join(changed)}; resuming would not continue the same run. "
+            "Restore those values, or use a new out_dir with init_from to start a new phase from these weights")
+    if written_by != run.d.world_size:
+        raise ConfigError(f"{folder} was written by {written_by} ranks; resume with --nproc_per_node {written_by} "
+                          "(the data order depends on it)")
+    if run.config.lora_rank:
+        check_lora_base(run, folder)
+    ckpt.load(folder, resumable(run), run.d.rank)
+    log.info("verified and loaded %s", folder)
+
+
+def check_lora_base(run: Run, folder: Path) -> None:
+    """The base weights loaded now must be those the checkpoint's adapter was trained on."""
+    try:
+        saved = ckpt.load_weights(folder / "lora_base.safetensors")["fingerprint"]
+    except (OSError, KeyError, RuntimeError, SafetensorError) as error:
+        raise ckpt.Damaged(f"{folder / 'lora_base.safetensors'}: {ckpt.first_line(error)}") from error
+    now = run.base_fingerprint
+    if saved.shape != now.shape or not torch.allclose(saved, now, rtol=1e-9, atol=1e-9):
+        raise ConfigError(f"init_from {run.config.init_from} is not the base model the adapter in {folder} was "
+                          "trained on; restore that base, or start a new out_dir")
+
+
+def load_base(source: str, unet) -> None:
+    """The weights a LoRA or DreamBooth run starts from (an EMA of ours where there is one)."""
+    try:
+        loaded = sd.formats.load_unet_weights(source, unet, use_ema=True)
+    except (OSError, KeyError, ValueError) as error:  # the message names the file
+        raise ConfigError(f"init_from: cannot load {source}: {sd.formats.first_line(error)}") from error
+    log.info("base weights from %s", loaded)
+
+
+def init_weights(run: Run, source: str) -> bool:
+    """Start a new phase from other weights; optimizer and schedule stay fresh.
+
+    ``source``: a run or checkpoint folder of ours (its live weights, and its EMA for the EMA), a
+    diffusers pipeline folder or hub id, or a single-file SD checkpoint (both for UNet and EMA).
+    Returns whether the EMA came from ``source``'s own EMA (else it starts as the live weights).
+    """
+    unet, ema, ema_state = run.step.unet, run.step.ema, None
+    try:
+        loaded = sd.formats.load_unet_weights(source, unet, use_ema=False)
+        if ema is not None:
+            ema_state = sd.formats.run_ema_weights(source, unet)
+            ema.load_state_dict(unet.state_dict() if ema_state is None else ema_state)
+    except (OSError, KeyError, ValueError) as error:  # the message names the file
+        if Path(source).exists():
+            raise ConfigError(f"init_from: cannot load {source}: {sd.formats.first_line(error)}") from error
+        raise ConfigError(f"init_from: {source} is no local file or folder, and could not be loaded as a hub id "
+                          f"({sd.formats.first_line(error)})") from error
+    log.info("initialised weights from %s%s", loaded, " and its EMA" if ema_state is not None else "")
+    return ema_state is not None
+
+
+def ema_warmup_of(config: TrainConfig, resumed_from: Path | None, inherited: bool) -> str:
+    """``ema_warmup`` made concrete (restart or off), as config.yaml and every checkpoint record it.
+
+    An EMA inherited from the previous phase under a restarted warm-up, whose decay is 0.1 at step
+    0, weighs ~1e-5 after 10 steps: the phase's EMA would be its live weights. ``auto`` is
+    therefore off when ``init_from`` brought an EMA of ours (``inherited``), and restart for an EMA
+    that starts as the live weights. A resume keeps the choice its checkpoint recorded (restart when it predates
+    the field: what it was trained with).
+    """
+    if config.ema_warmup != "auto":
+        return config.ema_warmup
+    if resumed_from is not None:
+        import yaml
+
+        recorded = yaml.safe_load((resumed_from / "config.yaml").read_text()).get("ema_warmup")
+        return recorded if recorded in ("restart", "off") else "restart"
+    return "off" if inherited else "restart"

@@ -1,0 +1,300 @@
+"""A training run's parts: its position (``TrainState``), what the loop works with (``Run``), building
+them from a config, and the loop's small pieces (advancing the state, a metrics record, when to stop)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import sd.data.dreambooth
+import sd.data.training_data
+import sd.distributed
+import sd.files
+import sd.lora.adapters
+import sd.model
+import sd.sampling
+import sd.train.checkpoint as ckpt
+import sd.train.checkpointer
+import sd.train.metrics
+import sd.train.step
+import sd.train.validation
+from sd.distributed import Dist
+from sd.evaluation import EvalError, TrainingEval
+from sd.train.config import ConfigError, TrainConfig
+
+log = logging.getLogger("sd_train")
+
+
+@dataclass
+class TrainState:
+    """The loop's position: everything a resume needs besides weights, optimizer and RNGs."""
+
+    step: int = 0  # optimizer steps taken
+    epoch: int = 0
+    position: int = 0  # micro-batches of this epoch already consumed by each rank
+    bad_steps: int = 0  # skipped steps so far
+    bad_in_a_row: int = 0
+    samples_seen: int = 0  # across all ranks
+    world_size: int = 1  # the data order depends on it
+
+    def state_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        for name in dataclasses.asdict(self):
+            if name not in state:
+                raise KeyError(f"train state lacks '{name}'")
+            setattr(self, name, int(state[name]))
+
+    def advance(self, bad: bool, grad_accum: int, usable: int, images_per_step: int) -> bool:
+        """Move past one optimizer step (``bad``: its update was skipped); True when that ended the epoch
+        (``usable``: the epoch's micro-batches that make whole steps)."""
+        self.position += grad_accum
+        self.samples_seen += images_per_step
+        self.step += 1
+        self.bad_in_a_row = self.bad_in_a_row + 1 if bad else 0
+        self.bad_steps += int(bad)
+        if self.position < usable:
+            return False
+        self.epoch, self.position = self.epoch + 1, 0
+        return True
+
+
+@dataclass
+class Run:
+    """What the loop works with."""
+
+    config: TrainConfig
+    d: Dist
+    step: sd.train.step.Step
+    state: TrainState
+    train_data: sd.data.training_data.MixedData
+    val_data: sd.data.training_data.MixedData | None
+    sampler: sd.sampling.Pipeline  # the frozen parts of the validation grid, around step.unet
+    rng: ckpt.RankRNG  # this rank's RNGs, applied when the loop starts
+    steps_per_epoch: int
+    total_steps: int  # optimizer steps of the phase: sizes the LR schedule
+    run_dir: Path
+    base_fingerprint: torch.Tensor | None = None  # a LoRA run's base weights as loaded (see BaseFingerprint)
+    evaluation: TrainingEval | None = None  # FID / CLIP score every eval_every steps
+
+
+def build_data(config: TrainConfig, d: Dist | None = None):
+    """Train and validation data; every problem found is reported before training starts.
+
+    The latent files are memory-mapped: the ranks of a machine share one copy in its page cache, and
+    each reads its share of the files once at start (unless ``mmap_latents``: read on demand).
+    """
+    share = (d.local_rank, d.local_world_size) if d is not None else (0, 1)
+    stores, train, val, weights = {}, [], [], []
+    for entry in config.datasets:
+        folder = str(Path(entry["latents"]).resolve())
+        if folder not in stores:
+            stores[folder] = sd.data.training_data.LatentStore(folder, threads=config.data_threads, mmap=config.mmap_latents,
+                                                 flip=config.flip, share=share)
+        store = stores[folder]
+        train.append(sd.data.training_data.join_split(entry["dataset"], "train", store, allow_missing=config.allow_missing_latents))
+        val.append(sd.data.training_data.join_split(entry["dataset"], "validation", store, allow_missing=True))
+        weights.append(float(entry.get("weight", 1.0)))
+    train_data = sd.data.training_data.MixedData(train, weights)
+    if len(train_data) == 0:
+        raise sd.data.training_data.DataError("the training split of every dataset is empty")
+    val_data = sd.data.training_data.MixedData(val, weights) if sum(len(v) for v in val) else None
+    return train_data, val_data
+
+
+def scaling_factor_of(config: TrainConfig, data: sd.data.training_data.MixedData, vae) -> float:
+    """The latents' scaling factor: from latents.json when present, which must agree with the VAE."""
+    factor = float(vae.config.scaling_factor)
+    for split in data.splits:
+        recorded = split.store.meta.get("scaling_factor")
+        if recorded is not None and abs(float(recorded) - factor) > 1e-6:
+            raise ConfigError(f"vae: {config.vae} has scaling factor {factor} but {split.store.folder}/latents.json "
+                              f"records {recorded}; use the VAE the latents were encoded with")
+    return factor
+
+
+def plan_buckets(config: TrainConfig, data: sd.data.training_data.MixedData, d: Dist) -> None:
+    """Aspect-ratio buckets: fold those too small to fill one global batch into their nearest, then
+    report what an epoch trains (rank 0 logs; every rank computes the same plan)."""
+    global_batch = config.batch_size * d.world_size
+    order = sd.data.training_data.epoch_order(data.sizes, data.weights, config.seed, 0, config.epoch_size or None)
+    merged = data.merge_small(order, global_batch)
+    if not d.is_main:
+        return
+    for shape, into, count in merged:
+        log.warning("bucket %s: %d samples, fewer than one global batch of %d; merged into bucket %s (their "
+                    "latents cropped and resized to it)", pixel_size(shape), count, global_batch,
+                    pixel_size(into))
+    report = sd.data.training_data.bucket_report(data, order, global_batch)
+    log.info("%d aspect-ratio buckets (an epoch's samples, left out as the tail of a batch): %s", len(report),
+             ", ".join(f"{pixel_size(s)} {n} ({left})" for s, n, left in report))
+    log.info("left out of each epoch: %d of %d samples (a different tail each epoch)",
+             sum(left for *_, left in report), len(order))
+
+
+def pixel_size(shape: tuple) -> str:
+    """``"WxH"`` in pixels of a latent shape ``(C, h, w)`` (the SD VAE's 8x)."""
+    return f"{shape[-1] * 8}x{shape[-2] * 8}"
+
+
+def steps_per_epoch_of(config: TrainConfig, data: sd.data.training_data.MixedData, d: Dist) -> int:
+    """Optimizer steps in an epoch (the first's: with buckets and weighted mixing, later epochs can
+    differ by a few batches, as each bucket's tail left out varies)."""
+    batches, _ = sd.data.training_data.epoch_batches(data, config.seed, 0, d.rank, d.world_size, config.batch_size,
+                                       config.epoch_size or None)
+    steps = len(batches) // config.grad_accum
+    if steps == 0:
+        raise ConfigError(f"an epoch of {len(data)} samples is less than one optimizer step of "
+                          f"{config.batch_size} x {config.grad_accum} x {d.world_size} ranks; lower batch_size")
+    return steps
+
+
+def build(config: TrainConfig, d: Dist) -> Run:
+    """Data, models and the step, as a new run starts them (``sd.train.checkpointer.resume_or_init``
+    then resumes or initialises the weights).
+
+    A LoRA or DreamBooth run loads its base weights first (DreamBooth's class images are generated by
+    the base model); a LoRA run then adds the adapters, which alone train.
+    """
+    text_encoder = sd.model.load_text_encoder(config.text_encoder)
+    tokenizer = sd.model.load_tokenizer(config.tokenizer or config.text_encoder)
+    vae = sd.model.load_vae(config.vae).to(d.device)
+    unet = sd.model.build_unet(config.unet, seed=config.seed, grad_checkpointing=config.grad_checkpointing,
+                               channels_last=config.channels_last).to(d.device).train()
+    if config.init_from and (config.lora_rank or config.instance_dir):
+        sd.train.checkpointer.load_base(config.init_from, unet)
+    if config.instance_dir:
+        make_pipeline = lambda: sd.sampling.Pipeline(unet, vae, text_encoder.to(d.device), tokenizer,  # noqa: E731
+                                                     config.prediction_type)
+        train_data, val_data = sd.data.dreambooth.build_data(config, d, vae, tokenizer, make_pipeline), None
+    else:
+        train_data, val_data = build_data(config, d)
+    scaling = scaling_factor_of(config, train_data, vae)
+    if len(train_data.shapes) > 1:
+        plan_buckets(config, train_data, d)
+    base_fingerprint = ckpt.weights_fingerprint(unet.parameters()) if config.lora_rank else None
+    try:
+        sd.lora.adapters.apply_config(config, unet, text_encoder)
+    except sd.lora.adapters.LoraError as error:
+        raise ConfigError(str(error)) from error
+    step = sd.train.step.build_step(config, d, unet, text_encoder, sd.model.tokenize(tokenizer, [""]), scaling)
+    if config.lora_rank:
+        log.info("LoRA rank %d (alpha %g) on %d UNet layers%s: %d trainable parameters", config.lora_rank,
+                 config.lora_alpha or config.lora_rank, len(unet.lora_settings["modules"]),
+                 " and the text encoder" if config.lora_text_encoder else "",
+                 sum(p.numel() for p in step.trainable))
+    if config.cache_text_embeddings:
+        cache_text_embeddings(step, config, train_data, val_data)
+    steps_per_epoch = steps_per_epoch_of(config, train_data, d)
+    total = config.max_steps if config.max_steps > 0 else config.epochs * steps_per_epoch
+    sampler = sd.sampling.Pipeline(unet, vae, step.text_encoder, tokenizer, config.prediction_type,
+                                   zero_terminal_snr=config.zero_terminal_snr)
+    run = Run(config, d, step, TrainState(world_size=d.world_size), train_data, val_data, sampler,
+              ckpt.RankRNG(step.noise_generator, unet), steps_per_epoch, total, Path(config.out_dir), base_fingerprint)
+    if config.eval_every:
+        try:
+            run.evaluation = TrainingEval.build(config, d, *sd.train.validation.validation_size(config, train_data))
+        except EvalError as error:
+            raise ConfigError(f"eval_every: {error}") from error
+    return run
+
+
+def cache_text_embeddings(step: sd.train.step.Step, config: TrainConfig, train_data, val_data) -> None:
+    """Encode every distinct prompt of the run once; the text encoder then waits on the CPU (it is
+    still used there for the validation grid's prompts)."""
+    if isinstance(train_data, sd.data.dreambooth.DreamBoothData):
+        ids = train_data.all_input_ids()
+    else:
+        ids = np.concatenate([split.input_ids for data in (train_data, val_data) if data is not None
+                              for split in data.splits])
+    host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:  # every rank of a machine holds its own copy: at most a quarter of the memory between them
+        step.text_cache = sd.train.step.TextCache.build(step.text_encoder, ids, config.precision, step.d.device,
+                                                       max_bytes=host / 4 / step.d.local_world_size)
+    except MemoryError as error:
+        raise ConfigError(f"cache_text_embeddings: {error}; turn the cache off for a dataset this varied") from error
+    step.text_encoder.to("cpu")
+    log.info("cached the embeddings of %d distinct prompts (%.1f MB host memory); the text encoder stays on the CPU",
+             len(step.text_cache.embeddings), step.text_cache.nbytes / 1e6)
+
+
+def lock_run_folder(run_dir: Path, d: Dist) -> sd.files.FolderLock:
+    """One trainer per run folder: rank 0 takes ``out_dir/.lock``; every rank stops if it could not."""
+    lock, refusal = sd.files.FolderLock(run_dir), None
+    if d.is_main:
+        try:
+            lock.acquire()
+        except sd.files.FolderLocked as error:
+            refusal = str(error)
+    refusal = sd.distributed.all_gather_objects(refusal, d)[0]
+    if refusal:
+        raise ConfigError(refusal)
+    return lock
+
+
+def open_metrics(run: Run) -> sd.train.metrics.MetricsLog | None:
+    """Rank 0 opens ``metrics.jsonl`` at the resumed step; every rank stops if it could not."""
+    metrics, refusal = None, None
+    if run.d.is_main:
+        run.run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            metrics = sd.train.metrics.MetricsLog(run.run_dir, run.config, run.state.step)
+        except sd.train.metrics.MetricsError as error:
+            refusal = str(error)
+    refusal = sd.distributed.all_gather_objects(refusal, run.d)[0]
+    if refusal:
+        raise sd.train.metrics.MetricsError(refusal)
+    return metrics
+
+
+def step_record(run: Run, result: dict, lr: float, images_per_s: float | None = None) -> dict:
+    record = {"step": run.state.step, "epoch": run.state.epoch, "loss": result["loss"], "lr": lr,
+              "grad_norm": result["grad_norm"], "loss_by_quartile": result["loss_quartiles"],
+              "peak_memory_gb": sd.train.metrics.peak_memory_gb(run.d.device), "bad_steps": run.state.bad_steps,
+              "skipped": result["bad"] or result["overflow"]}
+    if images_per_s is not None:
+        record["images_per_s"] = images_per_s
+    return record
+
+
+def stop_code(run: Run, result: dict, stopper: "StopSignal") -> int | None:
+    """The exit code if the run ends after this step (its checkpoint is saved first), else None."""
+    state, config = run.state, run.config
+    if result["bad"]:
+        log.warning("step %d: non-finite loss or gradient norm; update skipped (%d in a row)", state.step,
+                    state.bad_in_a_row)
+    if state.bad_in_a_row >= config.max_bad_steps:
+        log.error("step %d: %d non-finite steps in a row; stopped (raise max_bad_steps, lower lr, or check the data)",
+                  state.step, state.bad_in_a_row)
+        return 3
+    if result["stop"]:
+        signum = stopper.signum or signal.SIGTERM
+        log.info("stopped by signal %d after step %d; re-run the same command to resume", signum, state.step)
+        return 128 + signum
+    if state.step == config.stop_at_step:
+        log.info("stop_at_step %d reached; re-run without it to continue", state.step)
+        return 0
+    return None
+
+
+class StopSignal:
+    """SIGTERM / SIGINT: finish the current optimizer step, save, exit with 128 + signal."""
+
+    def __init__(self):
+        self.signum = 0
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def _handle(self, signum, frame):
+        self.signum = signum
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,104 @@
+"""What a run checks while it trains: validation loss (live and EMA weights), the EMA sample grid, and
+FID / CLIP score every ``eval_every`` steps. Every rank takes part in each; none waits in a collective
+while another works alone."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+import sd.data.buckets
+import sd.distributed
+import sd.runtime
+import sd.sampling
+import sd.train.step
+from sd.train.config import TrainConfig
+
+if TYPE_CHECKING:
+    from sd.train.run import Run
+
+log = __import__("logging").getLogger("sd_train")
+
+
+def validate(run: Run, record: dict) -> Path | None:
+    """Validation loss with live and EMA weights, and the EMA sample grid; every rank takes part."""
+    step, config = run.step, run.config
+    if run.val_data is not None:
+        record["val_loss"] = sd.train.step.validation_loss(step, run.val_data, config.validation_samples,
+                                                          config.batch_size)
+        if step.ema is not None:
+            with step.ema.swapped_in(step.unet):
+                record["val_loss_ema"] = sd.train.step.validation_loss(step, run.val_data, config.validation_samples,
+                                                                      config.batch_size)
+    if not config.validation_prompts:
+        return None
+    path = run.run_dir / "samples" / f"step_{run.state.step:08d}.png"
+    sample_grid(run, path)
+    return path
+
+
+@contextlib.contextmanager
+def ema_sampling(run: Run):
+    """The UNet in eval mode with the EMA weights swapped in (when there is an EMA), under the run's autocast."""
+    unet = run.step.unet
+    swap = run.step.ema.swapped_in(unet) if run.step.ema is not None else contextlib.nullcontext()
+    unet.eval()
+    try:
+        with swap, sd.runtime.autocast(run.config.precision, run.d.device):
+            yield
+    finally:
+        unet.train()
+
+
+@torch.no_grad()
+def evaluate(run: Run) -> dict:
+    """``eval_fid``, ``eval_clip_score``, ``eval_n`` of the EMA weights (SD_Eval.py); every rank takes part.
+
+    The images are those of ``SD_Eval.py --ckpt <this step's checkpoint> --prompts eval_prompts --n eval_n
+    --steps validation_steps --cfg validation_cfg --seed seed`` at the validation size, so the logged
+    numbers can be reproduced from the checkpoint.
+    """
+    with ema_sampling(run):
+        scores = run.evaluation(run.sampler, run.d)
+    log.info("step %d: FID %.4f%s", run.state.step, scores["eval_fid"],
+             f", CLIP score {scores['eval_clip_score']:.3f}" if "eval_clip_score" in scores else "")
+    return scores
+
+
+@torch.no_grad()
+def sample_grid(run: Run, path: Path) -> None:
+    """One image per validation prompt, seed ``config.seed``, with the EMA weights: a labelled grid.
+
+    The prompts are shared out across the ranks (no rank waits in a collective while another
+    samples alone) and rank 0 writes the grid. Each image is made by ``sd.sampling.generate`` at
+    batch 1, the path of ``SD_ImageGen.py``: ``SD_ImageGen.py --ckpt <the checkpoint of this step>
+    --prompt P --seed SEED --n 1 --steps validation_steps --cfg validation_cfg`` at the same precision
+    draws the same image.
+    """
+    config, d = run.config, run.d
+    width, height = validation_size(config, run.train_data)
+    mine = list(enumerate(config.validation_prompts))[d.rank :: d.world_size]
+    with ema_sampling(run):
+        made = [(i, prompt, sd.sampling.generate(run.sampler, prompt, "", [config.seed], steps=config.validation_steps,
+                                                 cfg=config.validation_cfg, height=height, width=width, batch_size=1,
+                                                 device=d.device))
+                for i, prompt in mine]
+    rows = sorted(row for part in sd.distributed.all_gather_objects(made, d) for row in part)
+    if d.is_main:
+        sd.sampling.save_grid(path, [(prompt, images) for _, prompt, images in rows])
+
+
+def validation_size(config: TrainConfig, data) -> tuple[int, int]:
+    """``(width, height)`` of the validation samples: the config's, else the training latents' size
+    (with buckets, the one nearest square; between equals, the one with more samples)."""
+    if config.validation_width:
+        return config.validation_width, config.validation_height
+    counts = np.bincount(data.bucket_of, minlength=len(data.shapes)) if hasattr(data, "bucket_of") else [1]
+    best = min(range(len(data.shapes)),
+               key=lambda i: (abs(np.log(sd.data.buckets.aspect(data.shapes[i]))), -counts[i]))
+    _, h, w = data.shapes[best]
+    return w * 8, h * 8
