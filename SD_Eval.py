@@ -52,10 +52,22 @@ from pathlib import Path
 import sd.cli
 import sd.distributed
 import sd.files
+import sd.formats
 import sd.runtime
+import sd.train.checkpoint
+import sd.train.config
 from sd.distributed import Dist
-from sd.evaluation import (DEFAULT_CLIP_MODEL, FEATURES, EvalError, Extractors, Sampling, evaluate_folder,
-                           evaluate_pipeline, read_prompts, reference_stats)
+from sd.evaluation import (
+    DEFAULT_CLIP_MODEL,
+    FEATURES,
+    EvalError,
+    Extractors,
+    Sampling,
+    evaluate_folder,
+    evaluate_pipeline,
+    read_prompts,
+    reference_stats,
+)
 
 log = logging.getLogger("sd_eval")
 
@@ -128,8 +140,6 @@ def sampling_of(args) -> Sampling:
 
 def evaluate_checkpoint(args, ckpt: str, images_dir: Path, prompts: list[str], extractors: Extractors,
                         reference: dict, d: Dist) -> dict:
-    import sd.formats
-
     pipe = sd.formats.load_pipeline(ckpt, use_ema=not args.no_ema)
     pipe.to(d.device, sd.runtime.resolve_precision(args.precision, d.device))
     scores = evaluate_pipeline(pipe, prompts, sampling_of(args), extractors, reference, d, args.batch_size,
@@ -139,8 +149,6 @@ def evaluate_checkpoint(args, ckpt: str, images_dir: Path, prompts: list[str], e
 
 def evaluate_runs(args, prompts: list[str], extractors: Extractors, reference: dict, d: Dist) -> list[dict]:
     """The newest complete checkpoint of each run: its scores, step and images seen (cached per checkpoint)."""
-    import sd.train.checkpoint
-
     rows = []
     for run in args.runs:
         run_dir = run_folder(run)
@@ -160,8 +168,6 @@ def evaluate_runs(args, prompts: list[str], extractors: Extractors, reference: d
 def run_folder(run: str) -> Path:
     """A run folder, or a phase YAML's ``out_dir``."""
     if run.endswith((".yaml", ".yml")):
-        import sd.train.config
-
         return Path(sd.train.config.load_config(["--config", run], check_paths=False).out_dir)
     return Path(run)
 
@@ -192,9 +198,7 @@ def main(argv=None) -> int:
     try:
         return evaluate(args, d)
     except (ValueError, OSError, KeyError) as error:  # EvalError and the loaders' errors name the file
-        import sd.formats
-
-        print(f"SD_Eval.py: {sd.formats.first_line(error)}", file=sys.stderr)
+        print(f"SD_Eval.py: {sd.cli.first_line(error)}", file=sys.stderr)
         return 2
     finally:
         sd.distributed.teardown()

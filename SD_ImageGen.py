@@ -177,7 +177,7 @@ def main(argv=None) -> int:
                                          prediction_type=None if args.prediction_type == "auto" else args.prediction_type,
                                          zero_terminal_snr=args.zero_terminal_snr)
     except (KeyError, ValueError, OSError, SafetensorError) as error:  # the message names the file
-        print(f"SD_ImageGen.py: cannot load {args.ckpt}: {sd.formats.first_line(error)}", file=sys.stderr)
+        print(f"SD_ImageGen.py: cannot load {args.ckpt}: {sd.cli.first_line(error)}", file=sys.stderr)
         return 2
     log.info("loaded %s (%s%s)", model.source, model.prediction_type,
              ", zero terminal SNR" if model.zero_terminal_snr else "")
@@ -187,7 +187,7 @@ def main(argv=None) -> int:
         if args.prompt or args.export_diffusers or args.export_single_file:  # the plain, merged weights
             sd.lora.files.merge_adapters(model, args.lora)
     except (KeyError, ValueError, OSError, SafetensorError) as error:  # the message names the file
-        print(f"SD_ImageGen.py: {sd.formats.first_line(error)}", file=sys.stderr)
+        print(f"SD_ImageGen.py: {sd.cli.first_line(error)}", file=sys.stderr)
         return 2
     if args.export_diffusers or args.export_single_file:
         export(args, model)

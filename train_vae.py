@@ -26,10 +26,10 @@ import numpy as np
 import torch
 
 import sd.cli
+import sd.data.shards
 import sd.files
 import sd.model
 import sd.runtime
-import sd.data.shards
 
 log = logging.getLogger("train_vae")
 

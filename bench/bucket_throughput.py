@@ -49,16 +49,12 @@ from __future__ import annotations
 import math
 import statistics
 import sys
-from pathlib import Path
-
 
 import torch
 
-from bench import harness
 import sd.data.buckets
 import sd.runtime
-from bench import train_throughput
-
+from bench import harness, train_throughput
 
 # ---------------------------------------------------------------------------------------------
 # The bucket cycles

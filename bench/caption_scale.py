@@ -30,20 +30,19 @@ import tempfile
 import time
 from pathlib import Path
 
-
 import numpy as np
 
-from bench import harness
-import sd.model
+import sd.cli
 import sd.data.shards
+import sd.data.training_data
+import sd.model
+from bench import harness
 
 stage04 = importlib.import_module("pipeline.04_preprocess_to_cache")
 WORDS = "a photo of the red blue cat dog on in with at beach city night portrait painting oil old".split()
 
 
 def parse_args(argv=None):
-    import sd.cli
-
     parser = sd.cli.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="100000", help="caption dataset rows, comma-separated")
     parser.add_argument("--shard_sizes", default="1000,4000", help="samples per stage-04 shard, comma-separated")
@@ -104,8 +103,6 @@ def memory_mb(field: str) -> float:
 def measure_load(way: str, dataset_dir: str) -> dict:
     """Runs in its own process (``--load``): one load, timed, with this process's memory."""
     import datasets  # noqa: F401  (imported before the baseline, as in the trainer)
-
-    import sd.data.training_data
 
     before = memory_mb("VmRSS")
     start = time.perf_counter()

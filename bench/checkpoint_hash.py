@@ -24,12 +24,11 @@ import tempfile
 import time
 from pathlib import Path
 
-
 import torch
 
-import sd.train.checkpoint as ckpt
 import sd.cli
 import sd.model
+import sd.train.checkpoint as ckpt
 
 
 def unet_shapes(scale: float) -> dict[str, tuple[int, ...]]:

@@ -18,17 +18,15 @@ and one JSON line.
 from __future__ import annotations
 
 import statistics
-import sys
 import time
-from pathlib import Path
-
 
 import torch
 
-from bench import harness
-import sd.train.ema
+import sd.cli
 import sd.model
 import sd.runtime
+import sd.train.ema
+from bench import harness
 
 PCIE_GB_PER_S = {"PCIe 4.0 x16": 25.0, "PCIe 5.0 x16": 50.0}  # typical pinned-memory rates, one direction
 
@@ -91,8 +89,6 @@ def report(result: dict) -> None:
 
 
 def main(argv=None) -> dict:
-    import sd.cli
-
     parser = sd.cli.ArgumentParser(description=__doc__)
     parser.add_argument("--arch", choices=["sd1", "tiny"], default="sd1", help="whose parameter shapes (default: sd1)")
     parser.add_argument("--device", default="auto", help="where the live weights are: auto, cpu or cuda")

@@ -25,8 +25,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from bench import harness
 import sd.cli
+from bench import harness
 
 
 def make_shards(folder: Path, images: int, per_shard: int, resolution: int, aspects: bool = False) -> None:

@@ -14,24 +14,21 @@ from __future__ import annotations
 
 import io
 import json
-import sys
 import tarfile
 import tempfile
 import time
 from pathlib import Path
-
 
 import numpy as np
 import torch
 from PIL import Image
 
 import encode_latents
-from bench import harness
-import sd.model
 import sd.cli
-import sd.runtime
 import sd.data.shards
-
+import sd.model
+import sd.runtime
+from bench import harness
 
 # (height, width) per resolution of the --aspects images: landscape, portrait, square, 3:1 and 1:3
 ASPECTS = ((1.25, 1.6), (1.6, 1.25), (1.25, 1.25), (0.8, 2.4), (2.4, 0.8))

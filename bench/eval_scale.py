@@ -4,7 +4,7 @@
     python bench/eval_scale.py --sizes 500,2000 --dim 64     # quick
 
 1. Statistics of N features of width D arriving in batches of ``--batch`` (as an extractor yields
-   them; seeded, so both sides see the same numbers). Ours: ``SD_Eval.FeatureStats``, running float64
+   them; seeded, so both sides see the same numbers). Ours: ``sd.evaluation.FeatureStats``, running float64
    sums of the features and their outer products over chunks of 1024 rows. The peer: pytorch-fid's approach (every feature kept
    in an (N, D) float64 array, then ``np.mean`` and ``np.cov``; torch-fidelity and clean-fid also keep
    them all). Each side runs in a fresh child process per N, so the peak RSS (``ru_maxrss``) is its own.
@@ -29,8 +29,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from bench import harness
 import sd.cli
+import sd.evaluation
+from bench import harness
 
 
 def feature_batches(n: int, dim: int, batch: int, seed: int = 0):
@@ -44,11 +45,10 @@ def feature_batches(n: int, dim: int, batch: int, seed: int = 0):
 
 def child(impl: str, n: int, dim: int, batch: int, out: str) -> None:
     """One side at one size: writes mu and sigma to ``out`` (.npz) and prints its compute seconds."""
-    import SD_Eval
 
     start = time.perf_counter()
     if impl == "ours":
-        stats = SD_Eval.FeatureStats(dim)
+        stats = sd.evaluation.FeatureStats(dim)
         for features in feature_batches(n, dim, batch):
             stats.add(features)
         mu, sigma = stats.mean_cov()
@@ -79,7 +79,6 @@ def distance_part(mu: np.ndarray, sigma: np.ndarray, repeats: int = 3) -> dict:
     """Ours against scipy.linalg.sqrtm on the statistics and a shifted, rescaled copy of them."""
     import scipy.linalg
 
-    import SD_Eval
 
     mu2, sigma2 = mu * 1.05 + 0.01, sigma * 1.1
 
@@ -89,7 +88,7 @@ def distance_part(mu: np.ndarray, sigma: np.ndarray, repeats: int = 3) -> dict:
         return float(diff @ diff + np.trace(sigma) + np.trace(sigma2) - 2 * np.trace(covmean))
 
     times = {}
-    for name, fn in (("ours", lambda: SD_Eval.frechet_distance(mu, sigma, mu2, sigma2)), ("peer", peer)):
+    for name, fn in (("ours", lambda: sd.evaluation.frechet_distance(mu, sigma, mu2, sigma2)), ("peer", peer)):
         best = float("inf")
         for _ in range(repeats):
             start = time.perf_counter()

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+import sd.cli
 import sd.formats
 import sd.model
 import sd.runtime
@@ -55,8 +56,6 @@ def peak_tflops(device: torch.device, override: float | None = None) -> float | 
 
 def argument_parser(doc: str, *, cpu_resolution: int = 64):
     """The flags every benchmark shares: --arch, --resolution, --device, --json."""
-    import sd.cli
-
     cuda = torch.cuda.is_available()
     parser = sd.cli.ArgumentParser(description=doc)
     parser.add_argument("--arch", choices=["sd1", "tiny"], default="sd1" if cuda else "tiny",

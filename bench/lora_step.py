@@ -64,21 +64,19 @@ from __future__ import annotations
 
 import itertools
 import statistics
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-
 import torch
 import torch.nn.functional as F
 
-from bench import harness
 import sd.lora.adapters
-import sd.train.memory
 import sd.model
 import sd.runtime
+import sd.train.memory
 import sd.train.step
+from bench import harness
 from sd.distributed import Dist
 from sd.train.config import TrainConfig
 

@@ -25,15 +25,12 @@ import json
 import resource
 import subprocess
 import sys
-from pathlib import Path
-
 
 import torch
 
-from bench import harness
-import sd.train.memory
 import sd.runtime
-from bench import train_throughput
+import sd.train.memory
+from bench import harness, train_throughput
 
 
 def build_step(impl: str, checkpointing: bool, arch: str, device, precision: str):

@@ -31,6 +31,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import sd.cli
+import sd.model
+import sd.train.memory
+import sd.train.step
+
 ROOT = Path(__file__).resolve().parents[1]
 
 DEFAULT_GRID = ("tiny:64:2:0,tiny:64:8:0,tiny:64:8:1,demo:128:2:0,demo:128:8:0,demo:128:8:1,demo:128:16:0,"
@@ -85,8 +90,6 @@ def measure(preset: str, resolution: int, batch: int, checkpointing: bool) -> di
     from torch.profiler import ProfilerActivity, profile
     from torch.profiler._memory_profiler import MemoryProfileTimeline
 
-    import sd.model
-    import sd.train.step
     from sd.distributed import Dist
 
     def run(batch: int) -> None:
@@ -124,8 +127,6 @@ def parse_point(point: str) -> tuple[str, int, int, bool]:
 
 
 def main(argv=None) -> int:
-    import sd.cli
-
     parser = sd.cli.ArgumentParser(description=__doc__)
     parser.add_argument("--grid", default=DEFAULT_GRID,
                         help="CPU points preset:resolution:batch:checkpointing, comma-separated (default: %(default)s)")
@@ -141,7 +142,6 @@ def main(argv=None) -> int:
         print(json.dumps(measure(*parse_point(args.measure))))
         return 0
     from bench import harness
-    import sd.train.memory
 
     rows = []
     print(f"{'point':<16}{'measured MB':>13}{'estimate MB':>13}{'error':>9}")

@@ -18,19 +18,15 @@ the ratio ours/peer, how far apart the two results are, and one JSON line.
 from __future__ import annotations
 
 import statistics
-import sys
-from pathlib import Path
-
 
 import torch
 
-from bench import harness
-import SD_ImageGen
 import sd.model
 import sd.runtime
 import sd.sampling
+from bench import harness
 
-MODES = ("eager",) + SD_ImageGen.COMPILE_MODES[1:]
+MODES = ("eager",) + sd.sampling.COMPILE_MODES[1:]
 
 
 def build(arch: str, device, dtype):
@@ -109,7 +105,7 @@ def main(argv=None) -> dict:
             # Compiled afresh for each batch size, as SD_ImageGen.py runs one: static shapes, no
             # dynamic-shape recompile. Both share the module; each call signature gets its own graph.
             harness.release(device)
-            unet = SD_ImageGen.compile_unet(base_unet, "off" if mode == "eager" else mode)
+            unet = sd.sampling.compile_unet(base_unet, "off" if mode == "eager" else mode)
             noise = sd.sampling.initial_noise(list(range(batch)), (4, latent_size, latent_size)).to(device)
             cond, uncond = prompt_embeddings(model.text_encoder, batch)
             results = {}

@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import itertools
 import json
-import statistics
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -36,15 +36,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-
 import torch
 import torch.nn.functional as F
 
-from bench import harness
-import sd.runtime
 import sd.formats
 import sd.model
+import sd.runtime
 import sd.train.step
+from bench import harness
 from sd.distributed import Dist
 from sd.train.config import TrainConfig
 

@@ -29,9 +29,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 
 import sd.cli
-import sd.files
-import sd.data.stages
 import sd.data.shards
+import sd.data.stages
+import sd.files
 
 SIDE = 96  # the short side of the drawn images; SD_ImageGen samples at half of it
 RUNS = {"base": "demo model (squares only)", "buckets": "fine-tuned in buckets", "square": "fine-tuned on centre squares"}

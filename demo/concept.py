@@ -27,7 +27,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 
 import sd.cli
+import sd.data.dreambooth
 import sd.files
+import sd.model
 
 CONCEPT_PROMPT = "a sks circle on a white background"
 CONCEPT = ("cyan", "circle")
@@ -39,9 +41,6 @@ def as_decoded(images: list[np.ndarray], vae_path: str, background) -> tuple[int
     """The median shape colour of ``images`` after a round trip through the VAE: the colour a model
     working in its latents can produce for them (the small demo VAE shifts colours it saw little of)."""
     import torch
-
-    import sd.data.dreambooth
-    import sd.model
 
     vae = sd.model.load_vae(vae_path)
     latents = torch.from_numpy(sd.data.dreambooth.encode_images(vae, images, torch.device("cpu"))).float()

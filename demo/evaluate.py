@@ -18,7 +18,6 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-
 import sd.cli
 import sd.files
 

@@ -24,8 +24,8 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parents[1]
 
 import sd.cli
-import SD_Eval
 import sd.files
+import SD_Eval
 from demo.evaluate import parse_prompt
 
 demo_data = importlib.import_module("pipeline.00_make_demo_data")

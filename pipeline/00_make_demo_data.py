@@ -19,14 +19,13 @@ import json
 import sys
 from pathlib import Path
 
-
 import numpy as np
 from PIL import Image, ImageDraw
 
-import sd.files
-import sd.data.stages
-import sd.runtime
 import sd.data.shards
+import sd.data.stages
+import sd.files
+import sd.runtime
 
 STAGE = "00_make_demo_data"
 PALETTE = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (235, 200, 30),

@@ -25,9 +25,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-
-import sd.files
 import sd.data.stages
+import sd.files
 import sd.runtime
 
 STAGE = "01_download_metadata"

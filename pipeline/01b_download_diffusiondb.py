@@ -32,9 +32,8 @@ from pathlib import Path, PurePosixPath
 
 from tqdm import tqdm
 
-
-import sd.files
 import sd.data.stages
+import sd.files
 import sd.runtime
 
 STAGE = "01b_download_diffusiondb"

@@ -35,7 +35,6 @@ from pathlib import Path, PurePosixPath
 
 from tqdm import tqdm
 
-
 import sd.data.stages
 import sd.runtime
 

@@ -33,9 +33,8 @@ from pathlib import Path, PurePosixPath
 
 from tqdm import tqdm
 
-
-import sd.files
 import sd.data.stages
+import sd.files
 import sd.runtime
 
 STAGE = "01d_download_coco"

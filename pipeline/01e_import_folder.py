@@ -45,13 +45,12 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-
 from tqdm import tqdm
 
-import sd.files
-import sd.data.stages
-import sd.runtime
 import sd.data.shards
+import sd.data.stages
+import sd.files
+import sd.runtime
 
 STAGE = "01e_import_folder"
 DEFAULT_TEMPLATE = "a photo of a person"

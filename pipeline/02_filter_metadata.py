@@ -54,7 +54,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-
 import sd.data.stages
 import sd.runtime
 

@@ -48,10 +48,9 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-
+import sd.data.shards
 import sd.data.stages
 import sd.runtime
-import sd.data.shards
 
 STAGE = "03_download_images"
 SUMMARY_NAME = f"{STAGE}_summary.json"

@@ -27,13 +27,12 @@ import sys
 import tarfile
 from pathlib import Path
 
-
 import numpy as np
 
-import sd.model
-import sd.data.stages
-import sd.runtime
 import sd.data.shards
+import sd.data.stages
+import sd.model
+import sd.runtime
 
 STAGE = "04_preprocess_to_cache"
 IMG2DATASET_COLUMNS = ("key", "caption", "status")  # what the caption read needs of img2dataset's parquet

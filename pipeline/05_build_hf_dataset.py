@@ -21,11 +21,10 @@ import json
 import sys
 from pathlib import Path
 
-
+import sd.data.stages
 import sd.data.training_data
 import sd.files
 import sd.model
-import sd.data.stages
 import sd.runtime
 
 STAGE = "05_build_hf_dataset"

@@ -68,3 +68,10 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
                 or not action.option_strings):
             return text
         return f"{text} (default: %(default)s)"
+
+
+def first_line(error) -> str:
+    """The first non-empty line of an error's message (some libraries' messages run over several): what
+    a one-line error shows of a cause."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0] if lines else type(error).__name__

@@ -55,12 +55,12 @@ import numpy as np
 import torch
 
 import sd.cli
+import sd.data.shards
 import sd.distributed
 import sd.files
 import sd.model
 import sd.runtime
 import sd.sampling
-import sd.data.shards
 from sd.distributed import Dist
 
 log = logging.getLogger("sd_eval")

@@ -22,17 +22,16 @@ import contextlib
 import json
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
-import sd.train.checkpoint as ckpt
 import sd.files
 import sd.lora.adapters
 import sd.model
-
-if TYPE_CHECKING:
-    import sd.sampling
+import sd.sampling
+import sd.train.checkpoint as ckpt
+from sd.cli import first_line
+from sd.train.config import read_saved_config
 
 log = logging.getLogger("sd_formats")
 
@@ -243,12 +242,6 @@ def check_fits(model, state: dict[str, torch.Tensor], source) -> None:
                          f"{(missing + unexpected + misshaped)[:2]}); damaged, or another architecture")
 
 
-def first_line(error) -> str:
-    """The first non-empty line of an error's message (some libraries' messages run over several)."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return lines[0] if lines else type(error).__name__
-
-
 def from_single_file(state: dict[str, torch.Tensor], model, mapping: dict[str, str], what: str,
                      source="the single file") -> dict:
     """The part of an original-layout state dict that belongs to ``model``, under its own key names."""
@@ -392,20 +385,14 @@ def run_config(source: str) -> dict | None:
     A folder that is no diffusers folder is taken for ours: without a complete checkpoint, or with a
     missing or unreadable ``config.yaml``, it is an error naming it.
     """
-    import yaml
-
     path = Path(source)
     if not path.is_dir() or is_diffusers_folder(path):
         return None
     config_file = ckpt.resolve_checkpoint(path) / "config.yaml"
     if not config_file.is_file():
         raise FileNotFoundError(f"checkpoint file {config_file} is missing")
-    try:
-        config = yaml.safe_load(verified(config_file).read_text())
-    except (yaml.YAMLError, UnicodeDecodeError) as error:
-        raise ValueError(f"{config_file}: not valid YAML ({first_line(error)})") from error
-    missing = [key for key in ("unet", "vae", "text_encoder", "prediction_type")
-               if not isinstance(config, dict) or key not in config]
+    config = read_saved_config(verified(config_file))
+    missing = [key for key in ("unet", "vae", "text_encoder", "prediction_type") if key not in config]
     if missing:
         raise ValueError(f"{config_file}: not a training config (lacks {', '.join(missing)})")
     return config
@@ -505,17 +492,14 @@ def load_pipeline(source: str, *, use_ema: bool = True, vae: str | None = None, 
     if prediction_type is not None:
         pipeline.prediction_type = checked_prediction_type(prediction_type, "prediction_type")
     pipeline.zero_terminal_snr = recorded_zero_terminal_snr(source) if zero_terminal_snr is None else zero_terminal_snr
-    if pipeline.zero_terminal_snr and pipeline.prediction_type != "v_prediction":
-        raise ValueError(f"{source}: a zero-terminal-SNR schedule starts from pure noise, where a "
-                         f"{pipeline.prediction_type} prediction gives no image; say --prediction_type v_prediction "
-                         "or --zero_terminal_snr false")
+    conflict = sd.model.schedule_conflict(pipeline.prediction_type, pipeline.zero_terminal_snr)
+    if conflict:
+        raise ValueError(f"{source}: {conflict}; say --prediction_type v_prediction or --zero_terminal_snr false")
     return pipeline
 
 
 def _load_pipeline(source: str, use_ema: bool, vae: str | None, text_encoder: str | None, tokenizer: str | None,
                    arch: str) -> "sd.sampling.Pipeline":
-    import sd.sampling
-
     config = run_config(source)
     path = Path(source)
     if config is not None:  # ours: the parts named in the training config
@@ -545,8 +529,6 @@ def _load_pipeline(source: str, use_ema: bool, vae: str | None, text_encoder: st
 def _load_single_file(path: Path, arch: str, vae: str | None, text_encoder: str | None,
                       tokenizer: str | None) -> "sd.sampling.Pipeline":
     """An original-layout file holds the UNet, VAE and CLIP text encoder weights of ``arch``."""
-    import sd.sampling
-
     from diffusers import AutoencoderKL
     from transformers import CLIPTextConfig, CLIPTextModel
 
@@ -598,7 +580,7 @@ def lora_run_settings(source: str) -> dict | None:
     if config is None or not config.get("lora_rank"):
         return None
     where = ckpt.resolve_checkpoint(source) / "config.yaml"
-    rank, alpha = config["lora_rank"], config.get("lora_alpha") or config["lora_rank"]
+    rank, alpha = config["lora_rank"], config.get("lora_alpha") or 0
     targets = config.get("lora_targets") or ["attention"]
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise ValueError(f"{where}: lora_rank {rank!r} is no positive integer")
@@ -609,7 +591,8 @@ def lora_run_settings(source: str) -> dict | None:
     if not config.get("init_from"):
         raise ValueError(f"{where}: a LoRA run (lora_rank {rank}) that names no init_from, the base its adapter "
                          "was trained on")
-    return {"rank": rank, "alpha": float(alpha), "targets": list(targets), "init_from": str(config["init_from"]),
+    return {"rank": rank, "alpha": sd.lora.adapters.effective_alpha(rank, alpha), "targets": list(targets),
+            "init_from": str(config["init_from"]),
             "text_encoder": bool(config.get("lora_text_encoder", False))}
 
 

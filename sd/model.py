@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+import sd.tokenizer
+
 # ---------------------------------------------------------------------------------------------
 # Constants of the SD 1.x recipe
 # ---------------------------------------------------------------------------------------------
@@ -270,8 +272,6 @@ def load_tokenizer(name_or_path: str = DEFAULT_TEXT_ENCODER, *, subfolder: str |
     from transformers import CLIPTokenizer
 
     if name_or_path == "tiny":
-        import sd.tokenizer
-
         name_or_path, subfolder = str(sd.tokenizer.clip_tokenizer_folder()), None
     subfolder = subfolder or _local_subfolder(name_or_path, "tokenizer")
     kwargs = {"subfolder": subfolder} if subfolder else {}
@@ -319,6 +319,16 @@ def ddpm_alphas_cumprod(num_timesteps: int = NUM_TRAIN_TIMESTEPS, zero_terminal_
         return alphas_cumprod
     root = alphas_cumprod.sqrt()  # tensor ops only, no .item(): sd.train.memory builds the step on fake tensors
     return ((root - root[-1]) * (root[0] / (root[0] - root[-1]))) ** 2
+
+
+def schedule_conflict(prediction_type: str, zero_terminal_snr: bool) -> str | None:
+    """Why a model cannot use this schedule, or None. The zero-terminal-SNR schedule (Lin et al. 2023)
+    ends at pure noise, where only a v_prediction (or sample) target still names an image: an epsilon
+    prediction there is the noise itself."""
+    if zero_terminal_snr and prediction_type != "v_prediction":
+        return (f"a zero-terminal-SNR schedule starts from pure noise, where a {prediction_type} prediction "
+                "gives no image")
+    return None
 
 
 def noise_schedule_config(prediction_type: str = "epsilon", zero_terminal_snr: bool = False) -> dict:

@@ -11,6 +11,8 @@ import os
 
 import torch
 
+import sd.faults
+
 PRECISIONS = ("fp32", "bf16", "fp16")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -35,8 +37,6 @@ def start_process(*, threads: int | None = None) -> None:
     torch.backends.cudnn.allow_tf32 = True
     if threads is not None:
         torch.set_num_threads(max(1, threads))
-    import sd.faults
-
     sd.faults.arm_from_environment()
 
 

@@ -130,9 +130,10 @@ def make_scheduler(sampler: str, steps: int, prediction_type: str, alphas_cumpro
     ``zero_terminal_snr``: the rescaled schedule with "trailing" spacing (``alphas_cumprod``, when
     given, is DDIM's schedule either way).
     """
-    if zero_terminal_snr and prediction_type != "v_prediction":
-        raise ValueError("zero_terminal_snr: the first timestep is pure noise, from which an epsilon prediction "
-                         "gives no image; sample a v_prediction model, or this one with zero_terminal_snr off")
+    conflict = sd.model.schedule_conflict(prediction_type, zero_terminal_snr)
+    if conflict:
+        raise ValueError(f"zero_terminal_snr: {conflict}; sample a v_prediction model, or this one with "
+                         "zero_terminal_snr off")
     if sampler == "ddim":
         if alphas_cumprod is None:
             alphas_cumprod = sd.model.ddpm_alphas_cumprod(zero_terminal_snr=zero_terminal_snr)

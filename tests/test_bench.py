@@ -7,6 +7,9 @@ from pathlib import Path
 
 import pytest
 
+import sd.data.buckets
+import sd.model
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -30,8 +33,6 @@ def test_encode_latents_bench_prints_both_rates_and_the_ratio():
 
 @pytest.mark.slow
 def test_train_throughput_bench_measures_ours_and_both_peers(tmp_path):
-    import sd.model
-
     stdout, result = run_bench("train_throughput.py", "--batch_sizes", "2", "--checkpointing", "0,1", "--steps", "2",
                                "--rounds", "2", "--peak_tflops", "1", "--json", str(tmp_path / "out.json"))
     assert result == json.loads((tmp_path / "out.json").read_text())
@@ -70,7 +71,6 @@ def test_peer_script_inputs_load_as_a_diffusers_pipeline_and_an_imagefolder(tmp_
     import torch
     from diffusers import StableDiffusionPipeline
 
-    import sd.model
     from bench import train_throughput
 
     model_dir, data_dir = train_throughput.prepare_peer_inputs(tmp_path, "tiny", 64, images=5)
@@ -258,8 +258,6 @@ def test_bucket_cycles_hold_exactly_the_square_pixels_and_only_sizes_the_unet_ta
 
 
 def test_bucket_throughput_bench_compares_bucket_cycles_with_square_training(tmp_path):
-    import sd.data.buckets
-
     stdout, result = run_bench("bucket_throughput.py", "--batch_sizes", "2", "--steps", "1", "--rounds", "1",
                                "--json", str(tmp_path / "out.json"))
     assert result == json.loads((tmp_path / "out.json").read_text())

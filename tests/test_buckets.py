@@ -15,15 +15,16 @@ from safetensors.torch import load_file
 
 import encode_latents
 import sd.data.buckets
-import sd.train.checkpoint as ckpt
+import sd.data.shards
 import sd.data.training_data
 import sd.model
-import sd.data.shards
-import SD_Train
+import sd.train.checkpoint as ckpt
 import sd.train.config
-import sd.train.step
 import sd.train.memory
+import sd.train.step
 import sd.train.validation
+import SD_Train
+
 from data_factory import make_captions, make_dataset
 from shard_factory import image_bytes, random_image
 

@@ -10,15 +10,15 @@ import os
 import random
 
 import numpy as np
-
 import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
 
-import sd.train.checkpoint as ckpt
 import sd.distributed
+import sd.train.checkpoint as ckpt
 import SD_Train
+
 from data_factory import make_dataset
 
 BASE = dict(unet="tiny", vae="tiny", text_encoder="tiny", precision="fp32", device="cpu", grad_checkpointing=False,

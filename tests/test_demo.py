@@ -10,6 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import sd.data.buckets
+import sd.data.shards
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -97,8 +100,6 @@ def test_aspect_images_hold_their_shape_outside_the_centre_square(tmp_path):
 
     from PIL import Image
 
-    import sd.data.buckets
-    import sd.data.shards
     from demo import aspect
 
     stage00 = importlib.import_module("pipeline.00_make_demo_data")
@@ -129,7 +130,6 @@ def test_classifier_reads_the_ground_truth_images(tmp_path):
 
     from PIL import Image
 
-    import sd.data.shards
     from demo import evaluate
 
     stage00 = importlib.import_module("pipeline.00_make_demo_data")

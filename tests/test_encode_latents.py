@@ -12,9 +12,11 @@ import pytest
 import torch
 
 import encode_latents
+import sd.data.encode
+import sd.data.shards
 import sd.data.training_data
 import sd.model
-import sd.data.shards
+
 from shard_factory import clean_shard, image_bytes, random_image
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -196,7 +198,7 @@ def test_ranks_without_torchrun_split_the_shards_and_the_last_to_finish_writes_t
         if (name, key) == ("after_npy", "00000"):
             raise Killed
 
-    monkeypatch.setattr(encode_latents.sd.faults, "point", kill_at)
+    monkeypatch.setattr(sd.faults, "point", kill_at)
     with pytest.raises(Killed):  # rank 0 dies after its first shard's .npy, before its done marker
         encode(root / "shards", out, "--flip", "--rank", 0, "--world_size", 2)
     monkeypatch.undo()
@@ -226,11 +228,11 @@ def test_decoded_images_in_flight_stay_under_the_limit_on_shards_larger_than_it(
     shards, out = tmp_path / "shards", tmp_path / "latents"
     for shard in range(2):  # two, so that the look-ahead crosses a shard boundary
         clean_shard(shards / f"{shard:05d}.tar", [f"s{shard}_{i:02d}" for i in range(20)], rng, size=16)
-    limit = encode_latents.in_flight_limit(batch_size=2, workers=2)
+    limit = sd.data.encode.in_flight_limit(batch_size=2, workers=2)
     assert limit < 20
     # Counted from the outside: an image counts once decoded, and until it is handed to the VAE.
     lock, count = threading.Lock(), {"now": 0, "peak": 0}
-    decode, encode_batch = encode_latents.decode_sample, encode_latents.Encoder.__call__
+    decode, encode_batch = sd.data.encode.decode_sample, sd.data.encode.Encoder.__call__
 
     def counting_decode(*args):
         key, result = decode(*args)
@@ -244,8 +246,8 @@ def test_decoded_images_in_flight_stay_under_the_limit_on_shards_larger_than_it(
             count["now"] -= len(images)
         return encode_batch(self, images)
 
-    monkeypatch.setattr(encode_latents, "decode_sample", counting_decode)
-    monkeypatch.setattr(encode_latents.Encoder, "__call__", counting_encode)
+    monkeypatch.setattr(sd.data.encode, "decode_sample", counting_decode)
+    monkeypatch.setattr(sd.data.encode.Encoder, "__call__", counting_encode)
     caplog.set_level("INFO")
     assert encode_latents.main(["--shards", str(shards / "*.tar"), "--out", str(out), "--vae", "tiny",
                                 "--resolution", "16", "--batch_size", "2", "--workers", "2"]) == 0
@@ -265,7 +267,7 @@ def test_the_reader_holds_a_few_samples_of_a_shard_not_the_shard(tmp_path):
     sparse_tar(tmp_path / "00000.tar", members)
     tracemalloc.start()
     keys = []
-    for job, sample in encode_latents.read_ahead([tmp_path / "00000.tar"], depth=2):
+    for job, sample in sd.data.encode.read_ahead([tmp_path / "00000.tar"], depth=2):
         keys.append(sample.key if sample is not None else None)
         del sample
     peak = tracemalloc.get_traced_memory()[1]
@@ -342,7 +344,7 @@ def test_settings_are_written_before_any_shard_and_a_killed_folder_keeps_them(tm
             assert (meta["resolution"], meta["latent_shape"], meta["complete"]) == (64, [4, 8, 8], False)
             raise Killed
 
-    monkeypatch.setattr(encode_latents.sd.faults, "point", kill_at)
+    monkeypatch.setattr(sd.faults, "point", kill_at)
     with pytest.raises(Killed):
         encode(shards, out)
     monkeypatch.undo()

@@ -13,15 +13,15 @@ import numpy as np
 import pytest
 import torch
 
-import encode_latents
+import sd.data.encode
 import sd.lora.adapters
 import sd.model
 import sd.sampling
 import sd.train.step
-from fake_cuda import fake_cuda
 from sd.distributed import Dist
 from sd.train.config import TrainConfig
-import sd.train.run
+
+from fake_cuda import fake_cuda
 
 CUDA = torch.device("cuda", 0)
 
@@ -107,7 +107,7 @@ def test_a_validation_sample_and_an_encode_batch_run_on_cuda():
             images = sd.sampling.generate(pipe, "a photo", "", [1, 2], steps=2, cfg=7.5, height=64, width=64,
                                           batch_size=2, device=CUDA)
         encoder_vae = sd.model.load_vae("tiny").to(device=CUDA, dtype=torch.bfloat16)  # as encode_latents.main
-        encoder = encode_latents.Encoder(encoder_vae, CUDA, torch.bfloat16, compile_encoder=False, flip=True)
+        encoder = sd.data.encode.Encoder(encoder_vae, CUDA, torch.bfloat16, compile_encoder=False, flip=True)
         latents, flipped = encoder([np.zeros((64, 64, 3), np.uint8)] * 3)
     assert [image.shape for image in images] == [(64, 64, 3)] * 2
     assert (latents.device, latents.dtype, tuple(latents.shape)) == (CUDA, torch.float16, (3, 4, 8, 8))

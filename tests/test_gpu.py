@@ -3,7 +3,9 @@
 import pytest
 import torch
 
+import sd.evaluation
 import sd.model
+import sd.train.ema
 
 pytestmark = pytest.mark.gpu
 
@@ -74,8 +76,6 @@ def test_benchmarks_run_the_sd1_unet_on_the_gpu():
 
 
 def test_cpu_ema_of_cuda_weights_reads_finished_copies():
-    import sd.train.ema
-
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)]).cuda()
     ema = sd.train.ema.EMA(model, decay=0.9, device="cpu")
@@ -98,7 +98,6 @@ def test_eval_feature_extractors_run_on_the_gpu_as_on_the_cpu():
     loader is bypassed: these machines cannot download them); the tiny stand-ins always."""
     import numpy as np
 
-    import SD_Eval
 
     rng = np.random.default_rng(0)
     images = [rng.integers(0, 256, (64, 64, 3), dtype=np.uint8) for _ in range(3)]
@@ -115,7 +114,7 @@ def test_eval_feature_extractors_run_on_the_gpu_as_on_the_cpu():
     for kind in kinds:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
-            extractors = SD_Eval.Extractors(kind, "tiny" if kind == "tiny" else None)
+            extractors = sd.evaluation.Extractors(kind, "tiny" if kind == "tiny" else None)
         cpu_features, cpu_logits = extractors.features(images)
         gpu_features, gpu_logits = extractors.to("cuda").features(images)
         assert gpu_features.shape == (4, extractors.dim) and np.isfinite(gpu_features).all()

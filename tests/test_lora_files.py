@@ -11,13 +11,14 @@ import yaml
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-import sd.train.checkpoint as ckpt
 import sd.formats
-import sd.lora.files
-import SD_ImageGen
 import sd.lora.adapters
+import sd.lora.files
 import sd.model
+import sd.sampling
+import sd.train.checkpoint as ckpt
 import sd.train.checkpointer
+import SD_ImageGen
 
 RANK, ALPHA = 4, 8.0  # alpha != rank: every reader must apply alpha / rank = 2
 STEPS = 2
@@ -282,7 +283,7 @@ def test_sampling_with_lora_equals_sampling_the_merged_export(merged, tmp_path):
     with_lora = np.asarray(Image.open(root / "lora_images" / "000_000003.png").convert("RGB")).astype(int)
     plain = np.asarray(Image.open(tmp_path / "plain" / "000_000003.png").convert("RGB")).astype(int)
     assert with_lora.std() > 0 and np.abs(with_lora - plain).max() <= 1
-    assert "+ LoRA" in SD_ImageGen.read_parameters(root / "lora_images" / "000_000003.png")
+    assert "+ LoRA" in sd.sampling.read_parameters(root / "lora_images" / "000_000003.png")
 
 
 def test_lora_specs_split_on_the_last_colon_only_before_a_number(tmp_path):

@@ -8,18 +8,20 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
+from test_sd_train import BASE, assert_bitwise_equal
 
-import sd.train.checkpoint as ckpt
+import sd.data.dreambooth
 import sd.formats
-import sd.lora.files
 import sd.lora.adapters
+import sd.lora.files
 import sd.model
-import SD_Train
+import sd.train.checkpoint as ckpt
 import sd.train.config
 import sd.train.step
+import SD_Train
 from sd.distributed import Dist
+
 from data_factory import make_dataset
-from test_sd_train import BASE, assert_bitwise_equal
 
 LORA = dict(BASE, lora_rank=4, lora_alpha=8.0, lora_dropout=0.25, lr=1e-2, warmup_steps=0, ema_decay=0.9,
             cfg_dropout=0.1, batch_size=2, grad_accum=2)
@@ -179,8 +181,6 @@ def test_dreambooth_generates_missing_class_images_and_trains_on_both_halves(tmp
 def test_prior_preservation_step_loss_equals_the_hand_computed_composition(tmp_path, base_model):
     """One step's reported loss: mean MSE of the instance half + w x mean MSE of the class half,
     recomputed here from the same noise and timesteps with a plain UNet call."""
-    import sd.data.dreambooth
-
     config = sd.train.config.TrainConfig(**{**LORA, "lora_rank": 0, "instance_dir": str(tmp_path), "instance_prompt": "x",
                                            "class_dir": str(tmp_path), "class_prompt": "y", "prior_loss_weight": 0.3,
                                            "min_snr_gamma": 0.0, "cfg_dropout": 0.0, "ema_decay": 0.0})

@@ -18,10 +18,11 @@ import pyarrow.parquet as pq
 import pytest
 
 import encode_latents
-import sd.files
-import sd.data.stages
 import sd.data.shards
+import sd.data.stages
+import sd.files
 import sd.tokenizer
+
 from shard_factory import image_bytes, random_image
 
 METADATA = importlib.import_module("pipeline.01_download_metadata")

@@ -11,9 +11,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+import sd.data.shards
 import sd.data.training_data
 import sd.model
-import sd.data.shards
+
 from data_factory import make_latents
 from shard_factory import image_bytes, random_image
 

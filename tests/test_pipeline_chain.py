@@ -10,7 +10,9 @@ import torch
 import encode_latents
 import sd.data.training_data
 import sd.distributed
+import sd.model
 import SD_Train
+
 from shard_factory import image_bytes, random_image
 
 
@@ -48,8 +50,6 @@ def test_folder_to_training_run(tmp_path):
     train = sd.data.training_data.join_split(tmp_path / "dataset", "train", store)
     assert len(train) == build["train"] and train.input_ids.shape == (build["train"], 77)
     from datasets import load_from_disk
-
-    import sd.model
 
     rows = load_from_disk(str(tmp_path / "dataset"))["train"]
     tokenizer = sd.model.load_tokenizer("tiny")

@@ -13,6 +13,7 @@ import pytest
 from PIL import Image
 
 import sd.data.shards
+
 from shard_factory import image_bytes, random_image
 
 ROOT = Path(__file__).resolve().parents[1]

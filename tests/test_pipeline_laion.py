@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import sd.data.shards
+
 from http_server import LoopbackServer
 from shard_factory import image_bytes, random_image
 
@@ -315,10 +316,12 @@ def test_filter_spills_to_disk_under_a_memory_limit_smaller_than_its_data(tmp_pa
     # 2 files x 20,000 rows carrying 3 kB each (an EXIF dump): 120 MB of rows to hold, against 64 MB.
     (tmp_path / "meta").mkdir()
     rows = 20_000
+    noise = np.random.default_rng(0)  # incompressible EXIF: DuckDB 2 compresses what it spills
     for number in range(2):
+        exif = noise.bytes(1_500 * rows).hex()
         table = pa.table({"URL": [f"u/{(row + number * rows) % 30_000}" for row in range(rows)],
                           "TEXT": [f"caption {row % 5_000}" for row in range(rows)], "WIDTH": [600] * rows,
-                          "HEIGHT": [700] * rows, "EXIF": [f"{row:06d}" * 500 for row in range(rows)]})
+                          "HEIGHT": [700] * rows, "EXIF": [exif[row * 3_000 : (row + 1) * 3_000] for row in range(rows)]})
         pq.write_table(table, tmp_path / "meta" / f"p{number}.parquet", row_group_size=2_000)
     spilled, settings = [], []
     deduplicate = stage02.deduplicate

@@ -1,7 +1,7 @@
 """The source stages 01b (DiffusionDB), 01c (JourneyDB) and 01d (COCO) on small locally built inputs."""
 
-import importlib
 import gzip
+import importlib
 import io
 import json
 import tarfile
@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import sd.data.shards
+
 from http_server import LoopbackServer
 from shard_factory import image_bytes, random_image
 

@@ -4,8 +4,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import sd.train.checkpoint as ckpt
 import sd.data.training_data
+import sd.train.checkpoint as ckpt
+
 from data_factory import make_captions, make_dataset, make_latents
 
 

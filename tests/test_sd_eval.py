@@ -13,9 +13,11 @@ import scipy.linalg
 import torch
 from PIL import Image
 
+import sd.evaluation
 import sd.train.checkpoint as ckpt
-import SD_Eval
 import sd.train.metrics
+import SD_Eval
+
 from data_factory import train_tiny_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,8 +75,8 @@ def test_fid_rises_monotonically_as_noise_is_added(reference, tmp_path):
 def test_fid_equals_a_direct_scipy_sqrtm_implementation(reference, tmp_path):
     other = tmp_path / "other"
     shapes(other, 80, seed=7, noise=20)
-    extractors = SD_Eval.Extractors("tiny", None)
-    feats = [extractors.features([np.asarray(Image.open(p).convert("RGB")) for p in SD_Eval.image_files(f)])[0]
+    extractors = sd.evaluation.Extractors("tiny", None)
+    feats = [extractors.features([np.asarray(Image.open(p).convert("RGB")) for p in sd.evaluation.image_files(f)])[0]
              for f in (other, reference)]
     (mu1, s1), (mu2, s2) = [(f.astype(np.float64).mean(0), np.cov(f.astype(np.float64), rowvar=False)) for f in feats]
     covmean = scipy.linalg.sqrtm(s1 @ s2).real
@@ -88,11 +90,11 @@ def test_clip_score_equals_the_direct_cosine_similarity(reference, tmp_path):
     (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n")
     result = score("--images", str(reference), "--reference", str(reference), "--prompts",
                    str(tmp_path / "prompts.txt"), "--out", str(reference / "scores.json"))
-    extractors = SD_Eval.Extractors("tiny", "tiny")
+    extractors = sd.evaluation.Extractors("tiny", "tiny")
     model, tokenizer = extractors.clip, extractors.tokenizer
-    images = [np.asarray(Image.open(p).convert("RGB")) for p in SD_Eval.image_files(reference)]
+    images = [np.asarray(Image.open(p).convert("RGB")) for p in sd.evaluation.image_files(reference)]
     tokens = tokenizer(prompts, padding="max_length", max_length=77, truncation=True, return_tensors="pt")
-    pixels = torch.stack([SD_Eval.clip_pixels(image, 32) for image in images])
+    pixels = torch.stack([sd.evaluation.clip_pixels(image, 32) for image in images])
     with torch.no_grad():
         out = model(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask, pixel_values=pixels)
     cosines = (out.image_embeds * out.text_embeds).sum(-1).double()  # both unit length
@@ -101,10 +103,10 @@ def test_clip_score_equals_the_direct_cosine_similarity(reference, tmp_path):
 
 
 def test_inception_score_is_one_for_identical_predictions_and_c_for_confident_distinct_ones():
-    uniform = SD_Eval.InceptionScore(40, splits=4)
+    uniform = sd.evaluation.InceptionScore(40, splits=4)
     uniform.add(np.zeros((40, 10)), 0)
     assert uniform.value()[0] == pytest.approx(1.0)
-    confident = SD_Eval.InceptionScore(40, splits=4)
+    confident = sd.evaluation.InceptionScore(40, splits=4)
     logits = np.full((40, 10), -50.0)
     logits[np.arange(40), np.arange(40) % 10] = 50.0
     confident.add(logits[:25], 0)
@@ -114,12 +116,12 @@ def test_inception_score_is_one_for_identical_predictions_and_c_for_confident_di
 
 
 def test_statistics_do_not_depend_on_the_batching(reference):
-    extractors = SD_Eval.Extractors("tiny", None)
-    images = [np.asarray(Image.open(p).convert("RGB")) for p in SD_Eval.image_files(reference)]
+    extractors = sd.evaluation.Extractors("tiny", None)
+    images = [np.asarray(Image.open(p).convert("RGB")) for p in sd.evaluation.image_files(reference)]
     features = extractors.features(images)[0].astype(np.float64)
     results = []
     for batch in (7, 13, 96):
-        stats = SD_Eval.FeatureStats(features.shape[1], chunk=10)  # 9 full chunks and a partial one
+        stats = sd.evaluation.FeatureStats(features.shape[1], chunk=10)  # 9 full chunks and a partial one
         for start in range(0, len(features), batch):
             stats.add(features[start : start + batch])
         results.append(stats.mean_cov())
@@ -140,14 +142,14 @@ def test_a_damaged_image_is_skipped_and_named(reference, tmp_path):
 
 def test_prompts_come_from_text_or_a_caption_column(tmp_path):
     (tmp_path / "p.txt").write_text("a red circle\n\n  a blue square  \n")
-    assert SD_Eval.read_prompts(tmp_path / "p.txt") == ["a red circle", "a blue square"]
+    assert sd.evaluation.read_prompts(tmp_path / "p.txt") == ["a red circle", "a blue square"]
     (tmp_path / "coco.tsv").write_text("image_id\tfile_name\tcaption\n1\ta.jpg\tA dog on a bed.\n2\tb.jpg\tTwo cats.\n")
-    assert SD_Eval.read_prompts(tmp_path / "coco.tsv", 1) == ["A dog on a bed."]
+    assert sd.evaluation.read_prompts(tmp_path / "coco.tsv", 1) == ["A dog on a bed."]
     (tmp_path / "bad.csv").write_text("id,text\n1,a dog\n")
-    with pytest.raises(SD_Eval.EvalError, match="needs a 'caption' column"):
-        SD_Eval.read_prompts(tmp_path / "bad.csv")
-    with pytest.raises(SD_Eval.EvalError, match="has 2 prompts, fewer than the 5"):
-        SD_Eval.read_prompts(tmp_path / "coco.tsv", 5)
+    with pytest.raises(sd.evaluation.EvalError, match="needs a 'caption' column"):
+        sd.evaluation.read_prompts(tmp_path / "bad.csv")
+    with pytest.raises(sd.evaluation.EvalError, match="has 2 prompts, fewer than the 5"):
+        sd.evaluation.read_prompts(tmp_path / "coco.tsv", 5)
 
 
 def test_a_changed_reference_folder_is_computed_again(tmp_path):

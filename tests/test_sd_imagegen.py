@@ -8,14 +8,15 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-import sd.train.checkpoint as ckpt
 import sd.formats
-import SD_ImageGen
 import sd.model
 import sd.sampling
+import sd.train.checkpoint as ckpt
+import SD_ImageGen
 import SD_Train
 from sd.distributed import Dist
 from sd.train.config import TrainConfig
+
 from data_factory import train_tiny_run
 
 STEPS = 4
@@ -124,9 +125,16 @@ def test_diffusers_samplers_keep_large_latents(sampler, model):
 
 
 def test_samplers_produce_images(model):
-    for sampler in ("dpm++", "euler"):
-        images = gen(model, sampler=sampler, seeds=(0,), batch_size=1)
+    by_sampler = {}
+    for sampler in ("ddim", "dpm++", "euler"):
+        images = gen(model, sampler=sampler, seeds=(0, 1), batch_size=1)
         assert images[0].shape == (64, 64, 3) and images[0].std() > 0
+        assert np.array_equal(gen(model, sampler=sampler, seeds=(0,), batch_size=1)[0], images[0])  # seeded
+        assert not np.array_equal(images[0], images[1])  # another seed, another image
+        by_sampler[sampler] = images[0].astype(np.int16)
+    # Each sampler walks its own path from the same noise: the images differ, but not by everything.
+    for a, b in (("ddim", "dpm++"), ("ddim", "euler"), ("dpm++", "euler")):
+        assert 0 < np.abs(by_sampler[a] - by_sampler[b]).mean() < 128, (a, b)
 
 
 def test_cli_writes_pngs_with_parameters_and_a_grid(run_dir, tmp_path):
@@ -139,7 +147,7 @@ def test_cli_writes_pngs_with_parameters_and_a_grid(run_dir, tmp_path):
     assert code == 0
     files = sorted(p.name for p in out.glob("0*.png"))
     assert files == ["000_000007.png", "000_000008.png", "001_000007.png", "001_000008.png"]
-    text = SD_ImageGen.read_parameters(out / "001_000008.png")
+    text = sd.sampling.read_parameters(out / "001_000008.png")
     assert text.startswith("a blue square\nNegative prompt: blurry\nSteps: 4, Sampler: ddim, CFG scale: 4.0, Seed: 8,")
     from PIL import Image
 
@@ -284,12 +292,12 @@ def test_pickle_checkpoints_with_objects_are_refused(tmp_path):
 
 def test_compile_unet_wraps_the_same_weights_and_rejects_unknown_modes():
     unet = sd.model.build_unet("tiny", seed=0)
-    assert SD_ImageGen.compile_unet(unet, "off") is unet
-    compiled = SD_ImageGen.compile_unet(unet, "reduce-overhead")  # compiles lazily, at its first call
+    assert sd.sampling.compile_unet(unet, "off") is unet
+    compiled = sd.sampling.compile_unet(unet, "reduce-overhead")  # compiles lazily, at its first call
     assert compiled is not unet and compiled._orig_mod is unet
     assert [p.data_ptr() for p in compiled.parameters()] == [p.data_ptr() for p in unet.parameters()]
     with pytest.raises(ValueError, match="compile mode must be one of"):
-        SD_ImageGen.compile_unet(unet, "fast")
+        sd.sampling.compile_unet(unet, "fast")
 
 
 def test_a_damaged_single_file_is_a_one_line_error_naming_it(tmp_path, capsys):

@@ -1,15 +1,13 @@
 """sd.train.memory: the predicted peak of a training step, against measured peaks and exact sizes."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-import sd.train.memory
 import sd.model
+import sd.train.memory
 from sd.train.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,7 +115,6 @@ def test_the_search_finds_the_last_batch_that_fits_from_any_guess(answer, guess)
 
 
 def test_batch_size_auto_is_read_refused_on_the_cpu_and_kept_by_a_resumed_run(tmp_path):
-    import SD_Train
     from sd.distributed import Dist
     from sd.train.config import AUTO_BATCH, ConfigError, load_config
 
@@ -133,7 +130,6 @@ def test_batch_size_auto_is_read_refused_on_the_cpu_and_kept_by_a_resumed_run(tm
 
 @pytest.mark.slow
 def test_batch_size_auto_takes_the_largest_batch_that_fits_and_one_more_would_not():
-    import SD_Train
     from sd.distributed import Dist
 
     config = tiny_config(batch_size=0, grad_checkpointing=False, out_dir="/nonexistent/run")

@@ -3,11 +3,10 @@ import math
 import pytest
 import torch
 
-import sd.train.ema
 import sd.model as M
 import sd.sampling
 import sd.tokenizer
-
+import sd.train.ema
 
 # ----------------------------------------------------------------------------------------- UNet
 

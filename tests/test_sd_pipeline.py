@@ -8,8 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import sd.data.stages
 import sd.data.shards
+import sd.data.stages
+
 from http_server import LoopbackServer
 from shard_factory import image_bytes, random_image
 

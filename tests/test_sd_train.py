@@ -14,16 +14,17 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-import sd.train.checkpoint as ckpt
-import sd.data.training_data
-import sd.train.ema
-import sd.model
-import SD_Train
-import sd.train.config
-import sd.train.step
-from sd.distributed import Dist
-import sd.train.checkpointer
 import sd.data.prefetch
+import sd.data.training_data
+import sd.model
+import sd.train.checkpoint as ckpt
+import sd.train.checkpointer
+import sd.train.config
+import sd.train.ema
+import sd.train.step
+import SD_Train
+from sd.distributed import Dist
+
 from data_factory import make_captions, make_dataset, make_latents
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -125,6 +126,7 @@ def test_two_ranks_end_with_identical_weights_and_a_full_run_folder(run_a):
 def test_lr_follows_warmup_and_cosine_over_the_true_step_count(run_a):
     run_dir, _ = run_a
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, TOTAL + 1))  # every step logged: none can pass unchecked
     peak, warmup, floor = 1e-3, 2, 1e-5
     for step, record in enumerate(records):  # record i is optimizer step i (0-based)
         if step < warmup:

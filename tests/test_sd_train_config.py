@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-import SD_Train
 import sd.train.config
+import SD_Train
 from sd.train.config import ConfigError, load_config
 
 

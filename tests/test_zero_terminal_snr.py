@@ -11,12 +11,13 @@ import yaml
 from safetensors import safe_open
 
 import sd.formats
-import SD_ImageGen
 import sd.model
 import sd.sampling
+import SD_ImageGen
 import SD_Train
 from sd.distributed import Dist
 from sd.train.config import TrainConfig
+
 from data_factory import train_tiny_run
 
 STEPS = 4  # divides 1000: diffusers' trailing DDIM and ours visit and step to the same timesteps
@@ -106,7 +107,7 @@ def test_our_trailing_ddim_steps_equal_diffusers_on_random_tensors():
     for t in ours.timesteps[:3] + ours.timesteps[-2:]:  # from pure noise (alpha-bar 0) to the final step
         sample, output = torch.randn(2, 4, 8, 8, generator=generator), torch.randn(2, 4, 8, 8, generator=generator)
         expected = theirs.step(output, t, sample).prev_sample
-        torch.testing.assert_close(ours.step(output, t, sample), expected, rtol=0, atol=2e-6)
+        torch.testing.assert_close(ours.step(output, t, sample), expected, rtol=1e-5, atol=2e-6)  # fp32 op order
     assert ours.previous[999] == 979 and ours.previous[19] == -1
 
 

@@ -22,12 +22,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import sd.data.shards
 import sd.data.training_data
 import sd.distributed
 import sd.files
 import sd.model
 import sd.runtime
-import sd.data.shards
+import sd.sampling
 
 log = logging.getLogger("sd_dreambooth")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
@@ -71,7 +72,6 @@ def ensure_class_images(config, d, pipeline, instances: int) -> int:
     todo = missing_class_images(config, instances)
     if not todo:
         return 0
-    import sd.sampling
     from tqdm.auto import tqdm
 
     folder = Path(config.class_dir)

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+import sd.data.buckets
 import sd.files
-
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
 DEFAULT_MAX_PIXELS = 8192 * 8192
@@ -265,8 +265,6 @@ def resize_center_crop(image: np.ndarray, resolution: int) -> np.ndarray:
     whole image first would turn a 12000x1 strip into 1.5M x 128 pixels (590 MB) at 128 px, to keep
     128 x 128 of them.
     """
-    import sd.data.buckets
-
     return sd.data.buckets.fit_to_bucket(image, (resolution, resolution))[0]
 
 

@@ -32,8 +32,8 @@ from pathlib import Path, PurePosixPath
 import numpy as np
 
 import sd.cli
-import sd.files
 import sd.data.shards
+import sd.files
 
 log = logging.getLogger("pipeline")
 

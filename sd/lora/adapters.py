@@ -127,6 +127,11 @@ def merge(model):
     return model
 
 
+def effective_alpha(rank: int, alpha: float) -> float:
+    """An adapter's alpha as configured (``lora_alpha``): 0 means the rank, a scale of 1."""
+    return float(alpha or rank)
+
+
 def apply_config(config, unet, text_encoder) -> None:
     """Add the adapters a training config asks for (``lora_rank`` > 0): on the UNet's ``lora_targets``
     and, with ``lora_text_encoder``, on the text encoder's attention projections.
@@ -136,7 +141,7 @@ def apply_config(config, unet, text_encoder) -> None:
     """
     if not config.lora_rank:
         return
-    alpha = config.lora_alpha or config.lora_rank
+    alpha = effective_alpha(config.lora_rank, config.lora_alpha)
     add_lora(unet, resolve_targets(unet, config.lora_targets), config.lora_rank, alpha, config.lora_dropout,
              seed=config.seed)
     if config.lora_text_encoder:

@@ -17,7 +17,8 @@ import torch
 
 import sd.files
 import sd.lora.adapters
-from sd.formats import first_line, read_weights
+from sd.cli import first_line
+from sd.formats import read_weights
 
 log = logging.getLogger("sd_lora")
 

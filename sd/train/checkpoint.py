@@ -38,6 +38,7 @@ from safetensors.torch import load_file, save_file
 import sd.distributed
 import sd.faults
 import sd.files
+from sd.cli import first_line
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 COMPLETE = "COMPLETE"
@@ -246,11 +247,6 @@ def load(folder: Path, states: dict, rank: int) -> None:
             raise Damaged(f"{path}: {error}") from error
         except (OSError, RuntimeError, KeyError, ValueError, EOFError, pickle.UnpicklingError, SafetensorError) as error:
             raise Damaged(f"{path}: {first_line(error)}") from error
-
-
-def first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
 
 
 # ---------------------------------------------------------------------------------------------

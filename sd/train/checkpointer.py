@@ -13,12 +13,13 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors import SafetensorError
 
+import sd.cli
 import sd.distributed
 import sd.formats
 import sd.lora.adapters
 import sd.train.checkpoint as ckpt
 from sd.distributed import Dist
-from sd.train.config import RESUME_FIXED, ConfigError, TrainConfig, config_yaml, field_default
+from sd.train.config import RESUME_FIXED, ConfigError, TrainConfig, config_yaml, field_default, read_saved_config
 
 if TYPE_CHECKING:
     from sd.train.run import Run
@@ -150,15 +151,11 @@ def resume(run: Run, folder: Path) -> None:
     An unreadable file raises ``ckpt.Damaged``; a checkpoint of another configuration or world size
     is a ``ConfigError``.
     """
-    import yaml
-
     try:
-        saved = yaml.safe_load((folder / "config.yaml").read_text())
+        saved = read_saved_config(folder / "config.yaml")
         written_by = ckpt.load_torch(folder / "train_state.pt")["world_size"]
-        if not isinstance(saved, dict):
-            raise TypeError("config.yaml is not a mapping")
-    except (OSError, yaml.YAMLError, RuntimeError, KeyError, TypeError) as error:
-        raise ckpt.Damaged(f"{folder}: {ckpt.first_line(error)}") from error
+    except (OSError, ValueError, RuntimeError, KeyError) as error:
+        raise ckpt.Damaged(f"{folder}: {sd.cli.first_line(error)}") from error
     changed = [name for name in RESUME_FIXED if saved.get(name, field_default(name)) != getattr(run.config, name)]
     if changed:
         raise ConfigError(
@@ -178,7 +175,7 @@ def check_lora_base(run: Run, folder: Path) -> None:
     try:
         saved = ckpt.load_weights(folder / "lora_base.safetensors")["fingerprint"]
     except (OSError, KeyError, RuntimeError, SafetensorError) as error:
-        raise ckpt.Damaged(f"{folder / 'lora_base.safetensors'}: {ckpt.first_line(error)}") from error
+        raise ckpt.Damaged(f"{folder / 'lora_base.safetensors'}: {sd.cli.first_line(error)}") from error
     now = run.base_fingerprint
     if saved.shape != now.shape or not torch.allclose(saved, now, rtol=1e-9, atol=1e-9):
         raise ConfigError(f"init_from {run.config.init_from} is not the base model the adapter in {folder} was "
@@ -190,7 +187,7 @@ def load_base(source: str, unet) -> None:
     try:
         loaded = sd.formats.load_unet_weights(source, unet, use_ema=True)
     except (OSError, KeyError, ValueError) as error:  # the message names the file
-        raise ConfigError(f"init_from: cannot load {source}: {sd.formats.first_line(error)}") from error
+        raise ConfigError(f"init_from: cannot load {source}: {sd.cli.first_line(error)}") from error
     log.info("base weights from %s", loaded)
 
 
@@ -209,9 +206,9 @@ def init_weights(run: Run, source: str) -> bool:
             ema.load_state_dict(unet.state_dict() if ema_state is None else ema_state)
     except (OSError, KeyError, ValueError) as error:  # the message names the file
         if Path(source).exists():
-            raise ConfigError(f"init_from: cannot load {source}: {sd.formats.first_line(error)}") from error
+            raise ConfigError(f"init_from: cannot load {source}: {sd.cli.first_line(error)}") from error
         raise ConfigError(f"init_from: {source} is no local file or folder, and could not be loaded as a hub id "
-                          f"({sd.formats.first_line(error)})") from error
+                          f"({sd.cli.first_line(error)})") from error
     log.info("initialised weights from %s%s", loaded, " and its EMA" if ema_state is not None else "")
     return ema_state is not None
 
@@ -228,8 +225,6 @@ def ema_warmup_of(config: TrainConfig, resumed_from: Path | None, inherited: boo
     if config.ema_warmup != "auto":
         return config.ema_warmup
     if resumed_from is not None:
-        import yaml
-
-        recorded = yaml.safe_load((resumed_from / "config.yaml").read_text()).get("ema_warmup")
+        recorded = read_saved_config(resumed_from / "config.yaml").get("ema_warmup")
         return recorded if recorded in ("restart", "off") else "restart"
     return "off" if inherited else "restart"

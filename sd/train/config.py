@@ -19,6 +19,7 @@ import yaml
 import sd.cli
 import sd.model
 
+
 @dataclass(frozen=True)
 class Range:
     """The values a numeric field allows: an interval with finite ends, so inf and nan never fit."""
@@ -59,8 +60,11 @@ def _doc(text, default=dataclasses.MISSING, default_factory=dataclasses.MISSING,
     return field(default=default, metadata=metadata)
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig:
+    """One phase's settings. Frozen: what resolves later (``batch_size: auto``, ``ema_warmup: auto``)
+    is a new config made with ``dataclasses.replace``, so no part of the run sees a value change."""
+
     # -- data -------------------------------------------------------------------------------
     datasets: list = _doc("[{dataset: DIR, latents: DIR, weight: 1.0}, ...]: caption datasets "
                           "(05_build_hf_dataset.py) joined to latent folders (encode_latents.py), mixed by weight",
@@ -244,9 +248,8 @@ class TrainConfig:
         for name in ("eval_prompts", "eval_reference"):
             need(not check_paths or not self.eval_every or Path(getattr(self, name)).exists(),
                  f"{name}: {getattr(self, name)} does not exist")
-        need(not self.zero_terminal_snr or self.prediction_type == "v_prediction",
-             "zero_terminal_snr: the last timestep is pure noise, where epsilon cannot be predicted; set "
-             "prediction_type: v_prediction")
+        conflict = sd.model.schedule_conflict(self.prediction_type, self.zero_terminal_snr)
+        need(conflict is None, f"zero_terminal_snr: {conflict}; set prediction_type: v_prediction")
         need(not check_paths or not self.init_from or Path(self.init_from).exists()
              or _looks_like_hub_id(self.init_from),
              f"init_from: {self.init_from} is neither an existing path nor a hub id (owner/name)")
@@ -423,6 +426,18 @@ def estimate_flags(argv=None) -> tuple[bool, float | None, int | None]:
     if args.resolution is not None and (args.resolution <= 0 or args.resolution % 8):
         raise ConfigError(f"--resolution must be a positive multiple of 8, got {args.resolution}")
     return estimate, args.gpu_memory_gb, args.resolution
+
+
+def read_saved_config(path: str | Path) -> dict:
+    """A run's or checkpoint's ``config.yaml`` as written by ``config_yaml``: the one reader of a saved
+    config. A file that is no YAML mapping is a ValueError naming it (OSError when it cannot be read)."""
+    try:
+        saved = yaml.safe_load(Path(path).read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path}: not valid YAML ({sd.cli.first_line(error)})") from error
+    if not isinstance(saved, dict):
+        raise ValueError(f"{path}: not a mapping of config fields")
+    return saved
 
 
 def config_yaml(config: TrainConfig) -> str:

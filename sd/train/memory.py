@@ -37,9 +37,9 @@ import weakref
 from pathlib import Path
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 import sd.data.training_data
@@ -47,7 +47,8 @@ import sd.distributed
 import sd.lora.adapters
 import sd.model
 import sd.runtime
-from sd.train.config import ConfigError
+import sd.train.step
+from sd.train.config import ConfigError, read_saved_config
 
 log = logging.getLogger("sd_train")
 
@@ -270,7 +271,6 @@ def session(config, resolution: int = 512, device: str = "cuda"):
     with a real CPU run)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    import sd.train.step
     from sd.distributed import Dist
 
     allocations = Allocations(ROUND[device])
@@ -512,9 +512,10 @@ def auto_batch_size(config, d, gpu_memory_gb: float | None = None) -> int:
     else the largest micro-batch whose predicted peak fits the smallest GPU of the run."""
     saved = Path(config.out_dir) / "config.yaml"
     if saved.exists():
-        import yaml
-
-        chosen = (yaml.safe_load(saved.read_text()) or {}).get("batch_size")
+        try:
+            chosen = read_saved_config(saved).get("batch_size")
+        except ValueError as error:
+            raise ConfigError(f"batch_size: auto reads the run's own choice from {error}") from error
         if isinstance(chosen, int) and chosen > 0:
             log.info("batch_size: auto -> %d, as this run chose before (%s)", chosen, saved)
             return chosen

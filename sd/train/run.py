@@ -188,7 +188,7 @@ def build(config: TrainConfig, d: Dist) -> Run:
     step = sd.train.step.build_step(config, d, unet, text_encoder, sd.model.tokenize(tokenizer, [""]), scaling)
     if config.lora_rank:
         log.info("LoRA rank %d (alpha %g) on %d UNet layers%s: %d trainable parameters", config.lora_rank,
-                 config.lora_alpha or config.lora_rank, len(unet.lora_settings["modules"]),
+                 sd.lora.adapters.effective_alpha(config.lora_rank, config.lora_alpha), len(unet.lora_settings["modules"]),
                  " and the text encoder" if config.lora_text_encoder else "",
                  sum(p.numel() for p in step.trainable))
     if config.cache_text_embeddings:

@@ -18,9 +18,10 @@ import torch
 
 import sd.data.training_data
 import sd.distributed
-import sd.train.ema
+import sd.lora.adapters
 import sd.model
 import sd.runtime
+import sd.train.ema
 from sd.distributed import Dist
 
 
@@ -130,8 +131,6 @@ def build_step(config, d: Dist, unet, text_encoder, empty_ids: torch.Tensor, sca
     the rest); the EMA then averages the adapter only. The UNet is not wrapped yet: call
     ``wrap_model`` after loading weights, so DDP broadcasts the right ones.
     """
-    import sd.lora.adapters
-
     text_encoder = text_encoder.to(d.device)
     with sd.runtime.autocast(config.precision, d.device):
         empty = sd.model.encode_prompt_ids(text_encoder, empty_ids)
