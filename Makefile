@@ -24,9 +24,9 @@ $(STAMP): requirements.txt pyproject.toml
 test: $(STAMP)
 	$(PY) -m pytest
 
-# The fast tier for the edit-test loop: unit tests and the short integration tests (under 3 minutes).
+# The fast tier for the edit-test loop: tests/unit and the short tests of tests/integration.
 check: $(STAMP)
-	$(PY) -m pytest -m "not slow and not gpu"
+	$(PY) -m pytest -m "not slow" tests/unit tests/integration
 
 # The whole system on built-in synthetic data: outputs under runs/demo/ (see demo/run.sh).
 demo: $(STAMP)

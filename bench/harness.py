@@ -191,3 +191,24 @@ def emit(result: dict, json_path: str | None) -> None:
     print(line)
     if json_path:
         Path(json_path).write_text(line + "\n")
+
+
+def built_steps(entries: list, device, warm, time_alone=None) -> list:
+    """For each ``(row, build)``: ``build(row)`` makes a step (noting what it likes in ``row``),
+    ``warm(step)`` runs its warm-up; with ``time_alone`` the step is timed by ``time_alone(row, step)``
+    and freed, else kept for timing rounds that share the device. A step that runs out of memory marks
+    its row ``oom``. Returns the kept steps (None where freed or out of memory)."""
+    steps = []
+    for row, build in entries:
+        try:
+            step = build(row)
+            warm(step)
+            if time_alone is not None:
+                time_alone(row, step)
+                step = None
+        except out_of_memory_errors():
+            row["oom"], step = True, None
+        steps.append(step)
+        if step is None:
+            release(device)
+    return steps

@@ -219,24 +219,26 @@ def measure(entries: list, batch: int, device: torch.device, args) -> list[dict]
     goes to every entry in turn, the order reversed every other step (no peak memory then: the entries
     share the device)."""
     latents, input_ids = harness.synthetic_batch(batch, args.resolution // harness.vae_factor(args.arch))
-    rows, steps = [], []
-    for impl, setting, make in entries:
-        rows.append({**row_of(impl, setting, batch), "step_s": []})
-        try:
-            step, rows[-1]["trainable_params"] = make(input_ids)
-            for _ in range(args.warmup):
-                step(latents, input_ids)
-            harness.reset_peak(device)  # the steady state, as sd.train.memory predicts it: not the build or first step
-            if not args.interleave:
-                for _ in range(args.timed_steps):
-                    rows[-1]["step_s"].append(harness.time_steps(lambda: step(latents, input_ids), device, 0, 1))
-                rows[-1].update(harness.peak_gb(device))
-                step = None
-        except harness.out_of_memory_errors():
-            rows[-1]["oom"], step = True, None
-        steps.append(step)
-        if step is None:
-            harness.release(device)
+    rows = [{**row_of(impl, setting, batch), "step_s": []} for impl, setting, _ in entries]
+
+    def build(make):
+        def made(row):
+            step, row["trainable_params"] = make(input_ids)
+            return step
+        return made
+
+    def warm(step):
+        for _ in range(args.warmup):
+            step(latents, input_ids)
+        harness.reset_peak(device)  # the steady state, as sd.train.memory predicts it: not the build or first step
+
+    def time_alone(row, step):
+        for _ in range(args.timed_steps):
+            row["step_s"].append(harness.time_steps(lambda: step(latents, input_ids), device, 0, 1))
+        row.update(harness.peak_gb(device))
+
+    steps = harness.built_steps([(row, build(make)) for row, (_, _, make) in zip(rows, entries)], device, warm,
+                                None if args.interleave else time_alone)
     for i in range(args.timed_steps if args.interleave else 0):
         pairs = list(zip(rows, steps))
         for row, step in pairs if i % 2 == 0 else reversed(pairs):  # no row always first or last

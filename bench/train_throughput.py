@@ -207,23 +207,24 @@ def measure(entries: list[tuple[str, str, object]], batch: int, device, args, fl
     then hits every entry alike; no peak memory per entry).
     """
     latents, input_ids = harness.synthetic_batch(batch, args.resolution // harness.vae_factor(args.arch))
-    rows, steps = [], []
-    for impl, variant, make_step in entries:
-        rows.append({"impl": impl, "variant": variant, "batch": batch})
-        try:
-            harness.reset_peak(device)
-            step = make_step()
-            for _ in range(args.warmup):
-                step(latents, input_ids)
-            if args.rounds == 1:
-                rows[-1]["step_s"] = [harness.time_steps(lambda: step(latents, input_ids), device, 0, args.timed_steps)]
-                rows[-1].update(harness.peak_gb(device))
-                step = None
-        except harness.out_of_memory_errors():
-            rows[-1]["oom"], step = True, None
-        steps.append(step)
-        if step is None:
-            harness.release(device)
+    rows = [{"impl": impl, "variant": variant, "batch": batch} for impl, variant, _ in entries]
+
+    def build(make_step):
+        def made(row):
+            harness.reset_peak(device)  # the peak covers building and stepping
+            return make_step()
+        return made
+
+    def warm(step):
+        for _ in range(args.warmup):
+            step(latents, input_ids)
+
+    def time_alone(row, step):
+        row["step_s"] = [harness.time_steps(lambda: step(latents, input_ids), device, 0, args.timed_steps)]
+        row.update(harness.peak_gb(device))
+
+    steps = harness.built_steps([(row, build(make)) for row, (_, _, make) in zip(rows, entries)], device, warm,
+                                time_alone if args.rounds == 1 else None)
     for _ in range(args.rounds if args.rounds > 1 else 0):
         for row, step in zip(rows, steps):
             if step is not None:

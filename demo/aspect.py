@@ -32,6 +32,7 @@ import sd.cli
 import sd.data.shards
 import sd.data.stages
 import sd.files
+from demo.evaluate import report_table, step_parser
 
 SIDE = 96  # the short side of the drawn images; SD_ImageGen samples at half of it
 RUNS = {"base": "demo model (squares only)", "buckets": "fine-tuned in buckets", "square": "fine-tuned on centre squares"}
@@ -119,22 +120,11 @@ def report(out: Path, prompts_file: Path) -> dict:
     palette, background = {k: tuple(v) for k, v in prompts["palette"].items()}, tuple(prompts["background"])
     table = {run: {o: score(out / f"samples_{run}_{o}", palette, background) for o in ORIENTATIONS}
              for run in RUNS if (out / f"samples_{run}_wide").exists()}
-    sd.files.write_text_atomic(out / "aspect.json", json.dumps(table, indent=1) + "\n")
-    print(f"{'':32s} {'one shape, at an end':>20s}   {'prompted colour':>16s}")
-    print(f"{'':32s} {'wide':>11s} {'tall':>8s}   {'wide':>7s} {'tall':>8s}")
-    for run, row in table.items():
-        print(f"{RUNS[run]:32s} {row['wide']['at_end']:11.0%} {row['tall']['at_end']:8.0%}   "
-              f"{row['wide']['colour']:7.0%} {row['tall']['colour']:8.0%}")
-    return table
+    return report_table(out / "aspect.json", table, RUNS)
 
 
 def main(argv=None) -> int:
-    parser = sd.cli.ArgumentParser(description=__doc__)
-    parser.add_argument("action", choices=("images", "report"))
-    parser.add_argument("--out", required=True, help="the aspect step's folder")
-    parser.add_argument("--prompts", required=True, help="demo_prompts.json of pipeline/00_make_demo_data.py")
-    parser.add_argument("--count", type=int, default=600, help="images: how many (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=2, help="images: seed (default: %(default)s)")
+    parser = step_parser(__doc__, "aspect step's", 600, "how many", seed=2, prompts_required=True)
     args = parser.parse_args(argv)
     if args.action == "images":
         make_images(Path(args.prompts), Path(args.out), args.count, args.seed)

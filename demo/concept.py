@@ -30,6 +30,7 @@ import sd.cli
 import sd.data.dreambooth
 import sd.files
 import sd.model
+from demo.evaluate import report_table, step_parser
 
 CONCEPT_PROMPT = "a sks circle on a white background"
 CONCEPT = ("cyan", "circle")
@@ -74,23 +75,12 @@ def report(out: Path) -> dict:
     scores = {name: json.loads((out / f"eval_{name}.json").read_text()) for name in RUNS}
     table = {name: {"concept_colour": s["concept"]["colour"], "concept_both": s["concept"]["both"],
                     "seen_colour": s["seen"]["colour"], "seen_both": s["seen"]["both"]} for name, s in scores.items()}
-    sd.files.write_text_atomic(out / "concept.json", json.dumps(table, indent=1) + "\n")
-    print(f"{'':34s} {CONCEPT_PROMPT!r:>12s}   seen prompts (base palette + cyan)")
-    print(f"{'':34s} {'cyan':>6s} {'cyan circle':>12s}   {'colour':>6s} {'both':>6s}")
-    for name, row in table.items():
-        print(f"{RUNS[name]:34s} {row['concept_colour']:6.0%} {row['concept_both']:12.0%}   "
-              f"{row['seen_colour']:6.0%} {row['seen_both']:6.0%}")
-    return table
+    return report_table(out / "concept.json", table, RUNS)
 
 
 def main(argv=None) -> int:
-    parser = sd.cli.ArgumentParser(description=__doc__)
-    parser.add_argument("action", choices=("images", "report"))
-    parser.add_argument("--out", required=True, help="the concept's folder")
-    parser.add_argument("--prompts", help="images: demo_prompts.json of pipeline/00_make_demo_data.py")
-    parser.add_argument("--count", type=int, default=12, help="images: instance images (default: %(default)s)")
+    parser = step_parser(__doc__, "concept's", 12, "instance images", seed=1, prompts_required=False)
     parser.add_argument("--size", type=int, default=64, help="images: pixels (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=1, help="images: seed (default: %(default)s)")
     parser.add_argument("--vae", help="images: the demo VAE; the concept's colour in the evaluation is cyan as it "
                         "comes back from an encode and decode (default: cyan as drawn)")
     args = parser.parse_args(argv)

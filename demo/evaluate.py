@@ -97,6 +97,35 @@ def score(records: list[dict], images_dir: Path, prompts: dict) -> dict:
     return result
 
 
+def step_parser(description: str, folder: str, count: int, count_help: str, seed: int, prompts_required: bool):
+    """The command line of a demo step with two actions: ``images`` (make its training images) and
+    ``report`` (score its samples)."""
+    parser = sd.cli.ArgumentParser(description=description)
+    parser.add_argument("action", choices=("images", "report"))
+    parser.add_argument("--out", required=True, help=f"the {folder} folder")
+    parser.add_argument("--prompts", required=prompts_required,
+                        help="demo_prompts.json of pipeline/00_make_demo_data.py")
+    parser.add_argument("--count", type=int, default=count, help=f"images: {count_help} (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=seed, help="images: seed (default: %(default)s)")
+    return parser
+
+
+def report_table(path: Path, table: dict[str, dict], names: dict[str, str]) -> dict:
+    """Write ``table`` (run -> scores, nested at most one level) as JSON to ``path`` and print it: a line
+    per run, its name from ``names``, a column per score (fractions as percentages)."""
+    sd.files.write_text_atomic(path, json.dumps(table, indent=1) + "\n")
+    flat = {run: {f"{group} {name}".strip(): value for group, inner in scores.items()
+                  for name, value in (inner.items() if isinstance(inner, dict) else [("", inner)])}
+            for run, scores in table.items()}
+    columns = list(next(iter(flat.values()), {}))
+    width = max(len(name) for name in names.values()) + 2
+    print(f"{'':{width}s}" + "".join(f"{column:>16s}" for column in columns))
+    for run, scores in flat.items():
+        print(f"{names[run]:{width}s}" + "".join(f"{scores[c]:>16.0%}" if isinstance(scores[c], float)
+                                                 else f"{scores[c]:>16}" for c in columns))
+    return table
+
+
 def main(argv=None) -> int:
     parser = sd.cli.ArgumentParser(description=__doc__)
     parser.add_argument("--images", required=True, help="folder written by SD_ImageGen.py (with images.json)")

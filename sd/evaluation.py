@@ -1,46 +1,11 @@
-"""Evaluate a model by FID, CLIP score and Inception Score, on demand or during training.
+"""Scores of generated images: FID, CLIP score and Inception Score (``SD_Eval.py``'s help has the
+definitions and the choice of feature extractors).
 
-    python SD_Eval.py --images DIR --reference DIR_OR_NPZ [--prompts FILE] [--features inception|tiny] [--out FILE]
-    python SD_Eval.py --ckpt PATH --prompts FILE --n N --images DIR --reference DIR_OR_NPZ [--steps 50 --cfg 7.5 ...]
-    torchrun --nproc_per_node 8 SD_Eval.py --ckpt PATH --num_prompts N ...  # prompts shared out across the ranks
-    python SD_Eval.py --runs RUN_DIR_OR_PHASE_YAML ... --prompts FILE --n N --reference NPZ --table phases.md
-    python SD_Eval.py --reference DIR [--reference_size 512]    # only compute and cache the reference statistics
-
-Scoring ``--images DIR``: the images its ``images.json`` names (SD_ImageGen.py and this script write
-one), else every image in DIR; sorted by name. The prompts are ``--prompts FILE`` (line i for the
-i-th image) or, without it, those of ``images.json``; CLIP score needs them. ``--ckpt`` first generates one image per prompt (the
-first ``--n`` prompts; image i uses seed ``--seed + i``) into ``--images`` through the sampling path
-of SD_ImageGen.py, skipping images already there, then scores them. ``--runs`` does that for the
-newest complete checkpoint of each run (or phase YAML's ``out_dir``) and writes one table.
-
-Scores (printed, and written as JSON to ``--out``, default ``DIR/scores.json``):
-* ``fid``: Frechet distance between Gaussians fitted to the features of the images and of the
-  reference (Heusel et al. 2017). ``--reference`` is a folder of images (its statistics are computed
-  once and cached in it as ``fid_stats.<features>[.<size>].npz``) or such an ``.npz`` with ``mu``
-  and ``sigma`` (the layout pytorch-fid and clean-fid write, so published reference statistics load).
-* ``clip_score``: 100 x the cosine similarity of CLIP's image and text embeddings, floored at 0,
-  averaged over the images (the definition of torchmetrics' CLIPScore and of MLPerf's evaluation).
-* ``inception_score`` (``--inception_score``): exp of the mean KL divergence between each image's
-  class distribution and their mean, over 10 consecutive splits (Salimans et al. 2016).
-
-Feature extractors (``--features``):
-* ``inception``: torch-fidelity's InceptionV3, the 2015-12-05 TensorFlow graph's weights with the
-  TensorFlow 1.x bilinear resize to 299 px reimplemented: its FID reproduces the reference
-  implementation's (TTUR, and pytorch-fid's) numbers. torchmetrics' FID uses the same network but by
-  default resizes with antialiasing, so its numbers differ from the reference; clean-fid's default
-  mode resizes differently by design (a different metric). Its weights download from torch-fidelity's
-  release on first use; it needs ``pip install torch-fidelity`` (which needs torchvision). CLIP:
-  ``--clip_model`` (transformers ``CLIPModel``; default openai/clip-vit-large-patch14; MLPerf uses
-  laion/CLIP-ViT-H-14-laion2B-s32B-b79K).
-* ``tiny``: offline stand-ins with the same interfaces, seeded random weights: a small conv net
-  (64 features, 10 logits) and a small ``CLIPModel`` with the CLIP tokenizer. Their numbers compare
-  models with each other on one setup only; they are not comparable with published FIDs.
-
-Deterministic: images are cut into batches of ``--batch_size`` in index order whatever the number of
-ranks; batch k is made on rank k mod world size, and every batch's features are added to the
-statistics in batch order, so the scores are the same on 1 or 8 GPUs and on every re-run. Memory is
-bounded by the batch: the statistics are running sums over chunks of 1024 features, never the
-features of the whole set.
+Images are cut into batches in index order; batch k is made (or read) and scored on rank k mod world
+size, and every batch's features are added to the running statistics in batch order, so the scores
+are the same on any number of ranks. Memory is bounded by the batch: the statistics are running sums
+over chunks of features, never the features of the whole set. ``TrainingEval`` is what the trainer
+runs every ``eval_every`` steps.
 """
 
 from __future__ import annotations

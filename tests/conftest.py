@@ -11,12 +11,30 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
+TIERS = ("unit", "integration", "e2e", "gpu")  # tests/<tier>/ folders, each also a marker
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
+    skip = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
-        if "gpu" in item.keywords:
+        tier = Path(item.fspath).parent.name
+        if tier in TIERS:
+            item.add_marker(getattr(pytest.mark, tier))
+        if skip is not None and "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def dataset_64(tmp_path_factory):
+    """A caption dataset joined to tiny latents: 64 training and 8 validation samples, built once."""
+    from data_factory import make_dataset
+
+    return make_dataset(tmp_path_factory.mktemp("dataset_64"), n_train=64, n_val=8)
+
+
+@pytest.fixture(scope="session")
+def dataset_16(tmp_path_factory):
+    """The small one: 16 training and 4 validation samples, built once."""
+    from data_factory import make_dataset
+
+    return make_dataset(tmp_path_factory.mktemp("dataset_16"), n_train=16, n_val=4)

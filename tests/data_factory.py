@@ -4,8 +4,15 @@ import json
 from pathlib import Path
 
 import numpy as np
+import torch
 
 import sd.model
+
+# The tiny training settings the trainer tests share (every model random and small, fp32 on the CPU).
+BASE = dict(unet="tiny", vae="tiny", text_encoder="tiny", precision="fp32", device="cpu", grad_checkpointing=False,
+            batch_size=2, grad_accum=2, lr=1e-3, warmup_steps=2, ema_decay=0.9, log_every=1, save_steps=100,
+            validate_every=0, validation_prompts=["a red circle", "a blue square"], validation_steps=3,
+            validation_samples=8, cfg_dropout=0.1, seed=0)
 
 WORDS = ["red circle", "blue square", "green triangle", "yellow star"]
 
@@ -75,3 +82,9 @@ def train_tiny_run(root: Path, n_train: int, **fields) -> Path:
     config.validate()
     assert SD_Train.train(config, Dist.single()) == 0
     return root / "run"
+
+
+def assert_bitwise_equal(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    different = [name for name in a if not torch.equal(a[name], b[name])]
+    assert not different, f"{len(different)} tensors differ, e.g. {different[:3]}"

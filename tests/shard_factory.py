@@ -32,3 +32,20 @@ def clean_shard(path: Path, keys: list[str], rng, size: int = 64, fmt: str = "PN
         samples.append(sd.data.shards.ShardSample(key, data, "png" if fmt == "PNG" else "jpg", f"caption of {key}", b"{}"))
     sd.data.shards.write_shard(path, samples)
     return pixels
+
+
+def sparse_tar(path: Path, members: list[tuple[str, int | bytes]]) -> None:
+    """A tar whose members given as a size are holes in the file: declared, never written to disk."""
+    import tarfile
+
+    with open(path, "wb") as file:
+        for name, content in members:
+            info = tarfile.TarInfo(name)
+            info.size = content if isinstance(content, int) else len(content)
+            file.write(info.tobuf(format=tarfile.USTAR_FORMAT))
+            if isinstance(content, int):
+                file.seek(content, 1)
+            else:
+                file.write(content)
+            file.seek(-info.size % 512, 1)
+        file.write(bytes(1024))  # the end-of-archive blocks

@@ -22,7 +22,7 @@ import sd.data.shards
 from http_server import LoopbackServer
 from shard_factory import image_bytes, random_image
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 stage01 = importlib.import_module("pipeline.01_download_metadata")
 stage02 = importlib.import_module("pipeline.02_filter_metadata")
 stage03 = importlib.import_module("pipeline.03_download_images")

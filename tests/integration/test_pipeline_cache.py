@@ -16,9 +16,9 @@ import sd.data.training_data
 import sd.model
 
 from data_factory import make_latents
-from shard_factory import image_bytes, random_image
+from shard_factory import image_bytes, random_image, sparse_tar
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 stage04 = importlib.import_module("pipeline.04_preprocess_to_cache")
 stage05 = importlib.import_module("pipeline.05_build_hf_dataset")
 
@@ -152,21 +152,6 @@ def test_04_tar_reader_matches_read_shard_at_every_cut(tmp_path):
     assert sample_view(stage04.tar_samples(tmp_path / "full.tar")[0])[0] == ("k0", "first", True, None)
 
 
-def sparse_tar(path: Path, members: list[tuple[str, int | bytes]]) -> None:
-    """A tar whose members given as a size are holes in the file: declared, never written to disk."""
-    import tarfile
-
-    with open(path, "wb") as file:
-        for name, content in members:
-            info = tarfile.TarInfo(name)
-            info.size = content if isinstance(content, int) else len(content)
-            file.write(info.tobuf(format=tarfile.USTAR_FORMAT))
-            if isinstance(content, int):
-                file.seek(content, 1)
-            else:
-                file.write(content)
-            file.seek(-info.size % 512, 1)
-        file.write(bytes(1024))  # the end-of-archive blocks
 
 
 def test_04_reads_no_image_bytes_and_skips_oversized_captions(tmp_path, monkeypatch):

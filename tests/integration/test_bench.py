@@ -10,7 +10,7 @@ import pytest
 import sd.data.buckets
 import sd.model
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_bench(script: str, *args) -> tuple[str, dict]:

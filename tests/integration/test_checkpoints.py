@@ -19,8 +19,6 @@ import sd.distributed
 import sd.train.checkpoint as ckpt
 import SD_Train
 
-from data_factory import make_dataset
-
 BASE = dict(unet="tiny", vae="tiny", text_encoder="tiny", precision="fp32", device="cpu", grad_checkpointing=False,
             batch_size=4, grad_accum=1, lr=1e-3, warmup_steps=2, ema_decay=0.9, log_every=1, save_steps=2,
             keep_checkpoints=5, validate_every=0, validation_prompts=[], cfg_dropout=0.1, seed=0)
@@ -28,8 +26,8 @@ STEPS = 8
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return make_dataset(tmp_path_factory.mktemp("data"), n_train=64, n_val=0)
+def data(dataset_64):
+    return dataset_64
 
 
 def main(flags) -> int:

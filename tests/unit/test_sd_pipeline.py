@@ -100,7 +100,7 @@ def test_pending_counts_finished_outputs_and_returns_the_rest_in_order(tmp_path)
 # The stage contract: every numbered stage
 # ---------------------------------------------------------------------------------------------
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STAGES = sorted(path.stem for path in (ROOT / "pipeline").glob("0*.py"))
 
 

@@ -19,7 +19,7 @@ import sd.model
 
 from shard_factory import clean_shard, image_bytes, random_image
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MAX_PIXELS = 150 * 150
 
 
@@ -260,7 +260,7 @@ def test_decoded_images_in_flight_stay_under_the_limit_on_shards_larger_than_it(
 def test_the_reader_holds_a_few_samples_of_a_shard_not_the_shard(tmp_path):
     import tracemalloc
 
-    from test_pipeline_cache import sparse_tar
+    from shard_factory import sparse_tar
 
     # 40 samples of 4 MB images (holes: nothing on disk); the tar was read whole before: 160 MB.
     members = [member for i in range(40) for member in ((f"k{i:02d}.png", 4 << 20), (f"k{i:02d}.txt", b"a caption"))]

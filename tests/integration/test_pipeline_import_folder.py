@@ -16,7 +16,7 @@ import sd.data.shards
 
 from shard_factory import image_bytes, random_image
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 stage = importlib.import_module("pipeline.01e_import_folder")
 RES = ["--resolution", "64"]
 

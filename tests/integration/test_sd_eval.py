@@ -20,7 +20,7 @@ import SD_Eval
 
 from data_factory import train_tiny_run
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 demo_data = importlib.import_module("pipeline.00_make_demo_data")
 COLOURS, SHAPES = ("red", "green", "blue", "yellow"), ("circle", "square", "triangle")
 

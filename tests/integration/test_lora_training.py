@@ -8,7 +8,6 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
-from test_sd_train import BASE, assert_bitwise_equal
 
 import sd.data.dreambooth
 import sd.formats
@@ -21,7 +20,7 @@ import sd.train.step
 import SD_Train
 from sd.distributed import Dist
 
-from data_factory import make_dataset
+from data_factory import BASE, assert_bitwise_equal
 
 LORA = dict(BASE, lora_rank=4, lora_alpha=8.0, lora_dropout=0.25, lr=1e-2, warmup_steps=0, ema_decay=0.9,
             cfg_dropout=0.1, batch_size=2, grad_accum=2)
@@ -38,8 +37,8 @@ def base_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return make_dataset(tmp_path_factory.mktemp("data"), n_train=16, n_val=4)
+def data(dataset_16):
+    return dataset_16
 
 
 def write_config(path: Path, **fields) -> Path:
@@ -250,7 +249,7 @@ def test_a_text_cache_too_large_is_refused_before_encoding():
 
 @pytest.mark.parametrize("name", ["lora", "dreambooth_lora"])
 def test_fine_tuning_recipes_load(name):
-    path = Path(__file__).resolve().parents[1] / "configs" / "finetune" / f"{name}.yaml"
+    path = Path(__file__).resolve().parents[2] / "configs" / "finetune" / f"{name}.yaml"
     config = sd.train.config.load_config(["--config", str(path)], check_paths=False)
     assert config.lora_rank == 16 and config.init_from and config.cache_text_embeddings
     assert config.precision == "bf16" and config.grad_checkpointing

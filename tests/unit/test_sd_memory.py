@@ -10,7 +10,7 @@ import sd.model
 import sd.train.memory
 from sd.train.config import TrainConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def tiny_config(**fields) -> TrainConfig:

@@ -25,15 +25,11 @@ import sd.train.step
 import SD_Train
 from sd.distributed import Dist
 
-from data_factory import make_captions, make_dataset, make_latents
+from data_factory import BASE, assert_bitwise_equal, make_captions, make_dataset, make_latents
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # 64 training samples, 2 ranks x batch 2 x accumulation 2: 8 optimizer steps per epoch.
-BASE = dict(unet="tiny", vae="tiny", text_encoder="tiny", precision="fp32", device="cpu", grad_checkpointing=False,
-            batch_size=2, grad_accum=2, lr=1e-3, warmup_steps=2, ema_decay=0.9, log_every=1, save_steps=100,
-            validate_every=0, validation_prompts=["a red circle", "a blue square"], validation_steps=3,
-            validation_samples=8, cfg_dropout=0.1, seed=0)
 TOTAL = 12  # 2N
 HALF = 6  # N: mid-epoch (epoch 0 has 8 steps)
 
@@ -76,15 +72,9 @@ def final_state(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def assert_bitwise_equal(a: dict, b: dict):
-    assert a.keys() == b.keys()
-    different = [name for name in a if not torch.equal(a[name], b[name])]
-    assert not different, f"{len(different)} tensors differ, e.g. {different[:3]}"
-
-
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return make_dataset(tmp_path_factory.mktemp("data"), n_train=64, n_val=8)
+def data(dataset_64):
+    return dataset_64
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,66 @@
+"""The demo's own scripts (demo/aspect.py, demo/evaluate.py) on ground-truth images."""
+
+import importlib
+import json
+
+import numpy as np
+
+import sd.data.buckets
+import sd.data.shards
+
+
+def test_aspect_images_hold_their_shape_outside_the_centre_square(tmp_path):
+    import io
+
+    from PIL import Image
+
+    from demo import aspect
+
+    stage00 = importlib.import_module("pipeline.00_make_demo_data")
+    assert stage00.main(["--out", str(tmp_path / "demo"), "--count", "10"]) == 0
+    prompts = tmp_path / "demo" / "demo_prompts.json"
+    assert aspect.main(["images", "--prompts", str(prompts), "--out", str(tmp_path / "aspect"), "--count", "10"]) == 0
+    samples, _ = sd.data.shards.read_shard((tmp_path / "aspect" / "shards" / "00000.tar").read_bytes())
+    palette = {k: tuple(v) for k, v in json.loads(prompts.read_text())["palette"].items()}
+    kinds = []
+    for sample in samples:
+        image = np.asarray(Image.open(io.BytesIO(sample.image)).convert("RGB"))
+        kind = json.loads(sample.metadata)["kind"]
+        kinds.append(kind)
+        colour = sample.caption.split()[1]
+        assert image.shape[:2] == {"wide": (96, 288), "tall": (288, 96), "square": (96, 96)}[kind]
+        if kind == "square":
+            continue
+        square = sd.data.shards.resize_center_crop(image, 64)
+        assert (np.abs(square.astype(int) - 255).max(axis=-1) < 40).all()  # the centre square is white
+        bucket = (144, 48) if kind == "wide" else (48, 144)
+        fitted, _ = sd.data.buckets.fit_to_bucket(image, bucket)
+        assert aspect.at_an_end(fitted, colour, palette, (255, 255, 255)) == (True, True)
+    assert kinds.count("wide") == kinds.count("tall") == 4 and kinds.count("square") == 2
+
+
+def test_classifier_reads_the_ground_truth_images(tmp_path):
+    import io
+
+    from PIL import Image
+
+    from demo import evaluate
+
+    stage00 = importlib.import_module("pipeline.00_make_demo_data")
+    assert stage00.main(["--out", str(tmp_path), "--count", "300", "--shard_size", "100"]) == 0
+    prompts = json.loads((tmp_path / "demo_prompts.json").read_text())
+    palette = {k: tuple(v) for k, v in prompts["palette"].items()}
+    assert len(prompts["seen"]) == 15 and len((tmp_path / "prompts.txt").read_text().splitlines()) == 18
+    hits, seen_captions = [], set()
+    for shard in sorted(tmp_path.glob("*.tar")):
+        samples, truncated = sd.data.shards.read_shard(shard.read_bytes())
+        assert truncated is None
+        for sample in samples:
+            meta = json.loads(sample.metadata)
+            image = np.asarray(Image.open(io.BytesIO(sample.image)).convert("RGB"))
+            assert image.shape == (64, 64, 3)
+            hits.append(evaluate.classify(image, palette) == (meta["colour"], meta["shape"]))
+            seen_captions.add(sample.caption)
+    assert len(hits) == 300 and all(hits)
+    assert not seen_captions & set(prompts["held_out"])  # held-out combinations never reach training
+    assert seen_captions <= set(prompts["seen"])
