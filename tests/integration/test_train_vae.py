@@ -11,6 +11,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
+import sd.vae
 import train_vae
 
 # 48 images of 32 px; the "tiny" preset (factor 8: 4x4x4 latents), 60 fp32 steps of 8: a few seconds.
@@ -37,7 +38,7 @@ def trained(shards, tmp_path_factory):
     """One run of main(): its output folder, the log it printed, and the weights it held when saving."""
     out = tmp_path_factory.mktemp("run") / "vae"
     held = {}
-    real_save = train_vae.save
+    real_save = sd.vae.save
 
     def spy(vae, folder, stats):
         held.update({name: tensor.clone() for name, tensor in vae.state_dict().items()})
@@ -50,7 +51,7 @@ def trained(shards, tmp_path_factory):
     train_vae.log.setLevel(logging.INFO)  # pytest's root handler makes main()'s basicConfig a no-op
     try:
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(train_vae, "save", spy)
+            patch.setattr(sd.vae, "save", spy)
             assert train_vae.main(vae_argv(shards, out)) == 0
     finally:
         train_vae.log.removeHandler(handler)
@@ -98,7 +99,7 @@ def test_a_failed_save_keeps_the_previous_folder_whole(trained, tmp_path):
             raise OSError("disk full")
 
     with pytest.raises(OSError, match="disk full"):
-        train_vae.save(Broken(), target, {"psnr_db": 0.0})
+        sd.vae.save(Broken(), target, {"psnr_db": 0.0})
     assert {p.name: p.read_bytes() for p in target.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["vae"]  # no .vae.tmp left behind
 
