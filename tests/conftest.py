@@ -13,6 +13,11 @@ os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 ROOT = Path(__file__).resolve().parents[1]
 TIERS = ("unit", "integration", "e2e", "gpu")  # tests/<tier>/ folders, each also a marker
 
+# Under pytest-xdist (make test runs -n 2) the workers share the cores: each takes its part of them for
+# torch's threads instead of all, which would leave every worker waiting on the others' threads.
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 
 def pytest_collection_modifyitems(config, items):
     skip = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs a CUDA device")

@@ -178,9 +178,9 @@ RANGES = {
     "prior_loss_weight": (">= 0 and finite", [0.0, 1.0], [-1.0]),
     "noise_offset": (">= 0 and finite", [0.0, 0.1], [-0.1]),
     "image_size": (">= 8", [8, 512], [0, -8]),
-    "validation_width": (">= 0", [0], [-8]),  # a size other than 0 needs its partner: tests/test_buckets.py
+    "validation_width": (">= 0", [0], [-8]),  # a size other than 0 needs its partner: tests/integration/test_buckets.py
     "validation_height": (">= 0", [0], [-8]),
-    "eval_every": (">= 0", [0], [-1]),  # > 0 needs eval_prompts and eval_reference: tests/test_sd_eval.py
+    "eval_every": (">= 0", [0], [-1]),  # > 0 needs eval_prompts and eval_reference: tests/integration/test_sd_eval.py
     "eval_n": (">= 1", [1, 30000], [0, -1]),
     "eval_batch_size": (">= 1", [1], [0]),
 }
