@@ -20,13 +20,18 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PY) -m pip install --quiet --no-deps -e .
 	touch $(STAMP)
 
-# The whole suite (what CI runs): about 22 minutes on an idle 2-core CPU (the demo test 12.8 of them).
+# Both targets spread test files over two pytest-xdist workers (--dist loadfile keeps a file's module
+# fixtures in one worker). XDIST=0 runs everything in this process instead.
+XDIST ?= 2
+PYTEST := $(PY) -m pytest $(if $(filter 0,$(XDIST)),,-n $(XDIST) --dist loadfile)
+
+# The whole suite (what CI runs): every tier, the demo chain included.
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PYTEST)
 
 # The fast tier for the edit-test loop: tests/unit and the short tests of tests/integration.
 check: $(STAMP)
-	$(PY) -m pytest -m "not slow" tests/unit tests/integration
+	$(PYTEST) -m "not slow" tests/unit tests/integration
 
 # The whole system on built-in synthetic data: outputs under runs/demo/ (see demo/run.sh).
 demo: $(STAMP)

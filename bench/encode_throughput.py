@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import json
+import runpy
 import tarfile
 import tempfile
 import time
@@ -23,12 +24,15 @@ import numpy as np
 import torch
 from PIL import Image
 
-import encode_latents
 import sd.cli
 import sd.data.shards
 import sd.model
 import sd.runtime
 from bench import harness
+
+ROOT = Path(__file__).resolve().parents[1]
+# The command itself, in this process (a script at the root, not a module of the package).
+encode_latents_main = runpy.run_path(str(ROOT / "encode_latents.py"), run_name="encode_latents")["main"]
 
 # (height, width) per resolution of the --aspects images: landscape, portrait, square, 3:1 and 1:3
 ASPECTS = ((1.25, 1.6), (1.6, 1.25), (1.25, 1.25), (0.8, 2.4), (2.4, 0.8))
@@ -114,13 +118,13 @@ def main(argv=None) -> dict:
         shards = sorted((tmp / "shards").glob("*.tar"))
 
         # Warm both paths (CUDA context, kernel selection) on one shard, outside the timings.
-        encode_latents.main(["--shards", str(shards[0]), "--out", str(tmp / "warm"), "--vae", vae_id,
+        encode_latents_main(["--shards", str(shards[0]), "--out", str(tmp / "warm"), "--vae", vae_id,
                              "--resolution", str(args.resolution), "--batch_size", str(args.batch_size),
                              "--workers", str(args.workers), "--device", str(device)])
         naive_encode(shards[:1], vae, device, dtype, args.resolution)
 
         start = time.perf_counter()
-        encode_latents.main(["--shards", str(tmp / "shards" / "*.tar"), "--out", str(tmp / "ours"), "--vae", vae_id,
+        encode_latents_main(["--shards", str(tmp / "shards" / "*.tar"), "--out", str(tmp / "ours"), "--vae", vae_id,
                              "--resolution", str(args.resolution), "--batch_size", str(args.batch_size),
                              "--workers", str(args.workers), "--device", str(device)])
         ours = args.images / (time.perf_counter() - start)

@@ -15,18 +15,20 @@ from __future__ import annotations
 
 import importlib
 import json
+import runpy
 import sys
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
-ROOT = Path(__file__).resolve().parents[1]
-
 import sd.cli
 import sd.files
-import SD_Eval
 from demo.evaluate import parse_prompt
+
+ROOT = Path(__file__).resolve().parents[1]
+# SD_Eval.py's command line, in this process (a script at the root, not a module of the package).
+sd_eval_main = runpy.run_path(str(ROOT / "SD_Eval.py"), run_name="SD_Eval")["main"]
 
 demo_data = importlib.import_module("pipeline.00_make_demo_data")
 SETS = {"reference": 1001, "ground_truth": 1002}  # seeds of the drawings (the training images use seed 0)
@@ -51,7 +53,7 @@ def blank_set(folder: Path, n: int, size: int, background) -> None:
 
 
 def fid(images: Path, reference: Path, out: Path) -> float:
-    code = SD_Eval.main(["--images", str(images), "--reference", str(reference), "--features", "tiny",
+    code = sd_eval_main(["--images", str(images), "--reference", str(reference), "--features", "tiny",
                          "--clip_model", "none", "--device", "cpu", "--out", str(out)])
     if code != 0:
         raise SystemExit(f"demo/fid.py: SD_Eval.py could not score {images}")
