@@ -30,6 +30,13 @@ class Dist:
         return cls(0, 1, 0, torch.device(device), True)
 
 
+def cpu_threads(share: int) -> int:
+    """This process's CPU threads: its ``share`` of the cores, and no more than ``OMP_NUM_THREADS`` where
+    that is set (a job sharing the machine with others says so there)."""
+    limit = os.environ.get("OMP_NUM_THREADS", "")
+    return max(1, min(share, int(limit)) if limit.isdigit() and int(limit) > 0 else share)
+
+
 def setup(device_choice: str = "auto") -> Dist:
     """Read torchrun's environment, pick this rank's device and join the process group."""
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -40,7 +47,7 @@ def setup(device_choice: str = "auto") -> Dist:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:  # the ranks on one machine share its cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+        torch.set_num_threads(cpu_threads((os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     if world_size > 1:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                 device_id=device if device.type == "cuda" else None)
@@ -88,5 +95,5 @@ def independent(device_choice: str = "auto", rank: int | None = None, world_size
     elif device.type == "cpu" and int(os.environ.get("LOCAL_WORLD_SIZE", 1)) > 1:
         # The ranks on one machine share its cores (the ones this process may run on, under SLURM too).
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        torch.set_num_threads(max(1, cores // int(os.environ["LOCAL_WORLD_SIZE"])))
+        torch.set_num_threads(cpu_threads(cores // int(os.environ["LOCAL_WORLD_SIZE"])))
     return Dist(rank, world_size, local_rank, device, rank == 0)

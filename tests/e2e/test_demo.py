@@ -40,7 +40,10 @@ ROOT = Path(__file__).resolve().parents[2]
 CONCEPT_BASE_AT_MOST, CONCEPT_AT_LEAST = 0.25, 0.5
 ASPECT_BUCKETS_AT_LEAST, ASPECT_GAP_AT_LEAST = 0.25, 0.15
 FID_BELOW_BLANK = 0.2
-SMALL_DEMO = {"DEMO_COUNT": "1200", "DEMO_VAE_STEPS": "500", "DEMO_N": "4", "DEMO_NPROC": "2", "DEMO_THREADS": "2",
+# Under make test's two xdist workers each process takes one thread (OMP_NUM_THREADS, set by conftest):
+# the other worker runs the rest of the suite meanwhile, and more threads than cores stall OpenMP.
+SMALL_DEMO = {"DEMO_COUNT": "1200", "DEMO_VAE_STEPS": "500", "DEMO_N": "4", "DEMO_NPROC": "2",
+              "DEMO_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
               "DEMO_TRAIN_FLAGS": "--max_steps 600 --warmup_steps 30 --validate_every 300 --save_steps 300",
               "DEMO_CONCEPT_FLAGS": "--max_steps 150 --num_class_images 32 --save_steps 150 --validate_every 150",
               "DEMO_ASPECT_COUNT": "300", "DEMO_ASPECT_FLAGS": "--max_steps 150 --save_steps 150",
