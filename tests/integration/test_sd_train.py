@@ -441,7 +441,6 @@ def test_loss_falls_on_a_learnable_task(tmp_path, data):
     assert SD_Train.main(["--config", str(config)]) == 0
     values = losses(tmp_path / "run")
     first, last = np.mean(values[:10]), np.mean(values[-10:])
-    print("loss ratio", first / last)
     assert last < first / 3, (first, last)
 
 
