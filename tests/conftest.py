@@ -31,8 +31,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(getattr(pytest.mark, tier))
         if skip is not None and "gpu" in item.keywords:
             item.add_marker(skip)
-    # The longest first: under xdist the demo chain then runs beside the rest instead of after it.
-    items.sort(key=lambda item: 0 if "e2e" in item.keywords else 1)
 
 
 @pytest.fixture(scope="session")
