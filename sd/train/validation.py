@@ -5,6 +5,7 @@ while another works alone."""
 from __future__ import annotations
 
 import contextlib
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -21,7 +22,7 @@ from sd.train.config import TrainConfig
 if TYPE_CHECKING:
     from sd.train.run import Run
 
-log = __import__("logging").getLogger("sd_train")
+log = logging.getLogger("sd_train")
 
 
 def validate(run: Run, record: dict) -> Path | None:
