@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 # wandb never needs the network in tests.
 export NO_ALBUMENTATIONS_UPDATE := 1
 
-.PHONY: setup test check demo clean
+.PHONY: setup test test-demo check demo clean
 
 setup: $(STAMP)
 
@@ -21,13 +21,18 @@ $(STAMP): requirements.txt pyproject.toml
 	touch $(STAMP)
 
 # Both targets spread test files over two pytest-xdist workers (--dist loadfile keeps a file's module
-# fixtures in one worker). XDIST=0 runs everything in this process instead.
+# fixtures in one worker) in the order tests/conftest.py sets: the demo chain first, beside the rest.
+# XDIST=0 runs everything in this process instead.
 XDIST ?= 2
-PYTEST := $(PY) -m pytest $(if $(filter 0,$(XDIST)),,-n $(XDIST) --dist loadfile)
+PYTEST := $(PY) -m pytest $(if $(filter 0,$(XDIST)),,-n $(XDIST) --dist loadfile --no-loadscope-reorder)
 
 # The whole suite (what CI runs): every tier, the demo chain included.
 test: $(STAMP)
 	$(PYTEST)
+
+# The demo chain at 64 px with every step (about 40 minutes on 2 cores), besides the small one make test runs.
+test-demo: $(STAMP)
+	$(PY) -m pytest --full-demo tests/e2e
 
 # The fast tier for the edit-test loop: tests/unit and the short tests of tests/integration.
 check: $(STAMP)

@@ -10,7 +10,7 @@ with the instance prompt as a concept: "a sks circle on a white background" is a
 ``--vae``, cyan is scored as the VAE gives it back, the colour a latent model can draw) and
 ``OUT/prompts.txt`` (the seen prompts, then the instance prompt) for sampling. ``report`` reads the
 evaluations ``OUT/eval_base.json``, ``OUT/eval_prior.json`` and ``OUT/eval_no_prior.json`` (written
-by demo/evaluate.py for the base model and the two adapters) and prints and writes
+by demo/evaluate.py for the base model and the two adapters; those there are) and prints and writes
 ``OUT/concept.json``: the concept's accuracy, and the seen prompts' accuracy before and after, with
 and without prior preservation.
 """
@@ -72,7 +72,8 @@ def make_images(prompts_file: Path, out: Path, count: int, size: int, seed: int,
 
 
 def report(out: Path) -> dict:
-    scores = {name: json.loads((out / f"eval_{name}.json").read_text()) for name in RUNS}
+    scores = {name: json.loads((out / f"eval_{name}.json").read_text()) for name in RUNS
+              if (out / f"eval_{name}.json").exists()}
     table = {name: {"concept_colour": s["concept"]["colour"], "concept_both": s["concept"]["both"],
                     "seen_colour": s["seen"]["colour"], "seen_both": s["seen"]["both"]} for name, s in scores.items()}
     return report_table(out / "concept.json", table, RUNS)

@@ -1,19 +1,29 @@
 #!/usr/bin/env bash
 # make demo: every part of the system on built-in synthetic data, on a CPU (or a GPU when there is one).
 # Each step is a real command of the repository and resumes if re-run. Sizes can be lowered through the
-# environment (the test suite runs a small version): DEMO_OUT, DEMO_COUNT, DEMO_VAE_STEPS,
-# DEMO_TRAIN_FLAGS (extra SD_Train.py flags), DEMO_N (images per prompt), DEMO_NPROC, and DEMO_THREADS
-# (CPU threads of each step but the trainer, which gives each rank cpu_count / ranks; unset = torch's
-# default), DEMO_CONCEPT_COUNT (instance images of the new concept), DEMO_CONCEPT_FLAGS (extra
-# SD_Train.py flags of its two LoRA runs), DEMO_ASPECT_COUNT (wide, tall and square images of the
-# aspect-ratio step), DEMO_ASPECT_FLAGS (extra SD_Train.py flags of its two runs) and DEMO_ASPECT_RUNS
-# (which models it samples: base buckets square). Every step is seeded (data, VAE, UNet, sampler: seed 0).
+# environment (the test suite runs smaller versions):
+#   DEMO_OUT            output folder (runs/demo)
+#   DEMO_SIZE           image side in pixels, a multiple of 16 (64)
+#   DEMO_COUNT          training images (4000); DEMO_N: samples per prompt (8)
+#   DEMO_VAE_STEPS      VAE steps (900); DEMO_VAE_FLAGS: extra train_vae.py flags
+#   DEMO_TRAIN_FLAGS    extra SD_Train.py flags of the UNet run; DEMO_NPROC: its ranks
+#   DEMO_THREADS        CPU threads of each step but the trainer, which gives each rank cpu_count / ranks
+#   DEMO_CONCEPT_COUNT  instance images of the new concept (12); DEMO_CONCEPT_FLAGS: extra SD_Train.py
+#                       flags of its LoRA runs; DEMO_CONCEPT_RUNS: which ones (prior no_prior)
+#   DEMO_ASPECT=0       leaves out the aspect-ratio step; DEMO_ASPECT_COUNT: its wide, tall and square
+#                       images (600); DEMO_ASPECT_FLAGS: extra SD_Train.py flags of its two runs;
+#                       DEMO_ASPECT_RUNS: which models it samples (base buckets square); DEMO_WIDE: its wide
+#                       bucket and samples, WxH (144x48; the tall ones are the same turned)
+# Every step is seeded (data, VAE, UNet, sampler: seed 0).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 OUT=${DEMO_OUT:-runs/demo}
 COUNT=${DEMO_COUNT:-4000}
 VAE_STEPS=${DEMO_VAE_STEPS:-900}
+SIZE=${DEMO_SIZE:-64}
+WIDE=${DEMO_WIDE:-144x48}
+TALL=${WIDE#*x}x${WIDE%x*}
 N=${DEMO_N:-8}
 # One rank per GPU (NCCL); two gloo ranks on a CPU, to show DDP there too.
 NPROC=${DEMO_NPROC:-$($PY -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 2)")}
@@ -23,17 +33,17 @@ start=$(date +%s)
 step() { printf '\n=== [%ss] %s ===\n' "$(( $(date +%s) - start ))" "$*"; }
 
 step "1/10 synthetic captioned images (pipeline/00_make_demo_data.py)"
-$PY pipeline/00_make_demo_data.py --out "$OUT/shards" --count "$COUNT" --size 64 --vae_count $((COUNT / 3)) \
+$PY pipeline/00_make_demo_data.py --out "$OUT/shards" --count "$COUNT" --size "$SIZE" --vae_count $((COUNT / 3)) \
     --vae_out "$OUT/vae_shards"
 
 step "2/10 a VAE for these images and the same shapes in cyan, a colour the UNet never sees (train_vae.py)"
 if [ -f "$OUT/vae/config.json" ]; then echo "$OUT/vae exists"; else
-  $PY train_vae.py --shards "$OUT/*shards/*.tar" --out "$OUT/vae" --resolution 64 --max_steps "$VAE_STEPS" \
-      --seed 0
+  $PY train_vae.py --shards "$OUT/*shards/*.tar" --out "$OUT/vae" --resolution "$SIZE" --max_steps "$VAE_STEPS" \
+      --seed 0 ${DEMO_VAE_FLAGS:-}
 fi
 
 step "3/10 latents, token ids, training dataset (encode_latents.py, stages 04 and 05)"
-$PY encode_latents.py --shards "$OUT/shards/*.tar" --out "$OUT/latents" --vae "$OUT/vae" --resolution 64 \
+$PY encode_latents.py --shards "$OUT/shards/*.tar" --out "$OUT/latents" --vae "$OUT/vae" --resolution "$SIZE" \
     --batch_size 64 --workers 2
 $PY pipeline/04_preprocess_to_cache.py --shards "$OUT/shards/*.tar" --out "$OUT/captions" --tokenizer tiny
 $PY pipeline/05_build_hf_dataset.py --captions "$OUT/captions" --latents "$OUT/latents" --out "$OUT/dataset" \
@@ -48,7 +58,7 @@ $PY -m torch.distributed.run --standalone --nproc_per_node "$NPROC" SD_Train.py 
 step "5/10 samples of seen and held-out prompts with the EMA weights (SD_ImageGen.py)"
 rm -rf "$OUT/samples"
 $PY SD_ImageGen.py --ckpt "$OUT/train" --prompts_file "$OUT/shards/prompts.txt" --n "$N" --steps 25 --cfg 3.5 \
-    --seed 0 --height 64 --width 64 --batch_size 16 --out "$OUT/samples"
+    --seed 0 --height "$SIZE" --width "$SIZE" --batch_size 16 --out "$OUT/samples"
 
 step "6/10 prompt adherence (demo/evaluate.py) and FID against fresh ground-truth drawings (demo/fid.py, SD_Eval.py)"
 $PY demo/evaluate.py --images "$OUT/samples" --prompts "$OUT/shards/demo_prompts.json" --out "$OUT/eval.json"
@@ -57,20 +67,21 @@ $PY demo/fid.py --samples "$OUT/samples" --prompts "$OUT/shards/demo_prompts.jso
 step "7/10 a new concept: a DreamBooth LoRA teaching 'a sks circle' = a cyan circle, with and without prior preservation"
 CONCEPT=$OUT/concept
 $PY demo/concept.py images --prompts "$OUT/shards/demo_prompts.json" --out "$CONCEPT" --vae "$OUT/vae" \
-    --count "${DEMO_CONCEPT_COUNT:-12}"
-for prior in prior no_prior; do
+    --count "${DEMO_CONCEPT_COUNT:-12}" --size "$SIZE"
+for prior in ${DEMO_CONCEPT_RUNS:-prior no_prior}; do
   if [ "$prior" = prior ]; then classes=(--class_dir "$CONCEPT/class"); else classes=(--class_dir "" --class_prompt ""); fi
   # shellcheck disable=SC2086  # DEMO_CONCEPT_FLAGS is a list of flags
   $PY SD_Train.py --config configs/demo_dreambooth.yaml --init_from "$OUT/train" --vae "$OUT/vae" \
-      --instance_dir "$CONCEPT/instance" "${classes[@]}" --out_dir "$CONCEPT/lora_$prior" ${DEMO_CONCEPT_FLAGS:-}
+      --instance_dir "$CONCEPT/instance" "${classes[@]}" --out_dir "$CONCEPT/lora_$prior" \
+      --image_size "$SIZE" ${DEMO_CONCEPT_FLAGS:-}
 done
 
 step "8/10 the seen prompts and the concept, sampled before and after (SD_ImageGen.py, demo/evaluate.py)"
-for run in base prior no_prior; do
+for run in base ${DEMO_CONCEPT_RUNS:-prior no_prior}; do
   if [ "$run" = base ]; then ckpt=$OUT/train; else ckpt=$CONCEPT/lora_$run; fi
   rm -rf "$CONCEPT/samples_$run"
   $PY SD_ImageGen.py --ckpt "$ckpt" --prompts_file "$CONCEPT/prompts.txt" --n "$N" --steps 25 --cfg 3.5 --seed 0 \
-      --height 64 --width 64 --batch_size 16 --out "$CONCEPT/samples_$run"
+      --height "$SIZE" --width "$SIZE" --batch_size 16 --out "$CONCEPT/samples_$run"
   $PY demo/evaluate.py --images "$CONCEPT/samples_$run" --prompts "$CONCEPT/concept_prompts.json" \
       --out "$CONCEPT/eval_$run.json"
 done
@@ -78,29 +89,31 @@ $PY demo/concept.py report --out "$CONCEPT"
 
 step "9/10 aspect-ratio buckets: wide and tall images with the shape at one end, trained in buckets and as centre squares"
 ASPECT=$OUT/aspect
-$PY demo/aspect.py images --prompts "$OUT/shards/demo_prompts.json" --out "$ASPECT" --count "${DEMO_ASPECT_COUNT:-600}"
-$PY pipeline/04_preprocess_to_cache.py --shards "$ASPECT/shards/*.tar" --out "$ASPECT/captions" --tokenizer tiny
-for kind in buckets square; do
-  if [ "$kind" = buckets ]; then fit=(--bucket_list 64x64,144x48,48x144); else fit=(); fi
-  $PY encode_latents.py --shards "$ASPECT/shards/*.tar" --out "$ASPECT/latents_$kind" --vae "$OUT/vae" --resolution 64 \
-      "${fit[@]}" --batch_size 64 --workers 2
-  $PY pipeline/05_build_hf_dataset.py --captions "$ASPECT/captions" --latents "$ASPECT/latents_$kind" \
-      --out "$ASPECT/dataset_$kind" --val_fraction 0
-  # shellcheck disable=SC2086  # DEMO_ASPECT_FLAGS is a list of flags
-  $PY SD_Train.py --config configs/demo_aspect.yaml --init_from "$OUT/train" --vae "$OUT/vae" \
-      --datasets "[{dataset: $ASPECT/dataset_$kind, latents: $ASPECT/latents_$kind}]" --out_dir "$ASPECT/train_$kind" \
-      ${DEMO_ASPECT_FLAGS:-}
-done
-for run in ${DEMO_ASPECT_RUNS:-base buckets square}; do
-  if [ "$run" = base ]; then ckpt=$OUT/train; else ckpt=$ASPECT/train_$run; fi
-  for size in wide:144x48 tall:48x144; do
-    width=${size#*:}; width=${width%x*}; height=${size#*x}
-    rm -rf "$ASPECT/samples_${run}_${size%%:*}"
-    $PY SD_ImageGen.py --ckpt "$ckpt" --prompts_file "$ASPECT/prompts.txt" --n "$N" --steps 25 --cfg 3.5 --seed 0 \
-        --width "$width" --height "$height" --batch_size 16 --out "$ASPECT/samples_${run}_${size%%:*}"
+if [ "${DEMO_ASPECT:-1}" = 0 ]; then echo "left out (DEMO_ASPECT=0)"; else
+  $PY demo/aspect.py images --prompts "$OUT/shards/demo_prompts.json" --out "$ASPECT" --count "${DEMO_ASPECT_COUNT:-600}"
+  $PY pipeline/04_preprocess_to_cache.py --shards "$ASPECT/shards/*.tar" --out "$ASPECT/captions" --tokenizer tiny
+  for kind in buckets square; do
+    if [ "$kind" = buckets ]; then fit=(--bucket_list "${SIZE}x$SIZE,$WIDE,$TALL"); else fit=(); fi
+    $PY encode_latents.py --shards "$ASPECT/shards/*.tar" --out "$ASPECT/latents_$kind" --vae "$OUT/vae" --resolution "$SIZE" \
+        "${fit[@]}" --batch_size 64 --workers 2
+    $PY pipeline/05_build_hf_dataset.py --captions "$ASPECT/captions" --latents "$ASPECT/latents_$kind" \
+        --out "$ASPECT/dataset_$kind" --val_fraction 0
+    # shellcheck disable=SC2086  # DEMO_ASPECT_FLAGS is a list of flags
+    $PY SD_Train.py --config configs/demo_aspect.yaml --init_from "$OUT/train" --vae "$OUT/vae" \
+        --datasets "[{dataset: $ASPECT/dataset_$kind, latents: $ASPECT/latents_$kind}]" --out_dir "$ASPECT/train_$kind" \
+        ${DEMO_ASPECT_FLAGS:-}
   done
-done
-$PY demo/aspect.py report --out "$ASPECT" --prompts "$OUT/shards/demo_prompts.json"
+  for run in ${DEMO_ASPECT_RUNS:-base buckets square}; do
+    if [ "$run" = base ]; then ckpt=$OUT/train; else ckpt=$ASPECT/train_$run; fi
+    for size in "wide:$WIDE" "tall:$TALL"; do
+      width=${size#*:}; width=${width%x*}; height=${size#*x}
+      rm -rf "$ASPECT/samples_${run}_${size%%:*}"
+      $PY SD_ImageGen.py --ckpt "$ckpt" --prompts_file "$ASPECT/prompts.txt" --n "$N" --steps 25 --cfg 3.5 --seed 0 \
+          --width "$width" --height "$height" --batch_size 16 --out "$ASPECT/samples_${run}_${size%%:*}"
+    done
+  done
+  $PY demo/aspect.py report --out "$ASPECT" --prompts "$OUT/shards/demo_prompts.json"
+fi
 
 step "10/10 done"
 cat <<SUMMARY

@@ -23,14 +23,40 @@ if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
+def schedule_order(items: list) -> list:
+    """The order make test's two workers take the test files in (xdist runs with --no-loadscope-reorder):
+    the demo chain first, as it takes the longest, then the rest by their number of slow tests, most
+    first, so the last files to start are quick ones, except that the quickest goes third: xdist starts
+    each worker with two files, and the demo's worker takes the third. Tests keep their order within a
+    file."""
+    files: dict[str, list] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::")[0], []).append(item)
+    e2e = [f for f in files if f.startswith("tests/e2e/")]
+    slow = {f: sum("slow" in item.keywords for item in tests) for f, tests in files.items()}
+    rest = sorted((f for f in files if f not in e2e), key=lambda f: (-slow[f], -len(files[f])))
+    ordered = e2e + rest[:1] + rest[-1:] + rest[1:-1] if e2e and len(rest) > 1 else e2e + rest
+    return [item for f in ordered for item in files[f]]
+
+
+def pytest_addoption(parser):
+    parser.addoption("--full-demo", action="store_true",
+                     help="also run the 64 px demo chain (tests marked full_demo; make test-demo)")
+
+
 def pytest_collection_modifyitems(config, items):
+    items[:] = schedule_order(items)
     skip = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs a CUDA device")
+    skip_full = None if config.getoption("--full-demo") else pytest.mark.skip(
+        reason="the 64 px demo chain (about 40 minutes on 2 cores): make test-demo")
     for item in items:
         tier = Path(item.fspath).parent.name
         if tier in TIERS:
             item.add_marker(getattr(pytest.mark, tier))
         if skip is not None and "gpu" in item.keywords:
             item.add_marker(skip)
+        if skip_full is not None and "full_demo" in item.keywords:
+            item.add_marker(skip_full)
 
 
 @pytest.fixture(scope="session")

@@ -43,9 +43,10 @@ def resume_or_init(run: Run) -> None:
 
 def due(run: Run, epoch_done: bool, stopping: bool) -> bool:
     """Whether the step just taken ends with a save: every ``save_steps``, at the end of the phase,
-    at an epoch's end, and before the run stops."""
+    before the run stops, and at an epoch's end when ``save_every_epoch`` asks for it."""
     step = run.state.step
-    return stopping or epoch_done or step % run.config.save_steps == 0 or step == run.total_steps
+    return (stopping or (epoch_done and run.config.save_every_epoch) or step % run.config.save_steps == 0
+            or step == run.total_steps)
 
 
 def resumable(run: Run) -> dict:

@@ -151,8 +151,9 @@ class TrainConfig:
     max_bad_steps: int = _doc("stop after this many non-finite steps in a row", 10, allowed=COUNT)
     # -- checkpoints and logging ------------------------------------------------------------
     out_dir: str = _doc("run folder: config.yaml, metrics.jsonl, samples/, checkpoints/", "runs/train")
-    save_steps: int = _doc("save a checkpoint every N optimizer steps (also at each epoch end and the end)", 1500,
+    save_steps: int = _doc("save a checkpoint every N optimizer steps (and at the end of the run)", 1500,
                            allowed=COUNT)
+    save_every_epoch: bool = _doc("also save at the end of each epoch", False)
     keep_checkpoints: int = _doc("keep the newest N checkpoints (at least 2: the newest may be mid-write when a "
                                 "run dies)", 3, allowed=Range(2))
     keep_every_steps: int = _doc("also keep every checkpoint whose step is a multiple of this; 0 = none", 0,

@@ -491,16 +491,15 @@ def test_bad_configs_stop_before_any_work(tmp_path, data, capsys, fields, flags,
     assert not (tmp_path / "run").exists()
 
 
-def test_latents_missing_for_captions_stop_with_counts_and_keys(tmp_path):
+def test_latents_missing_for_captions_stop_with_counts_and_keys(tmp_path, capsys):
     make_latents(tmp_path / "lat", ["a0", "a1"], np.zeros((2, 4, 8, 8)))
     make_captions(tmp_path / "caps", [("a0", "x"), ("a1", "y"), ("b7", "z")], [])
     config = write_config(tmp_path / "c.yaml", datasets=[{"dataset": str(tmp_path / "caps"),
                                                           "latents": str(tmp_path / "lat")}],
                           max_steps=2, out_dir=str(tmp_path / "run"))
-    result = subprocess.run([sys.executable, str(ROOT / "SD_Train.py"), "--config", str(config)], cwd=ROOT,
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 2
-    assert "1 of 3 captions" in result.stderr and "'b7'" in result.stderr
+    assert SD_Train.main(["--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "1 of 3 captions" in err and "'b7'" in err
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
