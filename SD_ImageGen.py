@@ -2,7 +2,7 @@
 
     python SD_ImageGen.py --ckpt PATH --prompt "..." [--negative "..."] [--steps 100] [--cfg 7.5]
                           [--seed 0] [--n 4] [--batch_size 4] [--sampler ddim|dpm++|euler] [--no_ema]
-                          [--height 512 --width 512] [--device auto] --out DIR
+                          [--height H --width W] [--device auto] --out DIR
     python SD_ImageGen.py --ckpt runs/p7_consolidation --export_diffusers exported/sd1
     python SD_ImageGen.py --ckpt runs/p7_consolidation --export_single_file sd1.safetensors --half
     python SD_ImageGen.py --ckpt runs/style_lora --export_lora exported/style [--lora_format diffusers|kohya]
@@ -34,6 +34,7 @@ import logging
 import math
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 from safetensors import SafetensorError
 
@@ -63,8 +64,9 @@ def parse_args(argv=None):
     parser.add_argument("--batch_size", type=int, default=4, help="images per UNet call (default: %(default)s)")
     parser.add_argument("--sampler", choices=sd.sampling.SAMPLERS, default="ddim", help="the sampler")
     parser.add_bool("--no_ema", help="use the live weights of our checkpoints, not the EMA")
-    parser.add_argument("--height", type=int, default=512, help="pixels, a multiple of 8 (default: %(default)s)")
-    parser.add_argument("--width", type=int, default=512, help="pixels, a multiple of 8 (default: %(default)s)")
+    parser.add_argument("--height", type=int, default=None, help="pixels, a multiple of 8 (default: the size the model "
+                        "was trained at: our run's latents or DreamBooth image_size, else the UNet's sample_size x 8)")
+    parser.add_argument("--width", type=int, default=None, help="pixels, a multiple of 8 (default: as --height)")
     parser.add_argument("--device", default="auto", help="auto (CUDA, then Apple MPS, then CPU), cpu, cuda, mps")
     parser.add_argument("--precision", choices=("auto", *sd.runtime.PRECISIONS), default="auto",
                         help="model precision; auto = bf16 on CUDA, fp16 on MPS, fp32 on CPU")
@@ -116,7 +118,7 @@ def parse_args(argv=None):
         args.lora = [parse_lora_spec(spec) for spec in args.lora]
     except ValueError as error:
         parser.error(str(error))
-    if args.height % 8 or args.width % 8 or args.height <= 0 or args.width <= 0:
+    if any(side is not None and (side % 8 or side <= 0) for side in (args.height, args.width)):
         parser.error("--height and --width must be positive multiples of 8")
     for name in ("steps", "n", "batch_size"):
         if getattr(args, name) < 1:
@@ -167,6 +169,24 @@ def export(args, model: Pipeline) -> None:
         log.info("wrote single file %s%s", args.export_single_file, " (fp16)" if args.half else "")
 
 
+def trained_size(ckpt: str, model: Pipeline) -> tuple[int, str]:
+    """The square side a model was trained at, and where it comes from: a DreamBooth run's
+    ``image_size``, a run's latents (the square of its largest bucket's pixels), else what its UNet
+    config says (``sample_size`` latents, diffusers' own default)."""
+    import sd.data.training_data
+    import sd.train.memory
+
+    config = sd.formats.run_config(ckpt)
+    if config and config.get("instance_dir"):
+        return int(config["image_size"]), "the run's DreamBooth image_size"
+    if config and config.get("datasets"):
+        latents = Path(str(config["datasets"][0]["latents"]))
+        meta = sd.data.training_data.read_latents_meta(latents) if (latents / "latents.json").exists() else {}
+        if meta.get("latent_shape") or meta.get("buckets"):
+            return sd.train.memory.resolution_of(SimpleNamespace(datasets=config["datasets"])), f"the latents in {latents}"
+    return int(model.unet.config.sample_size) * 8, "the UNet's sample_size"
+
+
 def main(argv=None) -> int:
     sd.runtime.start_process()
     args = parse_args(argv)
@@ -193,12 +213,20 @@ def main(argv=None) -> int:
         export(args, model)
     if not args.prompt:
         return 0
+    if args.height is None or args.width is None:
+        side, why = trained_size(args.ckpt, model)
+        args.height, args.width = args.height or side, args.width or side
+        log.info("sampling at %dx%d (%s; --height and --width set it)", args.width, args.height, why)
     device = sd.runtime.pick_device(args.device)
     dtype = sd.runtime.resolve_precision(args.precision, device)
     model.to(device, dtype)
     model.unet = sd.sampling.compile_unet(model.unet, args.compile)
     out = Path(args.out)
     rows, records = [], []
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=len(args.prompt) * args.n, desc=f"sample ({args.steps} steps, {args.width}x{args.height})",
+               unit="image")
     for p, prompt in enumerate(args.prompt):
         seeds = [args.seed + i for i in range(args.n)]
         images = sd.sampling.generate(model, prompt, args.negative, seeds, steps=args.steps, cfg=args.cfg,
@@ -210,6 +238,8 @@ def main(argv=None) -> int:
             sd.sampling.save_png(path, image, parameters)
             records.append({"file": path.name, "prompt": prompt, "negative": args.negative, "seed": seed})
         rows.append((prompt, images))
+        bar.update(len(images))
+    bar.close()
     sd.sampling.save_grid(out / "grid.png", rows)
     sd.files.write_text_atomic(out / "images.json", json.dumps(records, indent=1) + "\n")
     log.info("wrote %d images and grid.png to %s", len(records), out)

@@ -21,6 +21,7 @@ output and the same counts for an img2dataset shard; memory holds one shard's ke
 from __future__ import annotations
 
 import glob
+import json
 import logging
 import os
 import sys
@@ -181,13 +182,19 @@ def main(argv=None) -> int:
         print(f"{STAGE}.py: two input shards share a file name; their outputs would collide", file=sys.stderr)
         return 2
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     summary = sd.data.stages.Summary(STAGE)
+    earlier = json.loads(summary.path(out).read_text()) if summary.path(out).exists() else {}
+    try:  # before any output: a tokenizer that cannot be loaded, or another one than the folder's
+        tokenizer = sd.model.load_tokenizer(args.tokenizer)
+        sd.data.stages.record_settings(out, STAGE, {"tokenizer": args.tokenizer},
+                                       earlier={k: earlier[k] for k in ("tokenizer",) if k in earlier})
+    except (sd.model.TokenizerError, sd.data.stages.SettingsChanged) as error:
+        print(f"{STAGE}.py: {error}", file=sys.stderr)
+        return 2
     todo = summary.pending(out, list(by_stem), ".parquet")
     if todo:
         from tqdm.auto import tqdm
 
-        tokenizer = sd.model.load_tokenizer(args.tokenizer)
         for name in tqdm(todo, desc="tokenize", unit="shard"):
             try:
                 summary.add(process_shard(by_stem[name], out, tokenizer, args.batch_size))

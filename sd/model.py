@@ -12,11 +12,13 @@ Everything here is importable without side effects:
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+import sd.cli
 import sd.tokenizer
 
 # ---------------------------------------------------------------------------------------------
@@ -267,15 +269,35 @@ def load_text_encoder(
     return _frozen(CLIPTextModel.from_pretrained(name_or_path, **kwargs))
 
 
+class TokenizerError(ValueError):
+    """A tokenizer that could not be loaded, in one line naming it and the ways to fix it."""
+
+
+# Below this many tokens a "tokenizer" is the empty shell transformers builds when it finds no
+# vocabulary (offline, a wrong folder): every caption would become [BOS, UNK, UNK, ...].
+MIN_VOCABULARY = 1000
+
+
 def load_tokenizer(name_or_path: str = DEFAULT_TEXT_ENCODER, *, subfolder: str | None = None):
-    """The CLIP tokenizer (77 tokens). ``"tiny"`` is the real CLIP BPE built offline (see below)."""
+    """The CLIP tokenizer (77 tokens). ``"tiny"`` is the real CLIP BPE built offline (see below).
+    One that cannot be loaded, or comes back without a vocabulary, is a TokenizerError."""
     from transformers import CLIPTokenizer
 
+    requested = name_or_path
     if name_or_path == "tiny":
         name_or_path, subfolder = str(sd.tokenizer.clip_tokenizer_folder()), None
     subfolder = subfolder or _local_subfolder(name_or_path, "tokenizer")
     kwargs = {"subfolder": subfolder} if subfolder else {}
-    return CLIPTokenizer.from_pretrained(name_or_path, model_max_length=TOKENIZER_MAX_LENGTH, **kwargs)
+    fix = ("use --tokenizer tiny (the CLIP vocabulary, built offline), a local folder with vocab.json and "
+           "merges.txt, or a hub id with the hub reachable (HF_HUB_OFFLINE unset)")
+    try:
+        tokenizer = CLIPTokenizer.from_pretrained(name_or_path, model_max_length=TOKENIZER_MAX_LENGTH, **kwargs)
+    except (OSError, ValueError) as error:
+        raise TokenizerError(f"tokenizer {requested}: cannot be loaded ({sd.cli.first_line(error)}); {fix}") from error
+    if len(tokenizer) < MIN_VOCABULARY:
+        offline = " with HF_HUB_OFFLINE set" if os.environ.get("HF_HUB_OFFLINE") else ""
+        raise TokenizerError(f"tokenizer {requested}: no vocabulary found ({len(tokenizer)} tokens{offline}); {fix}")
+    return tokenizer
 
 
 def tokenize(tokenizer, prompts: list[str]) -> torch.Tensor:

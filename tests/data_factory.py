@@ -28,6 +28,7 @@ def make_latents(folder: Path, keys: list[str], latents: np.ndarray, shard_size:
             np.save(folder / f"{shard:05d}.flip.npy", flipped[start : start + shard_size].astype(np.float16))
         (folder / f"{shard:05d}.keys.txt").write_text("\n".join(keys[start : start + shard_size]) + "\n")
     meta = {"vae": "tiny", "scaling_factor": sd.model.SD1_SCALING_FACTOR, "count": len(keys),
+            "resolution": int(latents.shape[-1]) * 8, "latent_shape": list(latents.shape[1:]),
             **({"flip": True} if flipped is not None else {})}
     (folder / "latents.json").write_text(json.dumps(meta))
     return folder

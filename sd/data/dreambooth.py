@@ -32,7 +32,7 @@ import sd.sampling
 
 log = logging.getLogger("sd_dreambooth")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
-CLASS_IMAGES_PER_INSTANCE = 200  # num_class_images: 0
+DEFAULT_CLASS_IMAGES = 100  # num_class_images: 0, as diffusers' DreamBooth scripts
 GENERATE_BATCH = 8  # class images per sampler call
 
 
@@ -46,19 +46,19 @@ def image_files(folder: str | Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES and not p.name.startswith("."))
 
 
-def class_image_count(config, instances: int) -> int:
-    return config.num_class_images or CLASS_IMAGES_PER_INSTANCE * instances
+def class_image_count(config) -> int:
+    return config.num_class_images or DEFAULT_CLASS_IMAGES
 
 
 def class_image_name(index: int) -> str:
     return f"class_{index:05d}.png"
 
 
-def missing_class_images(config, instances: int) -> list[int]:
+def missing_class_images(config) -> list[int]:
     """Indices of the generated class images still to make (an image of another name counts too)."""
     folder = Path(config.class_dir)
     have = image_files(folder) if folder.is_dir() else []
-    wanted = class_image_count(config, instances)
+    wanted = class_image_count(config)
     if len(have) >= wanted:
         return []
     names = {p.name for p in have}
@@ -66,10 +66,10 @@ def missing_class_images(config, instances: int) -> list[int]:
     return free[: wanted - len(have)]
 
 
-def ensure_class_images(config, d, pipeline, instances: int) -> int:
+def ensure_class_images(config, d, pipeline) -> int:
     """Generate the missing class images with ``pipeline`` (the base model); every rank makes every
     ``world_size``-th one, then all meet at a barrier. Returns how many were made here."""
-    todo = missing_class_images(config, instances)
+    todo = missing_class_images(config)
     if not todo:
         return 0
     from tqdm.auto import tqdm
@@ -78,8 +78,10 @@ def ensure_class_images(config, d, pipeline, instances: int) -> int:
     folder.mkdir(parents=True, exist_ok=True)
     mine = todo[d.rank :: d.world_size]
     if d.is_main:
-        log.info("generating %d class images of %r in %s (%d ranks)", len(todo), config.class_prompt, folder,
-                 d.world_size)
+        log.info("generating %d class images of %r in %s (%d ranks; num_class_images %d, %d there already; "
+                 "the bar shows the time left, and images finished before a stop are kept)", len(todo),
+                 config.class_prompt, folder, d.world_size, class_image_count(config),
+                 class_image_count(config) - len(todo))
     pipeline.unet.eval()
     try:
         with sd.runtime.autocast(config.precision, d.device):
@@ -208,8 +210,8 @@ def build_data(config, d, vae, tokenizer, make_pipeline) -> DreamBoothData:
                           "instance", write=d.is_main)
     prior = prior_ids = None
     if config.class_dir:
-        ensure_class_images(config, d, make_pipeline(), len(instances))
-        classes = image_files(config.class_dir)[: class_image_count(config, len(instances))]
+        ensure_class_images(config, d, make_pipeline())
+        classes = image_files(config.class_dir)[: class_image_count(config)]
         prior = latents_of(classes, config.image_size, vae, d.device, run_dir / "dreambooth" / "class.safetensors",
                            "class", write=d.is_main)
         prior_ids = sd.model.tokenize(tokenizer, [config.class_prompt])

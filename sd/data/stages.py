@@ -108,6 +108,26 @@ def write_shard(out_dir: Path, index: int, samples: list[sd.data.shards.ShardSam
     return write_output(out_dir, index, lambda tmp: sd.data.shards.write_tar(tmp, samples), stats, **extra)
 
 
+class SettingsChanged(ValueError):
+    """A re-run asks for other settings than the outputs already in its folder were made with."""
+
+
+def record_settings(out_dir: Path, stage: str, settings: dict, earlier: dict | None = None) -> None:
+    """Keep the settings that shape a stage's outputs beside them (``<stage>_settings.json``), before
+    any output is written. A re-run with another value of one of them is refused, naming it: its
+    outputs would sit beside ones of another kind, and the summary would relabel the old ones.
+    ``earlier``: what a folder from before settings were kept records of them (its summary)."""
+    path = Path(out_dir) / f"{stage}_settings.json"
+    saved = json.loads(path.read_text()) if path.exists() else dict(earlier or {})
+    for name, value in settings.items():
+        if name in saved and saved[name] != value:
+            raise SettingsChanged(f"{out_dir} holds outputs made with {name} {saved[name]!r}, not {value!r}: "
+                                  f"use another output folder, or delete {out_dir} to make them again")
+    if saved != {**saved, **settings} or not path.exists():
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        sd.files.write_json_atomic(path, {**saved, **settings})
+
+
 class Summary:
     """Totals of a stage run, printed at the end and written next to its outputs."""
 

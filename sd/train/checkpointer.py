@@ -19,7 +19,7 @@ import sd.formats
 import sd.lora.adapters
 import sd.train.checkpoint as ckpt
 from sd.distributed import Dist
-from sd.train.config import RESUME_FIXED, ConfigError, TrainConfig, config_yaml, field_default, read_saved_config
+from sd.train.config import DREAMBOOTH_FIXED, RESUME_FIXED, ConfigError, TrainConfig, config_yaml, field_default, read_saved_config
 
 if TYPE_CHECKING:
     from sd.train.run import Run
@@ -157,7 +157,8 @@ def resume(run: Run, folder: Path) -> None:
         written_by = ckpt.load_torch(folder / "train_state.pt")["world_size"]
     except (OSError, ValueError, RuntimeError, KeyError) as error:
         raise ckpt.Damaged(f"{folder}: {sd.cli.first_line(error)}") from error
-    changed = [name for name in RESUME_FIXED if saved.get(name, field_default(name)) != getattr(run.config, name)]
+    fixed = [name for name in RESUME_FIXED if run.config.instance_dir or name not in DREAMBOOTH_FIXED]
+    changed = [name for name in fixed if saved.get(name, field_default(name)) != getattr(run.config, name)]
     if changed:
         raise ConfigError(
             f"{folder} was written with different {', '.join(changed)}; resuming would not continue the same run. "

@@ -78,10 +78,13 @@ class TrainConfig:
     flip: bool = _doc("train each sample on the latents of its mirrored image with probability 1/2 (a coin "
                       "fixed by seed, epoch and position); needs latents from encode_latents.py --flip", False)
     # -- models -----------------------------------------------------------------------------
-    unet: str = _doc("UNet preset: sd1 or tiny", "sd1")
-    vae: str = _doc("VAE hub id, local folder or tiny (used for validation images)", sd.model.DEFAULT_VAE)
-    text_encoder: str = _doc("CLIP text encoder hub id, local folder or tiny", sd.model.DEFAULT_TEXT_ENCODER)
-    tokenizer: str = _doc("CLIP tokenizer; empty = the text encoder's", "")
+    unet: str = _doc("UNet preset: sd1, demo or tiny (with init_from a run of ours: that run's)", "sd1")
+    vae: str = _doc("VAE hub id, local folder or tiny (used for validation images; with init_from a run of "
+                    "ours: that run's)", sd.model.DEFAULT_VAE)
+    text_encoder: str = _doc("CLIP text encoder hub id, local folder or tiny (with init_from a run of ours: that "
+                             "run's)", sd.model.DEFAULT_TEXT_ENCODER)
+    tokenizer: str = _doc("CLIP tokenizer; empty = the text encoder's (with init_from a run of ours: that run's)",
+                          "")
     prediction_type: str = _doc("epsilon or v_prediction", "epsilon")
     init_from: str = _doc("start from these weights (a checkpoint or run folder) with a fresh optimizer "
                           "and schedule; ignored when out_dir already holds a checkpoint to resume", "")
@@ -101,8 +104,9 @@ class TrainConfig:
                           "there by the base model from class_prompt", "")
     class_prompt: str = _doc("DreamBooth prior preservation: the prompt of the class images, e.g. 'a photo of dog'",
                              "")
-    num_class_images: int = _doc("class images to use (and generate when class_dir has fewer); 0 = 200 per "
-                                 "instance image", 0, allowed=NON_NEGATIVE)
+    num_class_images: int = _doc("class images to use in all (and generate when class_dir has fewer; the "
+                                 "DreamBooth paper's 200 per instance image is a ceiling); 0 = 100", 100,
+                                 allowed=NON_NEGATIVE)
     image_size: int = _doc("DreamBooth: the instance and class images are centre-cropped and resized to this many "
                            "pixels square (a multiple of 8)", 512, allowed=Range(8))
     prior_loss_weight: float = _doc("weight of the class images' loss beside the instance loss", 1.0,
@@ -410,9 +414,40 @@ def load_config(argv=None, description: str = "", check_paths: bool = True) -> T
         raw = getattr(args, name)
         if raw is not None:
             values[name] = _coerce(name, raw)
-    config = TrainConfig(**values)
+    config = TrainConfig(**inherit_model(values))
     config.validate(check_paths)
     return config
+
+
+# What a run's weights were built with: a run started from them (init_from) takes these from its
+# config.yaml unless its own config names them.
+INHERITED = ("unet", "vae", "text_encoder", "tokenizer")
+
+
+def inherit_model(values: dict) -> dict:
+    """``values`` with the INHERITED fields that ``init_from``'s config.yaml (a run or checkpoint folder
+    of ours) has and ``values`` does not name. A named one that differs from the saved one is a
+    ConfigError naming both: the weights would not fit, or would meet other latents or text. An
+    unreadable config.yaml is left to the loading of ``init_from``, which names the damaged file."""
+    source = values.get("init_from")
+    saved_path = Path(source) / "config.yaml" if source else None
+    if saved_path is None or not saved_path.is_file():
+        return values
+    try:
+        saved = read_saved_config(saved_path)
+    except (OSError, ValueError):  # damaged: loading init_from names it, as for any damaged file there
+        return values
+    values = dict(values)
+    for name in INHERITED:
+        if name not in saved:
+            continue
+        if name not in values:
+            values[name] = saved[name]
+        elif values[name] != saved[name]:
+            raise ConfigError(f"{name}: this config names {values[name]!r}, but init_from {source} was trained with "
+                              f"{saved[name]!r} ({saved_path}); leave {name} out to take the run's, or set it to "
+                              f"{saved[name]!r}")
+    return values
 
 
 def estimate_flags(argv=None) -> tuple[bool, float | None, int | None]:
@@ -445,11 +480,13 @@ def config_yaml(config: TrainConfig) -> str:
     return yaml.safe_dump(dataclasses.asdict(config), sort_keys=False)
 
 
-# Fields that fix the data order and the math: a resume must not change them.
+# Fields that fix the data order and the math: a resume must not change them (the DreamBooth ones only
+# in a DreamBooth run: elsewhere they are unused, and a new default must not stop a resume).
+DREAMBOOTH_FIXED = ("instance_prompt", "class_prompt", "num_class_images", "prior_loss_weight", "image_size")
 RESUME_FIXED = ("datasets", "epoch_size", "unet", "prediction_type", "batch_size", "grad_accum", "seed",
                 "max_steps", "epochs", "lr", "warmup_steps", "min_lr_ratio", "flip", "lora_rank", "lora_alpha",
-                "lora_dropout", "lora_targets", "lora_text_encoder", "instance_prompt", "class_prompt",
-                "num_class_images", "prior_loss_weight", "image_size", "optimizer", "noise_offset", "zero_terminal_snr")
+                "lora_dropout", "lora_targets", "lora_text_encoder", *DREAMBOOTH_FIXED, "optimizer", "noise_offset",
+                "zero_terminal_snr")
 
 
 def field_default(name: str):

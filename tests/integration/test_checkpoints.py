@@ -212,3 +212,13 @@ def test_a_full_disk_during_a_save_names_the_error_and_file_and_leaves_no_stagin
 def test_a_library_write_error_names_its_errno():
     assert ckpt.write_error_text(Exception("Error while serializing: I/O error: No space left on device (os error 28)")) \
         == "[ENOSPC] No space left on device"
+
+
+@pytest.mark.parametrize("every_epoch, steps", [(False, [6, 10]), (True, [4, 6, 8, 10])])
+def test_saves_follow_save_steps_and_the_end_and_epoch_ends_only_when_asked(tmp_path, dataset_16, every_epoch, steps):
+    # 16 samples at batch 4: an epoch ends every 4 steps.
+    flags = config_file(tmp_path / "c.yaml", dataset_16, tmp_path / "run", max_steps=10, save_steps=6,
+                        keep_checkpoints=10, save_every_epoch=every_epoch)
+    assert main(flags) == 0
+    saved = sorted(int(p.name.split("_")[1]) for p in (tmp_path / "run" / "checkpoints").glob("step_*"))
+    assert saved == steps

@@ -74,6 +74,44 @@ def test_04_rerun_is_a_no_op(captions):
     assert json.loads((out / "04_preprocess_to_cache_summary.json").read_text())["shards_already_done"] == 2
 
 
+def test_04_with_a_tokenizer_it_cannot_load_stops_before_any_output(tmp_path, capsys, monkeypatch):
+    """Offline, a hub id gives transformers' empty tokenizer: every caption would become [BOS, UNK, ...]."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    make_shards(tmp_path / "shards")
+    code = stage04.main(["--input", str(tmp_path / "shards" / "*.tar"), "--out", str(tmp_path / "captions")])
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert f"tokenizer {sd.model.DEFAULT_TEXT_ENCODER}: no vocabulary found" in err and "--tokenizer tiny" in err
+    assert "HF_HUB_OFFLINE" in err
+    assert not (tmp_path / "captions").exists()
+
+
+def test_04_rerun_with_another_tokenizer_is_refused_and_keeps_the_outputs(captions, capsys, tmp_path):
+    out = captions / "captions"
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    local = tmp_path / "my_tokenizer"
+    sd.model.load_tokenizer("tiny").save_pretrained(local)
+    code = stage04.main(["--input", str(captions / "shards" / "*.tar"), "--out", str(out), "--tokenizer", str(local)])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert f"holds outputs made with tokenizer 'tiny', not '{local}'" in err and "another output folder" in err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # summary included: nothing relabelled
+
+
+def test_04_folder_from_before_settings_were_kept_is_checked_against_its_summary(captions, capsys, tmp_path):
+    out = captions / "captions"
+    (out / "04_preprocess_to_cache_settings.json").unlink()
+    local = tmp_path / "my_tokenizer"
+    sd.model.load_tokenizer("tiny").save_pretrained(local)
+    assert stage04.main(["--input", str(captions / "shards" / "*.tar"), "--out", str(out),
+                         "--tokenizer", str(local)]) == 2
+    assert "made with tokenizer 'tiny'" in capsys.readouterr().err
+    assert stage04.main(["--input", str(captions / "shards" / "*.tar"), "--out", str(out),
+                         "--tokenizer", "tiny"]) == 0
+    assert json.loads((out / "04_preprocess_to_cache_settings.json").read_text()) == {"tokenizer": "tiny"}
+
+
 def test_05_joins_to_latents_splits_by_hash_and_the_trainer_reads_it(captions, capsys):
     make_latents(captions / "latents", ["k0", "k3", "orphan"], np.zeros((3, 4, 8, 8)))
     out = captions / "dataset"

@@ -155,6 +155,20 @@ def test_cli_writes_pngs_with_parameters_and_a_grid(run_dir, tmp_path):
     assert len(json.loads((out / "images.json").read_text())) == 4
 
 
+def test_without_a_size_it_samples_at_the_training_size_with_a_progress_bar(run_dir, tmp_path, caplog, capsys):
+    import logging
+
+    from PIL import Image
+
+    out = tmp_path / "out"
+    with caplog.at_level(logging.INFO):
+        assert SD_ImageGen.main(["--ckpt", str(run_dir), "--prompt", "a red circle", "--steps", "2", "--n", "2",
+                                 "--device", "cpu", "--out", str(out)]) == 0
+    assert Image.open(out / "000_000000.png").size == (64, 64)  # the run's latents are 8x8
+    assert "sampling at 64x64 (the latents in" in caplog.text
+    assert "sample (2 steps, 64x64): 100%" in capsys.readouterr().err
+
+
 @pytest.fixture(scope="module")
 def exported(run_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("export")

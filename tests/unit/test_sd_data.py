@@ -365,3 +365,16 @@ def test_the_machines_ranks_split_the_first_read_of_the_files(tmp_path, monkeypa
     read.clear()
     sd.data.training_data.LatentStore(folder, mmap=True)
     assert read == []  # on demand: nothing read at start
+
+
+def test_dreambooth_generates_100_class_images_in_all_by_default_whatever_the_instance_count(tmp_path):
+    import sd.data.dreambooth
+    import sd.train.config
+
+    config = sd.train.config.TrainConfig(datasets=[], class_dir=str(tmp_path / "class"))
+    assert config.num_class_images == 100
+    assert len(sd.data.dreambooth.missing_class_images(config)) == 100
+    (tmp_path / "class").mkdir()
+    for i in range(30):  # the user's own images count
+        (tmp_path / "class" / f"mine_{i}.png").write_bytes(b"")
+    assert len(sd.data.dreambooth.missing_class_images(config)) == 70

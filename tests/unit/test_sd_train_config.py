@@ -274,3 +274,38 @@ def test_a_config_built_in_code_is_checked_like_a_yaml(datasets, fields, message
     with pytest.raises(ConfigError) as error:
         config.validate()
     assert str(error.value) == message
+
+
+# ------------------------------------------------------------------------------ init_from a run of ours
+
+
+def saved_run(tmp_path, **fields) -> Path:
+    """A run folder as SD_Train.py leaves it: its config.yaml (the weights are not read here)."""
+    run = tmp_path / "mine"
+    config = sd.train.config.TrainConfig(datasets=[], out_dir=str(run), **fields)
+    run.mkdir()
+    (run / "config.yaml").write_text(sd.train.config.config_yaml(config))
+    return run
+
+
+def test_init_from_a_run_takes_its_model_unless_the_config_names_it(tmp_path, base_config):
+    run = saved_run(tmp_path, unet="tiny", vae="tiny", text_encoder="tiny", tokenizer="tiny")
+    config = load_config(["--config", str(base_config), "--init_from", str(run)])
+    assert (config.unet, config.vae, config.text_encoder, config.tokenizer) == ("tiny", "tiny", "tiny", "tiny")
+    # A checkpoint folder of the run has its own config.yaml: the same holds.
+    checkpoint = run / "checkpoints" / "step_00000004"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "config.yaml").write_text((run / "config.yaml").read_text())
+    assert load_config(["--config", str(base_config), "--init_from", str(checkpoint)]).unet == "tiny"
+    # Named and equal: fine. A hub id or a folder without config.yaml inherits nothing.
+    assert load_config(["--config", str(base_config), "--init_from", str(run), "--unet", "tiny"]).unet == "tiny"
+    assert load_config(["--config", str(base_config), "--init_from", str(tmp_path / "data")]).unet == "sd1"
+
+
+def test_init_from_a_run_of_another_model_is_one_line_naming_both(tmp_path, base_config, capsys):
+    run = saved_run(tmp_path, unet="tiny", text_encoder="tiny")
+    assert SD_Train.main(["--config", str(base_config), "--init_from", str(run), "--unet", "demo"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "unet: this config names 'demo', but init_from" in err and "trained with 'tiny'" in err
+    assert "leave unet out" in err
