@@ -59,7 +59,8 @@ PRECISION_CHOICES = ("auto", *sd.runtime.PRECISIONS)
 
 def parse_args(argv=None):
     parser = sd.cli.ArgumentParser(prog="encode_latents.py", description=__doc__)
-    parser.add_argument("--shards", required=True, help="glob of input tars, quoted: 'DIR/*.tar'")
+    parser.add_argument("--shards", "--input", dest="shards", required=True,
+                        help="glob of input tars, quoted: 'DIR/*.tar' (--input: the data stages' spelling)")
     parser.add_argument("--out", required=True, help="output folder for the latent shards and latents.json")
     parser.add_argument("--vae", default=sd.model.DEFAULT_VAE,
                         help="VAE hub id, local folder (a diffusers pipeline folder works) or 'tiny'")

@@ -31,7 +31,9 @@ log = logging.getLogger("train_vae")  # sd.vae's logger
 
 def parse_args(argv=None):
     parser = sd.cli.ArgumentParser(prog="train_vae.py", description=__doc__)
-    parser.add_argument("--shards", required=True, help="glob of image shards, quoted: 'DIR/*.tar' (or the folder)")
+    parser.add_argument("--shards", "--input", dest="shards", required=True,
+                        help="glob of image shards, quoted: 'DIR/*.tar' (or the folder; --input: the data "
+                        "stages' spelling)")
     parser.add_argument("--out", required=True, help="output diffusers VAE folder")
     parser.add_argument("--preset", choices=sorted(sd.vae.VAE_PRESETS), default="demo", help="architecture of a new VAE")
     parser.add_argument("--init_from", help="fine-tune this VAE (hub id or folder) instead of a new one")

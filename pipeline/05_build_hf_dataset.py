@@ -169,6 +169,10 @@ def main(argv=None) -> int:
           f"{len(latents_without_caption)}")
     if dropped["no_latent"]:
         print(f"  e.g. no latent for: {', '.join(dropped['no_latent'][:5])}")
+    if args.val_fraction > 0 and not val_rows:
+        print(f"  no sample fell into the validation split ({len(train_rows)} samples at --val_fraction "
+              f"{args.val_fraction}, about {len(train_rows) * args.val_fraction:.1f} expected): the trainer will "
+              f"report no validation loss; raise --val_fraction to have some")
     return 0
 
 

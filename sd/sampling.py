@@ -254,29 +254,50 @@ def decode_samples(pipe: Pipeline, cond: torch.Tensor, uncond: torch.Tensor, see
     return list(pixels.permute(0, 2, 3, 1).cpu().numpy())
 
 
+def grid_label(prompt: str, width_px: int) -> list[str]:
+    """A prompt's lines above its row of a grid: wrapped to the row's width (the default font is about
+    6 px a character), at most GRID_LABEL_LINES of them, the last ending in "..." when cut."""
+    import textwrap
+
+    lines = textwrap.wrap(prompt, max(8, width_px // 6)) or [""]
+    if len(lines) > GRID_LABEL_LINES:
+        lines = lines[:GRID_LABEL_LINES]
+        lines[-1] = lines[-1][: max(0, max(8, width_px // 6) - 3)] + "..."
+    return lines
+
+
 def save_grid(path, rows: list[tuple[str, list[np.ndarray]]]) -> None:
-    """One row per prompt, its text above it; written atomically as PNG."""
+    """One row per prompt, its whole text above it (wrapped); written atomically as PNG."""
     from PIL import Image, ImageDraw
 
     height, width = rows[0][1][0].shape[:2]
     columns = max(len(images) for _, images in rows)
-    label = GRID_LABEL_PX
+    labels = [grid_label(prompt, columns * width) for prompt, _ in rows]
+    label = label_height([prompt for prompt, _ in rows], columns * width)
     grid = Image.new("RGB", (columns * width, len(rows) * (height + label)), "white")
     draw = ImageDraw.Draw(grid)
-    for r, (prompt, images) in enumerate(rows):
+    for r, ((_, images), lines) in enumerate(zip(rows, labels)):
         top = r * (height + label)
-        draw.text((2, top + 2), prompt[: max(10, columns * width // 6)], fill="black")
+        for i, line in enumerate(lines):
+            draw.text((2, top + 2 + i * GRID_LABEL_PX), line, fill="black")
         for c, image in enumerate(images):
             grid.paste(Image.fromarray(image), (c * width, top + label))
     sd.files.save_png_atomic(path, grid)
 
 
-GRID_LABEL_PX = 16  # the text strip above each row of a grid
+GRID_LABEL_PX = 16  # the text strip above each row of a grid: one line of text
+GRID_LABEL_LINES = 6
 
 
-def grid_cell(grid: np.ndarray, row: int, column: int, height: int, width: int) -> np.ndarray:
-    """The image at ``(row, column)`` of a grid written by ``save_grid``."""
-    top = row * (height + GRID_LABEL_PX) + GRID_LABEL_PX
+def label_height(prompts: list[str], width_px: int) -> int:
+    """The height of the text strip above every row of a grid of these prompts, ``width_px`` wide."""
+    return GRID_LABEL_PX * max(len(grid_label(prompt, width_px)) for prompt in prompts)
+
+
+def grid_cell(grid: np.ndarray, row: int, column: int, height: int, width: int, prompts: list[str]) -> np.ndarray:
+    """The image at ``(row, column)`` of a grid of ``prompts`` written by ``save_grid``."""
+    label = label_height(prompts, grid.shape[1])
+    top = row * (height + label) + label
     return grid[top : top + height, column * width : (column + 1) * width]
 
 

@@ -138,6 +138,16 @@ def test_05_joins_to_latents_splits_by_hash_and_the_trainer_reads_it(captions, c
     assert "up to date" in capsys.readouterr().out
 
 
+def test_05_says_when_no_sample_fell_into_the_validation_split(captions, capsys):
+    make_latents(captions / "latents", ["k0", "k3"], np.zeros((2, 4, 8, 8)))
+    assert not any(stage05.is_validation(k, 0.01) for k in ("k0", "k3"))
+    assert stage05.main(["--captions", str(captions / "captions"), "--latents", str(captions / "latents"),
+                         "--out", str(captions / "dataset"), "--val_fraction", "0.01"]) == 0
+    out = capsys.readouterr().out
+    assert "no sample fell into the validation split (2 samples at --val_fraction 0.01" in out
+    assert "raise --val_fraction" in out
+
+
 def test_05_hash_split_is_stable_and_close_to_the_fraction():
     keys = [f"key{i}" for i in range(20000)]
     chosen = [k for k in keys if stage05.is_validation(k, 0.01)]

@@ -60,14 +60,14 @@ def test_validation_grid_image_equals_sd_imagegen_with_that_checkpoint_bit_for_b
                                  "--steps", str(STEPS), "--cfg", "4.0", "--height", "64", "--width", "64",
                                  "--device", "cpu", "--precision", "fp32", "--out", str(out)]) == 0
         image = np.asarray(Image.open(out / "000_000005.png").convert("RGB"))
-        cell = sd.sampling.grid_cell(grid, row, 0, 64, 64)
+        cell = sd.sampling.grid_cell(grid, row, 0, 64, 64, GRID_PROMPTS)
         assert image.std() > 0 and np.array_equal(cell, image), prompt
     # A different seed gives a different picture: the equality above is not of two blank images.
     assert SD_ImageGen.main(["--ckpt", str(checkpoint), "--prompt", GRID_PROMPTS[0], "--seed", "6", "--n", "1",
                              "--steps", str(STEPS), "--cfg", "4.0", "--height", "64", "--width", "64",
                              "--device", "cpu", "--out", str(tmp_path / "other")]) == 0
     other = np.asarray(Image.open(tmp_path / "other" / "000_000006.png").convert("RGB"))
-    assert not np.array_equal(sd.sampling.grid_cell(grid, 0, 0, 64, 64), other)
+    assert not np.array_equal(sd.sampling.grid_cell(grid, 0, 0, 64, 64, GRID_PROMPTS), other)
 
 
 def test_same_seed_same_image_bit_for_bit_and_seeds_differ(model):

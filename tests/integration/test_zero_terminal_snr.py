@@ -174,7 +174,7 @@ def test_validation_grid_equals_sd_imagegen_on_the_recorded_schedule(run_dir, tm
     # two schedules give different images), so the grid was drawn on it too.
     grid = np.asarray(Image.open(run_dir / "samples" / "step_00000001.png").convert("RGB"))
     image = sample(run_dir, tmp_path / "auto")
-    assert image.std() > 0 and np.array_equal(sd.sampling.grid_cell(grid, 0, 0, 64, 64), image)
+    assert image.std() > 0 and np.array_equal(sd.sampling.grid_cell(grid, 0, 0, 64, 64, [PROMPT]), image)
 
 
 @pytest.fixture(scope="module")

@@ -582,3 +582,20 @@ def test_the_root_module_users_import_is_the_package_module():
     public = [name for name in vars(sd.model) if not name.startswith("_")]
     assert public and all(getattr(SD_Model, name) is getattr(sd.model, name) for name in public)
     assert SD_Model.build_unet is sd.model.build_unet and SD_Model.load_vae is sd.model.load_vae
+
+
+def test_grid_labels_hold_the_whole_prompt_wrapped_to_the_row(tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    import sd.sampling
+
+    prompt = "a photo of a golden retriever on the beach"
+    lines = sd.sampling.grid_label(prompt, 64)  # about 10 characters a line
+    assert " ".join(lines) == prompt and all(len(line) <= 10 for line in lines)
+    assert sd.sampling.grid_label("x " * 200, 64)[-1].endswith("...")  # at most 6 lines
+    image = np.full((64, 64, 3), 7, np.uint8)
+    sd.sampling.save_grid(tmp_path / "g.png", [(prompt, [image]), ("a cat", [image])])
+    grid = np.asarray(Image.open(tmp_path / "g.png").convert("RGB"))
+    assert grid.shape == (2 * (64 + 16 * len(lines)), 64, 3)
+    assert np.array_equal(sd.sampling.grid_cell(grid, 1, 0, 64, 64, [prompt, "a cat"]), image)
