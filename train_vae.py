@@ -52,18 +52,24 @@ def parse_args(argv=None):
     parser.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
                         help="autocast dtype; auto = bf16 on CUDA, fp32 elsewhere (bf16 autocast on a CPU without "
                              "native bf16, e.g. AVX2 only, measured 15x slower than fp32)")
-    parser.add_argument("--holdout", type=int, default=64, help="images kept out of training for the PSNR")
+    parser.add_argument("--holdout", type=int, default=64, help="images kept out of training for the PSNR (at most a "
+                        "quarter of them; with fewer than 4 images none, and the PSNR is of the training images)")
     parser.add_argument("--max_images", type=int, default=0, help="use at most this many images; 0 = all")
     parser.add_argument("--seed", type=int, default=0, help="seed of the init, batch order, flips and noise")
+    parser.add_argument("--save_steps", type=int, default=100,
+                        help="save the training state to OUT.resume every N steps (and on Ctrl-C); a re-run of the "
+                        "same command resumes from it exactly; removed when the VAE is saved")
+    parser.add_argument("--stop_at_step", type=int, default=0, help="save the state after this step and exit, as an "
+                        "interruption would; 0 = off")
     parser.add_argument("--device", default="auto", help="auto (CUDA, then MPS, then CPU), cpu, cuda or mps")
     args = parser.parse_args(argv)
     if args.resolution % 8 or args.resolution <= 0:
         parser.error("--resolution must be a positive multiple of 8")
-    for name in ("max_steps", "batch_size"):
+    for name in ("max_steps", "batch_size", "save_steps"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1")
-    if args.holdout < 1 or args.max_images < 0 or args.warmup_steps < 0:
-        parser.error("--holdout must be >= 1, --max_images and --warmup_steps >= 0")
+    if args.holdout < 1 or args.max_images < 0 or args.warmup_steps < 0 or args.stop_at_step < 0:
+        parser.error("--holdout must be >= 1, --max_images, --warmup_steps and --stop_at_step >= 0")
     return args
 
 
@@ -77,9 +83,12 @@ def main(argv=None) -> int:
     torch.manual_seed(args.seed)
     try:
         sd.vae.fit(args, device)
-    except sd.vae.InputError as error:
+    except (sd.vae.InputError, sd.vae.ResumeMismatch) as error:
         print(f"train_vae.py: error: {error}", file=sys.stderr)
         return 2
+    except sd.vae.Stopped as stop:
+        print(f"train_vae.py: {stop}", file=sys.stderr)
+        return stop.code
     return 0
 
 

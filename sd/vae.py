@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import logging
 import math
+import shutil
 import time
 from pathlib import Path
 
@@ -29,6 +30,51 @@ VAE_PRESETS = {
 
 class InputError(Exception):
     """A problem with the user's input that one line can explain (exit status 2)."""
+
+
+class ResumeMismatch(InputError):
+    """The saved training state was made with other settings than this run's."""
+
+
+class Stopped(Exception):
+    """Training stopped early (Ctrl-C, or ``--stop_at_step``) with its state saved; ``code``: exit status."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+# The settings a saved state must share with the run that resumes it: they fix the data, the model
+# and every draw.
+RESUME_FIXED = ("preset", "init_from", "resolution", "max_steps", "batch_size", "lr", "warmup_steps", "kl_weight",
+                "foreground_weight", "initial_logvar", "precision", "holdout", "max_images", "seed")
+
+
+def resume_path(out: Path) -> Path:
+    """Where the training state of a VAE headed for ``out`` is kept until the VAE is saved."""
+    return Path(out).with_name(Path(out).name + ".resume") / "state.pt"
+
+
+def save_state(path: Path, step: int, vae, optimizer, schedule, generator, order, args, images: list[str]) -> None:
+    state = {"step": step, "vae": vae.state_dict(), "optimizer": optimizer.state_dict(),
+             "schedule": schedule.state_dict(), "noise_rng": generator.get_state(), "order_rng": order.get_state(),
+             "settings": {name: getattr(args, name) for name in RESUME_FIXED}, "shards": images}
+    sd.files.write_atomic(path, lambda tmp: torch.save(state, tmp))
+
+
+def load_state(path: Path, args, images: list[str]) -> dict | None:
+    """The saved state for this run, or None without one; other settings are a ResumeMismatch."""
+    if not path.exists():
+        return None
+    state = torch.load(path, weights_only=True, map_location="cpu")
+    saved = state["settings"]
+    changed = [name for name in RESUME_FIXED if saved.get(name) != getattr(args, name)]
+    if state["shards"] != images:
+        changed.append("shards")
+    if changed:
+        raise ResumeMismatch(f"{path} was saved with other {', '.join(changed)}; restore them, or delete "
+                             f"{path.parent} to start over")
+    return state
 
 
 def shard_paths(pattern: str) -> list[str]:
@@ -138,47 +184,85 @@ def lr_factor(step: int, warmup_steps: int, max_steps: int) -> float:
     return warmup * 0.5 * (1 + math.cos(math.pi * min(1.0, step / max_steps)))
 
 
-def train(vae, train_images: torch.Tensor, args, device) -> None:
-    """``args.max_steps`` AdamW steps on random, randomly flipped batches (all draws seeded)."""
+def train(vae, train_images: torch.Tensor, args, device, state_path: Path, shards: list[str]) -> None:
+    """``args.max_steps`` AdamW steps on random, randomly flipped batches (all draws seeded). The state
+    is saved to ``state_path`` every ``args.save_steps`` steps and on Ctrl-C, and a saved one is
+    resumed from: the steps after it are the ones an uninterrupted run takes, bit for bit."""
     from tqdm.auto import tqdm
 
     optimizer = torch.optim.AdamW(vae.parameters(), lr=args.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, args.warmup_steps, args.max_steps))
     generator = torch.Generator(device=device).manual_seed(args.seed)
     order = torch.Generator().manual_seed(args.seed)
-    bar = tqdm(range(args.max_steps), desc="vae", unit="step")
-    for step in bar:
-        batch = train_images[torch.randint(0, len(train_images), (args.batch_size,), generator=order)]
-        flip = torch.rand(args.batch_size, generator=order) < 0.5
-        batch = torch.where(flip[:, None, None, None], batch.flip(-1), batch)
-        with sd.runtime.autocast(args.precision, device):
-            loss, reconstruction = vae_loss(vae, to_pixels(batch, device), args, generator)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        if step % 20 == 0:
-            bar.set_postfix(loss=f"{reconstruction.item():.4f}")
+    start = 0
+    state = load_state(state_path, args, shards)
+    if state is not None:
+        vae.load_state_dict(state["vae"])
+        optimizer.load_state_dict(state["optimizer"])
+        schedule.load_state_dict(state["schedule"])
+        generator.set_state(state["noise_rng"])
+        order.set_state(state["order_rng"])
+        start = state["step"]
+        log.info("resumed from %s at step %d of %d", state_path, start, args.max_steps)
+
+    def save(step: int) -> None:
+        save_state(state_path, step, vae, optimizer, schedule, generator, order, args, shards)
+
+    bar = tqdm(range(start, args.max_steps), desc="vae", unit="step", initial=start, total=args.max_steps)
+    step = start
+    try:
+        for step in bar:
+            batch = train_images[torch.randint(0, len(train_images), (args.batch_size,), generator=order)]
+            flip = torch.rand(args.batch_size, generator=order) < 0.5
+            batch = torch.where(flip[:, None, None, None], batch.flip(-1), batch)
+            with sd.runtime.autocast(args.precision, device):
+                loss, reconstruction = vae_loss(vae, to_pixels(batch, device), args, generator)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
+            optimizer.step()
+            schedule.step()
+            if step % 20 == 0:
+                bar.set_postfix(loss=f"{reconstruction.item():.4f}")
+            done = step + 1
+            if done == args.stop_at_step:
+                save(done)
+                raise Stopped(f"stopped after step {done} (--stop_at_step); state saved to {state_path}, "
+                              "run the same command to resume", 0)
+            if done % args.save_steps == 0 and done < args.max_steps:
+                save(done)
+    except KeyboardInterrupt:
+        bar.close()
+        # The step under way when the interrupt came is not finished: the state of the last whole one is
+        # the one saved every save_steps; a step's updates are all-or-nothing only at its end.
+        raise Stopped(f"interrupted; training resumes from the last state saved in {state_path.parent} "
+                      f"(every {args.save_steps} steps) when the same command is run again", 130) from None
 
 
 def fit(args, device: torch.device) -> dict:
     """``train_vae.py``: load the shards' images (some held out), train, measure the held-out PSNR and
     the latents' scale, save to ``args.out``; returns the stats saved beside the weights."""
     images = load_images(args.shards, args.resolution, args.max_images)
-    holdout = images[: args.holdout]
-    train_images = images[args.holdout:] if len(images) > args.holdout else images
+    state_path = resume_path(Path(args.out))
+    held = min(args.holdout, len(images) // 4)  # a few images: a quarter of them at most
+    holdout, train_images = images[:held], images[held:]
+    measured = holdout if held else train_images
     vae = build_vae(args).to(device).train()
-    log.info("%d training images, %d held out, %s on %s", len(train_images), len(holdout), args.precision, device)
+    log.info("%d training images, %d held out, %s on %s", len(train_images), held, args.precision, device)
+    if not held:
+        log.warning("only %d images: none held out, so the PSNR below is measured on the training images",
+                    len(images))
     start = time.perf_counter()
-    psnr_start, _ = evaluate(vae, holdout, device, args.batch_size * 4)
-    train(vae, train_images, args, device)
-    psnr, latent_std = evaluate(vae, holdout, device, args.batch_size * 4)
+    psnr_start, _ = evaluate(vae, measured, device, args.batch_size * 4)
+    train(vae, train_images, args, device, state_path, [Path(p).name for p in shard_paths(args.shards)])
+    psnr, latent_std = evaluate(vae, measured, device, args.batch_size * 4)
     vae.register_to_config(scaling_factor=1.0 / latent_std)
     stats = {"psnr_db": round(psnr, 2), "psnr_db_start": round(psnr_start, 2), "latent_std": latent_std,
              "scaling_factor": 1.0 / latent_std, "steps": args.max_steps,
-             "seconds": round(time.perf_counter() - start, 1), "images": len(train_images)}
+             "seconds": round(time.perf_counter() - start, 1), "images": len(train_images), "held_out": held}
     save(vae.to("cpu", torch.float32), Path(args.out), stats)
-    log.info("held-out PSNR %.2f dB (%.2f dB before training), scaling factor %.4f; saved %s",
-             stats["psnr_db"], stats["psnr_db_start"], stats["scaling_factor"], args.out)
+    shutil.rmtree(state_path.parent, ignore_errors=True)  # the VAE is saved: nothing left to resume
+    log.info("%s PSNR %.2f dB (%.2f dB before training), scaling factor %.4f; saved %s",
+             "held-out" if held else "training-set", stats["psnr_db"], stats["psnr_db_start"],
+             stats["scaling_factor"], args.out)
     return stats

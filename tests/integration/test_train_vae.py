@@ -71,6 +71,44 @@ def test_reconstruction_improves_and_stats_match_the_log(trained):
     assert stats["scaling_factor"] == pytest.approx(1 / stats["latent_std"])
 
 
+@pytest.mark.parametrize("count, held", [(12, 3), (3, 0)])
+def test_a_few_images_hold_out_a_quarter_or_say_that_none_is_held_out(tmp_path, count, held, caplog):
+    folder = tmp_path / "shards"
+    assert importlib.import_module("pipeline.00_make_demo_data").main(["--out", str(folder), "--count", str(count),
+                                                                     "--size", "32"]) == 0
+    argv = vae_argv(folder, tmp_path / "vae", "--max_steps", "1", "--warmup_steps", "0", "--holdout", "64")
+    with caplog.at_level(logging.INFO, logger="train_vae"):
+        assert train_vae.main(argv) == 0
+    stats = json.loads((tmp_path / "vae" / "vae_stats.json").read_text())
+    assert (stats["held_out"], stats["images"]) == (held, count - held)
+    if held:
+        assert "held-out PSNR" in caplog.text
+    else:
+        assert "none held out" in caplog.text and "training-set PSNR" in caplog.text
+
+
+def test_a_stopped_run_resumes_to_the_weights_of_an_uninterrupted_one_bit_for_bit(shards, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    def argv(out, *extra):
+        return vae_argv(shards, out, "--max_steps", "6", "--save_steps", "2", *extra)
+
+    assert train_vae.main(argv(tmp_path / "a")) == 0
+    assert not sd.vae.resume_path(tmp_path / "a").parent.exists()  # removed once the VAE is saved
+    assert train_vae.main(argv(tmp_path / "b", "--stop_at_step", "3")) == 0
+    assert "stopped after step 3" in capsys.readouterr().err
+    assert not (tmp_path / "b").exists() and sd.vae.resume_path(tmp_path / "b").exists()
+    # Another setting than the saved state's is refused, naming it, and the state is kept.
+    assert train_vae.main(argv(tmp_path / "b", "--batch_size", "4")) == 2
+    assert "saved with other batch_size" in capsys.readouterr().err
+    assert train_vae.main(argv(tmp_path / "b")) == 0
+    weights = "diffusion_pytorch_model.safetensors"
+    a, b = load_file(tmp_path / "a" / weights), load_file(tmp_path / "b" / weights)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    stats_a, stats_b = (json.loads((tmp_path / r / "vae_stats.json").read_text()) for r in "ab")
+    assert stats_a["psnr_db"] == stats_b["psnr_db"] and stats_a["psnr_db_start"] == stats_b["psnr_db_start"]
+
+
 def test_saved_folder_loads_in_diffusers_bit_for_bit(trained):
     from diffusers import AutoencoderKL
 

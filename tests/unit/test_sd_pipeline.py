@@ -204,3 +204,11 @@ def test_every_stage_runs_as_a_script_from_any_folder(tmp_path):
         out, err = process.communicate(timeout=300)
         assert process.returncode == 0, (name, cwd, err[-2000:])
         assert out.startswith(f"usage: {name}.py ") and "--out OUT" in out
+
+
+@pytest.mark.parametrize("script", ["encode_latents", "train_vae"])
+def test_shard_readers_take_the_data_stages_spelling_input_too(script):
+    module = importlib.import_module(script)
+    required = {"encode_latents": ["--out", "o", "--vae", "tiny"], "train_vae": ["--out", "o"]}[script]
+    assert module.parse_args(["--input", "a/*.tar", *required]).shards == "a/*.tar"
+    assert module.parse_args(["--shards", "a/*.tar", *required]).shards == "a/*.tar"
