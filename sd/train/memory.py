@@ -33,6 +33,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import sys
 import weakref
 from pathlib import Path
 
@@ -476,9 +477,38 @@ def module_moves_of_fake_tensors():
         torch.nn.Module.to = original
 
 
+# What --estimate_memory suggests when not even one image fits, each only when it is not on already:
+# (the setting as a config line, whether the config could still take it, the change).
+SAVINGS = (
+    ("grad_checkpointing: true", lambda c: not c.grad_checkpointing, dict(grad_checkpointing=True)),
+    ("ema_device: cpu", lambda c: c.ema_decay > 0 and c.ema_device != "cpu", dict(ema_device="cpu")),
+    ("precision: bf16", lambda c: c.precision == "fp32", dict(precision="bf16")),
+    ("optimizer: adamw8bit", lambda c: c.optimizer == "adamw", dict(optimizer="adamw8bit")),
+    ("lora_rank: 16 (a LoRA on init_from's weights)", lambda c: not c.lora_rank, dict(lora_rank=16)),
+)
+
+
+def suggestions(config, resolution: int, batch: int = 1) -> list[tuple[str, float]]:
+    """Each of SAVINGS not already on, with the predicted peak (GB) of a step at ``batch`` images with
+    that one change: least memory first. One that cannot be estimated here is left out."""
+    found = []
+    for setting, applies, change in SAVINGS:
+        if not applies(config):
+            continue
+        print(f"estimating with {setting} ...", file=sys.stderr, flush=True)
+        try:
+            found.append((setting, estimate(dataclasses.replace(config, **change), batch, resolution).peak_gb))
+        except Exception as error:  # e.g. no bitsandbytes here: that suggestion is not made
+            log.info("no estimate with %s: %s", setting, error)
+    return sorted(found, key=lambda item: item[1])
+
+
 def report(config, resolution: int, gpu_memory_gb: float) -> dict:
     """``SD_Train.py --estimate_memory``: the breakdown at the config's batch and the largest batch that
-    fits ``gpu_memory_gb``, printed; the result as a dict (the JSON line)."""
+    fits ``gpu_memory_gb``, printed; the result as a dict (the JSON line). When not even one image
+    fits, the savings not yet on, each with its predicted peak."""
+    print(f"estimating one training step on fake tensors ({config.unet} UNet, {resolution} px): no GPU or data "
+          "needed; up to a few minutes on a CPU ...", file=sys.stderr, flush=True)
     with session(config, resolution) as run:
         batch, at_max = max_batch(config, gpu_memory_gb, resolution, run=run)
         shown = config.batch_size or batch or 1  # batch_size: auto shows the batch it would choose
@@ -495,11 +525,16 @@ def report(config, resolution: int, gpu_memory_gb: float) -> dict:
         print(f"  {name:<32}{size / GB:9.3f} GB")
     if batch:
         print(f"Largest micro-batch within {gpu_memory_gb:.2f} GB: {batch} (peak {at_max.peak_gb:.2f} GB)")
-    else:
-        print(f"Not even one image fits within {gpu_memory_gb:.2f} GB with these settings; try "
-              "grad_checkpointing: true, ema_device: cpu or precision: bf16")
+    advice = []
+    if not batch:
+        advice = suggestions(config, resolution)
+        print(f"Not even one image fits within {gpu_memory_gb:.2f} GB with these settings."
+              + (" Predicted peak of one image with one change each, least memory first:" if advice else ""))
+        for setting, peak in advice:
+            print(f"  {setting:<48}{peak:9.3f} GB{'  fits' if peak <= gpu_memory_gb else ''}")
     return {**at_config.as_dict(), "gpu_memory_gb": gpu_memory_gb, "max_batch": batch,
-            "fits": at_config.peak_gb <= gpu_memory_gb}
+            "fits": at_config.peak_gb <= gpu_memory_gb,
+            "suggestions": [{"setting": setting, "peak_gb": round(peak, 3)} for setting, peak in advice]}
 
 
 # ---------------------------------------------------------------------------------------------

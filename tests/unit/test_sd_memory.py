@@ -78,11 +78,13 @@ def test_estimate_memory_needs_no_data_and_ends_with_one_json_line(tmp_path, cap
 
     config = tmp_path / "phase.yaml"
     config.write_text("unet: tiny\ntext_encoder: tiny\nvae: tiny\nbatch_size: 4\ngrad_accum: 1\nmax_steps: 5\n"
+                      "ema_device: cpu\n"  # with the defaults grad_checkpointing: true and precision: bf16
                       f"datasets: [{{dataset: {tmp_path / 'absent'}, latents: {tmp_path / 'absent'}}}]\n")
     # 0.55 GB: the context allowance alone; not even one image fits (the positive search: the tests above)
     assert SD_Train.main(["--config", str(config), "--estimate_memory", "--gpu_memory_gb", "0.55",
                           "--resolution", "64"]) == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     lines = out.strip().splitlines()
     answer = json.loads(lines[-1])
     assert answer["peak_gb"] == pytest.approx(answer["reserved_gb"] + sd.train.memory.CONTEXT_GB, abs=1e-3)
@@ -90,6 +92,15 @@ def test_estimate_memory_needs_no_data_and_ends_with_one_json_line(tmp_path, cap
     assert any(line.startswith("  peak on the card") for line in lines)
     assert "Not even one image fits within 0.55 GB" in out
     assert not (tmp_path / "absent").exists()
+    # Advice: only the savings not already on, least memory first, each with its predicted peak.
+    advised = [s["setting"] for s in answer["suggestions"]]
+    assert advised and set(advised) <= {"optimizer: adamw8bit", "lora_rank: 16 (a LoRA on init_from's weights)"}
+    assert "optimizer: adamw8bit" in advised
+    peaks = [s["peak_gb"] for s in answer["suggestions"]]
+    assert peaks == sorted(peaks) and all(p > 0 for p in peaks)
+    assert "grad_checkpointing: true" not in out and "ema_device: cpu" not in out.split("Not even")[1]
+    assert "estimating one training step on fake tensors" in captured.err  # progress before the long work
+    assert "estimating with optimizer: adamw8bit" in captured.err
 
 
 def test_estimate_flags_are_checked_before_any_work(capsys):
