@@ -34,7 +34,6 @@ import logging
 import math
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 from safetensors import SafetensorError
 
@@ -181,9 +180,12 @@ def trained_size(ckpt: str, model: Pipeline) -> tuple[int, str]:
         return int(config["image_size"]), "the run's DreamBooth image_size"
     if config and config.get("datasets"):
         latents = Path(str(config["datasets"][0]["latents"]))
-        meta = sd.data.training_data.read_latents_meta(latents) if (latents / "latents.json").exists() else {}
-        if meta.get("latent_shape") or meta.get("buckets"):
-            return sd.train.memory.resolution_of(SimpleNamespace(datasets=config["datasets"])), f"the latents in {latents}"
+        try:
+            side = sd.train.memory.resolution_of_latents(sd.data.training_data.read_latents_meta(latents))
+        except (OSError, ValueError):  # unreadable or unfinished: the size is not known from there
+            side = None
+        if side:
+            return side, f"the latents in {latents}"
     return int(model.unet.config.sample_size) * 8, "the UNet's sample_size"
 
 

@@ -57,8 +57,8 @@ def parse_args(argv=None):
     parser.add_argument("--max_images", type=int, default=0, help="use at most this many images; 0 = all")
     parser.add_argument("--seed", type=int, default=0, help="seed of the init, batch order, flips and noise")
     parser.add_argument("--save_steps", type=int, default=100,
-                        help="save the training state to OUT.resume every N steps (and on Ctrl-C); a re-run of the "
-                        "same command resumes from it exactly; removed when the VAE is saved")
+                        help="save the training state to OUT.resume every N steps; after a Ctrl-C or a crash the "
+                        "same command resumes from the last one exactly; removed when the VAE is saved")
     parser.add_argument("--stop_at_step", type=int, default=0, help="save the state after this step and exit, as an "
                         "interruption would; 0 = off")
     parser.add_argument("--device", default="auto", help="auto (CUDA, then MPS, then CPU), cpu, cuda or mps")

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import sd.cli
 import sd.data.shards
 import sd.files
 import sd.model
@@ -63,11 +64,18 @@ def save_state(path: Path, step: int, vae, optimizer, schedule, generator, order
 
 
 def load_state(path: Path, args, images: list[str]) -> dict | None:
-    """The saved state for this run, or None without one; other settings are a ResumeMismatch."""
+    """The saved state for this run, or None without one (or with a damaged one, named in the log and
+    set aside: training starts over); other settings are a ResumeMismatch."""
     if not path.exists():
         return None
-    state = torch.load(path, weights_only=True, map_location="cpu")
-    saved = state["settings"]
+    try:
+        state = torch.load(path, weights_only=True, map_location="cpu")
+        saved = state["settings"]
+    except Exception as error:  # truncated, overwritten, not ours: torch and pickle raise many kinds
+        damaged = path.with_name(path.name + ".damaged")
+        path.replace(damaged)
+        log.warning("%s is damaged (%s): moved to %s, training starts over", path, sd.cli.first_line(error), damaged)
+        return None
     changed = [name for name in RESUME_FIXED if saved.get(name) != getattr(args, name)]
     if state["shards"] != images:
         changed.append("shards")
@@ -186,8 +194,8 @@ def lr_factor(step: int, warmup_steps: int, max_steps: int) -> float:
 
 def train(vae, train_images: torch.Tensor, args, device, state_path: Path, shards: list[str]) -> None:
     """``args.max_steps`` AdamW steps on random, randomly flipped batches (all draws seeded). The state
-    is saved to ``state_path`` every ``args.save_steps`` steps and on Ctrl-C, and a saved one is
-    resumed from: the steps after it are the ones an uninterrupted run takes, bit for bit."""
+    is saved to ``state_path`` every ``args.save_steps`` steps (and at ``--stop_at_step``), and a saved
+    one is resumed from: the steps after it are the ones an uninterrupted run takes, bit for bit."""
     from tqdm.auto import tqdm
 
     optimizer = torch.optim.AdamW(vae.parameters(), lr=args.lr, weight_decay=0.0)
@@ -209,7 +217,6 @@ def train(vae, train_images: torch.Tensor, args, device, state_path: Path, shard
         save_state(state_path, step, vae, optimizer, schedule, generator, order, args, shards)
 
     bar = tqdm(range(start, args.max_steps), desc="vae", unit="step", initial=start, total=args.max_steps)
-    step = start
     try:
         for step in bar:
             batch = train_images[torch.randint(0, len(train_images), (args.batch_size,), generator=order)]

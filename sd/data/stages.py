@@ -123,9 +123,10 @@ def record_settings(out_dir: Path, stage: str, settings: dict, earlier: dict | N
         if name in saved and saved[name] != value:
             raise SettingsChanged(f"{out_dir} holds outputs made with {name} {saved[name]!r}, not {value!r}: "
                                   f"use another output folder, or delete {out_dir} to make them again")
-    if saved != {**saved, **settings} or not path.exists():
+    merged = {**saved, **settings}
+    if merged != saved or not path.exists():
         Path(out_dir).mkdir(parents=True, exist_ok=True)
-        sd.files.write_json_atomic(path, {**saved, **settings})
+        sd.files.write_json_atomic(path, merged)
 
 
 class Summary:

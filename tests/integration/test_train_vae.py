@@ -109,6 +109,17 @@ def test_a_stopped_run_resumes_to_the_weights_of_an_uninterrupted_one_bit_for_bi
     assert stats_a["psnr_db"] == stats_b["psnr_db"] and stats_a["psnr_db_start"] == stats_b["psnr_db_start"]
 
 
+def test_a_damaged_saved_state_is_named_set_aside_and_training_starts_over(shards, tmp_path, caplog):
+    state = sd.vae.resume_path(tmp_path / "vae")
+    state.parent.mkdir()
+    state.write_bytes(b"PK\x03\x04 not a torch file")
+    with caplog.at_level(logging.WARNING, logger="train_vae"):
+        assert train_vae.main(vae_argv(shards, tmp_path / "vae", "--max_steps", "2", "--warmup_steps", "0")) == 0
+    assert f"{state} is damaged" in caplog.text and "training starts over" in caplog.text
+    assert json.loads((tmp_path / "vae" / "vae_stats.json").read_text())["steps"] == 2
+    assert not state.parent.exists()  # the run finished: the folder, the damaged file in it, is gone
+
+
 def test_saved_folder_loads_in_diffusers_bit_for_bit(trained):
     from diffusers import AutoencoderKL
 
