@@ -21,6 +21,34 @@ def temporary_name(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp")
 
 
+_UMASK: int | None = None
+
+
+def file_mode() -> int:
+    """The mode a new file gets from ``open`` under this process's umask (0644 under the usual 022).
+
+    Some writers (safetensors among them) create their files 0600; outputs are meant to be read by
+    other users and tools, so every atomic write ends with this mode.
+    """
+    global _UMASK
+    if _UMASK is None:
+        try:  # Linux says it without changing it
+            line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith("Umask:"))
+            _UMASK = int(line.split()[1], 8)
+        except (OSError, StopIteration, ValueError):
+            _UMASK = os.umask(0o022)
+            os.umask(_UMASK)
+    return 0o666 & ~_UMASK
+
+
+def normal_permissions(path: Path) -> None:
+    """Give a file, or every file under a folder, the mode of :func:`file_mode`."""
+    path = Path(path)
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file() and not p.is_symlink()]
+    for item in files:
+        os.chmod(item, file_mode())
+
+
 def write_atomic(path: str | Path, write) -> None:
     """Call ``write(tmp_path)`` then rename onto ``path``: readers never see a half-written file."""
     path = Path(path)
@@ -28,6 +56,7 @@ def write_atomic(path: str | Path, write) -> None:
     tmp = temporary_name(path)
     try:
         write(tmp)
+        normal_permissions(tmp)
         with open(tmp, "rb") as handle:
             os.fsync(handle.fileno())
         os.replace(tmp, path)
@@ -71,6 +100,7 @@ def write_folder_atomic(folder: str | Path, write) -> None:
     shutil.rmtree(staging, ignore_errors=True)
     try:
         write(staging)
+        normal_permissions(staging)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

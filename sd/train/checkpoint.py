@@ -378,6 +378,7 @@ def check_ranks_agree(model, d, step: int) -> None:
 
 def finalize(staging: Path, final: Path) -> None:
     """Mark a fully written staging folder complete and move it into place (rank 0 only)."""
+    sd.files.normal_permissions(staging)
     sd.files.fsync_tree(staging)
     (staging / COMPLETE).write_text("ok\n")
     if final.exists():  # an earlier complete save of the same step (a re-run): replace it

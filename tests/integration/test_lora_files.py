@@ -3,6 +3,7 @@
 
 import copy
 import json
+import stat
 
 import numpy as np
 import pytest
@@ -217,6 +218,7 @@ def test_export_lora_writes_the_runs_ema_adapter(fmt, lora_run, base, tmp_path):
     with safe_open(str(sd.lora.files.lora_file(out)), framework="pt") as handle:
         header = handle.metadata()
     assert json.loads(header["lora_targets"]) == ["attention"] and header["lora_text_encoder"] == "True"
+    assert stat.S_IMODE(sd.lora.files.lora_file(out).stat().st_mode) == sd.files.file_mode()  # not 0600
 
 
 def test_export_lora_of_a_model_without_an_adapter_is_a_clear_error(base_dir, tmp_path, capsys):

@@ -190,6 +190,22 @@ def test_diffusers_loads_the_exported_folder_with_our_weights(exported, model):
     assert not list((exported / "pipe").rglob("*.bin"))  # safetensors only
 
 
+def test_exported_files_and_checkpoints_get_the_umasks_mode_not_0600(exported, run_dir):
+    import os
+    import stat
+
+    import sd.files
+
+    umask = os.umask(0)
+    os.umask(umask)
+    expected = 0o666 & ~umask
+    assert sd.files.file_mode() == expected
+    files = [exported / "model.safetensors", *[p for p in (exported / "pipe").rglob("*") if p.is_file()],
+             *[p for p in (run_dir / "checkpoints").rglob("*") if p.is_file()]]
+    modes = {str(p): oct(stat.S_IMODE(p.stat().st_mode)) for p in files}
+    assert set(modes.values()) == {oct(expected)}, modes  # safetensors alone would write them 0600
+
+
 def transformers4_clip_text_keys(num_layers: int) -> set[str]:
     """The state-dict keys of transformers 4's ``CLIPTextModel``: ``text_model`` = ``CLIPTextTransformer``
     (embeddings, ``encoder.layers[i]`` of attention + two layer norms + MLP, ``final_layer_norm``);
