@@ -86,9 +86,12 @@ def parse_args(argv=None):
                         help="scale the reference images' centre square to this many pixels first; 0 = as stored")
     parser.add_argument("--prompts", help="prompts: a text file (one per line) or a .tsv/.csv with a 'caption' column; "
                         "line i belongs to image i (by name), or with --ckpt / --runs, the prompts to generate")
-    parser.add_argument("--n", "--num_prompts", dest="n", type=int,
-                        help="generate for the first N prompts (default: all); under torchrun spell it --num_prompts "
-                        "(torchrun's own parser takes --n for an abbreviation of its flags)")
+    parser.add_argument("--num_prompts", type=int,
+                        help="with --ckpt / --runs: generate for the first N prompts (default: all)")
+    parser.add_argument("--n", "--images_per_prompt", dest="n", type=int, default=1,
+                        help="with --ckpt / --runs: images per prompt, as in SD_ImageGen.py (default: %(default)s; "
+                        "image i has seed + i); under torchrun spell it --images_per_prompt (torchrun's own parser "
+                        "takes --n for an abbreviation of its flags)")
     parser.add_argument("--features", choices=FEATURES, default="inception",
                         help="inception (torch-fidelity's InceptionV3 + --clip_model) or tiny (offline stand-ins)")
     parser.add_argument("--clip_model", default=DEFAULT_CLIP_MODEL,
@@ -119,7 +122,7 @@ def parse_args(argv=None):
         parser.error("--ckpt needs --images DIR: where the generated images go")
     if (args.ckpt or args.runs) and not args.prompts:
         parser.error("--ckpt needs --prompts: the prompts to generate")
-    for name in ("batch_size", "steps") + (("n",) if args.n is not None else ()):
+    for name in ("batch_size", "steps", "n") + (("num_prompts",) if args.num_prompts is not None else ()):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1")
     if args.height % 8 or args.width % 8 or min(args.height, args.width) <= 0:
@@ -206,7 +209,12 @@ def main(argv=None) -> int:
 
 def evaluate(args, d: Dist) -> int:
     generating = bool(args.ckpt or args.runs)
-    prompts = read_prompts(args.prompts, args.n if generating else None) if args.prompts else None
+    prompts = read_prompts(args.prompts, args.num_prompts if generating else None) if args.prompts else None
+    if generating:
+        prompts = [prompt for prompt in prompts for _ in range(args.n)]  # each prompt's images side by side
+        if d.is_main:
+            log.info("generating %d image(s) per prompt for %d prompts: %d images", args.n, len(prompts) // args.n,
+                     len(prompts))
     extractors = Extractors(args.features, args.clip_model).to(d.device)
     reference = reference_stats(args.reference, extractors, d, args.batch_size, args.reference_size)
     if not args.images and not args.runs:  # the reference's statistics alone, cached for later runs

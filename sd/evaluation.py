@@ -605,7 +605,7 @@ def read_prompts(path: str | Path, n: int | None = None) -> list[str]:
     else:
         prompts = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     if n is not None and n > len(prompts):
-        raise EvalError(f"{path} has {len(prompts)} prompts, fewer than the {n} asked for (--n, eval_n)")
+        raise EvalError(f"{path} has {len(prompts)} prompts, fewer than the {n} asked for (--num_prompts, eval_n)")
     if not prompts:
         raise EvalError(f"{path}: no prompts")
     return prompts[:n] if n else prompts

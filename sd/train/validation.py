@@ -59,7 +59,7 @@ def ema_sampling(run: Run):
 def evaluate(run: Run) -> dict:
     """``eval_fid``, ``eval_clip_score``, ``eval_n`` of the EMA weights (SD_Eval.py); every rank takes part.
 
-    The images are those of ``SD_Eval.py --ckpt <this step's checkpoint> --prompts eval_prompts --n eval_n
+    The images are those of ``SD_Eval.py --ckpt <this step's checkpoint> --prompts eval_prompts --num_prompts eval_n
     --steps validation_steps --cfg validation_cfg --seed seed`` at the validation size, so the logged
     numbers can be reproduced from the checkpoint.
     """

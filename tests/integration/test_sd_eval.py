@@ -201,8 +201,8 @@ def trained(tmp_path_factory, reference):
     return run, prompts
 
 
-def generate_args(checkpoint, prompts, reference, images, n_flag="--n"):
-    return ["--ckpt", str(checkpoint), "--prompts", str(prompts), n_flag, "6", "--batch_size", "4", "--steps", "3",
+def generate_args(checkpoint, prompts, reference, images, count=("--num_prompts", "6")):
+    return ["--ckpt", str(checkpoint), "--prompts", str(prompts), *count, "--batch_size", "4", "--steps", "3",
             "--cfg", "3.0", "--seed", "5", "--height", "64", "--width", "64", "--reference", str(reference),
             "--images", str(images), "--precision", "fp32"]
 
@@ -246,17 +246,20 @@ def one_core_per_process(monkeypatch):
 def test_generated_scores_are_identical_on_rerun_and_on_two_ranks(trained, reference, tmp_path, one_core_per_process):
     run, prompts = trained
     checkpoint = run / "checkpoints" / ckpt.step_dir_name(4)
-    one = score(*generate_args(checkpoint, prompts, reference, tmp_path / "one"))
+    per_prompt = ("--num_prompts", "3", "--n", "2")  # --n: images per prompt, as in SD_ImageGen.py
+    one = score(*generate_args(checkpoint, prompts, reference, tmp_path / "one", per_prompt))
     assert torch.get_num_threads() == 1
     assert len(list((tmp_path / "one").glob("*.png"))) == 6 and one["n"] == 6
     records = json.loads((tmp_path / "one" / "images.json").read_text())
-    assert [r["seed"] for r in records] == [5, 6, 7, 8, 9, 10] and records[1]["prompt"] == "a green circle"
+    assert [r["seed"] for r in records] == [5, 6, 7, 8, 9, 10]
+    assert [r["prompt"] for r in records] == [p for p in prompts.read_text().splitlines()[:3] for _ in range(2)]
     stamp = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "one").glob("*.png")}
-    again = score(*generate_args(checkpoint, prompts, reference, tmp_path / "one"))  # reads the images back
+    again = score(*generate_args(checkpoint, prompts, reference, tmp_path / "one", per_prompt))  # read back
     assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "one").glob("*.png")} == stamp
     env = {k: v for k, v in os.environ.items() if k != "LOCAL_WORLD_SIZE"}
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          str(ROOT / "SD_Eval.py"), *generate_args(checkpoint, prompts, reference, tmp_path / "two", "--num_prompts"),
+                          str(ROOT / "SD_Eval.py"), *generate_args(checkpoint, prompts, reference, tmp_path / "two",
+                                                              ("--num_prompts", "3", "--images_per_prompt", "2")),
                           "--features", "tiny", "--device", "cpu"], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=600)
     assert two.returncode == 0, two.stderr[-3000:]
@@ -271,7 +274,7 @@ def test_generated_scores_are_identical_on_rerun_and_on_two_ranks(trained, refer
 def test_per_phase_table_evaluates_the_newest_checkpoint_of_each_run(trained, reference, tmp_path):
     run, prompts = trained
     table = tmp_path / "phases.md"
-    args = ["--runs", str(run), "--prompts", str(prompts), "--n", "6", "--batch_size", "4", "--steps", "3", "--cfg",
+    args = ["--runs", str(run), "--prompts", str(prompts), "--num_prompts", "6", "--batch_size", "4", "--steps", "3", "--cfg",
             "3.0", "--seed", "5", "--height", "64", "--width", "64", "--reference", str(reference), "--table",
             str(table), "--features", "tiny", "--device", "cpu", "--precision", "fp32"]
     assert SD_Eval.main(args) == 0
