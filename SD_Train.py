@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import signal
 import sys
 import time
 from pathlib import Path
@@ -60,6 +61,11 @@ def main(argv=None) -> int:
             ckpt.CheckpointError) as error:
         print(f"SD_Train.py: error (rank {d.rank}): {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # outside the loop's own handler: loading, class images
+        if d.is_main:
+            print("SD_Train.py: interrupted (Ctrl-C) outside a training step; what was finished is kept (checkpoints, "
+                  "class images): re-run the same command to go on", file=sys.stderr)
+        return 128 + signal.SIGINT
     finally:
         sd.distributed.teardown()
 

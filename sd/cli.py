@@ -75,3 +75,12 @@ def first_line(error) -> str:
     a one-line error shows of a cause."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     return lines[0] if lines else type(error).__name__
+
+
+def duration(seconds: float) -> str:
+    """``42 s``, ``7.5 min``, ``3.2 h``: a time a person reads at a glance."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"

@@ -17,11 +17,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
+import sd.cli
 import sd.data.shards
 import sd.data.training_data
 import sd.distributed
@@ -83,9 +85,11 @@ def ensure_class_images(config, d, pipeline) -> int:
                  config.class_prompt, folder, d.world_size, class_image_count(config),
                  class_image_count(config) - len(todo))
     pipeline.unet.eval()
+    made = 0
     try:
         with sd.runtime.autocast(config.precision, d.device):
             bar = tqdm(total=len(mine), desc="class images", disable=not d.is_main, unit="image")
+            started = time.perf_counter()
             for start in range(0, len(mine), GENERATE_BATCH):
                 chunk = mine[start : start + GENERATE_BATCH]
                 images = sd.sampling.generate(pipeline, config.class_prompt, "", [class_seed(config, i) for i in chunk],
@@ -94,8 +98,18 @@ def ensure_class_images(config, d, pipeline) -> int:
                                               batch_size=GENERATE_BATCH, device=d.device)
                 for index, image in zip(chunk, images):
                     save_png(folder / class_image_name(index), image)
+                    made += 1
                 bar.update(len(chunk))
+                if start == 0 and d.is_main and len(mine) > len(chunk):
+                    each = (time.perf_counter() - started) / len(chunk)
+                    log.info("class images: %.1f s each here, about %s for the %d left (num_class_images sets the "
+                             "count)", each, sd.cli.duration(each * (len(mine) - len(chunk))),
+                             len(mine) - len(chunk))
             bar.close()
+    except KeyboardInterrupt:
+        log.warning("class images: stopped after %d new ones; they are kept in %s and a re-run makes only the rest",
+                    made, folder)
+        raise
     finally:
         pipeline.unet.train()
     sd.distributed.barrier(d)

@@ -1,6 +1,7 @@
 """LoRA and DreamBooth training on the tiny presets: what trains, what the checkpoints hold, exact resume,
 the prior-preservation loss, noise offset, 8-bit AdamW and cached text embeddings."""
 
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +15,7 @@ import sd.formats
 import sd.lora.adapters
 import sd.lora.files
 import sd.model
+import sd.sampling
 import sd.train.checkpoint as ckpt
 import sd.train.config
 import sd.train.step
@@ -175,6 +177,35 @@ def test_dreambooth_generates_missing_class_images_and_trains_on_both_halves(tmp
     # The epoch is the 6 class images, each paired with instance i mod 3: all of them in 6 samples.
     data = SD_Train.build(sd.train.config.load_config(["--config", str(config)]), Dist.single()).train_data
     assert len(data) == 6 and data.instance.shape[0] == 3 and data.prior.shape[0] == 6
+
+
+def test_ctrl_c_during_class_images_keeps_the_finished_ones_and_ends_with_one_line(tmp_path, base_model, monkeypatch,
+                                                                                 caplog, capsys):
+    instance = write_images(tmp_path / "instance", 2, (0, 200, 200))
+    config = write_config(tmp_path / "db.yaml", instance_dir=str(instance), instance_prompt="a sks square",
+                          class_dir=str(tmp_path / "class"), class_prompt="a square", num_class_images=20,
+                          image_size=64, init_from=str(base_model), max_steps=2, validation_steps=2,
+                          out_dir=str(tmp_path / "run"))
+    calls = []
+    real = sd.sampling.generate
+
+    def generate(*args, **kwargs):  # the second batch is interrupted, as a Ctrl-C would
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sd.sampling, "generate", generate)
+    with caplog.at_level(logging.INFO):
+        assert SD_Train.main(["--config", str(config)]) == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "interrupted (Ctrl-C)" in err and "re-run the same command" in err
+    batch = sd.data.dreambooth.GENERATE_BATCH
+    assert len(list((tmp_path / "class").glob("class_*.png"))) == batch  # the first batch is kept
+    assert "generating 20 class images" in caplog.text and f"stopped after {batch} new ones" in caplog.text
+    assert "for the 12 left" in caplog.text  # the time it will take, from the first batch
+    parsed = sd.train.config.load_config(["--config", str(config)])
+    assert len(sd.data.dreambooth.missing_class_images(parsed)) == 20 - batch  # a re-run makes only the rest
 
 
 def test_prior_preservation_step_loss_equals_the_hand_computed_composition(tmp_path, base_model):
