@@ -127,9 +127,10 @@ def train_locked(config: TrainConfig, d: Dist) -> int:
         prefetch.close()
         bar.close()
         stopper.restore()
+        if metrics is not None:
+            metrics.close()
     if d.is_main:
         sd.train.metrics.plot_metrics(run.run_dir / "metrics.jsonl", run.run_dir / "loss.png")
-        metrics.close()
     return code
 
 

@@ -192,6 +192,8 @@ class TrainConfig:
     eval_batch_size: int = _doc("images per generation and feature batch of the evaluation", 16, allowed=COUNT)
     wandb_project: str = _doc("wandb project name", "sd1-train")
     wandb_mode: str = _doc("wandb: online, offline or disabled (API key from the environment)", "disabled")
+    tensorboard: str = _doc("the metrics and sample grids as TensorBoard events in OUT_DIR/tensorboard (view with "
+                            "tensorboard --logdir OUT_DIR): auto (when wandb_mode is disabled), true or false", "auto")
     # -- run --------------------------------------------------------------------------------
     seed: int = _doc("seed of the model init, data order and diffusion noise", 0,
                      allowed=Range(0, 2**32 - 1, high_open=False))
@@ -225,6 +227,7 @@ class TrainConfig:
         need(self.ema_device in ("same", "cpu"), "ema_device: same or cpu")
         need(self.ema_warmup in ("auto", "restart", "off"), "ema_warmup: auto, restart or off")
         need(self.wandb_mode in ("online", "offline", "disabled"), "wandb_mode: online, offline or disabled")
+        need(self.tensorboard.lower() in ("auto", "true", "false"), "tensorboard: auto, true or false")
         need(self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda"), "device: auto, cpu or cuda")
         for name in ("vae", "text_encoder", "out_dir"):
             need(getattr(self, name).strip(), f"{name} must not be empty")

@@ -1,7 +1,8 @@
-"""Run metrics: ``metrics.jsonl`` (the source of truth), wandb when enabled, and the loss plot.
+"""Run metrics: ``metrics.jsonl`` (the source of truth), wandb or TensorBoard, and the loss plot.
 
-Rank 0 writes one JSON object per logged optimizer step; wandb and ``loss.png`` are built from the
-same records. A crash while a record is being written can leave a torn last line: a resume drops it
+Rank 0 writes one JSON object per logged optimizer step; wandb, TensorBoard and ``loss.png`` are built
+from the same records. TensorBoard's events hide those past a resumed step (``purge_step``), as the
+resume drops them from ``metrics.jsonl``. A crash while a record is being written can leave a torn last line: a resume drops it
 (and the records past the resumed step) and rewrites the file atomically. Any other line that is no
 record is an error naming the file and the line.
 """
@@ -47,12 +48,40 @@ def read_records(path: Path) -> tuple[list[tuple[str, dict]], str | None]:
     return records, None
 
 
+TENSORBOARD_DIR = "tensorboard"
+
+
+def tensorboard_on(config) -> bool:
+    """``tensorboard: auto`` writes events when wandb is off; ``true`` / ``false`` decide alone."""
+    setting = config.tensorboard.lower()
+    return setting == "true" or (setting == "auto" and config.wandb_mode == "disabled")
+
+
+def scalars(record: dict) -> dict[str, float]:
+    """The numbers of a record by name; a list (``loss_by_quartile``) as ``name/0``, ``name/1``, ..."""
+    out = {}
+    for key, value in record.items():
+        if key == "step":
+            continue
+        values = value if isinstance(value, list) else [value]
+        for i, item in enumerate(values):
+            if isinstance(item, (int, float)) and item is not None:
+                out[f"{key}/{i}" if isinstance(value, list) else key] = float(item)
+    return out
+
+
 class MetricsLog:
-    """``metrics.jsonl`` (the source of truth) and, when enabled, wandb, on rank 0."""
+    """``metrics.jsonl`` (the source of truth) and, when enabled, wandb and TensorBoard, on rank 0."""
 
     def __init__(self, run_dir: Path, config, resume_step: int):
         self.path = run_dir / "metrics.jsonl"
         self._truncate_after(resume_step)
+        self.tensorboard = None
+        if tensorboard_on(config):
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(str(run_dir / TENSORBOARD_DIR),
+                                             purge_step=resume_step + 1 if resume_step else None)
         self.wandb = None
         if config.wandb_mode != "disabled":
             import wandb
@@ -84,8 +113,20 @@ class MetricsLog:
 
                 payload["samples"] = wandb.Image(str(image))
             self.wandb.log(payload, step=record["step"])
+        if self.tensorboard is not None:
+            for key, value in scalars(record).items():
+                self.tensorboard.add_scalar(key, value, record["step"])
+            if image is not None:
+                import numpy as np
+                from PIL import Image
+
+                with Image.open(image) as grid:
+                    pixels = np.asarray(grid.convert("RGB"))
+                self.tensorboard.add_image("samples", pixels, record["step"], dataformats="HWC")
 
     def close(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()
         if self.wandb is not None:
             self.wandb.finish()
 

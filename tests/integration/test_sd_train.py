@@ -6,6 +6,7 @@ import math
 import os
 import signal
 import subprocess
+import shutil
 import sys
 from pathlib import Path
 
@@ -601,6 +602,31 @@ def test_wandb_offline_logs_one_run_across_a_resume(tmp_path, data, monkeypatch)
     files = list((tmp_path / "run" / "wandb").rglob("*.wandb"))
     assert files and all(run_id in f.name for f in files) and all(f.stat().st_size > 0 for f in files)
     assert len(losses(tmp_path / "run")) == 4
+
+
+@pytest.mark.slow
+def test_tensorboard_gets_each_logged_step_once_across_a_resume_from_an_older_checkpoint(tmp_path, data):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = tmp_path / "run"
+    config = write_config(tmp_path / "t.yaml", datasets=[data], max_steps=4, out_dir=str(run), batch_size=4,
+                          grad_accum=1, save_steps=2, validate_every=2, validation_prompts=["a red circle"],
+                          validation_steps=2)  # tensorboard: auto, wandb off
+    assert SD_Train.main(["--config", str(config), "--stop_at_step", "3"]) == 0
+    shutil.rmtree(run / "checkpoints" / ckpt.step_dir_name(3))  # as if killed after logging step 3
+    assert SD_Train.main(["--config", str(config)]) == 0  # resumes at 2: steps 3 and 4 are logged again
+    events = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0, "images": 0})
+    events.Reload()
+    logged = [(e.step, e.value) for e in events.Scalars("loss")]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    expected = [(r["step"], r["loss"]) for r in records if "loss" in r]
+    assert [step for step, _ in logged] == [1, 2, 3, 4]  # the first run's step 3 is purged
+    assert logged == [(step, pytest.approx(loss, rel=1e-6)) for step, loss in expected]
+    assert {"lr", "grad_norm", "loss_by_quartile/0"} <= set(events.Tags()["scalars"])
+    assert [e.step for e in events.Images("samples")] == [2, 4]
+    off = write_config(tmp_path / "off.yaml", datasets=[data], max_steps=1, out_dir=str(tmp_path / "off"),
+                       batch_size=4, grad_accum=1, tensorboard="false")
+    assert SD_Train.main(["--config", str(off)]) == 0 and not (tmp_path / "off" / "tensorboard").exists()
 
 
 # ------------------------------------------------------------------------------ one writer, stop points
