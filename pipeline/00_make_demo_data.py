@@ -53,6 +53,7 @@ def parse_args(argv):
     parser.add_argument("--vae_out", help="folder of the --vae_count images' shards (default: OUT/../vae_shards)")
     parser.add_argument("--holdout", default=DEFAULT_HOLDOUT,
                         help="comma-separated 'colour shape' pairs kept out of training")
+    parser.shapes_outputs("count", "size", "shard_size", "seed", "vae_count", "holdout")
     args = parser.parse_args(argv)
     if args.count < 1 or args.size < 16 or args.shard_size < 1 or args.vae_count < 0:
         parser.error("--count and --shard_size must be >= 1, --size >= 16 and --vae_count >= 0")
@@ -124,6 +125,7 @@ def main(argv=None) -> int:
     seen = [(c, s) for c in PALETTE for s in SHAPES if (c, s) not in args.holdout]
     rng = np.random.default_rng(args.seed)
     combos = [seen[i] for i in rng.integers(0, len(seen), size=args.count)]
+    sd.data.stages.keep_settings(args)
     summary = write_shards(out, args.count, args, lambda i, _: (*combos[i], PALETTE), "demo")
     if args.vae_count:
         def vae_only(i, shard_rng):

@@ -52,6 +52,7 @@ def parse_args(argv):
                         help="folder URL (or local folder) holding part-NNNNNN.zip")
     parser.add_resolution()
     parser.add_download_flags("zip parts")
+    parser.shapes_outputs("resolution")
     args = parser.parse_args(argv)
     args.parts = parser.number_list(args.parts, "--parts")
     return args
@@ -135,6 +136,7 @@ def main(argv=None) -> int:
     sd.runtime.start_process()
     args = parse_args(argv)
     summary = sd.data.stages.start_downloads(args, STAGE)
+    sd.data.stages.keep_settings(args)
     for part in tqdm(summary.pending(args.out, args.parts), desc="DiffusionDB parts", unit="part"):
         process_part(args, part, summary)
     summary.finish(args.out, parts=len(args.parts), failed_parts=summary.failed_inputs)

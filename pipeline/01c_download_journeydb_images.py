@@ -59,6 +59,7 @@ def parse_args(argv):
                         help="caption source: the generation prompt, or Task2.Caption (falling back to the prompt)")
     parser.add_resolution()
     parser.add_download_flags("tgz archives")
+    parser.shapes_outputs("resolution", "caption")
     args = parser.parse_args(argv)
     args.archives = parser.number_list(args.archives, "--archives")
     if "://" not in args.annotations and not Path(args.annotations).is_file():
@@ -192,6 +193,7 @@ def main(argv=None) -> int:
         except (sd.data.stages.DownloadError, ValueError, OSError, *ARCHIVE_ERRORS) as error:
             print(f"{STAGE}: cannot read the annotations {args.annotations}: {error}", file=sys.stderr)
             return 2
+    sd.data.stages.keep_settings(args)
     for number in tqdm(pending, desc="JourneyDB archives", unit="archive"):
         process_archive(args, number, annotations, summary)
     summary.finish(args.out, archives=len(args.archives), failed_archives=summary.failed_inputs,

@@ -67,6 +67,7 @@ def parse_args(argv):
     parser.add_argument("--shard_size", type=int, default=1000, help="images (before filtering) per output shard")
     parser.add_resolution()
     parser.add_download_flags("images zip and annotation files")
+    parser.shapes_outputs("resolution", "shard_size", "person_filter", "min_person_height")
     args = parser.parse_args(argv)
     for flag in ("images", "captions", "instances"):
         source = getattr(args, flag)
@@ -291,6 +292,7 @@ def main(argv=None) -> int:
         return 2
     shard_count = -(-len(images) // args.shard_size)
     pending = summary.pending(args.out, list(range(shard_count)))
+    sd.data.stages.keep_settings(args)
     if pending:  # a finished run opens (and downloads) no images
         try:
             write_pending(pending, images, captions, tallest, args, summary)

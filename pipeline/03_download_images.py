@@ -91,6 +91,7 @@ def parse_args(argv):
     parser.add_argument("--shard_size", type=int, default=10000, help="samples per output shard")
     parser.add_argument("--timeout", type=int, default=10, help="seconds before one image download is abandoned")
     parser.add_retries("extra tries of a failed image download")
+    parser.shapes_outputs("resolution", "keep_aspect", "url_col", "caption_col", "shard_size")
     args = parser.parse_args(argv)
     if min(args.processes, args.threads, args.shard_size, args.timeout) < 1:
         parser.error("--processes, --threads, --shard_size and --timeout must be >= 1")
@@ -225,6 +226,7 @@ def main(argv=None) -> int:
     done_before = {shard for shard in shards if stats_path(args.out, shard).exists()}
     # The summary is a *.json in the shard folder: img2dataset would read "03_..." as shard 3 done.
     (args.out / SUMMARY_NAME).unlink(missing_ok=True)
+    sd.data.stages.keep_settings(args)
     if len(done_before) < len(shards):
         log.info("downloading %d of %d shards (url %s, caption %s, extra %s)", len(shards) - len(done_before),
                  len(shards), url_col, caption_col, scores)

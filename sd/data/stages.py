@@ -112,21 +112,54 @@ class SettingsChanged(ValueError):
     """A re-run asks for other settings than the outputs already in its folder were made with."""
 
 
-def record_settings(out_dir: Path, stage: str, settings: dict, earlier: dict | None = None) -> None:
-    """Keep the settings that shape a stage's outputs beside them (``<stage>_settings.json``), before
-    any output is written. A re-run with another value of one of them is refused, naming it: its
-    outputs would sit beside ones of another kind, and the summary would relabel the old ones.
-    ``earlier``: what a folder from before settings were kept records of them (its summary)."""
-    path = Path(out_dir) / f"{stage}_settings.json"
+SETTINGS_SUFFIX = ".settings"  # not .json: img2dataset reads every *.json in its folder as a shard's stats
+
+
+def settings_path(out_dir: Path, stage: str) -> Path:
+    return Path(out_dir) / f"{stage}{SETTINGS_SUFFIX}"
+
+
+def has_outputs(out_dir: Path) -> bool:
+    """Whether a stage finished anything in ``out_dir`` (an output's stats file, or a summary)."""
+    out_dir = Path(out_dir)
+    return out_dir.is_dir() and any(True for pattern in ("*_stats.json", "*_summary.json")
+                                    for _ in out_dir.glob(pattern))
+
+
+def check_settings(out_dir: Path, stage: str, settings: dict, earlier: dict | None = None) -> None:
+    """Refuse settings that differ from those the finished outputs in ``out_dir`` were made with
+    (:func:`record_settings` kept them), naming the first that differs. A folder with no finished
+    output takes any settings. ``earlier``: what a folder from before settings were kept records of
+    them (its summary)."""
+    if not has_outputs(out_dir):
+        return
+    path = settings_path(out_dir, stage)
     saved = json.loads(path.read_text()) if path.exists() else dict(earlier or {})
     for name, value in settings.items():
         if name in saved and saved[name] != value:
             raise SettingsChanged(f"{out_dir} holds outputs made with {name} {saved[name]!r}, not {value!r}: "
                                   f"use another output folder, or delete {out_dir} to make them again")
+
+
+def record_settings(out_dir: Path, stage: str, settings: dict, earlier: dict | None = None) -> None:
+    """Keep the settings that shape a stage's outputs beside them (``<stage>.settings``, JSON), before
+    any output is written, once :func:`check_settings` has accepted them. A re-run with another value
+    of one of them is refused, naming it: its outputs would sit beside ones of another kind, and the
+    summary would relabel the old ones."""
+    check_settings(out_dir, stage, settings, earlier)
+    path = settings_path(out_dir, stage)
+    saved = json.loads(path.read_text()) if path.exists() and has_outputs(out_dir) else {}
     merged = {**saved, **settings}
     if merged != saved or not path.exists():
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         sd.files.write_json_atomic(path, merged)
+
+
+def keep_settings(args) -> None:
+    """Record the output-shaping flags a stage's parser checked (``StageArgumentParser.shapes_outputs``):
+    call once the command line is fully checked, before the first output is written."""
+    stage, settings = args.output_settings
+    record_settings(Path(args.out), stage, settings)
 
 
 class Summary:
@@ -498,6 +531,13 @@ class StageArgumentParser(sd.cli.ArgumentParser):
         self.required_dests: list[str] = []  # required flags that have an alias: argparse cannot check them
         # (dest, predicate, message) run after parsing; "{value}" in the message is the flag's value
         self.checks: list[tuple[str, object, str]] = []
+        self.shaping: tuple[str, ...] = ()  # flags whose values shape the outputs (shapes_outputs)
+
+    def shapes_outputs(self, *dests: str) -> None:
+        """These flags shape what is written to ``--out``: a re-run into a folder of finished outputs
+        made with other values stops while parsing, naming the flag; the stage records them with
+        :func:`keep_settings` before it writes its first output."""
+        self.shaping = dests
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
@@ -510,6 +550,12 @@ class StageArgumentParser(sd.cli.ArgumentParser):
         for dest, predicate, message in self.checks:
             if not predicate(getattr(parsed, dest)):
                 self.error(message.format(value=getattr(parsed, dest)))
+        if self.shaping:
+            parsed.output_settings = (Path(self.prog).stem, {f"--{d}": getattr(parsed, d) for d in self.shaping})
+            try:
+                check_settings(Path(parsed.out), *parsed.output_settings)
+            except SettingsChanged as error:
+                self.exit(2, f"{self.prog}: {error}\n")
         return parsed
 
     def add_required(self, flag: str, help: str, *, old: tuple[str, ...] = (), **kwargs) -> None:

@@ -101,7 +101,7 @@ def test_04_rerun_with_another_tokenizer_is_refused_and_keeps_the_outputs(captio
 
 def test_04_folder_from_before_settings_were_kept_is_checked_against_its_summary(captions, capsys, tmp_path):
     out = captions / "captions"
-    (out / "04_preprocess_to_cache_settings.json").unlink()
+    (out / "04_preprocess_to_cache.settings").unlink()
     local = tmp_path / "my_tokenizer"
     sd.model.load_tokenizer("tiny").save_pretrained(local)
     assert stage04.main(["--input", str(captions / "shards" / "*.tar"), "--out", str(out),
@@ -109,7 +109,7 @@ def test_04_folder_from_before_settings_were_kept_is_checked_against_its_summary
     assert "made with tokenizer 'tiny'" in capsys.readouterr().err
     assert stage04.main(["--input", str(captions / "shards" / "*.tar"), "--out", str(out),
                          "--tokenizer", "tiny"]) == 0
-    assert json.loads((out / "04_preprocess_to_cache_settings.json").read_text()) == {"tokenizer": "tiny"}
+    assert json.loads((out / "04_preprocess_to_cache.settings").read_text()) == {"tokenizer": "tiny"}
 
 
 def test_05_joins_to_latents_splits_by_hash_and_the_trainer_reads_it(captions, capsys):

@@ -212,3 +212,35 @@ def test_shard_readers_take_the_data_stages_spelling_input_too(script):
     required = {"encode_latents": ["--out", "o", "--vae", "tiny"], "train_vae": ["--out", "o"]}[script]
     assert module.parse_args(["--input", "a/*.tar", *required]).shards == "a/*.tar"
     assert module.parse_args(["--shards", "a/*.tar", *required]).shards == "a/*.tar"
+
+
+@pytest.mark.parametrize("name, argv, changed, recorded", [
+    ("00_make_demo_data", ["--count", "8"], ["--size", "32"], "--size 64"),
+    ("01b_download_diffusiondb", ["--parts", "1"], ["--resolution", "256"], "--resolution 512"),
+    ("01c_download_journeydb_images", ["--archives", "0", "--annotations", "ANN"], ["--caption", "caption"],
+     "--caption 'prompt'"),
+    ("01d_download_coco", ["--images", "IMG", "--captions", "ANN"], ["--shard_size", "10"], "--shard_size 1000"),
+    ("03_download_images", ["--input", "IMG"], ["--keep_aspect"], "--keep_aspect None"),
+])
+def test_a_rerun_with_other_output_shaping_flags_stops_before_any_work(tmp_path, name, argv, changed, recorded,
+                                                                        capsys):
+    (tmp_path / "ann.jsonl").write_text("")
+    (tmp_path / "img").mkdir()
+    argv = [{"ANN": str(tmp_path / "ann.jsonl"), "IMG": str(tmp_path / "img")}.get(a, a) for a in argv]
+    out = tmp_path / "out"
+    def parse(*more):
+        args = stage(name).parse_args([*argv, "--out", str(out), *more])
+        sd.data.stages.keep_settings(args)  # what the stage does before its first output
+
+    parse()
+    assert not (out / f"{name}_stats.json").exists() and (out / f"{name}.settings").exists()
+    parse(*changed)  # nothing finished yet: the new values are taken
+    parse()
+    (out / "00000_stats.json").write_text("{}")  # a finished output
+    parse()  # the same values: a resume
+    with pytest.raises(SystemExit) as exit_info:
+        parse(*changed)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"{name}.py: {out} holds outputs made with {recorded}, not ") and err.count("\n") == 1
+    assert "delete" in err and "another output folder" in err
