@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 # wandb never needs the network in tests.
 export NO_ALBUMENTATIONS_UPDATE := 1
 
-.PHONY: setup test test-demo check demo clean
+.PHONY: setup test test-demo check demo docs clean
 
 setup: $(STAMP)
 
@@ -41,6 +41,10 @@ check: $(STAMP)
 # The whole system on built-in synthetic data: outputs under runs/demo/ (see demo/run.sh).
 demo: $(STAMP)
 	PY=$(PY) bash demo/run.sh
+
+# docs/config.md from the config fields' own docs (a test fails while it is out of date).
+docs: $(STAMP)
+	$(PY) -m sd.train.config docs/config.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -496,3 +496,67 @@ def field_default(name: str):
     """A field's default value (for a field newer than a saved config)."""
     f = FIELDS[name]
     return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference of every field (docs/config.md is this, generated: python -m sd.train.config)
+# ---------------------------------------------------------------------------------------------
+
+
+def sections() -> list[tuple[str, list[str]]]:
+    """The fields in the order and groups of ``TrainConfig``'s source (its ``# -- name ---`` comments)."""
+    import inspect
+    import re
+
+    groups: list[tuple[str, list[str]]] = []
+    for line in inspect.getsource(TrainConfig).splitlines():
+        heading = re.match(r"\s*# -- (.+?) -+\s*$", line)
+        name = re.match(r"    (\w+): \w+ = ", line)
+        if heading:
+            groups.append((heading.group(1), []))
+        elif name and name.group(1) in FIELDS:
+            groups[-1][1].append(name.group(1))
+    return groups
+
+
+def _cell(text: str) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def describe_default(name: str) -> str:
+    value = field_default(name)
+    if name == "batch_size" and value == AUTO_BATCH:
+        return "auto"
+    if value in ("", [], None):
+        return "(none)"
+    if isinstance(value, (list, dict)):
+        return f"`{yaml.safe_dump(value, default_flow_style=True, width=10**6).strip()}`"
+    return f"`{str(value).lower() if isinstance(value, bool) else value}`"
+
+
+def reference_markdown() -> str:
+    """``docs/config.md``: every field with its default, allowed values and doc, by group."""
+    lines = ["# Training config reference", "",
+             "Every field of a training YAML, generated from the fields' own docs in `sd/train/config.py` "
+             "(`make docs` rewrites this file; a test keeps it in sync). A YAML may start with "
+             "`extends: base.yaml`; every field is also a flag of `SD_Train.py` (`--lr 1e-5`), which "
+             "overrides the YAML.", ""]
+    for title, names in sections():
+        lines += [f"## {title[0].upper()}{title[1:]}", "", "| field | default | allowed | what it does |",
+                  "|---|---|---|---|"]
+        for name in names:
+            meta = FIELDS[name].metadata
+            allowed = meta["allowed"].describe(FIELDS[name].type) if meta.get("allowed") else ""
+            lines.append(f"| `{name}` | {_cell(describe_default(name))} | {_cell(allowed)} | {_cell(meta['help'])} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import sys
+
+    target = Path(sys.argv[1]) if len(sys.argv) > 1 else None
+    if target is None:
+        print(reference_markdown(), end="")
+    else:
+        target.write_text(reference_markdown())

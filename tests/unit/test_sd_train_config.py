@@ -309,3 +309,14 @@ def test_init_from_a_run_of_another_model_is_one_line_naming_both(tmp_path, base
     assert len(err.splitlines()) == 1, err
     assert "unet: this config names 'demo', but init_from" in err and "trained with 'tiny'" in err
     assert "leave unet out" in err
+
+
+def test_docs_config_md_is_the_reference_generated_from_the_fields():
+    from sd.train.config import FIELDS, reference_markdown, sections
+
+    names = [name for _, group in sections() for name in group]
+    assert sorted(names) == sorted(FIELDS) and len(names) == len(set(names))  # every field, in one group
+    text = (Path(__file__).resolve().parents[2] / "docs" / "config.md").read_text()
+    assert text == reference_markdown(), "docs/config.md is out of date: run make docs"
+    for name in FIELDS:
+        assert text.count(f"| `{name}` |") == 1
