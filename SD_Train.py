@@ -29,6 +29,7 @@ import sd.model
 import sd.runtime
 import sd.train.checkpoint as ckpt
 import sd.train.checkpointer
+import sd.train.config
 import sd.train.memory
 import sd.train.metrics
 import sd.train.run
@@ -94,6 +95,7 @@ def build(config: TrainConfig, d: Dist) -> Run:
     ``init_from``; its config is final from here on."""
     if config.batch_size == AUTO_BATCH:
         config = dataclasses.replace(config, batch_size=sd.train.memory.auto_batch_size(config, d))
+    config = sd.train.config.resolve_global_batch(config, d.world_size)
     run = sd.train.run.build(config, d)
     sd.train.checkpointer.resume_or_init(run)
     sd.train.step.wrap_model(run.step, run.config.compile, len(run.train_data.shapes))
@@ -110,9 +112,12 @@ def train_locked(config: TrainConfig, d: Dist) -> int:
     if d.is_main:
         (run.run_dir / "config.yaml").write_text(config_yaml(config))
         log.info("%d training samples in %d dataset(s), latents %s; %d steps/epoch, %d steps in all; "
-                 "%d images per optimizer step", len(run.train_data), len(run.train_data.splits),
-                 " ".join(str(s) for s in run.train_data.shapes), run.steps_per_epoch, run.total_steps,
-                 config.batch_size * config.grad_accum * d.world_size)
+                 "%d images per optimizer step (batch_size %d x %d GPU(s) x grad_accum %d%s)", len(run.train_data),
+                 len(run.train_data.splits), " ".join(str(s) for s in run.train_data.shapes), run.steps_per_epoch,
+                 run.total_steps, config.batch_size * config.grad_accum * d.world_size, config.batch_size,
+                 d.world_size, config.grad_accum,
+                 f", set by global_batch {config.global_batch}" if config.global_batch else
+                 "; global_batch keeps it on any number of GPUs")
         if state.step:
             log.info("resumed at step %d (epoch %d, micro-batch %d of the epoch)", state.step, state.epoch,
                      state.position)

@@ -118,7 +118,12 @@ class TrainConfig:
     batch_size: int = _doc("micro-batch size per GPU; auto (or 0): the largest that the GPU's memory holds, as "
                            "--estimate_memory predicts it (CUDA only; fixed for the run once chosen)", 24,
                            allowed=NON_NEGATIVE)
-    grad_accum: int = _doc("micro-batches accumulated per optimizer step", 2, allowed=COUNT)
+    grad_accum: int = _doc("micro-batches accumulated per optimizer step (replaced when global_batch is set)", 2,
+                           allowed=COUNT)
+    global_batch: int = _doc("images per optimizer step across every GPU, kept whatever the number of GPUs: "
+                             "grad_accum becomes global_batch / (batch_size x GPUs), and a batch that cannot make "
+                             "it exactly stops with the settings that can; 0 = batch_size x grad_accum x GPUs", 0,
+                             allowed=NON_NEGATIVE)
     max_steps: int = _doc("optimizer steps of the phase; 0 = run `epochs` epochs", 0, allowed=NON_NEGATIVE)
     epochs: int = _doc("epochs of the phase when max_steps is 0", 1, allowed=NON_NEGATIVE)
     lr: float = _doc("peak learning rate", 1e-5, allowed=POSITIVE)
@@ -465,6 +470,32 @@ def estimate_flags(argv=None) -> tuple[bool, float | None, int | None]:
     if args.resolution is not None and (args.resolution <= 0 or args.resolution % 8):
         raise ConfigError(f"--resolution must be a positive multiple of 8, got {args.resolution}")
     return estimate, args.gpu_memory_gb, args.resolution
+
+
+def largest_batch_for(global_batch: int, world_size: int, at_most: int) -> int:
+    """The largest micro-batch up to ``at_most`` that makes ``global_batch`` on ``world_size`` GPUs in
+    whole accumulation steps; 0 when none does."""
+    return next((b for b in range(at_most, 0, -1) if global_batch % (b * world_size) == 0), 0)
+
+
+def resolve_global_batch(config: TrainConfig, world_size: int) -> TrainConfig:
+    """``global_batch`` set: the config with ``grad_accum`` that makes it on ``world_size`` GPUs; a
+    batch that cannot make it exactly is a ConfigError naming the settings that can."""
+    if not config.global_batch:
+        return config
+    per_step = config.batch_size * world_size
+    if config.global_batch % per_step == 0:
+        return dataclasses.replace(config, grad_accum=config.global_batch // per_step)
+    options = []
+    smaller = largest_batch_for(config.global_batch, world_size, config.batch_size)
+    if smaller:
+        options.append(f"batch_size {smaller} (grad_accum {config.global_batch // (smaller * world_size)})")
+    bigger = -(-config.global_batch // per_step) * per_step
+    options.append(f"global_batch {bigger} with lr {config.lr * bigger / config.global_batch:.3g} (the linear "
+                   f"scaling rule; the recipe's lr is for {config.global_batch})")
+    raise ConfigError(f"global_batch {config.global_batch} is not a whole number of steps of batch_size "
+                      f"{config.batch_size} on {world_size} GPU(s) ({per_step} images each): use "
+                      + " or ".join(options))
 
 
 def read_saved_config(path: str | Path) -> dict:

@@ -49,7 +49,7 @@ import sd.lora.adapters
 import sd.model
 import sd.runtime
 import sd.train.step
-from sd.train.config import ConfigError, read_saved_config
+from sd.train.config import ConfigError, largest_batch_for, read_saved_config
 
 log = logging.getLogger("sd_train")
 
@@ -564,7 +564,15 @@ def auto_batch_size(config, d, gpu_memory_gb: float | None = None) -> int:
     if batch == 0:
         raise ConfigError(f"batch_size: auto: not even one {resolution} px image fits {gpu_memory_gb:.1f} GB with "
                           "these settings (SD_Train.py --estimate_memory shows where the memory goes)")
-    log.info("batch_size: auto -> %d (predicted peak %.2f of %.2f GB)", batch, estimate.peak_gb, gpu_memory_gb)
+    log.info("batch_size: auto -> %d fits (predicted peak %.2f of %.2f GB)", batch, estimate.peak_gb, gpu_memory_gb)
+    if config.global_batch:  # the largest that makes global_batch in whole accumulation steps
+        fitting, batch = batch, largest_batch_for(config.global_batch, d.world_size, batch)
+        if batch == 0:
+            raise ConfigError(f"global_batch {config.global_batch} cannot be split over {d.world_size} GPUs: make "
+                              f"it a multiple of {d.world_size}")
+        if batch != fitting:
+            log.info("batch_size: auto -> %d, the largest up to %d that makes global_batch %d on %d GPU(s)", batch,
+                     fitting, config.global_batch, d.world_size)
     return batch
 
 

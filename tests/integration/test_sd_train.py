@@ -517,6 +517,28 @@ def test_resume_refuses_a_changed_batch_size(run_a, tmp_path, data, capsys):
     assert "different batch_size" in capsys.readouterr().err
 
 
+@pytest.mark.slow
+def test_global_batch_sets_the_accumulation_and_an_impossible_one_stops_before_any_work(tmp_path, data, capsys,
+                                                                                       caplog):
+    import logging
+
+    config = write_config(tmp_path / "g.yaml", datasets=[data], max_steps=1, out_dir=str(tmp_path / "run"),
+                          batch_size=4, grad_accum=1, global_batch=8)
+    with caplog.at_level(logging.INFO):
+        assert SD_Train.main(["--config", str(config)]) == 0
+    saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert (saved["batch_size"], saved["grad_accum"], saved["global_batch"]) == (4, 2, 8)
+    assert "8 images per optimizer step (batch_size 4 x 1 GPU(s) x grad_accum 2, set by global_batch 8)" in caplog.text
+    state = ckpt.load_torch(tmp_path / "run" / "checkpoints" / ckpt.step_dir_name(1) / "train_state.pt")
+    assert state["samples_seen"] == 8
+    bad = write_config(tmp_path / "b.yaml", datasets=[data], max_steps=1, out_dir=str(tmp_path / "bad"),
+                       batch_size=4, global_batch=6)
+    assert SD_Train.main(["--config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "global_batch 6 is not a whole number of steps of batch_size 4 on 1 GPU(s)" in err
+    assert "use batch_size 3 (grad_accum 2) or global_batch 8 with lr" in err
+    assert not (tmp_path / "bad" / "checkpoints").exists()
+
 
 def folder_bytes(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}

@@ -320,3 +320,23 @@ def test_docs_config_md_is_the_reference_generated_from_the_fields():
     assert text == reference_markdown(), "docs/config.md is out of date: run make docs"
     for name in FIELDS:
         assert text.count(f"| `{name}` |") == 1
+
+
+def test_global_batch_keeps_the_curriculums_96_images_per_step_on_any_number_of_gpus():
+    from sd.train.config import ConfigError, load_config, resolve_global_batch
+
+    phase1 = load_config(["--config", "configs/phases/p1_laion_broad.yaml"], check_paths=False)
+    assert (phase1.global_batch, phase1.batch_size) == (96, 24)
+    assert resolve_global_batch(phase1, 2).grad_accum == 2 and resolve_global_batch(phase1, 4).grad_accum == 1
+    assert resolve_global_batch(phase1, 1).grad_accum == 4
+    with pytest.raises(ConfigError) as error:  # 24 x 8 = 192 per micro-step: 96 cannot be made, and it says so
+        resolve_global_batch(phase1, 8)
+    assert str(error.value) == (
+        "global_batch 96 is not a whole number of steps of batch_size 24 on 8 GPU(s) (192 images each): use "
+        "batch_size 12 (grad_accum 1) or global_batch 192 with lr 2e-05 (the linear scaling rule; the recipe's lr "
+        "is for 96)")
+    twelve = resolve_global_batch(load_config(["--config", "configs/phases/p1_laion_broad.yaml", "--batch_size",
+                                               "12"], check_paths=False), 8)
+    assert twelve.batch_size * twelve.grad_accum * 8 == 96
+    unset = load_config(["--config", "configs/finetune/lora.yaml"], check_paths=False)
+    assert unset.global_batch == 0 and resolve_global_batch(unset, 8) == unset  # grad_accum as given
