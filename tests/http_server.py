@@ -6,12 +6,19 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 class LoopbackServer:
     """``routes`` maps a path to bytes; ``failures`` maps a path to a list of status codes returned
-    (one per request) before the content is served; unknown paths are 404. ``hits`` counts requests."""
+    (one per request) before the content is served; unknown paths are 404. ``hits`` counts requests;
+    ``redirects`` maps a path to a URL answered with 302; ``token`` makes every route but redirects
+    answer 401 unless the request carries ``Authorization: Bearer <token>``. ``authorization`` keeps
+    each request's Authorization header (None when absent) by path."""
 
-    def __init__(self, routes: dict[str, bytes] | None = None, failures: dict[str, list[int]] | None = None):
+    def __init__(self, routes: dict[str, bytes] | None = None, failures: dict[str, list[int]] | None = None,
+                 redirects: dict[str, str] | None = None, token: str | None = None):
         self.routes = dict(routes or {})
         self.failures = {k: list(v) for k, v in (failures or {}).items()}
+        self.redirects = dict(redirects or {})
+        self.token = token
         self.hits: dict[str, int] = {}
+        self.authorization: dict[str, list] = {}
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -21,6 +28,16 @@ class LoopbackServer:
             def do_GET(self):
                 path = self.path.split("?")[0]
                 server.hits[path] = server.hits.get(path, 0) + 1
+                server.authorization.setdefault(path, []).append(self.headers.get("Authorization"))
+                if path in server.redirects:
+                    self.send_response(302)
+                    self.send_header("Location", server.redirects[path])
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                if server.token is not None and self.headers.get("Authorization") != f"Bearer {server.token}":
+                    self.send_error(401)
+                    return
                 pending = server.failures.get(path)
                 if pending:
                     self.send_error(pending.pop(0))

@@ -25,6 +25,7 @@ import os
 import re
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections import Counter
 from pathlib import Path, PurePosixPath
@@ -327,6 +328,35 @@ class DownloadError(RuntimeError):
         self.missing = missing
 
 
+HUB_HOSTS = ("huggingface.co", "hf.co")
+
+
+def hub_token(url: str) -> str | None:
+    """``HF_TOKEN`` (read from the environment only) for a URL on the Hugging Face hub (huggingface.co,
+    hf.co or ``HF_ENDPOINT``'s host), for gated datasets; None for any other host."""
+    token = os.environ.get("HF_TOKEN", "").strip()
+    if not token:
+        return None
+    hosts = set(HUB_HOSTS)
+    if os.environ.get("HF_ENDPOINT"):
+        hosts.add(urllib.parse.urlsplit(os.environ["HF_ENDPOINT"]).netloc.lower())
+    return token if urllib.parse.urlsplit(url).netloc.lower() in hosts else None
+
+
+class _TokenStaysOnItsHost(urllib.request.HTTPRedirectHandler):
+    """Follow redirects, but never carry the hub token to another host (the hub redirects downloads
+    to a CDN; urllib would forward every header)."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        new = super().redirect_request(req, fp, code, msg, headers, newurl)
+        if new is not None and urllib.parse.urlsplit(newurl).netloc != urllib.parse.urlsplit(req.full_url).netloc:
+            new.remove_header("Authorization")
+        return new
+
+
+_OPENER = urllib.request.build_opener(_TokenStaysOnItsHost)
+
+
 def download(url: str, dest: Path, *, retries: int = DEFAULT_RETRIES, backoff: float = 1.0, timeout: float = 60.0) -> Path:
     """Fetch ``url`` to ``dest`` unless it is already there; resume a partial ``.part`` file.
 
@@ -349,7 +379,11 @@ def download(url: str, dest: Path, *, retries: int = DEFAULT_RETRIES, backoff: f
         except urllib.error.HTTPError as error:
             if error.code != 429 and error.code < 500:
                 part.unlink(missing_ok=True)
-                raise DownloadError(f"{url}: HTTP {error.code}", missing=error.code in (404, 410)) from error
+                hint = ""
+                if error.code in (401, 403):
+                    hint = (" (a gated or private file: accept its terms on its page, then export HF_TOKEN=<a read "
+                            "token>)" if hub_token(url) is None else " (HF_TOKEN was sent: does it grant this file?)")
+                raise DownloadError(f"{url}: HTTP {error.code}{hint}", missing=error.code in (404, 410)) from error
             reason = f"HTTP {error.code}"
         except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as error:
             reason = str(error)
@@ -393,9 +427,12 @@ def _fetch(url: str, part: Path, timeout: float) -> None:
         sd.files.write_atomic(part, lambda tmp: Path(tmp).write_bytes(source.read_bytes()))
         return
     have = part.stat().st_size if part.exists() else 0
-    request = urllib.request.Request(url, headers={"Range": f"bytes={have}-"} if have else {})
+    headers = {"Range": f"bytes={have}-"} if have else {}
+    if token := hub_token(url):
+        headers["Authorization"] = f"Bearer {token}"
+    request = urllib.request.Request(url, headers=headers)
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
+        with _OPENER.open(request, timeout=timeout) as response:
             start, total = _reply_range(url, part, response, have)
             expected = response.headers.get("Content-Length")
             with open(part, "ab" if start else "wb") as handle:

@@ -30,6 +30,25 @@ def test_download_retries_transient_errors_and_fails_fast_on_404(tmp_path):
         assert server.hits["/flaky"] == 3 and not (tmp_path / "f.bin").exists()
 
 
+def test_hf_token_goes_to_the_hub_only_and_a_gated_file_without_it_says_what_to_do(tmp_path, monkeypatch):
+    with LoopbackServer({"/file": b"cdn bytes"}) as cdn, LoopbackServer(
+            {"/gated": b"gated bytes"}, token="hf_secret") as hub:
+        hub.redirects["/resolve"] = cdn.url.replace("127.0.0.1", "localhost") + "/file"  # another host
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        monkeypatch.delenv("HF_TOKEN", raising=False)
+        with pytest.raises(sd.data.stages.DownloadError) as error:
+            sd.data.stages.download(hub.url + "/gated", tmp_path / "a", retries=3, backoff=0)
+        assert "HTTP 401 (a gated or private file" in str(error.value) and "export HF_TOKEN=" in str(error.value)
+        assert hub.hits["/gated"] == 1  # not retried
+        monkeypatch.setenv("HF_TOKEN", "hf_secret")
+        assert sd.data.stages.download(hub.url + "/gated", tmp_path / "b").read_bytes() == b"gated bytes"
+        assert sd.data.stages.download(hub.url + "/resolve", tmp_path / "c").read_bytes() == b"cdn bytes"
+        assert hub.authorization["/resolve"] == ["Bearer hf_secret"]
+        assert cdn.authorization["/file"] == [None]  # the redirect to the CDN did not carry it
+        sd.data.stages.download(cdn.url + "/file", tmp_path / "d")  # nor does any other host get it
+        assert cdn.authorization["/file"] == [None, None]
+
+
 def test_download_resumes_a_partial_file(tmp_path):
     body = bytes(range(256)) * 40
     (tmp_path / "b.bin.part").write_bytes(body[:1000])
