@@ -13,9 +13,14 @@ export NO_ALBUMENTATIONS_UPDATE := 1
 
 setup: $(STAMP)
 
+# TORCH_INDEX=https://download.pytorch.org/whl/cpu installs the CPU build of the pinned torch first (on a
+# CPU-only Linux machine the package index's torch is the CUDA build, with several GB of NVIDIA packages).
+TORCH_INDEX ?=
+
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
+	$(if $(TORCH_INDEX),$(PY) -m pip install --quiet --index-url $(TORCH_INDEX) "$$(grep '^torch==' requirements.txt)")
 	$(PY) -m pip install --quiet -r requirements.txt
 	$(PY) -m pip install --quiet --no-deps -e .
 	touch $(STAMP)
