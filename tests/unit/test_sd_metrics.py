@@ -8,7 +8,7 @@ import pytest
 import sd.train.metrics
 from sd.train.metrics import MetricsError, MetricsLog
 
-NO_WANDB = SimpleNamespace(wandb_mode="disabled")
+NO_WANDB = SimpleNamespace(wandb_mode="disabled", tensorboard="false")
 
 
 def record_lines(steps) -> list[str]:
