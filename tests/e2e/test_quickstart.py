@@ -4,7 +4,7 @@ pictures of one subject, at a smaller size, and checked for pictures that are no
 Each command of the README's code blocks runs in this process (``python X.py ARGS`` as ``X.main(ARGS)``,
 in a folder holding only the user's images and a link to ``configs/``), with these changes, each
 appended so it overrides what the README says: 32 px instead of 64 (``--resolution``, ``--image_size``)
-and fewer steps. Quick start 1, ``make demo``, is tests/e2e/test_demo.py.
+and fewer steps (the LoRA's 150 instead of 300 gave the same samples' colours, 6 of 8). Quick start 1, ``make demo``, is tests/e2e/test_demo.py.
 """
 
 import importlib
@@ -34,9 +34,10 @@ SMALLER = {
     "train_vae.py": ["--resolution", str(SIZE), "--max_steps", "400", "--save_steps", "400"],
     "encode_latents.py": ["--resolution", str(SIZE)],
     "SD_Train.py": ["--max_steps", "400", "--save_steps", "200"],
-    "SD_ImageGen.py": ["--steps", "20", "--n", "8", "--cfg", "3"],
+    "SD_ImageGen.py": ["--steps", "20", "--n", "4", "--cfg", "3"],
 }
-SMALLER_LORA = {"SD_Train.py": ["--image_size", str(SIZE)]}
+SMALLER_LORA = {"SD_Train.py": ["--image_size", str(SIZE), "--max_steps", "150", "--save_steps", "150"],
+                "SD_ImageGen.py": ["--steps", "20", "--n", "8", "--cfg", "3"]}
 
 
 def readme_block(title: str) -> list[str]:
@@ -106,7 +107,7 @@ def test_quick_starts_2_and_3_as_written_give_the_prompted_pictures(user_folder)
     found = [(c, s) == got for (c, s), gots in samples.items() for got in gots]
     colours = [c == got[0] for (c, _), gots in samples.items() for got in gots]
     shapes = [s == got[1] for (_, s), gots in samples.items() for got in gots]
-    assert len(colours) == 8 * 8
+    assert len(colours) == 8 * 4
     print(f"from scratch: colour {np.mean(colours):.2f}, shape {np.mean(shapes):.2f}, both {np.mean(found):.2f}")
     assert np.mean(colours) >= 0.6 and np.mean(shapes) >= 0.6, (np.mean(colours), np.mean(shapes), samples)
     assert np.mean(found) >= 0.4
@@ -115,9 +116,9 @@ def test_quick_starts_2_and_3_as_written_give_the_prompted_pictures(user_folder)
     assert [shlex.split(c)[1] for c in lora] == ["SD_Train.py", "SD_ImageGen.py", "SD_ImageGen.py"]
     prompt = "a photo of sks toy"
     base_out = user_folder / "samples" / "base"
-    run_command(lora[1].replace("runs/my_lora", "runs/mine").replace("samples/my_lora", str(base_out)), SMALLER)
+    run_command(lora[1].replace("runs/my_lora", "runs/mine").replace("samples/my_lora", str(base_out)), SMALLER_LORA)
     for line in lora:
-        run_command(line, {**SMALLER, **SMALLER_LORA} if "SD_Train" in line else SMALLER)
+        run_command(line, SMALLER_LORA)
     base = scores(base_out, COLOURS)
     tuned = scores(user_folder / "samples" / "my_lora", COLOURS)
     print("LoRA quick start, base then LoRA:", base, tuned)
