@@ -8,8 +8,9 @@
 #   DEMO_VAE_STEPS      VAE steps (900); DEMO_VAE_FLAGS: extra train_vae.py flags
 #   DEMO_TRAIN_FLAGS    extra SD_Train.py flags of the UNet run; DEMO_NPROC: its ranks
 #   DEMO_THREADS        CPU threads of each step but the trainer, which gives each rank cpu_count / ranks
-#   DEMO_CONCEPT_COUNT  instance images of the new concept (12); DEMO_CONCEPT_FLAGS: extra SD_Train.py
-#                       flags of its LoRA runs; DEMO_CONCEPT_RUNS: which ones (prior no_prior)
+#   DEMO_CONCEPT=0      leaves out the new-concept steps (7 and 8); DEMO_CONCEPT_COUNT: its instance images
+#                       (12); DEMO_CONCEPT_FLAGS: extra SD_Train.py flags of its LoRA runs; DEMO_CONCEPT_RUNS:
+#                       which ones (prior no_prior)
 #   DEMO_ASPECT=0       leaves out the aspect-ratio step; DEMO_ASPECT_COUNT: its wide, tall and square
 #                       images (600); DEMO_ASPECT_FLAGS: extra SD_Train.py flags of its two runs;
 #                       DEMO_ASPECT_RUNS: which models it samples (base buckets square); DEMO_WIDE: its wide
@@ -66,26 +67,28 @@ $PY demo/fid.py --samples "$OUT/samples" --prompts "$OUT/shards/demo_prompts.jso
 
 step "7/10 a new concept: a DreamBooth LoRA teaching 'a sks circle' = a cyan circle, with and without prior preservation"
 CONCEPT=$OUT/concept
-$PY demo/concept.py images --prompts "$OUT/shards/demo_prompts.json" --out "$CONCEPT" --vae "$OUT/vae" \
-    --count "${DEMO_CONCEPT_COUNT:-12}" --size "$SIZE"
-for prior in ${DEMO_CONCEPT_RUNS:-prior no_prior}; do
-  if [ "$prior" = prior ]; then classes=(--class_dir "$CONCEPT/class"); else classes=(--class_dir "" --class_prompt ""); fi
-  # shellcheck disable=SC2086  # DEMO_CONCEPT_FLAGS is a list of flags
-  $PY SD_Train.py --config configs/demo_dreambooth.yaml --init_from "$OUT/train" --vae "$OUT/vae" \
-      --instance_dir "$CONCEPT/instance" "${classes[@]}" --out_dir "$CONCEPT/lora_$prior" \
-      --image_size "$SIZE" ${DEMO_CONCEPT_FLAGS:-}
-done
+if [ "${DEMO_CONCEPT:-1}" = 0 ]; then echo "left out (DEMO_CONCEPT=0)"; else
+  $PY demo/concept.py images --prompts "$OUT/shards/demo_prompts.json" --out "$CONCEPT" --vae "$OUT/vae" \
+      --count "${DEMO_CONCEPT_COUNT:-12}" --size "$SIZE"
+  for prior in ${DEMO_CONCEPT_RUNS:-prior no_prior}; do
+    if [ "$prior" = prior ]; then classes=(--class_dir "$CONCEPT/class"); else classes=(--class_dir "" --class_prompt ""); fi
+    # shellcheck disable=SC2086  # DEMO_CONCEPT_FLAGS is a list of flags
+    $PY SD_Train.py --config configs/demo_dreambooth.yaml --init_from "$OUT/train" --vae "$OUT/vae" \
+        --instance_dir "$CONCEPT/instance" "${classes[@]}" --out_dir "$CONCEPT/lora_$prior" \
+        --image_size "$SIZE" ${DEMO_CONCEPT_FLAGS:-}
+  done
 
-step "8/10 the seen prompts and the concept, sampled before and after (SD_ImageGen.py, demo/evaluate.py)"
-for run in base ${DEMO_CONCEPT_RUNS:-prior no_prior}; do
-  if [ "$run" = base ]; then ckpt=$OUT/train; else ckpt=$CONCEPT/lora_$run; fi
-  rm -rf "$CONCEPT/samples_$run"
-  $PY SD_ImageGen.py --ckpt "$ckpt" --prompts_file "$CONCEPT/prompts.txt" --n "$N" --steps 25 --cfg 3.5 --seed 0 \
-      --height "$SIZE" --width "$SIZE" --batch_size 16 --out "$CONCEPT/samples_$run"
-  $PY demo/evaluate.py --images "$CONCEPT/samples_$run" --prompts "$CONCEPT/concept_prompts.json" \
-      --out "$CONCEPT/eval_$run.json"
-done
-$PY demo/concept.py report --out "$CONCEPT"
+  step "8/10 the seen prompts and the concept, sampled before and after (SD_ImageGen.py, demo/evaluate.py)"
+  for run in base ${DEMO_CONCEPT_RUNS:-prior no_prior}; do
+    if [ "$run" = base ]; then ckpt=$OUT/train; else ckpt=$CONCEPT/lora_$run; fi
+    rm -rf "$CONCEPT/samples_$run"
+    $PY SD_ImageGen.py --ckpt "$ckpt" --prompts_file "$CONCEPT/prompts.txt" --n "$N" --steps 25 --cfg 3.5 --seed 0 \
+        --height "$SIZE" --width "$SIZE" --batch_size 16 --out "$CONCEPT/samples_$run"
+    $PY demo/evaluate.py --images "$CONCEPT/samples_$run" --prompts "$CONCEPT/concept_prompts.json" \
+        --out "$CONCEPT/eval_$run.json"
+  done
+  $PY demo/concept.py report --out "$CONCEPT"
+fi
 
 step "9/10 aspect-ratio buckets: wide and tall images with the shape at one end, trained in buckets and as centre squares"
 ASPECT=$OUT/aspect
