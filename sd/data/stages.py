@@ -331,16 +331,19 @@ class DownloadError(RuntimeError):
 HUB_HOSTS = ("huggingface.co", "hf.co")
 
 
-def hub_token(url: str) -> str | None:
-    """``HF_TOKEN`` (read from the environment only) for a URL on the Hugging Face hub (huggingface.co,
-    hf.co or ``HF_ENDPOINT``'s host), for gated datasets; None for any other host."""
-    token = os.environ.get("HF_TOKEN", "").strip()
-    if not token:
-        return None
+def on_hub(url: str) -> bool:
+    """Whether ``url`` is on the Hugging Face hub: huggingface.co, hf.co or ``HF_ENDPOINT``'s host."""
     hosts = set(HUB_HOSTS)
     if os.environ.get("HF_ENDPOINT"):
         hosts.add(urllib.parse.urlsplit(os.environ["HF_ENDPOINT"]).netloc.lower())
-    return token if urllib.parse.urlsplit(url).netloc.lower() in hosts else None
+    return urllib.parse.urlsplit(url).netloc.lower() in hosts
+
+
+def hub_token(url: str) -> str | None:
+    """``HF_TOKEN`` (read from the environment only) for a URL on the hub, for gated datasets; None for
+    any other host."""
+    token = os.environ.get("HF_TOKEN", "").strip()
+    return token if token and on_hub(url) else None
 
 
 class _TokenStaysOnItsHost(urllib.request.HTTPRedirectHandler):
@@ -380,7 +383,7 @@ def download(url: str, dest: Path, *, retries: int = DEFAULT_RETRIES, backoff: f
             if error.code != 429 and error.code < 500:
                 part.unlink(missing_ok=True)
                 hint = ""
-                if error.code in (401, 403):
+                if error.code in (401, 403) and on_hub(url):
                     hint = (" (a gated or private file: accept its terms on its page, then export HF_TOKEN=<a read "
                             "token>)" if hub_token(url) is None else " (HF_TOKEN was sent: does it grant this file?)")
                 raise DownloadError(f"{url}: HTTP {error.code}{hint}", missing=error.code in (404, 410)) from error

@@ -114,8 +114,9 @@ def test_quick_starts_2_and_3_as_written_give_the_prompted_pictures(user_folder)
 
     lora = readme_block("**3. Your subject: a LoRA.**")
     assert [shlex.split(c)[1] for c in lora] == ["SD_Train.py", "SD_ImageGen.py", "SD_ImageGen.py"]
-    prompt = "a photo of sks toy"
+    assert all('"a photo of sks toy"' in line for line in lora[:2])  # the prompt the samples are judged on
     base_out = user_folder / "samples" / "base"
+    # The base model on the same prompt, for comparison: the README's sampling line pointed at runs/mine.
     run_command(lora[1].replace("runs/my_lora", "runs/mine").replace("samples/my_lora", str(base_out)), SMALLER_LORA)
     for line in lora:
         run_command(line, SMALLER_LORA)

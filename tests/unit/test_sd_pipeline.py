@@ -47,6 +47,10 @@ def test_hf_token_goes_to_the_hub_only_and_a_gated_file_without_it_says_what_to_
         assert cdn.authorization["/file"] == [None]  # the redirect to the CDN did not carry it
         sd.data.stages.download(cdn.url + "/file", tmp_path / "d")  # nor does any other host get it
         assert cdn.authorization["/file"] == [None, None]
+        cdn.failures["/private"] = [403]
+        with pytest.raises(sd.data.stages.DownloadError) as error:  # not the hub: no advice about its token
+            sd.data.stages.download(cdn.url + "/private", tmp_path / "e", retries=0)
+        assert str(error.value).endswith("/private: HTTP 403")
 
 
 def test_download_resumes_a_partial_file(tmp_path):
