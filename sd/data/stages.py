@@ -127,19 +127,20 @@ def has_outputs(out_dir: Path) -> bool:
                                     for _ in out_dir.glob(pattern))
 
 
-def check_settings(out_dir: Path, stage: str, settings: dict, earlier: dict | None = None) -> None:
+def check_settings(out_dir: Path, stage: str, settings: dict, earlier: dict | None = None) -> dict:
     """Refuse settings that differ from those the finished outputs in ``out_dir`` were made with
-    (:func:`record_settings` kept them), naming the first that differs. A folder with no finished
-    output takes any settings. ``earlier``: what a folder from before settings were kept records of
-    them (its summary)."""
+    (:func:`record_settings` kept them), naming the first that differs; returns those kept ones
+    (empty: a folder with no finished output takes any settings). ``earlier``: what a folder from
+    before settings were kept records of them (its summary)."""
     if not has_outputs(out_dir):
-        return
+        return {}
     path = settings_path(out_dir, stage)
     saved = json.loads(path.read_text()) if path.exists() else dict(earlier or {})
     for name, value in settings.items():
         if name in saved and saved[name] != value:
             raise SettingsChanged(f"{out_dir} holds outputs made with {name} {saved[name]!r}, not {value!r}: "
                                   f"use another output folder, or delete {out_dir} to make them again")
+    return saved
 
 
 def record_settings(out_dir: Path, stage: str, settings: dict, earlier: dict | None = None) -> None:
@@ -147,9 +148,8 @@ def record_settings(out_dir: Path, stage: str, settings: dict, earlier: dict | N
     any output is written, once :func:`check_settings` has accepted them. A re-run with another value
     of one of them is refused, naming it: its outputs would sit beside ones of another kind, and the
     summary would relabel the old ones."""
-    check_settings(out_dir, stage, settings, earlier)
+    saved = check_settings(out_dir, stage, settings, earlier)
     path = settings_path(out_dir, stage)
-    saved = json.loads(path.read_text()) if path.exists() and has_outputs(out_dir) else {}
     merged = {**saved, **settings}
     if merged != saved or not path.exists():
         Path(out_dir).mkdir(parents=True, exist_ok=True)

@@ -65,7 +65,7 @@ def scalars(record: dict) -> dict[str, float]:
             continue
         values = value if isinstance(value, list) else [value]
         for i, item in enumerate(values):
-            if isinstance(item, (int, float)) and item is not None:
+            if isinstance(item, (int, float)):
                 out[f"{key}/{i}" if isinstance(value, list) else key] = float(item)
     return out
 
