@@ -135,7 +135,13 @@ def check_settings(out_dir: Path, stage: str, settings: dict, earlier: dict | No
     if not has_outputs(out_dir):
         return {}
     path = settings_path(out_dir, stage)
-    saved = json.loads(path.read_text()) if path.exists() else dict(earlier or {})
+    try:
+        saved = json.loads(path.read_text()) if path.exists() else dict(earlier or {})
+    except (ValueError, OSError) as error:
+        raise SettingsChanged(f"{path} is unreadable ({sd.cli.first_line(error)}): the settings of the outputs in "
+                              f"{out_dir} are unknown; use another output folder, or delete {out_dir}") from None
+    if not isinstance(saved, dict):
+        raise SettingsChanged(f"{path} is not a JSON object: use another output folder, or delete {out_dir}")
     for name, value in settings.items():
         if name in saved and saved[name] != value:
             raise SettingsChanged(f"{out_dir} holds outputs made with {name} {saved[name]!r}, not {value!r}: "

@@ -267,3 +267,9 @@ def test_a_rerun_with_other_output_shaping_flags_stops_before_any_work(tmp_path,
     err = capsys.readouterr().err
     assert err.startswith(f"{name}.py: {out} holds outputs made with {recorded}, not ") and err.count("\n") == 1
     assert "delete" in err and "another output folder" in err
+    (out / f"{name}.settings").write_bytes(b"\x00{ damaged")  # a damaged record: one line naming it
+    with pytest.raises(SystemExit) as exit_info:
+        parse()
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"{name}.py: {out / (name + '.settings')} is unreadable") and err.count("\n") == 1
