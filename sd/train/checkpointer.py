@@ -19,7 +19,7 @@ import sd.formats
 import sd.lora.adapters
 import sd.train.checkpoint as ckpt
 from sd.distributed import Dist
-from sd.train.config import DREAMBOOTH_FIXED, RESUME_FIXED, ConfigError, TrainConfig, config_yaml, field_default, read_saved_config
+from sd.train.config import ConfigError, TrainConfig, config_yaml, read_saved_config, resume_changes
 
 if TYPE_CHECKING:
     from sd.train.run import Run
@@ -95,16 +95,21 @@ def save(run: Run) -> None:
 def resume_newest_usable(run: Run) -> bool:
     """Resume from the newest complete checkpoint that verifies; False when the run has none yet.
 
-    A checkpoint that fails (a file that does not match the manifest, cannot be read, or loads weights
-    that do not match their fingerprint) is named in one log line, renamed ``step_N.damaged``, and the
-    next older one is tried. If every checkpoint is damaged the run stops rather than start over.
+    The checkpoint's settings are compared with the run's first (``check_settings``): a change is a
+    ConfigError or a warning, never damage. A checkpoint that fails then (a file that does not match
+    the manifest, cannot be read, or loads weights that do not match their fingerprint) is named in
+    one log line, renamed ``step_N.damaged``, and the next older one is tried. If every checkpoint is
+    damaged the run stops rather than start over.
     """
     checkpoints = run.run_dir / "checkpoints"
     damaged = []
     for _, folder in reversed(ckpt.complete_checkpoints(checkpoints)):
         try:
-            agreed(run.d, lambda: verify_checkpoint(run, folder))
-            agreed(run.d, lambda: resume(run, folder))
+            saved = {}
+            agreed(run.d, lambda: saved.update(check_settings(run, folder)))
+            parts = parts_to_load(run, saved)
+            agreed(run.d, lambda: verify_checkpoint(run, folder, parts))
+            agreed(run.d, lambda: resume(run, folder, parts))
             return True
         except ckpt.Damaged as error:
             log.warning("checkpoint %s is damaged, skipped: %s", folder, error)
@@ -137,38 +142,71 @@ def agreed(d: Dist, attempt) -> None:
                 raise error_type(message)
 
 
-def verify_checkpoint(run: Run, folder: Path) -> None:
-    """Check the files this rank reads against the manifest (rank 0 the shared ones and the config,
-    each rank its own); raises ``ckpt.Damaged`` naming the first that fails."""
-    mine = [ckpt.file_name(name, obj, run.d.rank) for name, obj in resumable(run).items()
+SETTINGS_FILES = ("config.yaml", "train_state.pt")
+
+
+def check_settings(run: Run, folder: Path) -> dict:
+    """Compare the run's settings with those ``folder`` was written with; returns its saved config.
+
+    Its config and train state are verified and read first (damage there is ``ckpt.Damaged``). A field
+    whose change would not continue the same run (``sd.train.config.ON_RESUME``), another world size or
+    another number of training samples is a ConfigError naming the old and new values; an accepted
+    change is logged with what the resumed run does.
+    """
+    try:
+        ckpt.verify(folder, list(SETTINGS_FILES))
+        saved = read_saved_config(folder / "config.yaml")
+        state = ckpt.load_torch(folder / "train_state.pt")
+        written_by, samples = int(state["world_size"]), int(state.get("data_samples", 0))
+    except (OSError, ValueError, RuntimeError, KeyError, TypeError) as error:
+        raise ckpt.Damaged(f"{folder}: {sd.cli.first_line(error)}") from error
+    refused, warned = resume_changes(saved, run.config)
+    if written_by != run.d.world_size:
+        refused.append(f"world size: {written_by} -> {run.d.world_size} rank(s) (it fixes the data order and each "
+                       f"rank's random state: resume with --nproc_per_node {written_by})")
+    if samples and samples != len(run.train_data):
+        refused.append(f"training samples: {samples} -> {len(run.train_data)} (they fix the data order)")
+    if refused:
+        raise ConfigError(f"{folder} was written with other settings: {'; '.join(refused)}. Resume with the "
+                          "checkpoint's values, or start a new phase from these weights: a new out_dir with "
+                          f"init_from {folder}")
+    if run.d.is_main:
+        for change in warned:
+            log.warning("resuming %s with a changed setting, %s", folder, change)
+    return saved
+
+
+def parts_to_load(run: Run, saved: dict) -> dict:
+    """The resumable state a checkpoint written with the ``saved`` config has for this run: an EMA
+    turned on since starts from the resumed weights, and a loss scaler new with fp16 starts afresh."""
+    parts = resumable(run)
+    if "ema" in parts and not saved.get("ema_decay"):
+        del parts["ema"]
+    if run.config.precision == "fp16" and saved.get("precision") != "fp16":
+        del parts["scaler"]
+    return parts
+
+
+def verify_checkpoint(run: Run, folder: Path, parts: dict) -> None:
+    """Check the files this rank reads against the manifest (rank 0 the shared ones, each rank its
+    own); raises ``ckpt.Damaged`` naming the first that fails."""
+    mine = [ckpt.file_name(name, obj, run.d.rank) for name, obj in parts.items()
             if run.d.is_main or isinstance(obj, ckpt.PerRank)]
-    if not ckpt.verify(folder, mine + (["config.yaml"] if run.d.is_main else [])):
+    if not ckpt.verify(folder, mine):
         log.warning("%s has no manifest (written by an older version): its files are not verified", folder)
 
 
-def resume(run: Run, folder: Path) -> None:
-    """Restore everything from a complete, verified checkpoint of the same run.
+def resume(run: Run, folder: Path, parts: dict) -> None:
+    """Restore ``parts`` from a complete, verified checkpoint whose settings ``check_settings`` accepted.
 
-    An unreadable file raises ``ckpt.Damaged``; a checkpoint of another configuration or world size
-    is a ``ConfigError``.
+    An unreadable file raises ``ckpt.Damaged``; a LoRA base other than the adapter's is a ConfigError.
     """
-    try:
-        saved = read_saved_config(folder / "config.yaml")
-        written_by = ckpt.load_torch(folder / "train_state.pt")["world_size"]
-    except (OSError, ValueError, RuntimeError, KeyError) as error:
-        raise ckpt.Damaged(f"{folder}: {sd.cli.first_line(error)}") from error
-    fixed = [name for name in RESUME_FIXED if run.config.instance_dir or name not in DREAMBOOTH_FIXED]
-    changed = [name for name in fixed if saved.get(name, field_default(name)) != getattr(run.config, name)]
-    if changed:
-        raise ConfigError(
-            f"{folder} was written with different {', '.join(changed)}; resuming would not continue the same run. "
-            "Restore those values, or use a new out_dir with init_from to start a new phase from these weights")
-    if written_by != run.d.world_size:
-        raise ConfigError(f"{folder} was written by {written_by} ranks; resume with --nproc_per_node {written_by} "
-                          "(the data order depends on it)")
     if run.config.lora_rank:
         check_lora_base(run, folder)
-    ckpt.load(folder, resumable(run), run.d.rank)
+    ckpt.load(folder, parts, run.d.rank)
+    if run.step.ema is not None and "ema" not in parts:
+        run.step.ema.load_state_dict(dict(zip(run.step.ema.names, run.step.ema.parameters(run.step.unet))))
+        log.info("the EMA starts from the weights of %s", folder)
     log.info("verified and loaded %s", folder)
 
 

@@ -514,13 +514,91 @@ def config_yaml(config: TrainConfig) -> str:
     return yaml.safe_dump(dataclasses.asdict(config), sort_keys=False)
 
 
-# Fields that fix the data order and the math: a resume must not change them (the DreamBooth ones only
-# in a DreamBooth run: elsewhere they are unused, and a new default must not stop a resume).
-DREAMBOOTH_FIXED = ("instance_prompt", "class_prompt", "num_class_images", "prior_loss_weight", "image_size")
-RESUME_FIXED = ("datasets", "epoch_size", "unet", "prediction_type", "batch_size", "grad_accum", "seed",
-                "max_steps", "epochs", "lr", "warmup_steps", "min_lr_ratio", "flip", "lora_rank", "lora_alpha",
-                "lora_dropout", "lora_targets", "lora_text_encoder", *DREAMBOOTH_FIXED, "optimizer", "noise_offset",
-                "zero_terminal_snr")
+# ---------------------------------------------------------------------------------------------
+# What a resume does with a field that differs from its checkpoint's config.yaml
+# ---------------------------------------------------------------------------------------------
+
+REFUSE, WARN, FREE = "refuse", "warn", "free"
+
+
+@dataclass(frozen=True)
+class OnResume:
+    """A field changed between a checkpoint and the command that resumes it: ``refuse`` (it fixes the
+    math or the data order: the resumed run would not continue the same run), ``warn`` (accepted;
+    ``then`` says what the resumed run does) or ``free`` (nothing the run computes depends on it).
+    ``dreambooth``: refused only in a DreamBooth run (elsewhere the field is unused)."""
+
+    action: str
+    then: str = ""
+    dreambooth: bool = False
+
+
+_ORDER, _MATH, _SCHEDULE = "the data order", "the training math", "the learning-rate schedule"
+ON_RESUME = {
+    "datasets": OnResume(REFUSE, _ORDER), "epoch_size": OnResume(REFUSE, _ORDER),
+    "data_threads": OnResume(FREE), "mmap_latents": OnResume(FREE),
+    "allow_missing_latents": OnResume(FREE, "a changed number of samples is refused by itself"),
+    "flip": OnResume(REFUSE, _ORDER),
+    "unet": OnResume(REFUSE, "the model"), "vae": OnResume(REFUSE, "the instance latents", dreambooth=True),
+    "text_encoder": OnResume(REFUSE, "the text conditioning"), "tokenizer": OnResume(REFUSE, "the text conditioning"),
+    "prediction_type": OnResume(REFUSE, _MATH),
+    "init_from": OnResume(FREE, "a resume loads its checkpoint (a LoRA run's base is checked by its fingerprint)"),
+    "lora_rank": OnResume(REFUSE, "the adapters"), "lora_alpha": OnResume(REFUSE, "the adapters"),
+    "lora_dropout": OnResume(REFUSE, _MATH), "lora_targets": OnResume(REFUSE, "the adapters"),
+    "lora_text_encoder": OnResume(REFUSE, "the adapters"),
+    "instance_dir": OnResume(REFUSE, _ORDER), "instance_prompt": OnResume(REFUSE, _MATH, dreambooth=True),
+    "class_dir": OnResume(REFUSE, _ORDER, dreambooth=True), "class_prompt": OnResume(REFUSE, _MATH, dreambooth=True),
+    "num_class_images": OnResume(REFUSE, _ORDER, dreambooth=True),
+    "image_size": OnResume(REFUSE, _MATH, dreambooth=True), "prior_loss_weight": OnResume(REFUSE, _MATH, dreambooth=True),
+    "cache_text_embeddings": OnResume(FREE),
+    "batch_size": OnResume(REFUSE, _ORDER), "grad_accum": OnResume(REFUSE, _ORDER),
+    "global_batch": OnResume(REFUSE, _ORDER),
+    "max_steps": OnResume(REFUSE, _SCHEDULE), "epochs": OnResume(REFUSE, _SCHEDULE),
+    "lr": OnResume(REFUSE, _SCHEDULE), "warmup_steps": OnResume(REFUSE, _SCHEDULE),
+    "min_lr_ratio": OnResume(REFUSE, _SCHEDULE),
+    # the optimizer's saved state carries its hyper-parameters: a new value would be silently ignored
+    "weight_decay": OnResume(REFUSE, "the optimizer"), "adam_beta1": OnResume(REFUSE, "the optimizer"),
+    "adam_beta2": OnResume(REFUSE, "the optimizer"), "adam_eps": OnResume(REFUSE, "the optimizer"),
+    "optimizer": OnResume(REFUSE, "the optimizer"),
+    "noise_offset": OnResume(REFUSE, _MATH), "zero_terminal_snr": OnResume(REFUSE, _MATH),
+    "grad_clip": OnResume(REFUSE, _MATH), "min_snr_gamma": OnResume(REFUSE, _MATH),
+    "cfg_dropout": OnResume(REFUSE, _MATH),
+    "ema_decay": OnResume(WARN, "the EMA goes on with the new decay; turned on, it starts from the resumed weights; "
+                                "turned off, the checkpoints' EMA is not carried on"),
+    "ema_device": OnResume(FREE), "ema_update_every": OnResume(WARN, "the EMA goes on updating at the new interval"),
+    "ema_warmup": OnResume(FREE, "a resume keeps the warm-up its checkpoint records"),
+    "precision": OnResume(WARN, "the resumed steps compute in the new precision (an fp16 loss scale starts afresh "
+                                "when fp16 is new)"),
+    "grad_checkpointing": OnResume(FREE), "channels_last": OnResume(FREE), "compile": OnResume(FREE),
+    "max_bad_steps": OnResume(FREE),
+    "out_dir": OnResume(FREE), "save_steps": OnResume(FREE), "save_every_epoch": OnResume(FREE),
+    "keep_checkpoints": OnResume(FREE), "keep_every_steps": OnResume(FREE), "stop_at_step": OnResume(FREE),
+    "log_every": OnResume(FREE), "validate_every": OnResume(FREE), "validation_prompts": OnResume(FREE),
+    "validation_samples": OnResume(FREE), "validation_steps": OnResume(FREE), "validation_cfg": OnResume(FREE),
+    "validation_width": OnResume(FREE), "validation_height": OnResume(FREE),
+    "eval_every": OnResume(FREE), "eval_prompts": OnResume(FREE), "eval_n": OnResume(FREE),
+    "eval_reference": OnResume(FREE), "eval_features": OnResume(FREE), "eval_clip_model": OnResume(FREE),
+    "eval_batch_size": OnResume(FREE), "wandb_project": OnResume(FREE), "wandb_mode": OnResume(FREE),
+    "tensorboard": OnResume(FREE),
+    "seed": OnResume(REFUSE, _ORDER),
+    "device": OnResume(FREE),
+}
+
+
+def resume_changes(saved: dict, config: TrainConfig) -> tuple[list[str], list[str]]:
+    """The fields of ``config`` that differ from a checkpoint's ``saved`` config: ``(refused,
+    warned)``, each as ``"name: old -> new (...)"``. A field newer than the saved config compares with its
+    default."""
+    refused, warned = [], []
+    for name, rule in ON_RESUME.items():
+        old, new = saved.get(name, field_default(name)), getattr(config, name)
+        if old == new or rule.action == FREE or (rule.dreambooth and not config.instance_dir):
+            continue
+        if rule.action == REFUSE:
+            refused.append(f"{name}: {old!r} -> {new!r} (it fixes {rule.then})")
+        else:
+            warned.append(f"{name}: {old!r} -> {new!r}: {rule.then}")
+    return refused, warned
 
 
 def field_default(name: str):

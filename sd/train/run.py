@@ -43,15 +43,18 @@ class TrainState:
     bad_in_a_row: int = 0
     samples_seen: int = 0  # across all ranks
     world_size: int = 1  # the data order depends on it
+    data_samples: int = 0  # training samples (it depends on them too); 0 in checkpoints that predate it
+
+    OPTIONAL = ("data_samples",)  # absent from older checkpoints
 
     def state_dict(self) -> dict:
         return dataclasses.asdict(self)
 
     def load_state_dict(self, state: dict) -> None:
         for name in dataclasses.asdict(self):
-            if name not in state:
+            if name not in state and name not in self.OPTIONAL:
                 raise KeyError(f"train state lacks '{name}'")
-            setattr(self, name, int(state[name]))
+            setattr(self, name, int(state.get(name, 0)))
 
     def advance(self, bad: bool, grad_accum: int, usable: int, images_per_step: int) -> bool:
         """Move past one optimizer step (``bad``: its update was skipped); True when that ended the epoch
@@ -197,7 +200,8 @@ def build(config: TrainConfig, d: Dist) -> Run:
     total = config.max_steps if config.max_steps > 0 else config.epochs * steps_per_epoch
     sampler = sd.sampling.Pipeline(unet, vae, step.text_encoder, tokenizer, config.prediction_type,
                                    zero_terminal_snr=config.zero_terminal_snr)
-    run = Run(config, d, step, TrainState(world_size=d.world_size), train_data, val_data, sampler,
+    state = TrainState(world_size=d.world_size, data_samples=len(train_data))
+    run = Run(config, d, step, state, train_data, val_data, sampler,
               ckpt.RankRNG(step.noise_generator, unet), steps_per_epoch, total, Path(config.out_dir), base_fingerprint)
     if config.eval_every:
         try:

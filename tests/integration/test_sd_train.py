@@ -512,9 +512,11 @@ def test_resume_refuses_a_changed_batch_size(run_a, tmp_path, data, capsys):
     shutil.copytree(run_dir_a, tmp_path / "run")
     copy = write_config(tmp_path / "r.yaml", datasets=[data], max_steps=TOTAL, out_dir=str(tmp_path / "run"),
                         batch_size=4)
-    # One process: the changed fields are checked before the world size (which differs too).
+    # One process: the world size differs too, and both are named.
     assert SD_Train.main(["--config", str(copy)]) == 2
-    assert "different batch_size" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "was written with other settings: batch_size: 2 -> 4 (it fixes the data order)" in err
+    assert "world size: 2 -> 1 rank(s)" in err
 
 
 @pytest.mark.slow
@@ -556,7 +558,7 @@ def test_resume_with_another_world_size_is_refused_and_writes_nothing(run_a, tmp
     before = folder_bytes(tmp_path / "run")
     assert SD_Train.main(["--config", str(config)]) == 2  # one process: world size 1
     latest = tmp_path / "run" / "checkpoints" / ckpt.step_dir_name(TOTAL)
-    assert f"{latest} was written by 2 ranks; resume with --nproc_per_node 2" in capsys.readouterr().err
+    assert f"{latest} was written with other settings: world size: 2 -> 1 rank(s)" in capsys.readouterr().err
     after = folder_bytes(tmp_path / "run")
     assert after.keys() == before.keys()  # no new checkpoint, sample or log
     assert [name for name in before if after[name] != before[name]] == []  # metrics.jsonl included
@@ -705,6 +707,47 @@ def test_two_trainers_on_one_folder_the_second_exits_at_once(tmp_path, data, cap
     saved = ckpt.latest_checkpoint(run_dir / "checkpoints")
     assert saved is not None and 0 < int(saved.name.split("_")[1]) < 400
     assert not (run_dir / ".lock").exists()
+
+
+@pytest.mark.slow
+def test_a_changed_setting_on_resume_is_refused_or_warned_and_never_calls_a_good_checkpoint_damaged(
+        tmp_path, data, capsys, caplog):
+    import logging
+    import types
+
+    run_dir = tmp_path / "run"
+    config = write_config(tmp_path / "e.yaml", datasets=[data], max_steps=4, out_dir=str(run_dir), batch_size=4,
+                          grad_accum=1, ema_decay=0.0)
+    assert SD_Train.main(["--config", str(config), "--stop_at_step", "2"]) == 0
+    first = run_dir / "checkpoints" / ckpt.step_dir_name(2)
+    before = folder_bytes(first)
+    # A setting that changes the math: refused with both values, the checkpoint left as it is.
+    assert SD_Train.main(["--config", str(config), "--min_snr_gamma", "1"]) == 2
+    assert f"{first} was written with other settings: min_snr_gamma: 5.0 -> 1.0" in capsys.readouterr().err
+    # Another world size or another number of samples: refused the same way, before any file is verified.
+    saved_run = make_run(tmp_path / "probe", data, batch_size=4, grad_accum=1, ema_decay=0.0)
+    for world_size, samples in ((2, len(saved_run.train_data)), (1, 48)):
+        probe = types.SimpleNamespace(config=saved_run.config, train_data=range(samples),
+                                      d=types.SimpleNamespace(world_size=world_size, rank=0, is_main=True))
+        with pytest.raises(sd.train.config.ConfigError) as refused:
+            sd.train.checkpointer.check_settings(probe, first)
+        expected = "world size: 1 -> 2 rank(s)" if world_size == 2 else f"training samples: {len(saved_run.train_data)} -> 48"
+        assert expected in str(refused.value)
+    # fp16 new since the checkpoint: its loss scale starts afresh (the checkpoint's scaler holds none).
+    saved_run.config = dataclasses.replace(saved_run.config, precision="fp16")
+    assert "scaler" not in sd.train.checkpointer.parts_to_load(saved_run, {"precision": "fp32", "ema_decay": 0.0})
+    assert "scaler" in sd.train.checkpointer.parts_to_load(saved_run, {"precision": "fp16", "ema_decay": 0.0})
+    # EMA turned on: accepted with a warning; the EMA starts from the resumed weights.
+    with caplog.at_level(logging.WARNING):
+        assert SD_Train.main(["--config", str(config), "--ema_decay", "0.5", "--stop_at_step", "3"]) == 0
+    assert "ema_decay: 0.0 -> 0.5: the EMA goes on with the new decay; turned on, it starts from the resumed" in caplog.text
+    assert "damaged" not in caplog.text and folder_bytes(first) == before
+    resumed = load_file(first / "unet.safetensors")
+    step3 = run_dir / "checkpoints" / ckpt.step_dir_name(3)
+    ema, unet = load_file(step3 / "ema.safetensors"), load_file(step3 / "unet.safetensors")
+    decay = sd.train.ema.ema_decay_at(2, 0.5)  # one update (warm-up restarted: 0.25) from the step-2 weights
+    for name, start in resumed.items():
+        assert torch.allclose(ema[name], decay * start + (1 - decay) * unet[name], atol=1e-6), name
 
 
 def test_stop_at_step_at_or_below_the_resumed_step_trains_nothing(tmp_path, data):

@@ -341,3 +341,56 @@ def test_global_batch_keeps_the_curriculums_96_images_per_step_on_any_number_of_
     assert twelve.batch_size * twelve.grad_accum * 8 == 96
     unset = load_config(["--config", "configs/finetune/lora.yaml"], check_paths=False)
     assert unset.global_batch == 0 and resolve_global_batch(unset, 8) == unset  # grad_accum as given
+
+
+# What a resume does with each changed field: the literal lists here are the contract (a new field
+# must be placed in sd.train.config.ON_RESUME, and moving one between lists changes this test).
+RESUME_WARNED = {"ema_decay", "ema_update_every", "precision"}
+RESUME_FREE = {
+    "data_threads", "mmap_latents", "allow_missing_latents", "init_from", "cache_text_embeddings", "ema_device",
+    "ema_warmup", "grad_checkpointing", "channels_last", "compile", "max_bad_steps", "out_dir", "save_steps",
+    "save_every_epoch", "keep_checkpoints", "keep_every_steps", "stop_at_step", "log_every", "validate_every",
+    "validation_prompts", "validation_samples", "validation_steps", "validation_cfg", "validation_width",
+    "validation_height", "eval_every", "eval_prompts", "eval_n", "eval_reference", "eval_features",
+    "eval_clip_model", "eval_batch_size", "wandb_project", "wandb_mode", "tensorboard", "device"}
+RESUME_DREAMBOOTH_ONLY = {"vae", "instance_prompt", "class_dir", "class_prompt", "num_class_images", "image_size",
+                          "prior_loss_weight"}
+
+
+def another_value(value):
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, (int, float)):
+        return value + 1
+    if isinstance(value, list):
+        return value + ["x"]
+    return value + "_other"
+
+
+def test_every_field_has_a_resume_rule():
+    assert set(sd.train.config.ON_RESUME) == set(sd.train.config.FIELDS)
+
+
+@pytest.mark.parametrize("name", sorted(sd.train.config.FIELDS))
+@pytest.mark.parametrize("dreambooth", [False, True])
+def test_a_changed_field_on_resume_is_refused_warned_or_free_by_its_rule(name, dreambooth):
+    config = sd.train.config.TrainConfig(instance_dir="instances" if dreambooth else "")
+    saved = dict(yaml.safe_load(sd.train.config.config_yaml(config)))
+    saved[name] = another_value(saved[name])
+    refused, warned = sd.train.config.resume_changes(saved, config)
+    if name in RESUME_FREE or (name in RESUME_DREAMBOOTH_ONLY and not dreambooth):
+        assert (refused, warned) == ([], [])
+    elif name in RESUME_WARNED:
+        assert refused == [] and len(warned) == 1 and warned[0].startswith(f"{name}: {saved[name]!r} -> ")
+    else:
+        assert warned == [] and len(refused) == 1
+        assert refused[0].startswith(f"{name}: {saved[name]!r} -> {getattr(config, name)!r} (it fixes ")
+
+
+def test_a_field_newer_than_the_checkpoint_compares_with_its_default():
+    config = sd.train.config.TrainConfig()
+    saved = dict(yaml.safe_load(sd.train.config.config_yaml(config)))
+    del saved["noise_offset"]
+    assert sd.train.config.resume_changes(saved, config) == ([], [])
+    refused, _ = sd.train.config.resume_changes(saved, sd.train.config.TrainConfig(noise_offset=0.1))
+    assert refused == ["noise_offset: 0.0 -> 0.1 (it fixes the training math)"]
