@@ -76,8 +76,12 @@ def estimate_memory(config: TrainConfig, gpu_memory_gb: float | None, resolution
     if gpu_memory_gb is None:
         gpu_memory_gb = (torch.cuda.get_device_properties(0).total_memory / 1e9 if torch.cuda.is_available()
                          else 24 * 2**30 / 1e9)
-    resolution = resolution or sd.train.memory.resolution_of(config)
-    print(json.dumps(sd.train.memory.report(config, resolution, gpu_memory_gb)))
+    try:
+        resolution = resolution or sd.train.memory.resolution_of(config)
+        print(json.dumps(sd.train.memory.report(config, resolution, gpu_memory_gb)))
+    except ConfigError as error:
+        print(f"SD_Train.py: config error: {error}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import yaml
 
 import sd.cli
+import sd.lora.adapters
 import sd.model
 
 
@@ -343,7 +344,10 @@ def _coerce(name: str, value):
         return "" if value is None else str(value)
     elif kind == "list":
         if isinstance(value, str):
-            value = yaml.safe_load(value)
+            try:
+                value = load_yaml(value)
+            except ValueError as error:
+                raise ConfigError(f"{name}: {error}") from None
         if isinstance(value, list):
             return value
         if isinstance(value, (str, dict)):
@@ -387,6 +391,59 @@ def build_parser(description: str = "") -> sd.cli.ArgumentParser:
     return parser
 
 
+YAML_NODES = 100_000  # a config's values with every alias expanded: far above any config, far below an alias bomb
+
+
+def load_yaml(text: str):
+    """``yaml.safe_load`` of a config, refusing one whose aliases expand past ``YAML_NODES`` values (a
+    few hundred bytes of nested aliases expand to billions: the "billion laughs"). A ValueError says
+    what is wrong (invalid YAML or the expansion)."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        if expanded_size(node) > YAML_NODES:
+            raise ValueError(f"its aliases (*name) expand to more than {YAML_NODES} values; write the values out")
+        return loader.construct_document(node)
+    except yaml.YAMLError as error:
+        raise ValueError(f"not valid YAML ({str(error).splitlines()[0]})") from None
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+    finally:
+        loader.dispose()
+
+
+def expanded_size(node: yaml.Node) -> int:
+    """The values under ``node`` counted as if every alias were written out (each shared node once
+    per reference), computed once per distinct node."""
+    sizes: dict[int, int] = {}
+
+    def size(n: yaml.Node) -> int:
+        if id(n) not in sizes:
+            children = [c for pair in n.value for c in pair] if isinstance(n, yaml.MappingNode) else \
+                n.value if isinstance(n, yaml.SequenceNode) else []
+            sizes[id(n)] = min(1 + sum(size(c) for c in children), YAML_NODES + 1)
+        return sizes[id(n)]
+
+    return size(node)
+
+
+def check_models(config: TrainConfig, unet, text_encoder) -> None:
+    """The models fit together and the config before any work: the text encoder's width is the UNet's
+    cross-attention width, and every LoRA target selects a layer. A ConfigError names both."""
+    width, wanted = text_encoder.config.hidden_size, unet.config.cross_attention_dim
+    if width != wanted:
+        raise ConfigError(f"text_encoder {config.text_encoder} gives {width}-wide embeddings, but unet {config.unet} "
+                          f"attends to {wanted}-wide ones; use a text encoder of width {wanted} (SD 1.x: CLIP "
+                          "ViT-L/14, 768) or the UNet made for this one")
+    if config.lora_rank:
+        try:
+            sd.lora.adapters.resolve_targets(unet, config.lora_targets)
+        except sd.lora.adapters.LoraError as error:
+            raise ConfigError(str(error)) from None
+
+
 def read_yaml(path: Path, seen: tuple = ()) -> dict:
     """A config YAML's fields, its ``extends`` chain resolved (the file's own fields win)."""
     if not path.exists():
@@ -394,9 +451,9 @@ def read_yaml(path: Path, seen: tuple = ()) -> dict:
     if path.resolve() in seen:
         raise ConfigError(f"{path}: 'extends' loops back to itself")
     try:
-        loaded = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as error:
-        raise ConfigError(f"{path}: not valid YAML ({str(error).splitlines()[0]})") from error
+        loaded = load_yaml(path.read_text()) or {}
+    except ValueError as error:
+        raise ConfigError(f"{path}: {error}") from None
     if not isinstance(loaded, dict):
         raise ConfigError(f"{path}: expected a mapping of config fields")
     values = {}
@@ -502,9 +559,9 @@ def read_saved_config(path: str | Path) -> dict:
     """A run's or checkpoint's ``config.yaml`` as written by ``config_yaml``: the one reader of a saved
     config. A file that is no YAML mapping is a ValueError naming it (OSError when it cannot be read)."""
     try:
-        saved = yaml.safe_load(Path(path).read_text())
-    except (yaml.YAMLError, UnicodeDecodeError) as error:
-        raise ValueError(f"{path}: not valid YAML ({sd.cli.first_line(error)})") from error
+        saved = load_yaml(Path(path).read_text())
+    except (ValueError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path}: {sd.cli.first_line(error)}") from error
     if not isinstance(saved, dict):
         raise ValueError(f"{path}: not a mapping of config fields")
     return saved

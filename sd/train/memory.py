@@ -43,13 +43,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
+import sd.cli
 import sd.data.training_data
 import sd.distributed
 import sd.lora.adapters
 import sd.model
 import sd.runtime
 import sd.train.step
-from sd.train.config import ConfigError, largest_batch_for, read_saved_config
+from sd.train.config import ConfigError, check_models, largest_batch_for, read_saved_config
 
 log = logging.getLogger("sd_train")
 
@@ -259,9 +260,18 @@ def frozen_models(config):
     from diffusers import AutoencoderKL
     from transformers import CLIPTextConfig, CLIPTextModel
 
-    text = sd.model.TINY_TEXT_ENCODER if config.text_encoder == "tiny" else SD1_TEXT_ENCODER
+    if config.text_encoder == "tiny":
+        text = CLIPTextConfig(**sd.model.TINY_TEXT_ENCODER)
+    elif Path(config.text_encoder).is_dir():  # a local folder's own architecture (a hub id: SD 1.x's)
+        subfolder = sd.model._local_subfolder(config.text_encoder, "text_encoder")
+        try:
+            text = CLIPTextConfig.from_pretrained(config.text_encoder, **({"subfolder": subfolder} if subfolder else {}))
+        except (OSError, ValueError) as error:
+            raise ConfigError(f"text_encoder: {config.text_encoder}: {sd.cli.first_line(error)}") from None
+    else:
+        text = CLIPTextConfig(**SD1_TEXT_ENCODER)
     vae = sd.model.TINY_VAE if config.vae == "tiny" else sd.model.SD1_VAE
-    return (sd.model._frozen(CLIPTextModel(CLIPTextConfig(**text))), sd.model._frozen(AutoencoderKL(**vae)))
+    return sd.model._frozen(CLIPTextModel(text)), sd.model._frozen(AutoencoderKL(**vae))
 
 
 @contextlib.contextmanager
@@ -280,6 +290,7 @@ def session(config, resolution: int = 512, device: str = "cuda"):
         text_encoder, vae = frozen_models(config)
         unet = sd.model.build_unet(config.unet, from_scratch=False, grad_checkpointing=config.grad_checkpointing,
                                    channels_last=config.channels_last).train()
+        check_models(config, unet, text_encoder)
         sd.lora.adapters.apply_config(config, unet, text_encoder)
         empty_ids = torch.full((1, sd.model.TOKENIZER_MAX_LENGTH), 49407, dtype=torch.long)
         emulate = as_if_cuda(unet, lambda cast: casts.add(id(allocations.record_of(cast)))) if device == "cuda" \

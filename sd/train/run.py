@@ -27,7 +27,7 @@ import sd.train.step
 import sd.train.validation
 from sd.distributed import Dist
 from sd.evaluation import EvalError, TrainingEval
-from sd.train.config import ConfigError, TrainConfig
+from sd.train.config import ConfigError, TrainConfig, check_models
 
 log = logging.getLogger("sd_train")
 
@@ -172,6 +172,7 @@ def build(config: TrainConfig, d: Dist) -> Run:
     vae = sd.model.load_vae(config.vae).to(d.device)
     unet = sd.model.build_unet(config.unet, seed=config.seed, grad_checkpointing=config.grad_checkpointing,
                                channels_last=config.channels_last).to(d.device).train()
+    check_models(config, unet, text_encoder)
     if config.init_from and (config.lora_rank or config.instance_dir):
         sd.train.checkpointer.load_base(config.init_from, unet)
     if config.instance_dir:

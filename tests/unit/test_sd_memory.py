@@ -148,3 +148,21 @@ def test_batch_size_auto_takes_the_largest_batch_that_fits_and_one_more_would_no
         budget = run(3).peak_gb  # a budget that batch 3 just fits
         batch = sd.train.memory.auto_batch_size(config, Dist.single("cpu"), gpu_memory_gb=budget)
         assert batch >= 3 and run(batch).peak_gb <= budget < run(batch + 1).peak_gb
+
+
+def test_a_text_encoder_of_another_width_or_a_lora_target_of_no_layer_stops_the_estimate_in_one_line(tmp_path,
+                                                                                                     capsys):
+    import SD_Train
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    folder = tmp_path / "wide_text_encoder"
+    CLIPTextModel(CLIPTextConfig(**{**sd.model.TINY_TEXT_ENCODER, "hidden_size": 96})).save_pretrained(folder)
+    assert SD_Train.main(["--estimate_memory", "--unet", "tiny", "--vae", "tiny", "--text_encoder", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert f"text_encoder {folder} gives 96-wide embeddings, but unet tiny attends to 64-wide ones" in err
+    assert "Traceback" not in err
+    assert SD_Train.main(["--estimate_memory", "--unet", "tiny", "--vae", "tiny", "--text_encoder", "tiny",
+                          "--lora_rank", "4", "--init_from", "owner/base", "--lora_targets", "[to_nowhere]"]) == 2
+    err = capsys.readouterr().err
+    assert "config error: lora_targets: 'to_nowhere' selects no Linear or Conv2d layer" in err
+    assert "Traceback" not in err

@@ -394,3 +394,22 @@ def test_a_field_newer_than_the_checkpoint_compares_with_its_default():
     assert sd.train.config.resume_changes(saved, config) == ([], [])
     refused, _ = sd.train.config.resume_changes(saved, sd.train.config.TrainConfig(noise_offset=0.1))
     assert refused == ["noise_offset: 0.0 -> 0.1 (it fixes the training math)"]
+
+
+def test_a_yaml_alias_bomb_is_refused_at_once_and_ordinary_aliases_still_work(tmp_path):
+    levels = ['a: &l0 ["x", "x", "x", "x", "x", "x", "x", "x", "x"]']
+    levels += [f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, 9)]
+    bomb = tmp_path / "bomb.yaml"
+    body = "\n".join("  - " + line.split(": ", 1)[1] for line in levels)  # 9^9 values under one field
+    bomb.write_text(f"unet: tiny\nvalidation_prompts:\n{body}\nout_dir: *l8\n")
+    assert bomb.stat().st_size < 600
+    with pytest.raises(ConfigError, match=rf"{re.escape(str(bomb))}: its aliases \(\*name\) expand to more than "
+                                          r"100000 values; write the values out"):
+        load_config(["--config", str(bomb)], check_paths=False)
+    flag = "[&b0 [x, x, x, x, x, x, x, x, x, x]" + "".join(
+        f", &b{i} [{', '.join([f'*b{i - 1}'] * 10)}]" for i in range(1, 6)) + "]"  # 10^6 values on a command line
+    with pytest.raises(ConfigError, match="lora_targets: its aliases"):
+        load_config(["--unet", "tiny", "--lora_targets", flag], check_paths=False)
+    fine = tmp_path / "fine.yaml"
+    fine.write_text("unet: tiny\nvalidation_prompts: [&p 'a red circle', *p]\n")
+    assert load_config(["--config", str(fine)], check_paths=False).validation_prompts == ["a red circle"] * 2
