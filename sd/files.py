@@ -237,7 +237,7 @@ class FolderLock:
         self.owner: int | None = None  # the pid that took it: a forked child does not release it
         self.created_folder = False  # removed again on release if nothing else was written
 
-    def acquire(self) -> "FolderLock":
+    def acquire(self) -> FolderLock:
         if not self.path.parent.exists():
             self.path.parent.mkdir(parents=True)
             self.created_folder = True
@@ -294,7 +294,7 @@ class FolderLock:
         except OSError as error:  # the kernel's lock holds all the same; a refused process says "?"
             log.warning("%s: could not write host and pid into the lock file (%s)", self.path, error)
 
-    def _acquire_without_locks(self) -> "FolderLock":
+    def _acquire_without_locks(self) -> FolderLock:
         mine = self._mine()
         for _ in range(2):
             try:

@@ -13,9 +13,9 @@ import torch
 
 import encode_latents
 import sd.data.encode
-import sd.files
 import sd.data.shards
 import sd.data.training_data
+import sd.files
 import sd.model
 
 from shard_factory import clean_shard, image_bytes, random_image
