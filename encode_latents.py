@@ -3,6 +3,7 @@
     python encode_latents.py --shards 'DIR/*.tar' --out DIR --vae ID_OR_PATH [--resolution 512]
                              [--batch_size 64] [--workers 16] [--precision bf16] [--compile] [--device auto]
                              [--buckets [--bucket_list WxH,...] [--bucket_step 64]] [--flip]
+                             [--max_encode_pixels 4194304]
     torchrun --nproc_per_node 8 encode_latents.py --shards ... --out ...           # one process per GPU
     python encode_latents.py ... --rank $SLURM_ARRAY_TASK_ID --world_size $SLURM_ARRAY_TASK_COUNT
 
@@ -87,6 +88,9 @@ def parse_args(argv=None):
                     "SD_Train.py --flip trains on them for a random half of the samples)")
     parser.add_argument("--max_pixels", type=int, default=sd.data.shards.DEFAULT_MAX_PIXELS,
                         help="skip images with more pixels than this, read from the header")
+    parser.add_argument("--max_encode_pixels", type=int, default=sd.data.encode.MAX_ENCODE_PIXELS,
+                        help="largest image size the VAE is given, in pixels (--resolution squared, or a bucket's "
+                             "width x height; the default is 2048x2048): a larger one stops the run before any work")
     parser.add_argument("--max_aspect", type=float, default=sd.data.shards.DEFAULT_MAX_ASPECT,
                         help="skip images whose long side is more than this many times the short side "
                              "(extreme_aspect), read from the header")
@@ -102,11 +106,12 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.resolution <= 0 or args.resolution % 8:
         parser.error(f"--resolution must be a positive multiple of 8, got {args.resolution}")
-    for name in ("batch_size", "workers", "prefetch", "max_pixels", "max_aspect"):
+    for name in ("batch_size", "workers", "prefetch", "max_pixels", "max_encode_pixels", "max_aspect"):
         if not getattr(args, name) >= 1:
             parser.error(f"--{name} must be >= 1")
     check_ranks(parser, args)
     args.bucket_sizes = bucket_sizes(parser, args)
+    check_encode_sizes(parser, args)
     return args
 
 
@@ -120,6 +125,18 @@ def bucket_sizes(parser, args) -> list[sd.data.buckets.Bucket] | None:
         return sd.data.buckets.default_buckets(args.resolution, args.bucket_step) if args.buckets else None
     except ValueError as error:
         parser.error(f"--bucket_list: {error}" if args.bucket_list is not None else str(error))
+
+
+def check_encode_sizes(parser, args) -> None:
+    """Every size images are encoded at within --max_encode_pixels, before anything is written: an image
+    of a 16384x8192 bucket takes 403 MB of host memory, and a batch of them fails part way through."""
+    sizes = args.bucket_sizes or [(args.resolution, args.resolution)]
+    for width, height in sizes:
+        if width * height > args.max_encode_pixels:
+            what = f"bucket {width}x{height}" if args.bucket_sizes else f"--resolution {args.resolution}"
+            parser.error(f"{what} has {width * height} pixels, over --max_encode_pixels {args.max_encode_pixels} "
+                         f"(an image of it takes {width * height * 3 / 1e6:.0f} MB, a batch --batch_size times "
+                         "that); choose smaller sizes, or raise --max_encode_pixels if the memory is there")
 
 
 def check_ranks(parser, args) -> None:

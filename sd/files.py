@@ -9,10 +9,19 @@ small archive that inflates to gigabytes is refused instead of filling the memor
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # Windows: FolderLock falls back to its pid check
+    fcntl = None
+
+log = logging.getLogger("sd_files")
 
 
 def temporary_name(path: Path) -> Path:
@@ -189,6 +198,10 @@ class FolderLocked(RuntimeError):
     """Another live process holds the folder's lock."""
 
 
+# flock's errors on a file system that has no locks (NFS mounted with nolock, some FUSE file systems)
+NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL}
+
+
 def _process_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -200,45 +213,125 @@ def _process_alive(pid: int) -> bool:
 
 
 class FolderLock:
-    """``FOLDER/.lock`` holding this process's host and pid, created exclusively (``O_EXCL``).
+    """``FOLDER/.lock`` (or ``FOLDER/name``), held with ``fcntl.flock`` while this process lives.
 
-    A second process that finds a lock of a live process raises ``FolderLocked`` naming the folder,
-    host and pid. A lock left by a dead process on this host (a crash, SIGKILL) is taken over; a
-    lock from another host cannot be checked from here, so it is reported and left for the user to
-    remove once that job is gone.
+    The kernel lets go of the lock when its process ends, however it ends (SIGKILL, the OOM killer, a
+    pod taken away), so a killed writer never blocks the next one, whatever pid or host the next one
+    has; this holds on local disks and NFSv4. The file also names the holder's host and pid, for the
+    message of a second process, which raises ``FolderLocked``. The file is removed on release while
+    still locked, and a process that locked a file no longer under that name tries again, so two
+    processes never both hold the lock.
+
+    Where the file system has no locks (flock fails with ENOLCK and the like; it is said in the log),
+    the file is created exclusively instead, and a lock found there is taken over when it names no
+    process, this process's pid, or a process of this host that is gone; one from another host cannot
+    be checked from here and is left for the user.
     """
 
     NAME = ".lock"
 
-    def __init__(self, folder: str | Path):
-        self.path = Path(folder) / self.NAME
+    def __init__(self, folder: str | Path, name: str = NAME):
+        self.path = Path(folder) / name
         self.held = False
+        self.fd: int | None = None  # the locked file, open for as long as the lock is held
+        self.owner: int | None = None  # the pid that took it: a forked child does not release it
         self.created_folder = False  # removed again on release if nothing else was written
 
-    def acquire(self) -> "FolderLock":
-        import socket
-
+    def acquire(self) -> FolderLock:
         if not self.path.parent.exists():
             self.path.parent.mkdir(parents=True)
             self.created_folder = True
-        mine = {"host": socket.gethostname(), "pid": os.getpid()}
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                locked = self._flock(fd)
+                current = locked and self._names(fd)
+            except BaseException:
+                os.close(fd)
+                raise
+            if current:
+                break
+            os.close(fd)
+            if not locked:
+                return self._acquire_without_locks()
+            # else its holder removed the file after this process opened it: lock the one now there
+        self.fd, self.held, self.owner = fd, True, os.getpid()
+        self._write_holder(fd)
+        return self
+
+    def _flock(self, fd: int) -> bool:
+        """Lock ``fd``'s file: True once held, False on a file system without locks; ``FolderLocked``
+        when another process holds it."""
+        if fcntl is None:  # no such locks on this platform
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise self._refusal(self._holder(), "wait for it to finish or stop it (the lock goes with the "
+                                "process)") from None
+        except OSError as error:
+            if error.errno not in NO_LOCKS:
+                raise
+            log.warning("%s: this file system has no file locks (%s); the lock is a file naming host and pid, "
+                        "taken over only when its process is gone from this host", self.path, os.strerror(error.errno))
+            return False
+        return True
+
+    def _names(self, fd: int) -> bool:
+        """Whether the lock file's name still leads to the file open as ``fd``."""
+        try:
+            named = os.stat(self.path)
+        except FileNotFoundError:
+            return False
+        held = os.fstat(fd)
+        return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
+
+    def _write_holder(self, fd: int) -> None:
+        """Host and pid into the held file, for the message of a process that finds it locked."""
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, (json.dumps(self._mine()) + "\n").encode(), 0)
+        except OSError as error:  # the kernel's lock holds all the same; a refused process says "?"
+            log.warning("%s: could not write host and pid into the lock file (%s)", self.path, error)
+
+    def _acquire_without_locks(self) -> FolderLock:
+        mine = self._mine()
         for _ in range(2):
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
                 holder = self._holder()
-                if holder.get("host") == mine["host"] and not _process_alive(int(holder.get("pid", -1))):
-                    self.path.unlink(missing_ok=True)  # stale: its process is gone
-                    continue
-                raise FolderLocked(
-                    f"{self.path.parent} is in use by process {holder.get('pid', '?')} on host "
-                    f"{holder.get('host', '?')} (lock file {self.path}); wait for it to finish, or remove the lock "
-                    "file if that process is gone") from None
+                if not self._stale(holder, mine):
+                    raise self._refusal(holder, "wait for it to finish, or remove the lock file if that process "
+                                        "is gone") from None
+                self.path.unlink(missing_ok=True)
+                continue
             with os.fdopen(fd, "w") as handle:
                 handle.write(json.dumps(mine) + "\n")
-            self.held = True
+            self.held, self.owner = True, os.getpid()
             return self
         raise FolderLocked(f"could not take the lock {self.path}")
+
+    @staticmethod
+    def _stale(holder: dict, mine: dict) -> bool:
+        """A lock naming no process (cut short by a full disk), or a process of this host that is gone;
+        this process's own pid is a previous container's, as this process has not written it."""
+        pid = holder.get("pid")
+        if not isinstance(pid, int):
+            return True
+        if holder.get("host") != mine["host"]:
+            return False
+        return pid == mine["pid"] or not _process_alive(pid)
+
+    @staticmethod
+    def _mine() -> dict:
+        import socket
+
+        return {"host": socket.gethostname(), "pid": os.getpid()}
+
+    def _refusal(self, holder: dict, advice: str) -> FolderLocked:
+        return FolderLocked(f"{self.path.parent} is in use by process {holder.get('pid', '?')} on host "
+                            f"{holder.get('host', '?')} (lock file {self.path}); {advice}")
 
     def _holder(self) -> dict:
         try:
@@ -248,8 +341,12 @@ class FolderLock:
             return {}
 
     def release(self) -> None:
-        if self.held:
-            self.path.unlink(missing_ok=True)
-            self.held = False
-            if self.created_folder and not any(self.path.parent.iterdir()):
-                self.path.parent.rmdir()
+        if not self.held or self.owner != os.getpid():
+            return
+        self.held = False
+        self.path.unlink(missing_ok=True)  # while still locked: see the class's docstring
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        if self.created_folder and not any(self.path.parent.iterdir()):
+            self.path.parent.rmdir()

@@ -9,6 +9,7 @@ a re-run's before any work) and, once every input shard is through, the totals.
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import logging
@@ -37,16 +38,40 @@ import sd.runtime
 
 log = logging.getLogger("encode_latents")
 
+# The largest image size the VAE is given (--max_encode_pixels): four times the pixels of the 1024x1024
+# class of buckets (SDXL's), 12.6 MB an image and 805 MB a batch of 64 on the host.
+MAX_ENCODE_PIXELS = 2048 * 2048
+
 
 def encode(paths: list[Path], out: Path, args) -> int:
     """Encode ``paths`` (input shards) into ``out`` with the settings of ``args`` (encode_latents.py's
     flags): the folder's settings are checked before any work, then this rank's shards not done are
     encoded. Returns the exit code."""
+    place = sd.distributed.independent(args.device, args.rank, args.world_size)
+    lock = sd.files.FolderLock(out, lock_name(place))
+    try:
+        lock.acquire()
+    except sd.files.FolderLocked as error:
+        print(f"encode_latents.py: error: {error}", file=sys.stderr)
+        return 2
+    try:
+        return encode_locked(paths, out, args, place)
+    finally:
+        lock.release()
+
+
+def lock_name(place: sd.distributed.Dist) -> str:
+    """One process per rank writes to a folder: ``.lock``, or with several ranks ``.lock.rankRofW``
+    (the ranks share the folder, each encoding shards of its own)."""
+    name = sd.files.FolderLock.NAME
+    return name if place.world_size == 1 else f"{name}.rank{place.rank}of{place.world_size}"
+
+
+def encode_locked(paths: list[Path], out: Path, args, place: sd.distributed.Dist) -> int:
     try:
         # Before any work: a folder begun with other settings, or a damaged latents.json, stops the run.
         previous = read_meta(out)
         compare_settings(out, previous, requested_settings(args))
-        place = sd.distributed.independent(args.device, args.rank, args.world_size)
         dtype = sd.runtime.resolve_precision(args.precision, place.device)
         vae = sd.model.load_vae(args.vae).to(device=place.device, dtype=dtype)
         meta = vae_settings(args, vae.config)
@@ -351,7 +376,11 @@ class NpyRows:
         self.path, self.tmp = path, sd.files.temporary_name(path)
         self.row_shape, self.dtype, self.count = tuple(row_shape), np.dtype(dtype), 0
         self.handle = open(self.tmp, "wb")
-        self.header_size = self.handle.write(self._header())
+        try:
+            self.header_size = self.handle.write(self._header())
+        except BaseException:
+            self.discard()
+            raise
 
     def _header(self) -> bytes:
         header = io.BytesIO()
@@ -376,8 +405,12 @@ class NpyRows:
         os.replace(self.tmp, self.path)
 
     def discard(self) -> None:
-        self.handle.close()
-        self.tmp.unlink(missing_ok=True)
+        try:
+            self.handle.close()
+        except OSError:  # a full disk fails the flush of what is buffered: the file goes all the same
+            pass
+        finally:
+            self.tmp.unlink(missing_ok=True)
 
 
 class Writer:
@@ -643,6 +676,26 @@ def encode_shards(todo: list[Path], args, encoder: Encoder, writer: Writer, desc
     return stream.in_flight
 
 
+def encode_todo(todo: list[Path], out: Path, args, meta: dict, encoder: Encoder, who: str) -> None:
+    """The settings (marked incomplete), then the shards of ``todo``; a shard cut off by an error
+    leaves no file behind, the shards finished before it are kept."""
+    start_folder(out, meta)
+    writer = Writer(out, args.flip, args.bucket_sizes)
+    try:
+        in_flight = encode_shards(todo, args, encoder, writer, f"encode {who}".rstrip(": "))
+    finally:
+        writer.close()
+    log.info("%sat most %d images were decoded ahead of the VAE (limit %d)", who, in_flight.peak, in_flight.limit)
+
+
+def write_failure(out: Path, error: OSError) -> str:
+    """One line for a write that failed: a full disk (or quota) said as such, anything else as it came."""
+    kept = "re-run the same command: the shards finished so far are kept, nothing half-written is left"
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"{out}: the disk is full ({os.strerror(error.errno)}); free some space, then {kept}"
+    return f"{out}: could not write ({error}); {kept}"
+
+
 def encode_folder(paths: list[Path], out: Path, args, meta: dict, encoder: Encoder,
                   place: sd.distributed.Dist | None = None) -> int:
     """This rank's shards not done: settings first (marked incomplete), then the shards, then the totals
@@ -654,19 +707,16 @@ def encode_folder(paths: list[Path], out: Path, args, meta: dict, encoder: Encod
     todo = [p for p in mine if not shard_done(out, ShardJob(p).stem, args.flip, args.bucket_sizes is not None)]
     log.info("%s%d shards, %d already encoded, %d to do, on %s in %s", who, len(mine), len(mine) - len(todo),
              len(todo), encoder.device, meta["compute_dtype"])
-    if todo:
-        start_folder(out, meta)
-        writer = Writer(out, args.flip, args.bucket_sizes)
-        try:
-            try:
-                in_flight = encode_shards(todo, args, encoder, writer, f"encode {who}".rstrip(": "))
-            finally:
-                writer.close()
-        except RuntimeError as error:
-            print(f"encode_latents.py: error: {error}", file=sys.stderr)
-            return 1
-        log.info("%sat most %d images were decoded ahead of the VAE (limit %d)", who, in_flight.peak, in_flight.limit)
-    summary = finish_folder(out, meta, paths)
+    try:
+        if todo:
+            encode_todo(todo, out, args, meta, encoder, who)
+        summary = finish_folder(out, meta, paths)
+    except RuntimeError as error:
+        print(f"encode_latents.py: error: {error}", file=sys.stderr)
+        return 1
+    except OSError as error:
+        print(f"encode_latents.py: error: {write_failure(out, error)}", file=sys.stderr)
+        return 1
     if summary is None:
         return 0
     skipped = ", ".join(f"{reason} {n}" for reason, n in summary["skipped"].items()) or "none"

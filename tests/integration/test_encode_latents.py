@@ -15,6 +15,7 @@ import encode_latents
 import sd.data.encode
 import sd.data.shards
 import sd.data.training_data
+import sd.files
 import sd.model
 
 from shard_factory import clean_shard, image_bytes, random_image
@@ -396,7 +397,7 @@ def test_help_documents_every_flag():
     result = subprocess.run([sys.executable, str(ROOT / "encode_latents.py"), "--help"], capture_output=True, text=True)
     assert result.returncode == 0
     for flag in ("--shards", "--out", "--vae", "--resolution", "--batch_size", "--workers", "--precision",
-                 "--compile", "--device", "--flip", "--max_pixels", "--max_aspect", "--prefetch", "--rank",
+                 "--compile", "--device", "--flip", "--max_pixels", "--max_encode_pixels", "--max_aspect", "--prefetch", "--rank",
                  "--world_size"):
         assert f"  {flag} " in result.stdout, flag
     assert "--dtype" not in result.stdout.split("options:")[1]  # the old spelling works, not listed as a flag
@@ -515,3 +516,76 @@ def test_an_extremely_elongated_image_is_skipped_before_decoding(tmp_path):
     assert report["skipped"] == {"extreme_aspect": ["strip", "tall"]} and report["encoded"] == 1
     assert encode(shards, tmp_path / "wide_ok", "--max_aspect", "10") == 0
     assert (tmp_path / "wide_ok" / "00000.keys.txt").read_text().split() == ["ok", "tall"]
+
+
+def test_a_second_encoder_on_a_folder_in_use_stops_at_once_and_ranks_each_lock_their_own(tmp_path, capsys):
+    shards, out = tmp_path / "shards", tmp_path / "latents"
+    clean_shard(shards / "00000.tar", ["x0", "x1"], np.random.default_rng(1))
+    for name, flags in ((".lock", []), (".lock.rank0of2", ["--rank", 0, "--world_size", 2])):
+        first = sd.files.FolderLock(out, name).acquire()  # an encoder at work (here: this process)
+        try:
+            capsys.readouterr()
+            assert encode(shards, out, *flags) == 2
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1 and f"{out} is in use by process {os.getpid()}" in err
+            assert sorted(p.name for p in out.iterdir()) == [name]  # nothing written
+        finally:
+            first.release()
+    rank0 = sd.files.FolderLock(out, ".lock.rank0of2").acquire()
+    try:  # another rank of the same run shares the folder (its shards are others)
+        assert encode(shards, out, "--rank", 1, "--world_size", 2) == 0
+    finally:
+        rank0.release()
+    assert not list(out.glob(".lock*"))
+
+
+def test_a_full_disk_is_one_line_and_leaves_no_temporary_and_the_finished_shards(tmp_path, monkeypatch, capsys):
+    import builtins
+    import errno
+
+    shards, out = tmp_path / "shards", tmp_path / "latents"
+    rng = np.random.default_rng(6)
+    clean_shard(shards / "00000.tar", ["p0", "p1"], rng)
+    clean_shard(shards / "00001.tar", ["q0", "q1"], rng)
+
+    class FullDisk:
+        """A file on a full disk: every write fails, and so does the flush of what close finds buffered."""
+
+        def __init__(self, path, mode):
+            self.file = builtins.open(path, mode)
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        def close(self):
+            self.file.close()
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def open_on_a_full_disk(path, mode="r", *args, **kwargs):
+        if "w" in mode and Path(path).name.startswith(".00001"):  # shard 00001's latents: the disk is full
+            return FullDisk(path, mode)
+        return builtins.open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(sd.data.encode, "open", open_on_a_full_disk, raising=False)
+    assert encode(shards, out) == 1
+    last_line = capsys.readouterr().err.splitlines()[-1]  # the progress bar comes before it; no traceback after
+    assert last_line.startswith(f"encode_latents.py: error: {out}: the disk is full (No space left on device); "
+                                "free some space")
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no temporary, no lock
+    assert (out / "00000.keys.txt").read_text().split() == ["p0", "p1"]  # the finished shard is intact
+    assert np.load(out / "00000.npy").shape == (2, 4, 8, 8) and not (out / "00001.keys.txt").exists()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--bucket_list", "512x512,16384x8192"], "bucket 16384x8192 has 134217728 pixels, over --max_encode_pixels"),
+    (["--resolution", "4096"], "--resolution 4096 has 16777216 pixels, over --max_encode_pixels 4194304"),
+])
+def test_a_size_over_the_pixel_cap_stops_before_any_work(tmp_path, capsys, flags, message):
+    clean_shard(tmp_path / "shards" / "00000.tar", ["x0"], np.random.default_rng(1))
+    with pytest.raises(SystemExit) as exit_info:
+        encode_latents.main(["--shards", str(tmp_path / "shards" / "*.tar"), "--out", str(tmp_path / "out"), *flags])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and message in err
+    assert not (tmp_path / "out").exists()
+    assert encode_latents.parse_args(["--shards", "x", "--out", "o", *flags, "--max_encode_pixels", str(2**27)]) \
+        .max_encode_pixels == 2**27

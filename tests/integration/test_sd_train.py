@@ -656,16 +656,21 @@ def test_tensorboard_gets_each_logged_step_once_across_a_resume_from_an_older_ch
 # ------------------------------------------------------------------------------ one writer, stop points
 
 
-def test_a_stale_lock_is_taken_over_and_a_live_one_stops_the_second_trainer_at_once(tmp_path, data, capsys):
+HOLD_LOCK = "import sys, time, sd.files; sd.files.FolderLock(sys.argv[1]).acquire(); print('locked', flush=True); " \
+            "time.sleep(120)"
+
+
+def test_a_held_lock_stops_the_second_trainer_at_once_and_one_nobody_holds_is_taken_over(tmp_path, data, capsys):
     import socket
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     config = write_config(tmp_path / "l.yaml", datasets=[data], max_steps=2, out_dir=str(run_dir), batch_size=4,
                           grad_accum=1)
-    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(run_dir)], cwd=ROOT, stdout=subprocess.PIPE,
+                              text=True)
     try:
-        (run_dir / ".lock").write_text(json.dumps({"host": socket.gethostname(), "pid": holder.pid}))
+        assert holder.stdout.readline() == "locked\n"
         assert SD_Train.main(["--config", str(config)]) == 2
         err = capsys.readouterr().err
         assert f"{run_dir} is in use by process {holder.pid} on host {socket.gethostname()}" in err
@@ -673,7 +678,10 @@ def test_a_stale_lock_is_taken_over_and_a_live_one_stops_the_second_trainer_at_o
     finally:
         holder.kill()
         holder.wait()
-    # Its process is gone: the lock is stale, and the next trainer takes it over and removes it at the end.
+    # Killed, its lock went with it. The file stays behind, here naming this process's pid as when a
+    # restarted container's trainer gets the pid of the one that wrote it: the next trainer takes it over
+    # and removes it at the end.
+    (run_dir / ".lock").write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
     assert SD_Train.main(["--config", str(config)]) == 0
     assert (run_dir / "checkpoints" / ckpt.step_dir_name(2) / "COMPLETE").exists()
     assert not (run_dir / ".lock").exists()
@@ -689,7 +697,7 @@ def test_two_trainers_on_one_folder_the_second_exits_at_once(tmp_path, data, cap
     first = subprocess.Popen([sys.executable, str(ROOT / "SD_Train.py"), "--config", str(config)], cwd=ROOT,
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
-    while not (run_dir / ".lock").exists():
+    while not (run_dir / ".lock").exists() or not (run_dir / ".lock").read_text():  # locked, then named
         assert first.poll() is None and time.monotonic() < deadline, "the first trainer never took the lock"
         time.sleep(0.05)
     assert SD_Train.main(["--config", str(config)]) == 2

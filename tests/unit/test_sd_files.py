@@ -1,0 +1,94 @@
+"""sd.files.FolderLock: one writer per folder, held by the kernel (flock), so a dead writer never blocks."""
+
+import errno
+import fcntl
+import json
+import logging
+import os
+import socket
+
+import pytest
+
+import sd.files
+
+HOST = socket.gethostname()
+
+
+def holder_of(folder) -> dict:
+    return json.loads((folder / ".lock").read_text())
+
+
+@pytest.mark.parametrize("content", [
+    json.dumps({"host": HOST, "pid": os.getpid()}),  # a restarted container's trainer got the pid of the old one
+    "",  # the disk filled up before host and pid were written
+    json.dumps({"host": HOST, "pid": os.getppid()}),  # a live process that holds no lock: a zombie, a reused pid
+    json.dumps({"host": "pod-7f9c", "pid": 12}),  # written on a pod whose hostname has since changed
+], ids=["own-pid", "empty", "live-pid-not-holding", "other-host"])
+def test_a_lock_file_nobody_holds_is_taken_over_whatever_it_names(tmp_path, content):
+    (tmp_path / ".lock").write_text(content)
+    lock = sd.files.FolderLock(tmp_path).acquire()
+    assert lock.held and holder_of(tmp_path) == {"host": HOST, "pid": os.getpid()}
+    lock.release()
+    assert not (tmp_path / ".lock").exists()
+
+
+def test_a_held_lock_is_refused_naming_folder_host_pid_and_file(tmp_path):
+    fd = os.open(tmp_path / ".lock", os.O_RDWR | os.O_CREAT)  # another open file: flock sees another holder
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.write(fd, json.dumps({"host": "gpu-7", "pid": 4242}).encode())
+        with pytest.raises(sd.files.FolderLocked) as refused:
+            sd.files.FolderLock(tmp_path).acquire()
+        assert str(refused.value).startswith(f"{tmp_path} is in use by process 4242 on host gpu-7 (lock file "
+                                             f"{tmp_path / '.lock'}); wait for it to finish or stop it")
+        assert holder_of(tmp_path) == {"host": "gpu-7", "pid": 4242}  # left as it was
+    finally:
+        os.close(fd)
+    sd.files.FolderLock(tmp_path).acquire().release()  # its holder is gone: free
+
+
+def test_a_second_lock_in_the_same_process_is_refused_and_a_created_folder_is_removed_on_release(tmp_path):
+    folder = tmp_path / "new"
+    first = sd.files.FolderLock(folder).acquire()
+    with pytest.raises(sd.files.FolderLocked, match=f"in use by process {os.getpid()} on host"):
+        sd.files.FolderLock(folder).acquire()
+    first.release()
+    assert not folder.exists()
+
+
+def test_a_waiter_that_locks_a_file_its_holder_removed_tries_again_on_the_new_one(tmp_path, monkeypatch):
+    first, waiter, third = (sd.files.FolderLock(tmp_path) for _ in range(3))
+    first.acquire()
+    real_flock = fcntl.flock
+
+    def holder_lets_go_then_another_takes_it(fd, operation):
+        # Between the waiter's open and its flock, the holder releases and a third process takes the lock.
+        monkeypatch.setattr(fcntl, "flock", real_flock)
+        first.release()
+        third.acquire()
+        return real_flock(fd, operation)  # succeeds: the waiter's file is the removed one
+
+    monkeypatch.setattr(fcntl, "flock", holder_lets_go_then_another_takes_it)
+    with pytest.raises(sd.files.FolderLocked, match="in use by process"):
+        waiter.acquire()
+    assert third.held and not waiter.held
+    third.release()
+
+
+def test_without_file_locks_the_pid_check_stands_in_and_the_log_says_so(tmp_path, monkeypatch, caplog):
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    lock_file = tmp_path / ".lock"
+    lock_file.write_text(json.dumps({"host": HOST, "pid": os.getppid()}))  # alive, on this host
+    with caplog.at_level(logging.WARNING), pytest.raises(sd.files.FolderLocked) as refused:
+        sd.files.FolderLock(tmp_path).acquire()
+    assert f"in use by process {os.getppid()}" in str(refused.value) and "remove the lock file" in str(refused.value)
+    assert f"{lock_file}: this file system has no file locks" in caplog.text
+    for content in ("", json.dumps({"host": HOST, "pid": os.getpid()})):  # cut short; a previous container's
+        lock_file.write_text(content)
+        lock = sd.files.FolderLock(tmp_path).acquire()
+        assert holder_of(tmp_path) == {"host": HOST, "pid": os.getpid()}
+        lock.release()
+        assert not lock_file.exists()
