@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,10 +38,21 @@ class ShardSample:
     problem: str | None = None  # set by TarSamples: the skip reason of a sample no reader may use
 
 
+# Characters no key may hold: the control characters (Unicode category Cc: ``\n``, ``\r``, ``\x85``
+# ...) and the line and paragraph separators U+2028 / U+2029, at all of which ``str.splitlines``
+# splits, and lone surrogates (what a tar member name that is not UTF-8 decodes to: it cannot be
+# written back as UTF-8).
+UNSAFE_KEY_CHARACTERS = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
+
+
 def is_valid_key(key: str) -> bool:
     """A key a reader can trust: keys end up one per line in ``keys.txt``, in parquet and in file names,
-    so empty parts, absolute paths, ``..``, backslashes and control characters are refused."""
-    if not key or key.startswith("/") or "\\" in key or any(ord(c) < 32 or ord(c) == 127 for c in key):
+    so empty parts, absolute paths, ``..``, backslashes, line breaks and control characters are refused.
+
+    Every stage that forms or reads keys asks this before it writes one; a refused sample is skipped and
+    counted as ``bad_key``.
+    """
+    if not key or key.startswith("/") or "\\" in key or UNSAFE_KEY_CHARACTERS.search(key):
         return False
     return all(part not in ("", "..") for part in key.split("/"))
 

@@ -1,4 +1,5 @@
-"""sd.data.shards.resize_keep_aspect: the whole image scaled by its short or long side."""
+"""sd.data.shards: which keys a reader can trust, and resize_keep_aspect (the whole image scaled by its
+short or long side)."""
 
 import cv2
 import numpy as np
@@ -7,6 +8,20 @@ import pytest
 import sd.data.shards
 
 RED, GREEN, BLUE = (255, 0, 0), (0, 255, 0), (0, 0, 255)
+# Every character str.splitlines splits on, the other control characters, and a lone surrogate (what
+# a file name that is not UTF-8 decodes to; it cannot be written back as UTF-8).
+LINE_BREAKS = ["\n", "\r", "\v", "\f", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029"]
+
+
+@pytest.mark.parametrize("char", LINE_BREAKS + ["\x00", "\t", "\x1b", "\x7f", "\x9f", "\udcff"])
+def test_a_key_with_a_line_break_or_control_character_is_refused(char):
+    assert len(f"a{char}b".splitlines()) == (2 if char in LINE_BREAKS else 1)
+    assert not sd.data.shards.is_valid_key(f"a{char}b")
+
+
+@pytest.mark.parametrize("key", ["k0", "00001234", "folder/name", "caf\u00e9 \u65e5\u672c", "a b_c-d"])
+def test_ordinary_keys_are_kept(key):
+    assert sd.data.shards.is_valid_key(key)
 
 
 def banded(height: int, width: int) -> np.ndarray:
