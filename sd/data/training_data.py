@@ -287,8 +287,8 @@ def read_latents_meta(folder: Path) -> dict:
 
 
 def read_keys(key_file: Path) -> list[str]:
-    """One key per line, split at ``\n`` only: ``str.splitlines`` also splits at U+2028, U+0085 and
-    other characters a key written before they were refused may hold."""
+    """One key per line, lines ending at a newline only: ``str.splitlines`` also ends them at U+2028,
+    U+0085 and other characters that a key written before they were refused may hold."""
     try:
         text = key_file.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as error:
