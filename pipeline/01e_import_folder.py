@@ -246,7 +246,7 @@ def list_images(src: Path) -> list[str]:
 
 
 def path_hash(rel: str) -> str:
-    return hashlib.sha1(rel.encode("utf-8")).hexdigest()[:8]
+    return hashlib.sha1(os.fsencode(rel)).hexdigest()[:8]  # a name that is not UTF-8 hashes as its bytes
 
 
 def base_key(rel: str) -> str:
@@ -396,7 +396,7 @@ def import_shard(src: Path, out: Path, index: int, items: list[tuple[str, str]],
 
 
 def shard_fingerprints(items: list[tuple[str, str]], rules: CaptionRules, args) -> dict:
-    sources = hashlib.sha1("\n".join(rel for rel, _ in items).encode("utf-8")).hexdigest()
+    sources = hashlib.sha1(b"\n".join(os.fsencode(rel) for rel, _ in items)).hexdigest()
     # keep_aspect enters only when set, so shards written before the flag existed still match.
     shape = {"keep_aspect": args.keep_aspect} if args.keep_aspect else {}
     return {"sources_sha1": sources,

@@ -5,9 +5,9 @@
 For each input shard NNNNN.tar, writes CAPTION_DIR/NNNNN.parquet with columns ``key`` (string),
 ``caption`` (string) and ``input_ids`` (77 int32 CLIP token ids, padded with the end token and
 truncated the way SD 1.x was trained), then NNNNN_stats.json as the shard's done marker. Samples
-without a caption or an image, with an unusable key (empty, absolute, ``..``, control characters),
-a caption that is not UTF-8, or a member given twice are skipped and counted, as encode_latents.py
-skips them. A re-run skips finished shards.
+without a caption or an image, with an unusable key (empty, absolute, ``..``, line breaks, control
+characters), a caption that is not UTF-8, or a member given twice are skipped and counted, as
+encode_latents.py skips them. A re-run skips finished shards.
 
 Captions are read without the images (a LAION shard is ~99.9% image bytes). When img2dataset's
 NNNNN.parquet lies next to NNNNN.tar (its key, caption and status columns) and the tar ends with its

@@ -58,6 +58,7 @@ class FeatureStats:
 
     def __init__(self, dim: int, chunk: int = 1024):
         self.n = 0
+        self.non_finite = 0  # rows holding a NaN or an infinity: FID of them is undefined
         self.total = np.zeros(dim)
         self.outer = np.zeros((dim, dim))
         self.buffer = np.empty((chunk, dim))
@@ -65,6 +66,7 @@ class FeatureStats:
 
     def add(self, features: np.ndarray) -> None:  # (B, D)
         features = np.asarray(features)
+        self.non_finite += int((~np.isfinite(features).all(axis=1)).sum())
         while len(features):
             take = min(len(features), len(self.buffer) - self.filled)
             self.buffer[self.filled : self.filled + take] = features[:take]
@@ -84,8 +86,12 @@ class FeatureStats:
         """``mu`` and the unbiased covariance ``sigma`` (as ``np.cov``), for at least 2 samples (of ``where``)."""
         if self.filled:
             self._flush()
+        prefix = f"{where}: " if where else ""
         if self.n < 2:
-            raise EvalError(f"{where}{': ' if where else ''}FID needs at least 2 readable images, got {self.n}")
+            raise EvalError(f"{prefix}FID needs at least 2 readable images, got {self.n}")
+        if self.non_finite:
+            raise EvalError(f"{prefix}{self.non_finite} of {self.n} images have features that are not finite (NaN "
+                            "or inf), so FID is undefined: the feature network's weights or its precision are at fault")
         mu = self.total / self.n
         return mu, (self.outer - self.n * np.outer(mu, mu)) / (self.n - 1)
 
@@ -177,8 +183,20 @@ def load_stats(path: Path, features: str, dim: int) -> dict:
     if stats["mu"].shape != (dim,) or stats["sigma"].shape != (dim, dim):
         raise EvalError(f"{path}: statistics of {stats['mu'].shape[-1]}-d features; --features {features} gives "
                         f"{dim}-d features: compute the reference with the same --features")
-    return {"mu": stats["mu"].astype(np.float64), "sigma": stats["sigma"].astype(np.float64),
+    return {"mu": finite_array(path, "mu", stats["mu"]), "sigma": finite_array(path, "sigma", stats["sigma"]),
             "n": int(stats["n"]) if "n" in stats else None, "fingerprint": str(stats.get("fingerprint", ""))}
+
+
+def finite_array(path: Path, name: str, array: np.ndarray) -> np.ndarray:
+    """``array`` as float64; values that are not numbers, or not finite, name the file: a NaN in ``mu``
+    would make FID NaN, one in ``sigma`` stops the eigendecomposition."""
+    if array.dtype.kind not in "biuf":
+        raise EvalError(f"{path}: '{name}' holds {array.dtype} values, not numbers")
+    bad = array.size - int(np.isfinite(array).sum())
+    if bad:
+        raise EvalError(f"{path}: '{name}' holds {bad} of {array.size} values that are not finite (NaN or inf); "
+                        "compute the statistics again from the reference images")
+    return array.astype(np.float64)
 
 
 def clip_similarity(image_embeds: torch.Tensor, text_embeds: torch.Tensor) -> np.ndarray:
@@ -456,10 +474,14 @@ def reference_stats(reference: str, extractors: Extractors, d: Dist, batch_size:
     cache = path / f"fid_stats.{extractors.name}{f'.{size}' if size else ''}.npz"
     fingerprint = files_fingerprint(files, size)
     if cache.exists():
-        stats = load_stats(cache, extractors.name, extractors.dim)
-        if stats["fingerprint"] == fingerprint:
-            return {**stats, "path": str(cache)}
-        log.info("%s: the reference images changed since it was written; computing again", cache)
+        try:
+            stats = load_stats(cache, extractors.name, extractors.dim)
+        except EvalError as error:  # a damaged cache: the images are there to compute it again
+            log.warning("%s; computing again", error)
+        else:
+            if stats["fingerprint"] == fingerprint:
+                return {**stats, "path": str(cache)}
+            log.info("%s: the reference images changed since it was written; computing again", cache)
     batches = batches_of(len(files), batch_size)
     parts = gather_in_order(len(batches), folder_work(files, batches, extractors, None, size), d, desc="reference")
     totals = score_parts(parts, len(files), extractors, False)
@@ -538,7 +560,8 @@ def evaluate_pipeline(pipe, prompts: list[str], settings: Sampling, extractors: 
         records = [{"file": f"{i:06d}.png", "prompt": prompt, "negative": settings.negative, "seed": settings.seed + i}
                    for i, prompt in enumerate(prompts)]
         sd.files.write_json_atomic(images_dir / "images.json", records)
-    return scores_of(totals, reference, inception_score)
+    return scores_of(totals, reference, inception_score,
+                     str(images_dir) if images_dir is not None else "the generated images")
 
 
 def claim_images_dir(images_dir: Path, generation: dict, d: Dist) -> None:

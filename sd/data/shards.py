@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,10 +38,21 @@ class ShardSample:
     problem: str | None = None  # set by TarSamples: the skip reason of a sample no reader may use
 
 
+# Characters no key may hold: the control characters (Unicode category Cc: ``\n``, ``\r``, ``\x85``
+# ...) and the line and paragraph separators U+2028 / U+2029, at all of which ``str.splitlines``
+# splits, and lone surrogates (what a tar member name that is not UTF-8 decodes to: it cannot be
+# written back as UTF-8).
+UNSAFE_KEY_CHARACTERS = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
+
+
 def is_valid_key(key: str) -> bool:
     """A key a reader can trust: keys end up one per line in ``keys.txt``, in parquet and in file names,
-    so empty parts, absolute paths, ``..``, backslashes and control characters are refused."""
-    if not key or key.startswith("/") or "\\" in key or any(ord(c) < 32 or ord(c) == 127 for c in key):
+    so empty parts, absolute paths, ``..``, backslashes, line breaks and control characters are refused.
+
+    Every stage that forms or reads keys asks this before it writes one; a refused sample is skipped and
+    counted as ``bad_key``.
+    """
+    if not key or key.startswith("/") or "\\" in key or UNSAFE_KEY_CHARACTERS.search(key):
         return False
     return all(part not in ("", "..") for part in key.split("/"))
 
@@ -194,15 +206,37 @@ def sniff_format(data: bytes) -> str | None:
     return None
 
 
-def looks_truncated(data: bytes, fmt: str) -> bool:
-    """Cheap end-of-file checks: decoders often return a half-grey image for a cut-off file."""
+def ends_whole(data: bytes, fmt: str) -> bool:
+    """Whether the file ends with its format's end (JPEG's EOI marker, PNG's IEND chunk, the size WebP's
+    RIFF header declares): a cheap check that needs no decoding. A file that does not is cut off, or
+    carries bytes after its end (cameras and editors append MPF, Samsung SEFH and motion-photo trailers
+    to JPEGs); ``decode_image`` lets the decoders tell which."""
     if fmt in ("jpg", "jpeg"):
-        return data.rstrip(b"\x00\r\n ")[-2:] != b"\xff\xd9"
+        return data.rstrip(b"\x00\r\n ")[-2:] == b"\xff\xd9"
     if fmt == "png":
-        return b"IEND" not in data[-16:]
+        return b"IEND" in data[-16:]
     if fmt == "webp":
-        return len(data) < 12 or int.from_bytes(data[4:8], "little") + 8 > len(data)
-    return False
+        return len(data) >= 12 and int.from_bytes(data[4:8], "little") + 8 <= len(data)
+    return True
+
+
+def decodes_whole(data: bytes) -> bool:
+    """Whether Pillow decodes every pixel of ``data``. It refuses image data that runs out before the
+    image does ("image file is truncated"), whichever OpenCV is installed: some OpenCV versions fill the
+    missing rows of a cut-off JPEG with grey rather than refusing it."""
+    import io
+    import warnings
+
+    from PIL import Image
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with Image.open(io.BytesIO(data)) as image:
+                image.load()
+    except Exception:  # PIL raises many types for damaged data
+        return False
+    return True
 
 
 class ImageSkip(Exception):
@@ -229,7 +263,8 @@ def image_size(data: bytes) -> tuple[int, int]:
 def decode_image(data: bytes, ext: str, max_pixels: int = DEFAULT_MAX_PIXELS,
                  max_aspect: float = DEFAULT_MAX_ASPECT) -> np.ndarray:
     """RGB ``(H, W, 3)`` uint8 via OpenCV; raises ``ImageSkip`` for truncated, undecodable, huge or
-    extremely elongated images (size and shape are read from the header, before decoding).
+    extremely elongated images (size and shape are read from the header, before decoding). Bytes after
+    the image's end (a camera's trailer) are ignored; image data cut short is ``truncated_image``.
 
     The bytes decide the format: ``ext``, the name's extension, is only what the source claims (a PNG
     named ``.jpg`` decodes as the PNG it is; an HTML error page named ``.jpg`` is ``undecodable``).
@@ -239,19 +274,22 @@ def decode_image(data: bytes, ext: str, max_pixels: int = DEFAULT_MAX_PIXELS,
     fmt = sniff_format(data)
     if fmt is None:
         raise ImageSkip("undecodable", f"not a JPEG, PNG or WebP file (named .{ext})")
-    if looks_truncated(data, fmt):
-        raise ImageSkip("truncated_image")
+    whole = ends_whole(data, fmt)
     try:
         width, height = image_size(data)
     except Exception as error:  # PIL raises many types for garbage, incl. its decompression-bomb error
         if "decompression bomb" in str(error).lower():
             raise ImageSkip("too_large", str(error)) from error
-        raise ImageSkip("undecodable", str(error)) from error
+        raise ImageSkip("undecodable" if whole else "truncated_image", str(error)) from error
     if width * height > max_pixels:
         raise ImageSkip("too_large", f"{width}x{height}")
     if max(width, height) > max_aspect * min(width, height):
         raise ImageSkip("extreme_aspect", f"{width}x{height}")
     bgr = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR)
+    # Not ending with its end marker, the file is kept only if both decoders read all of it: libpng in
+    # OpenCV refuses a cut-off PNG that Pillow reads, Pillow a cut-off JPEG that some OpenCVs fill.
+    if not whole and (bgr is None or not decodes_whole(data)):
+        raise ImageSkip("truncated_image")
     if bgr is None:
         raise ImageSkip("undecodable")
     return cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)

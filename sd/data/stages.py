@@ -104,9 +104,16 @@ def write_output(out_dir: Path, name: int | str, write, stats: ShardStats, suffi
 
 
 def write_shard(out_dir: Path, index: int, samples: list[sd.data.shards.ShardSample], stats: ShardStats, **extra) -> dict:
-    """Write image shard ``index`` and then its stats file; every sample given counts as kept."""
-    stats.successes = len(samples)
-    return write_output(out_dir, index, lambda tmp: sd.data.shards.write_tar(tmp, samples), stats, **extra)
+    """Write image shard ``index`` and then its stats file; every sample given counts as kept but one
+    whose key no reader can trust (``sd.data.shards.is_valid_key``), which is left out as ``bad_key``."""
+    kept = []
+    for sample in samples:
+        if sd.data.shards.is_valid_key(sample.key):
+            kept.append(sample)
+        else:
+            stats.skip("bad_key", sample.key)
+    stats.successes = len(kept)
+    return write_output(out_dir, index, lambda tmp: sd.data.shards.write_tar(tmp, kept), stats, **extra)
 
 
 class SettingsChanged(ValueError):

@@ -287,10 +287,13 @@ def read_latents_meta(folder: Path) -> dict:
 
 
 def read_keys(key_file: Path) -> list[str]:
+    """One key per line, lines ending at a newline only: ``str.splitlines`` also ends them at U+2028,
+    U+0085 and other characters that a key written before they were refused may hold."""
     try:
-        return key_file.read_text(encoding="utf-8").splitlines()
+        text = key_file.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as error:
         raise DataError(f"{key_file} is not readable UTF-8 text ({error})") from None
+    return text.removesuffix("\n").split("\n") if text else []
 
 
 def load_npy(path: Path, mmap: bool = False) -> np.ndarray:

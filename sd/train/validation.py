@@ -14,6 +14,7 @@ import torch
 
 import sd.data.buckets
 import sd.distributed
+import sd.evaluation
 import sd.runtime
 import sd.sampling
 import sd.train.step
@@ -64,7 +65,11 @@ def evaluate(run: Run) -> dict:
     numbers can be reproduced from the checkpoint.
     """
     with ema_sampling(run):
-        scores = run.evaluation(run.sampler, run.d)
+        try:
+            scores = run.evaluation(run.sampler, run.d)
+        except sd.evaluation.EvalError as error:  # features that are not finite: every rank gets the same
+            log.warning("step %d: no evaluation scores: %s", run.state.step, error)
+            return {}
     log.info("step %d: FID %.4f%s", run.state.step, scores["eval_fid"],
              f", CLIP score {scores['eval_clip_score']:.3f}" if "eval_clip_score" in scores else "")
     return scores

@@ -158,6 +158,9 @@ def untrusted_shard(path) -> None:
         ("../evil.png", good), ("../evil.txt", b"escapes the folder"),
         ("/abs.png", good), ("/abs.txt", b"absolute"),
         ("new\nline.png", good), ("new\nline.txt", b"would split keys.txt"),
+        ("line\u2028sep.png", good), ("line\u2028sep.txt", b"str.splitlines splits here too"),
+        ("next\x85line.png", good), ("next\x85line.txt", b"and at U+0085"),
+        ("not\udcffutf8.png", good), ("not\udcffutf8.txt", b"a name that is not UTF-8 cannot be written back"),
         (".png", good), (".txt", b"empty key"),
         ("back\\slash.png", good), ("back\\slash.txt", b"windows path"),
         ("dup.png", good), ("dup.txt", b"first"), ("dup.png", other),
@@ -168,7 +171,7 @@ def untrusted_shard(path) -> None:
     (path.parent / "00000_stats.json").write_text("{not json")  # encode_latents reads it for its progress bar
 
 
-BAD_KEYS = ["../evil", "/abs", "new\nline", "", "back\\slash"]
+BAD_KEYS = ["../evil", "/abs", "new\nline", "line\u2028sep", "next\x85line", "not\udcffutf8", "", "back\\slash"]
 
 
 def test_encode_latents_skips_untrusted_keys_and_captions_and_decodes_by_content(tmp_path):
@@ -187,7 +190,7 @@ def test_stage_04_skips_the_same_samples_with_the_same_reasons(tmp_path):
     out = tmp_path / "captions"
     assert CAPTIONS.main(["--input", str(tmp_path / "shards" / "*.tar"), "--out", str(out), "--tokenizer", "tiny"]) == 0
     stats = json.loads((out / "00000_stats.json").read_text())
-    assert stats["failed"] == {"bad_caption_encoding": 1, "bad_key": 5, "duplicate_key": 1}
+    assert stats["failed"] == {"bad_caption_encoding": 1, "bad_key": len(BAD_KEYS), "duplicate_key": 1}
     assert sorted(stats["examples"]["bad_key"]) == sorted(BAD_KEYS)
     table = pq.read_table(out / "00000.parquet")
     assert table.column("key").to_pylist() == ["good", "pngjpg", "html"]  # 04 reads no pixels

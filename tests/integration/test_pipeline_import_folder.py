@@ -3,6 +3,7 @@
 import importlib
 import io
 import json
+import os
 import re
 import subprocess
 import sys
@@ -424,6 +425,24 @@ def test_keys_are_unique_dotless_and_short():
     assert len(set(keys)) == len(keys) and not any("." in k or "/" in k for k in keys)
     # Pinned: a file keeps its key across runs and machines (the suffix is SHA-1 of the path).
     assert keys[:2] == ["a__b_7f9c894b", "a__b_4cfd2b8c"] and keys[5] == "x" * 70 + "_b656cb64"
+
+
+def test_file_names_with_line_breaks_or_not_in_utf8_give_keys_every_reader_can_trust(tmp_path):
+    src, rng = tmp_path / "src", np.random.default_rng(0)
+    names = [b"caf\xe9", "line\u2028sep".encode(), b"new\nline", b"next\xc2\x85line"]  # \xe9: Latin-1, not UTF-8
+    try:
+        write_image(src / os.fsdecode(b"caf\xe9.png"), rng, 64, 64)
+    except OSError:
+        pytest.skip("this file system refuses names that are not UTF-8 (macOS's APFS)")
+    for name in names:
+        write_image(src / os.fsdecode(name + b".png"), rng, 64, 64)
+        (src / os.fsdecode(name + b".txt")).write_text("a caption")
+    out = tmp_path / "out"
+    assert stage.main(["--input", str(src), "--out", str(out), *RES]) == 0
+    samples = read_output(out)
+    assert sorted(samples) == ["caf_", "line_sep", "new_line", "next_line"]
+    assert all(sd.data.shards.is_valid_key(key) for key in samples)
+    assert samples["caf_"]["meta"]["source"] == os.fsdecode(b"caf\xe9.png")
 
 
 def bad_tag_map(tmp_path):

@@ -13,6 +13,7 @@ import scipy.linalg
 import torch
 from PIL import Image
 
+import sd.distributed
 import sd.evaluation
 import sd.train.checkpoint as ckpt
 import sd.train.metrics
@@ -178,7 +179,58 @@ def test_bad_inputs_stop_with_a_message_naming_them(reference, tmp_path, capsys)
     (tmp_path / "broken.npz").write_bytes(b"not a zip")
     assert SD_Eval.main(["--images", str(reference), "--reference", str(tmp_path / "broken.npz"), *args]) == 2
     assert "broken.npz" in capsys.readouterr().err
+    sigma = np.eye(64)
+    sigma[3, 5] = np.nan
+    np.savez(tmp_path / "nan.npz", mu=np.zeros(64), sigma=sigma)  # eigh of it: "Eigenvalues did not converge"
+    assert SD_Eval.main(["--images", str(reference), "--reference", str(tmp_path / "nan.npz"), *args]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'nan.npz'}: 'sigma' holds 1 of 4096 values that are not finite" in err
+    assert len(err.strip().splitlines()) == 1
     assert not (tmp_path / "s.json").exists()
+
+
+@pytest.mark.parametrize("name, value", [("mu", np.nan), ("mu", np.inf), ("sigma", -np.inf)])
+def test_reference_statistics_that_are_not_finite_are_refused_naming_the_file(tmp_path, name, value):
+    stats = {"mu": np.zeros(64), "sigma": np.eye(64)}
+    stats[name].flat[0] = value
+    np.savez(tmp_path / "ref.npz", **stats)
+    with pytest.raises(sd.evaluation.EvalError, match=rf"ref\.npz: '{name}' holds 1 of \d+ values that are not finite"):
+        sd.evaluation.load_stats(tmp_path / "ref.npz", "tiny", 64)
+
+
+def test_features_that_are_not_finite_are_an_error_naming_the_images():
+    stats = sd.evaluation.FeatureStats(4, chunk=2)
+    stats.add(np.array([[1.0, 2, 3, 4], [np.nan, 0, 0, 0], [0, 1, 0, 1]]))
+    with pytest.raises(sd.evaluation.EvalError, match="generated: 1 of 3 images have features that are not finite"):
+        stats.mean_cov("generated")
+
+
+def test_a_damaged_cached_reference_is_computed_again(tmp_path):
+    shapes(tmp_path / "ref", 4, seed=3)
+    extractors, d = sd.evaluation.Extractors("tiny", None), sd.distributed.Dist.single()
+    first = sd.evaluation.reference_stats(str(tmp_path / "ref"), extractors, d, 4)
+    cache = Path(first["path"])
+    with np.load(cache) as data:
+        np.savez(cache, **{**data, "mu": np.full(64, np.nan)})
+    again = sd.evaluation.reference_stats(str(tmp_path / "ref"), extractors, d, 4)
+    assert np.array_equal(again["mu"], first["mu"])
+    assert np.array_equal(sd.evaluation.load_stats(cache, "tiny", 64)["mu"], first["mu"])  # written again
+
+
+def test_a_training_evaluation_that_fails_is_logged_and_the_run_goes_on(caplog):
+    from types import SimpleNamespace
+
+    import sd.train.validation
+
+    def evaluation(pipe, d):
+        raise sd.evaluation.EvalError("generated images: 1 of 6 images have features that are not finite")
+
+    run = SimpleNamespace(step=SimpleNamespace(unet=torch.nn.Linear(1, 1), ema=None), evaluation=evaluation,
+                          config=SimpleNamespace(precision="fp32"), d=sd.distributed.Dist.single(),
+                          state=SimpleNamespace(step=7), sampler=None)
+    assert sd.train.validation.evaluate(run) == {}
+    assert "step 7: no evaluation scores: generated images: 1 of 6 images" in caplog.text
+    assert run.step.unet.training
 
 
 # ---------------------------------------------------------------------------------------------

@@ -221,6 +221,13 @@ def test_a_damaged_latent_folder_is_one_error_naming_the_file(tmp_path, case, mm
     assert "\n" not in str(info.value)
 
 
+def test_keys_files_are_split_at_newlines_only(tmp_path):
+    keys = ["a", "line\u2028sep", "next\x85line", "form\x0cfeed", "z"]  # str.splitlines would cut each of these
+    folder = make_latents(tmp_path / "lat", keys, np.zeros((5, 4, 8, 8), np.float16))
+    assert sd.data.training_data.latent_keys(folder) == keys
+    assert len(sd.data.training_data.LatentStore(folder)) == 5
+
+
 def test_a_damaged_per_image_latent_is_one_error_naming_the_file(tmp_path):
     folder = tmp_path / "per_image"
     folder.mkdir()

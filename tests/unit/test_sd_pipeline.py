@@ -106,6 +106,15 @@ def test_write_shard_marks_done_last_and_summary_adds_up(tmp_path):
     assert json.loads((tmp_path / "test_summary.json").read_text())["kept"] == 1
 
 
+def test_write_shard_skips_and_counts_a_key_no_reader_can_trust(tmp_path):
+    samples = [sd.data.shards.ShardSample(key, b"\xff\xd8\xff\xd9", "jpg", "c", b"{}")
+               for key in ("k0", "line\u2028sep", "k1")]
+    record = sd.data.stages.write_shard(tmp_path, 0, samples, sd.data.stages.ShardStats())
+    assert record == {"count": 3, "successes": 2, "failed": {"bad_key": 1}, "examples": {"bad_key": ["line\u2028sep"]}}
+    read, _ = sd.data.shards.read_shard((tmp_path / "00000.tar").read_bytes())
+    assert [s.key for s in read] == ["k0", "k1"]
+
+
 def test_pending_counts_finished_outputs_and_returns_the_rest_in_order(tmp_path):
     for name, successes in (("b", 3), ("d", 5)):
         stats = sd.data.stages.ShardStats()

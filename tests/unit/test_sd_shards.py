@@ -1,12 +1,72 @@
-"""sd.data.shards.resize_keep_aspect: the whole image scaled by its short or long side."""
+"""sd.data.shards: which keys a reader can trust, which image files are whole, and resize_keep_aspect
+(the whole image scaled by its short or long side)."""
+
+import io
 
 import cv2
 import numpy as np
 import pytest
+from PIL import Image
 
 import sd.data.shards
 
+from shard_factory import random_image
+
 RED, GREEN, BLUE = (255, 0, 0), (0, 255, 0), (0, 0, 255)
+# Every character str.splitlines splits on, the other control characters, and a lone surrogate (what
+# a file name that is not UTF-8 decodes to; it cannot be written back as UTF-8).
+LINE_BREAKS = ["\n", "\r", "\v", "\f", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029"]
+
+
+@pytest.mark.parametrize("char", LINE_BREAKS + ["\x00", "\t", "\x1b", "\x7f", "\x9f", "\udcff"])
+def test_a_key_with_a_line_break_or_control_character_is_refused(char):
+    assert len(f"a{char}b".splitlines()) == (2 if char in LINE_BREAKS else 1)
+    assert not sd.data.shards.is_valid_key(f"a{char}b")
+
+
+@pytest.mark.parametrize("key", ["k0", "00001234", "folder/name", "caf\u00e9 \u65e5\u672c", "a b_c-d"])
+def test_ordinary_keys_are_kept(key):
+    assert sd.data.shards.is_valid_key(key)
+
+
+def photo(fmt: str, **options) -> tuple[bytes, np.ndarray]:
+    """A 96x128 image file and the pixels OpenCV decodes from it."""
+    buffer = io.BytesIO()
+    Image.fromarray(random_image(np.random.default_rng(0), 96, 128)).save(buffer, format=fmt, **options)
+    data = buffer.getvalue()
+    return data, cv2.cvtColor(cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR), cv2.COLOR_BGR2RGB)
+
+
+# What cameras and editors append after an image's end marker: a Samsung SEFH/SEFT block, a motion
+# photo's MP4, arbitrary bytes.
+TRAILERS = [b"trailer bytes", b"\x00" * 16 + b"SEFHXXXX\x01\x00\x00\x00" + b"\x00" * 8 + b"SEFT",
+            b"\x00\x00\x00\x18ftypmp42\x00\x00\x00\x00mp42isom" + bytes(range(256))]
+
+
+@pytest.mark.parametrize("fmt, options", [("JPEG", {"quality": 90}), ("JPEG", {"progressive": True}), ("PNG", {})])
+@pytest.mark.parametrize("trailer", TRAILERS, ids=["text", "samsung", "motion_photo"])
+def test_an_image_with_bytes_after_its_end_decodes_and_is_kept(fmt, options, trailer):
+    data, pixels = photo(fmt, **options)
+    assert np.array_equal(sd.data.shards.decode_image(data + trailer, fmt.lower()), pixels)
+
+
+@pytest.mark.parametrize("fmt, options", [("JPEG", {"quality": 90}), ("JPEG", {"progressive": True}), ("PNG", {}),
+                                          ("WEBP", {})])
+@pytest.mark.parametrize("kept", [0.7, 0.95])
+def test_an_image_cut_short_is_skipped_as_truncated_even_with_bytes_after_the_cut(fmt, options, kept):
+    data, _ = photo(fmt, **options)
+    for damaged in (data[: int(len(data) * kept)], data[: int(len(data) * kept)] + b"trailer bytes"):
+        with pytest.raises(sd.data.shards.ImageSkip) as info:
+            sd.data.shards.decode_image(damaged, fmt.lower())
+        assert info.value.reason == "truncated_image"
+
+
+def test_a_cut_jpeg_is_truncated_where_opencv_fills_its_missing_rows(monkeypatch):
+    data, _ = photo("JPEG", quality=90)
+    monkeypatch.setattr(cv2, "imdecode", lambda buffer, flags: np.full((96, 128, 3), 128, np.uint8))
+    with pytest.raises(sd.data.shards.ImageSkip) as info:
+        sd.data.shards.decode_image(data[: int(len(data) * 0.7)], "jpg")
+    assert info.value.reason == "truncated_image"
 
 
 def banded(height: int, width: int) -> np.ndarray:
