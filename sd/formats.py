@@ -284,6 +284,7 @@ def export_diffusers(folder: Path, unet, vae, text_encoder, tokenizer, predictio
     def write(staging: Path) -> None:
         pipeline.save_pretrained(str(staging), safe_serialization=True)
         prefix_text_encoder_keys(staging / "text_encoder")
+        write_vocabulary_files(staging / "tokenizer", tokenizer)
 
     sd.files.write_folder_atomic(folder, write)
 
@@ -303,6 +304,20 @@ def prefix_text_encoder_keys(folder: Path) -> None:
             continue
         renamed = {key if key.startswith("text_model.") else f"text_model.{key}": tensor for key, tensor in state.items()}
         save_file(renamed, str(path), metadata={"format": "pt"})
+
+
+def write_vocabulary_files(folder: Path, tokenizer) -> None:
+    """Give the saved tokenizer folder ``vocab.json``, ``merges.txt`` and ``special_tokens_map.json``, as
+    the SD 1.x repositories ship it.
+
+    transformers 5 saves only ``tokenizer.json`` and ``tokenizer_config.json``; transformers 4's
+    ``CLIPTokenizer`` (the class diffusers' ``model_index.json`` names) reads the vocabulary and merges
+    from their own files and fails without them. A tokenizer that wrote them itself is left as it is.
+    """
+    if not ((folder / "vocab.json").exists() and (folder / "merges.txt").exists()):
+        tokenizer.backend_tokenizer.model.save(str(folder))  # the BPE model's vocab.json and merges.txt
+    special = {name: str(token) for name, token in tokenizer.special_tokens_map.items()}
+    (folder / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n", encoding="utf-8")
 
 
 def is_diffusers_folder(path: Path) -> bool:
