@@ -5,7 +5,7 @@
                           [--height H --width W] [--device auto] --out DIR
     python SD_ImageGen.py --ckpt runs/p7_consolidation --export_diffusers exported/sd1
     python SD_ImageGen.py --ckpt runs/p7_consolidation --export_single_file sd1.safetensors --half
-    python SD_ImageGen.py --ckpt runs/style_lora --export_lora exported/style [--lora_format diffusers|kohya]
+    python SD_ImageGen.py --ckpt runs/style_lora --export_lora style.safetensors [--lora_format kohya|diffusers]
     python SD_ImageGen.py --ckpt sd1_folder --lora style.safetensors:0.7 [--lora other_dir] --prompt "..." --out DIR
 
 ``--ckpt`` is a training checkpoint or run folder of ours (EMA weights unless ``--no_ema``), a
@@ -19,12 +19,14 @@ trained with ``zero_terminal_snr`` (Lin et al. 2023) is sampled on that rescaled
 with ``rescale_betas_zero_snr`` and trailing spacing, a single file's ``zero_terminal_snr`` metadata).
 
 LoRA: a LoRA run of ours loads its base (the run's ``init_from``) and its adapter (the EMA adapter
-unless ``--no_ema``). ``--export_lora OUT`` writes that adapter alone: a diffusers folder
-``OUT/pytorch_lora_weights.safetensors`` (diffusers' ``load_lora_weights``) or, with ``--lora_format
-kohya``, one file ``OUT`` (``.safetensors``; ComfyUI, AUTOMATIC1111, kohya's sd-scripts, and diffusers
-too). For sampling and the full exports the run's adapter is merged into the weights at scale 1, and
-each ``--lora FILE_OR_DIR[:SCALE]`` (either format; scale 1 unless given) is merged after it, so
-``--export_diffusers`` / ``--export_single_file`` write the merged model.
+unless ``--no_ema``); a base that is not the one the adapter was trained on is refused unless
+``--allow_other_base``. ``--export_lora OUT`` writes that adapter alone: in the kohya layout, one file
+``OUT`` (``.safetensors`` added when OUT lacks it; ComfyUI, AUTOMATIC1111, kohya's sd-scripts and
+diffusers load it) or, with ``--lora_format diffusers``, a folder ``OUT/pytorch_lora_weights.safetensors``
+(diffusers' ``load_lora_weights`` alone). For sampling and the full exports the run's adapter is merged
+into the weights at scale 1, and each ``--lora FILE_OR_DIR[:SCALE]`` (either format; scale 1 unless
+given) is merged after it, so ``--export_diffusers`` / ``--export_single_file`` write the merged model.
+A LoRA holding a NaN or an infinity is refused, naming the tensor and the file.
 """
 
 from __future__ import annotations
@@ -92,10 +94,14 @@ def parse_args(argv=None):
     parser.add_argument("--export_single_file", metavar="FILE", help="write one .safetensors in the original SD layout")
     parser.add_bool("--half", help="fp16 weights in --export_single_file")
     parser.add_argument("--export_lora", metavar="OUT", help="write the LoRA adapter of --ckpt (a LoRA run of ours): "
-                        "a folder OUT with pytorch_lora_weights.safetensors, or with --lora_format kohya the file OUT")
-    parser.add_argument("--lora_format", choices=sd.lora.files.LORA_FORMATS, default="diffusers",
-                        help="format of --export_lora: diffusers (load_lora_weights) or kohya (ComfyUI, AUTOMATIC1111, "
-                        "sd-scripts; diffusers converts it) (default: %(default)s)")
+                        "the file OUT (.safetensors added if missing), or with --lora_format diffusers a folder OUT "
+                        "holding pytorch_lora_weights.safetensors")
+    parser.add_argument("--lora_format", choices=sd.lora.files.LORA_FORMATS, default=sd.lora.files.DEFAULT_LORA_FORMAT,
+                        help="layout of --export_lora: kohya (lora_unet_...: ComfyUI, AUTOMATIC1111, sd-scripts and "
+                        "diffusers load it) or diffusers (PEFT keys: diffusers' load_lora_weights only; the other "
+                        "tools skip them) (default: %(default)s)")
+    parser.add_bool("--allow_other_base", help="apply a LoRA run's adapter even to a base that is not the one it was "
+                    "trained on (its init_from now holds other weights); refused otherwise")
     parser.add_argument("--lora", action="append", default=[], metavar="FILE_OR_DIR[:SCALE]",
                         help="merge this LoRA (a kohya .safetensors, or a diffusers file or folder) into the weights "
                         "before sampling and the full exports, times SCALE (default 1); repeat for several")
@@ -108,8 +114,9 @@ def parse_args(argv=None):
     exporting = args.export_diffusers or args.export_single_file or args.export_lora
     if not exporting and not (args.prompt and args.out):
         parser.error("give --prompt (or --prompts_file) and --out to sample, or an --export_* flag")
-    if args.export_lora and args.lora_format == "kohya" and not args.export_lora.endswith(".safetensors"):
-        parser.error("--export_lora with --lora_format kohya is one file: give it a name ending in .safetensors")
+    if args.export_lora and args.lora_format == "diffusers" and args.export_lora.endswith(".safetensors"):
+        parser.error("--export_lora with --lora_format diffusers is a folder: give it a name without .safetensors, "
+                     "or leave out --lora_format for one kohya .safetensors file")
     if args.lora and not (args.prompt or args.export_diffusers or args.export_single_file):
         parser.error("--lora merges into the weights that are sampled or exported whole (--export_diffusers, "
                      "--export_single_file); --export_lora writes the --ckpt's own adapter alone")
@@ -193,20 +200,24 @@ def main(argv=None) -> int:
     sd.runtime.start_process()
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    merging = bool(args.prompt or args.export_diffusers or args.export_single_file)  # the base is used, not just the adapter
     try:
         model = sd.formats.load_pipeline(args.ckpt, use_ema=not args.no_ema, vae=args.vae, text_encoder=args.text_encoder,
                                          tokenizer=args.tokenizer, arch=args.arch,
                                          prediction_type=None if args.prediction_type == "auto" else args.prediction_type,
-                                         zero_terminal_snr=args.zero_terminal_snr)
+                                         zero_terminal_snr=args.zero_terminal_snr,
+                                         check_base=merging and not args.allow_other_base)
     except (KeyError, ValueError, OSError, SafetensorError) as error:  # the message names the file
-        print(f"SD_ImageGen.py: cannot load {args.ckpt}: {sd.cli.first_line(error)}", file=sys.stderr)
+        other_base = isinstance(error, sd.formats.BaseMismatch)
+        hint = " (or --allow_other_base to apply the adapter to it)" if other_base else ""
+        print(f"SD_ImageGen.py: cannot load {args.ckpt}: {sd.cli.first_line(error)}{hint}", file=sys.stderr)
         return 2
     log.info("loaded %s (%s%s)", model.source, model.prediction_type,
              ", zero terminal SNR" if model.zero_terminal_snr else "")
     try:
         if args.export_lora:
             export_lora(args, model)
-        if args.prompt or args.export_diffusers or args.export_single_file:  # the plain, merged weights
+        if merging:  # the plain, merged weights
             sd.lora.files.merge_adapters(model, args.lora)
     except (KeyError, ValueError, OSError, SafetensorError) as error:  # the message names the file
         print(f"SD_ImageGen.py: {sd.cli.first_line(error)}", file=sys.stderr)

@@ -284,6 +284,7 @@ def export_diffusers(folder: Path, unet, vae, text_encoder, tokenizer, predictio
     def write(staging: Path) -> None:
         pipeline.save_pretrained(str(staging), safe_serialization=True)
         prefix_text_encoder_keys(staging / "text_encoder")
+        write_vocabulary_files(staging / "tokenizer", tokenizer)
 
     sd.files.write_folder_atomic(folder, write)
 
@@ -303,6 +304,20 @@ def prefix_text_encoder_keys(folder: Path) -> None:
             continue
         renamed = {key if key.startswith("text_model.") else f"text_model.{key}": tensor for key, tensor in state.items()}
         save_file(renamed, str(path), metadata={"format": "pt"})
+
+
+def write_vocabulary_files(folder: Path, tokenizer) -> None:
+    """Give the saved tokenizer folder ``vocab.json``, ``merges.txt`` and ``special_tokens_map.json``, as
+    the SD 1.x repositories ship it.
+
+    transformers 5 saves only ``tokenizer.json`` and ``tokenizer_config.json``; transformers 4's
+    ``CLIPTokenizer`` (the class diffusers' ``model_index.json`` names) reads the vocabulary and merges
+    from their own files and fails without them. A tokenizer that wrote them itself is left as it is.
+    """
+    if not ((folder / "vocab.json").exists() and (folder / "merges.txt").exists()):
+        tokenizer.backend_tokenizer.model.save(str(folder))  # the BPE model's vocab.json and merges.txt
+    special = {name: str(token) for name, token in tokenizer.special_tokens_map.items()}
+    (folder / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n", encoding="utf-8")
 
 
 def is_diffusers_folder(path: Path) -> bool:
@@ -481,14 +496,15 @@ def checked_prediction_type(value, where) -> str:
 
 def load_pipeline(source: str, *, use_ema: bool = True, vae: str | None = None, text_encoder: str | None = None,
                   tokenizer: str | None = None, arch: str = "sd1", prediction_type: str | None = None,
-                  zero_terminal_snr: bool | None = None) -> "sd.sampling.Pipeline":
+                  zero_terminal_snr: bool | None = None, check_base: bool = True) -> "sd.sampling.Pipeline":
     """UNet, VAE, text encoder and tokenizer from any checkpoint kind; the keywords override the parts.
 
     The prediction type and the schedule (zero terminal SNR or not) are the source's own (the training
     config, a single file's metadata, a diffusers scheduler config) unless ``prediction_type`` /
     ``zero_terminal_snr`` say otherwise. Zero terminal SNR with epsilon is refused: it cannot be sampled.
+    A LoRA run's adapter on a base it was not trained on is a ``BaseMismatch`` unless ``check_base`` is False.
     """
-    pipeline = _load_pipeline(source, use_ema, vae, text_encoder, tokenizer, arch)
+    pipeline = _load_pipeline(source, use_ema, vae, text_encoder, tokenizer, arch, check_base)
     if prediction_type is not None:
         pipeline.prediction_type = checked_prediction_type(prediction_type, "prediction_type")
     pipeline.zero_terminal_snr = recorded_zero_terminal_snr(source) if zero_terminal_snr is None else zero_terminal_snr
@@ -499,7 +515,7 @@ def load_pipeline(source: str, *, use_ema: bool = True, vae: str | None = None, 
 
 
 def _load_pipeline(source: str, use_ema: bool, vae: str | None, text_encoder: str | None, tokenizer: str | None,
-                   arch: str) -> "sd.sampling.Pipeline":
+                   arch: str, check_base: bool) -> "sd.sampling.Pipeline":
     config = run_config(source)
     path = Path(source)
     if config is not None:  # ours: the parts named in the training config
@@ -519,7 +535,7 @@ def _load_pipeline(source: str, use_ema: bool, vae: str | None, text_encoder: st
     if config is None:
         loaded = f"diffusers {source}"
     elif is_lora_checkpoint(ckpt.resolve_checkpoint(source)):  # the adapters stay PEFT layers (see sd.lora.adapters.merge)
-        loaded = load_lora_run(ckpt.resolve_checkpoint(source), unet, encoder, use_ema=use_ema)
+        loaded = load_lora_run(ckpt.resolve_checkpoint(source), unet, encoder, use_ema=use_ema, check_base=check_base)
     else:
         loaded = load_unet_weights(source, unet, use_ema=use_ema)
     return sd.sampling.Pipeline(unet.eval(), sd.model.load_vae(vae or parts[0]), encoder.eval(),
@@ -562,6 +578,11 @@ def _load_single_file(path: Path, arch: str, vae: str | None, text_encoder: str 
 # a text-encoder adapter, text_encoder.<...> (sd.lora.adapters.AdapterWeights); its ema.safetensors is the UNet
 # adapter's EMA under the bare PEFT names.
 RUN_ADAPTER_FILE = "adapter.safetensors"
+RUN_BASE_FILE = "lora_base.safetensors"  # the fingerprint of the base weights the adapter was trained on
+
+
+class BaseMismatch(ValueError):
+    """A LoRA run's adapter about to be applied to base weights it was not trained on."""
 
 
 def is_lora_checkpoint(folder: Path) -> bool:
@@ -596,19 +617,23 @@ def lora_run_settings(source: str) -> dict | None:
             "text_encoder": bool(config.get("lora_text_encoder", False))}
 
 
-def load_lora_run(folder: Path, unet, text_encoder=None, *, use_ema: bool = True) -> str:
+def load_lora_run(folder: Path, unet, text_encoder=None, *, use_ema: bool = True, check_base: bool = True) -> str:
     """Load a LoRA checkpoint: the base UNet from its ``init_from``, then the adapter as PEFT layers in
     ``unet`` (the EMA adapter of ``ema.safetensors`` unless ``use_ema=False`` or there is none) and, when
     the run trained one and ``text_encoder`` is given, in ``text_encoder``. Returns what was loaded.
 
     The base is ``init_from``'s EMA weights when it is a run of ours, as ``SD_Train.load_base`` loads
-    it: the weights the adapter was trained on.
+    it: the weights the adapter was trained on. Base weights that differ from those (``init_from`` now
+    holds another model) are a ``BaseMismatch`` unless ``check_base`` is False. Non-finite adapter
+    weights are a ValueError naming the tensor and the file.
     """
     folder = Path(folder)
     settings = lora_run_settings(str(folder))
     if settings is None:
         raise ValueError(f"{folder}: holds {RUN_ADAPTER_FILE}, but its config.yaml sets no lora_rank")
     base = load_unet_weights(settings["init_from"], unet, use_ema=True)
+    if check_base:
+        check_trained_base(folder, settings["init_from"], unet)
     models = {"unet": add_run_lora(unet, settings["targets"], settings)}
     if text_encoder is not None and settings["text_encoder"]:
         models["text_encoder"] = add_run_lora(text_encoder, sd.lora.adapters.TEXT_TARGETS, settings)
@@ -625,6 +650,22 @@ def load_lora_run(folder: Path, unet, text_encoder=None, *, use_ema: bool = True
             sd.lora.adapters.load_adapter_state(unet, read_weights(verified(ema_path)), "the EMA adapter")
         loaded = ema_path
     return f"{base} + LoRA {loaded}"
+
+
+def check_trained_base(folder: Path, init_from: str, unet) -> None:
+    """``unet``'s weights, just loaded from ``init_from``, must be the base the adapter in ``folder`` was
+    trained on: the fingerprint the trainer saved in ``lora_base.safetensors`` (what its resume checks).
+    A checkpoint without that file (an older version's) is not checked."""
+    path = folder / RUN_BASE_FILE
+    if not path.is_file():
+        log.warning("%s records no fingerprint of its base weights: %s is not checked", folder, init_from)
+        return
+    saved = read_weights(verified(path)).get("fingerprint")
+    if saved is None:
+        raise ValueError(f"{path}: holds no fingerprint tensor")
+    if not sd.lora.adapters.same_base(saved, ckpt.weights_fingerprint(unet.parameters())):
+        raise BaseMismatch(f"{init_from} is not the base model the adapter in {folder} was trained on (its weights "
+                           f"differ from those {RUN_BASE_FILE} records); restore that base")
 
 
 @contextlib.contextmanager

@@ -90,16 +90,32 @@ def base_parameters(model) -> list[torch.Tensor]:
 
 @torch.no_grad()
 def load_adapter_state(model, state: dict[str, torch.Tensor], where: str = "adapter") -> None:
-    """Copy ``state`` into the adapter; its names and shapes must match exactly."""
+    """Copy ``state`` into the adapter; its names and shapes must match exactly and its values be finite."""
     own = adapter_state(model)
     missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
     if missing or unexpected:
         raise KeyError(f"{where} does not match the model's adapter: missing {missing[:3]}, unexpected {unexpected[:3]} "
                        f"({len(missing)} missing, {len(unexpected)} unexpected)")
+    check_finite(state, where)
     for name, param in own.items():
         if state[name].shape != param.shape:
             raise ValueError(f"{where}: {name} has shape {tuple(state[name].shape)}, the model {tuple(param.shape)}")
         param.copy_(state[name])
+
+
+def check_finite(tensors: dict[str, torch.Tensor], where) -> None:
+    """A ValueError naming the first tensor of ``tensors`` that holds a NaN or an infinity: merged into
+    a model, one such value spreads through every layer after it and every image comes out black."""
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise ValueError(f"{where}: {name} holds non-finite values (NaN or inf); the adapter is damaged, "
+                             "use an earlier checkpoint or another copy of the file")
+
+
+def same_base(saved: torch.Tensor, loaded: torch.Tensor) -> bool:
+    """Whether two fingerprints of base weights (``sd.train.checkpoint.weights_fingerprint``) are of the
+    same weights: equal up to the order in which a device sums in float64."""
+    return saved.shape == loaded.shape and torch.allclose(saved.double(), loaded.double(), rtol=1e-9, atol=1e-9)
 
 
 def lora_layers(model):
@@ -178,6 +194,7 @@ class AdapterWeights:
         return {f"{prefix}.{name}": p for prefix, m in self.models.items() for name, p in adapter_state(m).items()}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        check_finite(state, "adapter weights")  # named as the file names them
         for prefix, model in self.models.items():
             mine = {k[len(prefix) + 1:]: v for k, v in state.items() if k.startswith(prefix + ".")}
             load_adapter_state(model, mine, f"adapter weights ({prefix})")

@@ -1,15 +1,17 @@
 """LoRA files other tools load, read, written and merged.
 
-* ``save_lora`` / ``save_model_lora`` write diffusers' format (``pytorch_lora_weights.safetensors``) or the
-  kohya / AUTOMATIC1111 one (``lora_unet_...``); ``read_lora`` reads either; ``merge_lora`` adds one to
-  a model's weights; ``merge_adapters`` folds a run's own adapter and any LoRA files into a sampling
-  pipeline (``SD_ImageGen.py --lora``).
+* ``save_lora`` / ``save_model_lora`` write the kohya / AUTOMATIC1111 layout (``lora_unet_...``, the
+  default: ComfyUI, AUTOMATIC1111, sd-scripts and diffusers all load it) or diffusers' own
+  (``pytorch_lora_weights.safetensors``); ``read_lora`` reads either; ``merge_lora`` adds one to a
+  model's weights; ``merge_adapters`` folds a run's own adapter and any LoRA files into a sampling
+  pipeline (``SD_ImageGen.py --lora``). Non-finite weights are refused wherever a LoRA is read.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 from typing import NamedTuple
 
@@ -24,16 +26,17 @@ log = logging.getLogger("sd_lora")
 
 # # Both layouts hold, per adapted layer, ``down`` (r, in[, kh, kw]) and ``up`` (out, r[, 1, 1]) with
 # ``W' = W + (alpha / r) * up @ down``:
-#   diffusers  FOLDER/pytorch_lora_weights.safetensors: unet.<module>.lora_A.weight (down), .lora_B.weight
-#              (up), text_encoder.text_model.<module>...; alpha in the header's ``lora_adapter_metadata``
-#              (a JSON LoraConfig per part), without it alpha = r.
 #   kohya      one FILE.safetensors: lora_unet_<module with _>.lora_down.weight, .lora_up.weight, .alpha
 #              (a 0-d tensor; without it alpha = r); text encoder lora_te_text_model_encoder_layers_...
+#   diffusers  FOLDER/pytorch_lora_weights.safetensors: unet.<module>.lora_A.weight (down), .lora_B.weight
+#              (up), text_encoder.text_model.<module>...; alpha in the header's ``lora_adapter_metadata``
+#              (a JSON LoraConfig per part), without it alpha = r. Written with alpha / r folded into up.
 # A conv layer's ``down`` is a conv of the layer's kernel (3x3 or 1x1), its ``up`` a 1x1 conv.
 # In memory an adapter is ``{part: {module name: LoraModule}}``, part "unet" or "text_encoder", the
 # module names as our models spell them (transformers 5's CLIPTextModel has no ``text_model.``).
 
-LORA_FORMATS = ("diffusers", "kohya")
+LORA_FORMATS = ("kohya", "diffusers")
+DEFAULT_LORA_FORMAT = "kohya"  # the layout every tool loads (diffusers converts it; the others ignore diffusers')
 DIFFUSERS_LORA_FILE = "pytorch_lora_weights.safetensors"  # what load_lora_weights(FOLDER) looks for first
 DIFFUSERS_LORA_METADATA = "lora_adapter_metadata"  # diffusers' LORA_ADAPTER_METADATA_KEY
 KOHYA_PREFIXES = {"unet": "lora_unet_", "text_encoder": "lora_te_"}
@@ -88,13 +91,30 @@ def adapter_lora_modules(model) -> dict[str, LoraModule]:
     return out
 
 
-def save_lora(out: str | Path, lora: dict[str, dict[str, LoraModule]], lora_format: str = "diffusers",
-              metadata: dict | None = None) -> Path:
-    """Write ``lora`` (``{part: {module: LoraModule}}``) in ``lora_format``, atomically; returns the file.
+def lora_output(out: str | Path, lora_format: str = DEFAULT_LORA_FORMAT) -> Path:
+    """The file ``save_lora`` writes for ``out``: kohya, ``out`` itself when it ends in ``.safetensors``,
+    else ``out.safetensors``; diffusers, ``out/pytorch_lora_weights.safetensors`` (``out`` a folder)."""
+    out = Path(out)
+    if lora_format == "kohya":
+        return out if out.suffix == ".safetensors" else out.with_name(out.name + ".safetensors")
+    if lora_format == "diffusers":
+        return out / DIFFUSERS_LORA_FILE
+    raise ValueError(f"LoRA format must be one of {', '.join(LORA_FORMATS)}, got {lora_format!r}")
 
-    diffusers: ``out`` is a folder, the file ``out/pytorch_lora_weights.safetensors``; kohya: ``out`` is
-    the file. ``metadata`` (string values) joins the header, beside the rank and alpha it records.
+
+def save_lora(out: str | Path, lora: dict[str, dict[str, LoraModule]], lora_format: str = DEFAULT_LORA_FORMAT,
+              metadata: dict | None = None) -> Path:
+    """Write ``lora`` (``{part: {module: LoraModule}}``) in ``lora_format`` to ``lora_output(out)``,
+    atomically; returns that file. ``metadata`` (string values) joins the header, beside the rank and
+    alpha it records.
+
+    diffusers: each ``up`` holds ``alpha / r`` and the alpha written is r. diffusers 0.32 and older (and
+    any reader of PEFT keys that skips the header) take alpha = r: with alpha folded in, every version
+    computes the trained weights (rounded once, as in a merge).
     """
+    path = lora_output(out, lora_format)
+    if lora_format == "diffusers":
+        lora = fold_alpha(lora)
     layers = [m for part in lora.values() for m in part.values()]
     if not layers:
         raise ValueError(f"{out}: no LoRA layers to write")
@@ -102,15 +122,13 @@ def save_lora(out: str | Path, lora: dict[str, dict[str, LoraModule]], lora_form
               "lora_alpha": str(_most_common(m.alpha for m in layers)),
               **{k: str(v) for k, v in (metadata or {}).items()}}
     if lora_format == "diffusers":
-        path, tensors = Path(out) / DIFFUSERS_LORA_FILE, _diffusers_lora_tensors(lora)
+        tensors = _diffusers_lora_tensors(lora)
         header[DIFFUSERS_LORA_METADATA] = json.dumps(
             {f"{part}.{key}": value for part, modules in lora.items() if modules
              for key, value in _peft_config(part, modules).items()}, indent=2, sort_keys=True)
-    elif lora_format == "kohya":
-        path, tensors = Path(out), _kohya_lora_tensors(lora)
-        header.update(_kohya_header(layers))
     else:
-        raise ValueError(f"LoRA format must be one of {', '.join(LORA_FORMATS)}, got {lora_format!r}")
+        tensors = _kohya_lora_tensors(lora)
+        header.update(_kohya_header(layers))
     from safetensors.torch import save_file
 
     tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
@@ -118,7 +136,18 @@ def save_lora(out: str | Path, lora: dict[str, dict[str, LoraModule]], lora_form
     return path
 
 
-def save_model_lora(out: str | Path, unet, text_encoder=None, lora_format: str = "diffusers",
+def fold_alpha(lora: dict[str, dict[str, LoraModule]]) -> dict[str, dict[str, LoraModule]]:
+    """``lora`` with each layer's ``alpha / r`` multiplied into its ``up`` (in fp32, rounded once to its
+    dtype) and alpha = r: the same weights for a reader that applies alpha and one that does not."""
+    def folded(m: LoraModule) -> LoraModule:
+        if m.alpha == m.rank:
+            return m
+        return LoraModule(m.down, (m.up.float() * (m.alpha / m.rank)).to(m.up.dtype), float(m.rank))
+
+    return {part: {name: folded(m) for name, m in modules.items()} for part, modules in lora.items()}
+
+
+def save_model_lora(out: str | Path, unet, text_encoder=None, lora_format: str = DEFAULT_LORA_FORMAT,
                     metadata: dict | None = None) -> Path:
     """Write the PEFT adapters of ``unet`` (and ``text_encoder``) in ``lora_format``; see ``save_lora``.
 
@@ -152,13 +181,10 @@ def _diffusers_lora_tensors(lora) -> dict[str, torch.Tensor]:
 
 
 def _peft_config(part: str, modules: dict[str, LoraModule]) -> dict:
-    """The LoraConfig arguments that rebuild ``modules`` in diffusers' ``load_lora_weights``.
-
-    alpha != r: this config (diffusers' own ``lora_adapter_metadata``, which ``save_lora_weights``
-    writes and ``load_lora_weights`` reads since diffusers PR #11324, 2025; older versions take
-    alpha = r) carries alpha, so the tensors are stored as trained and read back bit for bit. Folding alpha / r into lora_B instead would suit readers that
-    ignore the header, but rounds every up weight (exact only for a power-of-two ratio); the tools
-    that ignore it (ComfyUI, AUTOMATIC1111) read the kohya file, whose ``.alpha`` they apply.
+    """The LoraConfig arguments that rebuild ``modules`` in diffusers' ``load_lora_weights``, as its
+    ``lora_adapter_metadata`` holds them (what newer diffusers' ``save_lora_weights`` writes and
+    ``load_lora_weights`` reads; ``save_lora`` folds alpha in first, so the alpha recorded is r, what
+    older versions assume).
     Text-encoder targets are named without ``text_model.``: PEFT matches them as suffixes, so they
     fit transformers 4's CLIPTextModel and 5's flattened one alike.
     """
@@ -219,11 +245,12 @@ def read_lora(path: str | Path, unet, text_encoder=None) -> dict[str, dict[str, 
     Keys: kohya's ``lora_unet_`` / ``lora_te_`` names, diffusers' ``unet.`` / ``text_encoder.`` ones, or
     PEFT's without a prefix (UNet). kohya names are looked up in a table built from the models' own
     module names (an underscore there may stand for a dot or be part of a name, so a name is never
-    split). A key of no layer, a layer's down without its up, or a tensor that does not fit its layer
-    is a ValueError naming the file.
+    split). A key of no layer, a layer's down without its up, a tensor that does not fit its layer, or
+    a NaN or infinity in any tensor or alpha is a ValueError naming the file.
     """
     file = lora_file(path)
     tensors = read_weights(file)
+    sd.lora.adapters.check_finite(tensors, file)
     models = {part: m for part, m in (("unet", unet), ("text_encoder", text_encoder)) if m is not None}
     layers = {part: lora_layers_of(m) for part, m in models.items()}
     names = _lora_name_table(layers)
@@ -249,6 +276,8 @@ def read_lora(path: str | Path, unet, text_encoder=None) -> dict[str, dict[str, 
         down, up = piece["down"], piece["up"]
         check_lora_fits(layers[part][module].weight, down, up, f"{file}: {part} layer {module}")
         alpha = piece["alpha"].item() if "alpha" in piece else _metadata_alpha(configs.get(part), module, down.shape[0])
+        if not math.isfinite(alpha):
+            raise ValueError(f"{file}: {part} layer {module} has a non-finite alpha ({alpha}) in its header")
         out.setdefault(part, {})[module] = LoraModule(down, up, float(alpha))
     return out
 
@@ -305,7 +334,6 @@ def _diffusers_lora_configs(file: Path) -> dict[str, dict]:
 def _metadata_alpha(config: dict | None, module: str, rank: int) -> float:
     """The alpha PEFT gives ``module`` from a diffusers LoraConfig (as its scale ``alpha / rank``): alpha = r
     without a config; LoraConfig's default alpha 8 when it names none; alpha_pattern as PEFT matches it."""
-    import math
     import re
 
     if config is None:

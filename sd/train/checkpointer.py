@@ -217,7 +217,7 @@ def check_lora_base(run: Run, folder: Path) -> None:
     except (OSError, KeyError, RuntimeError, SafetensorError) as error:
         raise ckpt.Damaged(f"{folder / 'lora_base.safetensors'}: {sd.cli.first_line(error)}") from error
     now = run.base_fingerprint
-    if saved.shape != now.shape or not torch.allclose(saved, now, rtol=1e-9, atol=1e-9):
+    if not sd.lora.adapters.same_base(saved, now):
         raise ConfigError(f"init_from {run.config.init_from} is not the base model the adapter in {folder} was "
                           "trained on; restore that base, or start a new out_dir")
 

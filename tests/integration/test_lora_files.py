@@ -3,6 +3,7 @@
 
 import copy
 import json
+import shutil
 import stat
 
 import numpy as np
@@ -55,6 +56,11 @@ def write(fmt, tmp_path, unet, encoder, name="lora"):
     return sd.lora.files.save_model_lora(out, unet, encoder, fmt)
 
 
+def stored_up(fmt, m: sd.lora.files.LoraModule) -> torch.Tensor:
+    """The up weight a file of ``fmt`` holds for ``m``: a diffusers file's has alpha / rank in it."""
+    return m.up * (m.alpha / m.rank) if fmt == "diffusers" else m.up
+
+
 def unet_output(unet):
     generator = torch.Generator().manual_seed(0)
     sample, context = torch.randn(2, 4, 8, 8, generator=generator), torch.randn(2, 77, 64, generator=generator)
@@ -81,10 +87,12 @@ def test_diffusers_loads_our_files_whole_and_computes_what_we_do(fmt, targets, b
                                    tokenizer=base[3], scheduler=sd.model.build_noise_scheduler("epsilon", DDIMScheduler),
                                    safety_checker=None, feature_extractor=None, requires_safety_checker=False)
     pipe.load_lora_weights(str(path.parent if fmt == "diffusers" else path))
-    # Every layer of ours got its adapter in diffusers' model, with our very tensors; none more.
+    # Every layer of ours got its adapter in diffusers' model, with our very tensors (up times alpha / rank
+    # from a diffusers file); none more.
     for theirs, ours in ((pipe.unet, unet), (pipe.text_encoder, encoder)):
         loaded = get_peft_model_state_dict(theirs, adapter_name="default_0")
         own = {k.replace(f".{sd.lora.adapters.ADAPTER}.", "."): v for k, v in sd.lora.adapters.adapter_state(ours).items()}
+        own = {k: v * ALPHA / RANK if fmt == "diffusers" and ".lora_B." in k else v for k, v in own.items()}
         assert set(loaded) == set(own) and all(torch.equal(loaded[k], own[k]) for k in own)
     assert any(m.down.ndim == 4 and m.down.shape[2:] == (3, 3) for m in sd.lora.files.adapter_lora_modules(unet).values()) \
         == ("resnet" in targets)
@@ -94,6 +102,82 @@ def test_diffusers_loads_our_files_whole_and_computes_what_we_do(fmt, targets, b
     expected = text_output(encoder, base[3])
     assert (expected - text_output(base[1], base[3])).abs().max() > 1e-2
     torch.testing.assert_close(text_output(pipe.text_encoder, base[3]), expected, atol=1e-5, rtol=0)
+
+
+# ------------------------------------------------------------------------------ ComfyUI and sd-scripts as readers
+
+CLIP_LORA_LAYERS = ("self_attn_q_proj", "self_attn_k_proj", "self_attn_v_proj", "self_attn_out_proj", "mlp_fc1",
+                    "mlp_fc2")
+SD_SCRIPTS_UNET_MODULES = ("Transformer2DModel", "ResnetBlock2D", "Downsample2D", "Upsample2D")
+SD_SCRIPTS_TEXT_MODULES = ("CLIPAttention", "CLIPSdpaAttention", "CLIPMLP")
+LORA_SUFFIXES = (".lora_down.weight", ".lora_up.weight", ".alpha")
+
+
+def comfyui_loaded_keys(keys: set[str], unet, encoder) -> set[str]:
+    """The keys of a LoRA file ComfyUI applies to an SD 1.x model, as comfy/lora.py maps them: a name is
+    'lora_unet_' + a UNet weight's diffusers module path with '_' for '.', or
+    'lora_te_text_model_encoder_layers_<i>_<CLIP_LORA_LAYERS>'; NAME.lora_up.weight is applied with
+    NAME.lora_down.weight and NAME.alpha. Every other key is logged as "lora key not loaded" and skipped."""
+    names = {"lora_unet_" + k.removesuffix(".weight").replace(".", "_") for k in unet.state_dict() if k.endswith(".weight")}
+    names |= {f"lora_te_text_model_encoder_layers_{i}_{layer}" for i in range(encoder.config.num_hidden_layers)
+              for layer in CLIP_LORA_LAYERS}
+    return {k for k in keys for suffix in LORA_SUFFIXES if k.endswith(suffix)
+            and k.removesuffix(suffix) in names and f"{k.removesuffix(suffix)}.lora_up.weight" in keys}
+
+
+def sd_scripts_loaded_keys(keys: set[str], unet, encoder) -> set[str]:
+    """The keys sd-scripts' networks/lora.py loads (create_network_from_weights, then load_state_dict
+    with strict=False): a module for each name whose NAME.lora_down.weight the file holds, among
+    'lora_unet_' / 'lora_te_' + the path of every Linear / Conv2d inside the module classes it adapts,
+    '.' as '_' (the text model's path from transformers 4's text_model.)."""
+    def names(prefix, model, classes, root=""):
+        return {prefix + (root + name + "." + child).replace(".", "_")
+                for name, module in model.named_modules() if type(module).__name__ in classes
+                for child, layer in module.named_modules() if isinstance(layer, (torch.nn.Linear, torch.nn.Conv2d))}
+
+    text_root = "" if any(n.startswith("text_model.") for n, _ in encoder.named_modules()) else "text_model."
+    known = names("lora_unet_", unet, SD_SCRIPTS_UNET_MODULES) | names("lora_te_", encoder, SD_SCRIPTS_TEXT_MODULES, text_root)
+    return {k for k in keys if k.split(".")[0] in known and f"{k.split('.')[0]}.lora_down.weight" in keys
+            and k.endswith(LORA_SUFFIXES)}
+
+
+def test_the_default_lora_file_loads_whole_in_comfyui_and_sd_scripts(base, tmp_path):
+    unet, encoder = adapted(base, ["transformer", "resnet"])  # LoCon: 3x3 conv adapters too
+    path = sd.lora.files.save_model_lora(tmp_path / "style", unet, encoder)
+    assert path == tmp_path / "style.safetensors"
+    keys = set(load_file(str(path)))
+    layers = len(sd.lora.files.adapter_lora_modules(unet)) + len(sd.lora.files.adapter_lora_modules(encoder))
+    assert len(keys) == 3 * layers  # down, up and alpha of every layer
+    assert comfyui_loaded_keys(keys, base[0], base[1]) == keys
+    assert sd_scripts_loaded_keys(keys, base[0], base[1]) == keys
+    # The diffusers layout (on request) is the one both skip: what the default must not be.
+    theirs = set(load_file(str(write("diffusers", tmp_path, unet, encoder))))
+    assert not comfyui_loaded_keys(theirs, base[0], base[1]) and not sd_scripts_loaded_keys(theirs, base[0], base[1])
+
+
+def test_a_diffusers_file_gives_the_trained_weights_whether_or_not_its_reader_applies_alpha(base, tmp_path):
+    """diffusers 0.32 and older read PEFT keys with alpha = rank (scale 1) whatever the header says; newer
+    versions take alpha / rank from its lora_adapter_metadata; ours from read_lora. With alpha / rank =
+    0.75 all three give the trained adapter's delta."""
+    unet, encoder = adapted(base, ["attention", "resnet"], rank=4, alpha=3.0)
+    path = write("diffusers", tmp_path, unet, encoder)
+    tensors = load_file(str(path))
+    with safe_open(str(path), framework="pt") as handle:
+        config = json.loads(handle.metadata()["lora_adapter_metadata"])
+    ours = sd.lora.files.read_lora(path.parent, base[0], base[1])
+    for part, model in (("unet", unet), ("text_encoder", encoder)):
+        assert not config[f"{part}.alpha_pattern"] and not config[f"{part}.rank_pattern"]
+        header_scale = config[f"{part}.lora_alpha"] / config[f"{part}.r"]
+        modules = sd.lora.files.adapter_lora_modules(model)
+        assert modules and set(ours[part]) == set(modules)
+        for name, m in modules.items():
+            trained = 0.75 * (m.up.flatten(1) @ m.down.flatten(1))
+            key = f"{part}.{sd.lora.files.lora_file_name(part, name)}"
+            up, down = tensors[f"{key}.lora_B.weight"].flatten(1), tensors[f"{key}.lora_A.weight"].flatten(1)
+            read = ours[part][name]
+            for reader, delta in (("alpha = rank", up @ down), ("header alpha", header_scale * (up @ down)),
+                                  ("read_lora", read.alpha / read.rank * read.delta(trained.shape))):
+                torch.testing.assert_close(delta, trained, atol=1e-6, rtol=1e-5, msg=f"{reader}: {part} {name}")
 
 
 # ------------------------------------------------------------------------------ our reader
@@ -108,11 +192,11 @@ def test_written_files_read_back_to_the_same_tensors(fmt, base, tmp_path):
         own = sd.lora.files.adapter_lora_modules(model)
         assert set(back[part]) == set(own)
         for name, m in own.items():
-            assert torch.equal(back[part][name].down, m.down) and torch.equal(back[part][name].up, m.up)
-            assert back[part][name].alpha == ALPHA
+            assert torch.equal(back[part][name].down, m.down) and torch.equal(back[part][name].up, stored_up(fmt, m))
+            assert back[part][name].alpha == (RANK if fmt == "diffusers" else ALPHA)
     with safe_open(str(path), framework="pt") as handle:
         header = handle.metadata()
-    assert (header["lora_rank"], header["lora_alpha"]) == (str(RANK), str(ALPHA))
+    assert (header["lora_rank"], header["lora_alpha"]) == (str(RANK), str(float(RANK) if fmt == "diffusers" else ALPHA))
     assert json.loads(header["lora_targets"]) == sorted(sd.lora.files.adapter_lora_modules(unet))
     keys = set(load_file(str(path)))
     if fmt == "kohya":
@@ -165,7 +249,8 @@ def base_dir(base, tmp_path_factory):
 @pytest.fixture(scope="module")
 def lora_run(base, base_dir, tmp_path_factory):
     """A LoRA run's checkpoint folder as the trainer writes it: adapter (UNet and text encoder), the UNet
-    adapter's EMA, config.yaml, COMPLETE; no unet.safetensors. Returns (run folder, live models, EMA UNet)."""
+    adapter's EMA, the base's fingerprint, config.yaml, COMPLETE; no unet.safetensors. Returns (run
+    folder, live models, EMA UNet)."""
     run = tmp_path_factory.mktemp("lora_run") / "run"
     folder = run / "checkpoints" / ckpt.step_dir_name(12)
     folder.mkdir(parents=True)
@@ -174,6 +259,7 @@ def lora_run(base, base_dir, tmp_path_factory):
     randomize(ema, 5)
     ckpt.save_weights(sd.lora.adapters.AdapterWeights(unet=unet, text_encoder=encoder).state_dict(), folder / "adapter.safetensors")
     ckpt.save_weights(sd.lora.adapters.adapter_state(ema), folder / "ema.safetensors")
+    ckpt.save_weights({"fingerprint": ckpt.weights_fingerprint(base[0].parameters())}, folder / "lora_base.safetensors")
     config = dict(init_from=str(base_dir), lora_rank=RANK, lora_alpha=ALPHA, lora_dropout=0.0, lora_targets=["attention"],
                   lora_text_encoder=True, unet="tiny", vae=str(base_dir), text_encoder=str(base_dir),
                   tokenizer=str(base_dir), prediction_type="epsilon")
@@ -204,21 +290,26 @@ def test_a_lora_run_loads_its_base_and_keeps_the_ema_adapter_unmerged(lora_run, 
     torch.testing.assert_close(unet_output(plain), unet_output(ema), atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("fmt", sd.lora.files.LORA_FORMATS)
-def test_export_lora_writes_the_runs_ema_adapter(fmt, lora_run, base, tmp_path):
+@pytest.mark.parametrize("fmt,out,written", [("kohya", "style.safetensors", "style.safetensors"),
+                                              ("diffusers", "style", "style/pytorch_lora_weights.safetensors"),
+                                              (None, "style", "style.safetensors")])  # None: the default, kohya
+def test_export_lora_writes_the_runs_ema_adapter(fmt, out, written, lora_run, base, tmp_path):
     run, unet, encoder, ema = lora_run
-    out = tmp_path / ("style.safetensors" if fmt == "kohya" else "style")
-    assert SD_ImageGen.main(["--ckpt", str(run), "--export_lora", str(out), "--lora_format", fmt]) == 0
-    back = sd.lora.files.read_lora(out, base[0], base[1])
+    argv = ["--ckpt", str(run), "--export_lora", str(tmp_path / out)] + (["--lora_format", fmt] if fmt else [])
+    assert SD_ImageGen.main(argv) == 0
+    assert [str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file()] == [written]
+    back = sd.lora.files.read_lora(tmp_path / written, base[0], base[1])
     for part, model in (("unet", ema), ("text_encoder", encoder)):
         own = sd.lora.files.adapter_lora_modules(model)
         assert set(back[part]) == set(own)
-        assert all(torch.equal(back[part][n].down, m.down) and torch.equal(back[part][n].up, m.up)
-                   and back[part][n].alpha == ALPHA for n, m in own.items())
-    with safe_open(str(sd.lora.files.lora_file(out)), framework="pt") as handle:
+        assert all(torch.equal(back[part][n].down, m.down) and torch.equal(back[part][n].up, stored_up(fmt, m))
+                   and back[part][n].alpha == (RANK if fmt == "diffusers" else ALPHA) for n, m in own.items())
+    keys = load_file(tmp_path / written)
+    assert any(k.startswith("lora_unet_") for k in keys) == (fmt != "diffusers")
+    with safe_open(str(tmp_path / written), framework="pt") as handle:
         header = handle.metadata()
     assert json.loads(header["lora_targets"]) == ["attention"] and header["lora_text_encoder"] == "True"
-    assert stat.S_IMODE(sd.lora.files.lora_file(out).stat().st_mode) == sd.files.file_mode()  # not 0600
+    assert stat.S_IMODE((tmp_path / written).stat().st_mode) == sd.files.file_mode()  # not 0600
 
 
 def test_export_lora_of_a_model_without_an_adapter_is_a_clear_error(base_dir, tmp_path, capsys):
@@ -226,6 +317,62 @@ def test_export_lora_of_a_model_without_an_adapter_is_a_clear_error(base_dir, tm
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("SD_ImageGen.py:")]
     assert len(err) == 1 and f"{base_dir} carries no LoRA adapter" in err[0]
     assert not (tmp_path / "x").exists()
+
+
+def lora_run_copy(lora_run, tmp_path, **config_fields):
+    """A copy of the LoRA run (its checkpoint folder returned too), ``config_fields`` changed in its config."""
+    run = tmp_path / "run"
+    shutil.copytree(lora_run[0], run)
+    folder = ckpt.resolve_checkpoint(run)
+    config = yaml.safe_load((folder / "config.yaml").read_text())
+    (folder / "config.yaml").write_text(yaml.safe_dump({**config, **config_fields}))
+    return run, folder
+
+
+def imagegen_errors(capsys) -> list[str]:
+    return [line for line in capsys.readouterr().err.splitlines() if line.startswith("SD_ImageGen.py:")]
+
+
+def test_a_lora_run_on_a_base_it_was_not_trained_on_is_refused_unless_allowed(lora_run, base, tmp_path, capsys):
+    """The run's init_from now holds other weights: sampling stops with one line naming the base and the
+    checkpoint; --allow_other_base samples anyway; exporting the adapter alone does not use the base."""
+    other = tmp_path / "other_base"
+    sd.formats.export_diffusers(other, sd.model.build_unet("tiny", seed=9, from_scratch=False), base[2], base[1], base[3])
+    run, folder = lora_run_copy(lora_run, tmp_path, init_from=str(other))
+    assert SD_ImageGen.main(sample_args(run, tmp_path / "refused")) == 2
+    err = imagegen_errors(capsys)
+    assert len(err) == 1 and f"{other} is not the base model the adapter in {folder} was trained on" in err[0]
+    assert "--allow_other_base" in err[0] and not (tmp_path / "refused").exists()
+    assert SD_ImageGen.main([*sample_args(run, tmp_path / "allowed"), "--allow_other_base"]) == 0
+    assert (tmp_path / "allowed" / "000_000003.png").is_file()
+    assert SD_ImageGen.main(["--ckpt", str(run), "--export_lora", str(tmp_path / "style")]) == 0
+    # As init_from of a new phase the run's merged weights would be as wrong: refused too.
+    with pytest.raises(sd.formats.BaseMismatch, match="is not the base model"):
+        sd.formats.load_unet_weights(str(run), sd.model.build_unet("tiny", from_scratch=False))
+
+
+def test_non_finite_lora_weights_are_refused_naming_the_tensor_and_the_file(lora_run, base, tmp_path, capsys):
+    unet, encoder = adapted(base, ["attention"])
+    tensors = load_file(str(write("kohya", tmp_path, unet, encoder)))
+    key = "lora_unet_mid_block_attentions_0_transformer_blocks_0_attn2_to_k.lora_up.weight"
+    tensors[key][1, 0] = float("nan")
+    save_file(tensors, str(tmp_path / "nan.safetensors"))
+    with pytest.raises(ValueError, match=rf"nan\.safetensors: {key} holds non-finite values"):
+        sd.lora.files.read_lora(tmp_path / "nan.safetensors", base[0], base[1])
+    assert SD_ImageGen.main([*sample_args(lora_run[0], tmp_path / "x"), "--lora", str(tmp_path / "nan.safetensors")]) == 2
+    err = imagegen_errors(capsys)
+    assert len(err) == 1 and "nan.safetensors" in err[0] and key in err[0]
+    # A LoRA run's own adapter and its EMA.
+    for name in ("adapter.safetensors", "ema.safetensors"):
+        run, folder = lora_run_copy(lora_run, tmp_path / name)
+        state = load_file(str(folder / name))
+        bad = sorted(k for k in state if k.endswith("lora_A.default.weight"))[0]
+        state[bad][0, 0] = float("inf")
+        save_file(state, str(folder / name))
+        assert SD_ImageGen.main(sample_args(run, tmp_path / name / "out")) == 2
+        err = imagegen_errors(capsys)
+        assert len(err) == 1 and str(folder / name) in err[0] and f"{bad} holds non-finite values" in err[0], err
+        assert not (tmp_path / name / "out").exists()
 
 
 # ------------------------------------------------------------------------------ merging: --lora
@@ -302,7 +449,7 @@ def test_lora_specs_split_on_the_last_colon_only_before_a_number(tmp_path):
 
 def test_lora_flags_that_could_do_nothing_are_refused(capsys):
     for argv in (["--export_lora", "out", "--lora", "style.safetensors"],  # --lora: nothing sampled or exported whole
-                 ["--export_lora", "out", "--lora_format", "kohya"]):  # a kohya LoRA is one .safetensors file
+                 ["--export_lora", "out.safetensors", "--lora_format", "diffusers"]):  # a diffusers LoRA is a folder
         with pytest.raises(SystemExit):
             SD_ImageGen.parse_args(["--ckpt", "run", *argv])
     assert "--lora merges into the weights" in capsys.readouterr().err

@@ -231,6 +231,29 @@ def test_exported_text_encoder_has_the_layout_transformers_4_and_comfyui_read(ex
     assert loaded.keys() == ours.keys() and all(torch.equal(loaded[k], ours[k]) for k in ours)
 
 
+def test_exported_tokenizer_has_the_files_transformers_4_reads(exported):
+    """transformers 4's CLIPTokenizer (what diffusers' model_index.json names) opens vocab.json and
+    merges.txt by path: the folder holds them, as the SD 1.x repositories ship them, and the tokenizer
+    built from their contents alone is the CLIP one (the tiny run's tokenizer is the real vocabulary)."""
+    from transformers import CLIPTokenizer
+
+    folder = exported / "pipe" / "tokenizer"
+    assert {"vocab.json", "merges.txt", "special_tokens_map.json", "tokenizer_config.json"} <= {
+        p.name for p in folder.iterdir()}
+    vocab = json.loads((folder / "vocab.json").read_text(encoding="utf-8"))
+    assert len(vocab) == 49408 and vocab["<|startoftext|>"] == 49406 and vocab["<|endoftext|>"] == 49407
+    header, *lines = (folder / "merges.txt").read_text(encoding="utf-8").splitlines()
+    merges = [tuple(line.split()) for line in lines]
+    assert header.startswith("#version") and len(merges) == 48894 and all(len(m) == 2 for m in merges)
+    special = json.loads((folder / "special_tokens_map.json").read_text())
+    assert special == {"bos_token": "<|startoftext|>", "eos_token": "<|endoftext|>",
+                       "unk_token": "<|endoftext|>", "pad_token": "<|endoftext|>"}
+    from_files = CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=77)  # transformers 5's spelling
+    from_folder = CLIPTokenizer.from_pretrained(str(folder))
+    for tokenizer in (from_files, from_folder):
+        assert tokenizer("a photo of a cat").input_ids == [49406, 320, 1125, 539, 320, 2368, 49407]
+
+
 def test_diffusers_loads_the_single_file_with_our_weights(exported, model):
     from diffusers import StableDiffusionPipeline
 
