@@ -276,9 +276,11 @@ def stop_code(run: Run, result: dict, stopper: "StopSignal") -> int | None:
                   state.step, state.bad_in_a_row)
         return 3
     if result["stop"]:
-        signum = stopper.signum or signal.SIGTERM
-        log.info("stopped by signal %d after step %d; re-run the same command to resume", signum, state.step)
-        return 128 + signum
+        if stopper.signum:
+            log.info("stopped by signal %d after step %d; re-run the same command to resume", stopper.signum, state.step)
+        else:  # the ranks agreed on a stop that another one was sent
+            log.info("stopped after step %d by a signal to another rank; re-run the same command to resume", state.step)
+        return 128 + (stopper.signum or signal.SIGTERM)
     if state.step == config.stop_at_step:
         log.info("stop_at_step %d reached; re-run without it to continue", state.step)
         return 0
