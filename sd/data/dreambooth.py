@@ -64,9 +64,10 @@ def class_image_name(index: int) -> str:
 def generation_settings(config) -> dict:
     """What the generated class images depend on: the prompt, the base model and the sampler's settings."""
     return {"class_prompt": config.class_prompt, "init_from": config.init_from, "unet": config.unet,
-            "vae": config.vae, "text_encoder": config.text_encoder, "tokenizer": config.tokenizer or config.text_encoder,
-            "prediction_type": config.prediction_type, "sampler": "ddim", "steps": config.validation_steps,
-            "cfg": config.validation_cfg, "size": config.image_size, "seed": config.seed}
+            "vae": config.vae, "text_encoder": config.text_encoder,
+            "tokenizer": config.tokenizer or config.text_encoder, "prediction_type": config.prediction_type,
+            "sampler": "ddim", "steps": config.validation_steps, "cfg": config.validation_cfg,
+            "size": config.image_size, "seed": config.seed}
 
 
 def recorded_settings(folder: Path) -> dict | None:

@@ -277,7 +277,8 @@ def stop_code(run: Run, result: dict, stopper: "StopSignal") -> int | None:
         return 3
     if result["stop"]:
         if stopper.signum:
-            log.info("stopped by signal %d after step %d; re-run the same command to resume", stopper.signum, state.step)
+            log.info("stopped by signal %d after step %d; re-run the same command to resume", stopper.signum,
+                     state.step)
         else:  # the ranks agreed on a stop that another one was sent
             log.info("stopped after step %d by a signal to another rank; re-run the same command to resume", state.step)
         return 128 + (stopper.signum or signal.SIGTERM)

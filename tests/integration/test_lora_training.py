@@ -213,13 +213,13 @@ def test_ctrl_c_during_class_images_keeps_the_finished_ones_and_ends_with_one_li
 @pytest.fixture(scope="module")
 def make_class_images(base_model):
     """``make(folder, count, **fields)``: ``ensure_class_images`` with the base model, as a DreamBooth run calls it."""
-    pipeline = sd.sampling.Pipeline(base_unet(base_model), sd.model.load_vae("tiny"), sd.model.load_text_encoder("tiny"),
-                                    sd.model.load_tokenizer("tiny"), "epsilon")
+    pipeline = sd.sampling.Pipeline(base_unet(base_model), sd.model.load_vae("tiny"),
+                                    sd.model.load_text_encoder("tiny"), sd.model.load_tokenizer("tiny"), "epsilon")
 
     def make(folder: Path, count: int, **fields) -> int:
-        config = sd.train.config.TrainConfig(**{**BASE, "datasets": [], "class_dir": str(folder), "class_prompt": "a square",
-                                               "num_class_images": count, "image_size": 64,
-                                               "init_from": str(base_model), **fields})
+        config = sd.train.config.TrainConfig(**{**BASE, "datasets": [], "class_dir": str(folder),
+                                               "class_prompt": "a square", "num_class_images": count,
+                                               "image_size": 64, "init_from": str(base_model), **fields})
         return sd.data.dreambooth.ensure_class_images(config, Dist.single(), pipeline)
 
     return make
@@ -251,7 +251,8 @@ def test_class_images_of_other_settings_are_made_again_unless_the_folder_holds_t
     cats = folder_bytes(folder)
     assert json.loads(cats.pop("class_images.json"))["class_prompt"] == "a photo of cat"
     assert sorted(cats) == sorted(dogs) and cats != dogs
-    assert "were generated with class_prompt 'a photo of dog', not 'a photo of cat': generating them again" in caplog.text
+    assert ("class images were generated with class_prompt 'a photo of dog', not 'a photo of cat': generating them "
+            "again") in caplog.text
     # With an image of the user's beside them, a change is refused in one line and nothing is deleted.
     write_images(folder, 1, (0, 200, 200))
     before = folder_bytes(folder)
