@@ -164,7 +164,7 @@ def loop(run: Run, stopper: StopSignal, metrics, bar, prefetch: Prefetcher) -> i
             lr = sd.train.step.lr_at(state.step, config.lr, config.warmup_steps, total, config.min_lr_ratio)
             sd.train.step.set_lr(run.step.optimizer, lr)
             with sd.model.attention_context(d.device):
-                result = sd.train.step.train_step(run.step, micro, state.step, stop_requested=stopper.signum != 0)
+                result = sd.train.step.train_step(run.step, micro, state.step, stop_requested=stopper.requested())
             epoch_done = state.advance(result["bad"], config.grad_accum, usable, images_per_step)
             window_images += images_per_step
             record = image = None
@@ -172,12 +172,12 @@ def loop(run: Run, stopper: StopSignal, metrics, bar, prefetch: Prefetcher) -> i
                 now = time.perf_counter()
                 record = step_record(run, result, lr, images_per_s=window_images / (now - tick))
                 tick, window_images = now, 0
-            if config.validate_every and state.step % config.validate_every == 0:
+            if sd.train.validation.due(config, state.step):
                 record = record or step_record(run, result, lr)
-                image = sd.train.validation.validate(run, record)
-            if config.eval_every and state.step % config.eval_every == 0:
-                record = record or step_record(run, result, lr)
-                record.update(sd.train.validation.evaluate(run))
+                if result["stop"]:  # every rank agreed to stop after this step: save now
+                    log.info("step %d: validation/evaluation skipped: stopping", state.step)
+                else:  # a stop signal during them cuts them short on every rank, and the run stops here
+                    image, result["stop"] = sd.train.validation.check(run, record, stopper.requested)
             if d.is_main:
                 if record is not None:
                     metrics.write(record, image)

@@ -15,6 +15,11 @@ import torch.distributed as dist
 import sd.runtime
 
 
+class Stopped(Exception):
+    """A stop was asked for on some rank during work between collectives: every rank raises it at the
+    same collective, where each has learnt of it, so none is left waiting in one."""
+
+
 @dataclass
 class Dist:
     rank: int

@@ -366,19 +366,31 @@ class Totals:
         self.skipped += part["skipped"]
 
 
-def gather_in_order(n_batches: int, work, d: Dist, desc: str = "evaluate"):
+def gather_in_order(n_batches: int, work, d: Dist, desc: str = "evaluate", stop=None):
     """Yield ``work(k)`` for k = 0 .. n_batches - 1 in order on every rank; rank r computes k = r, r + W, ...
 
     Every rank takes part in each round's gather (a rank past the last batch contributes None), so no
-    rank waits in a collective while another works alone for longer than one batch.
+    rank waits in a collective while another works alone for longer than one batch. ``stop``: asked
+    before each batch (and by ``work``'s sampler between denoising steps, ``sd.sampling.Interrupted``);
+    its answer travels with the round's gather, and once any rank's is True every rank raises
+    ``sd.distributed.Stopped`` after that same gather.
     """
     from tqdm.auto import tqdm
 
+    stop = stop or (lambda: False)
     with tqdm(total=n_batches, desc=desc, unit="batch", disable=not d.is_main, leave=False) as bar:
         for first in range(0, n_batches, d.world_size):
             k = first + d.rank
-            mine = work(k) if k < n_batches else None
-            for part in sd.distributed.all_gather_objects(mine, d):
+            mine = None
+            if k < n_batches and not stop():
+                try:
+                    mine = work(k)
+                except sd.sampling.Interrupted:
+                    pass  # stop() is True now: the gather below tells every rank
+            gathered = sd.distributed.all_gather_objects((mine, stop()), d)
+            if any(stopping for _, stopping in gathered):
+                raise sd.distributed.Stopped
+            for part, _ in gathered:
                 if part is not None:
                     yield part
                     bar.update(1)
@@ -520,11 +532,12 @@ class Sampling:
 
 
 def generated_work(pipe, prompts: list[str], batches: list[range], settings: Sampling, extractors: Extractors,
-                   device: torch.device, images_dir: Path | None = None, source: str = ""):
+                   device: torch.device, images_dir: Path | None = None, source: str = "", stop=None):
     """``work(k)`` for ``gather_in_order``: generate the k-th batch of prompts (image i: seed + i) and score it.
 
     With ``images_dir`` each image is kept as ``NNNNNN.png`` and a batch already there is read back
-    instead (a re-run resumes); PNG is lossless, so the scores are the same either way.
+    instead (a re-run resumes); PNG is lossless, so the scores are the same either way. ``stop``: see
+    ``gather_in_order``.
     """
 
     def work(k: int) -> dict:
@@ -536,7 +549,7 @@ def generated_work(pipe, prompts: list[str], batches: list[range], settings: Sam
             images = sd.sampling.generate_batch(pipe, [prompts[i] for i in rows], settings.negative,
                                                 [settings.seed + i for i in rows], steps=settings.steps,
                                                 cfg=settings.cfg, sampler=settings.sampler, height=settings.height,
-                                                width=settings.width, device=device)
+                                                width=settings.width, device=device, stop=stop)
             for i, path, image in zip(rows, paths or [], images):
                 sd.sampling.save_png(path, image, sd.sampling.parameters_text(
                     prompts[i], settings.negative, settings.seed + i, settings, source))
@@ -547,15 +560,16 @@ def generated_work(pipe, prompts: list[str], batches: list[range], settings: Sam
 
 def evaluate_pipeline(pipe, prompts: list[str], settings: Sampling, extractors: Extractors, reference: dict,
                       d: Dist, batch_size: int, images_dir: Path | None = None, inception_score: bool = False,
-                      source: str = "") -> dict:
-    """Generate one image per prompt with ``pipe`` (shared out across the ranks) and score them."""
+                      source: str = "", stop=None) -> dict:
+    """Generate one image per prompt with ``pipe`` (shared out across the ranks) and score them; ``stop``:
+    see ``gather_in_order``."""
     if images_dir is not None:
         claim_images_dir(images_dir, {"ckpt": source, **vars(settings), "batch_size": batch_size, "n": len(prompts),
                                       "prompts_sha256": hashlib.sha256("\n".join(prompts).encode()).hexdigest()}, d)
     batches = batches_of(len(prompts), batch_size)
-    work = generated_work(pipe, prompts, batches, settings, extractors, d.device, images_dir, source)
-    totals = score_parts(gather_in_order(len(batches), work, d, desc="generate+score"), len(prompts), extractors,
-                         inception_score)
+    work = generated_work(pipe, prompts, batches, settings, extractors, d.device, images_dir, source, stop)
+    totals = score_parts(gather_in_order(len(batches), work, d, desc="generate+score", stop=stop), len(prompts),
+                         extractors, inception_score)
     if images_dir is not None and d.is_main:
         records = [{"file": f"{i:06d}.png", "prompt": prompt, "negative": settings.negative, "seed": settings.seed + i}
                    for i, prompt in enumerate(prompts)]
@@ -682,11 +696,12 @@ class TrainingEval:
         return cls(read_prompts(config.eval_prompts, config.eval_n), extractors, reference, settings,
                    config.eval_batch_size)
 
-    def __call__(self, pipe, d: Dist) -> dict:
+    def __call__(self, pipe, d: Dist, stop=None) -> dict:
+        """The scores of ``pipe``; ``stop``: see ``gather_in_order`` (``sd.distributed.Stopped`` on every rank)."""
         self.extractors.to(d.device)
         try:
             scores = evaluate_pipeline(pipe, self.prompts, self.settings, self.extractors, self.reference, d,
-                                       self.batch_size)
+                                       self.batch_size, stop=stop)
         finally:
             self.extractors.to("cpu")
         return {f"eval_{name}": value for name, value in scores.items()}

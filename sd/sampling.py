@@ -9,11 +9,15 @@
   (prompt, seed) pair, the evaluation's path (``SD_Eval.py``). Image i's noise comes from a CPU
   generator seeded with ``seeds[i]``, so the same seed gives the same image on any device and at any
   batch size; the training grid and ``SD_ImageGen.py --seed`` therefore make the same picture.
+
+Each of them takes ``stop``, a function asked before every denoising step: once it answers True the
+batch is abandoned (``Interrupted``), so a stop signal never waits for a whole batch to finish.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +28,10 @@ import sd.files
 import sd.model
 
 SAMPLERS = ("ddim", "dpm++", "euler")
+
+
+class Interrupted(Exception):
+    """``stop()`` answered True between two denoising steps: the batch was left unfinished."""
 
 
 @dataclass
@@ -181,11 +189,13 @@ def guided_prediction(unet, latents, timestep: int, cond, uncond, guidance_scale
 @torch.no_grad()
 def sample_latents(unet, noise: torch.Tensor, cond: torch.Tensor, uncond: torch.Tensor, *, sampler: str = "ddim",
                    steps: int = 100, cfg: float = 7.5, prediction_type: str = "epsilon", alphas_cumprod=None,
-                   progress: bool = False, zero_terminal_snr: bool = False) -> torch.Tensor:
+                   progress: bool = False, zero_terminal_snr: bool = False,
+                   stop: Callable[[], bool] | None = None) -> torch.Tensor:
     """Denoise unit-variance ``noise`` ``(B, 4, H/8, W/8)`` into scaled latents.
 
     ``cond`` / ``uncond``: ``(B, 77, D)`` prompt and negative-prompt embeddings. ``zero_terminal_snr``:
-    the model was trained on that schedule (see ``make_scheduler``).
+    the model was trained on that schedule (see ``make_scheduler``). ``stop``: asked before each step;
+    True raises ``Interrupted``.
     """
     scheduler = make_scheduler(sampler, steps, prediction_type, alphas_cumprod, noise.device, zero_terminal_snr)
     latents = noise.float() * scheduler.init_noise_sigma
@@ -195,6 +205,8 @@ def sample_latents(unet, noise: torch.Tensor, cond: torch.Tensor, uncond: torch.
 
         timesteps = tqdm(timesteps, desc=sampler, leave=False)
     for t in timesteps:
+        if stop is not None and stop():
+            raise Interrupted
         model_input = scheduler.scale_model_input(latents, t)
         prediction = guided_prediction(unet, model_input, int(t), cond, uncond, cfg)
         latents = scheduler.step(prediction, t, latents)
@@ -209,7 +221,7 @@ def initial_noise(seeds: list[int], shape: tuple[int, int, int]) -> torch.Tensor
 @torch.no_grad()
 def generate(pipe: Pipeline, prompt: str, negative: str, seeds: list[int], *, steps: int, cfg: float,
              sampler: str = "ddim", height: int, width: int, batch_size: int = 4,
-             device: torch.device | None = None) -> list[np.ndarray]:
+             device: torch.device | None = None, stop: Callable[[], bool] | None = None) -> list[np.ndarray]:
     """RGB uint8 images ``(H, W, 3)`` of ``prompt``, one per seed, decoded by the pipeline's VAE."""
     device = device or next(pipe.unet.parameters()).device
     ids = sd.model.tokenize(pipe.tokenizer, [prompt, negative])
@@ -219,14 +231,15 @@ def generate(pipe: Pipeline, prompt: str, negative: str, seeds: list[int], *, st
     for start in range(0, len(seeds), batch_size):
         chunk = seeds[start : start + batch_size]
         images += decode_samples(pipe, cond.expand(len(chunk), -1, -1), uncond.expand(len(chunk), -1, -1), chunk,
-                                 steps=steps, cfg=cfg, sampler=sampler, height=height, width=width, device=device)
+                                 steps=steps, cfg=cfg, sampler=sampler, height=height, width=width, device=device,
+                                 stop=stop)
     return images
 
 
 @torch.no_grad()
 def generate_batch(pipe: Pipeline, prompts: list[str], negative: str, seeds: list[int], *, steps: int, cfg: float,
-                   sampler: str = "ddim", height: int, width: int,
-                   device: torch.device | None = None) -> list[np.ndarray]:
+                   sampler: str = "ddim", height: int, width: int, device: torch.device | None = None,
+                   stop: Callable[[], bool] | None = None) -> list[np.ndarray]:
     """One image per ``(prompt, seed)`` pair, all in one batch (an evaluation's prompt set).
 
     Image i's noise depends on ``seeds[i]`` alone (as in ``generate``); the batch itself is part of the
@@ -237,18 +250,20 @@ def generate_batch(pipe: Pipeline, prompts: list[str], negative: str, seeds: lis
     embeddings = sd.model.encode_prompt_ids(pipe.text_encoder, ids).float().to(device)
     cond, uncond = embeddings[:-1], embeddings[-1:].expand(len(prompts), -1, -1)
     return decode_samples(pipe, cond, uncond, seeds, steps=steps, cfg=cfg, sampler=sampler, height=height,
-                          width=width, device=device)
+                          width=width, device=device, stop=stop)
 
 
 def decode_samples(pipe: Pipeline, cond: torch.Tensor, uncond: torch.Tensor, seeds: list[int], *, steps: int,
-                   cfg: float, sampler: str, height: int, width: int, device: torch.device) -> list[np.ndarray]:
+                   cfg: float, sampler: str, height: int, width: int, device: torch.device,
+                   stop: Callable[[], bool] | None = None) -> list[np.ndarray]:
     """Sample one batch (``cond`` / ``uncond``: ``(B, 77, D)``, one seed each) and decode it to uint8 RGB."""
     factor = float(pipe.vae.config.scaling_factor)
     vae_dtype = next(pipe.vae.parameters()).dtype
     noise = initial_noise(seeds, (pipe.unet.config.in_channels, height // 8, width // 8)).to(device)
     with sd.model.attention_context(device):
         latents = sample_latents(pipe.unet, noise, cond, uncond, sampler=sampler, steps=steps, cfg=cfg,
-                                 prediction_type=pipe.prediction_type, zero_terminal_snr=pipe.zero_terminal_snr)
+                                 prediction_type=pipe.prediction_type, zero_terminal_snr=pipe.zero_terminal_snr,
+                                 stop=stop)
         pixels = pipe.vae.decode(sd.model.unscale_latents(latents, factor).to(vae_dtype)).sample
     pixels = ((pixels.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
     return list(pixels.permute(0, 2, 3, 1).cpu().numpy())

@@ -3,7 +3,9 @@
 * ``ensure_class_images``: the class folder is filled up to ``num_class_images`` by the base model
   (``class_prompt``, DDIM with the run's ``validation_steps`` and ``validation_cfg``, seeds fixed by
   index), the ranks sharing the work; existing images are kept, so the folder is a cache that a
-  rerun or a later run reuses.
+  rerun or a later run reuses. What they were generated with is recorded beside them
+  (``class_images.json``); a run with other settings makes them again, or stops if the folder also
+  holds images of the user's (``claim_class_dir``).
 * ``DreamBoothData``: the instance and class images as latents (the VAE's posterior mean, encoded
   once and cached in the run folder), with the interface of ``sd.data.training_data.MixedData``. An epoch is
   ``max(instances, class images)`` samples; sample ``i`` pairs instance ``i mod instances`` with
@@ -17,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 import time
 from pathlib import Path
 
@@ -36,6 +39,8 @@ log = logging.getLogger("sd_dreambooth")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 DEFAULT_CLASS_IMAGES = 100  # num_class_images: 0, as diffusers' DreamBooth scripts
 GENERATE_BATCH = 8  # class images per sampler call
+CLASS_RECORD = "class_images.json"  # in class_dir: the settings its generated images were made with
+GENERATED_NAME = re.compile(r"class_\d{5}\.png")  # class_image_name's
 
 
 def class_seed(config, index: int) -> int:
@@ -56,6 +61,77 @@ def class_image_name(index: int) -> str:
     return f"class_{index:05d}.png"
 
 
+def generation_settings(config) -> dict:
+    """What the generated class images depend on: the prompt, the base model and the sampler's settings."""
+    return {"class_prompt": config.class_prompt, "init_from": config.init_from, "unet": config.unet,
+            "vae": config.vae, "text_encoder": config.text_encoder,
+            "tokenizer": config.tokenizer or config.text_encoder, "prediction_type": config.prediction_type,
+            "sampler": "ddim", "steps": config.validation_steps, "cfg": config.validation_cfg,
+            "size": config.image_size, "seed": config.seed}
+
+
+def recorded_settings(folder: Path) -> dict | None:
+    """The settings ``class_images.json`` records (None: there is none; {}: it is unreadable, logged)."""
+    path = folder / CLASS_RECORD
+    if not path.exists():
+        return None
+    try:
+        recorded = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        log.warning("%s is unreadable (%s): the settings of the class images beside it are unknown", path,
+                    sd.cli.first_line(error))
+        return {}
+    return recorded if isinstance(recorded, dict) else {}
+
+
+def settings_change(recorded: dict, settings: dict) -> str:
+    """The first setting that differs, as ``"class_prompt 'a dog', not 'a cat'"``."""
+    name = next(name for name in settings if recorded.get(name) != settings[name])
+    return f"{name} {recorded[name]!r}, not {settings[name]!r}" if name in recorded else "unknown settings"
+
+
+def claim_class_dir(config, d) -> None:
+    """Make the generated class images of ``class_dir`` (``class_NNNNN.png``) those of this run's
+    settings, and record them there (``class_images.json``, written atomically).
+
+    Images generated with other settings (another class_prompt, base model, size, ...) are deleted and
+    made again when the folder holds nothing else; beside images of the user's, which are never
+    deleted, the run stops instead, naming the change. Generated images with no record (an earlier
+    version made them) are taken as this run's. Every rank decides the same from the folder as it was,
+    and rank 0 changes it between two barriers.
+    """
+    folder = Path(config.class_dir)
+    settings = generation_settings(config)
+    recorded = recorded_settings(folder)
+    if recorded == settings:
+        return
+    images = image_files(folder) if folder.is_dir() else []
+    generated = [p for p in images if GENERATED_NAME.fullmatch(p.name)]
+    stale = generated if recorded is not None else []
+    if stale:
+        theirs = [p for p in images if p not in stale]
+        if theirs:
+            raise sd.data.training_data.DataError(
+                f"class_dir {folder}: its {len(stale)} generated class images (class_*.png) were made with "
+                f"{settings_change(recorded, settings)} ({CLASS_RECORD}), and it holds {len(theirs)} other images "
+                f"(e.g. {theirs[0].name}), which are never deleted: use another class_dir, or delete the class_*.png "
+                "files to have them made again")
+        log.warning("class_dir %s: its %d class images were generated with %s: generating them again", folder,
+                    len(stale), settings_change(recorded, settings))
+    elif generated:
+        log.warning("class_dir %s: %d generated class images without a record of their settings (%s); taken as made "
+                    "with this run's (delete them to have them made again)", folder, len(generated), CLASS_RECORD)
+    elif not missing_class_images(config):
+        return  # only the user's images, enough of them: nothing generated to record
+    sd.distributed.barrier(d)  # every rank has looked before rank 0 changes the folder
+    if d.is_main:
+        for path in stale:
+            path.unlink()
+        folder.mkdir(parents=True, exist_ok=True)
+        sd.files.write_json_atomic(folder / CLASS_RECORD, settings)
+    sd.distributed.barrier(d)
+
+
 def missing_class_images(config) -> list[int]:
     """Indices of the generated class images still to make (an image of another name counts too)."""
     folder = Path(config.class_dir)
@@ -69,8 +145,16 @@ def missing_class_images(config) -> list[int]:
 
 
 def ensure_class_images(config, d, pipeline) -> int:
-    """Generate the missing class images with ``pipeline`` (the base model); every rank makes every
-    ``world_size``-th one, then all meet at a barrier. Returns how many were made here."""
+    """Generate the missing class images with ``pipeline`` (the base model), once ``claim_class_dir``
+    has checked the folder; every rank makes every ``world_size``-th block, then all meet at a barrier.
+    Returns how many were made here.
+
+    An image's pixels depend on its index alone: indices are made in fixed blocks of GENERATE_BATCH
+    (block b: b * GENERATE_BATCH onwards), each block always whole and in order (those of its images
+    already there, or past the count, are made and dropped), so a run stopped and resumed, or run on
+    another number of ranks, writes the same files as one run that made them all at once.
+    """
+    claim_class_dir(config, d)
     todo = missing_class_images(config)
     if not todo:
         return 0
@@ -78,7 +162,10 @@ def ensure_class_images(config, d, pipeline) -> int:
 
     folder = Path(config.class_dir)
     folder.mkdir(parents=True, exist_ok=True)
-    mine = todo[d.rank :: d.world_size]
+    wanted = set(todo)
+    blocks = [range(b * GENERATE_BATCH, (b + 1) * GENERATE_BATCH) for b in sorted({i // GENERATE_BATCH for i in todo})]
+    blocks = blocks[d.rank :: d.world_size]
+    to_make = sum(i in wanted for block in blocks for i in block)
     if d.is_main:
         log.info("generating %d class images of %r in %s (%d ranks; num_class_images %d, %d there already; "
                  "the bar shows the time left, and images finished before a stop are kept)", len(todo),
@@ -88,23 +175,22 @@ def ensure_class_images(config, d, pipeline) -> int:
     made = 0
     try:
         with sd.runtime.autocast(config.precision, d.device):
-            bar = tqdm(total=len(mine), desc="class images", disable=not d.is_main, unit="image")
+            bar = tqdm(total=to_make, desc="class images", disable=not d.is_main, unit="image")
             started = time.perf_counter()
-            for start in range(0, len(mine), GENERATE_BATCH):
-                chunk = mine[start : start + GENERATE_BATCH]
-                images = sd.sampling.generate(pipeline, config.class_prompt, "", [class_seed(config, i) for i in chunk],
+            for block in blocks:
+                images = sd.sampling.generate(pipeline, config.class_prompt, "", [class_seed(config, i) for i in block],
                                               steps=config.validation_steps, cfg=config.validation_cfg,
                                               height=config.image_size, width=config.image_size,
                                               batch_size=GENERATE_BATCH, device=d.device)
-                for index, image in zip(chunk, images):
-                    save_png(folder / class_image_name(index), image)
-                    made += 1
-                bar.update(len(chunk))
-                if start == 0 and d.is_main and len(mine) > len(chunk):
-                    each = (time.perf_counter() - started) / len(chunk)
+                for index, image in zip(block, images):
+                    if index in wanted:
+                        save_png(folder / class_image_name(index), image)
+                        made += 1
+                        bar.update(1)
+                if block is blocks[0] and d.is_main and to_make > made:
+                    each = (time.perf_counter() - started) / made
                     log.info("class images: %.1f s each here, about %s for the %d left (num_class_images sets the "
-                             "count)", each, sd.cli.duration(each * (len(mine) - len(chunk))),
-                             len(mine) - len(chunk))
+                             "count)", each, sd.cli.duration(each * (to_make - made)), to_make - made)
             bar.close()
     except KeyboardInterrupt:
         log.warning("class images: stopped after %d new ones; they are kept in %s and a re-run makes only the rest",
@@ -113,7 +199,7 @@ def ensure_class_images(config, d, pipeline) -> int:
     finally:
         pipeline.unet.train()
     sd.distributed.barrier(d)
-    return len(mine)
+    return made
 
 
 def save_png(path: Path, image: np.ndarray) -> None:

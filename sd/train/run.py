@@ -281,24 +281,36 @@ def stop_code(run: Run, result: dict, stopper: "StopSignal") -> int | None:
                   state.step, state.bad_in_a_row)
         return 3
     if result["stop"]:
-        signum = stopper.signum or signal.SIGTERM
-        log.info("stopped by signal %d after step %d; re-run the same command to resume", signum, state.step)
-        return 128 + signum
+        if stopper.signum:
+            log.info("stopped by signal %d after step %d; re-run the same command to resume", stopper.signum,
+                     state.step)
+        else:  # the ranks agreed on a stop that another one was sent
+            log.info("stopped after step %d by a signal to another rank; re-run the same command to resume", state.step)
+        return 128 + (stopper.signum or signal.SIGTERM)
     if state.step == config.stop_at_step:
         log.info("stop_at_step %d reached; re-run without it to continue", state.step)
         return 0
     return None
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+
+
 class StopSignal:
-    """SIGTERM / SIGINT: finish the current optimizer step, save, exit with 128 + signal."""
+    """SIGTERM, SIGINT, SIGHUP, SIGUSR1 or SIGUSR2 (what schedulers send before a time limit, e.g. SLURM's
+    ``--signal=USR1@120``): finish the current optimizer step (or cut short its validation or
+    evaluation), save, exit with 128 + signal."""
 
     def __init__(self):
         self.signum = 0
-        self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
 
     def _handle(self, signum, frame):
         self.signum = signum
+
+    def requested(self) -> bool:
+        """Whether a stop signal reached this rank (the ranks agree on it at their next collective)."""
+        return self.signum != 0
 
     def restore(self) -> None:
         for sig, handler in self.previous.items():

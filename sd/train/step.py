@@ -364,25 +364,33 @@ def average_text_gradients(step: Step) -> None:
 
 
 @torch.no_grad()
-def validation_loss(step: Step, data, count: int, batch_size: int) -> float:
+def validation_loss(step: Step, data, count: int, batch_size: int, stop=None) -> float:
     """Mean loss of the plain UNet on up to ``count`` held-out samples, with fixed noise and timesteps.
 
     Every dataset of a mixed phase contributes in proportion to its weight (``sd.data.training_data.validation_indices``).
     The samples are split across ranks and drawn with a generator seeded the same at every
-    validation, so values at different steps are comparable.
+    validation, so values at different steps are comparable. ``stop``: asked before each batch; a True
+    answer on any rank ends every rank's share there and raises ``sd.distributed.Stopped`` on all of them
+    after the one all-reduce.
     """
     d = step.d
+    stop = stop or (lambda: False)
     indices = sd.data.training_data.validation_indices(data.sizes, data.weights, count)[d.rank :: d.world_size]
     generator = torch.Generator(device=d.device).manual_seed(1234 + d.rank)
-    totals = torch.zeros(2, dtype=torch.float64, device=d.device)
+    totals = torch.zeros(3, dtype=torch.float64, device=d.device)  # loss sum, count, stop
     step.unet.eval()
     try:
         for batch in sd.data.training_data.shape_batches(data, indices, batch_size):
+            if stop():
+                break
             latents, input_ids = data.batch(batch)
             loss, _ = compute_loss(step, step.unet, latents, input_ids, generator)
             totals[0] += loss.double().sum()
             totals[1] += loss.numel()
     finally:
         step.unet.train()
-    totals = sd.distributed.all_reduce_sum(totals, d)
-    return (totals[0] / totals[1]).item() if totals[1] > 0 else float("nan")
+    totals[2] = float(stop())
+    loss_sum, n, stopping = sd.distributed.all_reduce_sum(totals, d).tolist()
+    if stopping:
+        raise sd.distributed.Stopped
+    return loss_sum / n if n > 0 else float("nan")

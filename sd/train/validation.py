@@ -1,6 +1,10 @@
 """What a run checks while it trains: validation loss (live and EMA weights), the EMA sample grid, and
 FID / CLIP score every ``eval_every`` steps. Every rank takes part in each; none waits in a collective
-while another works alone."""
+while another works alone.
+
+A stop signal cuts them short: each rank asks its ``stop`` between batches and between denoising
+steps, and every rank leaves at the collective where the first request becomes known to all
+(``sd.distributed.Stopped``), so a stopping run saves within about one batch, not one evaluation."""
 
 from __future__ import annotations
 
@@ -26,20 +30,44 @@ if TYPE_CHECKING:
 log = logging.getLogger("sd_train")
 
 
-def validate(run: Run, record: dict) -> Path | None:
-    """Validation loss with live and EMA weights, and the EMA sample grid; every rank takes part."""
+def due(config: TrainConfig, step: int) -> bool:
+    """Whether validation or evaluation runs after optimizer step ``step``."""
+    return any(every and step % every == 0 for every in (config.validate_every, config.eval_every))
+
+
+def check(run: Run, record: dict, stop) -> tuple[Path | None, bool]:
+    """This step's validation and evaluation, those due, into ``record``: ``(grid, interrupted)``.
+
+    ``interrupted``: a stop signal (``stop()`` True on some rank) cut them short; every rank left at the
+    same collective, so it is the same on all of them, and what was left undone is skipped.
+    """
+    config, step, grid = run.config, run.state.step, None
+    try:
+        if config.validate_every and step % config.validate_every == 0:
+            grid = validate(run, record, stop)
+        if config.eval_every and step % config.eval_every == 0:
+            record.update(evaluate(run, stop))
+    except sd.distributed.Stopped:
+        log.info("step %d: validation/evaluation interrupted by a stop signal; the rest of it is skipped", step)
+        return grid, True
+    return grid, False
+
+
+def validate(run: Run, record: dict, stop=None) -> Path | None:
+    """Validation loss with live and EMA weights, and the EMA sample grid; every rank takes part.
+    ``stop``: see the module's docstring."""
     step, config = run.step, run.config
     if run.val_data is not None:
         record["val_loss"] = sd.train.step.validation_loss(step, run.val_data, config.validation_samples,
-                                                          config.batch_size)
+                                                          config.batch_size, stop)
         if step.ema is not None:
             with step.ema.swapped_in(step.unet):
                 record["val_loss_ema"] = sd.train.step.validation_loss(step, run.val_data, config.validation_samples,
-                                                                      config.batch_size)
+                                                                      config.batch_size, stop)
     if not config.validation_prompts:
         return None
     path = run.run_dir / "samples" / f"step_{run.state.step:08d}.png"
-    sample_grid(run, path)
+    sample_grid(run, path, stop)
     return path
 
 
@@ -57,16 +85,16 @@ def ema_sampling(run: Run):
 
 
 @torch.no_grad()
-def evaluate(run: Run) -> dict:
+def evaluate(run: Run, stop=None) -> dict:
     """``eval_fid``, ``eval_clip_score``, ``eval_n`` of the EMA weights (SD_Eval.py); every rank takes part.
 
     The images are those of ``SD_Eval.py --ckpt <this step's checkpoint> --prompts eval_prompts --num_prompts eval_n
     --steps validation_steps --cfg validation_cfg --seed seed`` at the validation size, so the logged
-    numbers can be reproduced from the checkpoint.
+    numbers can be reproduced from the checkpoint. ``stop``: see the module's docstring.
     """
     with ema_sampling(run):
         try:
-            scores = run.evaluation(run.sampler, run.d)
+            scores = run.evaluation(run.sampler, run.d, stop)
         except sd.evaluation.EvalError as error:  # features that are not finite: every rank gets the same
             log.warning("step %d: no evaluation scores: %s", run.state.step, error)
             return {}
@@ -76,26 +104,29 @@ def evaluate(run: Run) -> dict:
 
 
 @torch.no_grad()
-def sample_grid(run: Run, path: Path) -> None:
+def sample_grid(run: Run, path: Path, stop=None) -> None:
     """One image per validation prompt, seed ``config.seed``, with the EMA weights: a labelled grid.
 
-    The prompts are shared out across the ranks (no rank waits in a collective while another
-    samples alone) and rank 0 writes the grid. Each image is made by ``sd.sampling.generate`` at
-    batch 1, the path of ``SD_ImageGen.py``: ``SD_ImageGen.py --ckpt <the checkpoint of this step>
-    --prompt P --seed SEED --n 1 --steps validation_steps --cfg validation_cfg`` at the same precision
-    draws the same image.
+    The prompts are shared out across the ranks, one each per round of ``sd.evaluation.gather_in_order``
+    (no rank waits in a collective while another samples alone, and a stop is agreed between
+    prompts), and rank 0 writes the grid. Each image is made by ``sd.sampling.generate`` at batch 1,
+    the path of ``SD_ImageGen.py``: ``SD_ImageGen.py --ckpt <the checkpoint of this step> --prompt P
+    --seed SEED --n 1 --steps validation_steps --cfg validation_cfg`` at the same precision draws the
+    same image.
     """
     config, d = run.config, run.d
     width, height = validation_size(config, run.train_data)
-    mine = list(enumerate(config.validation_prompts))[d.rank :: d.world_size]
+    prompts = config.validation_prompts
+
+    def sample(i: int) -> list:
+        return sd.sampling.generate(run.sampler, prompts[i], "", [config.seed], steps=config.validation_steps,
+                                    cfg=config.validation_cfg, height=height, width=width, batch_size=1,
+                                    device=d.device, stop=stop)
+
     with ema_sampling(run):
-        made = [(i, prompt, sd.sampling.generate(run.sampler, prompt, "", [config.seed], steps=config.validation_steps,
-                                                 cfg=config.validation_cfg, height=height, width=width, batch_size=1,
-                                                 device=d.device))
-                for i, prompt in mine]
-    rows = sorted(row for part in sd.distributed.all_gather_objects(made, d) for row in part)
+        rows = list(sd.evaluation.gather_in_order(len(prompts), sample, d, desc="validation grid", stop=stop))
     if d.is_main:
-        sd.sampling.save_grid(path, [(prompt, images) for _, prompt, images in rows])
+        sd.sampling.save_grid(path, list(zip(prompts, rows)))
 
 
 def validation_size(config: TrainConfig, data) -> tuple[int, int]:

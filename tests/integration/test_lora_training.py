@@ -1,6 +1,7 @@
 """LoRA and DreamBooth training on the tiny presets: what trains, what the checkpoints hold, exact resume,
 the prior-preservation loss, noise offset, 8-bit AdamW and cached text embeddings."""
 
+import json
 import logging
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import yaml
 from safetensors.torch import load_file
 
 import sd.data.dreambooth
+import sd.data.training_data
 import sd.formats
 import sd.lora.adapters
 import sd.lora.files
@@ -206,6 +208,61 @@ def test_ctrl_c_during_class_images_keeps_the_finished_ones_and_ends_with_one_li
     assert "for the 12 left" in caplog.text  # the time it will take, from the first batch
     parsed = sd.train.config.load_config(["--config", str(config)])
     assert len(sd.data.dreambooth.missing_class_images(parsed)) == 20 - batch  # a re-run makes only the rest
+
+
+@pytest.fixture(scope="module")
+def make_class_images(base_model):
+    """``make(folder, count, **fields)``: ``ensure_class_images`` with the base model, as a DreamBooth run calls it."""
+    pipeline = sd.sampling.Pipeline(base_unet(base_model), sd.model.load_vae("tiny"),
+                                    sd.model.load_text_encoder("tiny"), sd.model.load_tokenizer("tiny"), "epsilon")
+
+    def make(folder: Path, count: int, **fields) -> int:
+        config = sd.train.config.TrainConfig(**{**BASE, "datasets": [], "class_dir": str(folder),
+                                               "class_prompt": "a square", "num_class_images": count,
+                                               "image_size": 64, "init_from": str(base_model), **fields})
+        return sd.data.dreambooth.ensure_class_images(config, Dist.single(), pipeline)
+
+    return make
+
+
+def folder_bytes(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_class_images_made_in_two_runs_are_the_files_of_one_run(tmp_path, make_class_images):
+    """A class-image run stopped after 3 images and resumed (or asked for fewer first) writes the very
+    files of one run that makes all 10: each image depends on its index alone, not on its batch."""
+    assert make_class_images(tmp_path / "once", 10) == 10
+    assert make_class_images(tmp_path / "twice", 3) == 3
+    assert make_class_images(tmp_path / "twice", 10) == 7
+    once, twice = folder_bytes(tmp_path / "once"), folder_bytes(tmp_path / "twice")
+    assert sorted(twice) == sorted(once) and [name for name in once if twice[name] != once[name]] == []
+
+
+def test_class_images_of_other_settings_are_made_again_unless_the_folder_holds_the_users(tmp_path, make_class_images,
+                                                                                       caplog):
+    folder = tmp_path / "class"
+    make_class_images(folder, 3, class_prompt="a photo of dog")
+    dogs = folder_bytes(folder)
+    assert json.loads(dogs.pop("class_images.json"))["class_prompt"] == "a photo of dog"
+    assert make_class_images(folder, 3, class_prompt="a photo of dog") == 0  # the same settings: kept
+    # Another class_prompt: the folder holds only generated images, which are made again for it.
+    assert make_class_images(folder, 3, class_prompt="a photo of cat") == 3
+    cats = folder_bytes(folder)
+    assert json.loads(cats.pop("class_images.json"))["class_prompt"] == "a photo of cat"
+    assert sorted(cats) == sorted(dogs) and cats != dogs
+    assert ("class images were generated with class_prompt 'a photo of dog', not 'a photo of cat': generating them "
+            "again") in caplog.text
+    # With an image of the user's beside them, a change is refused in one line and nothing is deleted.
+    write_images(folder, 1, (0, 200, 200))
+    before = folder_bytes(folder)
+    with pytest.raises(sd.data.training_data.DataError) as refused:
+        make_class_images(folder, 3, class_prompt="a photo of dog", validation_steps=4)
+    assert str(refused.value) == (
+        f"class_dir {folder}: its 3 generated class images (class_*.png) were made with class_prompt 'a photo of cat', "
+        "not 'a photo of dog' (class_images.json), and it holds 1 other images (e.g. img_0.png), which are never "
+        "deleted: use another class_dir, or delete the class_*.png files to have them made again")
+    assert folder_bytes(folder) == before
 
 
 def test_prior_preservation_step_loss_equals_the_hand_computed_composition(tmp_path, base_model):

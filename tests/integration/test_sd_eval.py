@@ -15,9 +15,12 @@ from PIL import Image
 
 import sd.distributed
 import sd.evaluation
+import sd.model
+import sd.sampling
 import sd.train.checkpoint as ckpt
 import sd.train.metrics
 import SD_Eval
+from sd.distributed import Dist
 
 from data_factory import train_tiny_run
 
@@ -350,6 +353,37 @@ def test_training_evaluation_settings_are_checked_before_any_work(tmp_path):
                     eval_reference=str(tmp_path)).validate()
     with pytest.raises(ConfigError, match="eval_features: inception or tiny"):
         TrainConfig(**base, eval_features="vgg").validate(check_paths=False)
+
+
+def test_a_stop_ends_an_evaluation_between_denoising_steps_and_on_every_rank_at_the_same_gather(reference,
+                                                                                                monkeypatch):
+    pipe = sd.sampling.Pipeline(sd.model.build_unet("tiny", seed=0), sd.model.load_vae("tiny"),
+                                sd.model.load_text_encoder("tiny"), sd.model.load_tokenizer("tiny"), "epsilon")
+    calls = []
+    pipe.unet.register_forward_pre_hook(lambda *_: calls.append(1))
+    extractors = sd.evaluation.Extractors("tiny", "tiny")
+    stats = sd.evaluation.reference_stats(str(reference), extractors, Dist.single(), 32)
+    settings = sd.evaluation.Sampling(steps=3, cfg=3.0, height=32, width=32)
+    prompts = [f"a red {shape}" for shape in SHAPES] * 2  # 3 batches of 2
+
+    def evaluate(d: Dist, stop):
+        return sd.evaluation.evaluate_pipeline(pipe, prompts, settings, extractors, stats, d, 2, stop=stop)
+
+    assert evaluate(Dist.single(), lambda: False)["n"] == 6 and len(calls) == 9
+    # One rank: asked before each denoising step, the stop comes in the second batch after one step of three.
+    calls.clear()
+    with pytest.raises(sd.distributed.Stopped):
+        evaluate(Dist.single(), lambda: len(calls) >= 4)
+    assert len(calls) == 4
+    # Rank 1 of 2 (batch 1, then batch 3): rank 0 reports its stop with the first round's batch, and
+    # rank 1 leaves after that same gather though its own stop() never answers True.
+    gathers = []
+    monkeypatch.setattr(sd.distributed, "all_gather_objects",
+                        lambda value, d: gathers.append(value) or [(None, True), value])
+    calls.clear()
+    with pytest.raises(sd.distributed.Stopped):
+        evaluate(Dist(1, 2, 1, torch.device("cpu"), False), lambda: False)
+    assert len(gathers) == 1 and len(calls) == 3 and gathers[0][1] is False
 
 
 @pytest.mark.slow

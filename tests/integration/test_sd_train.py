@@ -18,12 +18,14 @@ from safetensors.torch import load_file
 
 import sd.data.prefetch
 import sd.data.training_data
+import sd.distributed
 import sd.model
 import sd.train.checkpoint as ckpt
 import sd.train.checkpointer
 import sd.train.config
 import sd.train.ema
 import sd.train.step
+import sd.train.validation
 import SD_Train
 from sd.distributed import Dist
 
@@ -756,6 +758,70 @@ def test_a_changed_setting_on_resume_is_refused_or_warned_and_never_calls_a_good
     decay = sd.train.ema.ema_decay_at(2, 0.5)  # one update (warm-up restarted: 0.25) from the step-2 weights
     for name, start in resumed.items():
         assert torch.allclose(ema[name], decay * start + (1 - decay) * unet[name], atol=1e-6), name
+
+
+def test_a_stop_during_validation_ends_it_between_denoising_steps_on_live_weights(tmp_path, data, monkeypatch):
+    run = make_run(tmp_path, data, validate_every=1, validation_steps=4,
+                   validation_prompts=["a red circle", "a blue square", "a green triangle"])
+    live = {k: v.clone() for k, v in run.step.unet.state_dict().items()}
+    calls = []
+    run.step.unet.register_forward_pre_hook(lambda *_: calls.append(1))
+    record = {}
+    # Asked before any work: no UNet call, nothing recorded.
+    assert sd.train.validation.check(run, record, lambda: True) == (None, True)
+    assert calls == [] and record == {}
+    # Another rank's stop reaches this one through the validation loss's all-reduce: both leave there.
+    reduce = sd.distributed.all_reduce_sum
+    with monkeypatch.context() as patch:
+        patch.setattr(sd.distributed, "all_reduce_sum",
+                      lambda values, d: reduce(values, d) + torch.tensor([0.0, 0.0, 1.0], dtype=values.dtype))
+        assert sd.train.validation.check(run, record, lambda: False) == (None, True)
+    assert len(calls) == 4 and record == {}  # its four batches of 2 with the live weights; none with the EMA
+    # The grid's first prompt: asked before each denoising step, the stop comes after two of its four
+    # (of the grid's twelve), and nothing more runs.
+    run.val_data, calls[:] = None, []
+    assert sd.train.validation.check(run, record, lambda: len(calls) >= 2) == (None, True)
+    assert len(calls) == 2 and not (run.run_dir / "samples").exists()
+    assert run.step.unet.training  # back in training mode, with the live weights, not the EMA's
+    assert_bitwise_equal(run.step.unet.state_dict(), live)
+
+
+@pytest.mark.slow
+def test_sigusr1_and_sighup_save_at_the_step_they_stop_and_the_run_resumes(tmp_path, data):
+    """SLURM's warning signals (``--signal=USR1@120``) and a hang-up stop the run as SIGTERM does: a
+    checkpoint at the step it stopped after, exit 128 + signal. With validation after every step (the
+    most of each step's time), the signal lands in a validation, which is cut short: the step saved
+    has no grid."""
+    import time
+
+    run_dir = tmp_path / "run"
+    config = write_config(tmp_path / "u.yaml", datasets=[data], max_steps=400, out_dir=str(run_dir), batch_size=2,
+                          grad_accum=1, save_steps=1000, validate_every=1, validation_steps=20)
+
+    def logged_steps() -> list[int]:
+        text = (run_dir / "metrics.jsonl").read_text() if (run_dir / "metrics.jsonl").exists() else ""
+        return [json.loads(line)["step"] for line in text.splitlines(keepends=True) if line.endswith("\n")]
+
+    before = 0
+    for signum in (signal.SIGUSR1, signal.SIGHUP):
+        trainer = subprocess.Popen([sys.executable, str(ROOT / "SD_Train.py"), "--config", str(config)], cwd=ROOT,
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 300
+        while max(logged_steps(), default=0) <= before:  # its loop runs: the handler is in place
+            assert trainer.poll() is None and time.monotonic() < deadline, "the trainer never logged a step"
+            time.sleep(0.05)
+        trainer.send_signal(signum)
+        _, stderr = trainer.communicate(timeout=600)  # communicate: its progress bar fills the pipe
+        assert trainer.returncode == 128 + signum, stderr[-2000:]
+        stopped = logged_steps()[-1]
+        assert f"stopped by signal {int(signum)} after step {stopped};" in stderr
+        assert ckpt.latest_checkpoint(run_dir / "checkpoints").name == ckpt.step_dir_name(stopped)
+        assert not (run_dir / "samples" / f"step_{stopped:08d}.png").exists()
+        assert (run_dir / "samples" / f"step_{stopped - 1:08d}.png").exists() or stopped - 1 == before
+        if before:
+            assert f"resumed at step {before}" in stderr
+        assert stopped > before
+        before = stopped
 
 
 def test_stop_at_step_at_or_below_the_resumed_step_trains_nothing(tmp_path, data):
