@@ -225,7 +225,7 @@ def test_a_training_evaluation_that_fails_is_logged_and_the_run_goes_on(caplog):
 
     import sd.train.validation
 
-    def evaluation(pipe, d):
+    def evaluation(pipe, d, stop=None):
         raise sd.evaluation.EvalError("generated images: 1 of 6 images have features that are not finite")
 
     run = SimpleNamespace(step=SimpleNamespace(unet=torch.nn.Linear(1, 1), ema=None), evaluation=evaluation,
