@@ -118,6 +118,21 @@ def test_largest_batch_search_doubles_then_bisects():
     assert memory.largest_batch(trial, limit_gb=0.5, max_batch=8)[0] == 0
 
 
+def test_the_measured_peak_is_the_most_bytes_live_at_once_in_the_record():
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench import memory_estimate
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        first = torch.empty(4000, dtype=torch.uint8)
+        second = torch.empty(2000, dtype=torch.uint8)
+        del first
+        third = torch.empty(500, dtype=torch.uint8)  # 2500 bytes live now, 6000 before the del
+    assert memory_estimate.peak_live_bytes(prof, torch.device("cpu")) == 6000
+    del second, third
+
+
 @pytest.mark.slow
 def test_memory_bench_finds_the_largest_batch_of_ours_and_the_peer():
     # One trial a side (each is a process of its own): the search itself is sd.train.memory.largest_that_fits,
