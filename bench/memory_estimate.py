@@ -8,9 +8,10 @@
    trainer's models (tiny text encoder and VAE, the preset's UNet) built and two steps of
    ``sd.train.step.train_step`` (bf16 autocast, fused AdamW, EMA on the device) on random latents,
    under the PyTorch profiler with ``profile_memory``: every allocation and free of the CPU allocator,
-   those inside an operator included, turned into live bytes over time by PyTorch's memory timeline
-   (``torch.profiler._memory_profiler``, what ``export_memory_timeline`` draws); the measure is its
-   peak. A first build and step at batch 1 runs before the record (imports, kernel set-up). Beside
+   those inside an operator included, summed into live bytes over time at the microsecond steps of
+   PyTorch's memory timeline (what ``export_memory_timeline`` draws, without its categories); the
+   measure is its peak. A first build and step at batch 1 runs before the record (imports, kernel
+   set-up). Beside
    it, ``sd.train.memory.estimate(..., device="cpu")``: the same two steps on fake tensors (the CPU's own
    autocast), allocated bytes at the peak. The error is estimate / measured - 1. (The process's
    resident memory is no measure at this size: glibc keeps freed blocks and the libraries' caches
@@ -85,10 +86,8 @@ def config_for(preset: str, batch: int, checkpointing: bool, **fields):
 def measure(preset: str, resolution: int, batch: int, checkpointing: bool) -> dict:
     """In this (fresh) process: the peak of the CPU allocator's live bytes over building the models and
     two real steps, from the profiler's record of every allocation and free."""
-    import numpy as np
     import torch
     from torch.profiler import ProfilerActivity, profile
-    from torch.profiler._memory_profiler import MemoryProfileTimeline
 
     from sd.distributed import Dist
 
@@ -106,10 +105,31 @@ def measure(preset: str, resolution: int, batch: int, checkpointing: bool) -> di
                 sd.train.step.train_step(step, batches, index)
 
     run(1)  # imports and the kernels' first use, outside the record
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         run(batch)
-    _, sizes = MemoryProfileTimeline(prof._memory_profile())._coalesce_timeline(torch.device("cpu"))
-    return {"measured_bytes": int(np.asarray(sizes).sum(axis=1).max())}
+    return {"measured_bytes": peak_live_bytes(prof, torch.device("cpu"))}
+
+
+def peak_live_bytes(prof, device) -> int:
+    """The peak of the bytes live on ``device`` over a ``profile_memory`` record: its allocations and
+    frees in time order, summed after each microsecond's events as PyTorch's memory timeline sums them
+    (``torch.profiler._memory_profiler``, which also sorts every tensor into a category: 20 s of
+    Python for the tiny UNet's two steps, and the peak does not need it). The CPU allocator reports no
+    free of a block made before the record, so such blocks are not counted, as in the timeline."""
+    import numpy as np
+    from torch._C._profiler import _EventType
+
+    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        stack.extend(event.children)
+        if event.typed[0] == _EventType.Allocation and event.typed[1].device == device:
+            events.append((event.start_time_ns, event.typed[1].alloc_size))
+    events.sort(key=lambda e: e[0])
+    live = np.cumsum([size for _, size in events])
+    microseconds = np.array([t // 1000 for t, _ in events])
+    last_of_each = np.append(microseconds[1:] != microseconds[:-1], True)
+    return int(live[last_of_each].max())
 
 
 def run_measure(point: str) -> dict:

@@ -119,7 +119,7 @@ def write_shards(out: Path, count: int, args, pick, prefix: str) -> sd.data.stag
 
 
 def main(argv=None) -> int:
-    sd.runtime.start_process()
+    sd.runtime.start_process(uses_torch=False)
     args = parse_args(argv)
     out = Path(args.out)
     seen = [(c, s) for c in PALETTE for s in SHAPES if (c, s) not in args.holdout]

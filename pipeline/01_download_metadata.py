@@ -98,7 +98,7 @@ def count_rows(out: Path, patterns: list[str], summary: sd.data.stages.Summary) 
 
 
 def main(argv=None) -> int:
-    sd.runtime.start_process()
+    sd.runtime.start_process(uses_torch=False)
     args = parse_args(argv)
     sd.data.stages.setup_logging()
     out = Path(args.out)

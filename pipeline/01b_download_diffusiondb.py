@@ -133,7 +133,7 @@ def process_part(args, part: int, summary: sd.data.stages.Summary) -> None:
 
 
 def main(argv=None) -> int:
-    sd.runtime.start_process()
+    sd.runtime.start_process(uses_torch=False)
     args = parse_args(argv)
     summary = sd.data.stages.start_downloads(args, STAGE)
     sd.data.stages.keep_settings(args)

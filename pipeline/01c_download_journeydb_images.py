@@ -182,7 +182,7 @@ def process_archive(args, number: int, annotations: dict, summary: sd.data.stage
 
 
 def main(argv=None) -> int:
-    sd.runtime.start_process()
+    sd.runtime.start_process(uses_torch=False)
     args = parse_args(argv)
     summary = sd.data.stages.start_downloads(args, STAGE)
     pending = summary.pending(args.out, args.archives)

@@ -282,7 +282,7 @@ def write_pending(pending: list[int], images, captions, tallest, args, summary) 
 
 
 def main(argv=None) -> int:
-    sd.runtime.start_process()
+    sd.runtime.start_process(uses_torch=False)
     args = parse_args(argv)
     summary = sd.data.stages.start_downloads(args, STAGE)
     try:

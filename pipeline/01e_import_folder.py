@@ -422,7 +422,7 @@ def check_done_shards(out: Path, plan: list[list[tuple[str, str]]], rules: Capti
 
 
 def main(argv=None) -> int:
-    sd.runtime.start_process()
+    sd.runtime.start_process(uses_torch=False)
     args, rules = parse_args(argv)
     sd.data.stages.setup_logging()
     src, out = Path(args.input), Path(args.out)

@@ -469,7 +469,7 @@ def run(con, files: list[tuple[Path, dict]], out: Path, args) -> int:
 
 
 def main(argv=None) -> int:
-    sd.runtime.start_process()
+    sd.runtime.start_process(uses_torch=False)
     args = parse_args(argv)
     sd.data.stages.setup_logging()
     try:

@@ -209,7 +209,7 @@ def summarize(out: Path, shards: list[int], done_before: set[int], args) -> dict
 
 
 def main(argv=None) -> int:
-    sd.runtime.start_process()
+    sd.runtime.start_process(uses_torch=False)
     args = parse_args(argv)
     sd.data.stages.setup_logging()
     args.input, args.out = Path(args.input), Path(args.out)

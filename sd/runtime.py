@@ -8,16 +8,20 @@ from __future__ import annotations
 
 import logging
 import os
-
-import torch
+from typing import TYPE_CHECKING
 
 import sd.faults
 
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported where it is used, not with this module: the data stages import this module for
+# start_process alone and never compute with torch (importing it is 2.5 s of a stage's start-up).
 PRECISIONS = ("fp32", "bf16", "fp16")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # precision -> torch dtype name
 
 
-def start_process(*, threads: int | None = None) -> None:
+def start_process(*, threads: int | None = None, uses_torch: bool = True) -> None:
     """Settings that must precede any CUDA work, and the library defaults every script wants.
 
     - ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``: less fragmentation with changing
@@ -28,20 +32,26 @@ def start_process(*, threads: int | None = None) -> None:
     - The test-only fault points of ``sd.faults`` (armed by ``SD_FAULT``; inert otherwise).
     - bitsandbytes' notice, on CPUs with AVX-512 BF16, that its optional 4-bit CPU kernels are not
       installed (diffusers imports it with every model; nothing here uses 4-bit layers) is muted.
-    A value the user already set in the environment is kept.
+    ``uses_torch=False`` (the data stages, which compute nothing with torch) leaves torch's settings
+    out and torch unimported. A value the user already set in the environment is kept.
     """
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
-    if threads is not None:
-        torch.set_num_threads(max(1, threads))
+    if uses_torch:
+        import torch
+
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        if threads is not None:
+            torch.set_num_threads(max(1, threads))
     sd.faults.arm_from_environment()
 
 
 def pick_device(choice: str = "auto", local_rank: int | None = None) -> torch.device:
     """``auto``: CUDA (this process's ``local_rank`` GPU), then Apple MPS, then the CPU."""
+    import torch
+
     if choice != "auto":
         device = torch.device(choice)
         if device.type == "cuda" and device.index is None and local_rank is not None:
@@ -57,13 +67,17 @@ def pick_device(choice: str = "auto", local_rank: int | None = None) -> torch.de
 
 def dtype_of(precision: str) -> torch.dtype:
     """``fp32`` / ``bf16`` / ``fp16`` -> the torch dtype."""
-    if precision not in DTYPES:
+    import torch
+
+    if precision not in DTYPE_NAMES:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
-    return DTYPES[precision]
+    return getattr(torch, DTYPE_NAMES[precision])
 
 
 def default_precision(device: torch.device) -> str:
     """What inference runs in when not told: bf16 on CUDA, fp16 on MPS, fp32 on the CPU."""
+    import torch
+
     return {"cuda": "bf16", "mps": "fp16"}.get(torch.device(device).type, "fp32")
 
 
@@ -76,6 +90,8 @@ def autocast(precision: str, device: torch.device):
     """Mixed-precision autocast for ``bf16`` / ``fp16``; nothing for ``fp32``."""
     import contextlib
 
+    import torch
+
     if precision == "fp32":
         return contextlib.nullcontext()
     return torch.autocast(device_type=torch.device(device).type, dtype=dtype_of(precision))
@@ -83,6 +99,8 @@ def autocast(precision: str, device: torch.device):
 
 def synchronize(device: torch.device) -> None:
     """Wait for queued device work (timings, peak memory)."""
+    import torch
+
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -277,7 +277,9 @@ def frozen_models(config):
 @contextlib.contextmanager
 def session(config, resolution: int = 512, device: str = "cuda"):
     """The configured models and step built once on fake tensors; yields ``run(batch_size) -> Estimate``,
-    the peak of one steady-state training step at that micro-batch. ``device``: ``"cuda"`` (CUDA's
+    the peak of one steady-state training step at that micro-batch, stepped once per batch size (a
+    steady-state step at a batch gives the same estimate whatever ran before it, so a batch asked
+    again, as the search and the report do, is not stepped again). ``device``: ``"cuda"`` (CUDA's
     autocast emulated, its allocator's rounding) or ``"cpu"`` (the CPU's own autocast: for comparing
     with a real CPU run)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -302,9 +304,12 @@ def session(config, resolution: int = 512, device: str = "cuda"):
                 step.text_cache = CachedPrompts(text_encoder.config.hidden_size)
             steps = 0
             per_batch = 2 if config.class_dir else 1  # prior preservation: a class image beside each instance
+            estimates: dict[int, Estimate] = {}
 
             def run(batch_size: int) -> Estimate:
                 nonlocal steps
+                if batch_size in estimates:
+                    return estimates[batch_size]
                 latent = resolution // 8
                 images = batch_size * per_batch
                 batches = [(torch.zeros(images, 4, latent, latent, dtype=torch.float16),
@@ -317,7 +322,8 @@ def session(config, resolution: int = 512, device: str = "cuda"):
                 sd.train.step.train_step(step, batches, steps)
                 steps += 1
                 parts = breakdown(allocations, step, vae, config, casts)
-                return Estimate(batch_size, resolution, parts, sum(parts.values()))
+                estimates[batch_size] = Estimate(batch_size, resolution, parts, sum(parts.values()))
+                return estimates[batch_size]
 
             yield run
 
@@ -347,18 +353,15 @@ def max_batch(config, gpu_memory_gb: float, resolution: int = 512, limit: int = 
     if run is None:
         with session(config, resolution) as run:
             return max_batch(config, gpu_memory_gb, resolution, limit, run)
-    cache: dict[int, Estimate] = {}
 
     def fits(batch: int) -> bool:
-        if batch not in cache:
-            cache[batch] = run(batch)
-        return cache[batch].peak_gb <= gpu_memory_gb
+        return run(batch).peak_gb <= gpu_memory_gb
 
-    fits(4), fits(8)
-    per_image = max((cache[8].peak_gb - cache[4].peak_gb) / 4, 1e-9)
-    guess = int(max(1, min(limit, 8 + (gpu_memory_gb - cache[8].peak_gb) // per_image)))
+    at_4, at_8 = run(4), run(8)
+    per_image = max((at_8.peak_gb - at_4.peak_gb) / 4, 1e-9)
+    guess = int(max(1, min(limit, 8 + (gpu_memory_gb - at_8.peak_gb) // per_image)))
     batch = largest_that_fits(fits, guess, limit)
-    return batch, cache.get(batch)
+    return batch, run(batch) if batch else None
 
 
 def largest_that_fits(fits, guess: int = 1, limit: int = 1 << 20) -> int:

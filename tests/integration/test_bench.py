@@ -16,17 +16,10 @@ import sd.model
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_bench(script: str, *args, own_process: bool = False) -> tuple[str, dict]:
-    """``python bench/SCRIPT ARGS``: its printed output and the JSON line it ends with. Run in this
-    process (its main, as the script's last line calls it) unless ``own_process``: a benchmark that
-    reads its own process's memory needs a process of its own. The children a benchmark starts for
-    its measurements are processes of their own either way."""
-    if own_process:
-        result = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], cwd=ROOT,
-                                capture_output=True, text=True, timeout=600)
-        assert result.returncode == 0, result.stderr[-3000:]
-        lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
-        return result.stdout, json.loads(lines[-1])
+def run_bench(script: str, *args) -> tuple[str, dict]:
+    """``python bench/SCRIPT ARGS``: its printed output and the JSON line it ends with, run in this
+    process (its main, as the script's last line calls it). The children a benchmark starts for its
+    measurements (those of memory on the CPU among them) are processes of their own."""
     module = importlib.import_module(f"bench.{Path(script).stem}")
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
@@ -118,12 +111,26 @@ def test_largest_batch_search_doubles_then_bisects():
     assert memory.largest_batch(trial, limit_gb=0.5, max_batch=8)[0] == 0
 
 
+def test_the_measured_peak_is_the_most_bytes_live_at_once_in_the_record():
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench import memory_estimate
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        first = torch.empty(4000, dtype=torch.uint8)
+        second = torch.empty(2000, dtype=torch.uint8)
+        del first
+        third = torch.empty(500, dtype=torch.uint8)  # 2500 bytes live now, 6000 before the del
+    assert memory_estimate.peak_live_bytes(prof, torch.device("cpu")) == 6000
+    del second, third
+
+
 @pytest.mark.slow
 def test_memory_bench_finds_the_largest_batch_of_ours_and_the_peer():
     # One trial a side (each is a process of its own): the search itself is sd.train.memory.largest_that_fits,
     # tested in tests/unit/test_sd_memory.py.
-    stdout, result = run_bench("memory.py", "--checkpointing", "1", "--max_batch", "1", "--batch", "1",
-                               own_process=True)
+    stdout, result = run_bench("memory.py", "--checkpointing", "1", "--max_batch", "1", "--batch", "1")
     rows = {row["impl"]: row for row in result["rows"]}
     assert set(rows) == {"ours", "peer"}
     for row in rows.values():

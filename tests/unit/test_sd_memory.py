@@ -148,6 +148,7 @@ def test_batch_size_auto_takes_the_largest_batch_that_fits_and_one_more_would_no
         budget = run(3).peak_gb  # a budget that batch 3 just fits
         batch = sd.train.memory.auto_batch_size(config, Dist.single("cpu"), gpu_memory_gb=budget)
         assert batch >= 3 and run(batch).peak_gb <= budget < run(batch + 1).peak_gb
+        assert run(3) is run(3)  # a batch asked again is not stepped again
 
 
 def test_a_text_encoder_of_another_width_or_a_lora_target_of_no_layer_stops_the_estimate_in_one_line(tmp_path,

@@ -238,6 +238,19 @@ def test_every_stage_runs_as_a_script_from_any_folder(tmp_path):
         assert out.startswith(f"usage: {name}.py ") and "--out OUT" in out
 
 
+def test_the_stages_before_tokenizing_start_without_torch():
+    """Stages 00-03 compute nothing with torch, and importing it would be 2.5 s of each start-up: their
+    modules and ``main`` up to the end of --help leave it (and the model libraries) unimported."""
+    code = ("import contextlib, importlib, io, sys\n"
+            "for name in sys.argv[1:]:\n"
+            "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+            "        importlib.import_module(f'pipeline.{name}').main(['--help'])\n"
+            "print(sorted(m for m in ('torch', 'diffusers', 'transformers') if m in sys.modules))")
+    names = [name for name in STAGES if name < "04"]
+    result = subprocess.run([sys.executable, "-c", code, *names], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "[]", (result.stdout, result.stderr[-2000:])
+
+
 @pytest.mark.parametrize("script", ["encode_latents", "train_vae"])
 def test_shard_readers_take_the_data_stages_spelling_input_too(script):
     module = importlib.import_module(script)
