@@ -74,6 +74,7 @@ def test_train_throughput_bench_rejects_unknown_variants():
     assert result.returncode == 2 and "--variants: unknown ['jit']" in result.stderr
 
 
+@pytest.mark.slow
 def test_peer_script_inputs_load_as_a_diffusers_pipeline_and_an_imagefolder(tmp_path):
     import datasets
     import torch
@@ -282,6 +283,7 @@ def test_bucket_cycles_hold_exactly_the_square_pixels_and_only_sizes_the_unet_ta
     assert kept == [] and dropped == sizes
 
 
+@pytest.mark.slow
 def test_bucket_throughput_bench_compares_bucket_cycles_with_square_training(tmp_path):
     stdout, result = run_bench("bucket_throughput.py", "--batch_sizes", "2", "--steps", "1", "--rounds", "1",
                                "--json", str(tmp_path / "out.json"))

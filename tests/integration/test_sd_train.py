@@ -214,6 +214,7 @@ def snapshot(step):
     }
 
 
+@pytest.mark.slow
 def test_non_finite_loss_updates_nothing(tmp_path, data):
     run = make_run(tmp_path, data, grad_accum=1, batch_size=4)
     good = [run.train_data.batch(np.arange(4))]

@@ -22,6 +22,7 @@ def rounded(tensors, block=sd.train.memory.ROUND["cuda"]) -> int:
     return sum(-(-t.numel() * t.element_size() // block) * block for t in tensors)
 
 
+@pytest.mark.slow
 def test_the_breakdown_holds_the_exact_sizes_of_the_weights_and_their_states():
     config = tiny_config(grad_checkpointing=False, ema_decay=0.999)
     estimate = sd.train.memory.estimate(config, batch_size=4, resolution=64)
@@ -73,6 +74,7 @@ def test_the_estimate_is_within_five_percent_of_the_cpu_allocators_measured_peak
     assert abs(estimate.allocated / measured - 1) <= 0.05, (estimate.allocated, measured)
 
 
+@pytest.mark.slow
 def test_estimate_memory_needs_no_data_and_ends_with_one_json_line(tmp_path, capsys):
     import SD_Train
 
