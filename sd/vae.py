@@ -18,7 +18,6 @@ import sd.data.shards
 import sd.files
 import sd.model
 import sd.runtime
-import sd.train.step
 
 log = logging.getLogger("train_vae")
 
@@ -199,7 +198,7 @@ def train(vae, train_images: torch.Tensor, args, device, state_path: Path, shard
     one is resumed from: the steps after it are the ones an uninterrupted run takes, bit for bit."""
     from tqdm.auto import tqdm
 
-    optimizer = sd.train.step.adamw(vae.parameters(), lr=args.lr, weight_decay=0.0)  # the trainer's, fused
+    optimizer = torch.optim.AdamW(vae.parameters(), lr=args.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, args.warmup_steps, args.max_steps))
     generator = torch.Generator(device=device).manual_seed(args.seed)
     order = torch.Generator().manual_seed(args.seed)

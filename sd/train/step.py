@@ -117,13 +117,6 @@ def build_optimizer(params: list, config):
         import bitsandbytes
 
         return bitsandbytes.optim.AdamW8bit(params, **kwargs)
-    return adamw(params, **kwargs)
-
-
-def adamw(params, **kwargs) -> torch.optim.AdamW:
-    """torch's AdamW, fused (one kernel for every parameter's update) where the device has the kernels,
-    the foreach version otherwise; torch's default on a CPU is a loop over the parameters."""
-    params = list(params)
     try:
         return torch.optim.AdamW(params, fused=True, **kwargs)
     except (RuntimeError, TypeError):  # fused kernels missing for this device or dtype

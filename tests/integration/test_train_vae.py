@@ -98,8 +98,6 @@ def test_a_stopped_run_resumes_to_the_weights_of_an_uninterrupted_one_bit_for_bi
     assert train_vae.main(argv(tmp_path / "b", "--stop_at_step", "3")) == 0
     assert "stopped after step 3" in capsys.readouterr().err
     assert not (tmp_path / "b").exists() and sd.vae.resume_path(tmp_path / "b").exists()
-    saved = torch.load(sd.vae.resume_path(tmp_path / "b"), weights_only=True)
-    assert saved["optimizer"]["param_groups"][0]["fused"]  # the trainer's AdamW: torch's CPU default loops
     # Another setting than the saved state's is refused, naming it, and the state is kept.
     assert train_vae.main(argv(tmp_path / "b", "--batch_size", "4")) == 2
     assert "saved with other batch_size" in capsys.readouterr().err
