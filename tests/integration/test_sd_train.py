@@ -903,3 +903,34 @@ def test_resume_drops_a_torn_last_metrics_line_and_stops_at_a_corrupt_one(tmp_pa
     assert f"{metrics}: dropped its torn last line" in caplog.text
     assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2, 3, 4]
     assert ckpt.latest_checkpoint(run_dir / "checkpoints").name == ckpt.step_dir_name(4)
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A gloo process group of this process alone: DDP's own code, no second process."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_accumulation_sums_into_the_buckets_with_no_second_gradient_copy(tmp_path, data, one_rank_group):
+    """Every micro-batch's gradients land in DDP's buckets, the no_sync ones included: each parameter's
+    ``.grad`` is the same bucket view at every accumulation of every step."""
+    run = make_run(tmp_path, data, grad_accum=2, batch_size=2)
+    sd.train.step.wrap_ddp(run.step)
+    params = [p for p in run.step.unet.parameters() if p.requires_grad]
+    bound = [p.grad.data_ptr() for p in params]  # bound to the buckets when DDP wrapped the UNet
+    seen = []
+    for p in params:
+        p.register_post_accumulate_grad_hook(lambda p: seen.append((id(p), p.grad.data_ptr())))
+    micro = [run.train_data.batch(np.arange(2)), run.train_data.batch(np.arange(2, 4))]
+    for i in range(2):
+        assert not sd.train.step.train_step(run.step, micro, i)["bad"]
+    where = {id(p): ptr for p, ptr in zip(params, bound)}
+    assert len(seen) == 2 * 2 * len(params)
+    assert all(ptr == where[key] for key, ptr in seen)
+    assert len({p.grad.untyped_storage().data_ptr() for p in params}) < len(params) / 10  # a few buckets
