@@ -145,10 +145,16 @@ def train_locked(config: TrainConfig, d: Dist) -> int:
 
 def loop(run: Run, stopper: StopSignal, metrics, bar, prefetch: Prefetcher) -> int:
     """Optimizer steps until the phase's last (or a stop): each epoch in its own order, the next step's
-    micro-batches built while this one runs; logging, validation, evaluation and saves between steps."""
+    micro-batches built while this one runs; logging, validation, evaluation and saves between steps.
+
+    The host does not wait for the device between steps: each step's statistics stay on the device
+    until a step that needs them (a log record, validation, a save, the last step; see ``read_due``),
+    and one read then takes every step's since the last one.
+    """
     config, d, state, total = run.config, run.d, run.state, run.total_steps
     images_per_step = config.batch_size * config.grad_accum * d.world_size
     tick, window_images = time.perf_counter(), 0
+    unread = []  # (step, epoch, lr, result) of the steps taken since the last read
     while state.step < total:
         batches, flips = sd.data.training_data.epoch_batches(run.train_data, config.seed, state.epoch, d.rank,
                                                             d.world_size, config.batch_size,
@@ -165,34 +171,57 @@ def loop(run: Run, stopper: StopSignal, metrics, bar, prefetch: Prefetcher) -> i
             sd.train.step.set_lr(run.step.optimizer, lr)
             with sd.model.attention_context(d.device):
                 result = sd.train.step.train_step(run.step, micro, state.step, stop_requested=stopper.requested())
-            epoch_done = state.advance(result["bad"], config.grad_accum, usable, images_per_step)
+            epoch_done = state.advance(config.grad_accum, usable, images_per_step)
+            unread.append((state.step, state.epoch, lr, result))
             window_images += images_per_step
-            record = image = None
-            if state.step % config.log_every == 0 or result["bad"]:
-                now = time.perf_counter()
-                record = step_record(run, result, lr, images_per_s=window_images / (now - tick))
-                tick, window_images = now, 0
-            if sd.train.validation.due(config, state.step):
-                record = record or step_record(run, result, lr)
-                if result["stop"]:  # every rank agreed to stop after this step: save now
-                    log.info("step %d: validation/evaluation skipped: stopping", state.step)
-                else:  # a stop signal during them cuts them short on every rank, and the run stops here
-                    image, result["stop"] = sd.train.validation.check(run, record, stopper.requested)
             if d.is_main:
-                if record is not None:
-                    metrics.write(record, image)
                 bar.update(1)
-                bar.set_postfix(loss=f"{result['loss']:.4f}", lr=f"{lr:.2e}")
                 sd.faults.point("sigterm_parent", state.step)
-            code = stop_code(run, result, stopper)
-            if sd.train.checkpointer.due(run, epoch_done, stopping=code is not None):
-                sd.train.checkpointer.save(run)
-            if code is not None:
-                return code
+            if read_due(run, epoch_done, stopper):
+                sd.train.step.read_results([r for *_, r in unread])
+                records, code = sd.train.run.take_results(run, unread)
+                if any(r["stop"] for *_, r in unread):  # every rank agreed to stop after this step
+                    code = stop_code(run, stopper) if code is None else code
+                unread = []
+                if records and records[-1]["step"] == state.step:
+                    now = time.perf_counter()
+                    records[-1]["images_per_s"] = window_images / (now - tick)
+                    tick, window_images = now, 0
+                image = None
+                if sd.train.validation.due(config, state.step):
+                    if not records or records[-1]["step"] != state.step:
+                        records.append(step_record(run, result, lr))
+                    if code is not None:  # stopping: save now
+                        log.info("step %d: validation/evaluation skipped: stopping", state.step)
+                    else:  # a stop signal during them cuts them short on every rank, and the run stops here
+                        image, interrupted = sd.train.validation.check(run, records[-1], stopper.requested)
+                        if interrupted:
+                            code = stop_code(run, stopper)
+                if code is None and state.step == config.stop_at_step:
+                    log.info("stop_at_step %d reached; re-run without it to continue", state.step)
+                    code = 0
+                if d.is_main:
+                    for i, record in enumerate(records):
+                        metrics.write(record, image if i == len(records) - 1 else None)
+                    bar.set_postfix(loss=f"{result['loss']:.4f}", lr=f"{lr:.2e}")
+                if sd.train.checkpointer.due(run, epoch_done, stopping=code is not None):
+                    sd.train.checkpointer.save(run)
+                if code is not None:
+                    return code
             if epoch_done:
                 break  # the next epoch has its own order
     log.info("finished: %d steps, %d images", state.step, state.samples_seen)
     return 0
+
+
+def read_due(run: Run, epoch_done: bool, stopper: StopSignal) -> bool:
+    """Whether the statistics of the steps since the last read are read after this step: for a log
+    record, validation, a save, stop_at_step or the last step; with one rank also at once on a stop
+    signal (with several, the ranks learn of one at their next read, at most ``log_every`` steps on)."""
+    config, step = run.config, run.state.step
+    return (step % config.log_every == 0 or step == run.total_steps or step == config.stop_at_step
+            or sd.train.validation.due(config, step) or sd.train.checkpointer.due(run, epoch_done, stopping=False)
+            or (run.d.world_size == 1 and stopper.requested()))
 
 
 if __name__ == "__main__":

@@ -315,7 +315,7 @@ def tokenize(tokenizer, prompts: list[str]) -> torch.Tensor:
 def encode_prompt_ids(text_encoder, input_ids: torch.Tensor) -> torch.Tensor:
     """CLIP ``last_hidden_state`` for token ids: ``(B, 77, hidden)``, the UNet's context."""
     device = next(text_encoder.parameters()).device
-    return text_encoder(input_ids.to(device)).last_hidden_state
+    return text_encoder(input_ids.to(device, non_blocking=True)).last_hidden_state
 
 
 # ---------------------------------------------------------------------------------------------

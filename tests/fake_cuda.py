@@ -16,7 +16,10 @@ still cannot do, ``fake_cuda()`` stands in for, each stand-in named here:
 * ``torch.cuda.is_available``/``is_bf16_supported`` say yes (so ``torch.autocast("cuda")`` is on);
   ``Event``, ``current_stream`` and ``synchronize`` do nothing: ordering between streams is not tested.
 * ``pin_memory`` returns the tensor unpinned: pinned copies run as plain copies.
-* Reads of values to the host (``tolist``, ``item``, ``numpy``) give zeros.
+* Reads of values to the host (``tolist``, ``item``, ``bool``, ``numpy``) give zeros. Given a list,
+  ``fake_cuda(syncs=...)`` also notes there every place the host would wait for the GPU: a read of a
+  CUDA tensor's values, and a copy between a CUDA tensor and host memory without ``non_blocking``
+  (what ``torch.cuda.set_sync_debug_mode("error")`` refuses on a GPU).
 * ``Tensor.backward``: the autograd engine asks for the CUDA library's current streams, which this
   build does not have. The forward pass records its graph as on a GPU; the caller's stand-in then sets
   the gradients (zeros of each parameter's shape on its device): the backward pass is not exercised.
@@ -30,6 +33,7 @@ import importlib
 import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import sd.train.memory
 
@@ -82,9 +86,10 @@ def _target_device(args, kwargs) -> torch.device:
 class CudaStandIns(TorchFunctionMode):
     """The stand-ins of the module docstring that act on tensor calls."""
 
-    def __init__(self, backward):
+    def __init__(self, backward, syncs: list | None = None):
         super().__init__()
         self.backward = backward
+        self.syncs = syncs
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -96,6 +101,9 @@ class CudaStandIns(TorchFunctionMode):
                 raise RuntimeError(f"{name}: a generator on {generator.device} used for a tensor on {target}")
         if name == "pin_memory":
             return args[0]
+        if self.syncs is not None and (name in sd.train.memory.HOST_READS or name == "numpy") \
+                and args[0].device.type == "cuda":
+            self.syncs.append(f"{name}() of a {tuple(args[0].shape)} CUDA tensor")
         if name in sd.train.memory.HOST_READS:
             return sd.train.memory.HOST_READS[name](args[0])
         if name == "numpy":
@@ -105,14 +113,39 @@ class CudaStandIns(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class HostWaits(TorchDispatchMode):
+    """Notes every operator that makes the host wait for a CUDA device: reading a value, and a copy
+    between a CUDA tensor and host memory that is not ``non_blocking``."""
+
+    def __init__(self, syncs: list):
+        super().__init__()
+        self.syncs = syncs
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        aten = torch.ops.aten
+        if func is aten._local_scalar_dense.default and args[0].device.type == "cuda":
+            self.syncs.append(f"a value read from a {tuple(args[0].shape)} CUDA tensor")
+        elif func in (aten._to_copy.default, aten.copy_.default):
+            source, target = (args[0], kwargs.get("device") or args[0].device) if func is aten._to_copy.default \
+                else (args[1], args[0].device)
+            blocking = not (kwargs.get("non_blocking") or (func is aten.copy_.default and len(args) > 2 and args[2]))
+            devices = {source.device.type, torch.device(target).type}
+            if blocking and devices == {"cuda", "cpu"} and source.dim() > 0:
+                self.syncs.append(f"a blocking copy of a {tuple(source.shape)} tensor from {source.device.type} to "
+                                  f"{torch.device(target).type}")
+        return func(*args, **kwargs)
+
+
 # Libraries that set themselves up for CUDA when first imported (bitsandbytes loads its CUDA kernels when
 # CUDA is available, and diffusers' and peft's model code imports it) are imported while CUDA is not faked.
 FIRST_IMPORTED = ("bitsandbytes", "peft", "diffusers.models.modeling_utils")
 
 
 @contextlib.contextmanager
-def fake_cuda(backward=lambda loss: None):
-    """Run code written for CUDA on fake CUDA tensors (see the module docstring for what stands in)."""
+def fake_cuda(backward=lambda loss: None, syncs: list | None = None):
+    """Run code written for CUDA on fake CUDA tensors (see the module docstring for what stands in);
+    ``syncs``: a list to note there each place the host would wait for the GPU."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     patches = {(torch, "Generator"): Generator, (torch.cuda, "is_available"): lambda: True,
@@ -128,7 +161,8 @@ def fake_cuda(backward=lambda loss: None):
         for (owner, name), value in patches.items():
             setattr(owner, name, value)
         try:
-            with sd.train.memory.module_moves_of_fake_tensors(), CudaStandIns(backward):
+            waits = HostWaits(syncs) if syncs is not None else contextlib.nullcontext()
+            with sd.train.memory.module_moves_of_fake_tensors(), CudaStandIns(backward, syncs), waits:
                 yield
         finally:
             for (owner, name), value in saved.items():

@@ -60,12 +60,24 @@ class EMA:
         return [params[name] for name in self.names]
 
     @torch.no_grad()
-    def update(self, model, step: int) -> bool:
-        """Fold the live weights in after optimizer step ``step`` (0-based). Returns whether it did."""
+    def update(self, model, step: int, skip: torch.Tensor | None = None) -> bool:
+        """Fold the live weights in after optimizer step ``step`` (0-based). Returns whether it did.
+
+        ``skip``: a bool on the model's device; where true the shadow stays as it was. A shadow on
+        that device takes it as a weight of zero, without the host reading it; a shadow in host
+        memory reads it (its copies wait for the device anyway).
+        """
         if (step + 1) % self.update_every:
             return False
-        decay = (ema_decay_at(step, self.decay) if self.warmup else self.decay) ** self.update_every
-        torch._foreach_lerp_(self.shadow, self._live_weights(model), 1.0 - decay)
+        weight = 1.0 - (ema_decay_at(step, self.decay) if self.warmup else self.decay) ** self.update_every
+        live = self._live_weights(model)
+        if skip is not None and skip.device == self.shadow[0].device:
+            weight = (~skip).float() * weight  # one 0-dim weight for every tensor
+            torch._foreach_lerp_(self.shadow, live, [weight] * len(self.shadow))
+            return True
+        if skip is not None and bool(skip):
+            return False
+        torch._foreach_lerp_(self.shadow, live, weight)
         return True
 
     def _live_weights(self, model) -> list[torch.Tensor]:

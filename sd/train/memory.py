@@ -445,12 +445,12 @@ def _zeros_list(tensor):
 
 
 # What reading a fake tensor's values to the host gives: zeros (fake tensors turn tolist into items).
-HOST_READS = {"tolist": _zeros_list, "item": _zero_item}
+HOST_READS = {"tolist": _zeros_list, "item": _zero_item, "__bool__": lambda tensor: False}
 
 
 class HostReadsAsZeros(TorchFunctionMode):
-    """The step's one read of device values to the host (``tolist``, ``item``) sees zeros: a fake tensor holds
-    no values, and zeros are a finite, non-overflowing step that updates the optimizer and the EMA."""
+    """A read of device values to the host (``tolist``, ``item``, ``bool``) sees zeros: a fake tensor holds no
+    values, and zeros are a finite, non-overflowing step that updates the optimizer and the EMA."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         read = HOST_READS.get(getattr(func, "__name__", ""))

@@ -56,18 +56,22 @@ class TrainState:
                 raise KeyError(f"train state lacks '{name}'")
             setattr(self, name, int(state.get(name, 0)))
 
-    def advance(self, bad: bool, grad_accum: int, usable: int, images_per_step: int) -> bool:
-        """Move past one optimizer step (``bad``: its update was skipped); True when that ended the epoch
-        (``usable``: the epoch's micro-batches that make whole steps)."""
+    def advance(self, grad_accum: int, usable: int, images_per_step: int) -> bool:
+        """Move past one optimizer step; True when that ended the epoch (``usable``: the epoch's
+        micro-batches that make whole steps). Whether its update was skipped is counted when its
+        statistics are read (``count``)."""
         self.position += grad_accum
         self.samples_seen += images_per_step
         self.step += 1
-        self.bad_in_a_row = self.bad_in_a_row + 1 if bad else 0
-        self.bad_steps += int(bad)
         if self.position < usable:
             return False
         self.epoch, self.position = self.epoch + 1, 0
         return True
+
+    def count(self, bad: bool) -> None:
+        """Count a step whose statistics were read (``bad``: its update was skipped), in step order."""
+        self.bad_in_a_row = self.bad_in_a_row + 1 if bad else 0
+        self.bad_steps += int(bad)
 
 
 @dataclass
@@ -260,37 +264,42 @@ def open_metrics(run: Run) -> sd.train.metrics.MetricsLog | None:
     return metrics
 
 
-def step_record(run: Run, result: dict, lr: float, images_per_s: float | None = None) -> dict:
-    record = {"step": run.state.step, "epoch": run.state.epoch, "loss": result["loss"], "lr": lr,
-              "grad_norm": result["grad_norm"], "loss_by_quartile": result["loss_quartiles"],
-              "peak_memory_gb": sd.train.metrics.peak_memory_gb(run.d.device), "bad_steps": run.state.bad_steps,
-              "skipped": result["bad"] or result["overflow"]}
-    if images_per_s is not None:
-        record["images_per_s"] = images_per_s
-    return record
+def step_record(run: Run, result, lr: float, step: int | None = None, epoch: int | None = None) -> dict:
+    """The metrics record of optimizer step ``step`` (default: the step just taken)."""
+    return {"step": run.state.step if step is None else step, "epoch": run.state.epoch if epoch is None else epoch,
+            "loss": result["loss"], "lr": lr, "grad_norm": result["grad_norm"],
+            "loss_by_quartile": result["loss_quartiles"],
+            "peak_memory_gb": sd.train.metrics.peak_memory_gb(run.d.device), "bad_steps": run.state.bad_steps,
+            "skipped": result["bad"] or result["overflow"]}
 
 
-def stop_code(run: Run, result: dict, stopper: "StopSignal") -> int | None:
-    """The exit code if the run ends after this step (its checkpoint is saved first), else None."""
-    state, config = run.state, run.config
-    if result["bad"]:
-        log.warning("step %d: non-finite loss or gradient norm; update skipped (%d in a row)", state.step,
-                    state.bad_in_a_row)
-    if state.bad_in_a_row >= config.max_bad_steps:
-        log.error("step %d: %d non-finite steps in a row; stopped (raise max_bad_steps, lower lr, or check the data)",
-                  state.step, state.bad_in_a_row)
-        return 3
-    if result["stop"]:
-        if stopper.signum:
-            log.info("stopped by signal %d after step %d; re-run the same command to resume", stopper.signum,
-                     state.step)
-        else:  # the ranks agreed on a stop that another one was sent
-            log.info("stopped after step %d by a signal to another rank; re-run the same command to resume", state.step)
-        return 128 + (stopper.signum or signal.SIGTERM)
-    if state.step == config.stop_at_step:
-        log.info("stop_at_step %d reached; re-run without it to continue", state.step)
-        return 0
-    return None
+def take_results(run: Run, window: list) -> tuple[list[dict], int | None]:
+    """Count the read steps of ``window`` (``(step, epoch, lr, result)`` in order) into the state: the
+    metrics records of its log steps and skipped steps, and exit code 3 when ``max_bad_steps``
+    non-finite steps in a row were reached (else None)."""
+    records, code, config = [], None, run.config
+    for step, epoch, lr, result in window:
+        run.state.count(result["bad"])
+        if result["bad"]:
+            log.warning("step %d: non-finite loss or gradient norm; update skipped (%d in a row)", step,
+                        run.state.bad_in_a_row)
+        if step % config.log_every == 0 or result["bad"]:
+            records.append(step_record(run, result, lr, step, epoch))
+        if code is None and run.state.bad_in_a_row >= config.max_bad_steps:
+            log.error("step %d: %d non-finite steps in a row; stopped (raise max_bad_steps, lower lr, or check the "
+                      "data)", step, run.state.bad_in_a_row)
+            code = 3
+    return records, code
+
+
+def stop_code(run: Run, stopper: "StopSignal") -> int:
+    """The exit code of a run that stops on a signal (to this rank or another), logged."""
+    if stopper.signum:
+        log.info("stopped by signal %d after step %d; re-run the same command to resume", stopper.signum,
+                 run.state.step)
+    else:  # the ranks agreed on a stop that another one was sent
+        log.info("stopped after step %d by a signal to another rank; re-run the same command to resume", run.state.step)
+    return 128 + (stopper.signum or signal.SIGTERM)
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)

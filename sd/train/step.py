@@ -65,7 +65,7 @@ class Step:
     trainable: list = dataclasses.field(default_factory=list)  # what the optimizer updates (UNet, text adapter)
     text_trains: bool = False  # a text-encoder adapter trains: prompts are encoded with gradients
     text_cache: "TextCache | None" = None  # prompt embeddings computed once (a frozen text encoder)
-    empty_ids: torch.Tensor | None = None  # (1, 77): the empty prompt's ids
+    empty_ids: torch.Tensor | None = None  # (1, 77): the empty prompt's ids, on the device
 
 
 # ---------------------------------------------------------------------------------------------
@@ -146,7 +146,7 @@ def build_step(config, d: Dist, unet, text_encoder, empty_ids: torch.Tensor, sca
                 torch.amp.GradScaler(d.device.type, enabled=config.precision == "fp16"), ema, noise_generator,
                 sd.model.ddpm_alphas_cumprod(zero_terminal_snr=config.zero_terminal_snr).to(d.device), scaling_factor,
                 LossSettings.from_config(config), d, trainable=trainable,
-                text_trains=any(p.requires_grad for p in text_encoder.parameters()), empty_ids=empty_ids)
+                text_trains=any(p.requires_grad for p in text_encoder.parameters()), empty_ids=empty_ids.to(d.device))
 
 
 def wrap_model(step: Step, compile: bool, shapes: int = 1) -> None:
@@ -234,9 +234,10 @@ def prompt_embeddings(step: Step, input_ids: torch.Tensor, generator: torch.Gene
     then get the empty prompt's ids, so their embedding follows the adapter too)."""
     device = step.d.device
     if step.text_trains:
-        drop = torch.rand(input_ids.shape[0], generator=generator, device=generator.device) < step.loss.cfg_dropout
-        ids = torch.where(drop.cpu()[:, None], step.empty_ids.to(input_ids.device), input_ids)
-        return step.text_encoder(ids.to(device)).last_hidden_state
+        ids = input_ids.to(device, non_blocking=True)
+        drop = torch.rand(ids.shape[0], generator=generator, device=generator.device) < step.loss.cfg_dropout
+        ids = torch.where(drop.to(device)[:, None], step.empty_ids.to(device), ids)
+        return step.text_encoder(ids).last_hidden_state
     if step.text_cache is not None:
         hidden = step.text_cache.lookup(input_ids).to(device, non_blocking=True)
     else:
@@ -292,7 +293,8 @@ class TextCache:
             rows = [self.index[row.tobytes()] for row in input_ids.cpu().numpy().astype(np.int64)]
         except KeyError:
             raise KeyError("a prompt of this batch is not in the text-embedding cache") from None
-        return self.embeddings[rows]
+        found = self.embeddings[rows]
+        return found.pin_memory() if self.embeddings.is_pinned() else found  # an asynchronous copy to the device
 
     @property
     def nbytes(self) -> int:
@@ -302,16 +304,20 @@ class TextCache:
 STATS = 13  # loss, bad, stop, per-quartile loss sums (4) and counts (4), grad norm, fp16 overflow
 
 
-def train_step(step: Step, micro_batches: list, step_index: int, stop_requested: bool = False) -> dict:
+def train_step(step: Step, micro_batches: list, step_index: int, stop_requested: bool = False) -> "StepResult":
     """Forward/backward over the accumulation, then one optimizer update unless anything is non-finite.
 
     ``micro_batches``: ``[(latents (B, 4, h, w), input_ids (B, 77)), ...]``; ``step_index``: the
     0-based optimizer step (the EMA's warm-up). The learning rate is set by the caller. A non-finite
     loss or gradient norm on any rank skips the update on every rank: weights, optimizer and EMA stay
     as they were. One all-reduce carries the loss, the bad-step flag, the stop request, the
-    per-quartile losses and the gradient norm, so every rank takes the same decision; reading its
-    result is the step's one device-to-host synchronisation (with fp16 on an optimizer without fused
-    kernels, GradScaler adds its own).
+    per-quartile losses and the gradient norm, so every rank takes the same decision.
+
+    The host does not wait for the device: the decision is applied on the device (fused AdamW skips
+    itself on its ``found_inf`` flag, the EMA's weight is zero), and the statistics stay there in the
+    returned ``StepResult`` until read (``read_results`` reads many steps' at once). Optimizers
+    without the flag (the foreach fallback, bitsandbytes' 8-bit AdamW) and an EMA in host memory read
+    the decision at the step.
     """
     settings, d = step.loss, step.d
     fp16 = settings.precision == "fp16"
@@ -340,29 +346,82 @@ def train_step(step: Step, micro_batches: list, step_index: int, stop_requested:
     if not fp16:  # with fp16, non-finite gradients are an overflow: the scaler skips the step and backs off
         bad = bad | ~grads_finite
     stats[1] = bad
-    stats[2] = float(stop_requested)
+    stats[2].fill_(float(stop_requested))
     stats[11] = grad_norm.double()
     stats[12] = ~grads_finite
-    values = sd.distributed.all_reduce_sum(stats, d).tolist()  # the one device-to-host read of the step
-    bad, overflow = values[1] > 0, fp16 and values[12] > 0
-    if bad:
-        step.optimizer.zero_grad(set_to_none=not keep_grads)
-        if fp16:
-            step.scaler.update()
-    else:
-        step.scaler.step(step.optimizer)  # skips the update itself on an fp16 overflow
+    stats = sd.distributed.all_reduce_sum(stats, d)
+    skip = stats[1] > 0
+    if fp16:
+        skip = skip | (stats[12] > 0)
+    apply_update(step, skip, step_index)
+    return StepResult(stats, d.world_size, fp16)
+
+
+def skips_on_device(optimizer) -> bool:
+    """Whether ``optimizer.step`` skips itself on the device when ``optimizer.found_inf`` is 1: torch's
+    fused AdamW (its kernel, and the undoing of its step count, read the flag)."""
+    return bool(getattr(optimizer, "defaults", {}).get("fused")) and isinstance(optimizer, torch.optim.AdamW)
+
+
+def apply_update(step: Step, skip: torch.Tensor, step_index: int) -> None:
+    """The optimizer, loss-scaler and EMA update of a step, none of it where ``skip`` (a device bool)."""
+    if skips_on_device(step.optimizer):
+        step.optimizer.found_inf = skip.float()
+        step.optimizer.grad_scale = None  # fp16: the gradients were unscaled already
+        step.optimizer.step()
+        step.scaler.update()  # fp16: backs off on its own overflow flag, else grows
+        if step.ema is not None:
+            step.ema.update(step.unet, step_index, skip=skip)
+        return
+    if bool(skip):  # a read of the device: these optimizers cannot skip on their own
         step.scaler.update()
-        if not overflow and step.ema is not None:
-            step.ema.update(step.unet, step_index)
-    sums, counts = values[3:7], values[7:11]
-    return {
-        "loss": values[0] / d.world_size,
-        "grad_norm": values[11] / d.world_size,
-        "bad": bad,
-        "overflow": overflow,
-        "stop": values[2] > 0,
-        "loss_quartiles": [sums[q] / counts[q] if counts[q] > 0 else None for q in range(4)],
-    }
+        return
+    step.scaler.step(step.optimizer)
+    step.scaler.update()
+    if step.ema is not None:
+        step.ema.update(step.unet, step_index)
+
+
+class StepResult:
+    """A step's statistics, all-reduced, on the device until first read.
+
+    ``result["loss"]`` (and ``grad_norm``, ``bad``, ``overflow``, ``stop``, ``loss_quartiles``) reads
+    them, one device-to-host copy; ``read_results`` reads a window of steps with one copy.
+    """
+
+    def __init__(self, stats: torch.Tensor, world_size: int, fp16: bool):
+        self.stats, self.world_size, self.fp16 = stats, world_size, fp16
+        self.values: dict | None = None
+
+    def __getitem__(self, key: str):
+        if self.values is None:
+            read_results([self])
+        return self.values[key]
+
+    def __setitem__(self, key: str, value) -> None:
+        self[key]  # read first
+        self.values[key] = value
+
+    def fill(self, values: list[float]) -> None:
+        sums, counts = values[3:7], values[7:11]
+        self.values = {
+            "loss": values[0] / self.world_size,
+            "grad_norm": values[11] / self.world_size,
+            "bad": values[1] > 0,
+            "overflow": self.fp16 and values[12] > 0,
+            "stop": values[2] > 0,
+            "loss_quartiles": [sums[q] / counts[q] if counts[q] > 0 else None for q in range(4)],
+        }
+        self.stats = None
+
+
+def read_results(results: list[StepResult]) -> list[StepResult]:
+    """Read the statistics of ``results`` not read yet to the host: one device-to-host copy for all."""
+    unread = [r for r in results if r.values is None]
+    if unread:
+        for result, values in zip(unread, torch.stack([r.stats for r in unread]).tolist()):
+            result.fill(values)
+    return results
 
 
 def average_text_gradients(step: Step) -> None:

@@ -841,16 +841,39 @@ class HostReads(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_an_optimizer_step_reads_from_the_device_once(tmp_path, data):
+def test_optimizer_steps_leave_their_statistics_on_the_device_until_one_read_of_them_all(tmp_path, data):
     run = make_run(tmp_path, data, grad_accum=2, batch_size=2)
     micro = [run.train_data.batch(np.arange(2)), run.train_data.batch(np.arange(2, 4))]
-    sd.train.step.train_step(run.step, micro, 0)  # the optimizer's state is created on the first step
+    sd.train.step.train_step(run.step, micro, 0)["bad"]  # the optimizer's state is created on the first step
     bad = [(latents.clone(), ids) for latents, ids in micro]
     bad[1][0][0, 0, 0, 0] = float("nan")
     with HostReads() as reads:
         results = [sd.train.step.train_step(run.step, batch, i) for i, batch in enumerate([micro, bad, micro], 1)]
-    assert [r["bad"] for r in results] == [False, True, False]
-    assert reads.count == 3  # one per optimizer step, skipped steps included
+    assert reads.count == 0  # the skip decision was applied on the device
+    with HostReads() as reads:
+        sd.train.step.read_results(results)
+        assert [r["bad"] for r in results] == [False, True, False]
+    assert reads.count == 1
+
+
+def test_the_loop_reads_the_statistics_at_log_steps_and_records_skipped_steps_between(tmp_path, data, monkeypatch):
+    windows, train_step = [], sd.train.step.train_step
+
+    def step_with_a_nan_at_step_4(step, micro, index, **kwargs):
+        if index == 4:  # the 5th step: a NaN latent
+            micro = [(latents.clone().fill_(float("nan")), ids) for latents, ids in micro]
+        return train_step(step, micro, index, **kwargs)
+
+    read = sd.train.step.read_results
+    monkeypatch.setattr(sd.train.step, "train_step", step_with_a_nan_at_step_4)
+    monkeypatch.setattr(sd.train.step, "read_results", lambda results: windows.append(len(results)) or read(results))
+    run_dir = tmp_path / "run"
+    config = write_config(tmp_path / "c.yaml", datasets=[data], max_steps=8, log_every=3, out_dir=str(run_dir))
+    assert SD_Train.main(["--config", str(config)]) == 0
+    assert windows == [3, 3, 2]  # steps 1-3, 4-6 and 7-8 (the last step)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["skipped"], r["bad_steps"]) for r in records] == [(3, False, 0), (5, True, 1), (6, False, 1)]
+    assert records[0]["images_per_s"] > 0 and "images_per_s" not in records[1]
 
 
 def test_prefetched_batches_equal_the_ones_built_in_place_and_a_stale_one_is_dropped(tmp_path, data):

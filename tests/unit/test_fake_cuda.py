@@ -32,8 +32,10 @@ def config(**fields) -> TrainConfig:
     return TrainConfig(**{**values, **fields})
 
 
-def train_one_step(cfg: TrainConfig):
-    """Build the trainer's step on CUDA and run one optimizer step; returns the step and its result."""
+def train_one_step(cfg: TrainConfig, steps: int = 1, syncs: list | None = None):
+    """Build the trainer's step on CUDA and run ``steps`` optimizer steps; returns the step and the last
+    one's result. ``syncs``: where the host would wait for the GPU, noted from the second step on
+    (building and the first step, which creates the optimizer's state, copy weights over)."""
     holder = {}
 
     def backward(loss):  # the stand-in for autograd's engine: gradients of the parameters' shapes, on their device
@@ -42,7 +44,7 @@ def train_one_step(cfg: TrainConfig):
             if parameter.requires_grad:
                 parameter.grad = torch.zeros_like(parameter)
 
-    with fake_cuda(backward):
+    with fake_cuda(backward, syncs):
         d = Dist.single(CUDA)
         text_encoder = holder["text_encoder"] = sd.model.load_text_encoder("tiny")
         unet = holder["unet"] = sd.model.build_unet("tiny", grad_checkpointing=cfg.grad_checkpointing,
@@ -55,13 +57,24 @@ def train_one_step(cfg: TrainConfig):
             step.text_encoder.to("cpu")
         batches = [(torch.randn(2, 4, 8, 8).half(), ids) for _ in range(cfg.grad_accum)]
         with sd.model.attention_context(d.device):
-            result = sd.train.step.train_step(step, batches, 0)
+            for i in range(steps):
+                if syncs is not None and i == 1:
+                    syncs.clear()
+                result = sd.train.step.train_step(step, batches, i)
+            waited = list(syncs or [])
+            sd.train.step.read_results([result])  # read while the fake tensors' stand-ins are in place
+            if syncs is not None:
+                syncs[:] = waited
     return step, result
 
 
 @pytest.mark.parametrize("ema_device", ["same", "cpu"])
 def test_a_training_step_keeps_every_tensor_on_its_device(ema_device):
-    step, result = train_one_step(config(ema_device=ema_device))
+    """And the host never waits for the GPU in a step, but where an EMA in host memory waits for its copies
+    and then reads whether the step was skipped."""
+    syncs = []
+    step, result = train_one_step(config(ema_device=ema_device), steps=3, syncs=syncs)
+    assert syncs == ([] if ema_device == "same" else ["__bool__() of a () CUDA tensor"] * 2)
     assert result["bad"] is False and result["stop"] is False  # zeros read back: a finite step, applied
     assert {p.device for p in step.unet.parameters()} == {CUDA}
     assert {p.grad.device for p in step.unet.parameters()} == {CUDA}
@@ -82,7 +95,11 @@ def test_a_training_step_keeps_every_tensor_on_its_device(ema_device):
     dict(lora_rank=4, cache_text_embeddings=True, noise_offset=0.05, class_dir="x", ema_device="cpu"),
 ], ids=["text-adapter-8bit", "cached-prompts-prior"])
 def test_a_lora_step_keeps_every_tensor_on_its_device(fields):
-    step, result = train_one_step(config(**fields))
+    """8-bit AdamW has no skip flag and an EMA in host memory waits for its copies: each reads whether
+    the step was skipped, the one wait of a step (the cached prompts' lookup does not block)."""
+    syncs = []
+    step, result = train_one_step(config(**fields), steps=3, syncs=syncs)
+    assert syncs == ["__bool__() of a () CUDA tensor"] * 2
     assert result["bad"] is False
     adapters = [p for p in step.trainable]
     assert adapters and all(sd.lora.adapters.is_adapter_name(n) for n, p in step.unet.named_parameters() if p.requires_grad)
@@ -131,3 +148,14 @@ def test_a_cpu_only_assumption_fails_here(monkeypatch):
     monkeypatch.setattr(sd.train.step, "apply_cfg_dropout", mask_left_on_the_cpu)
     with pytest.raises(Exception, match="(?i)device"):
         train_one_step(config())
+
+
+
+def test_fp16_steps_with_a_trained_text_adapter_never_make_the_host_wait_for_the_gpu():
+    """fp16 with its loss scaler, a text-encoder adapter trained (CFG dropout on the device's ids) and
+    fused AdamW: the skip decision, overflow included, stays on the device."""
+    syncs = []
+    step, _ = train_one_step(config(precision="fp16", grad_checkpointing=False, lora_rank=4, lora_text_encoder=True,
+                                    cfg_dropout=0.5), steps=3, syncs=syncs)
+    assert step.scaler.is_enabled() and step.text_trains
+    assert syncs == []
