@@ -1,5 +1,7 @@
 """CUDA-only checks (skipped without a GPU): kernels, compile with checkpointing, a full-size step."""
 
+import math
+
 import pytest
 import torch
 
@@ -73,6 +75,40 @@ def test_benchmarks_run_the_sd1_unet_on_the_gpu():
     result = _bench("sampling.py", "--arch", "sd1", "--resolution", "256", "--batch_sizes", "1", "--steps", "10",
                     "--modes", "eager,default", "--precision", "fp32")
     assert all(r["max_abs_difference"] < 0.05 for r in result["ratios"])  # ours and diffusers agree
+
+
+@pytest.mark.parametrize("fields", [dict(), dict(precision="fp16"), dict(lora_rank=4, lora_text_encoder=True)],
+                         ids=["bf16", "fp16-scaler", "lora-text-adapter"])
+def test_optimizer_steps_make_no_host_sync_between_reads(fields):
+    """The trainer's step on a real GPU under ``set_sync_debug_mode("error")``: any device->host read
+    or blocking copy inside a step raises; the statistics are read once, after the steps."""
+    from sd.distributed import Dist
+    from sd.train.config import TrainConfig
+    import sd.lora.adapters
+    import sd.train.step
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    cfg = TrainConfig(**{**dict(unet="tiny", text_encoder="tiny", vae="tiny", batch_size=2, grad_accum=2,
+                                precision="bf16", grad_checkpointing=True, ema_decay=0.999, datasets=[]), **fields})
+    d = Dist.single(device)
+    text_encoder = sd.model.load_text_encoder("tiny")
+    unet = sd.model.build_unet("tiny", grad_checkpointing=True).to(device).train()
+    sd.lora.adapters.apply_config(cfg, unet, text_encoder)
+    step = sd.train.step.build_step(cfg, d, unet, text_encoder, torch.full((1, 77), 49407), 0.18215)
+    batches = [(torch.randn(2, 4, 8, 8).half().pin_memory(), torch.randint(0, 49407, (2, 77)).pin_memory())
+               for _ in range(cfg.grad_accum)]
+    results = []
+    with sd.model.attention_context(device):
+        results.append(sd.train.step.train_step(step, batches, 0))  # creates the optimizer state
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for i in range(1, 4):
+                results.append(sd.train.step.train_step(step, batches, i))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    sd.train.step.read_results(results)
+    assert all(r["bad"] is False for r in results) and all(math.isfinite(r["loss"]) for r in results)
 
 
 def test_cpu_ema_of_cuda_weights_reads_finished_copies():
