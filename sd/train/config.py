@@ -170,7 +170,7 @@ class TrainConfig:
                                  allowed=NON_NEGATIVE)
     stop_at_step: int = _doc("end after this optimizer step as an interruption would (save, exit 0); 0 = off", 0,
                              allowed=NON_NEGATIVE)
-    log_every: int = _doc("log metrics every N optimizer steps", 10, allowed=COUNT)
+    log_every: int = _doc("log metrics every N optimizer steps (the step statistics are read from the device then, not every step)", 10, allowed=COUNT)
     validate_every: int = _doc("validation loss and sample grid every N optimizer steps; 0 = never", 1000,
                                allowed=NON_NEGATIVE)
     validation_prompts: list = _doc("prompts of the validation sample grid",
