@@ -148,8 +148,9 @@ class TrainConfig:
                               allowed=BELOW_ONE)
     ema_decay: float = _doc("EMA decay; 0 = no EMA", 0.9999, allowed=BELOW_ONE)
     ema_device: str = _doc("where the EMA lives: same (the training device) or cpu", "same")
-    ema_update_every: int = _doc("update the EMA every N optimizer steps (decay raised to the N-th power)", 1,
-                                 allowed=COUNT)
+    ema_update_every: int = _doc("update the EMA every N optimizer steps (decay raised to the N-th power); auto "
+                                 "(or 0): 10 for a whole UNet's EMA in host memory of a GPU run (each update copies "
+                                 "3.4 GB off the GPU), else 1", 0, allowed=NON_NEGATIVE)
     ema_warmup: str = _doc("EMA decay warm-up: restart (min(ema_decay, (1+t)/(10+t)) from this run's step 0), "
                            "off (the full ema_decay from the first step, so an inherited EMA keeps its weight), or "
                            "auto (off when init_from brings an EMA of ours, else restart; config.yaml records which)",
@@ -317,12 +318,13 @@ FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 
 
 AUTO_BATCH = 0  # batch_size: auto
+AUTO_COUNTS = ("batch_size", "ema_update_every")  # counts whose 0 is spelled auto
 
 
 def _coerce(name: str, value):
     """Convert a YAML or command-line value to the field's type, or say what was expected."""
     kind = FIELDS[name].type
-    if name == "batch_size" and isinstance(value, str) and value.strip().lower() == "auto":
+    if name in AUTO_COUNTS and isinstance(value, str) and value.strip().lower() == "auto":
         return AUTO_BATCH
     if kind == "bool":
         try:
@@ -691,7 +693,7 @@ def _cell(text: str) -> str:
 
 def describe_default(name: str) -> str:
     value = field_default(name)
-    if name == "batch_size" and value == AUTO_BATCH:
+    if name in AUTO_COUNTS and value == AUTO_BATCH:
         return "auto"
     if value in ("", [], None):
         return "(none)"

@@ -123,6 +123,15 @@ def build_optimizer(params: list, config):
         return torch.optim.AdamW(params, foreach=True, **kwargs)
 
 
+def ema_update_every(config, device: torch.device, lora: bool) -> int:
+    """``ema_update_every``, with auto resolved: every 10th step for a whole UNet's EMA in host memory of a
+    GPU run, where each update copies the weights off the GPU and waits for them (3.4 GB at SD 1.x,
+    0.1-0.6 s), every step otherwise (an EMA on the device, an adapter's EMA, a CPU run)."""
+    if config.ema_update_every:
+        return config.ema_update_every
+    return 10 if config.ema_device == "cpu" and device.type == "cuda" and not lora else 1
+
+
 def build_step(config, d: Dist, unet, text_encoder, empty_ids: torch.Tensor, scaling_factor: float) -> Step:
     """A step around a built UNet (on ``d.device``) and text encoder, at step 0.
 
@@ -138,7 +147,7 @@ def build_step(config, d: Dist, unet, text_encoder, empty_ids: torch.Tensor, sca
     ema = None
     if config.ema_decay > 0:
         ema = sd.train.ema.EMA(unet, config.ema_decay, device="cpu" if config.ema_device == "cpu" else None,
-                         update_every=config.ema_update_every, trainable_only=lora)
+                               update_every=ema_update_every(config, d.device, lora), trainable_only=lora)
     trainable = [p for p in unet.parameters() if p.requires_grad] + [
         p for p in text_encoder.parameters() if p.requires_grad]
     noise_generator = torch.Generator(device=d.device).manual_seed(config.seed * 7919 + d.rank + 1)

@@ -73,7 +73,7 @@ def test_a_training_step_keeps_every_tensor_on_its_device(ema_device):
     """And the host never waits for the GPU in a step, but where an EMA in host memory waits for its copies
     and then reads whether the step was skipped."""
     syncs = []
-    step, result = train_one_step(config(ema_device=ema_device), steps=3, syncs=syncs)
+    step, result = train_one_step(config(ema_device=ema_device, ema_update_every=1), steps=3, syncs=syncs)
     assert syncs == ([] if ema_device == "same" else ["__bool__() of a () CUDA tensor"] * 2)
     assert result["bad"] is False and result["stop"] is False  # zeros read back: a finite step, applied
     assert {p.device for p in step.unet.parameters()} == {CUDA}

@@ -160,7 +160,7 @@ RANGES = {
     "min_snr_gamma": (">= 0 and finite", [0.0, 20.0], [-5.0]),
     "cfg_dropout": ("in [0, 1)", [0.0, 0.99], [1.0, -0.1]),
     "ema_decay": ("in [0, 1)", [0.0, 0.99999], [1.0, 1.5, -0.1]),
-    "ema_update_every": (">= 1", [1], [0]),
+    "ema_update_every": (">= 0", [0, 1], [-1]),  # 0: auto
     "max_bad_steps": (">= 1", [1], [0]),
     "save_steps": (">= 1", [1], [0]),
     "keep_checkpoints": (">= 2", [2], [1, 0]),
@@ -413,3 +413,21 @@ def test_a_yaml_alias_bomb_is_refused_at_once_and_ordinary_aliases_still_work(tm
     fine = tmp_path / "fine.yaml"
     fine.write_text("unet: tiny\nvalidation_prompts: [&p 'a red circle', *p]\n")
     assert load_config(["--config", str(fine)], check_paths=False).validation_prompts == ["a red circle"] * 2
+
+
+def test_ema_update_every_auto_spaces_a_whole_unets_host_ema_of_a_gpu_run():
+    import dataclasses
+
+    import torch
+
+    import sd.train.step
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    auto = load_config(["--unet", "tiny", "--ema_update_every", "auto", "--ema_device", "cpu"], check_paths=False)
+    assert auto.ema_update_every == 0 and load_config(["--unet", "tiny"], check_paths=False).ema_update_every == 0
+    assert sd.train.step.ema_update_every(auto, cuda, lora=False) == 10
+    assert sd.train.step.ema_update_every(auto, cuda, lora=True) == 1  # an adapter's copy is small
+    assert sd.train.step.ema_update_every(auto, cpu, lora=False) == 1  # nothing to copy off a device
+    on_device = dataclasses.replace(auto, ema_device="same")
+    assert sd.train.step.ema_update_every(on_device, cuda, lora=False) == 1
+    assert sd.train.step.ema_update_every(dataclasses.replace(auto, ema_update_every=3), cuda, lora=False) == 3
