@@ -102,7 +102,7 @@ def build(config: TrainConfig, d: Dist) -> Run:
     config = sd.train.config.resolve_global_batch(config, d.world_size)
     run = sd.train.run.build(config, d)
     sd.train.checkpointer.resume_or_init(run)
-    sd.train.step.wrap_model(run.step, run.config.compile, len(run.train_data.shapes))
+    sd.train.step.wrap_model(run.step, run.config.compile, len(run.train_data.shapes), run.config.compile_mode)
     return run
 
 

@@ -159,6 +159,10 @@ class TrainConfig:
     grad_checkpointing: bool = _doc("recompute activations in backward to save memory", True)
     channels_last: bool = _doc("channels_last memory format for the UNet", False)
     compile: bool = _doc("torch.compile the UNet (works with grad_checkpointing)", False)
+    compile_mode: str = _doc("torch.compile mode with compile: default, max-autotune-no-cudagraphs (searches "
+                             "kernel choices at start), reduce-overhead (CUDA graphs: replays each micro-batch's "
+                             "kernels without launching them one by one) or max-autotune (both); "
+                             "bench/train_throughput.py --compile_mode measures them on a GPU", "default")
     max_bad_steps: int = _doc("stop after this many non-finite steps in a row", 10, allowed=COUNT)
     # -- checkpoints and logging ------------------------------------------------------------
     out_dir: str = _doc("run folder: config.yaml, metrics.jsonl, samples/, checkpoints/", "runs/train")
@@ -232,6 +236,7 @@ class TrainConfig:
         need(self.prediction_type in ("epsilon", "v_prediction"), "prediction_type: epsilon or v_prediction")
         need(self.precision in ("bf16", "fp16", "fp32"), "precision: bf16, fp16 or fp32")
         need(self.ema_device in ("same", "cpu"), "ema_device: same or cpu")
+        need(self.compile_mode in COMPILE_MODES, f"compile_mode: one of {', '.join(COMPILE_MODES)}")
         need(self.ema_warmup in ("auto", "restart", "off"), "ema_warmup: auto, restart or off")
         need(self.wandb_mode in ("online", "offline", "disabled"), "wandb_mode: online, offline or disabled")
         need(self.tensorboard.lower() in ("auto", "true", "false"), "tensorboard: auto, true or false")
@@ -318,6 +323,7 @@ FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 
 
 AUTO_BATCH = 0  # batch_size: auto
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune")
 AUTO_COUNTS = ("batch_size", "ema_update_every")  # counts whose 0 is spelled auto
 
 
@@ -628,7 +634,7 @@ ON_RESUME = {
     "ema_warmup": OnResume(FREE, "a resume keeps the warm-up its checkpoint records"),
     "precision": OnResume(WARN, "the resumed steps compute in the new precision (an fp16 loss scale starts afresh "
                                 "when fp16 is new)"),
-    "grad_checkpointing": OnResume(FREE), "channels_last": OnResume(FREE), "compile": OnResume(FREE),
+    "grad_checkpointing": OnResume(FREE), "channels_last": OnResume(FREE), "compile": OnResume(FREE), "compile_mode": OnResume(FREE),
     "max_bad_steps": OnResume(FREE),
     "out_dir": OnResume(FREE), "save_steps": OnResume(FREE), "save_every_epoch": OnResume(FREE),
     "keep_checkpoints": OnResume(FREE), "keep_every_steps": OnResume(FREE), "stop_at_step": OnResume(FREE),

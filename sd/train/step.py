@@ -66,6 +66,7 @@ class Step:
     text_trains: bool = False  # a text-encoder adapter trains: prompts are encoded with gradients
     text_cache: "TextCache | None" = None  # prompt embeddings computed once (a frozen text encoder)
     empty_ids: torch.Tensor | None = None  # (1, 77): the empty prompt's ids, on the device
+    cuda_graphs: bool = False  # the compiled model replays CUDA graphs (compile_mode reduce-overhead)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -158,15 +159,17 @@ def build_step(config, d: Dist, unet, text_encoder, empty_ids: torch.Tensor, sca
                 text_trains=any(p.requires_grad for p in text_encoder.parameters()), empty_ids=empty_ids.to(d.device))
 
 
-def wrap_model(step: Step, compile: bool, shapes: int = 1) -> None:
+def wrap_model(step: Step, compile: bool, shapes: int = 1, mode: str = "default") -> None:
     """DDP-wrap, then compile (after weights are loaded, so DDP broadcasts the right ones).
 
     Compiling the DDP module lets the compiler split graphs at bucket boundaries so communication
-    overlaps the backward pass. ``shapes``: the latent shapes the run trains (aspect-ratio buckets).
+    overlaps the backward pass. ``shapes``: the latent shapes the run trains (aspect-ratio buckets);
+    ``mode``: ``compile_mode``.
     """
     model = wrap_ddp(step) if step.d.world_size > 1 else step.unet
     if compile:
-        model = torch.compile(model, **compile_options(shapes))
+        model = torch.compile(model, **compile_options(shapes, mode))
+        step.cuda_graphs = mode in ("reduce-overhead", "max-autotune") and step.d.device.type == "cuda"
     step.model = model
 
 
@@ -190,8 +193,8 @@ def wrap_ddp(step: Step) -> torch.nn.Module:
     return step.ddp
 
 
-def compile_options(shapes: int) -> dict:
-    """``torch.compile`` options for a run over ``shapes`` latent shapes.
+def compile_options(shapes: int, mode: str = "default") -> dict:
+    """``torch.compile`` options for a run over ``shapes`` latent shapes in ``mode`` (``compile_mode``).
 
     Several shapes (aspect-ratio buckets): one static graph per shape, compiled the first time it
     comes. The default (``dynamic=None``) recompiles with symbolic sizes at the first shape change,
@@ -199,8 +202,9 @@ def compile_options(shapes: int) -> dict:
     value of Relational", pytorch/pytorch#185510) and took minutes on an H100; and dynamo's default
     limit of 8 recompiles per function would send the rest of SD 1.x's 17 default buckets to eager.
     """
+    options = {} if mode == "default" else {"mode": mode}
     if shapes <= 1:
-        return {}
+        return options
     import torch._dynamo.config as dynamo_config
 
     for name in ("recompile_limit", "cache_size_limit"):  # the newer and the older name of one limit
@@ -208,7 +212,7 @@ def compile_options(shapes: int) -> dict:
             setattr(dynamo_config, name, max(getattr(dynamo_config, name), 2 * shapes + 8))
     if hasattr(dynamo_config, "accumulated_recompile_limit"):
         dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 64 * shapes)
-    return {"dynamic": False}
+    return {**options, "dynamic": False}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -336,6 +340,8 @@ def train_step(step: Step, micro_batches: list, step_index: int, stop_requested:
     for i, (latents, input_ids) in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
         sync = contextlib.nullcontext() if last or step.ddp is None else step.ddp.no_sync()
+        if step.cuda_graphs:  # each micro-batch's forward and backward is a new replay of the graphs
+            torch.compiler.cudagraph_mark_step_begin()
         with sync:
             loss, timesteps = compute_loss(step, step.model, latents, input_ids, step.noise_generator)
             value = objective(loss, settings)

@@ -363,6 +363,9 @@ def test_a_bucketed_run_compiles_one_static_graph_per_shape():
     try:
         assert sd.train.step.compile_options(1) == {}  # square: torch's defaults
         assert sd.train.step.compile_options(17) == {"dynamic": False}
+        assert sd.train.step.compile_options(1, "reduce-overhead") == {"mode": "reduce-overhead"}
+        assert sd.train.step.compile_options(17, "max-autotune-no-cudagraphs") == {
+            "mode": "max-autotune-no-cudagraphs", "dynamic": False}
         assert getattr(dynamo_config, limit) >= 2 * 17  # every bucket keeps its graph (8 by default)
     finally:
         setattr(dynamo_config, limit, before)

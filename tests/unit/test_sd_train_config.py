@@ -267,6 +267,8 @@ def test_a_dataset_weight_written_1e_3_is_a_number(tmp_path, datasets):
     ({"lr": "fast"}, "lr: expected float, got 'fast'"),
     ({"batch_size": 2.0}, "batch_size: expected int, got 2.0"),
     ({"compile": "yes"}, "compile: expected bool, got 'yes'"),
+    ({"compile_mode": "fast"}, "compile_mode: one of default, max-autotune-no-cudagraphs, reduce-overhead, "
+                               "max-autotune"),
     ({"max_steps": True}, "max_steps: expected int, got True"),
     ({"vae": ""}, "vae must not be empty"),
 ])
@@ -348,7 +350,7 @@ def test_global_batch_keeps_the_curriculums_96_images_per_step_on_any_number_of_
 RESUME_WARNED = {"ema_decay", "ema_update_every", "precision"}
 RESUME_FREE = {
     "data_threads", "mmap_latents", "allow_missing_latents", "init_from", "cache_text_embeddings", "ema_device",
-    "ema_warmup", "grad_checkpointing", "channels_last", "compile", "max_bad_steps", "out_dir", "save_steps",
+    "ema_warmup", "grad_checkpointing", "channels_last", "compile", "compile_mode", "max_bad_steps", "out_dir", "save_steps",
     "save_every_epoch", "keep_checkpoints", "keep_every_steps", "stop_at_step", "log_every", "validate_every",
     "validation_prompts", "validation_samples", "validation_steps", "validation_cfg", "validation_width",
     "validation_height", "eval_every", "eval_prompts", "eval_n", "eval_reference", "eval_features",
