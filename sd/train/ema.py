@@ -5,6 +5,12 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch.distributed.tensor import DTensor
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's slice of a parameter split across the ranks (a DTensor); any other as it is."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def ema_decay_at(step: int, decay: float) -> float:
@@ -55,9 +61,11 @@ class EMA:
         self.staging: list[torch.Tensor] | None = None  # see _live_weights
 
     def parameters(self, model) -> list[torch.Tensor]:
-        """The parameters of ``model`` that the shadow averages, in the shadow's order."""
+        """The parameters of ``model`` that the shadow averages, in the shadow's order; of a model split
+        across the ranks (FSDP), this rank's slices, which a split shadow averages
+        (``sd.train.sharding.shard_ema``)."""
         params = dict(model.named_parameters())
-        return [params[name] for name in self.names]
+        return [local(params[name]) for name in self.names]
 
     @torch.no_grad()
     def update(self, model, step: int, skip: torch.Tensor | None = None) -> bool:
