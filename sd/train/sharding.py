@@ -160,9 +160,9 @@ def unsharded(module: torch.nn.Module):
     try:
         yield
     finally:
-        for m in modules:
+        for m in modules:  # FSDP's own choice: the root keeps its weights from forward to backward
             m.reshard()
-            m.set_reshard_after_forward(True, recurse=False)
+            m.set_reshard_after_forward(m is not module, recurse=False)
 
 
 # ---------------------------------------------------------------------------------------------
