@@ -296,6 +296,9 @@ def check_sharding(config: TrainConfig) -> None:
     if name == "fsdp" and config.precision == "fp16":
         raise ConfigError("sharding: fsdp runs precision bf16 or fp32 (fp16's loss scaler is not sharded); set "
                           "precision: bf16, or sharding: zero1")
+    if name == "fsdp" and config.channels_last:
+        raise ConfigError("sharding: fsdp needs contiguous weights (FSDP2 refuses channels_last convolution "
+                          "weights); set channels_last: false, or sharding: zero1")
     if name == "fsdp" and config.eval_every:
         raise ConfigError("sharding: fsdp does not run the in-training evaluation; set eval_every: 0 and score the "
                           "checkpoints with SD_Eval.py, or use sharding: zero1")

@@ -20,6 +20,8 @@ import contextlib
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
+import sd.train.checkpoint as ckpt
+
 
 def zero_optimizer(params: list, **kwargs):
     """AdamW over ``params`` with its state split across the ranks (ZeRO stage 1)."""
@@ -101,7 +103,8 @@ def by_name(state: dict, names: list[str]) -> dict:
 def by_index(state: dict, names: list[str]) -> dict:
     """An optimizer state dict keyed by parameter name, keyed by index as ``torch.optim`` writes it."""
     index = {name: i for i, name in enumerate(names)}
-    return {"state": {index[name]: value for name, value in sorted(state["state"].items(), key=lambda kv: index[kv[0]])},
+    ordered = sorted(state["state"].items(), key=lambda item: index[item[0]])
+    return {"state": {index[name]: value for name, value in ordered},
             "param_groups": [{**group, "params": [index[name] for name in group["params"]]}
                              for group in state["param_groups"]]}
 
@@ -247,8 +250,6 @@ class WholeEMA:
 def whole_states(states: dict, step) -> dict:
     """``states`` (the checkpointer's named entries) with the split ones replaced by entries that gather
     them whole for a save; in the same order."""
-    import sd.train.checkpoint as ckpt
-
     states = dict(states)
     if local_optimizer(step.optimizer) is not step.optimizer:
         states["optimizer"] = ZeroState(step.optimizer)

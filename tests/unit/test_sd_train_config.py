@@ -423,6 +423,8 @@ def test_a_yaml_alias_bomb_is_refused_at_once_and_ordinary_aliases_still_work(tm
     (["--sharding", "fsdp", "--optimizer", "adamw8bit"], "sharding: fsdp splits torch's AdamW state; set optimizer: "
      "adamw (adamw8bit's state is already a quarter of the size), or sharding: none"),
     (["--sharding", "fsdp", "--precision", "fp16"], "sharding: fsdp runs precision bf16 or fp32"),
+    (["--sharding", "fsdp", "--channels_last"], "sharding: fsdp needs contiguous weights"),
+    (["--sharding", "fsdp", "--eval_every", "10"], "sharding: fsdp does not run the in-training evaluation"),
 ])
 def test_sharding_refuses_what_it_cannot_run_naming_the_way_out(base_config, flags, shown):
     with pytest.raises(ConfigError) as error:
