@@ -12,10 +12,11 @@ and ``load_state_dict()``, and each becomes one file of ``run_dir/checkpoints/st
 
 Adding a piece of resumable state is one more entry in that dict. State split across the ranks
 (``sharding: zero1 | fsdp``, ``sd.train.sharding``) is an object with a ``gather()`` as well: every
-rank calls it before rank 0 writes, so the files hold whole tensors whatever the sharding. The folder is assembled in
-``.tmp_step_NNNNNNNN`` and renamed, so a crash while saving never leaves a folder that looks done;
-only folders with ``COMPLETE`` count. Before a save the ranks compare fingerprints of their weights
-(replicas that diverged stop the run). ``verify`` checks a folder against its manifest before
+rank calls it before rank 0 writes, so the files hold whole tensors whatever the sharding.
+
+The folder is assembled in ``.tmp_step_NNNNNNNN`` and renamed, so a crash while saving never leaves
+a folder that looks done; only folders with ``COMPLETE`` count. Before a save the ranks compare
+fingerprints of their weights (replicas that diverged stop the run). ``verify`` checks a folder against its manifest before
 anything in it is read; a folder that fails is ``Damaged``. ``.pt`` files are read with
 ``torch.load(weights_only=True)``: nothing is unpickled beyond tensors and plain containers.
 """

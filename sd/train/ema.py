@@ -5,12 +5,8 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from torch.distributed.tensor import DTensor
 
-
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's slice of a parameter split across the ranks (a DTensor); any other as it is."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+import sd.train.sharding
 
 
 def ema_decay_at(step: int, decay: float) -> float:
@@ -65,7 +61,7 @@ class EMA:
         across the ranks (FSDP), this rank's slices, which a split shadow averages
         (``sd.train.sharding.shard_ema``)."""
         params = dict(model.named_parameters())
-        return [local(params[name]) for name in self.names]
+        return [sd.train.sharding.local(params[name]) for name in self.names]
 
     @torch.no_grad()
     def update(self, model, step: int, skip: torch.Tensor | None = None) -> bool:
