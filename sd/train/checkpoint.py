@@ -10,10 +10,13 @@ and ``load_state_dict()``, and each becomes one file of ``run_dir/checkpoints/st
     manifest.json                         every other file's size and xxh3-128 content hash
     COMPLETE                              written last
 
-Adding a piece of resumable state is one more entry in that dict. The folder is assembled in
-``.tmp_step_NNNNNNNN`` and renamed, so a crash while saving never leaves a folder that looks done;
-only folders with ``COMPLETE`` count. Before a save the ranks compare fingerprints of their weights
-(replicas that diverged stop the run). ``verify`` checks a folder against its manifest before
+Adding a piece of resumable state is one more entry in that dict. State split across the ranks
+(``sharding: zero1 | fsdp``, ``sd.train.sharding``) is an object with a ``gather()`` as well: every
+rank calls it before rank 0 writes, so the files hold whole tensors whatever the sharding.
+
+The folder is assembled in ``.tmp_step_NNNNNNNN`` and renamed, so a crash while saving never leaves
+a folder that looks done; only folders with ``COMPLETE`` count. Before a save the ranks compare
+fingerprints of their weights (replicas that diverged stop the run). ``verify`` checks a folder against its manifest before
 anything in it is read; a folder that fails is ``Damaged``. ``.pt`` files are read with
 ``torch.load(weights_only=True)``: nothing is unpickled beyond tensors and plain containers.
 """
@@ -34,6 +37,7 @@ import numpy as np
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+from torch.distributed.tensor import DTensor
 
 import sd.distributed
 import sd.faults
@@ -179,6 +183,10 @@ def save(checkpoints_dir: Path, step: int, states: dict, d, config_text: str) ->
             shutil.rmtree(staging)
         staging.mkdir(parents=True)
     sd.distributed.barrier(d)
+    for obj in states.values():  # state split across the ranks is gathered for rank 0: a collective
+        gather = getattr(getattr(obj, "obj", obj), "gather", None)
+        if gather is not None:
+            gather()
     written, failure, path = [], None, staging
     try:
         for name, obj in states.items():
@@ -358,8 +366,19 @@ def save_torch(obj, path: Path) -> None:
 
 @torch.no_grad()
 def weights_fingerprint(tensors) -> torch.Tensor:
-    """Per-tensor float64 sums ``(n,)``: equal on every rank unless the replicas diverged."""
-    return torch.stack([t.detach().double().sum() for t in tensors]).cpu()
+    """Per-tensor float64 sums ``(n,)``: equal on every rank unless the replicas diverged.
+
+    A tensor split across the ranks (an FSDP parameter, a DTensor) is summed over its slices: every
+    rank gets the whole tensor's sum (a collective: every rank calls this together)."""
+    tensors = [t.detach() for t in tensors]
+    split = [isinstance(t, DTensor) for t in tensors]
+    sums = torch.stack([(t.to_local() if s else t).double().sum() for t, s in zip(tensors, split)])
+    if any(split):
+        mask = torch.tensor(split, device=sums.device)
+        parts = torch.where(mask, sums, torch.zeros_like(sums))
+        torch.distributed.all_reduce(parts)
+        sums = torch.where(mask, parts, sums)
+    return sums.cpu()
 
 
 def check_ranks_agree(model, d, step: int) -> None:

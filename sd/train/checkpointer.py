@@ -18,6 +18,7 @@ import sd.distributed
 import sd.formats
 import sd.lora.adapters
 import sd.train.checkpoint as ckpt
+import sd.train.sharding
 from sd.distributed import Dist
 from sd.train.config import ConfigError, TrainConfig, config_yaml, read_saved_config, resume_changes
 
@@ -66,7 +67,7 @@ def resumable(run: Run) -> dict:
         states["ema"] = ckpt.Weights(run.step.ema)
     states.update(optimizer=run.step.optimizer, scaler=run.step.scaler, train_state=run.state,
                   rng=ckpt.PerRank(run.rng))
-    return states
+    return sd.train.sharding.whole_states(states, run.step)
 
 
 class BaseFingerprint:

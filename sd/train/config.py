@@ -164,6 +164,9 @@ class TrainConfig:
                              "kernels without launching them one by one) or max-autotune (both); "
                              "bench/train_throughput.py --compile_mode measures them on a GPU", "default")
     max_bad_steps: int = _doc("stop after this many non-finite steps in a row", 10, allowed=COUNT)
+    sharding: str = _doc("how a full fine-tune spreads over several GPUs: none (DDP: every GPU holds the weights, "
+                         "gradients and optimizer state), zero1 (DDP, the AdamW state split across the GPUs) or "
+                         "fsdp (FSDP2: weights, gradients, AdamW state and EMA split); not with lora_rank", "none")
     # -- checkpoints and logging ------------------------------------------------------------
     out_dir: str = _doc("run folder: config.yaml, metrics.jsonl, samples/, checkpoints/", "runs/train")
     save_steps: int = _doc("save a checkpoint every N optimizer steps (and at the end of the run)", 1500,
@@ -246,6 +249,7 @@ class TrainConfig:
         need(all(isinstance(p, str) for p in self.validation_prompts), "validation_prompts: a list of strings")
         need(self.max_steps > 0 or self.epochs > 0, "set max_steps or epochs to a positive number")
         need(self.optimizer in ("adamw", "adamw8bit"), "optimizer: adamw or adamw8bit")
+        check_sharding(self)
         need(self.lora_targets and all(isinstance(t, str) and t.strip() for t in self.lora_targets),
              "lora_targets: a list of groups (attention, transformer, resnet) or module-name suffixes")
         need(self.lora_rank or not self.lora_text_encoder, "lora_text_encoder needs lora_rank > 0")
@@ -277,6 +281,33 @@ class TrainConfig:
 
 class ConfigError(ValueError):
     pass
+
+
+SHARDINGS = ("none", "zero1", "fsdp")
+
+
+def check_sharding(config: TrainConfig) -> None:
+    """``sharding`` and the settings it cannot run with, each refused with the way out."""
+    name = config.sharding
+    if name not in SHARDINGS:
+        raise ConfigError(f"sharding: none, zero1 or fsdp, got {name!r}")
+    if name == "none":
+        return
+    if config.lora_rank:
+        raise ConfigError(f"sharding: {name} splits a full fine-tune's state; a LoRA adapter is a few MB that every "
+                          "GPU holds whole: set sharding: none, or lora_rank: 0")
+    if config.optimizer != "adamw":
+        raise ConfigError(f"sharding: {name} splits torch's AdamW state; set optimizer: adamw (adamw8bit's state is "
+                          "already a quarter of the size), or sharding: none")
+    if name == "fsdp" and config.precision == "fp16":
+        raise ConfigError("sharding: fsdp runs precision bf16 or fp32 (fp16's loss scaler is not sharded); set "
+                          "precision: bf16, or sharding: zero1")
+    if name == "fsdp" and config.channels_last:
+        raise ConfigError("sharding: fsdp needs contiguous weights (FSDP2 refuses channels_last convolution "
+                          "weights); set channels_last: false, or sharding: zero1")
+    if name == "fsdp" and config.eval_every:
+        raise ConfigError("sharding: fsdp does not run the in-training evaluation; set eval_every: 0 and score the "
+                          "checkpoints with SD_Eval.py, or use sharding: zero1")
 
 
 TYPES = {"int": int, "float": (int, float), "bool": bool, "str": str, "list": list}
@@ -636,6 +667,7 @@ ON_RESUME = {
                                 "when fp16 is new)"),
     "grad_checkpointing": OnResume(FREE), "channels_last": OnResume(FREE), "compile": OnResume(FREE), "compile_mode": OnResume(FREE),
     "max_bad_steps": OnResume(FREE),
+    "sharding": OnResume(FREE, "checkpoints hold whole tensors whatever the sharding"),
     "out_dir": OnResume(FREE), "save_steps": OnResume(FREE), "save_every_epoch": OnResume(FREE),
     "keep_checkpoints": OnResume(FREE), "keep_every_steps": OnResume(FREE), "stop_at_step": OnResume(FREE),
     "log_every": OnResume(FREE), "validate_every": OnResume(FREE), "validation_prompts": OnResume(FREE),

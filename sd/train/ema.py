@@ -6,6 +6,8 @@ import contextlib
 
 import torch
 
+import sd.train.sharding
+
 
 def ema_decay_at(step: int, decay: float) -> float:
     """Warm-up of the EMA decay: ``min(decay, (1 + step) / (10 + step))``."""
@@ -55,9 +57,11 @@ class EMA:
         self.staging: list[torch.Tensor] | None = None  # see _live_weights
 
     def parameters(self, model) -> list[torch.Tensor]:
-        """The parameters of ``model`` that the shadow averages, in the shadow's order."""
+        """The parameters of ``model`` that the shadow averages, in the shadow's order; of a model split
+        across the ranks (FSDP), this rank's slices, which a split shadow averages
+        (``sd.train.sharding.shard_ema``)."""
         params = dict(model.named_parameters())
-        return [params[name] for name in self.names]
+        return [sd.train.sharding.local(params[name]) for name in self.names]
 
     @torch.no_grad()
     def update(self, model, step: int, skip: torch.Tensor | None = None) -> bool:

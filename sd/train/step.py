@@ -22,6 +22,7 @@ import sd.lora.adapters
 import sd.model
 import sd.runtime
 import sd.train.ema
+import sd.train.sharding
 from sd.distributed import Dist
 
 
@@ -67,6 +68,7 @@ class Step:
     text_cache: "TextCache | None" = None  # prompt embeddings computed once (a frozen text encoder)
     empty_ids: torch.Tensor | None = None  # (1, 77): the empty prompt's ids, on the device
     cuda_graphs: bool = False  # the compiled model replays CUDA graphs (compile_mode reduce-overhead)
+    sharding: str = "none"  # none, zero1 or fsdp (sd.train.sharding); fsdp applies at wrap_model
 
 
 # ---------------------------------------------------------------------------------------------
@@ -108,20 +110,22 @@ def apply_cfg_dropout(hidden: torch.Tensor, empty: torch.Tensor, p: float, gener
 # ---------------------------------------------------------------------------------------------
 
 
-def build_optimizer(params: list, config):
+def build_optimizer(params: list, config, zero: bool = False):
     """AdamW over ``params``: fused where the device has
     the kernels, the foreach version otherwise; ``optimizer: adamw8bit`` is bitsandbytes' 8-bit AdamW
-    (block-wise quantised moments: 2 bytes a parameter instead of 8)."""
+    (block-wise quantised moments: 2 bytes a parameter instead of 8). ``zero``: the AdamW state split
+    across the ranks (``sharding: zero1``)."""
     kwargs = dict(lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
                   weight_decay=config.weight_decay)
     if config.optimizer == "adamw8bit":
         import bitsandbytes
 
         return bitsandbytes.optim.AdamW8bit(params, **kwargs)
+    make = sd.train.sharding.zero_optimizer if zero else torch.optim.AdamW
     try:
-        return torch.optim.AdamW(params, fused=True, **kwargs)
+        return make(params, fused=True, **kwargs)
     except (RuntimeError, TypeError):  # fused kernels missing for this device or dtype
-        return torch.optim.AdamW(params, foreach=True, **kwargs)
+        return make(params, foreach=True, **kwargs)
 
 
 def ema_update_every(config, device: torch.device, lora: bool) -> int:
@@ -152,11 +156,13 @@ def build_step(config, d: Dist, unet, text_encoder, empty_ids: torch.Tensor, sca
     trainable = [p for p in unet.parameters() if p.requires_grad] + [
         p for p in text_encoder.parameters() if p.requires_grad]
     noise_generator = torch.Generator(device=d.device).manual_seed(config.seed * 7919 + d.rank + 1)
-    return Step(unet, unet, text_encoder, empty, build_optimizer(trainable, config),
+    sharding = getattr(config, "sharding", "none") if d.world_size > 1 else "none"
+    return Step(unet, unet, text_encoder, empty, build_optimizer(trainable, config, zero=sharding == "zero1"),
                 torch.amp.GradScaler(d.device.type, enabled=config.precision == "fp16"), ema, noise_generator,
                 sd.model.ddpm_alphas_cumprod(zero_terminal_snr=config.zero_terminal_snr).to(d.device), scaling_factor,
                 LossSettings.from_config(config), d, trainable=trainable,
-                text_trains=any(p.requires_grad for p in text_encoder.parameters()), empty_ids=empty_ids.to(d.device))
+                text_trains=any(p.requires_grad for p in text_encoder.parameters()), empty_ids=empty_ids.to(d.device),
+                sharding=sharding)
 
 
 def wrap_model(step: Step, compile: bool, shapes: int = 1, mode: str = "default") -> None:
@@ -166,7 +172,10 @@ def wrap_model(step: Step, compile: bool, shapes: int = 1, mode: str = "default"
     overlaps the backward pass. ``shapes``: the latent shapes the run trains (aspect-ratio buckets);
     ``mode``: ``compile_mode``.
     """
-    model = wrap_ddp(step) if step.d.world_size > 1 else step.unet
+    if step.sharding == "fsdp":
+        model = sd.train.sharding.shard_unet(step)
+    else:
+        model = wrap_ddp(step) if step.d.world_size > 1 else step.unet
     if compile:
         model = torch.compile(model, **compile_options(shapes, mode))
         step.cuda_graphs = mode in ("reduce-overhead", "max-autotune") and step.d.device.type == "cuda"
@@ -339,7 +348,7 @@ def train_step(step: Step, micro_batches: list, step_index: int, stop_requested:
     stats = torch.zeros(STATS, dtype=torch.float64, device=d.device)
     for i, (latents, input_ids) in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
-        sync = contextlib.nullcontext() if last or step.ddp is None else step.ddp.no_sync()
+        sync = contextlib.nullcontext() if last else sd.train.sharding.no_sync(step)
         if step.cuda_graphs:  # each micro-batch's forward and backward is a new replay of the graphs
             torch.compiler.cudagraph_mark_step_begin()
         with sync:
@@ -355,7 +364,7 @@ def train_step(step: Step, micro_batches: list, step_index: int, stop_requested:
     step.scaler.unscale_(step.optimizer)
     params = [p for p in step.trainable if p.grad is not None]
     clip = settings.grad_clip if settings.grad_clip > 0 else float("inf")
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
+    grad_norm = sd.train.sharding.whole(torch.nn.utils.clip_grad_norm_(params, clip))  # fsdp: a DTensor
     grads_finite = torch.isfinite(grad_norm)
     bad = ~torch.isfinite(stats[0])
     if not fp16:  # with fp16, non-finite gradients are an overflow: the scaler skips the step and backs off
@@ -379,10 +388,15 @@ def skips_on_device(optimizer) -> bool:
 
 
 def apply_update(step: Step, skip: torch.Tensor, step_index: int) -> None:
-    """The optimizer, loss-scaler and EMA update of a step, none of it where ``skip`` (a device bool)."""
-    if skips_on_device(step.optimizer):
-        step.optimizer.found_inf = skip.float()
-        step.optimizer.grad_scale = None  # fp16: the gradients were unscaled already
+    """The optimizer, loss-scaler and EMA update of a step, none of it where ``skip`` (a device bool).
+
+    ``sharding: zero1``: ZeRO steps its local fused AdamW, which reads the flag set on it, then
+    broadcasts each rank's parameters (unchanged where skipped). ``fsdp``: the flag is a plain tensor
+    beside the DTensor parameters, which the fused kernel accepts."""
+    local = sd.train.sharding.local_optimizer(step.optimizer)
+    if skips_on_device(local):
+        local.found_inf = skip.float()
+        local.grad_scale = None  # fp16: the gradients were unscaled already
         step.optimizer.step()
         step.scaler.update()  # fp16: backs off on its own overflow flag, else grows
         if step.ema is not None:

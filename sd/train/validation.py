@@ -21,6 +21,7 @@ import sd.distributed
 import sd.evaluation
 import sd.runtime
 import sd.sampling
+import sd.train.sharding
 import sd.train.step
 from sd.train.config import TrainConfig
 
@@ -58,10 +59,11 @@ def validate(run: Run, record: dict, stop=None) -> Path | None:
     ``stop``: see the module's docstring."""
     step, config = run.step, run.config
     if run.val_data is not None:
-        record["val_loss"] = sd.train.step.validation_loss(step, run.val_data, config.validation_samples,
-                                                          config.batch_size, stop)
+        with sd.train.sharding.unsharded(step.unet):  # fsdp: the ranks' batch counts may differ
+            record["val_loss"] = sd.train.step.validation_loss(step, run.val_data, config.validation_samples,
+                                                              config.batch_size, stop)
         if step.ema is not None:
-            with step.ema.swapped_in(step.unet):
+            with step.ema.swapped_in(step.unet), sd.train.sharding.unsharded(step.unet):
                 record["val_loss_ema"] = sd.train.step.validation_loss(step, run.val_data, config.validation_samples,
                                                                       config.batch_size, stop)
     if not config.validation_prompts:
@@ -73,12 +75,13 @@ def validate(run: Run, record: dict, stop=None) -> Path | None:
 
 @contextlib.contextmanager
 def ema_sampling(run: Run):
-    """The UNet in eval mode with the EMA weights swapped in (when there is an EMA), under the run's autocast."""
+    """The UNet in eval mode with the EMA weights swapped in (when there is an EMA), under the run's autocast;
+    with ``sharding: fsdp`` gathered whole (the ranks sample different numbers of images)."""
     unet = run.step.unet
     swap = run.step.ema.swapped_in(unet) if run.step.ema is not None else contextlib.nullcontext()
     unet.eval()
     try:
-        with swap, sd.runtime.autocast(run.config.precision, run.d.device):
+        with swap, sd.train.sharding.unsharded(unet), sd.runtime.autocast(run.config.precision, run.d.device):
             yield
     finally:
         unet.train()

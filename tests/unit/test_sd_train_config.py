@@ -354,7 +354,7 @@ RESUME_FREE = {
     "save_every_epoch", "keep_checkpoints", "keep_every_steps", "stop_at_step", "log_every", "validate_every",
     "validation_prompts", "validation_samples", "validation_steps", "validation_cfg", "validation_width",
     "validation_height", "eval_every", "eval_prompts", "eval_n", "eval_reference", "eval_features",
-    "eval_clip_model", "eval_batch_size", "wandb_project", "wandb_mode", "tensorboard", "device"}
+    "eval_clip_model", "eval_batch_size", "wandb_project", "wandb_mode", "tensorboard", "device", "sharding"}
 RESUME_DREAMBOOTH_ONLY = {"vae", "instance_prompt", "class_dir", "class_prompt", "num_class_images", "image_size",
                           "prior_loss_weight"}
 
@@ -433,3 +433,25 @@ def test_ema_update_every_auto_spaces_a_whole_unets_host_ema_of_a_gpu_run():
     on_device = dataclasses.replace(auto, ema_device="same")
     assert sd.train.step.ema_update_every(on_device, cuda, lora=False) == 1
     assert sd.train.step.ema_update_every(dataclasses.replace(auto, ema_update_every=3), cuda, lora=False) == 3
+
+
+@pytest.mark.parametrize("flags, shown", [
+    (["--sharding", "zero3"], "sharding: none, zero1 or fsdp, got 'zero3'"),
+    (["--sharding", "zero1", "--lora_rank", "4", "--init_from", "runs/x"],
+     "sharding: zero1 splits a full fine-tune's state; a LoRA adapter is a few MB that every GPU holds whole: set "
+     "sharding: none, or lora_rank: 0"),
+    (["--sharding", "fsdp", "--optimizer", "adamw8bit"], "sharding: fsdp splits torch's AdamW state; set optimizer: "
+     "adamw (adamw8bit's state is already a quarter of the size), or sharding: none"),
+    (["--sharding", "fsdp", "--precision", "fp16"], "sharding: fsdp runs precision bf16 or fp32"),
+    (["--sharding", "fsdp", "--channels_last"], "sharding: fsdp needs contiguous weights"),
+    (["--sharding", "fsdp", "--eval_every", "10"], "sharding: fsdp does not run the in-training evaluation"),
+])
+def test_sharding_refuses_what_it_cannot_run_naming_the_way_out(base_config, flags, shown):
+    with pytest.raises(ConfigError) as error:
+        load_config(["--config", str(base_config), *flags], check_paths=False)
+    assert str(error.value).startswith(shown)
+
+
+@pytest.mark.parametrize("sharding", ["none", "zero1", "fsdp"])
+def test_every_sharding_of_a_full_fine_tune_is_accepted(base_config, sharding):
+    assert load_config(["--config", str(base_config), "--sharding", sharding]).sharding == sharding

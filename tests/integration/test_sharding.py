@@ -1,0 +1,146 @@
+"""``sharding: zero1 | fsdp`` on 2 gloo ranks under torchrun: the same losses as DDP, a bitwise resume,
+checkpoints an unsharded run (and the exporters) read, and skipped non-finite steps."""
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import sd.data.training_data
+import sd.formats
+import sd.train.checkpoint as ckpt
+import sd.train.checkpointer
+import SD_Train
+from sd.distributed import Dist
+from sd.train.config import TrainConfig
+
+from data_factory import BASE, assert_bitwise_equal, make_dataset
+from test_sd_train import final_state, losses, torchrun, write_config
+
+# 64 training samples, 2 ranks x batch 2 x accumulation 2: 8 optimizer steps per epoch.
+TOTAL, HALF = 6, 3
+SHARDED = ["zero1", "fsdp"]
+
+
+def launch(root: Path, data, sharding: str, out: str, *flags) -> Path:
+    config = write_config(root / f"{out}.yaml", datasets=[data], max_steps=TOTAL, out_dir=str(root / out),
+                          validate_every=HALF, sharding=sharding)
+    torchrun(config, *flags)
+    return root / out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, dataset_64):
+    """Per sharding: TOTAL steps straight, and HALF + resume + HALF (validation at HALF and TOTAL in
+    both); for the sharded ones also the HALF checkpoint resumed with ``sharding: none``."""
+    root = tmp_path_factory.mktemp("sharding")
+    found = {"none": launch(root, dataset_64, "none", "none")}
+    for sharding in SHARDED:
+        found[sharding] = launch(root, dataset_64, sharding, sharding)
+        split = launch(root, dataset_64, sharding, f"{sharding}_split", "--stop_at_step", HALF)
+        shutil.copytree(split, root / f"{sharding}_then_none")
+        launch(root, dataset_64, sharding, f"{sharding}_split")
+        found[f"{sharding}_split"] = split
+        found[f"{sharding}_then_none"] = launch(root, dataset_64, "none", f"{sharding}_then_none")
+    return found
+
+
+def val_losses(run_dir: Path) -> list[float]:
+    """The validation losses of the live and the EMA weights, in step order."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r[name] for r in records if "val_loss" in r for name in ("val_loss", "val_loss_ema")]
+
+
+def assert_close(a: dict, b: dict, atol: float):
+    assert a.keys() == b.keys()
+    worst = max((a[k].double() - b[k].double()).abs().max().item() for k in a if a[k].is_floating_point())
+    assert worst <= atol, worst
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sharding", SHARDED)
+def test_sharded_losses_and_weights_equal_ddp_to_float_tolerance(runs, sharding):
+    reference = losses(runs["none"])
+    assert len(reference) == TOTAL and len(set(reference)) == TOTAL  # every step logged, and they differ
+    assert losses(runs[sharding]) == pytest.approx(reference, rel=1e-5)
+    assert val_losses(runs[sharding]) == pytest.approx(val_losses(runs["none"]), rel=1e-5)
+    assert len(val_losses(runs[sharding])) == 4  # validation of the live and EMA weights at HALF and TOTAL
+    # Weights, EMA, AdamW moments and step counts: whole tensors under the same names as DDP's.
+    ours, theirs = final_state(runs[sharding], TOTAL), final_state(runs["none"], TOTAL)
+    assert_close(ours, theirs, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sharding", SHARDED)
+def test_a_sharded_run_resumes_bit_for_bit(runs, sharding):
+    """HALF steps, a stop, and HALF more end with the weights, EMA, AdamW state, RNGs and losses of the
+    run that went straight through."""
+    straight, split = runs[sharding], runs[f"{sharding}_split"]
+    assert [p.name for p in (split / "checkpoints").iterdir()] == [ckpt.step_dir_name(HALF), ckpt.step_dir_name(TOTAL)]
+    assert_bitwise_equal(final_state(split, TOTAL), final_state(straight, TOTAL))
+    assert losses(split) == losses(straight)
+    assert val_losses(split) == val_losses(straight)
+    at_half = final_state(split, HALF)
+    changed = [k for k in at_half if not torch.equal(at_half[k], final_state(split, TOTAL)[k])]
+    assert len(changed) > len(at_half) // 2  # the resumed half trained
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sharding", SHARDED)
+def test_a_sharded_checkpoint_resumes_unsharded_and_exports_the_same_keys(runs, sharding, tmp_path):
+    # Resumed with sharding none (DDP) at HALF: it goes on as the sharded run did, to float tolerance.
+    then_none = runs[f"{sharding}_then_none"]
+    assert losses(then_none) == pytest.approx(losses(runs[sharding]), rel=1e-5)
+    assert losses(then_none)[:HALF] == losses(runs[sharding])[:HALF]  # the sharded half, as written then
+    assert_close(final_state(then_none, TOTAL), final_state(runs[sharding], TOTAL), atol=1e-5)
+    # Every file of the checkpoint has the layout an unsharded run writes.
+    ours, theirs = (run / "checkpoints" / ckpt.step_dir_name(TOTAL) for run in (runs[sharding], runs["none"]))
+    assert sorted(p.name for p in ours.iterdir()) == sorted(p.name for p in theirs.iterdir())
+    for name in ("unet.safetensors", "ema.safetensors"):
+        assert list(load_file(ours / name)) == list(load_file(theirs / name))
+    mine, other = (torch.load(folder / "optimizer.pt", weights_only=True) for folder in (ours, theirs))
+    assert mine["param_groups"] == other["param_groups"]
+    assert list(mine["state"]) == list(other["state"]) == list(range(len(mine["state"])))
+    # The exporters read it: a single file with the same keys and (nearly) the same tensors.
+    exported = [sd.formats.single_file_state_dict(p.unet, p.vae, p.text_encoder)
+                for p in (sd.formats.load_pipeline(str(folder)) for folder in (ours, theirs))]
+    assert_close(exported[0], exported[1], atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sharding", SHARDED)
+def test_a_non_finite_sample_skips_its_steps_on_both_ranks(tmp_path, sharding):
+    """The skipped update leaves weights, EMA and AdamW state alone on every rank (its step count too)."""
+    entry = make_dataset(tmp_path / "data", n_train=64, n_val=0)
+    shard = Path(entry["latents"]) / "00000.npy"
+    array = np.load(shard)
+    array[13] = np.nan  # train sample 13: in step 3 (rank 0's fifth micro-batch)
+    np.save(shard, array)
+    steps = 4
+    config = write_config(tmp_path / "n.yaml", datasets=[entry], max_steps=steps, out_dir=str(tmp_path / "run"),
+                          sharding=sharding)
+    torchrun(config)
+    order = sd.data.training_data.epoch_order([64], [1.0], seed=0, epoch=0)
+    per_rank = [sd.data.training_data.rank_batches(order, r, 2, 2) for r in range(2)]
+    expected = sorted({i // 2 + 1 for r in range(2) for i, b in enumerate(per_rank[r])
+                       if 13 in b.tolist() and i // 2 < steps})
+    assert expected == [3]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["skipped"]] == expected
+    state = final_state(tmp_path / "run", steps)
+    assert all(torch.isfinite(v).all() for k, v in state.items() if k.startswith(("unet.", "ema.", "opt.")))
+    counts = {v.item() for k, v in state.items() if k.endswith(".step")}
+    assert counts == {steps - len(expected)}  # the skipped steps are not counted by AdamW
+
+
+def test_a_single_process_ignores_sharding(tmp_path, dataset_16):
+    """One rank has nothing to split: the run is the unsharded one."""
+    config = TrainConfig(**{**BASE, "datasets": [dataset_16], "out_dir": str(tmp_path / "run"), "sharding": "zero1"})
+    config.validate()
+    run = SD_Train.build(config, Dist.single())
+    assert run.step.sharding == "none" and isinstance(run.step.optimizer, torch.optim.AdamW)
+    assert list(sd.train.checkpointer.resumable(run)) == ["unet", "ema", "optimizer", "scaler", "train_state", "rng"]
