@@ -7,12 +7,12 @@
 #
 # Runs, each under its own timeout and all within --budget seconds (default 1740): the training step's
 # images/s and MFU at 512 and 256 px for batch 8, 16, 32 and the batch `batch_size: auto` picks, eager
-# (bench/train_throughput.py); DDP on all GPUs against one (bench/ddp_step.py, with 2 or more GPUs);
-# ours against diffusers' train_text_to_image.py step on the same GPU and batch (its script end to end
+# (bench/train_throughput.py), and compiled at 512 px for batch 16 and auto; DDP on all GPUs against
+# one (bench/ddp_step.py, with 2 or more GPUs); ours against diffusers' train_text_to_image.py step on the same GPU and batch (its script end to end
 # too with --peer_script or DIFFUSERS_TRAIN_SCRIPT); the measured peak memory against sd.train.memory's
 # estimate (bench/lora_step.py --ema) and the SD 1.x predictions (bench/memory_estimate.py); sampling
-# (bench/sampling.py); latent encoding (bench/encode_throughput.py); `pytest -m gpu`; then the compiled
-# steps, one batch at a time (about two minutes of compiling each), as long as the budget lasts. A
+# (bench/sampling.py); latent encoding (bench/encode_throughput.py); `pytest -m gpu`; then the other
+# compiled steps, one batch at a time (about two minutes of compiling each), as long as the budget lasts. A
 # piece that times out or fails is marked so and the suite goes on. Writes
 # bench/results/gpu_suite_<date>_<gpu>.md (or --out): a summary table, then per piece its command, how
 # it ended, Markdown tables of its JSON result and its printed tables. The file appears when the suite
@@ -40,11 +40,13 @@ while [ $# -gt 0 ]; do
     shift
 done
 
-GPUS=0
-if command -v nvidia-smi >/dev/null 2>&1; then GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true); fi
+GPUS=0  # the GPUs this process may use (CUDA_VISIBLE_DEVICES counts; nvidia-smi -L lists them all)
+if command -v nvidia-smi >/dev/null 2>&1; then
+    GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || nvidia-smi -L | grep -c '^GPU')
+fi
 if [ "$SMOKE" = 1 ]; then
     DEVICE=cpu GPU_NAME="cpu-smoke" ARCH=tiny RESOLUTIONS="64" BATCHES="2" AUTO_ARGS="--gpu_gb 0.6 --limit 4"
-    PEER_BATCH=2 MEM_BATCH=2 COMPILE_BATCHES="" DDP_RANKS=2 PRECISION=fp32
+    PEER_BATCH=2 COMPILE_FIRST="" COMPILE_LATER="" DDP_RANKS=2 PRECISION=fp32
     STEPS="--warmup 1 --timed_steps 1 --rounds 1"
     DDP_ARGS="--batch 2 --warmup 1 --timed_steps 1 --rounds 1"
     MEM_ARGS="--resolution 64 --batch_sizes 2 --warmup 1 --timed_steps 1 --peer false --estimate false"
@@ -58,7 +60,9 @@ else
     fi
     DEVICE=cuda ARCH=sd1 RESOLUTIONS="512 256" BATCHES="8 16 32" AUTO_ARGS="" PRECISION=bf16
     GPU_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | tr -c 'A-Za-z0-9\n' '_' | tr -d '\n')
-    PEER_BATCH=16 MEM_BATCH=8 COMPILE_BATCHES="8 16 32 auto" DDP_RANKS=$GPUS
+    PEER_BATCH=16 DDP_RANKS=$GPUS
+    COMPILE_FIRST="512:16 512:auto"  # then the rest, while the budget lasts
+    COMPILE_LATER="512:8 512:32 256:8 256:16 256:32 256:auto"
     STEPS="--warmup 3 --timed_steps 10 --rounds 1"
     DDP_ARGS="--arch sd1 --resolution 512 --batch 16 --precision bf16"
     MEM_ARGS="--arch sd1 --resolution 512 --batch_sizes 8 --checkpointing 0,1 --peer false --warmup 3 --timed_steps 5"
@@ -140,6 +144,18 @@ for res in $RESOLUTIONS; do
         --peers "" $STEPS $PEAK
 done
 
+# run_compiled RESOLUTION:BATCH (BATCH may be auto): the compiled step at one batch (a compile per shape).
+run_compiled() {
+    local res=${1%%:*} batch=${1##*:}
+    [ "$batch" = auto ] && batch=${AUTO[$res]:-}
+    [ -z "$batch" ] && return
+    run_piece "Training step, ${res} px, compiled: batch $batch" 420 \
+        "$PY" bench/train_throughput.py --device "$DEVICE" --arch "$ARCH" --resolution "$res" \
+        --precision "$PRECISION" --batch_sizes "$batch" --variants compile --channels_last 0 --checkpointing 0 \
+        --peers "" $STEPS $PEAK
+}
+for point in $COMPILE_FIRST; do run_compiled "$point"; done
+
 PEER_ARGS=()
 if [ -n "$PEER_SCRIPT" ]; then PEER_ARGS=(--peer_script "$PEER_SCRIPT"); fi
 res=${RESOLUTIONS%% *}
@@ -168,16 +184,7 @@ run_piece "Latent encoding: encode_latents.py vs the naive loop" 600 \
     "$PY" bench/encode_throughput.py --device "$DEVICE" $ENCODE_ARGS
 run_piece "pytest -m gpu" 900 "$PY" -m pytest -m gpu tests/gpu -p no:xdist -p no:cacheprovider -o addopts="" -q
 
-for res in $RESOLUTIONS; do
-    for batch in $COMPILE_BATCHES; do
-        [ "$batch" = auto ] && batch=${AUTO[$res]}
-        [ -z "$batch" ] && continue
-        run_piece "Training step, ${res} px, compiled: batch $batch" 420 \
-            "$PY" bench/train_throughput.py --device "$DEVICE" --arch "$ARCH" --resolution "$res" \
-            --precision "$PRECISION" --batch_sizes "$batch" --variants compile --channels_last 0 --checkpointing 0 \
-            --peers "" $STEPS $PEAK
-    done
-done
+for point in $COMPILE_LATER; do run_compiled "$point"; done
 
 cat "$PARTIAL_HEADER" "$SUMMARY" - "$BODY" <<<"" >"$PARTIAL"
 mv "$PARTIAL" "$OUT"
