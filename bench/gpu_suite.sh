@@ -65,9 +65,9 @@ else
     COMPILE_LATER="512:8 512:32 256:8 256:16 256:32 256:auto"
     STEPS="--warmup 3 --timed_steps 10 --rounds 1"
     DDP_ARGS="--arch sd1 --resolution 512 --batch 16 --precision bf16"
-    MEM_ARGS="--arch sd1 --resolution 512 --batch_sizes 8 --checkpointing 0,1 --peer false --warmup 3 --timed_steps 5"
+    MEM_ARGS="--resolution 512 --batch_sizes 8 --checkpointing 0,1 --peer false --warmup 3 --timed_steps 5"
     ESTIMATE_ARGS="--grid \"\""
-    SAMPLING_ARGS="--arch sd1 --resolution 512 --batch_sizes 1 --steps 50 --repeats 3 --modes eager,default"
+    SAMPLING_ARGS="--resolution 512 --batch_sizes 1 --steps 50 --repeats 3 --modes eager,default"
     ENCODE_ARGS="--vae sd1 --resolution 512 --images 512 --per_shard 128 --batch_size 64 --workers 16"
 fi
 
