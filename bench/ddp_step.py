@@ -83,8 +83,9 @@ def main(argv=None) -> dict | None:
     try:
         rows = []
         if d.is_main:
-            single = build(args, Dist.single(d.device))
-            rows.append({"impl": "one process", "ranks": 1, "images_per_s": time_step(single, args, Dist.single(d.device))})
+            alone = Dist.single(d.device)
+            single = build(args, alone)
+            rows.append({"impl": "one process", "ranks": 1, "images_per_s": time_step(single, args, alone)})
             del single
             harness.release(d.device)
         sd.distributed.barrier(d)
@@ -99,8 +100,8 @@ def main(argv=None) -> dict | None:
             row["images_per_s_per_rank"] = row["images_per_s"] / row["ranks"]
         print(f"{args.arch} UNet, {args.resolution} px, batch {args.batch} per rank, {args.precision}, "
               f"{'compiled' if args.compile else 'eager'}, {harness.device_name(d.device)}")
-        harness.print_table(rows, lambda row: row["impl"], [("ranks", "ranks", "d"), ("images_per_s", "images/s", ".2f"),
-                                                            ("images_per_s_per_rank", "per rank", ".2f")])
+        harness.print_table(rows, lambda row: row["impl"], [
+            ("ranks", "ranks", "d"), ("images_per_s", "images/s", ".2f"), ("images_per_s_per_rank", "per rank", ".2f")])
         result = {"benchmark": "ddp_step", "device": harness.device_name(d.device), "arch": args.arch,
                   "resolution": args.resolution, "batch": args.batch, "precision": args.precision,
                   "compile": args.compile, "world_size": d.world_size, "rows": rows}

@@ -83,7 +83,8 @@ def result_tables(result: dict) -> list[str]:
 def pytest_counts(text: str) -> dict | None:
     """The counts of pytest's last summary line (``3 passed, 2 skipped in 4.1s``), or None."""
     for line in reversed(text.splitlines()):
-        found = dict((outcome, int(n)) for n, outcome in re.findall(r"(\d+) (" + "|".join(PYTEST_OUTCOMES) + r")\b", line))
+        pattern = r"(\d+) (" + "|".join(PYTEST_OUTCOMES) + r")\b"
+        found = {outcome: int(n) for n, outcome in re.findall(pattern, line)}
         if found and " in " in line:
             return {outcome: found.get(outcome, 0) for outcome in ("passed", "failed", "skipped", "errors")} | {
                 "errors": found.get("errors", 0) + found.get("error", 0)}
