@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -388,6 +389,10 @@ def build_parser(description: str = "") -> sd.cli.ArgumentParser:
                                "machine's CUDA device, else 24 GiB = 25.77)")
     estimate.add_argument("--resolution", type=int, default=None, metavar="PX",
                           help="image size for --estimate_memory (default: the first dataset's latents, else 512)")
+    estimate.add_argument("--world_size", default=None, metavar="N",
+                          help="GPUs of the run for --estimate_memory: above 1, each GPU's step in DDP (the "
+                               "gradients in DDP's buckets, global_batch split over N GPUs) (default: the "
+                               "WORLD_SIZE environment variable as torchrun sets it, else 1)")
     return parser
 
 
@@ -515,8 +520,8 @@ def inherit_model(values: dict) -> dict:
     return values
 
 
-def estimate_flags(argv=None) -> tuple[bool, float | None, int | None]:
-    """``--estimate_memory``, ``--gpu_memory_gb``, ``--resolution`` of a command line."""
+def estimate_flags(argv=None) -> tuple[bool, float | None, int | None, int]:
+    """``--estimate_memory``, ``--gpu_memory_gb``, ``--resolution``, ``--world_size`` of a command line."""
     args, _ = build_parser().parse_known_args(argv)
     try:
         estimate = sd.cli.parse_bool(args.estimate_memory)
@@ -526,7 +531,23 @@ def estimate_flags(argv=None) -> tuple[bool, float | None, int | None]:
         raise ConfigError(f"--gpu_memory_gb must be > 0, got {args.gpu_memory_gb}")
     if args.resolution is not None and (args.resolution <= 0 or args.resolution % 8):
         raise ConfigError(f"--resolution must be a positive multiple of 8, got {args.resolution}")
-    return estimate, args.gpu_memory_gb, args.resolution
+    return estimate, args.gpu_memory_gb, args.resolution, world_size_flag(args.world_size)
+
+
+def world_size_flag(value: str | None) -> int:
+    """``--world_size``: a positive whole number; without it torchrun's ``WORLD_SIZE``, else 1."""
+    source = "--world_size"
+    if value is None:
+        value, source = os.environ.get("WORLD_SIZE"), "the WORLD_SIZE environment variable"
+        if value is None:
+            return 1
+    try:
+        world_size = int(str(value).strip())
+    except ValueError:
+        world_size = 0
+    if world_size < 1:
+        raise ConfigError(f"{source} must be a positive whole number of GPUs, got {value!r}")
+    return world_size
 
 
 def largest_batch_for(global_batch: int, world_size: int, at_most: int) -> int:
