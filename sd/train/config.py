@@ -372,7 +372,10 @@ class _Parser(sd.cli.ArgumentParser):
 def build_parser(description: str = "") -> sd.cli.ArgumentParser:
     """``--config`` plus one flag per field; a bool field also works as a bare flag (``--compile``)."""
     parser = _Parser(description=description)
-    parser.add_argument("--config", help="phase YAML; flags override its fields")
+    parser.add_argument("--config", action="append", metavar="YAML",
+                        help="phase YAML; flags override its fields. Given again, each later file overrides the "
+                             "earlier ones' fields (a card's recipe over a phase: --config "
+                             "configs/phases/p1_laion_broad.yaml --config configs/hardware/24gb.yaml)")
     for name, f in FIELDS.items():
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         extra = {"nargs": "?", "const": "true"} if f.type == "bool" else {}
@@ -473,13 +476,16 @@ def read_yaml(path: Path, seen: tuple = ()) -> dict:
 
 
 def load_config(argv=None, description: str = "", check_paths: bool = True) -> TrainConfig:
-    """YAML from ``--config`` (with its ``extends``), then ``--field value`` overrides; validated
+    """YAML from ``--config`` (each with its ``extends``; several: later over earlier), then ``--field value``
+    overrides; validated
     (``check_paths``: see ``TrainConfig.validate``)."""
     args, unknown = build_parser(description).parse_known_args(argv)
     if unknown:
         flag = next((u for u in unknown if u.startswith("--")), unknown[0])
         raise _unknown_field(flag.lstrip("-").split("=")[0], "the command line")
-    values = read_yaml(Path(args.config)) if args.config else {}
+    values = {}
+    for path in args.config or []:  # later files over earlier ones
+        values.update(read_yaml(Path(path)))
     for name in FIELDS:
         raw = getattr(args, name)
         if raw is not None:

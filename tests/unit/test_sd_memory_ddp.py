@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 import sd.model
+import sd.train.config
 import sd.train.memory
 from sd.train.config import ConfigError, TrainConfig, estimate_flags
 
@@ -113,5 +114,35 @@ def test_under_torchrun_the_estimate_runs_beside_the_runs_group_and_leaves_it_as
     mp.start_processes(_estimate_in_a_real_group, args=(str(tmp_path),), nprocs=2, start_method="spawn")
     results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
     alone = sd.train.memory.estimate(tiny_config(), resolution=32, device="cpu", world_size=2)
-    assert [r["allocated"] for r in results] == [alone.allocated] * 2
+    assert [r["allocated"] for r in results] == pytest.approx([alone.allocated] * 2, rel=1e-4)
     assert [r["sum"] for r in results] == [2.0, 2.0] and [r["groups"] for r in results] == [2, 2]
+
+
+RECIPES = sorted((ROOT / "configs" / "hardware").glob("*.yaml"))
+
+
+def test_every_card_recipe_loads_over_every_phase_and_splits_its_global_batch_on_one_and_two_gpus():
+    from sd.train.config import load_config, resolve_global_batch
+
+    assert [r.stem for r in RECIPES] == ["12gb", "16gb", "24gb", "48gb", "80gb"]
+    phases = sorted((ROOT / "configs" / "phases").glob("p*.yaml"))
+    for recipe in RECIPES:
+        assert "predicted peak" in recipe.read_text().split("\n", 1)[0]  # the estimate it was chosen by, on top
+        for phase in phases:
+            config = load_config(["--config", str(phase), "--config", str(recipe)], check_paths=False)
+            fields = sd.train.config.read_yaml(recipe)
+            assert {name: getattr(config, name) for name in fields} == fields  # the recipe over the phase
+            assert config.lr == sd.train.config.read_yaml(phase)["lr"]  # the phase's own fields stay
+            for gpus in (1, 2):
+                resolved = resolve_global_batch(config, gpus)
+                assert resolved.batch_size * resolved.grad_accum * gpus == config.global_batch
+
+
+def test_a_later_config_file_overrides_an_earlier_ones_fields(tmp_path):
+    from sd.train.config import load_config
+
+    (tmp_path / "a.yaml").write_text("unet: tiny\nbatch_size: 4\nlr: 0.001\n")
+    (tmp_path / "b.yaml").write_text("batch_size: 2\n")
+    config = load_config(["--config", str(tmp_path / "a.yaml"), "--config", str(tmp_path / "b.yaml"),
+                          "--lr", "0.002"], check_paths=False)
+    assert (config.unet, config.batch_size, config.lr) == ("tiny", 2, 0.002)
