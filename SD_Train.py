@@ -46,13 +46,13 @@ log = logging.getLogger("sd_train")
 def main(argv=None) -> int:
     sd.runtime.start_process()
     try:
-        estimate, gpu_memory_gb, resolution = estimate_flags(argv)
+        estimate, gpu_memory_gb, resolution, world_size = estimate_flags(argv)
         config = load_config(argv, description=__doc__, check_paths=not estimate)
     except ConfigError as error:
         print(f"SD_Train.py: config error: {error}", file=sys.stderr)
         return 2
     if estimate:
-        return estimate_memory(config, gpu_memory_gb, resolution)
+        return estimate_memory(config, gpu_memory_gb, resolution, world_size)
     d = sd.distributed.setup(config.device)
     logging.basicConfig(level=logging.INFO if d.is_main else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
@@ -71,14 +71,15 @@ def main(argv=None) -> int:
         sd.distributed.teardown()
 
 
-def estimate_memory(config: TrainConfig, gpu_memory_gb: float | None, resolution: int | None) -> int:
+def estimate_memory(config: TrainConfig, gpu_memory_gb: float | None, resolution: int | None,
+                    world_size: int = 1) -> int:
     """``--estimate_memory``: the prediction, without data, weights or a GPU (``sd.train.memory``)."""
     if gpu_memory_gb is None:
         gpu_memory_gb = (torch.cuda.get_device_properties(0).total_memory / 1e9 if torch.cuda.is_available()
                          else 24 * 2**30 / 1e9)
     try:
         resolution = resolution or sd.train.memory.resolution_of(config)
-        print(json.dumps(sd.train.memory.report(config, resolution, gpu_memory_gb)))
+        print(json.dumps(sd.train.memory.report(config, resolution, gpu_memory_gb, world_size)))
     except ConfigError as error:
         print(f"SD_Train.py: config error: {error}", file=sys.stderr)
         return 2

@@ -83,23 +83,31 @@ def config_for(preset: str, batch: int, checkpointing: bool, **fields):
                           "precision": "bf16", "datasets": [], **fields})
 
 
-def measure(preset: str, resolution: int, batch: int, checkpointing: bool) -> dict:
+def measure(preset: str, resolution: int, batch: int, checkpointing: bool, grad_accum: int = 1) -> dict:
     """In this (fresh) process: the peak of the CPU allocator's live bytes over building the models and
-    two real steps, from the profiler's record of every allocation and free."""
+    two real steps, from the profiler's record of every allocation and free. In a process group of
+    several ranks (``measure_ddp``), the steps of this rank of a DDP run, as the trainer wraps it."""
     import torch
+    import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
     from sd.distributed import Dist
 
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+
     def run(batch: int) -> None:
         torch.manual_seed(0)
-        config = config_for(preset, batch, checkpointing)
+        config = config_for(preset, batch, checkpointing, grad_accum=grad_accum)
         latent = resolution // 8
-        batches = [(torch.randn(batch, 4, latent, latent).half(), torch.randint(0, 49407, (batch, 77)))]
+        batches = [(torch.randn(batch, 4, latent, latent).half(), torch.randint(0, 49407, (batch, 77)))
+                   for _ in range(grad_accum)]
         text_encoder, vae = sd.model.load_text_encoder("tiny"), sd.model.load_vae("tiny")
         unet = sd.model.build_unet(preset, grad_checkpointing=checkpointing).train()
-        step = sd.train.step.build_step(config, Dist.single("cpu"), unet, text_encoder,
-                                       torch.full((1, 77), 49407, dtype=torch.long), sd.model.SD1_SCALING_FACTOR)
+        step = sd.train.step.build_step(config, Dist(rank, world_size, 0, torch.device("cpu"), rank == 0), unet,
+                                       text_encoder, torch.full((1, 77), 49407, dtype=torch.long),
+                                       sd.model.SD1_SCALING_FACTOR)
+        sd.train.step.wrap_model(step, compile=False)  # DDP on several ranks
         with sd.model.attention_context(torch.device("cpu")):
             for index in range(2):
                 sd.train.step.train_step(step, batches, index)
@@ -108,6 +116,35 @@ def measure(preset: str, resolution: int, batch: int, checkpointing: bool) -> di
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         run(batch)
     return {"measured_bytes": peak_live_bytes(prof, torch.device("cpu"))}
+
+
+def measure_ddp(preset: str, resolution: int, batch: int, checkpointing: bool, grad_accum: int,
+                world_size: int = 2) -> list[int]:
+    """``measure`` on each rank of a ``world_size``-rank gloo group of fresh processes (one thread
+    each): the measured peak bytes of every rank."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as folder:
+        mp.start_processes(_measure_rank, args=(world_size, folder, (preset, resolution, batch, checkpointing,
+                                                                    grad_accum)), nprocs=world_size,
+                           start_method="spawn")
+        return [json.loads(Path(folder, f"rank{rank}.json").read_text())["measured_bytes"]
+                for rank in range(world_size)]
+
+
+def _measure_rank(rank: int, world_size: int, folder: str, point: tuple) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(str(Path(folder, "store")), world_size), rank=rank,
+                            world_size=world_size)
+    try:
+        Path(folder, f"rank{rank}.json").write_text(json.dumps(measure(*point)))
+    finally:
+        dist.destroy_process_group()
 
 
 def peak_live_bytes(prof, device) -> int:

@@ -28,6 +28,7 @@ class Dist:
     device: torch.device
     is_main: bool
     local_world_size: int = 1  # the ranks on this machine
+    group: object = None  # the process group of the collectives and DDP; None: the default group
 
     @classmethod
     def single(cls, device="cpu") -> "Dist":
@@ -66,7 +67,7 @@ def teardown() -> None:
 
 def all_reduce_sum(values: torch.Tensor, d: Dist) -> torch.Tensor:
     if d.world_size > 1:
-        dist.all_reduce(values)
+        dist.all_reduce(values, group=d.group)
     return values
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -410,7 +411,10 @@ class _Parser(sd.cli.ArgumentParser):
 def build_parser(description: str = "") -> sd.cli.ArgumentParser:
     """``--config`` plus one flag per field; a bool field also works as a bare flag (``--compile``)."""
     parser = _Parser(description=description)
-    parser.add_argument("--config", help="phase YAML; flags override its fields")
+    parser.add_argument("--config", action="append", metavar="YAML",
+                        help="phase YAML; flags override its fields. Given again, each later file overrides the "
+                             "earlier ones' fields (a card's recipe over a phase: --config "
+                             "configs/phases/p1_laion_broad.yaml --config configs/hardware/24gb.yaml)")
     for name, f in FIELDS.items():
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         extra = {"nargs": "?", "const": "true"} if f.type == "bool" else {}
@@ -427,6 +431,10 @@ def build_parser(description: str = "") -> sd.cli.ArgumentParser:
                                "machine's CUDA device, else 24 GiB = 25.77)")
     estimate.add_argument("--resolution", type=int, default=None, metavar="PX",
                           help="image size for --estimate_memory (default: the first dataset's latents, else 512)")
+    estimate.add_argument("--world_size", default=None, metavar="N",
+                          help="GPUs of the run for --estimate_memory: above 1, each GPU's step in DDP (the "
+                               "gradients in DDP's buckets, global_batch split over N GPUs) (default: the "
+                               "WORLD_SIZE environment variable as torchrun sets it, else 1)")
     return parser
 
 
@@ -507,13 +515,16 @@ def read_yaml(path: Path, seen: tuple = ()) -> dict:
 
 
 def load_config(argv=None, description: str = "", check_paths: bool = True) -> TrainConfig:
-    """YAML from ``--config`` (with its ``extends``), then ``--field value`` overrides; validated
+    """YAML from ``--config`` (each with its ``extends``; several: later over earlier), then ``--field value``
+    overrides; validated
     (``check_paths``: see ``TrainConfig.validate``)."""
     args, unknown = build_parser(description).parse_known_args(argv)
     if unknown:
         flag = next((u for u in unknown if u.startswith("--")), unknown[0])
         raise _unknown_field(flag.lstrip("-").split("=")[0], "the command line")
-    values = read_yaml(Path(args.config)) if args.config else {}
+    values = {}
+    for path in args.config or []:  # later files over earlier ones
+        values.update(read_yaml(Path(path)))
     for name in FIELDS:
         raw = getattr(args, name)
         if raw is not None:
@@ -554,8 +565,8 @@ def inherit_model(values: dict) -> dict:
     return values
 
 
-def estimate_flags(argv=None) -> tuple[bool, float | None, int | None]:
-    """``--estimate_memory``, ``--gpu_memory_gb``, ``--resolution`` of a command line."""
+def estimate_flags(argv=None) -> tuple[bool, float | None, int | None, int]:
+    """``--estimate_memory``, ``--gpu_memory_gb``, ``--resolution``, ``--world_size`` of a command line."""
     args, _ = build_parser().parse_known_args(argv)
     try:
         estimate = sd.cli.parse_bool(args.estimate_memory)
@@ -565,7 +576,23 @@ def estimate_flags(argv=None) -> tuple[bool, float | None, int | None]:
         raise ConfigError(f"--gpu_memory_gb must be > 0, got {args.gpu_memory_gb}")
     if args.resolution is not None and (args.resolution <= 0 or args.resolution % 8):
         raise ConfigError(f"--resolution must be a positive multiple of 8, got {args.resolution}")
-    return estimate, args.gpu_memory_gb, args.resolution
+    return estimate, args.gpu_memory_gb, args.resolution, world_size_flag(args.world_size)
+
+
+def world_size_flag(value: str | None) -> int:
+    """``--world_size``: a positive whole number; without it torchrun's ``WORLD_SIZE``, else 1."""
+    source = "--world_size"
+    if value is None:
+        value, source = os.environ.get("WORLD_SIZE"), "the WORLD_SIZE environment variable"
+        if value is None:
+            return 1
+    try:
+        world_size = int(str(value).strip())
+    except ValueError:
+        world_size = 0
+    if world_size < 1:
+        raise ConfigError(f"{source} must be a positive whole number of GPUs, got {value!r}")
+    return world_size
 
 
 def largest_batch_for(global_batch: int, world_size: int, at_most: int) -> int:

@@ -21,6 +21,12 @@ the fused kernel, which keeps the output and the log-sum-exp for the backward pa
 kernels do. Not seen: memory inside one operator (cuDNN and attention workspaces), freed before it
 returns; the allowances cover it.
 
+Data-parallel runs (``world_size`` > 1) are estimated as the trainer runs them: the UNet wrapped in
+DistributedDataParallel by ``sd.train.step.wrap_ddp`` (gradients bound to DDP's buckets, zeroed in
+place, ``no_sync`` for all but the last micro-batch), in a process group of torch's fake backend
+that needs no peers (``estimation_group``). The buckets are the gradients: one flat buffer per
+bucket, allocated when DDP wraps the UNet and live for the whole step, forward pass included.
+
 ``session`` builds the models once and runs a step at any batch; ``max_batch`` finds the largest
 micro-batch that fits ``gpu_memory_gb``: the peak grows about linearly with the batch (fixed weights
 and states, activations per image), so estimates at 4 and 8 images give a first guess, and a search
@@ -50,7 +56,7 @@ import sd.lora.adapters
 import sd.model
 import sd.runtime
 import sd.train.step
-from sd.train.config import ConfigError, check_models, largest_batch_for, read_saved_config
+from sd.train.config import ConfigError, check_models, largest_batch_for, read_saved_config, resolve_global_batch
 
 log = logging.getLogger("sd_train")
 
@@ -237,6 +243,8 @@ class Estimate:
     resolution: int
     parts: dict  # name -> bytes live at the peak
     allocated: int  # peak allocated bytes (the sum of the parts)
+    world_size: int = 1  # GPUs of the run: above 1, the step ran in DDP
+    grad_accum: int = 1  # micro-batches of the optimizer step
 
     @property
     def reserved(self) -> int:
@@ -248,7 +256,8 @@ class Estimate:
         return self.reserved / GB + CONTEXT_GB
 
     def as_dict(self) -> dict:
-        return {"batch_size": self.batch_size, "resolution": self.resolution,
+        return {"batch_size": self.batch_size, "resolution": self.resolution, "world_size": self.world_size,
+                "grad_accum": self.grad_accum,
                 "parts_gb": {name: round(size / GB, 3) for name, size in self.parts.items()},
                 "allocated_gb": round(self.allocated / GB, 3), "reserved_gb": round(self.reserved / GB, 3),
                 "context_gb": CONTEXT_GB, "peak_gb": round(self.peak_gb, 3)}
@@ -275,20 +284,24 @@ def frozen_models(config):
 
 
 @contextlib.contextmanager
-def session(config, resolution: int = 512, device: str = "cuda"):
+def session(config, resolution: int = 512, device: str = "cuda", world_size: int = 1):
     """The configured models and step built once on fake tensors; yields ``run(batch_size) -> Estimate``,
     the peak of one steady-state training step at that micro-batch, stepped once per batch size (a
     steady-state step at a batch gives the same estimate whatever ran before it, so a batch asked
     again, as the search and the report do, is not stepped again). ``device``: ``"cuda"`` (CUDA's
     autocast emulated, its allocator's rounding) or ``"cpu"`` (the CPU's own autocast: for comparing
-    with a real CPU run)."""
+    with a real CPU run). ``world_size`` > 1: the step of one rank of a DDP run of that many GPUs. A step
+    accumulates ``accumulation(...)`` micro-batches; at most two are run, as a third and later one repeat
+    the second's memory exactly (the gradients exist, the activations are the same)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from sd.distributed import Dist
 
     allocations = Allocations(ROUND[device])
     casts: set[int] = set()
-    with FakeTensorMode(allow_non_fake_inputs=False), allocations, module_moves_of_fake_tensors():
+    group = estimation_group(world_size) if world_size > 1 else contextlib.nullcontext()
+    with group as process_group, FakeTensorMode(allow_non_fake_inputs=False), allocations, \
+            module_moves_of_fake_tensors():
         text_encoder, vae = frozen_models(config)
         unet = sd.model.build_unet(config.unet, from_scratch=False, grad_checkpointing=config.grad_checkpointing,
                                    channels_last=config.channels_last).train()
@@ -298,8 +311,10 @@ def session(config, resolution: int = 512, device: str = "cuda"):
         emulate = as_if_cuda(unet, lambda cast: casts.add(id(allocations.record_of(cast)))) if device == "cuda" \
             else contextlib.nullcontext()
         with emulate, sd.model.attention_context(torch.device("cpu")), HostReadsAsZeros():
-            step = sd.train.step.build_step(config, Dist.single("cpu"), unet, text_encoder, empty_ids,
-                                           sd.model.SD1_SCALING_FACTOR)
+            d = Dist(0, world_size, 0, torch.device("cpu"), True, group=process_group)
+            step = sd.train.step.build_step(config, d, unet, text_encoder, empty_ids, sd.model.SD1_SCALING_FACTOR)
+            if world_size > 1:
+                wrap_ddp_on_fake_tensors(step, allocations)
             if config.cache_text_embeddings:  # the encoder waits in host memory; lookups give fp32 embeddings
                 step.text_cache = CachedPrompts(text_encoder.config.hidden_size)
             steps = 0
@@ -314,15 +329,21 @@ def session(config, resolution: int = 512, device: str = "cuda"):
                 images = batch_size * per_batch
                 batches = [(torch.zeros(images, 4, latent, latent, dtype=torch.float16),
                             torch.zeros(images, sd.model.TOKENIZER_MAX_LENGTH, dtype=torch.long))
-                           for _ in range(config.grad_accum)]
+                           for _ in range(min(2, accumulation(config, batch_size, world_size)))]
                 if steps == 0:
                     sd.train.step.train_step(step, batches, steps)  # creates the optimizer state
                     steps += 1
                 allocations.reset_peak()
                 sd.train.step.train_step(step, batches, steps)
                 steps += 1
-                parts = breakdown(allocations, step, vae, config, casts)
-                estimates[batch_size] = Estimate(batch_size, resolution, parts, sum(parts.values()))
+                parts = breakdown(allocations, step, vae, config, casts,
+                                  step.ddp.reducer.records if world_size > 1 else None)
+                if world_size > 1:  # DDP's one rebuild of its buckets, in whichever step it came
+                    at_rebuild = breakdown(allocations, step, vae, config, casts, step.ddp.reducer.records,
+                                           at=step.ddp.reducer.moment)
+                    parts = max(parts, at_rebuild, key=lambda p: sum(p.values()))
+                estimates[batch_size] = Estimate(batch_size, resolution, parts, sum(parts.values()), world_size,
+                                                 accumulation(config, batch_size, world_size))
                 return estimates[batch_size]
 
             yield run
@@ -339,19 +360,128 @@ class CachedPrompts:
         return torch.zeros(input_ids.shape[0], input_ids.shape[1], self.hidden_size)
 
 
-def estimate(config, batch_size: int | None = None, resolution: int = 512, device: str = "cuda") -> Estimate:
+def accumulation(config, batch_size: int, world_size: int) -> int:
+    """Micro-batches per optimizer step at ``batch_size`` on ``world_size`` GPUs, as the trainer resolves
+    them: ``global_batch`` / (batch x GPUs) where that is whole (``resolve_global_batch``), else ``grad_accum``."""
+    if config.global_batch and config.global_batch % (batch_size * world_size) == 0:
+        return config.global_batch // (batch_size * world_size)
+    return config.grad_accum
+
+
+@contextlib.contextmanager
+def estimation_group(world_size: int):
+    """A process group of ``world_size`` ranks for the estimate's DDP, needing no peer: torch's fake
+    backend (its collectives return at once and move nothing, so fake tensors pass through them).
+    Yields the group to pass to DDP and the collectives (None: the default group).
+
+    With no process group in this process (``--estimate_memory``), it is the default group while the
+    estimate runs, destroyed after. Under torchrun (``batch_size: auto``) the run's real group stays
+    the default, untouched: a collective of fake tensors on it would give NCCL or gloo storage that
+    does not exist, and every rank would have to match each estimate's collectives. So a fake group
+    of the run's own size is made beside it (``new_group`` is called by every rank, as every rank
+    estimates) and destroyed after.
+    """
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # importing it registers "fake"
+
+    if not dist.is_initialized():
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+        try:
+            yield None
+        finally:
+            dist.destroy_process_group()
+        return
+    if dist.get_world_size() != world_size:
+        raise ValueError(f"world_size {world_size}: this process's group has {dist.get_world_size()} ranks")
+    group = dist.new_group(backend="fake")
+    try:
+        yield group
+    finally:
+        dist.destroy_process_group(group)
+
+
+def wrap_ddp_on_fake_tensors(step, allocations: Allocations) -> None:
+    """``sd.train.step.wrap_ddp`` on fake tensors, ``step.model`` the DDP module. Two things of DDP read
+    tensor values, which fake tensors do not have: the check that every rank's parameters have the
+    same shapes (one process's parameters, here: nothing to check; skipped), and the all-reduce of
+    each bucket, whose result the fake backend leaves unset: a comm hook averages the bucket in place,
+    as the default hook does (``div_`` then an in-place all-reduce: no memory beside the bucket)."""
+    import torch.nn.parallel.distributed as ddp_module
+
+    check = ddp_module._verify_param_shape_across_processes
+    ddp_module._verify_param_shape_across_processes = lambda *args, **kwargs: None
+    try:
+        step.model = sd.train.step.wrap_ddp(step)
+    finally:
+        ddp_module._verify_param_shape_across_processes = check
+    step.ddp.register_comm_hook(step.d.world_size, average_in_place)
+    step.ddp.reducer = BucketsRebuiltOnce(step.ddp, allocations)
+
+
+class BucketsRebuiltOnce:
+    """DDP's reducer as DDP's Python code calls it, with its one rebuild of the buckets emulated.
+
+    DDP starts with all gradients in one bucket, and at the first forward pass after a synchronised
+    backward it rebuilds them into buckets of ``first_bucket_bytes_cap``, then ``bucket_bytes_cap``
+    bytes in the order the gradients became ready. Each new bucket is allocated and its gradients
+    copied in; the old bucket goes once every gradient is rebound, after the last new one: for that
+    moment both exist, two copies of the gradients (before that forward pass's activations). The
+    reducer's own rebuild reads tensor values (it broadcasts the new assignment); here the new buckets
+    are allocated and freed at that moment instead, and the one old bucket stays (the same bytes)."""
+
+    def __init__(self, ddp, allocations: Allocations):
+        self.reducer, self.ddp, self.allocations = ddp.reducer, ddp, allocations
+        self.synchronised = self.rebuilt = False
+        self.buckets: list[torch.Tensor] = []
+        self.records: set[int] = set()  # the new buckets' records (for the breakdown)
+        self.moment = 0  # the clock at which both the old and the new buckets were live
+
+    def __getattr__(self, name):
+        return getattr(self.reducer, name)
+
+    def prepare_for_backward(self, *args):  # called before a synchronised backward only
+        self.synchronised = True
+        return self.reducer.prepare_for_backward(*args)
+
+    def _rebuild_buckets(self) -> bool:
+        if self.rebuilt or not self.synchronised:
+            return False
+        self.rebuilt = True
+        params = [p for p in self.ddp.module.parameters() if p.requires_grad]
+        config = self.ddp._bucket_config
+        assignment, _ = torch.distributed._compute_bucket_assignment_by_size(
+            params[::-1], [config.first_bucket_bytes_cap, config.bucket_bytes_cap], [False] * len(params))
+        for bucket in assignment:  # each filled with its gradients (the values do not matter here)
+            new = torch.empty(sum(params[len(params) - 1 - i].numel() for i in bucket), dtype=params[0].dtype)
+            self.buckets.append(new.zero_())
+            self.records.add(id(self.allocations.record_of(new)))
+        self.moment = self.allocations.clock - 1  # the last new bucket's fill: everything above live
+        self.buckets = []  # all rebound: the old bucket would go now; these stand for the new ones
+        return False
+
+
+def average_in_place(world_size: int, bucket):  # no annotations: DDP checks them as objects, these would be strings
+    buffer = bucket.buffer()
+    buffer.div_(world_size)
+    done = torch.futures.Future()
+    done.set_result(buffer)
+    return done
+
+
+def estimate(config, batch_size: int | None = None, resolution: int = 512, device: str = "cuda",
+             world_size: int = 1) -> Estimate:
     """The peak of one steady-state training step of ``config`` at ``batch_size`` images per micro-batch
-    (default: the config's) and ``resolution`` pixels (see ``session``)."""
-    with session(config, resolution, device) as run:
+    (default: the config's) and ``resolution`` pixels, on each of ``world_size`` GPUs (see ``session``)."""
+    with session(config, resolution, device, world_size) as run:
         return run(batch_size or config.batch_size)
 
 
-def max_batch(config, gpu_memory_gb: float, resolution: int = 512, limit: int = 1024, run=None):
+def max_batch(config, gpu_memory_gb: float, resolution: int = 512, limit: int = 1024, run=None, world_size: int = 1):
     """The largest micro-batch (up to ``limit``) whose predicted peak fits ``gpu_memory_gb``, and its
     estimate; ``(0, None)`` when not even one image fits. The peak grows about linearly with the batch:
     estimates at 4 and 8 images give the line, and the search starts from the batch it predicts."""
     if run is None:
-        with session(config, resolution) as run:
+        with session(config, resolution, world_size=world_size) as run:
             return max_batch(config, gpu_memory_gb, resolution, limit, run)
 
     def fits(batch: int) -> bool:
@@ -398,8 +528,10 @@ def largest_that_fits(fits, guess: int = 1, limit: int = 1 << 20) -> int:
     return low
 
 
-def breakdown(allocations: Allocations, step, vae, config, casts: set[int]) -> dict:
-    """What was live at the peak, by what it is."""
+def breakdown(allocations: Allocations, step, vae, config, casts: set[int], rebuild: set[int] | None = None,
+              at: int | None = None) -> dict:
+    """What was live at the peak (or at clock ``at``), by what it is (``rebuild``: DDP's new buckets while
+    it rebuilds them)."""
     def records(tensors):
         found = {}
         for tensor in tensors:
@@ -419,7 +551,9 @@ def breakdown(allocations: Allocations, step, vae, config, casts: set[int]) -> d
                                          *vae.parameters(), *vae.buffers()]),
     }
     groups["autocast_weight_copies"] = casts
-    live = allocations.live_at(allocations.peak_at)
+    if rebuild is not None:
+        groups["ddp_bucket_rebuild"] = rebuild
+    live = allocations.live_at(allocations.peak_at if at is None else at)
     parts = {name: 0 for name in groups}
     parts["activations_and_temporaries"] = 0
     for record in live:
@@ -502,7 +636,7 @@ SAVINGS = (
 )
 
 
-def suggestions(config, resolution: int, batch: int = 1) -> list[tuple[str, float]]:
+def suggestions(config, resolution: int, batch: int = 1, world_size: int = 1) -> list[tuple[str, float]]:
     """Each of SAVINGS not already on, with the predicted peak (GB) of a step at ``batch`` images with
     that one change: least memory first. One that cannot be estimated here is left out."""
     found = []
@@ -511,24 +645,33 @@ def suggestions(config, resolution: int, batch: int = 1) -> list[tuple[str, floa
             continue
         print(f"estimating with {setting} ...", file=sys.stderr, flush=True)
         try:
-            found.append((setting, estimate(dataclasses.replace(config, **change), batch, resolution).peak_gb))
+            found.append((setting, estimate(dataclasses.replace(config, **change), batch, resolution,
+                                            world_size=world_size).peak_gb))
         except Exception as error:  # e.g. no bitsandbytes here: that suggestion is not made
             log.info("no estimate with %s: %s", setting, error)
     return sorted(found, key=lambda item: item[1])
 
 
-def report(config, resolution: int, gpu_memory_gb: float) -> dict:
+def report(config, resolution: int, gpu_memory_gb: float, world_size: int = 1) -> dict:
     """``SD_Train.py --estimate_memory``: the breakdown at the config's batch and the largest batch that
-    fits ``gpu_memory_gb``, printed; the result as a dict (the JSON line). When not even one image
-    fits, the savings not yet on, each with its predicted peak."""
-    print(f"estimating one training step on fake tensors ({config.unet} UNet, {resolution} px): no GPU or data "
-          "needed; up to a few minutes on a CPU ...", file=sys.stderr, flush=True)
-    with session(config, resolution) as run:
+    fits ``gpu_memory_gb``, printed, for each GPU of a ``world_size``-GPU run; the result as a dict (the
+    JSON line). When not even one image fits, the savings not yet on, each with its predicted peak."""
+    if config.batch_size and config.global_batch:  # the trainer's own check, before the long work
+        resolve_global_batch(config, world_size)
+    print(f"estimating one training step on fake tensors ({config.unet} UNet, {resolution} px"
+          f"{f', DDP on {world_size} GPUs' if world_size > 1 else ''}): no GPU or data needed; up to a few minutes "
+          "on a CPU ...", file=sys.stderr, flush=True)
+    with session(config, resolution, world_size=world_size) as run:
         batch, at_max = max_batch(config, gpu_memory_gb, resolution, run=run)
+        if batch and config.global_batch:  # the largest that makes global_batch, as batch_size: auto takes
+            batch = largest_batch_for(config.global_batch, world_size, batch)
+            at_max = run(batch) if batch else None
         shown = config.batch_size or batch or 1  # batch_size: auto shows the batch it would choose
         at_config = run(shown)
-    print(f"Predicted device memory of one training step: {config.unet} UNet, {resolution} px, "
-          f"micro-batch {shown}{' (auto)' if not config.batch_size else ''}, {config.precision}, gradient checkpointing "
+    gpus = f", each of {world_size} GPUs in DDP" if world_size > 1 else ""
+    print(f"Predicted device memory of one training step{gpus}: {config.unet} UNet, {resolution} px, "
+          f"micro-batch {shown}{' (auto)' if not config.batch_size else ''} x grad_accum {at_config.grad_accum}, "
+          f"{config.precision}, gradient checkpointing "
           f"{'on' if config.grad_checkpointing else 'off'}, EMA "
           f"{'off' if config.ema_decay == 0 else 'on the CPU' if config.ema_device == 'cpu' else 'on the GPU'}")
     rows = [*((name.replace("_", " "), size) for name, size in at_config.parts.items()),
@@ -538,10 +681,12 @@ def report(config, resolution: int, gpu_memory_gb: float) -> dict:
     for name, size in rows:
         print(f"  {name:<32}{size / GB:9.3f} GB")
     if batch:
-        print(f"Largest micro-batch within {gpu_memory_gb:.2f} GB: {batch} (peak {at_max.peak_gb:.2f} GB)")
+        print(f"Largest micro-batch within {gpu_memory_gb:.2f} GB"
+              f"{f' that makes global_batch {config.global_batch}' if config.global_batch else ''}: {batch} (peak "
+              f"{at_max.peak_gb:.2f} GB)")
     advice = []
     if not batch:
-        advice = suggestions(config, resolution)
+        advice = suggestions(config, resolution, world_size=world_size)
         print(f"Not even one image fits within {gpu_memory_gb:.2f} GB with these settings."
               + (" Predicted peak of one image with one change each, least memory first:" if advice else ""))
         for setting, peak in advice:
@@ -574,7 +719,7 @@ def auto_batch_size(config, d, gpu_memory_gb: float | None = None) -> int:
         gpu_memory_gb = torch.cuda.get_device_properties(d.device).total_memory / 1e9
     gpu_memory_gb = min(sd.distributed.all_gather_objects(gpu_memory_gb, d))
     resolution = resolution_of(config)
-    batch, estimate = max_batch(config, gpu_memory_gb, resolution)
+    batch, estimate = max_batch(config, gpu_memory_gb, resolution, world_size=d.world_size)  # DDP's, on several GPUs
     if batch == 0:
         raise ConfigError(f"batch_size: auto: not even one {resolution} px image fits {gpu_memory_gb:.1f} GB with "
                           "these settings (SD_Train.py --estimate_memory shows where the memory goes)")

@@ -198,7 +198,8 @@ def wrap_ddp(step: Step) -> torch.nn.Module:
             if p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
     device_ids = [step.d.device.index] if step.d.device.type == "cuda" else None
-    step.ddp = DistributedDataParallel(step.unet, device_ids=device_ids, gradient_as_bucket_view=True)
+    step.ddp = DistributedDataParallel(step.unet, device_ids=device_ids, gradient_as_bucket_view=True,
+                                       process_group=step.d.group)
     return step.ddp
 
 

@@ -1,0 +1,148 @@
+"""sd.train.memory for data-parallel runs: the estimate of one DDP rank against a real gloo run."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import sd.model
+import sd.train.config
+import sd.train.memory
+from sd.train.config import ConfigError, TrainConfig, estimate_flags
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def tiny_config(**fields) -> TrainConfig:
+    values = dict(unet="tiny", text_encoder="tiny", vae="tiny", batch_size=1, grad_accum=1, datasets=[],
+                  grad_checkpointing=True, precision="bf16")
+    return TrainConfig(**{**values, **fields})
+
+
+@pytest.mark.slow
+def test_the_ddp_estimate_is_within_three_percent_of_each_rank_of_a_two_rank_gloo_run():
+    """Two processes in a gloo group train the tiny UNet in DDP as the trainer wraps it (accumulating
+    two micro-batches, the first under no_sync); each rank's CPU allocator peak, read from the profiler
+    (bench/memory_estimate.py's measure), against the estimate of one rank on fake tensors."""
+    from bench import memory_estimate
+
+    preset, resolution, batch, checkpointing, accum = "tiny", 128, 8, True, 2  # activations above the buckets
+    measured = memory_estimate.measure_ddp(preset, resolution, batch, checkpointing, accum, world_size=2)
+    config = memory_estimate.config_for(preset, batch, checkpointing, grad_accum=accum)
+    estimate = sd.train.memory.estimate(config, resolution=resolution, device="cpu", world_size=2)
+    assert estimate.world_size == 2 and estimate.grad_accum == 2
+    assert len(measured) == 2 and min(measured) > 30 << 20
+    for peak in measured:
+        assert abs(estimate.allocated / peak - 1) <= 0.03, (estimate.allocated, measured)
+
+
+@pytest.mark.slow
+def test_ddp_holds_the_gradients_in_its_buckets_and_one_more_copy_while_it_rebuilds_them():
+    """DDP's buckets exist from the wrap on, so its step holds all gradients where a single process
+    has freed them; at its one rebuild the new buckets stand beside the old. Without activations to
+    speak of (4x4 latents, one image), the DDP estimate is the single process's plus one bucket copy."""
+    config = tiny_config()
+    single = sd.train.memory.estimate(config, resolution=32, device="cpu")
+    assert not dist.is_initialized()
+    ddp = sd.train.memory.estimate(config, resolution=32, device="cpu", world_size=2)
+    assert not dist.is_initialized()  # the estimate's own process group is gone
+    unet = sd.model.build_unet("tiny")
+    buckets = sum(p.numel() * 4 for p in unet.parameters())  # fp32 gradients, all in DDP's first bucket
+    assert ddp.parts["gradients"] == -(-buckets // 64) * 64
+    assert ddp.parts["ddp_bucket_rebuild"] == pytest.approx(buckets, rel=0.01)
+    assert ddp.allocated - single.allocated == pytest.approx(buckets, rel=0.03)
+    assert "ddp_bucket_rebuild" not in single.parts
+
+
+def test_accumulation_splits_global_batch_over_the_gpus_as_the_trainer_does():
+    config = tiny_config(batch_size=24, global_batch=96, grad_accum=7)
+    assert [sd.train.memory.accumulation(config, 24, n) for n in (1, 2, 4)] == [4, 2, 1]
+    assert sd.train.memory.accumulation(config, 5, 2) == 7  # not a whole split: the config's grad_accum
+    assert sd.train.memory.accumulation(tiny_config(grad_accum=3), 24, 2) == 3
+
+
+def test_world_size_comes_from_the_flag_else_torchrun_else_one_and_is_checked(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert estimate_flags(["--estimate_memory"])[3] == 1
+    assert estimate_flags(["--estimate_memory", "--world_size", "4"])[3] == 4
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    assert estimate_flags(["--estimate_memory"])[3] == 8
+    assert estimate_flags(["--estimate_memory", "--world_size", "2"])[3] == 2
+    for bad in ("0", "-2", "two", "1.5"):
+        with pytest.raises(ConfigError, match=f"--world_size must be a positive whole number of GPUs, got '{bad}'"):
+            estimate_flags(["--estimate_memory", "--world_size", bad])
+    monkeypatch.setenv("WORLD_SIZE", "x")
+    with pytest.raises(ConfigError, match="the WORLD_SIZE environment variable must be a positive whole number"):
+        estimate_flags(["--estimate_memory"])
+
+
+def test_a_bad_world_size_or_a_global_batch_it_cannot_split_stops_the_estimate_in_one_line(capsys, monkeypatch):
+    import SD_Train
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert SD_Train.main(["--estimate_memory", "--unet", "tiny", "--world_size", "0"]) == 2
+    assert "config error: --world_size must be a positive whole number of GPUs, got '0'" in capsys.readouterr().err
+    assert SD_Train.main(["--estimate_memory", "--unet", "tiny", "--vae", "tiny", "--text_encoder", "tiny",
+                          "--batch_size", "24", "--global_batch", "96", "--world_size", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "global_batch 96 is not a whole number of steps of batch_size 24 on 3 GPU(s)" in err
+    assert "Traceback" not in err
+
+
+def _estimate_in_a_real_group(rank: int, folder: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(str(Path(folder, "store")), 2), rank=rank, world_size=2)
+    try:
+        estimate = sd.train.memory.estimate(tiny_config(), resolution=32, device="cpu", world_size=2)
+        total = torch.ones(1)
+        dist.all_reduce(total)  # the run's own group still works, and is still the default
+        Path(folder, f"rank{rank}.json").write_text(json.dumps({"allocated": estimate.allocated,
+                                                                 "sum": total.item(),
+                                                                 "groups": dist.get_world_size()}))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_under_torchrun_the_estimate_runs_beside_the_runs_group_and_leaves_it_as_it_was(tmp_path):
+    """batch_size: auto estimates on every rank of a run whose process group exists: the estimate's
+    DDP runs in a fake group of its own, and the run's group is the default before and after."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_estimate_in_a_real_group, args=(str(tmp_path),), nprocs=2, start_method="spawn")
+    results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    alone = sd.train.memory.estimate(tiny_config(), resolution=32, device="cpu", world_size=2)
+    assert [r["allocated"] for r in results] == pytest.approx([alone.allocated] * 2, rel=1e-4)
+    assert [r["sum"] for r in results] == [2.0, 2.0] and [r["groups"] for r in results] == [2, 2]
+
+
+RECIPES = sorted((ROOT / "configs" / "hardware").glob("*.yaml"))
+
+
+def test_every_card_recipe_loads_over_every_phase_and_splits_its_global_batch_on_one_and_two_gpus():
+    from sd.train.config import load_config, resolve_global_batch
+
+    assert [r.stem for r in RECIPES] == ["12gb", "16gb", "24gb", "48gb", "80gb"]
+    phases = sorted((ROOT / "configs" / "phases").glob("p*.yaml"))
+    for recipe in RECIPES:
+        assert "predicted peak" in recipe.read_text().split("\n", 1)[0]  # the estimate it was chosen by, on top
+        for phase in phases:
+            config = load_config(["--config", str(phase), "--config", str(recipe)], check_paths=False)
+            fields = sd.train.config.read_yaml(recipe)
+            assert {name: getattr(config, name) for name in fields} == fields  # the recipe over the phase
+            assert config.lr == sd.train.config.read_yaml(phase)["lr"]  # the phase's own fields stay
+            for gpus in (1, 2):
+                resolved = resolve_global_batch(config, gpus)
+                assert resolved.batch_size * resolved.grad_accum * gpus == config.global_batch
+
+
+def test_a_later_config_file_overrides_an_earlier_ones_fields(tmp_path):
+    from sd.train.config import load_config
+
+    (tmp_path / "a.yaml").write_text("unet: tiny\nbatch_size: 4\nlr: 0.001\n")
+    (tmp_path / "b.yaml").write_text("batch_size: 2\n")
+    config = load_config(["--config", str(tmp_path / "a.yaml"), "--config", str(tmp_path / "b.yaml"),
+                          "--lr", "0.002"], check_paths=False)
+    assert (config.unet, config.batch_size, config.lr) == ("tiny", 2, 0.002)
