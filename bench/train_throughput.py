@@ -6,8 +6,8 @@
         --peer_script diffusers/examples/text_to_image/train_text_to_image.py      # GPU
 
 Ours: ``sd.train.step.train_step`` exactly as the training loop calls it (fp16 latents from host memory,
-CLIP text encoder forward, CFG dropout, Min-SNR loss, clipping, fused AdamW, EMA update, one host
-sync for the logged numbers), on the same-seeded random weights and synthetic latents and token ids,
+CLIP text encoder forward, CFG dropout, Min-SNR loss, clipping, fused AdamW, EMA update, the step
+statistics read from the device every 10 steps as at the trainer's default ``log_every``), on the same-seeded random weights and synthetic latents and token ids,
 for every combination of the variants asked for.
 
 The peer, diffusers' ``examples/text_to_image/train_text_to_image.py`` with its defaults and
@@ -42,6 +42,7 @@ import torch.nn.functional as F
 import sd.formats
 import sd.model
 import sd.runtime
+import sd.train.config
 import sd.train.step
 from bench import harness
 from sd.distributed import Dist
@@ -53,10 +54,11 @@ class Variant:
     compile: bool
     channels_last: bool
     checkpointing: bool
+    mode: str = "default"  # compile_mode
 
     @property
     def name(self) -> str:
-        parts = ["compile" if self.compile else "eager"]
+        parts = [("compile" if self.mode == "default" else f"compile:{self.mode}") if self.compile else "eager"]
         parts += ["channels_last"] * self.channels_last + ["checkpointing"] * self.checkpointing
         return "+".join(parts)
 
@@ -71,18 +73,23 @@ def our_step(arch: str, variant: Variant, device: torch.device, precision: str, 
     ``shapes``: how many latent shapes it will see (compiled as the trainer compiles a bucketed run)."""
     config = TrainConfig(unet=harness.unet_preset(arch), grad_accum=1, precision=precision,
                          grad_checkpointing=variant.checkpointing, channels_last=variant.channels_last,
-                         compile=variant.compile)
+                         compile=variant.compile, compile_mode=variant.mode)
     unet = sd.model.build_unet(config.unet, seed=config.seed, grad_checkpointing=config.grad_checkpointing,
                                channels_last=config.channels_last).to(device).train()
     step = sd.train.step.build_step(config, Dist.single(device), unet, harness.random_text_encoder(arch),
                                    harness.empty_prompt_ids(), sd.model.SD1_SCALING_FACTOR)
-    sd.train.step.wrap_model(step, config.compile, shapes)
+    sd.train.step.wrap_model(step, config.compile, shapes, config.compile_mode)
     sd.train.step.set_lr(step.optimizer, config.lr)
-    count = iter(range(10**9))
+    count, unread = iter(range(10**9)), []
 
     def run(latents, input_ids):
         with sd.model.attention_context(device):
-            return sd.train.step.train_step(step, [(latents, input_ids)], next(count))["loss"]
+            result = sd.train.step.train_step(step, [(latents, input_ids)], next(count))
+        unread.append(result)
+        if len(unread) == config.log_every:  # the trainer's one read per log_every steps
+            sd.train.step.read_results(unread)
+            unread.clear()
+        return result
 
     return run
 
@@ -264,6 +271,8 @@ def parse_args(argv=None):
                         "until every variant of ours runs out of memory (or --max_batch)")
     parser.add_argument("--max_batch", type=int, default=1024, help="largest batch --sweep tries")
     parser.add_argument("--variants", default="eager,compile" if cuda else "eager", help="eager and/or compile")
+    parser.add_argument("--compile_modes", default="default", help="torch.compile modes of the compile variant "
+                        "(compile_mode): default, max-autotune-no-cudagraphs, reduce-overhead, max-autotune")
     parser.add_argument("--channels_last", default="0,1" if cuda else "0", help="0 and/or 1")
     parser.add_argument("--checkpointing", default="0,1" if cuda else "1", help="gradient checkpointing: 0 and/or 1")
     parser.add_argument("--peers", default="unet,vae", help="in-process peers: unet (its step on our latents) "
@@ -284,7 +293,8 @@ def parse_args(argv=None):
     parser.add_argument("--peak_tflops", type=float, default=None, help="dense bf16 peak of the device for MFU "
                         "(default: looked up for known GPUs)")
     args = parser.parse_args(argv)
-    for name, allowed in (("variants", {"eager", "compile"}), ("peers", {"unet", "vae"})):
+    for name, allowed in (("variants", {"eager", "compile"}), ("peers", {"unet", "vae"}),
+                          ("compile_modes", set(sd.train.config.COMPILE_MODES))):
         unknown = set(harness.parse_list(getattr(args, name), str)) - allowed
         if unknown:
             parser.error(f"--{name}: unknown {sorted(unknown)}; choose from {sorted(allowed)}")
@@ -303,9 +313,10 @@ def main(argv=None) -> dict:
     latent_size = args.resolution // harness.vae_factor(args.arch)
     flops = sd.model.training_flops_per_image(harness.unet_preset(args.arch), latent_size)
     peak = harness.peak_tflops(device, args.peak_tflops)
-    variants = [Variant(c == "compile", bool(cl), bool(ck)) for c, cl, ck in itertools.product(
+    variants = [Variant(c == "compile", bool(cl), bool(ck), mode) for c, cl, ck in itertools.product(
         harness.parse_list(args.variants, str), harness.parse_list(args.channels_last),
-        harness.parse_list(args.checkpointing))]
+        harness.parse_list(args.checkpointing))
+        for mode in (harness.parse_list(args.compile_modes, str) if c == "compile" else ["default"])]
     print(f"{args.arch} UNet, {args.resolution} px ({latent_size}x{latent_size} latents), {args.precision}, "
           f"{harness.device_name(device)}: {flops / 1e9:,.1f} GFLOP per training image (forward + backward)"
           + (f", peak {peak:.1f} TFLOP/s" if peak else ", MFU not shown (peak unknown: --peak_tflops)"))

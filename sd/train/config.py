@@ -163,7 +163,7 @@ class TrainConfig:
     compile_mode: str = _doc("torch.compile mode with compile: default, max-autotune-no-cudagraphs (searches "
                              "kernel choices at start), reduce-overhead (CUDA graphs: replays each micro-batch's "
                              "kernels without launching them one by one) or max-autotune (both); "
-                             "bench/train_throughput.py --compile_mode measures them on a GPU", "default")
+                             "bench/train_throughput.py --compile_modes measures them on a GPU", "default")
     max_bad_steps: int = _doc("stop after this many non-finite steps in a row", 10, allowed=COUNT)
     sharding: str = _doc("how a full fine-tune spreads over several GPUs: none (DDP: every GPU holds the weights, "
                          "gradients and optimizer state), zero1 (DDP, the AdamW state split across the GPUs) or "
