@@ -7,9 +7,10 @@
 #
 # Runs, each under its own timeout and all within --budget seconds (default 1740): the training step's
 # images/s and MFU at 512 and 256 px for batch 8, 16, 32 and the batch `batch_size: auto` picks, eager
-# (bench/train_throughput.py), and compiled at 512 px for batch 16 and auto; DDP on all GPUs against
-# one (bench/ddp_step.py, with 2 or more GPUs); ours against diffusers' train_text_to_image.py step on the same GPU and batch (its script end to end
-# too with --peer_script or DIFFUSERS_TRAIN_SCRIPT); the measured peak memory against sd.train.memory's
+# (bench/train_throughput.py), and compiled at 512 px for batch 16 and auto, then batch 16 in compile
+# modes reduce-overhead (CUDA graphs) and max-autotune-no-cudagraphs; DDP on all GPUs against one
+# (bench/ddp_step.py, with 2 or more GPUs); ours against diffusers' train_text_to_image.py step on the
+# same GPU and batch (its script end to end too with --peer_script or DIFFUSERS_TRAIN_SCRIPT); the measured peak memory against sd.train.memory's
 # estimate (bench/lora_step.py --ema) and the SD 1.x predictions (bench/memory_estimate.py); sampling
 # (bench/sampling.py); latent encoding (bench/encode_throughput.py); `pytest -m gpu`; then the other
 # compiled steps, one batch at a time (about two minutes of compiling each), as long as the budget lasts. A
@@ -155,6 +156,13 @@ run_compiled() {
         --peers "" $STEPS $PEAK
 }
 for point in $COMPILE_FIRST; do run_compiled "$point"; done
+# torch.compile's other modes (compile_mode) at 512 px, batch 16: CUDA graphs and kernel autotuning.
+if [ -n "$COMPILE_FIRST" ]; then
+    run_piece "Training step, 512 px, compile modes: batch 16" 600 \
+        "$PY" bench/train_throughput.py --device "$DEVICE" --arch "$ARCH" --resolution 512 --precision "$PRECISION" \
+        --batch_sizes 16 --variants compile --compile_modes reduce-overhead,max-autotune-no-cudagraphs \
+        --channels_last 0 --checkpointing 0 --peers "" $STEPS $PEAK
+fi
 
 PEER_ARGS=()
 if [ -n "$PEER_SCRIPT" ]; then PEER_ARGS=(--peer_script "$PEER_SCRIPT"); fi
