@@ -163,6 +163,7 @@ def test_sampling_bench_matches_the_diffusers_pipeline():
     assert "ratio ours/peer eager at batch 2" in stdout
 
 
+@pytest.mark.slow
 def test_checkpoint_hash_bench_writes_real_shapes_and_times_both_hashes(tmp_path):
     stdout, result = run_bench("checkpoint_hash.py", "--scale", "0.001", "--dir", str(tmp_path))
     assert "hash/save" in stdout and "sha256/xxh3" in stdout

@@ -282,6 +282,7 @@ def ema_replay(initial, live_after_each_step, decay, every):
     return shadow
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("every", [1, 2])
 def test_cpu_ema_follows_the_hand_computed_recursion(tmp_path, data, every):
     # decay 0.2: the warm-up (1 + t) / (10 + t) is below it at steps 0-1 and above it from step 2.

@@ -567,6 +567,7 @@ def test_ema_rejects_bad_settings():
         sd.train.ema.EMA(_linear(), update_every=0)
 
 
+@pytest.mark.slow
 def test_training_flops_count_attention_in_full():
     # The layer-by-layer count of the SD 1.x UNet (forward + backward, attention included) is 2.41
     # TFLOP per image at 512 px and 0.54 at 256 px; without the attention matmuls it would be ~2.03.
