@@ -26,6 +26,8 @@ DistributedDataParallel by ``sd.train.step.wrap_ddp`` (gradients bound to DDP's 
 place, ``no_sync`` for all but the last micro-batch), in a process group of torch's fake backend
 that needs no peers (``estimation_group``). The buckets are the gradients: one flat buffer per
 bucket, allocated when DDP wraps the UNet and live for the whole step, forward pass included.
+``sharding: zero1`` is estimated the same way with the trainer's own ``ZeroRedundancyOptimizer`` over
+the fake group (``zero_in_group``): rank 0 holds the AdamW state of its share of the parameters only.
 
 ``session`` builds the models once and runs a step at any batch; ``max_batch`` finds the largest
 micro-batch that fits ``gpu_memory_gb``: the peak grows about linearly with the batch (fixed weights
@@ -55,6 +57,7 @@ import sd.distributed
 import sd.lora.adapters
 import sd.model
 import sd.runtime
+import sd.train.sharding
 import sd.train.step
 from sd.train.config import ConfigError, check_models, largest_batch_for, read_saved_config, resolve_global_batch
 
@@ -245,6 +248,7 @@ class Estimate:
     allocated: int  # peak allocated bytes (the sum of the parts)
     world_size: int = 1  # GPUs of the run: above 1, the step ran in DDP
     grad_accum: int = 1  # micro-batches of the optimizer step
+    sharding: str = "none"  # above 1 GPU, the config's sharding (zero1: AdamW's state split over the GPUs)
 
     @property
     def reserved(self) -> int:
@@ -257,7 +261,7 @@ class Estimate:
 
     def as_dict(self) -> dict:
         return {"batch_size": self.batch_size, "resolution": self.resolution, "world_size": self.world_size,
-                "grad_accum": self.grad_accum,
+                "grad_accum": self.grad_accum, "sharding": self.sharding,
                 "parts_gb": {name: round(size / GB, 3) for name, size in self.parts.items()},
                 "allocated_gb": round(self.allocated / GB, 3), "reserved_gb": round(self.reserved / GB, 3),
                 "context_gb": CONTEXT_GB, "peak_gb": round(self.peak_gb, 3)}
@@ -312,7 +316,8 @@ def session(config, resolution: int = 512, device: str = "cuda", world_size: int
             else contextlib.nullcontext()
         with emulate, sd.model.attention_context(torch.device("cpu")), HostReadsAsZeros():
             d = Dist(0, world_size, 0, torch.device("cpu"), True, group=process_group)
-            step = sd.train.step.build_step(config, d, unet, text_encoder, empty_ids, sd.model.SD1_SCALING_FACTOR)
+            with zero_in_group(process_group):
+                step = sd.train.step.build_step(config, d, unet, text_encoder, empty_ids, sd.model.SD1_SCALING_FACTOR)
             if world_size > 1:
                 wrap_ddp_on_fake_tensors(step, allocations)
             if config.cache_text_embeddings:  # the encoder waits in host memory; lookups give fp32 embeddings
@@ -343,7 +348,7 @@ def session(config, resolution: int = 512, device: str = "cuda", world_size: int
                                            at=step.ddp.reducer.moment)
                     parts = max(parts, at_rebuild, key=lambda p: sum(p.values()))
                 estimates[batch_size] = Estimate(batch_size, resolution, parts, sum(parts.values()), world_size,
-                                                 accumulation(config, batch_size, world_size))
+                                                 accumulation(config, batch_size, world_size), step.sharding)
                 return estimates[batch_size]
 
             yield run
@@ -398,6 +403,21 @@ def estimation_group(world_size: int):
         yield group
     finally:
         dist.destroy_process_group(group)
+
+
+@contextlib.contextmanager
+def zero_in_group(group):
+    """``sharding: zero1``'s ``ZeroRedundancyOptimizer``, built inside, in ``group`` (None: the default
+    group, as the trainer's). Under torchrun the default group is the run's real one, where the
+    optimizer's broadcasts of fake parameters would fail; in the fake group they return at once, and
+    its partition (sorted by parameter sizes) and local AdamW read no tensor values."""
+    original = sd.train.sharding.zero_optimizer
+    if group is not None:
+        sd.train.sharding.zero_optimizer = lambda params, **kwargs: original(params, process_group=group, **kwargs)
+    try:
+        yield
+    finally:
+        sd.train.sharding.zero_optimizer = original
 
 
 def wrap_ddp_on_fake_tensors(step, allocations: Allocations) -> None:
@@ -544,8 +564,8 @@ def breakdown(allocations: Allocations, step, vae, config, casts: set[int], rebu
     groups = {
         "weights": records([*unet.parameters(), *unet.buffers()]),
         "gradients": records([p.grad for p in unet.parameters() if p.grad is not None]),
-        "optimizer_state": records([t for state in step.optimizer.state.values() for t in state.values()
-                                    if isinstance(t, torch.Tensor)]),
+        "optimizer_state": records([t for state in sd.train.sharding.local_optimizer(step.optimizer).state.values()
+                                    for t in state.values() if isinstance(t, torch.Tensor)]),
         "ema": records(step.ema.shadow + (step.ema.staging or [])) if step.ema is not None else {},
         "text_encoder_and_vae": records([*step.text_encoder.parameters(), *step.text_encoder.buffers(),
                                          *vae.parameters(), *vae.buffers()]),
@@ -658,8 +678,9 @@ def report(config, resolution: int, gpu_memory_gb: float, world_size: int = 1) -
     JSON line). When not even one image fits, the savings not yet on, each with its predicted peak."""
     if config.batch_size and config.global_batch:  # the trainer's own check, before the long work
         resolve_global_batch(config, world_size)
+    zero = ", AdamW state split by ZeRO-1" if world_size > 1 and config.sharding == "zero1" else ""
     print(f"estimating one training step on fake tensors ({config.unet} UNet, {resolution} px"
-          f"{f', DDP on {world_size} GPUs' if world_size > 1 else ''}): no GPU or data needed; up to a few minutes "
+          f"{f', DDP on {world_size} GPUs' if world_size > 1 else ''}{zero}): no GPU or data needed; up to a few minutes "
           "on a CPU ...", file=sys.stderr, flush=True)
     with session(config, resolution, world_size=world_size) as run:
         batch, at_max = max_batch(config, gpu_memory_gb, resolution, run=run)
@@ -668,7 +689,7 @@ def report(config, resolution: int, gpu_memory_gb: float, world_size: int = 1) -
             at_max = run(batch) if batch else None
         shown = config.batch_size or batch or 1  # batch_size: auto shows the batch it would choose
         at_config = run(shown)
-    gpus = f", each of {world_size} GPUs in DDP" if world_size > 1 else ""
+    gpus = f", each of {world_size} GPUs in DDP{zero}" if world_size > 1 else ""
     print(f"Predicted device memory of one training step{gpus}: {config.unet} UNet, {resolution} px, "
           f"micro-batch {shown}{' (auto)' if not config.batch_size else ''} x grad_accum {at_config.grad_accum}, "
           f"{config.precision}, gradient checkpointing "

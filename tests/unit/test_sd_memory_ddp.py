@@ -146,3 +146,31 @@ def test_a_later_config_file_overrides_an_earlier_ones_fields(tmp_path):
     config = load_config(["--config", str(tmp_path / "a.yaml"), "--config", str(tmp_path / "b.yaml"),
                           "--lr", "0.002"], check_paths=False)
     assert (config.unet, config.batch_size, config.lr) == ("tiny", 2, 0.002)
+
+
+@pytest.mark.slow
+def test_the_zero1_estimate_is_within_three_percent_of_each_rank_of_a_two_rank_gloo_zero1_run():
+    """sharding: zero1 as the trainer runs it (DDP, ZeroRedundancyOptimizer around fused AdamW), measured
+    on each rank of a gloo group, against the estimate of one rank with ZeRO in the fake group."""
+    from bench import memory_estimate
+
+    preset, resolution, batch, checkpointing, accum = "tiny", 128, 8, True, 2
+    measured = memory_estimate.measure_ddp(preset, resolution, batch, checkpointing, accum, world_size=2,
+                                           sharding="zero1")
+    config = memory_estimate.config_for(preset, batch, checkpointing, grad_accum=accum, sharding="zero1")
+    estimate = sd.train.memory.estimate(config, resolution=resolution, device="cpu", world_size=2)
+    assert estimate.sharding == "zero1" and estimate.as_dict()["sharding"] == "zero1"
+    assert len(measured) == 2 and min(measured) > 30 << 20
+    for peak in measured:
+        assert abs(estimate.allocated / peak - 1) <= 0.03, (estimate.allocated, measured)
+
+
+def test_zero1_on_two_gpus_holds_about_half_of_ddps_optimizer_state_and_nothing_else_changes():
+    config = tiny_config(ema_decay=0.0)
+    ddp = sd.train.memory.estimate(config, resolution=32, device="cpu", world_size=2)
+    zero = sd.train.memory.estimate(tiny_config(ema_decay=0.0, sharding="zero1"), resolution=32, device="cpu",
+                                    world_size=2)
+    assert not dist.is_initialized()
+    assert ddp.sharding == "none" and zero.sharding == "zero1"
+    assert zero.parts["optimizer_state"] == pytest.approx(ddp.parts["optimizer_state"] / 2, rel=0.05)
+    assert zero.parts["weights"] == ddp.parts["weights"] and zero.parts["gradients"] == ddp.parts["gradients"]
