@@ -749,9 +749,9 @@ def report(config, resolution: int, gpu_memory_gb: float, world_size: int = 1) -
     JSON line). When not even one image fits, the savings not yet on, each with its predicted peak."""
     if config.batch_size and config.global_batch:  # the trainer's own check, before the long work
         resolve_global_batch(config, world_size)
-    zero = ", AdamW state split by ZeRO-1" if world_size > 1 and config.sharding == "zero1" else ""
+    wrapper = {"zero1": "DDP, AdamW state split by ZeRO-1", "fsdp": "FSDP2"}.get(config.sharding, "DDP")
     print(f"estimating one training step on fake tensors ({config.unet} UNet, {resolution} px"
-          f"{f', DDP on {world_size} GPUs' if world_size > 1 else ''}{zero}): no GPU or data needed; up to a few minutes "
+          f"{f', {wrapper} on {world_size} GPUs' if world_size > 1 else ''}): no GPU or data needed; up to a few minutes "
           "on a CPU ...", file=sys.stderr, flush=True)
     with session(config, resolution, world_size=world_size) as run:
         batch, at_max = max_batch(config, gpu_memory_gb, resolution, run=run)
@@ -760,7 +760,7 @@ def report(config, resolution: int, gpu_memory_gb: float, world_size: int = 1) -
             at_max = run(batch) if batch else None
         shown = config.batch_size or batch or 1  # batch_size: auto shows the batch it would choose
         at_config = run(shown)
-    gpus = f", each of {world_size} GPUs in DDP{zero}" if world_size > 1 else ""
+    gpus = f", each of {world_size} GPUs in {wrapper}" if world_size > 1 else ""
     print(f"Predicted device memory of one training step{gpus}: {config.unet} UNet, {resolution} px, "
           f"micro-batch {shown}{' (auto)' if not config.batch_size else ''} x grad_accum {at_config.grad_accum}, "
           f"{config.precision}, gradient checkpointing "
