@@ -96,9 +96,11 @@ def _estimate_in_a_real_group(rank: int, folder: str) -> None:
     dist.init_process_group("gloo", store=dist.FileStore(str(Path(folder, "store")), 2), rank=rank, world_size=2)
     try:
         estimate = sd.train.memory.estimate(tiny_config(), resolution=32, device="cpu", world_size=2)
+        sharded = {name: sd.train.memory.estimate(tiny_config(sharding=name), resolution=32, device="cpu",
+                                                  world_size=2).allocated for name in ("zero1", "fsdp")}
         total = torch.ones(1)
         dist.all_reduce(total)  # the run's own group still works, and is still the default
-        Path(folder, f"rank{rank}.json").write_text(json.dumps({"allocated": estimate.allocated,
+        Path(folder, f"rank{rank}.json").write_text(json.dumps({"allocated": estimate.allocated, **sharded,
                                                                  "sum": total.item(),
                                                                  "groups": dist.get_world_size()}))
     finally:
@@ -108,7 +110,8 @@ def _estimate_in_a_real_group(rank: int, folder: str) -> None:
 @pytest.mark.slow
 def test_under_torchrun_the_estimate_runs_beside_the_runs_group_and_leaves_it_as_it_was(tmp_path):
     """batch_size: auto estimates on every rank of a run whose process group exists: the estimate's
-    DDP runs in a fake group of its own, and the run's group is the default before and after."""
+    DDP (and ZeRO's broadcasts, FSDP2's mesh) runs in a fake group of its own, and the run's group is
+    the default before and after. ZeRO's partition is this rank's: rank 1's differs by bytes."""
     import torch.multiprocessing as mp
 
     mp.start_processes(_estimate_in_a_real_group, args=(str(tmp_path),), nprocs=2, start_method="spawn")
@@ -116,6 +119,9 @@ def test_under_torchrun_the_estimate_runs_beside_the_runs_group_and_leaves_it_as
     alone = sd.train.memory.estimate(tiny_config(), resolution=32, device="cpu", world_size=2)
     assert [r["allocated"] for r in results] == pytest.approx([alone.allocated] * 2, rel=1e-4)
     assert [r["sum"] for r in results] == [2.0, 2.0] and [r["groups"] for r in results] == [2, 2]
+    for name in ("zero1", "fsdp"):
+        alone = sd.train.memory.estimate(tiny_config(sharding=name), resolution=32, device="cpu", world_size=2)
+        assert [r[name] for r in results] == pytest.approx([alone.allocated] * 2, rel=1e-4), name
 
 
 RECIPES = sorted((ROOT / "configs" / "hardware").glob("*.yaml"))
