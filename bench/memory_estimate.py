@@ -83,10 +83,12 @@ def config_for(preset: str, batch: int, checkpointing: bool, **fields):
                           "precision": "bf16", "datasets": [], **fields})
 
 
-def measure(preset: str, resolution: int, batch: int, checkpointing: bool, grad_accum: int = 1) -> dict:
+def measure(preset: str, resolution: int, batch: int, checkpointing: bool, grad_accum: int = 1,
+            sharding: str = "none") -> dict:
     """In this (fresh) process: the peak of the CPU allocator's live bytes over building the models and
     two real steps, from the profiler's record of every allocation and free. In a process group of
-    several ranks (``measure_ddp``), the steps of this rank of a DDP run, as the trainer wraps it."""
+    several ranks (``measure_ddp``), the steps of this rank of a DDP run, as the trainer wraps it
+    (``sharding``: the config's, zero1 or fsdp)."""
     import torch
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
@@ -98,7 +100,7 @@ def measure(preset: str, resolution: int, batch: int, checkpointing: bool, grad_
 
     def run(batch: int) -> None:
         torch.manual_seed(0)
-        config = config_for(preset, batch, checkpointing, grad_accum=grad_accum)
+        config = config_for(preset, batch, checkpointing, grad_accum=grad_accum, sharding=sharding)
         latent = resolution // 8
         batches = [(torch.randn(batch, 4, latent, latent).half(), torch.randint(0, 49407, (batch, 77)))
                    for _ in range(grad_accum)]
@@ -119,7 +121,7 @@ def measure(preset: str, resolution: int, batch: int, checkpointing: bool, grad_
 
 
 def measure_ddp(preset: str, resolution: int, batch: int, checkpointing: bool, grad_accum: int,
-                world_size: int = 2) -> list[int]:
+                world_size: int = 2, sharding: str = "none") -> list[int]:
     """``measure`` on each rank of a ``world_size``-rank gloo group of fresh processes (one thread
     each): the measured peak bytes of every rank."""
     import tempfile
@@ -128,7 +130,7 @@ def measure_ddp(preset: str, resolution: int, batch: int, checkpointing: bool, g
 
     with tempfile.TemporaryDirectory() as folder:
         mp.start_processes(_measure_rank, args=(world_size, folder, (preset, resolution, batch, checkpointing,
-                                                                    grad_accum)), nprocs=world_size,
+                                                                    grad_accum, sharding)), nprocs=world_size,
                            start_method="spawn")
         return [json.loads(Path(folder, f"rank{rank}.json").read_text())["measured_bytes"]
                 for rank in range(world_size)]

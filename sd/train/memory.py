@@ -26,6 +26,11 @@ DistributedDataParallel by ``sd.train.step.wrap_ddp`` (gradients bound to DDP's 
 place, ``no_sync`` for all but the last micro-batch), in a process group of torch's fake backend
 that needs no peers (``estimation_group``). The buckets are the gradients: one flat buffer per
 bucket, allocated when DDP wraps the UNet and live for the whole step, forward pass included.
+``sharding: zero1`` is estimated the same way with the trainer's own ``ZeroRedundancyOptimizer`` over
+the fake group (``zero_in_group``): rank 0 holds the AdamW state of its share of the parameters only.
+``sharding: fsdp`` runs the trainer's FSDP2 on the fake group instead of DDP (``shard_on_fake_tensors``):
+weights, gradients, AdamW state and EMA are rank 0's slices (the local tensors of the DTensors), and
+each block's weights are gathered into storages FSDP2 resizes in place (``storage_resizes_seen_by``).
 
 ``session`` builds the models once and runs a step at any batch; ``max_batch`` finds the largest
 micro-batch that fits ``gpu_memory_gb``: the peak grows about linearly with the batch (fixed weights
@@ -45,7 +50,7 @@ from pathlib import Path
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -55,6 +60,7 @@ import sd.distributed
 import sd.lora.adapters
 import sd.model
 import sd.runtime
+import sd.train.sharding
 import sd.train.step
 from sd.train.config import ConfigError, check_models, largest_batch_for, read_saved_config, resolve_global_batch
 
@@ -64,6 +70,7 @@ ROUND = {"cuda": 512, "cpu": 64}  # the smallest block: the CUDA caching allocat
 RESERVE_FACTOR = 1.10  # peak reserved / peak allocated allowed for segments and fragmentation
 CONTEXT_GB = 0.55  # the CUDA context, cuBLAS/cuDNN handles and loaded kernels, outside the allocator
 GB = 1e9
+ALIVE = 1 << 62
 
 # The SD 1.x text encoder (CLIP ViT-L/14's text tower), known without its weights.
 SD1_TEXT_ENCODER = dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
@@ -80,7 +87,7 @@ SD1_TEXT_ENCODER = dict(vocab_size=49408, hidden_size=768, intermediate_size=307
 class Record:
     size: int
     born: int
-    died: int = 1 << 62
+    died: int = ALIVE  # the clock at which it was freed
 
 
 class Allocations(TorchDispatchMode):
@@ -91,7 +98,8 @@ class Allocations(TorchDispatchMode):
         super().__init__()
         self.round_to = round_to
         self.records: list[Record] = []
-        self.of = WeakIdKeyDictionary()  # storage -> Record
+        self.of = WeakIdKeyDictionary()  # storage -> [its current Record]
+        self.regrown: set[int] = set()  # the records of storages resized up in place (``resized``)
         self.clock = 0
         self.now = 0
         self.peak = 0
@@ -109,23 +117,45 @@ class Allocations(TorchDispatchMode):
         return out
 
     def track(self, tensor: torch.Tensor) -> None:
+        if is_traceable_wrapper_subclass(tensor):  # a DTensor (fsdp): the storage is its local tensor's,
+            for name in tensor.__tensor_flatten__()[0]:  # made by an operator this mode does not see
+                if isinstance(inner := getattr(tensor, name), torch.Tensor):
+                    self.track(inner)
+            return
         storage = tensor.untyped_storage()
         if storage in self.of:
             return
-        record = Record(math.ceil(storage.nbytes() / self.round_to) * self.round_to, self.clock)
+        cell = self.of[storage] = [self._born(storage.nbytes())]  # the storage's current record
+        weakref.finalize(storage, self._freed, cell)
+
+    def _born(self, nbytes: int) -> Record:
+        record = Record(math.ceil(nbytes / self.round_to) * self.round_to, self.clock)
         self.records.append(record)
-        self.of[storage] = record
         self.now += record.size
         if self.now > self.peak:
             self.peak, self.peak_at = self.now, self.clock
-        weakref.finalize(storage, self._freed, record)
+        return record
 
-    def _freed(self, record: Record) -> None:
-        record.died = self.clock
-        self.now -= record.size
+    def _freed(self, cell: list[Record]) -> None:
+        if cell[0].died == ALIVE:
+            cell[0].died = self.clock
+            self.now -= cell[0].size
+
+    def resized(self, storage, nbytes: int) -> None:
+        """A storage resized in place: its bytes freed, and as many as it now holds allocated (FSDP2
+        frees each gathered weight so after use, and gathers into the same storage again)."""
+        cell = self.of.get(storage)
+        if cell is None:
+            return
+        self.clock += 1
+        self._freed(cell)
+        if nbytes:
+            cell[0] = self._born(nbytes)
+            self.regrown.add(id(cell[0]))
 
     def record_of(self, tensor: torch.Tensor) -> Record | None:
-        return self.of.get(tensor.untyped_storage())
+        cell = self.of.get(tensor.untyped_storage())
+        return cell[0] if cell is not None else None
 
     def live_at(self, clock: int) -> list[Record]:
         return [r for r in self.records if r.born <= clock < r.died]
@@ -245,6 +275,7 @@ class Estimate:
     allocated: int  # peak allocated bytes (the sum of the parts)
     world_size: int = 1  # GPUs of the run: above 1, the step ran in DDP
     grad_accum: int = 1  # micro-batches of the optimizer step
+    sharding: str = "none"  # above 1 GPU, the config's sharding (zero1: AdamW's state split over the GPUs)
 
     @property
     def reserved(self) -> int:
@@ -257,7 +288,7 @@ class Estimate:
 
     def as_dict(self) -> dict:
         return {"batch_size": self.batch_size, "resolution": self.resolution, "world_size": self.world_size,
-                "grad_accum": self.grad_accum,
+                "grad_accum": self.grad_accum, "sharding": self.sharding,
                 "parts_gb": {name: round(size / GB, 3) for name, size in self.parts.items()},
                 "allocated_gb": round(self.allocated / GB, 3), "reserved_gb": round(self.reserved / GB, 3),
                 "context_gb": CONTEXT_GB, "peak_gb": round(self.peak_gb, 3)}
@@ -301,7 +332,7 @@ def session(config, resolution: int = 512, device: str = "cuda", world_size: int
     casts: set[int] = set()
     group = estimation_group(world_size) if world_size > 1 else contextlib.nullcontext()
     with group as process_group, FakeTensorMode(allow_non_fake_inputs=False), allocations, \
-            module_moves_of_fake_tensors():
+            module_moves_of_fake_tensors(), storage_resizes_seen_by(allocations):
         text_encoder, vae = frozen_models(config)
         unet = sd.model.build_unet(config.unet, from_scratch=False, grad_checkpointing=config.grad_checkpointing,
                                    channels_last=config.channels_last).train()
@@ -312,8 +343,11 @@ def session(config, resolution: int = 512, device: str = "cuda", world_size: int
             else contextlib.nullcontext()
         with emulate, sd.model.attention_context(torch.device("cpu")), HostReadsAsZeros():
             d = Dist(0, world_size, 0, torch.device("cpu"), True, group=process_group)
-            step = sd.train.step.build_step(config, d, unet, text_encoder, empty_ids, sd.model.SD1_SCALING_FACTOR)
-            if world_size > 1:
+            with zero_in_group(process_group):
+                step = sd.train.step.build_step(config, d, unet, text_encoder, empty_ids, sd.model.SD1_SCALING_FACTOR)
+            if step.sharding == "fsdp":
+                shard_on_fake_tensors(step, process_group)
+            elif world_size > 1:
                 wrap_ddp_on_fake_tensors(step, allocations)
             if config.cache_text_embeddings:  # the encoder waits in host memory; lookups give fp32 embeddings
                 step.text_cache = CachedPrompts(text_encoder.config.hidden_size)
@@ -337,13 +371,13 @@ def session(config, resolution: int = 512, device: str = "cuda", world_size: int
                 sd.train.step.train_step(step, batches, steps)
                 steps += 1
                 parts = breakdown(allocations, step, vae, config, casts,
-                                  step.ddp.reducer.records if world_size > 1 else None)
-                if world_size > 1:  # DDP's one rebuild of its buckets, in whichever step it came
+                                  step.ddp.reducer.records if step.ddp is not None else None)
+                if step.ddp is not None:  # DDP's one rebuild of its buckets, in whichever step it came
                     at_rebuild = breakdown(allocations, step, vae, config, casts, step.ddp.reducer.records,
                                            at=step.ddp.reducer.moment)
                     parts = max(parts, at_rebuild, key=lambda p: sum(p.values()))
                 estimates[batch_size] = Estimate(batch_size, resolution, parts, sum(parts.values()), world_size,
-                                                 accumulation(config, batch_size, world_size))
+                                                 accumulation(config, batch_size, world_size), step.sharding)
                 return estimates[batch_size]
 
             yield run
@@ -398,6 +432,43 @@ def estimation_group(world_size: int):
         yield group
     finally:
         dist.destroy_process_group(group)
+
+
+@contextlib.contextmanager
+def zero_in_group(group):
+    """``sharding: zero1``'s ``ZeroRedundancyOptimizer``, built inside, in ``group`` (None: the default
+    group, as the trainer's). Under torchrun the default group is the run's real one, where the
+    optimizer's broadcasts of fake parameters would fail; in the fake group they return at once, and
+    its partition (sorted by parameter sizes) and local AdamW read no tensor values."""
+    original = sd.train.sharding.zero_optimizer
+    if group is not None:
+        sd.train.sharding.zero_optimizer = lambda params, **kwargs: original(params, process_group=group, **kwargs)
+    try:
+        yield
+    finally:
+        sd.train.sharding.zero_optimizer = original
+
+
+def shard_on_fake_tensors(step, group) -> None:
+    """``sharding: fsdp``'s ``sd.train.sharding.shard_unet`` on fake tensors, ``step.model`` the FSDP2
+    UNet. FSDP2 builds its device mesh from the process group with a tensor of the ranks, which it
+    searches for this rank (``nonzero``: an output shape a fake tensor cannot know); the mesh is built
+    here of real tensors, from ``group`` (None: the default group), and given to every ``fully_shard``.
+    The rest runs on fake tensors as it is: the split of each parameter (``chunk`` of dim 0), and the
+    all-gathers and reduce-scatters, whose outputs the fake backend allocates and leaves unset."""
+    import torch.distributed as dist
+    import torch.distributed.fsdp as fsdp
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+
+    with unset_fake_temporarily():
+        mesh = DeviceMesh.from_group(group or dist.group.WORLD, "cpu")
+    original = fsdp.fully_shard
+    fsdp.fully_shard = lambda module, **kwargs: original(module, mesh=mesh, **kwargs)
+    try:
+        step.model = sd.train.sharding.shard_unet(step)
+    finally:
+        fsdp.fully_shard = original
 
 
 def wrap_ddp_on_fake_tensors(step, allocations: Allocations) -> None:
@@ -535,7 +606,7 @@ def breakdown(allocations: Allocations, step, vae, config, casts: set[int], rebu
     def records(tensors):
         found = {}
         for tensor in tensors:
-            record = allocations.record_of(tensor)
+            record = allocations.record_of(sd.train.sharding.local(tensor))  # fsdp: this rank's slice
             if record is not None:
                 found[id(record)] = record
         return found
@@ -544,13 +615,15 @@ def breakdown(allocations: Allocations, step, vae, config, casts: set[int], rebu
     groups = {
         "weights": records([*unet.parameters(), *unet.buffers()]),
         "gradients": records([p.grad for p in unet.parameters() if p.grad is not None]),
-        "optimizer_state": records([t for state in step.optimizer.state.values() for t in state.values()
-                                    if isinstance(t, torch.Tensor)]),
+        "optimizer_state": records([t for state in sd.train.sharding.local_optimizer(step.optimizer).state.values()
+                                    for t in state.values() if isinstance(t, torch.Tensor)]),
         "ema": records(step.ema.shadow + (step.ema.staging or [])) if step.ema is not None else {},
         "text_encoder_and_vae": records([*step.text_encoder.parameters(), *step.text_encoder.buffers(),
                                          *vae.parameters(), *vae.buffers()]),
     }
     groups["autocast_weight_copies"] = casts
+    if sd.train.sharding.is_sharded(unet):  # FSDP2's gathered weights, in storages it resizes in place
+        groups["fsdp_gathered_weights"] = allocations.regrown
     if rebuild is not None:
         groups["ddp_bucket_rebuild"] = rebuild
     live = allocations.live_at(allocations.peak_at if at is None else at)
@@ -589,6 +662,24 @@ class HostReadsAsZeros(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         read = HOST_READS.get(getattr(func, "__name__", ""))
         return read(args[0]) if read is not None else func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def storage_resizes_seen_by(allocations: Allocations):
+    """Inside, ``allocations`` is told of every storage resized in place (``UntypedStorage.resize_``,
+    which no operator sees)."""
+    original = torch.UntypedStorage.resize_
+
+    def resize_(storage, size):
+        out = original(storage, size)
+        allocations.resized(storage, size)
+        return out
+
+    torch.UntypedStorage.resize_ = resize_
+    try:
+        yield
+    finally:
+        torch.UntypedStorage.resize_ = original
 
 
 @contextlib.contextmanager
@@ -658,8 +749,9 @@ def report(config, resolution: int, gpu_memory_gb: float, world_size: int = 1) -
     JSON line). When not even one image fits, the savings not yet on, each with its predicted peak."""
     if config.batch_size and config.global_batch:  # the trainer's own check, before the long work
         resolve_global_batch(config, world_size)
+    wrapper = {"zero1": "DDP, AdamW state split by ZeRO-1", "fsdp": "FSDP2"}.get(config.sharding, "DDP")
     print(f"estimating one training step on fake tensors ({config.unet} UNet, {resolution} px"
-          f"{f', DDP on {world_size} GPUs' if world_size > 1 else ''}): no GPU or data needed; up to a few minutes "
+          f"{f', {wrapper} on {world_size} GPUs' if world_size > 1 else ''}): no GPU or data needed; up to a few minutes "
           "on a CPU ...", file=sys.stderr, flush=True)
     with session(config, resolution, world_size=world_size) as run:
         batch, at_max = max_batch(config, gpu_memory_gb, resolution, run=run)
@@ -668,7 +760,7 @@ def report(config, resolution: int, gpu_memory_gb: float, world_size: int = 1) -
             at_max = run(batch) if batch else None
         shown = config.batch_size or batch or 1  # batch_size: auto shows the batch it would choose
         at_config = run(shown)
-    gpus = f", each of {world_size} GPUs in DDP" if world_size > 1 else ""
+    gpus = f", each of {world_size} GPUs in {wrapper}" if world_size > 1 else ""
     print(f"Predicted device memory of one training step{gpus}: {config.unet} UNet, {resolution} px, "
           f"micro-batch {shown}{' (auto)' if not config.batch_size else ''} x grad_accum {at_config.grad_accum}, "
           f"{config.precision}, gradient checkpointing "
