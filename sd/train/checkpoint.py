@@ -30,6 +30,7 @@ import pickle
 import random
 import re
 import shutil
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -37,7 +38,6 @@ import numpy as np
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
-from torch.distributed.tensor import DTensor
 
 import sd.distributed
 import sd.faults
@@ -364,6 +364,14 @@ def save_torch(obj, path: Path) -> None:
         torch.save(obj, f)
 
 
+def is_split(tensor) -> bool:
+    """Whether ``tensor`` is split across the ranks (a DTensor: FSDP2's parameters). Its module is
+    imported only where FSDP2 runs (a second of start-up for every other process), and a tensor can be a
+    DTensor only once it is."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
+
+
 @torch.no_grad()
 def weights_fingerprint(tensors) -> torch.Tensor:
     """Per-tensor float64 sums ``(n,)``: equal on every rank unless the replicas diverged.
@@ -371,7 +379,7 @@ def weights_fingerprint(tensors) -> torch.Tensor:
     A tensor split across the ranks (an FSDP parameter, a DTensor) is summed over its slices: every
     rank gets the whole tensor's sum (a collective: every rank calls this together)."""
     tensors = [t.detach() for t in tensors]
-    split = [isinstance(t, DTensor) for t in tensors]
+    split = [is_split(t) for t in tensors]
     sums = torch.stack([(t.to_local() if s else t).double().sum() for t, s in zip(tensors, split)])
     if any(split):
         mask = torch.tensor(split, device=sums.device)

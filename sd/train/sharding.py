@@ -18,9 +18,9 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from torch.distributed.tensor import DTensor, Shard
 
 import sd.train.checkpoint as ckpt
+from sd.train.checkpoint import is_split
 
 
 def zero_optimizer(params: list, **kwargs):
@@ -45,12 +45,12 @@ def is_sharded(module: torch.nn.Module) -> bool:
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's slice of a split tensor (an FSDP parameter); any other tensor as it is."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return tensor.to_local() if is_split(tensor) else tensor
 
 
 def whole(tensor: torch.Tensor) -> torch.Tensor:
     """A split tensor gathered whole on every rank (a collective); any other tensor as it is."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    return tensor.full_tensor() if is_split(tensor) else tensor
 
 
 # ---------------------------------------------------------------------------------------------
@@ -109,8 +109,10 @@ def by_index(state: dict, names: list[str]) -> dict:
                              for group in state["param_groups"]]}
 
 
-def rows_of(tensor: torch.Tensor, like: DTensor) -> torch.Tensor:
+def rows_of(tensor: torch.Tensor, like: "DTensor") -> torch.Tensor:
     """This rank's slice of a whole ``tensor``, as FSDP2 splits ``like`` (``torch.chunk`` of dim 0)."""
+    from torch.distributed.tensor import Shard
+
     if tuple(like.placements) != (Shard(0),):
         raise ValueError(f"expected a parameter split along dim 0, got {like.placements}")
     mesh = like.device_mesh
@@ -234,6 +236,8 @@ class WholeEMA:
 
     @torch.no_grad()
     def gather(self) -> None:
+        from torch.distributed.tensor import DTensor
+
         params = dict(self.module.named_parameters())
         gathered = {}
         for name, shadow in zip(self.ema.names, self.ema.shadow):
