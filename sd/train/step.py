@@ -428,10 +428,6 @@ class StepResult:
             read_results([self])
         return self.values[key]
 
-    def __setitem__(self, key: str, value) -> None:
-        self[key]  # read first
-        self.values[key] = value
-
     def fill(self, values: list[float]) -> None:
         sums, counts = values[3:7], values[7:11]
         self.values = {
