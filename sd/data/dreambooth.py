@@ -230,7 +230,10 @@ def encode_images(vae, images: list[np.ndarray], device, batch_size: int = 8) ->
         batch = torch.from_numpy(np.stack(images[start : start + batch_size])).permute(0, 3, 1, 2)
         pixels = (batch.to(device, dtype) / 127.5 - 1.0).contiguous()
         out.append(vae.encode(pixels).latent_dist.mean.to(torch.float16).cpu().numpy())
-    return np.concatenate(out) if out else np.zeros((0, 4, 1, 1), np.float16)
+    # C order: the encoder's output keeps its input's channels-last strides, and safetensors' numpy writer
+    # stores an array's buffer as it lies in memory, so a strided array would come back from the cache
+    # with its values scrambled (and the first run would train on another memory layout than a resume)
+    return np.ascontiguousarray(np.concatenate(out)) if out else np.zeros((0, 4, 1, 1), np.float16)
 
 
 def latents_of(files: list[Path], size: int, vae, device, cache: Path, what: str, write: bool = True) -> np.ndarray:

@@ -381,3 +381,13 @@ def test_a_trained_lora_run_exports_and_samples_through_sd_imagegen(tmp_path, ba
 
     first, second = (np.asarray(Image.open(tmp_path / s / "000_000000.png")) for s in ("s1", "s2"))
     assert np.abs(first.astype(int) - second.astype(int)).max() <= 1
+
+
+def test_cached_dreambooth_latents_are_the_encoded_ones(tmp_path):
+    """The VAE's output is channels-last in memory; the cache must hold the same values in the same order
+    (a resumed DreamBooth run reads the cache, the first run the fresh encoding)."""
+    files = sd.data.dreambooth.image_files(write_images(tmp_path / "images", 3, (200, 40, 40)))
+    vae = sd.model.load_vae("tiny")
+    fresh = sd.data.dreambooth.latents_of(files, 32, vae, torch.device("cpu"), tmp_path / "c.safetensors", "instance")
+    cached = sd.data.dreambooth.latents_of(files, 32, vae, torch.device("cpu"), tmp_path / "c.safetensors", "instance")
+    assert fresh.flags["C_CONTIGUOUS"] and np.array_equal(fresh, cached)
