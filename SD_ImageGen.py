@@ -7,6 +7,8 @@
     python SD_ImageGen.py --ckpt runs/p7_consolidation --export_single_file sd1.safetensors --half
     python SD_ImageGen.py --ckpt runs/style_lora --export_lora style.safetensors [--lora_format kohya|diffusers]
     python SD_ImageGen.py --ckpt sd1_folder --lora style.safetensors:0.7 [--lora other_dir] --prompt "..." --out DIR
+    python SD_ImageGen.py --ckpt runs/my_token --export_embedding embeddings/ [--embedding_format a1111|diffusers]
+    python SD_ImageGen.py --ckpt sd1_folder --embedding my-cat.safetensors[:<my-cat>] --prompt "a photo of <my-cat>" --out DIR
 
 ``--ckpt`` is a training checkpoint or run folder of ours (EMA weights unless ``--no_ema``), a
 diffusers pipeline folder or hub id, or a single ``.safetensors`` / ``.ckpt`` file in the original
@@ -27,6 +29,16 @@ diffusers load it) or, with ``--lora_format diffusers``, a folder ``OUT/pytorch_
 into the weights at scale 1, and each ``--lora FILE_OR_DIR[:SCALE]`` (either format; scale 1 unless
 given) is merged after it, so ``--export_diffusers`` / ``--export_single_file`` write the merged model.
 A LoRA holding a NaN or an infinity is refused, naming the tensor and the file.
+
+Textual inversion: a run of ours that learned a token (``embedding_token``) loads its base and the
+token (its EMA unless ``--no_ema``), so its prompts can use the token at once. ``--export_embedding OUT``
+writes the token alone: ``OUT`` itself when it ends in ``.safetensors``, else a file in the folder OUT,
+``<token>.safetensors`` in the layout AUTOMATIC1111 (its ``embeddings/`` folder, prompted by the file's
+name), ComfyUI (``embedding:NAME``) and diffusers' ``load_textual_inversion(path, token=...)`` load, or
+with ``--embedding_format diffusers`` ``learned_embeds.safetensors`` keyed by the token (diffusers
+needs no ``token=``). ``--embedding FILE[:TOKEN]`` adds a token from a file of either layout (or an
+AUTOMATIC1111 ``.pt``) to any model for sampling; its name is TOKEN, else the file's key or stem. The
+full exports do not take ``--embedding``: a model's vocabulary stays the size other tools expect.
 """
 
 from __future__ import annotations
@@ -40,6 +52,8 @@ from pathlib import Path
 from safetensors import SafetensorError
 
 import sd.cli
+import sd.embedding.files
+import sd.embedding.tokens
 import sd.files
 import sd.formats
 import sd.lora.adapters
@@ -105,13 +119,23 @@ def parse_args(argv=None):
     parser.add_argument("--lora", action="append", default=[], metavar="FILE_OR_DIR[:SCALE]",
                         help="merge this LoRA (a kohya .safetensors, or a diffusers file or folder) into the weights "
                         "before sampling and the full exports, times SCALE (default 1); repeat for several")
+    parser.add_argument("--embedding", action="append", default=[], metavar="FILE[:TOKEN]",
+                        help="add a learned token from this embedding file (AUTOMATIC1111 / ComfyUI / diffusers "
+                        "layout) for sampling; TOKEN names it (default: the file's key, else its name); repeatable")
+    parser.add_argument("--export_embedding", metavar="OUT", help="write the token learned by --ckpt (a textual "
+                        "inversion run of ours): OUT.safetensors, or a file in the folder OUT")
+    parser.add_argument("--embedding_format", choices=sd.embedding.files.EMBEDDING_FORMATS,
+                        default=sd.embedding.files.DEFAULT_EMBEDDING_FORMAT,
+                        help="layout of --export_embedding: a1111 (emb_params: AUTOMATIC1111, ComfyUI, and diffusers "
+                        "with token=) or diffusers (keyed by the token: learned_embeds.safetensors) "
+                        "(default: %(default)s)")
     args = parser.parse_args(argv)
     if args.prompts_file:
         path = Path(args.prompts_file)
         if not path.exists():
             parser.error(f"--prompts_file {path} does not exist")
         args.prompt += [line.strip() for line in path.read_text().splitlines() if line.strip()]
-    exporting = args.export_diffusers or args.export_single_file or args.export_lora
+    exporting = args.export_diffusers or args.export_single_file or args.export_lora or args.export_embedding
     if not exporting and not (args.prompt and args.out):
         parser.error("give --prompt (or --prompts_file) and --out to sample, or an --export_* flag")
     if args.export_lora and args.lora_format == "diffusers" and args.export_lora.endswith(".safetensors"):
@@ -120,6 +144,10 @@ def parse_args(argv=None):
     if args.lora and not (args.prompt or args.export_diffusers or args.export_single_file):
         parser.error("--lora merges into the weights that are sampled or exported whole (--export_diffusers, "
                      "--export_single_file); --export_lora writes the --ckpt's own adapter alone")
+    if args.embedding and (args.export_diffusers or args.export_single_file):
+        parser.error("--embedding adds a token for sampling only; the full exports keep the model's vocabulary "
+                     "(give the embedding file to the other tool beside the model)")
+    args.embedding = [parse_embedding_spec(spec) for spec in args.embedding]
     try:
         args.lora = [parse_lora_spec(spec) for spec in args.lora]
     except ValueError as error:
@@ -148,9 +176,36 @@ def parse_lora_spec(spec: str) -> tuple[str, float]:
     return path, scale
 
 
+def parse_embedding_spec(spec: str) -> tuple[str, str | None]:
+    """``FILE[:TOKEN]`` -> (path, token or None); a path that exists as written is taken whole."""
+    path, sep, token = spec.rpartition(":")
+    if not sep or Path(spec).exists() or not path or "/" in token or "\\" in token:
+        return spec, None
+    return path, token
+
+
 # ---------------------------------------------------------------------------------------------
-# LoRA
+# LoRA and learned tokens
 # ---------------------------------------------------------------------------------------------
+
+
+def export_embedding(args, model: Pipeline) -> None:
+    layers = sd.embedding.tokens.added_embeddings(model.text_encoder)
+    if not layers:
+        raise ValueError(f"{args.ckpt} has learned no token to export (--export_embedding takes a textual inversion "
+                         "run of ours)")
+    layer = layers[0]
+    path = sd.embedding.files.write_embedding(args.export_embedding, layer.tokens[0], layer.vectors,
+                                              args.embedding_format, metadata={"source": model.source})
+    log.info("wrote embedding %s of token %s (%d vector(s), %s format)", path, layer.tokens[0],
+             layer.vectors.shape[0], args.embedding_format)
+
+
+def add_embeddings(args, model: Pipeline) -> None:
+    for path, token in args.embedding:
+        token, vectors = sd.embedding.files.read_embedding(path, token)
+        sd.embedding.tokens.add_token(model.tokenizer, model.text_encoder, token, vectors)
+        log.info("added token %s (%d vector(s)) from %s", token, vectors.shape[0], path)
 
 
 def export_lora(args, model: Pipeline) -> None:
@@ -163,6 +218,13 @@ def export_lora(args, model: Pipeline) -> None:
 
 
 def export(args, model: Pipeline) -> None:
+    if sd.embedding.tokens.added_embeddings(model.text_encoder):
+        log.info("the learned token is not part of the model's files: write it with --export_embedding")
+    with sd.embedding.tokens.without_added(model.text_encoder):
+        export_models(args, model)
+
+
+def export_models(args, model: Pipeline) -> None:
     if args.export_diffusers:
         sd.formats.export_diffusers(Path(args.export_diffusers), model.unet, model.vae, model.text_encoder,
                                     model.tokenizer, model.prediction_type, model.zero_terminal_snr)
@@ -217,6 +279,9 @@ def main(argv=None) -> int:
     try:
         if args.export_lora:
             export_lora(args, model)
+        if args.export_embedding:
+            export_embedding(args, model)
+        add_embeddings(args, model)
         if merging:  # the plain, merged weights
             sd.lora.files.merge_adapters(model, args.lora)
     except (KeyError, ValueError, OSError, SafetensorError) as error:  # the message names the file

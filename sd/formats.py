@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+import sd.embedding.tokens
 import sd.files
 import sd.lora.adapters
 import sd.model
@@ -532,14 +533,18 @@ def _load_pipeline(source: str, use_ema: bool, vae: str | None, text_encoder: st
         parts = (source, source, source)
         prediction_type = diffusers_prediction_type(source)
     encoder = sd.model.load_text_encoder(text_encoder or parts[1])
+    tokenizer_model = sd.model.load_tokenizer(tokenizer or parts[2])
     if config is None:
         loaded = f"diffusers {source}"
+    elif config.get("embedding_token"):
+        loaded = load_embedding_run(ckpt.resolve_checkpoint(source), unet, encoder, tokenizer_model, use_ema=use_ema,
+                                    check_base=check_base)
     elif is_lora_checkpoint(ckpt.resolve_checkpoint(source)):  # the adapters stay PEFT layers (see sd.lora.adapters.merge)
         loaded = load_lora_run(ckpt.resolve_checkpoint(source), unet, encoder, use_ema=use_ema, check_base=check_base)
     else:
         loaded = load_unet_weights(source, unet, use_ema=use_ema)
-    return sd.sampling.Pipeline(unet.eval(), sd.model.load_vae(vae or parts[0]), encoder.eval(),
-                                sd.model.load_tokenizer(tokenizer or parts[2]), prediction_type, loaded)
+    return sd.sampling.Pipeline(unet.eval(), sd.model.load_vae(vae or parts[0]), encoder.eval(), tokenizer_model,
+                                prediction_type, loaded)
 
 
 def _load_single_file(path: Path, arch: str, vae: str | None, text_encoder: str | None,
@@ -652,7 +657,7 @@ def load_lora_run(folder: Path, unet, text_encoder=None, *, use_ema: bool = True
     return f"{base} + LoRA {loaded}"
 
 
-def check_trained_base(folder: Path, init_from: str, unet) -> None:
+def check_trained_base(folder: Path, init_from: str, unet, text_encoder=None) -> None:
     """``unet``'s weights, just loaded from ``init_from``, must be the base the adapter in ``folder`` was
     trained on: the fingerprint the trainer saved in ``lora_base.safetensors`` (what its resume checks).
     A checkpoint without that file (an older version's) is not checked."""
@@ -663,9 +668,49 @@ def check_trained_base(folder: Path, init_from: str, unet) -> None:
     saved = read_weights(verified(path)).get("fingerprint")
     if saved is None:
         raise ValueError(f"{path}: holds no fingerprint tensor")
-    if not sd.lora.adapters.same_base(saved, ckpt.weights_fingerprint(unet.parameters())):
-        raise BaseMismatch(f"{init_from} is not the base model the adapter in {folder} was trained on (its weights "
-                           f"differ from those {RUN_BASE_FILE} records); restore that base")
+    models = [unet] + ([text_encoder] if text_encoder is not None else [])  # a learned token's: both
+    now = ckpt.weights_fingerprint([p for model in models for p in model.parameters()])
+    if not sd.lora.adapters.same_base(saved, now):
+        raise BaseMismatch(f"{init_from} is not the base model the adapter (or learned token) in {folder} was "
+                           f"trained on (its weights differ from those {RUN_BASE_FILE} records); restore that base")
+
+
+# ---------------------------------------------------------------------------------------------
+# Textual-inversion runs: a base model (init_from) and a learned token
+# ---------------------------------------------------------------------------------------------
+
+RUN_EMBEDDING_FILE = "embedding.safetensors"  # {"emb_params": (N, D)}: AUTOMATIC1111's and ComfyUI's layout
+
+
+def load_embedding_run(folder: Path, unet, text_encoder, tokenizer, *, use_ema: bool = True,
+                       check_base: bool = True) -> str:
+    """Load a textual-inversion checkpoint: the base UNet from its ``init_from``, then its token into
+    ``tokenizer`` and ``text_encoder`` (the EMA's vectors unless ``use_ema=False`` or there is none).
+    The UNet and text encoder must be those the token was learned for (the fingerprint the trainer
+    saved), unless ``check_base`` is False. Returns what was loaded."""
+    folder = Path(folder)
+    config = run_config(str(folder)) or {}
+    token, init_from = str(config.get("embedding_token", "")), str(config.get("init_from") or "")
+    if not init_from:
+        raise ValueError(f"{folder / 'config.yaml'}: a textual-inversion run (embedding_token {token}) that names no "
+                         "init_from, the base its token was learned for")
+    base = load_unet_weights(init_from, unet, use_ema=True)
+    if check_base:
+        check_trained_base(folder, init_from, unet, text_encoder)
+    path = verified(folder / RUN_EMBEDDING_FILE)
+    vectors = read_weights(path).get("emb_params")
+    if vectors is None:
+        raise ValueError(f"{path}: holds no emb_params tensor")
+    ema_path = folder / "ema.safetensors"
+    if use_ema and ema_path.exists():
+        ema = read_weights(verified(ema_path))
+        found = [v for k, v in ema.items() if k.endswith("token_embedding.vectors")]
+        if len(found) != 1:
+            raise ValueError(f"{ema_path}: holds no EMA of the learned token's vectors")
+        vectors, path = found[0], ema_path
+    with _naming(path):
+        sd.embedding.tokens.add_token(tokenizer, text_encoder, token, vectors)
+    return f"{base} + token {token} from {path}"
 
 
 @contextlib.contextmanager

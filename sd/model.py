@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import sd.cli
+import sd.embedding.tokens
 import sd.tokenizer
 
 # ---------------------------------------------------------------------------------------------
@@ -301,9 +302,10 @@ def load_tokenizer(name_or_path: str = DEFAULT_TEXT_ENCODER, *, subfolder: str |
 
 
 def tokenize(tokenizer, prompts: list[str]) -> torch.Tensor:
-    """Token ids ``(B, 77)``, padded and truncated the way SD 1.x was trained."""
+    """Token ids ``(B, 77)``, padded and truncated the way SD 1.x was trained. A token of several learned
+    vectors is written out as all of them (``sd.embedding.tokens.expand``)."""
     return tokenizer(
-        list(prompts),
+        sd.embedding.tokens.expand(tokenizer, prompts),
         padding="max_length",
         max_length=TOKENIZER_MAX_LENGTH,
         truncation=True,

@@ -15,6 +15,7 @@ from safetensors import SafetensorError
 
 import sd.cli
 import sd.distributed
+import sd.embedding.tokens
 import sd.formats
 import sd.lora.adapters
 import sd.train.checkpoint as ckpt
@@ -34,7 +35,7 @@ def resume_or_init(run: Run) -> None:
     concrete, as config.yaml and every checkpoint record it."""
     resumed = resume_newest_usable(run)
     inherited = False
-    if not resumed and run.config.init_from and not run.config.lora_rank:
+    if not resumed and run.config.init_from and not run.config.frozen_base:
         inherited = init_weights(run, run.config.init_from)
     resumed_from = ckpt.latest_checkpoint(run.run_dir / "checkpoints") if resumed else None
     run.config = dataclasses.replace(run.config, ema_warmup=ema_warmup_of(run.config, resumed_from, inherited))
@@ -55,9 +56,14 @@ def resumable(run: Run) -> dict:
 
     A LoRA run saves its adapters (``adapter``) and a fingerprint of the base weights they were
     trained on (``lora_base``, checked by ``resume``) instead of the UNet: the base comes from
-    ``init_from`` at every start.
+    ``init_from`` at every start. A textual-inversion run likewise saves its token's vectors
+    (``embedding``: the file AUTOMATIC1111 and ComfyUI load, see ``sd.embedding.files``) and the
+    fingerprint of the UNet and text encoder they were learned for.
     """
-    if run.config.lora_rank:
+    if run.config.embedding_token:
+        states = {"lora_base": ckpt.Weights(BaseFingerprint(run.base_fingerprint)),
+                  "embedding": ckpt.Weights(sd.embedding.tokens.LearnedToken(run.step.text_encoder))}
+    elif run.config.lora_rank:
         states = {"lora_base": ckpt.Weights(BaseFingerprint(run.base_fingerprint)),
                   "adapter": ckpt.Weights(sd.lora.adapters.AdapterWeights(unet=run.step.unet,
                                                                  text_encoder=run.step.text_encoder))}
@@ -202,11 +208,11 @@ def resume(run: Run, folder: Path, parts: dict) -> None:
 
     An unreadable file raises ``ckpt.Damaged``; a LoRA base other than the adapter's is a ConfigError.
     """
-    if run.config.lora_rank:
+    if run.config.frozen_base:
         check_lora_base(run, folder)
     ckpt.load(folder, parts, run.d.rank)
     if run.step.ema is not None and "ema" not in parts:
-        run.step.ema.load_state_dict(dict(zip(run.step.ema.names, run.step.ema.parameters(run.step.unet))))
+        run.step.ema.load_state_dict(dict(zip(run.step.ema.names, run.step.ema.parameters(run.step.ema_model))))
         log.info("the EMA starts from the weights of %s", folder)
     log.info("verified and loaded %s", folder)
 
@@ -219,7 +225,7 @@ def check_lora_base(run: Run, folder: Path) -> None:
         raise ckpt.Damaged(f"{folder / 'lora_base.safetensors'}: {sd.cli.first_line(error)}") from error
     now = run.base_fingerprint
     if not sd.lora.adapters.same_base(saved, now):
-        raise ConfigError(f"init_from {run.config.init_from} is not the base model the adapter in {folder} was "
+        raise ConfigError(f"init_from {run.config.init_from} is not the base model the adapter (or learned token) in {folder} was "
                           "trained on; restore that base, or start a new out_dir")
 
 

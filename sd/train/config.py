@@ -67,6 +67,12 @@ class TrainConfig:
     """One phase's settings. Frozen: what resolves later (``batch_size: auto``, ``ema_warmup: auto``)
     is a new config made with ``dataclasses.replace``, so no part of the run sees a value change."""
 
+    @property
+    def frozen_base(self) -> bool:
+        """A run that trains an addition to weights that stay frozen (a LoRA adapter, a learned token):
+        the base comes from init_from at every start, and checkpoints hold the addition alone."""
+        return bool(self.lora_rank or self.embedding_token)
+
     # -- data -------------------------------------------------------------------------------
     datasets: list = _doc("[{dataset: DIR, latents: DIR, weight: 1.0}, ...]: caption datasets "
                           "(05_build_hf_dataset.py) joined to latent folders (encode_latents.py), mixed by weight",
@@ -100,6 +106,12 @@ class TrainConfig:
                               "transformer (+ feed-forward and proj_in/out), resnet (the convolutions: LoCon), "
                               "or module-name suffixes such as to_q", default_factory=lambda: ["attention"])
     lora_text_encoder: bool = _doc("also train a LoRA adapter on the text encoder's attention projections", False)
+    embedding_token: str = _doc("textual inversion: learn this new token (a word not in the tokenizer, e.g. <my-cat>) "
+                                "from prompts that use it; the UNet and text encoder stay frozen. Needs init_from", "")
+    embedding_init: str = _doc("textual inversion: the word(s) whose embedding the new token starts from (e.g. cat)",
+                               "")
+    embedding_vectors: int = _doc("textual inversion: vectors of the new token (each takes one of the prompt's 75 "
+                                  "token places)", 1, allowed=COUNT)
     instance_dir: str = _doc("DreamBooth: a folder of images of the new subject or style (replaces datasets)", "")
     instance_prompt: str = _doc("DreamBooth: the prompt of every instance image, e.g. 'a photo of sks dog'", "")
     class_dir: str = _doc("DreamBooth prior preservation: a folder of class images; the missing ones are generated "
@@ -257,6 +269,7 @@ class TrainConfig:
         need(not (self.cache_text_embeddings and self.lora_text_encoder),
              "cache_text_embeddings needs a frozen text encoder: turn off lora_text_encoder or the cache")
         need(not self.instance_dir or self.instance_prompt.strip(), "instance_dir needs an instance_prompt")
+        check_embedding(self)
         need(self.image_size % 8 == 0, f"image_size must be a multiple of 8, got {self.image_size}")
         need(self.validation_width % 8 == 0 and self.validation_height % 8 == 0
              and bool(self.validation_width) == bool(self.validation_height),
@@ -284,6 +297,38 @@ class ConfigError(ValueError):
     pass
 
 
+def check_embedding(config: TrainConfig) -> None:
+    """Textual inversion's settings, and the modes it cannot be combined with."""
+    if not config.embedding_token:
+        if config.embedding_init:
+            raise ConfigError("embedding_init is the start of a learned token: set embedding_token too")
+        return
+    import sd.embedding.tokens
+
+    try:
+        sd.embedding.tokens.check_token(config.embedding_token)
+    except ValueError as error:
+        raise ConfigError(f"embedding_token: {error}") from None
+    if not config.embedding_init.strip():
+        raise ConfigError("embedding_token needs embedding_init: a word close to the concept that the token starts "
+                          "from (e.g. dog)")
+    if not config.init_from:
+        raise ConfigError("embedding_token learns a token for existing weights: set init_from (a diffusers folder "
+                          "or hub id, a single file, or a run of ours)")
+    if config.lora_rank:
+        raise ConfigError("embedding_token trains the token alone; train a LoRA in a run of its own (lora_rank: 0 "
+                          "here)")
+    if config.cache_text_embeddings:
+        raise ConfigError("cache_text_embeddings needs a fixed text encoder, and textual inversion trains it: turn "
+                          "the cache off")
+    if config.embedding_vectors > 75:
+        raise ConfigError(f"embedding_vectors: at most 75 (a prompt's places), got {config.embedding_vectors}")
+    if config.instance_dir and config.embedding_token not in config.instance_prompt.lower().split():
+        raise ConfigError(f"instance_prompt {config.instance_prompt!r} does not use embedding_token "
+                          f"{config.embedding_token!r}: write it into the prompt, e.g. 'a photo of "
+                          f"{config.embedding_token}'")
+
+
 SHARDINGS = ("none", "zero1", "fsdp")
 
 
@@ -294,6 +339,9 @@ def check_sharding(config: TrainConfig) -> None:
         raise ConfigError(f"sharding: none, zero1 or fsdp, got {name!r}")
     if name == "none":
         return
+    if config.embedding_token:
+        raise ConfigError(f"sharding: {name} splits a full fine-tune's state; a learned token is a few KB that every "
+                          "GPU holds whole: set sharding: none")
     if config.lora_rank:
         raise ConfigError(f"sharding: {name} splits a full fine-tune's state; a LoRA adapter is a few MB that every "
                           "GPU holds whole: set sharding: none, or lora_rank: 0")
@@ -669,6 +717,8 @@ ON_RESUME = {
     "lora_rank": OnResume(REFUSE, "the adapters"), "lora_alpha": OnResume(REFUSE, "the adapters"),
     "lora_dropout": OnResume(REFUSE, _MATH), "lora_targets": OnResume(REFUSE, "the adapters"),
     "lora_text_encoder": OnResume(REFUSE, "the adapters"),
+    "embedding_token": OnResume(REFUSE, "the learned token"), "embedding_init": OnResume(REFUSE, "the learned token"),
+    "embedding_vectors": OnResume(REFUSE, "the learned token"),
     "instance_dir": OnResume(REFUSE, _ORDER), "instance_prompt": OnResume(REFUSE, _MATH, dreambooth=True),
     "class_dir": OnResume(REFUSE, _ORDER, dreambooth=True), "class_prompt": OnResume(REFUSE, _MATH, dreambooth=True),
     "num_class_images": OnResume(REFUSE, _ORDER, dreambooth=True),

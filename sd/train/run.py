@@ -16,6 +16,7 @@ import torch
 import sd.data.dreambooth
 import sd.data.training_data
 import sd.distributed
+import sd.embedding.tokens
 import sd.files
 import sd.lora.adapters
 import sd.model
@@ -177,8 +178,14 @@ def build(config: TrainConfig, d: Dist) -> Run:
     unet = sd.model.build_unet(config.unet, seed=config.seed, grad_checkpointing=config.grad_checkpointing,
                                channels_last=config.channels_last).to(d.device).train()
     check_models(config, unet, text_encoder)
-    if config.init_from and (config.lora_rank or config.instance_dir):
+    if config.init_from and (config.frozen_base or config.instance_dir):
         sd.train.checkpointer.load_base(config.init_from, unet)
+    base_fingerprint = None
+    if config.frozen_base:  # the weights the addition is trained on, as loaded (before any cast)
+        base = list(unet.parameters()) + (list(text_encoder.parameters()) if config.embedding_token else [])
+        base_fingerprint = ckpt.weights_fingerprint(base)
+    if config.embedding_token:  # before any prompt is tokenised
+        add_learned_token(config, unet, text_encoder, tokenizer)
     if config.instance_dir:
         make_pipeline = lambda: sd.sampling.Pipeline(unet, vae, text_encoder.to(d.device), tokenizer,  # noqa: E731
                                                      config.prediction_type)
@@ -188,7 +195,6 @@ def build(config: TrainConfig, d: Dist) -> Run:
     scaling = scaling_factor_of(config, train_data, vae)
     if len(train_data.shapes) > 1:
         plan_buckets(config, train_data, d)
-    base_fingerprint = ckpt.weights_fingerprint(unet.parameters()) if config.lora_rank else None
     try:
         sd.lora.adapters.apply_config(config, unet, text_encoder)
     except sd.lora.adapters.LoraError as error:
@@ -214,6 +220,24 @@ def build(config: TrainConfig, d: Dist) -> Run:
         except EvalError as error:
             raise ConfigError(f"eval_every: {error}") from error
     return run
+
+
+def add_learned_token(config: TrainConfig, unet, text_encoder, tokenizer) -> None:
+    """Textual inversion: the new token in the tokenizer and text encoder, starting from
+    ``embedding_init``'s embedding; it alone trains."""
+    unet.requires_grad_(False)
+    text_encoder.requires_grad_(False)
+    try:
+        start = sd.embedding.tokens.initial_vectors(tokenizer, text_encoder, config.embedding_init,
+                                                    config.embedding_vectors)
+        sd.embedding.tokens.add_token(tokenizer, text_encoder, config.embedding_token, start, trainable=True)
+    except sd.embedding.tokens.EmbeddingError as error:
+        raise ConfigError(f"embedding_token: {error}") from error
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.precision)
+    if dtype is not None:  # the frozen UNet in the type autocast computes it in anyway: half its memory
+        sd.lora.adapters.cast_base(unet, dtype)
+    log.info("textual inversion: token %s, %d vector(s) of %d values starting from %r; the UNet and text encoder "
+             "are frozen", config.embedding_token, config.embedding_vectors, start.shape[1], config.embedding_init)
 
 
 def cache_text_embeddings(step: sd.train.step.Step, config: TrainConfig, train_data, val_data) -> None:

@@ -69,6 +69,11 @@ class Step:
     empty_ids: torch.Tensor | None = None  # (1, 77): the empty prompt's ids, on the device
     cuda_graphs: bool = False  # the compiled model replays CUDA graphs (compile_mode reduce-overhead)
     sharding: str = "none"  # none, zero1 or fsdp (sd.train.sharding); fsdp applies at wrap_model
+    ema_model: torch.nn.Module | None = None  # what the EMA averages: the UNet, or the text encoder's learned token
+
+    def __post_init__(self):
+        if self.ema_model is None:
+            self.ema_model = self.unet
 
 
 # ---------------------------------------------------------------------------------------------
@@ -149,10 +154,13 @@ def build_step(config, d: Dist, unet, text_encoder, empty_ids: torch.Tensor, sca
     with sd.runtime.autocast(config.precision, d.device):
         empty = sd.model.encode_prompt_ids(text_encoder, empty_ids)
     lora = sd.lora.adapters.has_lora(unet)
+    learned_token = bool(getattr(config, "embedding_token", ""))
+    ema_model = text_encoder if learned_token else unet  # textual inversion: the UNet is frozen, the token trains
     ema = None
     if config.ema_decay > 0:
-        ema = sd.train.ema.EMA(unet, config.ema_decay, device="cpu" if config.ema_device == "cpu" else None,
-                               update_every=ema_update_every(config, d.device, lora), trainable_only=lora)
+        ema = sd.train.ema.EMA(ema_model, config.ema_decay, device="cpu" if config.ema_device == "cpu" else None,
+                               update_every=ema_update_every(config, d.device, lora or learned_token),
+                               trainable_only=lora or learned_token)
     trainable = [p for p in unet.parameters() if p.requires_grad] + [
         p for p in text_encoder.parameters() if p.requires_grad]
     noise_generator = torch.Generator(device=d.device).manual_seed(config.seed * 7919 + d.rank + 1)
@@ -162,7 +170,7 @@ def build_step(config, d: Dist, unet, text_encoder, empty_ids: torch.Tensor, sca
                 sd.model.ddpm_alphas_cumprod(zero_terminal_snr=config.zero_terminal_snr).to(d.device), scaling_factor,
                 LossSettings.from_config(config), d, trainable=trainable,
                 text_trains=any(p.requires_grad for p in text_encoder.parameters()), empty_ids=empty_ids.to(d.device),
-                sharding=sharding)
+                sharding=sharding, ema_model=ema_model)
 
 
 def wrap_model(step: Step, compile: bool, shapes: int = 1, mode: str = "default") -> None:
@@ -401,7 +409,7 @@ def apply_update(step: Step, skip: torch.Tensor, step_index: int) -> None:
         step.optimizer.step()
         step.scaler.update()  # fp16: backs off on its own overflow flag, else grows
         if step.ema is not None:
-            step.ema.update(step.unet, step_index, skip=skip)
+            step.ema.update(step.ema_model, step_index, skip=skip)
         return
     if bool(skip):  # a read of the device: these optimizers cannot skip on their own
         step.scaler.update()
@@ -409,7 +417,7 @@ def apply_update(step: Step, skip: torch.Tensor, step_index: int) -> None:
     step.scaler.step(step.optimizer)
     step.scaler.update()
     if step.ema is not None:
-        step.ema.update(step.unet, step_index)
+        step.ema.update(step.ema_model, step_index)
 
 
 class StepResult:

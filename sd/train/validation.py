@@ -63,7 +63,7 @@ def validate(run: Run, record: dict, stop=None) -> Path | None:
             record["val_loss"] = sd.train.step.validation_loss(step, run.val_data, config.validation_samples,
                                                               config.batch_size, stop)
         if step.ema is not None:
-            with step.ema.swapped_in(step.unet), sd.train.sharding.unsharded(step.unet):
+            with step.ema.swapped_in(step.ema_model), sd.train.sharding.unsharded(step.unet):
                 record["val_loss_ema"] = sd.train.step.validation_loss(step, run.val_data, config.validation_samples,
                                                                       config.batch_size, stop)
     if not config.validation_prompts:
@@ -78,7 +78,7 @@ def ema_sampling(run: Run):
     """The UNet in eval mode with the EMA weights swapped in (when there is an EMA), under the run's autocast;
     with ``sharding: fsdp`` gathered whole (the ranks sample different numbers of images)."""
     unet = run.step.unet
-    swap = run.step.ema.swapped_in(unet) if run.step.ema is not None else contextlib.nullcontext()
+    swap = run.step.ema.swapped_in(run.step.ema_model) if run.step.ema is not None else contextlib.nullcontext()
     unet.eval()
     try:
         with swap, sd.train.sharding.unsharded(unet), sd.runtime.autocast(run.config.precision, run.d.device):

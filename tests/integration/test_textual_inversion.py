@@ -1,0 +1,190 @@
+"""Textual inversion on the tiny presets: only the new token trains, resume is exact, and its files load in
+diffusers' ``load_textual_inversion`` and have the single-tensor layout AUTOMATIC1111 and ComfyUI read."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+import sd.embedding.files
+import sd.embedding.tokens
+import sd.formats
+import sd.model
+import sd.train.checkpoint as ckpt
+import sd.train.config
+import SD_ImageGen
+import SD_Train
+
+from data_factory import BASE, assert_bitwise_equal
+
+TOKEN = "<cyan-sks>"
+PROMPT = f"a {TOKEN} circle"
+FIELDS = dict(BASE, lr=5e-2, warmup_steps=0, ema_decay=0.9, cfg_dropout=0.1, batch_size=2, grad_accum=2, datasets=[],
+              instance_prompt=PROMPT, image_size=32, embedding_token=TOKEN, embedding_init="blue",
+              embedding_vectors=2, validate_every=0, save_steps=3, max_steps=6)
+
+
+@pytest.fixture(scope="module")
+def base_model(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("base") / "pipeline"
+    sd.formats.export_diffusers(folder, sd.model.build_unet("tiny", seed=3, from_scratch=False),
+                                sd.model.load_vae("tiny"), sd.model.load_text_encoder("tiny"),
+                                sd.model.load_tokenizer("tiny"))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def instance_images(tmp_path_factory) -> Path:
+    from PIL import Image
+
+    folder = tmp_path_factory.mktemp("instance")
+    rng = np.random.default_rng(0)
+    for i in range(4):
+        image = np.full((40, 40, 3), 255, np.uint8)
+        top, left = rng.integers(0, 20, 2)
+        image[top : top + 16, left : left + 16] = (20, 190, 200)
+        Image.fromarray(image).save(folder / f"sks_{i}.png")
+    return folder
+
+
+def train(tmp_path: Path, name: str, base_model: Path, images: Path, *flags, **fields) -> int:
+    config = tmp_path / f"{name}.yaml"
+    config.write_text(yaml.safe_dump({**FIELDS, "init_from": str(base_model), "instance_dir": str(images),
+                                      "out_dir": str(tmp_path / name), **fields}))
+    return SD_Train.main(["--config", str(config), *flags])
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, base_model, instance_images) -> Path:
+    root = tmp_path_factory.mktemp("ti")
+    assert train(root, "run", base_model, instance_images) == 0
+    return root / "run"
+
+
+def checkpoint_tensors(run: Path, step: int) -> dict[str, torch.Tensor]:
+    folder = run / "checkpoints" / ckpt.step_dir_name(step)
+    tensors = {f"embedding.{k}": v for k, v in load_file(folder / "embedding.safetensors").items()}
+    tensors.update({f"ema.{k}": v for k, v in load_file(folder / "ema.safetensors").items()})
+    for index, state in torch.load(folder / "optimizer.pt", weights_only=True)["state"].items():
+        tensors.update({f"opt.{index}.{name}": torch.as_tensor(value) for name, value in state.items()})
+    rng = torch.load(folder / "rng_rank0.pt", weights_only=True)["rng"]
+    tensors.update({"rng.torch": rng["torch"], "rng.noise": rng["noise"]})
+    return tensors
+
+
+def test_only_the_new_rows_train_and_the_base_stays_bitwise(trained, base_model):
+    pipe = sd.formats.load_pipeline(str(trained))
+    layer = sd.embedding.tokens.added_embeddings(pipe.text_encoder)[0]
+    assert layer.tokens == [TOKEN, f"{TOKEN}_1"] and layer.vectors.shape == (2, 64)
+    fresh_encoder, tokenizer = sd.model.load_text_encoder("tiny"), sd.model.load_tokenizer("tiny")
+    start = sd.embedding.tokens.initial_vectors(tokenizer, fresh_encoder, "blue", 2)
+    assert (layer.vectors - start).abs().max() > 1e-3  # the token moved from "blue"
+    with sd.embedding.tokens.without_added(pipe.text_encoder):  # every other weight: bit for bit the base's
+        assert_bitwise_equal(fresh_encoder.state_dict(), pipe.text_encoder.state_dict())
+    base = sd.model.build_unet("tiny", from_scratch=False)
+    sd.formats.load_unet_weights(str(base_model), base)
+    assert_bitwise_equal(base.state_dict(), pipe.unet.state_dict())
+    # the checkpoint holds the token, never the UNet; its optimizer state is the token's alone
+    folder = trained / "checkpoints" / ckpt.step_dir_name(6)
+    assert not (folder / "unet.safetensors").exists()
+    optimizer = torch.load(folder / "optimizer.pt", weights_only=True)
+    assert [len(g["params"]) for g in optimizer["param_groups"]] == [1]
+    assert optimizer["state"][0]["exp_avg"].shape == (2, 64)
+    assert (trained / "metrics.jsonl").read_text().count('"loss"') == 6
+
+
+def test_a_resumed_run_is_bitwise_the_uninterrupted_one(tmp_path, trained, base_model, instance_images):
+    assert train(tmp_path, "b", base_model, instance_images, "--stop_at_step", "3") == 0
+    assert train(tmp_path, "b", base_model, instance_images) == 0
+    assert_bitwise_equal(checkpoint_tensors(trained, 6), checkpoint_tensors(tmp_path / "b", 6))
+
+
+def test_the_token_lowers_the_loss_of_its_images(tmp_path, base_model, instance_images):
+    """20 steps at a high learning rate: the loss of the instance images at fixed noise falls."""
+    assert train(tmp_path, "long", base_model, instance_images, "--max_steps", "20", "--lr", "0.2",
+                 "--cfg_dropout", "0", "--save_steps", "20") == 0
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "long" / "metrics.jsonl").read_text().splitlines()
+              if '"loss"' in line]
+    assert np.mean(losses[-5:]) < np.mean(losses[:5]), losses
+
+
+def test_exported_files_load_in_diffusers_with_the_layout_a1111_and_comfyui_read(tmp_path, trained, base_model):
+    from diffusers import StableDiffusionPipeline
+
+    a1111, folder = tmp_path / "a1111", tmp_path / "diffusers"
+    assert SD_ImageGen.main(["--ckpt", str(trained), "--export_embedding", str(a1111)]) == 0
+    assert SD_ImageGen.main(["--ckpt", str(trained), "--export_embedding", str(folder),
+                             "--embedding_format", "diffusers"]) == 0
+    ema = load_file(trained / "checkpoints" / ckpt.step_dir_name(6) / "ema.safetensors")
+    (vectors,) = ema.values()
+    # AUTOMATIC1111 takes a file of one tensor and names the token after the file; ComfyUI its first tensor
+    with safe_open(str(a1111 / "cyan-sks.safetensors"), "pt") as handle:
+        assert list(handle.keys()) == ["emb_params"]
+        assert torch.equal(handle.get_tensor("emb_params"), vectors)
+    assert list(load_file(folder / "learned_embeds.safetensors")) == [TOKEN]
+    ours = sd.formats.load_pipeline(str(trained))
+    expected = sd.model.encode_prompt_ids(ours.text_encoder, sd.model.tokenize(ours.tokenizer, [PROMPT]))
+    for path, token in ((a1111 / "cyan-sks.safetensors", TOKEN), (folder / "learned_embeds.safetensors", None)):
+        pipe = StableDiffusionPipeline.from_pretrained(str(base_model), local_files_only=True, safety_checker=None)
+        pipe.load_textual_inversion(str(path), token=token)
+        ids = pipe.tokenizer.convert_tokens_to_ids([TOKEN, f"{TOKEN}_1"])
+        assert torch.equal(pipe.text_encoder.get_input_embeddings().weight[ids], vectors)
+        with torch.no_grad():
+            theirs, _ = pipe.encode_prompt(PROMPT, "cpu", 1, False)  # expands the token to both vectors
+        assert torch.allclose(theirs, expected, atol=1e-5), (theirs - expected).abs().max()
+
+
+def test_sampling_the_base_with_the_file_equals_sampling_the_run(tmp_path, trained, base_model):
+    from PIL import Image
+
+    file = tmp_path / "e.safetensors"
+    assert SD_ImageGen.main(["--ckpt", str(trained), "--export_embedding", str(file)]) == 0
+    flags = ["--prompt", PROMPT, "--n", "1", "--steps", "2", "--height", "32", "--width", "32"]
+    assert SD_ImageGen.main(["--ckpt", str(trained), *flags, "--out", str(tmp_path / "run")]) == 0
+    assert SD_ImageGen.main(["--ckpt", str(base_model), "--embedding", str(file), *flags,
+                             "--out", str(tmp_path / "file")]) == 0
+    assert SD_ImageGen.main(["--ckpt", str(base_model), *flags, "--out", str(tmp_path / "plain")]) == 0
+    run, with_file, plain = (np.asarray(Image.open(tmp_path / s / "000_000000.png")).astype(int)
+                             for s in ("run", "file", "plain"))
+    assert np.array_equal(run, with_file)
+    assert np.abs(run - plain).max() > 0  # the token changes the image
+
+
+def test_an_a1111_pt_embedding_is_read_without_unpickling_code(tmp_path):
+    vectors = torch.randn(3, 64)
+    torch.save({"string_to_token": {"*": 265}, "string_to_param": {"*": vectors}, "name": "cat-style", "step": 100},
+               tmp_path / "cat-style.pt")
+    token, read = sd.embedding.files.read_embedding(tmp_path / "cat-style.pt")
+    assert token == "cat-style" and torch.equal(read, vectors)
+    save_file({"a": vectors, "b": vectors.clone()}, str(tmp_path / "two.safetensors"))
+    with pytest.raises(sd.embedding.tokens.EmbeddingError, match="two.safetensors: holds 2 tensors"):
+        sd.embedding.files.read_embedding(tmp_path / "two.safetensors")
+
+
+def test_a_multi_vector_token_is_written_out_in_prompts_and_a_known_word_is_refused():
+    tokenizer, encoder = sd.model.load_tokenizer("tiny"), sd.model.load_text_encoder("tiny")
+    sd.embedding.tokens.add_token(tokenizer, encoder, "<t>", torch.zeros(3, 64))
+    ids = sd.model.tokenize(tokenizer, ["a <t> dog"])[0].tolist()
+    assert ids[:6] == [49406, 320, 49408, 49409, 49410, 1929]
+    with pytest.raises(sd.embedding.tokens.EmbeddingError, match="'dog' is already in the tokenizer"):
+        sd.embedding.tokens.add_token(tokenizer, encoder, "dog", torch.zeros(1, 64))
+    with pytest.raises(sd.embedding.tokens.EmbeddingError, match="do not fit a text encoder"):
+        sd.embedding.tokens.add_token(tokenizer, encoder, "<u>", torch.zeros(1, 768))
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(embedding_init=""), "embedding_token needs embedding_init"),
+    (dict(instance_prompt="a circle"), "does not use embedding_token"),
+    (dict(lora_rank=4), "trains the token alone"),
+    (dict(embedding_token="<Cyan>"), "lower case"),
+    (dict(init_from=""), "set init_from"),
+])
+def test_textual_inversion_settings_are_checked_before_any_work(tmp_path, instance_images, fields, message):
+    values = {**FIELDS, "init_from": "owner/model", "instance_dir": str(instance_images), **fields}
+    with pytest.raises(sd.train.config.ConfigError, match=message):
+        sd.train.config.TrainConfig(**values).validate()
