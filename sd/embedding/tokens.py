@@ -144,14 +144,33 @@ def add_token(tokenizer, text_encoder, token: str, vectors: torch.Tensor, traina
     ids = tokenizer.convert_tokens_to_ids(names)
     if ids != list(range(table.num_embeddings, table.num_embeddings + len(names))):
         raise EmbeddingError(f"token {token!r} got ids {ids}, not the rows after the encoder's {table.num_embeddings}")
-    layer = NewTokenEmbedding(table, vectors.to(table.weight.device), names)
-    layer.vectors.requires_grad_(trainable)
-    text_encoder.set_input_embeddings(layer)
+    layer = attach_rows(text_encoder, vectors, names, trainable)
     expansions = dict(getattr(tokenizer, "token_expansions", {}))
     if len(names) > 1:
         expansions[token] = " ".join(names)
     tokenizer.token_expansions = expansions
     return layer
+
+
+def attach_rows(text_encoder, vectors: torch.Tensor, names: list[str], trainable: bool = False) -> NewTokenEmbedding:
+    """Append ``vectors`` to ``text_encoder``'s token embedding as the rows of ``names``."""
+    table = text_encoder.get_input_embeddings()
+    layer = NewTokenEmbedding(table, vectors.to(table.weight.device), names)
+    layer.vectors.requires_grad_(trainable)
+    text_encoder.set_input_embeddings(layer)
+    return layer
+
+
+def freeze_for_inversion(unet, text_encoder, precision: str) -> None:
+    """Textual inversion trains the new rows alone: the UNet and text encoder frozen, the UNet stored in
+    the type autocast computes it in (half its memory at bf16 or fp16)."""
+    unet.requires_grad_(False)
+    text_encoder.requires_grad_(False)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    if dtype is not None:
+        for param in unet.parameters():
+            if param.is_floating_point():
+                param.data = param.data.to(dtype)
 
 
 def check_token(token: str) -> None:

@@ -57,6 +57,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 import sd.cli
 import sd.data.training_data
 import sd.distributed
+import sd.embedding.tokens
 import sd.lora.adapters
 import sd.model
 import sd.runtime
@@ -338,6 +339,11 @@ def session(config, resolution: int = 512, device: str = "cuda", world_size: int
                                    channels_last=config.channels_last).train()
         check_models(config, unet, text_encoder)
         sd.lora.adapters.apply_config(config, unet, text_encoder)
+        if config.embedding_token:  # textual inversion: the new rows alone train
+            sd.embedding.tokens.freeze_for_inversion(unet, text_encoder, config.precision)
+            width = text_encoder.config.hidden_size
+            sd.embedding.tokens.attach_rows(text_encoder, torch.zeros(config.embedding_vectors, width),
+                                            [config.embedding_token] * config.embedding_vectors, trainable=True)
         empty_ids = torch.full((1, sd.model.TOKENIZER_MAX_LENGTH), 49407, dtype=torch.long)
         emulate = as_if_cuda(unet, lambda cast: casts.add(id(allocations.record_of(cast)))) if device == "cuda" \
             else contextlib.nullcontext()

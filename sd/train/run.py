@@ -225,17 +225,13 @@ def build(config: TrainConfig, d: Dist) -> Run:
 def add_learned_token(config: TrainConfig, unet, text_encoder, tokenizer) -> None:
     """Textual inversion: the new token in the tokenizer and text encoder, starting from
     ``embedding_init``'s embedding; it alone trains."""
-    unet.requires_grad_(False)
-    text_encoder.requires_grad_(False)
+    sd.embedding.tokens.freeze_for_inversion(unet, text_encoder, config.precision)
     try:
         start = sd.embedding.tokens.initial_vectors(tokenizer, text_encoder, config.embedding_init,
                                                     config.embedding_vectors)
         sd.embedding.tokens.add_token(tokenizer, text_encoder, config.embedding_token, start, trainable=True)
     except sd.embedding.tokens.EmbeddingError as error:
         raise ConfigError(f"embedding_token: {error}") from error
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.precision)
-    if dtype is not None:  # the frozen UNet in the type autocast computes it in anyway: half its memory
-        sd.lora.adapters.cast_base(unet, dtype)
     log.info("textual inversion: token %s, %d vector(s) of %d values starting from %r; the UNet and text encoder "
              "are frozen", config.embedding_token, config.embedding_vectors, start.shape[1], config.embedding_init)
 

@@ -169,3 +169,17 @@ def test_a_text_encoder_of_another_width_or_a_lora_target_of_no_layer_stops_the_
     err = capsys.readouterr().err
     assert "config error: lora_targets: 'to_nowhere' selects no Linear or Conv2d layer" in err
     assert "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_a_learned_token_keeps_optimizer_and_ema_state_for_its_rows_alone():
+    config = tiny_config(grad_checkpointing=False, ema_decay=0.999, precision="bf16", embedding_token="<t>",
+                         embedding_init="dog", embedding_vectors=3, init_from="owner/base")
+    estimate = sd.train.memory.estimate(config, batch_size=4, resolution=64)
+    rows = rounded([torch.zeros(3, sd.model.TINY_TEXT_ENCODER["hidden_size"])])
+    parts = estimate.parts
+    assert parts["optimizer_state"] == 2 * rows + rounded([torch.zeros(())]) and parts["ema"] == rows
+    unet = sd.model.build_unet("tiny")
+    assert parts["weights"] >= rounded([p.to(torch.bfloat16) for p in unet.parameters()])  # the frozen UNet at bf16
+    assert parts["weights"] < rounded([*unet.parameters()])
+    assert parts["activations_and_temporaries"] > 0  # the loss reaches the token through the UNet and the encoder
