@@ -1,4 +1,5 @@
-"""The demo's new concept: a colour the base model never saw, taught by a DreamBooth LoRA.
+"""The demo's new concept: a colour the base model never saw, taught by a DreamBooth LoRA and by a learned
+token (textual inversion).
 
     python demo/concept.py images --prompts runs/demo/shards/demo_prompts.json --out runs/demo/concept \
         --vae runs/demo/vae [--count 12]
@@ -6,13 +7,15 @@
 
 ``images`` draws ``--count`` cyan circles (the demo's shapes, in a colour outside its palette) into
 ``OUT/instance/``, and writes ``OUT/concept_prompts.json`` (the demo's prompts and palette plus cyan,
-with the instance prompt as a concept: "a sks circle on a white background" is a cyan circle; with
-``--vae``, cyan is scored as the VAE gives it back, the colour a latent model can draw) and
-``OUT/prompts.txt`` (the seen prompts, then the instance prompt) for sampling. ``report`` reads the
-evaluations ``OUT/eval_base.json``, ``OUT/eval_prior.json`` and ``OUT/eval_no_prior.json`` (written
-by demo/evaluate.py for the base model and the two adapters; those there are) and prints and writes
-``OUT/concept.json``: the concept's accuracy, and the seen prompts' accuracy before and after, with
-and without prior preservation.
+with the instance prompts as concepts: "a sks circle on a white background" and, with the learned
+token, "a <cyan-sks> circle on a white background" are a cyan circle; with ``--vae``, cyan is scored as
+the VAE gives it back, the colour a latent model can draw), ``OUT/prompts.txt`` (the seen prompts, then
+the instance prompt) and ``OUT/prompts_embedding.txt`` (the seen prompts, then the token's prompt) for
+sampling. ``report`` reads the evaluations ``OUT/eval_base.json``, ``OUT/eval_prior.json``,
+``OUT/eval_no_prior.json`` and ``OUT/eval_embedding.json`` (written by demo/evaluate.py for the base
+model, the two adapters and the token; those there are) and prints and writes ``OUT/concept.json``: the
+concept's accuracy, and the seen prompts' accuracy before and after (the token leaves every weight as
+it was, so the seen prompts' images are the base model's).
 """
 
 from __future__ import annotations
@@ -33,9 +36,11 @@ import sd.model
 from demo.evaluate import report_table, step_parser
 
 CONCEPT_PROMPT = "a sks circle on a white background"
+EMBEDDING_PROMPT = "a <cyan-sks> circle on a white background"  # configs/demo_embedding.yaml's instance prompt
 CONCEPT = ("cyan", "circle")
 CYAN = (20, 190, 200)  # pipeline/00_make_demo_data.py's VAE_ONLY_PALETTE
-RUNS = {"base": "base model", "prior": "LoRA with prior preservation", "no_prior": "LoRA without prior preservation"}
+RUNS = {"base": "base model", "prior": "LoRA with prior preservation", "no_prior": "LoRA without prior preservation",
+        "embedding": "textual inversion (a learned token)"}
 
 
 def as_decoded(images: list[np.ndarray], vae_path: str, background) -> tuple[int, int, int]:
@@ -65,9 +70,12 @@ def make_images(prompts_file: Path, out: Path, count: int, size: int, seed: int,
     reference = as_decoded(images, vae, prompts["background"]) if vae else CYAN
     print(f"cyan {CYAN} comes back from the VAE as {reference}: the concept's colour in the evaluation")
     concept_prompts = {**prompts, "palette": {**palette, CONCEPT[0]: reference},
-                       "concepts": {CONCEPT_PROMPT: list(CONCEPT)}, "concept_drawn": CYAN}
+                       "concepts": {CONCEPT_PROMPT: list(CONCEPT), EMBEDDING_PROMPT: list(CONCEPT)},
+                       "concept_drawn": CYAN}
     sd.files.write_text_atomic(out / "concept_prompts.json", json.dumps(concept_prompts, indent=1) + "\n")
     sd.files.write_text_atomic(out / "prompts.txt", "".join(p + "\n" for p in prompts["seen"] + [CONCEPT_PROMPT]))
+    sd.files.write_text_atomic(out / "prompts_embedding.txt",
+                               "".join(p + "\n" for p in prompts["seen"] + [EMBEDDING_PROMPT]))
     print(f"{count} instance images of {CONCEPT_PROMPT!r} (cyan {CYAN}) in {out / 'instance'}")
 
 

@@ -9,8 +9,8 @@
 #   DEMO_TRAIN_FLAGS    extra SD_Train.py flags of the UNet run; DEMO_NPROC: its ranks
 #   DEMO_THREADS        CPU threads of each step but the trainer, which gives each rank cpu_count / ranks
 #   DEMO_CONCEPT=0      leaves out the new-concept steps (7 and 8); DEMO_CONCEPT_COUNT: its instance images
-#                       (12); DEMO_CONCEPT_FLAGS: extra SD_Train.py flags of its LoRA runs; DEMO_CONCEPT_RUNS:
-#                       which ones (prior no_prior)
+#                       (12); DEMO_CONCEPT_FLAGS: extra SD_Train.py flags of its runs; DEMO_CONCEPT_RUNS:
+#                       which ones (prior no_prior embedding: the LoRAs and the learned token)
 #   DEMO_ASPECT=0       leaves out the aspect-ratio step; DEMO_ASPECT_COUNT: its wide, tall and square
 #                       images (600); DEMO_ASPECT_FLAGS: extra SD_Train.py flags of its two runs;
 #                       DEMO_ASPECT_RUNS: which models it samples (base buckets square); DEMO_WIDE: its wide
@@ -32,6 +32,7 @@ export NO_ALBUMENTATIONS_UPDATE=1 WANDB_MODE=${WANDB_MODE:-disabled} HF_HUB_OFFL
 if [ -n "${DEMO_THREADS:-}" ]; then export OMP_NUM_THREADS=$DEMO_THREADS MKL_NUM_THREADS=$DEMO_THREADS; fi
 start=$(date +%s)
 step() { printf '\n=== [%ss] %s ===\n' "$(( $(date +%s) - start ))" "$*"; }
+run_dir() { if [ "$1" = embedding ]; then echo embedding; else echo "lora_$1"; fi; }  # a concept run's folder
 
 step "1/10 synthetic captioned images (pipeline/00_make_demo_data.py)"
 $PY pipeline/00_make_demo_data.py --out "$OUT/shards" --count "$COUNT" --size "$SIZE" --vae_count $((COUNT / 3)) \
@@ -65,24 +66,32 @@ step "6/10 prompt adherence (demo/evaluate.py) and FID against fresh ground-trut
 $PY demo/evaluate.py --images "$OUT/samples" --prompts "$OUT/shards/demo_prompts.json" --out "$OUT/eval.json"
 $PY demo/fid.py --samples "$OUT/samples" --prompts "$OUT/shards/demo_prompts.json" --out "$OUT/fid"
 
-step "7/10 a new concept: a DreamBooth LoRA teaching 'a sks circle' = a cyan circle, with and without prior preservation"
+step "7/10 a new concept, cyan: a DreamBooth LoRA ('a sks circle') with and without prior preservation, and a learned token ('a <cyan-sks> circle')"
 CONCEPT=$OUT/concept
 if [ "${DEMO_CONCEPT:-1}" = 0 ]; then echo "left out (DEMO_CONCEPT=0)"; else
   $PY demo/concept.py images --prompts "$OUT/shards/demo_prompts.json" --out "$CONCEPT" --vae "$OUT/vae" \
       --count "${DEMO_CONCEPT_COUNT:-12}" --size "$SIZE"
-  for prior in ${DEMO_CONCEPT_RUNS:-prior no_prior}; do
-    if [ "$prior" = prior ]; then classes=(--class_dir "$CONCEPT/class"); else classes=(--class_dir "" --class_prompt ""); fi
+  for run in ${DEMO_CONCEPT_RUNS:-prior no_prior embedding}; do
+    case $run in
+      prior) recipe=(--config configs/demo_dreambooth.yaml --class_dir "$CONCEPT/class") ;;
+      no_prior) recipe=(--config configs/demo_dreambooth.yaml --class_dir "" --class_prompt "") ;;
+      embedding) recipe=(--config configs/demo_embedding.yaml) ;;
+    esac
     # shellcheck disable=SC2086  # DEMO_CONCEPT_FLAGS is a list of flags
-    $PY SD_Train.py --config configs/demo_dreambooth.yaml --init_from "$OUT/train" --vae "$OUT/vae" \
-        --instance_dir "$CONCEPT/instance" "${classes[@]}" --out_dir "$CONCEPT/lora_$prior" \
-        --image_size "$SIZE" ${DEMO_CONCEPT_FLAGS:-}
+    $PY SD_Train.py "${recipe[@]}" --init_from "$OUT/train" --vae "$OUT/vae" --instance_dir "$CONCEPT/instance" \
+        --out_dir "$CONCEPT/$(run_dir "$run")" --image_size "$SIZE" ${DEMO_CONCEPT_FLAGS:-}
   done
+  if [ -d "$CONCEPT/embedding" ]; then  # the token as a file AUTOMATIC1111 and ComfyUI load
+    $PY SD_ImageGen.py --ckpt "$CONCEPT/embedding" --export_embedding "$CONCEPT/embeddings"
+  fi
 
   step "8/10 the seen prompts and the concept, sampled before and after (SD_ImageGen.py, demo/evaluate.py)"
-  for run in base ${DEMO_CONCEPT_RUNS:-prior no_prior}; do
-    if [ "$run" = base ]; then ckpt=$OUT/train; else ckpt=$CONCEPT/lora_$run; fi
+  for run in base ${DEMO_CONCEPT_RUNS:-prior no_prior embedding}; do
+    if [ "$run" = base ]; then ckpt=$OUT/train; else ckpt=$CONCEPT/$(run_dir "$run"); fi
+    prompts=$CONCEPT/prompts.txt
+    if [ "$run" = embedding ]; then prompts=$CONCEPT/prompts_embedding.txt; fi
     rm -rf "$CONCEPT/samples_$run"
-    $PY SD_ImageGen.py --ckpt "$ckpt" --prompts_file "$CONCEPT/prompts.txt" --n "$N" --steps 25 --cfg 3.5 --seed 0 \
+    $PY SD_ImageGen.py --ckpt "$ckpt" --prompts_file "$prompts" --n "$N" --steps 25 --cfg 3.5 --seed 0 \
         --height "$SIZE" --width "$SIZE" --batch_size 16 --out "$CONCEPT/samples_$run"
     $PY demo/evaluate.py --images "$CONCEPT/samples_$run" --prompts "$CONCEPT/concept_prompts.json" \
         --out "$CONCEPT/eval_$run.json"
@@ -128,6 +137,7 @@ cat <<SUMMARY
   VAE                $OUT/vae (vae_stats.json: held-out PSNR)
   accuracy           $OUT/eval.json
   FID                $OUT/fid/fid.json (offline stand-in features: demo model, ground-truth floor, blank canvas)
-  new concept        $CONCEPT/concept.json ($CONCEPT/samples_*/grid.png: base, with and without prior preservation)
+  new concept        $CONCEPT/concept.json ($CONCEPT/samples_*/grid.png: base, LoRA with and without prior
+                     preservation, learned token; the token's file for other tools: $CONCEPT/embeddings/)
   aspect buckets     $ASPECT/aspect.json ($ASPECT/samples_*_wide|tall/grid.png: base, buckets, centre squares)
 SUMMARY
