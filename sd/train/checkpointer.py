@@ -35,7 +35,12 @@ def resume_or_init(run: Run) -> None:
     concrete, as config.yaml and every checkpoint record it."""
     resumed = resume_newest_usable(run)
     inherited = False
-    if not resumed and run.config.init_from and not run.config.frozen_base:
+    if not resumed and run.config.init_from and run.config.instance_dir and not run.config.frozen_base:
+        # full DreamBooth: the run trains on from the weights sd.train.run.build loaded, init_from's EMA where
+        # it has one: the weights that drew the class images, and those its users sample
+        log.info("DreamBooth fine-tune: training starts from the base weights that drew the class images (init_from's "
+                 "EMA where it has one); the EMA starts from them too")
+    elif not resumed and run.config.init_from and not run.config.frozen_base:
         inherited = init_weights(run, run.config.init_from)
     resumed_from = ckpt.latest_checkpoint(run.run_dir / "checkpoints") if resumed else None
     run.config = dataclasses.replace(run.config, ema_warmup=ema_warmup_of(run.config, resumed_from, inherited))

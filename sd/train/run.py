@@ -18,6 +18,7 @@ import sd.data.training_data
 import sd.distributed
 import sd.embedding.tokens
 import sd.files
+import sd.formats
 import sd.lora.adapters
 import sd.model
 import sd.sampling
@@ -188,7 +189,8 @@ def build(config: TrainConfig, d: Dist) -> Run:
         add_learned_token(config, unet, text_encoder, tokenizer)
     if config.instance_dir:
         make_pipeline = lambda: sd.sampling.Pipeline(unet, vae, text_encoder.to(d.device), tokenizer,  # noqa: E731
-                                                     config.prediction_type)
+                                                     config.prediction_type,
+                                                     zero_terminal_snr=base_zero_terminal_snr(config))
         train_data, val_data = sd.data.dreambooth.build_data(config, d, vae, tokenizer, make_pipeline), None
     else:
         train_data, val_data = build_data(config, d)
@@ -220,6 +222,17 @@ def build(config: TrainConfig, d: Dist) -> Run:
         except EvalError as error:
             raise ConfigError(f"eval_every: {error}") from error
     return run
+
+
+def base_zero_terminal_snr(config: TrainConfig) -> bool:
+    """The schedule the base model samples on (DreamBooth's class images are its own images): what
+    init_from records, else the run's."""
+    if not config.init_from:
+        return config.zero_terminal_snr
+    try:
+        return sd.formats.recorded_zero_terminal_snr(config.init_from)
+    except (OSError, ValueError):  # a hub id or file that records nothing: the run's own schedule
+        return config.zero_terminal_snr
 
 
 def add_learned_token(config: TrainConfig, unet, text_encoder, tokenizer) -> None:

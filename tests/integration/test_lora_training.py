@@ -391,3 +391,31 @@ def test_cached_dreambooth_latents_are_the_encoded_ones(tmp_path):
     fresh = sd.data.dreambooth.latents_of(files, 32, vae, torch.device("cpu"), tmp_path / "c.safetensors", "instance")
     cached = sd.data.dreambooth.latents_of(files, 32, vae, torch.device("cpu"), tmp_path / "c.safetensors", "instance")
     assert fresh.flags["C_CONTIGUOUS"] and np.array_equal(fresh, cached)
+
+
+def test_full_dreambooth_trains_from_the_weights_that_drew_its_class_images(tmp_path, dataset_16, monkeypatch):
+    """A full fine-tune DreamBooth from a run of ours: the class images come from its EMA weights, and the
+    run starts training from those same weights (not its live ones); a zero-terminal-SNR base draws its
+    class images on its own schedule."""
+    from data_factory import train_tiny_run
+
+    source = train_tiny_run(tmp_path / "src", 16, max_steps=2, ema_decay=0.5, prediction_type="v_prediction",
+                            zero_terminal_snr=True, save_steps=2, validate_every=0, lr=1e-2)
+    folder = source / "checkpoints" / ckpt.step_dir_name(2)
+    ema, live = load_file(folder / "ema.safetensors"), load_file(folder / "unet.safetensors")
+    assert any(not torch.equal(ema[k], live[k]) for k in ema)
+    drawn = {}
+    monkeypatch.setattr(sd.data.dreambooth, "ensure_class_images", lambda config, d, pipeline: drawn.update(
+        ztsnr=pipeline.zero_terminal_snr, weights={k: v.clone() for k, v in pipeline.unet.state_dict().items()}))
+    class_dir = write_images(tmp_path / "class", 2, (200, 100, 0))
+    instance_dir = write_images(tmp_path / "i", 2, (0, 200, 200))
+    config = write_config(tmp_path / "db.yaml", lora_rank=0, datasets=[], instance_dir=str(instance_dir),
+                          instance_prompt="a sks square", class_dir=str(class_dir), class_prompt="a square",
+                          num_class_images=2, image_size=64, init_from=str(source), max_steps=1, cfg_dropout=0.0,
+                          out_dir=str(tmp_path / "run"), prediction_type="v_prediction", zero_terminal_snr=True,
+                          batch_size=1, grad_accum=1)
+    run = SD_Train.build(sd.train.config.load_config(["--config", str(config)]), Dist.single())
+    assert drawn["ztsnr"] is True
+    assert_bitwise_equal(drawn["weights"], ema)
+    assert_bitwise_equal(run.step.unet.state_dict(), ema)  # the weights training starts from
+    assert_bitwise_equal(dict(zip(run.step.ema.names, run.step.ema.shadow)), ema)
