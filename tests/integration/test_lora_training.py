@@ -335,13 +335,16 @@ def test_a_text_cache_too_large_is_refused_before_encoding():
         sd.train.step.TextCache.build(encoder, ids, "fp32", torch.device("cpu"), max_bytes=10 * 77 * 4)
 
 
-@pytest.mark.parametrize("name", ["lora", "dreambooth_lora"])
+@pytest.mark.parametrize("name", ["lora", "dreambooth_lora", "textual_inversion"])
 def test_fine_tuning_recipes_load(name):
     path = Path(__file__).resolve().parents[2] / "configs" / "finetune" / f"{name}.yaml"
     config = sd.train.config.load_config(["--config", str(path)], check_paths=False)
-    assert config.lora_rank == 16 and config.init_from and config.cache_text_embeddings
-    assert config.precision == "bf16" and config.grad_checkpointing
-    assert bool(config.instance_dir) == (name == "dreambooth_lora")
+    assert config.init_from and config.precision == "bf16" and config.grad_checkpointing
+    assert bool(config.instance_dir) == (name != "lora")
+    if name == "textual_inversion":
+        assert config.embedding_token in config.instance_prompt and not config.lora_rank
+    else:
+        assert config.lora_rank == 16 and config.cache_text_embeddings
 
 
 def test_a_lora_target_that_selects_nothing_stops_before_training(tmp_path, base_model, data, capsys):

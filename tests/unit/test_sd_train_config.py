@@ -176,6 +176,7 @@ RANGES = {
     "lora_alpha": (">= 0 and finite", [0.0, 16.0], [-1.0]),
     "lora_dropout": ("in [0, 1)", [0.0, 0.5], [1.0, -0.1]),
     "num_class_images": (">= 0", [0, 200], [-1]),
+    "embedding_vectors": (">= 1", [1, 75], [0]),
     "prior_loss_weight": (">= 0 and finite", [0.0, 1.0], [-1.0]),
     "noise_offset": (">= 0 and finite", [0.0, 0.1], [-0.1]),
     "image_size": (">= 8", [8, 512], [0, -8]),
