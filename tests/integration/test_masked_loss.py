@@ -15,6 +15,7 @@ from PIL import Image
 import encode_latents
 import sd.data.shards
 import sd.data.training_data
+import sd.train.config
 import SD_Train
 
 from data_factory import BASE, make_dataset
@@ -210,3 +211,11 @@ def test_batches_carry_masks_only_with_masked_loss_and_weight_one_where_a_folder
     assert masks.shape == (2, 1, 8, 8) and masks.dtype == latents.dtype
     assert (masks[0, :, :, :4] == 1).all() and (masks[0, :, :, 4:] == 0).all()  # flipped: 0 | 1 mirrored
     assert (masks[1] == 1).all()  # a folder without masks
+
+
+def test_masked_loss_is_refused_for_dreambooth_folders_which_carry_no_masks():
+    config = sd.train.config.TrainConfig(instance_dir="photos", instance_prompt="a photo of sks dog", masked_loss=True,
+                                         max_steps=1)
+    with pytest.raises(sd.train.config.ConfigError, match="masked_loss needs masks carried by encode_latents.py"):
+        config.validate(check_paths=False)
+    assert sd.train.config.ON_RESUME["masked_loss"].action == sd.train.config.REFUSE  # it changes the math
