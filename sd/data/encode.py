@@ -539,6 +539,10 @@ class Writer:
                                    "try --precision fp32 or bf16)")
         for rows in job.rows.values():
             rows.commit()
+        for (name, bucket) in job.rows:  # a mask file left by an earlier encoding of this shard is not its own
+            if name == "npy" and ("mask", bucket) not in job.rows:
+                size = None if bucket is None else self.buckets[bucket]
+                latent_file(self.out, job.stem, "mask", size).unlink(missing_ok=True)
         latent_shapes = {bucket: list(rows.row_shape) for (name, bucket), rows in job.rows.items() if name == "npy"}
         job.rows, self.current = {}, None
         sd.faults.point("after_npy", job.stem)  # tests: SD_FAULT=after_npy:NNNNN kills the run here

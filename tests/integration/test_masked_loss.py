@@ -134,6 +134,11 @@ def test_encode_writes_latent_resolution_masks_square_and_in_buckets_and_flipped
     report = json.loads((square_dir / "00001.report.json").read_text())
     assert report["skipped"] == {"mask_mismatch": ["z"]} and report["masked"] == 0
     assert json.loads((square_dir / "latents.json").read_text())["masked"] == 2
+    # Encoded again, a shard without masks drops a mask file an earlier encoding of it left.
+    np.save(square_dir / "00001.mask.npy", np.zeros((1, 1, 4, 4), dtype=np.float16))
+    (square_dir / "00001.keys.txt").unlink()
+    encode(tmp_path / "shards", square_dir)
+    assert (square_dir / "00001.keys.txt").exists() and not (square_dir / "00001.mask.npy").exists()
 
     encode(tmp_path / "shards", tmp_path / "buckets", "--buckets", "--bucket_list", "32x32,48x32", "--flip")
     bucket_dir = tmp_path / "buckets"
