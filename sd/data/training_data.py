@@ -18,6 +18,9 @@
   coin per position of that order, also from (seed, epoch) alone: a sample whose coin is True is
   read from the latents of its mirrored image (``NNNNN.flip.npy``). Nothing else is random, so a
   resumed run only needs the epoch and its position to continue exactly.
+* Loss masks (``masked_loss``): ``NNNNN.mask.npy`` (per bucket ``NNNNN.WxH.mask.npy``), float16
+  ``(N, 1, H/8, W/8)`` weights in 0..1 beside a shard's latents; a shard without one weighs 1
+  everywhere, and a mirrored latent takes its mask mirrored.
 """
 
 from __future__ import annotations
@@ -54,11 +57,12 @@ class LatentStore:
     layout is loaded into this process's memory. ``flip=True`` also maps the latents of the mirrored
     images (``encode_latents.py --flip``) into ``flipped``, and stops naming the folder when they are
     not there. ``shapes`` lists the latent shapes held (one unless the folder is bucketed) and
-    ``bucket_of_row`` each row's index into it.
+    ``bucket_of_row`` each row's index into it. ``masks=True`` maps the loss masks
+    (``NNNNN.mask.npy``) into ``masks``, laid out like ``arrays`` (None for a shard without one).
     """
 
     def __init__(self, folder: str | Path, *, threads: int = 16, mmap: bool = False, flip: bool = False,
-                 share: tuple[int, int] = (0, 1)):
+                 share: tuple[int, int] = (0, 1), masks: bool = False):
         self.folder = Path(folder)
         self.warm_share = None if mmap else share
         if not self.folder.is_dir():
@@ -72,6 +76,7 @@ class LatentStore:
         if not self.keys:
             raise DataError(f"latent folder {self.folder} holds no latents (no *.keys.txt shards, no <key>.npy files)")
         self.flipped = self._load_flipped(shard_files, threads) if flip else None
+        self.masks = self._load_masks(threads) if masks else None
 
     # -- loading ------------------------------------------------------------------------------
 
@@ -167,6 +172,26 @@ class LatentStore:
             list(pool.map(copy, range(len(arrays))))
         return [data]
 
+    def _load_masks(self, threads: int) -> list[np.ndarray | None]:
+        """The loss masks beside each shard's (or bucket's) array, memory-mapped; None where there are none
+        (and for the one-file-per-image layout, which has no masks)."""
+        if not hasattr(self, "paths"):  # the one-file-per-image layout
+            return [None] * len(self.arrays)
+        paths = [p.with_name(p.name[: -len(".npy")] + ".mask.npy") for p in self.paths]
+        masks = [load_npy(p, mmap=True) if p.exists() else None for p in paths]
+        bad = [f"{p.name} {m.shape}" for p, m, a in zip(paths, masks, self.arrays)
+               if m is not None and m.shape != (len(a), 1, *a.shape[2:])]
+        if bad:
+            raise DataError(f"{len(bad)} mask files in {self.folder} do not match their latents (expected (rows, 1, "
+                            f"h, w) of the latents beside them): {', '.join(bad[:10])}; re-encode those shards")
+        self._warm([p for p, m in zip(paths, masks) if m is not None], threads)
+        return masks
+
+    @property
+    def has_masks(self) -> bool:
+        """Whether masks were loaded and any shard has one."""
+        return self.masks is not None and any(m is not None for m in self.masks)
+
     def _check_shapes(self, shapes: list[tuple[Path, tuple]]) -> None:
         reference = shapes[0][1]
         bad = [f"{path.name} {tuple(shape)}" for path, shape in shapes if tuple(shape) != tuple(reference)]
@@ -202,6 +227,19 @@ class LatentStore:
                 raise DataError(f"flipped latents of {self.folder} were asked for but not loaded (flip=False)")
             latents[flipped] = self._rows(self.flipped, rows[flipped])
         return latents
+
+    def gather_masks(self, rows: np.ndarray, flipped: np.ndarray | None = None) -> np.ndarray:
+        """Loss masks of the given rows, ``(B, 1, h, w)`` float16, in order: 1 where a shard has none, and
+        mirrored where the boolean ``flipped`` is True (the mask of the mirrored image)."""
+        where = self.locations[rows]
+        shape = self.arrays[where[0, 0]].shape[2:]
+        out = np.ones((len(rows), 1, *shape), dtype=np.float16)
+        masked = np.array([self.masks[shard] is not None for shard in where[:, 0]], dtype=bool)
+        if masked.any():
+            out[masked] = self._rows(self.masks, rows[masked])
+        if flipped is not None and flipped.any():
+            out[flipped] = out[flipped][..., ::-1]
+        return out
 
     def _rows(self, arrays: list[np.ndarray], rows: np.ndarray) -> np.ndarray:
         """One fancy-indexed read per shard touched (rows sorted within it), scattered back in order."""
@@ -421,7 +459,8 @@ class MixedData:
 
     ``shapes`` are the latent shapes present (one per aspect-ratio bucket; one in all for square
     folders), ``bucket_of`` each global index's shape, and ``target`` where each shape trains:
-    itself, or after ``merge_small`` the bucket a too-small one was merged into.
+    itself, or after ``merge_small`` the bucket a too-small one was merged into. ``masked``: the
+    stores were loaded with their loss masks, which ``batch`` then returns as a third tensor.
     """
 
     def __init__(self, splits: list[JoinedSplit], weights: list[float]):
@@ -442,6 +481,7 @@ class MixedData:
             [np.array([index.get(s, -1) for s in split.store.shapes], dtype=np.int16)[split.store.bucket_of_row[split.rows]]
              for split in splits] or [np.zeros(0, dtype=np.int16)])
         self.target = np.arange(len(self.shapes))
+        self.masked = any(split.store.masks is not None for split in splits)
 
     def __len__(self) -> int:
         return int(self.offsets[-1])
@@ -468,8 +508,9 @@ class MixedData:
                             "drawn from one bucket each (sd.data.training_data.epoch_batches)")
         return self.shapes[targets[0]]
 
-    def batch(self, indices: np.ndarray, flipped: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(latents (B, 4, h, w) float16, input_ids (B, 77) int64)`` for global indices, in order.
+    def batch(self, indices: np.ndarray, flipped: np.ndarray | None = None) -> tuple[torch.Tensor, ...]:
+        """``(latents (B, 4, h, w) float16, input_ids (B, 77) int64)`` for global indices, in order; when
+        ``masked``, also their loss masks ``(B, 1, h, w)`` float16 (``masks``).
 
         ``flipped`` (B,) bool: which samples take the latents of their mirrored image (``flip_coins``).
         Samples of a merged bucket are brought to the shape they train at (``sd.data.buckets.fit_latents``).
@@ -487,7 +528,27 @@ class MixedData:
                 part = split.store.gather(split.rows[local], None if flipped is None else flipped[mask])
                 latents[mask] = part if part.shape[1:] == shape else sd.data.buckets.fit_latents(part, shape)
                 input_ids[mask] = split.input_ids[local]
-        return torch.from_numpy(latents), torch.from_numpy(input_ids)
+        extra = (self.masks(indices, flipped),) if self.masked else ()
+        return torch.from_numpy(latents), torch.from_numpy(input_ids), *extra
+
+    def masks(self, indices: np.ndarray, flipped: np.ndarray | None = None) -> torch.Tensor:
+        """Loss masks ``(B, 1, h, w)`` float16 of global indices, in order, as ``batch`` lays out their
+        latents: 1 for samples without one, mirrored where ``flipped``, brought to a merged bucket's shape."""
+        shape = self.shape_of(indices)
+        which = np.searchsorted(self.offsets, indices, side="right") - 1
+        stored = self.bucket_of[indices]
+        masks = np.ones((len(indices), 1, *shape[1:]), dtype=np.float16)
+        for d in np.unique(which):
+            store = self.splits[d].store
+            if store.masks is None:
+                continue
+            for b in np.unique(stored[which == d]):
+                chosen = (which == d) & (stored == b)
+                rows = self.splits[d].rows[indices[chosen] - self.offsets[d]]
+                part = store.gather_masks(rows, None if flipped is None else flipped[chosen])
+                fits = part.shape[2:] == shape[1:]
+                masks[chosen] = part if fits else sd.data.buckets.fit_latents(part, (1, *shape[1:]))
+        return torch.from_numpy(masks)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -85,6 +85,9 @@ class TrainConfig:
     allow_missing_latents: bool = _doc("drop captions without a latent (reported) instead of stopping", False)
     flip: bool = _doc("train each sample on the latents of its mirrored image with probability 1/2 (a coin "
                       "fixed by seed, epoch and position); needs latents from encode_latents.py --flip", False)
+    masked_loss: bool = _doc("weight each sample's loss by its mask (photo_mask.png beside photo.jpg at import, "
+                             "NNNNN.mask.npy from encode_latents.py): black pixels teach nothing, white ones in "
+                             "full; samples without a mask weigh 1", False)
     # -- models -----------------------------------------------------------------------------
     unet: str = _doc("UNet preset: sd1, demo or tiny (with init_from a run of ours: that run's)", "sd1")
     vae: str = _doc("VAE hub id, local folder or tiny (used for validation images; with init_from a run of "
@@ -275,6 +278,9 @@ class TrainConfig:
              and bool(self.validation_width) == bool(self.validation_height),
              f"validation_width and validation_height: both multiples of 8, or both 0 (got "
              f"{self.validation_width}x{self.validation_height})")
+        need(not (self.instance_dir and self.masked_loss), "masked_loss needs masks carried by encode_latents.py "
+             "(pipeline/01e_import_folder.py reads photo_mask.png beside photo.jpg); instance_dir has none: "
+             "set masked_loss: false, or import and encode the images as a dataset")
         need(not (self.instance_dir and self.flip), "flip needs latents of mirrored images from encode_latents.py; "
              "with instance_dir add mirrored copies to the folder instead")
         need(bool(self.class_dir) == bool(self.class_prompt.strip()),
@@ -709,7 +715,7 @@ ON_RESUME = {
     "datasets": OnResume(REFUSE, _ORDER), "epoch_size": OnResume(REFUSE, _ORDER),
     "data_threads": OnResume(FREE), "mmap_latents": OnResume(FREE),
     "allow_missing_latents": OnResume(FREE, "a changed number of samples is refused by itself"),
-    "flip": OnResume(REFUSE, _ORDER),
+    "flip": OnResume(REFUSE, _ORDER), "masked_loss": OnResume(REFUSE, _MATH),
     "unet": OnResume(REFUSE, "the model"), "vae": OnResume(REFUSE, "the instance latents", dreambooth=True),
     "text_encoder": OnResume(REFUSE, "the text conditioning"), "tokenizer": OnResume(REFUSE, "the text conditioning"),
     "prediction_type": OnResume(REFUSE, _MATH),

@@ -107,16 +107,31 @@ def build_data(config: TrainConfig, d: Dist | None = None):
         folder = str(Path(entry["latents"]).resolve())
         if folder not in stores:
             stores[folder] = sd.data.training_data.LatentStore(folder, threads=config.data_threads, mmap=config.mmap_latents,
-                                                 flip=config.flip, share=share)
+                                                 flip=config.flip, share=share, masks=config.masked_loss)
         store = stores[folder]
         train.append(sd.data.training_data.join_split(entry["dataset"], "train", store, allow_missing=config.allow_missing_latents))
         val.append(sd.data.training_data.join_split(entry["dataset"], "validation", store, allow_missing=True))
         weights.append(float(entry.get("weight", 1.0)))
+    if config.masked_loss:
+        check_masks(stores, d is None or d.is_main)
     train_data = sd.data.training_data.MixedData(train, weights)
     if len(train_data) == 0:
         raise sd.data.training_data.DataError("the training split of every dataset is empty")
     val_data = sd.data.training_data.MixedData(val, weights) if sum(len(v) for v in val) else None
     return train_data, val_data
+
+
+def check_masks(stores: dict, report: bool) -> None:
+    """``masked_loss`` needs at least one latent folder with masks; the folders without any are named
+    (their samples weigh 1 everywhere)."""
+    unmasked = [folder for folder, store in stores.items() if not store.has_masks]
+    if len(unmasked) == len(stores):
+        raise ConfigError(f"masked_loss: true but no latent folder holds masks (NNNNN.mask.npy) ({', '.join(unmasked)}): "
+                          "put photo_mask.png beside photo.jpg, import with pipeline/01e_import_folder.py and "
+                          "encode with encode_latents.py, or set masked_loss: false")
+    if unmasked and report:
+        log.info("masked_loss: %d latent folders have no masks, their samples weigh 1 everywhere: %s", len(unmasked),
+                 ", ".join(unmasked))
 
 
 def scaling_factor_of(config: TrainConfig, data: sd.data.training_data.MixedData, vae) -> float:

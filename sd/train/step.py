@@ -238,8 +238,10 @@ def compile_options(shapes: int, mode: str = "default") -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
-def compute_loss(step: Step, model, latents: torch.Tensor, input_ids: torch.Tensor, generator: torch.Generator):
-    """Per-sample Min-SNR loss ``(B,)`` and timesteps of one micro-batch through ``model``."""
+def compute_loss(step: Step, model, latents: torch.Tensor, input_ids: torch.Tensor, generator: torch.Generator,
+                 mask: torch.Tensor | None = None):
+    """Per-sample Min-SNR loss ``(B,)`` and timesteps of one micro-batch through ``model``; ``mask``
+    ``(B, 1, h, w)``: the loss weights of ``masked_loss`` (``sd.model.diffusion_loss``)."""
     settings, device = step.loss, step.d.device
     latents = sd.model.scale_latents(latents.to(device, non_blocking=True).float(), step.scaling_factor)
     if settings.channels_last:
@@ -254,8 +256,10 @@ def compute_loss(step: Step, model, latents: torch.Tensor, input_ids: torch.Tens
     with sd.runtime.autocast(settings.precision, device):
         hidden = prompt_embeddings(step, input_ids, generator)
         pred = model(noisy, timesteps, encoder_hidden_states=hidden).sample
+    if mask is not None:
+        mask = mask.to(device, non_blocking=True)
     loss = sd.model.diffusion_loss(pred, target, timesteps, step.alphas_cumprod, settings.prediction_type,
-                                   settings.min_snr_gamma)
+                                   settings.min_snr_gamma, mask)
     return loss, timesteps
 
 
@@ -338,7 +342,8 @@ STATS = 13  # loss, bad, stop, per-quartile loss sums (4) and counts (4), grad n
 def train_step(step: Step, micro_batches: list, step_index: int, stop_requested: bool = False) -> "StepResult":
     """Forward/backward over the accumulation, then one optimizer update unless anything is non-finite.
 
-    ``micro_batches``: ``[(latents (B, 4, h, w), input_ids (B, 77)), ...]``; ``step_index``: the
+    ``micro_batches``: ``[(latents (B, 4, h, w), input_ids (B, 77)[, loss mask (B, 1, h, w)]), ...]``
+    (``MixedData.batch``: the mask with ``masked_loss``); ``step_index``: the
     0-based optimizer step (the EMA's warm-up). The learning rate is set by the caller. A non-finite
     loss or gradient norm on any rank skips the update on every rank: weights, optimizer and EMA stay
     as they were. One all-reduce carries the loss, the bad-step flag, the stop request, the
@@ -355,13 +360,13 @@ def train_step(step: Step, micro_batches: list, step_index: int, stop_requested:
     keep_grads = step.ddp is not None  # DDP's bucket views: zeroed in place (see wrap_ddp)
     step.optimizer.zero_grad(set_to_none=not keep_grads)
     stats = torch.zeros(STATS, dtype=torch.float64, device=d.device)
-    for i, (latents, input_ids) in enumerate(micro_batches):
+    for i, (latents, input_ids, *mask) in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
         sync = contextlib.nullcontext() if last else sd.train.sharding.no_sync(step)
         if step.cuda_graphs:  # each micro-batch's forward and backward is a new replay of the graphs
             torch.compiler.cudagraph_mark_step_begin()
         with sync:
-            loss, timesteps = compute_loss(step, step.model, latents, input_ids, step.noise_generator)
+            loss, timesteps = compute_loss(step, step.model, latents, input_ids, step.noise_generator, *mask)
             value = objective(loss, settings)
             step.scaler.scale(value / len(micro_batches)).backward()
         quartile = (timesteps * 4 // sd.model.NUM_TRAIN_TIMESTEPS).clamp(max=3)
@@ -492,8 +497,8 @@ def validation_loss(step: Step, data, count: int, batch_size: int, stop=None) ->
         for batch in sd.data.training_data.shape_batches(data, indices, batch_size):
             if stop():
                 break
-            latents, input_ids = data.batch(batch)
-            loss, _ = compute_loss(step, step.unet, latents, input_ids, generator)
+            latents, input_ids, *mask = data.batch(batch)
+            loss, _ = compute_loss(step, step.unet, latents, input_ids, generator, *mask)
             totals[0] += loss.double().sum()
             totals[1] += loss.numel()
     finally:
