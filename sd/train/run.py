@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import sd.data.captions
 import sd.data.dreambooth
 import sd.data.training_data
 import sd.distributed
@@ -93,12 +94,15 @@ class Run:
     evaluation: TrainingEval | None = None  # FID / CLIP score every eval_every steps
 
 
-def build_data(config: TrainConfig, d: Dist | None = None):
+def build_data(config: TrainConfig, d: Dist | None = None, tokenizer=None):
     """Train and validation data; every problem found is reported before training starts.
 
     The latent files are memory-mapped: the ranks of a machine share one copy in its page cache, and
     each reads its share of the files once at start (unless ``mmap_latents``: read on demand).
+    ``tokenizer``: the training batches' token ids are made in the loader from the caption text, with
+    the config's caption operations (``shuffle_tags``, ``tag_dropout``); validation keeps the stored ids.
     """
+    ops = caption_ops(config) if tokenizer is not None else None
     share = (d.local_rank, d.local_world_size) if d is not None else (0, 1)
     stores, train, val, weights = {}, [], [], []
     for entry in config.datasets:
@@ -107,14 +111,21 @@ def build_data(config: TrainConfig, d: Dist | None = None):
             stores[folder] = sd.data.training_data.LatentStore(folder, threads=config.data_threads, mmap=config.mmap_latents,
                                                  flip=config.flip, share=share)
         store = stores[folder]
-        train.append(sd.data.training_data.join_split(entry["dataset"], "train", store, allow_missing=config.allow_missing_latents))
+        train.append(sd.data.training_data.join_split(entry["dataset"], "train", store, allow_missing=config.allow_missing_latents,
+                                                      captions=tokenizer is not None))
         val.append(sd.data.training_data.join_split(entry["dataset"], "validation", store, allow_missing=True))
         weights.append(float(entry.get("weight", 1.0)))
-    train_data = sd.data.training_data.MixedData(train, weights)
+    train_data = sd.data.training_data.MixedData(train, weights, tokenizer=tokenizer, ops=ops)
     if len(train_data) == 0:
         raise sd.data.training_data.DataError("the training split of every dataset is empty")
     val_data = sd.data.training_data.MixedData(val, weights) if sum(len(v) for v in val) else None
     return train_data, val_data
+
+
+def caption_ops(config: TrainConfig) -> sd.data.captions.CaptionOps:
+    """The config's caption operations (``sd.data.captions``)."""
+    return sd.data.captions.CaptionOps(config.shuffle_tags, config.keep_tokens, config.tag_dropout,
+                                       config.tag_separator)
 
 
 def scaling_factor_of(config: TrainConfig, data: sd.data.training_data.MixedData, vae) -> float:
@@ -184,7 +195,7 @@ def build(config: TrainConfig, d: Dist) -> Run:
                                                      config.prediction_type)
         train_data, val_data = sd.data.dreambooth.build_data(config, d, vae, tokenizer, make_pipeline), None
     else:
-        train_data, val_data = build_data(config, d)
+        train_data, val_data = build_data(config, d, tokenizer if caption_ops(config).active else None)
     scaling = scaling_factor_of(config, train_data, vae)
     if len(train_data.shapes) > 1:
         plan_buckets(config, train_data, d)
