@@ -353,7 +353,8 @@ class CaptionText:
 
     def __init__(self, column, rows: np.ndarray | None = None):
         self.column, self.rows = column, rows  # a pyarrow ChunkedArray of strings
-        self.starts = np.cumsum([0] + [len(chunk) for chunk in column.chunks])
+        self.chunks = column.chunks  # built once: each call of ``column.chunks`` wraps every chunk anew
+        self.starts = np.cumsum([0] + [len(chunk) for chunk in self.chunks])
 
     def __len__(self) -> int:
         return len(self.column) if self.rows is None else len(self.rows)
@@ -362,7 +363,7 @@ class CaptionText:
         """The captions of samples ``local`` (indices into the split), in order."""
         rows = np.asarray(local, dtype=np.int64) if self.rows is None else self.rows[local]
         chunks = np.searchsorted(self.starts, rows, side="right") - 1
-        return [self.column.chunks[c][int(r - self.starts[c])].as_py() or "" for c, r in zip(chunks, rows)]
+        return [self.chunks[c][int(r - self.starts[c])].as_py() or "" for c, r in zip(chunks, rows)]
 
 
 def load_caption_split(dataset_dir: str | Path, split: str):
