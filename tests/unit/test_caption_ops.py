@@ -4,7 +4,6 @@ import numpy as np
 import pytest
 import torch
 
-import sd.data.captions
 import sd.data.prefetch
 import sd.data.training_data
 import sd.model
