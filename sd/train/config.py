@@ -88,6 +88,15 @@ class TrainConfig:
     masked_loss: bool = _doc("weight each sample's loss by its mask (photo_mask.png beside photo.jpg at import, "
                              "NNNNN.mask.npy from encode_latents.py): black pixels teach nothing, white ones in "
                              "full; samples without a mask weigh 1", False)
+    shuffle_tags: float = _doc("tag captions: probability that a sample's tags after the first keep_tokens are "
+                               "shuffled, drawn anew at every step; 0 = off (0.5: half the samples)", 0.0,
+                               allowed=FRACTION)
+    keep_tokens: int = _doc("tag captions: tags at the front of each caption that shuffle_tags and tag_dropout "
+                            "leave in place", 0, allowed=NON_NEGATIVE)
+    tag_dropout: float = _doc("tag captions: probability that each tag after the first keep_tokens is left out of "
+                              "a sample's caption at a step; 0 = off", 0.0, allowed=FRACTION)
+    tag_separator: str = _doc("tag captions: what joins the tags; captions are split on its non-blank part (on "
+                              "blanks if it is blank)", ", ")
     # -- models -----------------------------------------------------------------------------
     unet: str = _doc("UNet preset: sd1, demo or tiny (with init_from a run of ours: that run's)", "sd1")
     vae: str = _doc("VAE hub id, local folder or tiny (used for validation images; with init_from a run of "
@@ -283,6 +292,7 @@ class TrainConfig:
              "set masked_loss: false, or import and encode the images as a dataset")
         need(not (self.instance_dir and self.flip), "flip needs latents of mirrored images from encode_latents.py; "
              "with instance_dir add mirrored copies to the folder instead")
+        check_caption_ops(self)
         need(bool(self.class_dir) == bool(self.class_prompt.strip()),
              "prior preservation needs both class_dir and class_prompt (or neither)")
         need(not self.class_dir or self.instance_dir, "class_dir (prior preservation) needs instance_dir")
@@ -363,6 +373,21 @@ def check_sharding(config: TrainConfig) -> None:
     if name == "fsdp" and config.eval_every:
         raise ConfigError("sharding: fsdp does not run the in-training evaluation; set eval_every: 0 and score the "
                           "checkpoints with SD_Eval.py, or use sharding: zero1")
+
+
+def check_caption_ops(config: TrainConfig) -> None:
+    """``shuffle_tags`` / ``tag_dropout`` and the settings they cannot run with, each refused with the way out."""
+    if config.tag_separator == "":
+        raise ConfigError("tag_separator must not be empty; use ', ' (tags joined by commas) or ' ' (by blanks)")
+    if not (config.shuffle_tags or config.tag_dropout):
+        return
+    on = "shuffle_tags" if config.shuffle_tags else "tag_dropout"
+    if config.instance_dir:
+        raise ConfigError(f"{on} changes dataset captions at each step; a DreamBooth run (instance_dir) has one "
+                          "fixed instance_prompt: set shuffle_tags: 0 and tag_dropout: 0, or train on datasets")
+    if config.cache_text_embeddings:
+        raise ConfigError(f"{on} makes a new prompt at each step, so the prompts are no fixed set whose embeddings "
+                          "could be cached: set cache_text_embeddings: false, or shuffle_tags: 0 and tag_dropout: 0")
 
 
 TYPES = {"int": int, "float": (int, float), "bool": bool, "str": str, "list": list}
@@ -716,6 +741,8 @@ ON_RESUME = {
     "data_threads": OnResume(FREE), "mmap_latents": OnResume(FREE),
     "allow_missing_latents": OnResume(FREE, "a changed number of samples is refused by itself"),
     "flip": OnResume(REFUSE, _ORDER), "masked_loss": OnResume(REFUSE, _MATH),
+    "shuffle_tags": OnResume(REFUSE, _MATH), "keep_tokens": OnResume(REFUSE, _MATH),
+    "tag_dropout": OnResume(REFUSE, _MATH), "tag_separator": OnResume(REFUSE, _MATH),
     "unet": OnResume(REFUSE, "the model"), "vae": OnResume(REFUSE, "the instance latents", dreambooth=True),
     "text_encoder": OnResume(REFUSE, "the text conditioning"), "tokenizer": OnResume(REFUSE, "the text conditioning"),
     "prediction_type": OnResume(REFUSE, _MATH),

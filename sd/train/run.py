@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import sd.data.captions
 import sd.data.dreambooth
 import sd.data.training_data
 import sd.distributed
@@ -95,12 +96,18 @@ class Run:
     evaluation: TrainingEval | None = None  # FID / CLIP score every eval_every steps
 
 
-def build_data(config: TrainConfig, d: Dist | None = None):
+def build_data(config: TrainConfig, d: Dist | None = None, tokenizer=None):
     """Train and validation data; every problem found is reported before training starts.
 
     The latent files are memory-mapped: the ranks of a machine share one copy in its page cache, and
     each reads its share of the files once at start (unless ``mmap_latents``: read on demand).
+    ``tokenizer``: the training batches' token ids are made in the loader from the caption text, with
+    the config's caption operations (``shuffle_tags``, ``tag_dropout``); validation keeps the stored ids,
+    but for a run that learns a token (``embedding_token``): its validation captions are tokenised as
+    written, by the tokenizer that knows the token.
     """
+    ops = caption_ops(config) if tokenizer is not None else None
+    val_tokenizer = tokenizer if config.embedding_token else None
     share = (d.local_rank, d.local_world_size) if d is not None else (0, 1)
     stores, train, val, weights = {}, [], [], []
     for entry in config.datasets:
@@ -109,15 +116,18 @@ def build_data(config: TrainConfig, d: Dist | None = None):
             stores[folder] = sd.data.training_data.LatentStore(folder, threads=config.data_threads, mmap=config.mmap_latents,
                                                  flip=config.flip, share=share, masks=config.masked_loss)
         store = stores[folder]
-        train.append(sd.data.training_data.join_split(entry["dataset"], "train", store, allow_missing=config.allow_missing_latents))
-        val.append(sd.data.training_data.join_split(entry["dataset"], "validation", store, allow_missing=True))
+        train.append(sd.data.training_data.join_split(entry["dataset"], "train", store, allow_missing=config.allow_missing_latents,
+                                                      captions=tokenizer is not None))
+        val.append(sd.data.training_data.join_split(entry["dataset"], "validation", store, allow_missing=True,
+                                                    captions=val_tokenizer is not None))
         weights.append(float(entry.get("weight", 1.0)))
     if config.masked_loss:
         check_masks(stores, d is None or d.is_main)
-    train_data = sd.data.training_data.MixedData(train, weights)
+    train_data = sd.data.training_data.MixedData(train, weights, tokenizer=tokenizer, ops=ops)
     if len(train_data) == 0:
         raise sd.data.training_data.DataError("the training split of every dataset is empty")
-    val_data = sd.data.training_data.MixedData(val, weights) if sum(len(v) for v in val) else None
+    val_data = (sd.data.training_data.MixedData(val, weights, tokenizer=val_tokenizer)
+                if sum(len(v) for v in val) else None)
     return train_data, val_data
 
 
@@ -132,6 +142,12 @@ def check_masks(stores: dict, report: bool) -> None:
     if unmasked and report:
         log.info("masked_loss: %d latent folders have no masks, their samples weigh 1 everywhere: %s", len(unmasked),
                  ", ".join(unmasked))
+
+
+def caption_ops(config: TrainConfig) -> sd.data.captions.CaptionOps:
+    """The config's caption operations (``sd.data.captions``)."""
+    return sd.data.captions.CaptionOps(config.shuffle_tags, config.keep_tokens, config.tag_dropout,
+                                       config.tag_separator)
 
 
 def scaling_factor_of(config: TrainConfig, data: sd.data.training_data.MixedData, vae) -> float:
@@ -208,7 +224,8 @@ def build(config: TrainConfig, d: Dist) -> Run:
                                                      zero_terminal_snr=base_zero_terminal_snr(config))
         train_data, val_data = sd.data.dreambooth.build_data(config, d, vae, tokenizer, make_pipeline), None
     else:
-        train_data, val_data = build_data(config, d)
+        retokenise = caption_ops(config).active or config.embedding_token  # a learned token: the stored ids lack it
+        train_data, val_data = build_data(config, d, tokenizer if retokenise else None)
     scaling = scaling_factor_of(config, train_data, vae)
     if len(train_data.shapes) > 1:
         plan_buckets(config, train_data, d)
