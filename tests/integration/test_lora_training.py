@@ -24,7 +24,7 @@ import sd.train.step
 import SD_Train
 from sd.distributed import Dist
 
-from data_factory import BASE, assert_bitwise_equal
+from data_factory import BASE, assert_bitwise_equal, make_base_pipeline
 
 LORA = dict(BASE, lora_rank=4, lora_alpha=8.0, lora_dropout=0.25, lr=1e-2, warmup_steps=0, ema_decay=0.9,
             cfg_dropout=0.1, batch_size=2, grad_accum=2)
@@ -32,12 +32,7 @@ LORA = dict(BASE, lora_rank=4, lora_alpha=8.0, lora_dropout=0.25, lr=1e-2, warmu
 
 @pytest.fixture(scope="module")
 def base_model(tmp_path_factory) -> Path:
-    """A tiny pipeline folder whose UNet has non-zero output layers (a trained model's stand-in)."""
-    folder = tmp_path_factory.mktemp("base") / "pipeline"
-    sd.formats.export_diffusers(folder, sd.model.build_unet("tiny", seed=3, from_scratch=False),
-                                sd.model.load_vae("tiny"), sd.model.load_text_encoder("tiny"),
-                                sd.model.load_tokenizer("tiny"))
-    return folder
+    return make_base_pipeline(tmp_path_factory.mktemp("base") / "pipeline")
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ import sd.train.config
 import SD_ImageGen
 import SD_Train
 
-from data_factory import BASE, assert_bitwise_equal
+from data_factory import BASE, assert_bitwise_equal, make_base_pipeline
 
 TOKEN = "<cyan-sks>"
 PROMPT = f"a {TOKEN} circle"
@@ -31,11 +31,7 @@ FIELDS = dict(BASE, lr=5e-2, warmup_steps=0, ema_decay=0.9, cfg_dropout=0.1, bat
 
 @pytest.fixture(scope="module")
 def base_model(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("base") / "pipeline"
-    sd.formats.export_diffusers(folder, sd.model.build_unet("tiny", seed=3, from_scratch=False),
-                                sd.model.load_vae("tiny"), sd.model.load_text_encoder("tiny"),
-                                sd.model.load_tokenizer("tiny"))
-    return folder
+    return make_base_pipeline(tmp_path_factory.mktemp("base") / "pipeline")
 
 
 @pytest.fixture(scope="module")
