@@ -595,7 +595,8 @@ def is_lora_checkpoint(folder: Path) -> bool:
 
 def lora_run_settings(source: str) -> dict | None:
     """The adapter of a LoRA run or checkpoint of ours as its config records it: ``rank``, ``alpha``
-    (the config's 0 made the rank), ``targets``, ``text_encoder`` (bool) and ``init_from`` (the base);
+    (the config's 0 made the rank), ``targets``, ``conv_rank`` / ``conv_alpha`` (the larger-than-1x1
+    convolutions'), ``text_encoder`` (bool) and ``init_from`` (the base);
     None for any other source. A value that cannot be a LoRA run's is an error naming the config."""
     config = run_config(source)
     if config is None or not config.get("lora_rank"):
@@ -612,8 +613,14 @@ def lora_run_settings(source: str) -> dict | None:
     if not config.get("init_from"):
         raise ValueError(f"{where}: a LoRA run (lora_rank {rank}) that names no init_from, the base its adapter "
                          "was trained on")
+    conv_rank, conv_alpha = config.get("lora_conv_rank") or 0, config.get("lora_conv_alpha") or 0
+    if isinstance(conv_rank, bool) or not isinstance(conv_rank, int) or conv_rank < 0:
+        raise ValueError(f"{where}: lora_conv_rank {conv_rank!r} is no integer >= 0")
+    if isinstance(conv_alpha, bool) or not isinstance(conv_alpha, (int, float)) or conv_alpha < 0:
+        raise ValueError(f"{where}: lora_conv_alpha {conv_alpha!r} is no number >= 0")
+    conv_rank, conv_alpha = sd.lora.adapters.conv_settings(rank, alpha, conv_rank, conv_alpha)
     return {"rank": rank, "alpha": sd.lora.adapters.effective_alpha(rank, alpha), "targets": list(targets),
-            "init_from": str(config["init_from"]),
+            "conv_rank": conv_rank, "conv_alpha": conv_alpha, "init_from": str(config["init_from"]),
             "text_encoder": bool(config.get("lora_text_encoder", False))}
 
 
@@ -680,7 +687,8 @@ def _naming(path: Path):
 
 def add_run_lora(model, targets, settings: dict):
     """``model`` with an adapter of ``settings``' rank and alpha on the layers ``targets`` selects."""
-    sd.lora.adapters.add_lora(model, sd.lora.adapters.resolve_targets(model, targets), settings["rank"], settings["alpha"])
+    sd.lora.adapters.add_lora(model, sd.lora.adapters.resolve_targets(model, targets), settings["rank"], settings["alpha"],
+                              conv_rank=settings.get("conv_rank", 0), conv_alpha=settings.get("conv_alpha", 0.0))
     model.lora_settings["targets"] = list(targets)
     model.eval()
     return model

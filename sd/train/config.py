@@ -99,6 +99,11 @@ class TrainConfig:
     lora_targets: list = _doc("UNet layers that get an adapter: groups attention (q/k/v/out projections), "
                               "transformer (+ feed-forward and proj_in/out), resnet (the convolutions: LoCon), "
                               "or module-name suffixes such as to_q", default_factory=lambda: ["attention"])
+    lora_conv_rank: int = _doc("LoRA rank of the convolutions with a kernel larger than 1x1 that lora_targets "
+                               "selects (LoCon: the resnet group's 3x3 convolutions; kohya's conv_dim); the 1x1 "
+                               "ones take lora_rank, as in kohya's files; 0 = lora_rank", 0, allowed=NON_NEGATIVE)
+    lora_conv_alpha: float = _doc("LoRA alpha of those convolutions (kohya's conv_alpha); 0 = lora_alpha (and when "
+                                  "that is 0 too, the convolutions' rank: scale 1)", 0.0, allowed=NON_NEGATIVE)
     lora_text_encoder: bool = _doc("also train a LoRA adapter on the text encoder's attention projections", False)
     instance_dir: str = _doc("DreamBooth: a folder of images of the new subject or style (replaces datasets)", "")
     instance_prompt: str = _doc("DreamBooth: the prompt of every instance image, e.g. 'a photo of sks dog'", "")
@@ -254,6 +259,8 @@ class TrainConfig:
         need(self.lora_targets and all(isinstance(t, str) and t.strip() for t in self.lora_targets),
              "lora_targets: a list of groups (attention, transformer, resnet) or module-name suffixes")
         need(self.lora_rank or not self.lora_text_encoder, "lora_text_encoder needs lora_rank > 0")
+        need(self.lora_rank or not (self.lora_conv_rank or self.lora_conv_alpha),
+             "lora_conv_rank / lora_conv_alpha set the convolutions' adapters of a LoRA run: set lora_rank > 0 too")
         need(not (self.cache_text_embeddings and self.lora_text_encoder),
              "cache_text_embeddings needs a frozen text encoder: turn off lora_text_encoder or the cache")
         need(not self.instance_dir or self.instance_prompt.strip(), "instance_dir needs an instance_prompt")
@@ -668,6 +675,7 @@ ON_RESUME = {
     "init_from": OnResume(FREE, "a resume loads its checkpoint (a LoRA run's base is checked by its fingerprint)"),
     "lora_rank": OnResume(REFUSE, "the adapters"), "lora_alpha": OnResume(REFUSE, "the adapters"),
     "lora_dropout": OnResume(REFUSE, _MATH), "lora_targets": OnResume(REFUSE, "the adapters"),
+    "lora_conv_rank": OnResume(REFUSE, "the adapters"), "lora_conv_alpha": OnResume(REFUSE, "the adapters"),
     "lora_text_encoder": OnResume(REFUSE, "the adapters"),
     "instance_dir": OnResume(REFUSE, _ORDER), "instance_prompt": OnResume(REFUSE, _MATH, dreambooth=True),
     "class_dir": OnResume(REFUSE, _ORDER, dreambooth=True), "class_prompt": OnResume(REFUSE, _MATH, dreambooth=True),

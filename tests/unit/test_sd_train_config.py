@@ -174,6 +174,8 @@ RANGES = {
     "seed": ("in [0, 4294967295]", [0, 2**32 - 1], [-1, 2**32]),
     "lora_rank": (">= 0", [0], [-1]),
     "lora_alpha": (">= 0 and finite", [0.0, 16.0], [-1.0]),
+    "lora_conv_rank": (">= 0", [0], [-1]),  # > 0 needs lora_rank: tests/integration/test_lora_files.py
+    "lora_conv_alpha": (">= 0 and finite", [0.0], [-1.0]),
     "lora_dropout": ("in [0, 1)", [0.0, 0.5], [1.0, -0.1]),
     "num_class_images": (">= 0", [0, 200], [-1]),
     "prior_loss_weight": (">= 0 and finite", [0.0, 1.0], [-1.0]),
