@@ -30,6 +30,7 @@ import sd.lora.adapters
 import sd.model
 import sd.sampling
 import sd.train.checkpoint as ckpt
+import sd.train.ema
 from sd.cli import first_line
 from sd.train.config import read_saved_config
 
@@ -576,7 +577,8 @@ def _load_single_file(path: Path, arch: str, vae: str | None, text_encoder: str 
 
 # A LoRA run's checkpoint holds this instead of unet.safetensors: unet.<PEFT parameter name> and, with
 # a text-encoder adapter, text_encoder.<...> (sd.lora.adapters.AdapterWeights); its ema.safetensors is the UNet
-# adapter's EMA under the bare PEFT names.
+# adapter's EMA under the bare PEFT names and the text adapter's under text_encoder.<...>
+# (sd.train.ema.EMAWeights; older checkpoints hold the UNet's alone).
 RUN_ADAPTER_FILE = "adapter.safetensors"
 RUN_BASE_FILE = "lora_base.safetensors"  # the fingerprint of the base weights the adapter was trained on
 
@@ -653,8 +655,11 @@ def load_lora_run(folder: Path, unet, text_encoder=None, *, use_ema: bool = True
         sd.lora.adapters.AdapterWeights(**models).load_state_dict(state)
     ema_path = folder / "ema.safetensors"
     if use_ema and ema_path.exists():
+        unet_ema, text_ema = sd.train.ema.split_text(read_weights(verified(ema_path)))
         with _naming(ema_path):
-            sd.lora.adapters.load_adapter_state(unet, read_weights(verified(ema_path)), "the EMA adapter")
+            sd.lora.adapters.load_adapter_state(unet, unet_ema, "the EMA adapter")
+            if text_ema and "text_encoder" in models:
+                sd.lora.adapters.load_adapter_state(models["text_encoder"], text_ema, "the text encoder's EMA adapter")
         loaded = ema_path
     return f"{base} + LoRA {loaded}"
 
