@@ -30,6 +30,7 @@ from sd.distributed import Dist
 
 log = logging.getLogger("sd_train")
 
+
 @dataclass(frozen=True)
 class LossSettings:
     """The config fields the loss and the update read."""

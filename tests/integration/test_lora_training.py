@@ -348,6 +348,25 @@ def test_adamw_without_its_fused_kernel_says_so_once_on_the_foreach_version(monk
     assert len(said) == 1 and "cpu float32: `fused=True` requires" in said[0] and "host waits" in said[0], said
 
 
+def test_an_optimizer_state_of_one_group_loads_into_the_unet_and_text_encoder_groups():
+    """A LoRA run with a text adapter checkpointed before each model had its own group: its one group is split
+    in order, and the moments land on the same parameters."""
+    import sd.train.optimizers
+
+    config = sd.train.config.TrainConfig(**LORA)
+    unet_params = [torch.nn.Parameter(torch.randn(3, 2)), torch.nn.Parameter(torch.randn(4))]
+    text_params = [torch.nn.Parameter(torch.randn(5))]
+    old = sd.train.step.build_optimizer(unet_params + text_params, config)
+    sum(p.square().sum() for p in unet_params + text_params).backward()
+    old.step()
+    new = sd.train.step.build_optimizer([{"name": "unet", "lr": 1e-2, "params": unet_params},
+                                         {"name": "text_encoder", "lr": 1e-3, "params": text_params}], config)
+    sd.train.optimizers.OptimizerState(new).load_state_dict(old.state_dict())
+    assert [g["name"] for g in new.param_groups] == ["unet", "text_encoder"]
+    assert [len(g["params"]) for g in new.param_groups] == [2, 1]
+    assert all(torch.equal(new.state[p]["exp_avg"], old.state[p]["exp_avg"]) for p in unet_params + text_params)
+
+
 def test_a_text_cache_too_large_is_refused_before_encoding():
     encoder = sd.model.load_text_encoder("tiny")
     ids = np.arange(10 * 77).reshape(10, 77) % 1000
@@ -476,6 +495,24 @@ def test_the_text_adapters_ema_is_the_hand_computed_lerp_and_what_a_lora_export_
     # --no_ema: the live text adapter
     live = sd.formats.load_pipeline(str(folder), use_ema=False)
     assert all(torch.equal(v, params[k]) for k, v in sd.lora.adapters.adapter_state(live.text_encoder).items())
+
+
+def test_a_checkpoint_whose_ema_predates_the_text_adapters_starts_that_ema_from_the_resumed_adapter(
+        tmp_path, base_model, data, caplog):
+    config = write_config(tmp_path / "a.yaml", datasets=[data], init_from=str(base_model), max_steps=4,
+                          out_dir=str(tmp_path / "run"), **TEXT)
+    assert SD_Train.main(["--config", str(config), "--stop_at_step", "2"]) == 0
+    folder = tmp_path / "run" / "checkpoints" / ckpt.step_dir_name(2)
+    ema = load_file(folder / "ema.safetensors")
+    ckpt.save_weights({k: v for k, v in ema.items() if not k.startswith("text_encoder.")}, folder / "ema.safetensors")
+    (folder / ckpt.MANIFEST).unlink()  # as an older version wrote it
+    with caplog.at_level(logging.INFO, logger="sd_train"):
+        run = SD_Train.build(sd.train.config.load_config(["--config", str(config)]), Dist.single())
+    assert run.state.step == 2
+    assert any("EMA of the text encoder's adapter starts from the weights of" in r.getMessage() for r in caplog.records)
+    live = dict(run.step.text_encoder.named_parameters())
+    assert all(torch.equal(s, live[n]) for n, s in zip(run.step.text_ema.names, run.step.text_ema.shadow))
+    assert all(torch.equal(s, ema[n]) for n, s in zip(run.step.ema.names, run.step.ema.shadow))
 
 
 def checkpoint_tensors(folder: Path) -> dict[str, torch.Tensor]:
