@@ -168,7 +168,7 @@ def loop(run: Run, stopper: StopSignal, metrics, bar, prefetch: Prefetcher) -> i
             if position + accum < usable and state.step + 1 < total:  # the next step's batch, built meanwhile
                 nxt = slice(position + accum, position + 2 * accum)
                 prefetch.ahead((state.epoch, position + accum), batches[nxt], flips[nxt], draws[nxt])
-            lr = sd.train.step.lr_at(state.step, config.lr, config.warmup_steps, total, config.min_lr_ratio)
+            lr = sd.train.step.lrs_at(config, state.step, total)  # each parameter group's
             sd.train.step.set_lr(run.step.optimizer, lr)
             with sd.model.attention_context(d.device):
                 result = sd.train.step.train_step(run.step, micro, state.step, stop_requested=stopper.requested())
@@ -204,7 +204,7 @@ def loop(run: Run, stopper: StopSignal, metrics, bar, prefetch: Prefetcher) -> i
                 if d.is_main:
                     for i, record in enumerate(records):
                         metrics.write(record, image if i == len(records) - 1 else None)
-                    bar.set_postfix(loss=f"{result['loss']:.4f}", lr=f"{lr:.2e}")
+                    bar.set_postfix(loss=f"{result['loss']:.4f}", lr=f"{lr['unet']:.2e}")
                 if sd.train.checkpointer.due(run, epoch_done, stopping=code is not None):
                     sd.train.checkpointer.save(run)
                 if code is not None:

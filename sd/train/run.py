@@ -329,17 +329,22 @@ def open_metrics(run: Run) -> sd.train.metrics.MetricsLog | None:
     return metrics
 
 
-def step_record(run: Run, result, lr: float, step: int | None = None, epoch: int | None = None) -> dict:
-    """The metrics record of optimizer step ``step`` (default: the step just taken)."""
-    return {"step": run.state.step if step is None else step, "epoch": run.state.epoch if epoch is None else epoch,
-            "loss": result["loss"], "lr": lr, "grad_norm": result["grad_norm"],
-            "loss_by_quartile": result["loss_quartiles"],
-            "peak_memory_gb": sd.train.metrics.peak_memory_gb(run.d.device), "bad_steps": run.state.bad_steps,
-            "skipped": result["bad"] or result["overflow"]}
+def step_record(run: Run, result, lr: dict[str, float], step: int | None = None, epoch: int | None = None) -> dict:
+    """The metrics record of optimizer step ``step`` (default: the step just taken). ``lr``: each parameter
+    group's learning rate (``sd.train.step.lrs_at``); ``lr`` is the UNet's, ``lr_text_encoder`` the text
+    adapter's when it trains."""
+    record = {"step": run.state.step if step is None else step, "epoch": run.state.epoch if epoch is None else epoch,
+              "loss": result["loss"], "lr": lr["unet"], "grad_norm": result["grad_norm"],
+              "loss_by_quartile": result["loss_quartiles"],
+              "peak_memory_gb": sd.train.metrics.peak_memory_gb(run.d.device), "bad_steps": run.state.bad_steps,
+              "skipped": result["bad"] or result["overflow"]}
+    if run.step.text_trains:
+        record["lr_text_encoder"] = lr["text_encoder"]
+    return record
 
 
 def take_results(run: Run, window: list) -> tuple[list[dict], int | None]:
-    """Count the read steps of ``window`` (``(step, epoch, lr, result)`` in order) into the state: the
+    """Count the read steps of ``window`` (``(step, epoch, lrs, result)`` in order) into the state: the
     metrics records of its log steps and skipped steps, and exit code 3 when ``max_bad_steps``
     non-finite steps in a row were reached (else None)."""
     records, code, config = [], None, run.config

@@ -177,4 +177,5 @@ def test_a_textual_inversion_step_trains_the_token_rows_on_the_gpu_without_waiti
     assert rows.shape == (2, 64) and rows.device == CUDA and rows.dtype == torch.float32
     assert step.text_trains and not any(p.requires_grad for p in step.unet.parameters())
     assert {p.dtype for p in step.unet.parameters()} == {torch.bfloat16}
-    assert [t.shape for t in step.ema.shadow] == [(2, 64)] and step.ema.shadow[0].device == CUDA
+    assert step.ema is None  # no copy of the frozen UNet
+    assert [t.shape for t in step.text_ema.shadow] == [(2, 64)] and step.text_ema.shadow[0].device == CUDA
