@@ -683,8 +683,9 @@ def check_trained_base(folder: Path, init_from: str, unet, text_encoder=None) ->
     models = [unet] + ([text_encoder] if text_encoder is not None else [])  # a learned token's: both
     now = ckpt.weights_fingerprint([p for model in models for p in model.parameters()])
     if not sd.lora.adapters.same_base(saved, now):
-        raise BaseMismatch(f"{init_from} is not the base model the adapter (or learned token) in {folder} was "
-                           f"trained on (its weights differ from those {RUN_BASE_FILE} records); restore that base")
+        what = "learned token" if text_encoder is not None else "adapter"
+        raise BaseMismatch(f"{init_from} is not the base model the {what} in {folder} was trained on (its weights "
+                           f"differ from those {RUN_BASE_FILE} records); restore that base")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -248,7 +248,8 @@ def check_lora_base(run: Run, folder: Path) -> None:
         raise ckpt.Damaged(f"{folder / 'lora_base.safetensors'}: {sd.cli.first_line(error)}") from error
     now = run.base_fingerprint
     if not sd.lora.adapters.same_base(saved, now):
-        raise ConfigError(f"init_from {run.config.init_from} is not the base model the adapter (or learned token) in {folder} was "
+        what = "learned token" if run.config.embedding_token else "adapter"
+        raise ConfigError(f"init_from {run.config.init_from} is not the base model the {what} in {folder} was "
                           "trained on; restore that base, or start a new out_dir")
 
 
