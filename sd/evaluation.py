@@ -691,8 +691,8 @@ class TrainingEval:
             reference = reference_stats(config.eval_reference, extractors, d, config.eval_batch_size)
         finally:
             extractors.to("cpu")  # on the GPU only while it evaluates
-        settings = Sampling(steps=config.validation_steps, cfg=config.validation_cfg, seed=config.seed,
-                            height=height, width=width)
+        settings = Sampling(steps=config.validation_steps, cfg=config.validation_cfg, sampler=config.validation_sampler,
+                            seed=config.seed, height=height, width=width)
         return cls(read_prompts(config.eval_prompts, config.eval_n), extractors, reference, settings,
                    config.eval_batch_size)
 

@@ -37,7 +37,10 @@ def resume_or_init(run: Run) -> None:
     concrete, as config.yaml and every checkpoint record it."""
     resumed = resume_newest_usable(run)
     inherited = False
-    if not resumed and run.config.init_from and run.config.instance_dir and not run.config.frozen_base:
+    if not resumed and run.config.distill and not run.config.frozen_base:
+        log.info("distillation: the student starts as the teacher (init_from's EMA where it has one); the EMA and "
+                 "the target network start from it too")
+    elif not resumed and run.config.init_from and run.config.instance_dir and not run.config.frozen_base:
         # full DreamBooth: the run trains on from the weights sd.train.run.build loaded, init_from's EMA where
         # it has one: the weights that drew the class images, and those its users sample
         log.info("DreamBooth fine-tune: training starts from the base weights that drew the class images (init_from's "
@@ -65,7 +68,8 @@ def resumable(run: Run) -> dict:
     trained on (``lora_base``, checked by ``resume``) instead of the UNet: the base comes from
     ``init_from`` at every start. A textual-inversion run likewise saves its token's vectors
     (``embedding``: the file AUTOMATIC1111 and ComfyUI load, see ``sd.embedding.files``) and the
-    fingerprint of the UNet and text encoder they were learned for. ``ema`` holds the UNet's EMA and
+    fingerprint of the UNet and text encoder they were learned for. A distillation run saves the fingerprint of
+    its teacher (``lora_base``) and its target network (``lcm_target``). ``ema`` holds the UNet's EMA and
     the text encoder's (its adapter or learned token) when that trains (``sd.train.ema.EMAWeights``).
     The weight files hold the weights to evaluate, which a Schedule-Free optimizer keeps apart from
     those it trains at (``sd.train.optimizers``: those go in ``optimizer``, loaded after the weight files).
@@ -81,8 +85,12 @@ def resumable(run: Run) -> dict:
                   "adapter": ckpt.Weights(sd.train.optimizers.EvaluationWeights(adapter, step.optimizer))}
     else:
         states = {"unet": ckpt.Weights(sd.train.optimizers.EvaluationWeights(step.unet, step.optimizer))}
+    if run.config.distill and "lora_base" not in states:  # a whole-UNet student: its teacher, checked on resume
+        states["lora_base"] = ckpt.Weights(BaseFingerprint(run.base_fingerprint))
     if step.ema is not None or step.text_ema is not None:
         states["ema"] = ckpt.Weights(sd.train.ema.EMAWeights(step.ema, step.text_ema))
+    if step.distill is not None and step.distill.target is not None:
+        states["lcm_target"] = ckpt.Weights(step.distill)
     states.update(optimizer=sd.train.optimizers.OptimizerState(step.optimizer), scaler=step.scaler,
                   train_state=run.state, rng=ckpt.PerRank(run.rng))
     return sd.train.sharding.whole_states(states, step)
@@ -220,7 +228,7 @@ def resume(run: Run, folder: Path, parts: dict) -> None:
 
     An unreadable file raises ``ckpt.Damaged``; a LoRA base other than the adapter's is a ConfigError.
     """
-    if run.config.frozen_base:
+    if run.config.frozen_base or run.config.distill:
         check_lora_base(run, folder)
     ckpt.load(folder, parts, run.d.rank)
     emas = run.step.emas()
@@ -248,7 +256,8 @@ def check_lora_base(run: Run, folder: Path) -> None:
         raise ckpt.Damaged(f"{folder / 'lora_base.safetensors'}: {sd.cli.first_line(error)}") from error
     now = run.base_fingerprint
     if not sd.lora.adapters.same_base(saved, now):
-        what = "learned token" if run.config.embedding_token else "adapter"
+        what = ("learned token" if run.config.embedding_token else "distilled model" if run.config.distill
+                else "adapter")
         raise ConfigError(f"init_from {run.config.init_from} is not the base model the {what} in {folder} was "
                           "trained on; restore that base, or start a new out_dir")
 

@@ -20,6 +20,7 @@ import yaml
 import sd.cli
 import sd.lora.adapters
 import sd.model
+import sd.sampling
 
 
 @dataclass(frozen=True)
@@ -142,6 +143,22 @@ class TrainConfig:
                            "pixels square (a multiple of 8)", 512, allowed=Range(8))
     prior_loss_weight: float = _doc("weight of the class images' loss beside the instance loss", 1.0,
                                     allowed=NON_NEGATIVE)
+    # -- distillation -------------------------------------------------------------------------
+    distill: str = _doc("lcm: latent consistency distillation of init_from (the teacher) into a model that samples "
+                        "in 1-8 steps (SD_ImageGen.py --sampler lcm); with lora_rank an LCM-LoRA, else the whole "
+                        "UNet; empty = the usual diffusion loss", "")
+    lcm_solver_steps: int = _doc("distill: DDIM solver steps over the teacher's 1000 timesteps (each a skip of 1000 / "
+                                 "this)", 50, allowed=Range(1, 1000, high_open=False))
+    lcm_guidance_min: float = _doc("distill: lowest classifier-free guidance scale of the teacher (drawn per sample "
+                                   "between min and max; LCM's w is this - 1)", 3.0, allowed=Range(1, 30, high_open=False))
+    lcm_guidance_max: float = _doc("distill: highest guidance scale of the teacher; = lcm_guidance_min for a fixed "
+                                   "scale", 15.0, allowed=Range(1, 30, high_open=False))
+    lcm_loss: str = _doc("distill: huber (pseudo-Huber, as LCM) or l2", "huber")
+    lcm_huber_c: float = _doc("distill: the pseudo-Huber loss's c", 0.001, allowed=POSITIVE)
+    lcm_timestep_scaling: float = _doc("distill: the boundary condition's timestep scaling (c_skip, c_out at 10 t)", 10.0,
+                                       allowed=POSITIVE)
+    lcm_target_decay: float = _doc("distill: EMA decay of the target network; 0 = the student itself (diffusers' "
+                                   "LCM-LoRA script)", 0.95, allowed=BELOW_ONE)
     cache_text_embeddings: bool = _doc("encode every distinct prompt of the run once at start (host memory: 77 x "
                                        "768 floats each) and keep the text encoder off the device; not with "
                                        "lora_text_encoder", False)
@@ -224,6 +241,8 @@ class TrainConfig:
     validation_steps: int = _doc("DDIM steps of the validation samples", 50, allowed=COUNT)
     validation_cfg: float = _doc("classifier-free guidance scale of the validation samples", 7.5,
                                  allowed=NON_NEGATIVE)
+    validation_sampler: str = _doc("sampler of the validation samples: ddim, dpm++, euler, or lcm (a distill: lcm "
+                                   "run: e.g. 4 validation_steps at validation_cfg 1)", "ddim")
     validation_width: int = _doc("width of the validation samples in pixels, a multiple of 8; 0 = the training "
                                  "latents' size (with aspect-ratio buckets: the bucket nearest square)", 0,
                                  allowed=NON_NEGATIVE)
@@ -297,6 +316,9 @@ class TrainConfig:
              "cache_text_embeddings needs a frozen text encoder: turn off lora_text_encoder or the cache")
         need(not self.instance_dir or self.instance_prompt.strip(), "instance_dir needs an instance_prompt")
         check_embedding(self)
+        check_distill(self, check_paths)
+        need(self.validation_sampler in sd.sampling.SAMPLERS,
+             f"validation_sampler: one of {', '.join(sd.sampling.SAMPLERS)}")
         need(self.image_size % 8 == 0, f"image_size must be a multiple of 8, got {self.image_size}")
         need(self.validation_width % 8 == 0 and self.validation_height % 8 == 0
              and bool(self.validation_width) == bool(self.validation_height),
@@ -358,6 +380,35 @@ def check_embedding(config: TrainConfig) -> None:
         raise ConfigError(f"instance_prompt {config.instance_prompt!r} does not use embedding_token "
                           f"{config.embedding_token!r}: write it into the prompt, e.g. 'a photo of "
                           f"{config.embedding_token}'")
+
+
+def check_distill(config: TrainConfig, check_paths: bool = True) -> None:
+    """Consistency distillation's settings, and the modes it cannot be combined with."""
+    import sd.train.distill
+
+    if config.distill not in sd.train.distill.MODES:
+        raise ConfigError(f"distill: lcm, or empty for the usual diffusion loss; got {config.distill!r}")
+    if not config.distill:
+        return
+    if check_paths and not config.init_from:
+        raise ConfigError("distill: lcm learns from a trained model: set init_from (the teacher: a run of ours, a "
+                          "diffusers folder or hub id, or a single file)")
+    if config.lcm_loss not in sd.train.distill.LOSSES:
+        raise ConfigError(f"lcm_loss: huber or l2, got {config.lcm_loss!r}")
+    if config.lcm_guidance_max < config.lcm_guidance_min:
+        raise ConfigError(f"lcm_guidance_max ({config.lcm_guidance_max:g}) is below lcm_guidance_min "
+                          f"({config.lcm_guidance_min:g}): set max >= min (equal for a fixed scale)")
+    if sd.model.NUM_TRAIN_TIMESTEPS % config.lcm_solver_steps:
+        raise ConfigError(f"lcm_solver_steps: a divisor of {sd.model.NUM_TRAIN_TIMESTEPS} (e.g. 50: a skip of 20), "
+                          f"got {config.lcm_solver_steps}")
+    refused = {"instance_dir": "a DreamBooth folder", "embedding_token": "textual inversion",
+               "lora_text_encoder": "a text-encoder adapter (the teacher's prompts are its own)",
+               "masked_loss": "masked_loss", "shuffle_tags": "caption operations", "tag_dropout": "caption operations"}
+    for name, what in refused.items():
+        if getattr(config, name):
+            raise ConfigError(f"distill: lcm does not train with {what}; unset {name}, or distill in a run of its own")
+    if config.sharding != "none":
+        raise ConfigError(f"distill: lcm runs on DDP; set sharding: none (got {config.sharding})")
 
 
 OPTIMIZERS = ("adamw", "adamw8bit", "prodigy", "adamw_schedulefree")
@@ -801,6 +852,10 @@ ON_RESUME = {
     "num_class_images": OnResume(REFUSE, _ORDER, dreambooth=True),
     "image_size": OnResume(REFUSE, _MATH, dreambooth=True), "prior_loss_weight": OnResume(REFUSE, _MATH, dreambooth=True),
     "cache_text_embeddings": OnResume(FREE),
+    "distill": OnResume(REFUSE, _MATH), "lcm_solver_steps": OnResume(REFUSE, _MATH),
+    "lcm_guidance_min": OnResume(REFUSE, _MATH), "lcm_guidance_max": OnResume(REFUSE, _MATH),
+    "lcm_loss": OnResume(REFUSE, _MATH), "lcm_huber_c": OnResume(REFUSE, _MATH),
+    "lcm_timestep_scaling": OnResume(REFUSE, _MATH), "lcm_target_decay": OnResume(REFUSE, "the target network"),
     "batch_size": OnResume(REFUSE, _ORDER), "grad_accum": OnResume(REFUSE, _ORDER),
     "global_batch": OnResume(REFUSE, _ORDER),
     "max_steps": OnResume(REFUSE, _SCHEDULE), "epochs": OnResume(REFUSE, _SCHEDULE),
@@ -827,6 +882,7 @@ ON_RESUME = {
     "keep_checkpoints": OnResume(FREE), "keep_every_steps": OnResume(FREE), "stop_at_step": OnResume(FREE),
     "log_every": OnResume(FREE), "validate_every": OnResume(FREE), "validation_prompts": OnResume(FREE),
     "validation_samples": OnResume(FREE), "validation_steps": OnResume(FREE), "validation_cfg": OnResume(FREE),
+    "validation_sampler": OnResume(FREE),
     "validation_width": OnResume(FREE), "validation_height": OnResume(FREE),
     "eval_every": OnResume(FREE), "eval_prompts": OnResume(FREE), "eval_n": OnResume(FREE),
     "eval_reference": OnResume(FREE), "eval_features": OnResume(FREE), "eval_clip_model": OnResume(FREE),

@@ -23,6 +23,7 @@ import sd.distributed
 import sd.lora.adapters
 import sd.model
 import sd.runtime
+import sd.train.distill
 import sd.train.ema
 import sd.train.optimizers
 import sd.train.sharding
@@ -75,6 +76,7 @@ class Step:
     cuda_graphs: bool = False  # the compiled model replays CUDA graphs (compile_mode reduce-overhead)
     sharding: str = "none"  # none, zero1 or fsdp (sd.train.sharding); fsdp applies at wrap_model
     text_ema: sd.train.ema.EMA | None = None  # of the text encoder's adapter, when it trains and there is an EMA
+    distill: sd.train.distill.Distiller | None = None  # distill: lcm: the teacher and the target network
 
     def emas(self) -> list[tuple[sd.train.ema.EMA, torch.nn.Module]]:
         """Each EMA with the model it averages: the UNet's, then the text adapter's."""
@@ -255,11 +257,13 @@ def build_step(config, d: Dist, unet, text_encoder, empty_ids: torch.Tensor, sca
     groups = param_groups(config, unet, text_encoder)
     noise_generator = torch.Generator(device=d.device).manual_seed(config.seed * 7919 + d.rank + 1)
     sharding = getattr(config, "sharding", "none") if d.world_size > 1 else "none"
+    distill = sd.train.distill.Distiller.build(config, unet) if getattr(config, "distill", "") else None
     return Step(unet, unet, text_encoder, empty, build_optimizer(groups, config, zero=sharding == "zero1"),
                 torch.amp.GradScaler(d.device.type, enabled=config.precision == "fp16"), ema, noise_generator,
                 sd.model.ddpm_alphas_cumprod(zero_terminal_snr=config.zero_terminal_snr).to(d.device), scaling_factor,
                 LossSettings.from_config(config), d, trainable=[p for group in groups for p in group["params"]],
-                text_trains=text_trains, empty_ids=empty_ids.to(d.device), sharding=sharding, text_ema=text_ema)
+                text_trains=text_trains, empty_ids=empty_ids.to(d.device), sharding=sharding, text_ema=text_ema,
+                distill=distill)
 
 
 def wrap_model(step: Step, compile: bool, shapes: int = 1, mode: str = "default") -> None:
@@ -330,7 +334,10 @@ def compile_options(shapes: int, mode: str = "default") -> dict:
 def compute_loss(step: Step, model, latents: torch.Tensor, input_ids: torch.Tensor, generator: torch.Generator,
                  mask: torch.Tensor | None = None):
     """Per-sample Min-SNR loss ``(B,)`` and timesteps of one micro-batch through ``model``; ``mask``
-    ``(B, 1, h, w)``: the loss weights of ``masked_loss`` (``sd.model.diffusion_loss``)."""
+    ``(B, 1, h, w)``: the loss weights of ``masked_loss`` (``sd.model.diffusion_loss``). A ``distill`` run's
+    loss is the consistency-distillation loss instead (``sd.train.distill.lcm_loss``)."""
+    if step.distill is not None:
+        return sd.train.distill.lcm_loss(step, model, latents, input_ids, generator)
     settings, device = step.loss, step.d.device
     latents = sd.model.scale_latents(latents.to(device, non_blocking=True).float(), step.scaling_factor)
     if settings.channels_last:
@@ -504,6 +511,8 @@ def apply_update(step: Step, skip: torch.Tensor, step_index: int) -> None:
         step.scaler.update()  # fp16: backs off on its own overflow flag, else grows
         for ema, model in step.emas():
             ema.update(model, step_index, skip=skip)
+        if step.distill is not None:
+            step.distill.update(step.unet, step_index, skip=skip)
         return
     # A read of the device: these optimizers cannot skip on their own (the foreach AdamW, bitsandbytes'
     # 8-bit AdamW, Prodigy, which reads its statistics on the host anyway, and Schedule-Free AdamW).
@@ -515,6 +524,8 @@ def apply_update(step: Step, skip: torch.Tensor, step_index: int) -> None:
     evaluated = sd.train.optimizers.evaluation_view(step.optimizer)  # Schedule-Free: the EMAs average x, not y
     for ema, model in step.emas():
         ema.update(model, step_index, view=evaluated)
+    if step.distill is not None:
+        step.distill.update(step.unet, step_index, view=evaluated)
 
 
 class StepResult:

@@ -105,7 +105,7 @@ def evaluate(run: Run, stop=None) -> dict:
     """``eval_fid``, ``eval_clip_score``, ``eval_n`` of the EMA weights (SD_Eval.py); every rank takes part.
 
     The images are those of ``SD_Eval.py --ckpt <this step's checkpoint> --prompts eval_prompts --num_prompts eval_n
-    --steps validation_steps --cfg validation_cfg --seed seed`` at the validation size, so the logged
+    --steps validation_steps --cfg validation_cfg --sampler validation_sampler --seed seed`` at the validation size, so the logged
     numbers can be reproduced from the checkpoint. ``stop``: see the module's docstring.
     """
     with ema_sampling(run):
@@ -127,7 +127,7 @@ def sample_grid(run: Run, path: Path, stop=None) -> None:
     (no rank waits in a collective while another samples alone, and a stop is agreed between
     prompts), and rank 0 writes the grid. Each image is made by ``sd.sampling.generate`` at batch 1,
     the path of ``SD_ImageGen.py``: ``SD_ImageGen.py --ckpt <the checkpoint of this step> --prompt P
-    --seed SEED --n 1 --steps validation_steps --cfg validation_cfg`` at the same precision draws the
+    --seed SEED --n 1 --steps validation_steps --cfg validation_cfg --sampler validation_sampler`` at the same precision draws the
     same image.
     """
     config, d = run.config, run.d
@@ -136,8 +136,8 @@ def sample_grid(run: Run, path: Path, stop=None) -> None:
 
     def sample(i: int) -> list:
         return sd.sampling.generate(run.sampler, prompts[i], "", [config.seed], steps=config.validation_steps,
-                                    cfg=config.validation_cfg, height=height, width=width, batch_size=1,
-                                    device=d.device, stop=stop)
+                                    cfg=config.validation_cfg, sampler=config.validation_sampler, height=height,
+                                    width=width, batch_size=1, device=d.device, stop=stop)
 
     with ema_sampling(run):
         rows = list(sd.evaluation.gather_in_order(len(prompts), sample, d, desc="validation grid", stop=stop))

@@ -1,0 +1,273 @@
+"""Latent consistency distillation (``distill: lcm``): a model that samples in 1-8 steps, learned from a
+trained one.
+
+LCM (Luo et al. 2023, "Latent Consistency Models", arXiv:2310.04378) and LCM-LoRA (Luo et al. 2023,
+arXiv:2311.05556). Three networks take part in a step:
+
+- the **teacher**: the trained model (``init_from``), frozen; its classifier-free-guided prediction at a
+  guidance scale drawn per sample takes one DDIM step of the solver from ``t_n`` to ``t_{n-k}``;
+- the **student**: what trains (the UNet with a LoRA adapter, or a whole copy); from ``x_{t_n}`` it
+  predicts the clean latents through the consistency parametrisation
+  ``f(x, t) = c_skip(t) x + c_out(t) x0_pred(x, t)``;
+- the **target**: an EMA of the student (``lcm_target_decay``), evaluated at the solver's ``x_{t_{n-k}}``
+  without gradients. The loss pulls ``f_student(x_{t_n})`` towards ``f_target(x_{t_{n-k}})``.
+
+With a LoRA student the teacher is the same UNet with its adapters switched off, and the target is the
+same UNet called with the target's adapter weights in place of its own: one UNet in memory. A whole-UNet student
+keeps a frozen teacher copy (in the autocast type) and the target as a full fp32 shadow beside it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+import sd.lora.adapters
+import sd.model
+import sd.runtime
+import sd.train.ema
+
+if TYPE_CHECKING:
+    from sd.train.step import Step
+
+MODES = ("", "lcm")
+LOSSES = ("huber", "l2")
+SIGMA_DATA = 0.5  # the boundary condition's data scale, as in consistency models (Song et al. 2023)
+
+
+@dataclass(frozen=True)
+class LCMSettings:
+    """The config fields of a consistency-distillation step."""
+
+    solver_steps: int = 50  # DDIM solver steps over the teacher's 1000: the skip k is 1000 // 50 = 20
+    guidance_min: float = 3.0  # the teacher's CFG scale s (uncond + s (cond - uncond)) is drawn in this range
+    guidance_max: float = 15.0
+    loss: str = "huber"
+    huber_c: float = 0.001
+    timestep_scaling: float = 10.0
+    target_decay: float = 0.95
+
+    @classmethod
+    def from_config(cls, config) -> "LCMSettings":
+        return cls(config.lcm_solver_steps, config.lcm_guidance_min, config.lcm_guidance_max, config.lcm_loss,
+                   config.lcm_huber_c, config.lcm_timestep_scaling, config.lcm_target_decay)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure pieces
+# ---------------------------------------------------------------------------------------------
+
+
+def solver_timesteps(solver_steps: int, num_train_timesteps: int = sd.model.NUM_TRAIN_TIMESTEPS) -> torch.Tensor:
+    """The DDIM solver's timesteps, lowest first ``(N,)``: ``k - 1, 2k - 1, ..., T - 1`` with skip
+    ``k = T // N`` (e.g. 19, 39, ..., 999 for 50 steps)."""
+    skip = num_train_timesteps // solver_steps
+    return torch.arange(1, solver_steps + 1, dtype=torch.long) * skip - 1
+
+
+def boundary_scalings(timesteps: torch.Tensor, timestep_scaling: float = 10.0,
+                      sigma_data: float = SIGMA_DATA) -> tuple[torch.Tensor, torch.Tensor]:
+    """``c_skip``, ``c_out`` (float32, the shape of ``timesteps``) of the consistency parametrisation.
+
+    ``c_skip = s^2 / ((10 t)^2 + s^2)``, ``c_out = 10 t / sqrt((10 t)^2 + s^2)`` with ``s = sigma_data``: at
+    ``t = 0`` the model is the identity (the boundary condition f(x, 0) = x), and by ``t ~ 1`` it is
+    already almost all prediction (LCM's scaling of 10 on the timestep; c_skip(19) ~ 7e-6).
+    """
+    scaled = timesteps.double() * timestep_scaling
+    c_skip = sigma_data**2 / (scaled**2 + sigma_data**2)
+    c_out = scaled / (scaled**2 + sigma_data**2).sqrt()
+    return c_skip.float(), c_out.float()
+
+
+def x0_and_noise(output: torch.Tensor, x_t: torch.Tensor, timesteps: torch.Tensor, alphas_cumprod: torch.Tensor,
+                 prediction_type: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The clean latents and the noise that a model's ``output`` at ``x_t`` (``(B, 4, h, w)``) implies."""
+    a = alphas_cumprod.to(timesteps.device)[timesteps].float().reshape(-1, 1, 1, 1)
+    x_t, output = x_t.float(), output.float()
+    if prediction_type == "epsilon":
+        return (x_t - (1 - a).sqrt() * output) / a.sqrt(), output
+    if prediction_type == "v_prediction":
+        return a.sqrt() * x_t - (1 - a).sqrt() * output, a.sqrt() * output + (1 - a).sqrt() * x_t
+    raise ValueError(f"prediction_type must be 'epsilon' or 'v_prediction', got {prediction_type!r}")
+
+
+def consistency(output, x_t, timesteps, alphas_cumprod, prediction_type: str, timestep_scaling: float):
+    """``f(x_t, t) = c_skip(t) x_t + c_out(t) x0_pred``: the consistency function's clean latents."""
+    c_skip, c_out = boundary_scalings(timesteps, timestep_scaling)
+    x0, _ = x0_and_noise(output, x_t, timesteps, alphas_cumprod, prediction_type)
+    return c_skip.reshape(-1, 1, 1, 1) * x_t.float() + c_out.reshape(-1, 1, 1, 1) * x0
+
+
+def ddim_solver_step(x0: torch.Tensor, noise: torch.Tensor, alpha_prev: torch.Tensor) -> torch.Tensor:
+    """One deterministic DDIM step to the timestep whose alpha-bar is ``alpha_prev`` ``(B,)``:
+    ``sqrt(a_prev) x0 + sqrt(1 - a_prev) eps``."""
+    a = alpha_prev.float().reshape(-1, 1, 1, 1)
+    return a.sqrt() * x0 + (1 - a).sqrt() * noise
+
+
+def guided(cond: torch.Tensor, uncond: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Classifier-free guidance with a scale per sample ``(B,)``: ``uncond + s (cond - uncond)``
+    (LCM's w is s - 1)."""
+    return uncond + scale.reshape(-1, 1, 1, 1) * (cond - uncond)
+
+
+def distance(prediction: torch.Tensor, target: torch.Tensor, loss: str, huber_c: float) -> torch.Tensor:
+    """Per-sample distance ``(B,)``: the mean squared error, or the pseudo-Huber loss
+    ``sqrt(d^2 + c^2) - c`` (Song & Dhariwal 2023, "Improved techniques for training consistency
+    models"), which is quadratic near 0 and linear for outliers."""
+    diff = prediction.float() - target.float()
+    if loss == "l2":
+        per_element = diff.square()
+    elif loss == "huber":
+        per_element = (diff.square() + huber_c**2).sqrt() - huber_c
+    else:
+        raise ValueError(f"lcm_loss must be one of {LOSSES}, got {loss!r}")
+    return per_element.flatten(1).mean(1)
+
+
+# ---------------------------------------------------------------------------------------------
+# The teacher and the target
+# ---------------------------------------------------------------------------------------------
+
+
+class Distiller:
+    """The teacher and target of a consistency-distillation run around its student UNet.
+
+    ``teacher``: a frozen copy of the base (a whole-UNet student), or None: the student's own UNet with
+    its LoRA adapters switched off. ``target``: an EMA of what trains (``lcm_target_decay``; 0: the
+    student itself, as diffusers' LCM-LoRA script does), kept on the device: its forward pass is the
+    student's module called with the target's tensors (``torch.func.functional_call``), no copy made.
+    """
+
+    def __init__(self, settings: LCMSettings, unet, teacher=None):
+        self.settings = settings
+        self.teacher = teacher
+        lora = sd.lora.adapters.has_lora(unet)
+        self.target = (sd.train.ema.EMA(unet, settings.target_decay, warmup=False, trainable_only=lora)
+                       if settings.target_decay > 0 else None)
+        self.solver = solver_timesteps(settings.solver_steps).to(next(unet.parameters()).device)  # no copy per step
+
+    @classmethod
+    def build(cls, config, unet) -> "Distiller":
+        """For a run's UNet as loaded from ``init_from`` (before its weights are resumed)."""
+        settings = LCMSettings.from_config(config)
+        if sd.lora.adapters.has_lora(unet):
+            return cls(settings, unet)
+        return cls(settings, unet, frozen_copy(unet, sd.runtime.dtype_of(config.precision)))
+
+    def teacher_output(self, unet, x_t, timesteps, hidden):
+        """The teacher's prediction (no gradients)."""
+        if self.teacher is not None:
+            return self.teacher(x_t, timesteps, encoder_hidden_states=hidden).sample
+        with adapters_off(unet):
+            return unet(x_t, timesteps, encoder_hidden_states=hidden).sample
+
+    def target_output(self, unet, x_t, timesteps, hidden):
+        """The target network's prediction (no gradients): the student's UNet called with the target's
+        tensors in place of its trained parameters, which are left untouched."""
+        if self.target is None:
+            return unet(x_t, timesteps, encoder_hidden_states=hidden).sample
+        weights = self.target.state_dict()
+        return torch.func.functional_call(unet, weights, (x_t, timesteps), {"encoder_hidden_states": hidden},
+                                          strict=False).sample
+
+    def update(self, unet, step_index: int, skip: torch.Tensor | None = None, view=None) -> None:
+        """Fold the student in after an optimizer step (none where ``skip``)."""
+        if self.target is not None:
+            self.target.update(unet, step_index, skip=skip, view=view)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.target.state_dict() if self.target is not None else {}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        if self.target is not None:
+            self.target.load_state_dict(state)
+
+
+def frozen_copy(unet, dtype: torch.dtype):
+    """A frozen copy of ``unet`` with its weights in ``dtype`` (the autocast type, which computes in it anyway):
+    built on the meta device and given copies of the weights, so no random init runs for it."""
+    with torch.device("meta"):
+        copy = type(unet).from_config(unet.config)
+    weights = {name: tensor.detach().to(dtype if tensor.is_floating_point() else tensor.dtype, copy=True)
+               for name, tensor in unet.state_dict().items()}
+    copy.load_state_dict(weights, assign=True)
+    return copy.requires_grad_(False).eval()
+
+
+@contextlib.contextmanager
+def adapters_off(unet):
+    """Run the body with every LoRA adapter of ``unet`` bypassed: the base model's output, bit for bit.
+
+    PEFT's own ``enable_adapters(False)`` also turns the adapters' ``requires_grad`` off (and back on for
+    all of them), which would change what the optimizer trains; its layers' ``_disable_adapters`` flag
+    alone is what their forward reads.
+    """
+    layers = [layer for _, layer in sd.lora.adapters.lora_layers(unet)]
+    before = [layer._disable_adapters for layer in layers]
+    for layer in layers:
+        layer._disable_adapters = True
+    try:
+        yield unet
+    finally:
+        for layer, was in zip(layers, before):
+            layer._disable_adapters = was
+
+
+# ---------------------------------------------------------------------------------------------
+# The loss
+# ---------------------------------------------------------------------------------------------
+
+
+def lcm_loss(step: "Step", model, latents: torch.Tensor, input_ids: torch.Tensor, generator: torch.Generator):
+    """Per-sample consistency-distillation loss ``(B,)`` of one micro-batch and its timesteps ``t_n``.
+
+    Draws from ``generator``, in order: the noise, the solver index n and the guidance scale. The
+    student runs through ``model`` (DDP-wrapped, compiled); teacher and target through the plain UNet
+    without gradients.
+    """
+    distiller, settings, device = step.distill, step.distill.settings, step.d.device
+    alphas = step.alphas_cumprod
+    x0 = sd.model.scale_latents(latents.to(device, non_blocking=True).float(), step.scaling_factor)
+    if step.loss.channels_last:
+        x0 = x0.contiguous(memory_format=torch.channels_last)
+    batch = x0.shape[0]
+    noise = torch.randn(x0.shape, generator=generator, device=device)
+    index = torch.randint(0, settings.solver_steps, (batch,), generator=generator, device=generator.device)
+    scale = torch.rand(batch, generator=generator, device=generator.device)
+    scale = (settings.guidance_min + (settings.guidance_max - settings.guidance_min) * scale).to(device)
+    start = distiller.solver[index.to(device)]
+    end = (start - (len(alphas) // settings.solver_steps)).clamp(min=0)  # t_{n-k}; below t_0 the boundary
+    x_start = sd.model.add_noise(x0, noise, start, alphas)
+    with sd.runtime.autocast(step.loss.precision, device):
+        hidden = prompt_embeddings(step, input_ids)
+        student = model(x_start, start, encoder_hidden_states=hidden).sample
+        with torch.no_grad():
+            x_end = teacher_solver_step(step, x_start, start, end, hidden, scale)
+            target_out = distiller.target_output(step.unet, x_end, end, hidden)
+    prediction = consistency(student, x_start, start, alphas, step.loss.prediction_type, settings.timestep_scaling)
+    target = consistency(target_out, x_end, end, alphas, step.loss.prediction_type, settings.timestep_scaling)
+    return distance(prediction, target, settings.loss, settings.huber_c), start
+
+
+def teacher_solver_step(step: "Step", x_start, start, end, hidden, scale) -> torch.Tensor:
+    """``x_{t_{n-k}}``: one DDIM step of the teacher's guided prediction from ``x_{t_n}`` (cond and
+    uncond in one batch of 2B)."""
+    uncond = step.empty_embedding.to(hidden.dtype).expand_as(hidden)
+    both = step.distill.teacher_output(step.unet, torch.cat([x_start, x_start]), torch.cat([start, start]),
+                                       torch.cat([hidden, uncond]))
+    x0_c, eps_c = x0_and_noise(both[: len(start)], x_start, start, step.alphas_cumprod, step.loss.prediction_type)
+    x0_u, eps_u = x0_and_noise(both[len(start):], x_start, start, step.alphas_cumprod, step.loss.prediction_type)
+    alpha_prev = step.alphas_cumprod.to(end.device)[end]
+    return ddim_solver_step(guided(x0_c, x0_u, scale), guided(eps_c, eps_u, scale), alpha_prev)
+
+
+def prompt_embeddings(step: "Step", input_ids: torch.Tensor) -> torch.Tensor:
+    """The prompts' embeddings as written: distillation learns the guided teacher, which needs the real
+    prompt (no CFG dropout)."""
+    if step.text_cache is not None:
+        return step.text_cache.lookup(input_ids).to(step.d.device, non_blocking=True)
+    return sd.model.encode_prompt_ids(step.text_encoder, input_ids)
