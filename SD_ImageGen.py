@@ -14,6 +14,7 @@
 diffusers pipeline folder or hub id, or a single ``.safetensors`` / ``.ckpt`` file in the original
 SD layout. Image i of a prompt uses seed ``--seed + i``: the same seed gives the same image whatever
 the batch size. Each PNG stores its generation parameters in a ``parameters`` text chunk.
+``--sampler lcm`` samples a latent consistency model: 4 steps at ``--cfg 1`` unless they are given.
 
 ``--prediction_type`` and ``--zero_terminal_snr`` default to what the checkpoint records. A model
 trained with ``zero_terminal_snr`` (Lin et al. 2023) is sampled on that rescaled schedule with

@@ -195,9 +195,9 @@ def lcm_boundary_scalings(timesteps: torch.Tensor, timestep_scaling: float = 10.
     """``(c_skip, c_out)``, float32 tensors shaped like ``timesteps``, for the consistency function
     ``f(x_t, t) = c_skip(t) * x_t + c_out(t) * x0_hat``.
 
-    The boundary condition f(x, 0) = x (Song et al. 2023, arXiv:2303.01469, section 3) holds through
-    c_skip(0) = 1 and c_out(0) = 0; LCM (section 4.1) scales t by 10 (its released models and
-    diffusers' default), so that from t = 19 on c_skip < 1e-5 and f is essentially the predicted x0.
+    The boundary condition f(x, 0) = x (Song et al. 2023, arXiv:2303.01469, section 3; LCM's section
+    4.1) holds through c_skip(0) = 1 and c_out(0) = 0. t is scaled by 10, as the released LCM models and
+    diffusers' LCMScheduler do, so that from t = 19 on c_skip < 1e-5: f is then essentially the x0.
     """
     scaled = timesteps.float() * timestep_scaling
     c_skip = sigma_data**2 / (scaled**2 + sigma_data**2)
@@ -208,8 +208,8 @@ def lcm_boundary_scalings(timesteps: torch.Tensor, timestep_scaling: float = 10.
 def sampler_defaults(sampler: str, steps: int | None, cfg: float | None, default_steps: int,
                      default_cfg: float) -> tuple[int, float]:
     """``steps`` and ``cfg`` as a command line gave them, or, left out (None), the sampler's defaults:
-    LCM's 4 steps at guidance 1 (a consistency model makes its image in 1-8 steps, and guidance
-    above about 2 over-saturates it), the caller's own for the others."""
+    LCM's 4 steps at guidance 1 (a consistency model makes its image in 1-8 steps, and its distillation
+    already applied guidance: it is sampled at 1 to 2), the caller's own for the others."""
     if sampler == "lcm":
         default_steps, default_cfg = LCM_DEFAULT_STEPS, LCM_DEFAULT_CFG
     return (default_steps if steps is None else steps, default_cfg if cfg is None else cfg)
@@ -228,7 +228,9 @@ class LCM:
                  generators: list[torch.Generator] | None = None):
         self.timesteps = lcm_timesteps(steps, len(alphas_cumprod))
         self.following = dict(zip(self.timesteps, self.timesteps[1:] + [None]))
-        self.alphas_cumprod = alphas_cumprod
+        # float32 before it goes to the device (MPS has no float64): the same values predicted_x0 and
+        # add_noise would take from float64, as they cast after indexing.
+        self.alphas_cumprod = alphas_cumprod.float()
         self.prediction_type = prediction_type
         self.generators = generators
 
