@@ -104,9 +104,12 @@ def parse_args(argv=None):
     parser.add_argument("--runs", nargs="+", metavar="RUN", help="evaluate the newest checkpoint of each run folder "
                         "(or phase YAML's out_dir) and write --table")
     parser.add_argument("--table", help="with --runs: the table (Markdown; a .json beside it)")
-    parser.add_argument("--steps", type=int, default=50, help="sampler steps")
-    parser.add_argument("--cfg", type=float, default=7.5, help="classifier-free guidance scale")
-    parser.add_argument("--sampler", choices=sd.sampling.SAMPLERS, default="ddim", help="the sampler")
+    parser.add_argument("--steps", type=int, default=None, help="sampler steps (default: 50; 4 with --sampler lcm, "
+                        "which takes 1..50)")
+    parser.add_argument("--cfg", type=float, default=None, help="classifier-free guidance scale (default: 7.5; 1 with "
+                        "--sampler lcm)")
+    parser.add_argument("--sampler", choices=sd.sampling.SAMPLERS, default="ddim", help="the sampler; lcm for a "
+                        "latent consistency model (default: %(default)s)")
     parser.add_argument("--negative", default="", help="negative prompt")
     parser.add_argument("--seed", type=int, default=0, help="image i uses seed + i")
     parser.add_argument("--height", type=int, default=512, help="pixels, a multiple of 8")
@@ -122,9 +125,12 @@ def parse_args(argv=None):
         parser.error("--ckpt needs --images DIR: where the generated images go")
     if (args.ckpt or args.runs) and not args.prompts:
         parser.error("--ckpt needs --prompts: the prompts to generate")
+    args.steps, args.cfg = sd.sampling.sampler_defaults(args.sampler, args.steps, args.cfg, 50, 7.5)
     for name in ("batch_size", "steps", "n") + (("num_prompts",) if args.num_prompts is not None else ()):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1")
+    if args.sampler == "lcm" and args.steps > sd.sampling.LCM_ORIGINAL_STEPS:
+        parser.error(f"--steps must be at most {sd.sampling.LCM_ORIGINAL_STEPS} with --sampler lcm")
     if args.height % 8 or args.width % 8 or min(args.height, args.width) <= 0:
         parser.error("--height and --width must be positive multiples of 8")
     if args.reference_size < 0:

@@ -425,6 +425,22 @@ def prediction_target(latents, noise, timesteps, alphas_cumprod, prediction_type
     raise ValueError(f"prediction_type must be 'epsilon' or 'v_prediction', got {prediction_type!r}")
 
 
+def predicted_x0(sample, model_output, timesteps, alphas_cumprod, prediction_type: str) -> torch.Tensor:
+    """The clean latents a prediction implies at ``sample`` = x_t, float32 (``prediction_target``'s inverse).
+
+    ``timesteps``: ``(B,)``, one per sample. epsilon: ``(x_t - sqrt(1 - a) * eps) / sqrt(a)``, undefined
+    where a = 0 (the zero-terminal-SNR schedule's last timestep); v: ``sqrt(a) * x_t - sqrt(1 - a) * v``.
+    Never clamped (see ``sd.sampling.ddim_step``).
+    """
+    a = _per_sample(alphas_cumprod, timesteps, sample.ndim)
+    x_t, out = sample.float(), model_output.float()
+    if prediction_type == "epsilon":
+        return (x_t - (1 - a).sqrt() * out) / a.sqrt()
+    if prediction_type == "v_prediction":
+        return a.sqrt() * x_t - (1 - a).sqrt() * out
+    raise ValueError(f"prediction_type must be 'epsilon' or 'v_prediction', got {prediction_type!r}")
+
+
 def snr(timesteps: torch.Tensor, alphas_cumprod: torch.Tensor) -> torch.Tensor:
     """Signal-to-noise ratio a / (1 - a) at each timestep, float64 ``(B,)``."""
     a = alphas_cumprod.to(timesteps.device)[timesteps]

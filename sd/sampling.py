@@ -1,14 +1,16 @@
 """Sampling: one loop for every sampler, used by SD_ImageGen.py and by the trainer's validation grid.
 
 * ``sample_latents``: DDIM (ours, "leading" spacing as SD), DPM-Solver++ 2M or Euler (diffusers'
-  schedulers) on the training schedule, with classifier-free guidance against a real
-  negative-prompt embedding. The predicted x0 is never clamped. A model trained on the
-  zero-terminal-SNR schedule (``zero_terminal_snr``) is sampled on that schedule with "trailing"
-  spacing, which starts at the last timestep, pure noise (Lin et al. 2023, arXiv:2305.08891).
+  schedulers), or LCM (ours, for latent consistency models: 1-8 steps) on the training schedule,
+  with classifier-free guidance against a real negative-prompt embedding. The predicted x0 is never
+  clamped. A model trained on the zero-terminal-SNR schedule (``zero_terminal_snr``) is sampled on
+  that schedule with "trailing" spacing, which starts at the last timestep, pure noise (Lin et al.
+  2023, arXiv:2305.08891).
 * ``generate``: images for one prompt from a list of seeds; ``generate_batch``: one image per
   (prompt, seed) pair, the evaluation's path (``SD_Eval.py``). Image i's noise comes from a CPU
   generator seeded with ``seeds[i]``, so the same seed gives the same image on any device and at any
-  batch size; the training grid and ``SD_ImageGen.py --seed`` therefore make the same picture.
+  batch size; the training grid and ``SD_ImageGen.py --seed`` therefore make the same picture. LCM's
+  fresh noise at each step comes from the same generator, after the initial noise.
 
 Each of them takes ``stop``, a function asked before every denoising step: once it answers True the
 batch is abandoned (``Interrupted``), so a stop signal never waits for a whole batch to finish.
@@ -27,7 +29,7 @@ import torch
 import sd.files
 import sd.model
 
-SAMPLERS = ("ddim", "dpm++", "euler")
+SAMPLERS = ("ddim", "dpm++", "euler", "lcm")
 
 
 class Interrupted(Exception):
@@ -132,20 +134,23 @@ class DDIM:
 
 
 def make_scheduler(sampler: str, steps: int, prediction_type: str, alphas_cumprod=None, device=None,
-                   zero_terminal_snr: bool = False):
+                   zero_terminal_snr: bool = False, generators: list[torch.Generator] | None = None):
     """A scheduler with ``timesteps``, ``init_noise_sigma``, ``scale_model_input`` and ``step``.
 
     ``zero_terminal_snr``: the rescaled schedule with "trailing" spacing (``alphas_cumprod``, when
-    given, is DDIM's schedule either way).
+    given, is DDIM's and LCM's schedule either way; LCM's timesteps start at the last one on both).
+    ``generators``: LCM's per-step noise, one CPU generator per image (see ``image_noise``).
     """
     conflict = sd.model.schedule_conflict(prediction_type, zero_terminal_snr)
     if conflict:
         raise ValueError(f"zero_terminal_snr: {conflict}; sample a v_prediction model, or this one with "
                          "zero_terminal_snr off")
+    if alphas_cumprod is None and sampler in ("ddim", "lcm"):
+        alphas_cumprod = sd.model.ddpm_alphas_cumprod(zero_terminal_snr=zero_terminal_snr)
     if sampler == "ddim":
-        if alphas_cumprod is None:
-            alphas_cumprod = sd.model.ddpm_alphas_cumprod(zero_terminal_snr=zero_terminal_snr)
         return DDIM(steps, alphas_cumprod, prediction_type, "trailing" if zero_terminal_snr else "leading")
+    if sampler == "lcm":
+        return LCM(steps, alphas_cumprod, prediction_type, generators)
     from diffusers import DPMSolverMultistepScheduler, EulerDiscreteScheduler
 
     config = sd.model.noise_schedule_config(prediction_type, zero_terminal_snr)
@@ -160,6 +165,88 @@ def make_scheduler(sampler: str, steps: int, prediction_type: str, alphas_cumpro
     step = scheduler.step
     scheduler.step = lambda prediction, t, latents: step(prediction, t, latents).prev_sample
     return scheduler
+
+
+# ---------------------------------------------------------------------------------------------
+# LCM: latent consistency models (Luo et al. 2023, arXiv:2310.04378)
+# ---------------------------------------------------------------------------------------------
+
+LCM_ORIGINAL_STEPS = 50  # the DDIM-solver schedule a latent consistency model is distilled on (k = 20)
+LCM_DEFAULT_STEPS = 4
+LCM_DEFAULT_CFG = 1.0  # the distillation folds guidance into the model (the paper's w); 1 runs one branch
+
+
+def lcm_timesteps(num_steps: int, num_train_timesteps: int = sd.model.NUM_TRAIN_TIMESTEPS,
+                  original_steps: int = LCM_ORIGINAL_STEPS) -> list[int]:
+    """Timesteps, highest first: ``num_steps`` evenly spaced by index over the distillation schedule
+    ``k - 1, 2k - 1, ..., T - 1`` (``k = T // original_steps``), e.g. 4 steps -> 999, 759, 499, 259.
+
+    The model is consistent only on that schedule's points, so the first is always the last timestep,
+    whatever the model's spacing (diffusers' LCMScheduler ignores ``timestep_spacing`` the same way).
+    """
+    if not 1 <= num_steps <= original_steps:
+        raise ValueError(f"lcm steps must be in 1..{original_steps} (the {original_steps}-step schedule a latent "
+                         f"consistency model is distilled on), got {num_steps}")
+    k = num_train_timesteps // original_steps
+    return [(original_steps - i * original_steps // num_steps) * k - 1 for i in range(num_steps)]
+
+
+def lcm_boundary_scalings(timesteps: torch.Tensor, timestep_scaling: float = 10.0, sigma_data: float = 0.5):
+    """``(c_skip, c_out)``, float32 tensors shaped like ``timesteps``, for the consistency function
+    ``f(x_t, t) = c_skip(t) * x_t + c_out(t) * x0_hat``.
+
+    The boundary condition f(x, 0) = x (Song et al. 2023, arXiv:2303.01469, section 3; LCM's section
+    4.1) holds through c_skip(0) = 1 and c_out(0) = 0. t is scaled by 10, as the released LCM models and
+    diffusers' LCMScheduler do, so that from t = 19 on c_skip < 1e-5: f is then essentially the x0.
+    """
+    scaled = timesteps.float() * timestep_scaling
+    c_skip = sigma_data**2 / (scaled**2 + sigma_data**2)
+    c_out = scaled / (scaled**2 + sigma_data**2) ** 0.5
+    return c_skip, c_out
+
+
+def sampler_defaults(sampler: str, steps: int | None, cfg: float | None, default_steps: int,
+                     default_cfg: float) -> tuple[int, float]:
+    """``steps`` and ``cfg`` as a command line gave them, or, left out (None), the sampler's defaults:
+    LCM's 4 steps at guidance 1 (a consistency model makes its image in 1-8 steps, and its distillation
+    already applied guidance: it is sampled at 1 to 2), the caller's own for the others."""
+    if sampler == "lcm":
+        default_steps, default_cfg = LCM_DEFAULT_STEPS, LCM_DEFAULT_CFG
+    return (default_steps if steps is None else steps, default_cfg if cfg is None else cfg)
+
+
+class LCM:
+    """Multistep latent consistency sampling (Luo et al. 2023, Algorithm 1): at each timestep the
+    consistency function maps x_t to a clean estimate; every step but the last diffuses it again to the
+    next timestep with fresh noise, image i's drawn from ``generators[i]`` (torch's global generator
+    when None). Equal to diffusers' ``LCMScheduler`` with ``original_inference_steps=50``.
+    """
+
+    init_noise_sigma = 1.0
+
+    def __init__(self, steps: int, alphas_cumprod: torch.Tensor, prediction_type: str,
+                 generators: list[torch.Generator] | None = None):
+        self.timesteps = lcm_timesteps(steps, len(alphas_cumprod))
+        self.following = dict(zip(self.timesteps, self.timesteps[1:] + [None]))
+        # float32 before it goes to the device (MPS has no float64): the same values predicted_x0 and
+        # add_noise would take from float64, as they cast after indexing.
+        self.alphas_cumprod = alphas_cumprod.float()
+        self.prediction_type = prediction_type
+        self.generators = generators
+
+    def scale_model_input(self, latents, timestep):
+        return latents
+
+    def step(self, prediction, timestep, latents):
+        t = torch.full((latents.shape[0],), int(timestep), device=latents.device)
+        x0 = sd.model.predicted_x0(latents, prediction, t, self.alphas_cumprod, self.prediction_type)
+        c_skip, c_out = lcm_boundary_scalings(t.view(-1, 1, 1, 1))
+        denoised = c_out * x0 + c_skip * latents.float()
+        following = self.following[int(timestep)]
+        if following is None:
+            return denoised
+        noise = image_noise(self.generators, latents.shape[1:], len(latents)).to(latents.device)
+        return sd.model.add_noise(denoised, noise, torch.full_like(t, following), self.alphas_cumprod)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -190,14 +277,16 @@ def guided_prediction(unet, latents, timestep: int, cond, uncond, guidance_scale
 def sample_latents(unet, noise: torch.Tensor, cond: torch.Tensor, uncond: torch.Tensor, *, sampler: str = "ddim",
                    steps: int = 100, cfg: float = 7.5, prediction_type: str = "epsilon", alphas_cumprod=None,
                    progress: bool = False, zero_terminal_snr: bool = False,
-                   stop: Callable[[], bool] | None = None) -> torch.Tensor:
+                   stop: Callable[[], bool] | None = None,
+                   generators: list[torch.Generator] | None = None) -> torch.Tensor:
     """Denoise unit-variance ``noise`` ``(B, 4, H/8, W/8)`` into scaled latents.
 
     ``cond`` / ``uncond``: ``(B, 77, D)`` prompt and negative-prompt embeddings. ``zero_terminal_snr``:
     the model was trained on that schedule (see ``make_scheduler``). ``stop``: asked before each step;
-    True raises ``Interrupted``.
+    True raises ``Interrupted``. ``generators``: the images' own, which drew ``noise`` (LCM's later noise).
     """
-    scheduler = make_scheduler(sampler, steps, prediction_type, alphas_cumprod, noise.device, zero_terminal_snr)
+    scheduler = make_scheduler(sampler, steps, prediction_type, alphas_cumprod, noise.device, zero_terminal_snr,
+                               generators)
     latents = noise.float() * scheduler.init_noise_sigma
     timesteps = scheduler.timesteps
     if progress:
@@ -213,9 +302,25 @@ def sample_latents(unet, noise: torch.Tensor, cond: torch.Tensor, uncond: torch.
     return latents
 
 
+def seed_generators(seeds: list[int]) -> list[torch.Generator]:
+    """One CPU generator per image, seeded with its seed."""
+    return [torch.Generator().manual_seed(s) for s in seeds]
+
+
+def image_noise(generators: list[torch.Generator] | None, shape: tuple[int, ...], batch: int) -> torch.Tensor:
+    """CPU noise ``(batch, *shape)``, image i's drawn from ``generators[i]``: it depends on the image's
+    seed and how much was drawn before, not on the device or the batch (as diffusers' pipelines draw
+    with a list of generators). None: all of it from torch's global generator."""
+    if generators is None:
+        return torch.randn((batch, *shape))
+    if len(generators) != batch:
+        raise ValueError(f"{len(generators)} generators for a batch of {batch} images: give one per image")
+    return torch.stack([torch.randn(shape, generator=g) for g in generators])
+
+
 def initial_noise(seeds: list[int], shape: tuple[int, int, int]) -> torch.Tensor:
     """One CPU generator per image: the same seed gives the same noise on any device and batch size."""
-    return torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(s)) for s in seeds])
+    return image_noise(seed_generators(seeds), shape, len(seeds))
 
 
 @torch.no_grad()
@@ -259,11 +364,12 @@ def decode_samples(pipe: Pipeline, cond: torch.Tensor, uncond: torch.Tensor, see
     """Sample one batch (``cond`` / ``uncond``: ``(B, 77, D)``, one seed each) and decode it to uint8 RGB."""
     factor = float(pipe.vae.config.scaling_factor)
     vae_dtype = next(pipe.vae.parameters()).dtype
-    noise = initial_noise(seeds, (pipe.unet.config.in_channels, height // 8, width // 8)).to(device)
+    generators = seed_generators(seeds)
+    noise = image_noise(generators, (pipe.unet.config.in_channels, height // 8, width // 8), len(seeds)).to(device)
     with sd.model.attention_context(device):
         latents = sample_latents(pipe.unet, noise, cond, uncond, sampler=sampler, steps=steps, cfg=cfg,
                                  prediction_type=pipe.prediction_type, zero_terminal_snr=pipe.zero_terminal_snr,
-                                 stop=stop)
+                                 stop=stop, generators=generators)
         pixels = pipe.vae.decode(sd.model.unscale_latents(latents, factor).to(vae_dtype)).sample
     pixels = ((pixels.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
     return list(pixels.permute(0, 2, 3, 1).cpu().numpy())

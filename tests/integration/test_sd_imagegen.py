@@ -563,3 +563,17 @@ def test_init_from_a_damaged_source_is_a_one_line_error_naming_the_bad_file(kind
     [line] = error_lines(capsys.readouterr().err, "SD_Train.py")
     assert line.startswith(f"SD_Train.py: error (rank 0): init_from: cannot load {source}: ") and str(bad) in line
     assert not (tmp_path / "ft" / "checkpoints").exists()
+
+
+def test_cli_lcm_samples_four_steps_at_guidance_one_by_default(run_dir, model, tmp_path):
+    out = tmp_path / "lcm"
+    assert SD_ImageGen.main(["--ckpt", str(run_dir), "--prompt", "a red circle", "--sampler", "lcm", "--seed", "3",
+                             "--n", "2", "--height", "64", "--width", "64", "--device", "cpu", "--out", str(out)]) == 0
+    text = sd.sampling.read_parameters(out / "000_000004.png")
+    assert "\nSteps: 4, Sampler: lcm, CFG scale: 1.0, Seed: 4, Size: 64x64," in text
+    from PIL import Image
+
+    expected = gen(model, seeds=(3, 4), cfg=1.0, sampler="lcm")
+    for seed, image in zip((3, 4), expected):
+        assert np.array_equal(np.asarray(Image.open(out / f"000_00000{seed}.png").convert("RGB")), image), seed
+    assert not np.array_equal(expected[1], gen(model, seeds=(3, 4), cfg=1.0)[1])  # not DDIM's picture
