@@ -441,6 +441,17 @@ def predicted_x0(sample, model_output, timesteps, alphas_cumprod, prediction_typ
     raise ValueError(f"prediction_type must be 'epsilon' or 'v_prediction', got {prediction_type!r}")
 
 
+def predicted_noise(sample, model_output, timesteps, alphas_cumprod, prediction_type: str) -> torch.Tensor:
+    """The noise a prediction implies at ``sample`` = x_t, float32: epsilon is the output itself; from v,
+    ``sqrt(a) * v + sqrt(1 - a) * x_t``."""
+    if prediction_type == "epsilon":
+        return model_output.float()
+    if prediction_type == "v_prediction":
+        a = _per_sample(alphas_cumprod, timesteps, sample.ndim)
+        return a.sqrt() * model_output.float() + (1 - a).sqrt() * sample.float()
+    raise ValueError(f"prediction_type must be 'epsilon' or 'v_prediction', got {prediction_type!r}")
+
+
 def snr(timesteps: torch.Tensor, alphas_cumprod: torch.Tensor) -> torch.Tensor:
     """Signal-to-noise ratio a / (1 - a) at each timestep, float64 ``(B,)``."""
     a = alphas_cumprod.to(timesteps.device)[timesteps]

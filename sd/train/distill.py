@@ -28,6 +28,7 @@ import torch
 import sd.lora.adapters
 import sd.model
 import sd.runtime
+import sd.sampling
 import sd.train.ema
 
 if TYPE_CHECKING:
@@ -35,7 +36,6 @@ if TYPE_CHECKING:
 
 MODES = ("", "lcm")
 LOSSES = ("huber", "l2")
-SIGMA_DATA = 0.5  # the boundary condition's data scale, as in consistency models (Song et al. 2023)
 
 
 @dataclass(frozen=True)
@@ -68,37 +68,19 @@ def solver_timesteps(solver_steps: int, num_train_timesteps: int = sd.model.NUM_
     return torch.arange(1, solver_steps + 1, dtype=torch.long) * skip - 1
 
 
-def boundary_scalings(timesteps: torch.Tensor, timestep_scaling: float = 10.0,
-                      sigma_data: float = SIGMA_DATA) -> tuple[torch.Tensor, torch.Tensor]:
-    """``c_skip``, ``c_out`` (float32, the shape of ``timesteps``) of the consistency parametrisation.
-
-    ``c_skip = s^2 / ((10 t)^2 + s^2)``, ``c_out = 10 t / sqrt((10 t)^2 + s^2)`` with ``s = sigma_data``: at
-    ``t = 0`` the model is the identity (the boundary condition f(x, 0) = x), and by ``t ~ 1`` it is
-    already almost all prediction (LCM's scaling of 10 on the timestep; c_skip(19) ~ 7e-6).
-    """
-    scaled = timesteps.double() * timestep_scaling
-    c_skip = sigma_data**2 / (scaled**2 + sigma_data**2)
-    c_out = scaled / (scaled**2 + sigma_data**2).sqrt()
-    return c_skip.float(), c_out.float()
-
-
 def x0_and_noise(output: torch.Tensor, x_t: torch.Tensor, timesteps: torch.Tensor, alphas_cumprod: torch.Tensor,
                  prediction_type: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The clean latents and the noise that a model's ``output`` at ``x_t`` (``(B, 4, h, w)``) implies."""
-    a = alphas_cumprod.to(timesteps.device)[timesteps].float().reshape(-1, 1, 1, 1)
-    x_t, output = x_t.float(), output.float()
-    if prediction_type == "epsilon":
-        return (x_t - (1 - a).sqrt() * output) / a.sqrt(), output
-    if prediction_type == "v_prediction":
-        return a.sqrt() * x_t - (1 - a).sqrt() * output, a.sqrt() * output + (1 - a).sqrt() * x_t
-    raise ValueError(f"prediction_type must be 'epsilon' or 'v_prediction', got {prediction_type!r}")
+    return (sd.model.predicted_x0(x_t, output, timesteps, alphas_cumprod, prediction_type),
+            sd.model.predicted_noise(x_t, output, timesteps, alphas_cumprod, prediction_type))
 
 
 def consistency(output, x_t, timesteps, alphas_cumprod, prediction_type: str, timestep_scaling: float):
-    """``f(x_t, t) = c_skip(t) x_t + c_out(t) x0_pred``: the consistency function's clean latents."""
-    c_skip, c_out = boundary_scalings(timesteps, timestep_scaling)
-    x0, _ = x0_and_noise(output, x_t, timesteps, alphas_cumprod, prediction_type)
-    return c_skip.reshape(-1, 1, 1, 1) * x_t.float() + c_out.reshape(-1, 1, 1, 1) * x0
+    """``f(x_t, t) = c_skip(t) x_t + c_out(t) x0_pred``: the consistency function's clean latents, with
+    the boundary scalings the LCM sampler uses (``sd.sampling.lcm_boundary_scalings``)."""
+    c_skip, c_out = sd.sampling.lcm_boundary_scalings(timesteps.reshape(-1, 1, 1, 1), timestep_scaling)
+    x0 = sd.model.predicted_x0(x_t, output, timesteps, alphas_cumprod, prediction_type)
+    return c_skip * x_t.float() + c_out * x0
 
 
 def ddim_solver_step(x0: torch.Tensor, noise: torch.Tensor, alpha_prev: torch.Tensor) -> torch.Tensor:

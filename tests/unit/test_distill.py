@@ -33,16 +33,6 @@ def test_the_solver_skips_twenty_timesteps_of_a_thousand_ending_at_the_last():
     assert distill.solver_timesteps(4).tolist() == [249, 499, 749, 999]
 
 
-def test_the_boundary_scalings_by_hand():
-    c_skip, c_out = distill.boundary_scalings(torch.tensor([0, 19, 999]))
-    for t, skip, out in zip([0, 19, 999], c_skip.tolist(), c_out.tolist()):
-        scaled = 10.0 * t
-        assert skip == pytest.approx(0.25 / (scaled**2 + 0.25), rel=1e-6)
-        assert out == pytest.approx(scaled / math.sqrt(scaled**2 + 0.25), rel=1e-6)
-    assert c_skip[0] == 1 and c_out[0] == 0  # f(x, 0) = x: the boundary condition
-    assert c_skip[1] == pytest.approx(6.925e-6, rel=1e-3)
-
-
 @pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction"])
 def test_x0_and_noise_recover_what_made_x_t(prediction_type):
     alphas = sd.model.ddpm_alphas_cumprod()
