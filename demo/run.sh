@@ -11,6 +11,7 @@
 #   DEMO_CONCEPT=0      leaves out the new-concept steps (7 and 8); DEMO_CONCEPT_COUNT: its instance images
 #                       (12); DEMO_CONCEPT_FLAGS: extra SD_Train.py flags of its runs; DEMO_CONCEPT_RUNS:
 #                       which ones (prior no_prior embedding: the LoRAs and the learned token)
+#   DEMO_LCM=0          leaves out the few-step step (10); DEMO_LCM_FLAGS: extra SD_Train.py flags of its run
 #   DEMO_ASPECT=0       leaves out the aspect-ratio step; DEMO_ASPECT_COUNT: its wide, tall and square
 #                       images (600); DEMO_ASPECT_FLAGS: extra SD_Train.py flags of its two runs;
 #                       DEMO_ASPECT_RUNS: which models it samples (base buckets square); DEMO_WIDE: its wide
@@ -34,39 +35,39 @@ start=$(date +%s)
 step() { printf '\n=== [%ss] %s ===\n' "$(( $(date +%s) - start ))" "$*"; }
 run_dir() { if [ "$1" = embedding ]; then echo embedding; else echo "lora_$1"; fi; }  # a concept run's folder
 
-step "1/10 synthetic captioned images (pipeline/00_make_demo_data.py)"
+step "1/11 synthetic captioned images (pipeline/00_make_demo_data.py)"
 $PY pipeline/00_make_demo_data.py --out "$OUT/shards" --count "$COUNT" --size "$SIZE" --vae_count $((COUNT / 3)) \
     --vae_out "$OUT/vae_shards"
 
-step "2/10 a VAE for these images and the same shapes in cyan, a colour the UNet never sees (train_vae.py)"
+step "2/11 a VAE for these images and the same shapes in cyan, a colour the UNet never sees (train_vae.py)"
 if [ -f "$OUT/vae/config.json" ]; then echo "$OUT/vae exists"; else
   $PY train_vae.py --shards "$OUT/*shards/*.tar" --out "$OUT/vae" --resolution "$SIZE" --max_steps "$VAE_STEPS" \
       --seed 0 ${DEMO_VAE_FLAGS:-}
 fi
 
-step "3/10 latents, token ids, training dataset (encode_latents.py, stages 04 and 05)"
+step "3/11 latents, token ids, training dataset (encode_latents.py, stages 04 and 05)"
 $PY encode_latents.py --shards "$OUT/shards/*.tar" --out "$OUT/latents" --vae "$OUT/vae" --resolution "$SIZE" \
     --batch_size 64 --workers 2
 $PY pipeline/04_preprocess_to_cache.py --shards "$OUT/shards/*.tar" --out "$OUT/captions" --tokenizer tiny
 $PY pipeline/05_build_hf_dataset.py --captions "$OUT/captions" --latents "$OUT/latents" --out "$OUT/dataset" \
     --val_fraction 0.03
 
-step "4/10 the UNet, $NPROC ranks (torchrun SD_Train.py --config configs/demo.yaml)"
+step "4/11 the UNet, $NPROC ranks (torchrun SD_Train.py --config configs/demo.yaml)"
 # shellcheck disable=SC2086  # DEMO_TRAIN_FLAGS is a list of flags
 $PY -m torch.distributed.run --standalone --nproc_per_node "$NPROC" SD_Train.py --config configs/demo.yaml \
     --datasets "[{dataset: $OUT/dataset, latents: $OUT/latents}]" --vae "$OUT/vae" --out_dir "$OUT/train" \
     ${DEMO_TRAIN_FLAGS:-}
 
-step "5/10 samples of seen and held-out prompts with the EMA weights (SD_ImageGen.py)"
+step "5/11 samples of seen and held-out prompts with the EMA weights (SD_ImageGen.py)"
 rm -rf "$OUT/samples"
 $PY SD_ImageGen.py --ckpt "$OUT/train" --prompts_file "$OUT/shards/prompts.txt" --n "$N" --steps 25 --cfg 3.5 \
     --seed 0 --height "$SIZE" --width "$SIZE" --batch_size 16 --out "$OUT/samples"
 
-step "6/10 prompt adherence (demo/evaluate.py) and FID against fresh ground-truth drawings (demo/fid.py, SD_Eval.py)"
+step "6/11 prompt adherence (demo/evaluate.py) and FID against fresh ground-truth drawings (demo/fid.py, SD_Eval.py)"
 $PY demo/evaluate.py --images "$OUT/samples" --prompts "$OUT/shards/demo_prompts.json" --out "$OUT/eval.json"
 $PY demo/fid.py --samples "$OUT/samples" --prompts "$OUT/shards/demo_prompts.json" --out "$OUT/fid"
 
-step "7/10 a new concept, cyan: a DreamBooth LoRA ('a sks circle') with and without prior preservation, and a learned token ('a <cyan-sks> circle')"
+step "7/11 a new concept, cyan: a DreamBooth LoRA ('a sks circle') with and without prior preservation, and a learned token ('a <cyan-sks> circle')"
 CONCEPT=$OUT/concept
 if [ "${DEMO_CONCEPT:-1}" = 0 ]; then echo "left out (DEMO_CONCEPT=0)"; else
   $PY demo/concept.py images --prompts "$OUT/shards/demo_prompts.json" --out "$CONCEPT" --vae "$OUT/vae" \
@@ -85,7 +86,7 @@ if [ "${DEMO_CONCEPT:-1}" = 0 ]; then echo "left out (DEMO_CONCEPT=0)"; else
     $PY SD_ImageGen.py --ckpt "$CONCEPT/embedding" --export_embedding "$CONCEPT/embeddings"
   fi
 
-  step "8/10 the seen prompts and the concept, sampled before and after (SD_ImageGen.py, demo/evaluate.py)"
+  step "8/11 the seen prompts and the concept, sampled before and after (SD_ImageGen.py, demo/evaluate.py)"
   for run in base ${DEMO_CONCEPT_RUNS:-prior no_prior embedding}; do
     if [ "$run" = base ]; then ckpt=$OUT/train; else ckpt=$CONCEPT/$(run_dir "$run"); fi
     prompts=$CONCEPT/prompts.txt
@@ -99,7 +100,7 @@ if [ "${DEMO_CONCEPT:-1}" = 0 ]; then echo "left out (DEMO_CONCEPT=0)"; else
   $PY demo/concept.py report --out "$CONCEPT"
 fi
 
-step "9/10 aspect-ratio buckets: wide and tall images with the shape at one end, trained in buckets and as centre squares"
+step "9/11 aspect-ratio buckets: wide and tall images with the shape at one end, trained in buckets and as centre squares"
 ASPECT=$OUT/aspect
 if [ "${DEMO_ASPECT:-1}" = 0 ]; then echo "left out (DEMO_ASPECT=0)"; else
   $PY demo/aspect.py images --prompts "$OUT/shards/demo_prompts.json" --out "$ASPECT" --count "${DEMO_ASPECT_COUNT:-600}"
@@ -127,7 +128,27 @@ if [ "${DEMO_ASPECT:-1}" = 0 ]; then echo "left out (DEMO_ASPECT=0)"; else
   $PY demo/aspect.py report --out "$ASPECT" --prompts "$OUT/shards/demo_prompts.json"
 fi
 
-step "10/10 done"
+step "10/11 few-step sampling: the UNet distilled into a latent consistency model (SD_Train.py --config configs/demo_lcm.yaml), sampled in 2, 4 and 8 steps beside DDIM"
+LCM=$OUT/lcm_eval
+if [ "${DEMO_LCM:-1}" = 0 ]; then echo "left out (DEMO_LCM=0)"; else
+  # shellcheck disable=SC2086  # DEMO_LCM_FLAGS is a list of flags
+  $PY SD_Train.py --config configs/demo_lcm.yaml --init_from "$OUT/train" --vae "$OUT/vae" \
+      --datasets "[{dataset: $OUT/dataset, latents: $OUT/latents}]" --out_dir "$OUT/lcm" ${DEMO_LCM_FLAGS:-}
+  for row in ddim_50 ddim_4 lcm_2 lcm_4 lcm_8; do
+    case $row in
+      ddim_*) sampling=(--ckpt "$OUT/train" --sampler ddim --steps "${row#ddim_}" --cfg 3.5) ;;
+      lcm_*) sampling=(--ckpt "$OUT/lcm" --sampler lcm --steps "${row#lcm_}" --cfg 1) ;;
+    esac
+    rm -rf "$LCM/samples_$row"
+    $PY SD_ImageGen.py "${sampling[@]}" --prompts_file "$OUT/shards/prompts.txt" --n "$N" --seed 0 \
+        --height "$SIZE" --width "$SIZE" --batch_size 16 --out "$LCM/samples_$row"
+    $PY demo/evaluate.py --images "$LCM/samples_$row" --prompts "$OUT/shards/demo_prompts.json" \
+        --out "$LCM/eval_$row.json"
+  done
+  $PY demo/lcm.py --out "$LCM" --reference "$OUT/fid/reference"
+fi
+
+step "11/11 done"
 cat <<SUMMARY
   sample grid        $OUT/samples/grid.png (rows: the seen prompts, then the held-out ones)
   loss curve         $OUT/train/loss.png
@@ -139,5 +160,6 @@ cat <<SUMMARY
   FID                $OUT/fid/fid.json (offline stand-in features: demo model, ground-truth floor, blank canvas)
   new concept        $CONCEPT/concept.json ($CONCEPT/samples_*/grid.png: base, LoRA with and without prior
                      preservation, learned token; the token's file for other tools: $CONCEPT/embeddings/)
+  few-step sampling  $LCM/lcm.json ($LCM/samples_*/grid.png: DDIM 50 and 4 steps, LCM 2, 4 and 8 steps)
   aspect buckets     $ASPECT/aspect.json ($ASPECT/samples_*_wide|tall/grid.png: base, buckets, centre squares)
 SUMMARY

@@ -1,0 +1,51 @@
+"""The demo's few-step table: the demo model sampled with DDIM at 50 and 4 steps, beside its latent consistency
+distillation (configs/demo_lcm.yaml) sampled with the LCM sampler at 2, 4 and 8 steps.
+
+    python demo/lcm.py --out runs/demo/lcm_eval --reference runs/demo/fid/reference
+
+Reads each row's ``eval_<row>.json`` (demo/evaluate.py of ``samples_<row>``), scores ``samples_<row>``'s FID
+against demo/fid.py's reference drawings of the same prompts (the offline stand-in features: the numbers
+compare with each other and with demo/fid.py's floor, not with published FIDs), and writes ``lcm.json``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import sd.cli
+from demo.evaluate import report_table
+
+ROWS = {"ddim_50": "demo model, DDIM 50 steps", "ddim_4": "demo model, DDIM 4 steps",
+        "lcm_2": "distilled, LCM 2 steps", "lcm_4": "distilled, LCM 4 steps", "lcm_8": "distilled, LCM 8 steps"}
+
+
+def report(out: Path, reference: Path | None) -> dict:
+    import json
+
+    from demo.fid import fid
+
+    table = {}
+    for row in ROWS:
+        if not (out / f"eval_{row}.json").exists():
+            continue
+        scores = json.loads((out / f"eval_{row}.json").read_text())
+        table[row] = {"seen_colour": scores["seen"]["colour"], "seen_shape": scores["seen"]["shape"],
+                      "seen_both": scores["seen"]["both"], "held_out_both": scores["held_out"]["both"]}
+        if reference is not None:
+            table[row]["fid"] = round(fid(out / f"samples_{row}", reference, out / f"fid_{row}.json"), 2)
+    return report_table(out / "lcm.json", table, ROWS)
+
+
+def main(argv=None) -> int:
+    parser = sd.cli.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", required=True, help="the folder of the rows' samples_<row> and eval_<row>.json")
+    parser.add_argument("--reference", help="demo/fid.py's reference drawings (OUT/fid/reference); without it no "
+                        "FID column")
+    args = parser.parse_args(argv)
+    report(Path(args.out), Path(args.reference) if args.reference else None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""Latent consistency distillation runs (``distill: lcm``) on the tiny presets: exact resume of an LCM-LoRA and
+of a whole-UNet student, the teacher checked on resume, a loss that falls, and an exported LCM-LoRA sampled
+by diffusers' LCMScheduler giving our images."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from PIL import Image
+from safetensors.torch import load_file
+
+import sd.formats
+import sd.model
+import sd.train.checkpoint as ckpt
+import SD_ImageGen
+import SD_Train
+
+from data_factory import BASE, assert_bitwise_equal, make_base_pipeline
+
+DISTILL = dict(BASE, distill="lcm", lr=5e-3, warmup_steps=0, lcm_guidance_min=1.5, lcm_guidance_max=4.0,
+               batch_size=2, grad_accum=2, validation_sampler="lcm", validation_steps=2, validation_cfg=1.0)
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def base_model(tmp_path_factory) -> Path:
+    return make_base_pipeline(tmp_path_factory.mktemp("base") / "pipeline")
+
+
+def train(tmp_path: Path, name: str, *flags: str, **fields) -> Path:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({**DISTILL, "out_dir": str(tmp_path / name), **fields}))
+    assert SD_Train.main(["--config", str(path), *flags]) == 0
+    return tmp_path / name
+
+
+def checkpoint_state(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    """Every tensor a checkpoint holds: weights or adapter, EMA, target network, optimizer moments, RNGs."""
+    folder = run_dir / "checkpoints" / ckpt.step_dir_name(step)
+    tensors = {}
+    for name in ("unet", "adapter", "ema", "lcm_target", "lora_base"):
+        if (folder / f"{name}.safetensors").exists():
+            tensors.update({f"{name}.{k}": v for k, v in load_file(folder / f"{name}.safetensors").items()})
+    for index, state in torch.load(folder / "optimizer.pt", weights_only=True)["state"].items():
+        tensors.update({f"opt.{index}.{k}": torch.as_tensor(v) for k, v in state.items()})
+    rng = torch.load(folder / "rng_rank0.pt", weights_only=True)["rng"]
+    tensors.update({"rng.torch": rng["torch"], "rng.noise": rng["noise"]})
+    return tensors
+
+
+@pytest.mark.parametrize("fields", [dict(lora_rank=4, lora_targets=["attention", "resnet"]), {}],
+                         ids=["lcm-lora", "whole-unet"])
+def test_a_distillation_stopped_and_resumed_equals_the_straight_run_bit_for_bit(fields, base_model, dataset_16,
+                                                                                 tmp_path):
+    common = dict(datasets=[dataset_16], init_from=str(base_model), max_steps=6, **fields)
+    straight = train(tmp_path, "a", **common)
+    train(tmp_path, "b", "--stop_at_step", "3", **common)  # mid-epoch (4 steps an epoch)
+    resumed = train(tmp_path, "b", **common)
+    a, b = checkpoint_state(straight, 6), checkpoint_state(resumed, 6)
+    assert_bitwise_equal(a, b)
+    target = {k for k in a if k.startswith("lcm_target.")}
+    assert target and ("adapter.unet." if fields else "unet.") in "".join(a)
+    if fields:  # an LCM-LoRA's target network averages its adapter alone
+        assert all(".lora_" in k for k in target)
+        assert not any(k.startswith("unet.") for k in a)  # the base is init_from's, never saved
+    records = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6] and all(np.isfinite(r["loss"]) for r in records)
+
+
+def test_a_whole_unet_distillation_resumed_on_another_teacher_is_refused(base_model, dataset_16, tmp_path, capsys):
+    other = tmp_path / "other"  # the same architecture, other weights
+    sd.formats.export_diffusers(other, sd.model.build_unet("tiny", seed=9, from_scratch=False), sd.model.load_vae("tiny"), sd.model.load_text_encoder("tiny"),
+                                sd.model.load_tokenizer("tiny"))
+    train(tmp_path, "run", "--stop_at_step", "2", datasets=[dataset_16], init_from=str(base_model), max_steps=4)
+    path = tmp_path / "again.yaml"
+    path.write_text(yaml.safe_dump({**DISTILL, "out_dir": str(tmp_path / "run"), "datasets": [dataset_16],
+                                    "init_from": str(other), "max_steps": 4}))
+    capsys.readouterr()
+    assert SD_Train.main(["--config", str(path)]) == 2
+    assert f"init_from {other} is not the base model the distilled model in" in capsys.readouterr().err
+    assert not (tmp_path / "run" / "checkpoints" / ckpt.step_dir_name(4)).exists()
+
+
+def test_the_consistency_loss_falls_and_the_teacher_is_left_as_it_was(base_model, dataset_16, tmp_path):
+    run = train(tmp_path, "run", datasets=[dataset_16], init_from=str(base_model), max_steps=24, lr=2e-3,
+                lcm_loss="l2", ema_decay=0.0)
+    losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert np.mean(losses[-6:]) < 0.7 * np.mean(losses[:6]), losses
+    teacher = sd.model.build_unet("tiny", from_scratch=False)
+    sd.formats.load_unet_weights(str(base_model), teacher)
+    student = load_file(str(run / "checkpoints" / ckpt.step_dir_name(24) / "unet.safetensors"))
+    assert any(not torch.equal(student[k], v) for k, v in teacher.state_dict().items())  # the student moved
+    saved_base = load_file(str(run / "checkpoints" / ckpt.step_dir_name(24) / "lora_base.safetensors"))["fingerprint"]
+    assert torch.equal(saved_base, ckpt.weights_fingerprint(list(teacher.parameters())))
+
+
+def test_an_exported_lcm_lora_sampled_by_diffusers_lcm_scheduler_gives_our_images(base_model, dataset_16, tmp_path):
+    from diffusers import LCMScheduler, StableDiffusionPipeline
+
+    run = train(tmp_path, "run", datasets=[dataset_16], init_from=str(base_model), max_steps=4, lora_rank=4,
+                lora_alpha=8.0, lora_targets=["transformer", "resnet"])
+    folder = tmp_path / "lcm_lora"
+    assert SD_ImageGen.main(["--ckpt", str(run), "--export_lora", str(folder), "--lora_format", "diffusers"]) == 0
+    assert SD_ImageGen.main(["--ckpt", str(run), "--export_lora", str(tmp_path / "lcm_kohya.safetensors")]) == 0
+    assert any(k.startswith("lora_unet_") for k in load_file(str(tmp_path / "lcm_kohya.safetensors")))
+    out = tmp_path / "ours"
+    assert SD_ImageGen.main(["--ckpt", str(run), "--prompt", "a red circle", "--sampler", "lcm", "--steps", "4",
+                             "--seed", "3", "--n", "2", "--height", "64", "--width", "64", "--device", "cpu",
+                             "--out", str(out)]) == 0
+    ours = [np.asarray(Image.open(out / f"000_00000{seed}.png").convert("RGB")).astype(int) for seed in (3, 4)]
+
+    pipe = StableDiffusionPipeline.from_pretrained(str(base_model), safety_checker=None, requires_safety_checker=False,
+                                                   local_files_only=True)
+    pipe.scheduler = LCMScheduler.from_config(sd.model.noise_schedule_config("epsilon"))
+    pipe.load_lora_weights(str(folder))
+    generators = [torch.Generator().manual_seed(seed) for seed in (3, 4)]
+    theirs = pipe(["a red circle"] * 2, num_inference_steps=4, guidance_scale=1.0, generator=generators, height=64,
+                  width=64, output_type="np").images
+    theirs = [np.round(image * 255).astype(int) for image in theirs]
+    base_only = StableDiffusionPipeline.from_pretrained(str(base_model), safety_checker=None,
+                                                        requires_safety_checker=False, local_files_only=True)
+    base_only.scheduler = pipe.scheduler
+    plain = base_only(["a red circle"] * 2, num_inference_steps=4, guidance_scale=1.0, height=64, width=64,
+                      generator=[torch.Generator().manual_seed(seed) for seed in (3, 4)], output_type="np").images
+    for mine, other, without in zip(ours, theirs, plain):
+        assert np.abs(mine - other).max() <= 1  # the rounding of the last step to 8 bits
+        assert np.abs(mine - np.round(without * 255)).max() > 8  # the adapter is in both: the check could fail
