@@ -1,4 +1,4 @@
-"""The demo's few-step table: the demo model sampled with DDIM at 50 and 4 steps, beside its latent consistency
+"""The demo's few-step table: the demo model sampled with DDIM at 50, 4 and 2 steps, beside its latent consistency
 distillation (configs/demo_lcm.yaml) sampled with the LCM sampler at 2, 4 and 8 steps.
 
     python demo/lcm.py --out runs/demo/lcm_eval --reference runs/demo/fid/reference
@@ -17,6 +17,7 @@ import sd.cli
 from demo.evaluate import report_table
 
 ROWS = {"ddim_50": "demo model, DDIM 50 steps", "ddim_4": "demo model, DDIM 4 steps",
+        "ddim_2": "demo model, DDIM 2 steps",
         "lcm_2": "distilled, LCM 2 steps", "lcm_4": "distilled, LCM 4 steps", "lcm_8": "distilled, LCM 8 steps"}
 
 
@@ -34,7 +35,7 @@ def report(out: Path, reference: Path | None) -> dict:
                       "seen_both": scores["seen"]["both"], "held_out_both": scores["held_out"]["both"]}
         if reference is not None:
             table[row]["fid"] = round(fid(out / f"samples_{row}", reference, out / f"fid_{row}.json"), 2)
-    return report_table(out / "lcm.json", table, ROWS)
+    return report_table(out / "lcm.json", table, ROWS, numbers=("fid",))
 
 
 def main(argv=None) -> int:

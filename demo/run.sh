@@ -128,13 +128,13 @@ if [ "${DEMO_ASPECT:-1}" = 0 ]; then echo "left out (DEMO_ASPECT=0)"; else
   $PY demo/aspect.py report --out "$ASPECT" --prompts "$OUT/shards/demo_prompts.json"
 fi
 
-step "10/11 few-step sampling: the UNet distilled into a latent consistency model (SD_Train.py --config configs/demo_lcm.yaml), sampled in 2, 4 and 8 steps beside DDIM"
+step "10/11 few-step sampling: the UNet distilled into a latent consistency model (SD_Train.py --config configs/demo_lcm.yaml), sampled in 2, 4 and 8 steps beside DDIM in 50, 4 and 2"
 LCM=$OUT/lcm_eval
 if [ "${DEMO_LCM:-1}" = 0 ]; then echo "left out (DEMO_LCM=0)"; else
   # shellcheck disable=SC2086  # DEMO_LCM_FLAGS is a list of flags
   $PY SD_Train.py --config configs/demo_lcm.yaml --init_from "$OUT/train" --vae "$OUT/vae" \
       --datasets "[{dataset: $OUT/dataset, latents: $OUT/latents}]" --out_dir "$OUT/lcm" ${DEMO_LCM_FLAGS:-}
-  for row in ddim_50 ddim_4 lcm_2 lcm_4 lcm_8; do
+  for row in ddim_50 ddim_4 ddim_2 lcm_2 lcm_4 lcm_8; do
     case $row in
       ddim_*) sampling=(--ckpt "$OUT/train" --sampler ddim --steps "${row#ddim_}" --cfg 3.5) ;;
       lcm_*) sampling=(--ckpt "$OUT/lcm" --sampler lcm --steps "${row#lcm_}" --cfg 1) ;;
@@ -160,6 +160,6 @@ cat <<SUMMARY
   FID                $OUT/fid/fid.json (offline stand-in features: demo model, ground-truth floor, blank canvas)
   new concept        $CONCEPT/concept.json ($CONCEPT/samples_*/grid.png: base, LoRA with and without prior
                      preservation, learned token; the token's file for other tools: $CONCEPT/embeddings/)
-  few-step sampling  $LCM/lcm.json ($LCM/samples_*/grid.png: DDIM 50 and 4 steps, LCM 2, 4 and 8 steps)
+  few-step sampling  $LCM/lcm.json ($LCM/samples_*/grid.png: DDIM 50, 4 and 2 steps, LCM 2, 4 and 8)
   aspect buckets     $ASPECT/aspect.json ($ASPECT/samples_*_wide|tall/grid.png: base, buckets, centre squares)
 SUMMARY

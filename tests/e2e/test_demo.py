@@ -95,6 +95,11 @@ def check_outputs(out: Path, n: int, vae_steps: int, grid_step: int) -> None:
     assert fid["ground_truth"] < fid["samples"] < FID_BELOW_BLANK * fid["blank"], fid
 
 
+def fid_blank(out: Path) -> float:
+    """demo/fid.py's FID of blank canvases: what a model that draws nothing scores."""
+    return json.loads((out / "fid" / "fid.json").read_text())["blank"]
+
+
 def check_concept(out: Path, runs: tuple[str, ...]) -> dict:
     """The new concept: "a sks circle" drawn cyan by the DreamBooth LoRAs and "a <cyan-sks> circle" by the
     learned token, a colour the base never drew."""
@@ -121,7 +126,7 @@ def test_small_demo_chain_learns_prompted_colours_and_shapes(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.full_demo
-def test_demo_at_64_px_learns_prompted_colours_a_concept_and_aspect_ratios(tmp_path):
+def test_demo_at_64_px_learns_prompted_colours_a_concept_aspect_ratios_and_few_step_sampling(tmp_path):
     _, out = run_demo(tmp_path, DEMO_64)
     scores = json.loads((out / "eval.json").read_text())
     assert scores["seen"]["n"] == 15 * 4 and scores["held_out"]["n"] == 3 * 4
@@ -153,3 +158,12 @@ def test_demo_at_64_px_learns_prompted_colours_a_concept_and_aspect_ratios(tmp_p
         assert aspect["buckets"][orientation]["at_end"] > aspect["square"][orientation]["at_end"], aspect
     gap = np.mean([aspect["buckets"][o]["at_end"] - aspect["square"][o]["at_end"] for o in ("wide", "tall")])
     assert gap >= ASPECT_GAP_AT_LEAST, aspect
+    # Few-step sampling: the demo model distilled (configs/demo_lcm.yaml, 400 steps). Measured at this size,
+    # seen prompts, both right: DDIM 50 steps 100%, 4 steps 97%, 2 steps 40%; LCM 2 steps 97%, 4 steps
+    # 100%, 8 steps 97% (60 samples each, one sample 0.017). The goal is LCM at 4 steps within 5 points of
+    # DDIM at 50; the check allows another 5 for sampling noise. At 2 steps DDIM falls apart and LCM not.
+    lcm = json.loads((out / "lcm_eval" / "lcm.json").read_text())
+    assert set(lcm) == {"ddim_50", "ddim_4", "ddim_2", "lcm_2", "lcm_4", "lcm_8"}, lcm
+    assert lcm["lcm_4"]["seen_both"] >= lcm["ddim_50"]["seen_both"] - 0.10, lcm
+    assert lcm["lcm_2"]["seen_both"] >= lcm["ddim_2"]["seen_both"] + 0.30, lcm
+    assert all(0 < row["fid"] < FID_BELOW_BLANK * fid_blank(out) for row in lcm.values()), lcm

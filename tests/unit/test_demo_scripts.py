@@ -64,3 +64,18 @@ def test_classifier_reads_the_ground_truth_images(tmp_path):
     assert len(hits) == 300 and all(hits)
     assert not seen_captions & set(prompts["held_out"])  # held-out combinations never reach training
     assert seen_captions <= set(prompts["seen"])
+
+
+def test_the_few_step_table_reads_each_rows_scores_and_prints_fid_as_a_number(tmp_path, capsys):
+    from demo.lcm import report
+
+    for row, both in (("ddim_50", 1.0), ("lcm_4", 0.95)):
+        scores = {"seen": {"colour": 1.0, "shape": both, "both": both, "n": 60},
+                  "held_out": {"colour": 0.5, "shape": 0.5, "both": 0.25, "n": 12}}
+        (tmp_path / f"eval_{row}.json").write_text(json.dumps(scores))
+    table = report(tmp_path, None)
+    assert table == {"ddim_50": {"seen_colour": 1.0, "seen_shape": 1.0, "seen_both": 1.0, "held_out_both": 0.25},
+                     "lcm_4": {"seen_colour": 1.0, "seen_shape": 0.95, "seen_both": 0.95, "held_out_both": 0.25}}
+    assert json.loads((tmp_path / "lcm.json").read_text()) == table
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split()[-4:] == ["100%", "100%", "100%", "25%"] and "LCM 4 steps" in lines[2]
