@@ -12,11 +12,17 @@ import yaml
 from PIL import Image
 from safetensors.torch import load_file
 
+import sd.data.training_data
 import sd.formats
 import sd.model
+import sd.train.config
+import sd.train.distill
+import sd.train.step
 import sd.train.checkpoint as ckpt
 import SD_ImageGen
 import SD_Train
+
+from sd.distributed import Dist
 
 from data_factory import BASE, assert_bitwise_equal, make_base_pipeline
 
@@ -84,16 +90,43 @@ def test_a_whole_unet_distillation_resumed_on_another_teacher_is_refused(base_mo
     assert not (tmp_path / "run" / "checkpoints" / ckpt.step_dir_name(4)).exists()
 
 
+def fixed_draw_loss(config_fields: dict, student: dict | None, target: dict | None, base_model, latents, ids) -> float:
+    """The mean consistency loss of ``latents`` under fixed noise, solver steps and guidance scales (the same
+    generator seed every call) with the student's and the target network's weights given (None: the teacher's)."""
+    config = sd.train.config.TrainConfig(**{**DISTILL, **config_fields, "datasets": [], "init_from": str(base_model)})
+    unet = sd.model.build_unet("tiny", from_scratch=False)
+    sd.formats.load_unet_weights(str(base_model), unet)
+    step = sd.train.step.build_step(config, Dist.single(), unet, sd.model.load_text_encoder("tiny"),
+                                    sd.model.tokenize(sd.model.load_tokenizer("tiny"), [""]), 1.0)
+    if student is not None:
+        unet.load_state_dict(student)
+    if target is not None:
+        step.distill.load_state_dict(target)
+    with torch.no_grad():
+        loss, _ = sd.train.distill.lcm_loss(step, unet, latents, ids, torch.Generator().manual_seed(0))
+    return loss.mean().item()
+
+
 def test_the_consistency_loss_falls_and_the_teacher_is_left_as_it_was(base_model, dataset_16, tmp_path):
-    run = train(tmp_path, "run", datasets=[dataset_16], init_from=str(base_model), max_steps=24, lr=2e-3,
-                lcm_loss="l2", ema_decay=0.0)
-    losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert np.mean(losses[-6:]) < 0.7 * np.mean(losses[:6]), losses
+    fields = dict(lcm_loss="l2", lr=1e-3, batch_size=4, grad_accum=1, ema_decay=0.0)
+    run = train(tmp_path, "run", datasets=[dataset_16], init_from=str(base_model), max_steps=16, validate_every=16,
+                **fields)
+    assert (run / "samples" / "step_00000016.png").exists()  # the validation grid, sampled with lcm
+    folder = run / "checkpoints" / ckpt.step_dir_name(16)
+    data = sd.data.training_data.MixedData([sd.data.training_data.join_split(
+        dataset_16["dataset"], "train", sd.data.training_data.LatentStore(dataset_16["latents"]))], [1.0])
+    latents, ids = data.batch(np.arange(16))[:2]
+    student, target = load_file(str(folder / "unet.safetensors")), load_file(str(folder / "lcm_target.safetensors"))
+    # The objective with the target network as it ended: the trained student is far closer to it than the
+    # student it started as (the teacher). Measured: 0.50 -> 0.12.
+    start, trained = (fixed_draw_loss(fields, s, target, base_model, latents, ids) for s in (None, student))
+    assert trained < 0.5 * start, (start, trained)
+    # Self-consistency, each model its own target (what makes few steps work): measured 0.045 -> 0.020.
+    start, trained = (fixed_draw_loss(fields, s, s, base_model, latents, ids) for s in (None, student))
+    assert trained < 0.75 * start, (start, trained)
     teacher = sd.model.build_unet("tiny", from_scratch=False)
     sd.formats.load_unet_weights(str(base_model), teacher)
-    student = load_file(str(run / "checkpoints" / ckpt.step_dir_name(24) / "unet.safetensors"))
-    assert any(not torch.equal(student[k], v) for k, v in teacher.state_dict().items())  # the student moved
-    saved_base = load_file(str(run / "checkpoints" / ckpt.step_dir_name(24) / "lora_base.safetensors"))["fingerprint"]
+    saved_base = load_file(str(folder / "lora_base.safetensors"))["fingerprint"]
     assert torch.equal(saved_base, ckpt.weights_fingerprint(list(teacher.parameters())))
 
 
