@@ -3,6 +3,8 @@ of a whole-UNet student, the teacher checked on resume, a loss that falls, and a
 by diffusers' LCMScheduler giving our images."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +28,7 @@ from sd.distributed import Dist
 
 from data_factory import BASE, assert_bitwise_equal, make_base_pipeline
 
+ROOT = Path(__file__).resolve().parents[2]
 DISTILL = dict(BASE, distill="lcm", lr=5e-3, warmup_steps=0, lcm_guidance_min=1.5, lcm_guidance_max=4.0,
                batch_size=2, grad_accum=2, validation_sampler="lcm", validation_steps=2, validation_cfg=1.0)
 pytestmark = pytest.mark.slow
@@ -57,37 +60,70 @@ def checkpoint_state(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
     return tensors
 
 
-@pytest.mark.parametrize("fields", [dict(lora_rank=4, lora_targets=["attention", "resnet"]), {}],
-                         ids=["lcm-lora", "whole-unet"])
-def test_a_distillation_stopped_and_resumed_equals_the_straight_run_bit_for_bit(fields, base_model, dataset_16,
-                                                                                 tmp_path):
-    common = dict(datasets=[dataset_16], init_from=str(base_model), max_steps=6, **fields)
-    straight = train(tmp_path, "a", **common)
-    train(tmp_path, "b", "--stop_at_step", "3", **common)  # mid-epoch (4 steps an epoch)
-    resumed = train(tmp_path, "b", **common)
+@pytest.fixture(scope="module")
+def whole_unet_runs(base_model, dataset_16, tmp_path_factory):
+    """A whole-UNet distillation of 6 steps run straight (``a``) and stopped at step 3, then resumed (``b``)."""
+    root = tmp_path_factory.mktemp("whole_unet")
+    common = dict(datasets=[dataset_16], init_from=str(base_model), max_steps=6)
+    straight = train(root, "a", **common)
+    train(root, "b", "--stop_at_step", "3", **common)  # mid-epoch (4 steps an epoch)
+    return straight, train(root, "b", **common)
+
+
+def check_resumed(straight: Path, resumed: Path, lora: bool) -> None:
     a, b = checkpoint_state(straight, 6), checkpoint_state(resumed, 6)
     assert_bitwise_equal(a, b)
     target = {k for k in a if k.startswith("lcm_target.")}
-    assert target and ("adapter.unet." if fields else "unet.") in "".join(a)
-    if fields:  # an LCM-LoRA's target network averages its adapter alone
-        assert all(".lora_" in k for k in target)
-        assert not any(k.startswith("unet.") for k in a)  # the base is init_from's, never saved
+    assert target and ("adapter.unet." if lora else "unet.") in "".join(a)
+    if lora:  # an LCM-LoRA's target network averages its adapter alone; the base is init_from's, never saved
+        assert all(".lora_" in k for k in target) and not any(k.startswith("unet.") for k in a)
     records = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6] and all(np.isfinite(r["loss"]) for r in records)
 
 
-def test_a_whole_unet_distillation_resumed_on_another_teacher_is_refused(base_model, dataset_16, tmp_path, capsys):
+def test_a_whole_unet_distillation_stopped_and_resumed_equals_the_straight_run_bit_for_bit(whole_unet_runs):
+    check_resumed(*whole_unet_runs, lora=False)
+
+
+def test_an_lcm_lora_stopped_and_resumed_equals_the_straight_run_bit_for_bit(base_model, dataset_16, tmp_path):
+    common = dict(datasets=[dataset_16], init_from=str(base_model), max_steps=6, lora_rank=4,
+                  lora_targets=["attention", "resnet"])
+    straight = train(tmp_path, "a", **common)
+    train(tmp_path, "b", "--stop_at_step", "3", **common)
+    check_resumed(straight, train(tmp_path, "b", **common), lora=True)
+
+
+def test_a_distillation_resumed_on_another_teacher_is_refused(whole_unet_runs, dataset_16, tmp_path, capsys):
     other = tmp_path / "other"  # the same architecture, other weights
-    sd.formats.export_diffusers(other, sd.model.build_unet("tiny", seed=9, from_scratch=False), sd.model.load_vae("tiny"), sd.model.load_text_encoder("tiny"),
+    sd.formats.export_diffusers(other, sd.model.build_unet("tiny", seed=9, from_scratch=False),
+                                sd.model.load_vae("tiny"), sd.model.load_text_encoder("tiny"),
                                 sd.model.load_tokenizer("tiny"))
-    train(tmp_path, "run", "--stop_at_step", "2", datasets=[dataset_16], init_from=str(base_model), max_steps=4)
+    _, run = whole_unet_runs
     path = tmp_path / "again.yaml"
-    path.write_text(yaml.safe_dump({**DISTILL, "out_dir": str(tmp_path / "run"), "datasets": [dataset_16],
-                                    "init_from": str(other), "max_steps": 4}))
+    path.write_text(yaml.safe_dump({**DISTILL, "out_dir": str(run), "datasets": [dataset_16],
+                                    "init_from": str(other), "max_steps": 6}))
     capsys.readouterr()
     assert SD_Train.main(["--config", str(path)]) == 2
     assert f"init_from {other} is not the base model the distilled model in" in capsys.readouterr().err
-    assert not (tmp_path / "run" / "checkpoints" / ckpt.step_dir_name(4)).exists()
+
+
+def test_two_ranks_distill_an_lcm_lora_to_the_same_adapter(base_model, dataset_16, tmp_path):
+    """DDP wraps the student; the teacher (adapters off) and the target network run outside it, on each rank."""
+    config = tmp_path / "two.yaml"
+    config.write_text(yaml.safe_dump({**DISTILL, "out_dir": str(tmp_path / "run"), "datasets": [dataset_16],
+                                      "init_from": str(base_model), "max_steps": 4, "lora_rank": 4,
+                                      "batch_size": 2, "grad_accum": 1, "validate_every": 4}))
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             str(ROOT / "SD_Train.py"), "--config", str(config)], cwd=ROOT, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    folder = tmp_path / "run" / "checkpoints" / ckpt.step_dir_name(4)
+    rank0, rank1 = (torch.load(folder / f"rng_rank{r}.pt", weights_only=True) for r in (0, 1))
+    assert torch.equal(rank0["fingerprint"], rank1["fingerprint"])  # the ranks' weights agree
+    assert not torch.equal(rank0["rng"]["noise"], rank1["rng"]["noise"])  # and they drew different samples
+    assert (tmp_path / "run" / "samples" / "step_00000004.png").exists()
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4] and "val_loss" in records[-1]
 
 
 def fixed_draw_loss(config_fields: dict, student: dict | None, target: dict | None, base_model, latents, ids) -> float:
