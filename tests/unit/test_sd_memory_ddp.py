@@ -33,17 +33,21 @@ def estimates_beside_the_runs_group(rank: int) -> dict:
 
 
 DDP_POINT = ("tiny", 64, 8, True, 2)  # preset, resolution, batch, checkpointing, grad_accum
+SHARDED_POINT = ("tiny", 128, 8, True, 2)
+SHARDED = ("zero1", "fsdp")
 
 
 @pytest.fixture(scope="module")
-def ddp_run():
-    """Two processes in a gloo group train the tiny UNet in DDP as the trainer wraps it (accumulating
-    two micro-batches, the first under no_sync): each rank's CPU allocator peak, read from the profiler
-    (bench/memory_estimate.py's measure_ddp); then, in the same group, each rank's
-    ``estimates_beside_the_runs_group``."""
+def gloo_runs() -> dict:
+    """Two processes in a gloo group train the tiny UNet as the trainer wraps it (accumulating two
+    micro-batches, the first under no_sync): DDP at DDP_POINT, then zero1 and fsdp at SHARDED_POINT,
+    each rank's CPU allocator peak of each read from the profiler (bench/memory_estimate.py's
+    measure_ddp); then, in the same group, each rank's ``estimates_beside_the_runs_group``."""
     from bench import memory_estimate
 
-    return memory_estimate.measure_ddp(*DDP_POINT, world_size=2, then=estimates_beside_the_runs_group)
+    points = [(*DDP_POINT, "none"), *((*SHARDED_POINT, sharding) for sharding in SHARDED)]
+    measured, beside = memory_estimate.measure_ddp(points, world_size=2, then=estimates_beside_the_runs_group)
+    return {"none": measured[0], **dict(zip(SHARDED, measured[1:])), "beside": beside}
 
 
 @functools.cache
@@ -55,12 +59,13 @@ def estimate_at_32(sharding: str) -> sd.train.memory.Estimate:
 
 
 @pytest.mark.slow
-def test_the_ddp_estimate_is_within_three_percent_of_each_rank_of_a_two_rank_gloo_run(ddp_run):
-    """The measured peak of each rank of ``ddp_run`` against the estimate of one rank on fake tensors."""
+def test_the_ddp_estimate_is_within_three_percent_of_each_rank_of_a_two_rank_gloo_run(gloo_runs):
+    """The measured peak of each DDP rank of ``gloo_runs`` against the estimate of one rank on fake
+    tensors."""
     from bench import memory_estimate
 
     preset, resolution, batch, checkpointing, accum = DDP_POINT
-    measured, _ = ddp_run
+    measured = gloo_runs["none"]
     config = memory_estimate.config_for(preset, batch, checkpointing, grad_accum=accum)
     estimate = sd.train.memory.estimate(config, resolution=resolution, device="cpu", world_size=2)
     assert estimate.world_size == 2 and estimate.grad_accum == 2
@@ -121,12 +126,12 @@ def test_a_bad_world_size_or_a_global_batch_it_cannot_split_stops_the_estimate_i
 
 
 @pytest.mark.slow
-def test_under_torchrun_the_estimate_runs_beside_the_runs_group_and_leaves_it_as_it_was(ddp_run):
+def test_under_torchrun_the_estimate_runs_beside_the_runs_group_and_leaves_it_as_it_was(gloo_runs):
     """batch_size: auto estimates on every rank of a run whose process group exists: the estimate's
     DDP (and ZeRO's broadcasts, FSDP2's mesh) runs in a fake group of its own, and the run's group is
     the default before and after. ZeRO's partition is this rank's: rank 1's differs by bytes. (The
-    ranks are ``ddp_run``'s, after their measured DDP steps.)"""
-    _, results = ddp_run
+    ranks are ``gloo_runs``', after their measured steps.)"""
+    results = gloo_runs["beside"]
     assert [r["allocated"] for r in results] == pytest.approx([estimate_at_32("none").allocated] * 2, rel=1e-4)
     assert [r["sum"] for r in results] == [2.0, 2.0] and [r["groups"] for r in results] == [2, 2]
     for name in ("zero1", "fsdp"):
@@ -164,8 +169,8 @@ def test_a_later_config_file_overrides_an_earlier_ones_fields(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sharding", ["zero1", "fsdp"])
-def test_the_sharded_estimate_is_within_three_percent_of_a_two_rank_gloo_run(sharding):
+@pytest.mark.parametrize("sharding", SHARDED)
+def test_the_sharded_estimate_is_within_three_percent_of_a_two_rank_gloo_run(gloo_runs, sharding):
     """sharding: zero1 (DDP, ZeroRedundancyOptimizer around fused AdamW) and fsdp (FSDP2 on each block,
     then the UNet) as the trainer runs them, measured on each rank of a gloo group, against the
     estimate of one rank in the fake group (at 128 px: measured 36.52 and 35.00 MB, estimated -1.6% and
@@ -174,9 +179,8 @@ def test_the_sharded_estimate_is_within_three_percent_of_a_two_rank_gloo_run(sha
     are held to 6%, zero1's to 3%."""
     from bench import memory_estimate
 
-    preset, resolution, batch, checkpointing, accum = "tiny", 128, 8, True, 2
-    measured, _ = memory_estimate.measure_ddp(preset, resolution, batch, checkpointing, accum, world_size=2,
-                                              sharding=sharding)
+    preset, resolution, batch, checkpointing, accum = SHARDED_POINT
+    measured = gloo_runs[sharding]
     config = memory_estimate.config_for(preset, batch, checkpointing, grad_accum=accum, sharding=sharding)
     estimate = sd.train.memory.estimate(config, resolution=resolution, device="cpu", world_size=2)
     assert estimate.sharding == sharding and estimate.as_dict()["sharding"] == sharding
