@@ -157,18 +157,18 @@ def loop(run: Run, stopper: StopSignal, metrics, bar, prefetch: Prefetcher) -> i
     tick, window_images = time.perf_counter(), 0
     unread = []  # (step, epoch, lr, result) of the steps taken since the last read
     while state.step < total:
-        batches, flips = sd.data.training_data.epoch_batches(run.train_data, config.seed, state.epoch, d.rank,
-                                                            d.world_size, config.batch_size,
-                                                            config.epoch_size or None, config.flip)
+        batches, flips, draws = sd.data.training_data.epoch_plan(run.train_data, config.seed, state.epoch, d.rank,
+                                                                d.world_size, config.batch_size,
+                                                                config.epoch_size or None, config.flip)
         usable = len(batches) // config.grad_accum * config.grad_accum
         while state.position < usable and state.step < total:
             position, accum = state.position, config.grad_accum
             micro = prefetch.take((state.epoch, position), batches[position : position + accum],
-                                  flips[position : position + accum])
+                                  flips[position : position + accum], draws[position : position + accum])
             if position + accum < usable and state.step + 1 < total:  # the next step's batch, built meanwhile
-                prefetch.ahead((state.epoch, position + accum), batches[position + accum : position + 2 * accum],
-                               flips[position + accum : position + 2 * accum])
-            lr = sd.train.step.lr_at(state.step, config.lr, config.warmup_steps, total, config.min_lr_ratio)
+                nxt = slice(position + accum, position + 2 * accum)
+                prefetch.ahead((state.epoch, position + accum), batches[nxt], flips[nxt], draws[nxt])
+            lr = sd.train.step.lrs_at(config, state.step, total)  # each parameter group's
             sd.train.step.set_lr(run.step.optimizer, lr)
             with sd.model.attention_context(d.device):
                 result = sd.train.step.train_step(run.step, micro, state.step, stop_requested=stopper.requested())
@@ -204,7 +204,7 @@ def loop(run: Run, stopper: StopSignal, metrics, bar, prefetch: Prefetcher) -> i
                 if d.is_main:
                     for i, record in enumerate(records):
                         metrics.write(record, image if i == len(records) - 1 else None)
-                    bar.set_postfix(loss=f"{result['loss']:.4f}", lr=f"{lr:.2e}")
+                    bar.set_postfix(loss=f"{result['loss']:.4f}", lr=f"{lr['unet']:.2e}")
                 if sd.train.checkpointer.due(run, epoch_done, stopping=code is not None):
                     sd.train.checkpointer.save(run)
                 if code is not None:

@@ -22,8 +22,13 @@ trainer reads them with ``flip: true``). With --buckets (``sd.data.buckets``: si
 cropped minimally) a shard gets one NNNNN.WxH.npy (and NNNNN.WxH.flip.npy) per bucket it fills, and
 NNNNN.buckets.json before its keys file: the buckets in the order of the keys (grouped by bucket),
 each with its size, latent shape and count, and per key its original size and crop offset.
+A sample with a loss mask (``key.mask.png``, from pipeline/01e_import_folder.py) has it cut and
+scaled as its image and reduced to latent resolution (each 8x8 pixel block's mean weight, 0..1):
+NNNNN.mask.npy (float16, (N, 1, H/8, W/8); per bucket NNNNN.WxH.mask.npy) beside the latents, only
+for a shard (or bucket) with at least one mask, weight 1 for its samples without one; the mirrored
+latents use the mirrored mask, which the trainer flips itself.
 latents.json holds the settings (VAE id, scaling factor, resolution, latent shape or bucket list,
-dtype, flip) and the totals. It is written first, with ``"complete": false``, before any shard is
+dtype, flip) and the totals (``masked``: the samples with a mask). It is written first, with ``"complete": false``, before any shard is
 encoded, and again
 with ``"complete": true`` once every input shard has been through (the trainer refuses a folder that
 is not complete). A re-run compares its settings with it before any work: a mismatch stops with exit

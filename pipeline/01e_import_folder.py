@@ -23,6 +23,15 @@ its long side) scaled to ``--resolution`` and the other in proportion, for ``enc
 --buckets``, which crops each image to its aspect-ratio bucket. Either way images more elongated
 than 8:1 are skipped (``extreme_aspect``), which bounds an output's long side at 8 x ``--resolution``.
 
+Loss masks (for ``SD_Train.py --masked_loss``): ``photo_mask.png`` (or any image extension) beside
+``photo.jpg`` is that image's mask, grey level 0..255 = weight 0..1 of each pixel in the training loss
+(black: not learnt, white: learnt in full). It is resized and cropped exactly as its image and travels
+as ``key.mask.png``; a mask of another size but the same aspect ratio is first scaled to its image's
+size. A mask of another aspect ratio (``mask_mismatch``) or one that does not decode (``bad_mask``)
+skips its image, counted and named by the mask's path; so do two masks for one image
+(``ambiguous_mask``). Files named ``*_mask.<ext>`` are never imported as images: one without its image
+is counted as ``orphan_masks`` in the summary. The stats count the samples with a mask as ``masked``.
+
 Images are sorted by relative path and cut into shards of ``--shard_size``, so a re-run skips
 finished shards and is a no-op once all are done. The key is the relative path without its
 extension, ``/`` -> ``__`` and other punctuation -> ``_`` (``sub/dir/img.01.png`` ->
@@ -58,6 +67,8 @@ MAX_KEY_BYTES = 80  # USTAR member names hold 100 bytes; keys carry no folder, p
 METADATA_ONLY = ("exclude_tags", "drop_tags", "tag_map", "rename", "min_score", "tag_bonus", "score_tags",
                  "shuffle_tags")
 TEMPLATE_ONLY = ("template", "template_map")
+MASK_SUFFIX = "_mask"  # photo_mask.png: the loss mask of photo.jpg
+MASK_SKIPS = (*sd.data.shards.MASK_SKIPS, "ambiguous_mask")  # skips counted under the mask's name
 
 log = logging.getLogger(STAGE)
 
@@ -231,18 +242,39 @@ def clean_prefix(prefix: str) -> str:
 
 
 def list_images(src: Path) -> list[str]:
-    """Relative POSIX paths of the images under ``src``, sorted: the order that fixes the shards.
+    """Relative POSIX paths of the images under ``src``, sorted: the order that fixes the shards."""
+    return list_files(src)[0]
+
+
+def list_files(src: Path) -> tuple[list[str], list[str]]:
+    """``(images, masks)``: relative POSIX paths under ``src``, sorted; a mask is an image file whose
+    name ends in ``_mask`` (``photo_mask.png``) and is never an image itself.
 
     Hidden entries are skipped: macOS ``._photo.jpg`` resource forks and ``.ipynb_checkpoints``
     copies look like images but are not part of the dataset.
     """
-    found = []
+    images, masks = [], []
     for folder, subfolders, files in os.walk(src):
         subfolders[:] = [name for name in subfolders if not name.startswith(".")]
         relative = Path(folder).relative_to(src)
-        found += [(relative / name).as_posix() for name in files
-                  if not name.startswith(".") and sd.data.stages.image_extension(name)]
-    return sorted(found)
+        for name in files:
+            if not name.startswith(".") and sd.data.stages.image_extension(name):
+                is_mask = name.rsplit(".", 1)[0].endswith(MASK_SUFFIX)
+                (masks if is_mask else images).append((relative / name).as_posix())
+    return sorted(images), sorted(masks)
+
+
+def match_masks(images: list[str], masks: list[str]) -> tuple[dict[str, list[str]], list[str]]:
+    """``({image: [its masks]}, masks without an image)``: ``dir/photo_mask.*`` belongs to ``dir/photo.*``."""
+    by_stem: dict[str, list[str]] = {}
+    for mask in masks:
+        by_stem.setdefault(mask.rsplit(".", 1)[0][: -len(MASK_SUFFIX)], []).append(mask)
+    found = {}
+    for image in images:
+        if (stem := image.rsplit(".", 1)[0]) in by_stem:
+            found[image] = by_stem[stem]
+    matched = {mask for image_masks in found.values() for mask in image_masks}
+    return found, [mask for mask in masks if mask not in matched]
 
 
 def path_hash(rel: str) -> str:
@@ -374,17 +406,27 @@ def caption_for(src: Path, rel: str, key: str, rules: CaptionRules) -> tuple[str
 
 
 def import_shard(src: Path, out: Path, index: int, items: list[tuple[str, str]], rules: CaptionRules,
-                 args, fingerprints: dict, bar) -> dict:
+                 args, fingerprints: dict, bar, masks: dict[str, list[str]] | None = None) -> dict:
+    """Shard ``index`` of ``items`` (relative path, key); ``masks``: each image's mask files."""
     stats, samples = sd.data.stages.ShardStats(), []
+    masks = masks or {}
     for rel, key in items:
+        mask_rels = masks.get(rel, [])
         try:
             caption, meta = caption_for(src, rel, key, rules)
             data = sd.files.read_file_bounded(src / rel, sd.data.stages.MAX_MEMBER_BYTES)
+            mask = read_mask(src, mask_rels)
+            if mask is not None:
+                meta = {**meta, "mask_source": mask_rels[0]}
             samples.append(sd.data.stages.image_sample(key, data, sd.data.stages.image_extension(rel), caption,
                                                     args.resolution, {"source": rel, **meta}, args.max_pixels,
-                                                    args.keep_aspect))
+                                                    args.keep_aspect, mask))
         except sd.data.shards.ImageSkip as skip:
-            stats.skip(skip.reason, rel)
+            if skip.reason in MASK_SKIPS:  # the mask is at fault: it is the file named
+                log.warning("%s: %s (its image %s is skipped)", " and ".join(mask_rels), skip, rel)
+                stats.skip(skip.reason, " and ".join(mask_rels))
+            else:
+                stats.skip(skip.reason, rel)
         except sd.files.TooLarge as error:  # no image file is this big: refused before it is read whole
             log.warning("%s", error)
             stats.skip("too_large_file", rel)
@@ -392,19 +434,44 @@ def import_shard(src: Path, out: Path, index: int, items: list[tuple[str, str]],
             log.warning("%s: %s", rel, error)
             stats.skip("unreadable", rel)
         bar.update(1)
-    return sd.data.stages.write_shard(out, index, samples, stats, **fingerprints)
+    masked = sum(sample.mask is not None for sample in samples)
+    return sd.data.stages.write_shard(out, index, samples, stats, masked=masked, **fingerprints)
 
 
-def shard_fingerprints(items: list[tuple[str, str]], rules: CaptionRules, args) -> dict:
+def read_mask(src: Path, mask_rels: list[str]) -> bytes | None:
+    """The file of an image's one mask, None without one; two masks for one image raise
+    ``ImageSkip("ambiguous_mask")``, an unreadable one ``ImageSkip("bad_mask")``."""
+    if not mask_rels:
+        return None
+    if len(mask_rels) > 1:
+        raise sd.data.shards.ImageSkip("ambiguous_mask", "two masks for one image: keep one")
+    try:
+        return sd.files.read_file_bounded(src / mask_rels[0], sd.data.stages.MAX_MEMBER_BYTES)
+    except (OSError, sd.files.TooLarge) as error:
+        raise sd.data.shards.ImageSkip("bad_mask", str(error)) from None
+
+
+def shard_fingerprints(items: list[tuple[str, str]], rules: CaptionRules, args,
+                       masks: dict[str, list[str]] | None = None) -> dict:
     sources = hashlib.sha1(b"\n".join(os.fsencode(rel) for rel, _ in items)).hexdigest()
-    # keep_aspect enters only when set, so shards written before the flag existed still match.
+    # keep_aspect enters only when set, so shards written before the flag existed still match; so do
+    # the masks, only for a shard with at least one.
     shape = {"keep_aspect": args.keep_aspect} if args.keep_aspect else {}
-    return {"sources_sha1": sources,
-            "options_sha1": rules.fingerprint(resolution=args.resolution, max_pixels=args.max_pixels, **shape)}
+    fingerprints = {"sources_sha1": sources,
+                    "options_sha1": rules.fingerprint(resolution=args.resolution, max_pixels=args.max_pixels, **shape)}
+    pairs = [os.fsencode(f"{rel}\t{mask}") for rel, _ in items for mask in (masks or {}).get(rel, [])]
+    if pairs:
+        fingerprints["masks_sha1"] = hashlib.sha1(b"\n".join(pairs)).hexdigest()
+    return fingerprints
 
 
-def check_done_shards(out: Path, plan: list[list[tuple[str, str]]], rules: CaptionRules, args) -> str | None:
-    """Why finished shards in ``out`` do not match this run (changed folder or options), or None.
+FINGERPRINT_CHANGES = {"sources_sha1": "images under --input", "masks_sha1": "masks under --input",
+                       "options_sha1": "options"}
+
+
+def check_done_shards(out: Path, plan: list[list[tuple[str, str]]], rules: CaptionRules, args,
+                      masks: dict[str, list[str]] | None = None) -> str | None:
+    """Why finished shards in ``out`` do not match this run (changed folder, masks or options), or None.
 
     Skipping them anyway would mix two imports in one dataset, or miss and duplicate images.
     """
@@ -413,10 +480,9 @@ def check_done_shards(out: Path, plan: list[list[tuple[str, str]]], rules: Capti
         if index >= len(plan):
             return f"{stats_path} is beyond the {len(plan)} shards this folder makes now"
         record = json.loads(stats_path.read_text())
-        expected = shard_fingerprints(plan[index], rules, args)
-        for name, value in expected.items():
-            if record.get(name) != value:
-                changed = "images under --input" if name == "sources_sha1" else "options"
+        expected = shard_fingerprints(plan[index], rules, args, masks)
+        for name, changed in FINGERPRINT_CHANGES.items():
+            if record.get(name) != expected.get(name):
                 return f"shard {index:05d} in {out} was written from different {changed}"
     return None
 
@@ -426,27 +492,35 @@ def main(argv=None) -> int:
     args, rules = parse_args(argv)
     sd.data.stages.setup_logging()
     src, out = Path(args.input), Path(args.out)
-    rels = list_images(src)
+    rels, mask_files = list_files(src)
     if not rels:  # most likely a wrong --input; an empty dataset is never what was meant
         print(f"01e_import_folder.py: no images ({', '.join(sd.data.shards.IMAGE_EXTENSIONS)}) under {src}", file=sys.stderr)
         return 2
+    masks, orphans = match_masks(rels, mask_files)
+    if orphans:
+        log.warning("%d masks have no image beside them (photo_mask.png needs photo.jpg or another image "
+                    "extension), not imported: %s", len(orphans), ", ".join(orphans[:10]))
     items = list(zip(rels, make_keys(rels)))
     plan = [items[i : i + args.shard_size] for i in range(0, len(items), args.shard_size)]
     out.mkdir(parents=True, exist_ok=True)
-    problem = check_done_shards(out, plan, rules, args)
+    problem = check_done_shards(out, plan, rules, args, masks)
     if problem:
         print(f"01e_import_folder.py: {problem}; use a fresh --out", file=sys.stderr)
         return 2
-    log.info("%d images under %s -> %d shards of up to %d", len(items), src, len(plan), args.shard_size)
+    log.info("%d images (%d with a mask) under %s -> %d shards of up to %d", len(items), len(masks), src,
+             len(plan), args.shard_size)
     summary = sd.data.stages.Summary(STAGE)
     todo = summary.pending(out, list(range(len(plan))))
     with tqdm(total=sum(len(plan[i]) for i in todo), unit="img", desc=STAGE) as bar:
         for index in todo:
             record = import_shard(src, out, index, plan[index], rules, args,
-                                  shard_fingerprints(plan[index], rules, args), bar)
+                                  shard_fingerprints(plan[index], rules, args, masks), bar, masks)
             summary.add(record)
+    masked = sum(json.loads(sd.data.stages.output_paths(out, i)[1].read_text()).get("masked", 0)
+                 for i in range(len(plan)))
     summary.finish(out, layout=args.layout, source=str(src.resolve()), images=len(items),
-                   resolution=args.resolution, keep_aspect=args.keep_aspect)
+                   resolution=args.resolution, keep_aspect=args.keep_aspect, masked=masked,
+                   orphan_masks={"count": len(orphans), "examples": orphans[:sd.data.stages.MAX_EXAMPLES]})
     return 0
 
 

@@ -31,6 +31,7 @@ import sd.lora.adapters
 import sd.model
 import sd.sampling
 import sd.train.checkpoint as ckpt
+import sd.train.ema
 from sd.cli import first_line
 from sd.train.config import read_saved_config
 
@@ -581,7 +582,8 @@ def _load_single_file(path: Path, arch: str, vae: str | None, text_encoder: str 
 
 # A LoRA run's checkpoint holds this instead of unet.safetensors: unet.<PEFT parameter name> and, with
 # a text-encoder adapter, text_encoder.<...> (sd.lora.adapters.AdapterWeights); its ema.safetensors is the UNet
-# adapter's EMA under the bare PEFT names.
+# adapter's EMA under the bare PEFT names and the text adapter's under text_encoder.<...>
+# (sd.train.ema.EMAWeights; older checkpoints hold the UNet's alone).
 RUN_ADAPTER_FILE = "adapter.safetensors"
 RUN_BASE_FILE = "lora_base.safetensors"  # the fingerprint of the base weights the adapter was trained on
 
@@ -600,7 +602,8 @@ def is_lora_checkpoint(folder: Path) -> bool:
 
 def lora_run_settings(source: str) -> dict | None:
     """The adapter of a LoRA run or checkpoint of ours as its config records it: ``rank``, ``alpha``
-    (the config's 0 made the rank), ``targets``, ``text_encoder`` (bool) and ``init_from`` (the base);
+    (the config's 0 made the rank), ``targets``, ``conv_rank`` / ``conv_alpha`` (the larger-than-1x1
+    convolutions'), ``text_encoder`` (bool) and ``init_from`` (the base);
     None for any other source. A value that cannot be a LoRA run's is an error naming the config."""
     config = run_config(source)
     if config is None or not config.get("lora_rank"):
@@ -617,8 +620,14 @@ def lora_run_settings(source: str) -> dict | None:
     if not config.get("init_from"):
         raise ValueError(f"{where}: a LoRA run (lora_rank {rank}) that names no init_from, the base its adapter "
                          "was trained on")
+    conv_rank, conv_alpha = config.get("lora_conv_rank") or 0, config.get("lora_conv_alpha") or 0
+    if isinstance(conv_rank, bool) or not isinstance(conv_rank, int) or conv_rank < 0:
+        raise ValueError(f"{where}: lora_conv_rank {conv_rank!r} is no integer >= 0")
+    if isinstance(conv_alpha, bool) or not isinstance(conv_alpha, (int, float)) or conv_alpha < 0:
+        raise ValueError(f"{where}: lora_conv_alpha {conv_alpha!r} is no number >= 0")
+    conv_rank, conv_alpha = sd.lora.adapters.conv_settings(rank, alpha, conv_rank, conv_alpha)
     return {"rank": rank, "alpha": sd.lora.adapters.effective_alpha(rank, alpha), "targets": list(targets),
-            "init_from": str(config["init_from"]),
+            "conv_rank": conv_rank, "conv_alpha": conv_alpha, "init_from": str(config["init_from"]),
             "text_encoder": bool(config.get("lora_text_encoder", False))}
 
 
@@ -651,8 +660,11 @@ def load_lora_run(folder: Path, unet, text_encoder=None, *, use_ema: bool = True
         sd.lora.adapters.AdapterWeights(**models).load_state_dict(state)
     ema_path = folder / "ema.safetensors"
     if use_ema and ema_path.exists():
+        unet_ema, text_ema = sd.train.ema.split_text(read_weights(verified(ema_path)))
         with _naming(ema_path):
-            sd.lora.adapters.load_adapter_state(unet, read_weights(verified(ema_path)), "the EMA adapter")
+            sd.lora.adapters.load_adapter_state(unet, unet_ema, "the EMA adapter")
+            if text_ema and "text_encoder" in models:
+                sd.lora.adapters.load_adapter_state(models["text_encoder"], text_ema, "the text encoder's EMA adapter")
         loaded = ema_path
     return f"{base} + LoRA {loaded}"
 
@@ -671,8 +683,9 @@ def check_trained_base(folder: Path, init_from: str, unet, text_encoder=None) ->
     models = [unet] + ([text_encoder] if text_encoder is not None else [])  # a learned token's: both
     now = ckpt.weights_fingerprint([p for model in models for p in model.parameters()])
     if not sd.lora.adapters.same_base(saved, now):
-        raise BaseMismatch(f"{init_from} is not the base model the adapter (or learned token) in {folder} was "
-                           f"trained on (its weights differ from those {RUN_BASE_FILE} records); restore that base")
+        what = "learned token" if text_encoder is not None else "adapter"
+        raise BaseMismatch(f"{init_from} is not the base model the {what} in {folder} was trained on (its weights "
+                           f"differ from those {RUN_BASE_FILE} records); restore that base")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -725,7 +738,8 @@ def _naming(path: Path):
 
 def add_run_lora(model, targets, settings: dict):
     """``model`` with an adapter of ``settings``' rank and alpha on the layers ``targets`` selects."""
-    sd.lora.adapters.add_lora(model, sd.lora.adapters.resolve_targets(model, targets), settings["rank"], settings["alpha"])
+    sd.lora.adapters.add_lora(model, sd.lora.adapters.resolve_targets(model, targets), settings["rank"], settings["alpha"],
+                              conv_rank=settings.get("conv_rank", 0), conv_alpha=settings.get("conv_alpha", 0.0))
     model.lora_settings["targets"] = list(targets)
     model.eval()
     return model

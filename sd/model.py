@@ -462,9 +462,18 @@ def diffusion_loss(
     alphas_cumprod: torch.Tensor,
     prediction_type: str = "epsilon",
     min_snr_gamma: float | None = 5.0,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Per-sample Min-SNR-weighted MSE in float32, shape ``(B,)``; the trainer takes the mean."""
+    """Per-sample Min-SNR-weighted MSE in float32, shape ``(B,)``; the trainer takes the mean.
+
+    ``mask`` ``(B, 1, h, w)``, weights in 0..1 (``masked_loss``): each squared error is multiplied by
+    its position's weight before the per-sample mean, as kohya's sd-scripts ``--masked_loss`` does. A
+    masked-out region teaches nothing, and a sample counts in proportion to the weight it keeps (the
+    mean is over every element, not over the mask's sum, so a small kept region is not amplified).
+    """
     mse = F.mse_loss(model_pred.float(), target.float(), reduction="none")
+    if mask is not None:
+        mse = mse * mask.to(device=mse.device, dtype=torch.float32)
     mse = mse.mean(dim=tuple(range(1, mse.ndim)))
     return mse * min_snr_weights(timesteps, alphas_cumprod, prediction_type, min_snr_gamma)
 

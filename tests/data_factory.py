@@ -89,3 +89,14 @@ def assert_bitwise_equal(a: dict, b: dict):
     assert a.keys() == b.keys()
     different = [name for name in a if not torch.equal(a[name], b[name])]
     assert not different, f"{len(different)} tensors differ, e.g. {different[:3]}"
+
+
+def make_base_pipeline(folder: Path) -> Path:
+    """A tiny diffusers pipeline folder whose UNet has non-zero output layers (a trained model's stand-in):
+    the base of LoRA, DreamBooth and textual-inversion runs."""
+    import sd.formats
+
+    sd.formats.export_diffusers(folder, sd.model.build_unet("tiny", seed=3, from_scratch=False),
+                                sd.model.load_vae("tiny"), sd.model.load_text_encoder("tiny"),
+                                sd.model.load_tokenizer("tiny"))
+    return folder

@@ -103,6 +103,7 @@ class ShardJob:
     truncated: str | None = None  # the key cut off where the tar ends early (set once it has been read)
     rows: dict[tuple, NpyRows] = field(default_factory=dict)  # the writer's open files: ("npy"|"flip", bucket)
     non_finite: list[tuple[str, str]] = field(default_factory=list)  # (output, key) of non-finite latents
+    masked: int = 0  # samples encoded with a loss mask
 
     @property
     def stem(self) -> str:
@@ -122,10 +123,13 @@ def outputs(out: Path, stem: str) -> dict[str, Path]:
             "keys": out / f"{stem}.keys.txt", "buckets": out / f"{stem}.buckets.json"}
 
 
+LATENT_SUFFIXES = {"npy": "", "flip": ".flip", "mask": ".mask"}  # output -> its files' suffix before .npy
+
+
 def latent_file(out: Path, stem: str, name: str, bucket: sd.data.buckets.Bucket | None) -> Path:
-    """``NNNNN.npy`` / ``NNNNN.flip.npy``, or per bucket ``NNNNN.WxH.npy`` / ``NNNNN.WxH.flip.npy``."""
+    """``NNNNN.npy`` / ``NNNNN.flip.npy`` / ``NNNNN.mask.npy``, or per bucket ``NNNNN.WxH.npy`` ..."""
     middle = "" if bucket is None else f".{sd.data.buckets.name(bucket)}"
-    return out / f"{stem}{middle}{'.flip' if name == 'flip' else ''}.npy"
+    return out / f"{stem}{middle}{LATENT_SUFFIXES[name]}.npy"
 
 
 def shard_done(out: Path, stem: str, flip: bool, bucketed: bool = False) -> bool:
@@ -213,7 +217,7 @@ def read_report(path: Path) -> dict:
 def folder_totals(out: Path) -> tuple[dict, set[str]]:
     """Totals over every shard report in the folder (so resumed runs and other ranks add up), and the
     stems of the shards that are through: done (their keys file exists) or failed."""
-    encoded, skipped, shards, failed, through = 0, Counter(), 0, {}, set()
+    encoded, masked, skipped, shards, failed, through = 0, 0, Counter(), 0, {}, set()
     for report_path in sorted(out.glob("*.report.json")):
         stem = report_path.name[: -len(".report.json")]
         done = (out / f"{stem}.keys.txt").exists()
@@ -225,9 +229,10 @@ def folder_totals(out: Path) -> tuple[dict, set[str]]:
         if done:
             shards += 1
             encoded += report["encoded"]
+            masked += report.get("masked", 0)
         else:
             failed.setdefault(report["failed"], []).append(Path(report["shard"]).name)
-    totals = {"shards": shards, "count": encoded, "skipped": dict(sorted(skipped.items())),
+    totals = {"shards": shards, "count": encoded, "masked": masked, "skipped": dict(sorted(skipped.items())),
               "failed_shards": dict(sorted(failed.items()))}
     return totals, through
 
@@ -342,7 +347,10 @@ def read_ahead(paths: list[Path], depth: int):
 def decode_sample(sample: sd.data.shards.ShardSample, resolution: int, max_pixels: int, max_aspect: float,
                   buckets: list[sd.data.buckets.Bucket] | None = None):
     """``(key, image (res, res, 3) uint8)`` or ``(key, skip reason)``; with ``buckets``
-    ``(key, (bucket index, image (H, W, 3) of that bucket, original (h, w), crop (top, left)))``."""
+    ``(key, (bucket index, image (H, W, 3) of that bucket, original (h, w), crop (top, left)))``.
+
+    A sample with a loss mask (``<key>.mask.png``) gets it as a fourth channel of its image, ``(H, W, 4)``,
+    cut and scaled exactly as the image."""
     if sample.problem is not None:  # a bad key, a caption that is not UTF-8, a member given twice
         return sample.key, sample.problem
     if sample.image is None:
@@ -351,16 +359,40 @@ def decode_sample(sample: sd.data.shards.ShardSample, resolution: int, max_pixel
         return sample.key, "no_caption"
     try:
         image = sd.data.shards.decode_image(sample.image, sample.image_ext, max_pixels, max_aspect)
-        if buckets is None:
-            return sample.key, sd.data.shards.resize_center_crop(image, resolution)
         height, width = image.shape[:2]
+        mask = None if sample.mask is None else sd.data.shards.decode_mask(sample.mask, (width, height), max_pixels)
+        if buckets is None:
+            return sample.key, with_mask(sd.data.shards.resize_center_crop, image, mask, resolution)
         bucket = sd.data.buckets.nearest_bucket(width, height, buckets)
         pixels, crop = sd.data.buckets.fit_to_bucket(image, buckets[bucket])
+        if mask is not None:
+            pixels = np.dstack([pixels, sd.data.buckets.fit_to_bucket(mask, buckets[bucket])[0]])
         return sample.key, (bucket, pixels, (height, width), crop)
     except sd.data.shards.ImageSkip as skip:
         return sample.key, skip.reason
     except Exception:  # a decoder failing in a way of its own: still one bad image, not a bad run
         return sample.key, "undecodable"
+
+
+def with_mask(fit, image: np.ndarray, mask: np.ndarray | None, *size) -> np.ndarray:
+    """``fit(image, *size)``, with ``fit(mask, *size)`` as a fourth channel when there is a mask."""
+    pixels = fit(image, *size)
+    return pixels if mask is None else np.dstack([pixels, fit(mask, *size)])
+
+
+def split_masks(images: list[np.ndarray]) -> tuple[list[np.ndarray], np.ndarray | None]:
+    """Decoded images (``(H, W, 3)``, or ``(H, W, 4)`` with a loss mask) -> ``(the RGB images, masks
+    (B, 1, H/8, W/8) float16 at latent resolution)``: weight 1 where an image has no mask; None when
+    none of them has one."""
+    rgb = [image[..., :3] for image in images]
+    if all(image.shape[-1] == 3 for image in images):
+        return rgb, None
+    height, width = images[0].shape[:2]
+    masks = np.ones((len(images), 1, height // 8, width // 8), dtype=np.float16)
+    for i, image in enumerate(images):
+        if image.shape[-1] == 4:
+            masks[i, 0] = sd.data.shards.latent_mask(image[..., 3])
+    return rgb, masks
 
 
 class NpyRows:
@@ -428,12 +460,12 @@ class Writer:
         self.thread.start()
 
     def put(self, job: ShardJob, keys: list[str] | None, latents: torch.Tensor | None, flipped: torch.Tensor | None,
-            bucket: int | None = None):
-        """One batch of ``job`` (its ``keys``, in order; with buckets, all of ``bucket``), or with
-        ``latents`` None the shard's closing notice."""
+            bucket: int | None = None, masks: np.ndarray | None = None):
+        """One batch of ``job`` (its ``keys``, in order; with buckets, all of ``bucket``; ``masks``: the
+        batch's loss masks, ``split_masks``), or with ``latents`` None the shard's closing notice."""
         if self.error is not None:
             raise self.error
-        self.jobs.put((job, keys, latents, flipped, bucket))
+        self.jobs.put((job, keys, latents, flipped, bucket, masks))
 
     def close(self) -> None:
         self.jobs.put(None)
@@ -452,14 +484,31 @@ class Writer:
             except BaseException as error:  # surfaced to the main thread by put()/close()
                 self.error = error
 
-    def _handle(self, job: ShardJob, keys, latents, flipped, bucket):
+    def _handle(self, job: ShardJob, keys, latents, flipped, bucket, masks):
         if latents is None:  # the closing notice: the shard's batches were all queued before it
             self._save(job)
             return
         self.current = job
+        self._append_masks(job, masks, len(keys), latents.shape[-2:], bucket)
         self._append(job, "npy", keys, latents, bucket)
         if flipped is not None:
             self._append(job, "flip", keys, flipped, bucket)
+
+    def _append_masks(self, job: ShardJob, masks: np.ndarray | None, count: int, size, bucket: int | None) -> None:
+        """The batch's rows of ``NNNNN.mask.npy`` (per bucket ``NNNNN.WxH.mask.npy``), begun at the first
+        mask of the shard (or bucket): the rows before it, and later rows without a mask, weigh 1. A
+        shard without a mask gets no such file. The mirrored latents' masks are these mirrored (the
+        trainer flips them), so none is written for them."""
+        if masks is None and ("mask", bucket) not in job.rows:
+            return
+        row_shape = (1, *size)
+        if ("mask", bucket) not in job.rows:
+            path = latent_file(self.out, job.stem, "mask", None if bucket is None else self.buckets[bucket])
+            rows = job.rows["mask", bucket] = NpyRows(path, row_shape)
+            earlier = job.rows["npy", bucket].count if ("npy", bucket) in job.rows else 0
+            for start in range(0, earlier, 1024):
+                rows.append(np.ones((min(1024, earlier - start), *row_shape), dtype=np.float16))
+        job.rows["mask", bucket].append(np.ones((count, *row_shape), np.float16) if masks is None else masks)
 
     def _append(self, job: ShardJob, name: str, keys: list[str], latents: torch.Tensor, bucket: int | None) -> None:
         host = latents.cpu().numpy()  # waits for this batch only; the device works on
@@ -490,13 +539,17 @@ class Writer:
                                    "try --precision fp32 or bf16)")
         for rows in job.rows.values():
             rows.commit()
-        latent_shapes = {bucket: list(rows.row_shape) for (name, bucket), rows in job.rows.items()}
+        for (name, bucket) in job.rows:  # a mask file left by an earlier encoding of this shard is not its own
+            if name == "npy" and ("mask", bucket) not in job.rows:
+                size = None if bucket is None else self.buckets[bucket]
+                latent_file(self.out, job.stem, "mask", size).unlink(missing_ok=True)
+        latent_shapes = {bucket: list(rows.row_shape) for (name, bucket), rows in job.rows.items() if name == "npy"}
         job.rows, self.current = {}, None
         sd.faults.point("after_npy", job.stem)  # tests: SD_FAULT=after_npy:NNNNN kills the run here
         keys = job.keys
         if self.buckets is not None:
             keys = self._save_layout(job, files["buckets"], latent_shapes)
-        report = {"shard": str(job.path), "encoded": len(job.keys), "skipped": job.skipped}
+        report = {"shard": str(job.path), "encoded": len(job.keys), "masked": job.masked, "skipped": job.skipped}
         sd.files.write_text_atomic(files["report"], json.dumps(report, indent=1) + "\n")
         sd.files.write_text_atomic(files["keys"], "".join(k + "\n" for k in keys))
 
@@ -618,12 +671,14 @@ class ShardStream:
     def encode(self, job: ShardJob, bucket: int) -> None:
         batch = self.pending.pop(bucket)
         keys = [key for key, _, _ in batch]
-        latents, flipped = self.encoder([image for _, image, _ in batch])
+        images, masks = split_masks([image for _, image, _ in batch])
+        latents, flipped = self.encoder(images)
         self.in_flight.remove(len(keys))
         job.keys.extend(keys)
+        job.masked += sum(image.shape[-1] == 4 for _, image, _ in batch)
         if self.args.bucket_sizes is not None:
             job.buckets.setdefault(bucket, []).extend((key, *info) for key, _, info in batch)
-        self.writer.put(job, keys, latents, flipped, None if self.args.bucket_sizes is None else bucket)
+        self.writer.put(job, keys, latents, flipped, None if self.args.bucket_sizes is None else bucket, masks)
         self.bar.update(len(keys))
 
     def close(self, job: ShardJob) -> None:

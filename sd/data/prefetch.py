@@ -20,22 +20,27 @@ class Prefetcher:
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="prefetch")
         self.pending = None  # (key, future)
 
-    def build(self, batches: list, flips: list | None = None) -> list:
-        micro = [self.data.batch(rows, flipped) for rows, flipped in zip(batches, flips or [None] * len(batches))]
+    def build(self, batches: list, flips: list | None = None, draws: list | None = None) -> list:
+        """The micro-batches of ``batches`` (global indices), with their flip coins and caption draw keys
+        (``sd.data.training_data.epoch_plan``): here, in the background thread, the loader's captions
+        are read and tokenised."""
+        none = [None] * len(batches)
+        micro = [self.data.batch(rows, flipped) if keys is None else self.data.batch(rows, flipped, keys)
+                 for rows, flipped, keys in zip(batches, flips or none, draws or none)]
         if self.pin:
             micro = [tuple(t.pin_memory() for t in pair) for pair in micro]
         return micro
 
-    def ahead(self, key, batches: list, flips: list | None = None) -> None:
-        self.pending = (key, self.pool.submit(self.build, batches, flips))
+    def ahead(self, key, batches: list, flips: list | None = None, draws: list | None = None) -> None:
+        self.pending = (key, self.pool.submit(self.build, batches, flips, draws))
 
-    def take(self, key, batches: list, flips: list | None = None) -> list:
+    def take(self, key, batches: list, flips: list | None = None, draws: list | None = None) -> list:
         pending, self.pending = self.pending, None
         if pending is not None and pending[0] == key:
             return pending[1].result()
         if pending is not None:
             pending[1].cancel()
-        return self.build(batches, flips)
+        return self.build(batches, flips, draws)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)

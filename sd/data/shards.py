@@ -8,6 +8,9 @@
   extremely elongated images with an ``ImageSkip`` whose ``reason`` is the counter the caller adds it
   to; ``resize_center_crop`` makes the square the VAE sees, cutting it out before scaling, and
   ``resize_keep_aspect`` scales the whole image (for aspect-ratio buckets, which crop later).
+* A sample may carry a loss mask, ``<key>.mask.png``: a grey image of the image's size, grey level
+  0..255 = weight 0..1 of each pixel in the training loss. ``decode_mask`` reads and checks it against
+  its image; ``latent_mask`` reduces it to latent resolution (the mean weight of each 8x8 block).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ class ShardSample:
     caption: str | None = None
     metadata: bytes | None = None
     problem: str | None = None  # set by TarSamples: the skip reason of a sample no reader may use
+    mask: bytes | None = None  # the loss mask's image file, ``<key>.mask.png``
 
 
 # Characters no key may hold: the control characters (Unicode category Cc: ``\n``, ``\r``, ``\x85``
@@ -75,14 +79,14 @@ class TarSamples:
     ``bad_caption_encoding``, a member to be read that is over ``max_member_bytes`` ``too_large_member``
     (it is not read).
 
-    Only the payloads of ``fields`` (``image``, ``caption``, ``metadata``) are read; a member of another
+    Only the payloads of ``fields`` (``image``, ``caption``, ``metadata``, ``mask``) are read; a member of another
     field stands as ``b""`` and passing it over is a seek. Reading stops at the first member whose data
     runs past ``size`` (a cut-off file) or that tarfile cannot read; that member's sample is dropped
     and, once the loop ends, ``truncated_key`` names it (``<after N samples: error>`` where no key was
     read). A file that is not a tar at all raises ``tarfile.ReadError`` from the first ``next``.
     """
 
-    FIELDS = ("image", "caption", "metadata")
+    FIELDS = ("image", "caption", "metadata", "mask")
 
     def __init__(self, file, size: int, fields=FIELDS, max_member_bytes: int | None = None):
         self.file, self.size, self.fields, self.max_member_bytes = file, size, set(fields), max_member_bytes
@@ -147,7 +151,12 @@ def read_shard(data: bytes) -> tuple[list[ShardSample], str | None]:
         return [], f"<after 0 samples: {error}>"
 
 
+MASK_EXTENSION = "mask.png"  # the member a sample's loss mask is written as: <key>.mask.png
+
+
 def field_of(ext: str) -> str | None:
+    if ext.startswith("mask.") and ext[len("mask."):] in IMAGE_EXTENSIONS:
+        return "mask"
     return "image" if ext in IMAGE_EXTENSIONS else {"txt": "caption", "json": "metadata"}.get(ext)
 
 
@@ -163,6 +172,8 @@ def add_member(sample: ShardSample, ext: str, payload: bytes) -> None:
         sample.image, sample.image_ext = payload, ext
     elif field == "metadata":
         sample.metadata = payload
+    elif field == "mask":
+        sample.mask = payload
     else:
         try:
             sample.caption = payload.decode("utf-8").strip()
@@ -193,6 +204,8 @@ def write_tar(path: Path, samples: list[ShardSample]) -> None:
                 add(tar, f"{sample.key}.txt", sample.caption.encode("utf-8"))
             if sample.metadata is not None:
                 add(tar, f"{sample.key}.json", sample.metadata)
+            if sample.mask is not None:
+                add(tar, f"{sample.key}.{MASK_EXTENSION}", sample.mask)
 
 
 def sniff_format(data: bytes) -> str | None:
@@ -336,3 +349,55 @@ def resize_keep_aspect(image: np.ndarray, resolution: int, side: str = "short",
 
     interpolation = cv2.INTER_AREA if fixed > resolution else cv2.INTER_CUBIC
     return cv2.resize(image, (scaled(width), scaled(height)), interpolation=interpolation)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loss masks
+# ---------------------------------------------------------------------------------------------
+
+MASK_SKIPS = ("bad_mask", "mask_mismatch")  # the skip reasons that name a sample's mask, not its image
+
+
+def decode_mask(data: bytes, size: tuple[int, int], max_pixels: int = DEFAULT_MAX_PIXELS) -> np.ndarray:
+    """The loss mask of an image of ``size`` ``(width, height)``: ``(height, width)`` uint8 grey levels.
+
+    A colour mask counts by its luminance. A mask of another size but the image's aspect ratio (each
+    side scaled by one factor, to within rounding) is scaled to the image's size; one of another aspect
+    ratio raises ``ImageSkip("mask_mismatch")``, one that does not decode ``ImageSkip("bad_mask")``.
+    """
+    import cv2
+
+    try:
+        rgb = decode_image(data, "png", max_pixels)
+    except ImageSkip as skip:
+        raise ImageSkip("bad_mask", str(skip)) from None
+    grey = cv2.cvtColor(rgb, cv2.COLOR_RGB2GRAY)
+    width, height = size
+    mask_height, mask_width = grey.shape
+    if (mask_width, mask_height) == (width, height):
+        return grey
+    # |mw * h - mh * w| is at most (w + h) / 2 when both sides are one scaling of the image's, rounded
+    if 2 * abs(mask_width * height - mask_height * width) > width + height:
+        raise ImageSkip("mask_mismatch", f"a {mask_width}x{mask_height} mask for a {width}x{height} image")
+    shrink = mask_width >= width and mask_height >= height
+    return cv2.resize(grey, (width, height), interpolation=cv2.INTER_AREA if shrink else cv2.INTER_LINEAR)
+
+
+def encode_mask(mask: np.ndarray) -> bytes:
+    """``(H, W)`` uint8 grey levels as a PNG file (lossless: the weights stay as they were)."""
+    import cv2
+
+    ok, data = cv2.imencode(".png", mask)
+    if not ok:
+        raise ImageSkip("bad_mask", "PNG encoding failed")
+    return data.tobytes()
+
+
+def latent_mask(mask: np.ndarray, factor: int = 8) -> np.ndarray:
+    """``(H, W)`` uint8 grey levels -> ``(H / factor, W / factor)`` float16 weights in 0..1: the mean of
+    each ``factor`` x ``factor`` block (an area average, as the VAE's latent covers that block)."""
+    height, width = mask.shape
+    if height % factor or width % factor:
+        raise ValueError(f"a {width}x{height} mask does not divide into {factor}x{factor} blocks")
+    blocks = mask.reshape(height // factor, factor, width // factor, factor).astype(np.float32)
+    return (blocks.mean(axis=(1, 3)) / 255.0).astype(np.float16)

@@ -245,24 +245,32 @@ def encode_jpeg(rgb: np.ndarray, quality: int = 95) -> bytes:
 
 
 def image_sample(key: str, data: bytes, ext: str, caption: str, resolution: int, metadata: dict | None = None,
-                 max_pixels: int = sd.data.shards.DEFAULT_MAX_PIXELS, keep_aspect: str | None = None
-                 ) -> sd.data.shards.ShardSample:
+                 max_pixels: int = sd.data.shards.DEFAULT_MAX_PIXELS, keep_aspect: str | None = None,
+                 mask: bytes | None = None) -> sd.data.shards.ShardSample:
     """Decode, resize, re-encode as JPEG. Without ``keep_aspect``: the short side scaled to
     ``resolution`` and the centre square cut out; with ``keep_aspect`` "short" or "long": the whole
     image with that side scaled to ``resolution`` (``sd.data.shards.resize_keep_aspect``).
 
-    Raises ``sd.data.shards.ImageSkip`` (with a reason) for an unusable image. The metadata records the
-    original size and the written one.
+    ``mask``: the image file of the sample's loss mask (``sd.data.shards.decode_mask``), resized and
+    cropped as the image is and written as ``<key>.mask.png``.
+
+    Raises ``sd.data.shards.ImageSkip`` (with a reason) for an unusable image or mask. The metadata
+    records the original size and the written one.
     """
     rgb = sd.data.shards.decode_image(data, ext.lower().lstrip("."), max_pixels)
     height, width = rgb.shape[:2]
-    if keep_aspect:
-        resized = sd.data.shards.resize_keep_aspect(rgb, resolution, keep_aspect)
-    else:
-        resized = sd.data.shards.resize_center_crop(rgb, resolution)
+    grey = None if mask is None else sd.data.shards.decode_mask(mask, (width, height), max_pixels)
+
+    def resize(pixels):
+        if keep_aspect:
+            return sd.data.shards.resize_keep_aspect(pixels, resolution, keep_aspect)
+        return sd.data.shards.resize_center_crop(pixels, resolution)
+
+    resized = resize(rgb)
     meta = {"key": key, "caption": caption, "original_width": width, "original_height": height,
             "width": resized.shape[1], "height": resized.shape[0], **(metadata or {})}
-    return sd.data.shards.ShardSample(key, encode_jpeg(resized), "jpg", caption, json.dumps(meta).encode("utf-8"))
+    return sd.data.shards.ShardSample(key, encode_jpeg(resized), "jpg", caption, json.dumps(meta).encode("utf-8"),
+                                      mask=None if grey is None else sd.data.shards.encode_mask(resize(grey)))
 
 
 def _to_sample(item: tuple, resolution: int, max_pixels: int):

@@ -16,12 +16,18 @@
   ``epoch_batches`` cuts it into each rank's micro-batches: ``rank_batches`` (a disjoint slice of the
   order) when every sample has one shape, else ``bucket_batches`` (every batch from one bucket). With ``flip``, ``flip_coins`` draws one
   coin per position of that order, also from (seed, epoch) alone: a sample whose coin is True is
-  read from the latents of its mirrored image (``NNNNN.flip.npy``). Nothing else is random, so a
-  resumed run only needs the epoch and its position to continue exactly.
+  read from the latents of its mirrored image (``NNNNN.flip.npy``). With caption operations
+  (``sd.data.captions``) each sample's tags are shuffled and dropped by a generator seeded from
+  (seed, epoch, its position in the order). Nothing else is random, so a resumed run only needs the
+  epoch and its position to continue exactly.
+* Loss masks (``masked_loss``): ``NNNNN.mask.npy`` (per bucket ``NNNNN.WxH.mask.npy``), float16
+  ``(N, 1, H/8, W/8)`` weights in 0..1 beside a shard's latents; a shard without one weighs 1
+  everywhere, and a mirrored latent takes its mask mirrored.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -31,6 +37,7 @@ import numpy as np
 import torch
 
 import sd.data.buckets
+import sd.data.captions
 
 
 class DataError(ValueError):
@@ -54,11 +61,12 @@ class LatentStore:
     layout is loaded into this process's memory. ``flip=True`` also maps the latents of the mirrored
     images (``encode_latents.py --flip``) into ``flipped``, and stops naming the folder when they are
     not there. ``shapes`` lists the latent shapes held (one unless the folder is bucketed) and
-    ``bucket_of_row`` each row's index into it.
+    ``bucket_of_row`` each row's index into it. ``masks=True`` maps the loss masks
+    (``NNNNN.mask.npy``) into ``masks``, laid out like ``arrays`` (None for a shard without one).
     """
 
     def __init__(self, folder: str | Path, *, threads: int = 16, mmap: bool = False, flip: bool = False,
-                 share: tuple[int, int] = (0, 1)):
+                 share: tuple[int, int] = (0, 1), masks: bool = False):
         self.folder = Path(folder)
         self.warm_share = None if mmap else share
         if not self.folder.is_dir():
@@ -72,6 +80,7 @@ class LatentStore:
         if not self.keys:
             raise DataError(f"latent folder {self.folder} holds no latents (no *.keys.txt shards, no <key>.npy files)")
         self.flipped = self._load_flipped(shard_files, threads) if flip else None
+        self.masks = self._load_masks(threads) if masks else None
 
     # -- loading ------------------------------------------------------------------------------
 
@@ -167,6 +176,26 @@ class LatentStore:
             list(pool.map(copy, range(len(arrays))))
         return [data]
 
+    def _load_masks(self, threads: int) -> list[np.ndarray | None]:
+        """The loss masks beside each shard's (or bucket's) array, memory-mapped; None where there are none
+        (and for the one-file-per-image layout, which has no masks)."""
+        if not hasattr(self, "paths"):  # the one-file-per-image layout
+            return [None] * len(self.arrays)
+        paths = [p.with_name(p.name[: -len(".npy")] + ".mask.npy") for p in self.paths]
+        masks = [load_npy(p, mmap=True) if p.exists() else None for p in paths]
+        bad = [f"{p.name} {m.shape}" for p, m, a in zip(paths, masks, self.arrays)
+               if m is not None and m.shape != (len(a), 1, *a.shape[2:])]
+        if bad:
+            raise DataError(f"{len(bad)} mask files in {self.folder} do not match their latents (expected (rows, 1, "
+                            f"h, w) of the latents beside them): {', '.join(bad[:10])}; re-encode those shards")
+        self._warm([p for p, m in zip(paths, masks) if m is not None], threads)
+        return masks
+
+    @property
+    def has_masks(self) -> bool:
+        """Whether masks were loaded and any shard has one."""
+        return self.masks is not None and any(m is not None for m in self.masks)
+
     def _check_shapes(self, shapes: list[tuple[Path, tuple]]) -> None:
         reference = shapes[0][1]
         bad = [f"{path.name} {tuple(shape)}" for path, shape in shapes if tuple(shape) != tuple(reference)]
@@ -202,6 +231,19 @@ class LatentStore:
                 raise DataError(f"flipped latents of {self.folder} were asked for but not loaded (flip=False)")
             latents[flipped] = self._rows(self.flipped, rows[flipped])
         return latents
+
+    def gather_masks(self, rows: np.ndarray, flipped: np.ndarray | None = None) -> np.ndarray:
+        """Loss masks of the given rows, ``(B, 1, h, w)`` float16, in order: 1 where a shard has none, and
+        mirrored where the boolean ``flipped`` is True (the mask of the mirrored image)."""
+        where = self.locations[rows]
+        shape = self.arrays[where[0, 0]].shape[2:]
+        out = np.ones((len(rows), 1, *shape), dtype=np.float16)
+        masked = np.array([self.masks[shard] is not None for shard in where[:, 0]], dtype=bool)
+        if masked.any():
+            out[masked] = self._rows(self.masks, rows[masked])
+        if flipped is not None and flipped.any():
+            out[flipped] = out[flipped][..., ::-1]
+        return out
 
     def _rows(self, arrays: list[np.ndarray], rows: np.ndarray) -> np.ndarray:
         """One fancy-indexed read per shard touched (rows sorted within it), scattered back in order."""
@@ -325,16 +367,41 @@ def latent_keys(folder: str | Path) -> list[str]:
 
 @dataclass
 class JoinedSplit:
-    """One split of one dataset: for each sample, its latent row and its 77 token ids."""
+    """One split of one dataset: for each sample, its latent row and its 77 token ids (and, when the
+    loader tokenises captions, its caption text)."""
 
     name: str
     store: LatentStore
     rows: np.ndarray  # (N,) int64 rows of ``store``
     input_ids: np.ndarray  # (N, 77) int64
     keys: list[str]
+    captions: CaptionText | None = None
 
     def __len__(self) -> int:
         return len(self.rows)
+
+
+class CaptionText:
+    """One split's caption column, left in its memory-mapped Arrow file and read a batch at a time.
+
+    The process holds the Arrow column (its pages are the page cache's, shared by the ranks of a
+    machine, and only those of the captions read are touched), not a Python string per sample.
+    ``rows``: the split row of each sample (after samples without latents are dropped); None = the same.
+    """
+
+    def __init__(self, column, rows: np.ndarray | None = None):
+        self.column, self.rows = column, rows  # a pyarrow ChunkedArray of strings
+        self.chunks = column.chunks  # built once: each call of ``column.chunks`` wraps every chunk anew
+        self.starts = np.cumsum([0] + [len(chunk) for chunk in self.chunks])
+
+    def __len__(self) -> int:
+        return len(self.column) if self.rows is None else len(self.rows)
+
+    def read(self, local: np.ndarray) -> list[str]:
+        """The captions of samples ``local`` (indices into the split), in order."""
+        rows = np.asarray(local, dtype=np.int64) if self.rows is None else self.rows[local]
+        chunks = np.searchsorted(self.starts, rows, side="right") - 1
+        return [self.chunks[c][int(r - self.starts[c])].as_py() or "" for c, r in zip(chunks, rows)]
 
 
 def load_caption_split(dataset_dir: str | Path, split: str):
@@ -398,9 +465,31 @@ def token_id_rows(column, where: str) -> np.ndarray:
     return out
 
 
-def join_split(dataset_dir, split: str, store: LatentStore, *, allow_missing: bool = False) -> JoinedSplit:
-    """Join a caption split to a latent store by key; missing latents are an error unless allowed."""
+def load_caption_text(dataset_dir: str | Path, split: str) -> CaptionText:
+    """The ``caption`` column of one split (as ``load_caption_split`` checked it), memory-mapped.
+
+    The folder is opened again on purpose: this mapping holds only the pages of the captions read,
+    not those of every token id that ``load_caption_split`` copied out of its own mapping.
+    """
+    import pyarrow as pa
+    from datasets import load_from_disk
+
+    dataset = load_from_disk(str(dataset_dir))[split]
+    if "caption" not in dataset.column_names:
+        raise DataError(f"caption dataset {dataset_dir} split '{split}' has no caption column, which caption "
+                        "operations (shuffle_tags, tag_dropout) read; rebuild it with 05_build_hf_dataset.py")
+    column = dataset.with_format("arrow", columns=["caption"])[:].column("caption")  # zero-copy
+    if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+        raise DataError(f"caption dataset {dataset_dir} split '{split}': caption holds {column.type}, not text")
+    return CaptionText(column)
+
+
+def join_split(dataset_dir, split: str, store: LatentStore, *, allow_missing: bool = False,
+               captions: bool = False) -> JoinedSplit:
+    """Join a caption split to a latent store by key; missing latents are an error unless allowed.
+    ``captions``: also keep the caption text (``CaptionText``) for the loader to tokenise."""
     keys, input_ids = load_caption_split(dataset_dir, split)
+    text = load_caption_text(dataset_dir, split) if captions and keys else None
     rows = np.fromiter((store.row_of.get(k, -1) for k in keys), dtype=np.int64, count=len(keys))
     missing = rows < 0
     if missing.any():
@@ -413,7 +502,9 @@ def join_split(dataset_dir, split: str, store: LatentStore, *, allow_missing: bo
             raise DataError(message + "; re-run encode_latents.py on their shards or set allow_missing_latents: true")
         keep = ~missing
         rows, input_ids, keys = rows[keep], input_ids[keep], [k for k, m in zip(keys, missing) if not m]
-    return JoinedSplit(str(dataset_dir), store, rows, input_ids, keys)
+        if text is not None:
+            text.rows = np.flatnonzero(keep)
+    return JoinedSplit(str(dataset_dir), store, rows, input_ids, keys, text)
 
 
 class MixedData:
@@ -421,13 +512,26 @@ class MixedData:
 
     ``shapes`` are the latent shapes present (one per aspect-ratio bucket; one in all for square
     folders), ``bucket_of`` each global index's shape, and ``target`` where each shape trains:
-    itself, or after ``merge_small`` the bucket a too-small one was merged into.
+    itself, or after ``merge_small`` the bucket a too-small one was merged into. ``masked``: the
+    stores were loaded with their loss masks, which ``batch`` then returns as a third tensor.
+
+    ``tokenizer``: the batches' token ids are made in the loader from the caption text (each split
+    joined with ``captions=True``), after ``ops`` (``sd.data.captions.CaptionOps``; None = the text as
+    written), instead of taken from the dataset's stored ids. The data tokenises with its own copy of
+    the tokenizer (one tokenizer is not safe to use from two threads, and the batches are built in a
+    background thread), so tokens added to the run's tokenizer later are not seen: add them first.
     """
 
-    def __init__(self, splits: list[JoinedSplit], weights: list[float]):
+    def __init__(self, splits: list[JoinedSplit], weights: list[float], *, tokenizer=None,
+                 ops: sd.data.captions.CaptionOps | None = None):
         if not splits:
             raise DataError("no datasets")
         self.splits, self.weights = splits, list(weights)
+        self.tokenizer, self.ops = (None, None) if tokenizer is None else (copy.deepcopy(tokenizer), ops)
+        lacking = [s.name for s in splits if tokenizer is not None and len(s) and s.captions is None]
+        if lacking:
+            raise DataError(f"{lacking[0]}: the loader tokenises captions but its split was joined without its "
+                            "caption text (join_split(..., captions=True))")
         self.sizes = [len(s) for s in splits]
         self.offsets = np.cumsum([0] + self.sizes)
         per_split = [[split.store.shapes[b] for b in np.unique(split.store.bucket_of_row[split.rows])]
@@ -442,6 +546,7 @@ class MixedData:
             [np.array([index.get(s, -1) for s in split.store.shapes], dtype=np.int16)[split.store.bucket_of_row[split.rows]]
              for split in splits] or [np.zeros(0, dtype=np.int16)])
         self.target = np.arange(len(self.shapes))
+        self.masked = any(split.store.masks is not None for split in splits)
 
     def __len__(self) -> int:
         return int(self.offsets[-1])
@@ -468,10 +573,14 @@ class MixedData:
                             "drawn from one bucket each (sd.data.training_data.epoch_batches)")
         return self.shapes[targets[0]]
 
-    def batch(self, indices: np.ndarray, flipped: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(latents (B, 4, h, w) float16, input_ids (B, 77) int64)`` for global indices, in order.
+    def batch(self, indices: np.ndarray, flipped: np.ndarray | None = None,
+              draws: np.ndarray | None = None) -> tuple[torch.Tensor, ...]:
+        """``(latents (B, 4, h, w) float16, input_ids (B, 77) int64)`` for global indices, in order; when
+        ``masked``, also their loss masks ``(B, 1, h, w)`` float16 (``masks``).
 
         ``flipped`` (B,) bool: which samples take the latents of their mirrored image (``flip_coins``).
+        ``draws`` (B, k): the keys of each sample's caption draws (``epoch_plan``), used when the data
+        has a tokenizer; without them a sample's global index is its key.
         Samples of a merged bucket are brought to the shape they train at (``sd.data.buckets.fit_latents``).
         """
         shape = self.shape_of(indices)
@@ -487,7 +596,39 @@ class MixedData:
                 part = split.store.gather(split.rows[local], None if flipped is None else flipped[mask])
                 latents[mask] = part if part.shape[1:] == shape else sd.data.buckets.fit_latents(part, shape)
                 input_ids[mask] = split.input_ids[local]
-        return torch.from_numpy(latents), torch.from_numpy(input_ids)
+        if self.tokenizer is not None:
+            input_ids = self.caption_ids(indices, indices[:, None] if draws is None else draws)
+        extra = (self.masks(indices, flipped),) if self.masked else ()
+        return torch.from_numpy(latents), torch.from_numpy(input_ids), *extra
+
+    def masks(self, indices: np.ndarray, flipped: np.ndarray | None = None) -> torch.Tensor:
+        """Loss masks ``(B, 1, h, w)`` float16 of global indices, in order, as ``batch`` lays out their
+        latents: 1 for samples without one, mirrored where ``flipped``, brought to a merged bucket's shape."""
+        shape = self.shape_of(indices)
+        which = np.searchsorted(self.offsets, indices, side="right") - 1
+        stored = self.bucket_of[indices]
+        masks = np.ones((len(indices), 1, *shape[1:]), dtype=np.float16)
+        for d in np.unique(which):
+            store = self.splits[d].store
+            if store.masks is None:
+                continue
+            for b in np.unique(stored[which == d]):
+                chosen = (which == d) & (stored == b)
+                rows = self.splits[d].rows[indices[chosen] - self.offsets[d]]
+                part = store.gather_masks(rows, None if flipped is None else flipped[chosen])
+                fits = part.shape[2:] == shape[1:]
+                masks[chosen] = part if fits else sd.data.buckets.fit_latents(part, (1, *shape[1:]))
+        return torch.from_numpy(masks)
+
+    def caption_ids(self, indices: np.ndarray, draws: np.ndarray) -> np.ndarray:
+        """``(B, 77)`` int64: the caption text of global ``indices`` after the operations, tokenised."""
+        which = np.searchsorted(self.offsets, indices, side="right") - 1
+        captions = [""] * len(indices)
+        for d in np.unique(which):
+            at = np.flatnonzero(which == d)
+            for i, text in zip(at, self.splits[d].captions.read(indices[at] - self.offsets[d])):
+                captions[i] = text
+        return sd.data.captions.caption_ids(self.ops, self.tokenizer, captions, draws)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -532,7 +673,17 @@ def flip_coins(seed: int, epoch: int, size: int) -> np.ndarray:
 
 def epoch_batches(data, seed: int, epoch: int, rank: int, world_size: int, batch_size: int,
                   epoch_size: int | None = None, flip: bool = False) -> tuple[list[np.ndarray], list]:
-    """This rank's micro-batches of one epoch, ``(global indices per batch, flip coins per batch or None)``.
+    """This rank's micro-batches of one epoch, ``(global indices per batch, flip coins per batch or None)``
+    (``epoch_plan`` without the caption draws)."""
+    batches, flips, _ = epoch_plan(data, seed, epoch, rank, world_size, batch_size, epoch_size, flip)
+    return batches, flips
+
+
+def epoch_plan(data, seed: int, epoch: int, rank: int, world_size: int, batch_size: int,
+               epoch_size: int | None = None, flip: bool = False) -> tuple[list[np.ndarray], list, list]:
+    """This rank's micro-batches of one epoch: ``(global indices, flip coins or None, caption draw keys
+    or None)`` per batch; the keys (``sd.data.captions.draw_keys``: seed, epoch, position in the order)
+    only when ``data`` tokenises captions in the loader (a ``tokenizer``).
 
     The order is ``epoch_order``'s; with several latent shapes (aspect-ratio buckets) each batch is
     drawn from one of them (``bucket_batches``), else the order is sliced as it is (``rank_batches``).
@@ -545,7 +696,9 @@ def epoch_batches(data, seed: int, epoch: int, rank: int, world_size: int, batch
     else:
         positions = bucket_batches(targets, seed, epoch, rank, world_size, batch_size)
     coins = flip_coins(seed, epoch, len(order)) if flip else None
-    return [order[p] for p in positions], [coins[p] if flip else None for p in positions]
+    draws = getattr(data, "tokenizer", None) is not None
+    return ([order[p] for p in positions], [coins[p] if flip else None for p in positions],
+            [sd.data.captions.draw_keys(seed, epoch, p) if draws else None for p in positions])
 
 
 _BUCKET_STREAM = 0x6275636B  # "buck": the order of an epoch's bucket batches, apart from the other streams

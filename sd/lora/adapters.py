@@ -10,6 +10,10 @@ LoRAs), ``transformer`` (attention plus the feed-forward and the 1x1 projections
 transformer, kohya's default), ``resnet`` (the ResNet convolutions and the down/up-sampling
 convolutions: LoCon), or suffixes such as ``to_q`` or ``ff.net.2``.
 
+A convolution with a kernel larger than 1x1 (the ResNet and sampler convolutions) may take its own
+rank and alpha (``lora_conv_rank`` / ``lora_conv_alpha``, kohya's ``conv_dim`` / ``conv_alpha``);
+Linear layers and 1x1 convolutions take ``lora_rank`` / ``lora_alpha``, as in kohya's sd-scripts.
+
 Adapters live inside the model's modules under PEFT's adapter name ``default``; ``adapter_state``
 reads them as a flat dict, ``merge`` folds them into the base weights (for export) and restores
 plain layers.
@@ -50,24 +54,40 @@ def resolve_targets(model, targets) -> list[str]:
     return [n for n in layers if n in chosen]
 
 
-def add_lora(model, modules: list[str], rank: int, alpha: float, dropout: float = 0.0, seed: int = 0):
+def is_spatial_conv(module) -> bool:
+    """A convolution whose kernel is larger than 1x1: what kohya calls a conv layer (``conv_dim``); a 1x1
+    one is a Linear over the channels and takes the Linear layers' rank."""
+    return isinstance(module, torch.nn.Conv2d) and tuple(module.kernel_size) != (1, 1)
+
+
+def add_lora(model, modules: list[str], rank: int, alpha: float, dropout: float = 0.0, seed: int = 0,
+             conv_rank: int = 0, conv_alpha: float = 0.0):
     """Inject a LoRA adapter into ``modules`` of ``model`` and freeze everything else.
 
-    ``down`` is initialised (Kaiming-uniform, seeded by ``seed`` without touching the global RNG),
-    ``up`` is zero. Returns ``model``.
+    ``conv_rank`` / ``conv_alpha`` (0: ``rank`` / ``alpha``): the rank and alpha of the modules that are
+    convolutions with a kernel larger than 1x1. ``down`` is initialised (Kaiming-uniform, seeded by
+    ``seed`` without touching the global RNG), ``up`` is zero. Returns ``model``.
     """
+    import re
+
     from peft import LoraConfig, inject_adapter_in_model
 
+    conv_rank, conv_alpha = conv_rank or rank, float(conv_alpha or alpha)
     if rank < 1:
         raise LoraError(f"lora rank must be >= 1, got {rank}")
+    convs = [name for name in modules if is_spatial_conv(model.get_submodule(name))]
+    # PEFT matches a pattern as the end of a module's name after a dot: the escaped full name is that module alone
     config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(modules),
-                        init_lora_weights=True)
+                        init_lora_weights=True,
+                        rank_pattern={re.escape(name): conv_rank for name in convs} if conv_rank != rank else {},
+                        alpha_pattern={re.escape(name): conv_alpha for name in convs} if conv_alpha != alpha else {})
     model.requires_grad_(False)
     with sd.model._seeded(seed):
         inject_adapter_in_model(config, model, adapter_name=ADAPTER)
     for name, param in model.named_parameters():
         param.requires_grad_(is_adapter_name(name))
-    model.lora_settings = {"rank": rank, "alpha": float(alpha), "dropout": float(dropout), "modules": list(modules)}
+    model.lora_settings = {"rank": rank, "alpha": float(alpha), "dropout": float(dropout), "modules": list(modules),
+                           "conv_rank": conv_rank, "conv_alpha": conv_alpha}
     return model
 
 
@@ -148,9 +168,18 @@ def effective_alpha(rank: int, alpha: float) -> float:
     return float(alpha or rank)
 
 
+def conv_settings(rank: int, alpha: float, conv_rank: int, conv_alpha: float) -> tuple[int, float]:
+    """The rank and alpha of the larger-than-1x1 convolutions' adapters as configured: ``lora_conv_rank``,
+    0 meaning ``lora_rank``; ``lora_conv_alpha``, 0 meaning ``lora_alpha`` (0 there too: that rank, a
+    scale of 1), as kohya's conv_alpha defaults to network_alpha."""
+    conv_rank = conv_rank or rank
+    return conv_rank, effective_alpha(conv_rank, conv_alpha or alpha)
+
+
 def apply_config(config, unet, text_encoder) -> None:
     """Add the adapters a training config asks for (``lora_rank`` > 0): on the UNet's ``lora_targets``
-    and, with ``lora_text_encoder``, on the text encoder's attention projections.
+    (its larger-than-1x1 convolutions at ``lora_conv_rank`` / ``lora_conv_alpha``) and, with
+    ``lora_text_encoder``, on the text encoder's attention projections.
 
     With bf16 or fp16 precision the frozen base weights are then stored in that type (half their
     memory: autocast computes the layers in it anyway); the adapters stay fp32.
@@ -158,8 +187,10 @@ def apply_config(config, unet, text_encoder) -> None:
     if not config.lora_rank:
         return
     alpha = effective_alpha(config.lora_rank, config.lora_alpha)
+    conv_rank, conv_alpha = conv_settings(config.lora_rank, config.lora_alpha, getattr(config, "lora_conv_rank", 0),
+                                          getattr(config, "lora_conv_alpha", 0.0))
     add_lora(unet, resolve_targets(unet, config.lora_targets), config.lora_rank, alpha, config.lora_dropout,
-             seed=config.seed)
+             seed=config.seed, conv_rank=conv_rank, conv_alpha=conv_alpha)
     if config.lora_text_encoder:
         add_lora(text_encoder, resolve_targets(text_encoder, TEXT_TARGETS), config.lora_rank, alpha,
                  config.lora_dropout, seed=config.seed + 1)

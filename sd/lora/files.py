@@ -53,6 +53,11 @@ class LoraModule(NamedTuple):
     def rank(self) -> int:
         return self.down.shape[0]
 
+    @property
+    def is_spatial_conv(self) -> bool:
+        """A convolution's adapter with a kernel larger than 1x1 (kohya's conv_dim / conv_alpha layers)."""
+        return self.down.ndim == 4 and tuple(self.down.shape[2:]) != (1, 1)
+
     def delta(self, shape) -> torch.Tensor:
         """``up @ down`` in fp32, reshaped to the layer's weight ``shape`` (a conv's kernel included)."""
         return (self.up.flatten(1).float() @ self.down.flatten(1).float()).reshape(shape)
@@ -118,8 +123,9 @@ def save_lora(out: str | Path, lora: dict[str, dict[str, LoraModule]], lora_form
     layers = [m for part in lora.values() for m in part.values()]
     if not layers:
         raise ValueError(f"{out}: no LoRA layers to write")
-    header = {"format": "pt", "lora_rank": str(_most_common(m.rank for m in layers)),
-              "lora_alpha": str(_most_common(m.alpha for m in layers)),
+    linear = [m for m in layers if not m.is_spatial_conv] or layers  # LoCon's convolutions are recorded apart
+    header = {"format": "pt", "lora_rank": str(_most_common(m.rank for m in linear)),
+              "lora_alpha": str(_most_common(m.alpha for m in linear)),
               **{k: str(v) for k, v in (metadata or {}).items()}}
     if lora_format == "diffusers":
         tensors = _diffusers_lora_tensors(lora)
@@ -211,12 +217,16 @@ def _kohya_lora_tensors(lora) -> dict[str, torch.Tensor]:
 
 
 def _kohya_header(layers: list[LoraModule]) -> dict[str, str]:
-    """sd-scripts' own header fields (AUTOMATIC1111 shows them, and takes a file with any header for SD 1.x)."""
-    header = {"ss_network_module": "networks.lora", "ss_network_dim": str(_most_common(m.rank for m in layers)),
-              "ss_network_alpha": str(_most_common(m.alpha for m in layers)), "ss_v2": "False",
+    """sd-scripts' own header fields (AUTOMATIC1111 shows them, and takes a file with any header for SD 1.x):
+    ``ss_network_dim`` / ``ss_network_alpha`` of the Linear and 1x1 layers, and for LoCon the larger
+    convolutions' rank and alpha as the network arguments sd-scripts' networks/lora.py takes
+    (``ss_network_args``: JSON of ``conv_dim`` and ``conv_alpha``, as strings, the way it records them)."""
+    convs = [m for m in layers if m.is_spatial_conv]
+    linear = [m for m in layers if not m.is_spatial_conv] or layers
+    header = {"ss_network_module": "networks.lora", "ss_network_dim": str(_most_common(m.rank for m in linear)),
+              "ss_network_alpha": str(_most_common(m.alpha for m in linear)), "ss_v2": "False",
               "ss_base_model_version": "sd_v1"}
-    convs = [m for m in layers if m.down.ndim == 4 and m.down.shape[2:] != (1, 1)]
-    if convs:  # LoCon: sd-scripts records the conv layers' rank and alpha as network arguments
+    if convs:
         header["ss_network_args"] = json.dumps({"conv_dim": str(_most_common(m.rank for m in convs)),
                                                 "conv_alpha": str(_most_common(m.alpha for m in convs))})
     return header

@@ -19,6 +19,8 @@ import sd.embedding.tokens
 import sd.formats
 import sd.lora.adapters
 import sd.train.checkpoint as ckpt
+import sd.train.ema
+import sd.train.optimizers
 import sd.train.sharding
 from sd.distributed import Dist
 from sd.train.config import ConfigError, TrainConfig, config_yaml, read_saved_config, resume_changes
@@ -44,8 +46,8 @@ def resume_or_init(run: Run) -> None:
         inherited = init_weights(run, run.config.init_from)
     resumed_from = ckpt.latest_checkpoint(run.run_dir / "checkpoints") if resumed else None
     run.config = dataclasses.replace(run.config, ema_warmup=ema_warmup_of(run.config, resumed_from, inherited))
-    if run.step.ema is not None:
-        run.step.ema.warmup = run.config.ema_warmup == "restart"
+    for ema, _ in run.step.emas():
+        ema.warmup = run.config.ema_warmup == "restart"
 
 
 def due(run: Run, epoch_done: bool, stopping: bool) -> bool:
@@ -63,22 +65,27 @@ def resumable(run: Run) -> dict:
     trained on (``lora_base``, checked by ``resume``) instead of the UNet: the base comes from
     ``init_from`` at every start. A textual-inversion run likewise saves its token's vectors
     (``embedding``: the file AUTOMATIC1111 and ComfyUI load, see ``sd.embedding.files``) and the
-    fingerprint of the UNet and text encoder they were learned for.
+    fingerprint of the UNet and text encoder they were learned for. ``ema`` holds the UNet's EMA and
+    the text encoder's (its adapter or learned token) when that trains (``sd.train.ema.EMAWeights``).
+    The weight files hold the weights to evaluate, which a Schedule-Free optimizer keeps apart from
+    those it trains at (``sd.train.optimizers``: those go in ``optimizer``, loaded after the weight files).
     """
+    step = run.step
     if run.config.embedding_token:
+        token = sd.embedding.tokens.LearnedToken(step.text_encoder)
         states = {"lora_base": ckpt.Weights(BaseFingerprint(run.base_fingerprint)),
-                  "embedding": ckpt.Weights(sd.embedding.tokens.LearnedToken(run.step.text_encoder))}
+                  "embedding": ckpt.Weights(sd.train.optimizers.EvaluationWeights(token, step.optimizer))}
     elif run.config.lora_rank:
+        adapter = sd.lora.adapters.AdapterWeights(unet=step.unet, text_encoder=step.text_encoder)
         states = {"lora_base": ckpt.Weights(BaseFingerprint(run.base_fingerprint)),
-                  "adapter": ckpt.Weights(sd.lora.adapters.AdapterWeights(unet=run.step.unet,
-                                                                 text_encoder=run.step.text_encoder))}
+                  "adapter": ckpt.Weights(sd.train.optimizers.EvaluationWeights(adapter, step.optimizer))}
     else:
-        states = {"unet": ckpt.Weights(run.step.unet)}
-    if run.step.ema is not None:
-        states["ema"] = ckpt.Weights(run.step.ema)
-    states.update(optimizer=run.step.optimizer, scaler=run.step.scaler, train_state=run.state,
-                  rng=ckpt.PerRank(run.rng))
-    return sd.train.sharding.whole_states(states, run.step)
+        states = {"unet": ckpt.Weights(sd.train.optimizers.EvaluationWeights(step.unet, step.optimizer))}
+    if step.ema is not None or step.text_ema is not None:
+        states["ema"] = ckpt.Weights(sd.train.ema.EMAWeights(step.ema, step.text_ema))
+    states.update(optimizer=sd.train.optimizers.OptimizerState(step.optimizer), scaler=step.scaler,
+                  train_state=run.state, rng=ckpt.PerRank(run.rng))
+    return sd.train.sharding.whole_states(states, step)
 
 
 class BaseFingerprint:
@@ -216,9 +223,20 @@ def resume(run: Run, folder: Path, parts: dict) -> None:
     if run.config.frozen_base:
         check_lora_base(run, folder)
     ckpt.load(folder, parts, run.d.rank)
-    if run.step.ema is not None and "ema" not in parts:
-        run.step.ema.load_state_dict(dict(zip(run.step.ema.names, run.step.ema.parameters(run.step.ema_model))))
-        log.info("the EMA starts from the weights of %s", folder)
+    emas = run.step.emas()
+    if "ema" not in parts:
+        emas_to_start = emas
+    elif getattr(parts["ema"].obj, "text_missing", False):  # written before the text adapter had an EMA
+        emas_to_start = [(ema, model) for ema, model in emas if ema is run.step.text_ema]
+    else:
+        emas_to_start = []
+    with sd.train.optimizers.evaluation_weights(run.step.optimizer):  # an EMA averages the weights evaluated
+        for ema, model in emas_to_start:
+            ema.load_state_dict(dict(zip(ema.names, ema.parameters(model))))
+    if emas_to_start:
+        log.info("the EMA of the %s starts from the weights of %s",
+                 " and ".join("text encoder's adapter" if model is run.step.text_encoder else "UNet"
+                              for _, model in emas_to_start), folder)
     log.info("verified and loaded %s", folder)
 
 
@@ -230,7 +248,8 @@ def check_lora_base(run: Run, folder: Path) -> None:
         raise ckpt.Damaged(f"{folder / 'lora_base.safetensors'}: {sd.cli.first_line(error)}") from error
     now = run.base_fingerprint
     if not sd.lora.adapters.same_base(saved, now):
-        raise ConfigError(f"init_from {run.config.init_from} is not the base model the adapter (or learned token) in {folder} was "
+        what = "learned token" if run.config.embedding_token else "adapter"
+        raise ConfigError(f"init_from {run.config.init_from} is not the base model the {what} in {folder} was "
                           "trained on; restore that base, or start a new out_dir")
 
 

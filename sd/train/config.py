@@ -85,6 +85,18 @@ class TrainConfig:
     allow_missing_latents: bool = _doc("drop captions without a latent (reported) instead of stopping", False)
     flip: bool = _doc("train each sample on the latents of its mirrored image with probability 1/2 (a coin "
                       "fixed by seed, epoch and position); needs latents from encode_latents.py --flip", False)
+    masked_loss: bool = _doc("weight each sample's loss by its mask (photo_mask.png beside photo.jpg at import, "
+                             "NNNNN.mask.npy from encode_latents.py): black pixels teach nothing, white ones in "
+                             "full; samples without a mask weigh 1", False)
+    shuffle_tags: float = _doc("tag captions: probability that a sample's tags after the first keep_tokens are "
+                               "shuffled, drawn anew at every step; 0 = off (0.5: half the samples)", 0.0,
+                               allowed=FRACTION)
+    keep_tokens: int = _doc("tag captions: tags at the front of each caption that shuffle_tags and tag_dropout "
+                            "leave in place", 0, allowed=NON_NEGATIVE)
+    tag_dropout: float = _doc("tag captions: probability that each tag after the first keep_tokens is left out of "
+                              "a sample's caption at a step; 0 = off", 0.0, allowed=FRACTION)
+    tag_separator: str = _doc("tag captions: what joins the tags; captions are split on its non-blank part (on "
+                              "blanks if it is blank)", ", ")
     # -- models -----------------------------------------------------------------------------
     unet: str = _doc("UNet preset: sd1, demo or tiny (with init_from a run of ours: that run's)", "sd1")
     vae: str = _doc("VAE hub id, local folder or tiny (used for validation images; with init_from a run of "
@@ -105,6 +117,11 @@ class TrainConfig:
     lora_targets: list = _doc("UNet layers that get an adapter: groups attention (q/k/v/out projections), "
                               "transformer (+ feed-forward and proj_in/out), resnet (the convolutions: LoCon), "
                               "or module-name suffixes such as to_q", default_factory=lambda: ["attention"])
+    lora_conv_rank: int = _doc("LoRA rank of the convolutions with a kernel larger than 1x1 that lora_targets "
+                               "selects (LoCon: the resnet group's 3x3 convolutions; kohya's conv_dim); the 1x1 "
+                               "ones take lora_rank, as in kohya's files; 0 = lora_rank", 0, allowed=NON_NEGATIVE)
+    lora_conv_alpha: float = _doc("LoRA alpha of those convolutions (kohya's conv_alpha); 0 = lora_alpha (and when "
+                                  "that is 0 too, the convolutions' rank: scale 1)", 0.0, allowed=NON_NEGATIVE)
     lora_text_encoder: bool = _doc("also train a LoRA adapter on the text encoder's attention projections", False)
     embedding_token: str = _doc("textual inversion: learn this new token (a word not in the tokenizer, e.g. <my-cat>) "
                                 "from prompts that use it; the UNet and text encoder stay frozen. Needs init_from", "")
@@ -141,14 +158,21 @@ class TrainConfig:
     max_steps: int = _doc("optimizer steps of the phase; 0 = run `epochs` epochs", 0, allowed=NON_NEGATIVE)
     epochs: int = _doc("epochs of the phase when max_steps is 0", 1, allowed=NON_NEGATIVE)
     lr: float = _doc("peak learning rate", 1e-5, allowed=POSITIVE)
-    warmup_steps: int = _doc("linear warm-up steps from lr * 0.01 to lr", 500, allowed=NON_NEGATIVE)
+    warmup_steps: int = _doc("linear warm-up steps from lr * 0.01 to lr (adamw_schedulefree: from lr / warmup_steps)",
+                             500, allowed=NON_NEGATIVE)
+    text_encoder_lr: float = _doc("peak learning rate of the text encoder's LoRA adapter (lora_text_encoder), its own "
+                                  "parameter group; 0 = lr", 0.0, allowed=NON_NEGATIVE)
+    text_encoder_warmup_steps: int = _doc("warm-up steps of the text encoder's adapter; -1 = warmup_steps", -1,
+                                          allowed=Range(-1))
     min_lr_ratio: float = _doc("cosine decay ends at lr * min_lr_ratio", 0.01, allowed=FRACTION)
     weight_decay: float = _doc("AdamW weight decay", 1e-2, allowed=NON_NEGATIVE)
     adam_beta1: float = _doc("AdamW beta1", 0.9, allowed=BELOW_ONE)
     adam_beta2: float = _doc("AdamW beta2", 0.999, allowed=BELOW_ONE)
     adam_eps: float = _doc("AdamW epsilon", 1e-8, allowed=POSITIVE)
-    optimizer: str = _doc("adamw (fused or foreach, fp32 state) or adamw8bit (bitsandbytes' 8-bit state: a "
-                          "quarter of the optimizer memory)", "adamw")
+    optimizer: str = _doc("adamw (fused or foreach, fp32 state: 8 bytes a parameter), adamw8bit (bitsandbytes' "
+                          "8-bit state: 2 bytes), prodigy (Prodigy: estimates its own step size, which lr multiplies: set lr "
+                          "1.0; 16 bytes) or adamw_schedulefree (Schedule-Free AdamW: no decay after the warm-up, weights "
+                          "averaged instead; 8 bytes); see docs/training.md", "adamw")
     noise_offset: float = _doc("add noise_offset * N(0, 1) per sample and channel to the training noise (lets "
                                "the model learn very dark and very bright images); 0 = off", 0.0,
                                allowed=NON_NEGATIVE)
@@ -261,11 +285,14 @@ class TrainConfig:
             need(getattr(self, name).strip(), f"{name} must not be empty")
         need(all(isinstance(p, str) for p in self.validation_prompts), "validation_prompts: a list of strings")
         need(self.max_steps > 0 or self.epochs > 0, "set max_steps or epochs to a positive number")
-        need(self.optimizer in ("adamw", "adamw8bit"), "optimizer: adamw or adamw8bit")
+        need(self.optimizer in OPTIMIZERS, f"optimizer: one of {', '.join(OPTIMIZERS)}")
+        check_learning_rates(self)
         check_sharding(self)
         need(self.lora_targets and all(isinstance(t, str) and t.strip() for t in self.lora_targets),
              "lora_targets: a list of groups (attention, transformer, resnet) or module-name suffixes")
         need(self.lora_rank or not self.lora_text_encoder, "lora_text_encoder needs lora_rank > 0")
+        need(self.lora_rank or not (self.lora_conv_rank or self.lora_conv_alpha),
+             "lora_conv_rank / lora_conv_alpha set the convolutions' adapters of a LoRA run: set lora_rank > 0 too")
         need(not (self.cache_text_embeddings and self.lora_text_encoder),
              "cache_text_embeddings needs a frozen text encoder: turn off lora_text_encoder or the cache")
         need(not self.instance_dir or self.instance_prompt.strip(), "instance_dir needs an instance_prompt")
@@ -275,8 +302,12 @@ class TrainConfig:
              and bool(self.validation_width) == bool(self.validation_height),
              f"validation_width and validation_height: both multiples of 8, or both 0 (got "
              f"{self.validation_width}x{self.validation_height})")
+        need(not (self.instance_dir and self.masked_loss), "masked_loss needs masks carried by encode_latents.py "
+             "(pipeline/01e_import_folder.py reads photo_mask.png beside photo.jpg); instance_dir has none: "
+             "set masked_loss: false, or import and encode the images as a dataset")
         need(not (self.instance_dir and self.flip), "flip needs latents of mirrored images from encode_latents.py; "
              "with instance_dir add mirrored copies to the folder instead")
+        check_caption_ops(self)
         need(bool(self.class_dir) == bool(self.class_prompt.strip()),
              "prior preservation needs both class_dir and class_prompt (or neither)")
         need(not self.class_dir or self.instance_dir, "class_dir (prior preservation) needs instance_dir")
@@ -329,6 +360,33 @@ def check_embedding(config: TrainConfig) -> None:
                           f"{config.embedding_token}'")
 
 
+OPTIMIZERS = ("adamw", "adamw8bit", "prodigy", "adamw_schedulefree")
+PRODIGY_LR = (0.1, 10.0)  # lr scales Prodigy's own estimate: far outside this, it was meant for another optimizer
+
+
+def check_learning_rates(config: TrainConfig) -> None:
+    """The text encoder's learning rate and warm-up need its adapter; Prodigy's lr is a multiplier near
+    1, the same for every parameter group (its one step-size estimate is shared by them)."""
+    own_schedule = config.text_encoder_lr or config.text_encoder_warmup_steps >= 0
+    if own_schedule and not config.lora_text_encoder:
+        raise ConfigError("text_encoder_lr / text_encoder_warmup_steps set the learning rate of the text encoder's "
+                          "LoRA adapter: set lora_text_encoder: true (and lora_rank), or leave them at 0 / -1")
+    if config.optimizer == "adamw_schedulefree" and config.adam_beta1 == 0:
+        raise ConfigError("optimizer: adamw_schedulefree interpolates with adam_beta1 (its model is an average "
+                          "reached through 1 / beta1): set adam_beta1 above 0, e.g. 0.9")
+    if config.optimizer != "prodigy":
+        return
+    low, high = PRODIGY_LR
+    if not low <= config.lr <= high:
+        raise ConfigError(f"optimizer: prodigy estimates the step size itself and lr multiplies it: set lr: 1.0 (got "
+                          f"{config.lr:g}; {low:g} to {high:g} to scale the estimate, which Prodigy's authors advise "
+                          "against)")
+    if own_schedule and (config.text_encoder_lr not in (0, config.lr)
+                         or config.text_encoder_warmup_steps not in (-1, config.warmup_steps)):
+        raise ConfigError("optimizer: prodigy steps every parameter group with one learning rate: leave "
+                          "text_encoder_lr at 0 and text_encoder_warmup_steps at -1, or use optimizer adamw")
+
+
 SHARDINGS = ("none", "zero1", "fsdp")
 
 
@@ -347,7 +405,8 @@ def check_sharding(config: TrainConfig) -> None:
                           "GPU holds whole: set sharding: none, or lora_rank: 0")
     if config.optimizer != "adamw":
         raise ConfigError(f"sharding: {name} splits torch's AdamW state; set optimizer: adamw (adamw8bit's state is "
-                          "already a quarter of the size), or sharding: none")
+                          "already a quarter of the size; prodigy and adamw_schedulefree run unsharded), or sharding: "
+                          "none")
     if name == "fsdp" and config.precision == "fp16":
         raise ConfigError("sharding: fsdp runs precision bf16 or fp32 (fp16's loss scaler is not sharded); set "
                           "precision: bf16, or sharding: zero1")
@@ -357,6 +416,21 @@ def check_sharding(config: TrainConfig) -> None:
     if name == "fsdp" and config.eval_every:
         raise ConfigError("sharding: fsdp does not run the in-training evaluation; set eval_every: 0 and score the "
                           "checkpoints with SD_Eval.py, or use sharding: zero1")
+
+
+def check_caption_ops(config: TrainConfig) -> None:
+    """``shuffle_tags`` / ``tag_dropout`` and the settings they cannot run with, each refused with the way out."""
+    if config.tag_separator == "":
+        raise ConfigError("tag_separator must not be empty; use ', ' (tags joined by commas) or ' ' (by blanks)")
+    if not (config.shuffle_tags or config.tag_dropout):
+        return
+    on = "shuffle_tags" if config.shuffle_tags else "tag_dropout"
+    if config.instance_dir:
+        raise ConfigError(f"{on} changes dataset captions at each step; a DreamBooth run (instance_dir) has one "
+                          "fixed instance_prompt: set shuffle_tags: 0 and tag_dropout: 0, or train on datasets")
+    if config.cache_text_embeddings:
+        raise ConfigError(f"{on} makes a new prompt at each step, so the prompts are no fixed set whose embeddings "
+                          "could be cached: set cache_text_embeddings: false, or shuffle_tags: 0 and tag_dropout: 0")
 
 
 TYPES = {"int": int, "float": (int, float), "bool": bool, "str": str, "list": list}
@@ -709,13 +783,16 @@ ON_RESUME = {
     "datasets": OnResume(REFUSE, _ORDER), "epoch_size": OnResume(REFUSE, _ORDER),
     "data_threads": OnResume(FREE), "mmap_latents": OnResume(FREE),
     "allow_missing_latents": OnResume(FREE, "a changed number of samples is refused by itself"),
-    "flip": OnResume(REFUSE, _ORDER),
+    "flip": OnResume(REFUSE, _ORDER), "masked_loss": OnResume(REFUSE, _MATH),
+    "shuffle_tags": OnResume(REFUSE, _MATH), "keep_tokens": OnResume(REFUSE, _MATH),
+    "tag_dropout": OnResume(REFUSE, _MATH), "tag_separator": OnResume(REFUSE, _MATH),
     "unet": OnResume(REFUSE, "the model"), "vae": OnResume(REFUSE, "the instance latents", dreambooth=True),
     "text_encoder": OnResume(REFUSE, "the text conditioning"), "tokenizer": OnResume(REFUSE, "the text conditioning"),
     "prediction_type": OnResume(REFUSE, _MATH),
     "init_from": OnResume(FREE, "a resume loads its checkpoint (a LoRA run's base is checked by its fingerprint)"),
     "lora_rank": OnResume(REFUSE, "the adapters"), "lora_alpha": OnResume(REFUSE, "the adapters"),
     "lora_dropout": OnResume(REFUSE, _MATH), "lora_targets": OnResume(REFUSE, "the adapters"),
+    "lora_conv_rank": OnResume(REFUSE, "the adapters"), "lora_conv_alpha": OnResume(REFUSE, "the adapters"),
     "lora_text_encoder": OnResume(REFUSE, "the adapters"),
     "embedding_token": OnResume(REFUSE, "the learned token"), "embedding_init": OnResume(REFUSE, "the learned token"),
     "embedding_vectors": OnResume(REFUSE, "the learned token"),
@@ -728,6 +805,7 @@ ON_RESUME = {
     "global_batch": OnResume(REFUSE, _ORDER),
     "max_steps": OnResume(REFUSE, _SCHEDULE), "epochs": OnResume(REFUSE, _SCHEDULE),
     "lr": OnResume(REFUSE, _SCHEDULE), "warmup_steps": OnResume(REFUSE, _SCHEDULE),
+    "text_encoder_lr": OnResume(REFUSE, _SCHEDULE), "text_encoder_warmup_steps": OnResume(REFUSE, _SCHEDULE),
     "min_lr_ratio": OnResume(REFUSE, _SCHEDULE),
     # the optimizer's saved state carries its hyper-parameters: a new value would be silently ignored
     "weight_decay": OnResume(REFUSE, "the optimizer"), "adam_beta1": OnResume(REFUSE, "the optimizer"),

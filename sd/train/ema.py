@@ -1,4 +1,5 @@
-"""EMA of the UNet's weights: an fp32 shadow updated by a foreach lerp after each optimizer step."""
+"""EMA of the trained weights (the UNet's, a text-encoder adapter's): an fp32 shadow updated by a foreach lerp
+after each optimizer step; ``EMAWeights``, the EMAs of a run as its checkpoints' one ``ema.safetensors``."""
 
 from __future__ import annotations
 
@@ -64,17 +65,20 @@ class EMA:
         return [sd.train.sharding.local(params[name]) for name in self.names]
 
     @torch.no_grad()
-    def update(self, model, step: int, skip: torch.Tensor | None = None) -> bool:
+    def update(self, model, step: int, skip: torch.Tensor | None = None, view=None) -> bool:
         """Fold the live weights in after optimizer step ``step`` (0-based). Returns whether it did.
 
         ``skip``: a bool on the model's device; where true the shadow stays as it was. A shadow on
         that device takes it as a weight of zero, without the host reading it; a shadow in host
-        memory reads it (its copies wait for the device anyway).
+        memory reads it (its copies wait for the device anyway). ``view``: a function from the
+        parameters to the weights folded in, when those are not the parameters themselves
+        (``sd.train.optimizers.evaluation_view``); called only at an update.
         """
         if (step + 1) % self.update_every:
             return False
         weight = 1.0 - (ema_decay_at(step, self.decay) if self.warmup else self.decay) ** self.update_every
-        live = self._live_weights(model)
+        params = self.parameters(model)
+        live = self._live_weights(view(params) if view is not None else [p.detach() for p in params])
         if skip is not None and skip.device == self.shadow[0].device:
             weight = (~skip).float() * weight  # one 0-dim weight for every tensor
             torch._foreach_lerp_(self.shadow, live, [weight] * len(self.shadow))
@@ -84,14 +88,13 @@ class EMA:
         torch._foreach_lerp_(self.shadow, live, weight)
         return True
 
-    def _live_weights(self, model) -> list[torch.Tensor]:
-        """The model's weights as fp32 on the shadow's device (the parameters, or copies of them).
+    def _live_weights(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The weights ``params`` as fp32 on the shadow's device (themselves, or copies of them).
 
         Copies go into staging buffers allocated on the first update and reused: a fresh 3.4 GB per
         update at SD 1.x size costs page faults and allocator churn (bench/ema_copy.py). From CUDA to
         a CPU shadow the buffers are pinned, so the copies are DMA transfers.
         """
-        params = [p.detach() for p in self.parameters(model)]
         target, source = self.shadow[0].device, params[0].device
         if source == target and params[0].dtype == torch.float32:
             return params
@@ -137,3 +140,47 @@ class EMA:
             with torch.no_grad():
                 for p, saved in zip(self.parameters(model), live):
                     p.copy_(saved)
+
+
+TEXT_PREFIX = "text_encoder."  # the text adapter's EMA in ema.safetensors; the UNet's keys never start so
+
+
+class EMAWeights:
+    """A run's EMAs as one flat dict of tensors (its checkpoints' ``ema.safetensors``): the UNet's under its
+    own parameter names (a LoRA run: the bare PEFT names), the text encoder adapter's, when it trains,
+    under ``text_encoder.`` + name.
+
+    A checkpoint written before the text adapter had an EMA holds the UNet's alone: loading it leaves
+    ``text_missing`` set, and the resume starts the text adapter's EMA from its loaded weights.
+    """
+
+    def __init__(self, unet_ema: EMA | None, text_ema: EMA | None = None):
+        self.unet_ema, self.text_ema = unet_ema, text_ema  # unet_ema None: a learned token's run (a frozen UNet)
+        self.text_missing = False
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        state = dict(self.unet_ema.state_dict()) if self.unet_ema is not None else {}
+        if self.text_ema is not None:
+            state.update({TEXT_PREFIX + name: tensor for name, tensor in self.text_ema.state_dict().items()})
+        return state
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        unet, text = split_text(state)
+        if self.unet_ema is not None:
+            self.unet_ema.load_state_dict(unet)
+        elif unet:
+            raise KeyError(f"EMA state holds a UNet's ({len(unet)} tensors) but the run's UNet is frozen")
+        if self.text_ema is None:
+            if text:
+                raise KeyError(f"EMA state holds a text encoder adapter's ({len(text)} tensors) but the run trains none")
+            return
+        self.text_missing = not text
+        if text:
+            self.text_ema.load_state_dict(text)
+
+
+def split_text(state: dict[str, torch.Tensor]) -> tuple[dict, dict]:
+    """``ema.safetensors``' tensors as ``(the UNet's, the text adapter's)``, the prefix taken off the latter."""
+    unet = {name: tensor for name, tensor in state.items() if not name.startswith(TEXT_PREFIX)}
+    text = {name[len(TEXT_PREFIX):]: tensor for name, tensor in state.items() if name.startswith(TEXT_PREFIX)}
+    return unet, text

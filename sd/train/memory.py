@@ -351,6 +351,8 @@ def session(config, resolution: int = 512, device: str = "cuda", world_size: int
             d = Dist(0, world_size, 0, torch.device("cpu"), True, group=process_group)
             with zero_in_group(process_group):
                 step = sd.train.step.build_step(config, d, unet, text_encoder, empty_ids, sd.model.SD1_SCALING_FACTOR)
+            if config.optimizer == "prodigy":
+                prodigy_reads_on_fake_tensors(step)
             if step.sharding == "fsdp":
                 shard_on_fake_tensors(step, process_group)
             elif world_size > 1:
@@ -623,7 +625,7 @@ def breakdown(allocations: Allocations, step, vae, config, casts: set[int], rebu
         "gradients": records([p.grad for p in unet.parameters() if p.grad is not None]),
         "optimizer_state": records([t for state in sd.train.sharding.local_optimizer(step.optimizer).state.values()
                                     for t in state.values() if isinstance(t, torch.Tensor)]),
-        "ema": records(step.ema.shadow + (step.ema.staging or [])) if step.ema is not None else {},
+        "ema": records([t for ema, _ in step.emas() for t in ema.shadow + (ema.staging or [])]),
         "text_encoder_and_vae": records([*step.text_encoder.parameters(), *step.text_encoder.buffers(),
                                          *vae.parameters(), *vae.buffers()]),
     }
@@ -668,6 +670,40 @@ class HostReadsAsZeros(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         read = HOST_READS.get(getattr(func, "__name__", ""))
         return read(args[0]) if read is not None else func(*args, **(kwargs or {}))
+
+
+class ProdigyReads(TorchFunctionMode):
+    """What Prodigy's step reads to the host, on fake tensors: ``param.any()`` (whether to keep a copy of its
+    start, ``p0``) is True unless the parameter is in ``zeros``, and every statistic it reads (``item``) is
+    1, so it goes on to its update as a real step does (with zeros it returns before the update)."""
+
+    def __init__(self, zeros: set[int]):
+        super().__init__()
+        self.zeros = zeros
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name == "any" and len(args) == 1 and not kwargs and isinstance(args[0], torch.nn.Parameter):
+            return id(args[0]) not in self.zeros
+        if name == "item":
+            return 1.0
+        return func(*args, **(kwargs or {}))
+
+
+def prodigy_reads_on_fake_tensors(step) -> None:
+    """Prodigy's steps on ``step``'s fake tensors run under ``ProdigyReads``. Known to be zero: a LoRA
+    adapter's up matrices (``lora_B``), zero at the start, when Prodigy takes its copy of each parameter:
+    a zero one gets a single number in its place (prodigyopt 1.1), the rest a full copy."""
+    zeros = {id(p) for model in (step.unet, step.text_encoder) for name, p in model.named_parameters()
+             if ".lora_B." in name}
+    optimizer = step.optimizer
+    original = optimizer.step
+
+    def stepped(*args, **kwargs):
+        with ProdigyReads(zeros):
+            return original(*args, **kwargs)
+
+    optimizer.step = stepped
 
 
 @contextlib.contextmanager

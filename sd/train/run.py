@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import sd.data.captions
 import sd.data.dreambooth
 import sd.data.training_data
 import sd.distributed
@@ -95,28 +96,58 @@ class Run:
     evaluation: TrainingEval | None = None  # FID / CLIP score every eval_every steps
 
 
-def build_data(config: TrainConfig, d: Dist | None = None):
+def build_data(config: TrainConfig, d: Dist | None = None, tokenizer=None):
     """Train and validation data; every problem found is reported before training starts.
 
     The latent files are memory-mapped: the ranks of a machine share one copy in its page cache, and
     each reads its share of the files once at start (unless ``mmap_latents``: read on demand).
+    ``tokenizer``: the training batches' token ids are made in the loader from the caption text, with
+    the config's caption operations (``shuffle_tags``, ``tag_dropout``); validation keeps the stored ids,
+    but for a run that learns a token (``embedding_token``): its validation captions are tokenised as
+    written, by the tokenizer that knows the token.
     """
+    ops = caption_ops(config) if tokenizer is not None else None
+    val_tokenizer = tokenizer if config.embedding_token else None
     share = (d.local_rank, d.local_world_size) if d is not None else (0, 1)
     stores, train, val, weights = {}, [], [], []
     for entry in config.datasets:
         folder = str(Path(entry["latents"]).resolve())
         if folder not in stores:
             stores[folder] = sd.data.training_data.LatentStore(folder, threads=config.data_threads, mmap=config.mmap_latents,
-                                                 flip=config.flip, share=share)
+                                                 flip=config.flip, share=share, masks=config.masked_loss)
         store = stores[folder]
-        train.append(sd.data.training_data.join_split(entry["dataset"], "train", store, allow_missing=config.allow_missing_latents))
-        val.append(sd.data.training_data.join_split(entry["dataset"], "validation", store, allow_missing=True))
+        train.append(sd.data.training_data.join_split(entry["dataset"], "train", store, allow_missing=config.allow_missing_latents,
+                                                      captions=tokenizer is not None))
+        val.append(sd.data.training_data.join_split(entry["dataset"], "validation", store, allow_missing=True,
+                                                    captions=val_tokenizer is not None))
         weights.append(float(entry.get("weight", 1.0)))
-    train_data = sd.data.training_data.MixedData(train, weights)
+    if config.masked_loss:
+        check_masks(stores, d is None or d.is_main)
+    train_data = sd.data.training_data.MixedData(train, weights, tokenizer=tokenizer, ops=ops)
     if len(train_data) == 0:
         raise sd.data.training_data.DataError("the training split of every dataset is empty")
-    val_data = sd.data.training_data.MixedData(val, weights) if sum(len(v) for v in val) else None
+    val_data = (sd.data.training_data.MixedData(val, weights, tokenizer=val_tokenizer)
+                if sum(len(v) for v in val) else None)
     return train_data, val_data
+
+
+def check_masks(stores: dict, report: bool) -> None:
+    """``masked_loss`` needs at least one latent folder with masks; the folders without any are named
+    (their samples weigh 1 everywhere)."""
+    unmasked = [folder for folder, store in stores.items() if not store.has_masks]
+    if len(unmasked) == len(stores):
+        raise ConfigError(f"masked_loss: true but no latent folder holds masks (NNNNN.mask.npy) ({', '.join(unmasked)}): "
+                          "put photo_mask.png beside photo.jpg, import with pipeline/01e_import_folder.py and "
+                          "encode with encode_latents.py, or set masked_loss: false")
+    if unmasked and report:
+        log.info("masked_loss: %d latent folders have no masks, their samples weigh 1 everywhere: %s", len(unmasked),
+                 ", ".join(unmasked))
+
+
+def caption_ops(config: TrainConfig) -> sd.data.captions.CaptionOps:
+    """The config's caption operations (``sd.data.captions``)."""
+    return sd.data.captions.CaptionOps(config.shuffle_tags, config.keep_tokens, config.tag_dropout,
+                                       config.tag_separator)
 
 
 def scaling_factor_of(config: TrainConfig, data: sd.data.training_data.MixedData, vae) -> float:
@@ -193,7 +224,8 @@ def build(config: TrainConfig, d: Dist) -> Run:
                                                      zero_terminal_snr=base_zero_terminal_snr(config))
         train_data, val_data = sd.data.dreambooth.build_data(config, d, vae, tokenizer, make_pipeline), None
     else:
-        train_data, val_data = build_data(config, d)
+        retokenise = caption_ops(config).active or config.embedding_token  # a learned token: the stored ids lack it
+        train_data, val_data = build_data(config, d, tokenizer if retokenise else None)
     scaling = scaling_factor_of(config, train_data, vae)
     if len(train_data.shapes) > 1:
         plan_buckets(config, train_data, d)
@@ -297,17 +329,22 @@ def open_metrics(run: Run) -> sd.train.metrics.MetricsLog | None:
     return metrics
 
 
-def step_record(run: Run, result, lr: float, step: int | None = None, epoch: int | None = None) -> dict:
-    """The metrics record of optimizer step ``step`` (default: the step just taken)."""
-    return {"step": run.state.step if step is None else step, "epoch": run.state.epoch if epoch is None else epoch,
-            "loss": result["loss"], "lr": lr, "grad_norm": result["grad_norm"],
-            "loss_by_quartile": result["loss_quartiles"],
-            "peak_memory_gb": sd.train.metrics.peak_memory_gb(run.d.device), "bad_steps": run.state.bad_steps,
-            "skipped": result["bad"] or result["overflow"]}
+def step_record(run: Run, result, lr: dict[str, float], step: int | None = None, epoch: int | None = None) -> dict:
+    """The metrics record of optimizer step ``step`` (default: the step just taken). ``lr``: each parameter
+    group's learning rate (``sd.train.step.lrs_at``); ``lr`` is the UNet's, ``lr_text_encoder`` the text
+    adapter's when it trains."""
+    record = {"step": run.state.step if step is None else step, "epoch": run.state.epoch if epoch is None else epoch,
+              "loss": result["loss"], "lr": lr["unet"], "grad_norm": result["grad_norm"],
+              "loss_by_quartile": result["loss_quartiles"],
+              "peak_memory_gb": sd.train.metrics.peak_memory_gb(run.d.device), "bad_steps": run.state.bad_steps,
+              "skipped": result["bad"] or result["overflow"]}
+    if run.step.text_trains:
+        record["lr_text_encoder"] = lr["text_encoder"]
+    return record
 
 
 def take_results(run: Run, window: list) -> tuple[list[dict], int | None]:
-    """Count the read steps of ``window`` (``(step, epoch, lr, result)`` in order) into the state: the
+    """Count the read steps of ``window`` (``(step, epoch, lrs, result)`` in order) into the state: the
     metrics records of its log steps and skipped steps, and exit code 3 when ``max_bad_steps``
     non-finite steps in a row were reached (else None)."""
     records, code, config = [], None, run.config

@@ -77,7 +77,8 @@ def shard_unet(step) -> torch.nn.Module:
     fully_shard(unet)
     params = [p for p in unet.parameters() if p.requires_grad]
     settings = {k: old.defaults[k] for k in ("lr", "betas", "eps", "weight_decay", "fused", "foreach")}
-    step.optimizer = type(old)(params, **settings)
+    name = old.param_groups[0].get("name")  # the UNet's group (fsdp trains no text adapter)
+    step.optimizer = type(old)([{"params": params, **({"name": name} if name else {})}], **settings)
     step.trainable = params
     del old
     if loaded is not None:

@@ -10,20 +10,25 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+import sd.cli
 import sd.data.training_data
 import sd.distributed
 import sd.lora.adapters
 import sd.model
 import sd.runtime
 import sd.train.ema
+import sd.train.optimizers
 import sd.train.sharding
 from sd.distributed import Dist
+
+log = logging.getLogger("sd_train")
 
 
 @dataclass(frozen=True)
@@ -56,7 +61,7 @@ class Step:
     empty_embedding: torch.Tensor  # (1, 77, D): the empty prompt, for CFG dropout
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
-    ema: sd.train.ema.EMA | None
+    ema: sd.train.ema.EMA | None  # of the UNet's trainable parameters (a LoRA run: its adapter)
     noise_generator: torch.Generator  # noise, timesteps and CFG dropout; saved per rank
     alphas_cumprod: torch.Tensor
     scaling_factor: float
@@ -69,11 +74,12 @@ class Step:
     empty_ids: torch.Tensor | None = None  # (1, 77): the empty prompt's ids, on the device
     cuda_graphs: bool = False  # the compiled model replays CUDA graphs (compile_mode reduce-overhead)
     sharding: str = "none"  # none, zero1 or fsdp (sd.train.sharding); fsdp applies at wrap_model
-    ema_model: torch.nn.Module | None = None  # what the EMA averages: the UNet, or the text encoder's learned token
+    text_ema: sd.train.ema.EMA | None = None  # of the text encoder's adapter, when it trains and there is an EMA
 
-    def __post_init__(self):
-        if self.ema_model is None:
-            self.ema_model = self.unet
+    def emas(self) -> list[tuple[sd.train.ema.EMA, torch.nn.Module]]:
+        """Each EMA with the model it averages: the UNet's, then the text adapter's."""
+        pairs = [(self.ema, self.unet), (self.text_ema, self.text_encoder)]
+        return [(ema, model) for ema, model in pairs if ema is not None]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -95,9 +101,43 @@ def lr_at(step: int, peak: float, warmup: int, total: int, min_ratio: float = 0.
     return floor + (peak - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+def schedule_free_lr_at(step: int, peak: float, warmup: int) -> float:
+    """Learning rate of step ``step`` (0-based) for ``optimizer: adamw_schedulefree``: its linear warm-up
+    ``peak * (step + 1) / warmup`` (the schedulefree package's own formula), then ``peak`` to the end.
+    No decay follows: the optimizer's running average of the weights takes the place of one (Defazio
+    et al. 2024, "The Road Less Scheduled"), and a cosine on top would undo what it averages."""
+    return peak * ((step + 1) / warmup) if step < warmup else peak
+
+
+GROUPS = ("unet", "text_encoder")  # the optimizer's parameter groups, by name, in this order
+
+
+def group_schedules(config) -> dict[str, tuple[float, int]]:
+    """Each parameter group's peak learning rate and warm-up steps: the UNet's ``lr`` / ``warmup_steps``;
+    the text encoder's adapter its own ``text_encoder_lr`` / ``text_encoder_warmup_steps`` (0 / -1: the
+    UNet's)."""
+    text_lr = getattr(config, "text_encoder_lr", 0.0) or config.lr
+    text_warmup = getattr(config, "text_encoder_warmup_steps", -1)
+    return {"unet": (config.lr, config.warmup_steps),
+            "text_encoder": (text_lr, config.warmup_steps if text_warmup < 0 else text_warmup)}
+
+
+def lrs_at(config, step: int, total: int) -> dict[str, float]:
+    """The learning rate of every parameter group at optimizer step ``step`` (0-based) of ``total``:
+    ``lr_at``'s warm-up and cosine, or for ``adamw_schedulefree`` ``schedule_free_lr_at``'s warm-up alone.
+    Prodigy takes the same schedule as AdamW: its step is its own estimate times this (``lr`` 1.0
+    at the peak), so the warm-up and the cosine scale the estimate."""
+    schedule_free = config.optimizer == "adamw_schedulefree"
+    return {name: schedule_free_lr_at(step, peak, warmup) if schedule_free
+            else lr_at(step, peak, warmup, total, config.min_lr_ratio)
+            for name, (peak, warmup) in group_schedules(config).items()}
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float | dict[str, float]) -> None:
+    """Set the learning rate of every parameter group: ``lr``, or ``lr[name]`` by the group's name (a group
+    without one is the UNet's)."""
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr[group.get("name", "unet")] if isinstance(lr, dict) else lr
 
 
 def apply_cfg_dropout(hidden: torch.Tensor, empty: torch.Tensor, p: float, generator: torch.Generator):
@@ -115,22 +155,69 @@ def apply_cfg_dropout(hidden: torch.Tensor, empty: torch.Tensor, p: float, gener
 # ---------------------------------------------------------------------------------------------
 
 
+def param_groups(config, unet, text_encoder) -> list[dict]:
+    """The optimizer's parameter groups: what trains in the UNet, then in the text encoder (its LoRA
+    adapter), each named (``GROUPS``) and starting at its peak learning rate; a group with nothing to
+    train is left out."""
+    peaks = group_schedules(config)
+    groups = [{"name": name, "lr": peaks[name][0], "params": [p for p in model.parameters() if p.requires_grad]}
+              for name, model in zip(GROUPS, (unet, text_encoder))]
+    return [group for group in groups if group["params"]]
+
+
 def build_optimizer(params: list, config, zero: bool = False):
-    """AdamW over ``params``: fused where the device has
-    the kernels, the foreach version otherwise; ``optimizer: adamw8bit`` is bitsandbytes' 8-bit AdamW
-    (block-wise quantised moments: 2 bytes a parameter instead of 8). ``zero``: the AdamW state split
-    across the ranks (``sharding: zero1``)."""
+    """The configured optimizer over ``params`` (tensors, or ``param_groups``' named groups).
+
+    ``adamw``: torch's AdamW, fused where the device has the kernels, the foreach version otherwise.
+    ``adamw8bit``: bitsandbytes' 8-bit AdamW (block-wise quantised moments: 2 bytes a parameter
+    instead of 8). ``prodigy``: Prodigy (Mishchenko & Defazio 2024) with the settings its authors give
+    for diffusion models (bias correction, the warm-up safeguard). ``adamw_schedulefree``:
+    Schedule-Free AdamW (Defazio et al. 2024) in train mode, its own warm-up off (``set_lr`` applies
+    it, ``schedule_free_lr_at``). ``zero``: the AdamW state split across the ranks (``sharding: zero1``).
+    """
     kwargs = dict(lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
                   weight_decay=config.weight_decay)
     if config.optimizer == "adamw8bit":
         import bitsandbytes
 
         return bitsandbytes.optim.AdamW8bit(params, **kwargs)
+    if config.optimizer == "prodigy":
+        import io
+
+        from prodigyopt import Prodigy
+
+        with contextlib.redirect_stdout(io.StringIO()):  # it prints a line on every rank when it decays weights
+            return Prodigy(params, use_bias_correction=True, safeguard_warmup=True, **kwargs)
+    if config.optimizer == "adamw_schedulefree":
+        from schedulefree import AdamWScheduleFree
+
+        optimizer = AdamWScheduleFree(params, warmup_steps=0, **kwargs)
+        optimizer.train()
+        return optimizer
     make = sd.train.sharding.zero_optimizer if zero else torch.optim.AdamW
     try:
         return make(params, fused=True, **kwargs)
-    except (RuntimeError, TypeError):  # fused kernels missing for this device or dtype
+    except (RuntimeError, TypeError) as error:  # fused kernels missing for this device or dtype
+        log_foreach_fallback(params, error)
         return make(params, foreach=True, **kwargs)
+
+
+FUSED_FALLBACK_LOGGED = False
+
+
+def log_foreach_fallback(params: list, error: Exception) -> None:
+    """Say once per process (on rank 0: the others log warnings only) why AdamW is not fused, and what
+    the foreach version costs."""
+    global FUSED_FALLBACK_LOGGED
+    if FUSED_FALLBACK_LOGGED:
+        return
+    FUSED_FALLBACK_LOGGED = True
+    tensors = [p for item in params for p in (item["params"] if isinstance(item, dict) else [item])]
+    where = sorted({f"{p.device.type} {str(p.dtype).removeprefix('torch.')}" for p in tensors})
+    log.info("AdamW runs its foreach version, not the fused kernel (%s: %s): about ten passes over the weights "
+             "and moments per step where the fused kernel makes one (slower updates, more memory traffic), and the "
+             "host waits for the device at every step to read whether to skip it", ", ".join(where),
+             sd.cli.first_line(error))
 
 
 def ema_update_every(config, device: torch.device, lora: bool) -> int:
@@ -147,30 +234,32 @@ def build_step(config, d: Dist, unet, text_encoder, empty_ids: torch.Tensor, sca
 
     ``empty_ids``: the empty prompt's token ids ``(1, 77)``. What trains is what requires a gradient:
     the whole UNet, or the LoRA adapters of the UNet and text encoder (``sd.lora.adapters.add_lora`` freezes
-    the rest); the EMA then averages the adapter only. The UNet is not wrapped yet: call
-    ``wrap_model`` after loading weights, so DDP broadcasts the right ones.
+    the rest), in one named parameter group each (``param_groups``); the EMAs then average the adapters
+    only. The UNet is not wrapped yet: call ``wrap_model`` after loading weights, so DDP broadcasts the
+    right ones.
     """
     text_encoder = text_encoder.to(d.device)
     with sd.runtime.autocast(config.precision, d.device):
         empty = sd.model.encode_prompt_ids(text_encoder, empty_ids)
     lora = sd.lora.adapters.has_lora(unet)
+    text_trains = any(p.requires_grad for p in text_encoder.parameters())
     learned_token = bool(getattr(config, "embedding_token", ""))
-    ema_model = text_encoder if learned_token else unet  # textual inversion: the UNet is frozen, the token trains
-    ema = None
+    ema = text_ema = None
     if config.ema_decay > 0:
-        ema = sd.train.ema.EMA(ema_model, config.ema_decay, device="cpu" if config.ema_device == "cpu" else None,
-                               update_every=ema_update_every(config, d.device, lora or learned_token),
-                               trainable_only=lora or learned_token)
-    trainable = [p for p in unet.parameters() if p.requires_grad] + [
-        p for p in text_encoder.parameters() if p.requires_grad]
+        settings = dict(device="cpu" if config.ema_device == "cpu" else None,
+                        update_every=ema_update_every(config, d.device, lora), trainable_only=lora)
+        if not learned_token:  # textual inversion: the UNet is frozen, its EMA would be a copy of it
+            ema = sd.train.ema.EMA(unet, config.ema_decay, **settings)
+        if text_trains:
+            text_ema = sd.train.ema.EMA(text_encoder, config.ema_decay, **{**settings, "trainable_only": True})
+    groups = param_groups(config, unet, text_encoder)
     noise_generator = torch.Generator(device=d.device).manual_seed(config.seed * 7919 + d.rank + 1)
     sharding = getattr(config, "sharding", "none") if d.world_size > 1 else "none"
-    return Step(unet, unet, text_encoder, empty, build_optimizer(trainable, config, zero=sharding == "zero1"),
+    return Step(unet, unet, text_encoder, empty, build_optimizer(groups, config, zero=sharding == "zero1"),
                 torch.amp.GradScaler(d.device.type, enabled=config.precision == "fp16"), ema, noise_generator,
                 sd.model.ddpm_alphas_cumprod(zero_terminal_snr=config.zero_terminal_snr).to(d.device), scaling_factor,
-                LossSettings.from_config(config), d, trainable=trainable,
-                text_trains=any(p.requires_grad for p in text_encoder.parameters()), empty_ids=empty_ids.to(d.device),
-                sharding=sharding, ema_model=ema_model)
+                LossSettings.from_config(config), d, trainable=[p for group in groups for p in group["params"]],
+                text_trains=text_trains, empty_ids=empty_ids.to(d.device), sharding=sharding, text_ema=text_ema)
 
 
 def wrap_model(step: Step, compile: bool, shapes: int = 1, mode: str = "default") -> None:
@@ -238,8 +327,10 @@ def compile_options(shapes: int, mode: str = "default") -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
-def compute_loss(step: Step, model, latents: torch.Tensor, input_ids: torch.Tensor, generator: torch.Generator):
-    """Per-sample Min-SNR loss ``(B,)`` and timesteps of one micro-batch through ``model``."""
+def compute_loss(step: Step, model, latents: torch.Tensor, input_ids: torch.Tensor, generator: torch.Generator,
+                 mask: torch.Tensor | None = None):
+    """Per-sample Min-SNR loss ``(B,)`` and timesteps of one micro-batch through ``model``; ``mask``
+    ``(B, 1, h, w)``: the loss weights of ``masked_loss`` (``sd.model.diffusion_loss``)."""
     settings, device = step.loss, step.d.device
     latents = sd.model.scale_latents(latents.to(device, non_blocking=True).float(), step.scaling_factor)
     if settings.channels_last:
@@ -254,8 +345,10 @@ def compute_loss(step: Step, model, latents: torch.Tensor, input_ids: torch.Tens
     with sd.runtime.autocast(settings.precision, device):
         hidden = prompt_embeddings(step, input_ids, generator)
         pred = model(noisy, timesteps, encoder_hidden_states=hidden).sample
+    if mask is not None:
+        mask = mask.to(device, non_blocking=True)
     loss = sd.model.diffusion_loss(pred, target, timesteps, step.alphas_cumprod, settings.prediction_type,
-                                   settings.min_snr_gamma)
+                                   settings.min_snr_gamma, mask)
     return loss, timesteps
 
 
@@ -338,7 +431,8 @@ STATS = 13  # loss, bad, stop, per-quartile loss sums (4) and counts (4), grad n
 def train_step(step: Step, micro_batches: list, step_index: int, stop_requested: bool = False) -> "StepResult":
     """Forward/backward over the accumulation, then one optimizer update unless anything is non-finite.
 
-    ``micro_batches``: ``[(latents (B, 4, h, w), input_ids (B, 77)), ...]``; ``step_index``: the
+    ``micro_batches``: ``[(latents (B, 4, h, w), input_ids (B, 77)[, loss mask (B, 1, h, w)]), ...]``
+    (``MixedData.batch``: the mask with ``masked_loss``); ``step_index``: the
     0-based optimizer step (the EMA's warm-up). The learning rate is set by the caller. A non-finite
     loss or gradient norm on any rank skips the update on every rank: weights, optimizer and EMA stay
     as they were. One all-reduce carries the loss, the bad-step flag, the stop request, the
@@ -355,13 +449,13 @@ def train_step(step: Step, micro_batches: list, step_index: int, stop_requested:
     keep_grads = step.ddp is not None  # DDP's bucket views: zeroed in place (see wrap_ddp)
     step.optimizer.zero_grad(set_to_none=not keep_grads)
     stats = torch.zeros(STATS, dtype=torch.float64, device=d.device)
-    for i, (latents, input_ids) in enumerate(micro_batches):
+    for i, (latents, input_ids, *mask) in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
         sync = contextlib.nullcontext() if last else sd.train.sharding.no_sync(step)
         if step.cuda_graphs:  # each micro-batch's forward and backward is a new replay of the graphs
             torch.compiler.cudagraph_mark_step_begin()
         with sync:
-            loss, timesteps = compute_loss(step, step.model, latents, input_ids, step.noise_generator)
+            loss, timesteps = compute_loss(step, step.model, latents, input_ids, step.noise_generator, *mask)
             value = objective(loss, settings)
             step.scaler.scale(value / len(micro_batches)).backward()
         quartile = (timesteps * 4 // sd.model.NUM_TRAIN_TIMESTEPS).clamp(max=3)
@@ -408,16 +502,19 @@ def apply_update(step: Step, skip: torch.Tensor, step_index: int) -> None:
         local.grad_scale = None  # fp16: the gradients were unscaled already
         step.optimizer.step()
         step.scaler.update()  # fp16: backs off on its own overflow flag, else grows
-        if step.ema is not None:
-            step.ema.update(step.ema_model, step_index, skip=skip)
+        for ema, model in step.emas():
+            ema.update(model, step_index, skip=skip)
         return
-    if bool(skip):  # a read of the device: these optimizers cannot skip on their own
+    # A read of the device: these optimizers cannot skip on their own (the foreach AdamW, bitsandbytes'
+    # 8-bit AdamW, Prodigy, which reads its statistics on the host anyway, and Schedule-Free AdamW).
+    if bool(skip):
         step.scaler.update()
         return
     step.scaler.step(step.optimizer)
     step.scaler.update()
-    if step.ema is not None:
-        step.ema.update(step.ema_model, step_index)
+    evaluated = sd.train.optimizers.evaluation_view(step.optimizer)  # Schedule-Free: the EMAs average x, not y
+    for ema, model in step.emas():
+        ema.update(model, step_index, view=evaluated)
 
 
 class StepResult:
@@ -492,8 +589,8 @@ def validation_loss(step: Step, data, count: int, batch_size: int, stop=None) ->
         for batch in sd.data.training_data.shape_batches(data, indices, batch_size):
             if stop():
                 break
-            latents, input_ids = data.batch(batch)
-            loss, _ = compute_loss(step, step.unet, latents, input_ids, generator)
+            latents, input_ids, *mask = data.batch(batch)
+            loss, _ = compute_loss(step, step.unet, latents, input_ids, generator, *mask)
             totals[0] += loss.double().sum()
             totals[1] += loss.numel()
     finally:

@@ -21,6 +21,7 @@ import sd.distributed
 import sd.evaluation
 import sd.runtime
 import sd.sampling
+import sd.train.optimizers
 import sd.train.sharding
 import sd.train.step
 from sd.train.config import TrainConfig
@@ -43,11 +44,12 @@ def check(run: Run, record: dict, stop) -> tuple[Path | None, bool]:
     same collective, so it is the same on all of them, and what was left undone is skipped.
     """
     config, step, grid = run.config, run.state.step, None
-    try:
-        if config.validate_every and step % config.validate_every == 0:
-            grid = validate(run, record, stop)
-        if config.eval_every and step % config.eval_every == 0:
-            record.update(evaluate(run, stop))
+    try:  # a Schedule-Free optimizer's model is its average x, not the point y it trains at (sd.train.optimizers)
+        with sd.train.optimizers.evaluation_weights(run.step.optimizer):
+            if config.validate_every and step % config.validate_every == 0:
+                grid = validate(run, record, stop)
+            if config.eval_every and step % config.eval_every == 0:
+                record.update(evaluate(run, stop))
     except sd.distributed.Stopped:
         log.info("step %d: validation/evaluation interrupted by a stop signal; the rest of it is skipped", step)
         return grid, True
@@ -62,8 +64,8 @@ def validate(run: Run, record: dict, stop=None) -> Path | None:
         with sd.train.sharding.unsharded(step.unet):  # fsdp: the ranks' batch counts may differ
             record["val_loss"] = sd.train.step.validation_loss(step, run.val_data, config.validation_samples,
                                                               config.batch_size, stop)
-        if step.ema is not None:
-            with step.ema.swapped_in(step.ema_model), sd.train.sharding.unsharded(step.unet):
+        if step.emas():
+            with ema_swapped_in(step), sd.train.sharding.unsharded(step.unet):
                 record["val_loss_ema"] = sd.train.step.validation_loss(step, run.val_data, config.validation_samples,
                                                                       config.batch_size, stop)
     if not config.validation_prompts:
@@ -74,11 +76,22 @@ def validate(run: Run, record: dict, stop=None) -> Path | None:
 
 
 @contextlib.contextmanager
+def ema_swapped_in(step: sd.train.step.Step):
+    """The body runs with every EMA's weights in its model (the UNet's, the text adapter's); the live
+    weights come back bit for bit."""
+    with contextlib.ExitStack() as stack:
+        for ema, model in step.emas():
+            stack.enter_context(ema.swapped_in(model))
+        yield
+
+
+@contextlib.contextmanager
 def ema_sampling(run: Run):
-    """The UNet in eval mode with the EMA weights swapped in (when there is an EMA), under the run's autocast;
-    with ``sharding: fsdp`` gathered whole (the ranks sample different numbers of images)."""
+    """The UNet in eval mode with the EMA weights swapped in (when there is an EMA; a text adapter's too),
+    under the run's autocast; with ``sharding: fsdp`` gathered whole (the ranks sample different numbers
+    of images)."""
     unet = run.step.unet
-    swap = run.step.ema.swapped_in(run.step.ema_model) if run.step.ema is not None else contextlib.nullcontext()
+    swap = ema_swapped_in(run.step)
     unet.eval()
     try:
         with swap, sd.train.sharding.unsharded(unet), sd.runtime.autocast(run.config.precision, run.d.device):

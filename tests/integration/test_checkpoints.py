@@ -127,6 +127,22 @@ def test_a_damaged_newest_checkpoint_is_named_set_aside_and_the_previous_one_res
     assert steps == list(range(1, STEPS + 1))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer, lr", [("prodigy", 1.0), ("adamw_schedulefree", 1e-3)])
+def test_a_stopped_full_fine_tune_resumes_bitwise_with_each_optimizer(tmp_path, data, optimizer, lr):
+    """4 steps straight against 2 + 2 resumed (a checkpoint at step 2, as the straight run saves too): every
+    saved value equal (the UNet, the EMA, the optimizer's state and groups, every RNG)."""
+    fields = dict(max_steps=4, optimizer=optimizer, lr=lr, save_steps=2)
+    assert main(config_file(tmp_path / "a.yaml", data, tmp_path / "a", **fields)) == 0
+    flags = config_file(tmp_path / "b.yaml", data, tmp_path / "b", **fields)
+    assert main([*flags, "--stop_at_step", "3"]) == 0
+    assert main(flags) == 0
+    straight = saved_tensors(tmp_path / "a" / "checkpoints" / ckpt.step_dir_name(4))
+    assert_bitwise_equal(straight, saved_tensors(tmp_path / "b" / "checkpoints" / ckpt.step_dir_name(4)))
+    assert len([k for k in straight if k.startswith("optimizer.state.")]) >= 2 * len(
+        [k for k in straight if k.startswith("unet.")])
+
+
 def test_weights_that_do_not_match_their_fingerprint_are_damaged(tmp_path, data):
     """A valid weights file with a manifest to match, but not the weights this rank saved."""
     run_dir = tmp_path / "run"

@@ -453,3 +453,80 @@ def test_lora_flags_that_could_do_nothing_are_refused(capsys):
         with pytest.raises(SystemExit):
             SD_ImageGen.parse_args(["--ckpt", "run", *argv])
     assert "--lora merges into the weights" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ LoCon: the convolutions' own rank and alpha
+
+CONV_RANK, CONV_ALPHA = 2, 1.0
+
+
+def test_locon_convolutions_keep_their_own_rank_and_alpha_in_the_kohya_layout(base, tmp_path):
+    """3x3 convolutions at rank 2 / alpha 1, Linear and 1x1 layers at rank 4 / alpha 8: the file's keys and
+    per-module alphas say so, its header records kohya's conv_dim / conv_alpha, and every reader (ours,
+    diffusers' conversion of kohya files) gets the same weights back."""
+    from diffusers import DDIMScheduler, StableDiffusionPipeline
+
+    unet = copy.deepcopy(base[0])
+    modules = sd.lora.adapters.resolve_targets(unet, ["attention", "resnet"])
+    sd.lora.adapters.add_lora(unet, modules, RANK, ALPHA, conv_rank=CONV_RANK, conv_alpha=CONV_ALPHA)
+    randomize(unet, 7)
+    path = sd.lora.files.save_model_lora(tmp_path / "locon.safetensors", unet.eval())
+    tensors = load_file(path)
+    convs = [n for n in modules if sd.lora.adapters.is_spatial_conv(base[0].get_submodule(n))]
+    assert 0 < len(convs) < len(modules) and any(getattr(base[0].get_submodule(n), "kernel_size", ()) == (1, 1)
+                                                 for n in modules)  # a 1x1 conv_shortcut takes the Linear rank
+    assert len(tensors) == 3 * len(modules)
+    for name in modules:
+        layer, key = base[0].get_submodule(name), "lora_unet_" + name.replace(".", "_")
+        down, up, alpha = (tensors[f"{key}.{s}"] for s in ("lora_down.weight", "lora_up.weight", "alpha"))
+        if name in convs:
+            assert down.shape == (CONV_RANK, layer.in_channels, 3, 3) and up.shape == (layer.out_channels, CONV_RANK, 1, 1)
+            assert alpha.item() == CONV_ALPHA, name
+        else:
+            assert down.shape[0] == RANK and up.shape[1] == RANK and alpha.item() == ALPHA, name
+    with safe_open(str(path), framework="pt") as handle:
+        header = handle.metadata()
+    assert (header["ss_network_dim"], header["ss_network_alpha"]) == (str(RANK), str(ALPHA))
+    assert json.loads(header["ss_network_args"]) == {"conv_dim": str(CONV_RANK), "conv_alpha": str(CONV_ALPHA)}
+    assert (header["lora_rank"], header["lora_alpha"]) == (str(RANK), str(ALPHA))
+
+    back = sd.lora.files.read_lora(path, base[0])["unet"]
+    own = sd.lora.files.adapter_lora_modules(unet)
+    assert set(back) == set(own)
+    assert all(torch.equal(back[n].down, m.down) and torch.equal(back[n].up, m.up) and back[n].alpha == m.alpha
+               for n, m in own.items())
+    pipe = StableDiffusionPipeline(unet=copy.deepcopy(base[0]), text_encoder=copy.deepcopy(base[1]), vae=base[2],
+                                   tokenizer=base[3], scheduler=sd.model.build_noise_scheduler("epsilon", DDIMScheduler),
+                                   safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    pipe.load_lora_weights(str(path))
+    expected = unet_output(unet)
+    assert (expected - unet_output(base[0])).abs().max() > 1e-2
+    torch.testing.assert_close(unet_output(pipe.unet), expected, atol=1e-5, rtol=0)
+
+
+def test_a_locon_run_records_its_conv_rank_and_loads_back_with_it(lora_run, base, tmp_path):
+    """lora_conv_rank / lora_conv_alpha in a run's config.yaml rebuild adapters of those shapes: the run's
+    adapter file loads into them, and an export records them."""
+    run, *_ = lora_run
+    unet, encoder = copy.deepcopy(base[0]), copy.deepcopy(base[1])
+    sd.lora.adapters.add_lora(unet, sd.lora.adapters.resolve_targets(unet, ["attention", "resnet"]), RANK, ALPHA,
+                              conv_rank=CONV_RANK, conv_alpha=CONV_ALPHA)
+    randomize(unet, 9)
+    copy_run = tmp_path / "locon_run"
+    shutil.copytree(run, copy_run)
+    folder = ckpt.resolve_checkpoint(copy_run)
+    ckpt.save_weights(sd.lora.adapters.AdapterWeights(unet=unet).state_dict(), folder / "adapter.safetensors")
+    (folder / "ema.safetensors").unlink()
+    (folder / ckpt.MANIFEST).unlink(missing_ok=True)
+    config = yaml.safe_load((folder / "config.yaml").read_text())
+    config.update(lora_targets=["attention", "resnet"], lora_conv_rank=CONV_RANK, lora_conv_alpha=CONV_ALPHA,
+                  lora_text_encoder=False)
+    (folder / "config.yaml").write_text(yaml.safe_dump(config))
+    settings = sd.formats.lora_run_settings(str(folder))
+    assert (settings["conv_rank"], settings["conv_alpha"], settings["rank"], settings["alpha"]) == (
+        CONV_RANK, CONV_ALPHA, RANK, ALPHA)
+    model = sd.formats.load_pipeline(str(copy_run))
+    assert adapters_equal(model.unet, unet)
+    assert SD_ImageGen.main(["--ckpt", str(copy_run), "--export_lora", str(tmp_path / "k.safetensors")]) == 0
+    with safe_open(str(tmp_path / "k.safetensors"), framework="pt") as handle:
+        assert json.loads(handle.metadata()["ss_network_args"]) == {"conv_dim": "2", "conv_alpha": "1.0"}

@@ -19,12 +19,14 @@ import sd.lora.files
 import sd.model
 import sd.sampling
 import sd.train.checkpoint as ckpt
+import sd.train.checkpointer
 import sd.train.config
+import sd.train.ema
 import sd.train.step
 import SD_Train
 from sd.distributed import Dist
 
-from data_factory import BASE, assert_bitwise_equal
+from data_factory import BASE, assert_bitwise_equal, make_base_pipeline
 
 LORA = dict(BASE, lora_rank=4, lora_alpha=8.0, lora_dropout=0.25, lr=1e-2, warmup_steps=0, ema_decay=0.9,
             cfg_dropout=0.1, batch_size=2, grad_accum=2)
@@ -32,12 +34,7 @@ LORA = dict(BASE, lora_rank=4, lora_alpha=8.0, lora_dropout=0.25, lr=1e-2, warmu
 
 @pytest.fixture(scope="module")
 def base_model(tmp_path_factory) -> Path:
-    """A tiny pipeline folder whose UNet has non-zero output layers (a trained model's stand-in)."""
-    folder = tmp_path_factory.mktemp("base") / "pipeline"
-    sd.formats.export_diffusers(folder, sd.model.build_unet("tiny", seed=3, from_scratch=False),
-                                sd.model.load_vae("tiny"), sd.model.load_text_encoder("tiny"),
-                                sd.model.load_tokenizer("tiny"))
-    return folder
+    return make_base_pipeline(tmp_path_factory.mktemp("base") / "pipeline")
 
 
 @pytest.fixture(scope="module")
@@ -328,6 +325,43 @@ def test_adamw8bit_keeps_one_byte_moments_for_large_tensors():
     assert optimizer.state[small]["state1"].dtype == torch.float32  # bitsandbytes keeps small tensors in fp32
 
 
+def test_adamw_without_its_fused_kernel_says_so_once_on_the_foreach_version(monkeypatch, caplog):
+    original = torch.optim.AdamW
+
+    def adamw(params, fused=None, **kwargs):
+        if fused:
+            raise RuntimeError("`fused=True` requires all the params to be floating point Tensors of supported devices")
+        return original(params, fused=fused, **kwargs)
+
+    monkeypatch.setattr(torch.optim, "AdamW", adamw)
+    monkeypatch.setattr(sd.train.step, "FUSED_FALLBACK_LOGGED", False)
+    config = sd.train.config.TrainConfig(**LORA)
+    with caplog.at_level(logging.INFO, logger="sd_train"):
+        optimizers = [sd.train.step.build_optimizer([torch.nn.Parameter(torch.randn(4, 4))], config) for _ in range(2)]
+    assert [o.defaults["foreach"] for o in optimizers] == [True, True] and not optimizers[0].defaults["fused"]
+    said = [r.getMessage() for r in caplog.records if "fused" in r.getMessage()]
+    assert len(said) == 1 and "cpu float32: `fused=True` requires" in said[0] and "host waits" in said[0], said
+
+
+def test_an_optimizer_state_of_one_group_loads_into_the_unet_and_text_encoder_groups():
+    """A LoRA run with a text adapter checkpointed before each model had its own group: its one group is split
+    in order, and the moments land on the same parameters."""
+    import sd.train.optimizers
+
+    config = sd.train.config.TrainConfig(**LORA)
+    unet_params = [torch.nn.Parameter(torch.randn(3, 2)), torch.nn.Parameter(torch.randn(4))]
+    text_params = [torch.nn.Parameter(torch.randn(5))]
+    old = sd.train.step.build_optimizer(unet_params + text_params, config)
+    sum(p.square().sum() for p in unet_params + text_params).backward()
+    old.step()
+    new = sd.train.step.build_optimizer([{"name": "unet", "lr": 1e-2, "params": unet_params},
+                                         {"name": "text_encoder", "lr": 1e-3, "params": text_params}], config)
+    sd.train.optimizers.OptimizerState(new).load_state_dict(old.state_dict())
+    assert [g["name"] for g in new.param_groups] == ["unet", "text_encoder"]
+    assert [len(g["params"]) for g in new.param_groups] == [2, 1]
+    assert all(torch.equal(new.state[p]["exp_avg"], old.state[p]["exp_avg"]) for p in unet_params + text_params)
+
+
 def test_a_text_cache_too_large_is_refused_before_encoding():
     encoder = sd.model.load_text_encoder("tiny")
     ids = np.arange(10 * 77).reshape(10, 77) % 1000
@@ -357,7 +391,8 @@ def test_a_lora_target_that_selects_nothing_stops_before_training(tmp_path, base
 
 def test_a_trained_lora_run_exports_and_samples_through_sd_imagegen(tmp_path, base_model, data):
     """The trainer's checkpoint layout as SD_ImageGen reads it: the exported kohya file holds the run's
-    EMA adapter (UNet and text encoder), and sampling the run equals sampling its merged export."""
+    EMA adapters (UNet and text encoder, both from ema.safetensors), and sampling the run equals sampling
+    its merged export."""
     import SD_ImageGen
 
     config = write_config(tmp_path / "a.yaml", datasets=[data], init_from=str(base_model), max_steps=2,
@@ -374,8 +409,9 @@ def test_a_trained_lora_run_exports_and_samples_through_sd_imagegen(tmp_path, ba
     assert torch.equal(lora["unet"][module].up, ema[f"{module}.lora_B.default.weight"])
     assert lora["unet"][module].alpha == 8.0 and lora["unet"][module].rank == 4
     text = [k for k in adapter if k.startswith("text_encoder.") and k.endswith("layers.0.self_attn.q_proj.lora_B.default.weight")]
-    assert len(text) == 1 and any(torch.equal(m.up, adapter[text[0]]) for name, m in lora["text_encoder"].items()
-                                  if name.endswith("layers.0.self_attn.q_proj"))
+    assert len(text) == 1 and not torch.equal(ema[text[0]], adapter[text[0]])  # the text adapter's EMA is its own
+    assert any(torch.equal(m.up, ema[text[0]]) for name, m in lora["text_encoder"].items()
+               if name.endswith("layers.0.self_attn.q_proj"))
     flags = ["--prompt", "a red circle", "--n", "1", "--steps", "2", "--height", "64", "--width", "64"]
     assert SD_ImageGen.main(["--ckpt", run, "--export_diffusers", str(tmp_path / "merged"), *flags,
                              "--out", str(tmp_path / "s1")]) == 0
@@ -422,3 +458,151 @@ def test_full_dreambooth_trains_from_the_weights_that_drew_its_class_images(tmp_
     assert_bitwise_equal(drawn["weights"], ema)
     assert_bitwise_equal(run.step.unet.state_dict(), ema)  # the weights training starts from
     assert_bitwise_equal(dict(zip(run.step.ema.names, run.step.ema.shadow)), ema)
+
+
+# ------------------------------------------------------------------------------ the text encoder's own schedule, its EMA
+
+TEXT = dict(lora_text_encoder=True, lora_dropout=0.0)
+
+
+def adapter_tensors(run) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in
+            sd.lora.adapters.AdapterWeights(unet=run.step.unet, text_encoder=run.step.text_encoder).state_dict().items()}
+
+
+def test_the_text_encoder_adapter_steps_with_its_own_learning_rate_and_warm_up(tmp_path, base_model, data):
+    """UNet group: lr 1e-2, one warm-up step; text group: 1e-30 (as good as frozen), three. Each group's LR
+    follows its own schedule in metrics.jsonl and in the optimizer; the text adapter stays where it started
+    while the UNet's moves."""
+    config = write_config(tmp_path / "a.yaml", datasets=[data], init_from=str(base_model), max_steps=4, ema_decay=0.0,
+                          out_dir=str(tmp_path / "run"), warmup_steps=1, text_encoder_lr=1e-30,
+                          text_encoder_warmup_steps=3, **TEXT)
+    start = adapter_tensors(SD_Train.build(sd.train.config.load_config(["--config", str(config)]), Dist.single()))
+    assert SD_Train.main(["--config", str(config)]) == 0
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    for step, record in enumerate(records):
+        assert record["lr"] == pytest.approx(sd.train.step.lr_at(step, 1e-2, 1, 4), rel=1e-12)
+        assert record["lr_text_encoder"] == pytest.approx(sd.train.step.lr_at(step, 1e-30, 3, 4), rel=1e-12)
+    assert records[0]["lr_text_encoder"] == pytest.approx(1e-32) and records[3]["lr"] < records[1]["lr"]
+
+    resumed = SD_Train.build(sd.train.config.load_config(["--config", str(config)]), Dist.single())
+    groups = {g["name"]: g for g in resumed.step.optimizer.param_groups}
+    assert list(groups) == ["unet", "text_encoder"] and resumed.state.step == 4
+    assert {name: g["lr"] for name, g in groups.items()} == sd.train.step.lrs_at(resumed.config, 3, 4)  # the last set
+    assert sum(p.numel() for p in groups["text_encoder"]["params"]) == sum(
+        p.numel() for p in resumed.step.text_encoder.parameters() if p.requires_grad)
+    end = adapter_tensors(resumed)
+    moved = {k: (end[k] - start[k]).abs().max().item() for k in start}
+    assert max(v for k, v in moved.items() if k.startswith("text_encoder.")) < 1e-25
+    assert max(v for k, v in moved.items() if k.startswith("unet.")) > 1e-3
+
+
+def test_the_text_adapters_ema_is_the_hand_computed_lerp_and_what_a_lora_export_holds(tmp_path, base_model, data):
+    import SD_ImageGen
+
+    config = sd.train.config.TrainConfig(**{**LORA, **TEXT, "datasets": [data], "init_from": str(base_model),
+                                            "max_steps": 3, "ema_decay": 0.5, "out_dir": str(tmp_path / "run")})
+    run = SD_Train.build(config, Dist.single())
+    ema = run.step.text_ema
+    assert ema is not None and ema.names == list(sd.lora.adapters.adapter_state(run.step.text_encoder))
+    params = dict(run.step.text_encoder.named_parameters())
+    shadow = [params[n].detach().double().clone() for n in ema.names]
+    for i in range(3):
+        sd.train.step.train_step(run.step, [run.train_data.batch(np.arange(2 * i, 2 * i + 2))], i)
+        weight = 1 - sd.train.ema.ema_decay_at(i, 0.5)
+        shadow = [s + weight * (params[n].detach().double() - s) for s, n in zip(shadow, ema.names)]
+    assert max((s.double() - e).abs().max().item() for s, e in zip(ema.shadow, shadow)) < 1e-6
+    assert max((s - params[n]).abs().max().item() for s, n in zip(ema.shadow, ema.names)) > 1e-4  # not the live ones
+
+    run.state.step = 3
+    sd.train.checkpointer.save(run)
+    folder = tmp_path / "run" / "checkpoints" / ckpt.step_dir_name(3)
+    saved = load_file(folder / "ema.safetensors")
+    assert all(torch.equal(saved[f"text_encoder.{n}"], s) for n, s in zip(ema.names, ema.shadow))
+    assert SD_ImageGen.main(["--ckpt", str(folder), "--export_lora", str(tmp_path / "k.safetensors")]) == 0
+    lora = sd.lora.files.read_lora(tmp_path / "k.safetensors", base_unet(base_model), sd.model.load_text_encoder("tiny"))
+    text_ema = dict(zip(ema.names, ema.shadow))
+    assert len(lora["text_encoder"]) == len(ema.names) // 2
+    for name, module in lora["text_encoder"].items():
+        own = name.removeprefix("text_model.")
+        assert torch.equal(module.up, text_ema[f"{own}.lora_B.default.weight"])
+        assert torch.equal(module.down, text_ema[f"{own}.lora_A.default.weight"])
+    # --no_ema: the live text adapter
+    live = sd.formats.load_pipeline(str(folder), use_ema=False)
+    assert all(torch.equal(v, params[k]) for k, v in sd.lora.adapters.adapter_state(live.text_encoder).items())
+
+
+def test_a_checkpoint_whose_ema_predates_the_text_adapters_starts_that_ema_from_the_resumed_adapter(
+        tmp_path, base_model, data, caplog):
+    config = write_config(tmp_path / "a.yaml", datasets=[data], init_from=str(base_model), max_steps=4,
+                          out_dir=str(tmp_path / "run"), **TEXT)
+    assert SD_Train.main(["--config", str(config), "--stop_at_step", "2"]) == 0
+    folder = tmp_path / "run" / "checkpoints" / ckpt.step_dir_name(2)
+    ema = load_file(folder / "ema.safetensors")
+    ckpt.save_weights({k: v for k, v in ema.items() if not k.startswith("text_encoder.")}, folder / "ema.safetensors")
+    (folder / ckpt.MANIFEST).unlink()  # as an older version wrote it
+    with caplog.at_level(logging.INFO, logger="sd_train"):
+        run = SD_Train.build(sd.train.config.load_config(["--config", str(config)]), Dist.single())
+    assert run.state.step == 2
+    assert any("EMA of the text encoder's adapter starts from the weights of" in r.getMessage() for r in caplog.records)
+    live = dict(run.step.text_encoder.named_parameters())
+    assert all(torch.equal(s, live[n]) for n, s in zip(run.step.text_ema.names, run.step.text_ema.shadow))
+    assert all(torch.equal(s, ema[n]) for n, s in zip(run.step.ema.names, run.step.ema.shadow))
+
+
+def checkpoint_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every value a checkpoint holds, by a flat name (plain numbers through their repr)."""
+    tensors = {}
+
+    def flatten(value, name):
+        if isinstance(value, torch.Tensor):
+            tensors[name] = value
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                flatten(item, f"{name}.{key}")
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                flatten(item, f"{name}.{i}")
+        else:
+            tensors[name] = torch.tensor([hash(repr(value))])
+
+    for path in sorted(folder.iterdir()):
+        if path.suffix == ".safetensors":
+            tensors.update({f"{path.stem}.{k}": v for k, v in load_file(path).items()})
+        elif path.suffix == ".pt":
+            flatten(torch.load(path, weights_only=True), path.stem)
+    return tensors
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer, lr", [("prodigy", 1.0), ("adamw_schedulefree", 1e-2)])
+def test_prodigy_and_schedule_free_lora_runs_resume_bitwise_with_the_text_adapter_and_its_ema(
+        tmp_path, base_model, data, optimizer, lr):
+    """Validation every 2 steps swaps Schedule-Free's evaluation weights in and out: the straight run and the
+    one stopped at step 3 still end equal in every saved value (adapters, both EMAs, the optimizer's state and
+    groups, RNGs)."""
+    fields = dict(datasets=[data], init_from=str(base_model), max_steps=6, optimizer=optimizer, lr=lr, warmup_steps=2,
+                  text_encoder_lr=lr if optimizer == "prodigy" else 3e-3, validate_every=2, **TEXT)
+    straight = write_config(tmp_path / "a.yaml", out_dir=str(tmp_path / "a"), **fields)
+    assert SD_Train.main(["--config", str(straight)]) == 0
+    stopped = write_config(tmp_path / "b.yaml", out_dir=str(tmp_path / "b"), **fields)
+    assert SD_Train.main(["--config", str(stopped), "--stop_at_step", "3"]) == 0
+    assert SD_Train.main(["--config", str(stopped)]) == 0
+    a = checkpoint_tensors(tmp_path / "a" / "checkpoints" / ckpt.step_dir_name(6))
+    assert_bitwise_equal(a, checkpoint_tensors(tmp_path / "b" / "checkpoints" / ckpt.step_dir_name(6)))
+    assert any(k.startswith("ema.text_encoder.") for k in a)
+    records = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "val_loss" in r] == [2, 4, 6]
+    if optimizer == "adamw_schedulefree":
+        # The adapter file holds x = lerp(y, z, 1 - 1/beta1); optimizer.pt holds y and z; a resume trains on at y.
+        resumed = SD_Train.build(sd.train.config.load_config(["--config", str(straight)]), Dist.single())
+        live = adapter_tensors(resumed)  # in the optimizer's parameter order
+        saved = torch.load(tmp_path / "a" / "checkpoints" / ckpt.step_dir_name(6) / "optimizer.pt", weights_only=True)
+        assert len(saved["train_weights"]) == len(live)
+        for i, (name, y) in enumerate(zip(live, saved["train_weights"])):
+            assert torch.equal(live[name], y), name
+            assert torch.equal(a[f"adapter.{name}"], torch.lerp(y, saved["state"][i]["z"], 1 - 1 / 0.9)), name
+            assert not torch.equal(a[f"adapter.{name}"], y), name
+        assert records[0]["lr"] == pytest.approx(1e-2 / 2) and records[1]["lr"] == records[5]["lr"] == 1e-2
+        assert records[0]["lr_text_encoder"] == pytest.approx(3e-3 / 2) and records[5]["lr_text_encoder"] == 3e-3

@@ -228,7 +228,8 @@ def test_a_training_evaluation_that_fails_is_logged_and_the_run_goes_on(caplog):
     def evaluation(pipe, d, stop=None):
         raise sd.evaluation.EvalError("generated images: 1 of 6 images have features that are not finite")
 
-    run = SimpleNamespace(step=SimpleNamespace(unet=torch.nn.Linear(1, 1), ema=None), evaluation=evaluation,
+    run = SimpleNamespace(step=SimpleNamespace(unet=torch.nn.Linear(1, 1), ema=None, emas=lambda: []),
+                          evaluation=evaluation,
                           config=SimpleNamespace(precision="fp32"), d=sd.distributed.Dist.single(),
                           state=SimpleNamespace(step=7), sampler=None)
     assert sd.train.validation.evaluate(run) == {}

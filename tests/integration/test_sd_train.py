@@ -210,13 +210,19 @@ def snapshot(step):
     return {
         "unet": {k: v.clone() for k, v in step.unet.state_dict().items()},
         "ema": [s.clone() for s in step.ema.shadow],
-        "opt": {(i, k): v.clone() for i, st in step.optimizer.state_dict()["state"].items() for k, v in st.items()},
+        "opt": {(i, k): torch.as_tensor(v).clone() for i, st in step.optimizer.state_dict()["state"].items()
+                for k, v in st.items()},
+        "groups": repr([{k: v for k, v in g.items() if k != "params"} for g in step.optimizer.param_groups]),
     }
 
 
 @pytest.mark.slow
-def test_non_finite_loss_updates_nothing(tmp_path, data):
-    run = make_run(tmp_path, data, grad_accum=1, batch_size=4)
+@pytest.mark.parametrize("optimizer, lr", [("adamw", 1e-3), ("prodigy", 1.0), ("adamw_schedulefree", 1e-3)])
+def test_non_finite_loss_updates_nothing(tmp_path, data, optimizer, lr):
+    """Fused AdamW skips on the device; Prodigy and Schedule-Free read the flag on the host: either way the
+    weights, the EMA and the optimizer (its state, and its groups' step counts and estimates) stay as they were."""
+    run = make_run(tmp_path, data, grad_accum=1, batch_size=4, optimizer=optimizer, lr=lr)
+    assert sd.train.step.skips_on_device(run.step.optimizer) == (optimizer == "adamw")
     good = [run.train_data.batch(np.arange(4))]
     assert not sd.train.step.train_step(run.step, good, 0)["bad"]
     before = snapshot(run.step)
@@ -229,7 +235,9 @@ def test_non_finite_loss_updates_nothing(tmp_path, data):
     assert all(torch.equal(a, b) for a, b in zip(before["ema"], after["ema"]))
     assert before["opt"].keys() == after["opt"].keys()
     assert all(torch.equal(before["opt"][k], after["opt"][k]) for k in before["opt"])
+    assert before["groups"] == after["groups"]
     assert not sd.train.step.train_step(run.step, good, 2)["bad"]
+    assert snapshot(run.step)["groups"] != after["groups"] or optimizer == "adamw"  # Prodigy's d, Schedule-Free's k
     assert any(not torch.equal(before["unet"][k], v) for k, v in run.step.unet.state_dict().items())
 
 

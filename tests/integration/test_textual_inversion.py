@@ -20,7 +20,7 @@ import sd.train.config
 import SD_ImageGen
 import SD_Train
 
-from data_factory import BASE, assert_bitwise_equal
+from data_factory import BASE, assert_bitwise_equal, make_base_pipeline
 
 TOKEN = "<cyan-sks>"
 PROMPT = f"a {TOKEN} circle"
@@ -31,11 +31,7 @@ FIELDS = dict(BASE, lr=5e-2, warmup_steps=0, ema_decay=0.9, cfg_dropout=0.1, bat
 
 @pytest.fixture(scope="module")
 def base_model(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("base") / "pipeline"
-    sd.formats.export_diffusers(folder, sd.model.build_unet("tiny", seed=3, from_scratch=False),
-                                sd.model.load_vae("tiny"), sd.model.load_text_encoder("tiny"),
-                                sd.model.load_tokenizer("tiny"))
-    return folder
+    return make_base_pipeline(tmp_path_factory.mktemp("base") / "pipeline")
 
 
 @pytest.fixture(scope="module")
@@ -188,3 +184,32 @@ def test_textual_inversion_settings_are_checked_before_any_work(tmp_path, instan
     values = {**FIELDS, "init_from": "owner/model", "instance_dir": str(instance_images), **fields}
     with pytest.raises(sd.train.config.ConfigError, match=message):
         sd.train.config.TrainConfig(**values).validate()
+
+
+def test_a_token_learned_from_a_caption_dataset_reaches_the_step_as_its_own_id(tmp_path, base_model, monkeypatch):
+    """Captions are tokenised before the token exists (stage 04): the loader tokenises their text again with
+    the tokenizer that knows it, for training and validation."""
+    from data_factory import make_captions, make_latents
+
+    import sd.train.step
+
+    rng = np.random.default_rng(0)
+    keys = [f"k{i:03d}" for i in range(10)]
+    make_latents(tmp_path / "latents", keys, rng.normal(size=(10, 4, 8, 8)))
+    rows = [(k, f"a {TOKEN} circle" if i % 2 else "a red square") for i, k in enumerate(keys)]
+    dataset = make_captions(tmp_path / "captions", rows[:8], rows[8:])
+    seen, real = [], sd.train.step.train_step
+    monkeypatch.setattr(sd.train.step, "train_step", lambda step, micro, *a, **k: seen.append(micro) or real(
+        step, micro, *a, **k))
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({**FIELDS, "instance_prompt": "", "datasets": [
+        {"dataset": str(dataset), "latents": str(tmp_path / "latents")}], "init_from": str(base_model),
+        "out_dir": str(tmp_path / "run"), "max_steps": 2, "validate_every": 2, "validation_prompts": []}))
+    assert SD_Train.main(["--config", str(config)]) == 0
+    ids = torch.cat([batch[1] for micro in seen for batch in micro])
+    assert ((ids == 49408).any(1) == (ids == 49409).any(1)).all()  # both vectors of the token, together
+    assert 0 < int((ids == 49408).any(1).sum()) < len(ids)
+    assert "val_loss" in (tmp_path / "run" / "metrics.jsonl").read_text()
+    assert not torch.equal(load_file(tmp_path / "run" / "checkpoints" / ckpt.step_dir_name(2) / "embedding.safetensors")
+                           ["emb_params"], sd.embedding.tokens.initial_vectors(
+                               sd.model.load_tokenizer("tiny"), sd.model.load_text_encoder("tiny"), "blue", 2))

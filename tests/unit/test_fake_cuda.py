@@ -17,6 +17,7 @@ import sd.data.encode
 import sd.lora.adapters
 import sd.model
 import sd.sampling
+import sd.embedding.tokens
 import sd.train.step
 from sd.distributed import Dist
 from sd.train.config import TrainConfig
@@ -50,8 +51,12 @@ def train_one_step(cfg: TrainConfig, steps: int = 1, syncs: list | None = None):
         unet = holder["unet"] = sd.model.build_unet("tiny", grad_checkpointing=cfg.grad_checkpointing,
                                                     channels_last=cfg.channels_last).to(d.device).train()
         sd.lora.adapters.apply_config(cfg, unet, text_encoder)
+        if cfg.embedding_token:  # as sd.train.run.add_learned_token, with rows of zeros
+            sd.embedding.tokens.freeze_for_inversion(unet, text_encoder, cfg.precision)
+            sd.embedding.tokens.attach_rows(text_encoder, torch.zeros(cfg.embedding_vectors, 64),
+                                            [cfg.embedding_token] * cfg.embedding_vectors, trainable=True)
         step = sd.train.step.build_step(cfg, d, unet, text_encoder, torch.full((1, 77), 49407), 0.18215)
-        ids = torch.randint(0, 49407, (2, 77))
+        ids = torch.randint(0, 49407 + cfg.embedding_vectors, (2, 77))
         if cfg.cache_text_embeddings:  # as sd.train.run.cache_text_embeddings: built on the GPU, kept on the host
             step.text_cache = sd.train.step.TextCache.build(step.text_encoder, ids, cfg.precision, d.device)
             step.text_encoder.to("cpu")
@@ -159,3 +164,18 @@ def test_fp16_steps_with_a_trained_text_adapter_never_make_the_host_wait_for_the
                                     cfg_dropout=0.5), steps=3, syncs=syncs)
     assert step.scaler.is_enabled() and step.text_trains
     assert syncs == []
+
+
+def test_a_textual_inversion_step_trains_the_token_rows_on_the_gpu_without_waiting_for_it():
+    """The new rows are the only parameter that trains; the embedding picks them or the base rows on the
+    device (no read of whether a batch holds a new id), and the EMA averages them alone."""
+    syncs = []
+    step, result = train_one_step(config(embedding_token="<t>", embedding_init="dog", embedding_vectors=2,
+                                         init_from="owner/base", cfg_dropout=0.5), steps=3, syncs=syncs)
+    assert syncs == [] and result["bad"] is False
+    (rows,) = step.trainable
+    assert rows.shape == (2, 64) and rows.device == CUDA and rows.dtype == torch.float32
+    assert step.text_trains and not any(p.requires_grad for p in step.unet.parameters())
+    assert {p.dtype for p in step.unet.parameters()} == {torch.bfloat16}
+    assert step.ema is None  # no copy of the frozen UNet
+    assert [t.shape for t in step.text_ema.shadow] == [(2, 64)] and step.text_ema.shadow[0].device == CUDA

@@ -6,8 +6,10 @@ from pathlib import Path
 import pytest
 import torch
 
+import sd.lora.adapters
 import sd.model
 import sd.train.memory
+import sd.train.step
 from sd.train.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -183,3 +185,53 @@ def test_a_learned_token_keeps_optimizer_and_ema_state_for_its_rows_alone():
     assert parts["weights"] >= rounded([p.to(torch.bfloat16) for p in unet.parameters()])  # the frozen UNet at bf16
     assert parts["weights"] < rounded([*unet.parameters()])
     assert parts["activations_and_temporaries"] > 0  # the loss reaches the token through the UNet and the encoder
+
+
+def measured_optimizer_state(config) -> tuple[int, int]:
+    """``(bytes, parameters)``: the optimizer state a real step of ``config`` keeps on the CPU, each tensor
+    rounded as the estimate rounds CUDA blocks, and how many parameters train. The weights are given
+    values that are all non-zero (as trained ones are) where an initialisation leaves a tensor zero,
+    except the LoRA up matrices, zero at every LoRA run's start."""
+    from sd.distributed import Dist
+
+    text_encoder, _ = sd.train.memory.frozen_models(config)
+    unet = sd.model.build_unet(config.unet, from_scratch=False, seed=0)
+    with torch.no_grad():
+        for p in unet.parameters():
+            if not p.any():
+                p.normal_()
+    sd.lora.adapters.apply_config(config, unet, text_encoder)
+    ids = torch.full((1, sd.model.TOKENIZER_MAX_LENGTH), 49407, dtype=torch.long)
+    step = sd.train.step.build_step(config, Dist.single("cpu"), unet, text_encoder, ids, 1.0)
+    batch = [(torch.randn(2, 4, 8, 8).half(), torch.full((2, sd.model.TOKENIZER_MAX_LENGTH), 49407))]
+    sd.train.step.train_step(step, batch, 0)
+    tensors = [t for state in step.optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+    return rounded(tensors), sum(p.numel() for p in step.trainable)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer, lr, lora, per_parameter", [
+    ("prodigy", 1.0, False, 16),  # exp_avg, exp_avg_sq, s and p0 (its copy of the start): 4 fp32 tensors
+    ("prodigy", 1.0, True, None),  # p0 of a LoRA up matrix, zero at the start, is one number
+    ("adamw_schedulefree", 1e-3, False, 8),  # z and exp_avg_sq
+    ("adamw_schedulefree", 1e-3, True, 8),
+])
+def test_the_estimated_optimizer_state_is_what_a_real_step_keeps(optimizer, lr, lora, per_parameter):
+    lora_fields = dict(lora_rank=4, lora_text_encoder=True, lora_targets=["attention", "resnet"]) if lora else {}
+    config = tiny_config(grad_checkpointing=False, ema_decay=0.0, optimizer=optimizer, lr=lr, **lora_fields)
+    estimate = sd.train.memory.estimate(config, batch_size=2, resolution=64)
+    measured, parameters = measured_optimizer_state(config)
+    assert estimate.parts["optimizer_state"] == measured
+    if per_parameter is not None:  # to the 512-byte blocks: a block's worth per tensor at most
+        assert per_parameter * parameters <= measured <= per_parameter * parameters + 512 * 4 * 1000
+    else:
+        assert 12 * parameters < measured < 16 * parameters
+
+
+def test_text_adapter_ema_is_counted_with_the_unets():
+    config = tiny_config(grad_checkpointing=False, ema_decay=0.9, lora_rank=4, lora_text_encoder=True)
+    parts = sd.train.memory.estimate(config, batch_size=1, resolution=32).parts
+    unet, text_encoder = sd.model.build_unet("tiny", from_scratch=False), sd.model.load_text_encoder("tiny")
+    sd.lora.adapters.apply_config(config, unet, text_encoder)
+    adapters = [p for m in (unet, text_encoder) for p in m.parameters() if p.requires_grad]
+    assert parts["ema"] == rounded(adapters)

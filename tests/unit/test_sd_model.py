@@ -269,6 +269,35 @@ def test_diffusion_loss_is_weighted_per_sample_mse_in_fp32():
     torch.testing.assert_close(plain, mse, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction"])
+def test_a_mask_of_zeros_on_half_the_latent_takes_that_half_out_of_the_loss_and_its_gradient(prediction_type):
+    alphas = M.ddpm_alphas_cumprod()
+    g = torch.Generator().manual_seed(2)
+    pred = torch.randn(3, 4, 8, 8, generator=g, requires_grad=True)
+    target = torch.randn(3, 4, 8, 8, generator=g)
+    timesteps = torch.tensor([5, 400, 990])
+    mask = torch.ones(3, 1, 8, 8, dtype=torch.float16)
+    mask[..., 4:] = 0  # the right half of every sample
+    loss = M.diffusion_loss(pred, target, timesteps, alphas, prediction_type, 5.0, mask)
+    loss.sum().backward()
+    assert (pred.grad[..., 4:] == 0).all() and (pred.grad[..., :4] != 0).all()
+    # Min-SNR weights unchanged; the mean is over all elements: the kept half's loss, halved.
+    kept = M.diffusion_loss(pred[..., :4].detach(), target[..., :4], timesteps, alphas, prediction_type, 5.0)
+    torch.testing.assert_close(loss.detach(), kept / 2, rtol=1e-6, atol=0)
+
+
+def test_without_a_mask_or_with_a_mask_of_ones_the_loss_is_bitwise_the_unmasked_one():
+    alphas = M.ddpm_alphas_cumprod()
+    g = torch.Generator().manual_seed(3)
+    pred, target = torch.randn(4, 4, 8, 8, generator=g).bfloat16(), torch.randn(4, 4, 8, 8, generator=g)
+    timesteps = torch.tensor([1, 250, 500, 999])
+    mse = torch.nn.functional.mse_loss(pred.float(), target, reduction="none").mean(dim=(1, 2, 3))
+    unmasked = mse * M.min_snr_weights(timesteps, alphas, "epsilon", 5.0)  # the formula before masks
+    assert torch.equal(M.diffusion_loss(pred, target, timesteps, alphas, "epsilon", 5.0), unmasked)
+    ones = torch.ones(4, 1, 8, 8, dtype=torch.float16)
+    assert torch.equal(M.diffusion_loss(pred, target, timesteps, alphas, "epsilon", 5.0, ones), unmasked)
+
+
 def test_v_target_and_noising_are_consistent():
     alphas = M.ddpm_alphas_cumprod()
     g = torch.Generator().manual_seed(1)

@@ -151,6 +151,8 @@ RANGES = {
     "epochs": (">= 0", [0, 3], [-1]),
     "lr": ("> 0 and finite", [1e-12, 10.0], [0.0, -1e-5]),
     "warmup_steps": (">= 0", [0], [-1]),
+    "text_encoder_lr": (">= 0 and finite", [0.0], [-1e-5]),  # > 0 needs lora_text_encoder: test_text_encoder_...
+    "text_encoder_warmup_steps": (">= -1", [-1], [-2]),
     "min_lr_ratio": ("in [0, 1]", [0.0, 1.0], [-0.01, 1.01]),
     "weight_decay": (">= 0 and finite", [0.0, 5.0], [-1e-3]),
     "adam_beta1": ("in [0, 1)", [0.0, 0.999], [1.0, 5.0, -0.1]),
@@ -159,6 +161,9 @@ RANGES = {
     "grad_clip": (">= 0 and finite", [0.0, 100.0], [-1.0]),
     "min_snr_gamma": (">= 0 and finite", [0.0, 20.0], [-5.0]),
     "cfg_dropout": ("in [0, 1)", [0.0, 0.99], [1.0, -0.1]),
+    "shuffle_tags": ("in [0, 1]", [0.0, 0.5, 1.0], [1.01, -0.1]),
+    "keep_tokens": (">= 0", [0, 3], [-1]),
+    "tag_dropout": ("in [0, 1]", [0.0, 1.0], [1.5, -0.1]),
     "ema_decay": ("in [0, 1)", [0.0, 0.99999], [1.0, 1.5, -0.1]),
     "ema_update_every": (">= 0", [0, 1], [-1]),  # 0: auto
     "max_bad_steps": (">= 1", [1], [0]),
@@ -174,6 +179,8 @@ RANGES = {
     "seed": ("in [0, 4294967295]", [0, 2**32 - 1], [-1, 2**32]),
     "lora_rank": (">= 0", [0], [-1]),
     "lora_alpha": (">= 0 and finite", [0.0, 16.0], [-1.0]),
+    "lora_conv_rank": (">= 0", [0], [-1]),  # > 0 needs lora_rank: tests/integration/test_lora_files.py
+    "lora_conv_alpha": (">= 0 and finite", [0.0], [-1.0]),
     "lora_dropout": ("in [0, 1)", [0.0, 0.5], [1.0, -0.1]),
     "num_class_images": (">= 0", [0, 200], [-1]),
     "embedding_vectors": (">= 1", [1, 75], [0]),
@@ -442,7 +449,12 @@ def test_ema_update_every_auto_spaces_a_whole_unets_host_ema_of_a_gpu_run():
      "sharding: zero1 splits a full fine-tune's state; a LoRA adapter is a few MB that every GPU holds whole: set "
      "sharding: none, or lora_rank: 0"),
     (["--sharding", "fsdp", "--optimizer", "adamw8bit"], "sharding: fsdp splits torch's AdamW state; set optimizer: "
-     "adamw (adamw8bit's state is already a quarter of the size), or sharding: none"),
+     "adamw (adamw8bit's state is already a quarter of the size; prodigy and adamw_schedulefree run unsharded), or "
+     "sharding: none"),
+    (["--sharding", "zero1", "--optimizer", "prodigy", "--lr", "1"], "sharding: zero1 splits torch's AdamW state; "
+     "set optimizer: adamw"),
+    (["--sharding", "fsdp", "--optimizer", "adamw_schedulefree"], "sharding: fsdp splits torch's AdamW state; set "
+     "optimizer: adamw"),
     (["--sharding", "fsdp", "--precision", "fp16"], "sharding: fsdp runs precision bf16 or fp32"),
     (["--sharding", "fsdp", "--channels_last"], "sharding: fsdp needs contiguous weights"),
     (["--sharding", "fsdp", "--eval_every", "10"], "sharding: fsdp does not run the in-training evaluation"),
@@ -451,6 +463,41 @@ def test_sharding_refuses_what_it_cannot_run_naming_the_way_out(base_config, fla
     with pytest.raises(ConfigError) as error:
         load_config(["--config", str(base_config), *flags], check_paths=False)
     assert str(error.value).startswith(shown)
+
+
+LORA_TEXT = ["--lora_rank", "4", "--lora_text_encoder", "--init_from", "runs/x"]
+
+
+@pytest.mark.parametrize("flags, shown", [
+    (["--text_encoder_lr", "1e-4"], "text_encoder_lr / text_encoder_warmup_steps set the learning rate of the text "
+     "encoder's LoRA adapter: set lora_text_encoder: true"),
+    (["--text_encoder_warmup_steps", "0"], "text_encoder_lr / text_encoder_warmup_steps set the learning rate"),
+    (["--optimizer", "prodigy"], "optimizer: prodigy estimates the step size itself and lr multiplies it: set lr: 1.0 "
+     "(got 1e-05;"),
+    (["--optimizer", "prodigy", "--lr", "20"], "optimizer: prodigy estimates the step size itself"),
+    (["--optimizer", "prodigy", "--lr", "1", *LORA_TEXT, "--text_encoder_lr", "0.5"],
+     "optimizer: prodigy steps every parameter group with one learning rate"),
+    (["--optimizer", "prodigy", "--lr", "1", *LORA_TEXT, "--warmup_steps", "5", "--text_encoder_warmup_steps", "0"],
+     "optimizer: prodigy steps every parameter group with one learning rate"),
+    (["--optimizer", "adamw_schedulefree", "--adam_beta1", "0"], "optimizer: adamw_schedulefree interpolates with "
+     "adam_beta1"),
+    (["--optimizer", "sgd"], "optimizer: one of adamw, adamw8bit, prodigy, adamw_schedulefree"),
+])
+def test_optimizer_and_learning_rate_settings_that_cannot_work_are_refused(base_config, flags, shown):
+    with pytest.raises(ConfigError) as error:
+        load_config(["--config", str(base_config), *flags], check_paths=False)
+    assert str(error.value).startswith(shown)
+
+
+@pytest.mark.parametrize("flags", [
+    [*LORA_TEXT, "--text_encoder_lr", "1e-4", "--text_encoder_warmup_steps", "0"],
+    ["--optimizer", "prodigy", "--lr", "1", *LORA_TEXT, "--text_encoder_lr", "1", "--text_encoder_warmup_steps", "500"],
+    ["--optimizer", "prodigy", "--lr", "0.5"],
+    ["--optimizer", "adamw_schedulefree", "--lr", "1e-3"],
+])
+def test_the_optimizers_and_a_text_encoder_schedule_that_can_work_load(base_config, flags):
+    assert load_config(["--config", str(base_config), *flags], check_paths=False).optimizer in (
+        "adamw", "prodigy", "adamw_schedulefree")
 
 
 @pytest.mark.parametrize("sharding", ["none", "zero1", "fsdp"])

@@ -1,0 +1,165 @@
+"""What an optimizer means for the rest of a run beyond its step: which weights each consumer sees
+(Schedule-Free AdamW's two points), and the optimizer as a checkpoint entry.
+
+Schedule-Free AdamW (``optimizer: adamw_schedulefree``, Defazio et al. 2024) keeps three points per
+parameter: ``z`` (the SGD-like iterate, in its state), ``x`` (the running average of ``z``: the
+model to evaluate) and ``y = (1 - beta1) z + beta1 x`` (where gradients are taken). In train mode the
+parameters hold ``y``; ``x = y + (1 - 1/beta1) (z - y)``. Which weights each consumer of a run sees:
+
+* the training step (forward, backward, clipping, the update): ``y``, the parameters as they are;
+* the EMAs: ``x`` (``evaluation_view``), the model the EMA then smooths further; averaging ``y``
+  would mix in the noise of ``z``;
+* validation loss, the sample grid and the evaluation: ``x`` swapped into the parameters for their
+  duration (``evaluation_weights``), ``y`` restored bit for bit after, so validating never moves
+  the training trajectory (the EMA's own swap comes inside, over ``x``);
+* the checkpoint's weight files (``unet.safetensors``, a LoRA run's ``adapter.safetensors``), which
+  ``SD_ImageGen.py``, exports and ``init_from`` read: ``x`` (``EvaluationWeights``), computed beside
+  the parameters; ``y`` goes into ``optimizer.pt`` (``OptimizerState``), and a resume puts it back
+  after the weight files, so a resumed run continues bit for bit.
+
+Every other optimizer has one point: each function here leaves it as it is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+
+log = logging.getLogger("sd_train")
+
+
+def is_schedule_free(optimizer) -> bool:
+    """Whether ``optimizer`` keeps Schedule-Free's ``y`` in its parameters (its groups' ``train_mode``)."""
+    groups = getattr(optimizer, "param_groups", [])
+    return bool(groups) and "train_mode" in groups[0] and type(optimizer).__module__.startswith("schedulefree")
+
+
+def _x_weight(group) -> float:
+    """The lerp weight from ``y`` towards ``z`` that gives ``x`` (as ``AdamWScheduleFree.eval`` moves it)."""
+    return 1 - 1 / group["betas"][0]
+
+
+def evaluation_view(optimizer):
+    """None for an optimizer whose parameters are the model; for Schedule-Free, a function from a list of
+    its parameters (in train mode: ``y``) to their ``x``, new tensors beside them (a parameter without
+    state yet is its own ``x``)."""
+    if not is_schedule_free(optimizer):
+        return None
+    weights = {id(p): _x_weight(group) for group in optimizer.param_groups for p in group["params"]}
+    params_of = {id(p): p for group in optimizer.param_groups for p in group["params"]}
+    by_address = None  # built on first need: a state_dict's tensors are detached views of the parameters
+
+    def owner_of(tensor: torch.Tensor):
+        nonlocal by_address
+        if id(tensor) in params_of:
+            return params_of[id(tensor)]
+        if by_address is None:
+            by_address = {p.data_ptr(): p for p in params_of.values() if p.numel()}
+        return by_address.get(tensor.data_ptr()) if tensor.numel() else None
+
+    def view(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        out = []
+        for tensor in tensors:
+            owner = owner_of(tensor)
+            z = optimizer.state[owner].get("z") if owner is not None and owner in optimizer.state else None
+            out.append(tensor.detach() if z is None else
+                       torch.lerp(tensor.detach(), z.to(tensor.device), weights[id(owner)]))
+        return out
+
+    return view
+
+
+@contextlib.contextmanager
+def evaluation_weights(optimizer):
+    """Run the body with Schedule-Free's ``x`` in the parameters (its ``eval()``), then put ``y`` back bit for
+    bit (kept in host memory meanwhile) and return to train mode; for other optimizers, nothing."""
+    if not is_schedule_free(optimizer) or not optimizer.param_groups[0]["train_mode"]:
+        yield
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    with torch.no_grad():
+        saved = [p.detach().to("cpu", copy=True) for p in params]
+    optimizer.eval()
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, y in zip(params, saved):
+                p.copy_(y)
+        for group in optimizer.param_groups:
+            group["train_mode"] = True
+
+
+class EvaluationWeights:
+    """A checkpoint entry of weights (a module, ``AdapterWeights``) whose saved tensors are the model to
+    evaluate: Schedule-Free's ``x`` in place of the parameters' ``y``. Loading is the entry's own: the
+    resume's ``OptimizerState`` then puts ``y`` back."""
+
+    def __init__(self, entry, optimizer):
+        self.entry, self.optimizer = entry, optimizer
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        view = evaluation_view(self.optimizer)
+        state = self.entry.state_dict()
+        if view is None:
+            return state
+        names = list(state)
+        # Host memory: the model's x beside its y would otherwise take a second copy on the device.
+        return dict(zip(names, [x.cpu() for x in view([state[n] for n in names])]))
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.entry.load_state_dict(state)
+
+
+class OptimizerState:
+    """The optimizer as a checkpoint entry (``optimizer.pt``): its ``state_dict``, and for Schedule-Free
+    the parameters' ``y`` under ``train_weights`` (the weight files hold ``x``).
+
+    A state saved with one parameter group where the optimizer now has two (a LoRA run with a text
+    encoder adapter, written before each part had its own group) is split into this optimizer's groups
+    in order, each keeping the saved hyper-parameters: the parameters are the same, in the same order.
+    """
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict:
+        state = self.optimizer.state_dict()
+        if is_schedule_free(self.optimizer):
+            state = {**state, "train_weights": [p.detach() for group in self.optimizer.param_groups
+                                                for p in group["params"]]}
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        state = dict(state)
+        train_weights = state.pop("train_weights", None)
+        self.optimizer.load_state_dict(regrouped(state, self.optimizer.param_groups))
+        if not is_schedule_free(self.optimizer):
+            return
+        if train_weights is None:
+            raise KeyError("a Schedule-Free optimizer's state without its train_weights (y)")
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        if len(train_weights) != len(params):
+            raise ValueError(f"{len(train_weights)} train_weights for {len(params)} parameters")
+        with torch.no_grad():
+            for p, y in zip(params, train_weights):
+                p.copy_(y)
+
+
+def regrouped(state: dict, groups: list[dict]) -> dict:
+    """``state`` with its one parameter group split as ``groups`` are (see ``OptimizerState``); any other
+    state unchanged (``load_state_dict`` then checks it)."""
+    saved = state.get("param_groups", [])
+    sizes = [len(group["params"]) for group in groups]
+    if len(saved) != 1 or len(groups) < 2 or len(saved[0]["params"]) != sum(sizes):
+        return state
+    indices, split, start = saved[0]["params"], [], 0
+    for group, size in zip(groups, sizes):
+        split.append({**saved[0], "params": indices[start : start + size],
+                      **({"name": group["name"]} if "name" in group else {})})
+        start += size
+    log.info("the checkpoint's optimizer state has one parameter group: split into %s",
+             ", ".join(str(g.get("name", i)) for i, g in enumerate(groups)))
+    return {**state, "param_groups": split}
