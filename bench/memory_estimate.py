@@ -159,7 +159,14 @@ def peak_live_bytes(prof, device) -> int:
     frees in time order, summed after each microsecond's events as PyTorch's memory timeline sums them
     (``torch.profiler._memory_profiler``, which also sorts every tensor into a category: 20 s of
     Python for the tiny UNet's two steps, and the peak does not need it). The CPU allocator reports no
-    free of a block made before the record, so such blocks are not counted, as in the timeline."""
+    free of a block made before the record, so such blocks are not counted, as in the timeline.
+
+    The record holds only what the profiled thread does: a block freed by another thread (gloo's
+    worker thread dropping the last reference to a collective's buffer, as DDP's broadcast of the
+    weights at its wrap sometimes leaves it) has no free in it. When the allocator hands out an
+    address that the record still holds a block at, that block was freed before: it is counted as
+    freed then, the latest moment it can have been (without this, one rank of the 2-rank DDP run now
+    and then measured a copy of the weights more, 3.2 MB of 33.7)."""
     import numpy as np
     from torch._C._profiler import _EventType
 
@@ -168,10 +175,23 @@ def peak_live_bytes(prof, device) -> int:
         event = stack.pop()
         stack.extend(event.children)
         if event.typed[0] == _EventType.Allocation and event.typed[1].device == device:
-            events.append((event.start_time_ns, event.typed[1].alloc_size))
-    events.sort(key=lambda e: e[0])
-    live = np.cumsum([size for _, size in events])
-    microseconds = np.array([t // 1000 for t, _ in events])
+            events.append((event.start_time_ns, event.typed[1].alloc_size, event.typed[1].ptr))
+    events.sort(key=lambda e: e[:2])  # at one instant, frees before allocations
+    held: dict[int, int] = {}  # address -> size of the block the record holds there
+    times, sizes = [], []
+    for time_ns, size, ptr in events:
+        if size > 0:
+            unseen_free = held.pop(ptr, 0)
+            if unseen_free:
+                times.append(time_ns)
+                sizes.append(-unseen_free)
+            held[ptr] = size
+        else:
+            held.pop(ptr, None)
+        times.append(time_ns)
+        sizes.append(size)
+    live = np.cumsum(sizes)
+    microseconds = np.array(times) // 1000
     last_of_each = np.append(microseconds[1:] != microseconds[:-1], True)
     return int(live[last_of_each].max())
 
