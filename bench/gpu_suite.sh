@@ -18,6 +18,8 @@
 # bench/results/gpu_suite_<date>_<gpu>.md (or --out): a summary table, then per piece its command, how
 # it ended, Markdown tables of its JSON result and its printed tables. The file appears when the suite
 # ends (its sections collect in FILE.partial.md until then). PYTHON names the interpreter (default python).
+# With --smoke the Python pieces run in children forked from one interpreter that imported torch, diffusers
+# and transformers once (bench/preload.py): at that size the imports are most of a piece's time.
 set -u -o pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -76,7 +78,34 @@ DATE=$(date +%F)
 OUT="${OUT:-bench/results/gpu_suite_${DATE}_${GPU_NAME}.md}"
 mkdir -p "$(dirname "$OUT")"
 WORK=$(mktemp -d)
-trap 'rm -rf "$WORK"' EXIT
+PRELOAD_PID=""
+trap '[ -n "$PRELOAD_PID" ] && kill "$PRELOAD_PID" 2>/dev/null; rm -rf "$WORK"' EXIT
+PYRUN=("$PY")  # how a piece's `$PY SCRIPT.py ARGS` runs (see start_preload)
+PRELOAD_MODULES="bench.harness sd.model sd.train.step sd.train.memory sd.sampling
+    diffusers.models.unets.unet_2d_condition diffusers.models.autoencoders.autoencoder_kl diffusers.schedulers
+    diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion transformers.models.clip.modeling_clip"
+if [ "$SMOKE" = 1 ]; then
+    # shellcheck disable=SC2086
+    "$PY" bench/preload.py serve "$WORK/preload.sock" $PRELOAD_MODULES >"$WORK/preload.log" 2>&1 &
+    PRELOAD_PID=$!
+fi
+
+# use_preload: once the server started above is listening, `$PY SCRIPT.py` pieces run through it; if it
+# fails to start, they run in fresh processes and the reason is printed.
+use_preload() {
+    [ -z "$PRELOAD_PID" ] && return
+    local tenths=0
+    while [ ! -S "$WORK/preload.sock" ]; do
+        if ! kill -0 "$PRELOAD_PID" 2>/dev/null || [ "$tenths" -ge 3000 ]; then
+            echo "[gpu_suite] bench/preload.py did not start; the pieces run in fresh processes:" >&2
+            cat "$WORK/preload.log" >&2
+            return
+        fi
+        sleep 0.1
+        tenths=$((tenths + 1))
+    done
+    PYRUN=("$PY" bench/preload.py run "$WORK/preload.sock")
+}
 BODY="$WORK/body.md"
 SUMMARY="$WORK/summary.md"
 PARTIAL="${OUT%.md}.partial.md"
@@ -99,8 +128,10 @@ run_piece() {
     fi
     [ "$limit" -gt "$left" ] && limit=$left
     echo "[gpu_suite] $title (timeout ${limit} s): $*" >&2
+    local command=("$@")
+    if [ "$1" = "$PY" ] && [[ "${2:-}" == *.py ]]; then command=("${PYRUN[@]}" "${@:2}"); fi
     local began=$(date +%s)
-    timeout --kill-after=30 "$limit" "$@" >"$log" 2>&1
+    timeout --kill-after=30 "$limit" "${command[@]}" >"$log" 2>&1
     local rc=$?
     local seconds=$(($(date +%s) - began))
     "$PY" bench/gpu_suite_report.py section --title "$title" --command "$*" --log "$log" --rc "$rc" \
@@ -113,17 +144,21 @@ run_piece() {
 
 # auto_batch RESOLUTION: the batch `batch_size: auto` picks for the step at RESOLUTION (empty if it fails).
 auto_batch() {
-    timeout 600 "$PY" bench/gpu_suite_report.py auto_batch --arch "$ARCH" --resolution "$1" \
+    timeout 600 "${PYRUN[@]}" bench/gpu_suite_report.py auto_batch --arch "$ARCH" --resolution "$1" \
         --precision "$PRECISION" $AUTO_ARGS 2>"$WORK/auto_$1.log" | tail -n 1
 }
 
 TORCH=$("$PY" -c "import torch; print(torch.__version__)" 2>/dev/null || echo "unknown")
+use_preload
 PARTIAL_HEADER="$WORK/header.md"
 {
     echo "# GPU benchmark suite, $DATE"
     echo
     if [ "$SMOKE" = 1 ]; then
         echo "**--smoke**: every piece at the tiniest size on the CPU; the numbers test the script, they measure nothing."
+        if [ "${PYRUN[1]:-}" = bench/preload.py ]; then
+            echo "Its Python pieces ran in children of one interpreter that had imported torch, diffusers and transformers."
+        fi
     else
         echo "Device: $GPUS x $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | head -n 1)"
     fi

@@ -137,6 +137,33 @@ def test_the_measured_peak_is_the_most_bytes_live_at_once_in_the_record():
     del second, third
 
 
+def test_a_block_freed_where_the_profiler_does_not_look_is_freed_when_its_address_is_handed_out_again():
+    """A record (built by hand: which thread frees what is up to the allocator and the scheduler) where
+    the block at address 1 is freed by an unprofiled thread: no free of it, then a new block at 1."""
+    from types import SimpleNamespace
+
+    import torch
+    from torch._C._profiler import _EventType
+
+    from bench import memory_estimate
+
+    def event(microsecond, size, ptr, device=torch.device("cpu")):
+        fields = SimpleNamespace(device=device, alloc_size=size, ptr=ptr)
+        return SimpleNamespace(start_time_ns=microsecond * 1000, typed=(_EventType.Allocation, fields), children=[])
+
+    def peak(*events):
+        root = SimpleNamespace(start_time_ns=0, typed=(None, None), children=list(events))
+        prof = SimpleNamespace(profiler=SimpleNamespace(kineto_results=SimpleNamespace(
+            experimental_event_tree=lambda: [root])))
+        return memory_estimate.peak_live_bytes(prof, torch.device("cpu"))
+
+    unseen_free = [event(1, 4000, 1), event(2, 500, 2), event(3, 4000, 1), event(4, -4000, 1), event(5, -500, 2)]
+    assert peak(*unseen_free) == 4500  # not 8500: the first block at 1 was gone before the second
+    # A free and an allocation at one address in the same instant: the free first, whatever the tree's order.
+    assert peak(event(1, 1000, 1), event(2, -1000, 1), event(2, 3000, 1), event(3, 2000, 2)) == 5000
+    assert peak(*unseen_free, event(6, 9000, 3, torch.device("meta"))) == 4500  # another device's
+
+
 @pytest.mark.slow
 def test_memory_bench_finds_the_largest_batch_of_ours_and_the_peer():
     # One trial a side (each is a process of its own): the search itself is sd.train.memory.largest_that_fits,

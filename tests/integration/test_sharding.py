@@ -3,6 +3,8 @@ checkpoints an unsharded run (and the exporters) read, and skipped non-finite st
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,18 +21,27 @@ from sd.distributed import Dist
 from sd.train.config import TrainConfig
 
 from data_factory import BASE, assert_bitwise_equal, make_dataset
-from test_sd_train import final_state, losses, torchrun, write_config
+from test_sd_train import ROOT, final_state, losses, write_config
 
 # 64 training samples, 2 ranks x batch 2 x accumulation 2: 8 optimizer steps per epoch.
 TOTAL, HALF = 6, 3
 SHARDED = ["zero1", "fsdp"]
 
 
-def launch(root: Path, data, sharding: str, out: str, *flags) -> Path:
+def run(root: Path, data, sharding: str, out: str, *flags) -> list[str]:
+    """The command line of a TOTAL-step run into ``root / out``."""
     config = write_config(root / f"{out}.yaml", datasets=[data], max_steps=TOTAL, out_dir=str(root / out),
                           validate_every=HALF, sharding=sharding)
-    torchrun(config, *flags)
-    return root / out
+    return ["--config", str(config), *map(str, flags)]
+
+
+def torchrun_runs(*runs: list[str]) -> None:
+    """The runs one after another in one 2-rank torchrun launch (tests/train_runs.py): one start-up."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+           "tests.train_runs", json.dumps(runs)]
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    if result.returncode != 0:
+        raise AssertionError(f"torchrun failed ({result.returncode}):\n{result.stderr[-4000:]}")
 
 
 NAN_STEP = 5  # a step after HALF: the resumed half meets it
@@ -54,18 +65,16 @@ def runs(tmp_path_factory):
     """Per sharding: TOTAL steps straight, and HALF + resume + HALF (validation at HALF and TOTAL in
     both); for fsdp also its HALF checkpoint resumed with ``sharding: none`` (zero1's checkpoint is
     DDP's, bit for bit: test_sharded_losses_and_weights_equal_ddp_to_float_tolerance). A NaN sample
-    makes step NAN_STEP non-finite in every run."""
+    makes step NAN_STEP non-finite in every run. Two launches: the runs from scratch, then the resumes
+    (in fresh processes, as a re-run of the command would be)."""
     root = tmp_path_factory.mktemp("sharding")
     data = dataset_with_a_nan_sample(root / "data")
-    found = {"none": launch(root, data, "none", "none")}
-    for sharding in SHARDED:
-        found[sharding] = launch(root, data, sharding, sharding)
-        split = launch(root, data, sharding, f"{sharding}_split", "--stop_at_step", HALF)
-        if sharding == "fsdp":
-            shutil.copytree(split, root / f"{sharding}_then_none")
-        launch(root, data, sharding, f"{sharding}_split")
-        found[f"{sharding}_split"] = split
-    found["fsdp_then_none"] = launch(root, data, "none", "fsdp_then_none")
+    found = {name: root / name for name in ("none", *SHARDED, *(f"{s}_split" for s in SHARDED), "fsdp_then_none")}
+    torchrun_runs(run(root, data, "none", "none"), *(run(root, data, s, s) for s in SHARDED),
+                  *(run(root, data, s, f"{s}_split", "--stop_at_step", HALF) for s in SHARDED))
+    shutil.copytree(found["fsdp_split"], found["fsdp_then_none"])
+    torchrun_runs(*(run(root, data, s, f"{s}_split") for s in reversed(SHARDED)),
+                  run(root, data, "none", "fsdp_then_none"))
     return found
 
 

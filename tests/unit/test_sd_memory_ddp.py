@@ -1,6 +1,6 @@
 """sd.train.memory for data-parallel runs: the estimate of one DDP rank against a real gloo run."""
 
-import json
+import functools
 from pathlib import Path
 
 import pytest
@@ -21,15 +21,51 @@ def tiny_config(**fields) -> TrainConfig:
     return TrainConfig(**{**values, **fields})
 
 
-@pytest.mark.slow
-def test_the_ddp_estimate_is_within_three_percent_of_each_rank_of_a_two_rank_gloo_run():
-    """Two processes in a gloo group train the tiny UNet in DDP as the trainer wraps it (accumulating
-    two micro-batches, the first under no_sync); each rank's CPU allocator peak, read from the profiler
-    (bench/memory_estimate.py's measure), against the estimate of one rank on fake tensors."""
+def estimates_beside_the_runs_group(rank: int) -> dict:
+    """On a rank of a real gloo group (its default group): one rank's estimates of DDP, zero1 and fsdp,
+    then an all-reduce in that group."""
+    estimate = sd.train.memory.estimate(tiny_config(), resolution=32, device="cpu", world_size=2)
+    sharded = {name: sd.train.memory.estimate(tiny_config(sharding=name), resolution=32, device="cpu",
+                                              world_size=2).allocated for name in ("zero1", "fsdp")}
+    total = torch.ones(1)
+    dist.all_reduce(total)  # the run's own group still works, and is still the default
+    return {"allocated": estimate.allocated, **sharded, "sum": total.item(), "groups": dist.get_world_size()}
+
+
+DDP_POINT = ("tiny", 64, 8, True, 2)  # preset, resolution, batch, checkpointing, grad_accum
+SHARDED_POINT = ("tiny", 128, 8, True, 2)
+SHARDED = ("zero1", "fsdp")
+
+
+@pytest.fixture(scope="module")
+def gloo_runs() -> dict:
+    """Two processes in a gloo group train the tiny UNet as the trainer wraps it (accumulating two
+    micro-batches, the first under no_sync): DDP at DDP_POINT, then zero1 and fsdp at SHARDED_POINT,
+    each rank's CPU allocator peak of each read from the profiler (bench/memory_estimate.py's
+    measure_ddp); then, in the same group, each rank's ``estimates_beside_the_runs_group``."""
     from bench import memory_estimate
 
-    preset, resolution, batch, checkpointing, accum = "tiny", 64, 8, True, 2
-    measured = memory_estimate.measure_ddp(preset, resolution, batch, checkpointing, accum, world_size=2)
+    points = [(*DDP_POINT, "none"), *((*SHARDED_POINT, sharding) for sharding in SHARDED)]
+    measured, beside = memory_estimate.measure_ddp(points, world_size=2, then=estimates_beside_the_runs_group)
+    return {"none": measured[0], **dict(zip(SHARDED, measured[1:])), "beside": beside}
+
+
+@functools.cache
+def estimate_at_32(sharding: str) -> sd.train.memory.Estimate:
+    """One rank of 2 at 32 px (one image of 4x4 latents), made once for the tests that read it."""
+    estimate = sd.train.memory.estimate(tiny_config(sharding=sharding), resolution=32, device="cpu", world_size=2)
+    assert not dist.is_initialized()  # the estimate's own process group is gone
+    return estimate
+
+
+@pytest.mark.slow
+def test_the_ddp_estimate_is_within_three_percent_of_each_rank_of_a_two_rank_gloo_run(gloo_runs):
+    """The measured peak of each DDP rank of ``gloo_runs`` against the estimate of one rank on fake
+    tensors."""
+    from bench import memory_estimate
+
+    preset, resolution, batch, checkpointing, accum = DDP_POINT
+    measured = gloo_runs["none"]
     config = memory_estimate.config_for(preset, batch, checkpointing, grad_accum=accum)
     estimate = sd.train.memory.estimate(config, resolution=resolution, device="cpu", world_size=2)
     assert estimate.world_size == 2 and estimate.grad_accum == 2
@@ -43,11 +79,9 @@ def test_ddp_holds_the_gradients_in_its_buckets_and_one_more_copy_while_it_rebui
     """DDP's buckets exist from the wrap on, so its step holds all gradients where a single process
     has freed them; at its one rebuild the new buckets stand beside the old. Without activations to
     speak of (4x4 latents, one image), the DDP estimate is the single process's plus one bucket copy."""
-    config = tiny_config()
-    single = sd.train.memory.estimate(config, resolution=32, device="cpu")
+    single = sd.train.memory.estimate(tiny_config(), resolution=32, device="cpu")
     assert not dist.is_initialized()
-    ddp = sd.train.memory.estimate(config, resolution=32, device="cpu", world_size=2)
-    assert not dist.is_initialized()  # the estimate's own process group is gone
+    ddp = estimate_at_32("none")
     unet = sd.model.build_unet("tiny")
     buckets = sum(p.numel() * 4 for p in unet.parameters())  # fp32 gradients, all in DDP's first bucket
     assert ddp.parts["gradients"] == -(-buckets // 64) * 64
@@ -91,37 +125,17 @@ def test_a_bad_world_size_or_a_global_batch_it_cannot_split_stops_the_estimate_i
     assert "Traceback" not in err
 
 
-def _estimate_in_a_real_group(rank: int, folder: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(str(Path(folder, "store")), 2), rank=rank, world_size=2)
-    try:
-        estimate = sd.train.memory.estimate(tiny_config(), resolution=32, device="cpu", world_size=2)
-        sharded = {name: sd.train.memory.estimate(tiny_config(sharding=name), resolution=32, device="cpu",
-                                                  world_size=2).allocated for name in ("zero1", "fsdp")}
-        total = torch.ones(1)
-        dist.all_reduce(total)  # the run's own group still works, and is still the default
-        Path(folder, f"rank{rank}.json").write_text(json.dumps({"allocated": estimate.allocated, **sharded,
-                                                                 "sum": total.item(),
-                                                                 "groups": dist.get_world_size()}))
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.slow
-def test_under_torchrun_the_estimate_runs_beside_the_runs_group_and_leaves_it_as_it_was(tmp_path):
+def test_under_torchrun_the_estimate_runs_beside_the_runs_group_and_leaves_it_as_it_was(gloo_runs):
     """batch_size: auto estimates on every rank of a run whose process group exists: the estimate's
     DDP (and ZeRO's broadcasts, FSDP2's mesh) runs in a fake group of its own, and the run's group is
-    the default before and after. ZeRO's partition is this rank's: rank 1's differs by bytes."""
-    import torch.multiprocessing as mp
-
-    mp.start_processes(_estimate_in_a_real_group, args=(str(tmp_path),), nprocs=2, start_method="spawn")
-    results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
-    alone = sd.train.memory.estimate(tiny_config(), resolution=32, device="cpu", world_size=2)
-    assert [r["allocated"] for r in results] == pytest.approx([alone.allocated] * 2, rel=1e-4)
+    the default before and after. ZeRO's partition is this rank's: rank 1's differs by bytes. (The
+    ranks are ``gloo_runs``', after their measured steps.)"""
+    results = gloo_runs["beside"]
+    assert [r["allocated"] for r in results] == pytest.approx([estimate_at_32("none").allocated] * 2, rel=1e-4)
     assert [r["sum"] for r in results] == [2.0, 2.0] and [r["groups"] for r in results] == [2, 2]
     for name in ("zero1", "fsdp"):
-        alone = sd.train.memory.estimate(tiny_config(sharding=name), resolution=32, device="cpu", world_size=2)
-        assert [r[name] for r in results] == pytest.approx([alone.allocated] * 2, rel=1e-4), name
+        assert [r[name] for r in results] == pytest.approx([estimate_at_32(name).allocated] * 2, rel=1e-4), name
 
 
 RECIPES = sorted((ROOT / "configs" / "hardware").glob("*.yaml"))
@@ -155,8 +169,8 @@ def test_a_later_config_file_overrides_an_earlier_ones_fields(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sharding", ["zero1", "fsdp"])
-def test_the_sharded_estimate_is_within_three_percent_of_a_two_rank_gloo_run(sharding):
+@pytest.mark.parametrize("sharding", SHARDED)
+def test_the_sharded_estimate_is_within_three_percent_of_a_two_rank_gloo_run(gloo_runs, sharding):
     """sharding: zero1 (DDP, ZeroRedundancyOptimizer around fused AdamW) and fsdp (FSDP2 on each block,
     then the UNet) as the trainer runs them, measured on each rank of a gloo group, against the
     estimate of one rank in the fake group (at 128 px: measured 36.52 and 35.00 MB, estimated -1.6% and
@@ -165,9 +179,8 @@ def test_the_sharded_estimate_is_within_three_percent_of_a_two_rank_gloo_run(sha
     are held to 6%, zero1's to 3%."""
     from bench import memory_estimate
 
-    preset, resolution, batch, checkpointing, accum = "tiny", 128, 8, True, 2
-    measured = memory_estimate.measure_ddp(preset, resolution, batch, checkpointing, accum, world_size=2,
-                                           sharding=sharding)
+    preset, resolution, batch, checkpointing, accum = SHARDED_POINT
+    measured = gloo_runs[sharding]
     config = memory_estimate.config_for(preset, batch, checkpointing, grad_accum=accum, sharding=sharding)
     estimate = sd.train.memory.estimate(config, resolution=resolution, device="cpu", world_size=2)
     assert estimate.sharding == sharding and estimate.as_dict()["sharding"] == sharding
@@ -191,9 +204,7 @@ def test_zero1_on_two_gpus_holds_about_half_of_ddps_optimizer_state_and_nothing_
 
 
 def test_fsdp_on_two_gpus_holds_half_the_weights_optimizer_state_and_ema_and_gathers_blocks():
-    ddp = sd.train.memory.estimate(tiny_config(), resolution=32, device="cpu", world_size=2)
-    fsdp = sd.train.memory.estimate(tiny_config(sharding="fsdp"), resolution=32, device="cpu", world_size=2)
-    assert not dist.is_initialized()
+    ddp, fsdp = estimate_at_32("none"), estimate_at_32("fsdp")
     assert fsdp.sharding == "fsdp" and "ddp_bucket_rebuild" not in fsdp.parts
     for part in ("weights", "optimizer_state", "ema"):
         assert fsdp.parts[part] == pytest.approx(ddp.parts[part] / 2, rel=0.05), part
