@@ -157,7 +157,7 @@ PARTIAL_HEADER="$WORK/header.md"
     if [ "$SMOKE" = 1 ]; then
         echo "**--smoke**: every piece at the tiniest size on the CPU; the numbers test the script, they measure nothing."
         if [ "${PYRUN[1]:-}" = bench/preload.py ]; then
-            echo "Its Python pieces ran in children of one interpreter that had imported torch, diffusers and transformers."
+            echo "Its Python pieces ran in children of one interpreter that imported torch, diffusers and transformers."
         fi
     else
         echo "Device: $GPUS x $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | head -n 1)"

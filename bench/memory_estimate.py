@@ -126,8 +126,9 @@ def measure_ddp(points: list[tuple], world_size: int = 2, then=None) -> tuple[li
     start-up for all the points): per point, the measured peak bytes of every rank. Then, by rank, the
     value of ``then(rank)`` (a picklable function returning a JSON value, run after the measurements in
     the same group; None without it). A point measures the same after others as first (``measure``
-    warms up before its record): DDP at 64 px 33746700 bytes on rank 0 and zero1 at 128 px 36520108,
-    either way; fsdp's peak varies from run to run in fresh processes too."""
+    warms up before its record, and ``peak_live_bytes`` leaves out the frees of an earlier point's
+    blocks): DDP at 64 px 33746700 bytes on rank 0 and zero1 at 128 px 36520108, either way; fsdp's
+    peak varies by up to about 1 MB from run to run in fresh processes too."""
     import tempfile
 
     import torch.multiprocessing as mp
@@ -158,8 +159,10 @@ def peak_live_bytes(prof, device) -> int:
     """The peak of the bytes live on ``device`` over a ``profile_memory`` record: its allocations and
     frees in time order, summed after each microsecond's events as PyTorch's memory timeline sums them
     (``torch.profiler._memory_profiler``, which also sorts every tensor into a category: 20 s of
-    Python for the tiny UNet's two steps, and the peak does not need it). The CPU allocator reports no
-    free of a block made before the record, so such blocks are not counted, as in the timeline.
+    Python for the tiny UNet's two steps, and the peak does not need it). Blocks made before the record
+    are not counted, as in the timeline: the CPU allocator reports no free of them, except of those made
+    in an earlier record (a point ``measure_ddp`` measured before in the same process, its garbage
+    collected now), and such frees are left out here.
 
     The record holds only what the profiled thread does: a block freed by another thread (gloo's
     worker thread dropping the last reference to a collective's buffer, as DDP's broadcast of the
@@ -180,16 +183,20 @@ def peak_live_bytes(prof, device) -> int:
     held: dict[int, int] = {}  # address -> size of the block the record holds there
     times, sizes = [], []
     for time_ns, size, ptr in events:
+        if size == 0:
+            continue
         if size > 0:
             unseen_free = held.pop(ptr, 0)
             if unseen_free:
                 times.append(time_ns)
                 sizes.append(-unseen_free)
             held[ptr] = size
-        else:
-            held.pop(ptr, None)
+        elif held.pop(ptr, None) is None:  # a block made before the record
+            continue
         times.append(time_ns)
         sizes.append(size)
+    if not sizes:
+        return 0
     live = np.cumsum(sizes)
     microseconds = np.array(times) // 1000
     last_of_each = np.append(microseconds[1:] != microseconds[:-1], True)

@@ -162,6 +162,30 @@ def test_a_block_freed_where_the_profiler_does_not_look_is_freed_when_its_addres
     # A free and an allocation at one address in the same instant: the free first, whatever the tree's order.
     assert peak(event(1, 1000, 1), event(2, -1000, 1), event(2, 3000, 1), event(3, 2000, 2)) == 5000
     assert peak(*unseen_free, event(6, 9000, 3, torch.device("meta"))) == 4500  # another device's
+    # The free of a block made in an earlier record (its garbage collected in this one) is left out, as the block is.
+    assert peak(event(1, -7000, 9), *unseen_free) == 4500
+
+
+def test_a_block_made_in_an_earlier_record_is_not_counted_when_this_one_frees_it():
+    import gc
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench import memory_estimate
+
+    class Cycle:  # freed by the garbage collector, not when its last name goes
+        def __init__(self):
+            self.me, self.block = self, torch.empty(1 << 20, dtype=torch.uint8)
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True):
+        made_before = Cycle()
+    del made_before
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        gc.collect()
+        block = torch.empty(1 << 20, dtype=torch.uint8)
+    assert memory_estimate.peak_live_bytes(prof, torch.device("cpu")) == 1 << 20
+    del block
 
 
 @pytest.mark.slow
