@@ -167,6 +167,7 @@ def test_a_bad_distillation_setting_is_refused_by_name(fields, message):
             config.validate(check_paths=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fields", [{}, {"lora_rank": 4}], ids=["whole-unet", "lora"])
 def test_a_distillation_step_runs_on_cuda_without_waiting_for_it(fields):
     """Teacher, student and target on the GPU, the guidance scales and solver indices drawn there; the
