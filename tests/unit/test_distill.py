@@ -36,7 +36,8 @@ def test_the_solver_skips_twenty_timesteps_of_a_thousand_ending_at_the_last():
 @pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction"])
 def test_x0_and_noise_recover_what_made_x_t(prediction_type):
     alphas = sd.model.ddpm_alphas_cumprod()
-    x0, noise = torch.randn(3, 4, 8, 8, generator=torch.Generator().manual_seed(0)).chunk(1)[0], torch.randn(3, 4, 8, 8)
+    generator = torch.Generator().manual_seed(0)
+    x0, noise = torch.randn(3, 4, 8, 8, generator=generator), torch.randn(3, 4, 8, 8, generator=generator)
     t = torch.tensor([19, 500, 999])
     x_t = sd.model.add_noise(x0, noise, t, alphas)
     output = sd.model.prediction_target(x0, noise, t, alphas, prediction_type)
