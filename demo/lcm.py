@@ -30,7 +30,10 @@ def report(out: Path, reference: Path | None) -> dict:
     for row in ROWS:
         if not (out / f"eval_{row}.json").exists():
             continue
-        scores = json.loads((out / f"eval_{row}.json").read_text())
+        try:
+            scores = json.loads((out / f"eval_{row}.json").read_text())
+        except (OSError, ValueError) as error:
+            raise SystemExit(f"demo/lcm.py: {out / f'eval_{row}.json'}: {error}; run demo/evaluate.py for it again")
         table[row] = {"seen_colour": scores["seen"]["colour"], "seen_shape": scores["seen"]["shape"],
                       "seen_both": scores["seen"]["both"], "held_out_both": scores["held_out"]["both"]}
         if reference is not None:
