@@ -18,6 +18,7 @@ batch is abandoned (``Interrupted``), so a stop signal never waits for a whole b
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -326,8 +327,12 @@ def initial_noise(seeds: list[int], shape: tuple[int, int, int]) -> torch.Tensor
 @torch.no_grad()
 def generate(pipe: Pipeline, prompt: str, negative: str, seeds: list[int], *, steps: int, cfg: float,
              sampler: str = "ddim", height: int, width: int, batch_size: int = 4,
-             device: torch.device | None = None, stop: Callable[[], bool] | None = None) -> list[np.ndarray]:
-    """RGB uint8 images ``(H, W, 3)`` of ``prompt``, one per seed, decoded by the pipeline's VAE."""
+             device: torch.device | None = None, stop: Callable[[], bool] | None = None,
+             control: torch.Tensor | None = None, control_scale: float = 1.0) -> list[np.ndarray]:
+    """RGB uint8 images ``(H, W, 3)`` of ``prompt``, one per seed, decoded by the pipeline's VAE.
+
+    ``control``: ``(1, 3, height, width)`` in [0, 1], the conditioning image of every one of them, when
+    ``pipe.unet`` is a ``sd.controlnet.model.ControlledUNet``; ``control_scale`` scales its residuals."""
     device = device or next(pipe.unet.parameters()).device
     ids = sd.model.tokenize(pipe.tokenizer, [prompt, negative])
     embeddings = sd.model.encode_prompt_ids(pipe.text_encoder, ids).float().to(device)  # the encoder may wait on the CPU
@@ -337,7 +342,7 @@ def generate(pipe: Pipeline, prompt: str, negative: str, seeds: list[int], *, st
         chunk = seeds[start : start + batch_size]
         images += decode_samples(pipe, cond.expand(len(chunk), -1, -1), uncond.expand(len(chunk), -1, -1), chunk,
                                  steps=steps, cfg=cfg, sampler=sampler, height=height, width=width, device=device,
-                                 stop=stop)
+                                 stop=stop, control=control, control_scale=control_scale)
     return images
 
 
@@ -360,13 +365,19 @@ def generate_batch(pipe: Pipeline, prompts: list[str], negative: str, seeds: lis
 
 def decode_samples(pipe: Pipeline, cond: torch.Tensor, uncond: torch.Tensor, seeds: list[int], *, steps: int,
                    cfg: float, sampler: str, height: int, width: int, device: torch.device,
-                   stop: Callable[[], bool] | None = None) -> list[np.ndarray]:
-    """Sample one batch (``cond`` / ``uncond``: ``(B, 77, D)``, one seed each) and decode it to uint8 RGB."""
+                   stop: Callable[[], bool] | None = None, control: torch.Tensor | None = None,
+                   control_scale: float = 1.0) -> list[np.ndarray]:
+    """Sample one batch (``cond`` / ``uncond``: ``(B, 77, D)``, one seed each) and decode it to uint8 RGB;
+    ``control``: see ``generate``."""
     factor = float(pipe.vae.config.scaling_factor)
     vae_dtype = next(pipe.vae.parameters()).dtype
     generators = seed_generators(seeds)
     noise = image_noise(generators, (pipe.unet.config.in_channels, height // 8, width // 8), len(seeds)).to(device)
-    with sd.model.attention_context(device):
+    if control is not None and tuple(control.shape[-2:]) != (height, width):
+        raise ValueError(f"a control image of {control.shape[-1]}x{control.shape[-2]} for samples of {width}x{height}")
+    controlling = pipe.unet.controlling(control.to(device), control_scale) if control is not None \
+        else contextlib.nullcontext()
+    with sd.model.attention_context(device), controlling:
         latents = sample_latents(pipe.unet, noise, cond, uncond, sampler=sampler, steps=steps, cfg=cfg,
                                  prediction_type=pipe.prediction_type, zero_terminal_snr=pipe.zero_terminal_snr,
                                  stop=stop, generators=generators)

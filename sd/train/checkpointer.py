@@ -68,7 +68,8 @@ def resumable(run: Run) -> dict:
     trained on (``lora_base``, checked by ``resume``) instead of the UNet: the base comes from
     ``init_from`` at every start. A textual-inversion run likewise saves its token's vectors
     (``embedding``: the file AUTOMATIC1111 and ComfyUI load, see ``sd.embedding.files``) and the
-    fingerprint of the UNet and text encoder they were learned for. A distillation run saves the fingerprint of
+    fingerprint of the UNet and text encoder they were learned for. A ControlNet run saves its ControlNet
+    (``controlnet``: diffusers' names) and its base's fingerprint (``lora_base``). A distillation run saves the fingerprint of
     its teacher (``lora_base``) and its target network (``lcm_target``). ``ema`` holds the UNet's EMA and
     the text encoder's (its adapter or learned token) when that trains (``sd.train.ema.EMAWeights``).
     The weight files hold the weights to evaluate, which a Schedule-Free optimizer keeps apart from
@@ -79,6 +80,9 @@ def resumable(run: Run) -> dict:
         token = sd.embedding.tokens.LearnedToken(step.text_encoder)
         states = {"lora_base": ckpt.Weights(BaseFingerprint(run.base_fingerprint)),
                   "embedding": ckpt.Weights(sd.train.optimizers.EvaluationWeights(token, step.optimizer))}
+    elif run.config.control:
+        states = {"lora_base": ckpt.Weights(BaseFingerprint(run.base_fingerprint)),
+                  "controlnet": ckpt.Weights(sd.train.optimizers.EvaluationWeights(step.unet.controlnet, step.optimizer))}
     elif run.config.lora_rank:
         adapter = sd.lora.adapters.AdapterWeights(unet=step.unet, text_encoder=step.text_encoder)
         states = {"lora_base": ckpt.Weights(BaseFingerprint(run.base_fingerprint)),
@@ -257,7 +261,7 @@ def check_lora_base(run: Run, folder: Path) -> None:
     now = run.base_fingerprint
     if not sd.lora.adapters.same_base(saved, now):
         what = ("learned token" if run.config.embedding_token else "distilled model" if run.config.distill
-                else "adapter")
+                else "ControlNet" if run.config.control else "adapter")
         raise ConfigError(f"init_from {run.config.init_from} is not the base model the {what} in {folder} was "
                           "trained on; restore that base, or start a new out_dir")
 

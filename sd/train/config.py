@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -70,9 +71,9 @@ class TrainConfig:
 
     @property
     def frozen_base(self) -> bool:
-        """A run that trains an addition to weights that stay frozen (a LoRA adapter, a learned token):
+        """A run that trains an addition to weights that stay frozen (a LoRA adapter, a learned token, a ControlNet):
         the base comes from init_from at every start, and checkpoints hold the addition alone."""
-        return bool(self.lora_rank or self.embedding_token)
+        return bool(self.lora_rank or self.embedding_token or self.control)
 
     # -- data -------------------------------------------------------------------------------
     datasets: list = _doc("[{dataset: DIR, latents: DIR, weight: 1.0}, ...]: caption datasets "
@@ -159,6 +160,17 @@ class TrainConfig:
                                        allowed=POSITIVE)
     lcm_target_decay: float = _doc("distill: EMA decay of the target network; 0 = the student itself (diffusers' "
                                    "LCM-LoRA script)", 0.95, allowed=BELOW_ONE)
+    # -- ControlNet ---------------------------------------------------------------------------
+    control: str = _doc("ControlNet: the name of the conditioning images it learns from (canny, seg, ...: the "
+                        "latent folders' files from encode_latents.py --control NAME); init_from, the base, stays "
+                        "frozen and the ControlNet alone trains; empty = no ControlNet", "")
+    control_dropout: float = _doc("ControlNet: probability that a sample's conditioning image is blank (all zeros) "
+                                  "in a step", 0.0, allowed=FRACTION)
+    controlnet_from: str = _doc("ControlNet: train on from this ControlNet (a ControlNet run of ours, a diffusers "
+                                "folder or a single file); empty = a new one, a copy of the base UNet's encoder with "
+                                "zero convolutions out", "")
+    validation_controls: list = _doc("ControlNet: the sample grid's conditioning images, one file per validation "
+                                     "prompt", default_factory=list)
     cache_text_embeddings: bool = _doc("encode every distinct prompt of the run once at start (host memory: 77 x "
                                        "768 floats each) and keep the text encoder off the device; not with "
                                        "lora_text_encoder", False)
@@ -317,6 +329,7 @@ class TrainConfig:
         need(not self.instance_dir or self.instance_prompt.strip(), "instance_dir needs an instance_prompt")
         check_embedding(self)
         check_distill(self, check_paths)
+        check_control(self, check_paths)
         need(self.validation_sampler in sd.sampling.SAMPLERS,
              f"validation_sampler: one of {', '.join(sd.sampling.SAMPLERS)}")
         need(self.image_size % 8 == 0, f"image_size must be a multiple of 8, got {self.image_size}")
@@ -409,6 +422,39 @@ def check_distill(config: TrainConfig, check_paths: bool = True) -> None:
             raise ConfigError(f"distill: lcm does not train with {what}; unset {name}, or distill in a run of its own")
     if config.sharding != "none":
         raise ConfigError(f"distill: lcm runs on DDP; set sharding: none (got {config.sharding})")
+
+
+def check_control(config: TrainConfig, check_paths: bool = True) -> None:
+    """A ControlNet run's settings, and the modes it cannot be combined with."""
+    if not config.control:
+        for name in ("controlnet_from", "validation_controls", "control_dropout"):
+            if getattr(config, name):
+                raise ConfigError(f"{name} belongs to a ControlNet run: set control (the conditioning images' name) "
+                                  f"too, or unset {name}")
+        return
+    if not re.fullmatch(r"[a-z0-9_]+", config.control) or config.control == "mask":
+        raise ConfigError(f"control: the conditioning images' name (lower-case letters, digits, _; not 'mask', the "
+                          f"loss masks), got {config.control!r}")
+    if check_paths and not config.init_from:
+        raise ConfigError("control: a ControlNet conditions a trained model: set init_from (the base: a run of ours, "
+                          "a diffusers folder or hub id, or a single file)")
+    refused = {"lora_rank": "a LoRA", "embedding_token": "textual inversion", "distill": "distillation",
+               "instance_dir": "a DreamBooth folder", "lora_text_encoder": "a text-encoder adapter",
+               "masked_loss": "masked_loss", "eval_every": "eval_every (FID of samples "
+               "needs a control image per prompt: score saved samples with SD_Eval.py)"}
+    for name, what in refused.items():
+        if getattr(config, name):
+            raise ConfigError(f"control: a ControlNet run does not train with {what}; unset {name}")
+    if config.sharding != "none":
+        raise ConfigError(f"control: a ControlNet run runs on DDP; set sharding: none (got {config.sharding})")
+    if config.validate_every and config.validation_prompts and \
+            len(config.validation_controls) != len(config.validation_prompts):
+        raise ConfigError(f"validation_controls: one conditioning image per validation prompt ("
+                          f"{len(config.validation_prompts)} prompts, {len(config.validation_controls)} images); or "
+                          "set validation_prompts: [] for no sample grid")
+    for path in config.validation_controls if check_paths else ():
+        if not isinstance(path, str) or not Path(path).is_file():
+            raise ConfigError(f"validation_controls: {path} is no file")
 
 
 OPTIMIZERS = ("adamw", "adamw8bit", "prodigy", "adamw_schedulefree")
@@ -856,6 +902,9 @@ ON_RESUME = {
     "lcm_guidance_min": OnResume(REFUSE, _MATH), "lcm_guidance_max": OnResume(REFUSE, _MATH),
     "lcm_loss": OnResume(REFUSE, _MATH), "lcm_huber_c": OnResume(REFUSE, _MATH),
     "lcm_timestep_scaling": OnResume(REFUSE, _MATH), "lcm_target_decay": OnResume(REFUSE, "the target network"),
+    "control": OnResume(REFUSE, _MATH), "control_dropout": OnResume(REFUSE, _MATH),
+    "controlnet_from": OnResume(FREE, "a resume loads its checkpoint's ControlNet"),
+    "validation_controls": OnResume(FREE),
     "batch_size": OnResume(REFUSE, _ORDER), "grad_accum": OnResume(REFUSE, _ORDER),
     "global_batch": OnResume(REFUSE, _ORDER),
     "max_steps": OnResume(REFUSE, _SCHEDULE), "epochs": OnResume(REFUSE, _SCHEDULE),

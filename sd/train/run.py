@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import sd.cli
+import sd.controlnet.model
 import sd.data.captions
 import sd.data.dreambooth
 import sd.data.training_data
@@ -219,6 +221,8 @@ def build(config: TrainConfig, d: Dist) -> Run:
         base_fingerprint = ckpt.weights_fingerprint(base)
     if config.embedding_token:  # before any prompt is tokenised
         add_learned_token(config, unet, text_encoder, tokenizer)
+    if config.control:
+        unet = attach_controlnet(config, unet)
     if config.instance_dir:
         make_pipeline = lambda: sd.sampling.Pipeline(unet, vae, text_encoder.to(d.device), tokenizer,  # noqa: E731
                                                      config.prediction_type,
@@ -259,6 +263,19 @@ def build(config: TrainConfig, d: Dist) -> Run:
         except EvalError as error:
             raise ConfigError(f"eval_every: {error}") from error
     return run
+
+
+def attach_controlnet(config: TrainConfig, unet) -> sd.controlnet.model.ControlledUNet:
+    """A ControlNet run's model: the frozen base with a ControlNet, new or ``controlnet_from``'s."""
+    try:
+        model = sd.controlnet.model.attach(config, unet)
+    except (OSError, KeyError, ValueError) as error:  # the message names the file
+        raise ConfigError(f"controlnet_from: cannot load {config.controlnet_from}: {sd.cli.first_line(error)}") \
+            from error
+    log.info("ControlNet on %r conditioning images (%s): %d trainable parameters; the base UNet is frozen",
+             config.control, f"from {config.controlnet_from}" if config.controlnet_from else "new, zero convolutions out",
+             sum(p.numel() for p in model.controlnet.parameters()))
+    return model
 
 
 def base_zero_terminal_snr(config: TrainConfig) -> bool:

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 import sd.cli
+import sd.controlnet.model
 import sd.data.training_data
 import sd.distributed
 import sd.lora.adapters
@@ -44,6 +45,7 @@ class LossSettings:
     grad_clip: float = 1.0
     noise_offset: float = 0.0
     prior_loss_weight: float = 1.0
+    control_dropout: float = 0.0  # a ControlNet run: blank conditioning images
     prior_preservation: bool = False  # every micro-batch: instance samples, then as many class samples
 
     @classmethod
@@ -77,6 +79,7 @@ class Step:
     sharding: str = "none"  # none, zero1 or fsdp (sd.train.sharding); fsdp applies at wrap_model
     text_ema: sd.train.ema.EMA | None = None  # of the text encoder's adapter, when it trains and there is an EMA
     distill: sd.train.distill.Distiller | None = None  # distill: lcm: the teacher and the target network
+    controlled: bool = False  # a ControlNet run: unet is a ControlledUNet and micro-batches end with control images
 
     def emas(self) -> list[tuple[sd.train.ema.EMA, torch.nn.Module]]:
         """Each EMA with the model it averages: the UNet's, then the text adapter's."""
@@ -244,12 +247,14 @@ def build_step(config, d: Dist, unet, text_encoder, empty_ids: torch.Tensor, sca
     with sd.runtime.autocast(config.precision, d.device):
         empty = sd.model.encode_prompt_ids(text_encoder, empty_ids)
     lora = sd.lora.adapters.has_lora(unet)
+    controlled = isinstance(unet, sd.controlnet.model.ControlledUNet)
     text_trains = any(p.requires_grad for p in text_encoder.parameters())
     learned_token = bool(getattr(config, "embedding_token", ""))
     ema = text_ema = None
     if config.ema_decay > 0:
         settings = dict(device="cpu" if config.ema_device == "cpu" else None,
-                        update_every=ema_update_every(config, d.device, lora), trainable_only=lora)
+                        update_every=ema_update_every(config, d.device, lora or controlled),
+                        trainable_only=lora or controlled)
         if not learned_token:  # textual inversion: the UNet is frozen, its EMA would be a copy of it
             ema = sd.train.ema.EMA(unet, config.ema_decay, **settings)
         if text_trains:
@@ -263,7 +268,7 @@ def build_step(config, d: Dist, unet, text_encoder, empty_ids: torch.Tensor, sca
                 sd.model.ddpm_alphas_cumprod(zero_terminal_snr=config.zero_terminal_snr).to(d.device), scaling_factor,
                 LossSettings.from_config(config), d, trainable=[p for group in groups for p in group["params"]],
                 text_trains=text_trains, empty_ids=empty_ids.to(d.device), sharding=sharding, text_ema=text_ema,
-                distill=distill)
+                distill=distill, controlled=controlled)
 
 
 def wrap_model(step: Step, compile: bool, shapes: int = 1, mode: str = "default") -> None:
@@ -332,9 +337,10 @@ def compile_options(shapes: int, mode: str = "default") -> dict:
 
 
 def compute_loss(step: Step, model, latents: torch.Tensor, input_ids: torch.Tensor, generator: torch.Generator,
-                 mask: torch.Tensor | None = None):
+                 mask: torch.Tensor | None = None, control: torch.Tensor | None = None):
     """Per-sample Min-SNR loss ``(B,)`` and timesteps of one micro-batch through ``model``; ``mask``
-    ``(B, 1, h, w)``: the loss weights of ``masked_loss`` (``sd.model.diffusion_loss``). A ``distill`` run's
+    ``(B, 1, h, w)``: the loss weights of ``masked_loss`` (``sd.model.diffusion_loss``); ``control``
+    ``(B, 3, 8h, 8w)`` uint8: a ControlNet run's conditioning images. A ``distill`` run's
     loss is the consistency-distillation loss instead (``sd.train.distill.lcm_loss``)."""
     if step.distill is not None:
         return sd.train.distill.lcm_loss(step, model, latents, input_ids, generator)
@@ -349,14 +355,31 @@ def compute_loss(step: Step, model, latents: torch.Tensor, input_ids: torch.Tens
     timesteps = sd.model.sample_timesteps(latents.shape[0], generator).to(device)
     noisy = sd.model.add_noise(latents, noise, timesteps, step.alphas_cumprod)
     target = sd.model.prediction_target(latents, noise, timesteps, step.alphas_cumprod, settings.prediction_type)
+    conditioning = {}
+    if control is not None:
+        conditioning["controlnet_cond"] = sd.controlnet.model.control_batch(control, device, settings.control_dropout,
+                                                                            generator)
     with sd.runtime.autocast(settings.precision, device):
         hidden = prompt_embeddings(step, input_ids, generator)
-        pred = model(noisy, timesteps, encoder_hidden_states=hidden).sample
+        pred = model(noisy, timesteps, encoder_hidden_states=hidden, **conditioning).sample
     if mask is not None:
         mask = mask.to(device, non_blocking=True)
     loss = sd.model.diffusion_loss(pred, target, timesteps, step.alphas_cumprod, settings.prediction_type,
                                    settings.min_snr_gamma, mask)
     return loss, timesteps
+
+
+def batch_extras(step: Step, extra: list) -> dict:
+    """A micro-batch's tensors after the latents and token ids, by ``compute_loss``'s names: the loss mask
+    (``masked_loss``), then the conditioning images (a ControlNet run)."""
+    extra = list(extra)
+    if step.controlled and not extra:
+        raise ValueError("a ControlNet run's batch needs a control image per sample (latents encoded without "
+                         "encode_latents.py --control?)")
+    named = {"control": extra.pop()} if step.controlled else {}
+    if extra:
+        named["mask"] = extra[0]
+    return named
 
 
 def prompt_embeddings(step: Step, input_ids: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -438,8 +461,9 @@ STATS = 13  # loss, bad, stop, per-quartile loss sums (4) and counts (4), grad n
 def train_step(step: Step, micro_batches: list, step_index: int, stop_requested: bool = False) -> "StepResult":
     """Forward/backward over the accumulation, then one optimizer update unless anything is non-finite.
 
-    ``micro_batches``: ``[(latents (B, 4, h, w), input_ids (B, 77)[, loss mask (B, 1, h, w)]), ...]``
-    (``MixedData.batch``: the mask with ``masked_loss``); ``step_index``: the
+    ``micro_batches``: ``[(latents (B, 4, h, w), input_ids (B, 77)[, loss mask (B, 1, h, w)][, control
+    (B, 3, 8h, 8w)]), ...]`` (``MixedData.batch``: the mask with ``masked_loss``, the conditioning images in a
+    ControlNet run); ``step_index``: the
     0-based optimizer step (the EMA's warm-up). The learning rate is set by the caller. A non-finite
     loss or gradient norm on any rank skips the update on every rank: weights, optimizer and EMA stay
     as they were. One all-reduce carries the loss, the bad-step flag, the stop request, the
@@ -456,13 +480,14 @@ def train_step(step: Step, micro_batches: list, step_index: int, stop_requested:
     keep_grads = step.ddp is not None  # DDP's bucket views: zeroed in place (see wrap_ddp)
     step.optimizer.zero_grad(set_to_none=not keep_grads)
     stats = torch.zeros(STATS, dtype=torch.float64, device=d.device)
-    for i, (latents, input_ids, *mask) in enumerate(micro_batches):
+    for i, (latents, input_ids, *extra) in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
         sync = contextlib.nullcontext() if last else sd.train.sharding.no_sync(step)
         if step.cuda_graphs:  # each micro-batch's forward and backward is a new replay of the graphs
             torch.compiler.cudagraph_mark_step_begin()
         with sync:
-            loss, timesteps = compute_loss(step, step.model, latents, input_ids, step.noise_generator, *mask)
+            loss, timesteps = compute_loss(step, step.model, latents, input_ids, step.noise_generator,
+                                           **batch_extras(step, extra))
             value = objective(loss, settings)
             step.scaler.scale(value / len(micro_batches)).backward()
         quartile = (timesteps * 4 // sd.model.NUM_TRAIN_TIMESTEPS).clamp(max=3)
@@ -600,8 +625,8 @@ def validation_loss(step: Step, data, count: int, batch_size: int, stop=None) ->
         for batch in sd.data.training_data.shape_batches(data, indices, batch_size):
             if stop():
                 break
-            latents, input_ids, *mask = data.batch(batch)
-            loss, _ = compute_loss(step, step.unet, latents, input_ids, generator, *mask)
+            latents, input_ids, *extra = data.batch(batch)
+            loss, _ = compute_loss(step, step.unet, latents, input_ids, generator, **batch_extras(step, extra))
             totals[0] += loss.double().sum()
             totals[1] += loss.numel()
     finally:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+import sd.controlnet.model
 import sd.data.buckets
 import sd.distributed
 import sd.evaluation
@@ -135,9 +136,11 @@ def sample_grid(run: Run, path: Path, stop=None) -> None:
     prompts = config.validation_prompts
 
     def sample(i: int) -> list:
+        control = (sd.controlnet.model.read_control_image(config.validation_controls[i], width, height)
+                   if config.control else None)
         return sd.sampling.generate(run.sampler, prompts[i], "", [config.seed], steps=config.validation_steps,
                                     cfg=config.validation_cfg, sampler=config.validation_sampler, height=height,
-                                    width=width, batch_size=1, device=d.device, stop=stop)
+                                    width=width, batch_size=1, device=d.device, stop=stop, control=control)
 
     with ema_sampling(run):
         rows = list(sd.evaluation.gather_in_order(len(prompts), sample, d, desc="validation grid", stop=stop))

@@ -191,6 +191,7 @@ RANGES = {
     "lcm_timestep_scaling": ("> 0 and finite", [10.0], [0.0]),
     "lcm_target_decay": ("in [0, 1)", [0.0, 0.95], [1.0, -0.1]),
     "prior_loss_weight": (">= 0 and finite", [0.0, 1.0], [-1.0]),
+    "control_dropout": ("in [0, 1]", [0.0], [1.5, -0.1]),  # > 0 needs control: test_controlnet_fields_need_control
     "noise_offset": (">= 0 and finite", [0.0, 0.1], [-0.1]),
     "image_size": (">= 8", [8, 512], [0, -8]),
     "validation_width": (">= 0", [0], [-8]),  # a size other than 0 needs its partner: tests/integration/test_buckets.py
@@ -368,7 +369,8 @@ RESUME_FREE = {
     "save_every_epoch", "keep_checkpoints", "keep_every_steps", "stop_at_step", "log_every", "validate_every",
     "validation_prompts", "validation_samples", "validation_steps", "validation_cfg", "validation_sampler", "validation_width",
     "validation_height", "eval_every", "eval_prompts", "eval_n", "eval_reference", "eval_features",
-    "eval_clip_model", "eval_batch_size", "wandb_project", "wandb_mode", "tensorboard", "device", "sharding"}
+    "eval_clip_model", "eval_batch_size", "wandb_project", "wandb_mode", "tensorboard", "device", "sharding",
+    "controlnet_from", "validation_controls"}
 RESUME_DREAMBOOTH_ONLY = {"vae", "instance_prompt", "class_dir", "class_prompt", "num_class_images", "image_size",
                           "prior_loss_weight"}
 
