@@ -9,6 +9,8 @@
     python SD_ImageGen.py --ckpt sd1_folder --lora style.safetensors:0.7 [--lora other_dir] --prompt "..." --out DIR
     python SD_ImageGen.py --ckpt runs/my_token --export_embedding embeddings/ [--embedding_format a1111|diffusers]
     python SD_ImageGen.py --ckpt sd1_folder --embedding my-cat.safetensors[:<my-cat>] --prompt "a photo of <my-cat>" --out DIR
+    python SD_ImageGen.py --ckpt sd1_folder --controlnet runs/canny --control edges.png [--control_scale 1] --prompt "..." --out DIR
+    python SD_ImageGen.py --ckpt runs/canny --export_controlnet canny.safetensors [--controlnet_format original|diffusers]
 
 ``--ckpt`` is a training checkpoint or run folder of ours (EMA weights unless ``--no_ema``), a
 diffusers pipeline folder or hub id, or a single ``.safetensors`` / ``.ckpt`` file in the original
@@ -40,6 +42,15 @@ with ``--embedding_format diffusers`` ``learned_embeds.safetensors`` keyed by th
 needs no ``token=``). ``--embedding FILE[:TOKEN]`` adds a token from a file of either layout (or an
 AUTOMATIC1111 ``.pt``) to any model for sampling; its name is TOKEN, else the file's key or stem. The
 full exports do not take ``--embedding``: a model's vocabulary stays the size other tools expect.
+
+ControlNet: ``--controlnet`` is a ControlNet run or checkpoint of ours (its EMA unless ``--no_ema``), a
+diffusers ControlNet folder, or a single file in the original or the diffusers layout; every image is
+conditioned on ``--control IMAGE`` (resized to the samples' size, which defaults to the image's own) with
+its residuals times ``--control_scale``. A ControlNet run given as ``--ckpt`` samples on its base (the
+run's ``init_from``) with itself as the ControlNet. ``--export_controlnet OUT`` writes the ControlNet alone:
+one file in the original layout (``control_model.*``: ComfyUI's ControlNet loader and AUTOMATIC1111's
+sd-webui-controlnet), or with ``--controlnet_format diffusers`` a folder ``ControlNetModel.from_pretrained``
+loads (ComfyUI reads its ``diffusion_pytorch_model.safetensors`` too).
 """
 
 from __future__ import annotations
@@ -53,6 +64,7 @@ from pathlib import Path
 from safetensors import SafetensorError
 
 import sd.cli
+import sd.controlnet.model
 import sd.embedding.files
 import sd.embedding.tokens
 import sd.files
@@ -64,6 +76,7 @@ import sd.sampling
 from sd.sampling import Pipeline
 
 log = logging.getLogger("sd_imagegen")
+CONTROLNET_FORMATS = ("original", "diffusers")
 
 
 def parse_args(argv=None):
@@ -133,13 +146,26 @@ def parse_args(argv=None):
                         help="layout of --export_embedding: a1111 (emb_params: AUTOMATIC1111, ComfyUI, and diffusers "
                         "with token=) or diffusers (keyed by the token: learned_embeds.safetensors) "
                         "(default: %(default)s)")
+    parser.add_argument("--controlnet", metavar="PATH", help="condition the samples with this ControlNet: a ControlNet "
+                        "run of ours, a diffusers ControlNet folder, or a single .safetensors (original or diffusers "
+                        "layout)")
+    parser.add_argument("--control", metavar="IMAGE", help="the conditioning image of every sample (edges, a mask, "
+                        "...), with --controlnet; the samples' size defaults to its own")
+    parser.add_argument("--control_scale", type=float, default=1.0, help="scale of the ControlNet's residuals "
+                        "(default: %(default)s)")
+    parser.add_argument("--export_controlnet", metavar="OUT", help="write the ControlNet (--controlnet, or --ckpt when "
+                        "it is a ControlNet run): one file OUT, or with --controlnet_format diffusers a folder OUT")
+    parser.add_argument("--controlnet_format", choices=CONTROLNET_FORMATS, default="original",
+                        help="layout of --export_controlnet: original (control_model.* keys: ComfyUI, AUTOMATIC1111's "
+                        "sd-webui-controlnet) or diffusers (a ControlNetModel folder) (default: %(default)s)")
     args = parser.parse_args(argv)
     if args.prompts_file:
         path = Path(args.prompts_file)
         if not path.exists():
             parser.error(f"--prompts_file {path} does not exist")
         args.prompt += [line.strip() for line in path.read_text().splitlines() if line.strip()]
-    exporting = args.export_diffusers or args.export_single_file or args.export_lora or args.export_embedding
+    exporting = (args.export_diffusers or args.export_single_file or args.export_lora or args.export_embedding
+                 or args.export_controlnet)
     if not exporting and not (args.prompt and args.out):
         parser.error("give --prompt (or --prompts_file) and --out to sample, or an --export_* flag")
     if args.export_lora and args.lora_format == "diffusers" and args.export_lora.endswith(".safetensors"):
@@ -151,6 +177,10 @@ def parse_args(argv=None):
     if args.embedding and (args.export_diffusers or args.export_single_file):
         parser.error("--embedding adds a token for sampling only; the full exports keep the model's vocabulary "
                      "(give the embedding file to the other tool beside the model)")
+    if args.control and not Path(args.control).is_file():
+        parser.error(f"--control {args.control} is no file")
+    if args.control_scale < 0 or not math.isfinite(args.control_scale):
+        parser.error("--control_scale must be a number >= 0")
     args.embedding = [parse_embedding_spec(spec) for spec in args.embedding]
     try:
         args.lora = [parse_lora_spec(spec) for spec in args.lora]
@@ -244,6 +274,55 @@ def export_models(args, model: Pipeline) -> None:
         log.info("wrote single file %s%s", args.export_single_file, " (fp16)" if args.half else "")
 
 
+def controlnet_run_as_ckpt(args) -> None:
+    """A ControlNet run given as ``--ckpt`` samples on its base with itself as the ControlNet."""
+    if not sd.controlnet.model.is_controlnet_run(args.ckpt):
+        return
+    if args.controlnet:
+        raise ValueError(f"{args.ckpt} is a ControlNet run, and --controlnet {args.controlnet} another ControlNet: "
+                         "give one of them")
+    args.controlnet, args.ckpt = args.ckpt, sd.controlnet.model.run_base(args.ckpt)
+    log.info("%s is a ControlNet run: its base %s with it as the ControlNet", args.controlnet, args.ckpt)
+
+
+def load_controlnet(args, model: Pipeline):
+    """``--controlnet`` for the model's UNet (None without one), after ``--export_controlnet`` wrote it."""
+    if not args.controlnet:
+        if args.control or args.export_controlnet:
+            raise ValueError(f"--{'control' if args.control else 'export_controlnet'} needs a ControlNet: "
+                             "--controlnet PATH, or a ControlNet run as --ckpt")
+        return None
+    if args.prompt and not args.control:
+        raise ValueError("a ControlNet conditions every sample on an image: give --control IMAGE")
+    controlnet = sd.controlnet.model.load(args.controlnet, model.unet, use_ema=not args.no_ema)
+    log.info("ControlNet %s", args.controlnet)
+    if args.export_controlnet:
+        import torch
+
+        import sd.controlnet.files
+
+        out = Path(args.export_controlnet)
+        if args.controlnet_format == "diffusers":
+            sd.controlnet.files.save_diffusers(controlnet, out)
+        else:
+            out = out if out.suffix == ".safetensors" else out.with_name(out.name + ".safetensors")
+            sd.controlnet.files.save_single_file(controlnet, out, dtype=torch.float16 if args.half else torch.float32)
+        log.info("wrote ControlNet %s (%s layout%s)", out, args.controlnet_format, ", fp16" if args.half else "")
+    return controlnet
+
+
+def control_size(args) -> tuple[int, int] | None:
+    """``(width, height)`` of ``--control``'s image when it is a multiple of 8 on both sides, else None."""
+    from PIL import Image
+
+    try:
+        with Image.open(args.control) as image:
+            width, height = image.size
+    except OSError as error:
+        raise ValueError(f"--control {args.control}: {error}") from error
+    return (width, height) if width % 8 == 0 and height % 8 == 0 else None
+
+
 def trained_size(ckpt: str, model: Pipeline) -> tuple[int, str]:
     """The square side a model was trained at, and where it comes from: a DreamBooth run's
     ``image_size``, a run's latents (the square of its largest bucket's pixels), else what its UNet
@@ -271,6 +350,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     merging = bool(args.prompt or args.export_diffusers or args.export_single_file)  # the base is used, not just the adapter
     try:
+        controlnet_run_as_ckpt(args)
         model = sd.formats.load_pipeline(args.ckpt, use_ema=not args.no_ema, vae=args.vae, text_encoder=args.text_encoder,
                                          tokenizer=args.tokenizer, arch=args.arch,
                                          prediction_type=None if args.prediction_type == "auto" else args.prediction_type,
@@ -291,6 +371,14 @@ def main(argv=None) -> int:
         add_embeddings(args, model)
         if merging:  # the plain, merged weights
             sd.lora.files.merge_adapters(model, args.lora)
+        controlnet = load_controlnet(args, model)
+        if controlnet is not None and args.prompt and (args.height is None or args.width is None):
+            size = control_size(args)
+            if size is None:
+                raise ValueError(f"--control {args.control} is not a multiple of 8 pixels on each side: give --height "
+                                 "and --width (it is resized to them)")
+            args.width, args.height = args.width or size[0], args.height or size[1]
+            log.info("sampling at %dx%d (the control image's size)", args.width, args.height)
     except (KeyError, ValueError, OSError, SafetensorError) as error:  # the message names the file
         print(f"SD_ImageGen.py: {sd.cli.first_line(error)}", file=sys.stderr)
         return 2
@@ -304,6 +392,14 @@ def main(argv=None) -> int:
         log.info("sampling at %dx%d (%s; --height and --width set it)", args.width, args.height, why)
     device = sd.runtime.pick_device(args.device)
     dtype = sd.runtime.resolve_precision(args.precision, device)
+    control = None
+    if controlnet is not None:
+        model.unet = sd.controlnet.model.ControlledUNet(model.unet, controlnet)
+        try:
+            control = sd.controlnet.model.read_control_image(args.control, args.width, args.height)
+        except ValueError as error:
+            print(f"SD_ImageGen.py: {sd.cli.first_line(error)}", file=sys.stderr)
+            return 2
     model.to(device, dtype)
     model.unet = sd.sampling.compile_unet(model.unet, args.compile)
     out = Path(args.out)
@@ -316,12 +412,16 @@ def main(argv=None) -> int:
         seeds = [args.seed + i for i in range(args.n)]
         images = sd.sampling.generate(model, prompt, args.negative, seeds, steps=args.steps, cfg=args.cfg,
                                       sampler=args.sampler, height=args.height, width=args.width,
-                                      batch_size=args.batch_size, device=device)
+                                      batch_size=args.batch_size, device=device, control=control,
+                                      control_scale=args.control_scale)
         for seed, image in zip(seeds, images):
             path = out / f"{p:03d}_{seed:06d}.png"
             parameters = sd.sampling.parameters_text(prompt, args.negative, seed, args, model.source)
             sd.sampling.save_png(path, image, parameters)
-            records.append({"file": path.name, "prompt": prompt, "negative": args.negative, "seed": seed})
+            record = {"file": path.name, "prompt": prompt, "negative": args.negative, "seed": seed}
+            if control is not None:
+                record.update(controlnet=args.controlnet, control=args.control, control_scale=args.control_scale)
+            records.append(record)
         rows.append((prompt, images))
         bar.update(len(images))
     bar.close()

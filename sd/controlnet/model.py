@@ -90,7 +90,9 @@ def attach(config, unet) -> ControlledUNet:
     controlnet.requires_grad_(True).train()
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.precision)
     if dtype is not None:
-        unet.to(dtype)
+        import sd.lora.adapters
+
+        sd.lora.adapters.cast_base(unet, dtype)
     return ControlledUNet(unet, controlnet)
 
 

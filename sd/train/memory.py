@@ -55,6 +55,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 import sd.cli
+import sd.controlnet.model
 import sd.data.training_data
 import sd.distributed
 import sd.embedding.tokens
@@ -228,6 +229,13 @@ class CudaAutocast(TorchFunctionMode):
         return value
 
 
+def checkpointed_models(unet) -> list:
+    """The diffusers models of ``unet`` (a UNet, or a ControlNet's ``ControlledUNet``: the UNet and the
+    ControlNet) that checkpoint their blocks."""
+    parts = [unet.unet, unet.controlnet] if isinstance(unet, sd.controlnet.model.ControlledUNet) else [unet]
+    return [part for part in parts if part.is_gradient_checkpointing]
+
+
 @contextlib.contextmanager
 def as_if_cuda(unet, on_cast=lambda cast: None):
     """Inside: the trainer's autocast regions are CUDA's (emulated), also when gradient checkpointing
@@ -253,9 +261,9 @@ def as_if_cuda(unet, on_cast=lambda cast: None):
 
     original = sd.runtime.autocast
     sd.runtime.autocast = trainer_autocast
-    if unet.is_gradient_checkpointing:
-        unet.enable_gradient_checkpointing(gradient_checkpointing_func=lambda module, *args: checkpoint(module.__call__,
-                                                                                                       *args))
+    for model in checkpointed_models(unet):
+        model.enable_gradient_checkpointing(gradient_checkpointing_func=lambda module, *args: checkpoint(module.__call__,
+                                                                                                        *args))
     try:
         with autocast:
             yield
@@ -339,6 +347,8 @@ def session(config, resolution: int = 512, device: str = "cuda", world_size: int
                                    channels_last=config.channels_last).train()
         check_models(config, unet, text_encoder)
         sd.lora.adapters.apply_config(config, unet, text_encoder)
+        if config.control:  # a new ControlNet: its architecture is all the estimate needs
+            unet = sd.controlnet.model.attach(dataclasses.replace(config, controlnet_from=""), unet)
         if config.embedding_token:  # textual inversion: the new rows alone train
             sd.embedding.tokens.freeze_for_inversion(unet, text_encoder, config.precision)
             width = text_encoder.config.hidden_size
@@ -369,8 +379,9 @@ def session(config, resolution: int = 512, device: str = "cuda", world_size: int
                     return estimates[batch_size]
                 latent = resolution // 8
                 images = batch_size * per_batch
+                control = (torch.zeros(images, 3, resolution, resolution, dtype=torch.uint8),) if config.control else ()
                 batches = [(torch.zeros(images, 4, latent, latent, dtype=torch.float16),
-                            torch.zeros(images, sd.model.TOKENIZER_MAX_LENGTH, dtype=torch.long))
+                            torch.zeros(images, sd.model.TOKENIZER_MAX_LENGTH, dtype=torch.long), *control)
                            for _ in range(min(2, accumulation(config, batch_size, world_size)))]
                 if steps == 0:
                     sd.train.step.train_step(step, batches, steps)  # creates the optimizer state

@@ -235,3 +235,19 @@ def test_text_adapter_ema_is_counted_with_the_unets():
     sd.lora.adapters.apply_config(config, unet, text_encoder)
     adapters = [p for m in (unet, text_encoder) for p in m.parameters() if p.requires_grad]
     assert parts["ema"] == rounded(adapters)
+
+
+@pytest.mark.slow
+def test_a_controlnet_run_keeps_gradients_optimizer_state_and_ema_for_the_controlnet_alone():
+    import sd.controlnet.model
+
+    config = tiny_config(grad_checkpointing=False, ema_decay=0.999, control="canny", init_from="base", precision="bf16")
+    estimate = sd.train.memory.estimate(config, batch_size=2, resolution=64)
+    unet = sd.model.build_unet("tiny")
+    controlnet = list(sd.controlnet.model.new_controlnet(unet).parameters())
+    base_bf16 = [p.to(torch.bfloat16) for p in unet.parameters()]  # the frozen base, stored in the autocast type
+    parts = estimate.parts
+    assert parts["weights"] == rounded([*base_bf16, *unet.buffers(), *controlnet])
+    # the ControlNet runs first, so its gradients come last in the backward pass: at its peak some may not exist yet
+    assert parts["gradients"] <= rounded(controlnet) and parts["ema"] == rounded(controlnet)
+    assert parts["optimizer_state"] == 2 * rounded(controlnet) + rounded([torch.zeros(())] * len(controlnet))
