@@ -149,8 +149,9 @@ def parse_args(argv=None):
     parser.add_argument("--controlnet", metavar="PATH", help="condition the samples with this ControlNet: a ControlNet "
                         "run of ours, a diffusers ControlNet folder, or a single .safetensors (original or diffusers "
                         "layout)")
-    parser.add_argument("--control", metavar="IMAGE", help="the conditioning image of every sample (edges, a mask, "
-                        "...), with --controlnet; the samples' size defaults to its own")
+    parser.add_argument("--control", metavar="IMAGE", action="append", default=[],
+                        help="the conditioning image (edges, a mask, ...) of every sample, with --controlnet; repeat "
+                        "it once per prompt to give each prompt its own; the samples' size defaults to the first's")
     parser.add_argument("--control_scale", type=float, default=1.0, help="scale of the ControlNet's residuals "
                         "(default: %(default)s)")
     parser.add_argument("--export_controlnet", metavar="OUT", help="write the ControlNet (--controlnet, or --ckpt when "
@@ -177,8 +178,12 @@ def parse_args(argv=None):
     if args.embedding and (args.export_diffusers or args.export_single_file):
         parser.error("--embedding adds a token for sampling only; the full exports keep the model's vocabulary "
                      "(give the embedding file to the other tool beside the model)")
-    if args.control and not Path(args.control).is_file():
-        parser.error(f"--control {args.control} is no file")
+    for control in args.control:
+        if not Path(control).is_file():
+            parser.error(f"--control {control} is no file")
+    if len(args.control) > 1 and len(args.control) != len(args.prompt):
+        parser.error(f"{len(args.control)} --control images for {len(args.prompt)} prompts: give one for all, or one "
+                     "per prompt in their order")
     if args.control_scale < 0 or not math.isfinite(args.control_scale):
         parser.error("--control_scale must be a number >= 0")
     args.embedding = [parse_embedding_spec(spec) for spec in args.embedding]
@@ -312,14 +317,14 @@ def load_controlnet(args, model: Pipeline):
 
 
 def control_size(args) -> tuple[int, int] | None:
-    """``(width, height)`` of ``--control``'s image when it is a multiple of 8 on both sides, else None."""
+    """``(width, height)`` of the first ``--control`` image when it is a multiple of 8 on both sides, else None."""
     from PIL import Image
 
     try:
-        with Image.open(args.control) as image:
+        with Image.open(args.control[0]) as image:
             width, height = image.size
     except OSError as error:
-        raise ValueError(f"--control {args.control}: {error}") from error
+        raise ValueError(f"--control {args.control[0]}: {error}") from error
     return (width, height) if width % 8 == 0 and height % 8 == 0 else None
 
 
@@ -375,8 +380,8 @@ def main(argv=None) -> int:
         if controlnet is not None and args.prompt and (args.height is None or args.width is None):
             size = control_size(args)
             if size is None:
-                raise ValueError(f"--control {args.control} is not a multiple of 8 pixels on each side: give --height "
-                                 "and --width (it is resized to them)")
+                raise ValueError(f"--control {args.control[0]} is not a multiple of 8 pixels on each side: give "
+                                 "--height and --width (it is resized to them)")
             args.width, args.height = args.width or size[0], args.height or size[1]
             log.info("sampling at %dx%d (the control image's size)", args.width, args.height)
     except (KeyError, ValueError, OSError, SafetensorError) as error:  # the message names the file
@@ -392,11 +397,12 @@ def main(argv=None) -> int:
         log.info("sampling at %dx%d (%s; --height and --width set it)", args.width, args.height, why)
     device = sd.runtime.pick_device(args.device)
     dtype = sd.runtime.resolve_precision(args.precision, device)
-    control = None
+    controls = [None] * len(args.prompt)
     if controlnet is not None:
         model.unet = sd.controlnet.model.ControlledUNet(model.unet, controlnet)
         try:
-            control = sd.controlnet.model.read_control_image(args.control, args.width, args.height)
+            read = [sd.controlnet.model.read_control_image(path, args.width, args.height) for path in args.control]
+            controls = read * len(args.prompt) if len(read) == 1 else read
         except ValueError as error:
             print(f"SD_ImageGen.py: {sd.cli.first_line(error)}", file=sys.stderr)
             return 2
@@ -410,6 +416,7 @@ def main(argv=None) -> int:
                unit="image")
     for p, prompt in enumerate(args.prompt):
         seeds = [args.seed + i for i in range(args.n)]
+        control = controls[p]
         images = sd.sampling.generate(model, prompt, args.negative, seeds, steps=args.steps, cfg=args.cfg,
                                       sampler=args.sampler, height=args.height, width=args.width,
                                       batch_size=args.batch_size, device=device, control=control,
@@ -420,7 +427,8 @@ def main(argv=None) -> int:
             sd.sampling.save_png(path, image, parameters)
             record = {"file": path.name, "prompt": prompt, "negative": args.negative, "seed": seed}
             if control is not None:
-                record.update(controlnet=args.controlnet, control=args.control, control_scale=args.control_scale)
+                record.update(controlnet=args.controlnet, control=args.control[p if len(args.control) > 1 else 0],
+                              control_scale=args.control_scale)
             records.append(record)
         rows.append((prompt, images))
         bar.update(len(images))
