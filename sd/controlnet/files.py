@@ -97,11 +97,12 @@ def original_key_map(controlnet) -> dict[str, str]:
     a part the original layout has no place for (a text projection, an unusual class embedding) is a
     ValueError naming it."""
     prefixes = original_prefixes(controlnet.config, hint_blocks(controlnet.config))
-    try:
-        return sd.formats.key_map(controlnet.state_dict(), prefixes, RENAMES)
-    except KeyError as error:
-        raise ValueError(f"the original ControlNet layout has no place for this ControlNet's {error.args[0]}; "
-                         "save it with save_diffusers") from None
+    keys = list(controlnet.state_dict())
+    homeless = [k for k in keys if not any(k == p[0] or k.startswith(p[0] + ".") for p in prefixes)]
+    if homeless:
+        raise ValueError(f"the original ControlNet layout has no place for this ControlNet's {homeless[0]}"
+                         f"{_more(homeless)}; save it with save_diffusers")
+    return sd.formats.key_map(keys, prefixes, RENAMES)
 
 
 # ---------------------------------------------------------------------------------------------

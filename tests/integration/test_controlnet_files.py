@@ -190,6 +190,22 @@ def test_refusals_name_the_file_and_the_key(controlnet, unet, tmp_path):
     assert not (tmp_path / "cn.ckpt").exists()
 
 
+def test_parts_the_original_layout_cannot_hold_are_refused(controlnet, tmp_path):
+    """A text projection (encoder_hid_proj) has no original key; a hint encoder of other widths does not
+    fit the original readers, which build 16-32-96-256. Both stay diffusers folders."""
+    from diffusers import ControlNetModel
+
+    config = cnf.public_config(controlnet.config)
+    projected = ControlNetModel(**{**config, "encoder_hid_dim": 16, "encoder_hid_dim_type": "text_proj"})
+    with pytest.raises(ValueError, match=r"no place for this ControlNet's encoder_hid_proj\.weight \(and 1 more\); save it with save_diffusers"):
+        cnf.save_single_file(projected, tmp_path / "projected.safetensors")
+    narrow = ControlNetModel(**{**config, "conditioning_embedding_out_channels": (8, 16)})
+    with pytest.raises(ValueError, match=r"\(8, 16\).*save_diffusers"):
+        cnf.save_single_file(narrow, tmp_path / "narrow.safetensors")
+    assert not list(tmp_path.iterdir())
+    assert same_weights(cnf.load_controlnet(cnf.save_diffusers(narrow, tmp_path / "narrow")), narrow)
+
+
 def test_diffusers_from_single_file_loads_the_original_layout(controlnet, tmp_path, monkeypatch):
     """diffusers' own reader of the original layout (loaders/single_file_utils.py,
     convert_controlnet_checkpoint), offline: config= a local diffusers folder."""
