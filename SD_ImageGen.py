@@ -64,6 +64,7 @@ from pathlib import Path
 from safetensors import SafetensorError
 
 import sd.cli
+import sd.controlnet.files
 import sd.controlnet.model
 import sd.embedding.files
 import sd.embedding.tokens
@@ -303,8 +304,6 @@ def load_controlnet(args, model: Pipeline):
     log.info("ControlNet %s", args.controlnet)
     if args.export_controlnet:
         import torch
-
-        import sd.controlnet.files
 
         out = Path(args.export_controlnet)
         if args.controlnet_format == "diffusers":

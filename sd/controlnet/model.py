@@ -137,7 +137,10 @@ def is_controlnet_run(source: str) -> bool:
     """Whether ``source`` is a ControlNet run or checkpoint of ours (its config sets ``control``)."""
     import sd.formats
 
-    config = sd.formats.run_config(source) if Path(source).is_dir() else None
+    path = Path(source)
+    if not path.is_dir() or (path / "config.json").is_file():  # a file, or a diffusers model folder
+        return False
+    config = sd.formats.run_config(source)
     return bool(config and config.get("control"))
 
 

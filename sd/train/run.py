@@ -116,7 +116,8 @@ def build_data(config: TrainConfig, d: Dist | None = None, tokenizer=None):
         folder = str(Path(entry["latents"]).resolve())
         if folder not in stores:
             stores[folder] = sd.data.training_data.LatentStore(folder, threads=config.data_threads, mmap=config.mmap_latents,
-                                                 flip=config.flip, share=share, masks=config.masked_loss)
+                                                 flip=config.flip, share=share, masks=config.masked_loss,
+                                                 control=config.control)
         store = stores[folder]
         train.append(sd.data.training_data.join_split(entry["dataset"], "train", store, allow_missing=config.allow_missing_latents,
                                                       captions=tokenizer is not None))
