@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[2]
 THREADS = os.environ.get("OMP_NUM_THREADS", "2")
@@ -63,6 +64,7 @@ SMALL_COLOUR_AT_LEAST, SMALL_SHAPE_AT_LEAST = 0.6, 0.5
 # squares (from the full demo model, 600 images and 300 steps: 60% / 73% against 17% / 10%; the demo
 # model before either 2% / 8%).
 CONCEPT_BASE_AT_MOST, CONCEPT_AT_LEAST = 0.25, 0.5
+CONTROL_MATCH_AT_LEAST, CONTROL_BASE_AT_MOST = 0.6, 0.2
 ASPECT_BUCKETS_AT_LEAST, ASPECT_GAP_AT_LEAST = 0.25, 0.15
 FID_BELOW_BLANK = 0.2
 # Under make test's two xdist workers each process takes one thread (OMP_NUM_THREADS, set by conftest):
@@ -126,7 +128,7 @@ def test_small_demo_chain_learns_prompted_colours_and_shapes(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.full_demo
-def test_demo_at_64_px_learns_prompted_colours_a_concept_aspect_ratios_and_few_step_sampling(tmp_path):
+def test_demo_at_64_px_learns_prompted_colours_a_concept_aspect_ratios_few_step_sampling_and_control(tmp_path):
     _, out = run_demo(tmp_path, DEMO_64)
     scores = json.loads((out / "eval.json").read_text())
     assert scores["seen"]["n"] == 15 * 4 and scores["held_out"]["n"] == 3 * 4
@@ -167,3 +169,12 @@ def test_demo_at_64_px_learns_prompted_colours_a_concept_aspect_ratios_and_few_s
     assert lcm["lcm_4"]["seen_both"] >= lcm["ddim_50"]["seen_both"] - 0.10, lcm
     assert lcm["lcm_2"]["seen_both"] >= lcm["ddim_2"]["seen_both"] + 0.30, lcm
     assert all(0 < row["fid"] < FID_BELOW_BLANK * fid_blank(out) for row in lcm.values()), lcm
+    # Spatial control: a ControlNet on the frozen demo model (configs/demo_control.yaml, 400 steps of 32 on 2000
+    # images of shapes anywhere) puts the shape where a silhouette in a corner says. Measured at this size:
+    # IoU above 0.5 in 100% of 32 samples (mean IoU 0.78), the demo model without control 0% (0.20).
+    control = json.loads((out / "control" / "control.json").read_text())
+    assert set(control) == {"control", "base"} and control["control"]["n"] == 8 * 4, control
+    assert control["control"]["match"] >= CONTROL_MATCH_AT_LEAST, control
+    assert control["base"]["match"] <= CONTROL_BASE_AT_MOST, control
+    assert (out / "control" / "control.png").is_file()
+    assert any(k.startswith("control_model.") for k in load_file(out / "control" / "controlnet_seg.safetensors"))

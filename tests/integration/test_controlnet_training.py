@@ -224,3 +224,22 @@ def test_a_controlnet_run_on_latents_without_conditioning_images_stops_before_tr
     assert SD_Train.main(["--config", str(path)]) == 2
     assert "encode_latents.py --control seg" in capsys.readouterr().err
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.slow
+def test_two_ranks_train_one_controlnet(base_model, data, tmp_path):
+    """DDP wraps the frozen base and the ControlNet together; only the ControlNet's gradients are reduced. The
+    save checks that both ranks hold the same weights (``ckpt.check_ranks_agree``)."""
+    import subprocess
+    import sys
+
+    config = tmp_path / "two.yaml"
+    config.write_text(yaml.safe_dump({**CONTROL, "out_dir": str(tmp_path / "run"), "datasets": [data],
+                                      "init_from": str(base_model), "max_steps": 4, "grad_accum": 1}))
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             str(root / "SD_Train.py"), "--config", str(config)], cwd=root, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    weights = load_file(tmp_path / "run" / "checkpoints" / ckpt.step_dir_name(4) / "controlnet.safetensors")
+    assert weights["controlnet_mid_block.weight"].abs().max() > 0

@@ -79,3 +79,34 @@ def test_the_few_step_table_reads_each_rows_scores_and_prints_fid_as_a_number(tm
     assert json.loads((tmp_path / "lcm.json").read_text()) == table
     lines = capsys.readouterr().out.splitlines()
     assert lines[1].split()[-4:] == ["100%", "100%", "100%", "25%"] and "LCM 4 steps" in lines[2]
+
+
+def test_control_images_carry_their_silhouettes_and_a_drawn_shape_matches_its_mask(tmp_path):
+    """demo/control.py: each image's seg member is its shape's silhouette (IoU above 0.9 against the shape as
+    the report finds it), and the report's IoU is low for the same shape elsewhere."""
+    import io
+
+    from PIL import Image
+
+    from demo import control
+
+    stage00 = importlib.import_module("pipeline.00_make_demo_data")
+    assert stage00.main(["--out", str(tmp_path / "demo"), "--count", "10"]) == 0
+    prompts = tmp_path / "demo" / "demo_prompts.json"
+    assert control.main(["images", "--prompts", str(prompts), "--out", str(tmp_path / "control"), "--count", "6"]) == 0
+    samples, _ = sd.data.shards.read_shard((tmp_path / "control" / "shards" / "00000.tar").read_bytes())
+    assert len(samples) == 6 and all(set(s.controls) == {"seg"} for s in samples)
+    white = (255, 255, 255)
+    for sample in samples:
+        image = np.asarray(Image.open(io.BytesIO(sample.image)).convert("RGB"))
+        mask = np.asarray(Image.open(io.BytesIO(sample.controls["seg"])).convert("L"))
+        assert control.iou(image, mask, white) > 0.9
+    cases = json.loads((tmp_path / "control" / "controls.json").read_text())
+    assert len(cases) == control.CASES and len((tmp_path / "control" / "prompts.txt").read_text().splitlines()) == 8
+    palette = {k: tuple(v) for k, v in json.loads(prompts.read_text())["palette"].items()}
+    colour, shape = cases[0]["prompt"].split()[1:3]
+    at_the_mask, at_the_mask_silhouette = control.draw(colour, shape, control.CORNERS[0], 0.4, palette)
+    elsewhere, _ = control.draw(colour, shape, control.CORNERS[3], 0.4, palette)
+    assert np.array_equal(np.asarray(Image.open(cases[0]["control"]).convert("L")), at_the_mask_silhouette)
+    assert control.iou(at_the_mask, at_the_mask_silhouette, white) > 0.9
+    assert control.iou(elsewhere, at_the_mask_silhouette, white) < 0.1
