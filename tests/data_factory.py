@@ -91,6 +91,25 @@ def assert_bitwise_equal(a: dict, b: dict):
     assert not different, f"{len(different)} tensors differ, e.g. {different[:3]}"
 
 
+def checkpoint_state(run_dir: Path, step: int, weights: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """Every tensor a checkpoint of rank 0 holds: the weight files ``weights`` (those present), the optimizer's
+    moments and the RNGs (torch's and the noise generator's)."""
+    from safetensors.torch import load_file
+
+    import sd.train.checkpoint as ckpt
+
+    folder = run_dir / "checkpoints" / ckpt.step_dir_name(step)
+    tensors = {}
+    for name in weights:
+        if (folder / f"{name}.safetensors").exists():
+            tensors.update({f"{name}.{k}": v for k, v in load_file(folder / f"{name}.safetensors").items()})
+    for index, state in torch.load(folder / "optimizer.pt", weights_only=True)["state"].items():
+        tensors.update({f"opt.{index}.{k}": torch.as_tensor(v) for k, v in state.items()})
+    rng = torch.load(folder / "rng_rank0.pt", weights_only=True)["rng"]
+    tensors.update({"rng.torch": rng["torch"], "rng.noise": rng["noise"]})
+    return tensors
+
+
 def make_base_pipeline(folder: Path) -> Path:
     """A tiny diffusers pipeline folder whose UNet has non-zero output layers (a trained model's stand-in):
     the base of LoRA, DreamBooth and textual-inversion runs."""

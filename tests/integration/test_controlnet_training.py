@@ -21,9 +21,10 @@ import sd.model
 import sd.train.checkpoint as ckpt
 import SD_ImageGen
 import SD_Train
-from data_factory import BASE, assert_bitwise_equal, make_base_pipeline, make_dataset
+from data_factory import BASE, assert_bitwise_equal, checkpoint_state, make_base_pipeline, make_dataset
 
 CONTROL = dict(BASE, control="seg", lr=5e-3, warmup_steps=0, batch_size=2, grad_accum=2, validation_prompts=[])
+WEIGHTS = ("controlnet", "ema", "lora_base")  # the weight files of a ControlNet checkpoint
 
 
 def square_at(row: int, size: int) -> np.ndarray:
@@ -128,18 +129,6 @@ def train(root: Path, name: str, *flags: str, **fields) -> Path:
     return root / name
 
 
-def checkpoint_state(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
-    folder = run_dir / "checkpoints" / ckpt.step_dir_name(step)
-    tensors = {}
-    for name in ("controlnet", "ema", "lora_base"):
-        tensors.update({f"{name}.{k}": v for k, v in load_file(folder / f"{name}.safetensors").items()})
-    for index, state in torch.load(folder / "optimizer.pt", weights_only=True)["state"].items():
-        tensors.update({f"opt.{index}.{k}": torch.as_tensor(v) for k, v in state.items()})
-    rng = torch.load(folder / "rng_rank0.pt", weights_only=True)["rng"]
-    tensors.update({"rng.torch": rng["torch"], "rng.noise": rng["noise"]})
-    return tensors
-
-
 @pytest.fixture(scope="module")
 def runs(base_model, data, tmp_path_factory):
     """A ControlNet run of 6 steps straight (``a``) and stopped at step 3, then resumed (``b``)."""
@@ -155,7 +144,7 @@ def runs(base_model, data, tmp_path_factory):
 @pytest.mark.slow
 def test_a_controlnet_run_stopped_and_resumed_equals_the_straight_run_bit_for_bit(runs, base_model):
     straight, resumed = runs
-    a, b = checkpoint_state(straight, 6), checkpoint_state(resumed, 6)
+    a, b = checkpoint_state(straight, 6, WEIGHTS), checkpoint_state(resumed, 6, WEIGHTS)
     assert_bitwise_equal(a, b)
     folder = straight / "checkpoints" / ckpt.step_dir_name(6)
     assert not (folder / "unet.safetensors").exists()  # the base is init_from's, never saved

@@ -26,12 +26,13 @@ import SD_Train
 
 from sd.distributed import Dist
 
-from data_factory import BASE, assert_bitwise_equal, make_base_pipeline
+from data_factory import BASE, assert_bitwise_equal, checkpoint_state, make_base_pipeline
 
 ROOT = Path(__file__).resolve().parents[2]
 DISTILL = dict(BASE, distill="lcm", lr=5e-3, warmup_steps=0, lcm_guidance_min=1.5, lcm_guidance_max=4.0,
                batch_size=2, grad_accum=2, validation_sampler="lcm", validation_steps=2, validation_cfg=1.0)
 pytestmark = pytest.mark.slow
+WEIGHTS = ("unet", "adapter", "ema", "lcm_target", "lora_base")  # the weight files a checkpoint may hold
 
 
 @pytest.fixture(scope="module")
@@ -46,20 +47,6 @@ def train(tmp_path: Path, name: str, *flags: str, **fields) -> Path:
     return tmp_path / name
 
 
-def checkpoint_state(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
-    """Every tensor a checkpoint holds: weights or adapter, EMA, target network, optimizer moments, RNGs."""
-    folder = run_dir / "checkpoints" / ckpt.step_dir_name(step)
-    tensors = {}
-    for name in ("unet", "adapter", "ema", "lcm_target", "lora_base"):
-        if (folder / f"{name}.safetensors").exists():
-            tensors.update({f"{name}.{k}": v for k, v in load_file(folder / f"{name}.safetensors").items()})
-    for index, state in torch.load(folder / "optimizer.pt", weights_only=True)["state"].items():
-        tensors.update({f"opt.{index}.{k}": torch.as_tensor(v) for k, v in state.items()})
-    rng = torch.load(folder / "rng_rank0.pt", weights_only=True)["rng"]
-    tensors.update({"rng.torch": rng["torch"], "rng.noise": rng["noise"]})
-    return tensors
-
-
 @pytest.fixture(scope="module")
 def whole_unet_runs(base_model, dataset_16, tmp_path_factory):
     """A whole-UNet distillation of 6 steps run straight (``a``) and stopped at step 3, then resumed (``b``)."""
@@ -71,7 +58,7 @@ def whole_unet_runs(base_model, dataset_16, tmp_path_factory):
 
 
 def check_resumed(straight: Path, resumed: Path, lora: bool) -> None:
-    a, b = checkpoint_state(straight, 6), checkpoint_state(resumed, 6)
+    a, b = checkpoint_state(straight, 6, WEIGHTS), checkpoint_state(resumed, 6, WEIGHTS)
     assert_bitwise_equal(a, b)
     target = {k for k in a if k.startswith("lcm_target.")}
     assert target and ("adapter.unet." if lora else "unet.") in "".join(a)
