@@ -232,3 +232,22 @@ def test_two_ranks_train_one_controlnet(base_model, data, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     weights = load_file(tmp_path / "run" / "checkpoints" / ckpt.step_dir_name(4) / "controlnet.safetensors")
     assert weights["controlnet_mid_block.weight"].abs().max() > 0
+
+
+@pytest.mark.slow
+def test_controlnet_from_starts_a_run_from_a_trained_controlnet_of_any_source(runs, base_model, data, tmp_path):
+    import sd.controlnet.model
+    import sd.train.config
+
+    _, run = runs
+    folder = run / "checkpoints" / ckpt.step_dir_name(6)
+    ema = {k.removeprefix("controlnet."): v for k, v in load_file(folder / "ema.safetensors").items()}
+    single = tmp_path / "cn.safetensors"
+    assert SD_ImageGen.main(["--ckpt", str(run), "--export_controlnet", str(single)]) == 0
+    for source in (run, single):  # a run of ours (its EMA), and the file ComfyUI loads
+        config = sd.train.config.TrainConfig(**{**CONTROL, "datasets": [data], "init_from": str(base_model),
+                                                "controlnet_from": str(source)})
+        unet = sd.model.build_unet("tiny")
+        sd.formats.load_unet_weights(str(base_model), unet)
+        started = sd.controlnet.model.attach(config, unet).controlnet.state_dict()
+        assert set(started) == set(ema) and all(torch.equal(started[k], ema[k]) for k in ema), source
