@@ -3,7 +3,7 @@
     python encode_latents.py --shards 'DIR/*.tar' --out DIR --vae ID_OR_PATH [--resolution 512]
                              [--batch_size 64] [--workers 16] [--precision bf16] [--compile] [--device auto]
                              [--buckets [--bucket_list WxH,...] [--bucket_step 64]] [--flip]
-                             [--max_encode_pixels 4194304]
+                             [--max_encode_pixels 4194304] [--control NAME[,NAME]]
     torchrun --nproc_per_node 8 encode_latents.py --shards ... --out ...           # one process per GPU
     python encode_latents.py ... --rank $SLURM_ARRAY_TASK_ID --world_size $SLURM_ARRAY_TASK_COUNT
 
@@ -27,6 +27,11 @@ scaled as its image and reduced to latent resolution (each 8x8 pixel block's mea
 NNNNN.mask.npy (float16, (N, 1, H/8, W/8); per bucket NNNNN.WxH.mask.npy) beside the latents, only
 for a shard (or bucket) with at least one mask, weight 1 for its samples without one; the mirrored
 latents use the mirrored mask, which the trainer flips itself.
+--control NAME stores each sample's conditioning image ``key.NAME.png`` (a ControlNet's input: edges, a
+mask, depth; pipeline/03b_derive_control.py and 01e make them) cut and scaled exactly as its image, at
+pixel resolution, losslessly: NNNNN.NAME.pngs (each row's PNG, concatenated; per bucket NNNNN.WxH.NAME.pngs)
+and NNNNN.NAME.offsets.npy (where each row's begins). A sample without it is skipped (``no_control``). The
+mirrored latents' conditioning images are these mirrored, by the trainer.
 latents.json holds the settings (VAE id, scaling factor, resolution, latent shape or bucket list,
 dtype, flip) and the totals (``masked``: the samples with a mask). It is written first, with ``"complete": false``, before any shard is
 encoded, and again
@@ -108,7 +113,15 @@ def parse_args(argv=None):
     parser.add_argument("--world_size", type=int, default=None,
                         help="how many processes share the shards (shard i of the sorted list goes to rank "
                              "i %% world_size); under torchrun it comes from WORLD_SIZE")
+    parser.add_argument("--control", default="", metavar="NAME[,NAME]",
+                        help="also store each sample's conditioning images key.NAME.png (ControlNet training), cut "
+                             "and scaled as its image; a sample without one is skipped")
     args = parser.parse_args(argv)
+    args.control = tuple(name.strip() for name in args.control.split(",") if name.strip())
+    for name in args.control:
+        if not sd.data.shards.is_control_name(name):
+            parser.error(f"--control {name!r}: a conditioning image's name is lower-case letters, digits and _ "
+                         "(key.NAME.png; not mask, the loss mask's)")
     if args.resolution <= 0 or args.resolution % 8:
         parser.error(f"--resolution must be a positive multiple of 8, got {args.resolution}")
     for name in ("batch_size", "workers", "prefetch", "max_pixels", "max_encode_pixels", "max_aspect"):

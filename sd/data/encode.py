@@ -142,7 +142,7 @@ def shard_done(out: Path, stem: str, flip: bool, bucketed: bool = False) -> bool
 
 # What a re-run must share with the run that started a folder: anything else mixes latents that do not
 # belong together (other shapes, another VAE's space, flipped or not) in one folder, silently.
-SETTINGS = ("vae", "scaling_factor", "resolution", "latent_shape", "dtype", "flip", "buckets")
+SETTINGS = ("vae", "scaling_factor", "resolution", "latent_shape", "dtype", "flip", "buckets", "control")
 
 
 class FolderMismatch(Exception):
@@ -167,7 +167,7 @@ def requested_settings(args) -> dict:
     """The settings known from the command line alone, checked before the VAE is loaded."""
     buckets = None if args.bucket_sizes is None else [list(b) for b in args.bucket_sizes]
     return {"vae": args.vae, "resolution": args.resolution, "dtype": "float16", "flip": bool(args.flip),
-            "buckets": buckets}
+            "buckets": buckets, "control": list(getattr(args, "control", None) or ())}
 
 
 def vae_settings(args, vae_config) -> dict:
@@ -345,12 +345,14 @@ def read_ahead(paths: list[Path], depth: int):
 
 
 def decode_sample(sample: sd.data.shards.ShardSample, resolution: int, max_pixels: int, max_aspect: float,
-                  buckets: list[sd.data.buckets.Bucket] | None = None):
+                  buckets: list[sd.data.buckets.Bucket] | None = None, controls: tuple[str, ...] = ()):
     """``(key, image (res, res, 3) uint8)`` or ``(key, skip reason)``; with ``buckets``
     ``(key, (bucket index, image (H, W, 3) of that bucket, original (h, w), crop (top, left)))``.
 
     A sample with a loss mask (``<key>.mask.png``) gets it as a fourth channel of its image, ``(H, W, 4)``,
-    cut and scaled exactly as the image."""
+    cut and scaled exactly as the image. With ``controls`` (conditioning images' names) the result is
+    ``(that result, {name: PNG bytes})``: each ``<key>.<name>.png`` cut and scaled as the image, encoded
+    here in the decode threads; a sample without one of them is skipped (``no_control``)."""
     if sample.problem is not None:  # a bad key, a caption that is not UTF-8, a member given twice
         return sample.key, sample.problem
     if sample.image is None:
@@ -362,16 +364,33 @@ def decode_sample(sample: sd.data.shards.ShardSample, resolution: int, max_pixel
         height, width = image.shape[:2]
         mask = None if sample.mask is None else sd.data.shards.decode_mask(sample.mask, (width, height), max_pixels)
         if buckets is None:
-            return sample.key, with_mask(sd.data.shards.resize_center_crop, image, mask, resolution)
-        bucket = sd.data.buckets.nearest_bucket(width, height, buckets)
-        pixels, crop = sd.data.buckets.fit_to_bucket(image, buckets[bucket])
-        if mask is not None:
-            pixels = np.dstack([pixels, sd.data.buckets.fit_to_bucket(mask, buckets[bucket])[0]])
-        return sample.key, (bucket, pixels, (height, width), crop)
+            result = with_mask(sd.data.shards.resize_center_crop, image, mask, resolution)
+            fit = lambda pixels: sd.data.shards.resize_center_crop(pixels, resolution)  # noqa: E731
+        else:
+            bucket = sd.data.buckets.nearest_bucket(width, height, buckets)
+            pixels, crop = sd.data.buckets.fit_to_bucket(image, buckets[bucket])
+            if mask is not None:
+                pixels = np.dstack([pixels, sd.data.buckets.fit_to_bucket(mask, buckets[bucket])[0]])
+            result = (bucket, pixels, (height, width), crop)
+            fit = lambda pixels: sd.data.buckets.fit_to_bucket(pixels, buckets[bucket])[0]  # noqa: E731
+        if not controls:
+            return sample.key, result
+        return sample.key, (result, fitted_controls(sample, controls, (width, height), fit, max_pixels))
     except sd.data.shards.ImageSkip as skip:
         return sample.key, skip.reason
     except Exception:  # a decoder failing in a way of its own: still one bad image, not a bad run
         return sample.key, "undecodable"
+
+
+def fitted_controls(sample: sd.data.shards.ShardSample, names: tuple[str, ...], size: tuple[int, int], fit,
+                    max_pixels: int) -> dict[str, bytes]:
+    """The conditioning images ``names`` of ``sample`` brought to its image's decoded ``size`` ``(width,
+    height)``, then cut and scaled by ``fit`` as the image was, as PNG bytes (``sd.data.shards.encode_png``)."""
+    missing = [name for name in names if name not in sample.controls]
+    if missing:
+        raise sd.data.shards.ImageSkip("no_control", ", ".join(missing))
+    return {name: sd.data.shards.encode_png(fit(sd.data.shards.decode_control(sample.controls[name], size, max_pixels)))
+            for name in names}
 
 
 def with_mask(fit, image: np.ndarray, mask: np.ndarray | None, *size) -> np.ndarray:
@@ -445,6 +464,46 @@ class NpyRows:
             self.tmp.unlink(missing_ok=True)
 
 
+def control_files(latents: Path, name: str) -> tuple[Path, Path]:
+    """The conditioning images ``name`` beside the latent array ``latents`` (``NNNNN[.WxH].npy``): each row's
+    PNG file, concatenated (``NNNNN[.WxH].<name>.pngs``), and where each begins and ends
+    (``NNNNN[.WxH].<name>.offsets.npy``, int64, rows + 1)."""
+    stem = latents.name[: -len(".npy")]
+    return latents.with_name(f"{stem}.{name}.pngs"), latents.with_name(f"{stem}.{name}.offsets.npy")
+
+
+class PngRows:
+    """A shard's conditioning images of one name, written a batch at a time under temporary names and
+    renamed into place by ``commit`` (the bytes, then the offsets): never all held in memory."""
+
+    def __init__(self, paths: tuple[Path, Path]):
+        self.path, self.offsets_path = paths
+        self.tmp = sd.files.temporary_name(self.path)
+        self.offsets, self.count = [0], 0
+        self.handle = open(self.tmp, "wb")
+
+    def append(self, pngs: list[bytes]) -> None:
+        for data in pngs:
+            self.handle.write(data)
+            self.offsets.append(self.offsets[-1] + len(data))
+        self.count += len(pngs)
+
+    def commit(self) -> None:
+        self.handle.flush()
+        os.fsync(self.handle.fileno())
+        self.handle.close()
+        os.replace(self.tmp, self.path)
+        sd.files.save_npy_atomic(self.offsets_path, np.asarray(self.offsets, dtype=np.int64))
+
+    def discard(self) -> None:
+        try:
+            self.handle.close()
+        except OSError:
+            pass
+        finally:
+            self.tmp.unlink(missing_ok=True)
+
+
 class Writer:
     """Moves latents to the host, appends them to their shard's files, and completes each shard once its
     last batch is back."""
@@ -460,12 +519,13 @@ class Writer:
         self.thread.start()
 
     def put(self, job: ShardJob, keys: list[str] | None, latents: torch.Tensor | None, flipped: torch.Tensor | None,
-            bucket: int | None = None, masks: np.ndarray | None = None):
+            bucket: int | None = None, masks: np.ndarray | None = None, controls: list[dict] | None = None):
         """One batch of ``job`` (its ``keys``, in order; with buckets, all of ``bucket``; ``masks``: the
-        batch's loss masks, ``split_masks``), or with ``latents`` None the shard's closing notice."""
+        batch's loss masks, ``split_masks``; ``controls``: each sample's conditioning images as PNG bytes by
+        name), or with ``latents`` None the shard's closing notice."""
         if self.error is not None:
             raise self.error
-        self.jobs.put((job, keys, latents, flipped, bucket, masks))
+        self.jobs.put((job, keys, latents, flipped, bucket, masks, controls))
 
     def close(self) -> None:
         self.jobs.put(None)
@@ -484,12 +544,17 @@ class Writer:
             except BaseException as error:  # surfaced to the main thread by put()/close()
                 self.error = error
 
-    def _handle(self, job: ShardJob, keys, latents, flipped, bucket, masks):
+    def _handle(self, job: ShardJob, keys, latents, flipped, bucket, masks, controls):
         if latents is None:  # the closing notice: the shard's batches were all queued before it
             self._save(job)
             return
         self.current = job
         self._append_masks(job, masks, len(keys), latents.shape[-2:], bucket)
+        for name in sorted(controls[0]) if controls else ():
+            if (f"control:{name}", bucket) not in job.rows:
+                prefix = latent_file(self.out, job.stem, "npy", None if bucket is None else self.buckets[bucket])
+                job.rows[f"control:{name}", bucket] = PngRows(control_files(prefix, name))
+            job.rows[f"control:{name}", bucket].append([pngs[name] for pngs in controls])
         self._append(job, "npy", keys, latents, bucket)
         if flipped is not None:
             self._append(job, "flip", keys, flipped, bucket)
@@ -625,6 +690,7 @@ class ShardStream:
         self.window: deque = deque()  # (job, decode future) in shard order; (job, None) closes a shard
         # Decoded images of the oldest shard in the window, by bucket (0 without buckets): (key, image, info)
         self.pending: dict[int, list] = {}
+        self.controls = tuple(getattr(args, "control", None) or ())  # conditioning images' names
 
     def add(self, job: ShardJob, sample: sd.data.shards.ShardSample | None) -> None:
         """One sample of ``job`` to decode, or with ``sample`` None the end of the shard."""
@@ -635,7 +701,7 @@ class ShardStream:
             self.take()
         args = self.args
         self.window.append((job, self.pool.submit(decode_sample, sample, args.resolution, args.max_pixels,
-                                                  args.max_aspect, args.bucket_sizes)))
+                                                  args.max_aspect, args.bucket_sizes, self.controls)))
         self.in_flight.add(1)
 
     def drain(self) -> None:
@@ -659,9 +725,10 @@ class ShardStream:
             job.skip(result, key)
             self.in_flight.remove(1)
             return
+        result, pngs = result if self.controls else (result, None)
         bucket, image, info = (0, result, None) if self.args.bucket_sizes is None else \
             (result[0], result[1], result[2:])
-        self.pending.setdefault(bucket, []).append((key, image, info))
+        self.pending.setdefault(bucket, []).append((key, image, info, pngs))
         batch_size = self.args.batch_size
         if len(self.pending[bucket]) == batch_size:
             self.encode(job, bucket)
@@ -670,15 +737,17 @@ class ShardStream:
 
     def encode(self, job: ShardJob, bucket: int) -> None:
         batch = self.pending.pop(bucket)
-        keys = [key for key, _, _ in batch]
-        images, masks = split_masks([image for _, image, _ in batch])
+        keys = [key for key, *_ in batch]
+        images, masks = split_masks([image for _, image, _, _ in batch])
         latents, flipped = self.encoder(images)
         self.in_flight.remove(len(keys))
         job.keys.extend(keys)
-        job.masked += sum(image.shape[-1] == 4 for _, image, _ in batch)
+        job.masked += sum(image.shape[-1] == 4 for _, image, _, _ in batch)
         if self.args.bucket_sizes is not None:
-            job.buckets.setdefault(bucket, []).extend((key, *info) for key, _, info in batch)
-        self.writer.put(job, keys, latents, flipped, None if self.args.bucket_sizes is None else bucket, masks)
+            job.buckets.setdefault(bucket, []).extend((key, *info) for key, _, info, _ in batch)
+        controls = [pngs for *_, pngs in batch] if self.controls else None
+        self.writer.put(job, keys, latents, flipped, None if self.args.bucket_sizes is None else bucket, masks,
+                        controls)
         self.bar.update(len(keys))
 
     def close(self, job: ShardJob) -> None:

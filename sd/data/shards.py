@@ -16,7 +16,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +40,7 @@ class ShardSample:
     metadata: bytes | None = None
     problem: str | None = None  # set by TarSamples: the skip reason of a sample no reader may use
     mask: bytes | None = None  # the loss mask's image file, ``<key>.mask.png``
+    controls: dict = field(default_factory=dict)  # conditioning images (ControlNet): name -> ``<key>.<name>.png``
 
 
 # Characters no key may hold: the control characters (Unicode category Cc: ``\n``, ``\r``, ``\x85``
@@ -86,7 +87,7 @@ class TarSamples:
     read). A file that is not a tar at all raises ``tarfile.ReadError`` from the first ``next``.
     """
 
-    FIELDS = ("image", "caption", "metadata", "mask")
+    FIELDS = ("image", "caption", "metadata", "mask", "control")
 
     def __init__(self, file, size: int, fields=FIELDS, max_member_bytes: int | None = None):
         self.file, self.size, self.fields, self.max_member_bytes = file, size, set(fields), max_member_bytes
@@ -154,9 +155,20 @@ def read_shard(data: bytes) -> tuple[list[ShardSample], str | None]:
 MASK_EXTENSION = "mask.png"  # the member a sample's loss mask is written as: <key>.mask.png
 
 
+CONTROL_NAME = re.compile(r"[a-z0-9_]+")  # a conditioning image's name: <key>.<name>.png
+
+
+def is_control_name(name: str) -> bool:
+    """Whether ``name`` can name conditioning images (``mask`` is the loss mask's)."""
+    return bool(CONTROL_NAME.fullmatch(name)) and name != "mask"
+
+
 def field_of(ext: str) -> str | None:
     if ext.startswith("mask.") and ext[len("mask."):] in IMAGE_EXTENSIONS:
         return "mask"
+    name, dot, image_ext = ext.partition(".")
+    if dot and image_ext in IMAGE_EXTENSIONS and is_control_name(name):
+        return "control"
     return "image" if ext in IMAGE_EXTENSIONS else {"txt": "caption", "json": "metadata"}.get(ext)
 
 
@@ -165,6 +177,12 @@ def add_member(sample: ShardSample, ext: str, payload: bytes) -> None:
         sample.problem = "bad_key"
     field = field_of(ext)
     if field is None:
+        return
+    if field == "control":
+        name = ext.partition(".")[0]
+        if name in sample.controls:
+            sample.problem = sample.problem or "duplicate_key"
+        sample.controls[name] = payload
         return
     if getattr(sample, field) is not None:
         sample.problem = sample.problem or "duplicate_key"
@@ -206,6 +224,8 @@ def write_tar(path: Path, samples: list[ShardSample]) -> None:
                 add(tar, f"{sample.key}.json", sample.metadata)
             if sample.mask is not None:
                 add(tar, f"{sample.key}.{MASK_EXTENSION}", sample.mask)
+            for name, payload in sorted(sample.controls.items()):
+                add(tar, f"{sample.key}.{name}.png", payload)
 
 
 def sniff_format(data: bytes) -> str | None:
@@ -371,16 +391,70 @@ def decode_mask(data: bytes, size: tuple[int, int], max_pixels: int = DEFAULT_MA
         rgb = decode_image(data, "png", max_pixels)
     except ImageSkip as skip:
         raise ImageSkip("bad_mask", str(skip)) from None
-    grey = cv2.cvtColor(rgb, cv2.COLOR_RGB2GRAY)
+    return scaled_to_image(cv2.cvtColor(rgb, cv2.COLOR_RGB2GRAY), size, "mask_mismatch", "mask")
+
+
+def scaled_to_image(pixels: np.ndarray, size: tuple[int, int], mismatch: str, what: str) -> np.ndarray:
+    """An image's companion (its loss mask, a conditioning image) brought to the image's ``size``
+    ``(width, height)``: as it is at that size; scaled when it has the image's aspect ratio (each side
+    scaled by one factor, to within rounding); else ``ImageSkip(mismatch)``."""
+    import cv2
+
     width, height = size
-    mask_height, mask_width = grey.shape
-    if (mask_width, mask_height) == (width, height):
-        return grey
+    own_height, own_width = pixels.shape[:2]
+    if (own_width, own_height) == (width, height):
+        return pixels
     # |mw * h - mh * w| is at most (w + h) / 2 when both sides are one scaling of the image's, rounded
-    if 2 * abs(mask_width * height - mask_height * width) > width + height:
-        raise ImageSkip("mask_mismatch", f"a {mask_width}x{mask_height} mask for a {width}x{height} image")
-    shrink = mask_width >= width and mask_height >= height
-    return cv2.resize(grey, (width, height), interpolation=cv2.INTER_AREA if shrink else cv2.INTER_LINEAR)
+    if 2 * abs(own_width * height - own_height * width) > width + height:
+        raise ImageSkip(mismatch, f"a {own_width}x{own_height} {what} for a {width}x{height} image")
+    shrink = own_width >= width and own_height >= height
+    return cv2.resize(pixels, (width, height), interpolation=cv2.INTER_AREA if shrink else cv2.INTER_LINEAR)
+
+
+# ---------------------------------------------------------------------------------------------
+# Conditioning images (ControlNet)
+# ---------------------------------------------------------------------------------------------
+
+CONTROL_SKIPS = ("no_control", "bad_control", "control_mismatch")
+
+
+def decode_control(data: bytes, size: tuple[int, int], max_pixels: int = DEFAULT_MAX_PIXELS) -> np.ndarray:
+    """A conditioning image of an image of ``size`` ``(width, height)``: ``(height, width, 3)`` uint8 RGB
+    (a grey file repeated to three channels), scaled as ``scaled_to_image`` says; one that does not decode
+    raises ``ImageSkip("bad_control")``, one of another aspect ratio ``ImageSkip("control_mismatch")``."""
+    try:
+        rgb = decode_image(data, "png", max_pixels)
+    except ImageSkip as skip:
+        raise ImageSkip("bad_control", str(skip)) from None
+    return scaled_to_image(rgb, size, "control_mismatch", "conditioning image")
+
+
+def encode_png(pixels: np.ndarray) -> bytes:
+    """``(H, W)`` grey or ``(H, W, 3)`` RGB uint8 as a PNG file (lossless); an RGB image whose channels are
+    equal is written grey (a third of the bytes: edges, masks and depth are grey)."""
+    import cv2
+
+    if pixels.ndim == 3 and (pixels[..., 0] == pixels[..., 1]).all() and (pixels[..., 0] == pixels[..., 2]).all():
+        pixels = pixels[..., 0]
+    elif pixels.ndim == 3:
+        pixels = cv2.cvtColor(pixels, cv2.COLOR_RGB2BGR)
+    ok, data = cv2.imencode(".png", pixels)
+    if not ok:
+        raise ValueError("PNG encoding failed")
+    return data.tobytes()
+
+
+def decode_png(data, flipped: bool = False) -> np.ndarray:
+    """``encode_png``'s bytes back as ``(3, H, W)`` uint8 RGB (grey repeated), mirrored left-right when
+    ``flipped``."""
+    import cv2
+
+    pixels = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_UNCHANGED)
+    if pixels is None:
+        raise ValueError("not a PNG file")
+    pixels = np.repeat(pixels[None], 3, axis=0) if pixels.ndim == 2 else cv2.cvtColor(pixels, cv2.COLOR_BGR2RGB)\
+        .transpose(2, 0, 1)
+    return np.ascontiguousarray(pixels[:, :, ::-1]) if flipped else pixels
 
 
 def encode_mask(mask: np.ndarray) -> bytes:

@@ -23,6 +23,9 @@
 * Loss masks (``masked_loss``): ``NNNNN.mask.npy`` (per bucket ``NNNNN.WxH.mask.npy``), float16
   ``(N, 1, H/8, W/8)`` weights in 0..1 beside a shard's latents; a shard without one weighs 1
   everywhere, and a mirrored latent takes its mask mirrored.
+* Conditioning images (a ControlNet run's ``control``): ``NNNNN[.WxH].<name>.pngs`` (each row's PNG at pixel
+  resolution, concatenated) and ``NNNNN[.WxH].<name>.offsets.npy`` beside the latents; every shard must
+  have them, and a mirrored latent takes its conditioning image mirrored.
 """
 
 from __future__ import annotations
@@ -66,7 +69,7 @@ class LatentStore:
     """
 
     def __init__(self, folder: str | Path, *, threads: int = 16, mmap: bool = False, flip: bool = False,
-                 share: tuple[int, int] = (0, 1), masks: bool = False):
+                 share: tuple[int, int] = (0, 1), masks: bool = False, control: str = ""):
         self.folder = Path(folder)
         self.warm_share = None if mmap else share
         if not self.folder.is_dir():
@@ -81,6 +84,8 @@ class LatentStore:
             raise DataError(f"latent folder {self.folder} holds no latents (no *.keys.txt shards, no <key>.npy files)")
         self.flipped = self._load_flipped(shard_files, threads) if flip else None
         self.masks = self._load_masks(threads) if masks else None
+        self.control = control
+        self.controls = self._load_controls(control) if control else None
 
     # -- loading ------------------------------------------------------------------------------
 
@@ -190,6 +195,59 @@ class LatentStore:
                             f"h, w) of the latents beside them): {', '.join(bad[:10])}; re-encode those shards")
         self._warm([p for p, m in zip(paths, masks) if m is not None], threads)
         return masks
+
+    def _load_controls(self, name: str) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The conditioning images ``name`` beside each shard's (or bucket's) array: ``(its PNG bytes,
+        memory-mapped; their offsets)``. A shard without them, or with offsets that do not match its rows
+        or its bytes, is a DataError naming it."""
+        if not hasattr(self, "paths"):
+            raise DataError(f"{self.folder} holds one latent file per image, which carries no conditioning images: "
+                            f"encode the images' shards with encode_latents.py --control {name}")
+        import sd.data.encode
+
+        controls, missing, bad = [], [], []
+        for path, array in zip(self.paths, self.arrays):
+            data_path, offsets_path = sd.data.encode.control_files(path, name)
+            if not (data_path.exists() and offsets_path.exists()):
+                missing.append(data_path.name)
+                continue
+            try:
+                offsets = np.load(offsets_path, allow_pickle=False)
+            except (OSError, ValueError, EOFError):
+                offsets = np.zeros(0, dtype=np.int64)  # named below as not matching its data
+            size = data_path.stat().st_size
+            if offsets.shape != (len(array) + 1,) or offsets[0] != 0 or offsets[-1] != size \
+                    or (np.diff(offsets) <= 0).any():
+                bad.append(offsets_path.name)
+                continue
+            controls.append((np.memmap(data_path, dtype=np.uint8, mode="r"), offsets))
+        if missing:
+            raise DataError(f"{len(missing)} latent shards in {self.folder} lack their conditioning images "
+                            f"{name!r} ({', '.join(missing[:5])}): encode the shards with encode_latents.py --control "
+                            f"{name} (into a new folder, or after removing those shards' keys files)")
+        if bad:
+            raise DataError(f"{len(bad)} conditioning-image offset files in {self.folder} do not match their data "
+                            f"({', '.join(bad[:5])}); re-encode those shards")
+        return controls
+
+    def gather_controls(self, rows: np.ndarray, flipped: np.ndarray | None = None) -> np.ndarray:
+        """Conditioning images of the given rows, ``(B, 3, H, W)`` uint8 RGB, in order, mirrored where the
+        boolean ``flipped`` is True (the conditioning image of the mirrored image)."""
+        import sd.data.shards
+
+        images = []
+        for i, (shard, row) in enumerate(self.locations[rows]):
+            data, offsets = self.controls[shard]
+            try:
+                images.append(sd.data.shards.decode_png(data[offsets[row] : offsets[row + 1]],
+                                                        flipped is not None and bool(flipped[i])))
+            except ValueError as error:
+                raise DataError(f"{self.paths[shard].name}: the conditioning image {self.control!r} of row {row} does "
+                                f"not decode ({error}); re-encode the shard") from None
+        shapes = {image.shape for image in images}
+        if len(shapes) > 1:
+            raise DataError(f"{self.folder}: one batch asked for conditioning images of several sizes {sorted(shapes)}")
+        return np.stack(images)
 
     @property
     def has_masks(self) -> bool:
@@ -547,6 +605,9 @@ class MixedData:
              for split in splits] or [np.zeros(0, dtype=np.int16)])
         self.target = np.arange(len(self.shapes))
         self.masked = any(split.store.masks is not None for split in splits)
+        self.controlled = any(split.store.controls is not None for split in splits)
+        if self.controlled and not all(split.store.controls is not None for split in splits if len(split)):
+            raise DataError("conditioning images were loaded for some latent folders and not others")
 
     def __len__(self) -> int:
         return int(self.offsets[-1])
@@ -599,7 +660,29 @@ class MixedData:
         if self.tokenizer is not None:
             input_ids = self.caption_ids(indices, indices[:, None] if draws is None else draws)
         extra = (self.masks(indices, flipped),) if self.masked else ()
+        if self.controlled:
+            extra = (*extra, self.controls(indices, flipped))
         return torch.from_numpy(latents), torch.from_numpy(input_ids), *extra
+
+    def controls(self, indices: np.ndarray, flipped: np.ndarray | None = None) -> torch.Tensor:
+        """Conditioning images ``(B, 3, 8h, 8w)`` uint8 of global indices, in order, as ``batch`` lays out their
+        latents: mirrored where ``flipped``, brought to a merged bucket's size."""
+        shape = self.shape_of(indices)
+        size = (3, 8 * shape[1], 8 * shape[2])
+        which = np.searchsorted(self.offsets, indices, side="right") - 1
+        stored = self.bucket_of[indices]
+        images = np.empty((len(indices), *size), dtype=np.uint8)
+        for d in np.unique(which):
+            store = self.splits[d].store
+            for b in np.unique(stored[which == d]):
+                chosen = (which == d) & (stored == b)
+                rows = self.splits[d].rows[indices[chosen] - self.offsets[d]]
+                part = store.gather_controls(rows, None if flipped is None else flipped[chosen])
+                if part.shape[1:] != size:
+                    part = np.clip(sd.data.buckets.fit_latents(part.astype(np.float32), size).astype(np.float32)
+                                   .round(), 0, 255).astype(np.uint8)
+                images[chosen] = part
+        return torch.from_numpy(images)
 
     def masks(self, indices: np.ndarray, flipped: np.ndarray | None = None) -> torch.Tensor:
         """Loss masks ``(B, 1, h, w)`` float16 of global indices, in order, as ``batch`` lays out their
