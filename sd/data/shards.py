@@ -152,6 +152,7 @@ def read_shard(data: bytes) -> tuple[list[ShardSample], str | None]:
         return [], f"<after 0 samples: {error}>"
 
 
+MASK_NAME = "mask"  # the companion name of a sample's loss mask; every other name is a conditioning image's
 MASK_EXTENSION = "mask.png"  # the member a sample's loss mask is written as: <key>.mask.png
 
 
@@ -278,6 +279,7 @@ class ImageSkip(Exception):
     def __init__(self, reason: str, detail: str = ""):
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason = reason
+        self.member: str | None = None  # the companion at fault (``mask``, a conditioning image's name), if any
 
 
 def image_size(data: bytes) -> tuple[int, int]:

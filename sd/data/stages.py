@@ -246,20 +246,27 @@ def encode_jpeg(rgb: np.ndarray, quality: int = 95) -> bytes:
 
 def image_sample(key: str, data: bytes, ext: str, caption: str, resolution: int, metadata: dict | None = None,
                  max_pixels: int = sd.data.shards.DEFAULT_MAX_PIXELS, keep_aspect: str | None = None,
-                 mask: bytes | None = None) -> sd.data.shards.ShardSample:
+                 mask: bytes | None = None, controls: dict | None = None) -> sd.data.shards.ShardSample:
     """Decode, resize, re-encode as JPEG. Without ``keep_aspect``: the short side scaled to
     ``resolution`` and the centre square cut out; with ``keep_aspect`` "short" or "long": the whole
     image with that side scaled to ``resolution`` (``sd.data.shards.resize_keep_aspect``).
 
     ``mask``: the image file of the sample's loss mask (``sd.data.shards.decode_mask``), resized and
-    cropped as the image is and written as ``<key>.mask.png``.
+    cropped as the image is and written as ``<key>.mask.png``. ``controls``: its conditioning images
+    by name, each an image file (``sd.data.shards.decode_control``) or a function ``(width, height) ->
+    pixels`` that draws one at the decoded image's size (a COCO subject mask); each is resized and
+    cropped as the image is and written as ``<key>.<name>.png``.
 
-    Raises ``sd.data.shards.ImageSkip`` (with a reason) for an unusable image or mask. The metadata
-    records the original size and the written one.
+    Raises ``sd.data.shards.ImageSkip`` (with a reason) for an unusable image, mask or conditioning
+    image; for the last two its ``member`` names which. The metadata records the original size and
+    the written one.
     """
     rgb = sd.data.shards.decode_image(data, ext.lower().lstrip("."), max_pixels)
     height, width = rgb.shape[:2]
-    grey = None if mask is None else sd.data.shards.decode_mask(mask, (width, height), max_pixels)
+    grey = None if mask is None else companion(sd.data.shards.MASK_NAME, sd.data.shards.decode_mask, mask,
+                                               (width, height), max_pixels)
+    drawn = {name: companion(name, sd.data.shards.decode_control, source, (width, height), max_pixels)
+             for name, source in (controls or {}).items()}
 
     def resize(pixels):
         if keep_aspect:
@@ -270,7 +277,25 @@ def image_sample(key: str, data: bytes, ext: str, caption: str, resolution: int,
     meta = {"key": key, "caption": caption, "original_width": width, "original_height": height,
             "width": resized.shape[1], "height": resized.shape[0], **(metadata or {})}
     return sd.data.shards.ShardSample(key, encode_jpeg(resized), "jpg", caption, json.dumps(meta).encode("utf-8"),
-                                      mask=None if grey is None else sd.data.shards.encode_mask(resize(grey)))
+                                      mask=None if grey is None else sd.data.shards.encode_mask(resize(grey)),
+                                      controls={name: sd.data.shards.encode_png(resize(pixels))
+                                                for name, pixels in drawn.items()})
+
+
+def companion(name: str, decode, source, size: tuple[int, int], max_pixels: int) -> np.ndarray:
+    """An image's loss mask or conditioning image ``name`` at the image's ``size`` ``(width, height)``:
+    ``decode(source, size, max_pixels)`` for a file's bytes, ``source(width, height)`` for a function that
+    draws it. A failure is the ``ImageSkip`` of ``decode`` with ``member`` set to ``name``."""
+    try:
+        if callable(source):
+            pixels = source(*size)
+            if pixels.shape[:2] != (size[1], size[0]):
+                raise sd.data.shards.ImageSkip("control_mismatch", f"drawn at {pixels.shape[1]}x{pixels.shape[0]}")
+            return pixels
+        return decode(source, size, max_pixels)
+    except sd.data.shards.ImageSkip as skip:
+        skip.member = name
+        raise
 
 
 def _to_sample(item: tuple, resolution: int, max_pixels: int):
