@@ -254,8 +254,9 @@ def image_sample(key: str, data: bytes, ext: str, caption: str, resolution: int,
     ``mask``: the image file of the sample's loss mask (``sd.data.shards.decode_mask``), resized and
     cropped as the image is and written as ``<key>.mask.png``. ``controls``: its conditioning images
     by name, each an image file (``sd.data.shards.decode_control``) or a function ``(width, height) ->
-    pixels`` that draws one at the decoded image's size (a COCO subject mask); each is resized and
-    cropped as the image is and written as ``<key>.<name>.png``.
+    pixels`` given the decoded image's size that draws one (a COCO subject mask), of that size or
+    another of its aspect ratio; each is resized and cropped as the image is and written as
+    ``<key>.<name>.png``.
 
     Raises ``sd.data.shards.ImageSkip`` (with a reason) for an unusable image, mask or conditioning
     image; for the last two its ``member`` names which. The metadata records the original size and
@@ -284,14 +285,12 @@ def image_sample(key: str, data: bytes, ext: str, caption: str, resolution: int,
 
 def companion(name: str, decode, source, size: tuple[int, int], max_pixels: int) -> np.ndarray:
     """An image's loss mask or conditioning image ``name`` at the image's ``size`` ``(width, height)``:
-    ``decode(source, size, max_pixels)`` for a file's bytes, ``source(width, height)`` for a function that
-    draws it. A failure is the ``ImageSkip`` of ``decode`` with ``member`` set to ``name``."""
+    ``decode(source, size, max_pixels)`` for a file's bytes, ``source(width, height)`` (scaled to ``size``
+    when drawn at another of its aspect ratio) for a function that draws it. A failure is an ``ImageSkip``
+    with ``member`` set to ``name``."""
     try:
         if callable(source):
-            pixels = source(*size)
-            if pixels.shape[:2] != (size[1], size[0]):
-                raise sd.data.shards.ImageSkip("control_mismatch", f"drawn at {pixels.shape[1]}x{pixels.shape[0]}")
-            return pixels
+            return sd.data.shards.scaled_to_image(source(*size), size, "control_mismatch", "conditioning image")
         return decode(source, size, max_pixels)
     except sd.data.shards.ImageSkip as skip:
         skip.member = name
@@ -299,16 +298,18 @@ def companion(name: str, decode, source, size: tuple[int, int], max_pixels: int)
 
 
 def _to_sample(item: tuple, resolution: int, max_pixels: int):
-    key, data, ext, caption, metadata = item
+    key, data, ext, caption, metadata, *controls = item
     try:
-        return key, image_sample(key, data, ext, caption, resolution, metadata, max_pixels)
+        return key, image_sample(key, data, ext, caption, resolution, metadata, max_pixels,
+                                 controls=controls[0] if controls else None)
     except sd.data.shards.ImageSkip as skip:
         return key, skip
 
 
 def convert_images(items, stats: ShardStats, pool, resolution: int, max_pixels: int = sd.data.shards.DEFAULT_MAX_PIXELS,
                    read_ahead: int = 32) -> list[sd.data.shards.ShardSample]:
-    """``image_sample`` over ``(key, data, ext, caption, metadata)`` items on a thread pool, in order.
+    """``image_sample`` over ``(key, data, ext, caption, metadata)`` items on a thread pool, in order (an item
+    may end with its conditioning images, ``image_sample``'s ``controls``).
 
     At most ``read_ahead`` raw images are held at once (a whole archive would not fit in memory);
     unusable images are counted in ``stats``.
