@@ -666,7 +666,8 @@ class MixedData:
 
     def controls(self, indices: np.ndarray, flipped: np.ndarray | None = None) -> torch.Tensor:
         """Conditioning images ``(B, 3, 8h, 8w)`` uint8 of global indices, in order, as ``batch`` lays out their
-        latents: mirrored where ``flipped``, brought to a merged bucket's size."""
+        latents: mirrored where ``flipped``, brought to a merged bucket's size by the crop and scaling of
+        its latents (``sd.data.buckets.fit_images``)."""
         shape = self.shape_of(indices)
         size = (3, 8 * shape[1], 8 * shape[2])
         which = np.searchsorted(self.offsets, indices, side="right") - 1
@@ -678,10 +679,7 @@ class MixedData:
                 chosen = (which == d) & (stored == b)
                 rows = self.splits[d].rows[indices[chosen] - self.offsets[d]]
                 part = store.gather_controls(rows, None if flipped is None else flipped[chosen])
-                if part.shape[1:] != size:
-                    part = np.clip(sd.data.buckets.fit_latents(part.astype(np.float32), size).astype(np.float32)
-                                   .round(), 0, 255).astype(np.uint8)
-                images[chosen] = part
+                images[chosen] = part if part.shape[1:] == size else sd.data.buckets.fit_images(part, shape)
         return torch.from_numpy(images)
 
     def masks(self, indices: np.ndarray, flipped: np.ndarray | None = None) -> torch.Tensor:
