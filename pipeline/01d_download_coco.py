@@ -79,7 +79,8 @@ def parse_args(argv):
                                   "as its conditioning image coco_{id}.seg.png, for encode_latents.py --control seg; "
                                   "needs --instances (default: off)")
     parser.add_argument("--seg_category", default="person",
-                        help="with --seg: the COCO category whose instances make the subject mask (default: %(default)s)")
+                        help="with --seg: the COCO category whose instances make the subject mask "
+                             "(default: %(default)s)")
     parser.add_argument("--shard_size", type=int, default=1000, help="images (before filtering) per output shard")
     parser.add_resolution()
     parser.add_download_flags("images zip and annotation files")

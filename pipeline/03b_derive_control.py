@@ -64,7 +64,8 @@ def parse_args(argv):
                         help="canny: the lower hysteresis threshold on the gradient; weaker edges are dropped, "
                              "those between --low and --high kept where they join a strong one (default: %(default)s)")
     parser.add_argument("--high", type=float, default=200.0,
-                        help="canny: the upper hysteresis threshold; a gradient above it is an edge (default: %(default)s)")
+                        help="canny: the upper hysteresis threshold; a gradient above it is an edge "
+                             "(default: %(default)s)")
     parser.add_workers("threads decoding images and detecting edges")
     args = parser.parse_args(argv)
     args.name = args.kind if args.name is None else args.name
