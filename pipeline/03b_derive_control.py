@@ -1,6 +1,6 @@
 """Stage 03b: image shards -> the same shards with a conditioning image (a ControlNet's input) per sample.
 
-    python pipeline/03b_derive_control.py --shards 'SHARD_DIR/*.tar' --out DIR --kind canny [--low 100 --high 200]
+    python pipeline/03b_derive_control.py --input 'SHARD_DIR/*.tar' --out DIR --kind canny [--low 100 --high 200]
         [--name canny] [--workers 8]
 
 For each input shard NNNNN.tar, writes DIR/NNNNN.tar holding its samples (image, caption, metadata, loss
@@ -25,7 +25,7 @@ kinds than those above (no stage of this pipeline writes any) are not carried.
 Work streams sample by sample: a reader, ``--workers`` threads decoding and detecting, and the writer of
 the output tar, with at most 2 x --workers samples between them, so memory does not grow with the
 shard. A re-run skips the shards whose stats file exists; one with other --kind, --name or thresholds
-into the same --out is refused. ``--input`` is the stages' spelling of ``--shards``.
+into the same --out is refused. ``--shards`` (encode_latents.py's spelling) works as well as ``--input``.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ log = logging.getLogger(STAGE)
 
 def parse_args(argv):
     parser = sd.data.stages.StageArgumentParser(__file__, __doc__)
-    parser.add_required("--shards", "glob of image shards, quoted: 'SHARD_DIR/*.tar'", old=("--input",))
+    parser.add_input("glob of image shards, quoted: 'SHARD_DIR/*.tar'", old=("--shards",))
     parser.add_out("output folder for the NNNNN.tar shards with their conditioning images (not the input folder)")
     parser.add_argument("--kind", choices=KINDS, required=True,
                         help="what to derive: canny = OpenCV Canny edges of the image in grey (required)")
@@ -66,7 +66,7 @@ def parse_args(argv):
     parser.add_argument("--high", type=float, default=200.0,
                         help="canny: the upper hysteresis threshold; a gradient above it is an edge "
                              "(default: %(default)s)")
-    parser.add_workers("threads decoding images and detecting edges")
+    parser.add_workers()
     args = parser.parse_args(argv)
     args.name = args.kind if args.name is None else args.name
     if not sd.data.shards.is_control_name(args.name):
@@ -169,9 +169,9 @@ def main(argv=None) -> int:
     sd.runtime.start_process(uses_torch=False)
     args = parse_args(argv)
     sd.data.stages.setup_logging()
-    paths = sorted(Path(p) for p in glob.glob(args.shards) if p.endswith(".tar"))
+    paths = sorted(Path(p) for p in glob.glob(args.input) if p.endswith(".tar"))
     if not paths:
-        print(f"{STAGE}.py: no shards match {args.shards!r}", file=sys.stderr)
+        print(f"{STAGE}.py: no shards match {args.input!r}", file=sys.stderr)
         return 2
     by_stem = {stem(path): path for path in paths}
     out = Path(args.out)
