@@ -1,7 +1,7 @@
 """Import a local folder of images into webdataset shards.
 
     python pipeline/01e_import_folder.py --input DIR --out SHARD_DIR [--layout flat|metadata|template] \\
-        [--resolution 512] [--keep_aspect [short|long]]
+        [--resolution 512] [--keep_aspect [short|long]] [--control NAME ...]
 
 Reads every image under ``--input`` (recursively; hidden files and folders are ignored) with its
 caption, in one of three layouts:
@@ -31,6 +31,15 @@ size. A mask of another aspect ratio (``mask_mismatch``) or one that does not de
 skips its image, counted and named by the mask's path; so do two masks for one image
 (``ambiguous_mask``). Files named ``*_mask.<ext>`` are never imported as images: one without its image
 is counted as ``orphan_masks`` in the summary. The stats count the samples with a mask as ``masked``.
+
+Conditioning images (for ControlNet training, ``encode_latents.py --control NAME``): with ``--control NAME``
+(repeatable), ``photo_NAME.png`` (or any image extension) beside ``photo.jpg`` is its conditioning image
+``NAME`` (edges, depth, a pose, a subject mask), travelling as ``key.NAME.png``, grey or colour as it
+is: the rules of masks apply, with their own reasons (``control_mismatch``, ``bad_control``,
+``ambiguous_control``, the file named; ``orphan_controls`` in the summary). An image without one is
+imported without it (``encode_latents.py --control`` skips it as ``no_control``); the stats count the
+samples carrying each name under ``controls``. Without ``--control NAME`` a ``photo_NAME.png`` is an
+image like any other.
 
 Images are sorted by relative path and cut into shards of ``--shard_size``, so a re-run skips
 finished shards and is a no-op once all are done. The key is the relative path without its
@@ -67,8 +76,7 @@ MAX_KEY_BYTES = 80  # USTAR member names hold 100 bytes; keys carry no folder, p
 METADATA_ONLY = ("exclude_tags", "drop_tags", "tag_map", "rename", "min_score", "tag_bonus", "score_tags",
                  "shuffle_tags")
 TEMPLATE_ONLY = ("template", "template_map")
-MASK_SUFFIX = "_mask"  # photo_mask.png: the loss mask of photo.jpg
-MASK_SKIPS = (*sd.data.shards.MASK_SKIPS, "ambiguous_mask")  # skips counted under the mask's name
+MASK = sd.data.shards.MASK_NAME  # photo_mask.png: the loss mask of photo.jpg; photo_NAME.png: --control NAME
 
 log = logging.getLogger(STAGE)
 
@@ -150,6 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"template: caption with {{folder}} = parent folder name (default: {DEFAULT_TEMPLATE!r})")
     add("--template_map", default=None, metavar="FILE.json",
         help='template: JSON {"folder": "name"} used for {folder}; unmapped folders keep their name (default: none)')
+    add("--control", action="append", default=[], metavar="NAME",
+        help="import photo_NAME.<ext> beside photo.jpg as its conditioning image key.NAME.png (ControlNet: "
+             "encode_latents.py --control NAME), cut and scaled as its image; NAME is lower-case letters, digits "
+             "and _; repeatable, or NAME,NAME (default: none)")
     return parser
 
 
@@ -165,6 +177,11 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, CaptionRules]:
 
 
 def check_values(args) -> None:
+    args.control = sorted({name.strip() for value in args.control for name in value.split(",") if name.strip()})
+    for name in args.control:
+        if not sd.data.shards.is_control_name(name):
+            raise ValueError(f"--control {name!r}: a conditioning image's name is lower-case letters, digits and _, "
+                             f"not {MASK!r} (photo_mask.png is the loss mask, always imported)")
     if args.resolution % 8:
         raise ValueError(f"--resolution must be a positive multiple of 8, got {args.resolution}")
     for name in ("shard_size", "max_pixels"):
@@ -246,35 +263,57 @@ def list_images(src: Path) -> list[str]:
     return list_files(src)[0]
 
 
-def list_files(src: Path) -> tuple[list[str], list[str]]:
-    """``(images, masks)``: relative POSIX paths under ``src``, sorted; a mask is an image file whose
-    name ends in ``_mask`` (``photo_mask.png``) and is never an image itself.
+def companion_name(file_name: str, names: tuple[str, ...]) -> str | None:
+    """The name of ``names`` whose ``_NAME`` ends the file's stem (the longest, if several do), or None."""
+    stem = file_name.rsplit(".", 1)[0]
+    found = [name for name in names if stem.endswith(f"_{name}")]
+    return max(found, key=len) if found else None
+
+
+def list_files(src: Path, names: tuple[str, ...] = (MASK,)) -> tuple[list[str], dict[str, list[str]]]:
+    """``(images, {name: companion files})``: relative POSIX paths under ``src``, sorted; a companion is an
+    image file whose name ends in ``_NAME`` (``photo_mask.png``, ``photo_canny.png``) for one of ``names``,
+    and is never an image itself.
 
     Hidden entries are skipped: macOS ``._photo.jpg`` resource forks and ``.ipynb_checkpoints``
     copies look like images but are not part of the dataset.
     """
-    images, masks = [], []
+    images, companions = [], {name: [] for name in names}
     for folder, subfolders, files in os.walk(src):
         subfolders[:] = [name for name in subfolders if not name.startswith(".")]
         relative = Path(folder).relative_to(src)
         for name in files:
             if not name.startswith(".") and sd.data.stages.image_extension(name):
-                is_mask = name.rsplit(".", 1)[0].endswith(MASK_SUFFIX)
-                (masks if is_mask else images).append((relative / name).as_posix())
-    return sorted(images), sorted(masks)
+                rel = (relative / name).as_posix()
+                owner = companion_name(name, names)
+                (images if owner is None else companions[owner]).append(rel)
+    return sorted(images), {name: sorted(files) for name, files in companions.items()}
 
 
-def match_masks(images: list[str], masks: list[str]) -> tuple[dict[str, list[str]], list[str]]:
-    """``({image: [its masks]}, masks without an image)``: ``dir/photo_mask.*`` belongs to ``dir/photo.*``."""
+def match_files(images: list[str], files: list[str], name: str = MASK) -> tuple[dict[str, list[str]], list[str]]:
+    """``({image: [its companions]}, companions without an image)``: ``dir/photo_NAME.*`` belongs to
+    ``dir/photo.*`` (``name``: ``mask``, or a conditioning image's)."""
     by_stem: dict[str, list[str]] = {}
-    for mask in masks:
-        by_stem.setdefault(mask.rsplit(".", 1)[0][: -len(MASK_SUFFIX)], []).append(mask)
+    for file in files:
+        by_stem.setdefault(file.rsplit(".", 1)[0][: -len(name) - 1], []).append(file)
     found = {}
     for image in images:
         if (stem := image.rsplit(".", 1)[0]) in by_stem:
             found[image] = by_stem[stem]
-    matched = {mask for image_masks in found.values() for mask in image_masks}
-    return found, [mask for mask in masks if mask not in matched]
+    matched = {file for image_files in found.values() for file in image_files}
+    return found, [file for file in files if file not in matched]
+
+
+def match_companions(images: list[str], files: dict[str, list[str]]) -> tuple[dict[str, dict[str, list[str]]],
+                                                                              dict[str, list[str]]]:
+    """``({image: {name: its files}}, {name: files without an image})`` over every companion name."""
+    found: dict[str, dict[str, list[str]]] = {}
+    orphans = {}
+    for name, companions in files.items():
+        matched, orphans[name] = match_files(images, companions, name)
+        for image, rels in matched.items():
+            found.setdefault(image, {})[name] = rels
+    return found, orphans
 
 
 def path_hash(rel: str) -> str:
@@ -405,26 +444,35 @@ def caption_for(src: Path, rel: str, key: str, rules: CaptionRules) -> tuple[str
 # ---------------------------------------------------------------------------------------------
 
 
+# The skip reasons that name a companion file (the loss mask, a conditioning image), not its image.
+COMPANION_SKIPS = (*sd.data.shards.MASK_SKIPS, "ambiguous_mask", "bad_control", "control_mismatch", "ambiguous_control")
+
+
 def import_shard(src: Path, out: Path, index: int, items: list[tuple[str, str]], rules: CaptionRules,
-                 args, fingerprints: dict, bar, masks: dict[str, list[str]] | None = None) -> dict:
-    """Shard ``index`` of ``items`` (relative path, key); ``masks``: each image's mask files."""
+                 args, fingerprints: dict, bar, companions: dict[str, dict[str, list[str]]] | None = None) -> dict:
+    """Shard ``index`` of ``items`` (relative path, key); ``companions``: each image's mask and
+    conditioning-image files by name."""
     stats, samples = sd.data.stages.ShardStats(), []
-    masks = masks or {}
+    companions = companions or {}
     for rel, key in items:
-        mask_rels = masks.get(rel, [])
+        files = companions.get(rel, {})
         try:
             caption, meta = caption_for(src, rel, key, rules)
             data = sd.files.read_file_bounded(src / rel, sd.data.stages.MAX_MEMBER_BYTES)
-            mask = read_mask(src, mask_rels)
+            payloads = read_companions(src, files)
+            mask = payloads.pop(MASK, None)
             if mask is not None:
-                meta = {**meta, "mask_source": mask_rels[0]}
+                meta = {**meta, "mask_source": files[MASK][0]}
+            if payloads:
+                meta = {**meta, "control_sources": {name: files[name][0] for name in payloads}}
             samples.append(sd.data.stages.image_sample(key, data, sd.data.stages.image_extension(rel), caption,
                                                     args.resolution, {"source": rel, **meta}, args.max_pixels,
-                                                    args.keep_aspect, mask))
+                                                    args.keep_aspect, mask, payloads))
         except sd.data.shards.ImageSkip as skip:
-            if skip.reason in MASK_SKIPS:  # the mask is at fault: it is the file named
-                log.warning("%s: %s (its image %s is skipped)", " and ".join(mask_rels), skip, rel)
-                stats.skip(skip.reason, " and ".join(mask_rels))
+            if skip.reason in COMPANION_SKIPS:  # the companion is at fault: it is the file named
+                named = " and ".join(files.get(skip.member or MASK, []))
+                log.warning("%s: %s (its image %s is skipped)", named, skip, rel)
+                stats.skip(skip.reason, named)
             else:
                 stats.skip(skip.reason, rel)
         except sd.files.TooLarge as error:  # no image file is this big: refused before it is read whole
@@ -435,43 +483,58 @@ def import_shard(src: Path, out: Path, index: int, items: list[tuple[str, str]],
             stats.skip("unreadable", rel)
         bar.update(1)
     masked = sum(sample.mask is not None for sample in samples)
-    return sd.data.stages.write_shard(out, index, samples, stats, masked=masked, **fingerprints)
+    counts = {name: sum(name in sample.controls for sample in samples) for name in args.control}
+    return sd.data.stages.write_shard(out, index, samples, stats, masked=masked,
+                                      **({"controls": counts} if counts else {}), **fingerprints)
 
 
-def read_mask(src: Path, mask_rels: list[str]) -> bytes | None:
-    """The file of an image's one mask, None without one; two masks for one image raise
-    ``ImageSkip("ambiguous_mask")``, an unreadable one ``ImageSkip("bad_mask")``."""
-    if not mask_rels:
-        return None
-    if len(mask_rels) > 1:
-        raise sd.data.shards.ImageSkip("ambiguous_mask", "two masks for one image: keep one")
-    try:
-        return sd.files.read_file_bounded(src / mask_rels[0], sd.data.stages.MAX_MEMBER_BYTES)
-    except (OSError, sd.files.TooLarge) as error:
-        raise sd.data.shards.ImageSkip("bad_mask", str(error)) from None
+def read_companions(src: Path, files: dict[str, list[str]]) -> dict[str, bytes]:
+    """The files of an image's companions by name (its one mask, its conditioning images); two files of
+    one name raise ``ImageSkip("ambiguous_mask")`` (``ambiguous_control``), an unreadable one
+    ``ImageSkip("bad_mask")`` (``bad_control``), with ``member`` the name."""
+    payloads = {}
+    for name, rels in files.items():
+        what = "mask" if name == MASK else "control"
+        try:
+            if len(rels) > 1:
+                raise sd.data.shards.ImageSkip(f"ambiguous_{what}", f"two {name} files for one image: keep one")
+            try:
+                payloads[name] = sd.files.read_file_bounded(src / rels[0], sd.data.stages.MAX_MEMBER_BYTES)
+            except (OSError, sd.files.TooLarge) as error:
+                raise sd.data.shards.ImageSkip(f"bad_{what}", str(error)) from None
+        except sd.data.shards.ImageSkip as skip:
+            skip.member = name
+            raise
+    return payloads
 
 
 def shard_fingerprints(items: list[tuple[str, str]], rules: CaptionRules, args,
-                       masks: dict[str, list[str]] | None = None) -> dict:
+                       companions: dict[str, dict[str, list[str]]] | None = None) -> dict:
     sources = hashlib.sha1(b"\n".join(os.fsencode(rel) for rel, _ in items)).hexdigest()
     # keep_aspect enters only when set, so shards written before the flag existed still match; so do
-    # the masks, only for a shard with at least one.
+    # the masks and the conditioning images, only for a shard with at least one.
     shape = {"keep_aspect": args.keep_aspect} if args.keep_aspect else {}
     fingerprints = {"sources_sha1": sources,
                     "options_sha1": rules.fingerprint(resolution=args.resolution, max_pixels=args.max_pixels, **shape)}
-    pairs = [os.fsencode(f"{rel}\t{mask}") for rel, _ in items for mask in (masks or {}).get(rel, [])]
-    if pairs:
-        fingerprints["masks_sha1"] = hashlib.sha1(b"\n".join(pairs)).hexdigest()
+    companions = companions or {}
+    for field, picked in (("masks_sha1", lambda name: name == MASK), ("controls_sha1", lambda name: name != MASK)):
+        pairs = [os.fsencode(f"{rel}\t{file}" if field == "masks_sha1" else f"{rel}\t{name}\t{file}")
+                 for rel, _ in items for name, files in sorted(companions.get(rel, {}).items()) if picked(name)
+                 for file in files]
+        if pairs:
+            fingerprints[field] = hashlib.sha1(b"\n".join(pairs)).hexdigest()
     return fingerprints
 
 
 FINGERPRINT_CHANGES = {"sources_sha1": "images under --input", "masks_sha1": "masks under --input",
+                       "controls_sha1": "conditioning images under --input (or --control)",
                        "options_sha1": "options"}
 
 
 def check_done_shards(out: Path, plan: list[list[tuple[str, str]]], rules: CaptionRules, args,
-                      masks: dict[str, list[str]] | None = None) -> str | None:
-    """Why finished shards in ``out`` do not match this run (changed folder, masks or options), or None.
+                      companions: dict[str, dict[str, list[str]]] | None = None) -> str | None:
+    """Why finished shards in ``out`` do not match this run (changed folder, masks, conditioning images or
+    options), or None.
 
     Skipping them anyway would mix two imports in one dataset, or miss and duplicate images.
     """
@@ -480,11 +543,18 @@ def check_done_shards(out: Path, plan: list[list[tuple[str, str]]], rules: Capti
         if index >= len(plan):
             return f"{stats_path} is beyond the {len(plan)} shards this folder makes now"
         record = json.loads(stats_path.read_text())
-        expected = shard_fingerprints(plan[index], rules, args, masks)
+        expected = shard_fingerprints(plan[index], rules, args, companions)
         for name, changed in FINGERPRINT_CHANGES.items():
             if record.get(name) != expected.get(name):
                 return f"shard {index:05d} in {out} was written from different {changed}"
     return None
+
+
+def warn_orphans(orphans: dict[str, list[str]]) -> None:
+    for name, files in orphans.items():
+        if files:
+            log.warning("%d %s files have no image beside them (photo_%s.png needs photo.jpg or another image "
+                        "extension), not imported: %s", len(files), name, name, ", ".join(files[:10]))
 
 
 def main(argv=None) -> int:
@@ -492,35 +562,37 @@ def main(argv=None) -> int:
     args, rules = parse_args(argv)
     sd.data.stages.setup_logging()
     src, out = Path(args.input), Path(args.out)
-    rels, mask_files = list_files(src)
+    rels, companion_files = list_files(src, (MASK, *args.control))
     if not rels:  # most likely a wrong --input; an empty dataset is never what was meant
         print(f"01e_import_folder.py: no images ({', '.join(sd.data.shards.IMAGE_EXTENSIONS)}) under {src}", file=sys.stderr)
         return 2
-    masks, orphans = match_masks(rels, mask_files)
-    if orphans:
-        log.warning("%d masks have no image beside them (photo_mask.png needs photo.jpg or another image "
-                    "extension), not imported: %s", len(orphans), ", ".join(orphans[:10]))
+    companions, orphans = match_companions(rels, companion_files)
+    warn_orphans(orphans)
     items = list(zip(rels, make_keys(rels)))
     plan = [items[i : i + args.shard_size] for i in range(0, len(items), args.shard_size)]
     out.mkdir(parents=True, exist_ok=True)
-    problem = check_done_shards(out, plan, rules, args, masks)
+    problem = check_done_shards(out, plan, rules, args, companions)
     if problem:
         print(f"01e_import_folder.py: {problem}; use a fresh --out", file=sys.stderr)
         return 2
-    log.info("%d images (%d with a mask) under %s -> %d shards of up to %d", len(items), len(masks), src,
+    masks = sum(MASK in files for files in companions.values())
+    log.info("%d images (%d with a mask%s) under %s -> %d shards of up to %d", len(items), masks,
+             "".join(f", {sum(n in f for f in companions.values())} with {n}" for n in args.control), src,
              len(plan), args.shard_size)
     summary = sd.data.stages.Summary(STAGE)
     todo = summary.pending(out, list(range(len(plan))))
     with tqdm(total=sum(len(plan[i]) for i in todo), unit="img", desc=STAGE) as bar:
         for index in todo:
             record = import_shard(src, out, index, plan[index], rules, args,
-                                  shard_fingerprints(plan[index], rules, args, masks), bar, masks)
+                                  shard_fingerprints(plan[index], rules, args, companions), bar, companions)
             summary.add(record)
-    masked = sum(json.loads(sd.data.stages.output_paths(out, i)[1].read_text()).get("masked", 0)
-                 for i in range(len(plan)))
+    records = [json.loads(sd.data.stages.output_paths(out, i)[1].read_text()) for i in range(len(plan))]
+    examples = lambda files: {"count": len(files), "examples": files[:sd.data.stages.MAX_EXAMPLES]}  # noqa: E731
+    extra = {"controls": {name: sum(r.get("controls", {}).get(name, 0) for r in records) for name in args.control},
+             "orphan_controls": {name: examples(orphans[name]) for name in args.control}} if args.control else {}
     summary.finish(out, layout=args.layout, source=str(src.resolve()), images=len(items),
-                   resolution=args.resolution, keep_aspect=args.keep_aspect, masked=masked,
-                   orphan_masks={"count": len(orphans), "examples": orphans[:sd.data.stages.MAX_EXAMPLES]})
+                   resolution=args.resolution, keep_aspect=args.keep_aspect,
+                   masked=sum(r.get("masked", 0) for r in records), orphan_masks=examples(orphans[MASK]), **extra)
     return 0
 
 

@@ -13,7 +13,8 @@ centred (``fit_to_bucket``: the crop's offset and the original size are returned
 
 At training time a bucket with fewer samples than one global batch cannot fill a batch of its own;
 ``merge_small`` folds it into the nearest bucket by aspect ratio, and ``fit_latents`` brings its
-latents to that bucket's shape (a centred crop to the aspect ratio, then a bilinear resize).
+latents to that bucket's shape (a centred crop to the aspect ratio, then a bilinear resize);
+``fit_images`` brings their conditioning images along, the same crop at pixel scale.
 """
 
 from __future__ import annotations
@@ -101,17 +102,46 @@ def fit_latents(latents: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     aspect ratio, resized bilinearly (antialiased when shrinking). For samples of a merged bucket only:
     the bucket they were encoded for had too few samples to fill a batch."""
     import torch
-    import torch.nn.functional as F
 
     _, _, h, w = latents.shape
     _, target_h, target_w = shape
+    top, left, keep_h, keep_w = latent_crop(h, w, target_h, target_w)
+    region = latents[:, :, top : top + keep_h, left : left + keep_w]
+    return _resized(region, target_h, target_w).to(torch.float16).numpy()
+
+
+def fit_images(images: np.ndarray, shape: tuple[int, ...], factor: int = 8) -> np.ndarray:
+    """Pixel images ``(B, C, factor * h, factor * w)`` uint8 (conditioning images) of latents ``(., h, w)``
+    brought to the latent ``shape`` ``(., H, W)`` as ``fit_latents`` brings those latents: the same region,
+    its bounds ``factor`` times theirs, resized bilinearly to ``(factor * H, factor * W)`` and rounded, so
+    each pixel stays under the latent it was encoded with."""
+    import torch
+
+    _, _, height, width = images.shape
+    top, left, keep_h, keep_w = latent_crop(height // factor, width // factor, shape[-2], shape[-1])
+    region = images[:, :, factor * top : factor * (top + keep_h), factor * left : factor * (left + keep_w)]
+    resized = _resized(region, factor * shape[-2], factor * shape[-1])
+    return resized.round().clamp(0, 255).to(torch.uint8).numpy()
+
+
+def latent_crop(h: int, w: int, target_h: int, target_w: int) -> tuple[int, int, int, int]:
+    """``(top, left, height, width)`` of the centred region of an ``h`` x ``w`` latent with the aspect ratio
+    of ``target_h`` x ``target_w``."""
     scale = max(target_w / w, target_h / h)
     keep_w, keep_h = min(w, max(1, round(target_w / scale))), min(h, max(1, round(target_h / scale)))
-    top, left = (h - keep_h) // 2, (w - keep_w) // 2
-    region = torch.from_numpy(np.ascontiguousarray(latents[:, :, top : top + keep_h, left : left + keep_w]))
-    resized = F.interpolate(region.float(), size=(target_h, target_w), mode="bilinear", align_corners=False,
-                            antialias=keep_h > target_h or keep_w > target_w)
-    return resized.to(torch.float16).numpy()
+    return (h - keep_h) // 2, (w - keep_w) // 2, keep_h, keep_w
+
+
+def _resized(region: np.ndarray, target_h: int, target_w: int):
+    """``region`` ``(B, C, h, w)`` as a float32 tensor of ``(B, C, target_h, target_w)``, bilinear
+    (antialiased when shrinking)."""
+    import torch
+    import torch.nn.functional as F
+
+    tensor = torch.from_numpy(np.ascontiguousarray(region)).float()
+    keep_h, keep_w = region.shape[-2:]
+    return F.interpolate(tensor, size=(target_h, target_w), mode="bilinear", align_corners=False,
+                         antialias=keep_h > target_h or keep_w > target_w)
 
 
 def aspect(shape: tuple[int, ...]) -> float:

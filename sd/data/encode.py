@@ -216,8 +216,10 @@ def read_report(path: Path) -> dict:
 
 def folder_totals(out: Path) -> tuple[dict, set[str]]:
     """Totals over every shard report in the folder (so resumed runs and other ranks add up), and the
-    stems of the shards that are through: done (their keys file exists) or failed."""
+    stems of the shards that are through: done (their keys file exists) or failed. ``skipped_examples``
+    names the first keys skipped for each reason (every shard's report names them all)."""
     encoded, masked, skipped, shards, failed, through = 0, 0, Counter(), 0, {}, set()
+    examples: dict[str, list[str]] = {}
     for report_path in sorted(out.glob("*.report.json")):
         stem = report_path.name[: -len(".report.json")]
         done = (out / f"{stem}.keys.txt").exists()
@@ -226,6 +228,9 @@ def folder_totals(out: Path) -> tuple[dict, set[str]]:
             continue  # a shard under way (or left by a killed run): counted once it is done
         through.add(stem)
         skipped.update({reason: len(keys) for reason, keys in report["skipped"].items()})
+        for reason, keys in report["skipped"].items():
+            named = examples.setdefault(reason, [])
+            named.extend(keys[: sd.data.stages.MAX_EXAMPLES - len(named)])
         if done:
             shards += 1
             encoded += report["encoded"]
@@ -233,7 +238,7 @@ def folder_totals(out: Path) -> tuple[dict, set[str]]:
         else:
             failed.setdefault(report["failed"], []).append(Path(report["shard"]).name)
     totals = {"shards": shards, "count": encoded, "masked": masked, "skipped": dict(sorted(skipped.items())),
-              "failed_shards": dict(sorted(failed.items()))}
+              "skipped_examples": dict(sorted(examples.items())), "failed_shards": dict(sorted(failed.items()))}
     return totals, through
 
 
@@ -843,7 +848,9 @@ def encode_folder(paths: list[Path], out: Path, args, meta: dict, encoder: Encod
         return 1
     if summary is None:
         return 0
-    skipped = ", ".join(f"{reason} {n}" for reason, n in summary["skipped"].items()) or "none"
+    examples = summary.get("skipped_examples", {})
+    skipped = ", ".join(f"{reason} {n} (e.g. {', '.join(examples.get(reason, [])[:3])})"
+                        for reason, n in summary["skipped"].items()) or "none"
     log.info("done: %d latents in %d shards in %s; skipped: %s", summary["count"], summary["shards"], out, skipped)
     for reason, names in summary["failed_shards"].items():
         log.warning("%d shards gave no latent (%s): %s", len(names), reason, ", ".join(names[:20]))

@@ -152,6 +152,7 @@ def read_shard(data: bytes) -> tuple[list[ShardSample], str | None]:
         return [], f"<after 0 samples: {error}>"
 
 
+MASK_NAME = "mask"  # the companion name of a sample's loss mask; every other name is a conditioning image's
 MASK_EXTENSION = "mask.png"  # the member a sample's loss mask is written as: <key>.mask.png
 
 
@@ -278,6 +279,7 @@ class ImageSkip(Exception):
     def __init__(self, reason: str, detail: str = ""):
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason = reason
+        self.member: str | None = None  # the companion at fault (``mask``, a conditioning image's name), if any
 
 
 def image_size(data: bytes) -> tuple[int, int]:
@@ -447,14 +449,23 @@ def encode_png(pixels: np.ndarray) -> bytes:
 def decode_png(data, flipped: bool = False) -> np.ndarray:
     """``encode_png``'s bytes back as ``(3, H, W)`` uint8 RGB (grey repeated), mirrored left-right when
     ``flipped``."""
+    pixels = png_pixels(data)
+    pixels = pixels[:, ::-1] if flipped else pixels
+    return np.ascontiguousarray(np.broadcast_to(pixels, (3, *pixels.shape)) if pixels.ndim == 2
+                                else pixels.transpose(2, 0, 1))
+
+
+def png_pixels(data) -> np.ndarray:
+    """``encode_png``'s bytes back as they were: ``(H, W)`` grey or ``(H, W, 3)`` RGB uint8; ValueError for
+    bytes that are not such an image."""
     import cv2
 
     pixels = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_UNCHANGED)
     if pixels is None:
         raise ValueError("not a PNG file")
-    pixels = np.repeat(pixels[None], 3, axis=0) if pixels.ndim == 2 else cv2.cvtColor(pixels, cv2.COLOR_BGR2RGB)\
-        .transpose(2, 0, 1)
-    return np.ascontiguousarray(pixels[:, :, ::-1]) if flipped else pixels
+    if pixels.dtype != np.uint8 or pixels.ndim not in (2, 3) or (pixels.ndim == 3 and pixels.shape[2] != 3):
+        raise ValueError(f"a {pixels.dtype} image of shape {pixels.shape}, not 8-bit grey or RGB")
+    return pixels if pixels.ndim == 2 else cv2.cvtColor(pixels, cv2.COLOR_BGR2RGB)
 
 
 def encode_mask(mask: np.ndarray) -> bytes:

@@ -246,20 +246,28 @@ def encode_jpeg(rgb: np.ndarray, quality: int = 95) -> bytes:
 
 def image_sample(key: str, data: bytes, ext: str, caption: str, resolution: int, metadata: dict | None = None,
                  max_pixels: int = sd.data.shards.DEFAULT_MAX_PIXELS, keep_aspect: str | None = None,
-                 mask: bytes | None = None) -> sd.data.shards.ShardSample:
+                 mask: bytes | None = None, controls: dict | None = None) -> sd.data.shards.ShardSample:
     """Decode, resize, re-encode as JPEG. Without ``keep_aspect``: the short side scaled to
     ``resolution`` and the centre square cut out; with ``keep_aspect`` "short" or "long": the whole
     image with that side scaled to ``resolution`` (``sd.data.shards.resize_keep_aspect``).
 
     ``mask``: the image file of the sample's loss mask (``sd.data.shards.decode_mask``), resized and
-    cropped as the image is and written as ``<key>.mask.png``.
+    cropped as the image is and written as ``<key>.mask.png``. ``controls``: its conditioning images
+    by name, each an image file (``sd.data.shards.decode_control``) or a function ``(width, height) ->
+    pixels`` given the decoded image's size that draws one (a COCO subject mask), of that size or
+    another of its aspect ratio; each is resized and cropped as the image is and written as
+    ``<key>.<name>.png``.
 
-    Raises ``sd.data.shards.ImageSkip`` (with a reason) for an unusable image or mask. The metadata
-    records the original size and the written one.
+    Raises ``sd.data.shards.ImageSkip`` (with a reason) for an unusable image, mask or conditioning
+    image; for the last two its ``member`` names which. The metadata records the original size and
+    the written one.
     """
     rgb = sd.data.shards.decode_image(data, ext.lower().lstrip("."), max_pixels)
     height, width = rgb.shape[:2]
-    grey = None if mask is None else sd.data.shards.decode_mask(mask, (width, height), max_pixels)
+    grey = None if mask is None else companion(sd.data.shards.MASK_NAME, sd.data.shards.decode_mask, mask,
+                                               (width, height), max_pixels)
+    drawn = {name: companion(name, sd.data.shards.decode_control, source, (width, height), max_pixels)
+             for name, source in (controls or {}).items()}
 
     def resize(pixels):
         if keep_aspect:
@@ -270,20 +278,38 @@ def image_sample(key: str, data: bytes, ext: str, caption: str, resolution: int,
     meta = {"key": key, "caption": caption, "original_width": width, "original_height": height,
             "width": resized.shape[1], "height": resized.shape[0], **(metadata or {})}
     return sd.data.shards.ShardSample(key, encode_jpeg(resized), "jpg", caption, json.dumps(meta).encode("utf-8"),
-                                      mask=None if grey is None else sd.data.shards.encode_mask(resize(grey)))
+                                      mask=None if grey is None else sd.data.shards.encode_mask(resize(grey)),
+                                      controls={name: sd.data.shards.encode_png(resize(pixels))
+                                                for name, pixels in drawn.items()})
+
+
+def companion(name: str, decode, source, size: tuple[int, int], max_pixels: int) -> np.ndarray:
+    """An image's loss mask or conditioning image ``name`` at the image's ``size`` ``(width, height)``:
+    ``decode(source, size, max_pixels)`` for a file's bytes, ``source(width, height)`` (scaled to ``size``
+    when drawn at another of its aspect ratio) for a function that draws it. A failure is an ``ImageSkip``
+    with ``member`` set to ``name``."""
+    try:
+        if callable(source):
+            return sd.data.shards.scaled_to_image(source(*size), size, "control_mismatch", "conditioning image")
+        return decode(source, size, max_pixels)
+    except sd.data.shards.ImageSkip as skip:
+        skip.member = name
+        raise
 
 
 def _to_sample(item: tuple, resolution: int, max_pixels: int):
-    key, data, ext, caption, metadata = item
+    key, data, ext, caption, metadata, *controls = item
     try:
-        return key, image_sample(key, data, ext, caption, resolution, metadata, max_pixels)
+        return key, image_sample(key, data, ext, caption, resolution, metadata, max_pixels,
+                                 controls=controls[0] if controls else None)
     except sd.data.shards.ImageSkip as skip:
         return key, skip
 
 
 def convert_images(items, stats: ShardStats, pool, resolution: int, max_pixels: int = sd.data.shards.DEFAULT_MAX_PIXELS,
                    read_ahead: int = 32) -> list[sd.data.shards.ShardSample]:
-    """``image_sample`` over ``(key, data, ext, caption, metadata)`` items on a thread pool, in order.
+    """``image_sample`` over ``(key, data, ext, caption, metadata)`` items on a thread pool, in order (an item
+    may end with its conditioning images, ``image_sample``'s ``controls``).
 
     At most ``read_ahead`` raw images are held at once (a whole archive would not fit in memory);
     unusable images are counted in ``stats``.

@@ -232,22 +232,29 @@ class LatentStore:
 
     def gather_controls(self, rows: np.ndarray, flipped: np.ndarray | None = None) -> np.ndarray:
         """Conditioning images of the given rows, ``(B, 3, H, W)`` uint8 RGB, in order, mirrored where the
-        boolean ``flipped`` is True (the conditioning image of the mirrored image)."""
+        boolean ``flipped`` is True (the conditioning image of the mirrored image).
+
+        Each PNG is decoded into its place in the batch, a grey one broadcast to three channels and a
+        mirrored one read backwards: one copy of each image's pixels (about 1.7 ms a 512 x 512 edge map
+        here, nearly all of it the PNG decoding)."""
         import sd.data.shards
 
-        images = []
+        images = None
         for i, (shard, row) in enumerate(self.locations[rows]):
             data, offsets = self.controls[shard]
             try:
-                images.append(sd.data.shards.decode_png(data[offsets[row] : offsets[row + 1]],
-                                                        flipped is not None and bool(flipped[i])))
+                pixels = sd.data.shards.png_pixels(data[offsets[row] : offsets[row + 1]])
             except ValueError as error:
                 raise DataError(f"{self.paths[shard].name}: the conditioning image {self.control!r} of row {row} does "
                                 f"not decode ({error}); re-encode the shard") from None
-        shapes = {image.shape for image in images}
-        if len(shapes) > 1:
-            raise DataError(f"{self.folder}: one batch asked for conditioning images of several sizes {sorted(shapes)}")
-        return np.stack(images)
+            if images is None:
+                images = np.empty((len(rows), 3, *pixels.shape[:2]), dtype=np.uint8)
+            elif pixels.shape[:2] != images.shape[2:]:
+                raise DataError(f"{self.folder}: one batch asked for conditioning images of several sizes "
+                                f"{sorted({images.shape[2:], pixels.shape[:2]})}")
+            pixels = pixels[:, ::-1] if flipped is not None and flipped[i] else pixels
+            images[i] = pixels if pixels.ndim == 2 else pixels.transpose(2, 0, 1)
+        return images
 
     @property
     def has_masks(self) -> bool:
@@ -666,7 +673,8 @@ class MixedData:
 
     def controls(self, indices: np.ndarray, flipped: np.ndarray | None = None) -> torch.Tensor:
         """Conditioning images ``(B, 3, 8h, 8w)`` uint8 of global indices, in order, as ``batch`` lays out their
-        latents: mirrored where ``flipped``, brought to a merged bucket's size."""
+        latents: mirrored where ``flipped``, brought to a merged bucket's size by the crop and scaling of
+        its latents (``sd.data.buckets.fit_images``)."""
         shape = self.shape_of(indices)
         size = (3, 8 * shape[1], 8 * shape[2])
         which = np.searchsorted(self.offsets, indices, side="right") - 1
@@ -678,10 +686,7 @@ class MixedData:
                 chosen = (which == d) & (stored == b)
                 rows = self.splits[d].rows[indices[chosen] - self.offsets[d]]
                 part = store.gather_controls(rows, None if flipped is None else flipped[chosen])
-                if part.shape[1:] != size:
-                    part = np.clip(sd.data.buckets.fit_latents(part.astype(np.float32), size).astype(np.float32)
-                                   .round(), 0, 255).astype(np.uint8)
-                images[chosen] = part
+                images[chosen] = part if part.shape[1:] == size else sd.data.buckets.fit_images(part, shape)
         return torch.from_numpy(images)
 
     def masks(self, indices: np.ndarray, flipped: np.ndarray | None = None) -> torch.Tensor:

@@ -91,7 +91,8 @@ def mtimes(out_dir) -> dict[str, int]:
     (DIFFUSIONDB, ["--parts", "--out", "--base_url", "--resolution", "--download_dir", "--keep_archives"]),
     (JOURNEYDB, ["--archives", "--annotations", "--out", "--base_url", "--caption", "--resolution",
                  "--download_dir", "--keep_archives"]),
-    (COCO, ["--images", "--captions", "--out", "--instances", "--person_filter", "--min_person_height",
+    (COCO, ["--images", "--captions", "--out", "--instances", "--person_filter", "--min_person_height", "--seg",
+            "--seg_category",
             "--shard_size", "--resolution", "--download_dir", "--keep_archives"]),
 ])
 def test_help_lists_every_flag(module, flags, capsys):
@@ -370,3 +371,103 @@ def test_coco_person_filter_needs_instances(tmp_path, capsys):
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and "error: --person_filter needs --instances" in error
     assert not (tmp_path / "o").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# 01d COCO --seg: subject masks from polygons and run-length encodings
+# ---------------------------------------------------------------------------------------------
+
+
+def test_compressed_rle_strings_decode_to_their_hand_computed_counts():
+    # Worked by hand from pycocotools' rleToString: 2, 3 and 1 are one group each ("2", "3", "1"); the
+    # fourth count is stored as 6 - 3 = 3. 40 is 8 | 1 << 5: "X" (48 + 8 + 0x20, more to come), then "1";
+    # the fourth, 5 - 40 = -35, is 29 | -2 << 5: "m" (48 + 29 + 0x20), then "N" (48 + 30, sign bit set).
+    assert COCO.rle_string_counts("2313") == [2, 3, 1, 6]
+    assert COCO.rle_string_counts("0X1:mN") == [0, 40, 10, 5]
+    with pytest.raises(COCO.BadSegmentation, match="ends inside a count"):
+        COCO.rle_string_counts("X")
+
+
+def test_rle_runs_fill_the_columns_first():
+    # 3 rows x 4 columns, column-major runs: 2 zeros, 3 ones, 1 zero, 6 ones. Column 0 is 0, 0, 1; column
+    # 1 is 1, 1, 0; columns 2 and 3 are ones.
+    expected = np.array([[0, 1, 1, 1],
+                         [0, 1, 1, 1],
+                         [1, 0, 1, 1]], dtype=np.uint8)
+    assert np.array_equal(COCO.rle_mask([2, 3, 1, 6], 3, 4), expected)
+    with pytest.raises(COCO.BadSegmentation, match="cover 11 pixels, not 3x4"):
+        COCO.rle_mask([2, 3, 1, 5], 3, 4)
+
+
+def rle_counts(mask: np.ndarray) -> list[int]:
+    """COCO's runs of a 0/1 mask: column-major, alternating from a run of zeros (possibly empty)."""
+    flat = mask.T.reshape(-1)
+    changes = np.flatnonzero(np.diff(flat)) + 1
+    runs = np.diff(np.concatenate([[0], changes, [len(flat)]])).tolist()
+    return ([0] if flat[0] else []) + runs
+
+
+def rle_string(counts: list[int]) -> str:
+    """pycocotools' rleToString, written out for the test."""
+    text = []
+    for i, count in enumerate(counts):
+        value = count - counts[i - 2] if i > 2 else count
+        more = True
+        while more:
+            group = value & 0x1F
+            value >>= 5
+            more = value != -1 if group & 0x10 else value != 0
+            text.append(chr(48 + (group | 0x20 if more else group)))
+    return "".join(text)
+
+
+def test_coco_seg_writes_the_union_of_the_person_instances_cut_as_the_image(tmp_path):
+    import cv2
+
+    pictures, _ = coco_inputs(tmp_path)
+    folder = tmp_path / "train2017"
+    folder.mkdir()
+    for i, data in pictures.items():
+        (folder / f"{i:012d}.jpg").write_bytes(data)
+    # Image 1 (60 wide, 100 high): a person of two polygons and one as a compressed RLE; image 7 (70 x 90):
+    # one crowd region as a plain RLE; image 3: only a dog; image 2: an RLE of the wrong size.
+    triangle, square = [5, 10, 40, 12, 20, 60], [30, 70, 50, 70, 50, 95, 30, 95]
+    block = np.zeros((100, 60), dtype=np.uint8)
+    block[4:20, 44:58] = 1
+    crowd = np.zeros((90, 70), dtype=np.uint8)
+    crowd[50:90, 0:35] = 1
+    instances = json.loads((tmp_path / "instances.json").read_text())
+    person = lambda i, segmentation, crowd=0: {"image_id": i, "category_id": 1, "bbox": [0, 0, 10, 90],  # noqa: E731
+                                               "iscrowd": crowd, "segmentation": segmentation}
+    instances["annotations"] = [
+        person(1, [triangle, square]),
+        person(1, {"counts": rle_string(rle_counts(block)), "size": [100, 60]}),
+        person(7, {"counts": rle_counts(crowd), "size": [90, 70]}, crowd=1),
+        {"image_id": 3, "category_id": 18, "bbox": [0, 0, 50, 70], "iscrowd": 0, "segmentation": [[0, 0, 50, 0, 50, 70]]},
+        person(2, {"counts": [8000], "size": [80, 100]})]
+    (tmp_path / "instances.json").write_text(json.dumps(instances))
+    out = tmp_path / "seg"
+    assert COCO.main(["--images", str(folder), "--captions", str(tmp_path / "captions.json"), "--out", str(out),
+                      "--instances", str(tmp_path / "instances.json"), "--seg", "--resolution", str(RES)]) == 0
+
+    shard, _ = sd.data.shards.read_shard((out / "00000.tar").read_bytes())
+    segs = {s.key: cv2.imdecode(np.frombuffer(s.controls["seg"], np.uint8), cv2.IMREAD_UNCHANGED) for s in shard}
+    assert sorted(segs) == ["coco_1", "coco_3", "coco_7"]  # coco_2's RLE is not of its image's size
+    assert summary(out, "01d_download_coco")["dropped"]["bad_segmentation"] == 1
+    drawn = np.zeros((100, 60), dtype=np.uint8)
+    for polygon in (triangle, square):
+        cv2.fillPoly(drawn, [np.array(polygon, dtype=np.int32).reshape(-1, 2)], 255)
+    drawn[block == 1] = 255
+    assert np.array_equal(segs["coco_1"], sd.data.shards.resize_center_crop(drawn, RES))
+    assert np.array_equal(segs["coco_7"], sd.data.shards.resize_center_crop(crowd * np.uint8(255), RES))
+    assert segs["coco_3"].shape == (RES, RES) and not segs["coco_3"].any()  # a dog is not the subject
+    meta = {s.key: json.loads(s.metadata) for s in shard}
+    assert [meta[k]["seg_instances"] for k in ("coco_1", "coco_3", "coco_7")] == [3, 0, 1]
+
+
+def test_coco_seg_needs_instances(tmp_path, capsys):
+    coco_inputs(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        COCO.main(["--images", str(tmp_path), "--captions", str(tmp_path / "captions.json"),
+                   "--out", str(tmp_path / "o"), "--seg"])
+    assert exit_info.value.code == 2 and "error: --seg needs --instances" in capsys.readouterr().err
