@@ -53,6 +53,17 @@ def torchrun(config: Path, *flags, env=None, nproc=2, check=True):
     return result
 
 
+def torchrun_runs(*runs: list[str], env=None) -> None:
+    """The runs (each an SD_Train.py command line) one after another in one 2-rank torchrun launch
+    (tests/train_runs.py): one start-up, most of a tiny run's time, for all of them."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+           "tests.train_runs", json.dumps(runs)]
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, **(env or {})},
+                            timeout=900)
+    if result.returncode != 0:
+        raise AssertionError(f"torchrun failed ({result.returncode}):\n{result.stderr[-4000:]}")
+
+
 def losses(run_dir: Path) -> list[float]:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, len(records) + 1))
@@ -81,14 +92,37 @@ def data(dataset_64):
     return dataset_64
 
 
+def dataset_with_a_nan_sample(root: Path) -> dict:
+    """64 training samples, train index 5 all NaN."""
+    entry = make_dataset(root, n_train=64, n_val=0)
+    shard = Path(entry["latents"]) / "00000.npy"
+    array = np.load(shard)
+    array[5] = np.nan
+    np.save(shard, array)
+    return entry
+
+
 @pytest.fixture(scope="module")
-def run_a(tmp_path_factory, data):
+def from_scratch(tmp_path_factory, data):
+    """The 2-rank runs that start from nothing, in one launch: the uninterrupted reference ``a`` (2N
+    steps, with validation grids along the way), a run on a dataset with a NaN sample (8 steps), and the
+    interrupted run ``b``'s first part (the reference's command stopped by ``--stop_at_step 2``; its
+    resumes run in launches of their own, as re-runs of the command)."""
+    root = tmp_path_factory.mktemp("from_scratch")
+    a = write_config(root / "a.yaml", datasets=[data], max_steps=TOTAL, out_dir=str(root / "run_a"),
+                     validate_every=5)
+    nan = write_config(root / "n.yaml", datasets=[dataset_with_a_nan_sample(root / "nan_data")], max_steps=8,
+                       out_dir=str(root / "run_nan"))
+    b = write_config(root / "b.yaml", datasets=[data], max_steps=TOTAL, out_dir=str(root / "run_b"),
+                     validate_every=5, save_steps=4)  # save_steps may change freely: here it never does
+    torchrun_runs(["--config", str(a)], ["--config", str(nan)], ["--config", str(b), "--stop_at_step", "2"])
+    return {"a": (root / "run_a", a), "nan": root / "run_nan", "b": (root / "run_b", b)}
+
+
+@pytest.fixture(scope="module")
+def run_a(from_scratch):
     """The uninterrupted reference: 2N steps on 2 ranks, with validation grids along the way."""
-    root = tmp_path_factory.mktemp("run_a")
-    config = write_config(root / "a.yaml", datasets=[data], max_steps=TOTAL, out_dir=str(root / "run"),
-                          validate_every=5)
-    torchrun(config)
-    return root / "run", config
+    return from_scratch["a"]
 
 
 # ------------------------------------------------------------------------------ distributed runs
@@ -131,16 +165,14 @@ def test_lr_follows_warmup_and_cosine_over_the_true_step_count(run_a):
 
 
 @pytest.mark.slow
-def test_stop_at_step_sigkill_while_saving_and_sigterm_then_resume_is_bitwise_identical(run_a, tmp_path, data):
+def test_stop_at_step_sigkill_while_saving_and_sigterm_then_resume_is_bitwise_identical(from_scratch):
     """One run of 2 ranks interrupted three ways in turn, each resumed by the same command, ends bit for
-    bit where the uninterrupted run does: ``--stop_at_step`` mid-epoch; SIGKILL while a checkpoint is
-    written (the previous one resumes); SIGTERM to torchrun (a preemption) in the next epoch."""
-    run_dir_a, _ = run_a
-    run_dir = tmp_path / "run"
+    bit where the uninterrupted run does: ``--stop_at_step`` mid-epoch (``from_scratch``'s run b); SIGKILL
+    while a checkpoint is written (the previous one resumes); SIGTERM to torchrun (a preemption) in the
+    next epoch."""
+    run_dir_a, _ = from_scratch["a"]
+    run_dir, config = from_scratch["b"]
     checkpoints = run_dir / "checkpoints"
-    config = write_config(tmp_path / "b.yaml", datasets=[data], max_steps=TOTAL, out_dir=str(run_dir),
-                          validate_every=5, save_steps=4)  # save_steps may change freely: here it never does
-    torchrun(config, "--stop_at_step", 2)
     state = torch.load(checkpoints / ckpt.step_dir_name(2) / "train_state.pt", weights_only=True)
     assert (state["step"], state["epoch"], state["position"]) == (2, 0, 4)  # mid-epoch
     assert [p.name for p in checkpoints.iterdir()] == [ckpt.step_dir_name(2)]
@@ -173,25 +205,19 @@ def test_stop_at_step_sigkill_while_saving_and_sigterm_then_resume_is_bitwise_id
 
 
 @pytest.mark.slow
-def test_a_nan_sample_skips_its_steps_on_both_ranks(tmp_path):
-    entry = make_dataset(tmp_path / "data", n_train=64, n_val=0)
-    shard = Path(entry["latents"]) / "00000.npy"
-    array = np.load(shard)
-    array[5] = np.nan
-    np.save(shard, array)
-    config = write_config(tmp_path / "n.yaml", datasets=[entry], max_steps=8, out_dir=str(tmp_path / "run"))
-    torchrun(config)
+def test_a_nan_sample_skips_its_steps_on_both_ranks(from_scratch):
+    run_dir = from_scratch["nan"]  # train index 5 is NaN
     # Which optimizer steps hold the poisoned sample (train index 5), on either rank.
     order = sd.data.training_data.epoch_order([64], [1.0], seed=0, epoch=0)
     per_rank = [sd.data.training_data.rank_batches(order, r, 2, 2) for r in range(2)]
     expected = sorted({i // 2 + 1 for r in range(2) for i, b in enumerate(per_rank[r]) if 5 in b.tolist()})
-    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["skipped"]] == expected
     assert records[-1]["bad_steps"] == len(expected)
     # Skipped steps still count: the learning rate of every step is the schedule's for its step number.
     for record in records:
         assert record["lr"] == pytest.approx(sd.train.step.lr_at(record["step"] - 1, 1e-3, 2, 8, 0.01), rel=1e-12)
-    folder = tmp_path / "run" / "checkpoints" / ckpt.step_dir_name(8)
+    folder = run_dir / "checkpoints" / ckpt.step_dir_name(8)
     fingerprints = [torch.load(folder / f"rng_rank{r}.pt", weights_only=True)["fingerprint"] for r in range(2)]
     assert torch.equal(*fingerprints) and torch.isfinite(fingerprints[0]).all()
     assert all(torch.isfinite(t).all() for t in load_file(folder / "ema.safetensors").values())

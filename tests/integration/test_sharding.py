@@ -3,8 +3,6 @@ checkpoints an unsharded run (and the exporters) read, and skipped non-finite st
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +19,7 @@ from sd.distributed import Dist
 from sd.train.config import TrainConfig
 
 from data_factory import BASE, assert_bitwise_equal, make_dataset
-from test_sd_train import ROOT, final_state, losses, write_config
+from test_sd_train import final_state, losses, torchrun_runs, write_config
 
 # 64 training samples, 2 ranks x batch 2 x accumulation 2: 8 optimizer steps per epoch.
 TOTAL, HALF = 6, 3
@@ -33,15 +31,6 @@ def run(root: Path, data, sharding: str, out: str, *flags) -> list[str]:
     config = write_config(root / f"{out}.yaml", datasets=[data], max_steps=TOTAL, out_dir=str(root / out),
                           validate_every=HALF, sharding=sharding)
     return ["--config", str(config), *map(str, flags)]
-
-
-def torchrun_runs(*runs: list[str]) -> None:
-    """The runs one after another in one 2-rank torchrun launch (tests/train_runs.py): one start-up."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-           "tests.train_runs", json.dumps(runs)]
-    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    if result.returncode != 0:
-        raise AssertionError(f"torchrun failed ({result.returncode}):\n{result.stderr[-4000:]}")
 
 
 NAN_STEP = 5  # a step after HALF: the resumed half meets it
