@@ -30,7 +30,6 @@ into the same --out is refused. ``--shards`` (encode_latents.py's spelling) work
 
 from __future__ import annotations
 
-import glob
 import json
 import logging
 import os
@@ -146,12 +145,9 @@ def derive_shard(path: Path, out: Path, args, pool, bar) -> dict:
             if reader.truncated_key is not None:
                 stats.skip("truncated_tar", reader.truncated_key)
 
-        return sd.data.stages.write_output(out, stem(path), write, stats, shard=str(path), kind=args.kind,
+        name = sd.data.stages.shard_stem(path)
+        return sd.data.stages.write_output(out, name, write, stats, shard=str(path), kind=args.kind,
                                            control=args.name, low=args.low, high=args.high)
-
-
-def stem(path: Path) -> str:
-    return path.name[: -len(".tar")]
 
 
 def estimated_samples(paths: list[Path]) -> int | None:
@@ -159,7 +155,8 @@ def estimated_samples(paths: list[Path]) -> int | None:
     total = 0
     for path in paths:
         try:
-            total += int(json.loads(path.with_name(f"{stem(path)}_stats.json").read_text())["successes"])
+            stats = path.with_name(f"{sd.data.stages.shard_stem(path)}_stats.json")
+            total += int(json.loads(stats.read_text())["successes"])
         except (OSError, ValueError, KeyError, TypeError):
             return None
     return total
@@ -169,16 +166,13 @@ def main(argv=None) -> int:
     sd.runtime.start_process(uses_torch=False)
     args = parse_args(argv)
     sd.data.stages.setup_logging()
-    paths = sorted(Path(p) for p in glob.glob(args.input) if p.endswith(".tar"))
-    if not paths:
-        print(f"{STAGE}.py: no shards match {args.input!r}", file=sys.stderr)
+    try:
+        by_stem = sd.data.stages.input_shards(args.input)
+    except sd.data.stages.UsageError as error:
+        print(f"{STAGE}.py: {error}", file=sys.stderr)
         return 2
-    by_stem = {stem(path): path for path in paths}
     out = Path(args.out)
-    if len(by_stem) != len(paths):
-        print(f"{STAGE}.py: two input shards share a file name; their outputs would collide", file=sys.stderr)
-        return 2
-    if any(path.parent.resolve() == out.resolve() for path in paths):
+    if any(path.parent.resolve() == out.resolve() for path in by_stem.values()):
         print(f"{STAGE}.py: --out {out} holds input shards; write to another folder", file=sys.stderr)
         return 2
     try:  # before any output: other settings than those the folder's finished shards were made with

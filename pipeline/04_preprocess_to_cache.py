@@ -20,7 +20,6 @@ output and the same counts for an img2dataset shard; memory holds one shard's ke
 
 from __future__ import annotations
 
-import glob
 import json
 import logging
 import os
@@ -84,7 +83,8 @@ def process_shard(path: Path, out: Path, tokenizer, batch_size: int) -> dict:
         input_ids[start : start + len(batch)] = sd.model.tokenize(tokenizer, batch).numpy()
     table = caption_table(keys, captions, input_ids)
     stats.successes = len(keys)
-    return sd.data.stages.write_output(out, stem(path), lambda tmp: pq.write_table(table, tmp), stats, ".parquet",
+    name = sd.data.stages.shard_stem(path)
+    return sd.data.stages.write_output(out, name, lambda tmp: pq.write_table(table, tmp), stats, ".parquet",
                                     shard=str(path))
 
 
@@ -165,21 +165,15 @@ def tar_is_complete(path: Path) -> bool:
         return False
 
 
-def stem(path: Path) -> str:
-    return path.name[: -len(".tar")]
-
 
 def main(argv=None) -> int:
     sd.runtime.start_process()
     args = parse_args(argv)
     sd.data.stages.setup_logging()
-    paths = sorted(Path(p) for p in glob.glob(args.input) if p.endswith(".tar"))
-    if not paths:
-        print(f"{STAGE}.py: no shards match {args.input!r}", file=sys.stderr)
-        return 2
-    by_stem = {stem(path): path for path in paths}
-    if len(by_stem) != len(paths):
-        print(f"{STAGE}.py: two input shards share a file name; their outputs would collide", file=sys.stderr)
+    try:
+        by_stem = sd.data.stages.input_shards(args.input)
+    except sd.data.stages.UsageError as error:
+        print(f"{STAGE}.py: {error}", file=sys.stderr)
         return 2
     out = Path(args.out)
     summary = sd.data.stages.Summary(STAGE)

@@ -534,6 +534,25 @@ class UsageError(Exception):
     """A command-line problem found before any work: the stage exits 2 with this message."""
 
 
+def shard_stem(path: Path) -> str:
+    """A shard's file name without ``.tar``: the name of its outputs."""
+    return path.name[: -len(".tar")]
+
+
+def input_shards(pattern: str) -> dict[str, Path]:
+    """The ``.tar`` shards ``pattern`` matches, by stem, in sorted order. None matching, or two sharing a file
+    name (their outputs would collide), is a ``UsageError``."""
+    import glob
+
+    paths = sorted(Path(p) for p in glob.glob(pattern) if p.endswith(".tar"))
+    if not paths:
+        raise UsageError(f"no shards match {pattern!r}")
+    by_stem = {shard_stem(path): path for path in paths}
+    if len(by_stem) != len(paths):
+        raise UsageError("two input shards share a file name; their outputs would collide")
+    return by_stem
+
+
 def find_column(names: list[str], role: str, given: str | None = None) -> str | None:
     """The column of ``names`` playing ``role``: ``given`` if set (an absent one is a UsageError),
     else the first candidate present, compared case-insensitively; None when there is none."""
