@@ -169,6 +169,33 @@ def fake_cuda(backward=lambda loss: None, syncs: list | None = None):
                 setattr(owner, name, value)
 
 
+def zero_gradients(models: dict):
+    """A ``backward`` for ``fake_cuda`` (autograd's engine does not run on fake tensors): gradients of zeros,
+    of their parameters' shapes and devices, for the trainable parameters of every model in ``models`` (a
+    dict filled once they are built)."""
+    def backward(loss):
+        for model in models.values():
+            for parameter in model.parameters():
+                if parameter.requires_grad:
+                    parameter.grad = torch.zeros_like(parameter)
+
+    return backward
+
+
+def steady_steps(step, batch: list, syncs: list, count: int = 3):
+    """``count`` training steps of ``step`` on ``batch``; returns the host waits noted in ``syncs`` after the
+    first step (which makes the optimizer state and may wait once), and the last step's result."""
+    import sd.model
+    import sd.train.step
+
+    with sd.model.attention_context(step.d.device):
+        for i in range(count):
+            if i == 1:
+                syncs.clear()
+            result = sd.train.step.train_step(step, batch, i)
+    return list(syncs), result
+
+
 GUARD_SOURCE = """
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/impl/FakeGuardImpl.h>

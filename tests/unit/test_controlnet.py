@@ -185,30 +185,19 @@ def test_sampling_equals_diffusers_controlnet_pipeline(parts, cfg, scale):
 def test_a_controlnet_step_runs_on_cuda_without_waiting_for_it():
     """The frozen base in bf16 and the ControlNet on the GPU, the control images' dropout drawn there: the host
     never waits in a step (the fused AdamW and the EMA skip on the device)."""
-    from fake_cuda import fake_cuda
+    from fake_cuda import fake_cuda, steady_steps, zero_gradients
 
     holder, syncs = {}, []
-
-    def backward(loss):
-        for p in holder["model"].parameters():
-            if p.requires_grad:
-                p.grad = torch.zeros_like(p)
-
     cuda = torch.device("cuda", 0)
     config = TrainConfig(unet="tiny", text_encoder="tiny", vae="tiny", precision="bf16", datasets=[], batch_size=2,
                          control="canny", control_dropout=0.5, init_from="base", ema_decay=0.99)
-    with fake_cuda(backward, syncs):
+    with fake_cuda(zero_gradients(holder), syncs):
         model = holder["model"] = sd.controlnet.model.attach(config, sd.model.build_unet("tiny").to(cuda).train())
         encoder = sd.model.load_text_encoder("tiny")
         step = sd.train.step.build_step(config, Dist.single(cuda), model, encoder, torch.full((1, 77), 49407), 0.18)
         batch = [(torch.randn(2, 4, 8, 8).half(), torch.randint(0, 49407, (2, 77)),
                   torch.zeros(2, 3, 64, 64, dtype=torch.uint8))]
-        with sd.model.attention_context(cuda):
-            for i in range(3):
-                if i == 1:
-                    syncs.clear()
-                result = sd.train.step.train_step(step, batch, i)
-        waited = list(syncs)
+        waited, result = steady_steps(step, batch, syncs)
         sd.train.step.read_results([result])
     assert waited == []
     assert {(p.device, p.dtype) for p in model.unet.parameters()} == {(cuda, torch.bfloat16)}

@@ -16,7 +16,7 @@ import sd.train.step
 from sd.distributed import Dist
 from sd.train.config import ConfigError, TrainConfig, check_distill
 
-from fake_cuda import fake_cuda
+from fake_cuda import fake_cuda, steady_steps, zero_gradients
 
 FIELDS = dict(unet="tiny", text_encoder="tiny", vae="tiny", precision="fp32", grad_checkpointing=False,
               ema_decay=0.0, datasets=[], distill="lcm", init_from="base", lcm_guidance_min=2.0, lcm_guidance_max=8.0)
@@ -174,25 +174,14 @@ def test_a_distillation_step_runs_on_cuda_without_waiting_for_it(fields):
     """Teacher, student and target on the GPU, the guidance scales and solver indices drawn there; the
     host never waits in a step (the fused AdamW and the target network skip on the device)."""
     holder, syncs = {}, []
-
-    def backward(loss):
-        for p in holder["unet"].parameters():
-            if p.requires_grad:
-                p.grad = torch.zeros_like(p)
-
     cuda = torch.device("cuda", 0)
     config = TrainConfig(**{**FIELDS, "precision": "bf16", "batch_size": 2, **fields})
-    with fake_cuda(backward, syncs):
+    with fake_cuda(zero_gradients(holder), syncs):
         unet = holder["unet"] = sd.model.build_unet("tiny").to(cuda).train()
         sd.lora.adapters.apply_config(config, unet, encoder := sd.model.load_text_encoder("tiny"))
         step = sd.train.step.build_step(config, Dist.single(cuda), unet, encoder, torch.full((1, 77), 49407), 0.18)
         batch = [(torch.randn(2, 4, 8, 8).half(), torch.randint(0, 49407, (2, 77)))]
-        with sd.model.attention_context(cuda):
-            for i in range(3):
-                if i == 1:
-                    syncs.clear()
-                result = sd.train.step.train_step(step, batch, i)
-        waited = list(syncs)
+        waited, result = steady_steps(step, batch, syncs)
         sd.train.step.read_results([result])
     assert waited == []
     assert {t.device for t in step.distill.target.shadow} == {cuda}
