@@ -317,13 +317,7 @@ def load_controlnet(args, model: Pipeline):
 
 def control_size(args) -> tuple[int, int] | None:
     """``(width, height)`` of the first ``--control`` image when it is a multiple of 8 on both sides, else None."""
-    from PIL import Image
-
-    try:
-        with Image.open(args.control[0]) as image:
-            width, height = image.size
-    except OSError as error:
-        raise ValueError(f"--control {args.control[0]}: {error}") from error
+    _, _, height, width = sd.controlnet.model.read_control_image(args.control[0]).shape
     return (width, height) if width % 8 == 0 and height % 8 == 0 else None
 
 

@@ -107,25 +107,27 @@ def control_batch(control: torch.Tensor, device: torch.device, dropout: float = 
     return pixels
 
 
+MAX_CONTROL_BYTES = 256 << 20  # a conditioning image file larger than this is refused before it is read
+
+
 def read_control_image(path: str | Path, width: int | None = None, height: int | None = None) -> torch.Tensor:
     """A conditioning image file as ``(1, 3, H, W)`` float in [0, 1]: grey or RGBA made RGB, resized to
-    ``width`` x ``height`` when given and different (Lanczos, as diffusers' image processor does)."""
+    ``width`` x ``height`` when given and different (Lanczos, as diffusers' image processor does). It is
+    decoded as the data stages decode images (``sd.data.shards.decode_image``): a truncated or undecodable
+    file, or one declaring more than ``DEFAULT_MAX_PIXELS``, is a ValueError naming it."""
     from PIL import Image
 
     import sd.data.shards
+    import sd.files
 
     path = Path(path)
     try:
-        with Image.open(path) as opened:
-            if opened.size[0] * opened.size[1] > sd.data.shards.DEFAULT_MAX_PIXELS:
-                raise ValueError(f"{opened.size[0]}x{opened.size[1]} pixels, more than the "
-                                 f"{sd.data.shards.DEFAULT_MAX_PIXELS} allowed")
-            image = opened.convert("RGB")
-    except (OSError, ValueError) as error:
+        rgb = sd.data.shards.decode_image(sd.files.read_file_bounded(path, MAX_CONTROL_BYTES), path.suffix.lstrip("."))
+    except (OSError, sd.data.shards.ImageSkip) as error:
         raise ValueError(f"control image {path}: {error}") from error
-    if width and height and image.size != (width, height):
-        image = image.resize((width, height), Image.Resampling.LANCZOS)
-    return torch.from_numpy(np.asarray(image, dtype=np.float32) / 255.0).permute(2, 0, 1)[None]
+    if width and height and (rgb.shape[1], rgb.shape[0]) != (width, height):
+        rgb = np.asarray(Image.fromarray(rgb).resize((width, height), Image.Resampling.LANCZOS))
+    return torch.from_numpy(rgb.astype(np.float32) / 255.0).permute(2, 0, 1)[None]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -203,3 +203,29 @@ def test_a_controlnet_step_runs_on_cuda_without_waiting_for_it():
     assert {(p.device, p.dtype) for p in model.unet.parameters()} == {(cuda, torch.bfloat16)}
     assert {(p.device, p.dtype) for p in model.controlnet.parameters()} == {(cuda, torch.float32)}
     assert {t.device for t in step.ema.shadow} == {cuda}
+
+
+def test_a_damaged_or_oversized_control_image_is_one_error_naming_the_file(tmp_path):
+    import struct
+    import zlib
+
+    from PIL import Image
+
+    good = tmp_path / "good.png"
+    Image.fromarray((control_image(0)[0, 0].numpy() * 255).astype(np.uint8)).save(good)
+    pixels = sd.controlnet.model.read_control_image(good, 32, 48)
+    assert pixels.shape == (1, 3, 48, 32) and 0 <= float(pixels.min()) and float(pixels.max()) <= 1
+    cut = tmp_path / "cut.png"
+    cut.write_bytes(good.read_bytes()[:-40])
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    huge = tmp_path / "huge.png"  # a header declaring 100000 x 100000 pixels, and no pixels
+    huge.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 100000, 100000, 8, 0, 0, 0, 0))
+                     + chunk(b"IEND", b""))
+    text = tmp_path / "text.png"
+    text.write_text("not an image")
+    for path, reason in ((cut, "truncated_image"), (huge, "too_large"), (text, "undecodable")):
+        with pytest.raises(ValueError, match=f"control image {re.escape(str(path))}: {reason}"):
+            sd.controlnet.model.read_control_image(path)
