@@ -251,3 +251,17 @@ def test_controlnet_from_starts_a_run_from_a_trained_controlnet_of_any_source(ru
         sd.formats.load_unet_weights(str(base_model), unet)
         started = sd.controlnet.model.attach(config, unet).controlnet.state_dict()
         assert set(started) == set(ema) and all(torch.equal(started[k], ema[k]) for k in ema), source
+
+
+def test_damaged_conditioning_image_files_are_named_with_the_fix(tmp_path):
+    entry = control_dataset(tmp_path, n_train=8)
+    latents = Path(entry["latents"])
+    data, offsets = sd.data.encode.control_files(sorted(latents.glob("[0-9][0-9][0-9][0-9][0-9].npy"))[0], "seg")
+    original = data.read_bytes()
+    data.write_bytes(original[:-10])  # cut short: the offsets no longer end where the bytes do
+    with pytest.raises(sd.data.training_data.DataError, match=f"{offsets.name}.*re-encode"):
+        sd.data.training_data.LatentStore(latents, control="seg")
+    data.write_bytes(original[:100] + b"\0" * (len(original) - 100))  # the right size, its first PNGs overwritten
+    store = sd.data.training_data.LatentStore(latents, control="seg")
+    with pytest.raises(sd.data.training_data.DataError, match="does not decode.*re-encode the shard"):
+        store.gather_controls(np.arange(2))
