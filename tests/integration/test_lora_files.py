@@ -22,6 +22,8 @@ import sd.train.checkpoint as ckpt
 import sd.train.checkpointer
 import SD_ImageGen
 
+import global_rngs
+
 RANK, ALPHA = 4, 8.0  # alpha != rank: every reader must apply alpha / rank = 2
 STEPS = 2
 
@@ -42,6 +44,19 @@ def adapted(base, targets, rank=RANK, alpha=ALPHA, seed=1, text=True):
     randomize(unet, seed)
     randomize(encoder, seed + 100)
     return unet.eval(), encoder.eval()
+
+
+def test_an_adapter_is_drawn_from_its_seed_and_leaves_the_global_rngs_alone(base):
+    modules = sd.lora.adapters.resolve_targets(base[0], ["attention"])
+
+    def down_weights(seed):
+        with global_rngs.left_alone():
+            unet = sd.lora.adapters.add_lora(copy.deepcopy(base[0]), modules, RANK, ALPHA, seed=seed)
+        return [v for k, v in sd.lora.adapters.adapter_state(unet).items() if "lora_A" in k]
+
+    first, again, other = down_weights(1), down_weights(1), down_weights(2)
+    assert first and all(torch.equal(a, b) for a, b in zip(first, again))
+    assert not any(torch.equal(a, b) for a, b in zip(first, other))
 
 
 @torch.no_grad()

@@ -1,5 +1,7 @@
 import math
+import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -7,6 +9,8 @@ import sd.model as M
 import sd.sampling
 import sd.tokenizer
 import sd.train.ema
+
+import global_rngs
 
 # ----------------------------------------------------------------------------------------- UNet
 
@@ -73,15 +77,21 @@ def test_not_from_scratch_keeps_random_output_layers():
 
 
 def test_seeded_build_is_reproducible_and_leaves_global_rng_alone():
-    torch.manual_seed(123)
-    expected_next = torch.rand(3)
-    torch.manual_seed(123)
-    a = M.build_unet("tiny", seed=0)
-    assert torch.equal(torch.rand(3), expected_next)
+    with global_rngs.left_alone():
+        a = M.build_unet("tiny", seed=0)
+        M.load_vae("tiny")
+        M.load_text_encoder("tiny")
     b = M.build_unet("tiny", seed=0)
     c = M.build_unet("tiny", seed=1)
     assert torch.equal(a.conv_in.weight, b.conv_in.weight)
     assert not torch.equal(a.conv_in.weight, c.conv_in.weight)
+
+
+def test_the_global_rng_check_fails_on_a_draw_from_any_of_them():
+    for draw in (lambda: torch.rand(1), lambda: np.random.rand(), lambda: random.random()):
+        with pytest.raises(AssertionError, match="drawn from"):
+            with global_rngs.left_alone():
+                draw()
 
 
 def test_unknown_preset_names_the_choices():
@@ -615,7 +625,6 @@ def test_the_root_module_users_import_is_the_package_module():
 
 
 def test_grid_labels_hold_the_whole_prompt_wrapped_to_the_row(tmp_path):
-    import numpy as np
     from PIL import Image
 
     import sd.sampling
