@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 # wandb never needs the network in tests.
 export NO_ALBUMENTATIONS_UPDATE := 1
 
-.PHONY: setup test test-demo check demo docs clean
+.PHONY: setup test test-demo test-order test-threads test-margins check demo docs clean
 
 setup: $(STAMP)
 
@@ -42,6 +42,19 @@ test-demo: $(STAMP)
 # The fast tier for the edit-test loop: tests/unit and the short tests of tests/integration.
 check: $(STAMP)
 	$(PYTEST) -m "not slow" tests/unit tests/integration
+
+# Tests independent of the machine and the order (docs/testing.md): the suite in a shuffled order
+# (ORDER=reverse or random:SEED), in one process with two threads, and the learned outcomes' margins on
+# AVX2 and AVX-512 kernels at one and two threads (MARGINS_ARGS=--full-demo adds the 64 px chain).
+ORDER ?= random:1
+test-order: $(STAMP)
+	$(PYTEST) --test-order $(ORDER)
+
+test-threads: $(STAMP)
+	OMP_NUM_THREADS=2 MKL_NUM_THREADS=2 $(PY) -m pytest
+
+test-margins: $(STAMP)
+	$(PY) tests/margins.py $(MARGINS_ARGS)
 
 # The whole system on built-in synthetic data: outputs under runs/demo/ (see demo/run.sh).
 demo: $(STAMP)

@@ -1,4 +1,5 @@
 import os
+import random
 from pathlib import Path
 
 import pytest
@@ -39,13 +40,36 @@ def schedule_order(items: list) -> list:
     return [item for f in ordered for item in files[f]]
 
 
+def reorder(items: list, order: str) -> list:
+    """The tests in another order, to find tests that pass only after (or before) some other test:
+    ``reverse`` (the files last to first, each file's tests last to first) or ``random:SEED`` (the files
+    and each file's tests shuffled by SEED). A file's tests stay together, as xdist's loadfile keeps them."""
+    files: dict[str, list] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::")[0], []).append(item)
+    groups = list(files.values())
+    if order == "reverse":
+        return [item for group in reversed(groups) for item in reversed(group)]
+    kind, _, seed = order.partition(":")
+    if kind != "random" or not seed.isdigit():
+        raise pytest.UsageError(f"--test-order {order!r}: use reverse or random:SEED (random:1)")
+    rng = random.Random(int(seed))
+    rng.shuffle(groups)
+    for group in groups:
+        rng.shuffle(group)
+    return [item for group in groups for item in group]
+
+
 def pytest_addoption(parser):
     parser.addoption("--full-demo", action="store_true",
                      help="also run the 64 px demo chain (tests marked full_demo; make test-demo)")
+    parser.addoption("--test-order", default="",
+                     help="reverse or random:SEED: run the files and their tests in another order (make test-order)")
 
 
 def pytest_collection_modifyitems(config, items):
-    items[:] = schedule_order(items)
+    order = config.getoption("--test-order")
+    items[:] = reorder(items, order) if order else schedule_order(items)
     skip = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs a CUDA device")
     skip_full = None if config.getoption("--full-demo") else pytest.mark.skip(
         reason="the 64 px demo chain (about 40 minutes on 2 cores): make test-demo")

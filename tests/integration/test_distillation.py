@@ -27,6 +27,7 @@ import SD_Train
 from sd.distributed import Dist
 
 from data_factory import BASE, assert_bitwise_equal, checkpoint_state, make_base_pipeline
+from margins import at_most
 
 ROOT = Path(__file__).resolve().parents[2]
 DISTILL = dict(BASE, distill="lcm", lr=5e-3, warmup_steps=0, lcm_guidance_min=1.5, lcm_guidance_max=4.0,
@@ -130,6 +131,7 @@ def fixed_draw_loss(config_fields: dict, student: dict | None, target: dict | No
     return loss.mean().item()
 
 
+@pytest.mark.learned
 def test_the_consistency_loss_falls_and_the_teacher_is_left_as_it_was(base_model, dataset_16, tmp_path):
     fields = dict(lcm_loss="l2", lr=1e-3, batch_size=4, grad_accum=1, ema_decay=0.0)
     run = train(tmp_path, "run", datasets=[dataset_16], init_from=str(base_model), max_steps=16, validate_every=16,
@@ -143,10 +145,10 @@ def test_the_consistency_loss_falls_and_the_teacher_is_left_as_it_was(base_model
     # The objective with the target network as it ended: the trained student is far closer to it than the
     # student it started as (the teacher). Measured: 0.50 -> 0.12.
     start, trained = (fixed_draw_loss(fields, s, target, base_model, latents, ids) for s in (None, student))
-    assert trained < 0.5 * start, (start, trained)
+    at_most("consistency loss against the target, trained / start", trained / start, 0.5, (start, trained))
     # Self-consistency, each model its own target (what makes few steps work): measured 0.045 -> 0.020.
     start, trained = (fixed_draw_loss(fields, s, s, base_model, latents, ids) for s in (None, student))
-    assert trained < 0.75 * start, (start, trained)
+    at_most("self-consistency loss, trained / start", trained / start, 0.75, (start, trained))
     teacher = sd.model.build_unet("tiny", from_scratch=False)
     sd.formats.load_unet_weights(str(base_model), teacher)
     saved_base = load_file(str(folder / "lora_base.safetensors"))["fingerprint"]

@@ -30,6 +30,7 @@ import SD_Train
 from sd.distributed import Dist
 
 from data_factory import BASE, assert_bitwise_equal, make_captions, make_dataset, make_latents
+from margins import at_most
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -458,13 +459,14 @@ def test_epochs_size_the_schedule_from_real_optimizer_steps(tmp_path, data):
 
 
 @pytest.mark.slow
+@pytest.mark.learned
 def test_loss_falls_on_a_learnable_task(tmp_path, data):
     config = write_config(tmp_path / "toy.yaml", datasets=[data], max_steps=80, out_dir=str(tmp_path / "run"),
                           batch_size=16, grad_accum=1, lr=3e-3, warmup_steps=5, cfg_dropout=0.0, ema_decay=0.99)
     assert SD_Train.main(["--config", str(config)]) == 0
     values = losses(tmp_path / "run")
     first, last = np.mean(values[:10]), np.mean(values[-10:])
-    assert last < first / 3, (first, last)
+    at_most("loss of the last 10 steps / the first 10", last / first, 1 / 3, (first, last))
 
 
 def test_cfg_dropout_replaces_the_embedding_at_the_configured_rate():

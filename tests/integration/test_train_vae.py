@@ -14,6 +14,8 @@ ROOT = Path(__file__).resolve().parents[2]
 import sd.vae
 import train_vae
 
+from margins import at_least
+
 # 48 images of 32 px; the "tiny" preset (factor 8: 4x4x4 latents), 60 fp32 steps of 8: a few seconds.
 STEPS = 60
 PSNR_GAIN_DB = 4.0  # measured: 5.7 dB -> 12.5 dB held-out PSNR over these 60 steps (+6.8)
@@ -59,11 +61,12 @@ def trained(shards, tmp_path_factory):
     return out, stream.getvalue(), held
 
 
+@pytest.mark.learned
 def test_reconstruction_improves_and_stats_match_the_log(trained):
     out, printed, _ = trained
     stats = json.loads((out / "vae_stats.json").read_text())
     assert stats["steps"] == STEPS and stats["images"] == 40
-    assert stats["psnr_db"] - stats["psnr_db_start"] >= PSNR_GAIN_DB, stats
+    at_least("held-out PSNR gain (dB)", stats["psnr_db"] - stats["psnr_db_start"], PSNR_GAIN_DB, stats)
     match = re.search(r"held-out PSNR ([\d.]+) dB \(([\d.]+) dB before training\), scaling factor ([\d.]+)", printed)
     assert match, printed
     assert float(match[1]) == stats["psnr_db"] and float(match[2]) == stats["psnr_db_start"]
