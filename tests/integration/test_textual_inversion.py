@@ -11,6 +11,7 @@ import yaml
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+import sd.data.dreambooth
 import sd.embedding.files
 import sd.embedding.tokens
 import sd.formats
@@ -21,6 +22,7 @@ import SD_ImageGen
 import SD_Train
 
 from data_factory import BASE, assert_bitwise_equal, make_base_pipeline
+from margins import at_most
 
 TOKEN = "<cyan-sks>"
 PROMPT = f"a {TOKEN} circle"
@@ -100,13 +102,36 @@ def test_a_resumed_run_is_bitwise_the_uninterrupted_one(tmp_path, trained, base_
     assert_bitwise_equal(checkpoint_tensors(trained, 6), checkpoint_tensors(tmp_path / "b", 6))
 
 
+@torch.no_grad()
+def instance_loss(pipe, images: Path, vectors: torch.Tensor) -> float:
+    """The prediction error of the instance images under PROMPT with the token's rows set to ``vectors``, at
+    fixed draws: each image noised at 32 timesteps spread over the schedule, with the same noise every call."""
+    sd.embedding.tokens.added_embeddings(pipe.text_encoder)[0].vectors.copy_(vectors)
+    pictures, _ = sd.data.dreambooth.read_images(sd.data.dreambooth.image_files(images), 32)
+    latents = torch.from_numpy(sd.data.dreambooth.encode_images(pipe.vae, pictures, "cpu")).float()
+    latents = (latents * pipe.vae.config.scaling_factor).repeat_interleave(32, 0)
+    timesteps = torch.linspace(0, 999, 32).long().repeat(len(pictures))
+    noise = torch.randn(latents.shape, generator=torch.Generator().manual_seed(0))
+    alphas = sd.model.ddpm_alphas_cumprod()
+    context = sd.model.encode_prompt_ids(pipe.text_encoder, sd.model.tokenize(pipe.tokenizer, [PROMPT]))
+    prediction = pipe.unet(sd.model.add_noise(latents, noise, timesteps, alphas), timesteps,
+                           encoder_hidden_states=context.expand(len(latents), -1, -1)).sample
+    target = sd.model.prediction_target(latents, noise, timesteps, alphas, pipe.prediction_type)
+    return torch.nn.functional.mse_loss(prediction, target).item()
+
+
+@pytest.mark.learned
 def test_the_token_lowers_the_loss_of_its_images(tmp_path, base_model, instance_images):
-    """20 steps at a high learning rate: the loss of the instance images at fixed noise falls."""
-    assert train(tmp_path, "long", base_model, instance_images, "--max_steps", "20", "--lr", "0.2",
-                 "--cfg_dropout", "0", "--save_steps", "20") == 0
-    losses = [json.loads(line)["loss"] for line in (tmp_path / "long" / "metrics.jsonl").read_text().splitlines()
-              if '"loss"' in line]
-    assert np.mean(losses[-5:]) < np.mean(losses[:5]), losses
+    """60 steps: the instance images' loss at fixed draws falls (measured 0.975 of the start's on the tiny
+    random base, whose prediction the prompt moves little). The training log's losses are no measure: each
+    step draws its own timesteps and noise, and they vary by 20% from step to step."""
+    assert train(tmp_path, "long", base_model, instance_images, "--max_steps", "60", "--lr", "0.05",
+                 "--cfg_dropout", "0", "--save_steps", "60") == 0
+    pipe = sd.formats.load_pipeline(str(tmp_path / "long"), use_ema=False)
+    trained = sd.embedding.tokens.added_embeddings(pipe.text_encoder)[0].vectors.clone()
+    start = sd.embedding.tokens.initial_vectors(pipe.tokenizer, sd.model.load_text_encoder("tiny"), "blue", 2)
+    before, after = (instance_loss(pipe, instance_images, vectors) for vectors in (start, trained))
+    at_most("instance images' loss at fixed draws, trained token / its start", after / before, 0.99, (before, after))
 
 
 def test_exported_files_load_in_diffusers_with_the_layout_a1111_and_comfyui_read(tmp_path, trained, base_model):
