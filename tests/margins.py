@@ -102,7 +102,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=str(ROOT / "runs" / "test_margins"), help="folder for the JSON lines")
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"which of {', '.join(CONFIGS)}")
     args, pytest_args = parser.parse_known_args(argv)
-    out = Path(args.out)
+    out = Path(args.out).resolve()  # the tests change directory
     out.mkdir(parents=True, exist_ok=True)
     names = [name for name in args.configs.split(",") if name]
     unknown = [name for name in names if name not in CONFIGS]

@@ -4,8 +4,7 @@ pictures of one subject, at a smaller size, and checked for pictures that are no
 Each command of the README's code blocks runs in this process (``python X.py ARGS`` as ``X.main(ARGS)``,
 in a folder holding only the user's images and a link to ``configs/``), with these changes, each
 appended so it overrides what the README says: 32 px instead of 64 (``--resolution``, ``--image_size``),
-fewer VAE and UNet steps, a LoRA on more layers (at 32 px the attention alone learns the subject less
-surely), and more samples to score. Quick start 1, ``make demo``, is tests/e2e/test_demo.py.
+fewer VAE and UNet steps, and more samples to score. Quick start 1, ``make demo``, is tests/e2e/test_demo.py.
 
 Sized to learn well clear of its bounds on any CPU: the same commands on AVX2 and AVX-512 kernels or on
 one and two threads train different models (float sums split differently), so the bounds hold for every
@@ -31,7 +30,7 @@ DEMO_DATA = importlib.import_module("pipeline.00_make_demo_data")
 SIZE = 32
 COLOURS = {name: DEMO_DATA.PALETTE[name] for name in ("red", "green", "blue", "yellow")}
 # The subject's shape, which none of the user's captions has. At 32 px the user's VAE gives triangles back
-# round, so the subject is scored by its colour alone: the one the base model draws least for the prompt.
+# round, so the subject is scored by its colour alone: one the base model does not draw for the prompt.
 SUBJECT_SHAPE = "triangle"
 # What each command gets appended (its last value wins): the smaller size, steps that fit the suite, and
 # more samples to score. Measured over draws that differ as machines do (seeds 0-3 on AVX2 and AVX-512
@@ -45,13 +44,15 @@ SMALLER = {
     "SD_Train.py": ["--max_steps", "1000", "--save_steps", "500"],
     "SD_ImageGen.py": ["--steps", "20", "--n", "8", "--cfg", "3"],
 }
-# The LoRA at 32 px, scored on 32 samples, measured over draws of base model and LoRA (three bases, four
-# seeds each): the README's attention-only LoRA of 300 steps drew the subject's colour in 72-100% of the
-# samples at CFG 1.5 and 25-100% at CFG 3 (guidance past the adapter's prompt brings back the base's other
-# modes); adapters on the attention and ResNet layers, 600 steps at 1e-3, drew it in 88-100% at CFG 1.5.
-SMALLER_LORA = {"SD_Train.py": ["--image_size", str(SIZE), "--lora_targets", "[attention, resnet]", "--max_steps", "600",
-                                "--lr", "1e-3", "--save_steps", "300"],
-                "SD_ImageGen.py": ["--steps", "20", "--n", "32", "--cfg", "1.5"]}
+# The LoRA as written, at 32 px, scored on 64 samples at CFG 1.5. Measured over draws of base model and LoRA
+# (three to four bases, four seeds each; the subject's share of the LoRA's samples at CFG 1.5): with plain
+# MSE (min_snr_gamma 0, which the config had), 72-100%; with the config's Min-SNR weighting (gamma 5, which
+# weighs the noisy steps where colour is decided more), 84-100%, but 56% on a base that draws yellow when
+# the subject was red, which the LoRA learnt as orange; with the subject's colour chosen by subject_colour,
+# 80-100% over 16 draws (median 95%). At CFG 3 guidance past the adapter's one prompt brings back the
+# base's other modes in some draws (0-100%).
+SMALLER_LORA = {"SD_Train.py": ["--image_size", str(SIZE)],
+                "SD_ImageGen.py": ["--steps", "20", "--n", "64", "--cfg", "1.5"]}
 
 
 def readme_block(title: str) -> list[str]:
@@ -89,10 +90,13 @@ def scores(folder: Path, palette: dict) -> list[tuple[str | None, str | None]]:
             for p in sorted(folder.glob("0*.png"))]
 
 
-def least_drawn(scored: list[tuple[str | None, str | None]]) -> str:
-    """The palette colour that appears least among ``scored`` samples (the first such in palette order)."""
+def subject_colour(scored: list[tuple[str | None, str | None]]) -> str:
+    """A colour for the subject that the base does not draw for its prompt: of the palette colours least
+    often among the base's ``scored`` samples, the one farthest from the colour it draws most. (A subject
+    near that colour, red beside yellow, is learnt through orange, which is neither.)"""
     counts = {name: sum(got[0] == name for got in scored) for name in COLOURS}
-    return min(COLOURS, key=counts.get)
+    most = np.array(COLOURS[max(COLOURS, key=counts.get)], float)
+    return min(COLOURS, key=lambda name: (counts[name], -np.linalg.norm(np.array(COLOURS[name], float) - most)))
 
 
 @pytest.fixture
@@ -137,17 +141,18 @@ def test_quick_starts_2_and_3_as_written_give_the_prompted_pictures(user_folder)
     assert [shlex.split(c)[1] for c in lora] == ["SD_Train.py", "SD_ImageGen.py", "SD_ImageGen.py"]
     assert all('"a photo of sks toy"' in line for line in lora[:2])  # the prompt the samples are judged on
     # The base model on the subject's prompt first (the README's sampling line pointed at runs/mine), then a
-    # subject in the colour it draws least there: what the LoRA teaches is then something the base did not do.
+    # subject in a colour it does not draw there (subject_colour): what the LoRA teaches is then something the
+    # base did not do. (At most a quarter of the base's samples can have the least drawn of four colours.)
     base_out = user_folder / "samples" / "base"
     run_command(lora[1].replace("runs/my_lora", "runs/mine").replace("samples/my_lora", str(base_out)), SMALLER_LORA)
     base = scores(base_out, COLOURS)
-    subject = least_drawn(base)
+    subject = subject_colour(base)
     draw_folder(user_folder / "my_subject", [(subject, SUBJECT_SHAPE)] * 12, None, seed=1)
     for line in lora:
         run_command(line, SMALLER_LORA)
     tuned = scores(user_folder / "samples" / "my_lora", COLOURS)
     print(f"LoRA quick start, a {subject} subject: base {base}, LoRA {tuned}")
-    assert len(tuned) == 32
+    assert len(tuned) == 64
     before, after = (np.mean([got[0] == subject for got in gots]) for gots in (base, tuned))
     at_least("LoRA: its samples in the subject's colour", after, 0.6, tuned)
     at_least("LoRA: gain in the subject's colour over the base", after - before, 0.4, (base, tuned))
