@@ -13,7 +13,7 @@ Rows, for the same synthetic fp16 latents and token ids and the same seeded rand
   bf16 precision, adapters fp32), with the trainer's loss settings (Min-SNR 5, CFG dropout 0.05,
   clipping at 1.0), fused AdamW or 8-bit AdamW, no EMA unless ``--ema`` (then of the adapter only),
   the text encoder's forward each step unless ``--cache_text_embeddings`` (the batch's prompts
-  encoded once, the encoder then off the device, as ``SD_Train.cache_text_embeddings`` does).
+  encoded once, the encoder then off the device, as ``sd.train.run.cache_text_embeddings`` does).
 * ``ours-full``: the same with ``lora_rank: 0`` (every UNet parameter trains, fp32 master weights).
 * ``peer-lora``: the training step of diffusers' ``examples/text_to_image/train_text_to_image_lora.py``
   with its defaults, in this process. What follows which part of the script:

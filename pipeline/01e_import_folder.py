@@ -258,11 +258,6 @@ def clean_prefix(prefix: str) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def list_images(src: Path) -> list[str]:
-    """Relative POSIX paths of the images under ``src``, sorted: the order that fixes the shards."""
-    return list_files(src)[0]
-
-
 def companion_name(file_name: str, names: tuple[str, ...]) -> str | None:
     """The name of ``names`` whose ``_NAME`` ends the file's stem (the longest, if several do), or None."""
     stem = file_name.rsplit(".", 1)[0]

@@ -636,7 +636,7 @@ def load_lora_run(folder: Path, unet, text_encoder=None, *, use_ema: bool = True
     ``unet`` (the EMA adapter of ``ema.safetensors`` unless ``use_ema=False`` or there is none) and, when
     the run trained one and ``text_encoder`` is given, in ``text_encoder``. Returns what was loaded.
 
-    The base is ``init_from``'s EMA weights when it is a run of ours, as ``SD_Train.load_base`` loads
+    The base is ``init_from``'s EMA weights when it is a run of ours, as ``sd.train.checkpointer.load_base`` loads
     it: the weights the adapter was trained on. Base weights that differ from those (``init_from`` now
     holds another model) are a ``BaseMismatch`` unless ``check_base`` is False. Non-finite adapter
     weights are a ValueError naming the tensor and the file.

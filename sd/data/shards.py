@@ -417,8 +417,6 @@ def scaled_to_image(pixels: np.ndarray, size: tuple[int, int], mismatch: str, wh
 # Conditioning images (ControlNet)
 # ---------------------------------------------------------------------------------------------
 
-CONTROL_SKIPS = ("no_control", "bad_control", "control_mismatch")
-
 
 def decode_control(data: bytes, size: tuple[int, int], max_pixels: int = DEFAULT_MAX_PIXELS) -> np.ndarray:
     """A conditioning image of an image of ``size`` ``(width, height)``: ``(height, width, 3)`` uint8 RGB

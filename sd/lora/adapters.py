@@ -104,10 +104,6 @@ def adapter_state(model) -> dict[str, torch.Tensor]:
     return {name: p for name, p in model.named_parameters() if is_adapter_name(name)}
 
 
-def base_parameters(model) -> list[torch.Tensor]:
-    return [p for name, p in model.named_parameters() if not is_adapter_name(name)]
-
-
 @torch.no_grad()
 def load_adapter_state(model, state: dict[str, torch.Tensor], where: str = "adapter") -> None:
     """Copy ``state`` into the adapter; its names and shapes must match exactly and its values be finite."""
