@@ -26,8 +26,8 @@ import sd.data.training_data
 import sd.distributed
 import sd.faults
 import sd.model
+import sd.run_folder
 import sd.runtime
-import sd.train.checkpoint as ckpt
 import sd.train.checkpointer
 import sd.train.config
 import sd.train.memory
@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     try:
         return train(config, d)
     except (ConfigError, sd.data.training_data.DataError, sd.train.metrics.MetricsError, FileNotFoundError,
-            ckpt.CheckpointError) as error:
+            sd.run_folder.CheckpointError) as error:
         print(f"SD_Train.py: error (rank {d.rank}): {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # outside the loop's own handler: loading, class images

@@ -28,6 +28,7 @@ import torch
 
 import sd.cli
 import sd.model
+import sd.run_folder
 import sd.train.checkpoint as ckpt
 
 
@@ -43,7 +44,7 @@ def unet_shapes(scale: float) -> dict[str, tuple[int, ...]]:
 def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
-        while chunk := f.read(ckpt.HASH_CHUNK):
+        while chunk := f.read(sd.run_folder.HASH_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
 
@@ -75,7 +76,7 @@ def main(argv=None) -> int:
         saves.append(timed(lambda: (ckpt.save_torch({"state": moments}, paths[2]), fsync(paths[2])))[1])
         del moments
         size = sum(p.stat().st_size for p in paths)
-        _, xxh = timed(lambda: ckpt.describe_files(paths))
+        _, xxh = timed(lambda: sd.run_folder.describe_files(paths))
         _, sha = timed(lambda: [sha256_file(p) for p in paths])
     finally:
         shutil.rmtree(folder, ignore_errors=True)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 
+import yaml
+
 TRUE_WORDS = ("true", "1", "yes", "on")
 FALSE_WORDS = ("false", "0", "no", "off")
 
@@ -84,3 +86,41 @@ def duration(seconds: float) -> str:
     if seconds < 90 * 60:
         return f"{seconds / 60:.1f} min"
     return f"{seconds / 3600:.1f} h"
+
+
+YAML_NODES = 100_000  # a config's values with every alias expanded: far above any config, far below an alias bomb
+
+
+def load_yaml(text: str):
+    """``yaml.safe_load`` of a config, refusing one whose aliases expand past ``YAML_NODES`` values (a
+    few hundred bytes of nested aliases expand to billions: the "billion laughs"). A ValueError says
+    what is wrong (invalid YAML or the expansion)."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        if expanded_size(node) > YAML_NODES:
+            raise ValueError(f"its aliases (*name) expand to more than {YAML_NODES} values; write the values out")
+        return loader.construct_document(node)
+    except yaml.YAMLError as error:
+        raise ValueError(f"not valid YAML ({str(error).splitlines()[0]})") from None
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+    finally:
+        loader.dispose()
+
+
+def expanded_size(node: yaml.Node) -> int:
+    """The values under ``node`` counted as if every alias were written out (each shared node once
+    per reference), computed once per distinct node."""
+    sizes: dict[int, int] = {}
+
+    def size(n: yaml.Node) -> int:
+        if id(n) not in sizes:
+            children = [c for pair in n.value for c in pair] if isinstance(n, yaml.MappingNode) else \
+                n.value if isinstance(n, yaml.SequenceNode) else []
+            sizes[id(n)] = min(1 + sum(size(c) for c in children), YAML_NODES + 1)
+        return sizes[id(n)]
+
+    return size(node)

@@ -29,11 +29,10 @@ import sd.embedding.tokens
 import sd.files
 import sd.lora.adapters
 import sd.model
+import sd.run_folder
 import sd.sampling
-import sd.train.checkpoint as ckpt
-import sd.train.ema
 from sd.cli import first_line
-from sd.train.config import read_saved_config
+from sd.run_folder import read_saved_config
 
 log = logging.getLogger("sd_formats")
 
@@ -344,7 +343,7 @@ def load_unet_weights(source: str, unet, *, use_ema: bool = True, keep_adapter: 
         unet.load_state_dict(from_single_file(read_single_file(path), unet, unet_key_map(unet), "UNet", path))
         return f"single file {path}"
     if path.is_dir() and not is_diffusers_folder(path):
-        folder = ckpt.resolve_checkpoint(path)
+        folder = sd.run_folder.resolve_checkpoint(path)
         if is_lora_checkpoint(folder):
             trainable, training = {n: p.requires_grad for n, p in unet.named_parameters()}, unet.training
             loaded = load_lora_run(folder, unet, use_ema=use_ema)
@@ -370,7 +369,7 @@ def run_ema_weights(source: str, unet) -> dict[str, torch.Tensor] | None:
     sources, or a checkpoint saved without an EMA. A LoRA run's: its base with the EMA adapter merged."""
     if run_config(source) is None:
         return None
-    folder = ckpt.resolve_checkpoint(source)
+    folder = sd.run_folder.resolve_checkpoint(source)
     path = folder / "ema.safetensors"
     if not path.exists():
         return None
@@ -390,8 +389,8 @@ def verified(path: Path) -> Path:
     hash) when it has one: a damaged file is a ValueError naming it. Returns ``path``."""
     if path.is_file():
         try:
-            ckpt.verify(path.parent, [path.name])
-        except ckpt.Damaged as error:
+            sd.run_folder.verify(path.parent, [path.name])
+        except sd.run_folder.Damaged as error:
             raise ValueError(str(error)) from error
     return path
 
@@ -405,7 +404,7 @@ def run_config(source: str) -> dict | None:
     path = Path(source)
     if not path.is_dir() or is_diffusers_folder(path):
         return None
-    config_file = ckpt.resolve_checkpoint(path) / "config.yaml"
+    config_file = sd.run_folder.resolve_checkpoint(path) / "config.yaml"
     if not config_file.is_file():
         raise FileNotFoundError(f"checkpoint file {config_file} is missing")
     config = read_saved_config(verified(config_file))
@@ -538,10 +537,10 @@ def _load_pipeline(source: str, use_ema: bool, vae: str | None, text_encoder: st
     if config is None:
         loaded = f"diffusers {source}"
     elif config.get("embedding_token"):
-        loaded = load_embedding_run(ckpt.resolve_checkpoint(source), unet, encoder, tokenizer_model, use_ema=use_ema,
+        loaded = load_embedding_run(sd.run_folder.resolve_checkpoint(source), unet, encoder, tokenizer_model, use_ema=use_ema,
                                     check_base=check_base)
-    elif is_lora_checkpoint(ckpt.resolve_checkpoint(source)):  # the adapters stay PEFT layers (see sd.lora.adapters.merge)
-        loaded = load_lora_run(ckpt.resolve_checkpoint(source), unet, encoder, use_ema=use_ema, check_base=check_base)
+    elif is_lora_checkpoint(sd.run_folder.resolve_checkpoint(source)):  # the adapters stay PEFT layers (see sd.lora.adapters.merge)
+        loaded = load_lora_run(sd.run_folder.resolve_checkpoint(source), unet, encoder, use_ema=use_ema, check_base=check_base)
     else:
         loaded = load_unet_weights(source, unet, use_ema=use_ema)
     return sd.sampling.Pipeline(unet.eval(), sd.model.load_vae(vae or parts[0]), encoder.eval(), tokenizer_model,
@@ -608,7 +607,7 @@ def lora_run_settings(source: str) -> dict | None:
     config = run_config(source)
     if config is None or not config.get("lora_rank"):
         return None
-    where = ckpt.resolve_checkpoint(source) / "config.yaml"
+    where = sd.run_folder.resolve_checkpoint(source) / "config.yaml"
     rank, alpha = config["lora_rank"], config.get("lora_alpha") or 0
     targets = config.get("lora_targets") or ["attention"]
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
@@ -660,7 +659,7 @@ def load_lora_run(folder: Path, unet, text_encoder=None, *, use_ema: bool = True
         sd.lora.adapters.AdapterWeights(**models).load_state_dict(state)
     ema_path = folder / "ema.safetensors"
     if use_ema and ema_path.exists():
-        unet_ema, text_ema = sd.train.ema.split_text(read_weights(verified(ema_path)))
+        unet_ema, text_ema = sd.run_folder.split_ema(read_weights(verified(ema_path)))
         with _naming(ema_path):
             sd.lora.adapters.load_adapter_state(unet, unet_ema, "the EMA adapter")
             if text_ema and "text_encoder" in models:
@@ -681,7 +680,7 @@ def check_trained_base(folder: Path, init_from: str, unet, text_encoder=None) ->
     if saved is None:
         raise ValueError(f"{path}: holds no fingerprint tensor")
     models = [unet] + ([text_encoder] if text_encoder is not None else [])  # a learned token's: both
-    now = ckpt.weights_fingerprint([p for model in models for p in model.parameters()])
+    now = sd.run_folder.weights_fingerprint([p for model in models for p in model.parameters()])
     if not sd.lora.adapters.same_base(saved, now):
         what = "learned token" if text_encoder is not None else "adapter"
         raise BaseMismatch(f"{init_from} is not the base model the {what} in {folder} was trained on (its weights "

@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 import sd.model
+import sd.run_folder
 
 # The tiny training settings the trainer tests share (every model random and small, fp32 on the CPU).
 BASE = dict(unet="tiny", vae="tiny", text_encoder="tiny", precision="fp32", device="cpu", grad_checkpointing=False,
@@ -96,9 +97,8 @@ def checkpoint_state(run_dir: Path, step: int, weights: tuple[str, ...]) -> dict
     moments and the RNGs (torch's and the noise generator's)."""
     from safetensors.torch import load_file
 
-    import sd.train.checkpoint as ckpt
 
-    folder = run_dir / "checkpoints" / ckpt.step_dir_name(step)
+    folder = run_dir / "checkpoints" / sd.run_folder.step_dir_name(step)
     tensors = {}
     for name in weights:
         if (folder / f"{name}.safetensors").exists():

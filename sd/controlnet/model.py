@@ -16,6 +16,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import sd.controlnet.files
+import sd.data.shards
+import sd.files
+import sd.formats
+import sd.lora.adapters
+import sd.run_folder
+
 CONTROLNET_FILE = "controlnet.safetensors"  # a ControlNet run's checkpoint: the ControlNet's weights
 EMA_PREFIX = "controlnet."  # its EMA's names in ema.safetensors (the EMA averages ControlledUNet's trainable part)
 
@@ -90,8 +97,6 @@ def attach(config, unet) -> ControlledUNet:
     controlnet.requires_grad_(True).train()
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.precision)
     if dtype is not None:
-        import sd.lora.adapters
-
         sd.lora.adapters.cast_base(unet, dtype)
     return ControlledUNet(unet, controlnet)
 
@@ -117,9 +122,6 @@ def read_control_image(path: str | Path, width: int | None = None, height: int |
     file, or one declaring more than ``DEFAULT_MAX_PIXELS``, is a ValueError naming it."""
     from PIL import Image
 
-    import sd.data.shards
-    import sd.files
-
     path = Path(path)
     try:
         rgb = sd.data.shards.decode_image(sd.files.read_file_bounded(path, MAX_CONTROL_BYTES), path.suffix.lstrip("."))
@@ -137,8 +139,6 @@ def read_control_image(path: str | Path, width: int | None = None, height: int |
 
 def is_controlnet_run(source: str) -> bool:
     """Whether ``source`` is a ControlNet run or checkpoint of ours (its config sets ``control``)."""
-    import sd.formats
-
     path = Path(source)
     if not path.is_dir() or (path / "config.json").is_file():  # a file, or a diffusers model folder
         return False
@@ -148,8 +148,6 @@ def is_controlnet_run(source: str) -> bool:
 
 def run_base(source: str) -> str:
     """The base model (``init_from``) a ControlNet run of ours was trained on."""
-    import sd.formats
-
     config = sd.formats.run_config(source) or {}
     if not config.get("init_from"):
         raise ValueError(f"{source}: a ControlNet run that names no init_from, the base it was trained on")
@@ -160,14 +158,9 @@ def load(source: str, unet, *, use_ema: bool = True):
     """A trained ControlNet for ``unet``'s architecture: from a ControlNet run or checkpoint of ours (its EMA
     unless ``use_ema=False`` or it has none), or any file ``sd.controlnet.files.load_controlnet`` reads (a
     diffusers folder, a single file in the diffusers or the original layout)."""
-    import sd.formats
-    import sd.train.checkpoint as ckpt
-
     if not is_controlnet_run(source):
-        import sd.controlnet.files
-
         return sd.controlnet.files.load_controlnet(source, unet_config=dict(unet.config))
-    folder = ckpt.resolve_checkpoint(Path(source))
+    folder = sd.run_folder.resolve_checkpoint(Path(source))
     controlnet = new_controlnet(unet).to("cpu")
     path = sd.formats.verified(folder / CONTROLNET_FILE)
     state = sd.formats.read_weights(path)

@@ -30,69 +30,19 @@ import pickle
 import random
 import re
 import shutil
-import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 import sd.distributed
 import sd.faults
 import sd.files
 from sd.cli import first_line
-
-STEP_DIR = re.compile(r"^step_(\d{8})$")
-COMPLETE = "COMPLETE"
-MANIFEST = "manifest.json"
-DAMAGED_SUFFIX = ".damaged"
-HASH = "xxh3_128"
-HASH_CHUNK = 16 << 20  # bytes read at a time while hashing
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be written, or the ranks' weights disagree: the run stops."""
-
-
-class Damaged(CheckpointError):
-    """A checkpoint folder whose files do not match its manifest or cannot be read (names the file)."""
-
-
-def step_dir_name(step: int) -> str:
-    return f"step_{step:08d}"
-
-
-def complete_checkpoints(checkpoints_dir: str | Path) -> list[tuple[int, Path]]:
-    """``(step, folder)`` of every complete checkpoint, oldest first."""
-    folder = Path(checkpoints_dir)
-    if not folder.is_dir():
-        return []
-    found = []
-    for child in folder.iterdir():
-        match = STEP_DIR.match(child.name)
-        if match and (child / COMPLETE).exists():
-            found.append((int(match.group(1)), child))
-    return sorted(found)
-
-
-def latest_checkpoint(checkpoints_dir: str | Path) -> Path | None:
-    found = complete_checkpoints(checkpoints_dir)
-    return found[-1][1] if found else None
-
-
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint folder from itself, a run folder, or a run's ``checkpoints/`` folder."""
-    path = Path(path)
-    if (path / COMPLETE).exists():
-        return path
-    for candidate in (path / "checkpoints", path):
-        latest = latest_checkpoint(candidate)
-        if latest is not None:
-            return latest
-    raise FileNotFoundError(f"{path} is neither a complete checkpoint folder nor a run folder holding one")
-
+from sd.run_folder import (COMPLETE, DAMAGED_SUFFIX, HASH, MANIFEST, CheckpointError, Damaged, complete_checkpoints,
+                           describe_files, intact, load_torch, load_weights, step_dir_name, weights_fingerprint)
 
 # ---------------------------------------------------------------------------------------------
 # The state dict of a run: named objects, one file each
@@ -257,84 +207,6 @@ def load(folder: Path, states: dict, rank: int) -> None:
             raise Damaged(f"{path}: {first_line(error)}") from error
 
 
-# ---------------------------------------------------------------------------------------------
-# The manifest
-# ---------------------------------------------------------------------------------------------
-
-
-def file_hash(path: Path) -> str:
-    """xxh3-128 of a file's bytes, hashed straight from the page cache through a memory map (no copy
-    into a buffer; measured 1.8x faster than reading into one), 16 MiB at a time."""
-    import mmap
-
-    import xxhash
-
-    digest = xxhash.xxh3_128()
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size:
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-                view = memoryview(mapped)
-                try:
-                    for start in range(0, size, HASH_CHUNK):
-                        digest.update(view[start : start + HASH_CHUNK])
-                finally:
-                    view.release()
-    return digest.hexdigest()
-
-
-def describe_files(paths: list[Path], threads: int = 4) -> dict[str, dict]:
-    """``{file name: {"size": bytes, "xxh3_128": hex}}``, files hashed in parallel threads."""
-    hashes = file_hashes(paths, threads)
-    return {path.name: {"size": path.stat().st_size, HASH: digest} for path, digest in zip(paths, hashes)}
-
-
-def file_hashes(paths: list[Path], threads: int = 4) -> list[str]:
-    """``file_hash`` of each path, in order, several files at a time."""
-    with ThreadPoolExecutor(max(1, min(threads, len(paths)))) as pool:
-        return list(pool.map(file_hash, paths))
-
-
-def read_manifest(folder: Path) -> dict | None:
-    """The manifest's ``files`` entry; None for a folder written without one (not verifiable)."""
-    path = folder / MANIFEST
-    if not path.exists():
-        return None
-    try:
-        manifest = json.loads(path.read_text())
-        files = manifest["files"]
-        if manifest.get("hash") != HASH or not isinstance(files, dict):
-            raise ValueError(f"unknown hash {manifest.get('hash')!r}")
-        return files
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise Damaged(f"{path}: unreadable manifest ({first_line(error)})") from error
-
-
-def verify(folder: Path, names: list[str], hash_contents: bool = True) -> bool:
-    """Check the files ``names`` of ``folder`` against its manifest: present, the recorded size and
-    (with ``hash_contents``) the recorded hash. Raises ``Damaged`` naming the first file that fails;
-    returns False for a folder without a manifest (nothing to check against), True when verified.
-    """
-    files = read_manifest(folder)
-    if files is None:
-        return False
-    for name in names:
-        path = folder / name
-        if name not in files:
-            raise Damaged(f"{path}: not in the checkpoint's manifest")
-        if not path.exists():
-            raise Damaged(f"{path}: missing")
-        size = path.stat().st_size
-        if size != files[name]["size"]:
-            raise Damaged(f"{path}: {size} bytes where the manifest records {files[name]['size']}")
-    if hash_contents:
-        paths = [folder / name for name in names]
-        for path, digest in zip(paths, file_hashes(paths)):
-            if digest != files[path.name][HASH]:
-                raise Damaged(f"{path}: contents differ from the manifest's hash (the file was changed or damaged)")
-    return True
-
-
 def set_aside(folder: Path) -> Path:
     """Rename a damaged checkpoint out of the way (kept for inspection, never counted or pruned)."""
     target = folder.with_name(folder.name + DAMAGED_SUFFIX)
@@ -364,31 +236,6 @@ def save_torch(obj, path: Path) -> None:
         torch.save(obj, f)
 
 
-def is_split(tensor) -> bool:
-    """Whether ``tensor`` is split across the ranks (a DTensor: FSDP2's parameters). Its module is
-    imported only where FSDP2 runs (a second of start-up for every other process), and a tensor can be a
-    DTensor only once it is."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(tensor, module.DTensor)
-
-
-@torch.no_grad()
-def weights_fingerprint(tensors) -> torch.Tensor:
-    """Per-tensor float64 sums ``(n,)``: equal on every rank unless the replicas diverged.
-
-    A tensor split across the ranks (an FSDP parameter, a DTensor) is summed over its slices: every
-    rank gets the whole tensor's sum (a collective: every rank calls this together)."""
-    tensors = [t.detach() for t in tensors]
-    split = [is_split(t) for t in tensors]
-    sums = torch.stack([(t.to_local() if s else t).double().sum() for t, s in zip(tensors, split)])
-    if any(split):
-        mask = torch.tensor(split, device=sums.device)
-        parts = torch.where(mask, sums, torch.zeros_like(sums))
-        torch.distributed.all_reduce(parts)
-        sums = torch.where(mask, parts, sums)
-    return sums.cpu()
-
-
 def check_ranks_agree(model, d, step: int) -> None:
     """Compare every rank's weight fingerprint with rank 0's (collective); raise naming the ranks
     whose weights differ. DDP keeps replicas equal; a difference means they silently diverged."""
@@ -411,15 +258,6 @@ def finalize(staging: Path, final: Path) -> None:
     if final.exists():  # an earlier complete save of the same step (a re-run): replace it
         shutil.rmtree(final)
     os.replace(staging, final)
-
-
-def intact(folder: Path) -> bool:
-    """The cheap check: a manifest whose every file is present at its recorded size."""
-    try:
-        files = read_manifest(folder)
-        return files is not None and verify(folder, sorted(files), hash_contents=False)
-    except Damaged:
-        return False
 
 
 def prune(checkpoints_dir: Path, keep_last: int, keep_every: int = 0) -> list[Path]:
@@ -467,20 +305,3 @@ def restore_rng(state: dict, noise_generator: torch.Generator) -> None:
     version, py_state, gauss = state["python"]
     random.setstate((version, tuple(py_state), gauss))
     noise_generator.set_state(state["noise"])
-
-
-# ---------------------------------------------------------------------------------------------
-# Reading
-# ---------------------------------------------------------------------------------------------
-
-
-def load_torch(path: Path):
-    if not path.exists():
-        raise FileNotFoundError(f"checkpoint file {path} is missing")
-    return torch.load(path, map_location="cpu", weights_only=True)
-
-
-def load_weights(path: Path) -> dict[str, torch.Tensor]:
-    if not path.exists():
-        raise FileNotFoundError(f"checkpoint file {path} is missing")
-    return load_file(str(path))

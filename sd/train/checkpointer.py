@@ -18,12 +18,14 @@ import sd.distributed
 import sd.embedding.tokens
 import sd.formats
 import sd.lora.adapters
+import sd.run_folder
 import sd.train.checkpoint as ckpt
 import sd.train.ema
 import sd.train.optimizers
 import sd.train.sharding
 from sd.distributed import Dist
-from sd.train.config import ConfigError, TrainConfig, config_yaml, read_saved_config, resume_changes
+from sd.run_folder import read_saved_config
+from sd.train.config import ConfigError, TrainConfig, config_yaml, resume_changes
 
 if TYPE_CHECKING:
     from sd.train.run import Run
@@ -47,7 +49,7 @@ def resume_or_init(run: Run) -> None:
                  "EMA where it has one); the EMA starts from them too")
     elif not resumed and run.config.init_from and not run.config.frozen_base:
         inherited = init_weights(run, run.config.init_from)
-    resumed_from = ckpt.latest_checkpoint(run.run_dir / "checkpoints") if resumed else None
+    resumed_from = sd.run_folder.latest_checkpoint(run.run_dir / "checkpoints") if resumed else None
     run.config = dataclasses.replace(run.config, ema_warmup=ema_warmup_of(run.config, resumed_from, inherited))
     for ema, _ in run.step.emas():
         ema.warmup = run.config.ema_warmup == "restart"
@@ -134,7 +136,7 @@ def resume_newest_usable(run: Run) -> bool:
     """
     checkpoints = run.run_dir / "checkpoints"
     damaged = []
-    for _, folder in reversed(ckpt.complete_checkpoints(checkpoints)):
+    for _, folder in reversed(sd.run_folder.complete_checkpoints(checkpoints)):
         try:
             saved = {}
             agreed(run.d, lambda: saved.update(check_settings(run, folder)))
@@ -142,32 +144,32 @@ def resume_newest_usable(run: Run) -> bool:
             agreed(run.d, lambda: verify_checkpoint(run, folder, parts))
             agreed(run.d, lambda: resume(run, folder, parts))
             return True
-        except ckpt.Damaged as error:
+        except sd.run_folder.Damaged as error:
             log.warning("checkpoint %s is damaged, skipped: %s", folder, error)
         damaged.append(folder)
         if run.d.is_main:
             ckpt.set_aside(folder)
         sd.distributed.barrier(run.d)
-    damaged = damaged or sorted(checkpoints.glob(f"step_*{ckpt.DAMAGED_SUFFIX}*"))
+    damaged = damaged or sorted(checkpoints.glob(f"step_*{sd.run_folder.DAMAGED_SUFFIX}*"))
     if damaged:
-        raise ckpt.CheckpointError(
+        raise sd.run_folder.CheckpointError(
             f"no usable checkpoint in {checkpoints}: {', '.join(f.name for f in damaged)} damaged (set aside as "
-            f"*{ckpt.DAMAGED_SUFFIX}); restore a good copy there, or move them away to start the run over")
+            f"*{sd.run_folder.DAMAGED_SUFFIX}); restore a good copy there, or move them away to start the run over")
     return False
 
 
 def agreed(d: Dist, attempt) -> None:
     """Run ``attempt`` on every rank and raise the same error on all of them if it failed on any:
-    ``ckpt.Damaged`` before ``ConfigError`` (no rank is left waiting in a collective)."""
+    ``sd.run_folder.Damaged`` before ``ConfigError`` (no rank is left waiting in a collective)."""
     try:
         attempt()
         outcome = None
-    except ckpt.Damaged as error:
+    except sd.run_folder.Damaged as error:
         outcome = ("damaged", f"rank {d.rank}: {error}" if d.world_size > 1 else str(error))
     except ConfigError as error:
         outcome = ("config", str(error))
     outcomes = [o for o in sd.distributed.all_gather_objects(outcome, d) if o]
-    for kind, error_type in (("damaged", ckpt.Damaged), ("config", ConfigError)):
+    for kind, error_type in (("damaged", sd.run_folder.Damaged), ("config", ConfigError)):
         for found, message in outcomes:
             if found == kind:
                 raise error_type(message)
@@ -179,18 +181,18 @@ SETTINGS_FILES = ("config.yaml", "train_state.pt")
 def check_settings(run: Run, folder: Path) -> dict:
     """Compare the run's settings with those ``folder`` was written with; returns its saved config.
 
-    Its config and train state are verified and read first (damage there is ``ckpt.Damaged``). A field
+    Its config and train state are verified and read first (damage there is ``sd.run_folder.Damaged``). A field
     whose change would not continue the same run (``sd.train.config.ON_RESUME``), another world size or
     another number of training samples is a ConfigError naming the old and new values; an accepted
     change is logged with what the resumed run does.
     """
     try:
-        ckpt.verify(folder, list(SETTINGS_FILES))
+        sd.run_folder.verify(folder, list(SETTINGS_FILES))
         saved = read_saved_config(folder / "config.yaml")
-        state = ckpt.load_torch(folder / "train_state.pt")
+        state = sd.run_folder.load_torch(folder / "train_state.pt")
         written_by, samples = int(state["world_size"]), int(state.get("data_samples", 0))
     except (OSError, ValueError, RuntimeError, KeyError, TypeError) as error:
-        raise ckpt.Damaged(f"{folder}: {sd.cli.first_line(error)}") from error
+        raise sd.run_folder.Damaged(f"{folder}: {sd.cli.first_line(error)}") from error
     refused, warned = resume_changes(saved, run.config)
     if written_by != run.d.world_size:
         refused.append(f"world size: {written_by} -> {run.d.world_size} rank(s) (it fixes the data order and each "
@@ -220,17 +222,17 @@ def parts_to_load(run: Run, saved: dict) -> dict:
 
 def verify_checkpoint(run: Run, folder: Path, parts: dict) -> None:
     """Check the files this rank reads against the manifest (rank 0 the shared ones, each rank its
-    own); raises ``ckpt.Damaged`` naming the first that fails."""
+    own); raises ``sd.run_folder.Damaged`` naming the first that fails."""
     mine = [ckpt.file_name(name, obj, run.d.rank) for name, obj in parts.items()
             if run.d.is_main or isinstance(obj, ckpt.PerRank)]
-    if not ckpt.verify(folder, mine):
+    if not sd.run_folder.verify(folder, mine):
         log.warning("%s has no manifest (written by an older version): its files are not verified", folder)
 
 
 def resume(run: Run, folder: Path, parts: dict) -> None:
     """Restore ``parts`` from a complete, verified checkpoint whose settings ``check_settings`` accepted.
 
-    An unreadable file raises ``ckpt.Damaged``; a LoRA base other than the adapter's is a ConfigError.
+    An unreadable file raises ``sd.run_folder.Damaged``; a LoRA base other than the adapter's is a ConfigError.
     """
     if run.config.frozen_base or run.config.distill:
         check_lora_base(run, folder)
@@ -255,9 +257,9 @@ def resume(run: Run, folder: Path, parts: dict) -> None:
 def check_lora_base(run: Run, folder: Path) -> None:
     """The base weights loaded now must be those the checkpoint's adapter was trained on."""
     try:
-        saved = ckpt.load_weights(folder / "lora_base.safetensors")["fingerprint"]
+        saved = sd.run_folder.load_weights(folder / "lora_base.safetensors")["fingerprint"]
     except (OSError, KeyError, RuntimeError, SafetensorError) as error:
-        raise ckpt.Damaged(f"{folder / 'lora_base.safetensors'}: {sd.cli.first_line(error)}") from error
+        raise sd.run_folder.Damaged(f"{folder / 'lora_base.safetensors'}: {sd.cli.first_line(error)}") from error
     now = run.base_fingerprint
     if not sd.lora.adapters.same_base(saved, now):
         what = ("learned token" if run.config.embedding_token else "distilled model" if run.config.distill

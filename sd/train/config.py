@@ -22,6 +22,8 @@ import sd.cli
 import sd.lora.adapters
 import sd.model
 import sd.sampling
+from sd.cli import load_yaml
+from sd.run_folder import read_saved_config
 
 
 @dataclass(frozen=True)
@@ -657,44 +659,6 @@ def build_parser(description: str = "") -> sd.cli.ArgumentParser:
     return parser
 
 
-YAML_NODES = 100_000  # a config's values with every alias expanded: far above any config, far below an alias bomb
-
-
-def load_yaml(text: str):
-    """``yaml.safe_load`` of a config, refusing one whose aliases expand past ``YAML_NODES`` values (a
-    few hundred bytes of nested aliases expand to billions: the "billion laughs"). A ValueError says
-    what is wrong (invalid YAML or the expansion)."""
-    loader = yaml.SafeLoader(text)
-    try:
-        node = loader.get_single_node()
-        if node is None:
-            return None
-        if expanded_size(node) > YAML_NODES:
-            raise ValueError(f"its aliases (*name) expand to more than {YAML_NODES} values; write the values out")
-        return loader.construct_document(node)
-    except yaml.YAMLError as error:
-        raise ValueError(f"not valid YAML ({str(error).splitlines()[0]})") from None
-    except RecursionError:
-        raise ValueError("nested too deeply") from None
-    finally:
-        loader.dispose()
-
-
-def expanded_size(node: yaml.Node) -> int:
-    """The values under ``node`` counted as if every alias were written out (each shared node once
-    per reference), computed once per distinct node."""
-    sizes: dict[int, int] = {}
-
-    def size(n: yaml.Node) -> int:
-        if id(n) not in sizes:
-            children = [c for pair in n.value for c in pair] if isinstance(n, yaml.MappingNode) else \
-                n.value if isinstance(n, yaml.SequenceNode) else []
-            sizes[id(n)] = min(1 + sum(size(c) for c in children), YAML_NODES + 1)
-        return sizes[id(n)]
-
-    return size(node)
-
-
 def check_models(config: TrainConfig, unet, text_encoder) -> None:
     """The models fit together and the config before any work: the text encoder's width is the UNet's
     cross-attention width, and every LoRA target selects a layer. A ConfigError names both."""
@@ -838,18 +802,6 @@ def resolve_global_batch(config: TrainConfig, world_size: int) -> TrainConfig:
     raise ConfigError(f"global_batch {config.global_batch} is not a whole number of steps of batch_size "
                       f"{config.batch_size} on {world_size} GPU(s) ({per_step} images each): use "
                       + " or ".join(options))
-
-
-def read_saved_config(path: str | Path) -> dict:
-    """A run's or checkpoint's ``config.yaml`` as written by ``config_yaml``: the one reader of a saved
-    config. A file that is no YAML mapping is a ValueError naming it (OSError when it cannot be read)."""
-    try:
-        saved = load_yaml(Path(path).read_text())
-    except (ValueError, UnicodeDecodeError) as error:
-        raise ValueError(f"{path}: {sd.cli.first_line(error)}") from error
-    if not isinstance(saved, dict):
-        raise ValueError(f"{path}: not a mapping of config fields")
-    return saved
 
 
 def config_yaml(config: TrainConfig) -> str:

@@ -8,6 +8,7 @@ import contextlib
 import torch
 
 import sd.train.sharding
+from sd.run_folder import EMA_TEXT_PREFIX, split_ema
 
 
 def ema_decay_at(step: int, decay: float) -> float:
@@ -142,7 +143,6 @@ class EMA:
                     p.copy_(saved)
 
 
-TEXT_PREFIX = "text_encoder."  # the text adapter's EMA in ema.safetensors; the UNet's keys never start so
 
 
 class EMAWeights:
@@ -161,11 +161,11 @@ class EMAWeights:
     def state_dict(self) -> dict[str, torch.Tensor]:
         state = dict(self.unet_ema.state_dict()) if self.unet_ema is not None else {}
         if self.text_ema is not None:
-            state.update({TEXT_PREFIX + name: tensor for name, tensor in self.text_ema.state_dict().items()})
+            state.update({EMA_TEXT_PREFIX + name: tensor for name, tensor in self.text_ema.state_dict().items()})
         return state
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        unet, text = split_text(state)
+        unet, text = split_ema(state)
         if self.unet_ema is not None:
             self.unet_ema.load_state_dict(unet)
         elif unet:
@@ -177,10 +177,3 @@ class EMAWeights:
         self.text_missing = not text
         if text:
             self.text_ema.load_state_dict(text)
-
-
-def split_text(state: dict[str, torch.Tensor]) -> tuple[dict, dict]:
-    """``ema.safetensors``' tensors as ``(the UNet's, the text adapter's)``, the prefix taken off the latter."""
-    unet = {name: tensor for name, tensor in state.items() if not name.startswith(TEXT_PREFIX)}
-    text = {name[len(TEXT_PREFIX):]: tensor for name, tensor in state.items() if name.startswith(TEXT_PREFIX)}
-    return unet, text

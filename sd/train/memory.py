@@ -64,7 +64,8 @@ import sd.model
 import sd.runtime
 import sd.train.sharding
 import sd.train.step
-from sd.train.config import ConfigError, check_models, largest_batch_for, read_saved_config, resolve_global_batch
+from sd.run_folder import read_saved_config
+from sd.train.config import ConfigError, check_models, largest_batch_for, resolve_global_batch
 
 log = logging.getLogger("sd_train")
 

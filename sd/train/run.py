@@ -24,6 +24,7 @@ import sd.files
 import sd.formats
 import sd.lora.adapters
 import sd.model
+import sd.run_folder
 import sd.sampling
 import sd.train.checkpoint as ckpt
 import sd.train.checkpointer
@@ -219,7 +220,7 @@ def build(config: TrainConfig, d: Dist) -> Run:
     base_fingerprint = None
     if config.frozen_base or config.distill:  # the weights trained on or from (the teacher), as loaded
         base = list(unet.parameters()) + (list(text_encoder.parameters()) if config.embedding_token else [])
-        base_fingerprint = ckpt.weights_fingerprint(base)
+        base_fingerprint = sd.run_folder.weights_fingerprint(base)
     if config.embedding_token:  # before any prompt is tokenised
         add_learned_token(config, unet, text_encoder, tokenizer)
     if config.control:

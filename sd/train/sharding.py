@@ -20,7 +20,7 @@ import contextlib
 import torch
 
 import sd.train.checkpoint as ckpt
-from sd.train.checkpoint import is_split
+from sd.run_folder import is_split
 
 
 def zero_optimizer(params: list, **kwargs):

@@ -18,7 +18,7 @@ import sd.data.buckets
 import sd.data.shards
 import sd.data.training_data
 import sd.model
-import sd.train.checkpoint as ckpt
+import sd.run_folder
 import sd.train.config
 import sd.train.memory
 import sd.train.step
@@ -282,7 +282,7 @@ def run_config(root: Path, out: Path, **fields) -> Path:
 
 
 def state(run_dir: Path, step: int) -> dict:
-    folder = run_dir / "checkpoints" / ckpt.step_dir_name(step)
+    folder = run_dir / "checkpoints" / sd.run_folder.step_dir_name(step)
     tensors = {f"unet.{k}": v for k, v in load_file(folder / "unet.safetensors").items()}
     tensors.update({f"ema.{k}": v for k, v in load_file(folder / "ema.safetensors").items()})
     rng = torch.load(folder / "rng_rank0.pt", weights_only=True)["rng"]
@@ -314,7 +314,7 @@ def test_a_bucketed_run_resumed_mid_epoch_is_bitwise_equal(bucketed, tmp_path, m
     assert (tmp_path / "whole" / "samples" / "step_00000008.png").exists()
     split = run_config(root, tmp_path / "split")
     assert SD_Train.main(["--config", str(split), "--stop_at_step", "3"]) == 0
-    saved = torch.load(tmp_path / "split" / "checkpoints" / ckpt.step_dir_name(3) / "train_state.pt", weights_only=True)
+    saved = torch.load(tmp_path / "split" / "checkpoints" / sd.run_folder.step_dir_name(3) / "train_state.pt", weights_only=True)
     assert (saved["epoch"], saved["position"]) == (0, 6)  # mid-epoch 0: 6 of its 14 micro-batches
     assert SD_Train.main(["--config", str(split)]) == 0  # resumes; crosses into epoch 1
     a, b = state(tmp_path / "whole", 8), state(tmp_path / "split", 8)
@@ -385,7 +385,7 @@ def test_two_ranks_train_a_bucketed_folder_in_step_and_it_samples_at_a_bucket_si
                str(Path(SD_Train.__file__)), "--config", str(config)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    folder = tmp_path / "ddp" / "checkpoints" / ckpt.step_dir_name(9)
+    folder = tmp_path / "ddp" / "checkpoints" / sd.run_folder.step_dir_name(9)
     fingerprints = [torch.load(folder / f"rng_rank{r}.pt", weights_only=True)["fingerprint"] for r in range(2)]
     assert torch.equal(*fingerprints)  # the replicas agree after steps over several shapes
     assert "merged into bucket 80x48" in result.stderr

@@ -12,7 +12,7 @@ import yaml
 import sd.data.captions
 import sd.data.training_data
 import sd.model
-import sd.train.checkpoint as ckpt
+import sd.run_folder
 import sd.train.step
 import SD_Train
 
@@ -49,7 +49,7 @@ def test_a_run_with_caption_operations_stopped_and_resumed_equals_the_straight_r
     split = config_file(tmp_path / "b.yaml", data, tmp_path / "b")
     assert main(split + ["--stop_at_step", "2"]) == 0  # mid-epoch 0: a checkpoint at step 2
     assert main(split) == 0  # resumes at step 2, across the epoch end at step 4, to step 6
-    final = ckpt.step_dir_name(6)
+    final = sd.run_folder.step_dir_name(6)
     assert_bitwise_equal(saved_tensors(tmp_path / "b" / "checkpoints" / final),
                          saved_tensors(tmp_path / "a" / "checkpoints" / final))
 

@@ -16,6 +16,7 @@ import yaml
 from safetensors.torch import load_file
 
 import sd.distributed
+import sd.run_folder
 import sd.train.checkpoint as ckpt
 import SD_Train
 
@@ -82,20 +83,20 @@ def reference(tmp_path_factory, data):
     """The uninterrupted run: 8 steps, a checkpoint every 2."""
     root = tmp_path_factory.mktemp("reference")
     assert main(config_file(root / "c.yaml", data, root / "run")) == 0
-    return saved_tensors(root / "run" / "checkpoints" / ckpt.step_dir_name(STEPS))
+    return saved_tensors(root / "run" / "checkpoints" / sd.run_folder.step_dir_name(STEPS))
 
 
 def test_a_checkpoint_has_a_manifest_of_every_file(reference, tmp_path, data):
     run_dir = tmp_path / "run"
     assert SD_Train.main(config_file(tmp_path / "c.yaml", data, run_dir, max_steps=2)) == 0
-    folder = run_dir / "checkpoints" / ckpt.step_dir_name(2)
-    manifest = json.loads((folder / ckpt.MANIFEST).read_text())
-    names = sorted(p.name for p in folder.iterdir() if p.name not in (ckpt.MANIFEST, ckpt.COMPLETE))
+    folder = run_dir / "checkpoints" / sd.run_folder.step_dir_name(2)
+    manifest = json.loads((folder / sd.run_folder.MANIFEST).read_text())
+    names = sorted(p.name for p in folder.iterdir() if p.name not in (sd.run_folder.MANIFEST, sd.run_folder.COMPLETE))
     assert sorted(manifest["files"]) == names and "unet.safetensors" in names and "config.yaml" in names
     for name, entry in manifest["files"].items():
         assert entry["size"] == (folder / name).stat().st_size
-        assert entry[ckpt.HASH] == ckpt.file_hash(folder / name)
-    assert ckpt.verify(folder, names) is True
+        assert entry[sd.run_folder.HASH] == sd.run_folder.file_hash(folder / name)
+    assert sd.run_folder.verify(folder, names) is True
 
 
 def damage(path, how):
@@ -114,15 +115,15 @@ def test_a_damaged_newest_checkpoint_is_named_set_aside_and_the_previous_one_res
     run_dir = tmp_path / "run"
     flags = config_file(tmp_path / "c.yaml", data, run_dir)
     assert main([*flags, "--stop_at_step", "6"]) == 0
-    newest = run_dir / "checkpoints" / ckpt.step_dir_name(6)
+    newest = run_dir / "checkpoints" / sd.run_folder.step_dir_name(6)
     damage(newest / "unet.safetensors", how)
     with caplog.at_level(logging.WARNING, logger="sd_train"):
         assert main(flags) == 0
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "damaged" in r.getMessage()]
     assert len(warnings) == 1 and str(newest / "unet.safetensors") in warnings[0], warnings
-    assert (run_dir / "checkpoints" / (newest.name + ckpt.DAMAGED_SUFFIX) / "unet.safetensors").exists()
+    assert (run_dir / "checkpoints" / (newest.name + sd.run_folder.DAMAGED_SUFFIX) / "unet.safetensors").exists()
     # resumed at step 4, trained 4..8 again (step 6 re-saved): the same weights, optimizer and RNGs
-    assert_bitwise_equal(saved_tensors(run_dir / "checkpoints" / ckpt.step_dir_name(STEPS)), reference)
+    assert_bitwise_equal(saved_tensors(run_dir / "checkpoints" / sd.run_folder.step_dir_name(STEPS)), reference)
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, STEPS + 1))
 
@@ -137,8 +138,8 @@ def test_a_stopped_full_fine_tune_resumes_bitwise_with_each_optimizer(tmp_path, 
     flags = config_file(tmp_path / "b.yaml", data, tmp_path / "b", **fields)
     assert main([*flags, "--stop_at_step", "3"]) == 0
     assert main(flags) == 0
-    straight = saved_tensors(tmp_path / "a" / "checkpoints" / ckpt.step_dir_name(4))
-    assert_bitwise_equal(straight, saved_tensors(tmp_path / "b" / "checkpoints" / ckpt.step_dir_name(4)))
+    straight = saved_tensors(tmp_path / "a" / "checkpoints" / sd.run_folder.step_dir_name(4))
+    assert_bitwise_equal(straight, saved_tensors(tmp_path / "b" / "checkpoints" / sd.run_folder.step_dir_name(4)))
     assert len([k for k in straight if k.startswith("optimizer.state.")]) >= 2 * len(
         [k for k in straight if k.startswith("unet.")])
 
@@ -147,11 +148,11 @@ def test_weights_that_do_not_match_their_fingerprint_are_damaged(tmp_path, data)
     """A valid weights file with a manifest to match, but not the weights this rank saved."""
     run_dir = tmp_path / "run"
     assert SD_Train.main(config_file(tmp_path / "c.yaml", data, run_dir, max_steps=4)) == 0
-    old, new = (run_dir / "checkpoints" / ckpt.step_dir_name(s) for s in (2, 4))
+    old, new = (run_dir / "checkpoints" / sd.run_folder.step_dir_name(s) for s in (2, 4))
     (new / "unet.safetensors").write_bytes((old / "unet.safetensors").read_bytes())
-    manifest = json.loads((new / ckpt.MANIFEST).read_text())
-    manifest["files"].update(ckpt.describe_files([new / "unet.safetensors"]))
-    (new / ckpt.MANIFEST).write_text(json.dumps(manifest))
+    manifest = json.loads((new / sd.run_folder.MANIFEST).read_text())
+    manifest["files"].update(sd.run_folder.describe_files([new / "unet.safetensors"]))
+    (new / sd.run_folder.MANIFEST).write_text(json.dumps(manifest))
     config = SD_Train.load_config(config_file(tmp_path / "c.yaml", data, run_dir, max_steps=4))
     run = SD_Train.build(config, sd.distributed.Dist.single())
     assert run.state.step == 2
@@ -163,38 +164,38 @@ def test_every_checkpoint_damaged_stops_instead_of_starting_over(tmp_path, data,
     flags = config_file(tmp_path / "c.yaml", data, run_dir, max_steps=4)
     assert SD_Train.main(flags) == 0
     for step in (2, 4):
-        damage(run_dir / "checkpoints" / ckpt.step_dir_name(step) / "optimizer.pt", "truncated")
+        damage(run_dir / "checkpoints" / sd.run_folder.step_dir_name(step) / "optimizer.pt", "truncated")
     assert SD_Train.main(flags) == 2
     err = capsys.readouterr().err
     assert "no usable checkpoint" in err and "step_00000002" in err and "step_00000004" in err
     assert SD_Train.main(flags) == 2  # the run folder is not mistaken for a new run on the next attempt
-    assert ckpt.complete_checkpoints(run_dir / "checkpoints") == []
+    assert sd.run_folder.complete_checkpoints(run_dir / "checkpoints") == []
 
 
 def write_checkpoint(folder, size=64):
     folder.mkdir(parents=True)
     (folder / "unet.safetensors").write_bytes(os.urandom(size))
-    (folder / ckpt.MANIFEST).write_text(json.dumps(
-        {"hash": ckpt.HASH, "files": ckpt.describe_files([folder / "unet.safetensors"])}))
-    (folder / ckpt.COMPLETE).write_text("ok")
+    (folder / sd.run_folder.MANIFEST).write_text(json.dumps(
+        {"hash": sd.run_folder.HASH, "files": sd.run_folder.describe_files([folder / "unet.safetensors"])}))
+    (folder / sd.run_folder.COMPLETE).write_text("ok")
 
 
 def test_rotation_never_removes_the_newest_intact_checkpoint(tmp_path):
     for step in (2, 4, 6):
-        write_checkpoint(tmp_path / ckpt.step_dir_name(step))
-    damage(tmp_path / ckpt.step_dir_name(6) / "unet.safetensors", "truncated")
+        write_checkpoint(tmp_path / sd.run_folder.step_dir_name(step))
+    damage(tmp_path / sd.run_folder.step_dir_name(6) / "unet.safetensors", "truncated")
     ckpt.prune(tmp_path, keep_last=1)
     # step 6 is short of its manifest's size: it neither counts nor is deleted; step 4 is the newest intact one
-    assert [s for s, _ in ckpt.complete_checkpoints(tmp_path)] == [4, 6]
+    assert [s for s, _ in sd.run_folder.complete_checkpoints(tmp_path)] == [4, 6]
 
 
 def test_ranks_whose_weights_differ_stop_the_run_naming_them(monkeypatch):
     model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2))
-    mine = ckpt.weights_fingerprint(model.parameters())
+    mine = sd.run_folder.weights_fingerprint(model.parameters())
     other = mine.clone()
     other[2] += 1e-12  # rank 2's second layer's weight
     monkeypatch.setattr(sd.distributed, "all_gather_objects", lambda value, d: [mine, mine, other, mine])
-    with pytest.raises(ckpt.CheckpointError, match=r"rank\(s\) 2 differ from rank 0's \(first in 1.weight\)"):
+    with pytest.raises(sd.run_folder.CheckpointError, match=r"rank\(s\) 2 differ from rank 0's \(first in 1.weight\)"):
         ckpt.check_ranks_agree(model, sd.distributed.Dist.single(), 10)
     monkeypatch.setattr(sd.distributed, "all_gather_objects", lambda value, d: [mine] * 4)
     ckpt.check_ranks_agree(model, sd.distributed.Dist.single(), 10)
@@ -220,9 +221,9 @@ def test_a_full_disk_during_a_save_names_the_error_and_file_and_leaves_no_stagin
     assert SD_Train.main(flags) == 2
     err = capsys.readouterr().err
     assert "[ENOSPC] No space left on device" in err and str(ckpt.staging_dir(run_dir / "checkpoints", 4)) in err
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [ckpt.step_dir_name(2)]
-    assert ckpt.verify(run_dir / "checkpoints" / ckpt.step_dir_name(2),
-                       sorted(json.loads((run_dir / "checkpoints" / "step_00000002" / ckpt.MANIFEST).read_text())["files"]))
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [sd.run_folder.step_dir_name(2)]
+    assert sd.run_folder.verify(run_dir / "checkpoints" / sd.run_folder.step_dir_name(2),
+                       sorted(json.loads((run_dir / "checkpoints" / "step_00000002" / sd.run_folder.MANIFEST).read_text())["files"]))
 
 
 def test_a_library_write_error_names_its_errno():

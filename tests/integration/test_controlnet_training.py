@@ -18,7 +18,7 @@ import sd.data.shards
 import sd.data.training_data
 import sd.formats
 import sd.model
-import sd.train.checkpoint as ckpt
+import sd.run_folder
 import SD_ImageGen
 import SD_Train
 from data_factory import BASE, assert_bitwise_equal, checkpoint_state, make_base_pipeline, make_dataset
@@ -146,7 +146,7 @@ def test_a_controlnet_run_stopped_and_resumed_equals_the_straight_run_bit_for_bi
     straight, resumed = runs
     a, b = checkpoint_state(straight, 6, WEIGHTS), checkpoint_state(resumed, 6, WEIGHTS)
     assert_bitwise_equal(a, b)
-    folder = straight / "checkpoints" / ckpt.step_dir_name(6)
+    folder = straight / "checkpoints" / sd.run_folder.step_dir_name(6)
     assert not (folder / "unet.safetensors").exists()  # the base is init_from's, never saved
     ema = load_file(folder / "ema.safetensors")
     assert ema and all(k.startswith("controlnet.") for k in ema)
@@ -230,7 +230,7 @@ def test_two_ranks_train_one_controlnet(base_model, data, tmp_path):
                              str(root / "SD_Train.py"), "--config", str(config)], cwd=root, capture_output=True,
                             text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    weights = load_file(tmp_path / "run" / "checkpoints" / ckpt.step_dir_name(4) / "controlnet.safetensors")
+    weights = load_file(tmp_path / "run" / "checkpoints" / sd.run_folder.step_dir_name(4) / "controlnet.safetensors")
     assert weights["controlnet_mid_block.weight"].abs().max() > 0
 
 
@@ -240,7 +240,7 @@ def test_controlnet_from_starts_a_run_from_a_trained_controlnet_of_any_source(ru
     import sd.train.config
 
     _, run = runs
-    folder = run / "checkpoints" / ckpt.step_dir_name(6)
+    folder = run / "checkpoints" / sd.run_folder.step_dir_name(6)
     ema = {k.removeprefix("controlnet."): v for k, v in load_file(folder / "ema.safetensors").items()}
     single = tmp_path / "cn.safetensors"
     assert SD_ImageGen.main(["--ckpt", str(run), "--export_controlnet", str(single)]) == 0

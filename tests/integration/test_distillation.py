@@ -17,10 +17,10 @@ from safetensors.torch import load_file
 import sd.data.training_data
 import sd.formats
 import sd.model
+import sd.run_folder
 import sd.train.config
 import sd.train.distill
 import sd.train.step
-import sd.train.checkpoint as ckpt
 import SD_ImageGen
 import SD_Train
 
@@ -105,7 +105,7 @@ def test_two_ranks_distill_an_lcm_lora_to_the_same_adapter(base_model, dataset_1
                              str(ROOT / "SD_Train.py"), "--config", str(config)], cwd=ROOT, capture_output=True,
                             text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    folder = tmp_path / "run" / "checkpoints" / ckpt.step_dir_name(4)
+    folder = tmp_path / "run" / "checkpoints" / sd.run_folder.step_dir_name(4)
     rank0, rank1 = (torch.load(folder / f"rng_rank{r}.pt", weights_only=True) for r in (0, 1))
     assert torch.equal(rank0["fingerprint"], rank1["fingerprint"])  # the ranks' weights agree
     assert not torch.equal(rank0["rng"]["noise"], rank1["rng"]["noise"])  # and they drew different samples
@@ -137,7 +137,7 @@ def test_the_consistency_loss_falls_and_the_teacher_is_left_as_it_was(base_model
     run = train(tmp_path, "run", datasets=[dataset_16], init_from=str(base_model), max_steps=16, validate_every=16,
                 **fields)
     assert (run / "samples" / "step_00000016.png").exists()  # the validation grid, sampled with lcm
-    folder = run / "checkpoints" / ckpt.step_dir_name(16)
+    folder = run / "checkpoints" / sd.run_folder.step_dir_name(16)
     data = sd.data.training_data.MixedData([sd.data.training_data.join_split(
         dataset_16["dataset"], "train", sd.data.training_data.LatentStore(dataset_16["latents"]))], [1.0])
     latents, ids = data.batch(np.arange(16))[:2]
@@ -152,7 +152,7 @@ def test_the_consistency_loss_falls_and_the_teacher_is_left_as_it_was(base_model
     teacher = sd.model.build_unet("tiny", from_scratch=False)
     sd.formats.load_unet_weights(str(base_model), teacher)
     saved_base = load_file(str(folder / "lora_base.safetensors"))["fingerprint"]
-    assert torch.equal(saved_base, ckpt.weights_fingerprint(list(teacher.parameters())))
+    assert torch.equal(saved_base, sd.run_folder.weights_fingerprint(list(teacher.parameters())))
 
 
 def test_an_exported_lcm_lora_sampled_by_diffusers_lcm_scheduler_gives_our_images(base_model, dataset_16, tmp_path):

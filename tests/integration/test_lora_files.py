@@ -17,6 +17,7 @@ import sd.formats
 import sd.lora.adapters
 import sd.lora.files
 import sd.model
+import sd.run_folder
 import sd.sampling
 import sd.train.checkpoint as ckpt
 import sd.train.checkpointer
@@ -267,19 +268,19 @@ def lora_run(base, base_dir, tmp_path_factory):
     adapter's EMA, the base's fingerprint, config.yaml, COMPLETE; no unet.safetensors. Returns (run
     folder, live models, EMA UNet)."""
     run = tmp_path_factory.mktemp("lora_run") / "run"
-    folder = run / "checkpoints" / ckpt.step_dir_name(12)
+    folder = run / "checkpoints" / sd.run_folder.step_dir_name(12)
     folder.mkdir(parents=True)
     unet, encoder = adapted(base, ["attention"], seed=3)
     ema = copy.deepcopy(unet)
     randomize(ema, 5)
     ckpt.save_weights(sd.lora.adapters.AdapterWeights(unet=unet, text_encoder=encoder).state_dict(), folder / "adapter.safetensors")
     ckpt.save_weights(sd.lora.adapters.adapter_state(ema), folder / "ema.safetensors")
-    ckpt.save_weights({"fingerprint": ckpt.weights_fingerprint(base[0].parameters())}, folder / "lora_base.safetensors")
+    ckpt.save_weights({"fingerprint": sd.run_folder.weights_fingerprint(base[0].parameters())}, folder / "lora_base.safetensors")
     config = dict(init_from=str(base_dir), lora_rank=RANK, lora_alpha=ALPHA, lora_dropout=0.0, lora_targets=["attention"],
                   lora_text_encoder=True, unet="tiny", vae=str(base_dir), text_encoder=str(base_dir),
                   tokenizer=str(base_dir), prediction_type="epsilon")
     (folder / "config.yaml").write_text(yaml.safe_dump(config))
-    (folder / ckpt.COMPLETE).write_text("ok\n")
+    (folder / sd.run_folder.COMPLETE).write_text("ok\n")
     return run, unet, encoder, ema
 
 
@@ -338,7 +339,7 @@ def lora_run_copy(lora_run, tmp_path, **config_fields):
     """A copy of the LoRA run (its checkpoint folder returned too), ``config_fields`` changed in its config."""
     run = tmp_path / "run"
     shutil.copytree(lora_run[0], run)
-    folder = ckpt.resolve_checkpoint(run)
+    folder = sd.run_folder.resolve_checkpoint(run)
     config = yaml.safe_load((folder / "config.yaml").read_text())
     (folder / "config.yaml").write_text(yaml.safe_dump({**config, **config_fields}))
     return run, folder
@@ -529,10 +530,10 @@ def test_a_locon_run_records_its_conv_rank_and_loads_back_with_it(lora_run, base
     randomize(unet, 9)
     copy_run = tmp_path / "locon_run"
     shutil.copytree(run, copy_run)
-    folder = ckpt.resolve_checkpoint(copy_run)
+    folder = sd.run_folder.resolve_checkpoint(copy_run)
     ckpt.save_weights(sd.lora.adapters.AdapterWeights(unet=unet).state_dict(), folder / "adapter.safetensors")
     (folder / "ema.safetensors").unlink()
-    (folder / ckpt.MANIFEST).unlink(missing_ok=True)
+    (folder / sd.run_folder.MANIFEST).unlink(missing_ok=True)
     config = yaml.safe_load((folder / "config.yaml").read_text())
     config.update(lora_targets=["attention", "resnet"], lora_conv_rank=CONV_RANK, lora_conv_alpha=CONV_ALPHA,
                   lora_text_encoder=False)

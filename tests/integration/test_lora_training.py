@@ -17,6 +17,7 @@ import sd.formats
 import sd.lora.adapters
 import sd.lora.files
 import sd.model
+import sd.run_folder
 import sd.sampling
 import sd.train.checkpoint as ckpt
 import sd.train.checkpointer
@@ -55,7 +56,7 @@ def base_unet(folder: Path):
 
 def run_state(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
     """Every tensor a checkpoint holds: adapter, EMA, optimizer moments, every RNG."""
-    folder = run_dir / "checkpoints" / ckpt.step_dir_name(step)
+    folder = run_dir / "checkpoints" / sd.run_folder.step_dir_name(step)
     tensors = {f"adapter.{k}": v for k, v in load_file(folder / "adapter.safetensors").items()}
     tensors.update({f"ema.{k}": v for k, v in load_file(folder / "ema.safetensors").items()})
     for index, state in torch.load(folder / "optimizer.pt", weights_only=True)["state"].items():
@@ -77,7 +78,7 @@ def test_lora_trains_the_adapter_only_and_resumes_bitwise_with_adapter_dropout(t
     assert SD_Train.main(["--config", str(stopped)]) == 0
     assert_bitwise_equal(run_state(tmp_path / "a", 6), run_state(tmp_path / "b", 6))
 
-    folder = tmp_path / "a" / "checkpoints" / ckpt.step_dir_name(6)
+    folder = tmp_path / "a" / "checkpoints" / sd.run_folder.step_dir_name(6)
     assert not (folder / "unet.safetensors").exists()
     adapter = load_file(folder / "adapter.safetensors")
     assert adapter and all(sd.lora.adapters.is_adapter_name(k) and k.startswith("unet.") for k in adapter)
@@ -110,7 +111,7 @@ def test_a_resume_on_another_base_model_is_refused(tmp_path, base_model, data, c
                                 sd.model.load_tokenizer("tiny"))
     assert SD_Train.main(["--config", str(config), "--init_from", str(other)]) == 2
     assert "is not the base model the adapter" in capsys.readouterr().err
-    assert (tmp_path / "run" / "checkpoints" / ckpt.step_dir_name(1)).is_dir()  # not set aside as damaged
+    assert (tmp_path / "run" / "checkpoints" / sd.run_folder.step_dir_name(1)).is_dir()  # not set aside as damaged
 
 
 def test_lora_needs_base_weights(tmp_path, data, capsys):
@@ -167,7 +168,7 @@ def test_dreambooth_generates_missing_class_images_and_trains_on_both_halves(tmp
         assert all(torch.equal(row, class_ids) for row in ids[2:])
     assert (tmp_path / "run" / "samples" / "step_00000003.png").exists()
     assert "instance image skipped: " in caplog.text and "broken.png" in caplog.text
-    saved = tmp_path / "run" / "checkpoints" / ckpt.step_dir_name(3)
+    saved = tmp_path / "run" / "checkpoints" / sd.run_folder.step_dir_name(3)
     if lora_rank:  # the text encoder's adapter trained and is saved beside the UNet's
         adapter = load_file(saved / "adapter.safetensors")
         assert any(k.startswith("text_encoder.") and "lora_B" in k and v.abs().max() > 0 for k, v in adapter.items())
@@ -403,7 +404,7 @@ def test_a_trained_lora_run_exports_and_samples_through_sd_imagegen(tmp_path, ba
                              "--lora_format", "kohya"]) == 0
     unet, encoder = base_unet(base_model), sd.model.load_text_encoder("tiny")
     lora = sd.lora.files.read_lora(tmp_path / "k.safetensors", unet, encoder)
-    saved = tmp_path / "run" / "checkpoints" / ckpt.step_dir_name(2)
+    saved = tmp_path / "run" / "checkpoints" / sd.run_folder.step_dir_name(2)
     ema, adapter = load_file(saved / "ema.safetensors"), load_file(saved / "adapter.safetensors")
     module = "down_blocks.0.attentions.0.transformer_blocks.0.attn2.to_k"
     assert torch.equal(lora["unet"][module].up, ema[f"{module}.lora_B.default.weight"])
@@ -440,7 +441,7 @@ def test_full_dreambooth_trains_from_the_weights_that_drew_its_class_images(tmp_
 
     source = train_tiny_run(tmp_path / "src", 16, max_steps=2, ema_decay=0.5, prediction_type="v_prediction",
                             zero_terminal_snr=True, save_steps=2, validate_every=0, lr=1e-2)
-    folder = source / "checkpoints" / ckpt.step_dir_name(2)
+    folder = source / "checkpoints" / sd.run_folder.step_dir_name(2)
     ema, live = load_file(folder / "ema.safetensors"), load_file(folder / "unet.safetensors")
     assert any(not torch.equal(ema[k], live[k]) for k in ema)
     drawn = {}
@@ -517,7 +518,7 @@ def test_the_text_adapters_ema_is_the_hand_computed_lerp_and_what_a_lora_export_
 
     run.state.step = 3
     sd.train.checkpointer.save(run)
-    folder = tmp_path / "run" / "checkpoints" / ckpt.step_dir_name(3)
+    folder = tmp_path / "run" / "checkpoints" / sd.run_folder.step_dir_name(3)
     saved = load_file(folder / "ema.safetensors")
     assert all(torch.equal(saved[f"text_encoder.{n}"], s) for n, s in zip(ema.names, ema.shadow))
     assert SD_ImageGen.main(["--ckpt", str(folder), "--export_lora", str(tmp_path / "k.safetensors")]) == 0
@@ -538,10 +539,10 @@ def test_a_checkpoint_whose_ema_predates_the_text_adapters_starts_that_ema_from_
     config = write_config(tmp_path / "a.yaml", datasets=[data], init_from=str(base_model), max_steps=4,
                           out_dir=str(tmp_path / "run"), **TEXT)
     assert SD_Train.main(["--config", str(config), "--stop_at_step", "2"]) == 0
-    folder = tmp_path / "run" / "checkpoints" / ckpt.step_dir_name(2)
+    folder = tmp_path / "run" / "checkpoints" / sd.run_folder.step_dir_name(2)
     ema = load_file(folder / "ema.safetensors")
     ckpt.save_weights({k: v for k, v in ema.items() if not k.startswith("text_encoder.")}, folder / "ema.safetensors")
-    (folder / ckpt.MANIFEST).unlink()  # as an older version wrote it
+    (folder / sd.run_folder.MANIFEST).unlink()  # as an older version wrote it
     with caplog.at_level(logging.INFO, logger="sd_train"):
         run = SD_Train.build(sd.train.config.load_config(["--config", str(config)]), Dist.single())
     assert run.state.step == 2
@@ -589,8 +590,8 @@ def test_prodigy_and_schedule_free_lora_runs_resume_bitwise_with_the_text_adapte
     stopped = write_config(tmp_path / "b.yaml", out_dir=str(tmp_path / "b"), **fields)
     assert SD_Train.main(["--config", str(stopped), "--stop_at_step", "3"]) == 0
     assert SD_Train.main(["--config", str(stopped)]) == 0
-    a = checkpoint_tensors(tmp_path / "a" / "checkpoints" / ckpt.step_dir_name(6))
-    assert_bitwise_equal(a, checkpoint_tensors(tmp_path / "b" / "checkpoints" / ckpt.step_dir_name(6)))
+    a = checkpoint_tensors(tmp_path / "a" / "checkpoints" / sd.run_folder.step_dir_name(6))
+    assert_bitwise_equal(a, checkpoint_tensors(tmp_path / "b" / "checkpoints" / sd.run_folder.step_dir_name(6)))
     assert any(k.startswith("ema.text_encoder.") for k in a)
     records = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "val_loss" in r] == [2, 4, 6]
@@ -598,7 +599,7 @@ def test_prodigy_and_schedule_free_lora_runs_resume_bitwise_with_the_text_adapte
         # The adapter file holds x = lerp(y, z, 1 - 1/beta1); optimizer.pt holds y and z; a resume trains on at y.
         resumed = SD_Train.build(sd.train.config.load_config(["--config", str(straight)]), Dist.single())
         live = adapter_tensors(resumed)  # in the optimizer's parameter order
-        saved = torch.load(tmp_path / "a" / "checkpoints" / ckpt.step_dir_name(6) / "optimizer.pt", weights_only=True)
+        saved = torch.load(tmp_path / "a" / "checkpoints" / sd.run_folder.step_dir_name(6) / "optimizer.pt", weights_only=True)
         assert len(saved["train_weights"]) == len(live)
         for i, (name, y) in enumerate(zip(live, saved["train_weights"])):
             assert torch.equal(live[name], y), name

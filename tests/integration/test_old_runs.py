@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 import sd.model
-import sd.train.checkpoint as ckpt
+import sd.run_folder
 import sd.train.checkpointer
 import sd.train.config
 import SD_ImageGen
@@ -27,7 +27,7 @@ EXPORTS = {"full": "--export_single_file", "lora": "--export_lora", "token": "--
            "controlnet": "--export_controlnet", "lcm_lora": "--export_lora"}
 MICRO_UNET = dict(sd.model.UNET_PRESETS["tiny"], block_out_channels=(8, 16), norm_num_groups=4, cross_attention_dim=8,
                   attention_head_dim=2)  # the preset the fixture's runs were trained with (make_old_runs.py)
-STEP = ckpt.step_dir_name(2)
+STEP = sd.run_folder.step_dir_name(2)
 pytestmark = pytest.mark.slow
 
 
@@ -80,7 +80,7 @@ def test_an_old_checkpoint_loads_the_state_its_files_hold_and_the_run_goes_on(ol
         assert_same(contents(old / name), contents(new / name), f"{mode}/{name}")
 
     assert SD_Train.main(["--config", f"configs/{mode}.yaml"]) == 0  # to step 3 of 3, saved under the same names
-    last = old_runs / "runs" / mode / "checkpoints" / ckpt.step_dir_name(3)
+    last = old_runs / "runs" / mode / "checkpoints" / sd.run_folder.step_dir_name(3)
     assert sorted(p.name for p in last.iterdir() if p.name not in STATE_FILES) == names
 
 

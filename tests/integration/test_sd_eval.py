@@ -16,8 +16,8 @@ from PIL import Image
 import sd.distributed
 import sd.evaluation
 import sd.model
+import sd.run_folder
 import sd.sampling
-import sd.train.checkpoint as ckpt
 import sd.train.metrics
 import SD_Eval
 from sd.distributed import Dist
@@ -274,7 +274,7 @@ def test_training_time_evaluation_is_logged_and_equals_the_checkpoints_evaluatio
     assert evals[2]["eval_fid"] != evals[4]["eval_fid"]
     assert all("loss" in r for r in evals.values())
     # The logged numbers are those of SD_Eval.py on that step's checkpoint (EMA weights, seed = the run's seed).
-    checkpoint = run / "checkpoints" / ckpt.step_dir_name(4)
+    checkpoint = run / "checkpoints" / sd.run_folder.step_dir_name(4)
     result = score(*generate_args(checkpoint, prompts, reference, tmp_path / "images"))
     assert result["fid"] == pytest.approx(evals[4]["eval_fid"], abs=1e-9)
     assert result["clip_score"] == pytest.approx(evals[4]["eval_clip_score"], abs=1e-9)
@@ -301,7 +301,7 @@ def one_core_per_process(monkeypatch):
 @pytest.mark.slow
 def test_generated_scores_are_identical_on_rerun_and_on_two_ranks(trained, reference, tmp_path, one_core_per_process):
     run, prompts = trained
-    checkpoint = run / "checkpoints" / ckpt.step_dir_name(4)
+    checkpoint = run / "checkpoints" / sd.run_folder.step_dir_name(4)
     per_prompt = ("--num_prompts", "3", "--n", "2")  # --n: images per prompt, as in SD_ImageGen.py
     one = score(*generate_args(checkpoint, prompts, reference, tmp_path / "one", per_prompt))
     assert torch.get_num_threads() == 1
@@ -339,7 +339,7 @@ def test_per_phase_table_evaluates_the_newest_checkpoint_of_each_run(trained, re
     logged = {json.loads(line)["step"]: json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()}
     assert rows[0]["fid"] == pytest.approx(logged[4]["eval_fid"], abs=1e-9)
     assert f"| {run} | 4 | 32 | {rows[0]['fid']:.3f} |" in table.read_text()
-    assert (run / "eval" / ckpt.step_dir_name(4) / "scores.json").exists()
+    assert (run / "eval" / sd.run_folder.step_dir_name(4) / "scores.json").exists()
 
 
 def test_training_evaluation_settings_are_checked_before_any_work(tmp_path):
@@ -395,7 +395,7 @@ def test_evaluating_during_training_leaves_the_training_bit_for_bit_unchanged(tr
     plain = train_tiny_run(tmp_path, 32, max_steps=4, warmup_steps=1, ema_decay=0.5, save_steps=2, keep_checkpoints=3,
                            log_every=1, validate_every=0, **EVAL_FIELDS)
     for name in ("unet.safetensors", "ema.safetensors"):
-        ours, theirs = (load_file(r / "checkpoints" / ckpt.step_dir_name(4) / name) for r in (run, plain))
+        ours, theirs = (load_file(r / "checkpoints" / sd.run_folder.step_dir_name(4) / name) for r in (run, plain))
         assert all(torch.equal(ours[k], theirs[k]) for k in ours), name
     losses = [[json.loads(line)["loss"] for line in (r / "metrics.jsonl").read_text().splitlines()] for r in (run, plain)]
     assert losses[0] == losses[1]

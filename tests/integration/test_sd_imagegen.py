@@ -10,8 +10,8 @@ from safetensors.torch import load_file
 
 import sd.formats
 import sd.model
+import sd.run_folder
 import sd.sampling
-import sd.train.checkpoint as ckpt
 import SD_ImageGen
 import SD_Train
 from sd.distributed import Dist
@@ -41,7 +41,7 @@ def model(run_dir):
 
 
 def test_loads_ema_by_default_and_live_weights_with_no_ema(run_dir, model):
-    folder = ckpt.resolve_checkpoint(run_dir)
+    folder = sd.run_folder.resolve_checkpoint(run_dir)
     ema, live = load_file(folder / "ema.safetensors"), load_file(folder / "unet.safetensors")
     assert all(torch.equal(v, ema[k]) for k, v in model.unet.state_dict().items())
     assert any(not torch.equal(ema[k], live[k]) for k in ema)
@@ -53,7 +53,7 @@ def test_validation_grid_image_equals_sd_imagegen_with_that_checkpoint_bit_for_b
     from PIL import Image
 
     grid = np.asarray(Image.open(run_dir / "samples" / "step_00000006.png").convert("RGB"))
-    checkpoint = run_dir / "checkpoints" / ckpt.step_dir_name(6)
+    checkpoint = run_dir / "checkpoints" / sd.run_folder.step_dir_name(6)
     for row, prompt in enumerate(GRID_PROMPTS):
         out = tmp_path / f"p{row}"
         assert SD_ImageGen.main(["--ckpt", str(checkpoint), "--prompt", prompt, "--seed", "5", "--n", "1",
@@ -298,13 +298,13 @@ def test_half_export_is_fp16(run_dir, tmp_path):
 @pytest.mark.parametrize("kind", ["single_file", "diffusers", "run"])
 def test_init_from_each_format_starts_from_exactly_those_weights(kind, exported, run_dir, model, tmp_path):
     source = {"single_file": exported / "model.safetensors", "diffusers": exported / "pipe", "run": run_dir}[kind]
-    data = yaml.safe_load((ckpt.resolve_checkpoint(run_dir) / "config.yaml").read_text())["datasets"]
+    data = yaml.safe_load((sd.run_folder.resolve_checkpoint(run_dir) / "config.yaml").read_text())["datasets"]
     config = TrainConfig(datasets=data, unet="tiny", vae="tiny", text_encoder="tiny", precision="fp32",
                          device="cpu", grad_checkpointing=False, batch_size=8, grad_accum=1, max_steps=2,
                          validate_every=0, out_dir=str(tmp_path / "ft"), init_from=str(source))
     config.validate()
     run = SD_Train.build(config, Dist.single())
-    folder = ckpt.resolve_checkpoint(run_dir)
+    folder = sd.run_folder.resolve_checkpoint(run_dir)
     # Exports carry the EMA weights; a run folder gives its live weights to the UNet and its EMA to the EMA.
     expected_unet = load_file(folder / ("unet.safetensors" if kind == "run" else "ema.safetensors"))
     expected_ema = load_file(folder / "ema.safetensors")
@@ -370,13 +370,13 @@ def v_checkpoint(run_dir, tmp_path_factory):
     """The run's checkpoint as a v-prediction model: its config.yaml says so (sampling reads only that)."""
     import shutil
 
-    folder = tmp_path_factory.mktemp("v") / ckpt.step_dir_name(6)
-    shutil.copytree(ckpt.resolve_checkpoint(run_dir), folder)
+    folder = tmp_path_factory.mktemp("v") / sd.run_folder.step_dir_name(6)
+    shutil.copytree(sd.run_folder.resolve_checkpoint(run_dir), folder)
     config = yaml.safe_load((folder / "config.yaml").read_text())
     (folder / "config.yaml").write_text(yaml.safe_dump({**config, "prediction_type": "v_prediction"}))
-    manifest = json.loads((folder / ckpt.MANIFEST).read_text())  # an edit the manifest vouches for
-    manifest["files"].update(ckpt.describe_files([folder / "config.yaml"]))
-    (folder / ckpt.MANIFEST).write_text(json.dumps(manifest))
+    manifest = json.loads((folder / sd.run_folder.MANIFEST).read_text())  # an edit the manifest vouches for
+    manifest["files"].update(sd.run_folder.describe_files([folder / "config.yaml"]))
+    (folder / sd.run_folder.MANIFEST).write_text(json.dumps(manifest))
     return folder
 
 
@@ -475,8 +475,8 @@ def damaged_source(kind, tmp_path, run_dir, exported):
         truncate(source)
         return source, source, ["--arch", "tiny"]
     if kind.startswith("checkpoint"):
-        source = tmp_path / ckpt.step_dir_name(6)
-        shutil.copytree(ckpt.resolve_checkpoint(run_dir), source)
+        source = tmp_path / sd.run_folder.step_dir_name(6)
+        shutil.copytree(sd.run_folder.resolve_checkpoint(run_dir), source)
         name, damage = {"checkpoint_unet_missing": ("unet.safetensors", "missing"),
                         "checkpoint_unet_truncated": ("unet.safetensors", "truncated"),
                         "checkpoint_unet_bit_flipped": ("unet.safetensors", "bit_flipped"),
@@ -531,14 +531,14 @@ def test_a_checkpoint_without_unet_safetensors_still_samples_its_ema(run_dir, ex
 def test_weights_of_another_architecture_are_a_one_line_error_naming_the_file(run_dir, tmp_path, capsys):
     import shutil
 
-    source = tmp_path / ckpt.step_dir_name(6)
-    shutil.copytree(ckpt.resolve_checkpoint(run_dir), source)
+    source = tmp_path / sd.run_folder.step_dir_name(6)
+    shutil.copytree(sd.run_folder.resolve_checkpoint(run_dir), source)
     from safetensors.torch import save_file
 
     save_file({"conv_in.weight": torch.zeros(3, 3)}, str(source / "ema.safetensors"))
-    manifest = json.loads((source / ckpt.MANIFEST).read_text())  # a file the manifest vouches for
-    manifest["files"].update(ckpt.describe_files([source / "ema.safetensors"]))
-    (source / ckpt.MANIFEST).write_text(json.dumps(manifest))
+    manifest = json.loads((source / sd.run_folder.MANIFEST).read_text())  # a file the manifest vouches for
+    manifest["files"].update(sd.run_folder.describe_files([source / "ema.safetensors"]))
+    (source / sd.run_folder.MANIFEST).write_text(json.dumps(manifest))
     assert SD_ImageGen.main(["--ckpt", str(source), "--prompt", "x", "--out", str(tmp_path / "o")]) == 2
     [line] = error_lines(capsys.readouterr().err, "SD_ImageGen.py")
     assert f"{source / 'ema.safetensors'}: its weights do not fit this UNet2DConditionModel (" in line
@@ -552,7 +552,7 @@ def test_weights_of_another_architecture_are_a_one_line_error_naming_the_file(ru
 def test_init_from_a_damaged_source_is_a_one_line_error_naming_the_bad_file(kind, run_dir, exported, tmp_path,
                                                                            capsys):
     source, bad, _ = damaged_source(kind, tmp_path, run_dir, exported)
-    data = yaml.safe_load((ckpt.resolve_checkpoint(run_dir) / "config.yaml").read_text())["datasets"]
+    data = yaml.safe_load((sd.run_folder.resolve_checkpoint(run_dir) / "config.yaml").read_text())["datasets"]
     config = tmp_path / "ft.yaml"
     config.write_text(yaml.safe_dump(dict(datasets=data, unet="tiny", vae="tiny", text_encoder="tiny",
                                           precision="fp32", device="cpu", grad_checkpointing=False, batch_size=8,

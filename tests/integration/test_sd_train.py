@@ -20,7 +20,7 @@ import sd.data.prefetch
 import sd.data.training_data
 import sd.distributed
 import sd.model
-import sd.train.checkpoint as ckpt
+import sd.run_folder
 import sd.train.checkpointer
 import sd.train.config
 import sd.train.ema
@@ -72,7 +72,7 @@ def losses(run_dir: Path) -> list[float]:
 
 
 def final_state(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
-    folder = run_dir / "checkpoints" / ckpt.step_dir_name(step)
+    folder = run_dir / "checkpoints" / sd.run_folder.step_dir_name(step)
     assert (folder / "COMPLETE").exists()
     tensors = {f"unet.{k}": v for k, v in load_file(folder / "unet.safetensors").items()}
     tensors.update({f"ema.{k}": v for k, v in load_file(folder / "ema.safetensors").items()})
@@ -132,7 +132,7 @@ def run_a(from_scratch):
 @pytest.mark.slow
 def test_two_ranks_end_with_identical_weights_and_a_full_run_folder(run_a):
     run_dir, _ = run_a
-    folder = run_dir / "checkpoints" / ckpt.step_dir_name(TOTAL)
+    folder = run_dir / "checkpoints" / sd.run_folder.step_dir_name(TOTAL)
     rank0 = torch.load(folder / "rng_rank0.pt", weights_only=True)
     rank1 = torch.load(folder / "rng_rank1.pt", weights_only=True)
     assert torch.equal(rank0["fingerprint"], rank1["fingerprint"])
@@ -174,9 +174,9 @@ def test_stop_at_step_sigkill_while_saving_and_sigterm_then_resume_is_bitwise_id
     run_dir_a, _ = from_scratch["a"]
     run_dir, config = from_scratch["b"]
     checkpoints = run_dir / "checkpoints"
-    state = torch.load(checkpoints / ckpt.step_dir_name(2) / "train_state.pt", weights_only=True)
+    state = torch.load(checkpoints / sd.run_folder.step_dir_name(2) / "train_state.pt", weights_only=True)
     assert (state["step"], state["epoch"], state["position"]) == (2, 0, 4)  # mid-epoch
-    assert [p.name for p in checkpoints.iterdir()] == [ckpt.step_dir_name(2)]
+    assert [p.name for p in checkpoints.iterdir()] == [sd.run_folder.step_dir_name(2)]
     at_two = final_state(run_dir, 2)
 
     result = torchrun(config, env={"SD_FAULT": "after_unet:8"}, check=False)  # killed while writing step 8
@@ -184,7 +184,7 @@ def test_stop_at_step_sigkill_while_saving_and_sigterm_then_resume_is_bitwise_id
     partial = checkpoints / ".tmp_step_00000008"
     assert (partial / "unet.safetensors").exists() and not (partial / "COMPLETE").exists()
     assert not (checkpoints / "step_00000008").exists()
-    previous = ckpt.latest_checkpoint(checkpoints)
+    previous = sd.run_folder.latest_checkpoint(checkpoints)
     assert previous.name == "step_00000004"
     for name in ("optimizer.pt", "train_state.pt", "rng_rank0.pt", "rng_rank1.pt"):
         torch.load(previous / name, weights_only=True)
@@ -194,7 +194,7 @@ def test_stop_at_step_sigkill_while_saving_and_sigterm_then_resume_is_bitwise_id
     result = torchrun(config, env={"SD_FAULT": "sigterm_parent:9"}, check=False)
     assert result.returncode != 0 and "stopped by signal 15" in result.stderr
     assert not partial.exists()
-    state = torch.load(ckpt.latest_checkpoint(checkpoints) / "train_state.pt", weights_only=True)
+    state = torch.load(sd.run_folder.latest_checkpoint(checkpoints) / "train_state.pt", weights_only=True)
     assert 9 <= state["step"] < TOTAL and state["epoch"] == 1 and state["position"] != 0  # saved mid-epoch
 
     torchrun(config)
@@ -218,7 +218,7 @@ def test_a_nan_sample_skips_its_steps_on_both_ranks(from_scratch):
     # Skipped steps still count: the learning rate of every step is the schedule's for its step number.
     for record in records:
         assert record["lr"] == pytest.approx(sd.train.step.lr_at(record["step"] - 1, 1e-3, 2, 8, 0.01), rel=1e-12)
-    folder = run_dir / "checkpoints" / ckpt.step_dir_name(8)
+    folder = run_dir / "checkpoints" / sd.run_folder.step_dir_name(8)
     fingerprints = [torch.load(folder / f"rng_rank{r}.pt", weights_only=True)["fingerprint"] for r in range(2)]
     assert torch.equal(*fingerprints) and torch.isfinite(fingerprints[0]).all()
     assert all(torch.isfinite(t).all() for t in load_file(folder / "ema.safetensors").values())
@@ -434,7 +434,7 @@ def test_max_bad_steps_saves_and_stops_naming_the_step(tmp_path, caplog):
     code = SD_Train.main(["--config", str(config)])
     assert code == 3
     assert "step 3: 3 non-finite steps in a row" in caplog.text
-    folder = tmp_path / "run" / "checkpoints" / ckpt.step_dir_name(3)
+    folder = tmp_path / "run" / "checkpoints" / sd.run_folder.step_dir_name(3)
     initial = sd.model.build_unet("tiny", seed=0).state_dict()
     saved = load_file(folder / "unet.safetensors")
     assert all(torch.equal(saved[k], initial[k]) for k in initial)
@@ -485,7 +485,7 @@ def test_cfg_dropout_replaces_the_embedding_at_the_configured_rate():
 def test_init_from_takes_weights_and_ema_with_a_fresh_optimizer(run_a, tmp_path, data):
     run_dir_a, _ = run_a
     run = make_run(tmp_path, data, init_from=str(run_dir_a))
-    source = run_dir_a / "checkpoints" / ckpt.step_dir_name(TOTAL)
+    source = run_dir_a / "checkpoints" / sd.run_folder.step_dir_name(TOTAL)
     unet, ema = load_file(source / "unet.safetensors"), load_file(source / "ema.safetensors")
     assert all(torch.equal(v, unet[k]) for k, v in run.step.unet.state_dict().items())
     assert all(torch.equal(v, ema[k]) for k, v in run.step.ema.state_dict().items())
@@ -555,7 +555,7 @@ def test_global_batch_sets_the_accumulation_and_an_impossible_one_stops_before_a
     saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
     assert (saved["batch_size"], saved["grad_accum"], saved["global_batch"]) == (4, 2, 8)
     assert "8 images per optimizer step (batch_size 4 x 1 GPU(s) x grad_accum 2, set by global_batch 8)" in caplog.text
-    state = ckpt.load_torch(tmp_path / "run" / "checkpoints" / ckpt.step_dir_name(1) / "train_state.pt")
+    state = sd.run_folder.load_torch(tmp_path / "run" / "checkpoints" / sd.run_folder.step_dir_name(1) / "train_state.pt")
     assert state["samples_seen"] == 8
     bad = write_config(tmp_path / "b.yaml", datasets=[data], max_steps=1, out_dir=str(tmp_path / "bad"),
                        batch_size=4, global_batch=6)
@@ -581,7 +581,7 @@ def test_resume_with_another_world_size_is_refused_and_writes_nothing(run_a, tmp
     config.write_text(yaml.safe_dump({**fields, "out_dir": str(tmp_path / "run")}))
     before = folder_bytes(tmp_path / "run")
     assert SD_Train.main(["--config", str(config)]) == 2  # one process: world size 1
-    latest = tmp_path / "run" / "checkpoints" / ckpt.step_dir_name(TOTAL)
+    latest = tmp_path / "run" / "checkpoints" / sd.run_folder.step_dir_name(TOTAL)
     assert f"{latest} was written with other settings: world size: 2 -> 1 rank(s)" in capsys.readouterr().err
     after = folder_bytes(tmp_path / "run")
     assert after.keys() == before.keys()  # no new checkpoint, sample or log
@@ -661,7 +661,7 @@ def test_tensorboard_gets_each_logged_step_once_across_a_resume_from_an_older_ch
                           grad_accum=1, save_steps=2, validate_every=2, validation_prompts=["a red circle"],
                           validation_steps=2)  # tensorboard: auto, wandb off
     assert SD_Train.main(["--config", str(config), "--stop_at_step", "3"]) == 0
-    shutil.rmtree(run / "checkpoints" / ckpt.step_dir_name(3))  # as if killed after logging step 3
+    shutil.rmtree(run / "checkpoints" / sd.run_folder.step_dir_name(3))  # as if killed after logging step 3
     assert SD_Train.main(["--config", str(config)]) == 0  # resumes at 2: steps 3 and 4 are logged again
     events = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0, "images": 0})
     events.Reload()
@@ -707,7 +707,7 @@ def test_a_held_lock_stops_the_second_trainer_at_once_and_one_nobody_holds_is_ta
     # and removes it at the end.
     (run_dir / ".lock").write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
     assert SD_Train.main(["--config", str(config)]) == 0
-    assert (run_dir / "checkpoints" / ckpt.step_dir_name(2) / "COMPLETE").exists()
+    assert (run_dir / "checkpoints" / sd.run_folder.step_dir_name(2) / "COMPLETE").exists()
     assert not (run_dir / ".lock").exists()
 
 
@@ -736,7 +736,7 @@ def test_two_trainers_on_one_folder_the_second_exits_at_once(tmp_path, data, cap
     first.send_signal(signal.SIGTERM)
     _, stderr = first.communicate(timeout=600)
     assert first.returncode == 128 + signal.SIGTERM, stderr[-2000:]
-    saved = ckpt.latest_checkpoint(run_dir / "checkpoints")
+    saved = sd.run_folder.latest_checkpoint(run_dir / "checkpoints")
     assert saved is not None and 0 < int(saved.name.split("_")[1]) < 400
     assert not (run_dir / ".lock").exists()
 
@@ -751,7 +751,7 @@ def test_a_changed_setting_on_resume_is_refused_or_warned_and_never_calls_a_good
     config = write_config(tmp_path / "e.yaml", datasets=[data], max_steps=4, out_dir=str(run_dir), batch_size=4,
                           grad_accum=1, ema_decay=0.0)
     assert SD_Train.main(["--config", str(config), "--stop_at_step", "2"]) == 0
-    first = run_dir / "checkpoints" / ckpt.step_dir_name(2)
+    first = run_dir / "checkpoints" / sd.run_folder.step_dir_name(2)
     before = folder_bytes(first)
     # A setting that changes the math: refused with both values, the checkpoint left as it is.
     assert SD_Train.main(["--config", str(config), "--min_snr_gamma", "1"]) == 2
@@ -775,7 +775,7 @@ def test_a_changed_setting_on_resume_is_refused_or_warned_and_never_calls_a_good
     assert "ema_decay: 0.0 -> 0.5: the EMA goes on with the new decay; turned on, it starts from the resumed" in caplog.text
     assert "damaged" not in caplog.text and folder_bytes(first) == before
     resumed = load_file(first / "unet.safetensors")
-    step3 = run_dir / "checkpoints" / ckpt.step_dir_name(3)
+    step3 = run_dir / "checkpoints" / sd.run_folder.step_dir_name(3)
     ema, unet = load_file(step3 / "ema.safetensors"), load_file(step3 / "unet.safetensors")
     decay = sd.train.ema.ema_decay_at(2, 0.5)  # one update (warm-up restarted: 0.25) from the step-2 weights
     for name, start in resumed.items():
@@ -837,7 +837,7 @@ def test_sigusr1_and_sighup_save_at_the_step_they_stop_and_the_run_resumes(tmp_p
         assert trainer.returncode == 128 + signum, stderr[-2000:]
         stopped = logged_steps()[-1]
         assert f"stopped by signal {int(signum)} after step {stopped};" in stderr
-        assert ckpt.latest_checkpoint(run_dir / "checkpoints").name == ckpt.step_dir_name(stopped)
+        assert sd.run_folder.latest_checkpoint(run_dir / "checkpoints").name == sd.run_folder.step_dir_name(stopped)
         assert not (run_dir / "samples" / f"step_{stopped:08d}.png").exists()
         assert (run_dir / "samples" / f"step_{stopped - 1:08d}.png").exists() or stopped - 1 == before
         if before:
@@ -854,10 +854,10 @@ def test_stop_at_step_at_or_below_the_resumed_step_trains_nothing(tmp_path, data
     metrics = (run_dir / "metrics.jsonl").read_bytes()
     for stop in ("4", "2"):
         assert SD_Train.main(["--config", str(config), "--stop_at_step", stop]) == 0
-        assert [p.name for p in (run_dir / "checkpoints").iterdir()] == [ckpt.step_dir_name(4)]
+        assert [p.name for p in (run_dir / "checkpoints").iterdir()] == [sd.run_folder.step_dir_name(4)]
         assert (run_dir / "metrics.jsonl").read_bytes() == metrics
     assert SD_Train.main(["--config", str(config)]) == 0  # without it, the run goes on to max_steps
-    assert ckpt.latest_checkpoint(run_dir / "checkpoints").name == ckpt.step_dir_name(6)
+    assert sd.run_folder.latest_checkpoint(run_dir / "checkpoints").name == sd.run_folder.step_dir_name(6)
 
 
 # ------------------------------------------------------------------------------ host synchronisation, prefetch
@@ -956,13 +956,13 @@ def test_resume_drops_a_torn_last_metrics_line_and_stops_at_a_corrupt_one(tmp_pa
     err = capsys.readouterr().err
     assert err.startswith(f"SD_Train.py: error (rank 0): {metrics}: line 2 is not JSON (") and err.count("\n") == 1
     assert metrics.read_bytes() == corrupt
-    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == [ckpt.step_dir_name(2)]
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == [sd.run_folder.step_dir_name(2)]
     # The last line torn by a crash while writing step 3's record: dropped, and the run resumes.
     metrics.write_text(good + lines[1][:25].replace('"step": 2', '"step": 3'))
     assert SD_Train.main(["--config", str(config)]) == 0
     assert f"{metrics}: dropped its torn last line" in caplog.text
     assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2, 3, 4]
-    assert ckpt.latest_checkpoint(run_dir / "checkpoints").name == ckpt.step_dir_name(4)
+    assert sd.run_folder.latest_checkpoint(run_dir / "checkpoints").name == sd.run_folder.step_dir_name(4)
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 import sd.data.training_data
 import sd.formats
-import sd.train.checkpoint as ckpt
+import sd.run_folder
 import sd.train.checkpointer
 import SD_Train
 from sd.distributed import Dist
@@ -106,7 +106,7 @@ def test_a_sharded_run_resumes_bit_for_bit(runs, sharding):
     """HALF steps, a stop, and HALF more end with the weights, EMA, AdamW state, RNGs and losses of the
     run that went straight through."""
     straight, split = runs[sharding], runs[f"{sharding}_split"]
-    assert [p.name for p in (split / "checkpoints").iterdir()] == [ckpt.step_dir_name(HALF), ckpt.step_dir_name(TOTAL)]
+    assert [p.name for p in (split / "checkpoints").iterdir()] == [sd.run_folder.step_dir_name(HALF), sd.run_folder.step_dir_name(TOTAL)]
     at_end = final_state(split, TOTAL)
     assert_bitwise_equal(at_end, final_state(straight, TOTAL))
     assert same_losses(losses(split), losses(straight))
@@ -126,7 +126,7 @@ def test_a_sharded_checkpoint_resumes_unsharded_and_exports_the_same_keys(runs, 
         assert losses(then_none)[:HALF] == losses(runs[sharding])[:HALF]  # the sharded half, as written then
         assert_close(final_state(then_none, TOTAL), final_state(runs[sharding], TOTAL), atol=1e-5)
     # Every file of the checkpoint has the layout an unsharded run writes.
-    ours, theirs = (run / "checkpoints" / ckpt.step_dir_name(TOTAL) for run in (runs[sharding], runs["none"]))
+    ours, theirs = (run / "checkpoints" / sd.run_folder.step_dir_name(TOTAL) for run in (runs[sharding], runs["none"]))
     assert sorted(p.name for p in ours.iterdir()) == sorted(p.name for p in theirs.iterdir())
     for name in ("unet.safetensors", "ema.safetensors"):
         assert list(load_file(ours / name)) == list(load_file(theirs / name))

@@ -1,7 +1,6 @@
 """Textual inversion on the tiny presets: only the new token trains, resume is exact, and its files load in
 diffusers' ``load_textual_inversion`` and have the single-tensor layout AUTOMATIC1111 and ComfyUI read."""
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +15,7 @@ import sd.embedding.files
 import sd.embedding.tokens
 import sd.formats
 import sd.model
-import sd.train.checkpoint as ckpt
+import sd.run_folder
 import sd.train.config
 import SD_ImageGen
 import SD_Train
@@ -65,7 +64,7 @@ def trained(tmp_path_factory, base_model, instance_images) -> Path:
 
 
 def checkpoint_tensors(run: Path, step: int) -> dict[str, torch.Tensor]:
-    folder = run / "checkpoints" / ckpt.step_dir_name(step)
+    folder = run / "checkpoints" / sd.run_folder.step_dir_name(step)
     tensors = {f"embedding.{k}": v for k, v in load_file(folder / "embedding.safetensors").items()}
     tensors.update({f"ema.{k}": v for k, v in load_file(folder / "ema.safetensors").items()})
     for index, state in torch.load(folder / "optimizer.pt", weights_only=True)["state"].items():
@@ -88,7 +87,7 @@ def test_only_the_new_rows_train_and_the_base_stays_bitwise(trained, base_model)
     sd.formats.load_unet_weights(str(base_model), base)
     assert_bitwise_equal(base.state_dict(), pipe.unet.state_dict())
     # the checkpoint holds the token, never the UNet; its optimizer state is the token's alone
-    folder = trained / "checkpoints" / ckpt.step_dir_name(6)
+    folder = trained / "checkpoints" / sd.run_folder.step_dir_name(6)
     assert not (folder / "unet.safetensors").exists()
     optimizer = torch.load(folder / "optimizer.pt", weights_only=True)
     assert [len(g["params"]) for g in optimizer["param_groups"]] == [1]
@@ -142,7 +141,7 @@ def test_exported_files_load_in_diffusers_with_the_layout_a1111_and_comfyui_read
     assert SD_ImageGen.main(["--ckpt", str(trained), "--export_embedding", str(a1111)]) == 0
     assert SD_ImageGen.main(["--ckpt", str(trained), "--export_embedding", str(folder),
                              "--embedding_format", "diffusers"]) == 0
-    ema = load_file(trained / "checkpoints" / ckpt.step_dir_name(6) / "ema.safetensors")
+    ema = load_file(trained / "checkpoints" / sd.run_folder.step_dir_name(6) / "ema.safetensors")
     (vectors,) = ema.values()
     # AUTOMATIC1111 takes a file of one tensor and names the token after the file; ComfyUI its first tensor
     with safe_open(str(a1111 / "cyan-sks.safetensors"), "pt") as handle:
@@ -236,6 +235,6 @@ def test_a_token_learned_from_a_caption_dataset_reaches_the_step_as_its_own_id(t
     assert ((ids == 49408).any(1) == (ids == 49409).any(1)).all()  # both vectors of the token, together
     assert 0 < int((ids == 49408).any(1).sum()) < len(ids)
     assert "val_loss" in (tmp_path / "run" / "metrics.jsonl").read_text()
-    assert not torch.equal(load_file(tmp_path / "run" / "checkpoints" / ckpt.step_dir_name(2) / "embedding.safetensors")
+    assert not torch.equal(load_file(tmp_path / "run" / "checkpoints" / sd.run_folder.step_dir_name(2) / "embedding.safetensors")
                            ["emb_params"], sd.embedding.tokens.initial_vectors(
                                sd.model.load_tokenizer("tiny"), sd.model.load_text_encoder("tiny"), "blue", 2))

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import sd.data.training_data
+import sd.run_folder
 import sd.train.checkpoint as ckpt
 
 from data_factory import make_captions, make_dataset, make_latents
@@ -162,16 +163,16 @@ def test_caption_split_token_ids_of_the_wrong_shape_are_one_error(tmp_path, ids,
 
 def test_prune_keeps_newest_and_every_kth(tmp_path):
     for step in (2, 4, 6, 8, 10):
-        folder = tmp_path / ckpt.step_dir_name(step)
+        folder = tmp_path / sd.run_folder.step_dir_name(step)
         folder.mkdir()
-        (folder / ckpt.MANIFEST).write_text(json.dumps({"hash": ckpt.HASH, "files": {}}))
-        (folder / ckpt.COMPLETE).write_text("ok")
-    (tmp_path / ckpt.step_dir_name(12)).mkdir()  # incomplete: never counted, never the newest
+        (folder / sd.run_folder.MANIFEST).write_text(json.dumps({"hash": sd.run_folder.HASH, "files": {}}))
+        (folder / sd.run_folder.COMPLETE).write_text("ok")
+    (tmp_path / sd.run_folder.step_dir_name(12)).mkdir()  # incomplete: never counted, never the newest
     (tmp_path / ".tmp_step_00000014").mkdir()
     ckpt.prune(tmp_path, keep_last=2, keep_every=4)
-    assert [s for s, _ in ckpt.complete_checkpoints(tmp_path)] == [4, 8, 10]
+    assert [s for s, _ in sd.run_folder.complete_checkpoints(tmp_path)] == [4, 8, 10]
     assert not (tmp_path / ".tmp_step_00000014").exists()
-    assert ckpt.latest_checkpoint(tmp_path).name == "step_00000010"
+    assert sd.run_folder.latest_checkpoint(tmp_path).name == "step_00000010"
 
 
 def test_validation_indices_share_the_count_by_weight_and_spread_over_each_dataset():

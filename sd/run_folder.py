@@ -1,0 +1,230 @@
+"""A run folder's format, as every reader of one sees it: sampling, exports, the ControlNet loader and
+the trainer. The trainer writes it (``sd.train.checkpoint``); this module holds what reading it needs.
+
+    out_dir/config.yaml                  the run's resolved config (``read_saved_config``)
+    out_dir/checkpoints/step_NNNNNNNN/   one checkpoint: NAME.safetensors (weights), NAME.pt, NAME_rankR.pt,
+                                         config.yaml, manifest.json (each file's size and xxh3-128 hash),
+                                         COMPLETE (written last: only folders with it count)
+
+``ema.safetensors`` holds the UNet's EMA and, under ``EMA_TEXT_PREFIX``, the text encoder's adapter's or
+learned token's (``split_ema``). A folder whose files do not match its manifest is ``Damaged``; ``.pt``
+files are read with ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from sd.cli import first_line, load_yaml
+
+STEP_DIR = re.compile(r"^step_(\d{8})$")
+COMPLETE = "COMPLETE"
+MANIFEST = "manifest.json"
+DAMAGED_SUFFIX = ".damaged"
+HASH = "xxh3_128"
+HASH_CHUNK = 16 << 20  # bytes read at a time while hashing
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written, or the ranks' weights disagree: the run stops."""
+
+
+class Damaged(CheckpointError):
+    """A checkpoint folder whose files do not match its manifest or cannot be read (names the file)."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def complete_checkpoints(checkpoints_dir: str | Path) -> list[tuple[int, Path]]:
+    """``(step, folder)`` of every complete checkpoint, oldest first."""
+    folder = Path(checkpoints_dir)
+    if not folder.is_dir():
+        return []
+    found = []
+    for child in folder.iterdir():
+        match = STEP_DIR.match(child.name)
+        if match and (child / COMPLETE).exists():
+            found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def latest_checkpoint(checkpoints_dir: str | Path) -> Path | None:
+    found = complete_checkpoints(checkpoints_dir)
+    return found[-1][1] if found else None
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint folder from itself, a run folder, or a run's ``checkpoints/`` folder."""
+    path = Path(path)
+    if (path / COMPLETE).exists():
+        return path
+    for candidate in (path / "checkpoints", path):
+        latest = latest_checkpoint(candidate)
+        if latest is not None:
+            return latest
+    raise FileNotFoundError(f"{path} is neither a complete checkpoint folder nor a run folder holding one")
+
+
+# ---------------------------------------------------------------------------------------------
+# The manifest
+# ---------------------------------------------------------------------------------------------
+
+
+def file_hash(path: Path) -> str:
+    """xxh3-128 of a file's bytes, hashed straight from the page cache through a memory map (no copy
+    into a buffer; measured 1.8x faster than reading into one), 16 MiB at a time."""
+    import mmap
+
+    import xxhash
+
+    digest = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size:
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+                view = memoryview(mapped)
+                try:
+                    for start in range(0, size, HASH_CHUNK):
+                        digest.update(view[start : start + HASH_CHUNK])
+                finally:
+                    view.release()
+    return digest.hexdigest()
+
+
+def describe_files(paths: list[Path], threads: int = 4) -> dict[str, dict]:
+    """``{file name: {"size": bytes, "xxh3_128": hex}}``, files hashed in parallel threads."""
+    hashes = file_hashes(paths, threads)
+    return {path.name: {"size": path.stat().st_size, HASH: digest} for path, digest in zip(paths, hashes)}
+
+
+def file_hashes(paths: list[Path], threads: int = 4) -> list[str]:
+    """``file_hash`` of each path, in order, several files at a time."""
+    with ThreadPoolExecutor(max(1, min(threads, len(paths)))) as pool:
+        return list(pool.map(file_hash, paths))
+
+
+def read_manifest(folder: Path) -> dict | None:
+    """The manifest's ``files`` entry; None for a folder written without one (not verifiable)."""
+    path = folder / MANIFEST
+    if not path.exists():
+        return None
+    try:
+        manifest = json.loads(path.read_text())
+        files = manifest["files"]
+        if manifest.get("hash") != HASH or not isinstance(files, dict):
+            raise ValueError(f"unknown hash {manifest.get('hash')!r}")
+        return files
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise Damaged(f"{path}: unreadable manifest ({first_line(error)})") from error
+
+
+def verify(folder: Path, names: list[str], hash_contents: bool = True) -> bool:
+    """Check the files ``names`` of ``folder`` against its manifest: present, the recorded size and
+    (with ``hash_contents``) the recorded hash. Raises ``Damaged`` naming the first file that fails;
+    returns False for a folder without a manifest (nothing to check against), True when verified.
+    """
+    files = read_manifest(folder)
+    if files is None:
+        return False
+    for name in names:
+        path = folder / name
+        if name not in files:
+            raise Damaged(f"{path}: not in the checkpoint's manifest")
+        if not path.exists():
+            raise Damaged(f"{path}: missing")
+        size = path.stat().st_size
+        if size != files[name]["size"]:
+            raise Damaged(f"{path}: {size} bytes where the manifest records {files[name]['size']}")
+    if hash_contents:
+        paths = [folder / name for name in names]
+        for path, digest in zip(paths, file_hashes(paths)):
+            if digest != files[path.name][HASH]:
+                raise Damaged(f"{path}: contents differ from the manifest's hash (the file was changed or damaged)")
+    return True
+
+
+def intact(folder: Path) -> bool:
+    """The cheap check: a manifest whose every file is present at its recorded size."""
+    try:
+        files = read_manifest(folder)
+        return files is not None and verify(folder, sorted(files), hash_contents=False)
+    except Damaged:
+        return False
+
+
+def is_split(tensor) -> bool:
+    """Whether ``tensor`` is split across the ranks (a DTensor: FSDP2's parameters). Its module is
+    imported only where FSDP2 runs (a second of start-up for every other process), and a tensor can be a
+    DTensor only once it is."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
+
+
+@torch.no_grad()
+def weights_fingerprint(tensors) -> torch.Tensor:
+    """Per-tensor float64 sums ``(n,)``: equal on every rank unless the replicas diverged.
+
+    A tensor split across the ranks (an FSDP parameter, a DTensor) is summed over its slices: every
+    rank gets the whole tensor's sum (a collective: every rank calls this together)."""
+    tensors = [t.detach() for t in tensors]
+    split = [is_split(t) for t in tensors]
+    sums = torch.stack([(t.to_local() if s else t).double().sum() for t, s in zip(tensors, split)])
+    if any(split):
+        mask = torch.tensor(split, device=sums.device)
+        parts = torch.where(mask, sums, torch.zeros_like(sums))
+        torch.distributed.all_reduce(parts)
+        sums = torch.where(mask, parts, sums)
+    return sums.cpu()
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+# ---------------------------------------------------------------------------------------------
+
+
+def load_torch(path: Path):
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint file {path} is missing")
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def load_weights(path: Path) -> dict[str, torch.Tensor]:
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint file {path} is missing")
+    return load_file(str(path))
+
+
+def read_saved_config(path: str | Path) -> dict:
+    """A run's or checkpoint's ``config.yaml`` as written by ``config_yaml``: the one reader of a saved
+    config. A file that is no YAML mapping is a ValueError naming it (OSError when it cannot be read)."""
+    try:
+        saved = load_yaml(Path(path).read_text())
+    except (ValueError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path}: {first_line(error)}") from error
+    if not isinstance(saved, dict):
+        raise ValueError(f"{path}: not a mapping of config fields")
+    return saved
+
+
+# ---------------------------------------------------------------------------------------------
+# The EMA file
+# ---------------------------------------------------------------------------------------------
+
+EMA_TEXT_PREFIX = "text_encoder."  # the text adapter's EMA in ema.safetensors; the UNet's keys never start so
+
+
+def split_ema(state: dict[str, torch.Tensor]) -> tuple[dict, dict]:
+    """``ema.safetensors``' tensors as ``(the UNet's, the text adapter's)``, the prefix taken off the latter."""
+    unet = {name: tensor for name, tensor in state.items() if not name.startswith(EMA_TEXT_PREFIX)}
+    text = {name[len(EMA_TEXT_PREFIX):]: tensor for name, tensor in state.items() if name.startswith(EMA_TEXT_PREFIX)}
+    return unet, text
