@@ -13,6 +13,12 @@ import argparse
 
 import yaml
 
+
+class ConfigError(ValueError):
+    """A setting that cannot work, in one line naming the field and how to fix it: the command stops
+    before any work (exit status 2)."""
+
+
 TRUE_WORDS = ("true", "1", "yes", "on")
 FALSE_WORDS = ("false", "0", "no", "off")
 

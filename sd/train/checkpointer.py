@@ -15,7 +15,6 @@ from safetensors import SafetensorError
 
 import sd.cli
 import sd.distributed
-import sd.embedding.tokens
 import sd.formats
 import sd.lora.adapters
 import sd.run_folder
@@ -39,15 +38,15 @@ def resume_or_init(run: Run) -> None:
     concrete, as config.yaml and every checkpoint record it."""
     resumed = resume_newest_usable(run)
     inherited = False
-    if not resumed and run.config.distill and not run.config.frozen_base:
+    if not resumed and run.config.distill and not run.mode.frozen_base:
         log.info("distillation: the student starts as the teacher (init_from's EMA where it has one); the EMA and "
                  "the target network start from it too")
-    elif not resumed and run.config.init_from and run.config.instance_dir and not run.config.frozen_base:
+    elif not resumed and run.config.init_from and run.config.instance_dir and not run.mode.frozen_base:
         # full DreamBooth: the run trains on from the weights sd.train.run.build loaded, init_from's EMA where
         # it has one: the weights that drew the class images, and those its users sample
         log.info("DreamBooth fine-tune: training starts from the base weights that drew the class images (init_from's "
                  "EMA where it has one); the EMA starts from them too")
-    elif not resumed and run.config.init_from and not run.config.frozen_base:
+    elif not resumed and run.config.init_from and not run.mode.frozen_base:
         inherited = init_weights(run, run.config.init_from)
     resumed_from = sd.run_folder.latest_checkpoint(run.run_dir / "checkpoints") if resumed else None
     run.config = dataclasses.replace(run.config, ema_warmup=ema_warmup_of(run.config, resumed_from, inherited))
@@ -66,32 +65,19 @@ def due(run: Run, epoch_done: bool, stopping: bool) -> bool:
 def resumable(run: Run) -> dict:
     """Every piece of state a resume restores, by name (one file each; see sd.train.checkpoint).
 
-    A LoRA run saves its adapters (``adapter``) and a fingerprint of the base weights they were
-    trained on (``lora_base``, checked by ``resume``) instead of the UNet: the base comes from
-    ``init_from`` at every start. A textual-inversion run likewise saves its token's vectors
-    (``embedding``: the file AUTOMATIC1111 and ComfyUI load, see ``sd.embedding.files``) and the
-    fingerprint of the UNet and text encoder they were learned for. A ControlNet run saves its ControlNet
-    (``controlnet``: diffusers' names) and its base's fingerprint (``lora_base``). A distillation run saves the fingerprint of
-    its teacher (``lora_base``) and its target network (``lcm_target``). ``ema`` holds the UNet's EMA and
+    The mode's trained weights come first (``Mode.trained_weights``): the UNet, or a LoRA's adapters
+    (``adapter``), a learned token's vectors (``embedding``: the file AUTOMATIC1111 and ComfyUI load),
+    a ControlNet (``controlnet``: diffusers' names). A mode that trains beside frozen weights saves their
+    fingerprint instead of them (``lora_base``, checked by ``resume``: the base comes from ``init_from`` at
+    every start), as a distillation run does of its teacher, with its target network (``lcm_target``). ``ema`` holds the UNet's EMA and
     the text encoder's (its adapter or learned token) when that trains (``sd.train.ema.EMAWeights``).
     The weight files hold the weights to evaluate, which a Schedule-Free optimizer keeps apart from
     those it trains at (``sd.train.optimizers``: those go in ``optimizer``, loaded after the weight files).
     """
     step = run.step
-    if run.config.embedding_token:
-        token = sd.embedding.tokens.LearnedToken(step.text_encoder)
-        states = {"lora_base": ckpt.Weights(BaseFingerprint(run.base_fingerprint)),
-                  "embedding": ckpt.Weights(sd.train.optimizers.EvaluationWeights(token, step.optimizer))}
-    elif run.config.control:
-        states = {"lora_base": ckpt.Weights(BaseFingerprint(run.base_fingerprint)),
-                  "controlnet": ckpt.Weights(sd.train.optimizers.EvaluationWeights(step.unet.controlnet, step.optimizer))}
-    elif run.config.lora_rank:
-        adapter = sd.lora.adapters.AdapterWeights(unet=step.unet, text_encoder=step.text_encoder)
-        states = {"lora_base": ckpt.Weights(BaseFingerprint(run.base_fingerprint)),
-                  "adapter": ckpt.Weights(sd.train.optimizers.EvaluationWeights(adapter, step.optimizer))}
-    else:
-        states = {"unet": ckpt.Weights(sd.train.optimizers.EvaluationWeights(step.unet, step.optimizer))}
-    if run.config.distill and "lora_base" not in states:  # a whole-UNet student: its teacher, checked on resume
+    states = {name: ckpt.Weights(sd.train.optimizers.EvaluationWeights(weights, step.optimizer))
+              for name, weights in run.mode.trained_weights(step).items()}
+    if run.base_fingerprint is not None:  # the frozen base, or a distillation's teacher: checked on resume
         states["lora_base"] = ckpt.Weights(BaseFingerprint(run.base_fingerprint))
     if step.ema is not None or step.text_ema is not None:
         states["ema"] = ckpt.Weights(sd.train.ema.EMAWeights(step.ema, step.text_ema))
@@ -234,7 +220,7 @@ def resume(run: Run, folder: Path, parts: dict) -> None:
 
     An unreadable file raises ``sd.run_folder.Damaged``; a LoRA base other than the adapter's is a ConfigError.
     """
-    if run.config.frozen_base or run.config.distill:
+    if run.base_fingerprint is not None:
         check_lora_base(run, folder)
     ckpt.load(folder, parts, run.d.rank)
     emas = run.step.emas()
@@ -262,8 +248,7 @@ def check_lora_base(run: Run, folder: Path) -> None:
         raise sd.run_folder.Damaged(f"{folder / 'lora_base.safetensors'}: {sd.cli.first_line(error)}") from error
     now = run.base_fingerprint
     if not sd.lora.adapters.same_base(saved, now):
-        what = ("learned token" if run.config.embedding_token else "distilled model" if run.config.distill
-                else "ControlNet" if run.config.control else "adapter")
+        what = "distilled model" if run.step.distill is not None else run.mode.what
         raise ConfigError(f"init_from {run.config.init_from} is not the base model the {what} in {folder} was "
                           "trained on; restore that base, or start a new out_dir")
 

@@ -19,10 +19,10 @@ from pathlib import Path
 import yaml
 
 import sd.cli
-import sd.lora.adapters
 import sd.model
 import sd.sampling
-from sd.cli import load_yaml
+import sd.train.modes
+from sd.cli import ConfigError, load_yaml
 from sd.run_folder import read_saved_config
 
 
@@ -70,12 +70,6 @@ def _doc(text, default=dataclasses.MISSING, default_factory=dataclasses.MISSING,
 class TrainConfig:
     """One phase's settings. Frozen: what resolves later (``batch_size: auto``, ``ema_warmup: auto``)
     is a new config made with ``dataclasses.replace``, so no part of the run sees a value change."""
-
-    @property
-    def frozen_base(self) -> bool:
-        """A run that trains an addition to weights that stay frozen (a LoRA adapter, a learned token, a ControlNet):
-        the base comes from init_from at every start, and checkpoints hold the addition alone."""
-        return bool(self.lora_rank or self.embedding_token or self.control)
 
     # -- data -------------------------------------------------------------------------------
     datasets: list = _doc("[{dataset: DIR, latents: DIR, weight: 1.0}, ...]: caption datasets "
@@ -300,9 +294,6 @@ class TrainConfig:
             for name in ("instance_dir", "class_dir"):
                 need(not getattr(self, name) or Path(getattr(self, name)).is_dir() or name == "class_dir",
                      f"{name}: folder {getattr(self, name)} does not exist")
-            need(not self.lora_rank or self.init_from,
-                 "lora_rank > 0 trains an adapter on existing weights: set init_from (a diffusers folder or hub id, "
-                 "a single file, or a run of ours)")
             for i, entry in enumerate(self.datasets):
                 check_dataset_entry(i, entry)
         need(self.unet in sd.model.UNET_PRESETS, f"unet: choose one of {sorted(sd.model.UNET_PRESETS)}")
@@ -320,18 +311,12 @@ class TrainConfig:
         need(self.max_steps > 0 or self.epochs > 0, "set max_steps or epochs to a positive number")
         need(self.optimizer in OPTIMIZERS, f"optimizer: one of {', '.join(OPTIMIZERS)}")
         check_learning_rates(self)
+        need(not self.instance_dir or self.instance_prompt.strip(), "instance_dir needs an instance_prompt")
+        sd.train.modes.check(self, check_paths)
         check_sharding(self)
-        need(self.lora_targets and all(isinstance(t, str) and t.strip() for t in self.lora_targets),
-             "lora_targets: a list of groups (attention, transformer, resnet) or module-name suffixes")
-        need(self.lora_rank or not self.lora_text_encoder, "lora_text_encoder needs lora_rank > 0")
-        need(self.lora_rank or not (self.lora_conv_rank or self.lora_conv_alpha),
-             "lora_conv_rank / lora_conv_alpha set the convolutions' adapters of a LoRA run: set lora_rank > 0 too")
         need(not (self.cache_text_embeddings and self.lora_text_encoder),
              "cache_text_embeddings needs a frozen text encoder: turn off lora_text_encoder or the cache")
-        need(not self.instance_dir or self.instance_prompt.strip(), "instance_dir needs an instance_prompt")
-        check_embedding(self)
         check_distill(self, check_paths)
-        check_control(self, check_paths)
         need(self.validation_sampler in sd.sampling.SAMPLERS,
              f"validation_sampler: one of {', '.join(sd.sampling.SAMPLERS)}")
         need(self.image_size % 8 == 0, f"image_size must be a multiple of 8, got {self.image_size}")
@@ -361,42 +346,6 @@ class TrainConfig:
              f"init_from: {self.init_from} is neither an existing path nor a hub id (owner/name)")
 
 
-class ConfigError(ValueError):
-    pass
-
-
-def check_embedding(config: TrainConfig) -> None:
-    """Textual inversion's settings, and the modes it cannot be combined with."""
-    if not config.embedding_token:
-        if config.embedding_init:
-            raise ConfigError("embedding_init is the start of a learned token: set embedding_token too")
-        return
-    import sd.embedding.tokens
-
-    try:
-        sd.embedding.tokens.check_token(config.embedding_token)
-    except ValueError as error:
-        raise ConfigError(f"embedding_token: {error}") from None
-    if not config.embedding_init.strip():
-        raise ConfigError("embedding_token needs embedding_init: a word close to the concept that the token starts "
-                          "from (e.g. dog)")
-    if not config.init_from:
-        raise ConfigError("embedding_token learns a token for existing weights: set init_from (a diffusers folder "
-                          "or hub id, a single file, or a run of ours)")
-    if config.lora_rank:
-        raise ConfigError("embedding_token trains the token alone; train a LoRA in a run of its own (lora_rank: 0 "
-                          "here)")
-    if config.cache_text_embeddings:
-        raise ConfigError("cache_text_embeddings needs a fixed text encoder, and textual inversion trains it: turn "
-                          "the cache off")
-    if config.embedding_vectors > 75:
-        raise ConfigError(f"embedding_vectors: at most 75 (a prompt's places), got {config.embedding_vectors}")
-    if config.instance_dir and config.embedding_token not in config.instance_prompt.lower().split():
-        raise ConfigError(f"instance_prompt {config.instance_prompt!r} does not use embedding_token "
-                          f"{config.embedding_token!r}: write it into the prompt, e.g. 'a photo of "
-                          f"{config.embedding_token}'")
-
-
 def check_distill(config: TrainConfig, check_paths: bool = True) -> None:
     """Consistency distillation's settings, and the modes it cannot be combined with."""
     import sd.train.distill
@@ -424,39 +373,6 @@ def check_distill(config: TrainConfig, check_paths: bool = True) -> None:
             raise ConfigError(f"distill: lcm does not train with {what}; unset {name}, or distill in a run of its own")
     if config.sharding != "none":
         raise ConfigError(f"distill: lcm runs on DDP; set sharding: none (got {config.sharding})")
-
-
-def check_control(config: TrainConfig, check_paths: bool = True) -> None:
-    """A ControlNet run's settings, and the modes it cannot be combined with."""
-    if not config.control:
-        for name in ("controlnet_from", "validation_controls", "control_dropout"):
-            if getattr(config, name):
-                raise ConfigError(f"{name} belongs to a ControlNet run: set control (the conditioning images' name) "
-                                  f"too, or unset {name}")
-        return
-    if not re.fullmatch(r"[a-z0-9_]+", config.control) or config.control == "mask":
-        raise ConfigError(f"control: the conditioning images' name (lower-case letters, digits, _; not 'mask', the "
-                          f"loss masks), got {config.control!r}")
-    if check_paths and not config.init_from:
-        raise ConfigError("control: a ControlNet conditions a trained model: set init_from (the base: a run of ours, "
-                          "a diffusers folder or hub id, or a single file)")
-    refused = {"lora_rank": "a LoRA", "embedding_token": "textual inversion", "distill": "distillation",
-               "instance_dir": "a DreamBooth folder", "lora_text_encoder": "a text-encoder adapter",
-               "masked_loss": "masked_loss", "eval_every": "eval_every (FID of samples "
-               "needs a control image per prompt: score saved samples with SD_Eval.py)"}
-    for name, what in refused.items():
-        if getattr(config, name):
-            raise ConfigError(f"control: a ControlNet run does not train with {what}; unset {name}")
-    if config.sharding != "none":
-        raise ConfigError(f"control: a ControlNet run runs on DDP; set sharding: none (got {config.sharding})")
-    if config.validate_every and config.validation_prompts and \
-            len(config.validation_controls) != len(config.validation_prompts):
-        raise ConfigError(f"validation_controls: one conditioning image per validation prompt ("
-                          f"{len(config.validation_prompts)} prompts, {len(config.validation_controls)} images); or "
-                          "set validation_prompts: [] for no sample grid")
-    for path in config.validation_controls if check_paths else ():
-        if not isinstance(path, str) or not Path(path).is_file():
-            raise ConfigError(f"validation_controls: {path} is no file")
 
 
 OPTIMIZERS = ("adamw", "adamw8bit", "prodigy", "adamw_schedulefree")
@@ -496,12 +412,6 @@ def check_sharding(config: TrainConfig) -> None:
         raise ConfigError(f"sharding: none, zero1 or fsdp, got {name!r}")
     if name == "none":
         return
-    if config.embedding_token:
-        raise ConfigError(f"sharding: {name} splits a full fine-tune's state; a learned token is a few KB that every "
-                          "GPU holds whole: set sharding: none")
-    if config.lora_rank:
-        raise ConfigError(f"sharding: {name} splits a full fine-tune's state; a LoRA adapter is a few MB that every "
-                          "GPU holds whole: set sharding: none, or lora_rank: 0")
     if config.optimizer != "adamw":
         raise ConfigError(f"sharding: {name} splits torch's AdamW state; set optimizer: adamw (adamw8bit's state is "
                           "already a quarter of the size; prodigy and adamw_schedulefree run unsharded), or sharding: "
@@ -661,17 +571,14 @@ def build_parser(description: str = "") -> sd.cli.ArgumentParser:
 
 def check_models(config: TrainConfig, unet, text_encoder) -> None:
     """The models fit together and the config before any work: the text encoder's width is the UNet's
-    cross-attention width, and every LoRA target selects a layer. A ConfigError names both."""
+    cross-attention width, and the mode's own checks (``Mode.check_models``: every LoRA target selects a
+    layer). A ConfigError names both."""
     width, wanted = text_encoder.config.hidden_size, unet.config.cross_attention_dim
     if width != wanted:
         raise ConfigError(f"text_encoder {config.text_encoder} gives {width}-wide embeddings, but unet {config.unet} "
                           f"attends to {wanted}-wide ones; use a text encoder of width {wanted} (SD 1.x: CLIP "
                           "ViT-L/14, 768) or the UNet made for this one")
-    if config.lora_rank:
-        try:
-            sd.lora.adapters.resolve_targets(unet, config.lora_targets)
-        except sd.lora.adapters.LoraError as error:
-            raise ConfigError(str(error)) from None
+    sd.train.modes.mode_of(config).check_models(unet, text_encoder)
 
 
 def read_yaml(path: Path, seen: tuple = ()) -> dict:
@@ -924,7 +831,6 @@ def field_default(name: str):
 def sections() -> list[tuple[str, list[str]]]:
     """The fields in the order and groups of ``TrainConfig``'s source (its ``# -- name ---`` comments)."""
     import inspect
-    import re
 
     groups: list[tuple[str, list[str]]] = []
     for line in inspect.getsource(TrainConfig).splitlines():

@@ -58,10 +58,9 @@ import sd.cli
 import sd.controlnet.model
 import sd.data.training_data
 import sd.distributed
-import sd.embedding.tokens
-import sd.lora.adapters
 import sd.model
 import sd.runtime
+import sd.train.modes
 import sd.train.sharding
 import sd.train.step
 from sd.run_folder import read_saved_config
@@ -347,21 +346,16 @@ def session(config, resolution: int = 512, device: str = "cuda", world_size: int
         unet = sd.model.build_unet(config.unet, from_scratch=False, grad_checkpointing=config.grad_checkpointing,
                                    channels_last=config.channels_last).train()
         check_models(config, unet, text_encoder)
-        sd.lora.adapters.apply_config(config, unet, text_encoder)
-        if config.control:  # a new ControlNet: its architecture is all the estimate needs
-            unet = sd.controlnet.model.attach(dataclasses.replace(config, controlnet_from=""), unet)
-        if config.embedding_token:  # textual inversion: the new rows alone train
-            sd.embedding.tokens.freeze_for_inversion(unet, text_encoder, config.precision)
-            width = text_encoder.config.hidden_size
-            sd.embedding.tokens.attach_rows(text_encoder, torch.zeros(config.embedding_vectors, width),
-                                            [config.embedding_token] * config.embedding_vectors, trainable=True)
+        mode = sd.train.modes.mode_of(config)
+        unet = mode.estimate_attach(unet, text_encoder)
         empty_ids = torch.full((1, sd.model.TOKENIZER_MAX_LENGTH), 49407, dtype=torch.long)
         emulate = as_if_cuda(unet, lambda cast: casts.add(id(allocations.record_of(cast)))) if device == "cuda" \
             else contextlib.nullcontext()
         with emulate, sd.model.attention_context(torch.device("cpu")), HostReadsAsZeros():
             d = Dist(0, world_size, 0, torch.device("cpu"), True, group=process_group)
             with zero_in_group(process_group):
-                step = sd.train.step.build_step(config, d, unet, text_encoder, empty_ids, sd.model.SD1_SCALING_FACTOR)
+                step = sd.train.step.build_step(config, d, unet, text_encoder, empty_ids, sd.model.SD1_SCALING_FACTOR,
+                                                mode)
             if config.optimizer == "prodigy":
                 prodigy_reads_on_fake_tensors(step)
             if step.sharding == "fsdp":
@@ -371,7 +365,7 @@ def session(config, resolution: int = 512, device: str = "cuda", world_size: int
             if config.cache_text_embeddings:  # the encoder waits in host memory; lookups give fp32 embeddings
                 step.text_cache = CachedPrompts(text_encoder.config.hidden_size)
             steps = 0
-            per_batch = 2 if config.class_dir else 1  # prior preservation: a class image beside each instance
+            per_batch = 2 if step.loss.prior_preservation else 1  # a class image beside each instance
             estimates: dict[int, Estimate] = {}
 
             def run(batch_size: int) -> Estimate:
@@ -380,9 +374,9 @@ def session(config, resolution: int = 512, device: str = "cuda", world_size: int
                     return estimates[batch_size]
                 latent = resolution // 8
                 images = batch_size * per_batch
-                control = (torch.zeros(images, 3, resolution, resolution, dtype=torch.uint8),) if config.control else ()
                 batches = [(torch.zeros(images, 4, latent, latent, dtype=torch.float16),
-                            torch.zeros(images, sd.model.TOKENIZER_MAX_LENGTH, dtype=torch.long), *control)
+                            torch.zeros(images, sd.model.TOKENIZER_MAX_LENGTH, dtype=torch.long),
+                            *mode.estimate_inputs(images, resolution))
                            for _ in range(min(2, accumulation(config, batch_size, world_size)))]
                 if steps == 0:
                     sd.train.step.train_step(step, batches, steps)  # creates the optimizer state

@@ -18,15 +18,15 @@ import numpy as np
 import torch
 
 import sd.cli
-import sd.controlnet.model
 import sd.data.training_data
 import sd.distributed
-import sd.lora.adapters
 import sd.model
 import sd.runtime
 import sd.train.distill
 import sd.train.ema
 import sd.train.optimizers
+import sd.train.mode
+import sd.train.modes
 import sd.train.sharding
 from sd.distributed import Dist
 
@@ -45,7 +45,6 @@ class LossSettings:
     grad_clip: float = 1.0
     noise_offset: float = 0.0
     prior_loss_weight: float = 1.0
-    control_dropout: float = 0.0  # a ControlNet run: blank conditioning images
     prior_preservation: bool = False  # every micro-batch: instance samples, then as many class samples
 
     @classmethod
@@ -79,7 +78,7 @@ class Step:
     sharding: str = "none"  # none, zero1 or fsdp (sd.train.sharding); fsdp applies at wrap_model
     text_ema: sd.train.ema.EMA | None = None  # of the text encoder's adapter, when it trains and there is an EMA
     distill: sd.train.distill.Distiller | None = None  # distill: lcm: the teacher and the target network
-    controlled: bool = False  # a ControlNet run: unet is a ControlledUNet and micro-batches end with control images
+    mode: sd.train.mode.Mode = dataclasses.field(default_factory=lambda: sd.train.mode.Mode(None))  # what trains
 
     def emas(self) -> list[tuple[sd.train.ema.EMA, torch.nn.Module]]:
         """Each EMA with the model it averages: the UNet's, then the text adapter's."""
@@ -225,37 +224,38 @@ def log_foreach_fallback(params: list, error: Exception) -> None:
              sd.cli.first_line(error))
 
 
-def ema_update_every(config, device: torch.device, lora: bool) -> int:
+def ema_update_every(config, device: torch.device, part: bool) -> int:
     """``ema_update_every``, with auto resolved: every 10th step for a whole UNet's EMA in host memory of a
     GPU run, where each update copies the weights off the GPU and waits for them (3.4 GB at SD 1.x,
-    0.1-0.6 s), every step otherwise (an EMA on the device, an adapter's EMA, a CPU run)."""
+    0.1-0.6 s), every step otherwise (an EMA on the device, of a ``part`` of the model: an adapter, a
+    ControlNet; a CPU run)."""
     if config.ema_update_every:
         return config.ema_update_every
-    return 10 if config.ema_device == "cpu" and device.type == "cuda" and not lora else 1
+    return 10 if config.ema_device == "cpu" and device.type == "cuda" and not part else 1
 
 
-def build_step(config, d: Dist, unet, text_encoder, empty_ids: torch.Tensor, scaling_factor: float) -> Step:
-    """A step around a built UNet (on ``d.device``) and text encoder, at step 0.
+def build_step(config, d: Dist, unet, text_encoder, empty_ids: torch.Tensor, scaling_factor: float,
+               mode: sd.train.mode.Mode | None = None) -> Step:
+    """A step around a built UNet (on ``d.device``) and text encoder, at step 0, for ``mode`` (default: the
+    one ``config`` asks for) attached to them already.
 
     ``empty_ids``: the empty prompt's token ids ``(1, 77)``. What trains is what requires a gradient:
-    the whole UNet, or the LoRA adapters of the UNet and text encoder (``sd.lora.adapters.add_lora`` freezes
-    the rest), in one named parameter group each (``param_groups``); the EMAs then average the adapters
-    only. The UNet is not wrapped yet: call ``wrap_model`` after loading weights, so DDP broadcasts the
-    right ones.
+    the whole UNet, or what the mode trains (a LoRA's adapters of the UNet and text encoder, a learned
+    token, a ControlNet; the mode froze the rest), in one named parameter group each (``param_groups``);
+    the EMAs then average what trains only. The UNet is not wrapped yet: call ``wrap_model`` after loading
+    weights, so DDP broadcasts the right ones.
     """
+    mode = mode or sd.train.modes.mode_of(config)
     text_encoder = text_encoder.to(d.device)
     with sd.runtime.autocast(config.precision, d.device):
         empty = sd.model.encode_prompt_ids(text_encoder, empty_ids)
-    lora = sd.lora.adapters.has_lora(unet)
-    controlled = isinstance(unet, sd.controlnet.model.ControlledUNet)
     text_trains = any(p.requires_grad for p in text_encoder.parameters())
-    learned_token = bool(getattr(config, "embedding_token", ""))
     ema = text_ema = None
     if config.ema_decay > 0:
         settings = dict(device="cpu" if config.ema_device == "cpu" else None,
-                        update_every=ema_update_every(config, d.device, lora or controlled),
-                        trainable_only=lora or controlled)
-        if not learned_token:  # textual inversion: the UNet is frozen, its EMA would be a copy of it
+                        update_every=ema_update_every(config, d.device, not mode.whole_unet),
+                        trainable_only=not mode.whole_unet)
+        if mode.unet_trains:  # a frozen UNet's EMA would be a copy of it
             ema = sd.train.ema.EMA(unet, config.ema_decay, **settings)
         if text_trains:
             text_ema = sd.train.ema.EMA(text_encoder, config.ema_decay, **{**settings, "trainable_only": True})
@@ -268,7 +268,7 @@ def build_step(config, d: Dist, unet, text_encoder, empty_ids: torch.Tensor, sca
                 sd.model.ddpm_alphas_cumprod(zero_terminal_snr=config.zero_terminal_snr).to(d.device), scaling_factor,
                 LossSettings.from_config(config), d, trainable=[p for group in groups for p in group["params"]],
                 text_trains=text_trains, empty_ids=empty_ids.to(d.device), sharding=sharding, text_ema=text_ema,
-                distill=distill, controlled=controlled)
+                distill=distill, mode=mode)
 
 
 def wrap_model(step: Step, compile: bool, shapes: int = 1, mode: str = "default") -> None:
@@ -337,11 +337,12 @@ def compile_options(shapes: int, mode: str = "default") -> dict:
 
 
 def compute_loss(step: Step, model, latents: torch.Tensor, input_ids: torch.Tensor, generator: torch.Generator,
-                 mask: torch.Tensor | None = None, control: torch.Tensor | None = None):
+                 mask: torch.Tensor | None = None, **inputs: torch.Tensor):
     """Per-sample Min-SNR loss ``(B,)`` and timesteps of one micro-batch through ``model``; ``mask``
-    ``(B, 1, h, w)``: the loss weights of ``masked_loss`` (``sd.model.diffusion_loss``); ``control``
-    ``(B, 3, 8h, 8w)`` uint8: a ControlNet run's conditioning images. A ``distill`` run's
-    loss is the consistency-distillation loss instead (``sd.train.distill.lcm_loss``)."""
+    ``(B, 1, h, w)``: the loss weights of ``masked_loss`` (``sd.model.diffusion_loss``); ``inputs``: the
+    mode's tensors of the micro-batch (``Mode.batch_inputs``: a ControlNet run's conditioning images),
+    which ``Mode.model_inputs`` turns into the model's arguments. A ``distill`` run's loss is the
+    consistency-distillation loss instead (``sd.train.distill.lcm_loss``)."""
     if step.distill is not None:
         return sd.train.distill.lcm_loss(step, model, latents, input_ids, generator)
     settings, device = step.loss, step.d.device
@@ -355,10 +356,7 @@ def compute_loss(step: Step, model, latents: torch.Tensor, input_ids: torch.Tens
     timesteps = sd.model.sample_timesteps(latents.shape[0], generator).to(device)
     noisy = sd.model.add_noise(latents, noise, timesteps, step.alphas_cumprod)
     target = sd.model.prediction_target(latents, noise, timesteps, step.alphas_cumprod, settings.prediction_type)
-    conditioning = {}
-    if control is not None:
-        conditioning["controlnet_cond"] = sd.controlnet.model.control_batch(control, device, settings.control_dropout,
-                                                                            generator)
+    conditioning = step.mode.model_inputs(inputs, device, generator) if inputs else {}
     with sd.runtime.autocast(settings.precision, device):
         hidden = prompt_embeddings(step, input_ids, generator)
         pred = model(noisy, timesteps, encoder_hidden_states=hidden, **conditioning).sample
@@ -371,13 +369,13 @@ def compute_loss(step: Step, model, latents: torch.Tensor, input_ids: torch.Tens
 
 def batch_extras(step: Step, extra: list) -> dict:
     """A micro-batch's tensors after the latents and token ids, by ``compute_loss``'s names: the loss mask
-    (``masked_loss``), then the conditioning images (a ControlNet run)."""
-    extra = list(extra)
-    if step.controlled and not extra:
-        raise ValueError("a ControlNet run's batch needs a control image per sample (latents encoded without "
-                         "encode_latents.py --control?)")
-    named = {"control": extra.pop()} if step.controlled else {}
-    if extra:
+    (``masked_loss``), then the mode's (``Mode.batch_inputs``: a ControlNet run's conditioning images)."""
+    names = step.mode.batch_inputs
+    if len(extra) < len(names):
+        raise ValueError(f"a {step.mode.what} run's batch needs {step.mode.missing_inputs}")
+    own = len(extra) - len(names)
+    named = dict(zip(names, extra[own:]))
+    if own:
         named["mask"] = extra[0]
     return named
 

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-import sd.controlnet.model
 import sd.data.buckets
 import sd.distributed
 import sd.evaluation
@@ -136,11 +135,10 @@ def sample_grid(run: Run, path: Path, stop=None) -> None:
     prompts = config.validation_prompts
 
     def sample(i: int) -> list:
-        control = (sd.controlnet.model.read_control_image(config.validation_controls[i], width, height)
-                   if config.control else None)
         return sd.sampling.generate(run.sampler, prompts[i], "", [config.seed], steps=config.validation_steps,
                                     cfg=config.validation_cfg, sampler=config.validation_sampler, height=height,
-                                    width=width, batch_size=1, device=d.device, stop=stop, control=control)
+                                    width=width, batch_size=1, device=d.device, stop=stop,
+                                    **run.mode.sample_inputs(i, width, height))
 
     with ema_sampling(run):
         rows = list(sd.evaluation.gather_in_order(len(prompts), sample, d, desc="validation grid", stop=stop))

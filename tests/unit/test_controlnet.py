@@ -8,12 +8,13 @@ import numpy as np
 import pytest
 import torch
 
+import sd.controlnet.mode
 import sd.controlnet.model
 import sd.model
 import sd.sampling
 import sd.train.step
 from sd.distributed import Dist
-from sd.train.config import ConfigError, TrainConfig, check_control
+from sd.train.config import ConfigError, TrainConfig
 
 import global_rngs
 
@@ -140,7 +141,7 @@ def test_a_bad_controlnet_setting_is_refused_by_name(fields, message):
                      validation_prompts=[]), **fields}
     config = TrainConfig(**values)
     with pytest.raises(ConfigError, match=re.escape(message)):
-        check_control(config, check_paths=True)
+        sd.controlnet.mode.ControlNet.check(config, check_paths=True)
     if fields.get("init_from") != "":  # the same from the whole validation, before any work
         with pytest.raises(ConfigError, match=re.escape(message)):
             config.validate(check_paths=False)

@@ -17,7 +17,7 @@ import sd.data.encode
 import sd.lora.adapters
 import sd.model
 import sd.sampling
-import sd.embedding.tokens
+import sd.train.modes
 import sd.train.step
 from sd.distributed import Dist
 from sd.train.config import TrainConfig
@@ -50,11 +50,7 @@ def train_one_step(cfg: TrainConfig, steps: int = 1, syncs: list | None = None):
         text_encoder = holder["text_encoder"] = sd.model.load_text_encoder("tiny")
         unet = holder["unet"] = sd.model.build_unet("tiny", grad_checkpointing=cfg.grad_checkpointing,
                                                     channels_last=cfg.channels_last).to(d.device).train()
-        sd.lora.adapters.apply_config(cfg, unet, text_encoder)
-        if cfg.embedding_token:  # as sd.train.run.add_learned_token, with rows of zeros
-            sd.embedding.tokens.freeze_for_inversion(unet, text_encoder, cfg.precision)
-            sd.embedding.tokens.attach_rows(text_encoder, torch.zeros(cfg.embedding_vectors, 64),
-                                            [cfg.embedding_token] * cfg.embedding_vectors, trainable=True)
+        unet = holder["unet"] = sd.train.modes.mode_of(cfg).estimate_attach(unet, text_encoder)  # a token: zeros
         step = sd.train.step.build_step(cfg, d, unet, text_encoder, torch.full((1, 77), 49407), 0.18215)
         ids = torch.randint(0, 49407 + cfg.embedding_vectors, (2, 77))
         if cfg.cache_text_embeddings:  # as sd.train.run.cache_text_embeddings: built on the GPU, kept on the host

@@ -443,12 +443,12 @@ def test_ema_update_every_auto_spaces_a_whole_unets_host_ema_of_a_gpu_run():
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     auto = load_config(["--unet", "tiny", "--ema_update_every", "auto", "--ema_device", "cpu"], check_paths=False)
     assert auto.ema_update_every == 0 and load_config(["--unet", "tiny"], check_paths=False).ema_update_every == 0
-    assert sd.train.step.ema_update_every(auto, cuda, lora=False) == 10
-    assert sd.train.step.ema_update_every(auto, cuda, lora=True) == 1  # an adapter's copy is small
-    assert sd.train.step.ema_update_every(auto, cpu, lora=False) == 1  # nothing to copy off a device
+    assert sd.train.step.ema_update_every(auto, cuda, part=False) == 10
+    assert sd.train.step.ema_update_every(auto, cuda, part=True) == 1  # an adapter's copy is small
+    assert sd.train.step.ema_update_every(auto, cpu, part=False) == 1  # nothing to copy off a device
     on_device = dataclasses.replace(auto, ema_device="same")
-    assert sd.train.step.ema_update_every(on_device, cuda, lora=False) == 1
-    assert sd.train.step.ema_update_every(dataclasses.replace(auto, ema_update_every=3), cuda, lora=False) == 3
+    assert sd.train.step.ema_update_every(on_device, cuda, part=False) == 1
+    assert sd.train.step.ema_update_every(dataclasses.replace(auto, ema_update_every=3), cuda, part=False) == 3
 
 
 @pytest.mark.parametrize("flags, shown", [

@@ -1,0 +1,94 @@
+"""A ControlNet run as a training mode (``control``): a ControlNet beside init_from's frozen UNet, fed a
+conditioning image per sample; the ControlNet alone trains and is saved (``controlnet``, diffusers' names)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from pathlib import Path
+
+import torch
+
+import sd.cli
+import sd.controlnet.model
+import sd.train.mode
+from sd.cli import ConfigError
+
+log = logging.getLogger("sd_train")
+
+
+class ControlNet(sd.train.mode.Mode):
+    what = "ControlNet"
+    frozen_base = True
+    whole_unet = False
+    batch_inputs = ("control",)  # (B, 3, H, W) uint8 at the image's size, after the loss mask
+    missing_inputs = "a control image per sample (latents encoded without encode_latents.py --control?)"
+
+    @classmethod
+    def wanted(cls, config) -> bool:
+        return bool(getattr(config, "control", ""))
+
+    @classmethod
+    def check(cls, config, check_paths: bool = True) -> None:
+        """A ControlNet run's settings, and the modes it cannot be combined with."""
+        if not config.control:
+            for name in ("controlnet_from", "validation_controls", "control_dropout"):
+                if getattr(config, name):
+                    raise ConfigError(f"{name} belongs to a ControlNet run: set control (the conditioning images' "
+                                      f"name) too, or unset {name}")
+            return
+        if not re.fullmatch(r"[a-z0-9_]+", config.control) or config.control == "mask":
+            raise ConfigError(f"control: the conditioning images' name (lower-case letters, digits, _; not 'mask', "
+                              f"the loss masks), got {config.control!r}")
+        if check_paths and not config.init_from:
+            raise ConfigError("control: a ControlNet conditions a trained model: set init_from (the base: a run of "
+                              "ours, a diffusers folder or hub id, or a single file)")
+        refused = {"lora_rank": "a LoRA", "embedding_token": "textual inversion", "distill": "distillation",
+                   "instance_dir": "a DreamBooth folder", "lora_text_encoder": "a text-encoder adapter",
+                   "masked_loss": "masked_loss", "eval_every": "eval_every (FID of samples "
+                   "needs a control image per prompt: score saved samples with SD_Eval.py)"}
+        for name, what in refused.items():
+            if getattr(config, name):
+                raise ConfigError(f"control: a ControlNet run does not train with {what}; unset {name}")
+        if config.sharding != "none":
+            raise ConfigError(f"control: a ControlNet run runs on DDP; set sharding: none (got {config.sharding})")
+        if config.validate_every and config.validation_prompts and \
+                len(config.validation_controls) != len(config.validation_prompts):
+            raise ConfigError(f"validation_controls: one conditioning image per validation prompt ("
+                              f"{len(config.validation_prompts)} prompts, {len(config.validation_controls)} images); "
+                              "or set validation_prompts: [] for no sample grid")
+        for path in config.validation_controls if check_paths else ():
+            if not isinstance(path, str) or not Path(path).is_file():
+                raise ConfigError(f"validation_controls: {path} is no file")
+
+    def attach(self, unet, text_encoder) -> sd.controlnet.model.ControlledUNet:
+        """The frozen base with a ControlNet, new or ``controlnet_from``'s."""
+        config = self.config
+        try:
+            model = sd.controlnet.model.attach(config, unet)
+        except (OSError, KeyError, ValueError) as error:  # the message names the file
+            raise ConfigError(f"controlnet_from: cannot load {config.controlnet_from}: "
+                              f"{sd.cli.first_line(error)}") from error
+        log.info("ControlNet on %r conditioning images (%s): %d trainable parameters; the base UNet is frozen",
+                 config.control, f"from {config.controlnet_from}" if config.controlnet_from
+                 else "new, zero convolutions out", sum(p.numel() for p in model.controlnet.parameters()))
+        return model
+
+    def estimate_attach(self, unet, text_encoder):
+        """A new ControlNet: its architecture is all the estimate needs."""
+        return sd.controlnet.model.attach(dataclasses.replace(self.config, controlnet_from=""), unet)
+
+    def trained_weights(self, step) -> dict[str, object]:
+        return {"controlnet": step.unet.controlnet}
+
+    def model_inputs(self, inputs: dict, device: torch.device, generator: torch.Generator) -> dict:
+        return {"controlnet_cond": sd.controlnet.model.control_batch(inputs["control"], device,
+                                                                     self.config.control_dropout, generator)}
+
+    def estimate_inputs(self, images: int, resolution: int) -> tuple:
+        return (torch.zeros(images, 3, resolution, resolution, dtype=torch.uint8),)
+
+    def sample_inputs(self, index: int, width: int, height: int) -> dict:
+        return {"control": sd.controlnet.model.read_control_image(self.config.validation_controls[index], width,
+                                                                  height)}

@@ -1,0 +1,89 @@
+"""Textual inversion as a training mode (``embedding_token``): a new token in the tokenizer and text
+encoder, starting from ``embedding_init``'s embedding; its vectors alone train and are saved
+(``embedding``, the file AUTOMATIC1111 and ComfyUI load)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+import sd.embedding.tokens
+import sd.train.mode
+from sd.cli import ConfigError
+
+log = logging.getLogger("sd_train")
+
+
+class LearnedToken(sd.train.mode.Mode):
+    what = "learned token"
+    frozen_base = True
+    whole_unet = False
+    unet_trains = False
+    retokenises = True  # the stored token ids lack the new token
+
+    @classmethod
+    def wanted(cls, config) -> bool:
+        return bool(getattr(config, "embedding_token", ""))
+
+    @classmethod
+    def check(cls, config, check_paths: bool = True) -> None:
+        """Textual inversion's settings, and the modes it cannot be combined with."""
+        if not config.embedding_token:
+            if config.embedding_init:
+                raise ConfigError("embedding_init is the start of a learned token: set embedding_token too")
+            return
+        try:
+            sd.embedding.tokens.check_token(config.embedding_token)
+        except ValueError as error:
+            raise ConfigError(f"embedding_token: {error}") from None
+        if not config.embedding_init.strip():
+            raise ConfigError("embedding_token needs embedding_init: a word close to the concept that the token "
+                              "starts from (e.g. dog)")
+        if not config.init_from:
+            raise ConfigError("embedding_token learns a token for existing weights: set init_from (a diffusers "
+                              "folder or hub id, a single file, or a run of ours)")
+        if config.lora_rank:
+            raise ConfigError("embedding_token trains the token alone; train a LoRA in a run of its own (lora_rank: "
+                              "0 here)")
+        if config.cache_text_embeddings:
+            raise ConfigError("cache_text_embeddings needs a fixed text encoder, and textual inversion trains it: "
+                              "turn the cache off")
+        if config.embedding_vectors > 75:
+            raise ConfigError(f"embedding_vectors: at most 75 (a prompt's places), got {config.embedding_vectors}")
+        if config.instance_dir and config.embedding_token not in config.instance_prompt.lower().split():
+            raise ConfigError(f"instance_prompt {config.instance_prompt!r} does not use embedding_token "
+                              f"{config.embedding_token!r}: write it into the prompt, e.g. 'a photo of "
+                              f"{config.embedding_token}'")
+        if config.sharding != "none":
+            raise ConfigError(f"sharding: {config.sharding} splits a full fine-tune's state; a learned token is a few "
+                              "KB that every GPU holds whole: set sharding: none")
+
+    def before_data(self, unet, text_encoder, tokenizer) -> None:
+        """The new token in the tokenizer and text encoder, before any prompt is tokenised; it alone trains."""
+        config = self.config
+        sd.embedding.tokens.freeze_for_inversion(unet, text_encoder, config.precision)
+        try:
+            start = sd.embedding.tokens.initial_vectors(tokenizer, text_encoder, config.embedding_init,
+                                                        config.embedding_vectors)
+            sd.embedding.tokens.add_token(tokenizer, text_encoder, config.embedding_token, start, trainable=True)
+        except sd.embedding.tokens.EmbeddingError as error:
+            raise ConfigError(f"embedding_token: {error}") from error
+        log.info("textual inversion: token %s, %d vector(s) of %d values starting from %r; the UNet and text "
+                 "encoder are frozen", config.embedding_token, config.embedding_vectors, start.shape[1],
+                 config.embedding_init)
+
+    def estimate_attach(self, unet, text_encoder):
+        """The new rows alone train (zeros: their values do not change the memory)."""
+        config = self.config
+        sd.embedding.tokens.freeze_for_inversion(unet, text_encoder, config.precision)
+        sd.embedding.tokens.attach_rows(text_encoder, torch.zeros(config.embedding_vectors,
+                                                                  text_encoder.config.hidden_size),
+                                        [config.embedding_token] * config.embedding_vectors, trainable=True)
+        return unet
+
+    def fingerprinted(self, unet, text_encoder) -> list[torch.Tensor]:
+        return list(unet.parameters()) + list(text_encoder.parameters())
+
+    def trained_weights(self, step) -> dict[str, object]:
+        return {"embedding": sd.embedding.tokens.LearnedToken(step.text_encoder)}

@@ -1,0 +1,60 @@
+"""A LoRA run as a training mode (``lora_rank`` > 0): adapters on init_from's frozen UNet (and, with
+``lora_text_encoder``, the text encoder), which alone train and alone are saved (``adapter``)."""
+
+from __future__ import annotations
+
+import sd.lora.adapters
+import sd.train.mode
+from sd.cli import ConfigError
+
+
+class Lora(sd.train.mode.Mode):
+    what = "adapter"
+    frozen_base = True
+    whole_unet = False
+
+    @classmethod
+    def wanted(cls, config) -> bool:
+        return getattr(config, "lora_rank", 0) > 0
+
+    @classmethod
+    def check(cls, config, check_paths: bool = True) -> None:
+        if check_paths and config.lora_rank and not config.init_from:
+            raise ConfigError("lora_rank > 0 trains an adapter on existing weights: set init_from (a diffusers folder "
+                              "or hub id, a single file, or a run of ours)")
+        if not (config.lora_targets and all(isinstance(t, str) and t.strip() for t in config.lora_targets)):
+            raise ConfigError("lora_targets: a list of groups (attention, transformer, resnet) or module-name suffixes")
+        if config.lora_rank:
+            if config.sharding != "none":
+                raise ConfigError(f"sharding: {config.sharding} splits a full fine-tune's state; a LoRA adapter is a "
+                                  "few MB that every GPU holds whole: set sharding: none, or lora_rank: 0")
+            return
+        if config.lora_text_encoder:
+            raise ConfigError("lora_text_encoder needs lora_rank > 0")
+        if config.lora_conv_rank or config.lora_conv_alpha:
+            raise ConfigError("lora_conv_rank / lora_conv_alpha set the convolutions' adapters of a LoRA run: set "
+                              "lora_rank > 0 too")
+
+    def check_models(self, unet, text_encoder) -> None:
+        try:
+            sd.lora.adapters.resolve_targets(unet, self.config.lora_targets)
+        except sd.lora.adapters.LoraError as error:
+            raise ConfigError(str(error)) from None
+
+    def attach(self, unet, text_encoder):
+        try:
+            sd.lora.adapters.apply_config(self.config, unet, text_encoder)
+        except sd.lora.adapters.LoraError as error:
+            raise ConfigError(str(error)) from error
+        return unet
+
+    def trained_weights(self, step) -> dict[str, object]:
+        return {"adapter": sd.lora.adapters.AdapterWeights(unet=step.unet, text_encoder=step.text_encoder)}
+
+    def describe(self, step) -> str:
+        config = self.config
+        return (f"LoRA rank {config.lora_rank} (alpha "
+                f"{sd.lora.adapters.effective_alpha(config.lora_rank, config.lora_alpha):g}) on "
+                f"{len(step.unet.lora_settings['modules'])} UNet layers"
+                f"{' and the text encoder' if config.lora_text_encoder else ''}: "
+                f"{sum(p.numel() for p in step.trainable)} trainable parameters")
