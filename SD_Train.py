@@ -38,7 +38,8 @@ import sd.train.validation
 from sd.data.prefetch import Prefetcher
 from sd.distributed import Dist
 from sd.train.config import AUTO_BATCH, ConfigError, TrainConfig, config_yaml, estimate_flags, load_config
-from sd.train.run import Run, StopSignal, step_record, stop_code
+from sd.train.run import StopSignal, step_record, stop_code
+from sd.train.state import Run
 
 log = logging.getLogger("sd_train")
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from safetensors import SafetensorError
@@ -25,9 +24,7 @@ import sd.train.sharding
 from sd.distributed import Dist
 from sd.run_folder import read_saved_config
 from sd.train.config import ConfigError, TrainConfig, config_yaml, resume_changes
-
-if TYPE_CHECKING:
-    from sd.train.run import Run
+from sd.train.state import Run
 
 log = logging.getLogger("sd_train")
 
@@ -38,7 +35,7 @@ def resume_or_init(run: Run) -> None:
     concrete, as config.yaml and every checkpoint record it."""
     resumed = resume_newest_usable(run)
     inherited = False
-    if not resumed and run.config.distill and not run.mode.frozen_base:
+    if not resumed and run.step.objective.uses_base and not run.mode.frozen_base:
         log.info("distillation: the student starts as the teacher (init_from's EMA where it has one); the EMA and "
                  "the target network start from it too")
     elif not resumed and run.config.init_from and run.config.instance_dir and not run.mode.frozen_base:
@@ -69,8 +66,9 @@ def resumable(run: Run) -> dict:
     (``adapter``), a learned token's vectors (``embedding``: the file AUTOMATIC1111 and ComfyUI load),
     a ControlNet (``controlnet``: diffusers' names). A mode that trains beside frozen weights saves their
     fingerprint instead of them (``lora_base``, checked by ``resume``: the base comes from ``init_from`` at
-    every start), as a distillation run does of its teacher, with its target network (``lcm_target``). ``ema`` holds the UNet's EMA and
-    the text encoder's (its adapter or learned token) when that trains (``sd.train.ema.EMAWeights``).
+    every start), as a distillation run does of its teacher; the objective adds its own entries (a
+    distillation's target network, ``lcm_target``). ``ema`` holds the UNet's EMA and the text encoder's
+    (its adapter or learned token) when that trains (``sd.train.ema.EMAWeights``).
     The weight files hold the weights to evaluate, which a Schedule-Free optimizer keeps apart from
     those it trains at (``sd.train.optimizers``: those go in ``optimizer``, loaded after the weight files).
     """
@@ -81,8 +79,7 @@ def resumable(run: Run) -> dict:
         states["lora_base"] = ckpt.Weights(BaseFingerprint(run.base_fingerprint))
     if step.ema is not None or step.text_ema is not None:
         states["ema"] = ckpt.Weights(sd.train.ema.EMAWeights(step.ema, step.text_ema))
-    if step.distill is not None and step.distill.target is not None:
-        states["lcm_target"] = ckpt.Weights(step.distill)
+    states.update({name: ckpt.Weights(entry) for name, entry in step.objective.entries().items()})
     states.update(optimizer=sd.train.optimizers.OptimizerState(step.optimizer), scaler=step.scaler,
                   train_state=run.state, rng=ckpt.PerRank(run.rng))
     return sd.train.sharding.whole_states(states, step)
@@ -248,7 +245,7 @@ def check_lora_base(run: Run, folder: Path) -> None:
         raise sd.run_folder.Damaged(f"{folder / 'lora_base.safetensors'}: {sd.cli.first_line(error)}") from error
     now = run.base_fingerprint
     if not sd.lora.adapters.same_base(saved, now):
-        what = "distilled model" if run.step.distill is not None else run.mode.what
+        what = run.step.objective.what or run.mode.what
         raise ConfigError(f"init_from {run.config.init_from} is not the base model the {what} in {folder} was "
                           "trained on; restore that base, or start a new out_dir")
 

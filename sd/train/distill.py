@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 import torch
 
 import sd.lora.adapters
@@ -30,9 +28,6 @@ import sd.model
 import sd.runtime
 import sd.sampling
 import sd.train.ema
-
-if TYPE_CHECKING:
-    from sd.train.step import Step
 
 MODES = ("", "lcm")
 LOSSES = ("huber", "l2")
@@ -124,6 +119,9 @@ class Distiller:
     student's module called with the target's tensors (``torch.func.functional_call``), no copy made.
     """
 
+    what = "distilled model"  # in messages
+    uses_base = True  # init_from is the teacher: loaded first, fingerprinted, checked on resume
+
     def __init__(self, settings: LCMSettings, unet, teacher=None):
         self.settings = settings
         self.teacher = teacher
@@ -160,6 +158,24 @@ class Distiller:
         """Fold the student in after an optimizer step (none where ``skip``)."""
         if self.target is not None:
             self.target.update(unet, step_index, skip=skip, view=view)
+
+    def loss(self, step, model, latents, input_ids, generator, mask, inputs):
+        """The consistency-distillation loss (``lcm_loss``; a distillation takes no loss mask or mode inputs)."""
+        return lcm_loss(step, model, latents, input_ids, generator)
+
+    def entries(self) -> dict:
+        """The checkpoint's entries: the target network, when there is one."""
+        return {"lcm_target": self} if self.target is not None else {}
+
+    def held_tensors(self) -> list:
+        """What it holds besides the student: the teacher's frozen copy (a whole-UNet student) and the target."""
+        teacher = [*self.teacher.parameters(), *self.teacher.buffers()] if self.teacher is not None else []
+        return teacher + (list(self.target.shadow) if self.target is not None else [])
+
+    def describe(self, config) -> str:
+        return (f"distill: {config.distill} from {config.init_from} (teacher: "
+                f"{'a frozen copy' if self.teacher is not None else 'the base, adapters off'}; target: "
+                f"{f'EMA {config.lcm_target_decay:g} of the student' if config.lcm_target_decay else 'the student'})")
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.target.state_dict() if self.target is not None else {}
@@ -204,14 +220,14 @@ def adapters_off(unet):
 # ---------------------------------------------------------------------------------------------
 
 
-def lcm_loss(step: "Step", model, latents: torch.Tensor, input_ids: torch.Tensor, generator: torch.Generator):
+def lcm_loss(step, model, latents: torch.Tensor, input_ids: torch.Tensor, generator: torch.Generator):
     """Per-sample consistency-distillation loss ``(B,)`` of one micro-batch and its timesteps ``t_n``.
 
     Draws from ``generator``, in order: the noise, the solver index n and the guidance scale. The
     student runs through ``model`` (DDP-wrapped, compiled); teacher and target through the plain UNet
     without gradients.
     """
-    distiller, settings, device = step.distill, step.distill.settings, step.d.device
+    distiller, settings, device = step.objective, step.objective.settings, step.d.device
     alphas = step.alphas_cumprod
     x0 = sd.model.scale_latents(latents.to(device, non_blocking=True).float(), step.scaling_factor)
     if step.loss.channels_last:
@@ -235,11 +251,11 @@ def lcm_loss(step: "Step", model, latents: torch.Tensor, input_ids: torch.Tensor
     return distance(prediction, target, settings.loss, settings.huber_c), start
 
 
-def teacher_solver_step(step: "Step", x_start, start, end, hidden, scale) -> torch.Tensor:
+def teacher_solver_step(step, x_start, start, end, hidden, scale) -> torch.Tensor:
     """``x_{t_{n-k}}``: one DDIM step of the teacher's guided prediction from ``x_{t_n}`` (cond and
     uncond in one batch of 2B)."""
     uncond = step.empty_embedding.to(hidden.dtype).expand_as(hidden)
-    both = step.distill.teacher_output(step.unet, torch.cat([x_start, x_start]), torch.cat([start, start]),
+    both = step.objective.teacher_output(step.unet, torch.cat([x_start, x_start]), torch.cat([start, start]),
                                        torch.cat([hidden, uncond]))
     x0_c, eps_c = x0_and_noise(both[: len(start)], x_start, start, step.alphas_cumprod, step.loss.prediction_type)
     x0_u, eps_u = x0_and_noise(both[len(start):], x_start, start, step.alphas_cumprod, step.loss.prediction_type)
@@ -247,7 +263,7 @@ def teacher_solver_step(step: "Step", x_start, start, end, hidden, scale) -> tor
     return ddim_solver_step(guided(x0_c, x0_u, scale), guided(eps_c, eps_u, scale), alpha_prev)
 
 
-def prompt_embeddings(step: "Step", input_ids: torch.Tensor) -> torch.Tensor:
+def prompt_embeddings(step, input_ids: torch.Tensor) -> torch.Tensor:
     """The prompts' embeddings as written: distillation learns the guided teacher, which needs the real
     prompt (no CFG dropout)."""
     if step.text_cache is not None:

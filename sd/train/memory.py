@@ -635,12 +635,9 @@ def breakdown(allocations: Allocations, step, vae, config, casts: set[int], rebu
         "text_encoder_and_vae": records([*step.text_encoder.parameters(), *step.text_encoder.buffers(),
                                          *vae.parameters(), *vae.buffers()]),
     }
-    if step.distill is not None:  # the teacher's frozen copy (a whole-UNet student) and the target network
-        teacher = step.distill.teacher
-        target = step.distill.target
-        groups["distillation"] = records([*(teacher.parameters() if teacher is not None else []),
-                                          *(teacher.buffers() if teacher is not None else []),
-                                          *(target.shadow if target is not None else [])])
+    held = step.objective.held_tensors()  # a distillation's teacher copy and target network
+    if held:
+        groups["distillation"] = records(held)
     groups["autocast_weight_copies"] = casts
     if sd.train.sharding.is_sharded(unet):  # FSDP2's gathered weights, in storages it resizes in place
         groups["fsdp_gathered_weights"] = allocations.regrown

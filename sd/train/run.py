@@ -1,17 +1,14 @@
-"""A training run's parts: its position (``TrainState``), what the loop works with (``Run``), building
-them from a config, and the loop's small pieces (advancing the state, a metrics record, when to stop)."""
+"""Building a training run from a config (``build``: data, models, its mode and the step, as
+``sd.train.state.Run``), and the loop's small pieces (a metrics record, when to stop)."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import signal
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
 import sd.data.captions
 import sd.data.dreambooth
@@ -29,73 +26,12 @@ import sd.train.mode
 import sd.train.modes
 import sd.train.step
 import sd.train.validation
+from sd.train.state import Run, TrainState
 from sd.distributed import Dist
 from sd.evaluation import EvalError, TrainingEval
 from sd.train.config import ConfigError, TrainConfig, check_models
 
 log = logging.getLogger("sd_train")
-
-
-@dataclass
-class TrainState:
-    """The loop's position: everything a resume needs besides weights, optimizer and RNGs."""
-
-    step: int = 0  # optimizer steps taken
-    epoch: int = 0
-    position: int = 0  # micro-batches of this epoch already consumed by each rank
-    bad_steps: int = 0  # skipped steps so far
-    bad_in_a_row: int = 0
-    samples_seen: int = 0  # across all ranks
-    world_size: int = 1  # the data order depends on it
-    data_samples: int = 0  # training samples (it depends on them too); 0 in checkpoints that predate it
-
-    OPTIONAL = ("data_samples",)  # absent from older checkpoints
-
-    def state_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    def load_state_dict(self, state: dict) -> None:
-        for name in dataclasses.asdict(self):
-            if name not in state and name not in self.OPTIONAL:
-                raise KeyError(f"train state lacks '{name}'")
-            setattr(self, name, int(state.get(name, 0)))
-
-    def advance(self, grad_accum: int, usable: int, images_per_step: int) -> bool:
-        """Move past one optimizer step; True when that ended the epoch (``usable``: the epoch's
-        micro-batches that make whole steps). Whether its update was skipped is counted when its
-        statistics are read (``count``)."""
-        self.position += grad_accum
-        self.samples_seen += images_per_step
-        self.step += 1
-        if self.position < usable:
-            return False
-        self.epoch, self.position = self.epoch + 1, 0
-        return True
-
-    def count(self, bad: bool) -> None:
-        """Count a step whose statistics were read (``bad``: its update was skipped), in step order."""
-        self.bad_in_a_row = self.bad_in_a_row + 1 if bad else 0
-        self.bad_steps += int(bad)
-
-
-@dataclass
-class Run:
-    """What the loop works with."""
-
-    config: TrainConfig
-    d: Dist
-    step: sd.train.step.Step
-    state: TrainState
-    train_data: sd.data.training_data.MixedData
-    val_data: sd.data.training_data.MixedData | None
-    sampler: sd.sampling.Pipeline  # the frozen parts of the validation grid, around step.unet
-    rng: ckpt.RankRNG  # this rank's RNGs, applied when the loop starts
-    steps_per_epoch: int
-    total_steps: int  # optimizer steps of the phase: sizes the LR schedule
-    run_dir: Path
-    mode: sd.train.mode.Mode  # what trains (sd.train.modes)
-    base_fingerprint: torch.Tensor | None = None  # a LoRA run's base weights as loaded (see BaseFingerprint)
-    evaluation: TrainingEval | None = None  # FID / CLIP score every eval_every steps
 
 
 def build_data(config: TrainConfig, d: Dist | None = None, tokenizer=None, retokenises: bool = False):
@@ -216,13 +152,15 @@ def build(config: TrainConfig, d: Dist) -> Run:
     unet = sd.model.build_unet(config.unet, seed=config.seed, grad_checkpointing=config.grad_checkpointing,
                                channels_last=config.channels_last).to(d.device).train()
     check_models(config, unet, text_encoder)
-    if config.init_from and (mode.frozen_base or config.instance_dir or config.distill):
-        sd.train.checkpointer.load_base(config.init_from, unet)
+    frozen_base = mode.frozen_base or sd.train.step.objective_of(config).uses_base  # trained on, or from
     base_fingerprint = None
-    if mode.frozen_base or config.distill:  # the weights trained on or from (the teacher), as loaded
-        base_fingerprint = sd.run_folder.weights_fingerprint(mode.fingerprinted(unet, text_encoder))
+    if config.init_from and frozen_base:
+        sd.train.checkpointer.load_base(config.init_from, unet)
+        base_fingerprint = sd.run_folder.weights_fingerprint(mode.fingerprinted(unet, text_encoder))  # as loaded
     mode.before_data(unet, text_encoder, tokenizer)
-    if config.instance_dir:
+    if config.instance_dir:  # DreamBooth: the class images are drawn by the base, which a fine-tune starts from
+        if config.init_from and not frozen_base:
+            sd.train.checkpointer.load_base(config.init_from, unet)
         make_pipeline = lambda: sd.sampling.Pipeline(unet, vae, text_encoder.to(d.device), tokenizer,  # noqa: E731
                                                      config.prediction_type,
                                                      zero_terminal_snr=base_zero_terminal_snr(config))
@@ -236,13 +174,9 @@ def build(config: TrainConfig, d: Dist) -> Run:
     unet = mode.attach(unet, text_encoder)
     step = sd.train.step.build_step(config, d, unet, text_encoder, sd.model.tokenize(tokenizer, [""]), scaling,
                                     mode)
-    if step.distill is not None:
-        log.info("distill: %s from %s (teacher: %s; target: %s)", config.distill, config.init_from,
-                 "a frozen copy" if step.distill.teacher is not None else "the base, adapters off",
-                 f"EMA {config.lcm_target_decay:g} of the student" if config.lcm_target_decay else "the student")
-    described = mode.describe(step)
-    if described:
-        log.info("%s", described)
+    for described in (step.objective.describe(config), mode.describe(step)):
+        if described:
+            log.info("%s", described)
     if config.cache_text_embeddings:
         cache_text_embeddings(step, config, train_data, val_data)
     steps_per_epoch = steps_per_epoch_of(config, train_data, d)

@@ -77,7 +77,7 @@ class Step:
     cuda_graphs: bool = False  # the compiled model replays CUDA graphs (compile_mode reduce-overhead)
     sharding: str = "none"  # none, zero1 or fsdp (sd.train.sharding); fsdp applies at wrap_model
     text_ema: sd.train.ema.EMA | None = None  # of the text encoder's adapter, when it trains and there is an EMA
-    distill: sd.train.distill.Distiller | None = None  # distill: lcm: the teacher and the target network
+    objective: "Diffusion | sd.train.distill.Distiller" = dataclasses.field(default_factory=lambda: Diffusion())
     mode: sd.train.mode.Mode = dataclasses.field(default_factory=lambda: sd.train.mode.Mode(None))  # what trains
 
     def emas(self) -> list[tuple[sd.train.ema.EMA, torch.nn.Module]]:
@@ -262,13 +262,13 @@ def build_step(config, d: Dist, unet, text_encoder, empty_ids: torch.Tensor, sca
     groups = param_groups(config, unet, text_encoder)
     noise_generator = torch.Generator(device=d.device).manual_seed(config.seed * 7919 + d.rank + 1)
     sharding = getattr(config, "sharding", "none") if d.world_size > 1 else "none"
-    distill = sd.train.distill.Distiller.build(config, unet) if getattr(config, "distill", "") else None
+    objective = objective_of(config).build(config, unet)
     return Step(unet, unet, text_encoder, empty, build_optimizer(groups, config, zero=sharding == "zero1"),
                 torch.amp.GradScaler(d.device.type, enabled=config.precision == "fp16"), ema, noise_generator,
                 sd.model.ddpm_alphas_cumprod(zero_terminal_snr=config.zero_terminal_snr).to(d.device), scaling_factor,
                 LossSettings.from_config(config), d, trainable=[p for group in groups for p in group["params"]],
                 text_trains=text_trains, empty_ids=empty_ids.to(d.device), sharding=sharding, text_ema=text_ema,
-                distill=distill, mode=mode)
+                objective=objective, mode=mode)
 
 
 def wrap_model(step: Step, compile: bool, shapes: int = 1, mode: str = "default") -> None:
@@ -338,13 +338,49 @@ def compile_options(shapes: int, mode: str = "default") -> dict:
 
 def compute_loss(step: Step, model, latents: torch.Tensor, input_ids: torch.Tensor, generator: torch.Generator,
                  mask: torch.Tensor | None = None, **inputs: torch.Tensor):
-    """Per-sample Min-SNR loss ``(B,)`` and timesteps of one micro-batch through ``model``; ``mask``
-    ``(B, 1, h, w)``: the loss weights of ``masked_loss`` (``sd.model.diffusion_loss``); ``inputs``: the
-    mode's tensors of the micro-batch (``Mode.batch_inputs``: a ControlNet run's conditioning images),
-    which ``Mode.model_inputs`` turns into the model's arguments. A ``distill`` run's loss is the
-    consistency-distillation loss instead (``sd.train.distill.lcm_loss``)."""
-    if step.distill is not None:
-        return sd.train.distill.lcm_loss(step, model, latents, input_ids, generator)
+    """Per-sample loss ``(B,)`` and timesteps of one micro-batch through ``model``, by the step's objective
+    (``Diffusion``, or ``sd.train.distill.Distiller`` for ``distill: lcm``); ``mask`` ``(B, 1, h, w)``: the
+    loss weights of ``masked_loss``; ``inputs``: the mode's tensors of the micro-batch (``Mode.batch_inputs``)."""
+    return step.objective.loss(step, model, latents, input_ids, generator, mask, inputs)
+
+
+class Diffusion:
+    """The objective of a diffusion model: the Min-SNR-weighted prediction error of noised latents
+    (``sd.model.diffusion_loss``). An objective is asked for its loss, updated after each optimizer step
+    (``update``), and names what it saves (``entries``) and holds in memory (``held_tensors``); this one
+    keeps nothing of its own."""
+
+    what = None  # what a checkpoint trained under it holds, in messages (None: the mode says)
+    uses_base = False  # init_from's weights are its reference (a distillation's teacher): fingerprinted
+
+    @classmethod
+    def build(cls, config, unet) -> "Diffusion":
+        return cls()
+
+    def loss(self, step: Step, model, latents, input_ids, generator, mask, inputs):
+        """The Min-SNR loss: draws the noise (and its offset), the timesteps, the mode's random inputs (a
+        blank control image) and the CFG dropout from ``generator``, in that order."""
+        return diffusion_loss(step, model, latents, input_ids, generator, mask, inputs)
+
+    def update(self, unet, step_index: int, skip: torch.Tensor | None = None, view=None) -> None:
+        pass
+
+    def entries(self) -> dict:
+        return {}
+
+    def held_tensors(self) -> list:
+        return []
+
+    def describe(self, config) -> str | None:
+        return None
+
+
+def objective_of(config) -> type:
+    """The objective ``config`` asks for: consistency distillation (``distill: lcm``), else ``Diffusion``."""
+    return sd.train.distill.Distiller if getattr(config, "distill", "") else Diffusion
+
+
+def diffusion_loss(step: Step, model, latents, input_ids, generator, mask, inputs):
     settings, device = step.loss, step.d.device
     latents = sd.model.scale_latents(latents.to(device, non_blocking=True).float(), step.scaling_factor)
     if settings.channels_last:
@@ -534,8 +570,7 @@ def apply_update(step: Step, skip: torch.Tensor, step_index: int) -> None:
         step.scaler.update()  # fp16: backs off on its own overflow flag, else grows
         for ema, model in step.emas():
             ema.update(model, step_index, skip=skip)
-        if step.distill is not None:
-            step.distill.update(step.unet, step_index, skip=skip)
+        step.objective.update(step.unet, step_index, skip=skip)
         return
     # A read of the device: these optimizers cannot skip on their own (the foreach AdamW, bitsandbytes'
     # 8-bit AdamW, Prodigy, which reads its statistics on the host anyway, and Schedule-Free AdamW).
@@ -547,8 +582,7 @@ def apply_update(step: Step, skip: torch.Tensor, step_index: int) -> None:
     evaluated = sd.train.optimizers.evaluation_view(step.optimizer)  # Schedule-Free: the EMAs average x, not y
     for ema, model in step.emas():
         ema.update(model, step_index, view=evaluated)
-    if step.distill is not None:
-        step.distill.update(step.unet, step_index, view=evaluated)
+    step.objective.update(step.unet, step_index, view=evaluated)
 
 
 class StepResult:

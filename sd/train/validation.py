@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -25,9 +24,7 @@ import sd.train.optimizers
 import sd.train.sharding
 import sd.train.step
 from sd.train.config import TrainConfig
-
-if TYPE_CHECKING:
-    from sd.train.run import Run
+from sd.train.state import Run
 
 log = logging.getLogger("sd_train")
 

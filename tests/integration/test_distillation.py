@@ -125,7 +125,7 @@ def fixed_draw_loss(config_fields: dict, student: dict | None, target: dict | No
     if student is not None:
         unet.load_state_dict(student)
     if target is not None:
-        step.distill.load_state_dict(target)
+        step.objective.load_state_dict(target)
     with torch.no_grad():
         loss, _ = sd.train.distill.lcm_loss(step, unet, latents, ids, torch.Generator().manual_seed(0))
     return loss.mean().item()

@@ -69,10 +69,10 @@ def test_the_loss_of_a_micro_batch_equals_the_hand_computed_one(loss):
     """Teacher, student and target all differ; the reference runs each network on its own (cond and uncond
     separately) and writes every formula out in float64 with the schedule computed by hand."""
     step, tokenizer = build({"lcm_loss": loss, "lcm_huber_c": 0.01})
-    teacher = step.distill.teacher
+    teacher = step.objective.teacher
     perturbed(step.unet, 1)  # the student has trained a while ...
     target = perturbed(copy.deepcopy(step.unet), 2)  # ... and the target lags it
-    step.distill.target.load_state_dict({n: p.detach().clone() for n, p in target.named_parameters()})
+    step.objective.target.load_state_dict({n: p.detach().clone() for n, p in target.named_parameters()})
 
     latents = torch.randn(3, 4, 8, 8, generator=torch.Generator().manual_seed(7)).half()
     ids = sd.model.tokenize(tokenizer, ["a red circle", "a blue square", "a star"])
@@ -123,14 +123,14 @@ def test_the_lora_teacher_is_the_base_and_the_target_stands_in_for_the_adapters_
     x, t, h = torch.randn(2, 4, 8, 8), torch.tensor([5, 900]), torch.randn(2, 77, 64)
     with torch.no_grad():
         student = unet(x, t, encoder_hidden_states=h).sample
-        assert torch.equal(step.distill.teacher_output(unet, x, t, h), base(x, t, encoder_hidden_states=h).sample)
+        assert torch.equal(step.objective.teacher_output(unet, x, t, h), base(x, t, encoder_hidden_states=h).sample)
         live = {n: p.detach().clone() for n, p in unet.named_parameters()}
-        shadow = [s.clone() for s in step.distill.target.shadow]
-        target = step.distill.target_output(unet, x, t, h)
-    assert step.distill.target.names and all(sd.lora.adapters.is_adapter_name(n) for n in step.distill.target.names)
+        shadow = [s.clone() for s in step.objective.target.shadow]
+        target = step.objective.target_output(unet, x, t, h)
+    assert step.objective.target.names and all(sd.lora.adapters.is_adapter_name(n) for n in step.objective.target.names)
     assert not torch.equal(student, target)
     assert all(torch.equal(live[n], p) for n, p in unet.named_parameters())  # the live weights untouched
-    assert all(torch.equal(a, b) for a, b in zip(shadow, step.distill.target.shadow))
+    assert all(torch.equal(a, b) for a, b in zip(shadow, step.objective.target.shadow))
     assert all(p.requires_grad == sd.lora.adapters.is_adapter_name(n) for n, p in unet.named_parameters())
     with torch.no_grad():  # the target at its start: the adapters as built (B = 0), so the base's output
         torch.testing.assert_close(target, base(x, t, encoder_hidden_states=h).sample, rtol=0, atol=1e-6)
@@ -138,15 +138,15 @@ def test_the_lora_teacher_is_the_base_and_the_target_stands_in_for_the_adapters_
 
 def test_the_target_moves_by_one_minus_its_decay_towards_the_student_at_each_step():
     step, tokenizer = build({"lcm_target_decay": 0.9, "lr": 1e-2, "warmup_steps": 0})
-    before = [s.clone() for s in step.distill.target.shadow]
+    before = [s.clone() for s in step.objective.target.shadow]
     latents = torch.randn(2, 4, 8, 8).half()
     result = sd.train.step.train_step(step, [(latents, sd.model.tokenize(tokenizer, ["a", "b"]))], 0)
     assert not result["bad"]
-    after = step.distill.target.parameters(step.unet)
-    for old, new, live in zip(before, step.distill.target.shadow, after):
+    after = step.objective.target.parameters(step.unet)
+    for old, new, live in zip(before, step.objective.target.shadow, after):
         torch.testing.assert_close(new, 0.9 * old + 0.1 * live.detach(), rtol=1e-6, atol=1e-6)
-    assert any(not torch.equal(old, new) for old, new in zip(before, step.distill.target.shadow))
-    assert all(p.requires_grad is False for p in step.distill.teacher.parameters())
+    assert any(not torch.equal(old, new) for old, new in zip(before, step.objective.target.shadow))
+    assert all(p.requires_grad is False for p in step.objective.teacher.parameters())
 
 
 @pytest.mark.parametrize("fields, message", [
@@ -184,6 +184,6 @@ def test_a_distillation_step_runs_on_cuda_without_waiting_for_it(fields):
         waited, result = steady_steps(step, batch, syncs)
         sd.train.step.read_results([result])
     assert waited == []
-    assert {t.device for t in step.distill.target.shadow} == {cuda}
-    if step.distill.teacher is not None:
-        assert {(p.device, p.dtype) for p in step.distill.teacher.parameters()} == {(cuda, torch.bfloat16)}
+    assert {t.device for t in step.objective.target.shadow} == {cuda}
+    if step.objective.teacher is not None:
+        assert {(p.device, p.dtype) for p in step.objective.teacher.parameters()} == {(cuda, torch.bfloat16)}
