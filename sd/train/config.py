@@ -21,6 +21,7 @@ import yaml
 import sd.cli
 import sd.model
 import sd.sampling
+import sd.train.distill
 import sd.train.modes
 from sd.cli import ConfigError, load_yaml
 from sd.run_folder import read_saved_config
@@ -348,8 +349,6 @@ class TrainConfig:
 
 def check_distill(config: TrainConfig, check_paths: bool = True) -> None:
     """Consistency distillation's settings, and the modes it cannot be combined with."""
-    import sd.train.distill
-
     if config.distill not in sd.train.distill.MODES:
         raise ConfigError(f"distill: lcm, or empty for the usual diffusion loss; got {config.distill!r}")
     if not config.distill:

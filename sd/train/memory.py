@@ -63,6 +63,7 @@ import sd.runtime
 import sd.train.modes
 import sd.train.sharding
 import sd.train.step
+from sd.distributed import Dist
 from sd.run_folder import read_saved_config
 from sd.train.config import ConfigError, check_models, largest_batch_for, resolve_global_batch
 
@@ -334,8 +335,6 @@ def session(config, resolution: int = 512, device: str = "cuda", world_size: int
     accumulates ``accumulation(...)`` micro-batches; at most two are run, as a third and later one repeat
     the second's memory exactly (the gradients exist, the activations are the same)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from sd.distributed import Dist
 
     allocations = Allocations(ROUND[device])
     casts: set[int] = set()
