@@ -55,7 +55,7 @@ loads (ComfyUI reads its ``diffusion_pytorch_model.safetensors`` too).
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import logging
 import math
 import sys
@@ -64,20 +64,15 @@ from pathlib import Path
 from safetensors import SafetensorError
 
 import sd.cli
-import sd.controlnet.files
-import sd.controlnet.model
 import sd.embedding.files
-import sd.embedding.tokens
-import sd.files
 import sd.formats
-import sd.lora.adapters
+import sd.imagegen
 import sd.lora.files
 import sd.runtime
 import sd.sampling
-from sd.sampling import Pipeline
 
 log = logging.getLogger("sd_imagegen")
-CONTROLNET_FORMATS = ("original", "diffusers")
+ERRORS = (KeyError, ValueError, OSError, SafetensorError)  # what a user can fix; the message names the file
 
 
 def parse_args(argv=None):
@@ -157,23 +152,24 @@ def parse_args(argv=None):
                         "(default: %(default)s)")
     parser.add_argument("--export_controlnet", metavar="OUT", help="write the ControlNet (--controlnet, or --ckpt when "
                         "it is a ControlNet run): one file OUT, or with --controlnet_format diffusers a folder OUT")
-    parser.add_argument("--controlnet_format", choices=CONTROLNET_FORMATS, default="original",
+    parser.add_argument("--controlnet_format", choices=sd.imagegen.CONTROLNET_FORMATS, default="original",
                         help="layout of --export_controlnet: original (control_model.* keys: ComfyUI, AUTOMATIC1111's "
                         "sd-webui-controlnet) or diffusers (a ControlNetModel folder) (default: %(default)s)")
     args = parser.parse_args(argv)
+    prompts = list(args.prompt)
     if args.prompts_file:
         path = Path(args.prompts_file)
         if not path.exists():
             parser.error(f"--prompts_file {path} does not exist")
-        args.prompt += [line.strip() for line in path.read_text().splitlines() if line.strip()]
+        prompts += [line.strip() for line in path.read_text().splitlines() if line.strip()]
     exporting = (args.export_diffusers or args.export_single_file or args.export_lora or args.export_embedding
                  or args.export_controlnet)
-    if not exporting and not (args.prompt and args.out):
+    if not exporting and not (prompts and args.out):
         parser.error("give --prompt (or --prompts_file) and --out to sample, or an --export_* flag")
     if args.export_lora and args.lora_format == "diffusers" and args.export_lora.endswith(".safetensors"):
         parser.error("--export_lora with --lora_format diffusers is a folder: give it a name without .safetensors, "
                      "or leave out --lora_format for one kohya .safetensors file")
-    if args.lora and not (args.prompt or args.export_diffusers or args.export_single_file):
+    if args.lora and not (prompts or args.export_diffusers or args.export_single_file):
         parser.error("--lora merges into the weights that are sampled or exported whole (--export_diffusers, "
                      "--export_single_file); --export_lora writes the --ckpt's own adapter alone")
     if args.embedding and (args.export_diffusers or args.export_single_file):
@@ -182,253 +178,57 @@ def parse_args(argv=None):
     for control in args.control:
         if not Path(control).is_file():
             parser.error(f"--control {control} is no file")
-    if len(args.control) > 1 and len(args.control) != len(args.prompt):
-        parser.error(f"{len(args.control)} --control images for {len(args.prompt)} prompts: give one for all, or one "
+    if len(args.control) > 1 and len(args.control) != len(prompts):
+        parser.error(f"{len(args.control)} --control images for {len(prompts)} prompts: give one for all, or one "
                      "per prompt in their order")
     if args.control_scale < 0 or not math.isfinite(args.control_scale):
         parser.error("--control_scale must be a number >= 0")
-    args.embedding = [parse_embedding_spec(spec) for spec in args.embedding]
     try:
-        args.lora = [parse_lora_spec(spec) for spec in args.lora]
+        loras = tuple(sd.imagegen.parse_lora_spec(spec) for spec in args.lora)
     except ValueError as error:
         parser.error(str(error))
     if any(side is not None and (side % 8 or side <= 0) for side in (args.height, args.width)):
         parser.error("--height and --width must be positive multiples of 8")
-    args.steps, args.cfg = sd.sampling.sampler_defaults(args.sampler, args.steps, args.cfg, 100, 7.5)
-    for name in ("steps", "n", "batch_size"):
-        if getattr(args, name) < 1:
+    steps, cfg = sd.sampling.sampler_defaults(args.sampler, args.steps, args.cfg, 100, 7.5)
+    for name, value in (("steps", steps), ("n", args.n), ("batch_size", args.batch_size)):
+        if value < 1:
             parser.error(f"--{name} must be >= 1")
-    if args.sampler == "lcm" and args.steps > sd.sampling.LCM_ORIGINAL_STEPS:
+    if args.sampler == "lcm" and steps > sd.sampling.LCM_ORIGINAL_STEPS:
         parser.error(f"--steps must be at most {sd.sampling.LCM_ORIGINAL_STEPS} with --sampler lcm")
-    return args
-
-
-def parse_lora_spec(spec: str) -> tuple[str, float]:
-    """``FILE_OR_DIR[:SCALE]`` -> (path, scale). A path may hold ':' itself (``C:\\x``, ``a:b.safetensors``):
-    the text after the last ':' is a scale only when it reads as a number, and never when the whole
-    text names an existing file or folder."""
-    path, sep, tail = spec.rpartition(":")
-    if not sep or Path(spec).exists():
-        return spec, 1.0
-    try:
-        scale = float(tail)
-    except ValueError:
-        return spec, 1.0
-    if not math.isfinite(scale) or not path:
-        raise ValueError(f"--lora {spec}: give FILE_OR_DIR[:SCALE] with a finite SCALE")
-    return path, scale
-
-
-def parse_embedding_spec(spec: str) -> tuple[str, str | None]:
-    """``FILE[:TOKEN]`` -> (path, token or None); a path that exists as written is taken whole."""
-    path, sep, token = spec.rpartition(":")
-    if not sep or Path(spec).exists() or not path or "/" in token or "\\" in token:
-        return spec, None
-    return path, token
-
-
-# ---------------------------------------------------------------------------------------------
-# LoRA and learned tokens
-# ---------------------------------------------------------------------------------------------
-
-
-def export_embedding(args, model: Pipeline) -> None:
-    layers = sd.embedding.tokens.added_embeddings(model.text_encoder)
-    if not layers:
-        raise ValueError(f"{args.ckpt} has learned no token to export (--export_embedding takes a textual inversion "
-                         "run of ours)")
-    layer = layers[0]
-    path = sd.embedding.files.write_embedding(args.export_embedding, layer.tokens[0], layer.vectors,
-                                              args.embedding_format, metadata={"source": model.source})
-    log.info("wrote embedding %s of token %s (%d vector(s), %s format)", path, layer.tokens[0],
-             layer.vectors.shape[0], args.embedding_format)
-
-
-def add_embeddings(args, model: Pipeline) -> None:
-    for path, token in args.embedding:
-        token, vectors = sd.embedding.files.read_embedding(path, token)
-        sd.embedding.tokens.add_token(model.tokenizer, model.text_encoder, token, vectors)
-        log.info("added token %s (%d vector(s)) from %s", token, vectors.shape[0], path)
-
-
-def export_lora(args, model: Pipeline) -> None:
-    if not (sd.lora.adapters.has_lora(model.unet) or sd.lora.adapters.has_lora(model.text_encoder)):
-        raise ValueError(f"{args.ckpt} carries no LoRA adapter to export (--export_lora takes a LoRA run of ours; "
-                         "--lora merges LoRA files into a model)")
-    path = sd.lora.files.save_model_lora(args.export_lora, model.unet, model.text_encoder, args.lora_format,
-                                      metadata={"source": model.source})
-    log.info("wrote LoRA %s (%s format)", path, args.lora_format)
-
-
-def export(args, model: Pipeline) -> None:
-    if sd.embedding.tokens.added_embeddings(model.text_encoder):
-        log.info("the learned token is not part of the model's files: write it with --export_embedding")
-    with sd.embedding.tokens.without_added(model.text_encoder):
-        export_models(args, model)
-
-
-def export_models(args, model: Pipeline) -> None:
-    if args.export_diffusers:
-        sd.formats.export_diffusers(Path(args.export_diffusers), model.unet, model.vae, model.text_encoder,
-                                    model.tokenizer, model.prediction_type, model.zero_terminal_snr)
-        log.info("wrote diffusers pipeline folder %s", args.export_diffusers)
-    if args.export_single_file:
-        metadata = {"source": model.source, "prediction_type": model.prediction_type,
-                    "zero_terminal_snr": str(model.zero_terminal_snr).lower()}
-        sd.formats.save_single_file(Path(args.export_single_file), model.unet, model.vae, model.text_encoder,
-                                    half=args.half, metadata=metadata)
-        log.info("wrote single file %s%s", args.export_single_file, " (fp16)" if args.half else "")
-
-
-def controlnet_run_as_ckpt(args) -> None:
-    """A ControlNet run given as ``--ckpt`` samples on its base with itself as the ControlNet."""
-    if not sd.controlnet.model.is_controlnet_run(args.ckpt):
-        return
-    if args.controlnet:
-        raise ValueError(f"{args.ckpt} is a ControlNet run, and --controlnet {args.controlnet} another ControlNet: "
-                         "give one of them")
-    args.controlnet, args.ckpt = args.ckpt, sd.controlnet.model.run_base(args.ckpt)
-    log.info("%s is a ControlNet run: its base %s with it as the ControlNet", args.controlnet, args.ckpt)
-
-
-def load_controlnet(args, model: Pipeline):
-    """``--controlnet`` for the model's UNet (None without one), after ``--export_controlnet`` wrote it."""
-    if not args.controlnet:
-        if args.control or args.export_controlnet:
-            raise ValueError(f"--{'control' if args.control else 'export_controlnet'} needs a ControlNet: "
-                             "--controlnet PATH, or a ControlNet run as --ckpt")
-        return None
-    if args.prompt and not args.control:
-        raise ValueError("a ControlNet conditions every sample on an image: give --control IMAGE")
-    controlnet = sd.controlnet.model.load(args.controlnet, model.unet, use_ema=not args.no_ema)
-    log.info("ControlNet %s", args.controlnet)
-    if args.export_controlnet:
-        import torch
-
-        out = Path(args.export_controlnet)
-        if args.controlnet_format == "diffusers":
-            sd.controlnet.files.save_diffusers(controlnet, out)
-        else:
-            out = out if out.suffix == ".safetensors" else out.with_name(out.name + ".safetensors")
-            sd.controlnet.files.save_single_file(controlnet, out, dtype=torch.float16 if args.half else torch.float32)
-        log.info("wrote ControlNet %s (%s layout%s)", out, args.controlnet_format, ", fp16" if args.half else "")
-    return controlnet
-
-
-def control_size(args) -> tuple[int, int] | None:
-    """``(width, height)`` of the first ``--control`` image when it is a multiple of 8 on both sides, else None."""
-    _, _, height, width = sd.controlnet.model.read_control_image(args.control[0]).shape
-    return (width, height) if width % 8 == 0 and height % 8 == 0 else None
-
-
-def trained_size(ckpt: str, model: Pipeline) -> tuple[int, str]:
-    """The square side a model was trained at, and where it comes from: a DreamBooth run's
-    ``image_size``, a run's latents (the square of its largest bucket's pixels), else what its UNet
-    config says (``sample_size`` latents, diffusers' own default)."""
-    import sd.data.training_data
-    import sd.train.memory
-
-    config = sd.formats.run_config(ckpt)
-    if config and config.get("instance_dir"):
-        return int(config["image_size"]), "the run's DreamBooth image_size"
-    if config and config.get("datasets"):
-        latents = Path(str(config["datasets"][0]["latents"]))
-        try:
-            side = sd.train.memory.resolution_of_latents(sd.data.training_data.read_latents_meta(latents))
-        except (OSError, ValueError):  # unreadable or unfinished: the size is not known from there
-            side = None
-        if side:
-            return side, f"the latents in {latents}"
-    return int(model.unet.config.sample_size) * 8, "the UNet's sample_size"
+    fields = {f.name for f in dataclasses.fields(sd.imagegen.Request)}
+    given = {name: value for name, value in vars(args).items() if name in fields}
+    return sd.imagegen.Request(**{**given, "prompt": tuple(prompts), "steps": steps, "cfg": cfg, "lora": loras,
+                                  "embedding": tuple(sd.imagegen.parse_embedding_spec(s) for s in args.embedding),
+                                  "control": tuple(args.control)})
 
 
 def main(argv=None) -> int:
     sd.runtime.start_process()
-    args = parse_args(argv)
+    request = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
-    merging = bool(args.prompt or args.export_diffusers or args.export_single_file)  # the base is used, not just the adapter
     try:
-        controlnet_run_as_ckpt(args)
-        model = sd.formats.load_pipeline(args.ckpt, use_ema=not args.no_ema, vae=args.vae, text_encoder=args.text_encoder,
-                                         tokenizer=args.tokenizer, arch=args.arch,
-                                         prediction_type=None if args.prediction_type == "auto" else args.prediction_type,
-                                         zero_terminal_snr=args.zero_terminal_snr,
-                                         check_base=merging and not args.allow_other_base)
-    except (KeyError, ValueError, OSError, SafetensorError) as error:  # the message names the file
-        other_base = isinstance(error, sd.formats.BaseMismatch)
-        hint = " (or --allow_other_base to apply the adapter to it)" if other_base else ""
-        print(f"SD_ImageGen.py: cannot load {args.ckpt}: {sd.cli.first_line(error)}{hint}", file=sys.stderr)
+        request = sd.imagegen.controlnet_run_as_ckpt(request)
+        model = sd.imagegen.load(request)
+    except ERRORS as error:
+        hint = " (or --allow_other_base to apply the adapter to it)" if isinstance(error, sd.formats.BaseMismatch) else ""
+        print(f"SD_ImageGen.py: cannot load {request.ckpt}: {sd.cli.first_line(error)}{hint}", file=sys.stderr)
         return 2
-    log.info("loaded %s (%s%s)", model.source, model.prediction_type,
-             ", zero terminal SNR" if model.zero_terminal_snr else "")
     try:
-        if args.export_lora:
-            export_lora(args, model)
-        if args.export_embedding:
-            export_embedding(args, model)
-        add_embeddings(args, model)
-        if merging:  # the plain, merged weights
-            sd.lora.files.merge_adapters(model, args.lora)
-        controlnet = load_controlnet(args, model)
-        if controlnet is not None and args.prompt and (args.height is None or args.width is None):
-            size = control_size(args)
-            if size is None:
-                raise ValueError(f"--control {args.control[0]} is not a multiple of 8 pixels on each side: give "
-                                 "--height and --width (it is resized to them)")
-            args.width, args.height = args.width or size[0], args.height or size[1]
-            log.info("sampling at %dx%d (the control image's size)", args.width, args.height)
-    except (KeyError, ValueError, OSError, SafetensorError) as error:  # the message names the file
+        request, controlnet = sd.imagegen.prepare(request, model)
+    except ERRORS as error:
         print(f"SD_ImageGen.py: {sd.cli.first_line(error)}", file=sys.stderr)
         return 2
-    if args.export_diffusers or args.export_single_file:
-        export(args, model)
-    if not args.prompt:
+    if request.export_diffusers or request.export_single_file:
+        sd.imagegen.export(request, model)
+    if not request.prompt:
         return 0
-    if args.height is None or args.width is None:
-        side, why = trained_size(args.ckpt, model)
-        args.height, args.width = args.height or side, args.width or side
-        log.info("sampling at %dx%d (%s; --height and --width set it)", args.width, args.height, why)
-    device = sd.runtime.pick_device(args.device)
-    dtype = sd.runtime.resolve_precision(args.precision, device)
-    controls = [None] * len(args.prompt)
-    if controlnet is not None:
-        model.unet = sd.controlnet.model.ControlledUNet(model.unet, controlnet)
-        try:
-            read = [sd.controlnet.model.read_control_image(path, args.width, args.height) for path in args.control]
-            controls = read * len(args.prompt) if len(read) == 1 else read
-        except ValueError as error:
-            print(f"SD_ImageGen.py: {sd.cli.first_line(error)}", file=sys.stderr)
-            return 2
-    model.to(device, dtype)
-    model.unet = sd.sampling.compile_unet(model.unet, args.compile)
-    out = Path(args.out)
-    rows, records = [], []
-    from tqdm.auto import tqdm
-
-    bar = tqdm(total=len(args.prompt) * args.n, desc=f"sample ({args.steps} steps, {args.width}x{args.height})",
-               unit="image")
-    for p, prompt in enumerate(args.prompt):
-        seeds = [args.seed + i for i in range(args.n)]
-        control = controls[p]
-        images = sd.sampling.generate(model, prompt, args.negative, seeds, steps=args.steps, cfg=args.cfg,
-                                      sampler=args.sampler, height=args.height, width=args.width,
-                                      batch_size=args.batch_size, device=device, control=control,
-                                      control_scale=args.control_scale)
-        for seed, image in zip(seeds, images):
-            path = out / f"{p:03d}_{seed:06d}.png"
-            parameters = sd.sampling.parameters_text(prompt, args.negative, seed, args, model.source)
-            sd.sampling.save_png(path, image, parameters)
-            record = {"file": path.name, "prompt": prompt, "negative": args.negative, "seed": seed}
-            if control is not None:
-                record.update(controlnet=args.controlnet, control=args.control[p if len(args.control) > 1 else 0],
-                              control_scale=args.control_scale)
-            records.append(record)
-        rows.append((prompt, images))
-        bar.update(len(images))
-    bar.close()
-    sd.sampling.save_grid(out / "grid.png", rows)
-    sd.files.write_text_atomic(out / "images.json", json.dumps(records, indent=1) + "\n")
-    log.info("wrote %d images and grid.png to %s", len(records), out)
+    request = sd.imagegen.sized(request, model)
+    try:
+        controls = sd.imagegen.control_images(request, controlnet)
+    except ValueError as error:
+        print(f"SD_ImageGen.py: {sd.cli.first_line(error)}", file=sys.stderr)
+        return 2
+    sd.imagegen.sample(request, model, controlnet, controls)
     return 0
 
 
