@@ -45,6 +45,7 @@ features of the whole set.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
 from pathlib import Path
@@ -53,8 +54,8 @@ import sd.cli
 import sd.distributed
 import sd.files
 import sd.formats
+import sd.run_folder
 import sd.runtime
-import sd.train.checkpoint
 import sd.train.config
 from sd.distributed import Dist
 from sd.evaluation import (
@@ -125,21 +126,22 @@ def parse_args(argv=None):
         parser.error("--ckpt needs --images DIR: where the generated images go")
     if (args.ckpt or args.runs) and not args.prompts:
         parser.error("--ckpt needs --prompts: the prompts to generate")
-    args.steps, args.cfg = sd.sampling.sampler_defaults(args.sampler, args.steps, args.cfg, 50, 7.5)
+    steps, cfg = sd.sampling.sampler_defaults(args.sampler, args.steps, args.cfg, 50, 7.5)
+    resolved = {"steps": steps, "cfg": cfg}
     for name in ("batch_size", "steps", "n") + (("num_prompts",) if args.num_prompts is not None else ()):
-        if getattr(args, name) < 1:
+        if resolved.get(name, getattr(args, name)) < 1:
             parser.error(f"--{name} must be >= 1")
-    if args.sampler == "lcm" and args.steps > sd.sampling.LCM_ORIGINAL_STEPS:
+    if args.sampler == "lcm" and steps > sd.sampling.LCM_ORIGINAL_STEPS:
         parser.error(f"--steps must be at most {sd.sampling.LCM_ORIGINAL_STEPS} with --sampler lcm")
     if args.height % 8 or args.width % 8 or min(args.height, args.width) <= 0:
         parser.error("--height and --width must be positive multiples of 8")
     if args.reference_size < 0:
         parser.error("--reference_size must be >= 0")
     if str(args.clip_model).lower() == "none":
-        args.clip_model = None
+        resolved["clip_model"] = None
     elif args.features == "tiny":
-        args.clip_model = "tiny"  # the stand-in CLIP
-    return args
+        resolved["clip_model"] = "tiny"  # the stand-in CLIP
+    return argparse.Namespace(**{**vars(args), **resolved})
 
 
 def sampling_of(args) -> Sampling:
@@ -161,10 +163,10 @@ def evaluate_runs(args, prompts: list[str], extractors: Extractors, reference: d
     rows = []
     for run in args.runs:
         run_dir = run_folder(run)
-        folder = sd.train.checkpoint.latest_checkpoint(run_dir / "checkpoints")
+        folder = sd.run_folder.latest_checkpoint(run_dir / "checkpoints")
         if folder is None:
             raise EvalError(f"{run_dir}: no complete checkpoint under {run_dir / 'checkpoints'}")
-        state = sd.train.checkpoint.load_torch(folder / "train_state.pt")
+        state = sd.run_folder.load_torch(folder / "train_state.pt")
         out = run_dir / "eval" / folder.name
         scores = evaluate_checkpoint(args, str(folder), out / "images", prompts, extractors, reference, d)
         row = {"run": str(run), "step": int(state["step"]), "images_seen": int(state["samples_seen"]), **scores}

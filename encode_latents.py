@@ -51,6 +51,7 @@ waits for another, so a slow or crashed rank holds nobody up; re-running a crash
 
 from __future__ import annotations
 
+import argparse
 import glob
 import logging
 import os
@@ -113,11 +114,10 @@ def parse_args(argv=None):
     parser.add_argument("--world_size", type=int, default=None,
                         help="how many processes share the shards (shard i of the sorted list goes to rank "
                              "i %% world_size); under torchrun it comes from WORLD_SIZE")
-    parser.add_argument("--control", default="", metavar="NAME[,NAME]",
+    parser.add_argument("--control", default=(), type=control_names, metavar="NAME[,NAME]",
                         help="also store each sample's conditioning images key.NAME.png (ControlNet training), cut "
                              "and scaled as its image; a sample without one is skipped")
     args = parser.parse_args(argv)
-    args.control = tuple(name.strip() for name in args.control.split(",") if name.strip())
     for name in args.control:
         if not sd.data.shards.is_control_name(name):
             parser.error(f"--control {name!r}: a conditioning image's name is lower-case letters, digits and _ "
@@ -128,9 +128,14 @@ def parse_args(argv=None):
         if not getattr(args, name) >= 1:
             parser.error(f"--{name} must be >= 1")
     check_ranks(parser, args)
-    args.bucket_sizes = bucket_sizes(parser, args)
+    args = argparse.Namespace(**vars(args), bucket_sizes=bucket_sizes(parser, args))
     check_encode_sizes(parser, args)
     return args
+
+
+def control_names(text: str) -> tuple[str, ...]:
+    """``--control NAME[,NAME]`` as a tuple of names."""
+    return tuple(name.strip() for name in text.split(",") if name.strip())
 
 
 def bucket_sizes(parser, args) -> list[sd.data.buckets.Bucket] | None:

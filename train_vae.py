@@ -15,6 +15,7 @@ before and after training. ``--max_steps`` was ``--steps`` (still accepted): ``-
 
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
 
@@ -79,7 +80,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     device = sd.runtime.pick_device(args.device)
     if args.precision == "auto":
-        args.precision = "bf16" if device.type == "cuda" else "fp32"
+        args = argparse.Namespace(**{**vars(args), "precision": "bf16" if device.type == "cuda" else "fp32"})
     torch.manual_seed(args.seed)
     try:
         sd.vae.fit(args, device)

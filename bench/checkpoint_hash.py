@@ -6,7 +6,7 @@
 Writes the files of one SD 1.x training checkpoint the way ``sd.train.checkpoint.save`` does (fp32 UNet and
 EMA as safetensors, the AdamW moments with ``torch.save``, each file fsynced), with tensors of the real
 SD 1.x UNet shapes (859,520,964 parameters; ``--scale`` shrinks every tensor's first dimension), then
-times ``sd.train.checkpoint.describe_files`` (xxh3-128, files in parallel threads) on them, which is what a
+times ``sd.run_folder.describe_files`` (xxh3-128, files in parallel threads) on them, which is what a
 save adds, and one SHA-256 pass over the same bytes (the hash other tools record for model files).
 Right after the write the files are in the page cache, as they are when a save hashes them. Prints
 seconds, GB/s, the ratio hash/save and sha256/xxh3, and one JSON line. Peak extra memory: the UNet's

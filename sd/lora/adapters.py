@@ -129,7 +129,7 @@ def check_finite(tensors: dict[str, torch.Tensor], where) -> None:
 
 
 def same_base(saved: torch.Tensor, loaded: torch.Tensor) -> bool:
-    """Whether two fingerprints of base weights (``sd.train.checkpoint.weights_fingerprint``) are of the
+    """Whether two fingerprints of base weights (``sd.run_folder.weights_fingerprint``) are of the
     same weights: equal up to the order in which a device sums in float64."""
     return saved.shape == loaded.shape and torch.allclose(saved.double(), loaded.double(), rtol=1e-9, atol=1e-9)
 
