@@ -119,3 +119,18 @@ def make_base_pipeline(folder: Path) -> Path:
                                 sd.model.load_vae("tiny"), sd.model.load_text_encoder("tiny"),
                                 sd.model.load_tokenizer("tiny"))
     return folder
+
+
+def draw_subject(folder: Path) -> Path:
+    """Four 40 px pictures of a subject for DreamBooth and textual inversion: a cyan square on white,
+    placed at random (seeded)."""
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for i in range(4):
+        image = np.full((40, 40, 3), 255, np.uint8)
+        top, left = rng.integers(0, 20, 2)
+        image[top : top + 16, left : left + 16] = (20, 190, 200)
+        Image.fromarray(image).save(folder / f"sks_{i}.png")
+    return folder

@@ -20,7 +20,7 @@ import sd.train.config
 import SD_ImageGen
 import SD_Train
 
-from data_factory import BASE, assert_bitwise_equal, make_base_pipeline
+from data_factory import BASE, assert_bitwise_equal, draw_subject, make_base_pipeline
 from margins import at_most
 
 TOKEN = "<cyan-sks>"
@@ -37,16 +37,7 @@ def base_model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def instance_images(tmp_path_factory) -> Path:
-    from PIL import Image
-
-    folder = tmp_path_factory.mktemp("instance")
-    rng = np.random.default_rng(0)
-    for i in range(4):
-        image = np.full((40, 40, 3), 255, np.uint8)
-        top, left = rng.integers(0, 20, 2)
-        image[top : top + 16, left : left + 16] = (20, 190, 200)
-        Image.fromarray(image).save(folder / f"sks_{i}.png")
-    return folder
+    return draw_subject(tmp_path_factory.mktemp("instance"))
 
 
 def train(tmp_path: Path, name: str, base_model: Path, images: Path, *flags, **fields) -> int:
