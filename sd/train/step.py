@@ -381,6 +381,7 @@ def objective_of(config) -> type:
 
 
 def diffusion_loss(step: Step, model, latents, input_ids, generator, mask, inputs):
+    """``Diffusion.loss``: per-sample Min-SNR loss ``(B,)`` of a micro-batch, and its timesteps."""
     settings, device = step.loss, step.d.device
     latents = sd.model.scale_latents(latents.to(device, non_blocking=True).float(), step.scaling_factor)
     if settings.channels_last:
