@@ -130,3 +130,9 @@ def expanded_size(node: yaml.Node) -> int:
         return sizes[id(n)]
 
     return size(node)
+
+
+def looks_like_hub_id(text: str) -> bool:
+    """Whether ``text`` has the form of a model hub id, ``owner/name`` (not a path such as ``./x`` or ``/x``)."""
+    parts = text.split("/")
+    return len(parts) == 2 and all(parts) and not text.startswith((".", "/"))

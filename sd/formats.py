@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+import sd.cli
 import sd.embedding.tokens
 import sd.files
 import sd.lora.adapters
@@ -528,6 +529,8 @@ def _load_pipeline(source: str, use_ema: bool, vae: str | None, text_encoder: st
     else:  # a diffusers folder or hub id
         from diffusers import UNet2DConditionModel
 
+        if not path.exists() and not sd.cli.looks_like_hub_id(source):
+            raise FileNotFoundError(f"{source}: no such file or folder (nor a hub id, which reads owner/name)")
         unet = UNet2DConditionModel.from_pretrained(source, subfolder="unet")
         sd.model.use_sdpa_attention(unet)
         parts = (source, source, source)
@@ -537,10 +540,11 @@ def _load_pipeline(source: str, use_ema: bool, vae: str | None, text_encoder: st
     if config is None:
         loaded = f"diffusers {source}"
     elif config.get("embedding_token"):
-        loaded = load_embedding_run(sd.run_folder.resolve_checkpoint(source), unet, encoder, tokenizer_model, use_ema=use_ema,
-                                    check_base=check_base)
-    elif is_lora_checkpoint(sd.run_folder.resolve_checkpoint(source)):  # the adapters stay PEFT layers (see sd.lora.adapters.merge)
-        loaded = load_lora_run(sd.run_folder.resolve_checkpoint(source), unet, encoder, use_ema=use_ema, check_base=check_base)
+        loaded = load_embedding_run(sd.run_folder.resolve_checkpoint(source), unet, encoder, tokenizer_model,
+                                    use_ema=use_ema, check_base=check_base)
+    elif is_lora_checkpoint(sd.run_folder.resolve_checkpoint(source)):  # the adapters stay PEFT layers (sd.lora.adapters.merge)
+        loaded = load_lora_run(sd.run_folder.resolve_checkpoint(source), unet, encoder, use_ema=use_ema,
+                               check_base=check_base)
     else:
         loaded = load_unet_weights(source, unet, use_ema=use_ema)
     return sd.sampling.Pipeline(unet.eval(), sd.model.load_vae(vae or parts[0]), encoder.eval(), tokenizer_model,

@@ -192,7 +192,8 @@ def load_controlnet(request: Request, model: Pipeline):
             sd.controlnet.files.save_diffusers(controlnet, out)
         else:
             out = out if out.suffix == ".safetensors" else out.with_name(out.name + ".safetensors")
-            sd.controlnet.files.save_single_file(controlnet, out, dtype=torch.float16 if request.half else torch.float32)
+            dtype = torch.float16 if request.half else torch.float32
+            sd.controlnet.files.save_single_file(controlnet, out, dtype=dtype)
         log.info("wrote ControlNet %s (%s layout%s)", out, request.controlnet_format, ", fp16" if request.half else "")
     return controlnet
 

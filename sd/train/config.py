@@ -343,7 +343,7 @@ class TrainConfig:
         conflict = sd.model.schedule_conflict(self.prediction_type, self.zero_terminal_snr)
         need(conflict is None, f"zero_terminal_snr: {conflict}; set prediction_type: v_prediction")
         need(not check_paths or not self.init_from or Path(self.init_from).exists()
-             or _looks_like_hub_id(self.init_from),
+             or sd.cli.looks_like_hub_id(self.init_from),
              f"init_from: {self.init_from} is neither an existing path nor a hub id (owner/name)")
 
 
@@ -474,11 +474,6 @@ def check_dataset_entry(i: int, entry) -> None:
     if not POSITIVE.allows(weight):
         raise ConfigError(f"datasets[{i}].weight must be {POSITIVE.describe()}, got {entry.get('weight')!r} "
                           "(the share of each epoch drawn from this dataset, relative to the others)")
-
-
-def _looks_like_hub_id(text: str) -> bool:
-    parts = text.split("/")
-    return len(parts) == 2 and all(parts) and not text.startswith((".", "/"))
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}

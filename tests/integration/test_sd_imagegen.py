@@ -577,3 +577,10 @@ def test_cli_lcm_samples_four_steps_at_guidance_one_by_default(run_dir, model, t
     for seed, image in zip((3, 4), expected):
         assert np.array_equal(np.asarray(Image.open(out / f"000_00000{seed}.png").convert("RGB")), image), seed
     assert not np.array_equal(expected[1], gen(model, seeds=(3, 4), cfg=1.0)[1])  # not DDIM's picture
+
+
+def test_a_checkpoint_that_does_not_exist_is_named_without_asking_the_hub(tmp_path, capsys):
+    missing = tmp_path / "no_such_run"
+    assert SD_ImageGen.main(["--ckpt", str(missing), "--prompt", "a red circle", "--out", str(tmp_path / "out")]) == 2
+    assert f"{missing}: no such file or folder" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
