@@ -14,6 +14,7 @@ Seeded: the same flags give the same bytes.
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import sys
@@ -57,7 +58,8 @@ def parse_args(argv):
     args = parser.parse_args(argv)
     if args.count < 1 or args.size < 16 or args.shard_size < 1 or args.vae_count < 0:
         parser.error("--count and --shard_size must be >= 1, --size >= 16 and --vae_count >= 0")
-    args.holdout = [tuple(pair.split()) for pair in args.holdout.split(",") if pair.strip()]
+    args = argparse.Namespace(**{**vars(args), "holdout": [tuple(pair.split()) for pair in args.holdout.split(",")
+                                                           if pair.strip()]})
     for pair in args.holdout:
         if len(pair) != 2 or pair[0] not in PALETTE or pair[1] not in SHAPES:
             parser.error(f"--holdout: {' '.join(pair)!r} is not '<colour> <shape>' with a colour of "

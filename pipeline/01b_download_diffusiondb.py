@@ -21,6 +21,7 @@ other parts.
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import re
@@ -54,8 +55,7 @@ def parse_args(argv):
     parser.add_download_flags("zip parts")
     parser.shapes_outputs("resolution")
     args = parser.parse_args(argv)
-    args.parts = parser.number_list(args.parts, "--parts")
-    return args
+    return argparse.Namespace(**{**vars(args), "parts": parser.number_list(args.parts, "--parts")})
 
 
 def sample_key(part: int, file_name: str) -> str:

@@ -23,6 +23,7 @@ downloaded annotation file is kept in the download folder: every archive needs i
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import json
 import logging
@@ -61,7 +62,7 @@ def parse_args(argv):
     parser.add_download_flags("tgz archives")
     parser.shapes_outputs("resolution", "caption")
     args = parser.parse_args(argv)
-    args.archives = parser.number_list(args.archives, "--archives")
+    args = argparse.Namespace(**{**vars(args), "archives": parser.number_list(args.archives, "--archives")})
     if "://" not in args.annotations and not Path(args.annotations).is_file():
         parser.error(f"--annotations: {args.annotations} does not exist")
     return args

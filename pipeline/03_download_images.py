@@ -36,6 +36,7 @@ system), and every worker needs this Python environment (``PYSPARK_PYTHON`` name
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import importlib.util
 import json
@@ -212,7 +213,7 @@ def main(argv=None) -> int:
     sd.runtime.start_process(uses_torch=False)
     args = parse_args(argv)
     sd.data.stages.setup_logging()
-    args.input, args.out = Path(args.input), Path(args.out)
+    args = argparse.Namespace(**{**vars(args), "input": Path(args.input), "out": Path(args.out)})
     files = input_files(args.input)
     try:
         if not files:

@@ -30,6 +30,7 @@ into the same --out is refused. ``--shards`` (encode_latents.py's spelling) work
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -67,7 +68,7 @@ def parse_args(argv):
                              "(default: %(default)s)")
     parser.add_workers()
     args = parser.parse_args(argv)
-    args.name = args.kind if args.name is None else args.name
+    args = argparse.Namespace(**{**vars(args), "name": args.kind if args.name is None else args.name})
     if not sd.data.shards.is_control_name(args.name):
         parser.error(f"--name {args.name!r}: a conditioning image's name is lower-case letters, digits and _ "
                      "(and not mask, the loss mask's)")
