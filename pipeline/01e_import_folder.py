@@ -169,15 +169,17 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, CaptionRules]:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        check_values(args)
+        args = check_values(args)
         rules = make_rules(args)
     except ValueError as error:
         parser.error(str(error))
     return args, rules
 
 
-def check_values(args) -> None:
-    args.control = sorted({name.strip() for value in args.control for name in value.split(",") if name.strip()})
+def check_values(args) -> argparse.Namespace:
+    """The flags checked, as a new namespace with ``--control``'s names split, deduplicated and sorted."""
+    control = sorted({name.strip() for value in args.control for name in value.split(",") if name.strip()})
+    args = argparse.Namespace(**{**vars(args), "control": control})
     for name in args.control:
         if not sd.data.shards.is_control_name(name):
             raise ValueError(f"--control {name!r}: a conditioning image's name is lower-case letters, digits and _, "
@@ -202,6 +204,7 @@ def check_values(args) -> None:
         wrong.append("default_caption")
     if wrong:
         raise ValueError(f"--{wrong[0]} does not apply to --layout {args.layout}")
+    return args
 
 
 def make_rules(args) -> CaptionRules:
