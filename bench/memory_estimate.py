@@ -164,21 +164,34 @@ def peak_live_bytes(prof, device) -> int:
     in an earlier record (a point ``measure_ddp`` measured before in the same process, its garbage
     collected now), and such frees are left out here.
 
-    The record holds only what the profiled thread does: a block freed by another thread (gloo's
-    worker thread dropping the last reference to a collective's buffer, as DDP's broadcast of the
-    weights at its wrap sometimes leaves it) has no free in it. When the allocator hands out an
-    address that the record still holds a block at, that block was freed before: it is counted as
-    freed then, the latest moment it can have been (without this, one rank of the 2-rank DDP run now
-    and then measured a copy of the weights more, 3.2 MB of 33.7)."""
+    The record holds only what the profiled thread does: a block freed by another thread has no free
+    in it. DDP's broadcast of the weights at its wrap stages them in one flat block
+    (``aten::flatten_dense_tensors``), and gloo's worker thread now and then drops the last reference
+    to it: without a correction one rank of the 2-rank DDP run measured a copy of the weights more,
+    3.2 MB of 33.7, from the wrap to the end. Such a block with no free in the record is counted as
+    freed when the op that made it ends (the broadcast and the copy back into the weights allocate
+    nothing after it, so this is where the profiled thread's own free would fall in the order of
+    allocations). Besides, when the allocator hands out an address that the record still holds a
+    block at, that block was freed before: it is counted as freed then, the latest moment it can have
+    been."""
     import numpy as np
     from torch._C._profiler import _EventType
 
-    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    events, staging = [], {}  # staging: (time, address) of a collective's flat block -> when its op ended
+    stack = [(root, root) for root in prof.profiler.kineto_results.experimental_event_tree()]
     while stack:
-        event = stack.pop()
-        stack.extend(event.children)
+        event, root = stack.pop()
+        stack.extend((child, root) for child in event.children)
         if event.typed[0] == _EventType.Allocation and event.typed[1].device == device:
             events.append((event.start_time_ns, event.typed[1].alloc_size, event.typed[1].ptr))
+            if root.name == "aten::flatten_dense_tensors" and event.typed[1].alloc_size > 0:
+                staging[event.start_time_ns, event.typed[1].ptr] = (root.end_time_ns, event.typed[1].alloc_size)
+    later_at: dict[int, list[int]] = {}  # address -> times of its allocations and frees
+    for time_ns, _, ptr in events:
+        later_at.setdefault(ptr, []).append(time_ns)
+    for (made_ns, ptr), (end_ns, size) in staging.items():
+        if max(later_at[ptr]) == made_ns:  # nothing seen at its address after it: neither its free nor a reuse
+            events.append((end_ns, -size, ptr))
     events.sort(key=lambda e: e[:2])  # at one instant, frees before allocations
     held: dict[int, int] = {}  # address -> size of the block the record holds there
     times, sizes = [], []

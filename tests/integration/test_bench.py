@@ -152,7 +152,7 @@ def test_a_block_freed_where_the_profiler_does_not_look_is_freed_when_its_addres
         return SimpleNamespace(start_time_ns=microsecond * 1000, typed=(_EventType.Allocation, fields), children=[])
 
     def peak(*events):
-        root = SimpleNamespace(start_time_ns=0, typed=(None, None), children=list(events))
+        root = SimpleNamespace(name="", start_time_ns=0, typed=(None, None), children=list(events))
         prof = SimpleNamespace(profiler=SimpleNamespace(kineto_results=SimpleNamespace(
             experimental_event_tree=lambda: [root])))
         return memory_estimate.peak_live_bytes(prof, torch.device("cpu"))
@@ -383,3 +383,27 @@ def test_eval_scale_bench_compares_running_statistics_with_keeping_every_feature
     assert result["max_stat_difference"] < 1e-9
     assert result["distance"]["fid_ours"] > 0 and result["distance"]["abs_difference"] < 1e-6
     assert "ratio peer/ours" in stdout and "peak memory at N=1200 over N=300" in stdout
+
+
+def test_a_collectives_flat_block_freed_by_another_thread_is_freed_when_the_op_that_made_it_ends():
+    """DDP's broadcast at its wrap stages the weights in a block of ``flatten_dense_tensors``; when
+    gloo's worker thread drops it last, the record has no free of it."""
+    import threading
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench import memory_estimate
+
+    handed = []
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        parts = [torch.empty(1 << 18, dtype=torch.uint8) for _ in range(2)]
+        handed.append(torch._utils._flatten_dense_tensors(parts))
+        del parts
+        worker = threading.Thread(target=handed.clear)
+        worker.start()
+        worker.join()
+        after = torch.empty(3 << 19, dtype=torch.uint8)
+    assert not handed
+    assert memory_estimate.peak_live_bytes(prof, torch.device("cpu")) == 3 << 19  # not 1 MiB more
+    del after
