@@ -9,7 +9,7 @@
 Rows, for the same synthetic fp16 latents and token ids and the same seeded random base weights
 (the UNet with diffusers' default initialisation, as a base to adapt; the text encoder of the arch):
 * ``ours-lora``: ``sd.train.step.train_step`` as the trainer runs a LoRA config (``lora_rank``,
-  ``lora_targets``, adapters added by ``sd.lora.adapters.apply_config``: the frozen base stored in bf16 with
+  ``lora_targets``, adapters added by ``sd.lora.adapters.apply_settings``: the frozen base stored in bf16 with
   bf16 precision, adapters fp32), with the trainer's loss settings (Min-SNR 5, CFG dropout 0.05,
   clipping at 1.0), fused AdamW or 8-bit AdamW, no EMA unless ``--ema`` (then of the adapter only),
   the text encoder's forward each step unless ``--cache_text_embeddings`` (the batch's prompts
@@ -122,7 +122,7 @@ def our_step(arch: str, config: TrainConfig, device: torch.device, input_ids: to
     text_encoder = harness.random_text_encoder(arch)
     unet = sd.model.build_unet(config.unet, from_scratch=False, seed=config.seed,
                                grad_checkpointing=config.grad_checkpointing).to(device).train()
-    sd.lora.adapters.apply_config(config, unet, text_encoder)
+    sd.lora.adapters.apply_settings(sd.lora.adapters.LoraSettings.from_config(config), unet, text_encoder)
     step = sd.train.step.build_step(config, Dist.single(device), unet, text_encoder, harness.empty_prompt_ids(),
                                    sd.model.SD1_SCALING_FACTOR)
     if config.cache_text_embeddings:
@@ -199,7 +199,7 @@ def trainable_on_meta(arch: str, config: TrainConfig) -> int:
     with torch.device("meta"):
         unet = sd.model.build_unet(config.unet, from_scratch=False)
         text_encoder = harness.random_text_encoder(arch)
-    sd.lora.adapters.apply_config(config, unet, text_encoder)
+    sd.lora.adapters.apply_settings(sd.lora.adapters.LoraSettings.from_config(config), unet, text_encoder)
     return sd.lora.adapters.trainable_count(unet) + sd.lora.adapters.trainable_count(text_encoder)
 
 

@@ -136,3 +136,14 @@ def looks_like_hub_id(text: str) -> bool:
     """Whether ``text`` has the form of a model hub id, ``owner/name`` (not a path such as ``./x`` or ``/x``)."""
     parts = text.split("/")
     return len(parts) == 2 and all(parts) and not text.startswith((".", "/"))
+
+
+def view_of(cls, config, **values):
+    """The part of ``config`` that one component reads: the dataclass ``cls`` filled from ``config``'s
+    fields of the same names (those it has; the others keep their defaults), then from ``values``.
+    The component then depends on a few named settings, not on the whole config."""
+    import dataclasses
+
+    taken = {f.name: getattr(config, f.name) for f in dataclasses.fields(cls) if f.name not in values
+             and hasattr(config, f.name)}
+    return cls(**taken, **values)

@@ -673,6 +673,27 @@ def listed_images(images_dir: Path) -> tuple[list[Path], list[str] | None]:
 # =============================================================================================
 
 
+@dataclass(frozen=True)
+class EvalSettings:
+    """The config fields the trainer's evaluation reads: what it scores with and against, and the
+    validation sampler it draws its images with."""
+
+    eval_prompts: str = ""
+    eval_n: int = 0
+    eval_reference: str = ""
+    eval_features: str = "inception"
+    eval_clip_model: str = ""
+    eval_batch_size: int = 16
+    validation_steps: int = 30
+    validation_cfg: float = 7.5
+    validation_sampler: str = "ddim"
+    seed: int = 0
+
+    @classmethod
+    def from_config(cls, config) -> "EvalSettings":
+        return sd.cli.view_of(cls, config)
+
+
 @dataclass
 class TrainingEval:
     """The trainer's evaluation: a fixed prompt subset scored against cached reference statistics."""
@@ -684,17 +705,17 @@ class TrainingEval:
     batch_size: int
 
     @classmethod
-    def build(cls, config, d: Dist, width: int, height: int) -> "TrainingEval":
+    def build(cls, settings: EvalSettings, d: Dist, width: int, height: int) -> "TrainingEval":
         """At the start of a run, on every rank (a reference folder's statistics are computed across them)."""
-        extractors = Extractors(config.eval_features, config.eval_clip_model or None).to(d.device)
+        extractors = Extractors(settings.eval_features, settings.eval_clip_model or None).to(d.device)
         try:
-            reference = reference_stats(config.eval_reference, extractors, d, config.eval_batch_size)
+            reference = reference_stats(settings.eval_reference, extractors, d, settings.eval_batch_size)
         finally:
             extractors.to("cpu")  # on the GPU only while it evaluates
-        settings = Sampling(steps=config.validation_steps, cfg=config.validation_cfg, sampler=config.validation_sampler,
-                            seed=config.seed, height=height, width=width)
-        return cls(read_prompts(config.eval_prompts, config.eval_n), extractors, reference, settings,
-                   config.eval_batch_size)
+        sampling = Sampling(steps=settings.validation_steps, cfg=settings.validation_cfg,
+                            sampler=settings.validation_sampler, seed=settings.seed, height=height, width=width)
+        return cls(read_prompts(settings.eval_prompts, settings.eval_n), extractors, reference, sampling,
+                   settings.eval_batch_size)
 
     def __call__(self, pipe, d: Dist, stop=None) -> dict:
         """The scores of ``pipe``; ``stop``: see ``gather_in_order`` (``sd.distributed.Stopped`` on every rank)."""

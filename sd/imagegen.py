@@ -29,7 +29,6 @@ import sd.lora.adapters
 import sd.lora.files
 import sd.runtime
 import sd.sampling
-import sd.train.memory
 from sd.sampling import Pipeline
 
 log = logging.getLogger("sd_imagegen")
@@ -214,7 +213,7 @@ def trained_size(ckpt: str, model: Pipeline) -> tuple[int, str]:
     if config and config.get("datasets"):
         latents = Path(str(config["datasets"][0]["latents"]))
         try:
-            side = sd.train.memory.resolution_of_latents(sd.data.training_data.read_latents_meta(latents))
+            side = sd.data.training_data.resolution_of_latents(sd.data.training_data.read_latents_meta(latents))
         except (OSError, ValueError):  # unreadable or unfinished: the size is not known from there
             side = None
         if side:

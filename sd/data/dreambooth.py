@@ -21,6 +21,7 @@ import json
 import logging
 import re
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -43,9 +44,38 @@ CLASS_RECORD = "class_images.json"  # in class_dir: the settings its generated i
 GENERATED_NAME = re.compile(r"class_\d{5}\.png")  # class_image_name's
 
 
-def class_seed(config, index: int) -> int:
+@dataclass(frozen=True)
+class DreamBoothSettings:
+    """The config fields DreamBooth's data reads: its images and prompts, and what the class images are
+    generated with (the base model, the validation sampler's steps and guidance, the precision)."""
+
+    instance_dir: str = ""
+    instance_prompt: str = ""
+    class_dir: str = ""
+    class_prompt: str = ""
+    num_class_images: int = 0
+    prior_loss_weight: float = 1.0
+    image_size: int = 512
+    seed: int = 0
+    out_dir: str = ""
+    init_from: str = ""
+    unet: str = ""
+    vae: str = ""
+    text_encoder: str = ""
+    tokenizer: str = ""
+    prediction_type: str = "epsilon"
+    validation_steps: int = 30
+    validation_cfg: float = 7.5
+    precision: str = "bf16"
+
+    @classmethod
+    def from_config(cls, config) -> "DreamBoothSettings":
+        return sd.cli.view_of(cls, config)
+
+
+def class_seed(settings: DreamBoothSettings, index: int) -> int:
     """Class image ``index``'s seed: the image does not depend on the rank or batch that makes it."""
-    return config.seed * 100_003 + index
+    return settings.seed * 100_003 + index
 
 
 def image_files(folder: str | Path) -> list[Path]:
@@ -53,21 +83,21 @@ def image_files(folder: str | Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES and not p.name.startswith("."))
 
 
-def class_image_count(config) -> int:
-    return config.num_class_images or DEFAULT_CLASS_IMAGES
+def class_image_count(settings: DreamBoothSettings) -> int:
+    return settings.num_class_images or DEFAULT_CLASS_IMAGES
 
 
 def class_image_name(index: int) -> str:
     return f"class_{index:05d}.png"
 
 
-def generation_settings(config) -> dict:
+def generation_settings(settings: DreamBoothSettings) -> dict:
     """What the generated class images depend on: the prompt, the base model and the sampler's settings."""
-    return {"class_prompt": config.class_prompt, "init_from": config.init_from, "unet": config.unet,
-            "vae": config.vae, "text_encoder": config.text_encoder,
-            "tokenizer": config.tokenizer or config.text_encoder, "prediction_type": config.prediction_type,
-            "sampler": "ddim", "steps": config.validation_steps, "cfg": config.validation_cfg,
-            "size": config.image_size, "seed": config.seed}
+    return {"class_prompt": settings.class_prompt, "init_from": settings.init_from, "unet": settings.unet,
+            "vae": settings.vae, "text_encoder": settings.text_encoder,
+            "tokenizer": settings.tokenizer or settings.text_encoder, "prediction_type": settings.prediction_type,
+            "sampler": "ddim", "steps": settings.validation_steps, "cfg": settings.validation_cfg,
+            "size": settings.image_size, "seed": settings.seed}
 
 
 def recorded_settings(folder: Path) -> dict | None:
@@ -90,7 +120,7 @@ def settings_change(recorded: dict, settings: dict) -> str:
     return f"{name} {recorded[name]!r}, not {settings[name]!r}" if name in recorded else "unknown settings"
 
 
-def claim_class_dir(config, d) -> None:
+def claim_class_dir(settings: DreamBoothSettings, d) -> None:
     """Make the generated class images of ``class_dir`` (``class_NNNNN.png``) those of this run's
     settings, and record them there (``class_images.json``, written atomically).
 
@@ -100,10 +130,10 @@ def claim_class_dir(config, d) -> None:
     version made them) are taken as this run's. Every rank decides the same from the folder as it was,
     and rank 0 changes it between two barriers.
     """
-    folder = Path(config.class_dir)
-    settings = generation_settings(config)
+    folder = Path(settings.class_dir)
+    made_with = generation_settings(settings)
     recorded = recorded_settings(folder)
-    if recorded == settings:
+    if recorded == made_with:
         return
     images = image_files(folder) if folder.is_dir() else []
     generated = [p for p in images if GENERATED_NAME.fullmatch(p.name)]
@@ -113,30 +143,30 @@ def claim_class_dir(config, d) -> None:
         if theirs:
             raise sd.data.training_data.DataError(
                 f"class_dir {folder}: its {len(stale)} generated class images (class_*.png) were made with "
-                f"{settings_change(recorded, settings)} ({CLASS_RECORD}), and it holds {len(theirs)} other images "
+                f"{settings_change(recorded, made_with)} ({CLASS_RECORD}), and it holds {len(theirs)} other images "
                 f"(e.g. {theirs[0].name}), which are never deleted: use another class_dir, or delete the class_*.png "
                 "files to have them made again")
         log.warning("class_dir %s: its %d class images were generated with %s: generating them again", folder,
-                    len(stale), settings_change(recorded, settings))
+                    len(stale), settings_change(recorded, made_with))
     elif generated:
         log.warning("class_dir %s: %d generated class images without a record of their settings (%s); taken as made "
                     "with this run's (delete them to have them made again)", folder, len(generated), CLASS_RECORD)
-    elif not missing_class_images(config):
+    elif not missing_class_images(settings):
         return  # only the user's images, enough of them: nothing generated to record
     sd.distributed.barrier(d)  # every rank has looked before rank 0 changes the folder
     if d.is_main:
         for path in stale:
             path.unlink()
         folder.mkdir(parents=True, exist_ok=True)
-        sd.files.write_json_atomic(folder / CLASS_RECORD, settings)
+        sd.files.write_json_atomic(folder / CLASS_RECORD, made_with)
     sd.distributed.barrier(d)
 
 
-def missing_class_images(config) -> list[int]:
+def missing_class_images(settings: DreamBoothSettings) -> list[int]:
     """Indices of the generated class images still to make (an image of another name counts too)."""
-    folder = Path(config.class_dir)
+    folder = Path(settings.class_dir)
     have = image_files(folder) if folder.is_dir() else []
-    wanted = class_image_count(config)
+    wanted = class_image_count(settings)
     if len(have) >= wanted:
         return []
     names = {p.name for p in have}
@@ -144,7 +174,7 @@ def missing_class_images(config) -> list[int]:
     return free[: wanted - len(have)]
 
 
-def ensure_class_images(config, d, pipeline) -> int:
+def ensure_class_images(settings: DreamBoothSettings, d, pipeline) -> int:
     """Generate the missing class images with ``pipeline`` (the base model), once ``claim_class_dir``
     has checked the folder; every rank makes every ``world_size``-th block, then all meet at a barrier.
     Returns how many were made here.
@@ -154,13 +184,13 @@ def ensure_class_images(config, d, pipeline) -> int:
     already there, or past the count, are made and dropped), so a run stopped and resumed, or run on
     another number of ranks, writes the same files as one run that made them all at once.
     """
-    claim_class_dir(config, d)
-    todo = missing_class_images(config)
+    claim_class_dir(settings, d)
+    todo = missing_class_images(settings)
     if not todo:
         return 0
     from tqdm.auto import tqdm
 
-    folder = Path(config.class_dir)
+    folder = Path(settings.class_dir)
     folder.mkdir(parents=True, exist_ok=True)
     wanted = set(todo)
     blocks = [range(b * GENERATE_BATCH, (b + 1) * GENERATE_BATCH) for b in sorted({i // GENERATE_BATCH for i in todo})]
@@ -169,18 +199,18 @@ def ensure_class_images(config, d, pipeline) -> int:
     if d.is_main:
         log.info("generating %d class images of %r in %s (%d ranks; num_class_images %d, %d there already; "
                  "the bar shows the time left, and images finished before a stop are kept)", len(todo),
-                 config.class_prompt, folder, d.world_size, class_image_count(config),
-                 class_image_count(config) - len(todo))
+                 settings.class_prompt, folder, d.world_size, class_image_count(settings),
+                 class_image_count(settings) - len(todo))
     pipeline.unet.eval()
     made = 0
     try:
-        with sd.runtime.autocast(config.precision, d.device):
+        with sd.runtime.autocast(settings.precision, d.device):
             bar = tqdm(total=to_make, desc="class images", disable=not d.is_main, unit="image")
             started = time.perf_counter()
             for block in blocks:
-                images = sd.sampling.generate(pipeline, config.class_prompt, "", [class_seed(config, i) for i in block],
-                                              steps=config.validation_steps, cfg=config.validation_cfg,
-                                              height=config.image_size, width=config.image_size,
+                images = sd.sampling.generate(pipeline, settings.class_prompt, "", [class_seed(settings, i) for i in block],
+                                              steps=settings.validation_steps, cfg=settings.validation_cfg,
+                                              height=settings.image_size, width=settings.image_size,
                                               batch_size=GENERATE_BATCH, device=d.device)
                 for index, image in zip(block, images):
                     if index in wanted:
@@ -302,23 +332,23 @@ class DreamBoothData:
         return torch.cat([self.instance_ids] + ([] if self.prior_ids is None else [self.prior_ids]))
 
 
-def build_data(config, d, vae, tokenizer, make_pipeline) -> DreamBoothData:
+def build_data(settings: DreamBoothSettings, d, vae, tokenizer, make_pipeline) -> DreamBoothData:
     """The run's DreamBooth data; class images generated first where missing (``make_pipeline()``
     gives the base-model pipeline for that)."""
-    instances = image_files(config.instance_dir)
+    instances = image_files(settings.instance_dir)
     if not instances:
-        raise sd.data.training_data.DataError(f"instance_dir {config.instance_dir} holds no .png/.jpg/.jpeg/.webp image")
-    run_dir = Path(config.out_dir)
-    instance = latents_of(instances, config.image_size, vae, d.device, run_dir / "dreambooth" / "instance.safetensors",
+        raise sd.data.training_data.DataError(f"instance_dir {settings.instance_dir} holds no .png/.jpg/.jpeg/.webp image")
+    run_dir = Path(settings.out_dir)
+    instance = latents_of(instances, settings.image_size, vae, d.device, run_dir / "dreambooth" / "instance.safetensors",
                           "instance", write=d.is_main)
     prior = prior_ids = None
-    if config.class_dir:
-        ensure_class_images(config, d, make_pipeline())
-        classes = image_files(config.class_dir)[: class_image_count(config)]
-        prior = latents_of(classes, config.image_size, vae, d.device, run_dir / "dreambooth" / "class.safetensors",
+    if settings.class_dir:
+        ensure_class_images(settings, d, make_pipeline())
+        classes = image_files(settings.class_dir)[: class_image_count(settings)]
+        prior = latents_of(classes, settings.image_size, vae, d.device, run_dir / "dreambooth" / "class.safetensors",
                            "class", write=d.is_main)
-        prior_ids = sd.model.tokenize(tokenizer, [config.class_prompt])
-        log.info("prior preservation: %d class images of %r, weight %g", len(prior), config.class_prompt,
-                 config.prior_loss_weight)
-    log.info("DreamBooth: %d instance images of %r at %d px", len(instance), config.instance_prompt, config.image_size)
-    return DreamBoothData(instance, sd.model.tokenize(tokenizer, [config.instance_prompt]), prior, prior_ids)
+        prior_ids = sd.model.tokenize(tokenizer, [settings.class_prompt])
+        log.info("prior preservation: %d class images of %r, weight %g", len(prior), settings.class_prompt,
+                 settings.prior_loss_weight)
+    log.info("DreamBooth: %d instance images of %r at %d px", len(instance), settings.instance_prompt, settings.image_size)
+    return DreamBoothData(instance, sd.model.tokenize(tokenizer, [settings.instance_prompt]), prior, prior_ids)

@@ -32,13 +32,15 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
+import sd.cli
 import sd.data.buckets
 import sd.data.captions
 
@@ -50,6 +52,25 @@ class DataError(ValueError):
 # ---------------------------------------------------------------------------------------------
 # Latents
 # ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DataSettings:
+    """The config fields the training data is built from: the datasets and how their latents are read."""
+
+    datasets: tuple = ()  # {dataset: DIR, latents: DIR, weight: 1.0} each
+    data_threads: int = 16
+    mmap_latents: bool = False
+    allow_missing_latents: bool = False
+    flip: bool = False
+    masked_loss: bool = False
+    control: str = ""
+    caption_ops: sd.data.captions.CaptionOps = field(default_factory=sd.data.captions.CaptionOps)
+
+    @classmethod
+    def from_config(cls, config) -> "DataSettings":
+        return sd.cli.view_of(cls, config, datasets=tuple(config.datasets),
+                              caption_ops=sd.cli.view_of(sd.data.captions.CaptionOps, config))
 
 
 class LatentStore:
@@ -391,6 +412,17 @@ def read_latents_meta(folder: Path) -> dict:
         raise DataError(f"latent folder {path.parent} is not completely encoded (latents.json: complete false): "
                         "encode_latents.py was interrupted or is still running; run it again to finish")
     return meta
+
+
+def resolution_of_latents(meta: dict) -> int | None:
+    """The image size of a latent folder's ``latents.json`` (``read_latents_meta``): the side of its
+    latents times 8, or with aspect-ratio buckets the side of a square of the largest bucket's pixel
+    count (a multiple of 8); None when it records neither a latent shape nor buckets."""
+    if meta.get("buckets"):
+        return -(-(math.isqrt(max(w * h for w, h in meta["buckets"]) - 1) + 1) // 8) * 8
+    if meta.get("latent_shape"):
+        return int(meta["latent_shape"][-1]) * 8
+    return None
 
 
 def read_keys(key_file: Path) -> list[str]:

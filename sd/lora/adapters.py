@@ -21,8 +21,11 @@ plain layers.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+import sd.cli
 import sd.model
 
 ADAPTER = "default"  # PEFT's adapter name inside the modules
@@ -172,7 +175,26 @@ def conv_settings(rank: int, alpha: float, conv_rank: int, conv_alpha: float) ->
     return conv_rank, effective_alpha(conv_rank, conv_alpha or alpha)
 
 
-def apply_config(config, unet, text_encoder) -> None:
+@dataclass(frozen=True)
+class LoraSettings:
+    """The config fields a LoRA run's adapters are built from."""
+
+    lora_rank: int = 0
+    lora_alpha: float = 0.0
+    lora_conv_rank: int = 0
+    lora_conv_alpha: float = 0.0
+    lora_targets: tuple = ("attention",)
+    lora_dropout: float = 0.0
+    lora_text_encoder: bool = False
+    seed: int = 0
+    precision: str = "bf16"
+
+    @classmethod
+    def from_config(cls, config) -> "LoraSettings":
+        return sd.cli.view_of(cls, config)
+
+
+def apply_settings(settings: LoraSettings, unet, text_encoder) -> None:
     """Add the adapters a training config asks for (``lora_rank`` > 0): on the UNet's ``lora_targets``
     (its larger-than-1x1 convolutions at ``lora_conv_rank`` / ``lora_conv_alpha``) and, with
     ``lora_text_encoder``, on the text encoder's attention projections.
@@ -180,19 +202,19 @@ def apply_config(config, unet, text_encoder) -> None:
     With bf16 or fp16 precision the frozen base weights are then stored in that type (half their
     memory: autocast computes the layers in it anyway); the adapters stay fp32.
     """
-    if not config.lora_rank:
+    if not settings.lora_rank:
         return
-    alpha = effective_alpha(config.lora_rank, config.lora_alpha)
-    conv_rank, conv_alpha = conv_settings(config.lora_rank, config.lora_alpha, getattr(config, "lora_conv_rank", 0),
-                                          getattr(config, "lora_conv_alpha", 0.0))
-    add_lora(unet, resolve_targets(unet, config.lora_targets), config.lora_rank, alpha, config.lora_dropout,
-             seed=config.seed, conv_rank=conv_rank, conv_alpha=conv_alpha)
-    if config.lora_text_encoder:
-        add_lora(text_encoder, resolve_targets(text_encoder, TEXT_TARGETS), config.lora_rank, alpha,
-                 config.lora_dropout, seed=config.seed + 1)
+    rank = settings.lora_rank
+    alpha = effective_alpha(rank, settings.lora_alpha)
+    conv_rank, conv_alpha = conv_settings(rank, settings.lora_alpha, settings.lora_conv_rank, settings.lora_conv_alpha)
+    add_lora(unet, resolve_targets(unet, list(settings.lora_targets)), rank, alpha, settings.lora_dropout,
+             seed=settings.seed, conv_rank=conv_rank, conv_alpha=conv_alpha)
+    if settings.lora_text_encoder:
+        add_lora(text_encoder, resolve_targets(text_encoder, TEXT_TARGETS), rank, alpha, settings.lora_dropout,
+                 seed=settings.seed + 1)
     else:
         text_encoder.requires_grad_(False)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.precision)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(settings.precision)
     if dtype is not None:
         for model in (unet, text_encoder):
             cast_base(model, dtype)

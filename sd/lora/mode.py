@@ -43,7 +43,7 @@ class Lora(sd.train.mode.Mode):
 
     def attach(self, unet, text_encoder):
         try:
-            sd.lora.adapters.apply_config(self.config, unet, text_encoder)
+            sd.lora.adapters.apply_settings(sd.lora.adapters.LoraSettings.from_config(self.config), unet, text_encoder)
         except sd.lora.adapters.LoraError as error:
             raise ConfigError(str(error)) from error
         return unet

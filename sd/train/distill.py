@@ -159,9 +159,9 @@ class Distiller:
         if self.target is not None:
             self.target.update(unet, step_index, skip=skip, view=view)
 
-    def loss(self, step, model, latents, input_ids, generator, mask, inputs):
+    def loss(self, context, model, latents, input_ids, generator, mask, inputs):
         """The consistency-distillation loss (``lcm_loss``; a distillation takes no loss mask or mode inputs)."""
-        return lcm_loss(step, model, latents, input_ids, generator)
+        return lcm_loss(self, context, model, latents, input_ids, generator)
 
     def entries(self) -> dict:
         """The checkpoint's entries: the target network, when there is one."""
@@ -220,17 +220,18 @@ def adapters_off(unet):
 # ---------------------------------------------------------------------------------------------
 
 
-def lcm_loss(step, model, latents: torch.Tensor, input_ids: torch.Tensor, generator: torch.Generator):
-    """Per-sample consistency-distillation loss ``(B,)`` of one micro-batch and its timesteps ``t_n``.
+def lcm_loss(distiller: Distiller, context, model, latents: torch.Tensor, input_ids: torch.Tensor,
+             generator: torch.Generator):
+    """Per-sample consistency-distillation loss ``(B,)`` of one micro-batch and its timesteps ``t_n``;
+    ``context``: the step's ``sd.train.objective.LossContext``.
 
     Draws from ``generator``, in order: the noise, the solver index n and the guidance scale. The
     student runs through ``model`` (DDP-wrapped, compiled); teacher and target through the plain UNet
-    without gradients.
+    without gradients. The prompts are taken as written: the guided teacher needs them (no CFG dropout).
     """
-    distiller, settings, device = step.objective, step.objective.settings, step.d.device
-    alphas = step.alphas_cumprod
-    x0 = sd.model.scale_latents(latents.to(device, non_blocking=True).float(), step.scaling_factor)
-    if step.loss.channels_last:
+    settings, loss, device, alphas = distiller.settings, context.settings, context.device, context.alphas_cumprod
+    x0 = sd.model.scale_latents(latents.to(device, non_blocking=True).float(), context.scaling_factor)
+    if loss.channels_last:
         x0 = x0.contiguous(memory_format=torch.channels_last)
     batch = x0.shape[0]
     noise = torch.randn(x0.shape, generator=generator, device=device)
@@ -240,32 +241,25 @@ def lcm_loss(step, model, latents: torch.Tensor, input_ids: torch.Tensor, genera
     start = distiller.solver[index.to(device)]
     end = (start - (len(alphas) // settings.solver_steps)).clamp(min=0)  # t_{n-k}; below t_0 the boundary
     x_start = sd.model.add_noise(x0, noise, start, alphas)
-    with sd.runtime.autocast(step.loss.precision, device):
-        hidden = prompt_embeddings(step, input_ids)
+    with sd.runtime.autocast(loss.precision, device):
+        hidden = context.prompts(input_ids, None)
         student = model(x_start, start, encoder_hidden_states=hidden).sample
         with torch.no_grad():
-            x_end = teacher_solver_step(step, x_start, start, end, hidden, scale)
-            target_out = distiller.target_output(step.unet, x_end, end, hidden)
-    prediction = consistency(student, x_start, start, alphas, step.loss.prediction_type, settings.timestep_scaling)
-    target = consistency(target_out, x_end, end, alphas, step.loss.prediction_type, settings.timestep_scaling)
+            x_end = teacher_solver_step(distiller, context, x_start, start, end, hidden, scale)
+            target_out = distiller.target_output(context.unet, x_end, end, hidden)
+    prediction = consistency(student, x_start, start, alphas, loss.prediction_type, settings.timestep_scaling)
+    target = consistency(target_out, x_end, end, alphas, loss.prediction_type, settings.timestep_scaling)
     return distance(prediction, target, settings.loss, settings.huber_c), start
 
 
-def teacher_solver_step(step, x_start, start, end, hidden, scale) -> torch.Tensor:
+def teacher_solver_step(distiller: Distiller, context, x_start, start, end, hidden, scale) -> torch.Tensor:
     """``x_{t_{n-k}}``: one DDIM step of the teacher's guided prediction from ``x_{t_n}`` (cond and
     uncond in one batch of 2B)."""
-    uncond = step.empty_embedding.to(hidden.dtype).expand_as(hidden)
-    both = step.objective.teacher_output(step.unet, torch.cat([x_start, x_start]), torch.cat([start, start]),
-                                       torch.cat([hidden, uncond]))
-    x0_c, eps_c = x0_and_noise(both[: len(start)], x_start, start, step.alphas_cumprod, step.loss.prediction_type)
-    x0_u, eps_u = x0_and_noise(both[len(start):], x_start, start, step.alphas_cumprod, step.loss.prediction_type)
-    alpha_prev = step.alphas_cumprod.to(end.device)[end]
+    alphas, prediction_type = context.alphas_cumprod, context.settings.prediction_type
+    uncond = context.empty_embedding.to(hidden.dtype).expand_as(hidden)
+    both = distiller.teacher_output(context.unet, torch.cat([x_start, x_start]), torch.cat([start, start]),
+                                    torch.cat([hidden, uncond]))
+    x0_c, eps_c = x0_and_noise(both[: len(start)], x_start, start, alphas, prediction_type)
+    x0_u, eps_u = x0_and_noise(both[len(start):], x_start, start, alphas, prediction_type)
+    alpha_prev = alphas.to(end.device)[end]
     return ddim_solver_step(guided(x0_c, x0_u, scale), guided(eps_c, eps_u, scale), alpha_prev)
-
-
-def prompt_embeddings(step, input_ids: torch.Tensor) -> torch.Tensor:
-    """The prompts' embeddings as written: distillation learns the guided teacher, which needs the real
-    prompt (no CFG dropout)."""
-    if step.text_cache is not None:
-        return step.text_cache.lookup(input_ids).to(step.d.device, non_blocking=True)
-    return sd.model.encode_prompt_ids(step.text_encoder, input_ids)

@@ -883,19 +883,10 @@ def resolution_of(config) -> int:
     the pixels)."""
     for entry in config.datasets[:1]:
         try:
-            side = resolution_of_latents(sd.data.training_data.read_latents_meta(Path(str(entry["latents"]))))
+            meta = sd.data.training_data.read_latents_meta(Path(str(entry["latents"])))
+            side = sd.data.training_data.resolution_of_latents(meta)
         except Exception:  # no folder yet, or no settings in it: the default
             side = None
         if side:
             return side
     return 512
-
-
-def resolution_of_latents(meta: dict) -> int | None:
-    """The image size of a latent folder's ``latents.json`` (see ``resolution_of``); None when it
-    records neither a latent shape nor buckets."""
-    if meta.get("buckets"):
-        return -(-(math.isqrt(max(w * h for w, h in meta["buckets"]) - 1) + 1) // 8) * 8
-    if meta.get("latent_shape"):
-        return int(meta["latent_shape"][-1]) * 8
-    return None

@@ -28,39 +28,41 @@ import sd.train.step
 import sd.train.validation
 from sd.train.state import Run, TrainState
 from sd.distributed import Dist
-from sd.evaluation import EvalError, TrainingEval
+from sd.evaluation import EvalError, EvalSettings, TrainingEval
 from sd.train.config import ConfigError, TrainConfig, check_models
 
 log = logging.getLogger("sd_train")
 
 
-def build_data(config: TrainConfig, d: Dist | None = None, tokenizer=None, retokenises: bool = False):
+def build_data(settings: sd.data.training_data.DataSettings, d: Dist | None = None, tokenizer=None,
+               retokenises: bool = False):
     """Train and validation data; every problem found is reported before training starts.
 
     The latent files are memory-mapped: the ranks of a machine share one copy in its page cache, and
     each reads its share of the files once at start (unless ``mmap_latents``: read on demand).
     ``tokenizer``: the training batches' token ids are made in the loader from the caption text, with
-    the config's caption operations (``shuffle_tags``, ``tag_dropout``); validation keeps the stored ids,
+    the settings' caption operations (``shuffle_tags``, ``tag_dropout``); validation keeps the stored ids,
     but for a mode that ``retokenises`` (a learned token the stored ids lack): its validation captions are
     tokenised as written, by the tokenizer that knows the token.
     """
-    ops = caption_ops(config) if tokenizer is not None else None
+    ops = settings.caption_ops if tokenizer is not None else None
     val_tokenizer = tokenizer if retokenises else None
     share = (d.local_rank, d.local_world_size) if d is not None else (0, 1)
     stores, train, val, weights = {}, [], [], []
-    for entry in config.datasets:
+    for entry in settings.datasets:
         folder = str(Path(entry["latents"]).resolve())
         if folder not in stores:
-            stores[folder] = sd.data.training_data.LatentStore(folder, threads=config.data_threads, mmap=config.mmap_latents,
-                                                 flip=config.flip, share=share, masks=config.masked_loss,
-                                                 control=config.control)
+            stores[folder] = sd.data.training_data.LatentStore(
+                folder, threads=settings.data_threads, mmap=settings.mmap_latents, flip=settings.flip, share=share,
+                masks=settings.masked_loss, control=settings.control)
         store = stores[folder]
-        train.append(sd.data.training_data.join_split(entry["dataset"], "train", store, allow_missing=config.allow_missing_latents,
+        train.append(sd.data.training_data.join_split(entry["dataset"], "train", store,
+                                                      allow_missing=settings.allow_missing_latents,
                                                       captions=tokenizer is not None))
         val.append(sd.data.training_data.join_split(entry["dataset"], "validation", store, allow_missing=True,
                                                     captions=val_tokenizer is not None))
         weights.append(float(entry.get("weight", 1.0)))
-    if config.masked_loss:
+    if settings.masked_loss:
         check_masks(stores, d is None or d.is_main)
     train_data = sd.data.training_data.MixedData(train, weights, tokenizer=tokenizer, ops=ops)
     if len(train_data) == 0:
@@ -81,12 +83,6 @@ def check_masks(stores: dict, report: bool) -> None:
     if unmasked and report:
         log.info("masked_loss: %d latent folders have no masks, their samples weigh 1 everywhere: %s", len(unmasked),
                  ", ".join(unmasked))
-
-
-def caption_ops(config: TrainConfig) -> sd.data.captions.CaptionOps:
-    """The config's caption operations (``sd.data.captions``)."""
-    return sd.data.captions.CaptionOps(config.shuffle_tags, config.keep_tokens, config.tag_dropout,
-                                       config.tag_separator)
 
 
 def scaling_factor_of(config: TrainConfig, data: sd.data.training_data.MixedData, vae) -> float:
@@ -164,10 +160,12 @@ def build(config: TrainConfig, d: Dist) -> Run:
         make_pipeline = lambda: sd.sampling.Pipeline(unet, vae, text_encoder.to(d.device), tokenizer,  # noqa: E731
                                                      config.prediction_type,
                                                      zero_terminal_snr=base_zero_terminal_snr(config))
-        train_data, val_data = sd.data.dreambooth.build_data(config, d, vae, tokenizer, make_pipeline), None
+        dreambooth = sd.data.dreambooth.DreamBoothSettings.from_config(config)
+        train_data, val_data = sd.data.dreambooth.build_data(dreambooth, d, vae, tokenizer, make_pipeline), None
     else:
-        retokenise = caption_ops(config).active or mode.retokenises
-        train_data, val_data = build_data(config, d, tokenizer if retokenise else None, mode.retokenises)
+        data = sd.data.training_data.DataSettings.from_config(config)
+        retokenise = data.caption_ops.active or mode.retokenises
+        train_data, val_data = build_data(data, d, tokenizer if retokenise else None, mode.retokenises)
     scaling = scaling_factor_of(config, train_data, vae)
     if len(train_data.shapes) > 1:
         plan_buckets(config, train_data, d)
@@ -189,7 +187,8 @@ def build(config: TrainConfig, d: Dist) -> Run:
               base_fingerprint)
     if config.eval_every:
         try:
-            run.evaluation = TrainingEval.build(config, d, *sd.train.validation.validation_size(config, train_data))
+            run.evaluation = TrainingEval.build(EvalSettings.from_config(config), d,
+                                                *sd.train.validation.validation_size(config, train_data))
         except EvalError as error:
             raise ConfigError(f"eval_every: {error}") from error
     return run

@@ -29,28 +29,9 @@ import sd.train.mode
 import sd.train.modes
 import sd.train.sharding
 from sd.distributed import Dist
+from sd.train.objective import LossContext, LossSettings
 
 log = logging.getLogger("sd_train")
-
-
-@dataclass(frozen=True)
-class LossSettings:
-    """The config fields the loss and the update read."""
-
-    prediction_type: str = "epsilon"
-    min_snr_gamma: float = 5.0
-    cfg_dropout: float = 0.05
-    precision: str = "bf16"
-    channels_last: bool = False
-    grad_clip: float = 1.0
-    noise_offset: float = 0.0
-    prior_loss_weight: float = 1.0
-    prior_preservation: bool = False  # every micro-batch: instance samples, then as many class samples
-
-    @classmethod
-    def from_config(cls, config) -> "LossSettings":
-        values = {f.name: getattr(config, f.name) for f in dataclasses.fields(cls) if hasattr(config, f.name)}
-        return cls(**{**values, "prior_preservation": bool(getattr(config, "class_dir", ""))})
 
 
 @dataclass
@@ -341,7 +322,14 @@ def compute_loss(step: Step, model, latents: torch.Tensor, input_ids: torch.Tens
     """Per-sample loss ``(B,)`` and timesteps of one micro-batch through ``model``, by the step's objective
     (``Diffusion``, or ``sd.train.distill.Distiller`` for ``distill: lcm``); ``mask`` ``(B, 1, h, w)``: the
     loss weights of ``masked_loss``; ``inputs``: the mode's tensors of the micro-batch (``Mode.batch_inputs``)."""
-    return step.objective.loss(step, model, latents, input_ids, generator, mask, inputs)
+    return step.objective.loss(loss_context(step), model, latents, input_ids, generator, mask, inputs)
+
+
+def loss_context(step: Step) -> LossContext:
+    """The pieces of ``step`` its objective's loss reads."""
+    return LossContext(step.d.device, step.loss, step.scaling_factor, step.alphas_cumprod, step.unet,
+                       step.empty_embedding, lambda ids, generator: prompt_embeddings(step, ids, generator),
+                       step.mode.model_inputs)
 
 
 class Diffusion:
@@ -357,10 +345,10 @@ class Diffusion:
     def build(cls, config, unet) -> "Diffusion":
         return cls()
 
-    def loss(self, step: Step, model, latents, input_ids, generator, mask, inputs):
+    def loss(self, context: LossContext, model, latents, input_ids, generator, mask, inputs):
         """The Min-SNR loss: draws the noise (and its offset), the timesteps, the mode's random inputs (a
         blank control image) and the CFG dropout from ``generator``, in that order."""
-        return diffusion_loss(step, model, latents, input_ids, generator, mask, inputs)
+        return diffusion_loss(context, model, latents, input_ids, generator, mask, inputs)
 
     def update(self, unet, step_index: int, skip: torch.Tensor | None = None, view=None) -> None:
         pass
@@ -380,10 +368,10 @@ def objective_of(config) -> type:
     return sd.train.distill.Distiller if getattr(config, "distill", "") else Diffusion
 
 
-def diffusion_loss(step: Step, model, latents, input_ids, generator, mask, inputs):
+def diffusion_loss(context: LossContext, model, latents, input_ids, generator, mask, inputs):
     """``Diffusion.loss``: per-sample Min-SNR loss ``(B,)`` of a micro-batch, and its timesteps."""
-    settings, device = step.loss, step.d.device
-    latents = sd.model.scale_latents(latents.to(device, non_blocking=True).float(), step.scaling_factor)
+    settings, device, alphas = context.settings, context.device, context.alphas_cumprod
+    latents = sd.model.scale_latents(latents.to(device, non_blocking=True).float(), context.scaling_factor)
     if settings.channels_last:
         latents = latents.contiguous(memory_format=torch.channels_last)
     noise = torch.randn(latents.shape, generator=generator, device=device)
@@ -391,16 +379,16 @@ def diffusion_loss(step: Step, model, latents, input_ids, generator, mask, input
         noise = noise + settings.noise_offset * torch.randn((*latents.shape[:2], 1, 1), generator=generator,
                                                              device=device)
     timesteps = sd.model.sample_timesteps(latents.shape[0], generator).to(device)
-    noisy = sd.model.add_noise(latents, noise, timesteps, step.alphas_cumprod)
-    target = sd.model.prediction_target(latents, noise, timesteps, step.alphas_cumprod, settings.prediction_type)
-    conditioning = step.mode.model_inputs(inputs, device, generator) if inputs else {}
+    noisy = sd.model.add_noise(latents, noise, timesteps, alphas)
+    target = sd.model.prediction_target(latents, noise, timesteps, alphas, settings.prediction_type)
+    conditioning = context.model_inputs(inputs, device, generator) if inputs else {}
     with sd.runtime.autocast(settings.precision, device):
-        hidden = prompt_embeddings(step, input_ids, generator)
+        hidden = context.prompts(input_ids, generator)
         pred = model(noisy, timesteps, encoder_hidden_states=hidden, **conditioning).sample
     if mask is not None:
         mask = mask.to(device, non_blocking=True)
-    loss = sd.model.diffusion_loss(pred, target, timesteps, step.alphas_cumprod, settings.prediction_type,
-                                   settings.min_snr_gamma, mask)
+    loss = sd.model.diffusion_loss(pred, target, timesteps, alphas, settings.prediction_type, settings.min_snr_gamma,
+                                   mask)
     return loss, timesteps
 
 
@@ -417,21 +405,24 @@ def batch_extras(step: Step, extra: list) -> dict:
     return named
 
 
-def prompt_embeddings(step: Step, input_ids: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """The UNet's context for a micro-batch, CFG dropout applied: from the text cache, the frozen
-    text encoder, or, when its adapter trains, the encoder run with gradients (the dropped samples
-    then get the empty prompt's ids, so their embedding follows the adapter too)."""
-    device = step.d.device
+def prompt_embeddings(step: Step, input_ids: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """The UNet's context for a micro-batch: from the text cache, the frozen text encoder, or, when its
+    adapter trains, the encoder run with gradients. With ``generator``, CFG dropout drawn from it (the
+    dropped samples of a training encoder get the empty prompt's ids, so their embedding follows the
+    adapter too); without, the prompts as written (a distillation learns the guided teacher)."""
+    device, dropout = step.d.device, step.loss.cfg_dropout if generator is not None else 0.0
     if step.text_trains:
         ids = input_ids.to(device, non_blocking=True)
-        drop = torch.rand(ids.shape[0], generator=generator, device=generator.device) < step.loss.cfg_dropout
-        ids = torch.where(drop.to(device)[:, None], step.empty_ids.to(device), ids)
+        if generator is not None:
+            drop = torch.rand(ids.shape[0], generator=generator, device=generator.device) < dropout
+            ids = torch.where(drop.to(device)[:, None], step.empty_ids.to(device), ids)
         return step.text_encoder(ids).last_hidden_state
     if step.text_cache is not None:
         hidden = step.text_cache.lookup(input_ids).to(device, non_blocking=True)
     else:
         hidden = sd.model.encode_prompt_ids(step.text_encoder, input_ids)
-    hidden, _ = apply_cfg_dropout(hidden, step.empty_embedding, step.loss.cfg_dropout, generator)
+    if generator is not None:
+        hidden, _ = apply_cfg_dropout(hidden, step.empty_embedding, dropout, generator)
     return hidden
 
 

@@ -93,7 +93,7 @@ def test_optimizer_steps_make_no_host_sync_between_reads(fields):
     d = Dist.single(device)
     text_encoder = sd.model.load_text_encoder("tiny")
     unet = sd.model.build_unet("tiny", grad_checkpointing=True).to(device).train()
-    sd.lora.adapters.apply_config(cfg, unet, text_encoder)
+    sd.lora.adapters.apply_settings(sd.lora.adapters.LoraSettings.from_config(cfg), unet, text_encoder)
     step = sd.train.step.build_step(cfg, d, unet, text_encoder, torch.full((1, 77), 49407), 0.18215)
     batches = [(torch.randn(2, 4, 8, 8).half().pin_memory(), torch.randint(0, 49407, (2, 77)).pin_memory())
                for _ in range(cfg.grad_accum)]

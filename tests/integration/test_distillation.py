@@ -127,7 +127,8 @@ def fixed_draw_loss(config_fields: dict, student: dict | None, target: dict | No
     if target is not None:
         step.objective.load_state_dict(target)
     with torch.no_grad():
-        loss, _ = sd.train.distill.lcm_loss(step, unet, latents, ids, torch.Generator().manual_seed(0))
+        loss, _ = sd.train.distill.lcm_loss(step.objective, sd.train.step.loss_context(step), unet, latents, ids,
+                                                torch.Generator().manual_seed(0))
     return loss.mean().item()
 
 

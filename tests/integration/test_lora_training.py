@@ -23,6 +23,7 @@ import sd.train.checkpoint as ckpt
 import sd.train.checkpointer
 import sd.train.config
 import sd.train.ema
+import sd.train.objective
 import sd.train.step
 import SD_Train
 from sd.distributed import Dist
@@ -121,10 +122,10 @@ def test_lora_needs_base_weights(tmp_path, data, capsys):
 
 
 def test_prior_preservation_loss_is_instance_mean_plus_weighted_class_mean():
-    settings = sd.train.step.LossSettings(prior_preservation=True, prior_loss_weight=0.3)
+    settings = sd.train.objective.LossSettings(prior_preservation=True, prior_loss_weight=0.3)
     loss = torch.tensor([1.0, 2.0, 3.0, 10.0, 20.0, 30.0])
     assert sd.train.step.objective(loss, settings).item() == pytest.approx(2.0 + 0.3 * 20.0)
-    assert sd.train.step.objective(loss, sd.train.step.LossSettings()).item() == pytest.approx(11.0)
+    assert sd.train.step.objective(loss, sd.train.objective.LossSettings()).item() == pytest.approx(11.0)
 
 
 def write_images(folder: Path, count: int, colour, size: int = 72) -> Path:
@@ -205,7 +206,8 @@ def test_ctrl_c_during_class_images_keeps_the_finished_ones_and_ends_with_one_li
     assert "generating 20 class images" in caplog.text and f"stopped after {batch} new ones" in caplog.text
     assert "for the 12 left" in caplog.text  # the time it will take, from the first batch
     parsed = sd.train.config.load_config(["--config", str(config)])
-    assert len(sd.data.dreambooth.missing_class_images(parsed)) == 20 - batch  # a re-run makes only the rest
+    assert len(sd.data.dreambooth.missing_class_images(sd.data.dreambooth.DreamBoothSettings.from_config(parsed))) \
+        == 20 - batch  # a re-run makes only the rest
 
 
 @pytest.fixture(scope="module")
@@ -218,7 +220,8 @@ def make_class_images(base_model):
         config = sd.train.config.TrainConfig(**{**BASE, "datasets": [], "class_dir": str(folder),
                                                "class_prompt": "a square", "num_class_images": count,
                                                "image_size": 64, "init_from": str(base_model), **fields})
-        return sd.data.dreambooth.ensure_class_images(config, Dist.single(), pipeline)
+        settings = sd.data.dreambooth.DreamBoothSettings.from_config(config)
+        return sd.data.dreambooth.ensure_class_images(settings, Dist.single(), pipeline)
 
     return make
 

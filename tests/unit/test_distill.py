@@ -59,7 +59,8 @@ def perturbed(module, seed: int, scale: float = 0.05):
 def build(fields=None):
     config = TrainConfig(**{**FIELDS, **(fields or {})})
     unet = sd.model.build_unet("tiny", seed=3, from_scratch=False)
-    sd.lora.adapters.apply_config(config, unet, encoder := sd.model.load_text_encoder("tiny"))
+    encoder = sd.model.load_text_encoder("tiny")
+    sd.lora.adapters.apply_settings(sd.lora.adapters.LoraSettings.from_config(config), unet, encoder)
     tokenizer = sd.model.load_tokenizer("tiny")
     return sd.train.step.build_step(config, Dist.single(), unet, encoder, sd.model.tokenize(tokenizer, [""]), 0.5), tokenizer
 
@@ -76,7 +77,8 @@ def test_the_loss_of_a_micro_batch_equals_the_hand_computed_one(loss):
 
     latents = torch.randn(3, 4, 8, 8, generator=torch.Generator().manual_seed(7)).half()
     ids = sd.model.tokenize(tokenizer, ["a red circle", "a blue square", "a star"])
-    got, start = distill.lcm_loss(step, step.unet, latents, ids, torch.Generator().manual_seed(11))
+    got, start = distill.lcm_loss(step.objective, sd.train.step.loss_context(step), step.unet, latents, ids,
+                                  torch.Generator().manual_seed(11))
 
     replay = torch.Generator().manual_seed(11)
     x0 = latents.double() * 0.5
@@ -178,7 +180,8 @@ def test_a_distillation_step_runs_on_cuda_without_waiting_for_it(fields):
     config = TrainConfig(**{**FIELDS, "precision": "bf16", "batch_size": 2, **fields})
     with fake_cuda(zero_gradients(holder), syncs):
         unet = holder["unet"] = sd.model.build_unet("tiny").to(cuda).train()
-        sd.lora.adapters.apply_config(config, unet, encoder := sd.model.load_text_encoder("tiny"))
+        encoder = sd.model.load_text_encoder("tiny")
+        sd.lora.adapters.apply_settings(sd.lora.adapters.LoraSettings.from_config(config), unet, encoder)
         step = sd.train.step.build_step(config, Dist.single(cuda), unet, encoder, torch.full((1, 77), 49407), 0.18)
         batch = [(torch.randn(2, 4, 8, 8).half(), torch.randint(0, 49407, (2, 77)))]
         waited, result = steady_steps(step, batch, syncs)

@@ -381,8 +381,9 @@ def test_dreambooth_generates_100_class_images_in_all_by_default_whatever_the_in
 
     config = sd.train.config.TrainConfig(datasets=[], class_dir=str(tmp_path / "class"))
     assert config.num_class_images == 100
-    assert len(sd.data.dreambooth.missing_class_images(config)) == 100
+    settings = sd.data.dreambooth.DreamBoothSettings.from_config(config)
+    assert len(sd.data.dreambooth.missing_class_images(settings)) == 100
     (tmp_path / "class").mkdir()
     for i in range(30):  # the user's own images count
         (tmp_path / "class" / f"mine_{i}.png").write_bytes(b"")
-    assert len(sd.data.dreambooth.missing_class_images(config)) == 70
+    assert len(sd.data.dreambooth.missing_class_images(settings)) == 70

@@ -200,7 +200,7 @@ def measured_optimizer_state(config) -> tuple[int, int]:
         for p in unet.parameters():
             if not p.any():
                 p.normal_()
-    sd.lora.adapters.apply_config(config, unet, text_encoder)
+    sd.lora.adapters.apply_settings(sd.lora.adapters.LoraSettings.from_config(config), unet, text_encoder)
     ids = torch.full((1, sd.model.TOKENIZER_MAX_LENGTH), 49407, dtype=torch.long)
     step = sd.train.step.build_step(config, Dist.single("cpu"), unet, text_encoder, ids, 1.0)
     batch = [(torch.randn(2, 4, 8, 8).half(), torch.full((2, sd.model.TOKENIZER_MAX_LENGTH), 49407))]
@@ -232,7 +232,7 @@ def test_text_adapter_ema_is_counted_with_the_unets():
     config = tiny_config(grad_checkpointing=False, ema_decay=0.9, lora_rank=4, lora_text_encoder=True)
     parts = sd.train.memory.estimate(config, batch_size=1, resolution=32).parts
     unet, text_encoder = sd.model.build_unet("tiny", from_scratch=False), sd.model.load_text_encoder("tiny")
-    sd.lora.adapters.apply_config(config, unet, text_encoder)
+    sd.lora.adapters.apply_settings(sd.lora.adapters.LoraSettings.from_config(config), unet, text_encoder)
     adapters = [p for m in (unet, text_encoder) for p in m.parameters() if p.requires_grad]
     assert parts["ema"] == rounded(adapters)
 

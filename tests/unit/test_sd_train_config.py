@@ -511,3 +511,31 @@ def test_the_optimizers_and_a_text_encoder_schedule_that_can_work_load(base_conf
 @pytest.mark.parametrize("sharding", ["none", "zero1", "fsdp"])
 def test_every_sharding_of_a_full_fine_tune_is_accepted(base_config, sharding):
     assert load_config(["--config", str(base_config), "--sharding", sharding]).sharding == sharding
+
+
+def test_each_components_view_of_the_config_reads_fields_the_config_has_and_copies_them():
+    """A view whose field the config does not have (renamed there) would keep its default silently."""
+    import dataclasses
+
+    import sd.data.dreambooth
+    import sd.data.training_data
+    import sd.evaluation
+    import sd.lora.adapters
+    import sd.train.objective
+    from sd.train.config import FIELDS, TrainConfig
+
+    config = TrainConfig(datasets=[{"dataset": "d", "latents": "l"}], lora_rank=8, lora_alpha=4.0, class_dir="c",
+                         instance_dir="i", eval_n=7, validation_steps=12, shuffle_tags=0.5, keep_tokens=2, seed=9,
+                         flip=True, precision="fp32")
+    views = (sd.data.dreambooth.DreamBoothSettings, sd.data.training_data.DataSettings, sd.evaluation.EvalSettings,
+             sd.lora.adapters.LoraSettings, sd.train.objective.LossSettings)
+    for view in views:
+        names = {f.name for f in dataclasses.fields(view)} - {"caption_ops", "prior_preservation"}
+        assert names <= set(FIELDS), (view.__name__, names - set(FIELDS))
+        made = view.from_config(config)
+        for name in names:
+            expected = getattr(config, name)
+            assert getattr(made, name) == (tuple(expected) if name == "datasets" else expected), (view.__name__, name)
+    data = sd.data.training_data.DataSettings.from_config(config)
+    assert (data.caption_ops.shuffle_tags, data.caption_ops.keep_tokens) == (0.5, 2)
+    assert sd.train.objective.LossSettings.from_config(config).prior_preservation
