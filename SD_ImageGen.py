@@ -64,10 +64,10 @@ from pathlib import Path
 from safetensors import SafetensorError
 
 import sd.cli
-import sd.embedding.files
+import sd.embedding.formats
 import sd.formats
 import sd.imagegen
-import sd.lora.files
+import sd.lora.formats
 import sd.runtime
 import sd.sampling
 
@@ -123,7 +123,7 @@ def parse_args(argv=None):
     parser.add_argument("--export_lora", metavar="OUT", help="write the LoRA adapter of --ckpt (a LoRA run of ours): "
                         "the file OUT (.safetensors added if missing), or with --lora_format diffusers a folder OUT "
                         "holding pytorch_lora_weights.safetensors")
-    parser.add_argument("--lora_format", choices=sd.lora.files.LORA_FORMATS, default=sd.lora.files.DEFAULT_LORA_FORMAT,
+    parser.add_argument("--lora_format", choices=sd.lora.formats.LORA_FORMATS, default=sd.lora.formats.DEFAULT_LORA_FORMAT,
                         help="layout of --export_lora: kohya (lora_unet_...: ComfyUI, AUTOMATIC1111, sd-scripts and "
                         "diffusers load it) or diffusers (PEFT keys: diffusers' load_lora_weights only; the other "
                         "tools skip them) (default: %(default)s)")
@@ -137,8 +137,8 @@ def parse_args(argv=None):
                         "layout) for sampling; TOKEN names it (default: the file's key, else its name); repeatable")
     parser.add_argument("--export_embedding", metavar="OUT", help="write the token learned by --ckpt (a textual "
                         "inversion run of ours): OUT.safetensors, or a file in the folder OUT")
-    parser.add_argument("--embedding_format", choices=sd.embedding.files.EMBEDDING_FORMATS,
-                        default=sd.embedding.files.DEFAULT_EMBEDDING_FORMAT,
+    parser.add_argument("--embedding_format", choices=sd.embedding.formats.EMBEDDING_FORMATS,
+                        default=sd.embedding.formats.DEFAULT_EMBEDDING_FORMAT,
                         help="layout of --export_embedding: a1111 (emb_params: AUTOMATIC1111, ComfyUI, and diffusers "
                         "with token=) or diffusers (keyed by the token: learned_embeds.safetensors) "
                         "(default: %(default)s)")

@@ -5,7 +5,7 @@
 Reads top to bottom: parse config -> set up distributed -> build data, models and the step -> resume
 or init -> loop over optimizer steps (``sd.train.step.train_step``) with logging, validation and
 checkpoints -> tear down. Re-running the same command resumes from the newest complete checkpoint in
-``out_dir``. The pieces live in ``sd/train/``: ``run`` (building a run, its state), ``checkpointer``
+``out_dir``. The pieces live in ``sd/train/``: ``run`` (building a run, its state), ``recovery``
 (what to resume, when to save, what to prune), ``validation``, ``memory`` (``batch_size: auto``).
 """
 
@@ -28,7 +28,7 @@ import sd.faults
 import sd.model
 import sd.run_folder
 import sd.runtime
-import sd.train.checkpointer
+import sd.train.recovery
 import sd.train.config
 import sd.train.memory
 import sd.train.metrics
@@ -103,7 +103,7 @@ def build(config: TrainConfig, d: Dist) -> Run:
         config = dataclasses.replace(config, batch_size=sd.train.memory.auto_batch_size(config, d))
     config = sd.train.config.resolve_global_batch(config, d.world_size)
     run = sd.train.run.build(config, d)
-    sd.train.checkpointer.resume_or_init(run)
+    sd.train.recovery.resume_or_init(run)
     sd.train.step.wrap_model(run.step, run.config.compile, len(run.train_data.shapes), run.config.compile_mode)
     return run
 
@@ -206,8 +206,8 @@ def loop(run: Run, stopper: StopSignal, metrics, bar, prefetch: Prefetcher) -> i
                     for i, record in enumerate(records):
                         metrics.write(record, image if i == len(records) - 1 else None)
                     bar.set_postfix(loss=f"{result['loss']:.4f}", lr=f"{lr['unet']:.2e}")
-                if sd.train.checkpointer.due(run, epoch_done, stopping=code is not None):
-                    sd.train.checkpointer.save(run)
+                if sd.train.recovery.due(run, epoch_done, stopping=code is not None):
+                    sd.train.recovery.save(run)
                 if code is not None:
                     return code
             if epoch_done:
@@ -222,7 +222,7 @@ def read_due(run: Run, epoch_done: bool, stopper: StopSignal) -> bool:
     signal (with several, the ranks learn of one at their next read, at most ``log_every`` steps on)."""
     config, step = run.config, run.state.step
     return (step % config.log_every == 0 or step == run.total_steps or step == config.stop_at_step
-            or sd.train.validation.due(config, step) or sd.train.checkpointer.due(run, epoch_done, stopping=False)
+            or sd.train.validation.due(config, step) or sd.train.recovery.due(run, epoch_done, stopping=False)
             or (run.d.world_size == 1 and stopper.requested()))
 
 

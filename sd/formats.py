@@ -10,7 +10,7 @@
   live), a diffusers pipeline folder or hub id, or a single ``.safetensors`` / ``.ckpt`` file.
 * LoRA runs of ours (``adapter.safetensors`` instead of ``unet.safetensors``): ``load_lora_run`` loads
   the base from the run's ``init_from`` and the adapter on top, as PEFT layers.
-  (LoRA files for other tools are ``sd.lora.files``.)
+  (LoRA files for other tools are ``sd.lora.formats``.)
 
 The key maps are derived from the model's config (blocks, layers per block, which blocks attend), so
 they hold for the SD 1.x UNet and for any other UNet2DConditionModel / AutoencoderKL layout alike.
@@ -639,7 +639,7 @@ def load_lora_run(folder: Path, unet, text_encoder=None, *, use_ema: bool = True
     ``unet`` (the EMA adapter of ``ema.safetensors`` unless ``use_ema=False`` or there is none) and, when
     the run trained one and ``text_encoder`` is given, in ``text_encoder``. Returns what was loaded.
 
-    The base is ``init_from``'s EMA weights when it is a run of ours, as ``sd.train.checkpointer.load_base`` loads
+    The base is ``init_from``'s EMA weights when it is a run of ours, as ``sd.train.recovery.load_base`` loads
     it: the weights the adapter was trained on. Base weights that differ from those (``init_from`` now
     holds another model) are a ``BaseMismatch`` unless ``check_base`` is False. Non-finite adapter
     weights are a ValueError naming the tensor and the file.

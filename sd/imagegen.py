@@ -18,15 +18,15 @@ from pathlib import Path
 
 import torch
 
-import sd.controlnet.files
+import sd.controlnet.formats
 import sd.controlnet.model
 import sd.data.training_data
-import sd.embedding.files
+import sd.embedding.formats
 import sd.embedding.tokens
 import sd.files
 import sd.formats
 import sd.lora.adapters
-import sd.lora.files
+import sd.lora.formats
 import sd.runtime
 import sd.sampling
 from sd.sampling import Pipeline
@@ -67,12 +67,12 @@ class Request:
     export_single_file: str | None = None
     half: bool = False
     export_lora: str | None = None
-    lora_format: str = sd.lora.files.DEFAULT_LORA_FORMAT
+    lora_format: str = sd.lora.formats.DEFAULT_LORA_FORMAT
     allow_other_base: bool = False
     lora: tuple[tuple[str, float], ...] = ()
     embedding: tuple[tuple[str, str | None], ...] = ()
     export_embedding: str | None = None
-    embedding_format: str = sd.embedding.files.DEFAULT_EMBEDDING_FORMAT
+    embedding_format: str = sd.embedding.formats.DEFAULT_EMBEDDING_FORMAT
     controlnet: str | None = None
     control: tuple[str, ...] = ()
     control_scale: float = 1.0
@@ -120,7 +120,7 @@ def export_embedding(request: Request, model: Pipeline) -> None:
         raise ValueError(f"{request.ckpt} has learned no token to export (--export_embedding takes a textual inversion "
                          "run of ours)")
     layer = layers[0]
-    path = sd.embedding.files.write_embedding(request.export_embedding, layer.tokens[0], layer.vectors,
+    path = sd.embedding.formats.write_embedding(request.export_embedding, layer.tokens[0], layer.vectors,
                                               request.embedding_format, metadata={"source": model.source})
     log.info("wrote embedding %s of token %s (%d vector(s), %s format)", path, layer.tokens[0],
              layer.vectors.shape[0], request.embedding_format)
@@ -128,7 +128,7 @@ def export_embedding(request: Request, model: Pipeline) -> None:
 
 def add_embeddings(request: Request, model: Pipeline) -> None:
     for path, token in request.embedding:
-        token, vectors = sd.embedding.files.read_embedding(path, token)
+        token, vectors = sd.embedding.formats.read_embedding(path, token)
         sd.embedding.tokens.add_token(model.tokenizer, model.text_encoder, token, vectors)
         log.info("added token %s (%d vector(s)) from %s", token, vectors.shape[0], path)
 
@@ -137,7 +137,7 @@ def export_lora(request: Request, model: Pipeline) -> None:
     if not (sd.lora.adapters.has_lora(model.unet) or sd.lora.adapters.has_lora(model.text_encoder)):
         raise ValueError(f"{request.ckpt} carries no LoRA adapter to export (--export_lora takes a LoRA run of ours; "
                          "--lora merges LoRA files into a model)")
-    path = sd.lora.files.save_model_lora(request.export_lora, model.unet, model.text_encoder, request.lora_format,
+    path = sd.lora.formats.save_model_lora(request.export_lora, model.unet, model.text_encoder, request.lora_format,
                                       metadata={"source": model.source})
     log.info("wrote LoRA %s (%s format)", path, request.lora_format)
 
@@ -188,11 +188,11 @@ def load_controlnet(request: Request, model: Pipeline):
     if request.export_controlnet:
         out = Path(request.export_controlnet)
         if request.controlnet_format == "diffusers":
-            sd.controlnet.files.save_diffusers(controlnet, out)
+            sd.controlnet.formats.save_diffusers(controlnet, out)
         else:
             out = out if out.suffix == ".safetensors" else out.with_name(out.name + ".safetensors")
             dtype = torch.float16 if request.half else torch.float32
-            sd.controlnet.files.save_single_file(controlnet, out, dtype=dtype)
+            sd.controlnet.formats.save_single_file(controlnet, out, dtype=dtype)
         log.info("wrote ControlNet %s (%s layout%s)", out, request.controlnet_format, ", fp16" if request.half else "")
     return controlnet
 
@@ -243,7 +243,7 @@ def prepare(request: Request, model: Pipeline) -> tuple[Request, torch.nn.Module
         export_embedding(request, model)
     add_embeddings(request, model)
     if request.merging:  # the plain, merged weights
-        sd.lora.files.merge_adapters(model, list(request.lora))
+        sd.lora.formats.merge_adapters(model, list(request.lora))
     controlnet = load_controlnet(request, model)
     if controlnet is not None and request.prompt and (request.height is None or request.width is None):
         size = control_size(request)

@@ -1,1 +1,1 @@
-"""ControlNets: spatial conditioning of a frozen model (``model.py``) and their files for other tools (``files.py``)."""
+"""ControlNets: spatial conditioning of a frozen model (``model.py``) and their file formats for other tools (``formats.py``)."""

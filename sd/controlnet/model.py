@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import sd.controlnet.files
+import sd.controlnet.formats
 import sd.data.shards
 import sd.files
 import sd.formats
@@ -156,10 +156,10 @@ def run_base(source: str) -> str:
 
 def load(source: str, unet, *, use_ema: bool = True):
     """A trained ControlNet for ``unet``'s architecture: from a ControlNet run or checkpoint of ours (its EMA
-    unless ``use_ema=False`` or it has none), or any file ``sd.controlnet.files.load_controlnet`` reads (a
+    unless ``use_ema=False`` or it has none), or any file ``sd.controlnet.formats.load_controlnet`` reads (a
     diffusers folder, a single file in the diffusers or the original layout)."""
     if not is_controlnet_run(source):
-        return sd.controlnet.files.load_controlnet(source, unet_config=dict(unet.config))
+        return sd.controlnet.formats.load_controlnet(source, unet_config=dict(unet.config))
     folder = sd.run_folder.resolve_checkpoint(Path(source))
     controlnet = new_controlnet(unet).to("cpu")
     path = sd.formats.verified(folder / CONTROLNET_FILE)

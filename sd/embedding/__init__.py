@@ -1,1 +1,1 @@
-"""Textual inversion: new tokens of the frozen CLIP text encoder (``tokens``) and their files (``files``)."""
+"""Textual inversion: new tokens of the frozen CLIP text encoder (``tokens``) and their file formats (``formats``)."""

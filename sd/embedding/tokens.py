@@ -62,7 +62,7 @@ class NewTokenEmbedding(torch.nn.Module):
 
 class LearnedToken:
     """The token a textual-inversion run trains, as checkpoint state: ``{"emb_params": (N, D)}``, the
-    layout AUTOMATIC1111 and ComfyUI load (``sd.embedding.files``)."""
+    layout AUTOMATIC1111 and ComfyUI load (``sd.embedding.formats``)."""
 
     def __init__(self, text_encoder):
         self.layer = added_embeddings(text_encoder)[0]

@@ -20,7 +20,7 @@ import sd.model
 import sd.run_folder
 import sd.sampling
 import sd.train.checkpoint as ckpt
-import sd.train.checkpointer
+import sd.train.recovery
 import sd.train.metrics
 import sd.train.mode
 import sd.train.modes
@@ -133,7 +133,7 @@ def steps_per_epoch_of(config: TrainConfig, data: sd.data.training_data.MixedDat
 
 
 def build(config: TrainConfig, d: Dist) -> Run:
-    """Data, models and the step, as a new run starts them (``sd.train.checkpointer.resume_or_init``
+    """Data, models and the step, as a new run starts them (``sd.train.recovery.resume_or_init``
     then resumes or initialises the weights).
 
     A run whose mode trains beside frozen weights (``Mode.frozen_base``), a DreamBooth or a distillation
@@ -151,12 +151,12 @@ def build(config: TrainConfig, d: Dist) -> Run:
     frozen_base = mode.frozen_base or sd.train.step.objective_of(config).uses_base  # trained on, or from
     base_fingerprint = None
     if config.init_from and frozen_base:
-        sd.train.checkpointer.load_base(config.init_from, unet)
+        sd.train.recovery.load_base(config.init_from, unet)
         base_fingerprint = sd.run_folder.weights_fingerprint(mode.fingerprinted(unet, text_encoder))  # as loaded
     mode.before_data(unet, text_encoder, tokenizer)
     if config.instance_dir:  # DreamBooth: the class images are drawn by the base, which a fine-tune starts from
         if config.init_from and not frozen_base:
-            sd.train.checkpointer.load_base(config.init_from, unet)
+            sd.train.recovery.load_base(config.init_from, unet)
         make_pipeline = lambda: sd.sampling.Pipeline(unet, vae, text_encoder.to(d.device), tokenizer,  # noqa: E731
                                                      config.prediction_type,
                                                      zero_terminal_snr=base_zero_terminal_snr(config))

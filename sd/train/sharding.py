@@ -253,7 +253,7 @@ class WholeEMA:
 
 
 def whole_states(states: dict, step) -> dict:
-    """``states`` (the checkpointer's named entries) with the split ones replaced by entries that gather
+    """``states`` (recovery's named entries) with the split ones replaced by entries that gather
     them whole for a save; in the same order."""
     states = dict(states)
     if local_optimizer(step.optimizer) is not step.optimizer:

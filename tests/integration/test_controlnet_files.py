@@ -1,4 +1,4 @@
-"""ControlNet files (sd.controlnet.files) against the readers other tools have: diffusers' from_pretrained
+"""ControlNet files (sd.controlnet.formats) against the readers other tools have: diffusers' from_pretrained
 and from_single_file, ComfyUI's ControlNetLoader and AUTOMATIC1111's sd-webui-controlnet.
 
 The tiny preset's ControlNet round-trips through every file; the SD 1.5-size ControlNet is built on the
@@ -23,7 +23,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-import sd.controlnet.files as cnf
+import sd.controlnet.formats as cnf
 import sd.model
 
 ZERO_CONV_PREFIXES = ("controlnet_down_blocks.", "controlnet_mid_block.", "controlnet_cond_embedding.conv_out.")

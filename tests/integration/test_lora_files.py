@@ -16,12 +16,12 @@ from safetensors.torch import load_file, save_file
 import sd.formats
 import sd.imagegen
 import sd.lora.adapters
-import sd.lora.files
+import sd.lora.formats
 import sd.model
 import sd.run_folder
 import sd.sampling
 import sd.train.checkpoint as ckpt
-import sd.train.checkpointer
+import sd.train.recovery
 import SD_ImageGen
 
 import global_rngs
@@ -70,10 +70,10 @@ def randomize(model, seed):
 
 def write(fmt, tmp_path, unet, encoder, name="lora"):
     out = tmp_path / (f"{name}.safetensors" if fmt == "kohya" else name)
-    return sd.lora.files.save_model_lora(out, unet, encoder, fmt)
+    return sd.lora.formats.save_model_lora(out, unet, encoder, fmt)
 
 
-def stored_up(fmt, m: sd.lora.files.LoraModule) -> torch.Tensor:
+def stored_up(fmt, m: sd.lora.formats.LoraModule) -> torch.Tensor:
     """The up weight a file of ``fmt`` holds for ``m``: a diffusers file's has alpha / rank in it."""
     return m.up * (m.alpha / m.rank) if fmt == "diffusers" else m.up
 
@@ -111,7 +111,7 @@ def test_diffusers_loads_our_files_whole_and_computes_what_we_do(fmt, targets, b
         own = {k.replace(f".{sd.lora.adapters.ADAPTER}.", "."): v for k, v in sd.lora.adapters.adapter_state(ours).items()}
         own = {k: v * ALPHA / RANK if fmt == "diffusers" and ".lora_B." in k else v for k, v in own.items()}
         assert set(loaded) == set(own) and all(torch.equal(loaded[k], own[k]) for k in own)
-    assert any(m.down.ndim == 4 and m.down.shape[2:] == (3, 3) for m in sd.lora.files.adapter_lora_modules(unet).values()) \
+    assert any(m.down.ndim == 4 and m.down.shape[2:] == (3, 3) for m in sd.lora.formats.adapter_lora_modules(unet).values()) \
         == ("resnet" in targets)
     expected, plain = unet_output(unet), unet_output(base[0])
     assert (expected - plain).abs().max() > 1e-2  # the adapter changes the output: the comparison below can fail
@@ -160,10 +160,10 @@ def sd_scripts_loaded_keys(keys: set[str], unet, encoder) -> set[str]:
 
 def test_the_default_lora_file_loads_whole_in_comfyui_and_sd_scripts(base, tmp_path):
     unet, encoder = adapted(base, ["transformer", "resnet"])  # LoCon: 3x3 conv adapters too
-    path = sd.lora.files.save_model_lora(tmp_path / "style", unet, encoder)
+    path = sd.lora.formats.save_model_lora(tmp_path / "style", unet, encoder)
     assert path == tmp_path / "style.safetensors"
     keys = set(load_file(str(path)))
-    layers = len(sd.lora.files.adapter_lora_modules(unet)) + len(sd.lora.files.adapter_lora_modules(encoder))
+    layers = len(sd.lora.formats.adapter_lora_modules(unet)) + len(sd.lora.formats.adapter_lora_modules(encoder))
     assert len(keys) == 3 * layers  # down, up and alpha of every layer
     assert comfyui_loaded_keys(keys, base[0], base[1]) == keys
     assert sd_scripts_loaded_keys(keys, base[0], base[1]) == keys
@@ -181,15 +181,15 @@ def test_a_diffusers_file_gives_the_trained_weights_whether_or_not_its_reader_ap
     tensors = load_file(str(path))
     with safe_open(str(path), framework="pt") as handle:
         config = json.loads(handle.metadata()["lora_adapter_metadata"])
-    ours = sd.lora.files.read_lora(path.parent, base[0], base[1])
+    ours = sd.lora.formats.read_lora(path.parent, base[0], base[1])
     for part, model in (("unet", unet), ("text_encoder", encoder)):
         assert not config[f"{part}.alpha_pattern"] and not config[f"{part}.rank_pattern"]
         header_scale = config[f"{part}.lora_alpha"] / config[f"{part}.r"]
-        modules = sd.lora.files.adapter_lora_modules(model)
+        modules = sd.lora.formats.adapter_lora_modules(model)
         assert modules and set(ours[part]) == set(modules)
         for name, m in modules.items():
             trained = 0.75 * (m.up.flatten(1) @ m.down.flatten(1))
-            key = f"{part}.{sd.lora.files.lora_file_name(part, name)}"
+            key = f"{part}.{sd.lora.formats.lora_file_name(part, name)}"
             up, down = tensors[f"{key}.lora_B.weight"].flatten(1), tensors[f"{key}.lora_A.weight"].flatten(1)
             read = ours[part][name]
             for reader, delta in (("alpha = rank", up @ down), ("header alpha", header_scale * (up @ down)),
@@ -200,13 +200,13 @@ def test_a_diffusers_file_gives_the_trained_weights_whether_or_not_its_reader_ap
 # ------------------------------------------------------------------------------ our reader
 
 
-@pytest.mark.parametrize("fmt", sd.lora.files.LORA_FORMATS)
+@pytest.mark.parametrize("fmt", sd.lora.formats.LORA_FORMATS)
 def test_written_files_read_back_to_the_same_tensors(fmt, base, tmp_path):
     unet, encoder = adapted(base, ["transformer", "resnet"])
     path = write(fmt, tmp_path, unet, encoder)
-    back = sd.lora.files.read_lora(path.parent if fmt == "diffusers" else path, base[0], base[1])
+    back = sd.lora.formats.read_lora(path.parent if fmt == "diffusers" else path, base[0], base[1])
     for part, model in (("unet", unet), ("text_encoder", encoder)):
-        own = sd.lora.files.adapter_lora_modules(model)
+        own = sd.lora.formats.adapter_lora_modules(model)
         assert set(back[part]) == set(own)
         for name, m in own.items():
             assert torch.equal(back[part][name].down, m.down) and torch.equal(back[part][name].up, stored_up(fmt, m))
@@ -214,7 +214,7 @@ def test_written_files_read_back_to_the_same_tensors(fmt, base, tmp_path):
     with safe_open(str(path), framework="pt") as handle:
         header = handle.metadata()
     assert (header["lora_rank"], header["lora_alpha"]) == (str(RANK), str(float(RANK) if fmt == "diffusers" else ALPHA))
-    assert json.loads(header["lora_targets"]) == sorted(sd.lora.files.adapter_lora_modules(unet))
+    assert json.loads(header["lora_targets"]) == sorted(sd.lora.formats.adapter_lora_modules(unet))
     keys = set(load_file(str(path)))
     if fmt == "kohya":
         assert "lora_te_text_model_encoder_layers_0_self_attn_q_proj.alpha" in keys
@@ -229,7 +229,7 @@ def test_peft_keys_without_a_prefix_read_as_the_unet_and_without_metadata_alpha_
     unet, _ = adapted(base, ["attention"], text=False)
     state = {k.replace(f".{sd.lora.adapters.ADAPTER}.", "."): v for k, v in sd.lora.adapters.adapter_state(unet).items()}
     save_file(state, str(tmp_path / "peft.safetensors"))
-    back = sd.lora.files.read_lora(tmp_path / "peft.safetensors", base[0], base[1])
+    back = sd.lora.formats.read_lora(tmp_path / "peft.safetensors", base[0], base[1])
     assert set(back) == {"unet"} and len(back["unet"]) == len(state) // 2
     assert {m.alpha for m in back["unet"].values()} == {float(RANK)}
 
@@ -241,16 +241,16 @@ def test_unknown_keys_shape_mismatches_and_missing_files_are_errors_naming_the_f
     odd = tmp_path / "odd.safetensors"
     save_file({**tensors, "lora_unet_no_such_layer.lora_down.weight": torch.zeros(4, 8)}, str(odd))
     with pytest.raises(ValueError, match=r"odd\.safetensors: 1 of its .*lora_unet_no_such_layer"):
-        sd.lora.files.read_lora(odd, base[0], base[1])
+        sd.lora.formats.read_lora(odd, base[0], base[1])
     key = "lora_unet_mid_block_attentions_0_transformer_blocks_0_attn2_to_k.lora_up.weight"
     save_file({**tensors, key: torch.zeros(3, RANK)}, str(tmp_path / "shape.safetensors"))
     with pytest.raises(ValueError, match=r"shape\.safetensors: unet layer mid_block.*attn2\.to_k: .*do not fit"):
-        sd.lora.files.read_lora(tmp_path / "shape.safetensors", base[0], base[1])
+        sd.lora.formats.read_lora(tmp_path / "shape.safetensors", base[0], base[1])
     save_file({k: v for k, v in tensors.items() if not k.endswith("lora_up.weight")}, str(tmp_path / "half.safetensors"))
     with pytest.raises(ValueError, match=r"half\.safetensors: .* has no up weight"):
-        sd.lora.files.read_lora(tmp_path / "half.safetensors", base[0], base[1])
+        sd.lora.formats.read_lora(tmp_path / "half.safetensors", base[0], base[1])
     with pytest.raises(FileNotFoundError, match="pytorch_lora_weights.safetensors is missing"):
-        sd.lora.files.read_lora(tmp_path, base[0], base[1])
+        sd.lora.formats.read_lora(tmp_path, base[0], base[1])
 
 
 # ------------------------------------------------------------------------------ a LoRA run of ours
@@ -297,7 +297,7 @@ def test_a_lora_run_loads_its_base_and_keeps_the_ema_adapter_unmerged(lora_run, 
     torch.testing.assert_close(unet_output(model.unet), unet_output(ema), atol=0, rtol=0)
     live = sd.formats.load_pipeline(str(run), use_ema=False)
     assert adapters_equal(live.unet, unet)
-    # As init_from of a new phase (sd.train.checkpointer.init_weights): plain weights, base + adapter merged.
+    # As init_from of a new phase (sd.train.recovery.init_weights): plain weights, base + adapter merged.
     plain = sd.model.build_unet("tiny", from_scratch=False)
     sd.formats.load_unet_weights(str(run), plain, use_ema=False)
     assert not sd.lora.adapters.has_lora(plain) and plain.training and all(p.requires_grad for p in plain.parameters())
@@ -315,9 +315,9 @@ def test_export_lora_writes_the_runs_ema_adapter(fmt, out, written, lora_run, ba
     argv = ["--ckpt", str(run), "--export_lora", str(tmp_path / out)] + (["--lora_format", fmt] if fmt else [])
     assert SD_ImageGen.main(argv) == 0
     assert [str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file()] == [written]
-    back = sd.lora.files.read_lora(tmp_path / written, base[0], base[1])
+    back = sd.lora.formats.read_lora(tmp_path / written, base[0], base[1])
     for part, model in (("unet", ema), ("text_encoder", encoder)):
-        own = sd.lora.files.adapter_lora_modules(model)
+        own = sd.lora.formats.adapter_lora_modules(model)
         assert set(back[part]) == set(own)
         assert all(torch.equal(back[part][n].down, m.down) and torch.equal(back[part][n].up, stored_up(fmt, m))
                    and back[part][n].alpha == (RANK if fmt == "diffusers" else ALPHA) for n, m in own.items())
@@ -375,7 +375,7 @@ def test_non_finite_lora_weights_are_refused_naming_the_tensor_and_the_file(lora
     tensors[key][1, 0] = float("nan")
     save_file(tensors, str(tmp_path / "nan.safetensors"))
     with pytest.raises(ValueError, match=rf"nan\.safetensors: {key} holds non-finite values"):
-        sd.lora.files.read_lora(tmp_path / "nan.safetensors", base[0], base[1])
+        sd.lora.formats.read_lora(tmp_path / "nan.safetensors", base[0], base[1])
     assert SD_ImageGen.main([*sample_args(lora_run[0], tmp_path / "x"), "--lora", str(tmp_path / "nan.safetensors")]) == 2
     err = imagegen_errors(capsys)
     assert len(err) == 1 and "nan.safetensors" in err[0] and key in err[0]
@@ -487,7 +487,7 @@ def test_locon_convolutions_keep_their_own_rank_and_alpha_in_the_kohya_layout(ba
     modules = sd.lora.adapters.resolve_targets(unet, ["attention", "resnet"])
     sd.lora.adapters.add_lora(unet, modules, RANK, ALPHA, conv_rank=CONV_RANK, conv_alpha=CONV_ALPHA)
     randomize(unet, 7)
-    path = sd.lora.files.save_model_lora(tmp_path / "locon.safetensors", unet.eval())
+    path = sd.lora.formats.save_model_lora(tmp_path / "locon.safetensors", unet.eval())
     tensors = load_file(path)
     convs = [n for n in modules if sd.lora.adapters.is_spatial_conv(base[0].get_submodule(n))]
     assert 0 < len(convs) < len(modules) and any(getattr(base[0].get_submodule(n), "kernel_size", ()) == (1, 1)
@@ -507,8 +507,8 @@ def test_locon_convolutions_keep_their_own_rank_and_alpha_in_the_kohya_layout(ba
     assert json.loads(header["ss_network_args"]) == {"conv_dim": str(CONV_RANK), "conv_alpha": str(CONV_ALPHA)}
     assert (header["lora_rank"], header["lora_alpha"]) == (str(RANK), str(ALPHA))
 
-    back = sd.lora.files.read_lora(path, base[0])["unet"]
-    own = sd.lora.files.adapter_lora_modules(unet)
+    back = sd.lora.formats.read_lora(path, base[0])["unet"]
+    own = sd.lora.formats.adapter_lora_modules(unet)
     assert set(back) == set(own)
     assert all(torch.equal(back[n].down, m.down) and torch.equal(back[n].up, m.up) and back[n].alpha == m.alpha
                for n, m in own.items())

@@ -15,12 +15,12 @@ import sd.data.dreambooth
 import sd.data.training_data
 import sd.formats
 import sd.lora.adapters
-import sd.lora.files
+import sd.lora.formats
 import sd.model
 import sd.run_folder
 import sd.sampling
 import sd.train.checkpoint as ckpt
-import sd.train.checkpointer
+import sd.train.recovery
 import sd.train.config
 import sd.train.ema
 import sd.train.objective
@@ -406,7 +406,7 @@ def test_a_trained_lora_run_exports_and_samples_through_sd_imagegen(tmp_path, ba
     assert SD_ImageGen.main(["--ckpt", run, "--export_lora", str(tmp_path / "k.safetensors"),
                              "--lora_format", "kohya"]) == 0
     unet, encoder = base_unet(base_model), sd.model.load_text_encoder("tiny")
-    lora = sd.lora.files.read_lora(tmp_path / "k.safetensors", unet, encoder)
+    lora = sd.lora.formats.read_lora(tmp_path / "k.safetensors", unet, encoder)
     saved = tmp_path / "run" / "checkpoints" / sd.run_folder.step_dir_name(2)
     ema, adapter = load_file(saved / "ema.safetensors"), load_file(saved / "adapter.safetensors")
     module = "down_blocks.0.attentions.0.transformer_blocks.0.attn2.to_k"
@@ -520,12 +520,12 @@ def test_the_text_adapters_ema_is_the_hand_computed_lerp_and_what_a_lora_export_
     assert max((s - params[n]).abs().max().item() for s, n in zip(ema.shadow, ema.names)) > 1e-4  # not the live ones
 
     run.state.step = 3
-    sd.train.checkpointer.save(run)
+    sd.train.recovery.save(run)
     folder = tmp_path / "run" / "checkpoints" / sd.run_folder.step_dir_name(3)
     saved = load_file(folder / "ema.safetensors")
     assert all(torch.equal(saved[f"text_encoder.{n}"], s) for n, s in zip(ema.names, ema.shadow))
     assert SD_ImageGen.main(["--ckpt", str(folder), "--export_lora", str(tmp_path / "k.safetensors")]) == 0
-    lora = sd.lora.files.read_lora(tmp_path / "k.safetensors", base_unet(base_model), sd.model.load_text_encoder("tiny"))
+    lora = sd.lora.formats.read_lora(tmp_path / "k.safetensors", base_unet(base_model), sd.model.load_text_encoder("tiny"))
     text_ema = dict(zip(ema.names, ema.shadow))
     assert len(lora["text_encoder"]) == len(ema.names) // 2
     for name, module in lora["text_encoder"].items():

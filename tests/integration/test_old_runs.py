@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 import sd.model
 import sd.run_folder
-import sd.train.checkpointer
+import sd.train.recovery
 import sd.train.config
 import SD_ImageGen
 import SD_Train
@@ -72,7 +72,7 @@ def test_an_old_checkpoint_loads_the_state_its_files_hold_and_the_run_goes_on(ol
     assert run.state.step == 2
     run.rng.start(run.config.seed, 0)  # the loaded RNG states, as the loop applies them
     run.run_dir = tmp_path / "written_back"
-    sd.train.checkpointer.save(run)
+    sd.train.recovery.save(run)
     old, new = old_runs / "runs" / mode / "checkpoints" / STEP, run.run_dir / "checkpoints" / STEP
     names = sorted(p.name for p in old.iterdir() if p.name not in STATE_FILES)
     assert sorted(p.name for p in new.iterdir() if p.name not in STATE_FILES) == names

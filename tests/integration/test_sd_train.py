@@ -21,7 +21,7 @@ import sd.data.training_data
 import sd.distributed
 import sd.model
 import sd.run_folder
-import sd.train.checkpointer
+import sd.train.recovery
 import sd.train.config
 import sd.train.ema
 import sd.train.step
@@ -361,7 +361,7 @@ def test_an_inherited_ema_keeps_its_weight_across_phases_and_a_resume(tmp_path, 
     previous = make_run(tmp_path / "p1", data, **small)
     assert previous.config.ema_warmup == "restart" and previous.step.ema.warmup  # a fresh EMA warms up
     train_steps(previous, 1)
-    sd.train.checkpointer.save(previous)
+    sd.train.recovery.save(previous)
     inherited = [s.clone() for s in previous.step.ema.shadow]
     assert any(not torch.equal(s, p) for s, p in zip(inherited, previous.step.unet.parameters()))
 
@@ -380,14 +380,14 @@ def test_an_inherited_ema_keeps_its_weight_across_phases_and_a_resume(tmp_path, 
     restarted = ema_replay(inherited, live, d, 1)
     assert max((r - s.double()).abs().max().item() for r, s in zip(restarted, run.step.ema.shadow)) > 1e-3
 
-    sd.train.checkpointer.save(run)  # a resume keeps the recorded choice, whatever init_from says now
+    sd.train.recovery.save(run)  # a resume keeps the recorded choice, whatever init_from says now
     resumed = make_run(tmp_path / "p2", data, **small)
     assert resumed.config.ema_warmup == "off" and not resumed.step.ema.warmup
     # What auto becomes for a new phase: off when init_from brought an EMA of ours, else restart.
     fresh = dataclasses.replace(resumed.config, ema_warmup="auto")
-    assert sd.train.checkpointer.ema_warmup_of(fresh, None, inherited=True) == "off"
-    assert sd.train.checkpointer.ema_warmup_of(fresh, None, inherited=False) == "restart"
-    assert sd.train.checkpointer.ema_warmup_of(dataclasses.replace(fresh, ema_warmup="restart"), None, inherited=True) == "restart"
+    assert sd.train.recovery.ema_warmup_of(fresh, None, inherited=True) == "off"
+    assert sd.train.recovery.ema_warmup_of(fresh, None, inherited=False) == "restart"
+    assert sd.train.recovery.ema_warmup_of(dataclasses.replace(fresh, ema_warmup="restart"), None, inherited=True) == "restart"
 
 
 def recorded_batches(monkeypatch) -> list:
@@ -762,13 +762,13 @@ def test_a_changed_setting_on_resume_is_refused_or_warned_and_never_calls_a_good
         probe = types.SimpleNamespace(config=saved_run.config, train_data=range(samples),
                                       d=types.SimpleNamespace(world_size=world_size, rank=0, is_main=True))
         with pytest.raises(sd.train.config.ConfigError) as refused:
-            sd.train.checkpointer.check_settings(probe, first)
+            sd.train.recovery.check_settings(probe, first)
         expected = "world size: 1 -> 2 rank(s)" if world_size == 2 else f"training samples: {len(saved_run.train_data)} -> 48"
         assert expected in str(refused.value)
     # fp16 new since the checkpoint: its loss scale starts afresh (the checkpoint's scaler holds none).
     saved_run.config = dataclasses.replace(saved_run.config, precision="fp16")
-    assert "scaler" not in sd.train.checkpointer.parts_to_load(saved_run, {"precision": "fp32", "ema_decay": 0.0})
-    assert "scaler" in sd.train.checkpointer.parts_to_load(saved_run, {"precision": "fp16", "ema_decay": 0.0})
+    assert "scaler" not in sd.train.recovery.parts_to_load(saved_run, {"precision": "fp32", "ema_decay": 0.0})
+    assert "scaler" in sd.train.recovery.parts_to_load(saved_run, {"precision": "fp16", "ema_decay": 0.0})
     # EMA turned on: accepted with a warning; the EMA starts from the resumed weights.
     with caplog.at_level(logging.WARNING):
         assert SD_Train.main(["--config", str(config), "--ema_decay", "0.5", "--stop_at_step", "3"]) == 0

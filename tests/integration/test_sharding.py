@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 import sd.data.training_data
 import sd.formats
 import sd.run_folder
-import sd.train.checkpointer
+import sd.train.recovery
 import SD_Train
 from sd.distributed import Dist
 from sd.train.config import TrainConfig
@@ -158,4 +158,4 @@ def test_a_single_process_ignores_sharding(tmp_path, dataset_16):
     config.validate()
     run = SD_Train.build(config, Dist.single())
     assert run.step.sharding == "none" and isinstance(run.step.optimizer, torch.optim.AdamW)
-    assert list(sd.train.checkpointer.resumable(run)) == ["unet", "ema", "optimizer", "scaler", "train_state", "rng"]
+    assert list(sd.train.recovery.resumable(run)) == ["unet", "ema", "optimizer", "scaler", "train_state", "rng"]

@@ -11,7 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import sd.data.dreambooth
-import sd.embedding.files
+import sd.embedding.formats
 import sd.embedding.tokens
 import sd.formats
 import sd.model
@@ -171,11 +171,11 @@ def test_an_a1111_pt_embedding_is_read_without_unpickling_code(tmp_path):
     vectors = torch.randn(3, 64)
     torch.save({"string_to_token": {"*": 265}, "string_to_param": {"*": vectors}, "name": "cat-style", "step": 100},
                tmp_path / "cat-style.pt")
-    token, read = sd.embedding.files.read_embedding(tmp_path / "cat-style.pt")
+    token, read = sd.embedding.formats.read_embedding(tmp_path / "cat-style.pt")
     assert token == "cat-style" and torch.equal(read, vectors)
     save_file({"a": vectors, "b": vectors.clone()}, str(tmp_path / "two.safetensors"))
     with pytest.raises(sd.embedding.tokens.EmbeddingError, match="two.safetensors: holds 2 tensors"):
-        sd.embedding.files.read_embedding(tmp_path / "two.safetensors")
+        sd.embedding.formats.read_embedding(tmp_path / "two.safetensors")
 
 
 def test_a_multi_vector_token_is_written_out_in_prompts_and_a_known_word_is_refused():
