@@ -75,7 +75,11 @@ class RankRNG:
     weights.
 
     Loading checks the fingerprint against the weights loaded before it (the ``unet`` entry comes
-    first): a mismatch means the weights file is not the one this rank saved. The RNG states are
+    first): a mismatch means the weights file is not the one this rank saved. Only the trained
+    weights are compared (those that require a gradient; they are kept in fp32): a frozen base comes
+    from ``init_from`` at every start, stored in the run's precision, which a resume may change, and
+    is checked against its own fingerprint taken as loaded (``lora_base``). The file still holds the
+    sum of every weight, as it always did. The RNG states are
     applied by ``start`` when the loop begins, not at load: whatever draws from the global RNGs while
     the run is being built (model construction, wrappers, libraries) cannot shift them, and a run
     that did not resume seeds them there from the run's seed, so an interrupted and an uninterrupted
@@ -90,9 +94,10 @@ class RankRNG:
         return {"rng": capture_rng(self.noise_generator), "fingerprint": weights_fingerprint(self.model.parameters())}
 
     def load_state_dict(self, state: dict) -> None:
-        loaded = weights_fingerprint(self.model.parameters())
-        saved = state["fingerprint"]
-        if saved.shape != loaded.shape or not torch.allclose(saved, loaded, rtol=1e-9, atol=1e-9):
+        params = list(self.model.parameters())
+        loaded, saved = weights_fingerprint(params), state["fingerprint"]
+        trained = torch.tensor([p.requires_grad for p in params], dtype=torch.bool)
+        if saved.shape != loaded.shape or not torch.allclose(saved[trained], loaded[trained], rtol=1e-9, atol=1e-9):
             raise Damaged("the loaded weights do not match the fingerprint saved with them")
         self.pending = state["rng"]
 

@@ -93,3 +93,20 @@ def test_an_old_checkpoint_exports_the_files_it_exported(old_runs, mode):
     if mode == "full":  # the fixture keeps the single file's UNet (its VAE and text encoder are the inputs')
         now = {k: v for k, v in now.items() if k.startswith("model.diffusion_model.")}
     assert_same(before, now, mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_changed_precision_resumes_every_modes_checkpoint_both_ways(old_runs, mode, caplog):
+    """The fixture's runs are fp32: resumed in bf16 (its frozen weights now stored in bf16), saved, and that
+    checkpoint resumed in fp32 again. Neither is set aside as damaged; each resumes the step it holds.
+    (Before, every mode with a frozen base failed the per-rank weight fingerprint, which covered the frozen
+    weights in the run's precision, and its good checkpoint was renamed ``*.damaged``.)"""
+    run_dir = old_runs / "runs" / mode
+    for precision in ("bf16", "fp32"):
+        config = sd.train.config.load_config(["--config", f"configs/{mode}.yaml", "--precision", precision])
+        with caplog.at_level("WARNING"):
+            run = SD_Train.build(config, Dist.single())
+        assert run.state.step == 2 and run.config.precision == precision, (mode, precision)
+        assert not list((run_dir / "checkpoints").glob("*.damaged")), caplog.text
+        sd.train.recovery.save(run)  # over the step-2 checkpoint: the next resume reads what this precision wrote
+        assert (run_dir / "checkpoints" / STEP / "COMPLETE").exists()
