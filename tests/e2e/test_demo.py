@@ -65,7 +65,10 @@ SMALL_COLOUR_AT_LEAST, SMALL_SHAPE_AT_LEAST = 0.6, 0.5
 # wide / tall samples of the model fine-tuned in buckets, 20% / 3% of the one fine-tuned on centre
 # squares (from the full demo model, 600 images and 300 steps: 60% / 73% against 17% / 10%; the demo
 # model before either 2% / 8%).
-CONCEPT_BASE_AT_MOST, CONCEPT_AT_LEAST = 0.25, 0.5
+# Measured on the 2-core AVX-512 machine (two threads), clearly cyan: base 0 of 4 (3 of 4 fell nearest cyan
+# before samples had to be clearly in it: its green drifted towards the cyan the VAE decodes, (30, 177,
+# 138)), each adapter and the token 3 of 4 (the fourth red or orange), 9 of 12 together.
+CONCEPT_BASE_AT_MOST, CONCEPT_AT_LEAST, CONCEPT_EACH_AT_LEAST = 0.25, 0.5, 0.25
 CONTROL_MATCH_AT_LEAST, CONTROL_BASE_AT_MOST = 0.6, 0.2
 ASPECT_BUCKETS_AT_LEAST, ASPECT_GAP_AT_LEAST = 0.25, 0.15
 FID_BELOW_BLANK = 0.2
@@ -107,13 +110,18 @@ def fid_blank(out: Path) -> float:
 
 def check_concept(out: Path, runs: tuple[str, ...]) -> dict:
     """The new concept: "a sks circle" drawn cyan by the DreamBooth LoRAs and "a <cyan-sks> circle" by the
-    learned token, a colour the base never drew."""
+    learned token, a colour the base never drew. A sample counts only when it is clearly cyan
+    (``demo.evaluate.clearly``). Each run draws the concept prompt four times: the three runs' samples
+    together (12) must be mostly cyan, and each run's at least one in four."""
     concept = json.loads((out / "concept" / "concept.json").read_text())
     assert set(concept) == {"base", *runs}, concept
     at_most("concept: the base model's samples in its colour", concept["base"]["concept_colour"],
             CONCEPT_BASE_AT_MOST, concept)
+    at_least("concept: the runs' samples in its colour, all together",
+             float(np.mean([concept[run]["concept_colour"] for run in runs])), CONCEPT_AT_LEAST, concept)
     for run in runs:
-        at_least(f"concept: {run}'s samples in its colour", concept[run]["concept_colour"], CONCEPT_AT_LEAST, concept)
+        at_least(f"concept: {run}'s samples in its colour", concept[run]["concept_colour"], CONCEPT_EACH_AT_LEAST,
+                 concept)
         assert (out / "concept" / f"samples_{run}" / "grid.png").exists()
     return concept
 

@@ -110,3 +110,18 @@ def test_control_images_carry_their_silhouettes_and_a_drawn_shape_matches_its_ma
     assert np.array_equal(np.asarray(Image.open(cases[0]["control"]).convert("L")), at_the_mask_silhouette)
     assert control.iou(at_the_mask, at_the_mask_silhouette, white) > 0.9
     assert control.iou(elsewhere, at_the_mask_silhouette, white) < 0.1
+
+
+def test_a_concept_sample_counts_in_its_colour_only_when_it_is_clearly_that_colour():
+    """The demo base model's green drawn for "a sks circle" fell nearest to the concept's cyan: a blend is not
+    the new colour. A cyan near the reference is."""
+    from demo import evaluate
+
+    palette = {"green": (40, 170, 60), "blue": (40, 80, 220), "cyan": (22, 184, 201)}
+    assert not evaluate.clearly(np.array([30, 177, 138], np.float32), "cyan", palette)  # nearest cyan, 64 away
+    assert evaluate.clearly(np.array([24, 185, 205], np.float32), "cyan", palette)
+    assert not evaluate.clearly(None, "cyan", palette)
+    # Half the way to the nearest other colour (blue, 107 away) is the line.
+    toward_blue = np.array(palette["cyan"], np.float32) + 0.45 * (np.array(palette["blue"]) - palette["cyan"])
+    assert evaluate.clearly(toward_blue, "cyan", palette)
+    assert not evaluate.clearly(toward_blue + 0.1 * (np.array(palette["blue"]) - palette["cyan"]), "cyan", palette)
