@@ -134,6 +134,23 @@ class DDIM:
         return ddim_step(latents, prediction, t, self.previous[t], self.alphas_cumprod, self.prediction_type)
 
 
+def settings_error(sampler: str, steps: int, cfg: float) -> str | None:
+    """Why ``sampler`` cannot sample at ``steps`` steps and guidance ``cfg`` (None: it can): the check a
+    command makes before any work, so that a setting never fails at its first use hours later."""
+    if sampler not in SAMPLERS:
+        return f"sampler must be one of {', '.join(SAMPLERS)}, got {sampler!r}"
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        return f"steps must be a whole number of at least 1, got {steps!r}"
+    most = LCM_ORIGINAL_STEPS if sampler == "lcm" else sd.model.NUM_TRAIN_TIMESTEPS
+    if steps > most:
+        why = (f"the {LCM_ORIGINAL_STEPS}-step schedule a latent consistency model is distilled on"
+               if sampler == "lcm" else "the model's timesteps")
+        return f"{sampler} takes at most {most} steps ({why}), got {steps}"
+    if not math.isfinite(cfg) or cfg < 0:
+        return f"the guidance scale must be a finite number of at least 0, got {cfg!r}"
+    return None
+
+
 def make_scheduler(sampler: str, steps: int, prediction_type: str, alphas_cumprod=None, device=None,
                    zero_terminal_snr: bool = False, generators: list[torch.Generator] | None = None):
     """A scheduler with ``timesteps``, ``init_noise_sigma``, ``scale_model_input`` and ``step``.

@@ -318,8 +318,13 @@ class TrainConfig:
         need(not (self.cache_text_embeddings and self.lora_text_encoder),
              "cache_text_embeddings needs a frozen text encoder: turn off lora_text_encoder or the cache")
         check_distill(self, check_paths)
-        need(self.validation_sampler in sd.sampling.SAMPLERS,
-             f"validation_sampler: one of {', '.join(sd.sampling.SAMPLERS)}")
+        sampling = sd.sampling.settings_error(self.validation_sampler, self.validation_steps, self.validation_cfg)
+        need(sampling is None, f"validation_sampler {self.validation_sampler}, validation_steps "
+             f"{self.validation_steps}, validation_cfg {self.validation_cfg:g} (the validation grid's and the "
+             f"evaluation's sampling): {sampling}")
+        classes = sd.sampling.settings_error("ddim", self.validation_steps, self.validation_cfg) if self.class_dir else None
+        need(classes is None, f"validation_steps {self.validation_steps} (DDIM steps of the class images of "
+             f"class_dir): {classes}")
         need(self.image_size % 8 == 0, f"image_size must be a multiple of 8, got {self.image_size}")
         need(self.validation_width % 8 == 0 and self.validation_height % 8 == 0
              and bool(self.validation_width) == bool(self.validation_height),

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import sd.cli
 import sd.data.buckets
 import sd.distributed
 import sd.evaluation
@@ -38,7 +39,9 @@ def check(run: Run, record: dict, stop) -> tuple[Path | None, bool]:
     """This step's validation and evaluation, those due, into ``record``: ``(grid, interrupted)``.
 
     ``interrupted``: a stop signal (``stop()`` True on some rank) cut them short; every rank left at the
-    same collective, so it is the same on all of them, and what was left undone is skipped.
+    same collective, so it is the same on all of them, and what was left undone is skipped. Any other
+    error is logged as a warning and the run goes on: a setting that fails the same way on every rank
+    (the config checks at start catch those they can) never costs the steps since the last save.
     """
     config, step, grid = run.config, run.state.step, None
     try:  # a Schedule-Free optimizer's model is its average x, not the point y it trains at (sd.train.optimizers)
@@ -50,6 +53,10 @@ def check(run: Run, record: dict, stop) -> tuple[Path | None, bool]:
     except sd.distributed.Stopped:
         log.info("step %d: validation/evaluation interrupted by a stop signal; the rest of it is skipped", step)
         return grid, True
+    except Exception as error:  # what it measures is worth less than the steps: training goes on, the save is kept
+        log.warning("step %d: validation failed (%s: %s); training goes on without it (set validate_every: 0 or "
+                    "eval_every: 0 to turn it off)", step, type(error).__name__, sd.cli.first_line(error))
+        return grid, False
     return grid, False
 
 

@@ -440,6 +440,22 @@ def test_max_bad_steps_saves_and_stops_naming_the_step(tmp_path, caplog):
     assert all(torch.equal(saved[k], initial[k]) for k in initial)
 
 
+def test_a_failure_inside_validation_is_a_warning_and_costs_no_step(tmp_path, data, caplog, monkeypatch):
+    """Validation at step 2 raises: the run logs it, saves at step 2 as due, goes on to step 4 and ends well."""
+    def broken(run, record, stop=None):
+        raise RuntimeError("the sampler fell over")
+
+    monkeypatch.setattr(sd.train.validation, "validate", broken)
+    config = write_config(tmp_path / "c.yaml", datasets=[data], max_steps=4, validate_every=2, save_steps=2,
+                          out_dir=str(tmp_path / "run"), batch_size=2, grad_accum=1)
+    with caplog.at_level("WARNING"):
+        assert SD_Train.main(["--config", str(config)]) == 0
+    assert "step 2: validation failed (RuntimeError: the sampler fell over)" in caplog.text
+    assert "step 4: validation failed" in caplog.text
+    for step in (2, 4):
+        assert (tmp_path / "run" / "checkpoints" / sd.run_folder.step_dir_name(step) / "COMPLETE").exists()
+
+
 @pytest.mark.slow
 def test_epochs_size_the_schedule_from_real_optimizer_steps(tmp_path, data):
     # 1 rank, batch 4, accumulation 2: 64 samples -> 16 micro-batches -> 8 steps per epoch.
@@ -505,6 +521,8 @@ def test_init_from_takes_weights_and_ema_with_a_fresh_optimizer(run_a, tmp_path,
      "datasets\\[0\\].dataset: folder /nonexistent/captions does not exist"),
     ({}, ["--flip"], "flip: latent folder .*/latents has no flipped latents for 5 of 5 files.*encode_latents.py --flip"),
     ({"ema_warmup": "continue"}, [], "ema_warmup: auto, restart or off"),
+    ({"validation_sampler": "lcm", "validation_steps": 51}, [], "lcm takes at most 50 steps"),
+    ({"validation_steps": 1001}, [], "ddim takes at most 1000 steps"),
 ])
 def test_bad_configs_stop_before_any_work(tmp_path, data, capsys, fields, flags, message):
     config = write_config(tmp_path / "c.yaml", **{"datasets": [data], "max_steps": 2,
