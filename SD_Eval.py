@@ -131,8 +131,11 @@ def parse_args(argv=None):
     for name in ("batch_size", "steps", "n") + (("num_prompts",) if args.num_prompts is not None else ()):
         if resolved.get(name, getattr(args, name)) < 1:
             parser.error(f"--{name} must be >= 1")
-    if args.sampler == "lcm" and steps > sd.sampling.LCM_ORIGINAL_STEPS:
-        parser.error(f"--steps must be at most {sd.sampling.LCM_ORIGINAL_STEPS} with --sampler lcm")
+    problem = sd.sampling.settings_error(args.sampler, steps, cfg)
+    if problem:
+        parser.error(f"--sampler {args.sampler}, --steps {steps}, --cfg {cfg:g}: {problem}")
+    if not 0 <= args.seed < 2**63:
+        parser.error(f"--seed must be a whole number in [0, 2^63), got {args.seed}")
     if args.height % 8 or args.width % 8 or min(args.height, args.width) <= 0:
         parser.error("--height and --width must be positive multiples of 8")
     if args.reference_size < 0:

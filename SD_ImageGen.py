@@ -190,11 +190,14 @@ def parse_args(argv=None):
     if any(side is not None and (side % 8 or side <= 0) for side in (args.height, args.width)):
         parser.error("--height and --width must be positive multiples of 8")
     steps, cfg = sd.sampling.sampler_defaults(args.sampler, args.steps, args.cfg, 100, 7.5)
-    for name, value in (("steps", steps), ("n", args.n), ("batch_size", args.batch_size)):
+    for name, value in (("n", args.n), ("batch_size", args.batch_size)):
         if value < 1:
             parser.error(f"--{name} must be >= 1")
-    if args.sampler == "lcm" and steps > sd.sampling.LCM_ORIGINAL_STEPS:
-        parser.error(f"--steps must be at most {sd.sampling.LCM_ORIGINAL_STEPS} with --sampler lcm")
+    if not 0 <= args.seed < 2**63:
+        parser.error(f"--seed must be a whole number in [0, 2^63), got {args.seed}")
+    problem = sd.sampling.settings_error(args.sampler, steps, cfg)
+    if problem:
+        parser.error(f"--sampler {args.sampler}, --steps {steps}, --cfg {cfg:g}: {problem}")
     fields = {f.name for f in dataclasses.fields(sd.imagegen.Request)}
     given = {name: value for name, value in vars(args).items() if name in fields}
     return sd.imagegen.Request(**{**given, "prompt": tuple(prompts), "steps": steps, "cfg": cfg, "lora": loras,

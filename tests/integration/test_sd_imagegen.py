@@ -584,3 +584,22 @@ def test_a_checkpoint_that_does_not_exist_is_named_without_asking_the_hub(tmp_pa
     assert SD_ImageGen.main(["--ckpt", str(missing), "--prompt", "a red circle", "--out", str(tmp_path / "out")]) == 2
     assert f"{missing}: no such file or folder" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--cfg", "nan"], "the guidance scale must be a finite number of at least 0, got nan"),
+    (["--cfg", "inf"], "the guidance scale must be a finite number of at least 0, got inf"),
+    (["--cfg", "-1"], "the guidance scale must be a finite number of at least 0"),
+    (["--steps", "0"], "steps must be a whole number of at least 1"),
+    (["--steps", "1001"], "ddim takes at most 1000 steps"),
+    (["--sampler", "lcm", "--steps", "51"], "lcm takes at most 50 steps"),
+    (["--seed", "-1"], "--seed must be a whole number in"),
+    (["--control_scale", "nan"], "--control_scale must be a number >= 0"),
+    (["--n", "0"], "--n must be >= 1"),
+])
+def test_numbers_no_sampler_can_use_are_refused_before_loading_anything(flags, message, tmp_path, capsys):
+    """``--cfg nan`` once wrote black images and exited 0."""
+    with pytest.raises(SystemExit) as stop:
+        SD_ImageGen.main(["--ckpt", str(tmp_path / "none"), "--prompt", "a", "--out", str(tmp_path / "out"), *flags])
+    assert stop.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
