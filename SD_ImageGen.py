@@ -127,8 +127,9 @@ def parse_args(argv=None):
                         help="layout of --export_lora: kohya (lora_unet_...: ComfyUI, AUTOMATIC1111, sd-scripts and "
                         "diffusers load it) or diffusers (PEFT keys: diffusers' load_lora_weights only; the other "
                         "tools skip them) (default: %(default)s)")
-    parser.add_bool("--allow_other_base", help="apply a LoRA run's adapter even to a base that is not the one it was "
-                    "trained on (its init_from now holds other weights); refused otherwise")
+    parser.add_bool("--allow_other_base", help="apply a LoRA run's adapter, or a ControlNet run given as --ckpt, even "
+                    "to a base that is not the one it was trained on (its init_from now holds other weights); refused "
+                    "otherwise")
     parser.add_argument("--lora", action="append", default=[], metavar="FILE_OR_DIR[:SCALE]",
                         help="merge this LoRA (a kohya .safetensors, or a diffusers file or folder) into the weights "
                         "before sampling and the full exports, times SCALE (default 1); repeat for several")
@@ -213,7 +214,7 @@ def main(argv=None) -> int:
         request = sd.imagegen.controlnet_run_as_ckpt(request)
         model = sd.imagegen.load(request)
     except ERRORS as error:
-        hint = " (or --allow_other_base to apply the adapter to it)" if isinstance(error, sd.formats.BaseMismatch) else ""
+        hint = " (or --allow_other_base to use it on this base)" if isinstance(error, sd.formats.BaseMismatch) else ""
         print(f"SD_ImageGen.py: cannot load {request.ckpt}: {sd.cli.first_line(error)}{hint}", file=sys.stderr)
         return 2
     try:

@@ -592,7 +592,8 @@ RUN_BASE_FILE = "lora_base.safetensors"  # the fingerprint of the base weights t
 
 
 class BaseMismatch(ValueError):
-    """A LoRA run's adapter about to be applied to base weights it was not trained on."""
+    """A LoRA run's adapter, a learned token or a ControlNet run about to be applied to base weights it was not
+    trained on."""
 
 
 def is_lora_checkpoint(folder: Path) -> bool:
@@ -672,7 +673,7 @@ def load_lora_run(folder: Path, unet, text_encoder=None, *, use_ema: bool = True
     return f"{base} + LoRA {loaded}"
 
 
-def check_trained_base(folder: Path, init_from: str, unet, text_encoder=None) -> None:
+def check_trained_base(folder: Path, init_from: str, unet, text_encoder=None, what: str | None = None) -> None:
     """``unet``'s weights, just loaded from ``init_from``, must be the base the adapter in ``folder`` was
     trained on: the fingerprint the trainer saved in ``lora_base.safetensors`` (what its resume checks).
     A checkpoint without that file (an older version's) is not checked."""
@@ -686,7 +687,7 @@ def check_trained_base(folder: Path, init_from: str, unet, text_encoder=None) ->
     models = [unet] + ([text_encoder] if text_encoder is not None else [])  # a learned token's: both
     now = sd.run_folder.weights_fingerprint([p for model in models for p in model.parameters()])
     if not sd.lora.adapters.same_base(saved, now):
-        what = "learned token" if text_encoder is not None else "adapter"
+        what = what or ("learned token" if text_encoder is not None else "adapter")
         raise BaseMismatch(f"{init_from} is not the base model the {what} in {folder} was trained on (its weights "
                            f"differ from those {RUN_BASE_FILE} records); restore that base")
 

@@ -28,6 +28,7 @@ import sd.formats
 import sd.lora.adapters
 import sd.lora.formats
 import sd.runtime
+import sd.run_folder
 import sd.sampling
 from sd.sampling import Pipeline
 
@@ -222,7 +223,8 @@ def trained_size(ckpt: str, model: Pipeline) -> tuple[int, str]:
 
 
 def load(request: Request) -> Pipeline:
-    """The model ``request.ckpt`` names (a LoRA run's base checked unless ``allow_other_base``)."""
+    """The model ``request.ckpt`` names. Unless ``allow_other_base``, a LoRA run's base is checked against the
+    base its adapter was trained on, and so is the base of a ControlNet run of ours that ``--ckpt`` names."""
     model = sd.formats.load_pipeline(request.ckpt, use_ema=not request.no_ema, vae=request.vae,
                                      text_encoder=request.text_encoder, tokenizer=request.tokenizer, arch=request.arch,
                                      prediction_type=None if request.prediction_type == "auto"
@@ -231,6 +233,11 @@ def load(request: Request) -> Pipeline:
                                      check_base=request.merging and not request.allow_other_base)
     log.info("loaded %s (%s%s)", model.source, model.prediction_type,
              ", zero terminal SNR" if model.zero_terminal_snr else "")
+    controlnet = request.controlnet
+    if (controlnet and not request.allow_other_base and sd.controlnet.model.is_controlnet_run(controlnet)
+            and sd.controlnet.model.run_base(controlnet) == request.ckpt):  # the base it records, as loaded now
+        sd.formats.check_trained_base(sd.run_folder.resolve_checkpoint(Path(controlnet)), request.ckpt, model.unet,
+                                      what="ControlNet")
     return model
 
 

@@ -3,6 +3,7 @@ mirrored as their images), exact resume, the base checked on resume, and the exp
 the run."""
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,7 @@ import encode_latents
 import sd.data.encode
 import sd.data.shards
 import sd.data.training_data
+import sd.controlnet.model
 import sd.formats
 import sd.model
 import sd.run_folder
@@ -265,3 +267,26 @@ def test_damaged_conditioning_image_files_are_named_with_the_fix(tmp_path):
     store = sd.data.training_data.LatentStore(latents, control="seg")
     with pytest.raises(sd.data.training_data.DataError, match="does not decode.*re-encode the shard"):
         store.gather_controls(np.arange(2))
+
+
+@pytest.mark.slow
+def test_a_controlnet_run_sampled_on_a_replaced_base_is_refused_unless_allowed(base_model, data, tmp_path, capsys):
+    """After the run, its init_from folder is overwritten with another model: the base fingerprint saved with
+    the run no longer matches it."""
+    base = tmp_path / "base"
+    shutil.copytree(base_model, base)
+    run = train(tmp_path, "run", datasets=[data], init_from=str(base), max_steps=1, validate_every=0)
+    shutil.rmtree(base)
+    sd.formats.export_diffusers(base, sd.model.build_unet("tiny", seed=9, from_scratch=False),
+                                sd.model.load_vae("tiny"), sd.model.load_text_encoder("tiny"),
+                                sd.model.load_tokenizer("tiny"))
+    control = tmp_path / "control.png"
+    Image.fromarray(square_at(3, 64)).save(control)
+    sampling = ["--ckpt", str(run), "--prompt", "a red circle", "--control", str(control), "--n", "1", "--steps", "2",
+                "--device", "cpu"]
+    capsys.readouterr()
+    assert SD_ImageGen.main([*sampling, "--out", str(tmp_path / "refused")]) == 2
+    err = capsys.readouterr().err
+    assert f"{base} is not the base model the ControlNet in" in err and "--allow_other_base" in err
+    assert not (tmp_path / "refused").exists()
+    assert SD_ImageGen.main([*sampling, "--out", str(tmp_path / "allowed"), "--allow_other_base"]) == 0
