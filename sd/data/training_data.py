@@ -494,6 +494,18 @@ class CaptionText:
     def __len__(self) -> int:
         return len(self.column) if self.rows is None else len(self.rows)
 
+    def count_word(self, word: str) -> int:
+        """How many of the split's captions hold ``word`` as a word of its own (any case), counted in
+        Arrow over the memory-mapped column: no Python string per caption."""
+        import re
+
+        import pyarrow.compute as pc
+
+        pattern = rf"(^|[^\w<>-]){re.escape(word)}($|[^\w<>-])"
+        hits = pc.fill_null(pc.match_substring_regex(self.column, pattern, ignore_case=True), False)
+        mask = hits.to_numpy(zero_copy_only=False)
+        return int(mask.sum() if self.rows is None else mask[self.rows].sum())
+
     def read(self, local: np.ndarray) -> list[str]:
         """The captions of samples ``local`` (indices into the split), in order."""
         rows = np.asarray(local, dtype=np.int64) if self.rows is None else self.rows[local]

@@ -59,6 +59,23 @@ class LearnedToken(sd.train.mode.Mode):
             raise ConfigError(f"sharding: {config.sharding} splits a full fine-tune's state; a learned token is a few "
                               "KB that every GPU holds whole: set sharding: none")
 
+    def check_data(self, data) -> None:
+        """Captions that hold the token, or the token learns nothing: none is refused, fewer than half warned."""
+        splits = [split for split in getattr(data, "splits", []) if split.captions is not None]
+        if not splits:  # DreamBooth: its instance prompt holds the token (``check``)
+            return
+        token = self.config.embedding_token
+        holding = [split.captions.count_word(token) for split in splits]
+        total = sum(len(split.captions) for split in splits)
+        if not sum(holding):
+            raise ConfigError(f"embedding_token {token!r} is in none of the {total} training captions of "
+                              f"{', '.join(split.name for split in splits)}: the token would learn nothing. Write it "
+                              f"into the captions (e.g. 'a photo of {token}'), or use instance_dir with an "
+                              "instance_prompt that holds it")
+        if sum(holding) < total / 2:
+            log.warning("embedding_token %s is in only %d of the %d training captions (%.0f%%): the others train "
+                        "nothing for it and cost their steps", token, sum(holding), total, 100 * sum(holding) / total)
+
     def before_data(self, unet, text_encoder, tokenizer) -> None:
         """The new token in the tokenizer and text encoder, before any prompt is tokenised; it alone trains."""
         config = self.config

@@ -8,6 +8,7 @@ mode's own room (``sd/lora/mode.py``, ``sd/embedding/mode.py``, ``sd/controlnet/
   cannot train with, each a ``ConfigError`` naming the field and the way out;
 * ``check_models(unet, text_encoder)``: the built models fit its settings (before any data is read);
 * ``before_data(unet, text_encoder, tokenizer)``: changes the data needs (a new token in the tokenizer);
+* ``check_data(data)``: the training data can train it (captions that hold a learned token);
 * ``attach(unet, text_encoder)`` -> the module the step trains, after the data (a DreamBooth run's class
   images are drawn by the base alone), and ``estimate_attach`` the same on fake tensors, without files
   (``sd.train.memory``);
@@ -54,6 +55,10 @@ class Mode:
 
     def before_data(self, unet, text_encoder, tokenizer) -> None:
         """Changes the data needs, made before any prompt is tokenised."""
+
+    def check_data(self, data) -> None:
+        """Refuse, before any step, training data this mode cannot learn from (``data``: the training split,
+        ``sd.data.training_data.MixedData`` or DreamBooth's)."""
 
     def attach(self, unet, text_encoder) -> torch.nn.Module:
         """The module the step trains and calls; what does not train is frozen here."""

@@ -166,6 +166,7 @@ def build(config: TrainConfig, d: Dist) -> Run:
         data = sd.data.training_data.DataSettings.from_config(config)
         retokenise = data.caption_ops.active or mode.retokenises
         train_data, val_data = build_data(data, d, tokenizer if retokenise else None, mode.retokenises)
+    mode.check_data(train_data)
     scaling = scaling_factor_of(config, train_data, vae)
     if len(train_data.shapes) > 1:
         plan_buckets(config, train_data, d)

@@ -229,3 +229,31 @@ def test_a_token_learned_from_a_caption_dataset_reaches_the_step_as_its_own_id(t
     assert not torch.equal(load_file(tmp_path / "run" / "checkpoints" / sd.run_folder.step_dir_name(2) / "embedding.safetensors")
                            ["emb_params"], sd.embedding.tokens.initial_vectors(
                                sd.model.load_tokenizer("tiny"), sd.model.load_text_encoder("tiny"), "blue", 2))
+
+
+def caption_dataset(root: Path, captions: list[str]) -> dict:
+    from data_factory import make_captions, make_latents
+
+    keys = [f"k{i:03d}" for i in range(len(captions))]
+    make_latents(root / "latents", keys, np.random.default_rng(0).normal(size=(len(keys), 4, 8, 8)))
+    return {"dataset": str(make_captions(root / "captions", list(zip(keys, captions)), [])),
+            "latents": str(root / "latents")}
+
+
+def test_a_caption_dataset_without_the_token_is_refused_and_one_with_few_is_warned(tmp_path, base_model, capsys,
+                                                                                    caplog):
+    """Without the token in any caption the run once trained nothing, silently, and exited 0."""
+    fields = {**FIELDS, "instance_prompt": "", "init_from": str(base_model), "max_steps": 1, "validate_every": 0}
+    none = tmp_path / "none.yaml"
+    none.write_text(yaml.safe_dump({**fields, "out_dir": str(tmp_path / "none"), "datasets": [
+        caption_dataset(tmp_path / "d1", ["a red square", f"a {TOKEN}x circle", "asks"] * 3)]}))
+    assert SD_Train.main(["--config", str(none)]) == 2
+    err = capsys.readouterr().err
+    assert f"embedding_token {TOKEN!r} is in none of the 9 training captions" in err and "Traceback" not in err
+    assert not list((tmp_path / "none").glob("checkpoints/step_*"))
+    few = tmp_path / "few.yaml"
+    few.write_text(yaml.safe_dump({**fields, "out_dir": str(tmp_path / "few"), "datasets": [
+        caption_dataset(tmp_path / "d2", [f"A {TOKEN.upper()}, circle"] + ["a red square"] * 4)]}))
+    with caplog.at_level("WARNING"):
+        assert SD_Train.main(["--config", str(few)]) == 0
+    assert f"embedding_token {TOKEN} is in only 1 of the 5 training captions (20%)" in caplog.text
