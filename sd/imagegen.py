@@ -130,7 +130,10 @@ def export_embedding(request: Request, model: Pipeline) -> None:
 def add_embeddings(request: Request, model: Pipeline) -> None:
     for path, token in request.embedding:
         token, vectors = sd.embedding.formats.read_embedding(path, token)
-        sd.embedding.tokens.add_token(model.tokenizer, model.text_encoder, token, vectors)
+        try:
+            sd.embedding.tokens.add_token(model.tokenizer, model.text_encoder, token, vectors)
+        except sd.embedding.tokens.EmbeddingError as error:
+            raise sd.embedding.tokens.EmbeddingError(f"--embedding {path}: {error}") from error
         log.info("added token %s (%d vector(s)) from %s", token, vectors.shape[0], path)
 
 

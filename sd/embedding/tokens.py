@@ -182,9 +182,11 @@ def check_token(token: str) -> None:
 
 
 def expand(tokenizer, prompts: list[str]) -> list[str]:
-    """``prompts`` with each multi-vector token written as all its names (``<tok>`` -> ``<tok> <tok>_1 ...``)."""
+    """``prompts`` with each multi-vector token written as all its names (``<tok>`` -> ``<tok> <tok>_1 ...``).
+    A token already written out is left as it is, so expanding twice gives what expanding once does."""
     expansions = getattr(tokenizer, "token_expansions", None)
     if not expansions:
         return list(prompts)
-    pattern = re.compile("|".join(re.escape(t) + r"(?!_\d)" for t in sorted(expansions, key=len, reverse=True)))
+    pattern = re.compile("|".join(re.escape(t) + r"(?!_\d)" + f"(?!{re.escape(expansions[t][len(t):])})"
+                                  for t in sorted(expansions, key=len, reverse=True)))
     return [pattern.sub(lambda m: expansions[m.group(0)], p) for p in prompts]

@@ -183,6 +183,10 @@ def test_a_multi_vector_token_is_written_out_in_prompts_and_a_known_word_is_refu
     sd.embedding.tokens.add_token(tokenizer, encoder, "<t>", torch.zeros(3, 64))
     ids = sd.model.tokenize(tokenizer, ["a <t> dog"])[0].tolist()
     assert ids[:6] == [49406, 320, 49408, 49409, 49410, 1929]
+    # Written out already (as a prompt once expanded is), it stays three vectors, not five.
+    assert sd.embedding.tokens.expand(tokenizer, ["a <t> <t>_1 <t>_2 dog", "<t>, <t>"]) == [
+        "a <t> <t>_1 <t>_2 dog", "<t> <t>_1 <t>_2, <t> <t>_1 <t>_2"]
+    assert sd.model.tokenize(tokenizer, ["a <t> <t>_1 <t>_2 dog"])[0].tolist()[:6] == ids[:6]
     with pytest.raises(sd.embedding.tokens.EmbeddingError, match="'dog' is already in the tokenizer"):
         sd.embedding.tokens.add_token(tokenizer, encoder, "dog", torch.zeros(1, 64))
     with pytest.raises(sd.embedding.tokens.EmbeddingError, match="do not fit a text encoder"):
@@ -257,3 +261,16 @@ def test_a_caption_dataset_without_the_token_is_refused_and_one_with_few_is_warn
     with caplog.at_level("WARNING"):
         assert SD_Train.main(["--config", str(few)]) == 0
     assert f"embedding_token {TOKEN} is in only 1 of the 5 training captions (20%)" in caplog.text
+
+
+def test_an_embedding_that_cannot_be_added_is_named_by_its_file(tmp_path, base_model, capsys):
+    """A wrong width or a word the vocabulary holds: the one-line error names the file given, not the token alone."""
+    wide, known = tmp_path / "wide.safetensors", tmp_path / "dog.safetensors"
+    sd.embedding.formats.write_embedding(wide, "<wide>", torch.zeros(1, 768), "a1111")
+    sd.embedding.formats.write_embedding(known, "dog", torch.zeros(1, 64), "a1111")
+    for path, reason in ((wide, "do not fit a text encoder"), (known, "already in the tokenizer's vocabulary")):
+        code = SD_ImageGen.main(["--ckpt", str(base_model), "--embedding", str(path), "--prompt", "a", "--n", "1",
+                                 "--steps", "1", "--out", str(tmp_path / "out")])
+        err = capsys.readouterr().err
+        assert code == 2 and f"--embedding {path}: " in err and reason in err, err
+        assert not (tmp_path / "out").exists()
