@@ -58,9 +58,11 @@ class ControlNet(sd.train.mode.Mode):
             raise ConfigError(f"validation_controls: one conditioning image per validation prompt ("
                               f"{len(config.validation_prompts)} prompts, {len(config.validation_controls)} images); "
                               "or set validation_prompts: [] for no sample grid")
-        for path in config.validation_controls if check_paths else ():
+        drawn = config.validate_every and config.validation_prompts  # the grid is drawn, on these images
+        for path in config.validation_controls if check_paths and drawn else ():
             if not isinstance(path, str) or not Path(path).is_file():
-                raise ConfigError(f"validation_controls: {path} is no file")
+                raise ConfigError(f"validation_controls: {path} is no file (give one conditioning image per "
+                                  "validation prompt, or validate_every: 0 for no sample grid)")
 
     def attach(self, unet, text_encoder) -> sd.controlnet.model.ControlledUNet:
         """The frozen base with a ControlNet, new or ``controlnet_from``'s."""

@@ -1,5 +1,6 @@
 """sd.train.config: flags, bools, numbers given as text, and ``extends`` chains of YAML files."""
 
+import json
 import math
 import re
 from pathlib import Path
@@ -539,3 +540,17 @@ def test_each_components_view_of_the_config_reads_fields_the_config_has_and_copi
     data = sd.data.training_data.DataSettings.from_config(config)
     assert (data.caption_ops.shuffle_tags, data.caption_ops.keep_tokens) == (0.5, 2)
     assert sd.train.objective.LossSettings.from_config(config).prior_preservation
+
+
+def test_the_controlnet_recipes_placeholder_control_image_is_checked_only_when_a_grid_is_drawn(tmp_path):
+    """configs/finetune/controlnet.yaml names the user's own validation image, which a run without a sample grid
+    never reads."""
+    from sd.train.config import load_config
+
+    (tmp_path / "captions").mkdir()
+    (tmp_path / "latents").mkdir()
+    flags = ["--config", "configs/finetune/controlnet.yaml", "--init_from", str(tmp_path), "--datasets",
+             json.dumps([{"dataset": str(tmp_path / "captions"), "latents": str(tmp_path / "latents")}])]
+    assert load_config([*flags, "--validate_every", "0"]).validate_every == 0
+    with pytest.raises(ConfigError, match="validation_controls: data/my_data/validation_edges.png is no file"):
+        load_config(flags)
