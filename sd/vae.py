@@ -76,11 +76,13 @@ def load_state(path: Path, args, images: list[str]) -> dict | None:
         path.replace(damaged)
         log.warning("%s is damaged (%s): moved to %s, training starts over", path, sd.cli.first_line(error), damaged)
         return None
-    changed = [name for name in RESUME_FIXED if saved.get(name) != getattr(args, name)]
+    changed = [f"{name} {saved.get(name)!r}, not {getattr(args, name)!r}" for name in RESUME_FIXED
+               if saved.get(name) != getattr(args, name)]
     if state["shards"] != images:
-        changed.append("shards")
+        changed.append(f"shards: {len(state['shards'])} files, not these {len(images)}"
+                       if len(state["shards"]) != len(images) else "other shard files")
     if changed:
-        raise ResumeMismatch(f"{path} was saved with other {', '.join(changed)}; restore them, or delete "
+        raise ResumeMismatch(f"{path} was saved with {'; '.join(changed)}; restore them, or delete "
                              f"{path.parent} to start over")
     return state
 

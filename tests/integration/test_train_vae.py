@@ -103,7 +103,7 @@ def test_a_stopped_run_resumes_to_the_weights_of_an_uninterrupted_one_bit_for_bi
     assert not (tmp_path / "b").exists() and sd.vae.resume_path(tmp_path / "b").exists()
     # Another setting than the saved state's is refused, naming it, and the state is kept.
     assert train_vae.main(argv(tmp_path / "b", "--batch_size", "4")) == 2
-    assert "saved with other batch_size" in capsys.readouterr().err
+    assert "was saved with batch_size 8, not 4;" in capsys.readouterr().err  # the old value and the new
     assert train_vae.main(argv(tmp_path / "b")) == 0
     weights = "diffusion_pytorch_model.safetensors"
     a, b = load_file(tmp_path / "a" / weights), load_file(tmp_path / "b" / weights)
