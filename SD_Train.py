@@ -117,9 +117,11 @@ def train_locked(config: TrainConfig, d: Dist) -> int:
     metrics = sd.train.run.open_metrics(run)
     if d.is_main:
         (run.run_dir / "config.yaml").write_text(config_yaml(config))
-        log.info("%d training samples in %d dataset(s), latents %s; %d steps/epoch, %d steps in all; "
+        source = (f"{len(run.train_data.splits)} dataset(s)" if run.train_data.splits
+                  else f"instance_dir {config.instance_dir}")
+        log.info("%d training samples in %s, latents %s; %d steps/epoch, %d steps in all; "
                  "%d images per optimizer step (batch_size %d x %d GPU(s) x grad_accum %d%s)", len(run.train_data),
-                 len(run.train_data.splits), " ".join(str(s) for s in run.train_data.shapes), run.steps_per_epoch,
+                 source, " ".join(str(s) for s in run.train_data.shapes), run.steps_per_epoch,
                  run.total_steps, config.batch_size * config.grad_accum * d.world_size, config.batch_size,
                  d.world_size, config.grad_accum,
                  f", set by global_batch {config.global_batch}" if config.global_batch else

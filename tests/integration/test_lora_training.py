@@ -157,6 +157,7 @@ def test_dreambooth_generates_missing_class_images_and_trains_on_both_halves(tmp
     real = sd.train.step.train_step
     monkeypatch.setattr(sd.train.step, "train_step", lambda step, micro, *a, **k: seen.append(micro) or real(
         step, micro, *a, **k))
+    caplog.set_level(logging.INFO)
     assert SD_Train.main(["--config", str(config)]) == 0
     made = sorted(p.name for p in class_dir.glob("class_*.png"))
     assert made == [f"class_{i:05d}.png" for i in range(4)]
@@ -169,6 +170,7 @@ def test_dreambooth_generates_missing_class_images_and_trains_on_both_halves(tmp
         assert all(torch.equal(row, class_ids) for row in ids[2:])
     assert (tmp_path / "run" / "samples" / "step_00000003.png").exists()
     assert "instance image skipped: " in caplog.text and "broken.png" in caplog.text
+    assert f"training samples in instance_dir {fields['instance_dir']}," in caplog.text  # not "0 dataset(s)"
     saved = tmp_path / "run" / "checkpoints" / sd.run_folder.step_dir_name(3)
     if lora_rank:  # the text encoder's adapter trained and is saved beside the UNet's
         adapter = load_file(saved / "adapter.safetensors")
