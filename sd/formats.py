@@ -227,8 +227,14 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 def load_into(model, state: dict[str, torch.Tensor], source) -> None:
-    """``model.load_state_dict(state)``, strict; weights that do not fit are one line naming ``source``."""
+    """``model.load_state_dict(state)``, strict; weights that do not fit, or hold NaN or inf, are one line
+    naming ``source`` (such weights would sample black images)."""
     check_fits(model, state, source)
+    bad = next((name for name, tensor in state.items() if tensor.is_floating_point()
+                and not bool(torch.isfinite(tensor).all())), None)
+    if bad is not None:
+        raise ValueError(f"{source}: {bad} holds non-finite values (NaN or inf); the file is damaged, use an "
+                         "earlier checkpoint or another copy")
     model.load_state_dict(state)
 
 

@@ -118,6 +118,9 @@ class EMA:
         for name, shadow in zip(self.names, self.shadow):
             if state[name].shape != shadow.shape:
                 raise ValueError(f"EMA tensor {name}: shape {tuple(state[name].shape)} != {tuple(shadow.shape)}")
+            if state[name].is_floating_point() and not bool(torch.isfinite(state[name]).all()):
+                raise ValueError(f"EMA tensor {name} holds non-finite values (NaN or inf)")
+        for name, shadow in zip(self.names, self.shadow):  # all checked first: nothing half loaded
             shadow.copy_(state[name])
 
     @torch.no_grad()

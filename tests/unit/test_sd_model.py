@@ -638,3 +638,23 @@ def test_grid_labels_hold_the_whole_prompt_wrapped_to_the_row(tmp_path):
     grid = np.asarray(Image.open(tmp_path / "g.png").convert("RGB"))
     assert grid.shape == (2 * (64 + 16 * len(lines)), 64, 3)
     assert np.array_equal(sd.sampling.grid_cell(grid, 1, 0, 64, 64, [prompt, "a cat"]), image)
+
+
+def test_an_ema_or_weights_file_holding_nan_is_refused_at_load_naming_the_tensor_and_nothing_is_loaded():
+    import sd.formats
+
+    model = _linear()
+    ema = sd.train.ema.EMA(model, decay=0.9)
+    before = [s.clone() for s in ema.shadow]
+    state = {name: tensor.clone() for name, tensor in ema.state_dict().items()}
+    last = list(state)[-1]
+    state[last][0] = float("nan")
+    with pytest.raises(ValueError, match=f"EMA tensor {last} holds non-finite values"):
+        ema.load_state_dict(state)
+    assert all(torch.equal(a, b) for a, b in zip(before, ema.shadow))  # the checked tensors were not copied in
+    weights = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    weights["weight"][0, 0] = float("inf")
+    kept = model.weight.detach().clone()
+    with pytest.raises(ValueError, match="damaged.safetensors: weight holds non-finite values"):
+        sd.formats.load_into(model, weights, "damaged.safetensors")
+    assert torch.equal(model.weight, kept)
