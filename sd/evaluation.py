@@ -131,9 +131,11 @@ class InceptionScore:
         self.p_sum: np.ndarray | None = None
         self.neg_entropy = np.zeros(self.splits)
         self.count = np.zeros(self.splits)
+        self.non_finite = 0  # images whose logits hold a NaN or an infinity: their class probabilities are undefined
 
     def add(self, logits: np.ndarray, first_index: int) -> None:  # (B, C)
         logits = np.asarray(logits, np.float64)
+        self.non_finite += int((~np.isfinite(logits).all(axis=1)).sum())
         p = np.exp(logits - logits.max(1, keepdims=True))
         p /= p.sum(1, keepdims=True)
         if self.p_sum is None:
@@ -144,9 +146,13 @@ class InceptionScore:
             self.neg_entropy[part] += _xlogx(row).sum()
             self.count[part] += 1
 
-    def value(self) -> tuple[float, float]:
+    def value(self, where: str = "") -> tuple[float, float]:
         """Mean and standard deviation over the splits of ``exp(E[KL(p(y|x) || p(y))])`` (a split whose
-        images were all unreadable is left out)."""
+        images were all unreadable is left out); an ``EvalError`` when any image's logits were not finite."""
+        if self.non_finite:
+            raise EvalError(f"{where + ': ' if where else ''}{self.non_finite} of {int(self.count.sum())} images have "
+                            "Inception logits that are not finite (NaN or inf), so the Inception Score is undefined: "
+                            "the feature network's weights or its precision are at fault")
         used = self.count > 0
         p_mean = self.p_sum[used] / self.count[used, None]
         kl = self.neg_entropy[used] / self.count[used] - _xlogx(p_mean).sum(1)
@@ -413,7 +419,7 @@ def scores_of(totals: Totals, reference: dict, inception_score: bool, where: str
     if totals.clip_n:
         result["clip_score"] = totals.clip_sum / totals.clip_n
     if inception_score:
-        result["inception_score"], result["inception_score_std"] = totals.inception.value()
+        result["inception_score"], result["inception_score_std"] = totals.inception.value(where)
     return result
 
 

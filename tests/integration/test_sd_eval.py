@@ -119,6 +119,17 @@ def test_inception_score_is_one_for_identical_predictions_and_c_for_confident_di
     assert mean == pytest.approx(10.0, rel=1e-6) and std < 1e-6
 
 
+def test_an_inception_score_over_non_finite_logits_is_an_error_not_a_number():
+    """A NaN logit once made the score NaN (or a number from the images left), reported as a result."""
+    score = sd.evaluation.InceptionScore(8, splits=2)
+    logits = np.zeros((8, 10))
+    logits[3, 2] = np.nan
+    logits[6, 0] = np.inf
+    score.add(logits, 0)
+    with pytest.raises(sd.evaluation.EvalError, match="run a: 2 of 8 images have Inception logits that are not finite"):
+        score.value("run a")
+
+
 def test_statistics_do_not_depend_on_the_batching(reference):
     extractors = sd.evaluation.Extractors("tiny", None)
     images = [np.asarray(Image.open(p).convert("RGB")) for p in sd.evaluation.image_files(reference)]
