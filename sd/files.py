@@ -242,7 +242,7 @@ class FolderLock:
             self.path.parent.mkdir(parents=True)
             self.created_folder = True
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = self._open(os.O_RDWR | os.O_CREAT)
             try:
                 locked = self._flock(fd)
                 current = locked and self._names(fd)
@@ -258,6 +258,22 @@ class FolderLock:
         self.fd, self.held, self.owner = fd, True, os.getpid()
         self._write_holder(fd)
         return self
+
+    def _open(self, flags: int) -> int:
+        """The lock file opened with ``flags``; one this user may not open (another user's run in the same
+        folder, or a folder this user cannot write) is ``FolderLocked`` naming its owner."""
+        try:
+            return os.open(self.path, flags, 0o644)
+        except PermissionError as error:
+            try:
+                import pwd
+
+                uid = self.path.stat().st_uid if self.path.exists() else self.path.parent.stat().st_uid
+                owner = pwd.getpwuid(uid).pw_name
+            except (ImportError, KeyError, OSError):
+                owner = "another user"
+            raise FolderLocked(f"{self.path} cannot be opened ({error.strerror}): {self.path.parent} belongs to "
+                               f"{owner}; use a folder of your own (out_dir / --out), or ask its owner") from None
 
     def _flock(self, fd: int) -> bool:
         """Lock ``fd``'s file: True once held, False on a file system without locks; ``FolderLocked``
@@ -298,7 +314,7 @@ class FolderLock:
         mine = self._mine()
         for _ in range(2):
             try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+                fd = self._open(os.O_CREAT | os.O_EXCL | os.O_WRONLY)
             except FileExistsError:
                 holder = self._holder()
                 if not self._stale(holder, mine):

@@ -92,3 +92,23 @@ def test_without_file_locks_the_pid_check_stands_in_and_the_log_says_so(tmp_path
         assert holder_of(tmp_path) == {"host": HOST, "pid": os.getpid()}
         lock.release()
         assert not lock_file.exists()
+
+
+def test_a_lock_file_this_user_may_not_open_is_refused_in_one_line_naming_its_owner(tmp_path, monkeypatch):
+    """Another user's run in the same folder: the lock file is theirs (0644), and opening it for writing once
+    ended in a PermissionError traceback. (The test runs as whoever runs it, so the refusal is simulated.)"""
+    import pwd
+
+    (tmp_path / ".lock").write_text("")
+    real_open = os.open
+
+    def refused(path, flags, *args):
+        if str(path) == str(tmp_path / ".lock"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", refused)
+    owner = pwd.getpwuid((tmp_path / ".lock").stat().st_uid).pw_name
+    with pytest.raises(sd.files.FolderLocked, match=f"cannot be opened \\(Permission denied\\): {tmp_path} belongs "
+                                                    f"to {owner}; use a folder of your own"):
+        sd.files.FolderLock(tmp_path).acquire()
