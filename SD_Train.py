@@ -58,16 +58,19 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO if d.is_main else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     try:
-        return train(config, d)
+        with sd.train.run.interrupting_signals():
+            return train(config, d)
     except (ConfigError, sd.data.training_data.DataError, sd.train.metrics.MetricsError, FileNotFoundError,
             sd.run_folder.CheckpointError) as error:
         print(f"SD_Train.py: error (rank {d.rank}): {error}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # outside the loop's own handler: loading, class images
+    except KeyboardInterrupt as error:  # outside the loop's own handler: loading, class images
+        signum = getattr(error, "signum", signal.SIGINT)
+        what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
         if d.is_main:
-            print("SD_Train.py: interrupted (Ctrl-C) outside a training step; what was finished is kept (checkpoints, "
-                  "class images): re-run the same command to go on", file=sys.stderr)
-        return 128 + signal.SIGINT
+            print(f"SD_Train.py: interrupted ({what}) outside a training step; what was finished is kept "
+                  "(checkpoints, class images): re-run the same command to go on", file=sys.stderr)
+        return 128 + signum
     finally:
         sd.distributed.teardown()
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -298,6 +299,31 @@ def stop_code(run: Run, stopper: "StopSignal") -> int:
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+
+
+class SignalInterrupt(KeyboardInterrupt):
+    """A stop signal other than SIGINT outside the training loop (loading, class images): it interrupts
+    what runs, as Ctrl-C does, and the process exits with 128 + ``signum``."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def interrupting_signals():
+    """Within the body, SIGTERM, SIGHUP, SIGUSR1 and SIGUSR2 raise ``SignalInterrupt`` where the process is
+    (SIGINT raises KeyboardInterrupt anyway), instead of killing it: what is finished stays (written
+    atomically) and the message says so. The loop's ``StopSignal`` takes over inside it."""
+    def interrupt(signum, frame):
+        raise SignalInterrupt(signum)
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in STOP_SIGNALS if sig != signal.SIGINT}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 class StopSignal:

@@ -440,6 +440,29 @@ def test_max_bad_steps_saves_and_stops_naming_the_step(tmp_path, caplog):
     assert all(torch.equal(saved[k], initial[k]) for k in initial)
 
 
+@pytest.mark.parametrize("signum", [signal.SIGHUP, signal.SIGUSR1, signal.SIGTERM])
+def test_a_stop_signal_while_the_run_is_built_stops_it_in_one_line_not_killed(tmp_path, data, capsys, monkeypatch,
+                                                                              signum):
+    """Before the loop (loading, class images) a scheduler's signal killed the process without a word; it now
+    interrupts as Ctrl-C does, and the exit status is 128 + the signal."""
+    import time
+
+    real = sd.train.run.build
+
+    def build(config, d):
+        os.kill(os.getpid(), signum)
+        time.sleep(5)  # the handler runs here
+        return real(config, d)
+
+    monkeypatch.setattr(sd.train.run, "build", build)
+    config = write_config(tmp_path / "c.yaml", datasets=[data], max_steps=2, out_dir=str(tmp_path / "run"))
+    before = signal.getsignal(signum)
+    assert SD_Train.main(["--config", str(config)]) == 128 + signum
+    err = capsys.readouterr().err
+    assert f"interrupted ({signal.Signals(signum).name}) outside a training step" in err and "Traceback" not in err
+    assert signal.getsignal(signum) is before  # the handler before main is back
+
+
 def test_a_failure_inside_validation_is_a_warning_and_costs_no_step(tmp_path, data, caplog, monkeypatch):
     """Validation at step 2 raises: the run logs it, saves at step 2 as due, goes on to step 4 and ends well."""
     def broken(run, record, stop=None):
