@@ -238,6 +238,39 @@ def _local_subfolder(name_or_path: str, subfolder: str) -> str | None:
     return None
 
 
+_HUB_REACHABLE: dict[str, bool] = {}  # host -> whether a connection to it opened, once per process
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the model hub (``HF_ENDPOINT``, else huggingface.co) takes a connection within ``timeout``
+    seconds; asked once per process. Behind a proxy (``HTTPS_PROXY`` and the like) the answer is yes:
+    only the proxy knows."""
+    import socket
+    from urllib.parse import urlparse
+
+    if any(os.environ.get(name) for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return True
+    host = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co").hostname or "huggingface.co"
+    if host not in _HUB_REACHABLE:
+        try:
+            socket.create_connection((host, 443), timeout=timeout).close()
+            _HUB_REACHABLE[host] = True
+        except OSError:
+            _HUB_REACHABLE[host] = False
+    return _HUB_REACHABLE[host]
+
+
+def hub_options(name_or_path: str) -> dict:
+    """``from_pretrained`` options for ``name_or_path``: a hub id while the hub cannot be reached loads from
+    the local cache alone (``local_files_only``), so that it fails in seconds, not after minutes of
+    retries, when the files are not there (a compute node without internet)."""
+    if Path(name_or_path).exists() or not sd.cli.looks_like_hub_id(name_or_path):
+        return {}
+    if os.environ.get("HF_HUB_OFFLINE") or not hub_reachable():
+        return {"local_files_only": True}
+    return {}
+
+
 def _frozen(model):
     model.requires_grad_(False)
     model.eval()
@@ -253,7 +286,7 @@ def load_vae(name_or_path: str = DEFAULT_VAE, *, subfolder: str | None = None, s
             return _frozen(AutoencoderKL(**TINY_VAE))
     subfolder = subfolder or _local_subfolder(name_or_path, "vae")
     kwargs = {"subfolder": subfolder} if subfolder else {}
-    return _frozen(AutoencoderKL.from_pretrained(name_or_path, **kwargs))
+    return _frozen(AutoencoderKL.from_pretrained(name_or_path, **kwargs, **hub_options(name_or_path)))
 
 
 def load_text_encoder(
@@ -267,7 +300,7 @@ def load_text_encoder(
             return _frozen(CLIPTextModel(CLIPTextConfig(**TINY_TEXT_ENCODER)))
     subfolder = subfolder or _local_subfolder(name_or_path, "text_encoder")
     kwargs = {"subfolder": subfolder} if subfolder else {}
-    return _frozen(CLIPTextModel.from_pretrained(name_or_path, **kwargs))
+    return _frozen(CLIPTextModel.from_pretrained(name_or_path, **kwargs, **hub_options(name_or_path)))
 
 
 class TokenizerError(ValueError):
@@ -291,8 +324,12 @@ def load_tokenizer(name_or_path: str = DEFAULT_TEXT_ENCODER, *, subfolder: str |
     kwargs = {"subfolder": subfolder} if subfolder else {}
     fix = ("use --tokenizer tiny (the CLIP vocabulary, built offline), a local folder with vocab.json and "
            "merges.txt, or a hub id with the hub reachable (HF_HUB_OFFLINE unset)")
+    options = hub_options(name_or_path)
+    if options:
+        fix = f"the hub cannot be reached and it is not in the local cache; {fix}"
     try:
-        tokenizer = CLIPTokenizer.from_pretrained(name_or_path, model_max_length=TOKENIZER_MAX_LENGTH, **kwargs)
+        tokenizer = CLIPTokenizer.from_pretrained(name_or_path, model_max_length=TOKENIZER_MAX_LENGTH, **kwargs,
+                                                  **options)
     except (OSError, ValueError) as error:
         raise TokenizerError(f"tokenizer {requested}: cannot be loaded ({sd.cli.first_line(error)}); {fix}") from error
     if len(tokenizer) < MIN_VOCABULARY:

@@ -658,3 +658,37 @@ def test_an_ema_or_weights_file_holding_nan_is_refused_at_load_naming_the_tensor
     with pytest.raises(ValueError, match="damaged.safetensors: weight holds non-finite values"):
         sd.formats.load_into(model, weights, "damaged.safetensors")
     assert torch.equal(model.weight, kept)
+
+
+def test_a_hub_id_loads_from_the_local_cache_alone_when_the_hub_cannot_be_reached(monkeypatch, tmp_path):
+    """Offline, stage 04 without --tokenizer once retried the hub for four minutes before its error: the hub is
+    now asked once for a connection (3 s at most) and, unreachable, the files come from the cache or not at all."""
+    import socket
+
+    from transformers import CLIPTokenizer
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy", "HF_ENDPOINT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(M, "_HUB_REACHABLE", {})
+    asked = []
+
+    def unreachable(address, timeout):
+        asked.append((address, timeout))
+        raise OSError("no route to host")
+
+    monkeypatch.setattr(socket, "create_connection", unreachable)
+    calls = []
+
+    def from_pretrained(name, **kwargs):
+        calls.append(kwargs)
+        raise OSError(f"{name} is not in the cache")
+
+    monkeypatch.setattr(CLIPTokenizer, "from_pretrained", from_pretrained)
+    with pytest.raises(M.TokenizerError, match="the hub cannot be reached and it is not in the local cache"):
+        M.load_tokenizer("openai/clip-vit-large-patch14")
+    assert calls[-1]["local_files_only"] is True and asked == [(("huggingface.co", 443), 3.0)]
+    assert M.hub_options("openai/clip-vit-large-patch14") == {"local_files_only": True} and len(asked) == 1  # once
+    assert M.hub_options(str(tmp_path)) == {} and M.hub_options("./not/a/hub/id") == {}
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy:3128")  # only the proxy knows
+    assert M.hub_options("openai/clip-vit-large-patch14") == {}
