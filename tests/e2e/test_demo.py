@@ -185,8 +185,11 @@ def test_demo_at_64_px_learns_prompted_colours_a_concept_aspect_ratios_few_step_
     at_least("LCM 4 steps - DDIM 50 steps, seen both", lcm["lcm_4"]["seen_both"] - lcm["ddim_50"]["seen_both"], -0.10, lcm)
     at_least("LCM 2 steps - DDIM 2 steps, seen both", lcm["lcm_2"]["seen_both"] - lcm["ddim_2"]["seen_both"], 0.30, lcm)
     assert all(row["fid"] > 0 for row in lcm.values()), lcm
-    at_most("LCM rows: the largest FID / a blank canvas's", max(row["fid"] for row in lcm.values()) / fid_blank(out),
-            FID_BELOW_BLANK, lcm)
+    # The LCM rows only: DDIM at 2 steps falls apart by design (FID 77.9 against a blank's 384 on the AVX-512
+    # machine, 0.20 of it; LCM's rows 0.06-0.08).
+    at_most("LCM rows: the largest FID / a blank canvas's",
+            max(row["fid"] for name, row in lcm.items() if name.startswith("lcm_")) / fid_blank(out), FID_BELOW_BLANK,
+            lcm)
     # Spatial control: a ControlNet on the frozen demo model (configs/demo_control.yaml, 400 steps of 32 on 2000
     # images of shapes anywhere) puts the shape where a silhouette in a corner says. Measured at this size:
     # IoU above 0.5 in 100% of 32 samples (mean IoU 0.78), the demo model without control 0% (0.20).
