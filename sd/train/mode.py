@@ -20,6 +20,14 @@ mode's own room (``sd/lora/mode.py``, ``sd/embedding/mode.py``, ``sd/controlnet/
 
 A new mode is one new room (a ``Mode`` subclass) and one line in ``sd.train.modes.MODES``. An objective
 other than the diffusion loss (``distill: lcm``, ``sd.train.distill``) is not a mode: it combines with one.
+
+Every answer above composes, so two modes can train in one run (a learned token with a LoRA: pivotal
+tuning): asked in ``MODES``' order, ``before_data``, ``check_models``, ``check_data`` and ``attach`` run
+one after the other (each attaches to what the one before returned); the checkpoint entries of
+``trained_weights`` sit side by side (their names differ: ``adapter``, ``embedding``, ``controlnet``);
+``batch_inputs`` and ``model_inputs`` join; ``frozen_base`` and ``retokenises`` hold when one of them
+holds, ``whole_unet`` when both do; the frozen base's fingerprint is taken once, before either attaches.
+Today the modes' checks refuse a second mode beside one (``mode_of`` takes the first asked for).
 """
 
 from __future__ import annotations
