@@ -297,15 +297,22 @@ def sample(request: Request, model: Pipeline, controlnet, controls: list) -> Non
     model.unet = sd.sampling.compile_unet(model.unet, request.compile)
     out = Path(request.out)
     rows, records = [], []
-    bar = tqdm(total=len(request.prompt) * request.n,
-               desc=f"sample ({request.steps} steps, {request.width}x{request.height})", unit="image")
+    # The bar counts denoising steps (asked before each one: ``stop``), so it moves within a batch too.
+    batches = -(-request.n // request.batch_size)
+    bar = tqdm(total=len(request.prompt) * batches * request.steps,
+               desc=f"sample ({request.steps} steps, {request.width}x{request.height}, "
+                    f"{len(request.prompt) * request.n} images)", unit="step")
+
+    def step_done() -> bool:
+        bar.update(1)
+        return False  # never a stop: Ctrl-C raises KeyboardInterrupt by itself
     for p, prompt in enumerate(request.prompt):
         seeds = [request.seed + i for i in range(request.n)]
         control = controls[p]
         images = sd.sampling.generate(model, prompt, request.negative, seeds, steps=request.steps, cfg=request.cfg,
                                       sampler=request.sampler, height=request.height, width=request.width,
                                       batch_size=request.batch_size, device=device, control=control,
-                                      control_scale=request.control_scale)
+                                      control_scale=request.control_scale, stop=step_done)
         for seed, image in zip(seeds, images):
             path = out / f"{p:03d}_{seed:06d}.png"
             parameters = sd.sampling.parameters_text(prompt, request.negative, seed, request, model.source)
@@ -317,7 +324,6 @@ def sample(request: Request, model: Pipeline, controlnet, controls: list) -> Non
                               control_scale=request.control_scale)
             records.append(record)
         rows.append((prompt, images))
-        bar.update(len(images))
     bar.close()
     sd.sampling.save_grid(out / "grid.png", rows)
     sd.files.write_text_atomic(out / "images.json", json.dumps(records, indent=1) + "\n")

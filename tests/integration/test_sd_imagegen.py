@@ -166,7 +166,8 @@ def test_without_a_size_it_samples_at_the_training_size_with_a_progress_bar(run_
                                  "--device", "cpu", "--out", str(out)]) == 0
     assert Image.open(out / "000_000000.png").size == (64, 64)  # the run's latents are 8x8
     assert "sampling at 64x64 (the latents in" in caplog.text
-    assert "sample (2 steps, 64x64): 100%" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "sample (2 steps, 64x64, 2 images): 100%" in err and "| 2/2 [" in err  # one batch of two images, 2 steps
 
 
 @pytest.fixture(scope="module")
