@@ -271,6 +271,15 @@ def hub_options(name_or_path: str) -> dict:
     return {}
 
 
+def moved(module, device=None, dtype=None):
+    """``module.to(device=device, dtype=dtype)``. A diffusers model that keeps no module in float32 is moved
+    by torch's own ``Module.to``: diffusers' override warns "should be kept in float32: []" on every cast,
+    even with nothing to keep (its check tests the list against None after making it a list)."""
+    if getattr(module, "_keep_in_fp32_modules", None):
+        return module.to(device=device, dtype=dtype)
+    return torch.nn.Module.to(module, device=device, dtype=dtype)
+
+
 def _frozen(model):
     model.requires_grad_(False)
     model.eval()

@@ -52,7 +52,7 @@ class Pipeline:
     def to(self, device: torch.device, dtype: torch.dtype) -> "Pipeline":
         """The UNet, VAE and text encoder on ``device`` in ``dtype``."""
         for part in (self.unet, self.vae, self.text_encoder):
-            part.to(device=device, dtype=dtype)
+            sd.model.moved(part, device, dtype)
         return self
 
 

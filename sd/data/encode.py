@@ -73,7 +73,7 @@ def encode_locked(paths: list[Path], out: Path, args, place: sd.distributed.Dist
         previous = read_meta(out)
         compare_settings(out, previous, requested_settings(args))
         dtype = sd.runtime.resolve_precision(args.precision, place.device)
-        vae = sd.model.load_vae(args.vae).to(device=place.device, dtype=dtype)
+        vae = sd.model.moved(sd.model.load_vae(args.vae), place.device, dtype)
         meta = vae_settings(args, vae.config)
         compare_settings(out, previous, meta)
         if not previous:

@@ -692,3 +692,15 @@ def test_a_hub_id_loads_from_the_local_cache_alone_when_the_hub_cannot_be_reache
     assert M.hub_options(str(tmp_path)) == {} and M.hub_options("./not/a/hub/id") == {}
     monkeypatch.setenv("HTTPS_PROXY", "http://proxy:3128")  # only the proxy knows
     assert M.hub_options("openai/clip-vit-large-patch14") == {}
+
+
+def test_a_pipeline_cast_to_bf16_says_nothing_about_float32_modules_and_casts_everything(capfd):
+    """diffusers warned "should be kept in float32: []" on every cast of a model with nothing to keep (its
+    logger writes to stderr itself)."""
+    pipe = sd.sampling.Pipeline(M.build_unet("tiny"), M.load_vae("tiny"), M.load_text_encoder("tiny"),
+                                M.load_tokenizer("tiny"), "epsilon")
+    capfd.readouterr()
+    pipe.to(torch.device("cpu"), torch.bfloat16)
+    assert "kept in float32" not in capfd.readouterr().err
+    for part in (pipe.unet, pipe.vae, pipe.text_encoder):
+        assert {p.dtype for p in part.parameters()} == {torch.bfloat16}
