@@ -46,7 +46,10 @@ finished shards and is a no-op once all are done. The key is the relative path w
 extension, ``/`` -> ``__`` and other punctuation -> ``_`` (``sub/dir/img.01.png`` ->
 ``sub__dir__img_01``); a collision or a very long path gets a short hash of the path appended.
 Bad images and captions (a caption file that is not UTF-8: ``bad_caption_encoding``) are skipped and
-counted, never fatal; an image's format is read from its bytes, not its extension.
+counted, never fatal; an image's format is read from its bytes, not its extension. Images narrower or
+lower than ``--min_size`` pixels (default: a quarter of ``--resolution``) are skipped as ``too_small``
+rather than upscaled into blur. The console's last line counts the skipped images by reason and names
+the first few of each; the stats and summary files name up to 20.
 """
 
 from __future__ import annotations
@@ -129,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--shard_size", type=int, default=1000, help="images per output shard (default: %(default)s)")
     add("--max_pixels", type=int, default=sd.data.shards.DEFAULT_MAX_PIXELS,
         help="skip images with more pixels than this, read from the header (default: %(default)s)")
+    add("--min_size", type=int, default=None,
+        help="skip images whose width or height is below this many pixels (too_small): they would be "
+             "upscaled into blur; 0 imports every size (default: a quarter of --resolution)")
     add("--default_caption", default=None,
         help="flat/metadata: caption for images whose .txt is missing or empty, or whose tags are all removed "
              "(default: none, such images are skipped as no_caption)")
@@ -191,6 +197,8 @@ def check_values(args) -> argparse.Namespace:
             raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
     if args.keep_first < 0:
         raise ValueError(f"--keep_first must be >= 0, got {args.keep_first}")
+    if args.min_size is not None and args.min_size < 0:
+        raise ValueError(f"--min_size must be >= 0 (0 imports every size), got {args.min_size}")
     if not Path(args.input).is_dir():
         raise ValueError(f"--input {args.input} is not a folder")
     # Options of another layout would be silently ignored; a user who passes them expects an effect.
@@ -465,7 +473,7 @@ def import_shard(src: Path, out: Path, index: int, items: list[tuple[str, str]],
                 meta = {**meta, "control_sources": {name: files[name][0] for name in payloads}}
             samples.append(sd.data.stages.image_sample(key, data, sd.data.stages.image_extension(rel), caption,
                                                     args.resolution, {"source": rel, **meta}, args.max_pixels,
-                                                    args.keep_aspect, mask, payloads))
+                                                    args.keep_aspect, mask, payloads, min_size(args)))
         except sd.data.shards.ImageSkip as skip:
             if skip.reason in COMPANION_SKIPS:  # the companion is at fault: it is the file named
                 named = " and ".join(files.get(skip.member or MASK, []))
@@ -512,6 +520,8 @@ def shard_fingerprints(items: list[tuple[str, str]], rules: CaptionRules, args,
     # keep_aspect enters only when set, so shards written before the flag existed still match; so do
     # the masks and the conditioning images, only for a shard with at least one.
     shape = {"keep_aspect": args.keep_aspect} if args.keep_aspect else {}
+    if min_size(args) != default_min_size(args.resolution):  # likewise the default minimum size
+        shape["min_size"] = min_size(args)
     fingerprints = {"sources_sha1": sources,
                     "options_sha1": rules.fingerprint(resolution=args.resolution, max_pixels=args.max_pixels, **shape)}
     companions = companions or {}
@@ -527,6 +537,15 @@ def shard_fingerprints(items: list[tuple[str, str]], rules: CaptionRules, args,
 FINGERPRINT_CHANGES = {"sources_sha1": "images under --input", "masks_sha1": "masks under --input",
                        "controls_sha1": "conditioning images under --input (or --control)",
                        "options_sha1": "options"}
+
+
+def default_min_size(resolution: int) -> int:
+    return resolution // 4
+
+
+def min_size(args) -> int:
+    """The smallest width and height imported: ``--min_size``, or a quarter of ``--resolution``."""
+    return default_min_size(args.resolution) if args.min_size is None else args.min_size
 
 
 def check_done_shards(out: Path, plan: list[list[tuple[str, str]]], rules: CaptionRules, args,

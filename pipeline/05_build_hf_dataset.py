@@ -160,9 +160,9 @@ def main(argv=None) -> int:
     latents_without_caption = [k for k in keys if k not in caption_keys]
     summary.kept = len(train_rows) + len(val_rows)
     summary.dropped.update({reason: len(names) for reason, names in dropped.items()})
+    summary.note_examples(dropped)
     # Written last, into the finished folder: the record of what it was built from.
     summary.finish(out, train=len(train_rows), validation=len(val_rows),
-                   examples={reason: names[:sd.data.stages.MAX_EXAMPLES] for reason, names in dropped.items() if names},
                    latents_without_caption=len(latents_without_caption), latents=str(latents_dir),
                    captions=str(captions_dir), inputs=fingerprint)
     print(f"  train {len(train_rows)}, validation {len(val_rows)}; latents without a caption "

@@ -186,16 +186,19 @@ class Summary:
         self.shards_written = 0
         self.shards_skipped = 0
         self.failed_inputs: dict[str, list] = {}  # reason -> whole inputs (parts, archives) that failed
+        self.examples: dict[str, list[str]] = {}  # reason -> the first MAX_EXAMPLES names skipped for it
 
     def input_failed(self, reason: str, name, error) -> None:
         """A whole input could not be used (a missing part, a corrupt archive): count it and go on."""
         log.warning("%s %s: %s (%s)", self.stage, name, reason, error)
         self.dropped[reason] += 1
+        self.note_examples({reason: [str(name)]})
         self.failed_inputs.setdefault(reason, []).append(name)
 
     def add(self, record: dict) -> None:
         self.kept += record["successes"]
         self.dropped.update(record.get("failed", {}))
+        self.note_examples(record.get("examples", {}))
         self.shards_written += 1
 
     def add_done(self, stats_path: Path) -> None:
@@ -203,7 +206,13 @@ class Summary:
         record = json.loads(stats_path.read_text())
         self.kept += record.get("successes", 0)
         self.dropped.update(record.get("failed", {}))
+        self.note_examples(record.get("examples", {}))
         self.shards_skipped += 1
+
+    def note_examples(self, examples: dict[str, list]) -> None:
+        for reason, names in examples.items():
+            kept = self.examples.setdefault(reason, [])
+            kept.extend(names[: MAX_EXAMPLES - len(kept)])
 
     def pending(self, out_dir: Path, names: list, suffix: str = ".tar") -> list:
         """The names whose outputs are not done yet, in order; the finished ones are counted."""
@@ -220,14 +229,25 @@ class Summary:
 
     def finish(self, out_dir: Path, **extra) -> dict:
         """Write ``<stage>_summary.json`` into ``out_dir`` and print the totals in one line."""
+        examples = {reason: names for reason, names in sorted(self.examples.items()) if names}
         record = {"stage": self.stage, "kept": self.kept, "dropped": dict(sorted(self.dropped.items())),
-                  "shards_written": self.shards_written, "shards_already_done": self.shards_skipped, **extra}
+                  "shards_written": self.shards_written, "shards_already_done": self.shards_skipped,
+                  **({"examples": examples} if examples else {}), **extra}
         sd.files.write_json_atomic(self.path(out_dir), record)
-        dropped = ", ".join(f"{reason} {n}" for reason, n in sorted(self.dropped.items()) if n) or "none"
+        dropped = ", ".join(f"{reason} {n}{named(self.examples.get(reason, []), n)}"
+                            for reason, n in sorted(self.dropped.items()) if n) or "none"
         shards = (f" shards written {self.shards_written}, already done {self.shards_skipped};"
                   if self.shards_written or self.shards_skipped else "")
         print(f"{self.stage}: kept {self.kept}; dropped: {dropped};{shards} output in {out_dir}")
         return record
+
+
+def named(names: list, count: int, shown: int = 3) -> str:
+    """`` (a.png, b.png, ...)``: the first ``shown`` of ``count`` skipped names, for a console line."""
+    if not names:
+        return ""
+    more = ", ..." if count > min(shown, len(names)) else ""
+    return f" ({', '.join(str(name) for name in names[:shown])}{more})"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -246,7 +266,8 @@ def encode_jpeg(rgb: np.ndarray, quality: int = 95) -> bytes:
 
 def image_sample(key: str, data: bytes, ext: str, caption: str, resolution: int, metadata: dict | None = None,
                  max_pixels: int = sd.data.shards.DEFAULT_MAX_PIXELS, keep_aspect: str | None = None,
-                 mask: bytes | None = None, controls: dict | None = None) -> sd.data.shards.ShardSample:
+                 mask: bytes | None = None, controls: dict | None = None,
+                 min_size: int = 0) -> sd.data.shards.ShardSample:
     """Decode, resize, re-encode as JPEG. Without ``keep_aspect``: the short side scaled to
     ``resolution`` and the centre square cut out; with ``keep_aspect`` "short" or "long": the whole
     image with that side scaled to ``resolution`` (``sd.data.shards.resize_keep_aspect``).
@@ -259,11 +280,13 @@ def image_sample(key: str, data: bytes, ext: str, caption: str, resolution: int,
     ``<key>.<name>.png``.
 
     Raises ``sd.data.shards.ImageSkip`` (with a reason) for an unusable image, mask or conditioning
-    image; for the last two its ``member`` names which. The metadata records the original size and
-    the written one.
+    image; for the last two its ``member`` names which; an image narrower or lower than ``min_size``
+    pixels is ``too_small``. The metadata records the original size and the written one.
     """
     rgb = sd.data.shards.decode_image(data, ext.lower().lstrip("."), max_pixels)
     height, width = rgb.shape[:2]
+    if min(width, height) < min_size:
+        raise sd.data.shards.ImageSkip("too_small", f"{width}x{height} pixels, below the minimum side of {min_size}")
     grey = None if mask is None else companion(sd.data.shards.MASK_NAME, sd.data.shards.decode_mask, mask,
                                                (width, height), max_pixels)
     drawn = {name: companion(name, sd.data.shards.decode_control, source, (width, height), max_pixels)

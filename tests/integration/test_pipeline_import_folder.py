@@ -155,6 +155,39 @@ def test_interrupted_run_resumes_only_missing_shards(flat_src, tmp_path):
     assert list(read_output(out)) == ["nested__deeper__img_01", "one"]
 
 
+def test_tiny_images_are_skipped_not_upscaled_and_the_console_names_the_first_skipped(tmp_path, capsys):
+    src, rng = tmp_path / "src", np.random.default_rng(1)
+    for name, side in (("icon", 12), ("thumb", 15), ("photo", 40), ("small", 16)):
+        write_image(src / f"{name}.png", rng, side, side + 4)
+        (src / f"{name}.txt").write_text(f"a {name}")
+    write_image(src / "nocap.png", rng, 40, 40)
+    out = tmp_path / "out"
+    assert stage.main(["--input", str(src), "--out", str(out), *RES]) == 0  # at 64 px the minimum is 16
+    assert sorted(read_output(out)) == ["photo", "small"]
+    assert summary(out)["dropped"] == {"no_caption": 1, "too_small": 2}
+    assert summary(out)["examples"] == {"no_caption": ["nocap.png"], "too_small": ["icon.png", "thumb.png"]}
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "no_caption 1 (nocap.png)" in line and "too_small 2 (icon.png, thumb.png)" in line
+    # Another minimum is another import: refused into the same folder, accepted into a fresh one.
+    assert stage.main(["--input", str(src), "--out", str(out), "--min_size", "0", *RES]) == 2
+    assert "different options" in capsys.readouterr().err
+    assert stage.main(["--input", str(src), "--out", str(tmp_path / "all"), "--min_size", "0", *RES]) == 0
+    assert sorted(read_output(tmp_path / "all")) == ["icon", "photo", "small", "thumb"]
+    # The default written out is the same import: a resume, not a refusal.
+    assert stage.main(["--input", str(src), "--out", str(out), "--min_size", "16", *RES]) == 0
+
+
+def test_the_console_names_at_most_three_skipped_files_per_reason(tmp_path, capsys):
+    src, rng = tmp_path / "src", np.random.default_rng(2)
+    for index in range(5):
+        write_image(src / f"u{index}.png", rng, 40, 40)
+    out = tmp_path / "out"
+    assert stage.main(["--input", str(src), "--out", str(out), "--shard_size", "2", *RES]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "no_caption 5 (u0.png, u1.png, u2.png, ...)" in line
+    assert summary(out)["examples"]["no_caption"] == [f"u{index}.png" for index in range(5)]
+
+
 def test_default_caption_fills_missing_and_empty_captions(flat_src, tmp_path):
     out = tmp_path / "shards"
     assert stage.main(["--input", str(flat_src), "--out", str(out), "--default_caption", "a photo",
@@ -464,6 +497,7 @@ def bad_tag_map(tmp_path):
     (["--layout", "template", "--template_map", "BAD"], "bad.json"),
     (["--layout", "metadata", "--keep_first", "-1"], "--keep_first"),
     (["--keep_aspect", "wide"], "--keep_aspect: invalid choice"),
+    (["--min_size", "-1"], "--min_size must be >= 0"),
 ])
 def test_bad_command_lines_exit_2_with_one_line_before_any_work(tmp_path, capsys, flags, message):
     flags = [bad_tag_map(tmp_path) if f == "BAD" else str(tmp_path / "missing.json") if f == "MISSING" else f
@@ -494,7 +528,7 @@ def test_help_lists_every_flag_with_its_default():
     flags = ["--input", "--out", "--layout", "--resolution", "--shard_size", "--max_pixels", "--default_caption",
              "--caption_prefix", "--exclude_tags", "--drop_tags", "--tag_map", "--rename", "--min_score",
              "--tag_bonus", "--score_tags", "--shuffle_tags", "--keep_first", "--seed", "--template",
-             "--template_map", "--keep_aspect", "--control"]
+             "--template_map", "--keep_aspect", "--control", "--min_size"]
     options = result.stdout.split("options:")[1]
     entries = {entry.split()[0].rstrip(","): " ".join(entry.split())
                for entry in re.split(r"\n  (?=-)", options) if entry.strip()}
