@@ -1,7 +1,7 @@
 """Sample images from a trained SD 1.x model, and export it to the formats other tools load.
 
     python SD_ImageGen.py --ckpt PATH --prompt "..." [--negative "..."] [--steps 100] [--cfg 7.5]
-                          [--seed 0] [--n 4] [--batch_size 4] [--sampler ddim|dpm++|euler|lcm] [--no_ema]
+                          [--seed 0] [--n 4] [--batch_size 4] [--sampler auto|ddim|dpm++|euler|lcm] [--no_ema]
                           [--height H --width W] [--device auto] --out DIR
     python SD_ImageGen.py --ckpt runs/p7_consolidation --export_diffusers exported/sd1
     python SD_ImageGen.py --ckpt runs/p7_consolidation --export_single_file sd1.safetensors --half
@@ -16,7 +16,9 @@
 diffusers pipeline folder or hub id, or a single ``.safetensors`` / ``.ckpt`` file in the original
 SD layout. Image i of a prompt uses seed ``--seed + i``: the same seed gives the same image whatever
 the batch size. Each PNG stores its generation parameters in a ``parameters`` text chunk.
-``--sampler lcm`` samples a latent consistency model: 4 steps at ``--cfg 1`` unless they are given.
+``--sampler lcm`` samples a latent consistency model: 4 steps at ``--cfg 1`` unless they are given;
+it is the default (``--sampler auto``) for a run of ours trained with ``distill: lcm``, DDIM otherwise.
+The default step count suits the sampler: 100 for DDIM and Euler, 25 for DPM++ (second order), 4 for LCM.
 
 ``--prediction_type`` and ``--zero_terminal_snr`` default to what the checkpoint records. A model
 trained with ``zero_terminal_snr`` (Lin et al. 2023) is sampled on that rescaled schedule with
@@ -82,15 +84,16 @@ def parse_args(argv=None):
     parser.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for several)")
     parser.add_argument("--prompts_file", help="a text file with one prompt per line")
     parser.add_argument("--negative", default="", help="negative prompt: the unconditional branch of CFG (default: empty)")
-    parser.add_argument("--steps", type=int, default=None, help="sampler steps (default: 100; 4 with --sampler lcm, "
-                        "which takes 1..50)")
+    parser.add_argument("--steps", type=int, default=None, help="sampler steps (default: 100 with ddim and euler, "
+                        "25 with dpm++, 4 with lcm, which takes 1..50)")
     parser.add_argument("--cfg", type=float, default=None, help="classifier-free guidance scale (default: 7.5; 1 with "
                         "--sampler lcm, whose models take 1 to 2)")
     parser.add_argument("--seed", type=int, default=0, help="seed of image 0; image i uses seed + i (default: %(default)s)")
     parser.add_argument("--n", type=int, default=4, help="images per prompt (default: %(default)s)")
     parser.add_argument("--batch_size", type=int, default=4, help="images per UNet call (default: %(default)s)")
-    parser.add_argument("--sampler", choices=sd.sampling.SAMPLERS, default="ddim", help="the sampler; lcm for a "
-                        "latent consistency model (default: %(default)s)")
+    parser.add_argument("--sampler", choices=("auto", *sd.sampling.SAMPLERS), default="auto", help="the sampler; "
+                        "lcm for a latent consistency model; auto = lcm for a run of ours trained with distill: lcm, "
+                        "else ddim (default: %(default)s)")
     parser.add_bool("--no_ema", help="use the live weights of our checkpoints, not the EMA")
     parser.add_argument("--height", type=int, default=None, help="pixels, a multiple of 8 (default: the size the model "
                         "was trained at: our run's latents or DreamBooth image_size, else the UNet's sample_size x 8)")
@@ -190,7 +193,10 @@ def parse_args(argv=None):
         parser.error(str(error))
     if any(side is not None and (side % 8 or side <= 0) for side in (args.height, args.width)):
         parser.error("--height and --width must be positive multiples of 8")
-    steps, cfg = sd.sampling.sampler_defaults(args.sampler, args.steps, args.cfg, 100, 7.5)
+    if args.sampler == "auto":
+        args.sampler = sampler_for(args.ckpt)
+    steps, cfg = sd.sampling.sampler_defaults(args.sampler, args.steps, args.cfg,
+                                              sd.sampling.SAMPLER_STEPS[args.sampler], 7.5)
     for name, value in (("n", args.n), ("batch_size", args.batch_size)):
         if value < 1:
             parser.error(f"--{name} must be >= 1")
@@ -204,6 +210,16 @@ def parse_args(argv=None):
     return sd.imagegen.Request(**{**given, "prompt": tuple(prompts), "steps": steps, "cfg": cfg, "lora": loras,
                                   "embedding": tuple(sd.imagegen.parse_embedding_spec(s) for s in args.embedding),
                                   "control": tuple(args.control)})
+
+
+def sampler_for(ckpt: str) -> str:
+    """``--sampler auto``: lcm for a run of ours distilled to a latent consistency model, else ddim. A
+    checkpoint whose config cannot be read here gets ddim; loading it names what is wrong."""
+    try:
+        config = sd.formats.run_config(ckpt)
+    except ERRORS:
+        config = None
+    return "lcm" if config and config.get("distill") == "lcm" else "ddim"
 
 
 def main(argv=None) -> int:

@@ -18,6 +18,7 @@ import sd.data.training_data
 import sd.formats
 import sd.model
 import sd.run_folder
+import sd.sampling
 import sd.train.config
 import sd.train.distill
 import sd.train.step
@@ -170,6 +171,12 @@ def test_an_exported_lcm_lora_sampled_by_diffusers_lcm_scheduler_gives_our_image
                              "--seed", "3", "--n", "2", "--height", "64", "--width", "64", "--device", "cpu",
                              "--out", str(out)]) == 0
     ours = [np.asarray(Image.open(out / f"000_00000{seed}.png").convert("RGB")).astype(int) for seed in (3, 4)]
+    # Without --sampler and --steps, the run's distill: lcm chooses LCM's 4 steps: the same pictures.
+    assert SD_ImageGen.main(["--ckpt", str(run), "--prompt", "a red circle", "--seed", "3", "--n", "2", "--height",
+                             "64", "--width", "64", "--device", "cpu", "--out", str(tmp_path / "auto")]) == 0
+    assert "\nSteps: 4, Sampler: lcm, CFG scale: 1.0, Seed: 3," in sd.sampling.read_parameters(tmp_path / "auto" / "000_000003.png")
+    for seed, image in zip((3, 4), ours):
+        assert np.array_equal(np.asarray(Image.open(tmp_path / "auto" / f"000_00000{seed}.png").convert("RGB")), image)
 
     pipe = StableDiffusionPipeline.from_pretrained(str(base_model), safety_checker=None, requires_safety_checker=False,
                                                    local_files_only=True)

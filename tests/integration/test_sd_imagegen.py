@@ -580,6 +580,14 @@ def test_cli_lcm_samples_four_steps_at_guidance_one_by_default(run_dir, model, t
     assert not np.array_equal(expected[1], gen(model, seeds=(3, 4), cfg=1.0)[1])  # not DDIM's picture
 
 
+@pytest.mark.parametrize("flags, sampler, steps", [
+    ([], "ddim", 100), (["--sampler", "dpm++"], "dpm++", 25), (["--sampler", "euler"], "euler", 100),
+    (["--sampler", "lcm"], "lcm", 4), (["--sampler", "dpm++", "--steps", "7"], "dpm++", 7)])
+def test_the_default_steps_suit_the_sampler_and_a_plain_run_samples_with_ddim(flags, sampler, steps, run_dir):
+    request = SD_ImageGen.parse_args(["--ckpt", str(run_dir), "--prompt", "a", "--out", "unused", *flags])
+    assert (request.sampler, request.steps) == (sampler, steps)
+
+
 def test_a_checkpoint_that_does_not_exist_is_named_without_asking_the_hub(tmp_path, capsys):
     missing = tmp_path / "no_such_run"
     assert SD_ImageGen.main(["--ckpt", str(missing), "--prompt", "a red circle", "--out", str(tmp_path / "out")]) == 2
