@@ -45,6 +45,7 @@ import dataclasses
 import logging
 import math
 import sys
+import time
 import weakref
 from pathlib import Path
 
@@ -325,7 +326,7 @@ def frozen_models(config):
 
 
 @contextlib.contextmanager
-def session(config, resolution: int = 512, device: str = "cuda", world_size: int = 1):
+def session(config, resolution: int = 512, device: str = "cuda", world_size: int = 1, progress=None):
     """The configured models and step built once on fake tensors; yields ``run(batch_size) -> Estimate``,
     the peak of one steady-state training step at that micro-batch, stepped once per batch size (a
     steady-state step at a batch gives the same estimate whatever ran before it, so a batch asked
@@ -333,7 +334,8 @@ def session(config, resolution: int = 512, device: str = "cuda", world_size: int
     autocast emulated, its allocator's rounding) or ``"cpu"`` (the CPU's own autocast: for comparing
     with a real CPU run). ``world_size`` > 1: the step of one rank of a DDP run of that many GPUs. A step
     accumulates ``accumulation(...)`` micro-batches; at most two are run, as a third and later one repeat
-    the second's memory exactly (the gradients exist, the activations are the same)."""
+    the second's memory exactly (the gradients exist, the activations are the same). ``progress``, when
+    given, is called with each new estimate and the seconds it took, as it is made."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     allocations = Allocations(ROUND[device])
@@ -371,6 +373,7 @@ def session(config, resolution: int = 512, device: str = "cuda", world_size: int
                 nonlocal steps
                 if batch_size in estimates:
                     return estimates[batch_size]
+                started = time.perf_counter()
                 latent = resolution // 8
                 images = batch_size * per_batch
                 batches = [(torch.zeros(images, 4, latent, latent, dtype=torch.float16),
@@ -391,6 +394,8 @@ def session(config, resolution: int = 512, device: str = "cuda", world_size: int
                     parts = max(parts, at_rebuild, key=lambda p: sum(p.values()))
                 estimates[batch_size] = Estimate(batch_size, resolution, parts, sum(parts.values()), world_size,
                                                  accumulation(config, batch_size, world_size), step.sharding)
+                if progress is not None:
+                    progress(estimates[batch_size], time.perf_counter() - started)
                 return estimates[batch_size]
 
             yield run
@@ -560,12 +565,13 @@ def estimate(config, batch_size: int | None = None, resolution: int = 512, devic
         return run(batch_size or config.batch_size)
 
 
-def max_batch(config, gpu_memory_gb: float, resolution: int = 512, limit: int = 1024, run=None, world_size: int = 1):
+def max_batch(config, gpu_memory_gb: float, resolution: int = 512, limit: int = 1024, run=None, world_size: int = 1,
+              progress=None):
     """The largest micro-batch (up to ``limit``) whose predicted peak fits ``gpu_memory_gb``, and its
     estimate; ``(0, None)`` when not even one image fits. The peak grows about linearly with the batch:
     estimates at 4 and 8 images give the line, and the search starts from the batch it predicts."""
     if run is None:
-        with session(config, resolution, world_size=world_size) as run:
+        with session(config, resolution, world_size=world_size, progress=progress) as run:
             return max_batch(config, gpu_memory_gb, resolution, limit, run)
 
     def fits(batch: int) -> bool:
@@ -793,6 +799,11 @@ def suggestions(config, resolution: int, batch: int = 1, world_size: int = 1) ->
     return sorted(found, key=lambda item: item[1])
 
 
+def show_progress(estimate: Estimate, seconds: float) -> None:
+    print(f"  micro-batch {estimate.batch_size:>4}: peak {estimate.peak_gb:8.2f} GB  ({seconds:.0f} s)",
+          file=sys.stderr, flush=True)
+
+
 def report(config, resolution: int, gpu_memory_gb: float, world_size: int = 1) -> dict:
     """``SD_Train.py --estimate_memory``: the breakdown at the config's batch and the largest batch that
     fits ``gpu_memory_gb``, printed, for each GPU of a ``world_size``-GPU run; the result as a dict (the
@@ -801,9 +812,9 @@ def report(config, resolution: int, gpu_memory_gb: float, world_size: int = 1) -
         resolve_global_batch(config, world_size)
     wrapper = {"zero1": "DDP, AdamW state split by ZeRO-1", "fsdp": "FSDP2"}.get(config.sharding, "DDP")
     print(f"estimating one training step on fake tensors ({config.unet} UNet, {resolution} px"
-          f"{f', {wrapper} on {world_size} GPUs' if world_size > 1 else ''}): no GPU or data needed; up to a few minutes "
-          "on a CPU ...", file=sys.stderr, flush=True)
-    with session(config, resolution, world_size=world_size) as run:
+          f"{f', {wrapper} on {world_size} GPUs' if world_size > 1 else ''}): no GPU or data needed; a line per "
+          "batch size tried ...", file=sys.stderr, flush=True)
+    with session(config, resolution, world_size=world_size, progress=show_progress) as run:
         batch, at_max = max_batch(config, gpu_memory_gb, resolution, run=run)
         if batch and config.global_batch:  # the largest that makes global_batch, as batch_size: auto takes
             batch = largest_batch_for(config.global_batch, world_size, batch)
@@ -861,7 +872,11 @@ def auto_batch_size(config, d, gpu_memory_gb: float | None = None) -> int:
         gpu_memory_gb = torch.cuda.get_device_properties(d.device).total_memory / 1e9
     gpu_memory_gb = min(sd.distributed.all_gather_objects(gpu_memory_gb, d))
     resolution = resolution_of(config)
-    batch, estimate = max_batch(config, gpu_memory_gb, resolution, world_size=d.world_size)  # DDP's, on several GPUs
+    log.info("batch_size: auto: estimating the step's memory at a few batch sizes on fake tensors ...")
+    batch, estimate = max_batch(config, gpu_memory_gb, resolution, world_size=d.world_size,  # DDP's, on several GPUs
+                                progress=lambda found, seconds: log.info("batch_size: auto: micro-batch %d -> peak "
+                                                                         "%.2f GB (%.0f s)", found.batch_size,
+                                                                         found.peak_gb, seconds))
     if batch == 0:
         raise ConfigError(f"batch_size: auto: not even one {resolution} px image fits {gpu_memory_gb:.1f} GB with "
                           "these settings (SD_Train.py --estimate_memory shows where the memory goes)")

@@ -105,6 +105,9 @@ def test_estimate_memory_needs_no_data_and_ends_with_one_json_line(tmp_path, cap
     assert "grad_checkpointing: true" not in out and "ema_device: cpu" not in out.split("Not even")[1]
     assert "estimating one training step on fake tensors" in captured.err  # progress before the long work
     assert "estimating with optimizer: adamw8bit" in captured.err
+    # A line for each micro-batch tried, as it is estimated: the search's sizes, ending at one image.
+    tried = [line.split()[1].rstrip(":") for line in captured.err.splitlines() if line.startswith("  micro-batch")]
+    assert tried[:2] == ["4", "8"] and "1" in tried and len(tried) == len(set(tried))
 
 
 def test_estimate_flags_are_checked_before_any_work(capsys):
