@@ -28,6 +28,7 @@ log = logging.getLogger("sd_lora")
 # ``W' = W + (alpha / r) * up @ down``:
 #   kohya      one FILE.safetensors: lora_unet_<module with _>.lora_down.weight, .lora_up.weight, .alpha
 #              (a 0-d tensor; without it alpha = r); text encoder lora_te_text_model_encoder_layers_...
+#              Layers of more than one rank (LoCon) are written with alpha / r folded into up.
 #   diffusers  FOLDER/pytorch_lora_weights.safetensors: unet.<module>.lora_A.weight (down), .lora_B.weight
 #              (up), text_encoder.text_model.<module>...; alpha in the header's ``lora_adapter_metadata``
 #              (a JSON LoraConfig per part), without it alpha = r. Written with alpha / r folded into up.
@@ -115,10 +116,13 @@ def save_lora(out: str | Path, lora: dict[str, dict[str, LoraModule]], lora_form
 
     diffusers: each ``up`` holds ``alpha / r`` and the alpha written is r. diffusers 0.32 and older (and
     any reader of PEFT keys that skips the header) take alpha = r: with alpha folded in, every version
-    computes the trained weights (rounded once, as in a merge).
+    computes the trained weights (rounded once, as in a merge). kohya: the same when the layers differ
+    in rank (LoCon's convolutions at another rank than the linear layers): diffusers up to 0.32 (the
+    version sd-scripts pins) then reads every layer at alpha = its rank (``_maybe_adjust_config``);
+    a file of one rank keeps its alpha, which every reader applies.
     """
     path = lora_output(out, lora_format)
-    if lora_format == "diffusers":
+    if lora_format == "diffusers" or len({m.rank for part in lora.values() for m in part.values()}) > 1:
         lora = fold_alpha(lora)
     layers = [m for part in lora.values() for m in part.values()]
     if not layers:

@@ -477,10 +477,12 @@ def test_lora_flags_that_could_do_nothing_are_refused(capsys):
 CONV_RANK, CONV_ALPHA = 2, 1.0
 
 
-def test_locon_convolutions_keep_their_own_rank_and_alpha_in_the_kohya_layout(base, tmp_path):
-    """3x3 convolutions at rank 2 / alpha 1, Linear and 1x1 layers at rank 4 / alpha 8: the file's keys and
-    per-module alphas say so, its header records kohya's conv_dim / conv_alpha, and every reader (ours,
-    diffusers' conversion of kohya files) gets the same weights back."""
+def test_locon_convolutions_keep_their_own_rank_in_the_kohya_layout_with_alpha_folded(base, tmp_path):
+    """3x3 convolutions at rank 2 / alpha 1, Linear and 1x1 layers at rank 4 / alpha 8: the file's keys say
+    so and its header records kohya's conv_dim / conv_alpha. Layers of two ranks are written with alpha /
+    rank folded into up and alpha = rank: diffusers up to 0.32.1 (sd-scripts' pinned version) reads such a
+    file at alpha = rank whatever it holds (``_maybe_adjust_config``), the other readers (ours, newer
+    diffusers' conversion of kohya files) read each alpha; both get the trained weights."""
     from diffusers import DDIMScheduler, StableDiffusionPipeline
 
     unet = copy.deepcopy(base[0])
@@ -493,25 +495,27 @@ def test_locon_convolutions_keep_their_own_rank_and_alpha_in_the_kohya_layout(ba
     assert 0 < len(convs) < len(modules) and any(getattr(base[0].get_submodule(n), "kernel_size", ()) == (1, 1)
                                                  for n in modules)  # a 1x1 conv_shortcut takes the Linear rank
     assert len(tensors) == 3 * len(modules)
-    for name in modules:
+    own = sd.lora.formats.adapter_lora_modules(unet)
+    back = sd.lora.formats.read_lora(path, base[0])["unet"]
+    assert set(back) == set(own) == set(modules)
+    for name, m in own.items():
         layer, key = base[0].get_submodule(name), "lora_unet_" + name.replace(".", "_")
         down, up, alpha = (tensors[f"{key}.{s}"] for s in ("lora_down.weight", "lora_up.weight", "alpha"))
         if name in convs:
             assert down.shape == (CONV_RANK, layer.in_channels, 3, 3) and up.shape == (layer.out_channels, CONV_RANK, 1, 1)
-            assert alpha.item() == CONV_ALPHA, name
+            assert (m.rank, m.alpha, alpha.item()) == (CONV_RANK, CONV_ALPHA, CONV_RANK), name
         else:
-            assert down.shape[0] == RANK and up.shape[1] == RANK and alpha.item() == ALPHA, name
+            assert (down.shape[0], up.shape[1], m.alpha, alpha.item()) == (RANK, RANK, ALPHA, RANK), name
+        trained = (m.alpha / m.rank) * (m.up.flatten(1) @ m.down.flatten(1))
+        for reader, delta in (("alpha = rank", up.flatten(1) @ down.flatten(1)),
+                              ("read_lora", back[name].alpha / back[name].rank * back[name].delta(trained.shape))):
+            torch.testing.assert_close(delta, trained, atol=1e-6, rtol=1e-5, msg=f"{reader}: {name}")
     with safe_open(str(path), framework="pt") as handle:
         header = handle.metadata()
-    assert (header["ss_network_dim"], header["ss_network_alpha"]) == (str(RANK), str(ALPHA))
-    assert json.loads(header["ss_network_args"]) == {"conv_dim": str(CONV_RANK), "conv_alpha": str(CONV_ALPHA)}
-    assert (header["lora_rank"], header["lora_alpha"]) == (str(RANK), str(ALPHA))
+    assert (header["ss_network_dim"], header["ss_network_alpha"]) == (str(RANK), str(float(RANK)))
+    assert json.loads(header["ss_network_args"]) == {"conv_dim": str(CONV_RANK), "conv_alpha": str(float(CONV_RANK))}
+    assert (header["lora_rank"], header["lora_alpha"]) == (str(RANK), str(float(RANK)))
 
-    back = sd.lora.formats.read_lora(path, base[0])["unet"]
-    own = sd.lora.formats.adapter_lora_modules(unet)
-    assert set(back) == set(own)
-    assert all(torch.equal(back[n].down, m.down) and torch.equal(back[n].up, m.up) and back[n].alpha == m.alpha
-               for n, m in own.items())
     pipe = StableDiffusionPipeline(unet=copy.deepcopy(base[0]), text_encoder=copy.deepcopy(base[1]), vae=base[2],
                                    tokenizer=base[3], scheduler=sd.model.build_noise_scheduler("epsilon", DDIMScheduler),
                                    safety_checker=None, feature_extractor=None, requires_safety_checker=False)
@@ -546,4 +550,4 @@ def test_a_locon_run_records_its_conv_rank_and_loads_back_with_it(lora_run, base
     assert adapters_equal(model.unet, unet)
     assert SD_ImageGen.main(["--ckpt", str(copy_run), "--export_lora", str(tmp_path / "k.safetensors")]) == 0
     with safe_open(str(tmp_path / "k.safetensors"), framework="pt") as handle:
-        assert json.loads(handle.metadata()["ss_network_args"]) == {"conv_dim": "2", "conv_alpha": "1.0"}
+        assert json.loads(handle.metadata()["ss_network_args"]) == {"conv_dim": "2", "conv_alpha": "2.0"}  # folded
