@@ -419,38 +419,79 @@ def grid_label(prompt: str, width_px: int) -> list[str]:
 
 
 def save_grid(path, rows: list[tuple[str, list[np.ndarray]]]) -> None:
-    """One row per prompt, its whole text above it (wrapped); written atomically as PNG."""
+    """Each prompt's images side by side under its whole text (wrapped); a grid of one image per prompt
+    (the validation grid) packs the prompts about as many across as down. Images narrower than
+    GRID_MIN_CELL_PX are scaled up by a whole factor (each pixel a square block), so that a caption
+    fits above them. Written atomically as PNG; ``grid_cell`` reads an image back."""
     from PIL import Image, ImageDraw
 
     height, width = rows[0][1][0].shape[:2]
-    columns = max(len(images) for _, images in rows)
-    labels = [grid_label(prompt, columns * width) for prompt, _ in rows]
-    label = label_height([prompt for prompt, _ in rows], columns * width)
-    grid = Image.new("RGB", (columns * width, len(rows) * (height + label)), "white")
+    layout = GridLayout.of([prompt for prompt, _ in rows], max(len(images) for _, images in rows), height, width)
+    grid = Image.new("RGB", layout.size, "white")
     draw = ImageDraw.Draw(grid)
-    for r, ((_, images), lines) in enumerate(zip(rows, labels)):
-        top = r * (height + label)
-        for i, line in enumerate(lines):
-            draw.text((2, top + 2 + i * GRID_LABEL_PX), line, fill="black")
+    for r, (prompt, images) in enumerate(rows):
+        left, top = layout.block(r)
+        for i, line in enumerate(grid_label(prompt, layout.block_width)):
+            draw.text((left + 2, top + 2 + i * GRID_LABEL_PX), line, fill="black")
         for c, image in enumerate(images):
-            grid.paste(Image.fromarray(image), (c * width, top + label))
+            big = np.repeat(np.repeat(image, layout.scale, axis=0), layout.scale, axis=1)
+            grid.paste(Image.fromarray(big), layout.cell(r, c))
     sd.files.save_png_atomic(path, grid)
 
 
 GRID_LABEL_PX = 16  # the text strip above each row of a grid: one line of text
 GRID_LABEL_LINES = 6
+GRID_MIN_CELL_PX = 128  # narrower images are scaled up: a caption above a 64 px picture is unreadable
 
 
-def label_height(prompts: list[str], width_px: int) -> int:
-    """The height of the text strip above every row of a grid of these prompts, ``width_px`` wide."""
-    return GRID_LABEL_PX * max(len(grid_label(prompt, width_px)) for prompt in prompts)
+@dataclass(frozen=True)
+class GridLayout:
+    """Where ``save_grid`` puts things: ``per_row`` blocks (a prompt's text over its ``images`` images) in
+    each row of blocks, each image ``scale`` times its size."""
+
+    prompts: int
+    images: int
+    height: int
+    width: int
+    scale: int
+    per_row: int
+    label: int  # the text strip's height above every block
+
+    @classmethod
+    def of(cls, prompts: list[str], images: int, height: int, width: int) -> "GridLayout":
+        scale = max(1, -(-GRID_MIN_CELL_PX // width))
+        per_row = math.ceil(math.sqrt(len(prompts))) if images == 1 else 1
+        label = GRID_LABEL_PX * max(len(grid_label(p, images * width * scale)) for p in prompts)
+        return cls(len(prompts), images, height, width, scale, per_row, label)
+
+    @property
+    def block_width(self) -> int:
+        return self.images * self.width * self.scale
+
+    @property
+    def size(self) -> tuple[int, int]:
+        rows = math.ceil(self.prompts / self.per_row)
+        return self.per_row * self.block_width, rows * (self.label + self.height * self.scale)
+
+    def block(self, prompt: int) -> tuple[int, int]:
+        """The top-left corner of prompt ``prompt``'s block (its text)."""
+        row, column = divmod(prompt, self.per_row)
+        return column * self.block_width, row * (self.label + self.height * self.scale)
+
+    def cell(self, prompt: int, image: int) -> tuple[int, int]:
+        """The top-left corner of image ``image`` of prompt ``prompt``."""
+        left, top = self.block(prompt)
+        return left + image * self.width * self.scale, top + self.label
 
 
-def grid_cell(grid: np.ndarray, row: int, column: int, height: int, width: int, prompts: list[str]) -> np.ndarray:
-    """The image at ``(row, column)`` of a grid of ``prompts`` written by ``save_grid``."""
-    label = label_height(prompts, grid.shape[1])
-    top = row * (height + label) + label
-    return grid[top : top + height, column * width : (column + 1) * width]
+def grid_cell(grid: np.ndarray, row: int, column: int, height: int, width: int, prompts: list[str],
+              images: int = 1) -> np.ndarray:
+    """Image ``column`` of prompt ``row`` of a grid of ``prompts`` with ``images`` images each written by
+    ``save_grid``, at its own size."""
+    layout = GridLayout.of(prompts, images, height, width)
+    left, top = layout.cell(row, column)
+    cell = grid[top : top + height * layout.scale, left : left + width * layout.scale]
+    return cell[:: layout.scale, :: layout.scale]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -151,7 +151,7 @@ def test_cli_writes_pngs_with_parameters_and_a_grid(run_dir, tmp_path):
     assert text.startswith("a blue square\nNegative prompt: blurry\nSteps: 4, Sampler: ddim, CFG scale: 4.0, Seed: 8,")
     from PIL import Image
 
-    assert Image.open(out / "grid.png").size == (2 * 64, 2 * (64 + 16))
+    assert Image.open(out / "grid.png").size == (2 * 128, 2 * (128 + 16))  # 64 px shown at 128, a line of text
     assert len(json.loads((out / "images.json").read_text())) == 4
 
 

@@ -633,11 +633,23 @@ def test_grid_labels_hold_the_whole_prompt_wrapped_to_the_row(tmp_path):
     lines = sd.sampling.grid_label(prompt, 64)  # about 10 characters a line
     assert " ".join(lines) == prompt and all(len(line) <= 10 for line in lines)
     assert sd.sampling.grid_label("x " * 200, 64)[-1].endswith("...")  # at most 6 lines
-    image = np.full((64, 64, 3), 7, np.uint8)
-    sd.sampling.save_grid(tmp_path / "g.png", [(prompt, [image]), ("a cat", [image])])
+    rng = np.random.default_rng(0)
+    images = [rng.integers(0, 256, (64, 64, 3), dtype=np.uint8) for _ in range(5)]
+    prompts = [prompt, "a cat", "a dog", "a red circle", "a blue square"]
+    # One image per prompt (the validation grid): 64 px scaled to 128, three across and two down, each
+    # under its own prompt wrapped to 128 px (about 21 characters a line).
+    sd.sampling.save_grid(tmp_path / "g.png", list(zip(prompts, ([image] for image in images))))
     grid = np.asarray(Image.open(tmp_path / "g.png").convert("RGB"))
-    assert grid.shape == (2 * (64 + 16 * len(lines)), 64, 3)
-    assert np.array_equal(sd.sampling.grid_cell(grid, 1, 0, 64, 64, [prompt, "a cat"]), image)
+    label = 16 * len(sd.sampling.grid_label(prompt, 128))
+    assert label < 16 * len(lines) and grid.shape == (2 * (label + 128), 3 * 128, 3)
+    for row, image in enumerate(images):
+        assert np.array_equal(sd.sampling.grid_cell(grid, row, 0, 64, 64, prompts), image)
+    # Several images per prompt (SD_ImageGen.py's grid): a row each, the prompt across the row.
+    sd.sampling.save_grid(tmp_path / "h.png", [(prompts[0], images[:2]), (prompts[1], images[2:4])])
+    grid = np.asarray(Image.open(tmp_path / "h.png").convert("RGB"))
+    assert grid.shape == (2 * (16 * len(sd.sampling.grid_label(prompt, 256)) + 128), 256, 3)
+    for row, column, image in ((0, 0, images[0]), (0, 1, images[1]), (1, 0, images[2]), (1, 1, images[3])):
+        assert np.array_equal(sd.sampling.grid_cell(grid, row, column, 64, 64, prompts[:2], images=2), image)
 
 
 def test_an_ema_or_weights_file_holding_nan_is_refused_at_load_naming_the_tensor_and_nothing_is_loaded():
