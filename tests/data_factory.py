@@ -12,8 +12,8 @@ import sd.run_folder
 # The tiny training settings the trainer tests share (every model random and small, fp32 on the CPU).
 BASE = dict(unet="tiny", vae="tiny", text_encoder="tiny", precision="fp32", device="cpu", grad_checkpointing=False,
             batch_size=2, grad_accum=2, lr=1e-3, warmup_steps=2, ema_decay=0.9, log_every=1, save_steps=100,
-            validate_every=0, validation_prompts=["a red circle", "a blue square"], validation_steps=3,
-            validation_samples=8, cfg_dropout=0.1, seed=0)
+            validate_every=0, validation_prompts=["a red circle", "a blue square"], validation_data_captions=0,
+            validation_steps=3, validation_samples=8, cfg_dropout=0.1, seed=0)
 
 WORDS = ["red circle", "blue square", "green triangle", "yellow star"]
 
@@ -79,7 +79,7 @@ def train_tiny_run(root: Path, n_train: int, **fields) -> Path:
     data = make_dataset(root / "data", n_train=n_train, n_val=0)
     values = dict(datasets=[data], unet="tiny", vae="tiny", text_encoder="tiny", precision="fp32", device="cpu",
                   grad_checkpointing=False, batch_size=8, grad_accum=1, lr=3e-3, out_dir=str(root / "run"),
-                  validation_cfg=4.0, seed=5)
+                  validation_cfg=4.0, validation_data_captions=0, seed=5)
     config = TrainConfig(**{**values, **fields})
     config.validate()
     assert SD_Train.train(config, Dist.single()) == 0

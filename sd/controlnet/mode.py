@@ -24,6 +24,7 @@ class ControlNet(sd.train.mode.Mode):
     whole_unet = False
     batch_inputs = ("control",)  # (B, 3, H, W) uint8 at the image's size, after the loss mask
     missing_inputs = "a control image per sample (latents encoded without encode_latents.py --control?)"
+    prompt_inputs = True  # a control image per validation prompt
 
     @classmethod
     def wanted(cls, config) -> bool:

@@ -246,6 +246,10 @@ class TrainConfig:
                                allowed=NON_NEGATIVE)
     validation_prompts: list = _doc("prompts of the validation sample grid",
                                     default_factory=lambda: ["a photograph of an astronaut riding a horse"])
+    validation_data_captions: int = _doc("captions of the training data (drawn with seed, the same all run) sampled "
+                                         "in the grid after validation_prompts: the model's progress on its own "
+                                         "data; not with control, whose prompts take images; 0 = none", 4,
+                                         allowed=NON_NEGATIVE)
     validation_samples: int = _doc("held-out samples used for the validation loss", 256, allowed=COUNT)
     validation_steps: int = _doc("DDIM steps of the validation samples", 50, allowed=COUNT)
     validation_cfg: float = _doc("classifier-free guidance scale of the validation samples", 7.5,
@@ -788,6 +792,7 @@ ON_RESUME = {
     "out_dir": OnResume(FREE), "save_steps": OnResume(FREE), "save_every_epoch": OnResume(FREE),
     "keep_checkpoints": OnResume(FREE), "keep_every_steps": OnResume(FREE), "stop_at_step": OnResume(FREE),
     "log_every": OnResume(FREE), "validate_every": OnResume(FREE), "validation_prompts": OnResume(FREE),
+    "validation_data_captions": OnResume(FREE),
     "validation_samples": OnResume(FREE), "validation_steps": OnResume(FREE), "validation_cfg": OnResume(FREE),
     "validation_sampler": OnResume(FREE),
     "validation_width": OnResume(FREE), "validation_height": OnResume(FREE),

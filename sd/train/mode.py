@@ -45,6 +45,7 @@ class Mode:
     retokenises = False  # the captions are tokenised again (the stored token ids lack what the mode adds)
     batch_inputs: tuple[str, ...] = ()  # the names of the tensors it adds at the end of a micro-batch
     missing_inputs = ""  # what a micro-batch without them lacks, and why, in an error message
+    prompt_inputs = False  # sample_inputs needs each validation prompt's own input (no data captions join the grid)
 
     def __init__(self, config):
         self.config = config

@@ -72,11 +72,33 @@ def validate(run: Run, record: dict, stop=None) -> Path | None:
             with ema_swapped_in(step), sd.train.sharding.unsharded(step.unet):
                 record["val_loss_ema"] = sd.train.step.validation_loss(step, run.val_data, config.validation_samples,
                                                                       config.batch_size, stop)
-    if not config.validation_prompts:
+    if not grid_prompts(run):
         return None
     path = run.run_dir / "samples" / f"step_{run.state.step:08d}.png"
     sample_grid(run, path, stop)
     return path
+
+
+def grid_prompts(run: Run) -> list[str]:
+    """``validation_prompts``, then ``validation_data_captions`` captions of the training samples drawn
+    with the run's seed (the same at every validation, on every rank and after a resume; none for a mode
+    whose prompts take inputs of their own)."""
+    config, data = run.config, run.train_data
+    splits = getattr(data, "splits", None)
+    count = min(config.validation_data_captions, len(data)) if splits and not run.mode.prompt_inputs else 0
+    captions: list[str] = []
+    if count:  # distinct captions, from up to 16 draws each: a dataset of few captions gives what it has
+        rng = np.random.default_rng([config.seed, 0x67726964])  # the grid's own stream: no training draw moves
+        for index in rng.choice(len(data), min(len(data), 16 * count), replace=False):
+            which = int(np.searchsorted(data.offsets, index, side="right")) - 1
+            split, local = splits[which], int(index - data.offsets[which])
+            text = (split.captions.read(np.array([local]))[0] if split.captions is not None
+                    else run.sampler.tokenizer.decode(split.input_ids[local], skip_special_tokens=True)).strip()
+            if text and text not in captions and text not in config.validation_prompts:
+                captions.append(text)
+                if len(captions) == count:
+                    break
+    return [*config.validation_prompts, *captions]
 
 
 @contextlib.contextmanager
@@ -125,7 +147,7 @@ def evaluate(run: Run, stop=None) -> dict:
 
 @torch.no_grad()
 def sample_grid(run: Run, path: Path, stop=None) -> None:
-    """One image per validation prompt, seed ``config.seed``, with the EMA weights: a labelled grid.
+    """One image per prompt of ``grid_prompts``, seed ``config.seed``, with the EMA weights: a labelled grid.
 
     The prompts are shared out across the ranks, one each per round of ``sd.evaluation.gather_in_order``
     (no rank waits in a collective while another samples alone, and a stop is agreed between
@@ -136,7 +158,7 @@ def sample_grid(run: Run, path: Path, stop=None) -> None:
     """
     config, d = run.config, run.d
     width, height = validation_size(config, run.train_data)
-    prompts = config.validation_prompts
+    prompts = grid_prompts(run)
 
     def sample(i: int) -> list:
         return sd.sampling.generate(run.sampler, prompts[i], "", [config.seed], steps=config.validation_steps,

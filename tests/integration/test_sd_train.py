@@ -25,6 +25,7 @@ import sd.train.recovery
 import sd.train.config
 import sd.train.ema
 import sd.train.step
+import sd.sampling
 import sd.train.validation
 import SD_Train
 from sd.distributed import Dist
@@ -1035,3 +1036,46 @@ def test_ddp_accumulation_sums_into_the_buckets_with_no_second_gradient_copy(tmp
     assert len(seen) == 2 * 2 * len(params)
     assert all(ptr == where[key] for key, ptr in seen)
     assert len({p.grad.untyped_storage().data_ptr() for p in params}) < len(params) / 10  # a few buckets
+
+
+class ToyData:
+    """The parts of MixedData that grid_prompts reads: one split of 16 samples."""
+
+    def __init__(self, split):
+        self.splits, self.offsets = [split], np.array([0, 16])
+
+    def __len__(self) -> int:
+        return 16
+
+
+def test_the_grid_adds_captions_of_the_training_data_drawn_once_for_the_run(tmp_path):
+    """validation_data_captions: distinct captions of the training samples after validation_prompts, the
+    same at every validation (a stream of their own, from the seed); none for a mode whose prompts take
+    images (ControlNet)."""
+    from types import SimpleNamespace
+
+    from PIL import Image
+
+    from data_factory import WORDS, train_tiny_run
+
+    captions = [f"a {WORDS[i % len(WORDS)]}" for i in range(16)]
+    config = sd.train.config.TrainConfig(**{**BASE, "validation_prompts": ["a red circle"], "validation_data_captions": 3})
+    split = SimpleNamespace(captions=None, input_ids=np.array([[i] for i in range(16)]))
+    tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens: captions[int(ids[0])])
+    run = SimpleNamespace(config=config, train_data=ToyData(split), mode=SimpleNamespace(prompt_inputs=False),
+                          sampler=SimpleNamespace(tokenizer=tokenizer))
+    prompts = sd.train.validation.grid_prompts(run)
+    assert prompts[0] == "a red circle" and sorted(prompts[1:]) == sorted(f"a {w}" for w in WORDS[1:])
+    assert sd.train.validation.grid_prompts(run) == prompts  # the same draw at every validation
+    control = SimpleNamespace(**{**vars(run), "mode": SimpleNamespace(prompt_inputs=True)})
+    assert sd.train.validation.grid_prompts(control) == ["a red circle"]
+    none = SimpleNamespace(**{**vars(run), "config": dataclasses.replace(config, validation_data_captions=0)})
+    assert sd.train.validation.grid_prompts(none) == ["a red circle"]
+    # A run's grid: its prompt and three captions of its data (its toy set has four), 2 x 2 cells of 128 px.
+    run_dir = train_tiny_run(tmp_path, 16, max_steps=2, validate_every=2, save_steps=2, validation_steps=2,
+                             validation_prompts=["a red circle"], validation_data_captions=3)
+    grid = np.asarray(Image.open(run_dir / "samples" / "step_00000002.png").convert("RGB"))
+    layout = sd.sampling.GridLayout.of(prompts, 1, 64, 64)
+    assert layout.per_row == 2 and grid.shape == (layout.size[1], layout.size[0], 3)
+    cells = [sd.sampling.grid_cell(grid, row, 0, 64, 64, prompts) for row in range(4)]
+    assert all(cell.std() > 0 for cell in cells)  # four pictures (a 2-step model barely heeds its prompt yet)
