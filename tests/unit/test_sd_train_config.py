@@ -175,6 +175,7 @@ RANGES = {
     "log_every": (">= 1", [1], [0]),
     "validate_every": (">= 0", [0], [-1]),
     "validation_samples": (">= 1", [1], [0]),
+    "validation_data_captions": (">= 0", [0, 4], [-1]),
     "validation_steps": (">= 1", [1], [0]),
     "validation_cfg": (">= 0 and finite", [0.0, 1.0, 30.0], [-1.0]),
     "seed": ("in [0, 4294967295]", [0, 2**32 - 1], [-1, 2**32]),
@@ -368,7 +369,7 @@ RESUME_FREE = {
     "data_threads", "mmap_latents", "allow_missing_latents", "init_from", "cache_text_embeddings", "ema_device",
     "ema_warmup", "grad_checkpointing", "channels_last", "compile", "compile_mode", "max_bad_steps", "out_dir", "save_steps",
     "save_every_epoch", "keep_checkpoints", "keep_every_steps", "stop_at_step", "log_every", "validate_every",
-    "validation_prompts", "validation_samples", "validation_steps", "validation_cfg", "validation_sampler", "validation_width",
+    "validation_prompts", "validation_data_captions", "validation_samples", "validation_steps", "validation_cfg", "validation_sampler", "validation_width",
     "validation_height", "eval_every", "eval_prompts", "eval_n", "eval_reference", "eval_features",
     "eval_clip_model", "eval_batch_size", "wandb_project", "wandb_mode", "tensorboard", "device", "sharding",
     "controlnet_from", "validation_controls"}
