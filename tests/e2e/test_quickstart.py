@@ -20,7 +20,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 from PIL import Image
+
+import sd.sampling
 
 from demo.evaluate import classify
 from margins import at_least
@@ -53,6 +56,22 @@ SMALLER = {
 # base's other modes in some draws (0-100%).
 SMALLER_LORA = {"SD_Train.py": ["--image_size", str(SIZE)],
                 "SD_ImageGen.py": ["--steps", "20", "--n", "64", "--cfg", "1.5"]}
+
+
+# The other modes' quick-start configs, run as their comments write them on quick start 2's model and data:
+# a few steps each (what they learn is the subject of their own tests), sampled briefly.
+MODE_CONFIGS = ("finetune", "textual_inversion", "lcm_lora", "controlnet")
+SHORTER = {"SD_Train.py": ["--max_steps", "4", "--save_steps", "4", "--validate_every", "4", "--image_size", str(SIZE)],
+           "encode_latents.py": ["--resolution", str(SIZE)],
+           "SD_ImageGen.py": ["--n", "2", "--height", str(SIZE), "--width", str(SIZE)]}
+
+
+def config_commands(name: str) -> list[str]:
+    """The ``python ...`` commands in the comments at the top of ``configs/quickstart/NAME.yaml``."""
+    lines = (ROOT / "configs" / "quickstart" / f"{name}.yaml").read_text().splitlines()
+    header = [line.lstrip("#").split("  #")[0].strip() for line in lines[: next(i for i, line in enumerate(lines)
+                                                                                 if not line.startswith("#"))]]
+    return [line for line in header if line.startswith("python ")]
 
 
 def readme_block(title: str) -> list[str]:
@@ -157,3 +176,23 @@ def test_quick_starts_2_and_3_as_written_give_the_prompted_pictures(user_folder)
     at_least("LoRA: its samples in the subject's colour", after, 0.6, tuned)
     at_least("LoRA: gain in the subject's colour over the base", after - before, 0.4, (base, tuned))
     assert (user_folder / "my_lora.safetensors").stat().st_size > 0
+
+    # The other modes on the same model and data, each config run as its comments say.
+    Image.fromarray(np.pad(np.full((SIZE - 8, SIZE - 8, 3), 255, np.uint8), ((4, 4), (4, 4), (0, 0)))).save(
+        user_folder / "EDGES.png")  # an edge map for the ControlNet's sample: a white block on black
+    for name in MODE_CONFIGS:
+        commands = config_commands(name)
+        assert any(shlex.split(c)[1] == "SD_Train.py" and f"configs/quickstart/{name}.yaml" in c for c in commands)
+        for line in commands:
+            run_command(line, SHORTER)
+        config = yaml.safe_load((ROOT / "configs" / "quickstart" / f"{name}.yaml").read_text())
+        run = user_folder / config["out_dir"]
+        records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in records if "loss" in r][-1] == 4 and all(np.isfinite(r["loss"]) for r in records
+                                                                             if "loss" in r), name
+        assert (run / "checkpoints" / "step_00000004").is_dir(), name
+    assert "Steps: 4, Sampler: lcm" in sd.sampling.read_parameters(  # auto: a distilled run samples in 4 LCM steps
+        next((user_folder / "samples" / "my_lcm").glob("0*.png")))
+    assert (user_folder / "my_lcm.safetensors").stat().st_size > 0
+    assert list((user_folder / "embeddings").glob("*.safetensors"))
+    assert len(list((user_folder / "samples" / "my_controlnet").glob("0*.png"))) == 2
