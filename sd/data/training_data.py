@@ -513,9 +513,10 @@ class CaptionText:
         return [self.chunks[c][int(r - self.starts[c])].as_py() or "" for c, r in zip(chunks, rows)]
 
 
-def load_caption_split(dataset_dir: str | Path, split: str):
+def load_caption_split(dataset_dir: str | Path, split: str, token_ids: bool = True):
     """``(keys, input_ids)`` of one split of a caption dataset written by ``05_build_hf_dataset.py``:
-    keys a list of str, input_ids ``(N, 77)`` int64.
+    keys a list of str, input_ids ``(N, 77)`` int64; without ``token_ids`` (a loader that tokenises the
+    caption text itself) ``(N, 0)``: 616 bytes a row not held (800 MB a rank at 1.3M rows).
 
     Both are converted column by column from the split's memory-mapped Arrow table, with no Python
     work per row (converting row by row cost 88 us a row: ~115 CPU-seconds per rank for 1.3M rows).
@@ -543,6 +544,8 @@ def load_caption_split(dataset_dir: str | Path, split: str):
     keys = table.column("key").to_numpy(zero_copy_only=False).tolist()
     if not keys:
         return [], np.zeros((0, 77), dtype=np.int64)
+    if not token_ids:
+        return keys, np.zeros((len(keys), 0), dtype=np.int64)
     input_ids = token_id_rows(table.column("input_ids"), f"caption dataset {dataset_dir} split '{split}'")
     if input_ids.shape[1] != 77:
         raise DataError(f"caption dataset {dataset_dir}: input_ids have {input_ids.shape[1]} tokens, expected 77")
@@ -596,8 +599,9 @@ def load_caption_text(dataset_dir: str | Path, split: str) -> CaptionText:
 def join_split(dataset_dir, split: str, store: LatentStore, *, allow_missing: bool = False,
                captions: bool = False) -> JoinedSplit:
     """Join a caption split to a latent store by key; missing latents are an error unless allowed.
-    ``captions``: also keep the caption text (``CaptionText``) for the loader to tokenise."""
-    keys, input_ids = load_caption_split(dataset_dir, split)
+    ``captions``: keep the caption text (``CaptionText``) for the loader to tokenise, instead of the
+    stored token ids."""
+    keys, input_ids = load_caption_split(dataset_dir, split, token_ids=not captions)
     text = load_caption_text(dataset_dir, split) if captions and keys else None
     rows = np.fromiter((store.row_of.get(k, -1) for k in keys), dtype=np.int64, count=len(keys))
     missing = rows < 0
@@ -700,6 +704,7 @@ class MixedData:
         stored = self.bucket_of[indices]
         latents = np.empty((len(indices), *shape), dtype=np.float16)
         input_ids = np.empty((len(indices), 77), dtype=np.int64)
+        stored_ids = self.tokenizer is None  # else made from the caption text below
         for d in np.unique(which):
             split = self.splits[d]
             for b in np.unique(stored[which == d]):
@@ -707,8 +712,9 @@ class MixedData:
                 local = indices[mask] - self.offsets[d]
                 part = split.store.gather(split.rows[local], None if flipped is None else flipped[mask])
                 latents[mask] = part if part.shape[1:] == shape else sd.data.buckets.fit_latents(part, shape)
-                input_ids[mask] = split.input_ids[local]
-        if self.tokenizer is not None:
+                if stored_ids:
+                    input_ids[mask] = split.input_ids[local]
+        if not stored_ids:
             input_ids = self.caption_ids(indices, indices[:, None] if draws is None else draws)
         extra = (self.masks(indices, flipped),) if self.masked else ()
         if self.controlled:
