@@ -120,6 +120,7 @@ def write_shards(out: Path, count: int, args, pick, prefix: str) -> sd.data.stag
     return summary
 
 
+@sd.data.stages.ends_cleanly_on_a_full_disk(STAGE)
 def main(argv=None) -> int:
     sd.runtime.start_process(uses_torch=False)
     args = parse_args(argv)

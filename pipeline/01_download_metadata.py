@@ -88,6 +88,8 @@ def count_rows(out: Path, patterns: list[str], summary: sd.data.stages.Summary) 
         try:
             rows = pq.ParquetFile(path).metadata.num_rows
         except Exception as error:  # pyarrow raises several types for a damaged file
+            if sd.data.stages.disk_full(error):  # not the input's fault: the stage ends
+                raise
             log.error("%s: not readable parquet (%s)", path, error)
             summary.dropped["unreadable_parquet"] += 1
             files.append({"file": name, "rows": None, "bytes": path.stat().st_size, "error": str(error)})
@@ -97,6 +99,7 @@ def count_rows(out: Path, patterns: list[str], summary: sd.data.stages.Summary) 
     return files
 
 
+@sd.data.stages.ends_cleanly_on_a_full_disk(STAGE)
 def main(argv=None) -> int:
     sd.runtime.start_process(uses_torch=False)
     args = parse_args(argv)

@@ -132,6 +132,7 @@ def process_part(args, part: int, summary: sd.data.stages.Summary) -> None:
                                  part=part)
 
 
+@sd.data.stages.ends_cleanly_on_a_full_disk(STAGE)
 def main(argv=None) -> int:
     sd.runtime.start_process(uses_torch=False)
     args = parse_args(argv)

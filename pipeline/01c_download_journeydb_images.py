@@ -182,6 +182,7 @@ def process_archive(args, number: int, annotations: dict, summary: sd.data.stage
                                  summary, "missing_archive", archive=number, caption_field=args.caption)
 
 
+@sd.data.stages.ends_cleanly_on_a_full_disk(STAGE)
 def main(argv=None) -> int:
     sd.runtime.start_process(uses_torch=False)
     args = parse_args(argv)
@@ -192,6 +193,8 @@ def main(argv=None) -> int:
         try:
             annotations, bad_lines = load_annotations(args, pending)
         except (sd.data.stages.DownloadError, ValueError, OSError, *ARCHIVE_ERRORS) as error:
+            if sd.data.stages.disk_full(error):  # not the input's fault: the stage ends
+                raise
             print(f"{STAGE}: cannot read the annotations {args.annotations}: {error}", file=sys.stderr)
             return 2
     sd.data.stages.keep_settings(args)

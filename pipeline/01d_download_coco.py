@@ -439,6 +439,7 @@ def write_pending(pending: list[int], images, captions, tallest, args, summary, 
         downloaded_zip.unlink(missing_ok=True)
 
 
+@sd.data.stages.ends_cleanly_on_a_full_disk(STAGE)
 def main(argv=None) -> int:
     sd.runtime.start_process(uses_torch=False)
     args = parse_args(argv)
@@ -446,6 +447,8 @@ def main(argv=None) -> int:
     try:
         images, captions, tallest, segments = load_inputs(args)
     except (sd.data.stages.DownloadError, ValueError, OSError) as error:  # each names its file or URL
+        if sd.data.stages.disk_full(error):  # not the input's fault: the stage ends
+            raise
         print(f"{STAGE}: cannot read the COCO annotations: {error}", file=sys.stderr)
         return 2
     shard_count = -(-len(images) // args.shard_size)

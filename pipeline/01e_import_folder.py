@@ -574,6 +574,7 @@ def warn_orphans(orphans: dict[str, list[str]]) -> None:
                         "extension), not imported: %s", len(files), name, name, ", ".join(files[:10]))
 
 
+@sd.data.stages.ends_cleanly_on_a_full_disk(STAGE)
 def main(argv=None) -> int:
     sd.runtime.start_process(uses_torch=False)
     args, rules = parse_args(argv)

@@ -461,6 +461,8 @@ def run(con, files: list[tuple[Path, dict]], out: Path, args) -> int:
                   f"or lower --threads ({one_line(error)})", file=sys.stderr)
             return 2
         except (OSError, pa.ArrowException, duckdb.IOException, duckdb.InvalidInputException) as error:
+            if sd.data.stages.disk_full(error):  # not the input's fault: the stage ends
+                raise
             # a damaged file whose footer read fine
             print(f"{STAGE}.py: {path}: not a readable parquet file ({one_line(error)})", file=sys.stderr)
             return 2
@@ -468,6 +470,7 @@ def run(con, files: list[tuple[Path, dict]], out: Path, args) -> int:
     return 0
 
 
+@sd.data.stages.ends_cleanly_on_a_full_disk(STAGE)
 def main(argv=None) -> int:
     sd.runtime.start_process(uses_torch=False)
     args = parse_args(argv)

@@ -209,6 +209,7 @@ def summarize(out: Path, shards: list[int], done_before: set[int], args) -> dict
                           shards_unfinished=missing, resolution=args.resolution, keep_aspect=args.keep_aspect)
 
 
+@sd.data.stages.ends_cleanly_on_a_full_disk(STAGE)
 def main(argv=None) -> int:
     sd.runtime.start_process(uses_torch=False)
     args = parse_args(argv)
@@ -221,6 +222,8 @@ def main(argv=None) -> int:
         url_col, caption_col, scores = detect_columns(files, args)
         check_output_folder(args.out)
     except Exception as error:  # a usage problem (stage 02's UsageError, ValueError) or an unreadable input
+        if sd.data.stages.disk_full(error):  # not the input's fault: the stage ends
+            raise
         print(f"{STAGE}.py: {error}", file=sys.stderr)
         return 2
     shards = expected_shards(files, args.shard_size)

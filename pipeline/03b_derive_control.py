@@ -163,6 +163,7 @@ def estimated_samples(paths: list[Path]) -> int | None:
     return total
 
 
+@sd.data.stages.ends_cleanly_on_a_full_disk(STAGE)
 def main(argv=None) -> int:
     sd.runtime.start_process(uses_torch=False)
     args = parse_args(argv)
@@ -191,6 +192,8 @@ def main(argv=None) -> int:
             try:
                 summary.add(derive_shard(by_stem[name], out, args, pool, bar))
             except (OSError, tarfile.TarError, EOFError) as error:  # counted and named, tried again next run
+                if sd.data.stages.disk_full(error):  # not the input's fault: the stage ends
+                    raise
                 summary.input_failed("unreadable_tar", by_stem[name].name, error)
     summary.finish(out, kind=args.kind, name=args.name, low=args.low, high=args.high,
                    failed_shards=summary.failed_inputs)

@@ -166,6 +166,7 @@ def tar_is_complete(path: Path) -> bool:
 
 
 
+@sd.data.stages.ends_cleanly_on_a_full_disk(STAGE)
 def main(argv=None) -> int:
     sd.runtime.start_process()
     args = parse_args(argv)
@@ -193,6 +194,8 @@ def main(argv=None) -> int:
             try:
                 summary.add(process_shard(by_stem[name], out, tokenizer, args.batch_size))
             except OSError as error:  # the tar itself cannot be read: counted and named, tried again next run
+                if sd.data.stages.disk_full(error):  # not the input's fault: the stage ends
+                    raise
                 summary.input_failed("unreadable_tar", by_stem[name].name, error)
     summary.finish(out, tokenizer=args.tokenizer, failed_shards=summary.failed_inputs)
     return 0

@@ -76,6 +76,8 @@ def read_caption_file(path: Path):
     try:
         table = pq.read_table(path)
     except (OSError, pa.ArrowException) as error:
+        if sd.data.stages.disk_full(error):  # not the input's fault: the stage ends
+            raise
         raise sd.data.training_data.DataError(f"{path} is not a readable parquet file ({error})") from None
     missing = {"key", "caption", "input_ids"} - set(table.column_names)
     if missing:
@@ -130,6 +132,7 @@ def up_to_date(summary: sd.data.stages.Summary, out: Path, fingerprint: dict) ->
     return record if record.get("inputs") == fingerprint else None
 
 
+@sd.data.stages.ends_cleanly_on_a_full_disk(STAGE)
 def main(argv=None) -> int:
     sd.runtime.start_process()
     args = parse_args(argv)

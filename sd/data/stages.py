@@ -18,11 +18,14 @@ whoever writes a new stage.
 
 from __future__ import annotations
 
+import errno
+import functools
 import http.client
 import json
 import logging
 import os
 import re
+import sys
 import time
 import urllib.error
 import urllib.parse
@@ -49,6 +52,35 @@ MAX_MEMBER_BYTES = 256 << 20
 # ---------------------------------------------------------------------------------------------
 # Outputs and their done markers
 # ---------------------------------------------------------------------------------------------
+
+
+def disk_full(error: BaseException) -> bool:
+    """Whether ``error`` says the disk (or the user's quota) is full: an OSError's errno, or the text of
+    a library's own error (pyarrow's and DuckDB's carry no errno)."""
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(error)
+    return os.strerror(errno.ENOSPC) in text or os.strerror(errno.EDQUOT) in text
+
+
+def ends_cleanly_on_a_full_disk(stage: str):
+    """A stage's ``main``, ended by a full disk with one line on stderr and exit status 1 instead of a
+    traceback (or of every later sample failing in turn). What it finished stays: each output is written
+    whole under a temporary name, which is removed, and renamed; the same command then resumes."""
+    def wrap(main):
+        @functools.wraps(main)
+        def guarded(*args, **kwargs):
+            try:
+                return main(*args, **kwargs)
+            except Exception as error:
+                if not disk_full(error):
+                    raise
+                where = f" writing {error.filename}" if getattr(error, "filename", None) else ""
+                print(f"{stage}.py: error: the disk is full{where} ({error}); free some space, then run the same "
+                      "command again: the finished outputs are kept and it goes on from them", file=sys.stderr)
+                return 1
+        return guarded
+    return wrap
 
 
 def output_paths(out_dir: Path, name: int | str, suffix: str = ".tar") -> tuple[Path, Path]:
@@ -459,6 +491,8 @@ def download(url: str, dest: Path, *, retries: int = DEFAULT_RETRIES, backoff: f
                 raise DownloadError(f"{url}: HTTP {error.code}{hint}", missing=error.code in (404, 410)) from error
             reason = f"HTTP {error.code}"
         except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as error:
+            if disk_full(error):  # no retry makes room: the stage ends (ends_cleanly_on_a_full_disk)
+                raise
             reason = str(error)
         if attempt == retries:
             raise DownloadError(f"{url}: gave up after {retries + 1} tries ({reason})")
