@@ -7,6 +7,7 @@ import contextlib
 import logging
 import os
 import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -237,7 +238,48 @@ def lock_run_folder(run_dir: Path, d: Dist) -> sd.files.FolderLock:
     refusal = sd.distributed.all_gather_objects(refusal, d)[0]
     if refusal:
         raise ConfigError(refusal)
+    try:
+        check_shared_folder(run_dir, d)
+    except ConfigError:
+        lock.release()
+        raise
     return lock
+
+
+def check_shared_folder(run_dir: Path, d: Dist, wait_s: float | None = None) -> None:
+    """Every rank sees the files rank 0 writes into ``run_dir``, or every rank stops with a config error.
+
+    A checkpoint holds each rank's random state, written by that rank and read back on resume, and rank 0
+    writes the rest: an ``out_dir`` local to each node (the same path on another disk) would leave every
+    node a part of each checkpoint. Rank 0 writes a file of a name new to this start (so no rank has it
+    cached as absent), the others look for it for up to ``wait_s`` (``SD_SHARED_FOLDER_WAIT_S``, else 60 s:
+    a network filesystem may show it late), and rank 0 removes it."""
+    if d.world_size == 1:
+        return
+    if wait_s is None:
+        wait_s = float(os.environ.get("SD_SHARED_FOLDER_WAIT_S", 60))
+    import socket
+    import uuid
+
+    name = sd.distributed.all_gather_objects(f".shared-{uuid.uuid4().hex}" if d.is_main else None, d)[0]
+    marker = run_dir / name
+    if d.is_main:
+        sd.files.write_text_atomic(marker, socket.gethostname() + "\n")
+    sd.distributed.barrier(d)
+    deadline, seen = time.monotonic() + wait_s, d.is_main
+    while not seen and time.monotonic() < deadline:
+        seen = marker.exists()
+        if not seen:
+            time.sleep(0.5)
+    views = sd.distributed.all_gather_objects((seen, socket.gethostname()), d)
+    if d.is_main:
+        marker.unlink(missing_ok=True)
+    blind = [(rank, host) for rank, (ok, host) in enumerate(views) if not ok]
+    if blind:
+        rank, host = blind[0]
+        raise ConfigError(f"out_dir {run_dir} is not one folder for all ranks: rank {rank} on {host} does not see the "
+                          f"file rank 0 ({views[0][1]}) wrote there; give every node the same out_dir on a shared "
+                          "filesystem (each rank writes its part of every checkpoint and reads it back on resume)")
 
 
 def open_metrics(run: Run) -> sd.train.metrics.MetricsLog | None:

@@ -1079,3 +1079,56 @@ def test_the_grid_adds_captions_of_the_training_data_drawn_once_for_the_run(tmp_
     assert layout.per_row == 2 and grid.shape == (layout.size[1], layout.size[0], 3)
     cells = [sd.sampling.grid_cell(grid, row, 0, 64, 64, prompts) for row in range(4)]
     assert all(cell.std() > 0 for cell in cells)  # four pictures (a 2-step model barely heeds its prompt yet)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def two_nodes(config: Path, cwds: tuple[Path, Path], *flags, env=None) -> list[subprocess.CompletedProcess]:
+    """Two torchrun launchers of one rank each, as two nodes would start them, meeting by c10d rendezvous
+    on the loopback address; each in its own working folder."""
+    port = free_port()
+    launchers = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+                                   "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=nodes",
+                                   str(ROOT / "SD_Train.py"), "--config", str(config), *map(str, flags)],
+                                  cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {}),
+                                       "OMP_NUM_THREADS": "1"})  # as torchrun sets for 2 ranks on one node
+                 for cwd in cwds]
+    results = []
+    for launcher in launchers:
+        out, err = launcher.communicate(timeout=600)
+        results.append(subprocess.CompletedProcess(launcher.args, launcher.returncode, out, err))
+    return results
+
+
+@pytest.mark.slow
+def test_two_nodes_stopped_and_resumed_end_bitwise_as_one_node_and_a_node_local_out_dir_is_refused(
+        run_a, data, tmp_path):
+    """Two "nodes" of one rank each (local rank 0 on both): the reference's command, stopped at step 2 and
+    resumed, ends with its weights, optimizer and every rank's RNGs bit for bit. With out_dir local to each
+    node (a relative path in each node's own folder), every rank stops before any step, naming the folder."""
+    reference, _ = run_a
+    nodes = (tmp_path / "node0", tmp_path / "node1")
+    for node in nodes:
+        node.mkdir()
+    shared = write_config(tmp_path / "shared.yaml", datasets=[data], max_steps=TOTAL, out_dir=str(tmp_path / "run"),
+                          validate_every=5)
+    for flags in (["--stop_at_step", "2"], []):
+        results = two_nodes(shared, nodes, *flags)
+        assert all(r.returncode == 0 for r in results), [r.stderr[-3000:] for r in results]
+    assert_bitwise_equal(final_state(tmp_path / "run", TOTAL), final_state(reference, TOTAL))
+    assert losses(tmp_path / "run") == losses(reference)
+    assert not list((tmp_path / "run").glob(".shared-*"))
+
+    local = write_config(tmp_path / "local.yaml", datasets=[data], max_steps=TOTAL, out_dir="run")
+    results = two_nodes(local, nodes, env={"SD_SHARED_FOLDER_WAIT_S": "3"})
+    assert all(r.returncode != 0 for r in results), [r.stderr[-3000:] for r in results]  # torchrun's 1 for our 2
+    for result in results:
+        assert "is not one folder for all ranks: rank 1 on" in result.stderr and "shared filesystem" in result.stderr
+    assert not any((node / "run" / "checkpoints").exists() for node in nodes)
