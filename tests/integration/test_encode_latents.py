@@ -2,6 +2,7 @@ import importlib
 import io
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -164,7 +165,10 @@ def same_files(folder: Path, reference: Path) -> None:
 
 
 @pytest.mark.slow
-def test_two_ranks_under_torchrun_write_what_one_process_writes(encoded, tmp_path):
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_two_ranks_under_torchrun_write_what_one_process_writes(encoded, tmp_path, nodes):
+    """Two ranks on one node, or on two "nodes" (two launchers of one rank each, local rank 0 on both,
+    meeting by c10d rendezvous on the loopback address), write the files one process writes."""
     root, _ = encoded
     # The two CPU ranks share the cores, a thread each; the CPU convolutions round differently with another
     # thread count, so the single process they are held to runs on one thread too.
@@ -175,14 +179,28 @@ def test_two_ranks_under_torchrun_write_what_one_process_writes(encoded, tmp_pat
     finally:
         torch.set_num_threads(threads)
     out = tmp_path / "latents"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "encode_latents.py"), "--shards", str(root / "shards" / "*.tar"), "--out", str(out), "--vae",
-           "tiny", "--resolution", "64", "--batch_size", "2", "--workers", "3", "--max_pixels", str(MAX_PIXELS),
-           "--flip"]
-    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert "rank 0 of 2: 2 shards, 0 already encoded, 2 to do" in result.stderr  # 00000 and 00002
-    assert "rank 1 of 2: 1 shards, 0 already encoded, 1 to do" in result.stderr  # 00001
+    args = [str(ROOT / "encode_latents.py"), "--shards", str(root / "shards" / "*.tar"), "--out", str(out), "--vae",
+            "tiny", "--resolution", "64", "--batch_size", "2", "--workers", "3", "--max_pixels", str(MAX_PIXELS),
+            "--flip"]
+    launch = [sys.executable, "-m", "torch.distributed.run"]
+    if nodes == 1:
+        launchers = [[*launch, "--standalone", "--nproc_per_node=2", *args]]
+    else:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        launchers = [[*launch, "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
+                      f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=encode", *args]] * 2
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}  # as torchrun sets for two ranks on one node
+    running = [subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=environment) for cmd in launchers]
+    stderr = ""
+    for process in running:
+        _, err = process.communicate(timeout=300)
+        assert process.returncode == 0, err[-4000:]
+        stderr += err
+    assert "rank 0 of 2: 2 shards, 0 already encoded, 2 to do" in stderr  # 00000 and 00002
+    assert "rank 1 of 2: 1 shards, 0 already encoded, 1 to do" in stderr  # 00001
     same_files(out, tmp_path / "one")
     assert json.loads((out / "latents.json").read_text())["complete"] is True
 
