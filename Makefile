@@ -1,5 +1,5 @@
 # Each target sets itself up from a fresh clone: a .venv is created and the requirements installed
-# the first time (and again whenever requirements.txt changes).
+# the first time (and again whenever requirements.txt or requirements-engines.txt changes).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -17,11 +17,11 @@ setup: $(STAMP)
 # CPU-only Linux machine the package index's torch is the CUDA build, with several GB of NVIDIA packages).
 TORCH_INDEX ?=
 
-$(STAMP): requirements.txt pyproject.toml
+$(STAMP): requirements.txt requirements-engines.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(if $(TORCH_INDEX),$(PY) -m pip install --quiet --index-url $(TORCH_INDEX) "$$(grep '^torch==' requirements.txt)")
-	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --quiet -r requirements.txt -r requirements-engines.txt
 	$(PY) -m pip install --quiet --no-deps -e .
 	touch $(STAMP)
 

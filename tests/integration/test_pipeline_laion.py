@@ -536,23 +536,27 @@ def test_download_images_with_img2dataset(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_pyspark_distributor_downloads_what_multiprocessing_does(tmp_path):
-    pytest.importorskip("pyspark")  # not in requirements.txt: ~450 MB and a JVM, for multi-machine downloads
+@pytest.mark.parametrize("engine", ["pyspark", "ray"])
+def test_the_distributed_engines_download_what_multiprocessing_does(tmp_path, engine):
+    """img2dataset's pyspark (a local[1] Spark session) and ray (a local Ray instance) distributors against
+    the loopback server: the shards of the single-process path. Both are in requirements-engines.txt, which
+    make setup installs (not requirements.txt: ~500 MB and, for Spark, a Java runtime)."""
+    importlib.import_module(engine)  # installed by make setup: a missing engine fails here, never skips
     forbidden = image_bytes(random_image(np.random.default_rng(1), 64, 64), "PNG")
     with LoopbackServer(image_routes()) as server, NoAIServer(forbidden) as noai:
         metadata = image_metadata(server.url, noai.url)
         write_parquet(tmp_path / "meta" / "part-00000.parquet", metadata)
         run02(tmp_path, tmp_path / "meta", tmp_path / "filtered")
-        # Side by side (each spends most of its time starting up); pyspark: a local[1] Spark session.
+        # Side by side (each spends most of its time starting up).
         runs = {name: start03(tmp_path / "filtered", tmp_path / name, "--distributor", name)
-                for name in ("multiprocessing", "pyspark")}
+                for name in ("multiprocessing", engine)}
         summaries = {name: finish03(process, tmp_path / name) for name, process in runs.items()}
     assert {(s["kept"], json.dumps(s["dropped"])) for s in summaries.values()} == {(6, json.dumps(STATUS))}
-    by_process, by_spark = read_samples(tmp_path / "multiprocessing"), read_samples(tmp_path / "pyspark")
-    assert sorted(by_spark) == sorted(by_process) and len(by_process) == 6
+    by_process, by_engine = read_samples(tmp_path / "multiprocessing"), read_samples(tmp_path / engine)
+    assert sorted(by_engine) == sorted(by_process) and len(by_process) == 6
     for key, sample in by_process.items():
-        assert (by_spark[key].caption, by_spark[key].image) == (sample.caption, sample.image)
-    check_samples(tmp_path / "pyspark", metadata)
+        assert (by_engine[key].caption, by_engine[key].image) == (sample.caption, sample.image)
+    check_samples(tmp_path / engine, metadata)
 
 
 def banded(height: int, width: int) -> np.ndarray:
