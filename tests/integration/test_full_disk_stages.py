@@ -16,6 +16,8 @@ import sd.files
 
 from test_pipeline_laion import laion_inputs, laion_row, write_parquet
 
+pytestmark = pytest.mark.slow  # each stage run twice: kept out of make check
+
 
 def stage(name: str):
     return importlib.import_module(f"pipeline.{name}")
