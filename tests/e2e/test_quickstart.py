@@ -5,6 +5,8 @@ Each command of the README's code blocks runs in this process (``python X.py ARG
 in a folder holding only the user's images and a link to ``configs/``), with these changes, each
 appended so it overrides what the README says: 32 px instead of 64 (``--resolution``, ``--image_size``),
 fewer VAE and UNet steps, and more samples to score. Quick start 1, ``make demo``, is tests/e2e/test_demo.py.
+Then the other modes' quick-start configs (``configs/quickstart/*.yaml``) run the commands their comments
+give on the same model and data, a few steps each.
 
 Sized to learn well clear of its bounds on any CPU: the same commands on AVX2 and AVX-512 kernels or on
 one and two threads train different models (float sums split differently), so the bounds hold for every
