@@ -14,6 +14,8 @@ from PIL import Image
 import sd.data.stages
 import sd.files
 
+import test_pipeline_sources as sources
+from http_server import LoopbackServer
 from test_pipeline_laion import laion_inputs, laion_row, write_parquet
 
 pytestmark = pytest.mark.slow  # each stage run twice: kept out of make check
@@ -57,15 +59,8 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_a_full_disk_ends_the_stage_in_one_line_and_the_same_command_goes_on(name, tmp_path, monkeypatch, capsys):
-    argv_of, make_input, second = CASES[name]
-    src = tmp_path / "src"
-    src.mkdir()
-    if make_input is not None:
-        src = make_input(src)
-    out = tmp_path / "out"
-    argv = argv_of(src, out)
+def check_a_full_disk(name: str, argv: list[str], out: Path, second: str, monkeypatch, capsys) -> None:
+    """Stage ``name`` run with ``argv`` while the disk fills at its output ``second``, then again with space."""
     original = sd.files.write_atomic
 
     def on_a_full_disk(path, write):
@@ -84,13 +79,51 @@ def test_a_full_disk_ends_the_stage_in_one_line_and_the_same_command_goes_on(nam
     assert last.startswith(f"{name}.py: error: the disk is full") and "run the same command again" in last
     assert not [p for p in out.rglob(".*")], "a temporary is left"
     assert not (out / second).exists()
-    kept = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    kept = {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and "_downloads" not in p.parts}  # archives go
     assert kept, "the output finished before the disk was full is kept"
     monkeypatch.setattr(sd.files, "write_atomic", original)  # space freed
     assert stage(name).main(argv) == 0
     assert (out / second).exists() and all(p.read_bytes() == data for p, data in kept.items())
     summary = json.loads(next(out.glob("*_summary.json")).read_text())
     assert summary["shards_already_done"] >= 1
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_full_disk_ends_the_stage_in_one_line_and_the_same_command_goes_on(name, tmp_path, monkeypatch, capsys):
+    argv_of, make_input, second = CASES[name]
+    src = tmp_path / "src"
+    src.mkdir()
+    if make_input is not None:
+        src = make_input(src)
+    out = tmp_path / "out"
+    check_a_full_disk(name, argv_of(src, out), out, second, monkeypatch, capsys)
+
+
+@pytest.mark.parametrize("name", ["01b_download_diffusiondb", "01c_download_journeydb_images", "01d_download_coco"])
+def test_a_full_disk_ends_a_download_stage_in_one_line_and_the_same_command_goes_on(name, tmp_path, monkeypatch,
+                                                                                   capsys):
+    out = tmp_path / "out"
+    if name == "01b_download_diffusiondb":
+        routes, _ = sources.diffusiondb_parts()
+        argv = lambda url: ["--parts", "1,4", "--out", str(out), "--base_url", f"{url}/images", "--resolution",
+                            "32", "--retries", "0"]  # noqa: E731
+        second = "00004.tar"
+    elif name == "01c_download_journeydb_images":
+        archive0, archive1, jsonl, _ = sources.journeydb_inputs()
+        routes = {"/imgs/000.tgz": archive0, "/imgs/001.tgz": archive1,
+                  "/anno.jsonl.tgz": sources.tgz_bytes({"train_anno.jsonl": jsonl})}
+        argv = lambda url: ["--archives", "0-1", "--annotations", f"{url}/anno.jsonl.tgz", "--out", str(out),
+                            "--base_url", f"{url}/imgs", "--resolution", "32", "--retries", "0"]  # noqa: E731
+        second = "00001.tar"
+    else:
+        pictures, _ = sources.coco_inputs(tmp_path)
+        routes = {"/zips/train2017.zip": sources.zip_bytes({f"train2017/{i:012d}.jpg": data
+                                                            for i, data in pictures.items()})}
+        argv = lambda url: ["--images", f"{url}/zips/train2017.zip", "--captions", str(tmp_path / "captions.json"),
+                            "--out", str(out), "--shard_size", "3", "--resolution", "32"]  # noqa: E731
+        second = "00001.tar"
+    with LoopbackServer(routes) as server:
+        check_a_full_disk(name, argv(server.url), out, second, monkeypatch, capsys)
 
 
 def test_a_download_on_a_full_disk_is_not_retried_as_a_failed_download(tmp_path, monkeypatch):
