@@ -40,6 +40,7 @@ from it (``largest_that_fits``) settles the answer on estimates alone.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import logging
@@ -566,21 +567,26 @@ def estimate(config, batch_size: int | None = None, resolution: int = 512, devic
 
 
 def max_batch(config, gpu_memory_gb: float, resolution: int = 512, limit: int = 1024, run=None, world_size: int = 1,
-              progress=None):
-    """The largest micro-batch (up to ``limit``) whose predicted peak fits ``gpu_memory_gb``, and its
+              progress=None, second: int = 8):
+    """The largest micro-batch (up to ``limit``; with ``global_batch``, the largest that makes it in whole
+    accumulation steps on ``world_size`` GPUs) whose predicted peak fits ``gpu_memory_gb``, and its
     estimate; ``(0, None)`` when not even one image fits. The peak grows about linearly with the batch:
-    estimates at 4 and 8 images give the line, and the search starts from the batch it predicts."""
+    estimates at 4 and ``second`` images (8, or a batch the caller estimates anyway) give the line, and
+    the search starts from the batch it predicts, trying only batches that could be the answer."""
     if run is None:
         with session(config, resolution, world_size=world_size, progress=progress) as run:
-            return max_batch(config, gpu_memory_gb, resolution, limit, run)
+            return max_batch(config, gpu_memory_gb, resolution, limit, run, world_size, second=second)
 
-    def fits(batch: int) -> bool:
-        return run(batch).peak_gb <= gpu_memory_gb
-
-    at_4, at_8 = run(4), run(8)
-    per_image = max((at_8.peak_gb - at_4.peak_gb) / 4, 1e-9)
-    guess = int(max(1, min(limit, 8 + (gpu_memory_gb - at_8.peak_gb) // per_image)))
-    batch = largest_that_fits(fits, guess, limit)
+    sizes = list(range(1, limit + 1))
+    if config.global_batch:  # none that makes it: every size, and the caller says why none can be used
+        sizes = [b for b in sizes if config.global_batch % (b * world_size) == 0] or sizes
+    second = second if second != 4 else 8
+    at_4, at_second = run(4), run(second)
+    per_image = max((at_second.peak_gb - at_4.peak_gb) / (second - 4), 1e-9)
+    predicted = second + (gpu_memory_gb - at_second.peak_gb) / per_image
+    guess = max(1, bisect.bisect_right(sizes, predicted))  # sizes[guess - 1]: the largest up to the prediction
+    index = largest_that_fits(lambda i: run(sizes[i - 1]).peak_gb <= gpu_memory_gb, guess, len(sizes))
+    batch = sizes[index - 1] if index else 0
     return batch, run(batch) if batch else None
 
 
@@ -815,7 +821,8 @@ def report(config, resolution: int, gpu_memory_gb: float, world_size: int = 1) -
           f"{f', {wrapper} on {world_size} GPUs' if world_size > 1 else ''}): no GPU or data needed; a line per "
           "batch size tried ...", file=sys.stderr, flush=True)
     with session(config, resolution, world_size=world_size, progress=show_progress) as run:
-        batch, at_max = max_batch(config, gpu_memory_gb, resolution, run=run)
+        batch, at_max = max_batch(config, gpu_memory_gb, resolution, run=run, world_size=world_size,
+                                  second=config.batch_size if config.batch_size > 1 else 8)  # shown below anyway
         if batch and config.global_batch:  # the largest that makes global_batch, as batch_size: auto takes
             batch = largest_batch_for(config.global_batch, world_size, batch)
             at_max = run(batch) if batch else None

@@ -132,6 +132,30 @@ def test_the_search_finds_the_last_batch_that_fits_from_any_guess(answer, guess)
     assert all(1 <= n <= 100 for n in calls) and len(calls) <= 16
 
 
+@pytest.mark.parametrize("global_batch, world_size, gpu_gb, answer", [
+    (0, 1, 25.77, 14), (96, 1, 25.77, 12), (96, 2, 25.77, 12), (96, 2, 27.4, 16), (7, 2, 25.77, 14)])
+def test_max_batch_tries_few_sizes_and_only_those_that_could_be_the_answer(global_batch, world_size, gpu_gb, answer):
+    """A peak linear in the batch (as the p1 config's: 23.27 GB at 4, +0.25 GB an image): the line through 4
+    and the second size (the batch the report shows anyway) finds the answer with two more estimates at
+    most; with global_batch only sizes that make it are tried (none make 7 on 2 GPUs: every size, and the
+    caller says why none can be used)."""
+    tried = []
+
+    def run(batch):
+        tried.append(batch)
+        return type("Estimate", (), {"peak_gb": 22.27 + 0.25 * batch})()
+
+    config = TrainConfig(unet="tiny", global_batch=global_batch, batch_size=24 if global_batch else 4)
+    batch, estimate = sd.train.memory.max_batch(config, gpu_gb, run=run, world_size=world_size, second=24)
+    allowed = [b for b in range(1, 1025) if global_batch % (b * world_size) == 0] if global_batch == 96 else None
+    larger = next(b for b in (allowed or range(1, 1025)) if b > batch)
+    assert batch == answer and estimate.peak_gb <= gpu_gb < 22.27 + 0.25 * larger
+    searched = [b for b in dict.fromkeys(tried) if b not in (4, 24)]
+    assert len(searched) <= 2, tried
+    if global_batch == 96:
+        assert all(96 % (b * world_size) == 0 for b in searched), tried
+
+
 def test_batch_size_auto_is_read_refused_on_the_cpu_and_kept_by_a_resumed_run(tmp_path):
     from sd.distributed import Dist
     from sd.train.config import AUTO_BATCH, ConfigError, load_config
