@@ -44,6 +44,7 @@ import logging
 import math
 import os
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -54,6 +55,7 @@ import sd.data.stages
 import sd.runtime
 
 STAGE = "03_download_images"
+DISK_FULL_BELOW = 16 << 20  # free bytes under which unfinished shards are put down to a full disk
 SUMMARY_NAME = f"{STAGE}_summary.json"
 SCORE_ROLES = ("aesthetic", "similarity", "watermark", "nsfw")
 # Columns img2dataset writes itself and refuses in save_additional_columns (img2dataset/main.py).
@@ -237,8 +239,11 @@ def main(argv=None) -> int:
         run_img2dataset(args, url_col, caption_col, scores)
     record = summarize(args.out, shards, done_before, args)
     if record["shards_unfinished"]:
-        print(f"{STAGE}.py: shards {record['shards_unfinished']} did not finish; run the same command again",
-              file=sys.stderr)
+        free = shutil.disk_usage(args.out).free
+        full = (f": the disk of {args.out} is full ({free} bytes free; img2dataset's workers printed why above), free "
+                "some space and" if free < DISK_FULL_BELOW else ";")
+        print(f"{STAGE}.py: shards {record['shards_unfinished']} did not finish{full} run the same command again "
+              "(finished shards are kept, unfinished ones are downloaded again)", file=sys.stderr)
         return 1
     return 0
 

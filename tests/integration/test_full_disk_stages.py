@@ -136,3 +136,27 @@ def test_a_download_on_a_full_disk_is_not_retried_as_a_failed_download(tmp_path,
     with pytest.raises(OSError) as error:
         sd.data.stages.download("http://127.0.0.1:9/x", tmp_path / "x", retries=3)
     assert error.value.errno == errno.ENOSPC and slept == []  # no backoff: waiting frees no space
+
+
+def test_download_images_puts_unfinished_shards_down_to_a_full_disk_when_its_disk_is_full(tmp_path, monkeypatch,
+                                                                                          capsys):
+    """img2dataset's workers write the shards of stage 03 and report a full disk only in their own log:
+    the stage says so when the shards did not finish and the output's disk has (almost) no space left.
+    (On a real 24 KiB tmpfs: exit 1 with this line, then, the disk grown, the same command finished all
+    five shards.)"""
+    import shutil
+    from collections import namedtuple
+
+    with LoopbackServer({}) as server:
+        write_parquet(tmp_path / "meta" / "part-00000.parquet", [laion_row(f"{server.url}/i{i}", f"c {i}")
+                                                                 for i in range(3)])
+    stage03 = stage("03_download_images")
+    monkeypatch.setattr(stage03, "run_img2dataset", lambda *args, **kwargs: None)  # no shard finishes
+    usage = namedtuple("usage", "total used free")
+    for free, says_full in ((1 << 30, False), (4096, True)):
+        monkeypatch.setattr(shutil, "disk_usage", lambda path, free=free: usage(1 << 40, (1 << 40) - free, free))
+        capsys.readouterr()
+        assert stage03.main(["--input", str(tmp_path / "meta"), "--out", str(tmp_path / "out")]) == 1
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert last.startswith("03_download_images.py: shards [0] did not finish") and "run the same command" in last
+        assert (f"is full ({free} bytes free" in last) == says_full, last
