@@ -357,6 +357,7 @@ def train_steps(run, steps: int) -> list[list[torch.Tensor]]:
     return live
 
 
+@pytest.mark.slow  # over 7 s on a 2-core CPU: out of make check
 def test_an_inherited_ema_keeps_its_weight_across_phases_and_a_resume(tmp_path, data):
     small = dict(grad_accum=1, batch_size=2, ema_decay=0.9)
     previous = make_run(tmp_path / "p1", data, **small)

@@ -110,6 +110,7 @@ def instance_loss(pipe, images: Path, vectors: torch.Tensor) -> float:
     return torch.nn.functional.mse_loss(prediction, target).item()
 
 
+@pytest.mark.slow  # over 7 s on a 2-core CPU: out of make check
 @pytest.mark.learned
 def test_the_token_lowers_the_loss_of_its_images(tmp_path, base_model, instance_images):
     """60 steps: the instance images' loss at fixed draws falls (measured 0.975 of the start's on the tiny

@@ -152,6 +152,7 @@ def test_a_cpu_only_assumption_fails_here(monkeypatch):
 
 
 
+@pytest.mark.slow  # over 7 s on a 2-core CPU: out of make check
 def test_fp16_steps_with_a_trained_text_adapter_never_make_the_host_wait_for_the_gpu():
     """fp16 with its loss scaler, a text-encoder adapter trained (CFG dropout on the device's ids) and
     fused AdamW: the skip decision, overflow included, stays on the device."""

@@ -203,6 +203,7 @@ def test_zero1_on_two_gpus_holds_about_half_of_ddps_optimizer_state_and_nothing_
     assert zero.parts["weights"] == ddp.parts["weights"] and zero.parts["gradients"] == ddp.parts["gradients"]
 
 
+@pytest.mark.slow  # over 7 s on a 2-core CPU: out of make check
 def test_fsdp_on_two_gpus_holds_half_the_weights_optimizer_state_and_ema_and_gathers_blocks():
     ddp, fsdp = estimate_at_32("none"), estimate_at_32("fsdp")
     assert fsdp.sharding == "fsdp" and "ddp_bucket_rebuild" not in fsdp.parts
