@@ -16,13 +16,10 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def write(folder: Path) -> None:
     import copy
 
-    sys.path.insert(0, str(ROOT))
     import sd.formats
     import sd.lora.adapters
     import sd.lora.formats
