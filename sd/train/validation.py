@@ -72,10 +72,11 @@ def validate(run: Run, record: dict, stop=None) -> Path | None:
             with ema_swapped_in(step), sd.train.sharding.unsharded(step.unet):
                 record["val_loss_ema"] = sd.train.step.validation_loss(step, run.val_data, config.validation_samples,
                                                                       config.batch_size, stop)
-    if not grid_prompts(run):
+    prompts = grid_prompts(run)
+    if not prompts:
         return None
     path = run.run_dir / "samples" / f"step_{run.state.step:08d}.png"
-    sample_grid(run, path, stop)
+    sample_grid(run, path, prompts, stop)
     return path
 
 
@@ -146,8 +147,8 @@ def evaluate(run: Run, stop=None) -> dict:
 
 
 @torch.no_grad()
-def sample_grid(run: Run, path: Path, stop=None) -> None:
-    """One image per prompt of ``grid_prompts``, seed ``config.seed``, with the EMA weights: a labelled grid.
+def sample_grid(run: Run, path: Path, prompts: list[str], stop=None) -> None:
+    """One image per prompt (``grid_prompts``), seed ``config.seed``, with the EMA weights: a labelled grid.
 
     The prompts are shared out across the ranks, one each per round of ``sd.evaluation.gather_in_order``
     (no rank waits in a collective while another samples alone, and a stop is agreed between
@@ -158,7 +159,6 @@ def sample_grid(run: Run, path: Path, stop=None) -> None:
     """
     config, d = run.config, run.d
     width, height = validation_size(config, run.train_data)
-    prompts = grid_prompts(run)
 
     def sample(i: int) -> list:
         return sd.sampling.generate(run.sampler, prompts[i], "", [config.seed], steps=config.validation_steps,
