@@ -90,7 +90,7 @@ def vae_ceiling(vae, device, dtype, resolution: int, batch_size: int, batches: i
     return batch_size * batches / (time.perf_counter() - start)
 
 
-def main(argv=None) -> dict:
+def parse_args(argv=None):
     parser = sd.cli.ArgumentParser(description=__doc__)
     parser.add_argument("--vae", choices=["tiny", "sd1"], default="tiny", help="tiny, or the SD 1.x VAE architecture "
                         "with random weights (default: %(default)s)")
@@ -101,8 +101,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--workers", type=int, default=8, help="our decode threads (default: %(default)s)")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda (default: %(default)s)")
     parser.add_argument("--json", default="", help="also write the result JSON to this file")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
 
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
     device = sd.runtime.pick_device(args.device)
     dtype = sd.runtime.resolve_precision("auto", device)  # what encode_latents.py picks for this device
     with tempfile.TemporaryDirectory() as tmp:
@@ -136,7 +139,7 @@ def main(argv=None) -> dict:
         count = json.loads((tmp / "ours" / "latents.json").read_text())["count"]
 
     result = {
-        "benchmark": "encode_latents", "device": harness.device_name(device),
+        "benchmark": "encode_latents", "device": harness.device_name(device), "torch": torch.__version__,
         "vae": args.vae, "resolution": args.resolution, "images": args.images, "encoded": count,
         "batch_size": args.batch_size, "workers": args.workers, "dtype": str(dtype).replace("torch.", ""),
         "ours_images_per_s": round(ours, 2), "naive_images_per_s": round(naive, 2),

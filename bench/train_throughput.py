@@ -68,17 +68,26 @@ class Variant:
 # ---------------------------------------------------------------------------------------------
 
 
-def our_step(arch: str, variant: Variant, device: torch.device, precision: str, shapes: int = 1):
+def step_config(arch: str, variant: Variant, precision: str, batch_size: int = 16) -> TrainConfig:
+    """The trainer's settings of the measured step (what bench/gpu_window.py's memory estimates are made for)."""
+    return TrainConfig(unet=harness.unet_preset(arch), batch_size=batch_size, grad_accum=1, precision=precision,
+                       grad_checkpointing=variant.checkpointing, channels_last=variant.channels_last,
+                       compile=variant.compile, compile_mode=variant.mode)
+
+
+def our_step(arch: str, variant: Variant, device: torch.device, precision: str, shapes: int = 1,
+             backend: str = "inductor"):
     """``step(latents, input_ids)``: one sd.train.step.train_step on a batch; returns the logged loss.
-    ``shapes``: how many latent shapes it will see (compiled as the trainer compiles a bucketed run)."""
-    config = TrainConfig(unet=harness.unet_preset(arch), grad_accum=1, precision=precision,
-                         grad_checkpointing=variant.checkpointing, channels_last=variant.channels_last,
-                         compile=variant.compile, compile_mode=variant.mode)
+    ``shapes``: how many latent shapes it will see (compiled as the trainer compiles a bucketed run);
+    ``backend``: torch.compile's (another than inductor only to check the graphs are captured, quickly)."""
+    config = step_config(arch, variant, precision)
     unet = sd.model.build_unet(config.unet, seed=config.seed, grad_checkpointing=config.grad_checkpointing,
                                channels_last=config.channels_last).to(device).train()
     step = sd.train.step.build_step(config, Dist.single(device), unet, harness.random_text_encoder(arch),
                                    harness.empty_prompt_ids(), sd.model.SD1_SCALING_FACTOR)
-    sd.train.step.wrap_model(step, config.compile, shapes, config.compile_mode)
+    sd.train.step.wrap_model(step, config.compile and backend == "inductor", shapes, config.compile_mode)
+    if config.compile and backend != "inductor":
+        step.model = torch.compile(step.model, backend=backend)
     sd.train.step.set_lr(step.optimizer, config.lr)
     count, unread = iter(range(10**9)), []
 
@@ -273,6 +282,9 @@ def parse_args(argv=None):
     parser.add_argument("--variants", default="eager,compile" if cuda else "eager", help="eager and/or compile")
     parser.add_argument("--compile_modes", default="default", help="torch.compile modes of the compile variant "
                         "(compile_mode): default, max-autotune-no-cudagraphs, reduce-overhead, max-autotune")
+    parser.add_argument("--compile_backend", default="inductor", help="torch.compile backend of the compile "
+                        "variant: inductor (what the trainer uses), or aot_eager to check on a CPU that the step's "
+                        "graphs are captured without generating kernels")
     parser.add_argument("--channels_last", default="0,1" if cuda else "0", help="0 and/or 1")
     parser.add_argument("--checkpointing", default="0,1" if cuda else "1", help="gradient checkpointing: 0 and/or 1")
     parser.add_argument("--peers", default="unet,vae", help="in-process peers: unet (its step on our latents) "
@@ -325,7 +337,8 @@ def main(argv=None) -> dict:
     peer_label = "diffusers step" + (" +EMAModel" if args.peer_ema else "")
     while batches:
         batch = batches.pop(0)
-        entries = [("ours", v.name, lambda v=v: our_step(args.arch, v, device, args.precision))
+        entries = [("ours", v.name, lambda v=v: our_step(args.arch, v, device, args.precision,
+                                                         backend=args.compile_backend))
                    for v in variants if v not in too_big]  # skipped: out of memory at a smaller batch already
         entries += [(f"peer-{peer}", peer_label, lambda peer=peer: peer_step(
             args.arch, device, args.precision, online_vae=peer == "vae", ema=args.peer_ema))

@@ -1,0 +1,110 @@
+"""bench/gpu_window.sh, the command a borrowed GPU runs first: its pieces proven on the CPU (--dry_run), its
+GPU command lines parsed by the scripts they call, and everything it imports on the GPU machine's package
+list (bench/gpu_machine.txt) or carried as a wheel (bench/gpu_wheels.txt)."""
+
+import importlib
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+
+from bench import gpu_window
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("piece", gpu_window.pieces(gpu_window.GPU), ids=lambda piece: piece.name)
+def test_each_gpu_command_line_parses_in_its_script(piece):
+    """A typo in a flag of the GPU sizes (which only a window runs) fails here, not in the window."""
+    module = importlib.import_module(piece.script.removesuffix(".py").replace("/", "."))
+    args = module.parse_args([*piece.args, "--json", "x.json"])
+    assert args.device == "cuda" and args.json == "x.json"
+    if "--batch_sizes" in piece.args:
+        assert args.batch_sizes == piece.args[piece.args.index("--batch_sizes") + 1]
+
+
+def test_the_gpu_sizes_fit_the_window():
+    """7 minutes of wall time at most: the pieces' caps are cut to the budget, which leaves room to install."""
+    assert sum(piece.cap_s for piece in gpu_window.pieces(gpu_window.GPU)) >= gpu_window.BUDGET_S  # it binds
+    assert gpu_window.BUDGET_S + 20 <= 7 * 60
+
+
+def test_the_carried_estimates_cover_the_measured_batches():
+    estimates = json.loads(gpu_window.ESTIMATES.read_text())
+    for batch in gpu_window.GPU.batches:
+        estimate = estimates[gpu_window.estimate_key("sd1", 512, "bf16", batch)]
+        assert estimate["batch_size"] == batch and estimate["resolution"] == 512
+        assert 5 < estimate["reserved_gb"] < 139  # an SD 1.x step at 512 px fits one H200
+
+
+def test_each_wheel_needs_only_the_machine_and_the_other_wheels():
+    machine, wheels = gpu_window.package_list("gpu_machine.txt"), gpu_window.package_list("gpu_wheels.txt")
+    assert "torch" in machine and "transformers" in machine and "diffusers" in wheels
+    checked = 0
+    for name, version in wheels.items():
+        if importlib.metadata.version(name) != version:
+            continue  # another version here: its requirements are not the carried one's
+        checked += 1
+        for text in importlib.metadata.requires(name) or []:
+            requirement = Requirement(text)
+            if requirement.marker and not requirement.marker.evaluate({"python_version": "3.12", "extra": ""}):
+                continue
+            need = gpu_window.normalise(requirement.name)
+            assert need in machine or need in wheels, f"{name} {version} needs {requirement}: on neither list"
+            have = machine.get(need) or wheels.get(need)
+            if have:
+                assert requirement.specifier.contains(have, prereleases=True), (
+                    f"{name} {version} needs {requirement}; the GPU machine has {have}")
+    assert checked >= 1  # diffusers is pinned at the version this environment tests
+
+
+def missing_on_the_machine(imported: set[str]) -> list[str]:
+    """The imported top-level modules whose distribution is on neither list."""
+    machine, wheels = gpu_window.package_list("gpu_machine.txt"), gpu_window.package_list("gpu_wheels.txt")
+    distributions = importlib.metadata.packages_distributions()
+    missing = []
+    for name in sorted(imported):
+        owners = {gpu_window.normalise(owner) for owner in distributions.get(name, [])}
+        if not owners or not owners & (set(machine) | set(wheels)):
+            missing.append(f"{name} (from {', '.join(sorted(owners)) or 'no installed distribution'})")
+    return missing
+
+
+def test_the_import_check_names_what_the_machine_lacks():
+    assert missing_on_the_machine({"torch", "PIL", "cv2", "yaml", "diffusers"}) == []
+    assert missing_on_the_machine({"torch", "duckdb", "wandb"}) == ["duckdb (from duckdb)", "wandb (from wandb)"]
+
+
+@pytest.mark.slow
+def test_the_dry_run_writes_the_whole_table_and_imports_only_what_the_machine_has(tmp_path):
+    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path / "out")}
+    result = subprocess.run(["bash", str(ROOT / "bench" / "gpu_window.sh"), "--dry_run"], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    table = (tmp_path / "out" / "gpu_window.md").read_text()
+    report = json.loads((tmp_path / "out" / "gpu_window.json").read_text())
+    assert report["dry_run"] and [p["ended"] for p in report["pieces"]] == ["ok"] * len(gpu_window.pieces(gpu_window.DRY))
+    rows = report["rows"]
+    for batch in gpu_window.DRY.batches:
+        for variant in ("eager", "compile", "peer"):
+            (row,) = [r for r in rows if r.get("batch") == batch and r.get("variant") == variant]
+            assert row["images_per_s"] > 0 and row["device"] == "cpu" and row["torch"] and row["command"]
+            assert (row["mfu"] or 0) > 0  # --peak_tflops 1 in the dry run fills the column
+            if variant != "peer":
+                assert row["estimate"]["batch_size"] == batch
+        assert "x diffusers' step" in [r for r in rows if r.get("batch") == batch and r.get("variant") == "eager"][0]["against"]
+    (syncs,) = [r for r in rows if r["piece"] == "host_syncs"]
+    assert syncs["syncs_per_step"] == 0 and syncs["ops_per_step"] > 100
+    assert {r.get("impl") for r in rows if r["piece"] == "sampling"} == {"ours", "peer"}
+    assert [r for r in rows if r["piece"] == "encode"][0]["images_per_s"] > 0
+    assert table.count("\n| ") == len(rows) + 1 + len(report["pieces"]) + 1  # the two tables' rows and headings
+    imported = set()
+    for piece in gpu_window.pieces(gpu_window.DRY):
+        imported |= set((tmp_path / "out" / "pieces" / f"{piece.name}.imports").read_text().split())
+    assert {"torch", "diffusers", "transformers", "numpy"} <= imported
+    assert missing_on_the_machine(imported) == []
