@@ -176,7 +176,7 @@ def loop(run: Run, stopper: StopSignal, metrics, bar, prefetch: Prefetcher) -> i
                 prefetch.ahead((state.epoch, position + accum), batches[nxt], flips[nxt], draws[nxt])
             lr = sd.train.step.lrs_at(config, state.step, total)  # each parameter group's
             sd.train.step.set_lr(run.step.optimizer, lr)
-            with sd.model.attention_context(d.device):
+            with sd.model.attention_context(d.device, config.attention):
                 result = sd.train.step.train_step(run.step, micro, state.step, stop_requested=stopper.requested())
             epoch_done = state.advance(config.grad_accum, usable, images_per_step)
             unread.append((state.step, state.epoch, lr, result))

@@ -55,11 +55,13 @@ class Variant:
     channels_last: bool
     checkpointing: bool
     mode: str = "default"  # compile_mode
+    attention: str = "auto"  # the config's attention
 
     @property
     def name(self) -> str:
         parts = [("compile" if self.mode == "default" else f"compile:{self.mode}") if self.compile else "eager"]
         parts += ["channels_last"] * self.channels_last + ["checkpointing"] * self.checkpointing
+        parts += [f"attention:{self.attention}"] * (self.attention != "auto")
         return "+".join(parts)
 
 
@@ -72,7 +74,7 @@ def step_config(arch: str, variant: Variant, precision: str, batch_size: int = 1
     """The trainer's settings of the measured step (what bench/gpu_window.py's memory estimates are made for)."""
     return TrainConfig(unet=harness.unet_preset(arch), batch_size=batch_size, grad_accum=1, precision=precision,
                        grad_checkpointing=variant.checkpointing, channels_last=variant.channels_last,
-                       compile=variant.compile, compile_mode=variant.mode)
+                       compile=variant.compile, compile_mode=variant.mode, attention=variant.attention)
 
 
 def our_step(arch: str, variant: Variant, device: torch.device, precision: str, shapes: int = 1,
@@ -92,7 +94,7 @@ def our_step(arch: str, variant: Variant, device: torch.device, precision: str, 
     count, unread = iter(range(10**9)), []
 
     def run(latents, input_ids):
-        with sd.model.attention_context(device):
+        with sd.model.attention_context(device, config.attention):
             result = sd.train.step.train_step(step, [(latents, input_ids)], next(count))
         unread.append(result)
         if len(unread) == config.log_every:  # the trainer's one read per log_every steps
@@ -285,6 +287,8 @@ def parse_args(argv=None):
     parser.add_argument("--compile_backend", default="inductor", help="torch.compile backend of the compile "
                         "variant: inductor (what the trainer uses), or aot_eager to check on a CPU that the step's "
                         "graphs are captured without generating kernels")
+    parser.add_argument("--attention", default="auto", help="attention kernels of ours (the config's attention), "
+                        f"comma-separated, from {', '.join(sd.model.ATTENTION_CHOICES)}")
     parser.add_argument("--channels_last", default="0,1" if cuda else "0", help="0 and/or 1")
     parser.add_argument("--checkpointing", default="0,1" if cuda else "1", help="gradient checkpointing: 0 and/or 1")
     parser.add_argument("--peers", default="unet,vae", help="in-process peers: unet (its step on our latents) "
@@ -306,6 +310,7 @@ def parse_args(argv=None):
                         "(default: looked up for known GPUs)")
     args = parser.parse_args(argv)
     for name, allowed in (("variants", {"eager", "compile"}), ("peers", {"unet", "vae"}),
+                          ("attention", set(sd.model.ATTENTION_CHOICES)),
                           ("compile_modes", set(sd.train.config.COMPILE_MODES))):
         unknown = set(harness.parse_list(getattr(args, name), str)) - allowed
         if unknown:
@@ -325,9 +330,9 @@ def main(argv=None) -> dict:
     latent_size = args.resolution // harness.vae_factor(args.arch)
     flops = sd.model.training_flops_per_image(harness.unet_preset(args.arch), latent_size)
     peak = harness.peak_tflops(device, args.peak_tflops)
-    variants = [Variant(c == "compile", bool(cl), bool(ck), mode) for c, cl, ck in itertools.product(
+    variants = [Variant(c == "compile", bool(cl), bool(ck), mode, attention) for c, cl, ck, attention in itertools.product(
         harness.parse_list(args.variants, str), harness.parse_list(args.channels_last),
-        harness.parse_list(args.checkpointing))
+        harness.parse_list(args.checkpointing), harness.parse_list(args.attention, str))
         for mode in (harness.parse_list(args.compile_modes, str) if c == "compile" else ["default"])]
     print(f"{args.arch} UNet, {args.resolution} px ({latent_size}x{latent_size} latents), {args.precision}, "
           f"{harness.device_name(device)}: {flops / 1e9:,.1f} GFLOP per training image (forward + backward)"

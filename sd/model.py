@@ -199,26 +199,38 @@ def training_flops_per_image(preset: str | dict = "sd1", latent_size: int = 64) 
     return int(counter.get_total_flops())
 
 
-def sdpa_backends(device) -> list:
-    """The SDPA kernels allowed on ``device``: flash and memory-efficient on CUDA, flash then math elsewhere.
+ATTENTION_CHOICES = ("auto", "cudnn", "flash", "efficient", "math")
 
-    The math kernel materialises the full attention matrix and keeps it for the backward pass; on
-    a GPU that costs memory and time for nothing, so it is excluded there and a shape the fast
-    kernels cannot take fails loudly. On a CPU the flash kernel (where torch has one for the shape
-    and dtype) trains the tiny UNet at 128 px in about two thirds of the math kernel's memory.
+
+def sdpa_backends(device, choice: str = "auto") -> list:
+    """The SDPA kernels allowed on ``device``, in the order tried: on CUDA by ``choice`` (the config's
+    ``attention``), flash then math elsewhere.
+
+    ``auto``: flash, else memory-efficient. ``cudnn``: cuDNN's fused attention first (on Hopper it
+    may beat flash for SD's 64-channel heads; ``bench/gpu_window.sh`` measures both), then as auto.
+    ``flash``, ``efficient``: that kernel alone. ``math``: the reference, which materialises the full
+    attention matrix and keeps it for the backward pass; it costs a GPU memory and time for nothing,
+    so the other choices exclude it and a shape the fast kernels cannot take fails loudly. On a CPU
+    the flash kernel (where torch has one for the shape and dtype) trains the tiny UNet at 128 px in
+    about two thirds of the math kernel's memory; ``choice`` is for GPUs and ignored there.
     """
     from torch.nn.attention import SDPBackend
 
-    if torch.device(device).type == "cuda":
-        return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
-    return [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+    if choice not in ATTENTION_CHOICES:
+        raise ValueError(f"attention: {choice!r} is not one of {', '.join(ATTENTION_CHOICES)}")
+    if torch.device(device).type != "cuda":
+        return [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+    fast = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+    return {"auto": fast, "cudnn": [SDPBackend.CUDNN_ATTENTION, *fast], "flash": fast[:1], "efficient": fast[1:],
+            "math": [SDPBackend.MATH]}[choice]
 
 
-def attention_context(device):
-    """Context the trainer and sampler enter so attention runs on the kernels of ``sdpa_backends``."""
+def attention_context(device, choice: str = "auto"):
+    """Context the trainer and sampler enter so attention runs on the kernels of ``sdpa_backends``, tried
+    in that order."""
     from torch.nn.attention import sdpa_kernel
 
-    return sdpa_kernel(sdpa_backends(device))
+    return sdpa_kernel(sdpa_backends(device, choice), set_priority=True)
 
 
 def count_parameters(model) -> int:

@@ -226,6 +226,9 @@ class TrainConfig:
                              "kernel choices at start), reduce-overhead (CUDA graphs: replays each micro-batch's "
                              "kernels without launching them one by one) or max-autotune (both); "
                              "bench/train_throughput.py --compile_modes measures them on a GPU", "default")
+    attention: str = _doc("attention kernels of the training step on a GPU: auto (flash, else memory-efficient), cudnn (cuDNN's fused "
+                          "attention first, then as auto), flash, efficient, or math (the full attention matrix: "
+                          "slow, for checks); ignored on a CPU", "auto")
     max_bad_steps: int = _doc("stop after this many non-finite steps in a row", 10, allowed=COUNT)
     sharding: str = _doc("how a full fine-tune spreads over several GPUs: none (DDP: every GPU holds the weights, "
                          "gradients and optimizer state), zero1 (DDP, the AdamW state split across the GPUs) or "
@@ -306,6 +309,7 @@ class TrainConfig:
         need(self.precision in ("bf16", "fp16", "fp32"), "precision: bf16, fp16 or fp32")
         need(self.ema_device in ("same", "cpu"), "ema_device: same or cpu")
         need(self.compile_mode in COMPILE_MODES, f"compile_mode: one of {', '.join(COMPILE_MODES)}")
+        need(self.attention in sd.model.ATTENTION_CHOICES, f"attention: one of {', '.join(sd.model.ATTENTION_CHOICES)}")
         need(self.ema_warmup in ("auto", "restart", "off"), "ema_warmup: auto, restart or off")
         need(self.wandb_mode in ("online", "offline", "disabled"), "wandb_mode: online, offline or disabled")
         need(self.tensorboard.lower() in ("auto", "true", "false"), "tensorboard: auto, true or false")
@@ -787,6 +791,7 @@ ON_RESUME = {
     "precision": OnResume(WARN, "the resumed steps compute in the new precision (an fp16 loss scale starts afresh "
                                 "when fp16 is new)"),
     "grad_checkpointing": OnResume(FREE), "channels_last": OnResume(FREE), "compile": OnResume(FREE), "compile_mode": OnResume(FREE),
+    "attention": OnResume(FREE),
     "max_bad_steps": OnResume(FREE),
     "sharding": OnResume(FREE, "checkpoints hold whole tensors whatever the sharding"),
     "out_dir": OnResume(FREE), "save_steps": OnResume(FREE), "save_every_epoch": OnResume(FREE),

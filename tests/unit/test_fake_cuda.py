@@ -57,7 +57,7 @@ def train_one_step(cfg: TrainConfig, steps: int = 1, syncs: list | None = None):
             step.text_cache = sd.train.step.TextCache.build(step.text_encoder, ids, cfg.precision, d.device)
             step.text_encoder.to("cpu")
         batches = [(torch.randn(2, 4, 8, 8).half(), ids) for _ in range(cfg.grad_accum)]
-        with sd.model.attention_context(d.device):
+        with sd.model.attention_context(d.device, cfg.attention):
             for i in range(steps):
                 if syncs is not None and i == 1:
                     syncs.clear()
@@ -88,6 +88,14 @@ def test_a_training_step_keeps_every_tensor_on_its_device(ema_device):
     if ema_device == "cpu":  # the staging buffers the GPU weights are copied into
         assert {t.device.type for t in step.ema.staging} == {"cpu"}
     assert step.unet.conv_in.weight.is_contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("attention", ["cudnn", "flash"])
+def test_a_step_with_another_attention_choice_stays_on_the_device_without_waiting(attention):
+    syncs = []
+    step, result = train_one_step(config(attention=attention), steps=3, syncs=syncs)
+    assert syncs == [] and result["bad"] is False
+    assert {p.grad.device for p in step.unet.parameters()} == {CUDA}
 
 
 @pytest.mark.parametrize("fields", [

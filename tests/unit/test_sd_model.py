@@ -129,6 +129,14 @@ def test_attention_uses_sdpa_with_kernels_by_device():
     cuda = M.sdpa_backends("cuda")
     assert SDPBackend.FLASH_ATTENTION in cuda and SDPBackend.EFFICIENT_ATTENTION in cuda
     assert SDPBackend.MATH not in cuda
+    # the config's attention on a GPU: the kernels in the order tried, math only when asked for
+    assert M.sdpa_backends("cuda", "cudnn") == [SDPBackend.CUDNN_ATTENTION, *cuda]
+    assert M.sdpa_backends("cuda", "flash") == [SDPBackend.FLASH_ATTENTION]
+    assert M.sdpa_backends("cuda", "efficient") == [SDPBackend.EFFICIENT_ATTENTION]
+    assert M.sdpa_backends("cuda", "math") == [SDPBackend.MATH]
+    assert M.sdpa_backends("cpu", "cudnn") == M.sdpa_backends("cpu")  # a GPU setting
+    with pytest.raises(ValueError, match="attention: 'xformers' is not one of auto, cudnn"):
+        M.sdpa_backends("cuda", "xformers")
     trained = M.build_unet("tiny", seed=0, from_scratch=False)  # a non-zero output to compare
     latents, timesteps, context = _tiny_inputs()
     with M.attention_context("cpu"):
