@@ -82,6 +82,7 @@ class Piece:
     cap_s: int
     script: str
     args: list
+    part: str = "headline"
     result: dict | None = None
     ended: str = "not run"
     seconds: float = 0.0
@@ -112,6 +113,20 @@ def pieces(s: Sizes) -> list[Piece]:
                   [*train, "--batch_sizes", str(batch), "--variants", "compile", "--peers", "",
                    "--compile_backend", s.compile_backend])
             for batch in s.batches]
+    # the levers of the record's step, side by side at the first batch (a second command: --part levers)
+    batch = str(s.batches[0])
+    out.append(Piece("lever_attention", f"training step, eager, attention auto vs cudnn, batch {batch}", 120,
+                     "bench/train_throughput.py", [*train, "--batch_sizes", batch, "--variants", "eager",
+                                                   "--attention", "auto,cudnn", "--peers", ""], part="levers"))
+    out.append(Piece("lever_channels_last", f"training step, compiled, channels_last, batch {batch}", 240,
+                     "bench/train_throughput.py",
+                     [*train[:train.index("--channels_last")], "--channels_last", "1",
+                      *train[train.index("--channels_last") + 2:], "--batch_sizes", batch, "--variants", "compile",
+                      "--peers", "", "--compile_backend", s.compile_backend], part="levers"))
+    out.append(Piece("lever_cuda_graphs", f"training step, compiled with CUDA graphs (reduce-overhead), batch {batch}",
+                     240, "bench/train_throughput.py",
+                     [*train, "--batch_sizes", batch, "--variants", "compile", "--compile_modes", "reduce-overhead",
+                      "--peers", "", "--compile_backend", s.compile_backend], part="levers"))
     return out
 
 
@@ -344,12 +359,12 @@ def table_rows(done: list[Piece], s: Sizes, estimates: dict) -> list[dict]:
     return rows
 
 
-def markdown(rows: list[dict], done: list[Piece], started: str, dry_run: bool, revision: str) -> str:
+def markdown(rows: list[dict], done: list[Piece], started: str, dry_run: bool, revision: str, argv: list[str]) -> str:
     lines = [f"# GPU window, {started}", ""]
     if dry_run:
         lines += ["**--dry_run**: every piece at the tiny presets on the CPU; the numbers test the command, they "
                   "measure nothing.", ""]
-    lines += [f"revision {revision}; command: `OUT=DIR bash bench/gpu_window.sh{' --dry_run' if dry_run else ''}`", "",
+    lines += [f"revision {revision}; command: `OUT=DIR bash bench/gpu_window.sh{''.join(' ' + a for a in argv)}`", "",
               "| measurement | settings | result | against | device, torch | command |", "|---|---|---|---|---|---|"]
     for row in rows:
         cells = [row["what"], row["settings"], row["result"], row["against"] or "-",
@@ -379,7 +394,10 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=os.environ.get("OUT", ""), help="folder of the table (default: $OUT)")
     parser.add_argument("--budget", type=float, default=BUDGET_S,
                         help=f"seconds for all pieces together (default {BUDGET_S})")
-    parser.add_argument("--only", default="", help="comma-separated piece names to run (default: all)")
+    parser.add_argument("--part", choices=["headline", "levers", "all"], default="headline",
+                        help="headline: the table's pieces (within --budget, 7 minutes with the install); levers: "
+                        "the speed levers side by side, a second command when the window has time left")
+    parser.add_argument("--only", default="", help="comma-separated piece names to run (default: all of --part)")
     args = parser.parse_args(argv)
     sizes = DRY if args.dry_run else GPU
     if args.action == "estimates":
@@ -401,7 +419,7 @@ def main(argv=None) -> int:
         if missing:
             print(f"[gpu_window] {ESTIMATES.name} has no estimate for batch {missing}: run `python bench/gpu_window.py "
                   "estimates` on a CPU before the window; the table shows none", flush=True)
-    chosen = [p for p in pieces(sizes) if not args.only or p.name in args.only.split(",")]
+    chosen = [p for p in pieces(sizes) if (args.part in ("all", p.part)) and (not args.only or p.name in args.only.split(","))]
     started, began = datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), time.monotonic()
     revision = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                               text=True).stdout.strip() or "unknown"
@@ -413,12 +431,13 @@ def main(argv=None) -> int:
                 continue
             run_piece(piece, folder, min(piece.cap_s, left), python)
     rows = table_rows(chosen, sizes, estimates)
-    write_atomically(out / "gpu_window.md", markdown(rows, chosen, started, args.dry_run, revision))
-    write_atomically(out / "gpu_window.json", json.dumps({
+    name = "gpu_window" if args.part == "headline" else f"gpu_window_{args.part}"
+    write_atomically(out / f"{name}.md", markdown(rows, chosen, started, args.dry_run, revision, argv))
+    write_atomically(out / f"{name}.json", json.dumps({
         "date": started, "dry_run": args.dry_run, "revision": revision, "seconds": round(time.monotonic() - began),
         "pieces": [{"name": p.name, "command": p.command, "ended": p.ended, "seconds": p.seconds} for p in chosen],
         "rows": rows}, indent=1) + "\n")
-    print(f"[gpu_window] {time.monotonic() - began:.0f} s; wrote {out / 'gpu_window.md'} and gpu_window.json")
+    print(f"[gpu_window] {time.monotonic() - began:.0f} s; wrote {out / name}.md and {name}.json")
     return 0 if all(p.ended == "ok" for p in chosen) else 1
 
 
