@@ -233,6 +233,11 @@ class TrainConfig:
     sharding: str = _doc("how a full fine-tune spreads over several GPUs: none (DDP: every GPU holds the weights, "
                          "gradients and optimizer state), zero1 (DDP, the AdamW state split across the GPUs) or "
                          "fsdp (FSDP2: weights, gradients, AdamW state and EMA split); not with lora_rank", "none")
+    fsdp_reduce_each_micro_batch: bool = _doc("sharding: fsdp with grad_accum above 1: reduce-scatter the gradients "
+                                              "after every micro-batch, so they accumulate split across the GPUs "
+                                              "(at SD 1.x size 3.44 GB less per GPU than whole gradients kept until "
+                                              "the last micro-batch), for a reduce-scatter per micro-batch instead "
+                                              "of one per step", False)
     # -- checkpoints and logging ------------------------------------------------------------
     out_dir: str = _doc("run folder: config.yaml, metrics.jsonl, samples/, checkpoints/", "runs/train")
     save_steps: int = _doc("save a checkpoint every N optimizer steps (and at the end of the run)", 1500,
@@ -422,6 +427,9 @@ def check_sharding(config: TrainConfig) -> None:
     name = config.sharding
     if name not in SHARDINGS:
         raise ConfigError(f"sharding: none, zero1 or fsdp, got {name!r}")
+    if config.fsdp_reduce_each_micro_batch and name != "fsdp":
+        raise ConfigError(f"fsdp_reduce_each_micro_batch: applies to sharding: fsdp (got sharding: {name}); set it "
+                          "false, or sharding: fsdp")
     if name == "none":
         return
     if config.optimizer != "adamw":
@@ -794,6 +802,7 @@ ON_RESUME = {
     "attention": OnResume(FREE),
     "max_bad_steps": OnResume(FREE),
     "sharding": OnResume(FREE, "checkpoints hold whole tensors whatever the sharding"),
+    "fsdp_reduce_each_micro_batch": OnResume(FREE),
     "out_dir": OnResume(FREE), "save_steps": OnResume(FREE), "save_every_epoch": OnResume(FREE),
     "keep_checkpoints": OnResume(FREE), "keep_every_steps": OnResume(FREE), "stop_at_step": OnResume(FREE),
     "log_every": OnResume(FREE), "validate_every": OnResume(FREE), "validation_prompts": OnResume(FREE),

@@ -57,6 +57,7 @@ class Step:
     empty_ids: torch.Tensor | None = None  # (1, 77): the empty prompt's ids, on the device
     cuda_graphs: bool = False  # the compiled model replays CUDA graphs (compile_mode reduce-overhead)
     sharding: str = "none"  # none, zero1 or fsdp (sd.train.sharding); fsdp applies at wrap_model
+    reduce_each_micro_batch: bool = False  # fsdp_reduce_each_micro_batch: no micro-batch accumulates unsynced
     text_ema: sd.train.ema.EMA | None = None  # of the text encoder's adapter, when it trains and there is an EMA
     objective: "Diffusion | sd.train.distill.Distiller" = dataclasses.field(default_factory=lambda: Diffusion())
     mode: sd.train.mode.Mode = dataclasses.field(default_factory=lambda: sd.train.mode.Mode(None))  # what trains
@@ -249,7 +250,8 @@ def build_step(config, d: Dist, unet, text_encoder, empty_ids: torch.Tensor, sca
                 sd.model.ddpm_alphas_cumprod(zero_terminal_snr=config.zero_terminal_snr).to(d.device), scaling_factor,
                 LossSettings.from_config(config), d, trainable=[p for group in groups for p in group["params"]],
                 text_trains=text_trains, empty_ids=empty_ids.to(d.device), sharding=sharding, text_ema=text_ema,
-                objective=objective, mode=mode)
+                objective=objective, mode=mode,
+                reduce_each_micro_batch=sharding == "fsdp" and getattr(config, "fsdp_reduce_each_micro_batch", False))
 
 
 def wrap_model(step: Step, compile: bool, shapes: int = 1, mode: str = "default") -> None:
@@ -508,7 +510,7 @@ def train_step(step: Step, micro_batches: list, step_index: int, stop_requested:
     stats = torch.zeros(STATS, dtype=torch.float64, device=d.device)
     for i, (latents, input_ids, *extra) in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
-        sync = contextlib.nullcontext() if last else sd.train.sharding.no_sync(step)
+        sync = contextlib.nullcontext() if last or step.reduce_each_micro_batch else sd.train.sharding.no_sync(step)
         if step.cuda_graphs:  # each micro-batch's forward and backward is a new replay of the graphs
             torch.compiler.cudagraph_mark_step_begin()
         with sync:

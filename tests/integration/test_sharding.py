@@ -58,9 +58,11 @@ def runs(tmp_path_factory):
     (in fresh processes, as a re-run of the command would be)."""
     root = tmp_path_factory.mktemp("sharding")
     data = dataset_with_a_nan_sample(root / "data")
-    found = {name: root / name for name in ("none", *SHARDED, *(f"{s}_split" for s in SHARDED), "fsdp_then_none")}
+    found = {name: root / name for name in ("none", *SHARDED, *(f"{s}_split" for s in SHARDED), "fsdp_then_none",
+                                            "fsdp_each")}
     torchrun_runs(run(root, data, "none", "none"), *(run(root, data, s, s) for s in SHARDED),
-                  *(run(root, data, s, f"{s}_split", "--stop_at_step", HALF) for s in SHARDED))
+                  *(run(root, data, s, f"{s}_split", "--stop_at_step", HALF) for s in SHARDED),
+                  run(root, data, "fsdp", "fsdp_each", "--fsdp_reduce_each_micro_batch"))
     shutil.copytree(found["fsdp_split"], found["fsdp_then_none"])
     torchrun_runs(*(run(root, data, s, f"{s}_split") for s in reversed(SHARDED)),
                   run(root, data, "none", "fsdp_then_none"))
@@ -98,6 +100,14 @@ def test_sharded_losses_and_weights_equal_ddp_to_float_tolerance(runs, sharding)
     if sharding == "zero1":  # the same arithmetic in the same order: DDP's state, bit for bit, resumed too
         assert_bitwise_equal(ours, theirs)
         assert_bitwise_equal(final_state(runs["zero1_split"], TOTAL), theirs)
+
+
+@pytest.mark.slow
+def test_fsdp_reducing_each_micro_batch_trains_as_ddp_to_float_tolerance(runs):
+    """fsdp_reduce_each_micro_batch: the accumulated gradients are sums of reduce-scattered halves, the same
+    arithmetic in another order."""
+    assert same_losses(losses(runs["fsdp_each"]), losses(runs["none"]), rel=1e-5)
+    assert_close(final_state(runs["fsdp_each"], TOTAL), final_state(runs["none"], TOTAL), atol=1e-5)
 
 
 @pytest.mark.slow

@@ -210,3 +210,18 @@ def test_fsdp_on_two_gpus_holds_half_the_weights_optimizer_state_and_ema_and_gat
     for part in ("weights", "optimizer_state", "ema"):
         assert fsdp.parts[part] == pytest.approx(ddp.parts[part] / 2, rel=0.05), part
     assert 0 < fsdp.parts["fsdp_gathered_weights"] < ddp.parts["weights"]
+
+
+@pytest.mark.slow  # two estimates of over 7 s on a 2-core CPU: out of make check
+def test_fsdp_reducing_each_micro_batch_keeps_the_accumulated_gradients_split():
+    """With grad_accum 2, fsdp keeps the first micro-batch's gradients whole on every GPU until the last one's
+    reduce-scatter; fsdp_reduce_each_micro_batch splits them at once: the estimate, which runs the step as
+    the trainer does, prices both, and the difference is half the whole gradients on each of 2 GPUs."""
+    whole, split = (sd.train.memory.estimate(tiny_config(sharding="fsdp", grad_accum=2, grad_checkpointing=False,
+                                                         batch_size=4, fsdp_reduce_each_micro_batch=flag),
+                                             resolution=64, device="cuda", world_size=2) for flag in (False, True))
+    # at 64 px and batch 4 the peak falls in the second micro-batch's backward, beside the first's gradients
+    gradient_bytes = 4 * sd.model.count_parameters(sd.model.build_unet("tiny"))  # fp32, the UNet's, whole
+    assert whole.allocated - split.allocated == pytest.approx(gradient_bytes / 2, rel=0.1)
+    with pytest.raises(ConfigError, match="fsdp_reduce_each_micro_batch: applies to sharding: fsdp"):
+        sd.train.config.check_sharding(tiny_config(sharding="zero1", fsdp_reduce_each_micro_batch=True))
