@@ -9,8 +9,9 @@ block's weights are gathered just for its forward and backward.
 Checkpoints hold whole tensors in the files a ``sharding: none`` run writes, so any run (and every
 exporter) reads them. The state objects here gather before rank 0 writes: ``gather()`` is a
 collective that every rank calls (``sd.train.checkpoint.save`` calls it on every entry that has one).
-A resume loads whole tensors into the plain modules, as an unsharded run does; ``shard_unet`` then
-splits the weights, the EMA and the loaded AdamW state.
+A resume loads whole tensors into the plain modules, as an unsharded run does, but for AdamW's state
+under fsdp, which stays in host memory as read (``HeldForSharding``); ``shard_unet`` then splits the
+weights, the EMA and that state.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import contextlib
 import torch
 
 import sd.train.checkpoint as ckpt
+import sd.train.optimizers
 from sd.run_folder import is_split
 
 
@@ -71,7 +73,10 @@ def shard_unet(step) -> torch.nn.Module:
 
     unet, old = step.unet, step.optimizer
     names = trainable_names(unet)
-    loaded = old.state_dict() if old.state else None  # indices into the trainable parameters
+    loaded = step.held_optimizer_state  # a resume's, in host memory (indices into the trainable parameters)
+    step.held_optimizer_state = None
+    if loaded is None and old.state:
+        loaded = old.state_dict()
     for block in (*unet.down_blocks, unet.mid_block, *unet.up_blocks):
         fully_shard(block)
     fully_shard(unet)
@@ -81,9 +86,10 @@ def shard_unet(step) -> torch.nn.Module:
     step.optimizer = type(old)([{"params": params, **({"name": name} if name else {})}], **settings)
     step.trainable = params
     del old
-    if loaded is not None:
+    if loaded is not None:  # tensor by tensor: each one whole on the device only while it is split
         set_optimizer_state_dict(unet, step.optimizer, by_name(loaded, names),
                                  options=StateDictOptions(full_state_dict=True))
+        del loaded
     if step.ema is not None:
         shard_ema(step.ema, unet)
     return unet
@@ -176,6 +182,18 @@ def unsharded(module: torch.nn.Module):
 # ---------------------------------------------------------------------------------------------
 
 
+class HeldForSharding:
+    """An fsdp run's AdamW state as a resume reads it, before ``shard_unet``: kept in host memory (``torch.load``
+    maps it there) instead of loaded into the optimizer, whose parameters are on the device, which would hold
+    the whole state on every GPU (13.8 GB at SD 1.x) until the split."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step.held_optimizer_state = sd.train.optimizers.regrouped(dict(state), self.step.optimizer.param_groups)
+
+
 class ZeroState:
     """ZeRO's AdamW state: consolidated on rank 0 for a save (the AdamW ``state_dict`` an unsharded run
     writes), loaded whole on every rank (each keeps its share)."""
@@ -263,4 +281,6 @@ def whole_states(states: dict, step) -> dict:
         if "ema" in states:
             states["ema"] = ckpt.Weights(WholeEMA(step.ema, step.unet))
         states["optimizer"] = WholeOptimizer(step.unet, step.optimizer)
+    elif step.sharding == "fsdp":  # a resume, before shard_unet
+        states["optimizer"] = HeldForSharding(step)
     return states

@@ -58,6 +58,7 @@ class Step:
     cuda_graphs: bool = False  # the compiled model replays CUDA graphs (compile_mode reduce-overhead)
     sharding: str = "none"  # none, zero1 or fsdp (sd.train.sharding); fsdp applies at wrap_model
     reduce_each_micro_batch: bool = False  # fsdp_reduce_each_micro_batch: no micro-batch accumulates unsynced
+    held_optimizer_state: dict | None = None  # fsdp: a resume's AdamW state in host memory until shard_unet splits it
     text_ema: sd.train.ema.EMA | None = None  # of the text encoder's adapter, when it trains and there is an EMA
     objective: "Diffusion | sd.train.distill.Distiller" = dataclasses.field(default_factory=lambda: Diffusion())
     mode: sd.train.mode.Mode = dataclasses.field(default_factory=lambda: sd.train.mode.Mode(None))  # what trains
