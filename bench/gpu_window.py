@@ -41,7 +41,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 ESTIMATES = ROOT / "bench" / "gpu_window_estimates.json"
-BUDGET_S = 400  # all pieces together: with the wheels' install and the table, the window's command ends within 7 minutes
+# all pieces together: with the wheels' install and the table, the window's command ends within 7 minutes
+BUDGET_S = 400
 PRELOAD_MODULES = ("bench.harness", "sd.model", "sd.train.step", "sd.train.memory", "sd.sampling",
                    "diffusers.models.unets.unet_2d_condition", "diffusers.models.autoencoders.autoencoder_kl",
                    "diffusers.schedulers", "diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion",
@@ -329,9 +330,11 @@ def table_rows(done: list[Piece], s: Sizes, estimates: dict) -> list[dict]:
                 estimate = estimates.get(estimate_key(r["arch"], r["resolution"], r["precision"], batch))
                 memory = ""
                 if ours and row.get("peak_reserved_gb") is not None:
-                    memory = f"; peak {row['peak_allocated_gb']:.2f} GB allocated, {row['peak_reserved_gb']:.2f} reserved"
+                    memory = (f"; peak {row['peak_allocated_gb']:.2f} GB allocated, "
+                              f"{row['peak_reserved_gb']:.2f} reserved")
                 if ours and estimate:
-                    memory += f"; estimate {estimate['allocated_gb']:.2f} allocated, {estimate['reserved_gb']:.2f} reserved"
+                    memory += (f"; estimate {estimate['allocated_gb']:.2f} allocated, "
+                               f"{estimate['reserved_gb']:.2f} reserved")
                     if row.get("peak_reserved_gb"):
                         memory += f" ({100 * (estimate['reserved_gb'] / row['peak_reserved_gb'] - 1):+.1f}%)"
                 add(piece, what, settings,
@@ -353,7 +356,7 @@ def table_rows(done: list[Piece], s: Sizes, estimates: dict) -> list[dict]:
                     f"{row['images_per_s']:.3f} images/s ({row['it_per_s']:.2f} it/s)",
                     images_per_s=row["images_per_s"], impl=row["impl"])
         elif r["benchmark"] == "encode_latents":
-            add(piece, "latent encoding, encode_latents.py", f"{r.get('resolution', '')} px, batch {r.get('batch_size', '')}",
+            add(piece, "latent encoding, encode_latents.py", f"{r['resolution']} px, batch {r['batch_size']}",
                 f"{r['ours_images_per_s']:.1f} images/s ({r['vae_only_images_per_s']:.1f} the VAE alone)",
                 f"{r['ratio_vs_naive']:.2f}x the naive loop", images_per_s=r["ours_images_per_s"])
     return rows
@@ -419,7 +422,11 @@ def main(argv=None) -> int:
         if missing:
             print(f"[gpu_window] {ESTIMATES.name} has no estimate for batch {missing}: run `python bench/gpu_window.py "
                   "estimates` on a CPU before the window; the table shows none", flush=True)
-    chosen = [p for p in pieces(sizes) if (args.part in ("all", p.part)) and (not args.only or p.name in args.only.split(","))]
+    only = set(args.only.split(",")) - {""}
+    unknown = only - {p.name for p in pieces(sizes)}
+    if unknown:
+        parser.error(f"--only: no piece {sorted(unknown)}; the pieces: {', '.join(p.name for p in pieces(sizes))}")
+    chosen = [p for p in pieces(sizes) if args.part in ("all", p.part) and (not only or p.name in only)]
     started, began = datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), time.monotonic()
     revision = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                               text=True).stdout.strip() or "unknown"

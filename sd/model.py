@@ -207,7 +207,7 @@ def sdpa_backends(device, choice: str = "auto") -> list:
     ``attention``), flash then math elsewhere.
 
     ``auto``: flash, else memory-efficient. ``cudnn``: cuDNN's fused attention first (on Hopper it
-    may beat flash for SD's 64-channel heads; ``bench/gpu_window.sh`` measures both), then as auto.
+    may beat flash for SD 1.x's heads of 40, 80 and 160 channels; ``bench/gpu_window.sh`` measures both), then as auto.
     ``flash``, ``efficient``: that kernel alone. ``math``: the reference, which materialises the full
     attention matrix and keeps it for the backward pass; it costs a GPU memory and time for nothing,
     so the other choices exclude it and a shape the fast kernels cannot take fails loudly. On a CPU

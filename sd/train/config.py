@@ -226,9 +226,9 @@ class TrainConfig:
                              "kernel choices at start), reduce-overhead (CUDA graphs: replays each micro-batch's "
                              "kernels without launching them one by one) or max-autotune (both); "
                              "bench/train_throughput.py --compile_modes measures them on a GPU", "default")
-    attention: str = _doc("attention kernels of the training step on a GPU: auto (flash, else memory-efficient), cudnn (cuDNN's fused "
-                          "attention first, then as auto), flash, efficient, or math (the full attention matrix: "
-                          "slow, for checks); ignored on a CPU", "auto")
+    attention: str = _doc("attention kernels of the training step on a GPU: auto (flash, else memory-efficient), "
+                          "cudnn (cuDNN's fused attention first, then as auto), flash, efficient, or math (the full "
+                          "attention matrix: slow, for checks); ignored on a CPU", "auto")
     max_bad_steps: int = _doc("stop after this many non-finite steps in a row", 10, allowed=COUNT)
     sharding: str = _doc("how a full fine-tune spreads over several GPUs: none (DDP: every GPU holds the weights, "
                          "gradients and optimizer state), zero1 (DDP, the AdamW state split across the GPUs) or "
