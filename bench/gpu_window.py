@@ -84,13 +84,16 @@ class Piece:
     script: str
     args: list
     part: str = "headline"
+    writes_json: bool = True  # a bench script's --json; else a module (pytest), its last line read
     result: dict | None = None
     ended: str = "not run"
     seconds: float = 0.0
+    last_line: str = ""
 
     @property
     def command(self) -> str:
-        return " ".join(["python", self.script, *(arg if arg else '""' for arg in self.args)])
+        run = self.script if self.script.endswith(".py") else f"-m {self.script}"
+        return " ".join(["python", run, *(arg if arg else '""' for arg in self.args)])
 
 
 def pieces(s: Sizes) -> list[Piece]:
@@ -128,6 +131,9 @@ def pieces(s: Sizes) -> list[Piece]:
                      240, "bench/train_throughput.py",
                      [*train, "--batch_sizes", batch, "--variants", "compile", "--compile_modes", "reduce-overhead",
                       "--peers", "", "--compile_backend", s.compile_backend], part="levers"))
+    out.append(Piece("gpu_tests", "pytest -m gpu (the CUDA-only checks)", 240, "pytest", [
+        "-m", "gpu", "tests/gpu", "-p", "no:xdist", "-p", "no:cacheprovider", "-o", "addopts=", "-q"],
+        part="levers", writes_json=False))
     return out
 
 
@@ -141,7 +147,7 @@ def run_piece(piece: Piece, folder: Path, cap_s: float, python: list[str]) -> No
     ``python``: how a script starts (an interpreter, or bench/preload.py's client)."""
     result_file, log = folder / f"{piece.name}.json", folder / f"{piece.name}.log"
     argv = [*python, str(Path(__file__)), "run", str(folder / f"{piece.name}.imports"), piece.script, *piece.args,
-            "--json", str(result_file)]
+            *(["--json", str(result_file)] if piece.writes_json else [])]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     print(f"[gpu_window] {piece.title} (at most {cap_s:.0f} s): {piece.command}", flush=True)
     started = time.monotonic()
@@ -165,14 +171,17 @@ def run_piece(piece: Piece, folder: Path, cap_s: float, python: list[str]) -> No
     piece.ended = "ok" if rc == 0 else f"timed out at {cap_s:.0f} s" if rc is None else f"failed ({rc})"
     if result_file.exists():
         piece.result = json.loads(result_file.read_text())
+    lines = log.read_text(errors="replace").strip().splitlines()
+    piece.last_line = lines[-1].strip() if lines else ""
     if rc != 0:
         tail = log.read_text(errors="replace").strip().splitlines()[-3:]
         print(f"[gpu_window] {piece.name}: {piece.ended}: " + " | ".join(tail), flush=True)
 
 
 def run_script(imports: str, script: str, argv: list[str]) -> None:
-    """Run a bench script as ``__main__``, then write to the file ``imports`` the third-party modules the
-    project's code imported (see ``project_imports``; how the tests check the GPU machine has them)."""
+    """Run a bench script (or a module: ``pytest``) as ``__main__``, then write to the file ``imports`` the
+    third-party modules the project's code imported: those its files import at load (``module_level_imports``)
+    and those its functions imported as they ran (how the tests check the GPU machine has them all)."""
     import builtins
 
     executed, original = set(), builtins.__import__
@@ -185,11 +194,16 @@ def run_script(imports: str, script: str, argv: list[str]) -> None:
     sys.argv = [script, *argv]
     builtins.__import__ = recording
     try:
-        runpy.run_path(str(ROOT / script), run_name="__main__")
+        if script.endswith(".py"):
+            runpy.run_path(str(ROOT / script), run_name="__main__")
+        else:  # a module, as python -m runs it
+            runpy.run_module(script, run_name="__main__", alter_sys=True)
     finally:
         builtins.__import__ = original
-        files = {ROOT / script} | {Path(module.__file__) for module in list(sys.modules.values())
-                                   if in_project(getattr(module, "__file__", None))}
+        files = {Path(module.__file__) for module in list(sys.modules.values())
+                 if in_project(getattr(module, "__file__", None))}
+        if script.endswith(".py"):
+            files.add(ROOT / script)
         names = (executed | set().union(*(module_level_imports(path) for path in files))) - {"sd", "bench"}
         Path(imports).write_text("\n".join(sorted(n for n in names if n not in sys.stdlib_module_names)) + "\n")
 
@@ -308,6 +322,9 @@ def table_rows(done: list[Piece], s: Sizes, estimates: dict) -> list[dict]:
 
     for piece in done:
         r = piece.result
+        if r is None and not piece.writes_json and piece.ended != "not run":
+            add(piece, piece.title, "", piece.last_line or piece.ended)
+            continue
         if r is None:
             add(piece, piece.title, "", f"no result: {piece.ended}")
             continue
@@ -359,6 +376,10 @@ def table_rows(done: list[Piece], s: Sizes, estimates: dict) -> list[dict]:
             add(piece, "latent encoding, encode_latents.py", f"{r['resolution']} px, batch {r['batch_size']}",
                 f"{r['ours_images_per_s']:.1f} images/s ({r['vae_only_images_per_s']:.1f} the VAE alone)",
                 f"{r['ratio_vs_naive']:.2f}x the naive loop", images_per_s=r["ours_images_per_s"])
+    known = next((row for row in rows if row["device"] != "-"), None)
+    for row in rows:  # a piece without a JSON of its own (pytest) ran on the same machine
+        if known and row["device"] == "-":
+            row["device"], row["torch"] = known["device"], known["torch"]
     return rows
 
 
