@@ -646,6 +646,9 @@ def breakdown(allocations: Allocations, step, vae, config, casts: set[int], rebu
         "text_encoder_and_vae": records([*step.text_encoder.parameters(), *step.text_encoder.buffers(),
                                          *vae.parameters(), *vae.buffers()]),
     }
+    master = getattr(step.optimizer, "master_weights", None)
+    if master is not None:  # bf16_weights: the fp32 masters and their gradients
+        groups["master_weights"] = records([t for m in master.master for t in (m, m.grad) if t is not None])
     held = step.objective.held_tensors()  # a distillation's teacher copy and target network
     if held:
         groups["distillation"] = records(held)

@@ -17,7 +17,9 @@ parameters hold ``y``; ``x = y + (1 - 1/beta1) (z - y)``. Which weights each con
   the parameters; ``y`` goes into ``optimizer.pt`` (``OptimizerState``), and a resume puts it back
   after the weight files, so a resumed run continues bit for bit.
 
-Every other optimizer has one point: each function here leaves it as it is.
+Every other optimizer has one point: each function here leaves it as it is, but for ``bf16_weights``
+(``MasterWeights``): the UNet's parameters are bf16, the optimizer's are fp32 master copies of them,
+and the EMAs and the checkpoint's weight files take the master copies (``evaluation_view``).
 """
 
 from __future__ import annotations
@@ -41,10 +43,90 @@ def _x_weight(group) -> float:
     return 1 - 1 / group["betas"][0]
 
 
+class MasterWeights:
+    """``bf16_weights``: the trainable parameters stored in bf16, which the forward and backward read as they
+    are (no per-step casts under autocast: 1.7 GB of copies at SD 1.x), with fp32 master copies that the
+    optimizer updates (MLPerf's recipe for this UNet). Each step the bf16 gradients, accumulated over the
+    micro-batches (and averaged across the GPUs in bf16, as DDP's buckets hold them), are copied into
+    fp32 gradients of the masters (``take_gradients``: one buffer, one foreach copy), the optimizer steps the
+    masters, and the parameters are set to the masters rounded to bf16 (``put_weights``), which frees the
+    fp32 gradients: they exist only from the last backward to the update, not beside the activations."""
+
+    def __init__(self, params: list[torch.nn.Parameter]):
+        self.params = params
+        self.master = [torch.nn.Parameter(p.detach().to(torch.float32, copy=True)) for p in params]
+        self._sizes = [m.numel() for m in self.master]
+        with torch.no_grad():
+            for p in params:
+                p.data = p.data.to(torch.bfloat16)
+        self._of = {id(p): m for p, m in zip(params, self.master)}
+        self._by_address = None
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        """The bf16 gradients, before a step's micro-batches (the masters' are overwritten)."""
+        for p in self.params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    def take_gradients(self) -> None:
+        flat = torch.empty(sum(self._sizes), dtype=torch.float32, device=self.master[0].device)
+        grads = [g.view_as(m) for g, m in zip(flat.split(self._sizes), self.master)]
+        for master, grad in zip(self.master, grads):
+            master.grad = grad
+        torch._foreach_copy_(grads, [p.grad for p in self.params])
+
+    @torch.no_grad()
+    def put_weights(self) -> None:
+        torch._foreach_copy_(self.params, self.master)
+        for master in self.master:
+            master.grad = None
+
+    def master_of(self, tensor: torch.Tensor):
+        """The master of a parameter, or of a state dict's tensor that views one; None for any other."""
+        if id(tensor) in self._of:
+            return self._of[id(tensor)]
+        if self._by_address is None:  # a state_dict's tensors are detached views of the parameters
+            self._by_address = {p.data_ptr(): m for p, m in zip(self.params, self.master) if p.numel()}
+        return self._by_address.get(tensor.data_ptr()) if tensor.numel() else None
+
+    def view(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        out = []
+        for tensor in tensors:
+            master = self.master_of(tensor)
+            out.append(tensor.detach() if master is None else master.detach())
+        return out
+
+    @contextlib.contextmanager
+    def loading(self):
+        """The body sees the masters as the parameters (fp32, the same storage), so weights loaded into the
+        model (a resume, ``init_from``) keep every bit; the parameters are rounded to bf16 again after."""
+        with torch.no_grad():
+            for p, master in zip(self.params, self.master):
+                p.data = master.data
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, master in zip(self.params, self.master):
+                    p.data = master.data.to(torch.bfloat16)
+            self._by_address = None  # new storage: state dicts view it from now on
+
+
+def full_weights(optimizer):
+    """``MasterWeights.loading`` under ``bf16_weights``; nothing otherwise."""
+    master = getattr(optimizer, "master_weights", None)
+    return master.loading() if master is not None else contextlib.nullcontext()
+
+
 def evaluation_view(optimizer):
     """None for an optimizer whose parameters are the model; for Schedule-Free, a function from a list of
     its parameters (in train mode: ``y``) to their ``x``, new tensors beside them (a parameter without
-    state yet is its own ``x``)."""
+    state yet is its own ``x``); with ``bf16_weights``, from bf16 parameters to their fp32 masters."""
+    master = getattr(optimizer, "master_weights", None)
+    if master is not None:
+        return master.view
     if not is_schedule_free(optimizer):
         return None
     weights = {id(p): _x_weight(group) for group in optimizer.param_groups for p in group["params"]}
@@ -94,7 +176,8 @@ def evaluation_weights(optimizer):
 
 class EvaluationWeights:
     """A checkpoint entry of weights (a module, ``AdapterWeights``) whose saved tensors are the model to
-    evaluate: Schedule-Free's ``x`` in place of the parameters' ``y``. Loading is the entry's own: the
+    evaluate: Schedule-Free's ``x`` in place of the parameters' ``y``, the fp32 masters of ``bf16_weights``
+    in place of the bf16 parameters. Loading is the entry's own (and the masters' from the same file): the
     resume's ``OptimizerState`` then puts ``y`` back."""
 
     def __init__(self, entry, optimizer):
@@ -110,7 +193,8 @@ class EvaluationWeights:
         return dict(zip(names, [x.cpu() for x in view([state[n] for n in names])]))
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.entry.load_state_dict(state)
+        with full_weights(self.optimizer):  # bf16_weights: into the fp32 masters, exactly
+            self.entry.load_state_dict(state)
 
 
 class OptimizerState:

@@ -227,7 +227,8 @@ def resume(run: Run, folder: Path, parts: dict) -> None:
         emas_to_start = [(ema, model) for ema, model in emas if ema is run.step.text_ema]
     else:
         emas_to_start = []
-    with sd.train.optimizers.evaluation_weights(run.step.optimizer):  # an EMA averages the weights evaluated
+    with sd.train.optimizers.evaluation_weights(run.step.optimizer), \
+            sd.train.optimizers.full_weights(run.step.optimizer):  # an EMA averages the weights evaluated
         for ema, model in emas_to_start:
             ema.load_state_dict(dict(zip(ema.names, ema.parameters(model))))
     if emas_to_start:
@@ -268,10 +269,11 @@ def init_weights(run: Run, source: str) -> bool:
     """
     unet, ema, ema_state = run.step.unet, run.step.ema, None
     try:
-        loaded = sd.formats.load_unet_weights(source, unet, use_ema=False)
-        if ema is not None:
-            ema_state = sd.formats.run_ema_weights(source, unet)
-            ema.load_state_dict(unet.state_dict() if ema_state is None else ema_state)
+        with sd.train.optimizers.full_weights(run.step.optimizer):  # bf16_weights: into the fp32 masters
+            loaded = sd.formats.load_unet_weights(source, unet, use_ema=False)
+            if ema is not None:
+                ema_state = sd.formats.run_ema_weights(source, unet)
+                ema.load_state_dict(unet.state_dict() if ema_state is None else ema_state)
     except (OSError, KeyError, ValueError) as error:  # the message names the file
         if Path(source).exists():
             raise ConfigError(f"init_from: cannot load {source}: {sd.cli.first_line(error)}") from error

@@ -243,10 +243,16 @@ def build_step(config, d: Dist, unet, text_encoder, empty_ids: torch.Tensor, sca
         if text_trains:
             text_ema = sd.train.ema.EMA(text_encoder, config.ema_decay, **{**settings, "trainable_only": True})
     groups = param_groups(config, unet, text_encoder)
+    master = None
+    if getattr(config, "bf16_weights", False):  # the UNet's group, the only one (config.check_bf16_weights)
+        master = sd.train.optimizers.MasterWeights(groups[0]["params"])
+        groups[0]["params"] = master.master
     noise_generator = torch.Generator(device=d.device).manual_seed(config.seed * 7919 + d.rank + 1)
     sharding = getattr(config, "sharding", "none") if d.world_size > 1 else "none"
     objective = objective_of(config).build(config, unet)
-    return Step(unet, unet, text_encoder, empty, build_optimizer(groups, config, zero=sharding == "zero1"),
+    optimizer = build_optimizer(groups, config, zero=sharding == "zero1")
+    optimizer.master_weights = master
+    return Step(unet, unet, text_encoder, empty, optimizer,
                 torch.amp.GradScaler(d.device.type, enabled=config.precision == "fp16"), ema, noise_generator,
                 sd.model.ddpm_alphas_cumprod(zero_terminal_snr=config.zero_terminal_snr).to(d.device), scaling_factor,
                 LossSettings.from_config(config), d, trainable=[p for group in groups for p in group["params"]],
@@ -507,7 +513,8 @@ def train_step(step: Step, micro_batches: list, step_index: int, stop_requested:
     settings, d = step.loss, step.d
     fp16 = settings.precision == "fp16"
     keep_grads = step.ddp is not None  # DDP's bucket views: zeroed in place (see wrap_ddp)
-    step.optimizer.zero_grad(set_to_none=not keep_grads)
+    master = getattr(step.optimizer, "master_weights", None)  # bf16_weights
+    (master or step.optimizer).zero_grad(set_to_none=not keep_grads)
     stats = torch.zeros(STATS, dtype=torch.float64, device=d.device)
     for i, (latents, input_ids, *extra) in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
@@ -525,6 +532,8 @@ def train_step(step: Step, micro_batches: list, step_index: int, stop_requested:
         stats[7:11].index_add_(0, quartile, torch.ones_like(loss, dtype=torch.float64))
     if step.text_trains and d.world_size > 1:
         average_text_gradients(step)
+    if master is not None:
+        master.take_gradients()
     step.scaler.unscale_(step.optimizer)
     params = [p for p in step.trainable if p.grad is not None]
     clip = settings.grad_clip if settings.grad_clip > 0 else float("inf")
@@ -542,6 +551,8 @@ def train_step(step: Step, micro_batches: list, step_index: int, stop_requested:
     if fp16:
         skip = skip | (stats[12] > 0)
     apply_update(step, skip, step_index)
+    if master is not None:  # unchanged where the step was skipped: the same rounding again
+        master.put_weights()
     return StepResult(stats, d.world_size, fp16)
 
 
@@ -563,8 +574,9 @@ def apply_update(step: Step, skip: torch.Tensor, step_index: int) -> None:
         local.grad_scale = None  # fp16: the gradients were unscaled already
         step.optimizer.step()
         step.scaler.update()  # fp16: backs off on its own overflow flag, else grows
+        view = sd.train.optimizers.evaluation_view(step.optimizer)  # bf16_weights: the fp32 masters
         for ema, model in step.emas():
-            ema.update(model, step_index, skip=skip)
+            ema.update(model, step_index, skip=skip, view=view)
         step.objective.update(step.unet, step_index, skip=skip)
         return
     # A read of the device: these optimizers cannot skip on their own (the foreach AdamW, bitsandbytes'

@@ -308,6 +308,62 @@ def test_reduced_precision_steps_run_in_that_dtype_and_keep_fp32_master_weights(
     assert results[1]["loss"] == pytest.approx(fp32[1]["loss"], rel=2e-2)
 
 
+def started(run):
+    """``run`` with its RNGs set as the training loop sets them before its first step (a resume's restored)."""
+    run.rng.start(run.config.seed, 0)
+    return run
+
+
+def losses_of_steps(run, steps, first: int = 0) -> list[float]:
+    """``steps`` optimizer steps of two micro-batches of 2, each step's samples fixed by its index."""
+    out = []
+    for i in range(first, first + steps):
+        batches = [run.train_data.batch(np.arange(4 * i + 2 * j, 4 * i + 2 * j + 2)) for j in range(2)]
+        out.append(sd.train.step.train_step(run.step, batches, i))
+        run.state.step = i + 1
+    return [r["loss"] for r in sd.train.step.read_results(out)]
+
+
+@pytest.mark.slow
+def test_bf16_weights_train_bf16_parameters_from_fp32_masters_and_resume_bit_for_bit(tmp_path, data):
+    """bf16_weights: the UNet's parameters are bf16 (no autocast casts), AdamW and the EMA keep fp32 masters, the
+    steps' losses stay within 2% of today's fp32 weights under autocast, the weight files hold the masters,
+    and a resume goes on bit for bit."""
+    fields = dict(precision="bf16", grad_accum=2, batch_size=2, bf16_weights=True, save_steps=2)
+    run = started(make_run(tmp_path / "a", data, **fields))
+    masters = run.step.optimizer.master_weights.master
+    assert {p.dtype for p in run.step.unet.parameters()} == {torch.bfloat16}
+    assert {p.dtype for group in run.step.optimizer.param_groups for p in group["params"]} == {torch.float32}
+    straight = losses_of_steps(run, 4)
+    reference = started(make_run(tmp_path / "fp32", data, **{**fields, "bf16_weights": False}))
+    autocast = losses_of_steps(reference, 4)
+    assert straight[1:] != autocast[1:]  # the weights really are bf16 ...
+    assert straight == pytest.approx(autocast, rel=2e-2)  # ... and train as the fp32 ones do
+    for p, master in zip(run.step.unet.parameters(), masters):  # each parameter is its master rounded
+        assert torch.equal(p.detach(), master.detach().to(torch.bfloat16))
+    assert any(not torch.equal(m.detach().to(torch.bfloat16).float(), m.detach()) for m in masters)  # fp32 bits
+    ema_gap = max((s - m.detach()).abs().max().item() for s, m in zip(run.step.ema.shadow, masters))
+    assert ema_gap < 1e-2  # the EMA averages the masters (warm-up: it follows them closely at first)
+
+    split = started(make_run(tmp_path / "b", data, **fields))
+    losses_of_steps(split, 2)
+    sd.train.recovery.save(split)
+    saved = load_file(str(tmp_path / "b" / "run" / "checkpoints" / "step_00000002" / "unet.safetensors"))
+    assert {t.dtype for t in saved.values()} == {torch.float32}
+    assert all(torch.equal(saved[name], m.detach()) for (name, _), m in
+               zip(split.step.unet.named_parameters(), split.step.optimizer.master_weights.master))
+    resumed = started(make_run(tmp_path / "b", data, **fields))  # make_run resumes, as SD_Train.build does
+    assert resumed.state.step == 2
+    assert losses_of_steps(resumed, 2, first=2) == straight[2:]
+    for a, b in zip(resumed.step.optimizer.master_weights.master, masters):
+        assert torch.equal(a, b)
+    assert_bitwise_equal({i: t for i, t in enumerate(resumed.step.ema.shadow)},
+                         {i: t for i, t in enumerate(run.step.ema.shadow)})
+    assert snapshot(resumed.step)["opt"].keys() == snapshot(run.step)["opt"].keys()
+    assert all(torch.equal(a, b) for a, b in zip(snapshot(resumed.step)["opt"].values(),
+                                                 snapshot(run.step)["opt"].values()))
+
+
 def ema_replay(initial, live_after_each_step, decay, every):
     """The EMA recursion by hand: shadow += (1 - d^every) * (live - shadow) on every every-th step."""
     shadow = [t.double() for t in initial]

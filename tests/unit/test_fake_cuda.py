@@ -90,12 +90,20 @@ def test_a_training_step_keeps_every_tensor_on_its_device(ema_device):
     assert step.unet.conv_in.weight.is_contiguous(memory_format=torch.channels_last)
 
 
-@pytest.mark.parametrize("attention", ["cudnn", "flash"])
-def test_a_step_with_another_attention_choice_stays_on_the_device_without_waiting(attention):
+@pytest.mark.parametrize("fields", [dict(attention="cudnn"), dict(bf16_weights=True)], ids=["cudnn", "bf16-weights"])
+def test_a_step_with_a_speed_lever_stays_on_the_device_without_waiting(fields):
+    """attention: cudnn; bf16_weights (bf16 parameters, their fp32 masters in fused AdamW and the EMA: the
+    gradients copied in and the weights copied out by foreach kernels, no host read)."""
     syncs = []
-    step, result = train_one_step(config(attention=attention), steps=3, syncs=syncs)
+    step, result = train_one_step(config(**fields), steps=3, syncs=syncs)
     assert syncs == [] and result["bad"] is False
     assert {p.grad.device for p in step.unet.parameters()} == {CUDA}
+    if fields.get("bf16_weights"):
+        masters = step.optimizer.master_weights.master
+        assert {p.dtype for p in step.unet.parameters()} == {torch.bfloat16}
+        assert {(m.dtype, m.device) for m in masters} == {(torch.float32, CUDA)}
+        assert all(m.grad is None for m in masters)  # the fp32 gradients live from the backward to the update
+        assert step.optimizer.defaults.get("fused") is True
 
 
 @pytest.mark.parametrize("fields", [

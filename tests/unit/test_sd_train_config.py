@@ -288,6 +288,8 @@ def test_a_dataset_weight_written_1e_3_is_a_number(tmp_path, datasets):
                                "max-autotune"),
     ({"max_steps": True}, "max_steps: expected int, got True"),
     ({"attention": "xformers"}, "attention: one of auto, cudnn, flash, efficient, math"),
+    ({"bf16_weights": True, "precision": "fp32", "sharding": "zero1"}, "bf16_weights: runs with precision: bf16 "
+     "(got fp32), sharding: none (got zero1); set those, or bf16_weights: false"),
     ({"vae": ""}, "vae must not be empty"),
 ])
 def test_a_config_built_in_code_is_checked_like_a_yaml(datasets, fields, message):
@@ -368,7 +370,7 @@ def test_global_batch_keeps_the_curriculums_96_images_per_step_on_any_number_of_
 RESUME_WARNED = {"ema_decay", "ema_update_every", "precision"}
 RESUME_FREE = {
     "data_threads", "mmap_latents", "allow_missing_latents", "init_from", "cache_text_embeddings", "ema_device",
-    "ema_warmup", "grad_checkpointing", "channels_last", "compile", "compile_mode", "attention", "max_bad_steps", "fsdp_reduce_each_micro_batch", "out_dir", "save_steps",
+    "ema_warmup", "grad_checkpointing", "channels_last", "compile", "compile_mode", "attention", "bf16_weights", "max_bad_steps", "fsdp_reduce_each_micro_batch", "out_dir", "save_steps",
     "save_every_epoch", "keep_checkpoints", "keep_every_steps", "stop_at_step", "log_every", "validate_every",
     "validation_prompts", "validation_data_captions", "validation_samples", "validation_steps", "validation_cfg", "validation_sampler", "validation_width",
     "validation_height", "eval_every", "eval_prompts", "eval_n", "eval_reference", "eval_features",
