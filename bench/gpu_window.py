@@ -122,6 +122,11 @@ def pieces(s: Sizes) -> list[Piece]:
     out.append(Piece("lever_attention", f"training step, eager, attention auto vs cudnn, batch {batch}", 120,
                      "bench/train_throughput.py", [*train, "--batch_sizes", batch, "--variants", "eager",
                                                    "--attention", "auto,cudnn", "--peers", ""], part="levers"))
+    bf16 = [*train[:train.index("--precision")], "--precision", "bf16", *train[train.index("--precision") + 2:]]
+    out.append(Piece("lever_bf16_weights", f"training step, eager, bf16 autocast of fp32 weights vs bf16_weights, "
+                     f"batch {batch}", 120, "bench/train_throughput.py",
+                     [*bf16, "--batch_sizes", batch, "--variants", "eager", "--bf16_weights", "0,1", "--peers", ""],
+                     part="levers"))
     out.append(Piece("lever_channels_last", f"training step, compiled, channels_last, batch {batch}", 240,
                      "bench/train_throughput.py",
                      [*train[:train.index("--channels_last")], "--channels_last", "1",

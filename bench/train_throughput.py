@@ -56,12 +56,13 @@ class Variant:
     checkpointing: bool
     mode: str = "default"  # compile_mode
     attention: str = "auto"  # the config's attention
+    bf16_weights: bool = False  # the config's bf16_weights
 
     @property
     def name(self) -> str:
         parts = [("compile" if self.mode == "default" else f"compile:{self.mode}") if self.compile else "eager"]
         parts += ["channels_last"] * self.channels_last + ["checkpointing"] * self.checkpointing
-        parts += [f"attention:{self.attention}"] * (self.attention != "auto")
+        parts += [f"attention:{self.attention}"] * (self.attention != "auto") + ["bf16_weights"] * self.bf16_weights
         return "+".join(parts)
 
 
@@ -74,7 +75,8 @@ def step_config(arch: str, variant: Variant, precision: str, batch_size: int = 1
     """The trainer's settings of the measured step (what bench/gpu_window.py's memory estimates are made for)."""
     return TrainConfig(unet=harness.unet_preset(arch), batch_size=batch_size, grad_accum=1, precision=precision,
                        grad_checkpointing=variant.checkpointing, channels_last=variant.channels_last,
-                       compile=variant.compile, compile_mode=variant.mode, attention=variant.attention)
+                       compile=variant.compile, compile_mode=variant.mode, attention=variant.attention,
+                       bf16_weights=variant.bf16_weights)
 
 
 def our_step(arch: str, variant: Variant, device: torch.device, precision: str, shapes: int = 1,
@@ -289,6 +291,8 @@ def parse_args(argv=None):
                         "graphs are captured without generating kernels")
     parser.add_argument("--attention", default="auto", help="attention kernels of ours (the config's attention), "
                         f"comma-separated, from {', '.join(sd.model.ATTENTION_CHOICES)}")
+    parser.add_argument("--bf16_weights", default="0", help="the UNet's weights in bf16 with fp32 masters "
+                        "(bf16_weights; with --precision bf16): 0 and/or 1")
     parser.add_argument("--channels_last", default="0,1" if cuda else "0", help="0 and/or 1")
     parser.add_argument("--checkpointing", default="0,1" if cuda else "1", help="gradient checkpointing: 0 and/or 1")
     parser.add_argument("--peers", default="unet,vae", help="in-process peers: unet (its step on our latents) "
@@ -315,7 +319,7 @@ def parse_args(argv=None):
         unknown = set(harness.parse_list(getattr(args, name), str)) - allowed
         if unknown:
             parser.error(f"--{name}: unknown {sorted(unknown)}; choose from {sorted(allowed)}")
-    for name in ("channels_last", "checkpointing"):
+    for name in ("channels_last", "checkpointing", "bf16_weights"):
         if not set(harness.parse_list(getattr(args, name))) <= {0, 1}:
             parser.error(f"--{name}: a list of 0 and/or 1")
     if args.resolution % (8 * harness.vae_factor(args.arch)):
@@ -330,10 +334,12 @@ def main(argv=None) -> dict:
     latent_size = args.resolution // harness.vae_factor(args.arch)
     flops = sd.model.training_flops_per_image(harness.unet_preset(args.arch), latent_size)
     peak = harness.peak_tflops(device, args.peak_tflops)
-    variants = [Variant(c == "compile", bool(cl), bool(ck), mode, attention) for c, cl, ck, attention in itertools.product(
-        harness.parse_list(args.variants, str), harness.parse_list(args.channels_last),
-        harness.parse_list(args.checkpointing), harness.parse_list(args.attention, str))
-        for mode in (harness.parse_list(args.compile_modes, str) if c == "compile" else ["default"])]
+    variants = [Variant(c == "compile", bool(cl), bool(ck), mode, attention, bool(bf16))
+                for c, cl, ck, attention, bf16 in itertools.product(
+                    harness.parse_list(args.variants, str), harness.parse_list(args.channels_last),
+                    harness.parse_list(args.checkpointing), harness.parse_list(args.attention, str),
+                    harness.parse_list(args.bf16_weights))
+                for mode in (harness.parse_list(args.compile_modes, str) if c == "compile" else ["default"])]
     print(f"{args.arch} UNet, {args.resolution} px ({latent_size}x{latent_size} latents), {args.precision}, "
           f"{harness.device_name(device)}: {flops / 1e9:,.1f} GFLOP per training image (forward + backward)"
           + (f", peak {peak:.1f} TFLOP/s" if peak else ", MFU not shown (peak unknown: --peak_tflops)"))

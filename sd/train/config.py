@@ -219,9 +219,10 @@ class TrainConfig:
                            "auto (off when init_from brings an EMA of ours, else restart; config.yaml records which)",
                            "auto")
     precision: str = _doc("bf16 (autocast), fp16 (autocast + GradScaler) or fp32", "bf16")
-    bf16_weights: bool = _doc("precision bf16, full fine-tuning: keep the UNet's weights in bf16 (no per-step casts "
-                              "under autocast) with fp32 master weights in AdamW (MLPerf's recipe); about 2 bytes "
-                              "a parameter more memory, for speed; not yet measured on a GPU", False)
+    bf16_weights: bool = _doc("precision bf16, full fine-tuning: keep the UNet's weights and gradients in bf16 (no "
+                              "per-step casts under autocast) with fp32 master weights in AdamW and the EMA "
+                              "(MLPerf's recipe); checkpoints hold the masters. A speed lever not yet measured on "
+                              "a GPU", False)
     grad_checkpointing: bool = _doc("recompute activations in backward to save memory", True)
     channels_last: bool = _doc("channels_last memory format for the UNet", False)
     compile: bool = _doc("torch.compile the UNet (works with grad_checkpointing)", False)

@@ -113,7 +113,8 @@ def test_the_dry_run_writes_the_whole_table_and_imports_only_what_the_machine_ha
     assert syncs["syncs_per_step"] == 0 and syncs["ops_per_step"] > 100
     assert {r.get("impl") for r in rows if r["piece"] == "sampling"} == {"ours", "peer"}
     assert [r for r in rows if r["piece"] == "encode"][0]["images_per_s"] > 0
-    assert {r["variant"] for r in rows if r["piece"].startswith("lever")} == {"eager", "eager+attention:cudnn"}
+    assert [r["variant"] for r in rows if r["piece"].startswith("lever")] == [
+        "eager", "eager+attention:cudnn", "eager", "eager+bf16_weights"]
     (tests,) = [r for r in rows if r["piece"] == "gpu_tests"]
     assert "skipped" in tests["result"] and tests["device"] == "cpu"  # no GPU here: the CUDA checks skip
     assert table.count("\n| ") == len(rows) + 1 + len(report["pieces"]) + 1  # the two tables' rows and headings
