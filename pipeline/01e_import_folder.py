@@ -525,12 +525,12 @@ def shard_fingerprints(items: list[tuple[str, str]], rules: CaptionRules, args,
     fingerprints = {"sources_sha1": sources,
                     "options_sha1": rules.fingerprint(resolution=args.resolution, max_pixels=args.max_pixels, **shape)}
     companions = companions or {}
-    for field, picked in (("masks_sha1", lambda name: name == MASK), ("controls_sha1", lambda name: name != MASK)):
-        pairs = [os.fsencode(f"{rel}\t{file}" if field == "masks_sha1" else f"{rel}\t{name}\t{file}")
+    for key, picked in (("masks_sha1", lambda name: name == MASK), ("controls_sha1", lambda name: name != MASK)):
+        pairs = [os.fsencode(f"{rel}\t{file}" if key == "masks_sha1" else f"{rel}\t{name}\t{file}")
                  for rel, _ in items for name, files in sorted(companions.get(rel, {}).items()) if picked(name)
                  for file in files]
         if pairs:
-            fingerprints[field] = hashlib.sha1(b"\n".join(pairs)).hexdigest()
+            fingerprints[key] = hashlib.sha1(b"\n".join(pairs)).hexdigest()
     return fingerprints
 
 

@@ -529,7 +529,7 @@ def test_a_locon_run_records_its_conv_rank_and_loads_back_with_it(lora_run, base
     """lora_conv_rank / lora_conv_alpha in a run's config.yaml rebuild adapters of those shapes: the run's
     adapter file loads into them, and an export records them."""
     run, *_ = lora_run
-    unet, encoder = copy.deepcopy(base[0]), copy.deepcopy(base[1])
+    unet = copy.deepcopy(base[0])
     sd.lora.adapters.add_lora(unet, sd.lora.adapters.resolve_targets(unet, ["attention", "resnet"]), RANK, ALPHA,
                               conv_rank=CONV_RANK, conv_alpha=CONV_ALPHA)
     randomize(unet, 9)
