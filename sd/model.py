@@ -12,11 +12,11 @@ Everything here is importable without side effects:
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 import sd.cli
 import sd.embedding.tokens
@@ -540,6 +540,54 @@ def min_snr_weights(timesteps, alphas_cumprod, prediction_type: str, gamma: floa
     return weights.float()
 
 
+LOSS_TYPES = ("l2", "l1", "huber", "smooth_l1")
+HUBER_SCHEDULES = ("snr", "exponential", "constant")
+
+
+def huber_thresholds(timesteps, alphas_cumprod, schedule: str = "snr", c: float = 0.1, scale: float = 1.0):
+    """Per-sample ``c`` of the pseudo-Huber losses, float32 ``(B,)``, as kohya's sd-scripts schedules it
+    (``--huber_schedule``; Khrapov & Popov 2024, arXiv:2403.16728): ``constant``, c x scale; ``exponential``,
+    from scale at t = 0 down to c x scale at t = 1000; ``snr``, (1 - c) / (1 + sigma_t)^2 + c with
+    sigma_t = sqrt((1 - abar_t) / abar_t): near 1 (about L2) at low noise, c at high noise (its ``scale``
+    is not applied, as in sd-scripts)."""
+    t = timesteps.to(torch.float32)
+    if schedule == "constant":
+        return torch.full(t.shape, c * scale, dtype=torch.float32, device=t.device)
+    if schedule == "exponential":
+        return torch.exp(t * (math.log(c) / NUM_TRAIN_TIMESTEPS)) * scale
+    if schedule == "snr":
+        abar = alphas_cumprod.to(t.device, torch.float32)[timesteps]
+        sigmas = ((1 - abar) / abar).sqrt()
+        return (1 - c) / (1 + sigmas) ** 2 + c
+    raise ValueError(f"huber_schedule must be one of {', '.join(HUBER_SCHEDULES)}, got {schedule!r}")
+
+
+def elementwise_loss(model_pred: torch.Tensor, target: torch.Tensor, loss_type: str = "l2",
+                     huber_c: torch.Tensor | None = None) -> torch.Tensor:
+    """The loss of each element in float32: ``l2`` squared error, ``l1`` absolute error, and with the
+    per-sample ``huber_c`` ``(B,)`` the pseudo-Huber ``huber`` 2c (sqrt(e^2 + c^2) - c) (about e^2 for small
+    errors, 2c|e| for large) and ``smooth_l1`` 2 (sqrt(e^2 + c^2) - c), kohya's sd-scripts' forms."""
+    error = model_pred.float() - target.float()
+    if loss_type == "l2":
+        return error.square()
+    if loss_type == "l1":
+        return error.abs()
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {', '.join(LOSS_TYPES)}, got {loss_type!r}")
+    c = huber_c.to(error.device, torch.float32).view(-1, *([1] * (error.ndim - 1)))
+    smooth = 2 * ((error.square() + c.square()).sqrt() - c)
+    return smooth * c if loss_type == "huber" else smooth
+
+
+def debiased_weights(timesteps, alphas_cumprod, prediction_type: str) -> torch.Tensor:
+    """Per-sample weights of debiased estimation (Yu et al. 2024, arXiv:2310.08442), float32 ``(B,)``, as
+    kohya's sd-scripts applies them: 1 / sqrt(SNR) predicting epsilon, 1 / (SNR + 1) predicting v, with the
+    SNR capped at 1000 (it is infinite at t = 0 of some schedules)."""
+    s = torch.clamp(snr(timesteps, alphas_cumprod), max=1000.0)
+    weights = 1 / (s + 1) if prediction_type == "v_prediction" else s.rsqrt()
+    return weights.float()
+
+
 def diffusion_loss(
     model_pred: torch.Tensor,
     target: torch.Tensor,
@@ -548,19 +596,24 @@ def diffusion_loss(
     prediction_type: str = "epsilon",
     min_snr_gamma: float | None = 5.0,
     mask: torch.Tensor | None = None,
+    loss_type: str = "l2",
+    huber_c: torch.Tensor | None = None,
+    debiased: bool = False,
 ) -> torch.Tensor:
-    """Per-sample Min-SNR-weighted MSE in float32, shape ``(B,)``; the trainer takes the mean.
+    """Per-sample Min-SNR-weighted loss (``elementwise_loss``: MSE by default) in float32, shape ``(B,)``;
+    the trainer takes the mean. ``debiased``: also weighted by ``debiased_weights``.
 
-    ``mask`` ``(B, 1, h, w)``, weights in 0..1 (``masked_loss``): each squared error is multiplied by
+    ``mask`` ``(B, 1, h, w)``, weights in 0..1 (``masked_loss``): each element's loss is multiplied by
     its position's weight before the per-sample mean, as kohya's sd-scripts ``--masked_loss`` does. A
     masked-out region teaches nothing, and a sample counts in proportion to the weight it keeps (the
     mean is over every element, not over the mask's sum, so a small kept region is not amplified).
     """
-    mse = F.mse_loss(model_pred.float(), target.float(), reduction="none")
+    loss = elementwise_loss(model_pred, target, loss_type, huber_c)
     if mask is not None:
-        mse = mse * mask.to(device=mse.device, dtype=torch.float32)
-    mse = mse.mean(dim=tuple(range(1, mse.ndim)))
-    return mse * min_snr_weights(timesteps, alphas_cumprod, prediction_type, min_snr_gamma)
+        loss = loss * mask.to(device=loss.device, dtype=torch.float32)
+    loss = loss.mean(dim=tuple(range(1, loss.ndim)))
+    loss = loss * min_snr_weights(timesteps, alphas_cumprod, prediction_type, min_snr_gamma)
+    return loss * debiased_weights(timesteps, alphas_cumprod, prediction_type) if debiased else loss
 
 
 # ---------------------------------------------------------------------------------------------

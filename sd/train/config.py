@@ -206,7 +206,18 @@ class TrainConfig:
                                    "prediction_type v_prediction); samplers then space timesteps 'trailing'", False)
     grad_clip: float = _doc("clip the global gradient norm to this; 0 = no clipping", 1.0,
                             allowed=NON_NEGATIVE)
-    min_snr_gamma: float = _doc("Min-SNR-gamma loss weighting; 0 = plain MSE", 5.0, allowed=NON_NEGATIVE)
+    min_snr_gamma: float = _doc("Min-SNR-gamma loss weighting; 0 = none", 5.0, allowed=NON_NEGATIVE)
+    loss_type: str = _doc("the loss of each latent element: l2 (squared error), l1, huber (pseudo-Huber: about "
+                          "l2 for small errors, linear for large ones) or smooth_l1 (the same without the factor c), "
+                          "as kohya's sd-scripts --loss_type", "l2")
+    huber_schedule: str = _doc("huber and smooth_l1: how c follows the timestep: snr (near 1 at low noise, "
+                               "huber_c at high noise), exponential (huber_scale at t=0 to huber_c x huber_scale at "
+                               "t=1000) or constant (huber_c x huber_scale)", "snr")
+    huber_c: float = _doc("huber and smooth_l1: the c of the schedule", 0.1, allowed=Range(0, 1, low_open=True))
+    huber_scale: float = _doc("huber and smooth_l1: the scale of the exponential and constant schedules", 1.0,
+                              allowed=POSITIVE)
+    debiased_estimation: bool = _doc("weight each sample's loss by 1/sqrt(SNR) (1/(SNR+1) predicting v), debiased "
+                                     "estimation as kohya's sd-scripts applies it, after Min-SNR", False)
     cfg_dropout: float = _doc("fraction of samples trained with the empty prompt (for classifier-free guidance)", 0.05,
                               allowed=BELOW_ONE)
     ema_decay: float = _doc("EMA decay; 0 = no EMA", 0.9999, allowed=BELOW_ONE)
@@ -318,6 +329,12 @@ class TrainConfig:
         need(self.precision in ("bf16", "fp16", "fp32"), "precision: bf16, fp16 or fp32")
         need(self.ema_device in ("same", "cpu"), "ema_device: same or cpu")
         need(self.compile_mode in COMPILE_MODES, f"compile_mode: one of {', '.join(COMPILE_MODES)}")
+        need(self.loss_type in sd.model.LOSS_TYPES, f"loss_type: one of {', '.join(sd.model.LOSS_TYPES)}")
+        need(self.huber_schedule in sd.model.HUBER_SCHEDULES,
+             f"huber_schedule: one of {', '.join(sd.model.HUBER_SCHEDULES)}")
+        need(not self.distill or (self.loss_type == "l2" and not self.debiased_estimation),
+             "loss_type and debiased_estimation are the diffusion loss's; a distill run has lcm_loss: set loss_type: "
+             "l2 and debiased_estimation: false")
         need(self.attention in sd.model.ATTENTION_CHOICES, f"attention: one of {', '.join(sd.model.ATTENTION_CHOICES)}")
         need(self.ema_warmup in ("auto", "restart", "off"), "ema_warmup: auto, restart or off")
         need(self.wandb_mode in ("online", "offline", "disabled"), "wandb_mode: online, offline or disabled")
@@ -812,6 +829,9 @@ ON_RESUME = {
     "optimizer": OnResume(REFUSE, "the optimizer"),
     "noise_offset": OnResume(REFUSE, _MATH), "zero_terminal_snr": OnResume(REFUSE, _MATH),
     "grad_clip": OnResume(REFUSE, _MATH), "min_snr_gamma": OnResume(REFUSE, _MATH),
+    "loss_type": OnResume(REFUSE, _MATH), "huber_schedule": OnResume(REFUSE, _MATH),
+    "huber_c": OnResume(REFUSE, _MATH), "huber_scale": OnResume(REFUSE, _MATH),
+    "debiased_estimation": OnResume(REFUSE, _MATH),
     "cfg_dropout": OnResume(REFUSE, _MATH),
     "ema_decay": OnResume(WARN, "the EMA goes on with the new decay; turned on, it starts from the resumed weights; "
                                 "turned off, the checkpoints' EMA is not carried on"),

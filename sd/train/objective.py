@@ -23,6 +23,11 @@ class LossSettings:
 
     prediction_type: str = "epsilon"
     min_snr_gamma: float = 5.0
+    loss_type: str = "l2"
+    huber_schedule: str = "snr"
+    huber_c: float = 0.1
+    huber_scale: float = 1.0
+    debiased_estimation: bool = False
     cfg_dropout: float = 0.05
     precision: str = "bf16"
     channels_last: bool = False

@@ -396,8 +396,12 @@ def diffusion_loss(context: LossContext, model, latents, input_ids, generator, m
         pred = model(noisy, timesteps, encoder_hidden_states=hidden, **conditioning).sample
     if mask is not None:
         mask = mask.to(device, non_blocking=True)
+    huber_c = None
+    if settings.loss_type in ("huber", "smooth_l1"):
+        huber_c = sd.model.huber_thresholds(timesteps, alphas, settings.huber_schedule, settings.huber_c,
+                                            settings.huber_scale)
     loss = sd.model.diffusion_loss(pred, target, timesteps, alphas, settings.prediction_type, settings.min_snr_gamma,
-                                   mask)
+                                   mask, settings.loss_type, huber_c, settings.debiased_estimation)
     return loss, timesteps
 
 

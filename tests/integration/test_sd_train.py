@@ -364,6 +364,19 @@ def test_bf16_weights_train_bf16_parameters_from_fp32_masters_and_resume_bit_for
                                                  snapshot(run.step)["opt"].values()))
 
 
+@pytest.mark.parametrize("fields", [dict(loss_type="huber"), dict(loss_type="smooth_l1", huber_schedule="exponential"),
+                                    dict(loss_type="l1", debiased_estimation=True)], ids=["huber", "smooth_l1", "l1"])
+def test_each_loss_option_trains_and_its_loss_is_the_step_s(tmp_path, data, fields):
+    """The option reaches the step (its formulas: tests/unit/test_losses.py): on the same draws as an l2 run's
+    (same seed, same batches, the same weights at step 0), the first step's logged loss differs, and the
+    losses stay finite."""
+    common = dict(precision="fp32", grad_accum=2, batch_size=2)
+    ours, l2 = (started(make_run(tmp_path / name, data, **common, **extra))
+                for name, extra in (("ours", fields), ("l2", {})))
+    losses, reference = losses_of_steps(ours, 2), losses_of_steps(l2, 2)
+    assert all(math.isfinite(x) for x in losses) and losses[0] != reference[0]
+
+
 def ema_replay(initial, live_after_each_step, decay, every):
     """The EMA recursion by hand: shadow += (1 - d^every) * (live - shadow) on every every-th step."""
     shadow = [t.double() for t in initial]
