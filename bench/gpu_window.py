@@ -39,6 +39,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import sd.files
+
 ROOT = Path(__file__).resolve().parents[1]
 ESTIMATES = ROOT / "bench" / "gpu_window_estimates.json"
 # all pieces together: with the wheels' install and the table, the window's command ends within 7 minutes
@@ -179,8 +181,7 @@ def run_piece(piece: Piece, folder: Path, cap_s: float, python: list[str]) -> No
     lines = log.read_text(errors="replace").strip().splitlines()
     piece.last_line = lines[-1].strip() if lines else ""
     if rc != 0:
-        tail = log.read_text(errors="replace").strip().splitlines()[-3:]
-        print(f"[gpu_window] {piece.name}: {piece.ended}: " + " | ".join(tail), flush=True)
+        print(f"[gpu_window] {piece.name}: {piece.ended}: " + " | ".join(lines[-3:]), flush=True)
 
 
 def run_script(imports: str, script: str, argv: list[str]) -> None:
@@ -404,12 +405,6 @@ def markdown(rows: list[dict], done: list[Piece], started: str, dry_run: bool, r
     return "\n".join(lines) + "\n"
 
 
-def write_atomically(path: Path, text: str) -> None:
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(text)
-    partial.replace(path)
-
-
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["run"]:
@@ -431,7 +426,7 @@ def main(argv=None) -> int:
     sizes = DRY if args.dry_run else GPU
     if args.action == "estimates":
         estimates = compute_estimates(GPU)
-        write_atomically(ESTIMATES, json.dumps(estimates, indent=1, sort_keys=True) + "\n")
+        sd.files.write_text_atomic(ESTIMATES, json.dumps(estimates, indent=1, sort_keys=True) + "\n")
         print(f"wrote {ESTIMATES.relative_to(ROOT)}: " + ", ".join(
             f"{key} {value['reserved_gb']:.2f} GB reserved" for key, value in estimates.items()))
         return 0
@@ -465,8 +460,8 @@ def main(argv=None) -> int:
             run_piece(piece, folder, min(piece.cap_s, left), python)
     rows = table_rows(chosen, sizes, estimates)
     name = "gpu_window" if args.part == "headline" else f"gpu_window_{args.part}"
-    write_atomically(out / f"{name}.md", markdown(rows, chosen, started, args.dry_run, revision, argv))
-    write_atomically(out / f"{name}.json", json.dumps({
+    sd.files.write_text_atomic(out / f"{name}.md", markdown(rows, chosen, started, args.dry_run, revision, argv))
+    sd.files.write_text_atomic(out / f"{name}.json", json.dumps({
         "date": started, "dry_run": args.dry_run, "revision": revision, "seconds": round(time.monotonic() - began),
         "pieces": [{"name": p.name, "command": p.command, "ended": p.ended, "seconds": p.seconds} for p in chosen],
         "rows": rows}, indent=1) + "\n")
