@@ -190,6 +190,11 @@ class TrainConfig:
                                   "parameter group; 0 = lr", 0.0, allowed=NON_NEGATIVE)
     text_encoder_warmup_steps: int = _doc("warm-up steps of the text encoder's adapter; -1 = warmup_steps", -1,
                                           allowed=Range(-1))
+    down_lr_scale: float = _doc("the UNet's down blocks (their weights, or the LoRA adapters in them) train at lr x "
+                                "this, in a parameter group of their own", 1.0, allowed=POSITIVE)
+    mid_lr_scale: float = _doc("the UNet's middle block at lr x this", 1.0, allowed=POSITIVE)
+    up_lr_scale: float = _doc("the UNet's up blocks at lr x this (the rest of the UNet: conv_in, the time embedding "
+                              "and the output layers train at lr)", 1.0, allowed=POSITIVE)
     min_lr_ratio: float = _doc("cosine decay ends at lr * min_lr_ratio", 0.01, allowed=FRACTION)
     weight_decay: float = _doc("AdamW weight decay", 1e-2, allowed=NON_NEGATIVE)
     adam_beta1: float = _doc("AdamW beta1", 0.9, allowed=BELOW_ONE)
@@ -415,16 +420,23 @@ def check_distill(config: TrainConfig, check_paths: bool = True) -> None:
 
 
 OPTIMIZERS = ("adamw", "adamw8bit", "prodigy", "adamw_schedulefree")
+BLOCK_LR_SCALES = ("down_lr_scale", "mid_lr_scale", "up_lr_scale")  # the UNet blocks' (sd.train.step.BLOCK_SCALES)
 PRODIGY_LR = (0.1, 10.0)  # lr scales Prodigy's own estimate: far outside this, it was meant for another optimizer
 
 
 def check_learning_rates(config: TrainConfig) -> None:
-    """The text encoder's learning rate and warm-up need its adapter; Prodigy's lr is a multiplier near
-    1, the same for every parameter group (its one step-size estimate is shared by them)."""
+    """The text encoder's learning rate and warm-up need its adapter, the UNet blocks' scales a UNet that
+    trains; Prodigy's lr is a multiplier near 1, the same for every parameter group (its one step-size
+    estimate is shared by them)."""
     own_schedule = config.text_encoder_lr or config.text_encoder_warmup_steps >= 0
     if own_schedule and not config.lora_text_encoder:
         raise ConfigError("text_encoder_lr / text_encoder_warmup_steps set the learning rate of the text encoder's "
                           "LoRA adapter: set lora_text_encoder: true (and lora_rank), or leave them at 0 / -1")
+    scaled = [name for name in BLOCK_LR_SCALES if getattr(config, name) != 1]
+    if scaled and (config.embedding_token or config.control):
+        raise ConfigError(f"{', '.join(scaled)} scale the learning rate of the UNet's blocks, which a "
+                          f"{'learned token' if config.embedding_token else 'ControlNet'} run leaves frozen: set "
+                          f"{' and '.join(scaled)} to 1")
     if config.optimizer == "adamw_schedulefree" and config.adam_beta1 == 0:
         raise ConfigError("optimizer: adamw_schedulefree interpolates with adam_beta1 (its model is an average "
                           "reached through 1 / beta1): set adam_beta1 above 0, e.g. 0.9")
@@ -439,6 +451,9 @@ def check_learning_rates(config: TrainConfig) -> None:
                          or config.text_encoder_warmup_steps not in (-1, config.warmup_steps)):
         raise ConfigError("optimizer: prodigy steps every parameter group with one learning rate: leave "
                           "text_encoder_lr at 0 and text_encoder_warmup_steps at -1, or use optimizer adamw")
+    if scaled:
+        raise ConfigError(f"optimizer: prodigy steps every parameter group with one learning rate: set "
+                          f"{' and '.join(scaled)} to 1, or use optimizer adamw")
 
 
 SHARDINGS = ("none", "zero1", "fsdp")
@@ -822,7 +837,8 @@ ON_RESUME = {
     "max_steps": OnResume(REFUSE, _SCHEDULE), "epochs": OnResume(REFUSE, _SCHEDULE),
     "lr": OnResume(REFUSE, _SCHEDULE), "warmup_steps": OnResume(REFUSE, _SCHEDULE),
     "text_encoder_lr": OnResume(REFUSE, _SCHEDULE), "text_encoder_warmup_steps": OnResume(REFUSE, _SCHEDULE),
-    "min_lr_ratio": OnResume(REFUSE, _SCHEDULE),
+    "min_lr_ratio": OnResume(REFUSE, _SCHEDULE), "down_lr_scale": OnResume(REFUSE, _SCHEDULE),
+    "mid_lr_scale": OnResume(REFUSE, _SCHEDULE), "up_lr_scale": OnResume(REFUSE, _SCHEDULE),
     # the optimizer's saved state carries its hyper-parameters: a new value would be silently ignored
     "weight_decay": OnResume(REFUSE, "the optimizer"), "adam_beta1": OnResume(REFUSE, "the optimizer"),
     "adam_beta2": OnResume(REFUSE, "the optimizer"), "adam_eps": OnResume(REFUSE, "the optimizer"),

@@ -175,7 +175,8 @@ def build(config: TrainConfig, d: Dist) -> Run:
     unet = mode.attach(unet, text_encoder)
     step = sd.train.step.build_step(config, d, unet, text_encoder, sd.model.tokenize(tokenizer, [""]), scaling,
                                     mode)
-    for described in (step.objective.describe(config), mode.describe(step)):
+    for described in (step.objective.describe(config), mode.describe(step),
+                      sd.train.step.describe_groups(step.optimizer)):
         if described:
             log.info("%s", described)
     if config.cache_text_embeddings:

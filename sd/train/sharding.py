@@ -72,7 +72,11 @@ def shard_unet(step) -> torch.nn.Module:
     from torch.distributed.fsdp import fully_shard
 
     unet, old = step.unet, step.optimizer
-    names = trainable_names(unet)
+    names = trainable_names(unet, old)
+    members, start = [], 0
+    for group in old.param_groups:  # by name: fully_shard replaces the parameters
+        members.append(names[start : start + len(group["params"])])
+        start += len(group["params"])
     loaded = step.held_optimizer_state  # a resume's, in host memory (indices into the trainable parameters)
     step.held_optimizer_state = None
     if loaded is None and old.state:
@@ -80,11 +84,12 @@ def shard_unet(step) -> torch.nn.Module:
     for block in (*unet.down_blocks, unet.mid_block, *unet.up_blocks):
         fully_shard(block)
     fully_shard(unet)
-    params = [p for p in unet.parameters() if p.requires_grad]
+    params = dict(unet.named_parameters())
     settings = {k: old.defaults[k] for k in ("lr", "betas", "eps", "weight_decay", "fused", "foreach")}
-    name = old.param_groups[0].get("name")  # the UNet's group (fsdp trains no text adapter)
-    step.optimizer = type(old)([{"params": params, **({"name": name} if name else {})}], **settings)
-    step.trainable = params
+    groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": [params[n] for n in group_names]}
+              for group, group_names in zip(old.param_groups, members)]
+    step.optimizer = type(old)(groups, **settings)
+    step.trainable = [p for group in groups for p in group["params"]]
     del old
     if loaded is not None:  # tensor by tensor: each one whole on the device only while it is split
         set_optimizer_state_dict(unet, step.optimizer, by_name(loaded, names),
@@ -95,9 +100,11 @@ def shard_unet(step) -> torch.nn.Module:
     return unet
 
 
-def trainable_names(unet) -> list[str]:
-    """The names of the parameters the optimizer updates, in its (and the checkpoint's) index order."""
-    return [name for name, p in unet.named_parameters() if p.requires_grad]
+def trainable_names(module, optimizer) -> list[str]:
+    """The names of the parameters ``optimizer`` updates, in its (and the checkpoint's) index order: group
+    by group, each in its order."""
+    name_of = {id(p): name for name, p in module.named_parameters()}
+    return [name_of[id(p)] for group in optimizer.param_groups for p in group["params"]]
 
 
 def by_name(state: dict, names: list[str]) -> dict:
@@ -241,7 +248,7 @@ class WholeOptimizer:
 
         state = get_optimizer_state_dict(self.module, self.optimizer,
                                          options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        self.gathered = by_index(state, trainable_names(self.module)) if state else None
+        self.gathered = by_index(state, trainable_names(self.module, self.optimizer)) if state else None
 
     def state_dict(self) -> dict:
         return self.gathered

@@ -96,16 +96,26 @@ def schedule_free_lr_at(step: int, peak: float, warmup: int) -> float:
     return peak * ((step + 1) / warmup) if step < warmup else peak
 
 
-GROUPS = ("unet", "text_encoder")  # the optimizer's parameter groups, by name, in this order
+GROUPS = ("unet", "unet_down", "unet_mid", "unet_up", "text_encoder")  # the optimizer's parameter groups, in order
+UNET_BLOCKS = {"down_blocks": "unet_down", "mid_block": "unet_mid", "up_blocks": "unet_up"}  # module: its group
+BLOCK_SCALES = {"unet_down": "down_lr_scale", "unet_mid": "mid_lr_scale", "unet_up": "up_lr_scale"}  # group: field
+
+
+def block_scales(config) -> dict[str, float]:
+    """The learning-rate multipliers of the UNet's down, middle and up blocks (by group name), or none when
+    each is 1: the blocks then train in the UNet's one group."""
+    scales = {name: getattr(config, field, 1.0) for name, field in BLOCK_SCALES.items()}
+    return scales if any(scale != 1 for scale in scales.values()) else {}
 
 
 def group_schedules(config) -> dict[str, tuple[float, int]]:
-    """Each parameter group's peak learning rate and warm-up steps: the UNet's ``lr`` / ``warmup_steps``;
-    the text encoder's adapter its own ``text_encoder_lr`` / ``text_encoder_warmup_steps`` (0 / -1: the
-    UNet's)."""
+    """Each parameter group's peak learning rate and warm-up steps: the UNet's ``lr`` / ``warmup_steps``,
+    its blocks' ``lr`` times their scales (``block_scales``); the text encoder's adapter its own
+    ``text_encoder_lr`` / ``text_encoder_warmup_steps`` (0 / -1: the UNet's)."""
     text_lr = getattr(config, "text_encoder_lr", 0.0) or config.lr
     text_warmup = getattr(config, "text_encoder_warmup_steps", -1)
-    return {"unet": (config.lr, config.warmup_steps),
+    blocks = {name: (config.lr * scale, config.warmup_steps) for name, scale in block_scales(config).items()}
+    return {"unet": (config.lr, config.warmup_steps), **blocks,
             "text_encoder": (text_lr, config.warmup_steps if text_warmup < 0 else text_warmup)}
 
 
@@ -143,13 +153,28 @@ def apply_cfg_dropout(hidden: torch.Tensor, empty: torch.Tensor, p: float, gener
 
 
 def param_groups(config, unet, text_encoder) -> list[dict]:
-    """The optimizer's parameter groups: what trains in the UNet, then in the text encoder (its LoRA
+    """The optimizer's parameter groups: what trains in the UNet (with ``block_scales``, its down, middle
+    and up blocks each in a group of their own after the rest), then in the text encoder (its LoRA
     adapter), each named (``GROUPS``) and starting at its peak learning rate; a group with nothing to
     train is left out."""
     peaks = group_schedules(config)
-    groups = [{"name": name, "lr": peaks[name][0], "params": [p for p in model.parameters() if p.requires_grad]}
-              for name, model in zip(GROUPS, (unet, text_encoder))]
-    return [group for group in groups if group["params"]]
+    members = {name: [] for name in GROUPS}
+    for name, p in unet.named_parameters():
+        if p.requires_grad:
+            block = UNET_BLOCKS.get(name.split(".", 1)[0], "unet")
+            members[block if block in peaks else "unet"].append(p)
+    members["text_encoder"] = [p for p in text_encoder.parameters() if p.requires_grad]
+    return [{"name": name, "lr": peaks[name][0], "params": params} for name, params in members.items() if params]
+
+
+def describe_groups(optimizer) -> str | None:
+    """A line for the log naming each parameter group's size and peak learning rate, when there are several."""
+    groups = optimizer.param_groups
+    if len(groups) < 2:
+        return None
+    return "parameter groups: " + ", ".join(
+        f"{group.get('name', i)} {sum(p.numel() for p in group['params']):,} at lr {group['lr']:g}"
+        for i, group in enumerate(groups))
 
 
 def build_optimizer(params: list, config, zero: bool = False):
@@ -244,9 +269,11 @@ def build_step(config, d: Dist, unet, text_encoder, empty_ids: torch.Tensor, sca
             text_ema = sd.train.ema.EMA(text_encoder, config.ema_decay, **{**settings, "trainable_only": True})
     groups = param_groups(config, unet, text_encoder)
     master = None
-    if getattr(config, "bf16_weights", False):  # the UNet's group, the only one (config.check_bf16_weights)
-        master = sd.train.optimizers.MasterWeights(groups[0]["params"])
-        groups[0]["params"] = master.master
+    if getattr(config, "bf16_weights", False):  # every group is the UNet's (config.check_bf16_weights)
+        master = sd.train.optimizers.MasterWeights([p for group in groups for p in group["params"]])
+        masters = iter(master.master)
+        for group in groups:
+            group["params"] = [next(masters) for _ in group["params"]]
     noise_generator = torch.Generator(device=d.device).manual_seed(config.seed * 7919 + d.rank + 1)
     sharding = getattr(config, "sharding", "none") if d.world_size > 1 else "none"
     objective = objective_of(config).build(config, unet)

@@ -129,11 +129,13 @@ def test_a_damaged_newest_checkpoint_is_named_set_aside_and_the_previous_one_res
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("optimizer, lr", [("prodigy", 1.0), ("adamw_schedulefree", 1e-3)])
-def test_a_stopped_full_fine_tune_resumes_bitwise_with_each_optimizer(tmp_path, data, optimizer, lr):
+@pytest.mark.parametrize("optimizer, lr, scales", [("prodigy", 1.0, {}),
+                                                   ("adamw_schedulefree", 1e-3, dict(mid_lr_scale=0.5))])
+def test_a_stopped_full_fine_tune_resumes_bitwise_with_each_optimizer(tmp_path, data, optimizer, lr, scales):
     """4 steps straight against 2 + 2 resumed (a checkpoint at step 2, as the straight run saves too): every
-    saved value equal (the UNet, the EMA, the optimizer's state and groups, every RNG)."""
-    fields = dict(max_steps=4, optimizer=optimizer, lr=lr, save_steps=2)
+    saved value equal (the UNet, the EMA, the optimizer's state and groups, every RNG); Schedule-Free with the
+    blocks in parameter groups of their own."""
+    fields = dict(max_steps=4, optimizer=optimizer, lr=lr, save_steps=2, **scales)
     assert main(config_file(tmp_path / "a.yaml", data, tmp_path / "a", **fields)) == 0
     flags = config_file(tmp_path / "b.yaml", data, tmp_path / "b", **fields)
     assert main([*flags, "--stop_at_step", "3"]) == 0
@@ -142,6 +144,9 @@ def test_a_stopped_full_fine_tune_resumes_bitwise_with_each_optimizer(tmp_path, 
     assert_bitwise_equal(straight, saved_tensors(tmp_path / "b" / "checkpoints" / sd.run_folder.step_dir_name(4)))
     assert len([k for k in straight if k.startswith("optimizer.state.")]) >= 2 * len(
         [k for k in straight if k.startswith("unet.")])
+    optimizer_file = tmp_path / "b" / "checkpoints" / sd.run_folder.step_dir_name(4) / "optimizer.pt"
+    groups = [g["name"] for g in torch.load(optimizer_file, weights_only=True)["param_groups"]]
+    assert groups == (["unet", "unet_down", "unet_mid", "unet_up"] if scales else ["unet"])
 
 
 def test_weights_that_do_not_match_their_fingerprint_are_damaged(tmp_path, data):

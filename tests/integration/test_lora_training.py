@@ -70,8 +70,10 @@ def run_state(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
 
 
 def test_lora_trains_the_adapter_only_and_resumes_bitwise_with_adapter_dropout(tmp_path, base_model, data):
-    # bitsandbytes' 8-bit moments and the noise offset's extra draws are part of the resumed state too
-    fields = dict(datasets=[data], init_from=str(base_model), max_steps=6, optimizer="adamw8bit", noise_offset=0.1)
+    # bitsandbytes' 8-bit moments, the noise offset's extra draws and the blocks' parameter groups are part of
+    # the resumed state too
+    fields = dict(datasets=[data], init_from=str(base_model), max_steps=6, optimizer="adamw8bit", noise_offset=0.1,
+                  down_lr_scale=0.5, up_lr_scale=2.0)
     straight = write_config(tmp_path / "a.yaml", out_dir=str(tmp_path / "a"), **fields)
     assert SD_Train.main(["--config", str(straight)]) == 0
     stopped = write_config(tmp_path / "b.yaml", out_dir=str(tmp_path / "b"), **fields)
@@ -86,7 +88,9 @@ def test_lora_trains_the_adapter_only_and_resumes_bitwise_with_adapter_dropout(t
     assert all(sd.lora.adapters.is_adapter_name(k) for k in load_file(folder / "ema.safetensors"))
     assert sum(v.numel() for v in adapter.values()) < 0.1 * sum(v.numel() for v in base_unet(base_model).parameters())
     assert any(k.endswith("lora_B.default.weight") and v.abs().max() > 0 for k, v in adapter.items())  # it trained
-    assert "__bnb_optimizer_quant_state__" in torch.load(folder / "optimizer.pt", weights_only=True)["state"][0]
+    optimizer = torch.load(folder / "optimizer.pt", weights_only=True)
+    assert "__bnb_optimizer_quant_state__" in optimizer["state"][0]
+    assert [g["name"] for g in optimizer["param_groups"]] == ["unet_down", "unet_mid", "unet_up"]  # adapters only
 
     # The base weights of the trained model are the base model's, bit for bit.
     unet = base_unet(base_model)

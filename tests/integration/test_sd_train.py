@@ -328,10 +328,11 @@ def losses_of_steps(run, steps, first: int = 0) -> list[float]:
 def test_bf16_weights_train_bf16_parameters_from_fp32_masters_and_resume_bit_for_bit(tmp_path, data):
     """bf16_weights: the UNet's parameters are bf16 (no autocast casts), AdamW and the EMA keep fp32 masters, the
     steps' losses stay within 2% of today's fp32 weights under autocast, the weight files hold the masters,
-    and a resume goes on bit for bit."""
-    fields = dict(precision="bf16", grad_accum=2, batch_size=2, bf16_weights=True, save_steps=2)
+    and a resume goes on bit for bit; the up blocks in a parameter group of their own."""
+    fields = dict(precision="bf16", grad_accum=2, batch_size=2, bf16_weights=True, save_steps=2, up_lr_scale=2.0)
     run = started(make_run(tmp_path / "a", data, **fields))
-    masters = run.step.optimizer.master_weights.master
+    assert len(run.step.optimizer.param_groups) == 4
+    masters = [run.step.optimizer.master_weights.master_of(p) for p in run.step.unet.parameters()]  # in model order
     assert {p.dtype for p in run.step.unet.parameters()} == {torch.bfloat16}
     assert {p.dtype for group in run.step.optimizer.param_groups for p in group["params"]} == {torch.float32}
     straight = losses_of_steps(run, 4)
@@ -350,12 +351,13 @@ def test_bf16_weights_train_bf16_parameters_from_fp32_masters_and_resume_bit_for
     sd.train.recovery.save(split)
     saved = load_file(str(tmp_path / "b" / "run" / "checkpoints" / "step_00000002" / "unet.safetensors"))
     assert {t.dtype for t in saved.values()} == {torch.float32}
-    assert all(torch.equal(saved[name], m.detach()) for (name, _), m in
-               zip(split.step.unet.named_parameters(), split.step.optimizer.master_weights.master))
+    assert all(torch.equal(saved[name], split.step.optimizer.master_weights.master_of(p).detach())
+               for name, p in split.step.unet.named_parameters())
     resumed = started(make_run(tmp_path / "b", data, **fields))  # make_run resumes, as SD_Train.build does
     assert resumed.state.step == 2
     assert losses_of_steps(resumed, 2, first=2) == straight[2:]
-    for a, b in zip(resumed.step.optimizer.master_weights.master, masters):
+    for a, b in zip((resumed.step.optimizer.master_weights.master_of(p) for p in resumed.step.unet.parameters()),
+                    masters):
         assert torch.equal(a, b)
     assert_bitwise_equal({i: t for i, t in enumerate(resumed.step.ema.shadow)},
                          {i: t for i, t in enumerate(run.step.ema.shadow)})
@@ -371,10 +373,40 @@ def test_each_loss_option_trains_and_its_loss_is_the_step_s(tmp_path, data, fiel
     (same seed, same batches, the same weights at step 0), the first step's logged loss differs, and the
     losses stay finite."""
     common = dict(precision="fp32", grad_accum=2, batch_size=2)
-    ours, l2 = (started(make_run(tmp_path / name, data, **common, **extra))
-                for name, extra in (("ours", fields), ("l2", {})))
-    losses, reference = losses_of_steps(ours, 2), losses_of_steps(l2, 2)
+    ours, l2 = (make_run(tmp_path / name, data, **common, **extra) for name, extra in (("ours", fields), ("l2", {})))
+    losses = losses_of_steps(started(ours), 2)
+    reference = losses_of_steps(started(l2), 2)  # from the same RNG states
     assert all(math.isfinite(x) for x in losses) and losses[0] != reference[0]
+
+
+def test_each_unet_block_takes_its_first_update_at_its_own_learning_rate(tmp_path, data):
+    """On the same weights and draws as a run at one learning rate, the first AdamW update of each block scales
+    with its block's multiplier (the update is lr x m / sqrt(v), plus lr x weight decay): the down blocks' by
+    0.1, the up blocks' by 3; the middle block (a group of its own at scale 1) and the rest of the UNet move
+    exactly as before."""
+    common = dict(precision="fp32", grad_accum=1, batch_size=4, lr=1e-3, warmup_steps=0)
+    ours, one = (make_run(tmp_path / name, data, **common, **extra)
+                 for name, extra in (("ours", dict(down_lr_scale=0.1, up_lr_scale=3.0)), ("one", {})))
+    assert [g["name"] for g in ours.step.optimizer.param_groups] == ["unet", "unet_down", "unet_mid", "unet_up"]
+    for run in (ours, one):  # the same weights, none of them zero (a zero output layer stops every gradient)
+        generator = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in run.step.unet.parameters():
+                p.add_(torch.randn(p.shape, generator=generator), alpha=0.05)
+    before = {k: v.detach().clone() for k, v in one.step.unet.named_parameters()}
+    for run in (ours, one):
+        started(run)  # each run's step from the same RNG states
+        sd.train.step.read_results([sd.train.step.train_step(run.step, [run.train_data.batch(np.arange(4))], 0)])
+    moved = {name: {k: (p.detach() - before[k]) for k, p in run.step.unet.named_parameters()}
+             for name, run in (("ours", ours), ("one", one))}
+    for block, scale in (("down_blocks", 0.1), ("up_blocks", 3.0)):
+        keys = [k for k in before if k.startswith(block + ".")]
+        ratio = (torch.cat([moved["ours"][k].flatten() for k in keys]).norm()
+                 / torch.cat([moved["one"][k].flatten() for k in keys]).norm()).item()
+        assert ratio == pytest.approx(scale, rel=1e-3), block
+    same = [k for k in before if not k.startswith(("down_blocks.", "up_blocks."))]
+    assert same and all(torch.equal(moved["ours"][k], moved["one"][k]) for k in same)
+    assert all(moved["one"][k].abs().max() > 0 for k in same if k.startswith("mid_block."))
 
 
 def ema_replay(initial, live_after_each_step, decay, every):

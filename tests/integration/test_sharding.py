@@ -27,9 +27,10 @@ SHARDED = ["zero1", "fsdp"]
 
 
 def run(root: Path, data, sharding: str, out: str, *flags) -> list[str]:
-    """The command line of a TOTAL-step run into ``root / out``."""
+    """The command line of a TOTAL-step run into ``root / out``, its down and up blocks in parameter groups of
+    their own (at lr x 0.5 and x 2)."""
     config = write_config(root / f"{out}.yaml", datasets=[data], max_steps=TOTAL, out_dir=str(root / out),
-                          validate_every=HALF, sharding=sharding)
+                          validate_every=HALF, sharding=sharding, down_lr_scale=0.5, up_lr_scale=2.0)
     return ["--config", str(config), *map(str, flags)]
 
 

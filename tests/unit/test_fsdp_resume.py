@@ -15,9 +15,9 @@ from sd.distributed import Dist
 from sd.train.config import TrainConfig
 
 
-def tiny_step() -> sd.train.step.Step:
+def tiny_step(**fields) -> sd.train.step.Step:
     config = TrainConfig(unet="tiny", text_encoder="tiny", vae="tiny", batch_size=2, grad_accum=1, precision="fp32",
-                         grad_checkpointing=False, ema_decay=0.0, datasets=[], sharding="fsdp")
+                         grad_checkpointing=False, ema_decay=0.0, datasets=[], sharding="fsdp", **fields)
     d = Dist.single(torch.device("cpu"))
     unet = sd.model.build_unet("tiny", seed=0).train()
     step = sd.train.step.build_step(config, d, unet, sd.model.load_text_encoder("tiny"), torch.full((1, 77), 49407),
@@ -35,14 +35,16 @@ def one_rank_group():
         dist.destroy_process_group()
 
 
-def test_the_adamw_state_stays_in_host_memory_until_the_split_and_arrives_whole(one_rank_group):
-    trained = tiny_step()
+@pytest.mark.parametrize("fields", [{}, dict(down_lr_scale=0.5, up_lr_scale=2.0)], ids=["one_group", "block_groups"])
+def test_the_adamw_state_stays_in_host_memory_until_the_split_and_arrives_whole(one_rank_group, fields):
+    trained = tiny_step(**fields)
     batch = [(torch.randn(2, 4, 8, 8).half(), torch.randint(0, 49407, (2, 77)))]
     with sd.model.attention_context("cpu"):
         sd.train.step.read_results([sd.train.step.train_step(trained, batch, 0)])
     saved = copy.deepcopy(sd.train.optimizers.OptimizerState(trained.optimizer).state_dict())
 
-    resumed = tiny_step()
+    resumed = tiny_step(**fields)
+    groups = [(g["name"], g["lr"], len(g["params"])) for g in resumed.optimizer.param_groups]
     states = sd.train.sharding.whole_states({"optimizer": sd.train.optimizers.OptimizerState(resumed.optimizer)},
                                             resumed)
     assert isinstance(states["optimizer"], sd.train.sharding.HeldForSharding)
@@ -53,7 +55,9 @@ def test_the_adamw_state_stays_in_host_memory_until_the_split_and_arrives_whole(
 
     sd.train.step.wrap_model(resumed, compile=False)  # shard_unet: the weights, then the state, split
     assert sd.train.sharding.is_sharded(resumed.unet) and resumed.held_optimizer_state is None
-    names = sd.train.sharding.trainable_names(resumed.unet)
+    assert [(g["name"], g["lr"], len(g["params"])) for g in resumed.optimizer.param_groups] == groups
+    assert len(groups) == (4 if fields else 1)
+    names = sd.train.sharding.trainable_names(resumed.unet, resumed.optimizer)
     params = dict(resumed.unet.named_parameters())
     assert len(resumed.optimizer.state) == len(saved["state"]) == len(names)
     for index, name in enumerate(names):

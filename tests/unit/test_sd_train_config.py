@@ -155,6 +155,9 @@ RANGES = {
     "text_encoder_lr": (">= 0 and finite", [0.0], [-1e-5]),  # > 0 needs lora_text_encoder: test_text_encoder_...
     "text_encoder_warmup_steps": (">= -1", [-1], [-2]),
     "min_lr_ratio": ("in [0, 1]", [0.0, 1.0], [-0.01, 1.01]),
+    "down_lr_scale": ("> 0 and finite", [1e-3, 1.0, 10.0], [0.0, -1.0]),
+    "mid_lr_scale": ("> 0 and finite", [1e-3, 1.0, 10.0], [0.0, -1.0]),
+    "up_lr_scale": ("> 0 and finite", [1e-3, 1.0, 10.0], [0.0, -1.0]),
     "weight_decay": (">= 0 and finite", [0.0, 5.0], [-1e-3]),
     "adam_beta1": ("in [0, 1)", [0.0, 0.999], [1.0, 5.0, -0.1]),
     "adam_beta2": ("in [0, 1)", [0.0, 0.9999], [1.0, -0.5]),
@@ -496,6 +499,11 @@ LORA_TEXT = ["--lora_rank", "4", "--lora_text_encoder", "--init_from", "runs/x"]
      "optimizer: prodigy steps every parameter group with one learning rate"),
     (["--optimizer", "adamw_schedulefree", "--adam_beta1", "0"], "optimizer: adamw_schedulefree interpolates with "
      "adam_beta1"),
+    (["--optimizer", "prodigy", "--lr", "1", "--up_lr_scale", "2"], "optimizer: prodigy steps every parameter group "
+     "with one learning rate: set up_lr_scale to 1"),
+    (["--down_lr_scale", "0.5", "--mid_lr_scale", "2", "--embedding_token", "<x>", "--init_from", "runs/x"],
+     "down_lr_scale, mid_lr_scale scale the learning rate of the UNet's blocks, which a learned token run leaves "
+     "frozen: set down_lr_scale and mid_lr_scale to 1"),
     (["--optimizer", "sgd"], "optimizer: one of adamw, adamw8bit, prodigy, adamw_schedulefree"),
 ])
 def test_optimizer_and_learning_rate_settings_that_cannot_work_are_refused(base_config, flags, shown):
@@ -509,6 +517,8 @@ def test_optimizer_and_learning_rate_settings_that_cannot_work_are_refused(base_
     ["--optimizer", "prodigy", "--lr", "1", *LORA_TEXT, "--text_encoder_lr", "1", "--text_encoder_warmup_steps", "500"],
     ["--optimizer", "prodigy", "--lr", "0.5"],
     ["--optimizer", "adamw_schedulefree", "--lr", "1e-3"],
+    ["--optimizer", "adamw_schedulefree", "--lr", "1e-3", "--down_lr_scale", "0.1", "--up_lr_scale", "3"],
+    [*LORA_TEXT, "--mid_lr_scale", "0.5"],
 ])
 def test_the_optimizers_and_a_text_encoder_schedule_that_can_work_load(base_config, flags):
     assert load_config(["--config", str(base_config), *flags], check_paths=False).optimizer in (
