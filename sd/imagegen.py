@@ -27,6 +27,7 @@ import sd.files
 import sd.formats
 import sd.lora.adapters
 import sd.lora.formats
+import sd.metadata
 import sd.runtime
 import sd.run_folder
 import sd.sampling
@@ -115,14 +116,36 @@ def parse_embedding_spec(spec: str) -> tuple[str, str | None]:
 # ---------------------------------------------------------------------------------------------
 
 
+def training_record(source: str | None) -> sd.metadata.TrainingRecord | None:
+    """What a run of ours (a run or checkpoint folder) records of its training; None for any other source."""
+    try:
+        if not source or sd.formats.run_config(source) is None:
+            return None
+        return sd.metadata.TrainingRecord.read(sd.run_folder.resolve_checkpoint(source))
+    except (OSError, ValueError):
+        return None
+
+
+def file_header(kind: str, out: str | Path, model: Pipeline, source: str | None) -> dict[str, str]:
+    """The ``modelspec`` header of an exported file of ``kind`` (``sd.metadata``), titled by the name ``out``
+    gives it, with the resolution and date of ``source``'s training when it is a run of ours."""
+    record = training_record(source)
+    resolution = sd.metadata.training_resolution(record.config) if record else None
+    return sd.metadata.modelspec(kind, Path(out).name.removesuffix(".safetensors"), model.prediction_type,
+                                 resolution, record.saved_at if record else None)
+
+
 def export_embedding(request: Request, model: Pipeline) -> None:
     layers = sd.embedding.tokens.added_embeddings(model.text_encoder)
     if not layers:
         raise ValueError(f"{request.ckpt} has learned no token to export (--export_embedding takes a textual inversion "
                          "run of ours)")
     layer = layers[0]
+    out = sd.embedding.formats.embedding_output(request.export_embedding, layer.tokens[0], request.embedding_format)
+    header = file_header("textual-inversion", out if request.embedding_format == "a1111" else out.parent, model,
+                         request.ckpt)
     path = sd.embedding.formats.write_embedding(request.export_embedding, layer.tokens[0], layer.vectors,
-                                              request.embedding_format, metadata={"source": model.source})
+                                              request.embedding_format, metadata=header)
     log.info("wrote embedding %s of token %s (%d vector(s), %s format)", path, layer.tokens[0],
              layer.vectors.shape[0], request.embedding_format)
 
@@ -141,8 +164,13 @@ def export_lora(request: Request, model: Pipeline) -> None:
     if not (sd.lora.adapters.has_lora(model.unet) or sd.lora.adapters.has_lora(model.text_encoder)):
         raise ValueError(f"{request.ckpt} carries no LoRA adapter to export (--export_lora takes a LoRA run of ours; "
                          "--lora merges LoRA files into a model)")
+    title = Path(request.export_lora).name.removesuffix(".safetensors")
+    header = file_header("lora", title, model, request.ckpt)
+    record = training_record(request.ckpt)
+    if record is not None:
+        header.update(sd.metadata.kohya_training_keys(record, title))
     path = sd.lora.formats.save_model_lora(request.export_lora, model.unet, model.text_encoder, request.lora_format,
-                                      metadata={"source": model.source})
+                                      metadata=header)
     log.info("wrote LoRA %s (%s format)", path, request.lora_format)
 
 
@@ -159,8 +187,8 @@ def export_models(request: Request, model: Pipeline) -> None:
                                     model.tokenizer, model.prediction_type, model.zero_terminal_snr)
         log.info("wrote diffusers pipeline folder %s", request.export_diffusers)
     if request.export_single_file:
-        metadata = {"source": model.source, "prediction_type": model.prediction_type,
-                    "zero_terminal_snr": str(model.zero_terminal_snr).lower()}
+        metadata = {**file_header("checkpoint", request.export_single_file, model, request.ckpt),
+                    "prediction_type": model.prediction_type, "zero_terminal_snr": str(model.zero_terminal_snr).lower()}
         sd.formats.save_single_file(Path(request.export_single_file), model.unet, model.vae, model.text_encoder,
                                     half=request.half, metadata=metadata)
         log.info("wrote single file %s%s", request.export_single_file, " (fp16)" if request.half else "")
@@ -196,7 +224,8 @@ def load_controlnet(request: Request, model: Pipeline):
         else:
             out = out if out.suffix == ".safetensors" else out.with_name(out.name + ".safetensors")
             dtype = torch.float16 if request.half else torch.float32
-            sd.controlnet.formats.save_single_file(controlnet, out, dtype=dtype)
+            sd.controlnet.formats.save_single_file(controlnet, out, dtype=dtype,
+                                                   metadata=file_header("controlnet", out, model, request.controlnet))
         log.info("wrote ControlNet %s (%s layout%s)", out, request.controlnet_format, ", fp16" if request.half else "")
     return controlnet
 

@@ -128,6 +128,17 @@ def read_manifest(folder: Path) -> dict | None:
         raise Damaged(f"{path}: unreadable manifest ({first_line(error)})") from error
 
 
+def read_manifest_times(folder: Path) -> dict[str, float]:
+    """The times a checkpoint's manifest records (``saved_at``: when it was written, ``started_at``: when
+    its run first started; Unix times), those it lacks left out; {} without a readable manifest."""
+    try:
+        manifest = json.loads((Path(folder) / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return {}
+    return {key: float(manifest[key]) for key in ("saved_at", "started_at")
+            if isinstance(manifest, dict) and isinstance(manifest.get(key), (int, float))}
+
+
 def verify(folder: Path, names: list[str], hash_contents: bool = True) -> bool:
     """Check the files ``names`` of ``folder`` against its manifest: present, the recorded size and
     (with ``hash_contents``) the recorded hash. Raises ``Damaged`` naming the first file that fails;

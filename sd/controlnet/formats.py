@@ -127,9 +127,11 @@ def save_diffusers(controlnet, folder: str | Path) -> Path:
     return folder
 
 
-def save_single_file(controlnet, path: str | Path, dtype: torch.dtype = torch.float16) -> Path:
+def save_single_file(controlnet, path: str | Path, dtype: torch.dtype = torch.float16,
+                     metadata: dict[str, str] | None = None) -> Path:
     """Write ``controlnet`` to the ``.safetensors`` file ``path`` in the original layout, each tensor
-    ``control_model.<original key>`` in ``dtype``, with the diffusers config in the header; atomically."""
+    ``control_model.<original key>`` in ``dtype``, with the diffusers config (and ``metadata``) in the
+    header; atomically."""
     path = Path(path)
     if path.suffix != ".safetensors":
         raise ValueError(f"{path}: a ControlNet single file is a .safetensors file; name it NAME.safetensors")
@@ -142,7 +144,8 @@ def save_single_file(controlnet, path: str | Path, dtype: torch.dtype = torch.fl
     for key, tensor in controlnet.state_dict().items():
         tensor = tensor.detach().to("cpu")
         tensors[PREFIX + mapping[key]] = (tensor.to(dtype) if tensor.is_floating_point() else tensor).contiguous()
-    header = {"format": "pt", CONFIG_METADATA: json.dumps(public_config(controlnet.config), sort_keys=True)}
+    header = {"format": "pt", CONFIG_METADATA: json.dumps(public_config(controlnet.config), sort_keys=True),
+              **(metadata or {})}
     from safetensors.torch import save_file
 
     sd.files.write_atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata=header))

@@ -19,6 +19,7 @@ import torch
 
 import sd.files
 import sd.lora.adapters
+import sd.metadata
 from sd.cli import first_line
 from sd.formats import read_weights
 
@@ -112,7 +113,7 @@ def save_lora(out: str | Path, lora: dict[str, dict[str, LoraModule]], lora_form
               metadata: dict | None = None) -> Path:
     """Write ``lora`` (``{part: {module: LoraModule}}``) in ``lora_format`` to ``lora_output(out)``,
     atomically; returns that file. ``metadata`` (string values) joins the header, beside the rank and
-    alpha it records.
+    alpha it records (kohya: and sd-scripts' network keys and content hashes, ``sd.metadata``).
 
     diffusers: each ``up`` holds ``alpha / r`` and the alpha written is r. diffusers 0.32 and older (and
     any reader of PEFT keys that skips the header) take alpha = r: with alpha folded in, every version
@@ -142,6 +143,8 @@ def save_lora(out: str | Path, lora: dict[str, dict[str, LoraModule]], lora_form
     from safetensors.torch import save_file
 
     tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    if lora_format == "kohya":
+        header.update(sd.metadata.content_hashes(tensors, header))
     sd.files.write_atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata=header))
     return path
 

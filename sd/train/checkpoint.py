@@ -4,10 +4,12 @@ The trainer hands ``save`` / ``load`` a dict ``{name: object}``; every object ha
 and ``load_state_dict()``, and each becomes one file of ``run_dir/checkpoints/step_NNNNNNNN/``:
 
     Weights(obj)  -> NAME.safetensors     written by rank 0 (unet, ema): any safetensors reader loads it
+                                          (a model's file with its modelspec header, sd.metadata)
     PerRank(obj)  -> NAME_rank{R}.pt      written by every rank R (its RNGs and a weight fingerprint)
     anything else -> NAME.pt              written by rank 0 (optimizer, scaler, train_state)
     config.yaml                           the resolved config
-    manifest.json                         every other file's size and xxh3-128 content hash
+    manifest.json                         every other file's size and xxh3-128 content hash; when it was
+                                          saved and its run started
     COMPLETE                              written last
 
 Adding a piece of resumable state is one more entry in that dict. State split across the ranks
@@ -30,6 +32,7 @@ import pickle
 import random
 import re
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -122,8 +125,11 @@ def file_name(name: str, obj, rank: int) -> str:
     return f"{name}.pt"
 
 
-def save(checkpoints_dir: Path, step: int, states: dict, d, config_text: str) -> Path:
-    """Write ``checkpoints_dir/step_N`` from every rank, atomically; returns the folder.
+def save(checkpoints_dir: Path, step: int, states: dict, d, config_text: str, headers: dict | None = None,
+         times: dict | None = None) -> Path:
+    """Write ``checkpoints_dir/step_N`` from every rank, atomically; returns the folder. ``headers``: the
+    safetensors header of weight entries, by name (``sd.metadata``); ``times``: recorded in the manifest
+    (``started_at``, Unix time), beside ``saved_at``.
 
     Collective: every rank calls it. Rank 0 writes the shared entries in the dict's order (a fault
     point ``after_NAME:STEP`` follows each file), every rank its ``PerRank`` entries, and each rank
@@ -147,7 +153,7 @@ def save(checkpoints_dir: Path, step: int, states: dict, d, config_text: str) ->
         for name, obj in states.items():
             if isinstance(obj, PerRank) or d.is_main:
                 path = staging / file_name(name, obj, d.rank)
-                write_entry(path, obj)
+                write_entry(path, obj, (headers or {}).get(name))
                 written.append(path)
                 sd.faults.point(f"after_{name}", step)
         if d.is_main:
@@ -166,16 +172,17 @@ def save(checkpoints_dir: Path, step: int, states: dict, d, config_text: str) ->
         raise CheckpointError(f"{failures[0]}; the unfinished {staging.name} was removed and earlier checkpoints "
                               "are untouched")
     if d.is_main:
-        manifest = {"hash": HASH, "files": {name: entry for part, _ in gathered for name, entry in part.items()}}
+        manifest = {"hash": HASH, "files": {name: entry for part, _ in gathered for name, entry in part.items()},
+                    **(times or {}), "saved_at": time.time()}
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
         finalize(staging, final)
     sd.distributed.barrier(d)
     return final
 
 
-def write_entry(path: Path, obj) -> None:
+def write_entry(path: Path, obj, header: dict[str, str] | None = None) -> None:
     if isinstance(obj, Weights):
-        save_weights(obj.state_dict(), path)
+        save_weights(obj.state_dict(), path, header)
     else:
         save_torch(obj.state_dict(), path)
 
@@ -231,9 +238,9 @@ def staging_dir(checkpoints_dir: Path, step: int) -> Path:
     return checkpoints_dir / f".tmp_{step_dir_name(step)}"
 
 
-def save_weights(state_dict: dict[str, torch.Tensor], path: Path) -> None:
+def save_weights(state_dict: dict[str, torch.Tensor], path: Path, header: dict[str, str] | None = None) -> None:
     tensors = {name: t.detach().contiguous().cpu() for name, t in state_dict.items()}
-    save_file(tensors, str(path))
+    save_file(tensors, str(path), metadata=header)
 
 
 def save_torch(obj, path: Path) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -16,6 +17,7 @@ import sd.cli
 import sd.distributed
 import sd.formats
 import sd.lora.adapters
+import sd.metadata
 import sd.run_folder
 import sd.train.checkpoint as ckpt
 import sd.train.ema
@@ -102,10 +104,32 @@ class BaseFingerprint:
 def save(run: Run) -> None:
     checkpoints = run.run_dir / "checkpoints"
     ckpt.check_ranks_agree(run.step.unet, run.d, run.state.step)
-    final = ckpt.save(checkpoints, run.state.step, resumable(run), run.d, config_yaml(run.config))
+    states = resumable(run)
+    final = ckpt.save(checkpoints, run.state.step, states, run.d, config_yaml(run.config),
+                      headers=weight_headers(run, states), times={"started_at": run.started_at})
     if run.d.is_main:
         removed = ckpt.prune(checkpoints, run.config.keep_checkpoints, run.config.keep_every_steps)
         log.info("saved %s%s", final, f" (pruned {len(removed)})" if removed else "")
+
+
+# The checkpoint entries that hold a model (the header says which kind: sd.metadata.KINDS); ``ema`` holds the
+# EMA of whichever of them the mode trains, which comes first in ``resumable``.
+MODEL_ENTRIES = {"unet": "unet", "lcm_target": "unet", "adapter": "lora", "embedding": "textual-inversion",
+                 "controlnet": "controlnet-diffusers"}
+
+
+def weight_headers(run: Run, states: dict) -> dict[str, dict[str, str]]:
+    """The ``modelspec`` header of each model file of a checkpoint (``sd.metadata``), titled by the run
+    folder's name and the step."""
+    kinds = {name: MODEL_ENTRIES[name] for name in states if name in MODEL_ENTRIES}
+    if not kinds:
+        return {}
+    if "ema" in states:
+        kinds["ema"] = next(iter(kinds.values()))
+    title = f"{run.run_dir.name} step {run.state.step}"
+    resolution = sd.metadata.training_resolution(dataclasses.asdict(run.config))
+    return {name: sd.metadata.modelspec(kind, title, run.config.prediction_type, resolution, time.time())
+            for name, kind in kinds.items()}
 
 
 def resume_newest_usable(run: Run) -> bool:
@@ -220,6 +244,7 @@ def resume(run: Run, folder: Path, parts: dict) -> None:
     if run.base_fingerprint is not None:
         check_lora_base(run, folder)
     ckpt.load(folder, parts, run.d.rank)
+    run.started_at = sd.run_folder.read_manifest_times(folder).get("started_at", run.started_at)
     emas = run.step.emas()
     if "ema" not in parts:
         emas_to_start = emas

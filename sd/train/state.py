@@ -4,7 +4,8 @@ optimizer and RNGs) and what the loop works with (``Run``, which ``sd.train.run.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -79,3 +80,4 @@ class Run:
     mode: sd.train.mode.Mode  # what trains (sd.train.modes)
     base_fingerprint: torch.Tensor | None = None  # a LoRA run's base weights as loaded (see BaseFingerprint)
     evaluation: TrainingEval | None = None  # FID / CLIP score every eval_every steps
+    started_at: float = field(default_factory=time.time)  # when the run first started (a resume's: its checkpoint's)

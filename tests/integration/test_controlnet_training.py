@@ -11,6 +11,7 @@ import pytest
 import torch
 import yaml
 from PIL import Image
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 import encode_latents
@@ -189,6 +190,10 @@ def test_the_exported_files_sample_as_the_run_does(runs, base_model, tmp_path):
     assert SD_ImageGen.main(["--ckpt", str(run), "--export_controlnet", str(folder),
                              "--controlnet_format", "diffusers"]) == 0
     assert any(k.startswith("control_model.zero_convs.") for k in load_file(single))
+    with safe_open(str(single), framework="pt") as handle:
+        header = handle.metadata()
+    assert (header["modelspec.architecture"], header["modelspec.title"]) == ("stable-diffusion-v1/controlnet", "cn")
+    assert "modelspec.date" in header and "modelspec.resolution" in header  # from the run's checkpoint and data
     plain = tmp_path / "plain"
     assert SD_ImageGen.main(["--ckpt", str(base_model), "--prompt", "a red circle", "--n", "2", "--steps", "3",
                              "--cfg", "3", "--height", "64", "--width", "64", "--device", "cpu", "--out", str(plain)]) == 0

@@ -1,8 +1,10 @@
 """LoRA and DreamBooth training on the tiny presets: what trains, what the checkpoints hold, exact resume,
 the prior-preservation loss, noise offset, 8-bit AdamW and cached text embeddings."""
 
+import datetime
 import json
 import logging
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -616,3 +618,61 @@ def test_prodigy_and_schedule_free_lora_runs_resume_bitwise_with_the_text_adapte
             assert not torch.equal(a[f"adapter.{name}"], y), name
         assert records[0]["lr"] == pytest.approx(1e-2 / 2) and records[1]["lr"] == records[5]["lr"] == 1e-2
         assert records[0]["lr_text_encoder"] == pytest.approx(3e-3 / 2) and records[5]["lr_text_encoder"] == 3e-3
+
+
+def test_an_exported_lora_says_what_trained_it_as_sd_scripts_and_the_model_spec_do(tmp_path, base_model, data):
+    """A run stopped at step 2 and resumed to 4, exported: the modelspec keys (a LoRA of SD 1.x, titled by its
+    file, the training resolution, the checkpoint's date), sd-scripts' training keys with their values (steps,
+    images, tags counted from the captions, folders by their last name: no path of this machine anywhere in
+    the header), the content hash AUTOMATIC1111's additional networks index by, and the same modelspec in the
+    checkpoint's own weight files; the run's start time survives the resume."""
+    import datasets
+    import hashlib
+
+    from safetensors import safe_open
+
+    import SD_ImageGen
+
+    config = write_config(tmp_path / "a.yaml", datasets=[data], init_from=str(base_model), max_steps=4, save_steps=2,
+                          out_dir=str(tmp_path / "run"))
+    assert SD_Train.main(["--config", str(config), "--stop_at_step", "2"]) == 0
+    assert SD_Train.main(["--config", str(config)]) == 0
+    first, last = (tmp_path / "run" / "checkpoints" / sd.run_folder.step_dir_name(s) for s in (2, 4))
+    times = [sd.run_folder.read_manifest_times(f) for f in (first, last)]
+    assert times[0]["started_at"] == times[1]["started_at"] <= times[0]["saved_at"] <= times[1]["saved_at"]
+    with safe_open(str(last / "adapter.safetensors"), framework="pt") as handle:
+        own = handle.metadata()
+    assert (own["modelspec.architecture"], own["modelspec.title"]) == ("stable-diffusion-v1/lora", "run step 4")
+
+    out = tmp_path / "exports" / "my_style.safetensors"
+    assert SD_ImageGen.main(["--ckpt", str(tmp_path / "run"), "--export_lora", str(out)]) == 0
+    with safe_open(str(out), framework="pt") as handle:
+        header = handle.metadata()
+    latents = json.loads((Path(data["latents"]) / "latents.json").read_text())
+    side = sd.data.training_data.resolution_of_latents(latents)
+    assert {k: header[k] for k in ("modelspec.architecture", "modelspec.implementation", "modelspec.title",
+                                   "modelspec.resolution", "modelspec.prediction_type", "modelspec.sai_model_spec")} == {
+        "modelspec.architecture": "stable-diffusion-v1/lora", "modelspec.implementation": "diffusers",
+        "modelspec.title": "my_style", "modelspec.resolution": f"{side}x{side}", "modelspec.prediction_type": "epsilon",
+        "modelspec.sai_model_spec": "1.0.1"}
+    assert header["modelspec.date"] == datetime.datetime.fromtimestamp(
+        times[1]["saved_at"], datetime.timezone.utc).isoformat(timespec="seconds")
+    captions = datasets.load_from_disk(data["dataset"])["train"]["caption"]
+    tags = Counter(t.strip() for c in captions for t in c.split(",") if t.strip())
+    folder = Path(data["dataset"]).name
+    assert {k: header[k] for k in ("ss_output_name", "ss_steps", "ss_epoch", "ss_num_train_images", "ss_network_module",
+                                   "ss_network_dim", "ss_network_alpha", "ss_base_model_version", "ss_v2",
+                                   "ss_learning_rate", "ss_max_train_steps", "ss_resolution", "ss_sd_model_name",
+                                   "ss_gradient_accumulation_steps", "ss_batch_size_per_device", "ss_seed")} == {
+        "ss_output_name": "my_style", "ss_steps": "4", "ss_epoch": "1", "ss_num_train_images": str(len(captions)),
+        "ss_network_module": "networks.lora", "ss_network_dim": "4", "ss_network_alpha": "8.0",
+        "ss_base_model_version": "sd_v1", "ss_v2": "False", "ss_learning_rate": "0.01", "ss_max_train_steps": "4",
+        "ss_resolution": f"({side}, {side})", "ss_sd_model_name": base_model.name,
+        "ss_gradient_accumulation_steps": "2", "ss_batch_size_per_device": "2", "ss_seed": str(LORA["seed"])}
+    assert json.loads(header["ss_dataset_dirs"]) == {folder: {"n_repeats": 1, "img_count": len(captions)}}
+    assert json.loads(header["ss_tag_frequency"]) == {folder: dict(tags)}
+    assert float(header["ss_training_started_at"]) == times[0]["started_at"]
+    assert float(header["ss_training_finished_at"]) == times[1]["saved_at"]
+    assert not [k for k, v in header.items() if str(tmp_path) in v or str(Path.home()) in v]
+    data_start = 8 + int.from_bytes(out.read_bytes()[:8], "little")
+    assert header["sshs_model_hash"] == hashlib.sha256(out.read_bytes()[data_start:]).hexdigest()

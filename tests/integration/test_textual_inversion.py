@@ -139,6 +139,9 @@ def test_exported_files_load_in_diffusers_with_the_layout_a1111_and_comfyui_read
     with safe_open(str(a1111 / "cyan-sks.safetensors"), "pt") as handle:
         assert list(handle.keys()) == ["emb_params"]
         assert torch.equal(handle.get_tensor("emb_params"), vectors)
+        header = handle.metadata()
+    assert (header["modelspec.architecture"], header["modelspec.title"]) == ("stable-diffusion-v1/textual-inversion",
+                                                                             "cyan-sks")
     assert list(load_file(folder / "learned_embeds.safetensors")) == [TOKEN]
     ours = sd.formats.load_pipeline(str(trained))
     expected = sd.model.encode_prompt_ids(ours.text_encoder, sd.model.tokenize(ours.tokenizer, [PROMPT]))

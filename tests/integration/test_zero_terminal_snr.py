@@ -193,7 +193,13 @@ def test_exports_record_the_schedule_and_every_loader_restores_it(run_dir, expor
     assert pipe.scheduler.config.rescale_betas_zero_snr and pipe.scheduler.config.timestep_spacing == "trailing"
     assert pipe.scheduler.config.prediction_type == "v_prediction"
     with safe_open(str(exported / "model.safetensors"), framework="pt") as handle:
-        assert handle.metadata()["zero_terminal_snr"] == "true"
+        header = handle.metadata()
+    assert header["zero_terminal_snr"] == "true"
+    assert {k: header[k] for k in ("modelspec.architecture", "modelspec.implementation", "modelspec.title",
+                                   "modelspec.prediction_type", "modelspec.predict_key")} == {
+        "modelspec.architecture": "stable-diffusion-v1", "modelspec.title": "model",
+        "modelspec.implementation": "https://github.com/Stability-AI/generative-models",
+        "modelspec.prediction_type": "v", "modelspec.predict_key": "v"}  # as sd-scripts and ComfyUI write them
     for source, kwargs in ((run_dir, {}), (exported / "pipe", {}), (exported / "model.safetensors", {"arch": "tiny"})):
         assert sd.formats.load_pipeline(str(source), **kwargs).zero_terminal_snr, source
     pipe_folder = str(exported / "pipe")
