@@ -12,7 +12,8 @@
     python SD_ImageGen.py --ckpt sd1_folder --controlnet runs/canny --control edges.png [--control_scale 1] --prompt "..." --out DIR
     python SD_ImageGen.py --ckpt runs/canny --export_controlnet canny.safetensors [--controlnet_format original|diffusers]
 
-``--ckpt`` is a training checkpoint or run folder of ours (EMA weights unless ``--no_ema``), a
+``--ckpt`` is a training checkpoint or run folder of ours (EMA weights unless ``--no_ema``; with ``--best``
+the checkpoint of the run's best evaluation, ``keep_best``), a
 diffusers pipeline folder or hub id, or a single ``.safetensors`` / ``.ckpt`` file in the original
 SD layout. Image i of a prompt uses seed ``--seed + i``: the same seed gives the same image whatever
 the batch size. Each PNG stores its generation parameters in a ``parameters`` text chunk.
@@ -70,6 +71,7 @@ import sd.embedding.formats
 import sd.formats
 import sd.imagegen
 import sd.lora.formats
+import sd.run_folder
 import sd.runtime
 import sd.sampling
 
@@ -95,6 +97,8 @@ def parse_args(argv=None):
                         "lcm for a latent consistency model; auto = lcm for a run of ours trained with distill: lcm, "
                         "else ddim (default: %(default)s)")
     parser.add_bool("--no_ema", help="use the live weights of our checkpoints, not the EMA")
+    parser.add_bool("--best", help="--ckpt is a run folder trained with keep_best: use the checkpoint of its best "
+                    "evaluation, which its best.json names")
     parser.add_argument("--height", type=int, default=None, help="pixels, a multiple of 8 (default: the size the model "
                         "was trained at: our run's latents or DreamBooth image_size, else the UNet's sample_size x 8)")
     parser.add_argument("--width", type=int, default=None, help="pixels, a multiple of 8 (default: as --height)")
@@ -160,6 +164,11 @@ def parse_args(argv=None):
                         help="layout of --export_controlnet: original (control_model.* keys: ComfyUI, AUTOMATIC1111's "
                         "sd-webui-controlnet) or diffusers (a ControlNetModel folder) (default: %(default)s)")
     args = parser.parse_args(argv)
+    if args.best:
+        try:
+            args.ckpt = str(sd.run_folder.best_checkpoint(args.ckpt))
+        except FileNotFoundError as error:
+            parser.error(f"--best: {error}")
     prompts = list(args.prompt)
     if args.prompts_file:
         path = Path(args.prompts_file)

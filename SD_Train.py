@@ -194,7 +194,7 @@ def loop(run: Run, stopper: StopSignal, metrics, bar, prefetch: Prefetcher) -> i
                     now = time.perf_counter()
                     records[-1]["images_per_s"] = window_images / (now - tick)
                     tick, window_images = now, 0
-                image = None
+                image, best = None, False
                 if sd.train.validation.due(config, state.step):
                     if not records or records[-1]["step"] != state.step:
                         records.append(step_record(run, result, lr))
@@ -204,6 +204,8 @@ def loop(run: Run, stopper: StopSignal, metrics, bar, prefetch: Prefetcher) -> i
                         image, interrupted = sd.train.validation.check(run, records[-1], stopper.requested)
                         if interrupted:
                             code = stop_code(run, stopper)
+                        else:
+                            best = sd.train.recovery.track_best(run, records[-1])
                 if code is None and state.step == config.stop_at_step:
                     log.info("stop_at_step %d reached; re-run without it to continue", state.step)
                     code = 0
@@ -211,7 +213,7 @@ def loop(run: Run, stopper: StopSignal, metrics, bar, prefetch: Prefetcher) -> i
                     for i, record in enumerate(records):
                         metrics.write(record, image if i == len(records) - 1 else None)
                     bar.set_postfix(loss=f"{result['loss']:.4f}", lr=f"{lr['unet']:.2e}")
-                if sd.train.recovery.due(run, epoch_done, stopping=code is not None):
+                if best or sd.train.recovery.due(run, epoch_done, stopping=code is not None):
                     sd.train.recovery.save(run)
                 if code is not None:
                     return code

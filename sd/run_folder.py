@@ -5,6 +5,8 @@ the trainer. The trainer writes it (``sd.train.checkpoint``); this module holds 
     out_dir/checkpoints/step_NNNNNNNN/   one checkpoint: NAME.safetensors (weights), NAME.pt, NAME_rankR.pt,
                                          config.yaml, manifest.json (each file's size and xxh3-128 hash),
                                          COMPLETE (written last: only folders with it count)
+    out_dir/best.json                    keep_best: the metric, step, score and checkpoint folder of the best
+                                         evaluation (``best_checkpoint``)
 
 ``ema.safetensors`` holds the UNet's EMA and, under ``EMA_TEXT_PREFIX``, the text encoder's adapter's or
 learned token's (``split_ema``). A folder whose files do not match its manifest is ``Damaged``; ``.pt``
@@ -28,6 +30,7 @@ from sd.cli import first_line, load_yaml
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 COMPLETE = "COMPLETE"
 MANIFEST = "manifest.json"
+BEST_FILE = "best.json"  # in a run folder: the checkpoint of the best evaluation (keep_best)
 DAMAGED_SUFFIX = ".damaged"
 HASH = "xxh3_128"
 HASH_CHUNK = 16 << 20  # bytes read at a time while hashing
@@ -126,6 +129,23 @@ def read_manifest(folder: Path) -> dict | None:
         return files
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise Damaged(f"{path}: unreadable manifest ({first_line(error)})") from error
+
+
+def best_checkpoint(run: str | Path) -> Path:
+    """The checkpoint folder ``BEST_FILE`` of run folder ``run`` names (``keep_best``); FileNotFoundError
+    naming what is missing."""
+    path = Path(run) / BEST_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: the run kept no best checkpoint (train with keep_best: fid "
+                                "or clip_score, and eval_every)")
+    try:
+        best = json.loads(path.read_text())
+        folder = Path(run) / best["checkpoint"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise FileNotFoundError(f"{path} is unreadable ({first_line(error)})") from error
+    if folder.parent != Path(run) / "checkpoints" or not (folder / COMPLETE).exists():
+        raise FileNotFoundError(f"{path} names {best['checkpoint']}, which is no complete checkpoint of the run")
+    return folder
 
 
 def read_manifest_times(folder: Path) -> dict[str, float]:

@@ -272,15 +272,16 @@ def finalize(staging: Path, final: Path) -> None:
     os.replace(staging, final)
 
 
-def prune(checkpoints_dir: Path, keep_last: int, keep_every: int = 0) -> list[Path]:
+def prune(checkpoints_dir: Path, keep_last: int, keep_every: int = 0, keep: tuple[int, ...] = ()) -> list[Path]:
     """Delete complete checkpoints beyond the newest ``keep_last`` intact ones, sparing every
-    ``keep_every``-th step, and leftover staging folders. A checkpoint that fails the cheap check
-    (manifest sizes) neither counts nor is deleted, so the newest good one is never removed."""
+    ``keep_every``-th step and the steps ``keep`` (the best: ``keep_best``), and leftover staging folders.
+    A checkpoint that fails the cheap check (manifest sizes) neither counts nor is deleted, so the newest
+    good one is never removed."""
     found = complete_checkpoints(checkpoints_dir)
     good = [(step, folder) for step, folder in found if intact(folder)]
     removed = []
     for step, folder in good[:-keep_last] if keep_last else good:
-        if keep_every and step % keep_every == 0:
+        if (keep_every and step % keep_every == 0) or step in keep:
             continue
         shutil.rmtree(folder)
         removed.append(folder)

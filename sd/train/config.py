@@ -267,6 +267,9 @@ class TrainConfig:
                                 "run dies)", 3, allowed=Range(2))
     keep_every_steps: int = _doc("also keep every checkpoint whose step is a multiple of this; 0 = none", 0,
                                  allowed=NON_NEGATIVE)
+    keep_best: str = _doc("with eval_every: fid (lowest) or clip_score (highest): each evaluation that beats the "
+                          "best so far saves its step's checkpoint, which pruning then keeps until a better one "
+                          "comes; OUT_DIR/best.json names it (SD_ImageGen.py --ckpt OUT_DIR --best); empty = off", "")
     stop_at_step: int = _doc("end after this optimizer step as an interruption would (save, exit 0); 0 = off", 0,
                              allowed=NON_NEGATIVE)
     log_every: int = _doc("log metrics every N optimizer steps (the step statistics are read from the device then, not every step)", 10, allowed=COUNT)
@@ -380,6 +383,11 @@ class TrainConfig:
              "prior preservation needs both class_dir and class_prompt (or neither)")
         need(not self.class_dir or self.instance_dir, "class_dir (prior preservation) needs instance_dir")
         need(self.eval_features in ("inception", "tiny"), "eval_features: inception or tiny")
+        need(self.keep_best in KEEP_BEST, f"keep_best: {', '.join(repr(m) for m in KEEP_BEST)}, got {self.keep_best!r}")
+        need(not self.keep_best or self.eval_every, f"keep_best: {self.keep_best} ranks the checkpoints by the "
+             "in-training evaluation: set eval_every (with eval_prompts and eval_reference), or keep_best: ''")
+        need(self.keep_best != "clip_score" or self.eval_clip_model, "keep_best: clip_score needs the CLIP score: "
+             "set eval_clip_model, or keep_best: fid")
         need(not self.eval_every or (self.eval_prompts and self.eval_reference),
              "eval_every > 0 needs eval_prompts (a prompts file) and eval_reference (a folder of images or an .npz)")
         for name in ("eval_prompts", "eval_reference"):
@@ -420,6 +428,7 @@ def check_distill(config: TrainConfig, check_paths: bool = True) -> None:
 
 
 OPTIMIZERS = ("adamw", "adamw8bit", "prodigy", "adamw_schedulefree")
+KEEP_BEST = ("", "fid", "clip_score")
 BLOCK_LR_SCALES = ("down_lr_scale", "mid_lr_scale", "up_lr_scale")  # the UNet blocks' (sd.train.step.BLOCK_SCALES)
 PRODIGY_LR = (0.1, 10.0)  # lr scales Prodigy's own estimate: far outside this, it was meant for another optimizer
 
@@ -862,7 +871,8 @@ ON_RESUME = {
     "sharding": OnResume(FREE, "checkpoints hold whole tensors whatever the sharding"),
     "fsdp_reduce_each_micro_batch": OnResume(FREE),
     "out_dir": OnResume(FREE), "save_steps": OnResume(FREE), "save_every_epoch": OnResume(FREE),
-    "keep_checkpoints": OnResume(FREE), "keep_every_steps": OnResume(FREE), "stop_at_step": OnResume(FREE),
+    "keep_checkpoints": OnResume(FREE), "keep_every_steps": OnResume(FREE),
+    "keep_best": OnResume(WARN, "the best checkpoint is chosen by the new metric from the next evaluation on"), "stop_at_step": OnResume(FREE),
     "log_every": OnResume(FREE), "validate_every": OnResume(FREE), "validation_prompts": OnResume(FREE),
     "validation_data_captions": OnResume(FREE),
     "validation_samples": OnResume(FREE), "validation_steps": OnResume(FREE), "validation_cfg": OnResume(FREE),

@@ -6,7 +6,9 @@ re-run resumes (the newest that verifies; damaged ones are set aside), what a ne
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import math
 import time
 from pathlib import Path
 
@@ -15,6 +17,7 @@ from safetensors import SafetensorError
 
 import sd.cli
 import sd.distributed
+import sd.files
 import sd.formats
 import sd.lora.adapters
 import sd.metadata
@@ -108,8 +111,32 @@ def save(run: Run) -> None:
     final = ckpt.save(checkpoints, run.state.step, states, run.d, config_yaml(run.config),
                       headers=weight_headers(run, states), times={"started_at": run.started_at})
     if run.d.is_main:
-        removed = ckpt.prune(checkpoints, run.config.keep_checkpoints, run.config.keep_every_steps)
+        best = run.state.best_step if run.config.keep_best and run.state.best_metric == run.config.keep_best else 0
+        if best:
+            write_best(run)
+        removed = ckpt.prune(checkpoints, run.config.keep_checkpoints, run.config.keep_every_steps,
+                             keep=(best,) if best else ())
         log.info("saved %s%s", final, f" (pruned {len(removed)})" if removed else "")
+
+
+def track_best(run: Run, record: dict) -> bool:
+    """Whether this step's evaluation in ``record`` is the best so far by ``keep_best`` (then its checkpoint is
+    saved now, and kept). The same on every rank: each holds the same scores."""
+    metric = run.config.keep_best
+    value = record.get(f"eval_{metric}") if metric else None
+    if not isinstance(value, (int, float)) or not math.isfinite(value) or not run.state.improves(metric, value):
+        return False
+    log.info("step %d: the best %s so far (%.4f): its checkpoint is kept (%s)", run.state.step, metric, value,
+             sd.run_folder.BEST_FILE)
+    return True
+
+
+def write_best(run: Run) -> None:
+    """``OUT_DIR/best.json``: the metric, step, score and checkpoint folder of the best evaluation (atomically)."""
+    state = run.state
+    sd.files.write_text_atomic(run.run_dir / sd.run_folder.BEST_FILE, json.dumps({
+        "metric": state.best_metric, "step": state.best_step, "value": state.best_value,
+        "checkpoint": f"checkpoints/{sd.run_folder.step_dir_name(state.best_step)}"}, indent=1) + "\n")
 
 
 # The checkpoint entries that hold a model (the header says which kind: sd.metadata.KINDS); ``ema`` holds the

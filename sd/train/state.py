@@ -32,17 +32,33 @@ class TrainState:
     samples_seen: int = 0  # across all ranks
     world_size: int = 1  # the data order depends on it
     data_samples: int = 0  # training samples (it depends on them too); 0 in checkpoints that predate it
+    best_metric: str = ""  # keep_best: the metric of the best evaluation so far ("" = none yet)
+    best_step: int = 0  # its step, whose checkpoint is kept
+    best_value: float = 0.0  # its score
 
-    OPTIONAL = ("data_samples",)  # absent from older checkpoints
+    OPTIONAL = ("data_samples", "best_metric", "best_step", "best_value")  # absent from older checkpoints
+    TYPES = {"best_metric": str, "best_value": float}  # the rest are counts
 
     def state_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """Every field; the best's only once there is one (a run without keep_best writes what it always did)."""
+        state = dataclasses.asdict(self)
+        return state if self.best_metric else {k: v for k, v in state.items() if not k.startswith("best_")}
 
     def load_state_dict(self, state: dict) -> None:
-        for name in dataclasses.asdict(self):
+        defaults = dataclasses.asdict(TrainState())
+        for name in defaults:
             if name not in state and name not in self.OPTIONAL:
                 raise KeyError(f"train state lacks '{name}'")
-            setattr(self, name, int(state.get(name, 0)))
+            setattr(self, name, self.TYPES.get(name, int)(state.get(name, defaults[name])))
+
+    def improves(self, metric: str, value: float) -> bool:
+        """Whether ``value`` of ``metric`` (``fid``: lower is better; ``clip_score``: higher) beats the best so
+        far, which it then becomes; a best of another metric (keep_best changed on resume) is beaten by any."""
+        better = (self.best_metric != metric or (value < self.best_value if metric == "fid"
+                                                  else value > self.best_value))
+        if better:
+            self.best_metric, self.best_step, self.best_value = metric, self.step, float(value)
+        return better
 
     def advance(self, grad_accum: int, usable: int, images_per_step: int) -> bool:
         """Move past one optimizer step; True when that ended the epoch (``usable``: the epoch's

@@ -410,3 +410,56 @@ def test_evaluating_during_training_leaves_the_training_bit_for_bit_unchanged(tr
         assert all(torch.equal(ours[k], theirs[k]) for k in ours), name
     losses = [[json.loads(line)["loss"] for line in (r / "metrics.jsonl").read_text().splitlines()] for r in (run, plain)]
     assert losses[0] == losses[1]
+
+
+@pytest.mark.parametrize("metric", ["fid", "clip_score"])
+def test_keep_best_keeps_the_checkpoint_of_the_best_evaluation_through_pruning_and_a_resume(
+        metric, reference, tmp_path, caplog):
+    """Evaluated at every step, saved every 100 (so only the best's forced saves, the stop and the end),
+    keeping 2, stopped at step 3 and resumed to 6: best.json names the step of the lowest logged FID (highest
+    CLIP score), its checkpoint is still there, the log said so, and SD_ImageGen.py --best writes the very
+    weights of that checkpoint."""
+    import logging
+
+    from safetensors.torch import load_file
+
+    import SD_ImageGen
+    import SD_Train
+    from data_factory import make_dataset
+    from sd.train.config import TrainConfig
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("".join(f"a {c} {s}\n" for s in SHAPES for c in COLOURS))
+    data = make_dataset(tmp_path / "data", n_train=32, n_val=0)
+    fields = dict(datasets=[data], unet="tiny", vae="tiny", text_encoder="tiny", precision="fp32", device="cpu",
+                  grad_checkpointing=False, batch_size=8, grad_accum=1, lr=3e-3, out_dir=str(tmp_path / "run"),
+                  validation_data_captions=0, seed=5, max_steps=6, warmup_steps=1, ema_decay=0.5, save_steps=100,
+                  keep_checkpoints=2, log_every=1, validate_every=0, eval_every=1, eval_prompts=str(prompts),
+                  eval_reference=str(reference), keep_best=metric, **EVAL_FIELDS)
+    run = tmp_path / "run"
+    with caplog.at_level(logging.INFO, logger="sd_train"):
+        for stop in (3, 0):
+            config = TrainConfig(**fields, stop_at_step=stop)
+            config.validate()
+            assert SD_Train.train(config, Dist.single()) == 0
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    scores = {r["step"]: r[f"eval_{metric}"] for r in records if f"eval_{metric}" in r}
+    assert sorted(scores) == [1, 2, 3, 4, 5, 6] and len(set(scores.values())) > 1
+    pick = min if metric == "fid" else max
+    best_step = next(step for step in sorted(scores) if scores[step] == pick(scores.values()))  # the first such
+    best = json.loads((run / "best.json").read_text())
+    assert best == {"metric": metric, "step": best_step, "value": scores[best_step],
+                    "checkpoint": f"checkpoints/{sd.run_folder.step_dir_name(best_step)}"}
+    improved = [s for s in sorted(scores) if scores[s] == pick(v for k, v in scores.items() if k <= s)
+                and all(scores[k] != scores[s] for k in scores if k < s)]  # each step that beat every earlier one
+    saved = sorted({*improved, 3, 6})
+    left = [step for step, _ in sd.run_folder.complete_checkpoints(run / "checkpoints")]
+    assert left == sorted({*saved[-2:], best_step})
+    assert f"step {best_step}: the best {metric} so far" in caplog.text
+
+    out = tmp_path / "exports"
+    assert SD_ImageGen.main(["--ckpt", str(run), "--best", "--export_single_file", str(out / "best.safetensors")]) == 0
+    assert SD_ImageGen.main(["--ckpt", str(run / best["checkpoint"]), "--export_single_file",
+                             str(out / "folder.safetensors")]) == 0
+    a, b = load_file(out / "best.safetensors"), load_file(out / "folder.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

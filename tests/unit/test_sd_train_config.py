@@ -372,7 +372,7 @@ def test_global_batch_keeps_the_curriculums_96_images_per_step_on_any_number_of_
 
 # What a resume does with each changed field: the literal lists here are the contract (a new field
 # must be placed in sd.train.config.ON_RESUME, and moving one between lists changes this test).
-RESUME_WARNED = {"ema_decay", "ema_update_every", "precision"}
+RESUME_WARNED = {"ema_decay", "ema_update_every", "precision", "keep_best"}
 RESUME_FREE = {
     "data_threads", "mmap_latents", "allow_missing_latents", "init_from", "cache_text_embeddings", "ema_device",
     "ema_warmup", "grad_checkpointing", "channels_last", "compile", "compile_mode", "attention", "bf16_weights", "max_bad_steps", "fsdp_reduce_each_micro_batch", "out_dir", "save_steps",
@@ -499,6 +499,10 @@ LORA_TEXT = ["--lora_rank", "4", "--lora_text_encoder", "--init_from", "runs/x"]
      "optimizer: prodigy steps every parameter group with one learning rate"),
     (["--optimizer", "adamw_schedulefree", "--adam_beta1", "0"], "optimizer: adamw_schedulefree interpolates with "
      "adam_beta1"),
+    (["--keep_best", "loss"], "keep_best: '', 'fid', 'clip_score', got 'loss'"),
+    (["--keep_best", "fid"], "keep_best: fid ranks the checkpoints by the in-training evaluation: set eval_every"),
+    (["--keep_best", "clip_score", "--eval_every", "5", "--eval_prompts", "p.txt", "--eval_reference", "ref",
+      "--eval_clip_model", ""], "keep_best: clip_score needs the CLIP score: set eval_clip_model"),
     (["--optimizer", "prodigy", "--lr", "1", "--up_lr_scale", "2"], "optimizer: prodigy steps every parameter group "
      "with one learning rate: set up_lr_scale to 1"),
     (["--down_lr_scale", "0.5", "--mid_lr_scale", "2", "--embedding_token", "<x>", "--init_from", "runs/x"],
