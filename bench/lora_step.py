@@ -3,6 +3,7 @@
     python bench/lora_step.py                  # CPU: tiny UNet, 64 px, batches 4 and 16, 3 + 6 steps a row
     python bench/lora_step.py --arch sd1 --resolution 512 --batch_sizes 1,4 --estimate_only \\
         --precision bf16 --checkpointing 1 --optimizer adamw,adamw8bit --cache_text_embeddings 0,1
+    python bench/lora_step.py --options huber,smooth_l1,l1,debiased,block_lr --peer false  # the fine-tuning options
     python bench/lora_step.py --arch sd1 --resolution 512 --batch_sizes 1,4,16 --checkpointing 0,1 \\
         --peer_script diffusers/examples/text_to_image/train_text_to_image_lora.py          # GPU
 
@@ -15,6 +16,8 @@ Rows, for the same synthetic fp16 latents and token ids and the same seeded rand
   the text encoder's forward each step unless ``--cache_text_embeddings`` (the batch's prompts
   encoded once, the encoder then off the device, as ``sd.train.run.cache_text_embeddings`` does).
 * ``ours-full``: the same with ``lora_rank: 0`` (every UNet parameter trains, fp32 master weights).
+* ``ours-lora+NAME`` (``--options``): ours-lora with one more option of ``OPTIONS`` (a loss, debiased
+  estimation, block learning rates), compared with ours-lora in the same run: images/s, peak, estimate.
 * ``peer-lora``: the training step of diffusers' ``examples/text_to_image/train_text_to_image_lora.py``
   with its defaults, in this process. What follows which part of the script:
   - set-up after loading the models: the UNet, VAE and text encoder are frozen with
@@ -81,6 +84,10 @@ from sd.distributed import Dist
 from sd.train.config import TrainConfig
 
 PEER_TARGETS = ["to_k", "to_q", "to_v", "to_out.0"]  # the script's LoraConfig
+OPTIONS = {  # --options: the config fields each ours-lora+NAME row adds
+    "huber": dict(loss_type="huber"), "smooth_l1": dict(loss_type="smooth_l1", huber_schedule="exponential"),
+    "l1": dict(loss_type="l1"), "debiased": dict(debiased_estimation=True),
+    "block_lr": dict(down_lr_scale=0.5, up_lr_scale=2.0)}
 PEER_LR = 1e-4  # the script's --learning_rate default; ours uses it too (the rate does not change the cost)
 GIB = 2**30
 
@@ -107,13 +114,13 @@ class Setting:
 # ---------------------------------------------------------------------------------------------
 
 
-def our_config(arch: str, rank: int, setting: Setting, args) -> TrainConfig:
+def our_config(arch: str, rank: int, setting: Setting, args, **fields) -> TrainConfig:
     tiny = arch == "tiny"
     return TrainConfig(unet=harness.unet_preset(arch), text_encoder="tiny" if tiny else "sd1",
                        vae="tiny" if tiny else "sd1", datasets=[], grad_accum=1, lr=PEER_LR, precision=args.precision,
                        grad_checkpointing=setting.checkpointing, optimizer=setting.optimizer,
                        cache_text_embeddings=setting.cache, ema_decay=0.9999 if args.ema else 0.0,
-                       lora_rank=rank, lora_targets=list(args.lora_targets))
+                       lora_rank=rank, lora_targets=list(args.lora_targets), **fields)
 
 
 def our_step(arch: str, config: TrainConfig, device: torch.device, input_ids: torch.Tensor):
@@ -292,6 +299,20 @@ def ratios(rows: list[dict], settings: list[Setting]) -> list[dict]:
     return out
 
 
+def option_ratios(rows: list[dict]) -> list[dict]:
+    """For every ours-lora+NAME row: its images/s, peak and predicted peak over ours-lora's (same batch and
+    setting)."""
+    out = []
+    for row in (r for r in rows if r["impl"].startswith("ours-lora+")):
+        plain = next((r for r in rows if (r["impl"], r["batch"], r["setting"]) == ("ours-lora", row["batch"],
+                                                                                    row["setting"])), {})
+        out.append({"option": row["impl"].removeprefix("ours-lora+"), "batch": row["batch"], "setting": row["setting"],
+                    "images_per_s": ratio(row.get("images_per_s"), plain.get("images_per_s")),
+                    "peak": ratio(row.get("peak_allocated_gb"), plain.get("peak_allocated_gb")),
+                    "estimate": ratio(row.get("estimate_gb"), plain.get("estimate_gb"))})
+    return out
+
+
 def print_ratios(compared: list[dict]) -> None:
     def part(label, value):
         return f"{label} {value:.2f}x" if value is not None else None
@@ -325,6 +346,8 @@ def parse_args(argv=None):
     parser.add_argument("--optimizer", default="adamw", help="adamw and/or adamw8bit (the peer: --use_8bit_adam)")
     parser.add_argument("--cache_text_embeddings", default="0", help="ours with the text-embedding cache: 0 and/or 1")
     parser.add_bool("--ema", help="ours with an EMA (decay 0.9999; of the adapter only in ours-lora)")
+    parser.add_argument("--options", default="", help=f"ours-lora+NAME rows, comma-separated, of {', '.join(OPTIONS)} "
+                        "(each against ours-lora in the same run)")
     parser.add_bool("--estimate", default=True, help="sd.train.memory's CUDA prediction for the ours rows")
     parser.add_bool("--estimate_only", help="no timing: trainable parameters and the estimate only")
     parser.add_bool("--peer", default=True, help="the in-process peer-lora rows")
@@ -342,6 +365,10 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     args.lora_targets = harness.parse_list(args.lora_targets, str)
     args.optimizers = harness.parse_list(args.optimizer, str)
+    args.options = harness.parse_list(args.options, str) if args.options else []
+    unknown = [name for name in args.options if name not in OPTIONS]
+    if unknown:
+        parser.error(f"--options: {', '.join(unknown)} unknown; choose from {', '.join(OPTIONS)}")
     if not args.optimizers or not set(args.optimizers) <= {"adamw", "adamw8bit"}:
         parser.error(f"--optimizer: adamw and/or adamw8bit, got {args.optimizer!r}")
     for name in ("checkpointing", "cache_text_embeddings"):
@@ -367,6 +394,8 @@ def main(argv=None) -> dict:
     settings, batches = settings_of(args), harness.parse_list(args.batch_sizes)
     configs = {(impl, s): our_config(args.arch, rank, s, args) for s in settings
                for impl, rank in (("ours-lora", args.lora_rank), ("ours-full", 0))}
+    configs.update({(f"ours-lora+{name}", s): our_config(args.arch, args.lora_rank, s, args, **OPTIONS[name])
+                    for s in settings for name in args.options})
     print(f"{args.arch} UNet, {args.resolution} px, {args.precision}, {harness.device_name(device)}: LoRA rank "
           f"{args.lora_rank} on {','.join(args.lora_targets)}" + (", EMA" if args.ema else "")
           + ("" if args.lora_targets == ["attention"] else "; the peer adapts the attention projections only"))
@@ -395,11 +424,16 @@ def main(argv=None) -> dict:
                          ("trainable_params", "trainable", ",d")])
     compared = ratios(rows, settings)
     print_ratios(compared)
+    options = option_ratios(rows)
+    for r in options:
+        parts = [f"{label} {r[key]:.3f}x" for key, label in (("images_per_s", "images/s"), ("peak", "peak"),
+                                                               ("estimate", "predicted peak")) if r[key] is not None]
+        print(f"ratio ours-lora+{r['option']}/ours-lora at batch {r['batch']} ({r['setting']}): {', '.join(parts)}")
     result = {"benchmark": "lora_step", "device": harness.device_name(device), "arch": args.arch,
               "resolution": args.resolution, "precision": args.precision, "torch": torch.__version__,
               "threads": torch.get_num_threads(),
               "lora_rank": args.lora_rank, "lora_targets": args.lora_targets, "ema": args.ema,
-              "estimate_only": args.estimate_only, "rows": rows, "ratios": compared}
+              "estimate_only": args.estimate_only, "rows": rows, "ratios": compared, "option_ratios": options}
     harness.emit(result, args.json)
     return result
 
