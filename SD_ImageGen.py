@@ -13,7 +13,8 @@
     python SD_ImageGen.py --ckpt runs/canny --export_controlnet canny.safetensors [--controlnet_format original|diffusers]
 
 ``--ckpt`` is a training checkpoint or run folder of ours (EMA weights unless ``--no_ema``; with ``--best``
-the checkpoint of the run's best evaluation, ``keep_best``), a
+the checkpoint of the run's best evaluation, ``keep_best``; with ``--ema_length`` an EMA of any length
+rebuilt from the run's post-hoc EMA snapshots, ``posthoc_ema_every``), a
 diffusers pipeline folder or hub id, or a single ``.safetensors`` / ``.ckpt`` file in the original
 SD layout. Image i of a prompt uses seed ``--seed + i``: the same seed gives the same image whatever
 the batch size. Each PNG stores its generation parameters in a ``parameters`` text chunk.
@@ -97,6 +98,9 @@ def parse_args(argv=None):
                         "lcm for a latent consistency model; auto = lcm for a run of ours trained with distill: lcm, "
                         "else ddim (default: %(default)s)")
     parser.add_bool("--no_ema", help="use the live weights of our checkpoints, not the EMA")
+    parser.add_argument("--ema_length", type=float, default=None, help="a run trained with posthoc_ema_every: the "
+                        "UNet's EMA of this relative length (sigma_rel, e.g. 0.05; the kept ones are 0.05 and 0.10) "
+                        "rebuilt from its snapshots, at the newest one up to the checkpoint's step")
     parser.add_bool("--best", help="--ckpt is a run folder trained with keep_best: use the checkpoint of its best "
                     "evaluation, which its best.json names")
     parser.add_argument("--height", type=int, default=None, help="pixels, a multiple of 8 (default: the size the model "
@@ -164,6 +168,10 @@ def parse_args(argv=None):
                         help="layout of --export_controlnet: original (control_model.* keys: ComfyUI, AUTOMATIC1111's "
                         "sd-webui-controlnet) or diffusers (a ControlNetModel folder) (default: %(default)s)")
     args = parser.parse_args(argv)
+    if args.ema_length is not None and not 0 < args.ema_length < 12 ** -0.5:
+        parser.error(f"--ema_length: a relative length in (0, 0.2887), got {args.ema_length}")
+    if args.ema_length is not None and args.no_ema:
+        parser.error("--ema_length replaces the EMA by a rebuilt one; drop --no_ema")
     if args.best:
         try:
             args.ckpt = str(sd.run_folder.best_checkpoint(args.ckpt))

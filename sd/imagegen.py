@@ -75,6 +75,7 @@ class Request:
     embedding: tuple[tuple[str, str | None], ...] = ()
     export_embedding: str | None = None
     embedding_format: str = sd.embedding.formats.DEFAULT_EMBEDDING_FORMAT
+    ema_length: float | None = None
     controlnet: str | None = None
     control: tuple[str, ...] = ()
     control_scale: float = 1.0
@@ -270,7 +271,34 @@ def load(request: Request) -> Pipeline:
             and sd.controlnet.model.run_base(controlnet) == request.ckpt):  # the base it records, as loaded now
         sd.formats.check_trained_base(sd.run_folder.resolve_checkpoint(Path(controlnet)), request.ckpt, model.unet,
                                       what="ControlNet")
+    if request.ema_length is not None:
+        use_posthoc_ema(request, model)
     return model
+
+
+def use_posthoc_ema(request: Request, model: Pipeline) -> None:
+    """``--ema_length``: the UNet's trained weights replaced by the EMA of that length rebuilt from the run's
+    post-hoc EMA snapshots (``sd.train.posthoc_ema``), at the newest snapshot up to the checkpoint's step."""
+    import sd.train.posthoc_ema
+
+    if sd.formats.run_config(request.ckpt) is None:
+        raise ValueError(f"--ema_length rebuilds an EMA from a run of ours; {request.ckpt} is none")
+    checkpoint = sd.run_folder.resolve_checkpoint(request.ckpt)
+    run_dir, at = checkpoint.parent.parent, sd.run_folder.checkpoint_step(checkpoint)
+    steps = [s for s, _ in sd.train.posthoc_ema.snapshots(run_dir) if s <= at]
+    if not steps:
+        raise ValueError(f"--ema_length: {run_dir / sd.train.posthoc_ema.FOLDER} holds no snapshot up to step {at} "
+                         "(train with posthoc_ema_every)")
+    weights, step = sd.train.posthoc_ema.reconstruct(run_dir, request.ema_length, steps[-1])
+    params = dict(model.unet.named_parameters())
+    missing = [name for name in weights if name not in params]
+    if missing:
+        raise ValueError(f"--ema_length: the snapshots hold weights the model lacks, e.g. {missing[:2]}")
+    with torch.no_grad():
+        for name, tensor in weights.items():
+            params[name].copy_(tensor)
+    log.info("the UNet's EMA of length %g rebuilt from %d post-hoc EMA snapshots at step %d", request.ema_length,
+             len([s for s in steps if s <= step]), step)
 
 
 def prepare(request: Request, model: Pipeline) -> tuple[Request, torch.nn.Module | None]:

@@ -48,6 +48,14 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
+def checkpoint_step(folder: str | Path) -> int:
+    """The step of a checkpoint folder ``step_NNNNNNNN``; ValueError for any other name."""
+    match = STEP_DIR.match(Path(folder).name)
+    if not match:
+        raise ValueError(f"{folder} is not a checkpoint folder (step_NNNNNNNN)")
+    return int(match.group(1))
+
+
 def complete_checkpoints(checkpoints_dir: str | Path) -> list[tuple[int, Path]]:
     """``(step, folder)`` of every complete checkpoint, oldest first."""
     folder = Path(checkpoints_dir)

@@ -230,6 +230,11 @@ class TrainConfig:
     ema_update_every: int = _doc("update the EMA every N optimizer steps (decay raised to the N-th power); auto "
                                  "(or 0): 10 for a whole UNet's EMA in host memory of a GPU run (each update copies "
                                  "3.4 GB off the GPU), else 1", 0, allowed=NON_NEGATIVE)
+    posthoc_ema_every: int = _doc("post-hoc EMA (Karras et al. 2024): keep two power-function EMAs of what trains "
+                                  "in the UNet (sigma_rel 0.05 and 0.10, where ema_device says, updated every step) "
+                                  "and write both to OUT_DIR/posthoc_ema/ every N optimizer steps (fp16), from which "
+                                  "SD_ImageGen.py --ema_length rebuilds an EMA of any length; 0 = off", 0,
+                                  allowed=NON_NEGATIVE)
     ema_warmup: str = _doc("EMA decay warm-up: restart (min(ema_decay, (1+t)/(10+t)) from this run's step 0), "
                            "off (the full ema_decay from the first step, so an inherited EMA keeps its weight), or "
                            "auto (off when init_from brings an EMA of ours, else restart; config.yaml records which)",
@@ -358,6 +363,7 @@ class TrainConfig:
         sd.train.modes.check(self, check_paths)
         check_sharding(self)
         check_bf16_weights(self)
+        check_posthoc_ema(self)
         need(not (self.cache_text_embeddings and self.lora_text_encoder),
              "cache_text_embeddings needs a frozen text encoder: turn off lora_text_encoder or the cache")
         check_distill(self, check_paths)
@@ -507,6 +513,18 @@ def check_bf16_weights(config: TrainConfig) -> None:
     needs = [what for failed, what in others if failed]
     if needs:
         raise ConfigError(f"bf16_weights: runs with {', '.join(needs)}; set those, or bf16_weights: false")
+
+
+def check_posthoc_ema(config: TrainConfig) -> None:
+    """``posthoc_ema_every`` and the runs it cannot keep its EMAs in, each refused with the way out."""
+    if not config.posthoc_ema_every:
+        return
+    if config.sharding == "fsdp":
+        raise ConfigError("posthoc_ema_every: the post-hoc EMAs hold whole weights, which sharding: fsdp splits; set "
+                          "sharding: zero1 or none, or posthoc_ema_every: 0")
+    if config.embedding_token:
+        raise ConfigError("posthoc_ema_every: averages what trains in the UNet, which a learned token's run leaves "
+                          "frozen; set posthoc_ema_every: 0")
 
 
 def check_caption_ops(config: TrainConfig) -> None:
@@ -872,6 +890,7 @@ ON_RESUME = {
     "fsdp_reduce_each_micro_batch": OnResume(FREE),
     "out_dir": OnResume(FREE), "save_steps": OnResume(FREE), "save_every_epoch": OnResume(FREE),
     "keep_checkpoints": OnResume(FREE), "keep_every_steps": OnResume(FREE),
+    "posthoc_ema_every": OnResume(REFUSE, "the post-hoc EMAs' snapshots"),
     "keep_best": OnResume(WARN, "the best checkpoint is chosen by the new metric from the next evaluation on"), "stop_at_step": OnResume(FREE),
     "log_every": OnResume(FREE), "validate_every": OnResume(FREE), "validation_prompts": OnResume(FREE),
     "validation_data_captions": OnResume(FREE),

@@ -25,6 +25,7 @@ import sd.runtime
 import sd.train.distill
 import sd.train.ema
 import sd.train.optimizers
+import sd.train.posthoc_ema
 import sd.train.mode
 import sd.train.modes
 import sd.train.sharding
@@ -60,6 +61,7 @@ class Step:
     reduce_each_micro_batch: bool = False  # fsdp_reduce_each_micro_batch: no micro-batch accumulates unsynced
     held_optimizer_state: dict | None = None  # fsdp: a resume's AdamW state in host memory until shard_unet splits it
     text_ema: sd.train.ema.EMA | None = None  # of the text encoder's adapter, when it trains and there is an EMA
+    posthoc: list = dataclasses.field(default_factory=list)  # posthoc_ema_every: sd.train.posthoc_ema.PowerEMA of the UNet
     objective: "Diffusion | sd.train.distill.Distiller" = dataclasses.field(default_factory=lambda: Diffusion())
     mode: sd.train.mode.Mode = dataclasses.field(default_factory=lambda: sd.train.mode.Mode(None))  # what trains
 
@@ -267,6 +269,11 @@ def build_step(config, d: Dist, unet, text_encoder, empty_ids: torch.Tensor, sca
             ema = sd.train.ema.EMA(unet, config.ema_decay, **settings)
         if text_trains:
             text_ema = sd.train.ema.EMA(text_encoder, config.ema_decay, **{**settings, "trainable_only": True})
+    posthoc = []
+    if getattr(config, "posthoc_ema_every", 0) and mode.unet_trains:
+        posthoc = [sd.train.posthoc_ema.PowerEMA(unet, sigma_rel, device="cpu" if config.ema_device == "cpu" else None,
+                                                trainable_only=not mode.whole_unet)
+                   for sigma_rel in sd.train.posthoc_ema.PROFILES]
     groups = param_groups(config, unet, text_encoder)
     master = None
     if getattr(config, "bf16_weights", False):  # every group is the UNet's (config.check_bf16_weights)
@@ -284,7 +291,7 @@ def build_step(config, d: Dist, unet, text_encoder, empty_ids: torch.Tensor, sca
                 sd.model.ddpm_alphas_cumprod(zero_terminal_snr=config.zero_terminal_snr).to(d.device), scaling_factor,
                 LossSettings.from_config(config), d, trainable=[p for group in groups for p in group["params"]],
                 text_trains=text_trains, empty_ids=empty_ids.to(d.device), sharding=sharding, text_ema=text_ema,
-                objective=objective, mode=mode,
+                objective=objective, mode=mode, posthoc=posthoc,
                 reduce_each_micro_batch=sharding == "fsdp" and getattr(config, "fsdp_reduce_each_micro_batch", False))
 
 
@@ -608,6 +615,8 @@ def apply_update(step: Step, skip: torch.Tensor, step_index: int) -> None:
         view = sd.train.optimizers.evaluation_view(step.optimizer)  # bf16_weights: the fp32 masters
         for ema, model in step.emas():
             ema.update(model, step_index, skip=skip, view=view)
+        for ema in step.posthoc:
+            ema.update(step.unet, step_index, skip=skip, view=view)
         step.objective.update(step.unet, step_index, skip=skip)
         return
     # A read of the device: these optimizers cannot skip on their own (the foreach AdamW, bitsandbytes'
@@ -620,6 +629,8 @@ def apply_update(step: Step, skip: torch.Tensor, step_index: int) -> None:
     evaluated = sd.train.optimizers.evaluation_view(step.optimizer)  # Schedule-Free: the EMAs average x, not y
     for ema, model in step.emas():
         ema.update(model, step_index, view=evaluated)
+    for ema in step.posthoc:
+        ema.update(step.unet, step_index, view=evaluated)
     step.objective.update(step.unet, step_index, view=evaluated)
 
 

@@ -16,6 +16,8 @@ import yaml
 from safetensors.torch import load_file
 
 import sd.distributed
+import sd.formats
+import sd.model
 import sd.run_folder
 import sd.train.checkpoint as ckpt
 import SD_Train
@@ -244,3 +246,41 @@ def test_saves_follow_save_steps_and_the_end_and_epoch_ends_only_when_asked(tmp_
     assert main(flags) == 0
     saved = sorted(int(p.name.split("_")[1]) for p in (tmp_path / "run" / "checkpoints").glob("step_*"))
     assert saved == steps
+
+
+def test_post_hoc_ema_snapshots_resume_bit_for_bit_and_rebuild_any_length(tmp_path, data):
+    """posthoc_ema_every 2 over 5 steps (snapshots at 2, 4 and the last, 5), straight and stopped at 3 then
+    resumed (a snapshot of step 4 left from a lost run is removed and written again): the kept EMAs in the
+    checkpoints and every snapshot equal bit for bit; SD_ImageGen.py --ema_length 0.05 writes the
+    kept EMA of that length at step 5 (fp16 snapshots), 0.08 another, and the plain export the classic EMA."""
+    import SD_ImageGen
+    import sd.train.posthoc_ema
+
+    fields = dict(max_steps=5, posthoc_ema_every=2, save_steps=2)
+    straight, split = tmp_path / "a", tmp_path / "b"
+    assert main(config_file(tmp_path / "a.yaml", data, straight, **fields)) == 0
+    flags = config_file(tmp_path / "b.yaml", data, split, **fields)
+    assert main([*flags, "--stop_at_step", "3"]) == 0
+    (split / "posthoc_ema" / "step_00000004.safetensors").write_bytes(b"a snapshot of a lost future")
+    assert main(flags) == 0
+    last = sd.run_folder.step_dir_name(5)
+    assert_bitwise_equal(saved_tensors(straight / "checkpoints" / last), saved_tensors(split / "checkpoints" / last))
+    shots = [[p.name for _, p in sd.train.posthoc_ema.snapshots(run)] for run in (straight, split)]
+    assert shots[0] == shots[1] == [f"step_{s:08d}.safetensors" for s in (2, 4, 5)]
+    for name in shots[0]:
+        assert_bitwise_equal(load_file(straight / "posthoc_ema" / name), load_file(split / "posthoc_ema" / name))
+    kept = load_file(straight / "checkpoints" / last / "posthoc_ema.safetensors")
+    assert len(kept) == 2 * len(load_file(straight / "checkpoints" / last / "unet.safetensors"))
+
+    def unet_of(*flags) -> dict[str, torch.Tensor]:
+        out = tmp_path / f"export_{len(list(tmp_path.glob('export_*')))}.safetensors"
+        assert SD_ImageGen.main(["--ckpt", str(straight), *flags, "--export_single_file", str(out)]) == 0
+        return {k: v for k, v in load_file(out).items() if k.startswith("model.diffusion_model.")}
+
+    plain, short, between = unet_of(), unet_of("--ema_length", "0.05"), unet_of("--ema_length", "0.08")
+    ours = sd.formats.unet_key_map(sd.model.build_unet("tiny", from_scratch=False))
+    kept_short = {ours[k.split("/", 1)[1]]: v for k, v in kept.items() if k.startswith("sigma_rel_0.05/")}
+    for name, tensor in kept_short.items():
+        torch.testing.assert_close(short[name], tensor, atol=2e-3, rtol=1e-3)  # rebuilt from fp16 snapshots
+    assert max((between[k] - short[k]).abs().max() for k in short) > 1e-4
+    assert max((plain[k] - short[k]).abs().max() for k in short) > 1e-4

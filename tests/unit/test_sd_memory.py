@@ -38,6 +38,16 @@ def test_the_breakdown_holds_the_exact_sizes_of_the_weights_and_their_states():
 
 
 @pytest.mark.slow
+def test_the_post_hoc_emas_are_two_more_fp32_copies_where_the_ema_lives():
+    unet = sd.model.build_unet("tiny")
+    fp32 = rounded(unet.parameters())
+    on = sd.train.memory.estimate(tiny_config(ema_decay=0.999, posthoc_ema_every=100), resolution=64).parts["ema"]
+    assert on == 3 * fp32  # the classic EMA and the two power-function profiles
+    cpu = tiny_config(ema_decay=0.999, ema_device="cpu", posthoc_ema_every=100)
+    assert sd.train.memory.estimate(cpu, resolution=64).parts["ema"] == 0
+
+
+@pytest.mark.slow
 def test_ema_on_the_cpu_and_no_ema_take_the_shadow_off_the_card():
     assert sd.train.memory.estimate(tiny_config(ema_decay=0.999, ema_device="cpu"), resolution=64).parts["ema"] == 0
     assert sd.train.memory.estimate(tiny_config(ema_decay=0.0), resolution=64).parts["ema"] == 0

@@ -155,6 +155,7 @@ RANGES = {
     "text_encoder_lr": (">= 0 and finite", [0.0], [-1e-5]),  # > 0 needs lora_text_encoder: test_text_encoder_...
     "text_encoder_warmup_steps": (">= -1", [-1], [-2]),
     "min_lr_ratio": ("in [0, 1]", [0.0, 1.0], [-0.01, 1.01]),
+    "posthoc_ema_every": (">= 0", [0, 1000], [-1]),
     "down_lr_scale": ("> 0 and finite", [1e-3, 1.0, 10.0], [0.0, -1.0]),
     "mid_lr_scale": ("> 0 and finite", [1e-3, 1.0, 10.0], [0.0, -1.0]),
     "up_lr_scale": ("> 0 and finite", [1e-3, 1.0, 10.0], [0.0, -1.0]),
@@ -499,6 +500,9 @@ LORA_TEXT = ["--lora_rank", "4", "--lora_text_encoder", "--init_from", "runs/x"]
      "optimizer: prodigy steps every parameter group with one learning rate"),
     (["--optimizer", "adamw_schedulefree", "--adam_beta1", "0"], "optimizer: adamw_schedulefree interpolates with "
      "adam_beta1"),
+    (["--posthoc_ema_every", "10", "--sharding", "fsdp"], "posthoc_ema_every: the post-hoc EMAs hold whole weights"),
+    (["--posthoc_ema_every", "10", "--embedding_token", "<x>", "--embedding_init", "dog", "--init_from", "runs/x"],
+     "posthoc_ema_every: averages what trains in the UNet, which a learned token's run leaves frozen"),
     (["--keep_best", "loss"], "keep_best: '', 'fid', 'clip_score', got 'loss'"),
     (["--keep_best", "fid"], "keep_best: fid ranks the checkpoints by the in-training evaluation: set eval_every"),
     (["--keep_best", "clip_score", "--eval_every", "5", "--eval_prompts", "p.txt", "--eval_reference", "ref",
