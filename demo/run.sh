@@ -8,11 +8,12 @@
 #   DEMO_VAE_STEPS      VAE steps (900); DEMO_VAE_FLAGS: extra train_vae.py flags
 #   DEMO_TRAIN_FLAGS    extra SD_Train.py flags of the UNet run; DEMO_NPROC: its ranks
 #   DEMO_THREADS        CPU threads of each step but the trainer, which gives each rank cpu_count / ranks
-#   DEMO_CONCEPT=0      leaves out the new-concept steps (7 and 8); DEMO_CONCEPT_COUNT: its instance images
+#   DEMO_CONCEPT=0      leaves out the new-concept steps (8 and 9); DEMO_CONCEPT_COUNT: its instance images
 #                       (12); DEMO_CONCEPT_FLAGS: extra SD_Train.py flags of its runs; DEMO_CONCEPT_RUNS:
 #                       which ones (prior no_prior embedding: the LoRAs and the learned token)
-#   DEMO_LCM=0          leaves out the few-step step (10); DEMO_LCM_FLAGS: extra SD_Train.py flags of its run
-#   DEMO_CONTROL=0      leaves out the ControlNet step (11); DEMO_CONTROL_COUNT: its training images (2000);
+#   DEMO_POSTHOC=0      leaves out the post-hoc EMA step (7); DEMO_POSTHOC_LENGTHS: its lengths (0.05,0.10,0.20)
+#   DEMO_LCM=0          leaves out the few-step step (11); DEMO_LCM_FLAGS: extra SD_Train.py flags of its run
+#   DEMO_CONTROL=0      leaves out the ControlNet step (12); DEMO_CONTROL_COUNT: its training images (2000);
 #                       DEMO_CONTROL_FLAGS: extra SD_Train.py flags of its run
 #   DEMO_ASPECT=0       leaves out the aspect-ratio step; DEMO_ASPECT_COUNT: its wide, tall and square
 #                       images (600); DEMO_ASPECT_FLAGS: extra SD_Train.py flags of its two runs;
@@ -37,39 +38,52 @@ start=$(date +%s)
 step() { printf '\n=== [%ss] %s ===\n' "$(( $(date +%s) - start ))" "$*"; }
 run_dir() { if [ "$1" = embedding ]; then echo embedding; else echo "lora_$1"; fi; }  # a concept run's folder
 
-step "1/12 synthetic captioned images (pipeline/00_make_demo_data.py)"
+step "1/13 synthetic captioned images (pipeline/00_make_demo_data.py)"
 $PY pipeline/00_make_demo_data.py --out "$OUT/shards" --count "$COUNT" --size "$SIZE" --vae_count $((COUNT / 3)) \
     --vae_out "$OUT/vae_shards"
 
-step "2/12 a VAE for these images and the same shapes in cyan, a colour the UNet never sees (train_vae.py)"
+step "2/13 a VAE for these images and the same shapes in cyan, a colour the UNet never sees (train_vae.py)"
 if [ -f "$OUT/vae/config.json" ]; then echo "$OUT/vae exists"; else
   $PY train_vae.py --shards "$OUT/*shards/*.tar" --out "$OUT/vae" --resolution "$SIZE" --max_steps "$VAE_STEPS" \
       --seed 0 ${DEMO_VAE_FLAGS:-}
 fi
 
-step "3/12 latents, token ids, training dataset (encode_latents.py, stages 04 and 05)"
+step "3/13 latents, token ids, training dataset (encode_latents.py, stages 04 and 05)"
 $PY encode_latents.py --shards "$OUT/shards/*.tar" --out "$OUT/latents" --vae "$OUT/vae" --resolution "$SIZE" \
     --batch_size 64 --workers 2
 $PY pipeline/04_preprocess_to_cache.py --shards "$OUT/shards/*.tar" --out "$OUT/captions" --tokenizer tiny
 $PY pipeline/05_build_hf_dataset.py --captions "$OUT/captions" --latents "$OUT/latents" --out "$OUT/dataset" \
     --val_fraction 0.03
 
-step "4/12 the UNet, $NPROC ranks (torchrun SD_Train.py --config configs/demo.yaml)"
+step "4/13 the UNet, $NPROC ranks (torchrun SD_Train.py --config configs/demo.yaml)"
 # shellcheck disable=SC2086  # DEMO_TRAIN_FLAGS is a list of flags
 $PY -m torch.distributed.run --standalone --nproc_per_node "$NPROC" SD_Train.py --config configs/demo.yaml \
     --datasets "[{dataset: $OUT/dataset, latents: $OUT/latents}]" --vae "$OUT/vae" --out_dir "$OUT/train" \
     ${DEMO_TRAIN_FLAGS:-}
 
-step "5/12 samples of seen and held-out prompts with the EMA weights (SD_ImageGen.py)"
+step "5/13 samples of seen and held-out prompts with the EMA weights (SD_ImageGen.py)"
 rm -rf "$OUT/samples"
 $PY SD_ImageGen.py --ckpt "$OUT/train" --prompts_file "$OUT/shards/prompts.txt" --n "$N" --steps 25 --cfg 3.5 \
     --seed 0 --height "$SIZE" --width "$SIZE" --batch_size 16 --out "$OUT/samples"
 
-step "6/12 prompt adherence (demo/evaluate.py) and FID against fresh ground-truth drawings (demo/fid.py, SD_Eval.py)"
+step "6/13 prompt adherence (demo/evaluate.py) and FID against fresh ground-truth drawings (demo/fid.py, SD_Eval.py)"
 $PY demo/evaluate.py --images "$OUT/samples" --prompts "$OUT/shards/demo_prompts.json" --out "$OUT/eval.json"
 $PY demo/fid.py --samples "$OUT/samples" --prompts "$OUT/shards/demo_prompts.json" --out "$OUT/fid"
 
-step "7/12 a new concept, cyan: a DreamBooth LoRA ('a sks circle') with and without prior preservation, and a learned token ('a <cyan-sks> circle')"
+step "7/13 post-hoc EMA: EMAs of three lengths rebuilt after training from the run's snapshots, their FID beside the classic EMA's (SD_ImageGen.py --ema_length, demo/posthoc.py)"
+LENGTHS=${DEMO_POSTHOC_LENGTHS:-0.05,0.10,0.20}
+if [ "${DEMO_POSTHOC:-1}" = 0 ]; then echo "left out (DEMO_POSTHOC=0)"; else
+  for length in ${LENGTHS//,/ }; do
+    rm -rf "$OUT/posthoc/$length/samples"
+    $PY SD_ImageGen.py --ckpt "$OUT/train" --ema_length "$length" --prompts_file "$OUT/shards/prompts.txt" --n "$N" \
+        --steps 25 --cfg 3.5 --seed 0 --height "$SIZE" --width "$SIZE" --batch_size 16 --out "$OUT/posthoc/$length/samples"
+    $PY demo/fid.py --samples "$OUT/posthoc/$length/samples" --prompts "$OUT/shards/demo_prompts.json" \
+        --out "$OUT/posthoc/$length/fid"
+  done
+  $PY demo/posthoc.py --out "$OUT" --lengths "$LENGTHS"
+fi
+
+step "8/13 a new concept, cyan: a DreamBooth LoRA ('a sks circle') with and without prior preservation, and a learned token ('a <cyan-sks> circle')"
 CONCEPT=$OUT/concept
 if [ "${DEMO_CONCEPT:-1}" = 0 ]; then echo "left out (DEMO_CONCEPT=0)"; else
   $PY demo/concept.py images --prompts "$OUT/shards/demo_prompts.json" --out "$CONCEPT" --vae "$OUT/vae" \
@@ -88,7 +102,7 @@ if [ "${DEMO_CONCEPT:-1}" = 0 ]; then echo "left out (DEMO_CONCEPT=0)"; else
     $PY SD_ImageGen.py --ckpt "$CONCEPT/embedding" --export_embedding "$CONCEPT/embeddings"
   fi
 
-  step "8/12 the seen prompts and the concept, sampled before and after (SD_ImageGen.py, demo/evaluate.py)"
+  step "9/13 the seen prompts and the concept, sampled before and after (SD_ImageGen.py, demo/evaluate.py)"
   for run in base ${DEMO_CONCEPT_RUNS:-prior no_prior embedding}; do
     if [ "$run" = base ]; then ckpt=$OUT/train; else ckpt=$CONCEPT/$(run_dir "$run"); fi
     prompts=$CONCEPT/prompts.txt
@@ -102,7 +116,7 @@ if [ "${DEMO_CONCEPT:-1}" = 0 ]; then echo "left out (DEMO_CONCEPT=0)"; else
   $PY demo/concept.py report --out "$CONCEPT"
 fi
 
-step "9/12 aspect-ratio buckets: wide and tall images with the shape at one end, trained in buckets and as centre squares"
+step "10/13 aspect-ratio buckets: wide and tall images with the shape at one end, trained in buckets and as centre squares"
 ASPECT=$OUT/aspect
 if [ "${DEMO_ASPECT:-1}" = 0 ]; then echo "left out (DEMO_ASPECT=0)"; else
   $PY demo/aspect.py images --prompts "$OUT/shards/demo_prompts.json" --out "$ASPECT" --count "${DEMO_ASPECT_COUNT:-600}"
@@ -130,7 +144,7 @@ if [ "${DEMO_ASPECT:-1}" = 0 ]; then echo "left out (DEMO_ASPECT=0)"; else
   $PY demo/aspect.py report --out "$ASPECT" --prompts "$OUT/shards/demo_prompts.json"
 fi
 
-step "10/12 few-step sampling: the UNet distilled into a latent consistency model (SD_Train.py --config configs/demo_lcm.yaml), sampled in 2, 4 and 8 steps beside DDIM in 50, 4 and 2"
+step "11/13 few-step sampling: the UNet distilled into a latent consistency model (SD_Train.py --config configs/demo_lcm.yaml), sampled in 2, 4 and 8 steps beside DDIM in 50, 4 and 2"
 LCM=$OUT/lcm_eval
 if [ "${DEMO_LCM:-1}" = 0 ]; then echo "left out (DEMO_LCM=0)"; else
   # shellcheck disable=SC2086  # DEMO_LCM_FLAGS is a list of flags
@@ -150,7 +164,7 @@ if [ "${DEMO_LCM:-1}" = 0 ]; then echo "left out (DEMO_LCM=0)"; else
   $PY demo/lcm.py --out "$LCM" --reference "$OUT/fid/reference"
 fi
 
-step "11/12 spatial control: a ControlNet on the frozen demo model draws the shape where a silhouette says (SD_Train.py --config configs/demo_control.yaml)"
+step "12/13 spatial control: a ControlNet on the frozen demo model draws the shape where a silhouette says (SD_Train.py --config configs/demo_control.yaml)"
 CONTROL=$OUT/control
 if [ "${DEMO_CONTROL:-1}" = 0 ]; then echo "left out (DEMO_CONTROL=0)"; else
   $PY demo/control.py images --prompts "$OUT/shards/demo_prompts.json" --out "$CONTROL" --size "$SIZE" \
@@ -175,12 +189,13 @@ if [ "${DEMO_CONTROL:-1}" = 0 ]; then echo "left out (DEMO_CONTROL=0)"; else
   $PY demo/control.py report --prompts "$OUT/shards/demo_prompts.json" --out "$CONTROL"
 fi
 
-step "12/12 done"
+step "13/13 done"
 cat <<SUMMARY
   sample grid        $OUT/samples/grid.png (rows: the seen prompts, then the held-out ones)
   loss curve         $OUT/train/loss.png
   metrics            $OUT/train/metrics.jsonl
   checkpoints        $OUT/train/checkpoints/
+  post-hoc EMA       $OUT/posthoc.json (FID of each rebuilt EMA length and the classic EMA)
   validation grids   $OUT/train/samples/
   VAE                $OUT/vae (vae_stats.json: held-out PSNR)
   accuracy           $OUT/eval.json

@@ -29,7 +29,7 @@ THREADS = os.environ.get("OMP_NUM_THREADS", "2")
 SMALL_DEMO = {"DEMO_SIZE": "32", "DEMO_COUNT": "1200", "DEMO_VAE_STEPS": "500", "DEMO_VAE_FLAGS": "--preset tiny",
               "DEMO_N": "4", "DEMO_NPROC": "2", "DEMO_THREADS": THREADS,
               "DEMO_TRAIN_FLAGS": "--unet tiny --max_steps 500 --warmup_steps 30 --validate_every 500 --save_steps 500",
-              "DEMO_CONCEPT": "0", "DEMO_ASPECT": "0", "DEMO_LCM": "0", "DEMO_CONTROL": "0"}
+              "DEMO_CONCEPT": "0", "DEMO_ASPECT": "0", "DEMO_LCM": "0", "DEMO_CONTROL": "0", "DEMO_POSTHOC": "0"}
 # Measured at these settings on the 2-core machine (one thread a process): seen colour 1.00 and shape
 # 0.78; FID 8.0 (ground truth) < 23.8 (model) < 393 (blank). The new-concept steps are left out here
 # (DEMO_CONCEPT=0), and the few-step distillation (DEMO_LCM=0: tests/integration/test_distillation.py): a LoRA
@@ -91,7 +91,7 @@ def run_demo(tmp_path: Path, settings: dict) -> tuple[subprocess.CompletedProces
     return result, tmp_path / "demo"
 
 
-def check_outputs(out: Path, n: int, vae_steps: int, grid_step: int) -> None:
+def check_outputs(out: Path, n: int, vae_steps: int, grid_step: int, posthoc: bool = True) -> None:
     assert (out / "samples" / "grid.png").exists() and (out / "train" / "loss.png").exists()
     assert (out / "train" / "samples" / f"step_{grid_step:08d}.png").exists()
     assert json.loads((out / "vae" / "vae_stats.json").read_text())["steps"] == vae_steps
@@ -101,6 +101,17 @@ def check_outputs(out: Path, n: int, vae_steps: int, grid_step: int) -> None:
     assert fid["n"] == 18 * n
     assert fid["ground_truth"] < fid["samples"], fid
     at_most("FID / a blank canvas's", fid["samples"] / fid["blank"], FID_BELOW_BLANK, fid)
+    if not posthoc:  # DEMO_POSTHOC=0: the mechanism is tests/integration/test_checkpoints.py's
+        assert not (out / "posthoc.json").exists()
+        return
+    # Post-hoc EMA (demo/posthoc.py): each length rebuilt from the snapshots draws as a trained model does,
+    # and the lengths are different averages (their FIDs differ).
+    posthoc = json.loads((out / "posthoc.json").read_text())["fid"]
+    rebuilt = {name: value for name, value in posthoc.items() if name.startswith("post-hoc")}
+    assert len(rebuilt) == 3 and posthoc["classic EMA"] == fid["samples"], posthoc
+    for name, value in rebuilt.items():
+        at_most(f"{name}: FID / a blank canvas's", value / fid["blank"], FID_BELOW_BLANK, posthoc)
+    assert len(set(rebuilt.values())) == 3, posthoc
 
 
 def fid_blank(out: Path) -> float:
@@ -135,7 +146,7 @@ def test_small_demo_chain_learns_prompted_colours_and_shapes(tmp_path):
     # Chance is 1/6 for colour and 1/3 for shape.
     at_least("seen prompts: colour", scores["seen"]["colour"], SMALL_COLOUR_AT_LEAST, scores)
     at_least("seen prompts: shape", scores["seen"]["shape"], SMALL_SHAPE_AT_LEAST, scores)
-    check_outputs(out, n=4, vae_steps=500, grid_step=500)
+    check_outputs(out, n=4, vae_steps=500, grid_step=500, posthoc=False)
     assert not (out / "concept").exists()  # DEMO_CONCEPT=0: a LoRA learning a subject is test_quickstart.py's
 
 
