@@ -51,10 +51,14 @@ class PowerEMA(sd.train.ema.EMA):
 
     @torch.no_grad()
     def update(self, model, step: int, skip: torch.Tensor | None = None, view=None) -> bool:
-        decay = (1.0 - 1.0 / (step + 1)) ** (self.gamma + 1.0)
         params = self.parameters(model)
-        live = self._live_weights(view(params) if view is not None else [p.detach() for p in params])
-        weight = 1.0 - decay
+        return self.fold(self._live_weights(view(params) if view is not None else [p.detach() for p in params]),
+                         step, skip)
+
+    @torch.no_grad()
+    def fold(self, live: list[torch.Tensor], step: int, skip: torch.Tensor | None = None) -> bool:
+        """Fold ``live`` (fp32 on the shadow's device: ``_live_weights``) in after step ``step`` (0-based)."""
+        weight = 1.0 - (1.0 - 1.0 / (step + 1)) ** (self.gamma + 1.0)
         if skip is not None and skip.device == self.shadow[0].device:
             torch._foreach_lerp_(self.shadow, live, [(~skip).float() * weight] * len(self.shadow))
             return True
@@ -62,6 +66,17 @@ class PowerEMA(sd.train.ema.EMA):
             return False
         torch._foreach_lerp_(self.shadow, live, weight)
         return True
+
+
+def update_all(emas: list[PowerEMA], model, step: int, skip: torch.Tensor | None = None, view=None) -> None:
+    """Every kept EMA after step ``step``, from one copy of the live weights (in host memory, one copy off
+    the GPU a step, not one per EMA)."""
+    if not emas:
+        return
+    params = emas[0].parameters(model)
+    live = emas[0]._live_weights(view(params) if view is not None else [p.detach() for p in params])
+    for ema in emas:
+        ema.fold(live, step, skip)
 
 
 class PosthocWeights:

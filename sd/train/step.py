@@ -615,8 +615,7 @@ def apply_update(step: Step, skip: torch.Tensor, step_index: int) -> None:
         view = sd.train.optimizers.evaluation_view(step.optimizer)  # bf16_weights: the fp32 masters
         for ema, model in step.emas():
             ema.update(model, step_index, skip=skip, view=view)
-        for ema in step.posthoc:
-            ema.update(step.unet, step_index, skip=skip, view=view)
+        sd.train.posthoc_ema.update_all(step.posthoc, step.unet, step_index, skip=skip, view=view)
         step.objective.update(step.unet, step_index, skip=skip)
         return
     # A read of the device: these optimizers cannot skip on their own (the foreach AdamW, bitsandbytes'
@@ -629,8 +628,7 @@ def apply_update(step: Step, skip: torch.Tensor, step_index: int) -> None:
     evaluated = sd.train.optimizers.evaluation_view(step.optimizer)  # Schedule-Free: the EMAs average x, not y
     for ema, model in step.emas():
         ema.update(model, step_index, view=evaluated)
-    for ema in step.posthoc:
-        ema.update(step.unet, step_index, view=evaluated)
+    sd.train.posthoc_ema.update_all(step.posthoc, step.unet, step_index, view=evaluated)
     step.objective.update(step.unet, step_index, view=evaluated)
 
 
