@@ -212,7 +212,8 @@ def dataset_keys(config: dict) -> dict[str, str]:
         keys["ss_reg_dataset_dirs"] = json.dumps(regs)
     if buckets:
         keys["ss_bucket_info"] = json.dumps(
-            {"buckets": {str(i): {"resolution": list(size), "count": n} for i, (size, n) in enumerate(sorted(buckets.items()))},
+            {"buckets": {str(i): {"resolution": list(size), "count": n}
+                         for i, (size, n) in enumerate(sorted(buckets.items()))},
              "mean_img_ar_error": 0.0})
     return keys
 

@@ -109,7 +109,8 @@ def write_snapshot(run_dir: Path, step: int, emas: list[PowerEMA]) -> Path:
 
     path = snapshot_path(run_dir, step)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().to("cpu", torch.float16).contiguous() for k, v in PosthocWeights(emas).state_dict().items()}
+    tensors = {k: v.detach().to("cpu", torch.float16).contiguous()
+               for k, v in PosthocWeights(emas).state_dict().items()}
     header = {"step": str(step), "profiles": json.dumps({f"{e.sigma_rel:g}": e.gamma for e in emas})}
     sd.files.write_atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata=header))
     return path

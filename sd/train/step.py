@@ -61,7 +61,7 @@ class Step:
     reduce_each_micro_batch: bool = False  # fsdp_reduce_each_micro_batch: no micro-batch accumulates unsynced
     held_optimizer_state: dict | None = None  # fsdp: a resume's AdamW state in host memory until shard_unet splits it
     text_ema: sd.train.ema.EMA | None = None  # of the text encoder's adapter, when it trains and there is an EMA
-    posthoc: list = dataclasses.field(default_factory=list)  # posthoc_ema_every: sd.train.posthoc_ema.PowerEMA of the UNet
+    posthoc: list = dataclasses.field(default_factory=list)  # posthoc_ema_every: PowerEMAs of the UNet
     objective: "Diffusion | sd.train.distill.Distiller" = dataclasses.field(default_factory=lambda: Diffusion())
     mode: sd.train.mode.Mode = dataclasses.field(default_factory=lambda: sd.train.mode.Mode(None))  # what trains
 
