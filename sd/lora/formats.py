@@ -60,9 +60,80 @@ class LoraModule(NamedTuple):
         """A convolution's adapter with a kernel larger than 1x1 (kohya's conv_dim / conv_alpha layers)."""
         return self.down.ndim == 4 and tuple(self.down.shape[2:]) != (1, 1)
 
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
     def delta(self, shape) -> torch.Tensor:
         """``up @ down`` in fp32, reshaped to the layer's weight ``shape`` (a conv's kernel included)."""
         return (self.up.flatten(1).float() @ self.down.flatten(1).float()).reshape(shape)
+
+
+def tucker(t: torch.Tensor, wa: torch.Tensor, wb: torch.Tensor) -> torch.Tensor:
+    """A convolution kernel from a Tucker core ``t`` (r, r, kh, kw) and factors ``wa`` (r, out), ``wb``
+    (r, in): sum over p, q of t[p, q] wa[p, o] wb[q, i]."""
+    return torch.einsum("pqyx,po,qi->oiyx", t.float(), wa.float(), wb.float())
+
+
+class HadamardModule(NamedTuple):
+    """A LoHa layer (LyCORIS): ``W += (alpha / r) * (w1a @ w1b) * (w2a @ w2b)``, elementwise, r the rows of
+    ``w1b``; with Tucker cores ``t1`` / ``t2`` (a convolution) each product is ``tucker(t, wa, wb)``."""
+
+    tensors: dict[str, torch.Tensor]  # hada_w1_a, hada_w1_b, hada_w2_a, hada_w2_b[, hada_t1, hada_t2]
+    alpha: float
+
+    @property
+    def rank(self) -> int:
+        return self.tensors["hada_w1_b"].shape[0]
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def delta(self, shape) -> torch.Tensor:
+        t = {k: v.float() for k, v in self.tensors.items()}
+        if "hada_t1" in t:
+            return (tucker(t["hada_t1"], t["hada_w1_a"], t["hada_w1_b"])
+                    * tucker(t["hada_t2"], t["hada_w2_a"], t["hada_w2_b"])).reshape(shape)
+        return ((t["hada_w1_a"] @ t["hada_w1_b"]) * (t["hada_w2_a"] @ t["hada_w2_b"])).reshape(shape)
+
+
+class KroneckerModule(NamedTuple):
+    """A LoKr layer (LyCORIS): ``W += scale * kron(W1, W2)``, each factor stored whole (``lokr_w1``,
+    ``lokr_w2``) or as a low-rank product (``_a @ _b``; ``W2`` also with a Tucker core ``lokr_t2``). The
+    rank is that of ``W2``'s product, else ``W1``'s; with both factors whole the scale is 1 (LyCORIS
+    stores alpha = r then, and ComfyUI and AUTOMATIC1111 ignore alpha), else alpha / rank."""
+
+    tensors: dict[str, torch.Tensor]
+    alpha: float
+
+    @property
+    def rank(self) -> int | None:
+        for name in ("lokr_w2_b", "lokr_w1_b"):
+            if name in self.tensors:
+                return self.tensors[name].shape[0]
+        return None
+
+    @property
+    def scale(self) -> float:
+        return 1.0 if self.rank is None else self.alpha / self.rank
+
+    def delta(self, shape) -> torch.Tensor:
+        t = {k: v.float() for k, v in self.tensors.items()}
+        w1 = t["lokr_w1"] if "lokr_w1" in t else t["lokr_w1_a"] @ t["lokr_w1_b"]
+        if "lokr_w2" in t:
+            w2 = t["lokr_w2"]
+        elif "lokr_t2" in t:
+            w2 = tucker(t["lokr_t2"], t["lokr_w2_a"], t["lokr_w2_b"])
+        else:
+            w2 = t["lokr_w2_a"] @ t["lokr_w2_b"]
+        if w2.ndim == 4:
+            w1 = w1[:, :, None, None]
+        return torch.kron(w1.contiguous(), w2.contiguous()).reshape(shape)
+
+
+LYCORIS_KEYS = {"loha": ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "hada_t1", "hada_t2"),
+                "lokr": ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b", "lokr_t2")}
 
 
 def lora_file_name(part: str, module: str) -> str:
@@ -239,7 +310,8 @@ def _kohya_header(layers: list[LoraModule]) -> dict[str, str]:
     return header
 
 
-LORA_KEY_KINDS = {".lora_down.weight": "down", ".lora_up.weight": "up", ".alpha": "alpha",
+LORA_KEY_KINDS = {**{f".{name}": name for names in LYCORIS_KEYS.values() for name in names},
+                  ".dora_scale": "dora_scale", ".lora_down.weight": "down", ".lora_up.weight": "up", ".alpha": "alpha",
                   ".lora_A.weight": "down", ".lora_B.weight": "up"}
 
 
@@ -260,7 +332,8 @@ def read_lora(path: str | Path, unet, text_encoder=None) -> dict[str, dict[str, 
     ``unet`` and ``text_encoder``'s own module names.
 
     Keys: kohya's ``lora_unet_`` / ``lora_te_`` names, diffusers' ``unet.`` / ``text_encoder.`` ones, or
-    PEFT's without a prefix (UNet). kohya names are looked up in a table built from the models' own
+    PEFT's without a prefix (UNet); a kohya-named layer may also be LyCORIS' LoHa (``hada_*``) or LoKr
+    (``lokr_*``), read as ``HadamardModule`` / ``KroneckerModule`` (DoRA's ``dora_scale`` is refused). kohya names are looked up in a table built from the models' own
     module names (an underscore there may stand for a dot or be part of a name, so a name is never
     split). A key of no layer, a layer's down without its up, a tensor that does not fit its layer, or
     a NaN or infinity in any tensor or alpha is a ValueError naming the file.
@@ -281,13 +354,20 @@ def read_lora(path: str | Path, unet, text_encoder=None) -> dict[str, dict[str, 
             pieces.setdefault(target, {})[LORA_KEY_KINDS[suffix]] = tensor
     if unknown:
         raise ValueError(f"{file}: {len(unknown)} of its {len(tensors)} keys name no LoRA layer of this model, e.g. "
-                         f"{sorted(unknown)[:3]}; another architecture, or an adapter other than LoRA (LoHa, LoKr, "
-                         "DoRA)?")
+                         f"{sorted(unknown)[:3]}; another architecture, or an adapter other than LoRA, LoHa and "
+                         "LoKr?")
     if not pieces:
         raise ValueError(f"{file}: holds no LoRA tensors")
     configs = _diffusers_lora_configs(file)
     out = {}
     for (part, module), piece in pieces.items():
+        where = f"{file}: {part} layer {module}"
+        if "dora_scale" in piece:
+            raise ValueError(f"{where}: a DoRA layer (dora_scale), which this reader does not merge yet")
+        kinds = [kind for kind, names in LYCORIS_KEYS.items() if any(name in piece for name in names)]
+        if kinds:
+            out.setdefault(part, {})[module] = lycoris_module(kinds, piece, layers[part][module].weight, where)
+            continue
         if "down" not in piece or "up" not in piece:
             raise ValueError(f"{file}: {part} layer {module} has no {'up' if 'down' in piece else 'down'} weight")
         down, up = piece["down"], piece["up"]
@@ -297,6 +377,38 @@ def read_lora(path: str | Path, unet, text_encoder=None) -> dict[str, dict[str, 
             raise ValueError(f"{file}: {part} layer {module} has a non-finite alpha ({alpha}) in its header")
         out.setdefault(part, {})[module] = LoraModule(down, up, float(alpha))
     return out
+
+
+def lycoris_module(kinds: list[str], piece: dict[str, torch.Tensor], weight: torch.Tensor, where: str):
+    """A LoHa or LoKr layer from its tensors (``piece``, by key suffix), checked whole and fitting ``weight``:
+    its delta is built once here, so a file that does not fit is refused before anything is merged."""
+    if len(kinds) > 1 or "down" in piece or "up" in piece:
+        raise ValueError(f"{where}: holds the tensors of more than one kind of adapter")
+    alpha = piece["alpha"].item() if "alpha" in piece else None
+    tensors = {k: v for k, v in piece.items() if k != "alpha"}
+    if kinds == ["loha"]:
+        needed = {"hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b"} | ({"hada_t2"} if "hada_t1" in tensors else set())
+        module = HadamardModule(tensors, 0.0)
+    else:
+        needed = ({"lokr_w1"} if "lokr_w1" in tensors else {"lokr_w1_a", "lokr_w1_b"}) | (
+            {"lokr_w2"} if "lokr_w2" in tensors else {"lokr_w2_a", "lokr_w2_b"})
+        module = KroneckerModule(tensors, 0.0)
+    missing = sorted(needed - set(tensors))
+    if missing:
+        raise ValueError(f"{where}: a {kinds[0]} layer without {', '.join(missing)}")
+    if alpha is None:  # no alpha: scale 1, as ComfyUI and AUTOMATIC1111 take it (a stored 0: no change)
+        alpha = float(module.rank or 1)
+    if not math.isfinite(alpha):
+        raise ValueError(f"{where}: non-finite alpha {alpha}")
+    module = module._replace(alpha=float(alpha))
+    try:
+        delta = module.delta(weight.shape)
+    except RuntimeError as error:
+        raise ValueError(f"{where}: its {kinds[0]} tensors {({k: tuple(v.shape) for k, v in tensors.items()})} do not "
+                         f"make its weight's shape {tuple(weight.shape)} ({first_line(error)})") from error
+    if tuple(delta.shape) != tuple(weight.shape):
+        raise ValueError(f"{where}: its {kinds[0]} tensors make {tuple(delta.shape)}, not {tuple(weight.shape)}")
+    return module
 
 
 def _lora_name_table(layers: dict[str, dict]) -> dict[str, tuple[str, str]]:
@@ -365,7 +477,8 @@ def _metadata_alpha(config: dict | None, module: str, rank: int) -> float:
 
 @torch.no_grad()
 def merge_lora(models: dict, lora: dict[str, dict[str, LoraModule]], scale: float = 1.0) -> None:
-    """Add ``scale * (alpha / r) * up @ down`` to each adapted layer's weight, in place.
+    """Add ``scale * m.scale * m.delta`` (a LoRA's ``(alpha / r) up @ down``) to each adapted layer's weight,
+    in place.
 
     ``models``: ``{"unet": ..., "text_encoder": ...}``; the sum is taken in fp32 and rounded once to the
     weight's dtype. A layer under a PEFT adapter gets it in its base weight.
@@ -376,7 +489,7 @@ def merge_lora(models: dict, lora: dict[str, dict[str, LoraModule]], scale: floa
         layers = lora_layers_of(models[part])
         for name, m in modules.items():
             weight = layers[name].weight
-            delta = (scale * m.alpha / m.rank) * m.delta(weight.shape)
+            delta = (scale * m.scale) * m.delta(weight.shape)
             weight.copy_(weight.float() + delta.to(weight.device))
 
 

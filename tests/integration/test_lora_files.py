@@ -3,6 +3,7 @@
 
 import copy
 import json
+import re
 import shutil
 import stat
 
@@ -551,3 +552,97 @@ def test_a_locon_run_records_its_conv_rank_and_loads_back_with_it(lora_run, base
     assert SD_ImageGen.main(["--ckpt", str(copy_run), "--export_lora", str(tmp_path / "k.safetensors")]) == 0
     with safe_open(str(tmp_path / "k.safetensors"), framework="pt") as handle:
         assert json.loads(handle.metadata()["ss_network_args"]) == {"conv_dim": "2", "conv_alpha": "2.0"}  # folded
+
+
+# ------------------------------------------------------------------------------ LyCORIS files (LoHa, LoKr)
+
+LINEAR, CONV = "down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q", "down_blocks.0.resnets.0.conv1"
+
+
+def peft_adapted(unet, config, seed):
+    """A copy of ``unet`` with PEFT's LoHa or LoKr (``config``) on LINEAR and CONV, its tensors random;
+    returns ``({module: {name: tensor}}, {module: weight after PEFT's own merge})``: PEFT as the reference."""
+    from peft import inject_adapter_in_model
+
+    adapted_unet = copy.deepcopy(unet)
+    inject_adapter_in_model(config, adapted_unet, adapter_name="default")
+    generator = torch.Generator().manual_seed(seed)
+    tensors, merged = {}, {}
+    for module in (LINEAR, CONV):
+        layer = adapted_unet.get_submodule(module)
+        own = {}
+        for name in (*sd.lora.formats.LYCORIS_KEYS["loha"], *sd.lora.formats.LYCORIS_KEYS["lokr"]):
+            holder = getattr(layer, name, None)
+            if holder is not None and "default" in holder:
+                with torch.no_grad():
+                    holder["default"].copy_(torch.randn(holder["default"].shape, generator=generator) * 0.3)
+                own[name] = holder["default"].detach().clone()
+        tensors[module] = own
+        layer.merge(adapter_names=["default"])
+        merged[module] = layer.get_base_layer().weight.detach().clone()
+    return tensors, merged
+
+
+def lycoris_file(path, tensors: dict, alpha: float):
+    """The kohya / LyCORIS layout: lora_unet_<module with _>.<tensor name>, and .alpha."""
+    out = {}
+    for module, own in tensors.items():
+        key = "lora_unet_" + module.replace(".", "_")
+        out.update({f"{key}.{name}": t.contiguous() for name, t in own.items()})
+        out[f"{key}.alpha"] = torch.tensor(alpha)
+    save_file(out, str(path))
+    return path
+
+
+@pytest.mark.parametrize("kind", ["loha", "loha_tucker", "lokr", "lokr_tucker"])
+def test_loha_and_lokr_files_merge_to_the_weights_peft_merges(kind, base, tmp_path):
+    """LyCORIS' LoHa and LoKr layouts (a Linear and a 3x3 conv; with Tucker cores for the conv) with alpha
+    != r: read and merged here, each weight equals PEFT's merge of the same tensors (its own LoHa / LoKr
+    layers), to float rounding."""
+    from peft import LoHaConfig, LoKrConfig
+
+    cls = LoHaConfig if kind.startswith("loha") else LoKrConfig
+    config = cls(r=2, alpha=3, target_modules=[LINEAR, CONV], use_effective_conv2d=kind.endswith("tucker"))
+    tensors, merged = peft_adapted(base[0], config, seed=11)
+    if kind.endswith("tucker"):
+        assert {"hada_t1", "lokr_t2"} & set(tensors[CONV])
+    path = lycoris_file(tmp_path / f"{kind}.safetensors", tensors, alpha=3.0)
+    lora = sd.lora.formats.read_lora(path, base[0], base[1])
+    unet = copy.deepcopy(base[0])
+    sd.lora.formats.merge_lora({"unet": unet}, lora)
+    for module in (LINEAR, CONV):
+        ours = unet.get_submodule(module).weight
+        assert not torch.equal(ours, base[0].get_submodule(module).weight)
+        torch.testing.assert_close(ours, merged[module], atol=1e-5, rtol=1e-5, msg=module)
+
+
+def test_a_lokr_of_two_whole_factors_is_merged_at_scale_one_as_comfyui_and_a1111_read_it(base, tmp_path):
+    """Both factors whole: LyCORIS writes alpha = r and ComfyUI and AUTOMATIC1111 apply kron(w1, w2) whatever
+    alpha says (no rank to divide by); with a low-rank factor a stored alpha of 0 adds nothing, as in both."""
+    weight = base[0].get_submodule(LINEAR).weight
+    generator = torch.Generator().manual_seed(3)
+    w1, w2 = torch.randn(4, 4, generator=generator), torch.randn(8, 8, generator=generator)
+    w2_a, w2_b = torch.randn(8, 2, generator=generator), torch.randn(2, 8, generator=generator)
+    expected = weight + torch.kron(w1, w2)
+    for name, tensors, alpha, want in (("full_16", {"lokr_w1": w1, "lokr_w2": w2}, 16.0, expected),
+                                       ("full_0", {"lokr_w1": w1, "lokr_w2": w2}, 0.0, expected),
+                                       ("low_0", {"lokr_w1": w1, "lokr_w2_a": w2_a, "lokr_w2_b": w2_b}, 0.0, weight)):
+        path = lycoris_file(tmp_path / f"{name}.safetensors", {LINEAR: tensors}, alpha)
+        unet = copy.deepcopy(base[0])
+        sd.lora.formats.merge_lora({"unet": unet}, sd.lora.formats.read_lora(path, base[0], base[1]))
+        torch.testing.assert_close(unet.get_submodule(LINEAR).weight, want, atol=1e-6, rtol=1e-6)
+
+
+def test_broken_lycoris_layers_are_refused_naming_the_file_and_layer(base, tmp_path):
+    key = "lora_unet_" + LINEAR.replace(".", "_")
+    cases = {"half": {f"{key}.hada_w1_a": torch.ones(32, 2), f"{key}.hada_w1_b": torch.ones(2, 32)},
+             "shape": {f"{key}.lokr_w1": torch.ones(4, 4), f"{key}.lokr_w2": torch.ones(8, 7)},
+             "dora": {f"{key}.lora_down.weight": torch.ones(2, 32), f"{key}.lora_up.weight": torch.ones(32, 2),
+                      f"{key}.dora_scale": torch.ones(32, 1)}}
+    messages = {"half": "a loha layer without hada_w2_a, hada_w2_b", "shape": "do not make its weight's shape",
+                "dora": "a DoRA layer (dora_scale)"}
+    for name, tensors in cases.items():
+        save_file(tensors, str(tmp_path / f"{name}.safetensors"))
+        with pytest.raises(ValueError, match=re.escape(messages[name])) as error:
+            sd.lora.formats.read_lora(tmp_path / f"{name}.safetensors", base[0], base[1])
+        assert f"{name}.safetensors" in str(error.value) and LINEAR in str(error.value)
