@@ -636,9 +636,12 @@ def lora_run_settings(source: str) -> dict | None:
     if isinstance(conv_alpha, bool) or not isinstance(conv_alpha, (int, float)) or conv_alpha < 0:
         raise ValueError(f"{where}: lora_conv_alpha {conv_alpha!r} is no number >= 0")
     conv_rank, conv_alpha = sd.lora.adapters.conv_settings(rank, alpha, conv_rank, conv_alpha)
+    kind, factor = config.get("lora_type") or "lora", config.get("lora_factor", -1)
+    if kind not in sd.lora.adapters.LORA_TYPES or isinstance(factor, bool) or not isinstance(factor, int):
+        raise ValueError(f"{where}: lora_type {kind!r} / lora_factor {factor!r} name no adapter of ours")
     return {"rank": rank, "alpha": sd.lora.adapters.effective_alpha(rank, alpha), "targets": list(targets),
             "conv_rank": conv_rank, "conv_alpha": conv_alpha, "init_from": str(config["init_from"]),
-            "text_encoder": bool(config.get("lora_text_encoder", False))}
+            "text_encoder": bool(config.get("lora_text_encoder", False)), "kind": kind, "factor": factor}
 
 
 def load_lora_run(folder: Path, unet, text_encoder=None, *, use_ema: bool = True, check_base: bool = True) -> str:
@@ -749,7 +752,8 @@ def _naming(path: Path):
 def add_run_lora(model, targets, settings: dict):
     """``model`` with an adapter of ``settings``' rank and alpha on the layers ``targets`` selects."""
     sd.lora.adapters.add_lora(model, sd.lora.adapters.resolve_targets(model, targets), settings["rank"], settings["alpha"],
-                              conv_rank=settings.get("conv_rank", 0), conv_alpha=settings.get("conv_alpha", 0.0))
+                              conv_rank=settings.get("conv_rank", 0), conv_alpha=settings.get("conv_alpha", 0.0),
+                              kind=settings.get("kind", "lora"), factor=settings.get("factor", -1))
     model.lora_settings["targets"] = list(targets)
     model.eval()
     return model

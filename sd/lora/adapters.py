@@ -37,6 +37,8 @@ TARGET_GROUPS = {
 }
 TEXT_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj")  # the CLIP text encoder's attention
 LAYER_TYPES = (torch.nn.Linear, torch.nn.Conv2d)
+LORA_TYPES = {"lora": "LoRA", "loha": "LoHa", "lokr": "LoKr"}  # lora_type: its name in messages
+ADAPTER_PARTS = (".lora_A.", ".lora_B.", ".hada_", ".lokr_")  # in the names of every kind's parameters
 
 
 class LoraError(ValueError):
@@ -64,38 +66,46 @@ def is_spatial_conv(module) -> bool:
 
 
 def add_lora(model, modules: list[str], rank: int, alpha: float, dropout: float = 0.0, seed: int = 0,
-             conv_rank: int = 0, conv_alpha: float = 0.0):
+             conv_rank: int = 0, conv_alpha: float = 0.0, kind: str = "lora", factor: int = -1):
     """Inject a LoRA adapter into ``modules`` of ``model`` and freeze everything else.
 
     ``conv_rank`` / ``conv_alpha`` (0: ``rank`` / ``alpha``): the rank and alpha of the modules that are
     convolutions with a kernel larger than 1x1. ``down`` is initialised (Kaiming-uniform, seeded by
-    ``seed`` without touching the global RNG), ``up`` is zero. Returns ``model``.
+    ``seed`` without touching the global RNG), ``up`` is zero. ``kind`` (``LORA_TYPES``): loha or lokr
+    instead, through PEFT's LoHa / LoKr layers (one factor starts at zero likewise; lokr's small factor
+    has sides ``factor``, -1: near the square root). Returns ``model``.
     """
     import re
 
-    from peft import LoraConfig, inject_adapter_in_model
+    from peft import LoHaConfig, LoKrConfig, LoraConfig, inject_adapter_in_model
 
     conv_rank, conv_alpha = conv_rank or rank, float(conv_alpha or alpha)
     if rank < 1:
         raise LoraError(f"lora rank must be >= 1, got {rank}")
     convs = [name for name in modules if is_spatial_conv(model.get_submodule(name))]
     # PEFT matches a pattern as the end of a module's name after a dot: the escaped full name is that module alone
-    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(modules),
-                        init_lora_weights=True,
-                        rank_pattern={re.escape(name): conv_rank for name in convs} if conv_rank != rank else {},
-                        alpha_pattern={re.escape(name): conv_alpha for name in convs} if conv_alpha != alpha else {})
+    patterns = dict(rank_pattern={re.escape(name): conv_rank for name in convs} if conv_rank != rank else {},
+                    alpha_pattern={re.escape(name): conv_alpha for name in convs} if conv_alpha != alpha else {})
+    if kind == "loha":
+        config = LoHaConfig(r=rank, alpha=alpha, target_modules=list(modules), init_weights=True, **patterns)
+    elif kind == "lokr":
+        config = LoKrConfig(r=rank, alpha=alpha, target_modules=list(modules), init_weights=True,
+                            decompose_factor=factor, **patterns)
+    else:
+        config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(modules),
+                            init_lora_weights=True, **patterns)
     model.requires_grad_(False)
     with sd.model._seeded(seed):
         inject_adapter_in_model(config, model, adapter_name=ADAPTER)
     for name, param in model.named_parameters():
         param.requires_grad_(is_adapter_name(name))
     model.lora_settings = {"rank": rank, "alpha": float(alpha), "dropout": float(dropout), "modules": list(modules),
-                           "conv_rank": conv_rank, "conv_alpha": conv_alpha}
+                           "conv_rank": conv_rank, "conv_alpha": conv_alpha, "kind": kind, "factor": factor}
     return model
 
 
 def is_adapter_name(name: str) -> bool:
-    return ".lora_A." in name or ".lora_B." in name
+    return any(part in name for part in ADAPTER_PARTS)
 
 
 def has_lora(model) -> bool:
@@ -138,10 +148,11 @@ def same_base(saved: torch.Tensor, loaded: torch.Tensor) -> bool:
 
 
 def lora_layers(model):
-    """``(name, layer)`` of every PEFT LoRA layer of ``model``."""
+    """``(name, layer)`` of every PEFT LoRA, LoHa or LoKr layer of ``model``."""
     from peft.tuners.lora import LoraLayer
+    from peft.tuners.lycoris_utils import LycorisLayer
 
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, LoraLayer)]
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, (LoraLayer, LycorisLayer))]
 
 
 @torch.no_grad()
@@ -186,6 +197,8 @@ class LoraSettings:
     lora_targets: tuple = ("attention",)
     lora_dropout: float = 0.0
     lora_text_encoder: bool = False
+    lora_type: str = "lora"
+    lora_factor: int = -1
     seed: int = 0
     precision: str = "bf16"
 
@@ -207,11 +220,12 @@ def apply_settings(settings: LoraSettings, unet, text_encoder) -> None:
     rank = settings.lora_rank
     alpha = effective_alpha(rank, settings.lora_alpha)
     conv_rank, conv_alpha = conv_settings(rank, settings.lora_alpha, settings.lora_conv_rank, settings.lora_conv_alpha)
+    kind = dict(kind=settings.lora_type, factor=settings.lora_factor)
     add_lora(unet, resolve_targets(unet, list(settings.lora_targets)), rank, alpha, settings.lora_dropout,
-             seed=settings.seed, conv_rank=conv_rank, conv_alpha=conv_alpha)
+             seed=settings.seed, conv_rank=conv_rank, conv_alpha=conv_alpha, **kind)
     if settings.lora_text_encoder:
         add_lora(text_encoder, resolve_targets(text_encoder, TEXT_TARGETS), rank, alpha, settings.lora_dropout,
-                 seed=settings.seed + 1)
+                 seed=settings.seed + 1, **kind)
     else:
         text_encoder.requires_grad_(False)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(settings.precision)

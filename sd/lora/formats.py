@@ -136,6 +136,23 @@ LYCORIS_KEYS = {"loha": ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "ha
                 "lokr": ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b", "lokr_t2")}
 
 
+def lycoris_of(layer):
+    """A PEFT LoHa or LoKr layer as the module its file holds. PEFT scales by alpha / r always; a LoKr of two
+    whole factors is read at scale 1 (ComfyUI, AUTOMATIC1111, LyCORIS), so its scale goes into ``lokr_w1``."""
+    adapter = sd.lora.adapters.ADAPTER
+    names = [n for kind in LYCORIS_KEYS.values() for n in kind
+             if adapter in getattr(layer, n, {}) and getattr(layer, n)[adapter].numel()]
+    tensors = {n: getattr(layer, n)[adapter].detach().cpu() for n in names}
+    alpha, rank = float(layer.alpha[adapter]), int(layer.r[adapter])
+    if any(n.startswith("hada_") for n in names):
+        return HadamardModule(tensors, alpha)
+    module = KroneckerModule(tensors, alpha)
+    if module.rank is None:
+        tensors["lokr_w1"] = (tensors["lokr_w1"].float() * (alpha / rank)).to(tensors["lokr_w1"].dtype)
+        module = KroneckerModule(tensors, float(rank))
+    return module
+
+
 def lora_file_name(part: str, module: str) -> str:
     """A module's name as LoRA files spell it: the text encoder's from ``text_model.`` (transformers 4's
     CLIPTextModel, kohya, ComfyUI, AUTOMATIC1111 and diffusers' own files all use that layout)."""
@@ -158,9 +175,15 @@ def lora_layers_of(model) -> dict[str, torch.nn.Module]:
 
 
 def adapter_lora_modules(model) -> dict[str, LoraModule]:
-    """The PEFT adapter of ``model`` (``sd.lora.adapters.add_lora``) as LoraModules, detached on the CPU."""
+    """The PEFT adapter of ``model`` (``sd.lora.adapters.add_lora``) as LoraModules (a LoHa's or LoKr's as
+    ``HadamardModule`` / ``KroneckerModule``), detached on the CPU."""
+    from peft.tuners.lycoris_utils import LycorisLayer
+
     out = {}
     for name, layer in sd.lora.adapters.lora_layers(model):
+        if isinstance(layer, LycorisLayer):
+            out[name] = lycoris_of(layer)
+            continue
         if getattr(layer, "use_rslora", {}).get(sd.lora.adapters.ADAPTER, False):
             raise ValueError(f"{name}: rank-stabilised LoRA (alpha / sqrt(r)) has no place in these file formats")
         out[name] = LoraModule(layer.lora_A[sd.lora.adapters.ADAPTER].weight.detach().cpu(),
@@ -194,13 +217,18 @@ def save_lora(out: str | Path, lora: dict[str, dict[str, LoraModule]], lora_form
     a file of one rank keeps its alpha, which every reader applies.
     """
     path = lora_output(out, lora_format)
-    if lora_format == "diffusers" or len({m.rank for part in lora.values() for m in part.values()}) > 1:
-        lora = fold_alpha(lora)
     layers = [m for part in lora.values() for m in part.values()]
     if not layers:
         raise ValueError(f"{out}: no LoRA layers to write")
-    linear = [m for m in layers if not m.is_spatial_conv] or layers  # LoCon's convolutions are recorded apart
-    header = {"format": "pt", "lora_rank": str(_most_common(m.rank for m in linear)),
+    lycoris = [m for m in layers if not isinstance(m, LoraModule)]
+    if lycoris and lora_format != "kohya":
+        raise ValueError(f"{out}: diffusers' LoRA format holds LoRA layers only; write a LoHa or LoKr with "
+                         "--lora_format kohya (LyCORIS' layout, which ComfyUI and AUTOMATIC1111 load)")
+    if not lycoris and (lora_format == "diffusers" or len({m.rank for m in layers}) > 1):
+        lora = fold_alpha(lora)
+        layers = [m for part in lora.values() for m in part.values()]
+    linear = [m for m in layers if not getattr(m, "is_spatial_conv", False)] or layers  # LoCon's convs apart
+    header = {"format": "pt", "lora_rank": str(_most_common(m.rank or 0 for m in linear)),
               "lora_alpha": str(_most_common(m.alpha for m in linear)),
               **{k: str(v) for k, v in (metadata or {}).items()}}
     if lora_format == "diffusers":
@@ -289,7 +317,10 @@ def _kohya_lora_tensors(lora) -> dict[str, torch.Tensor]:
             key = KOHYA_PREFIXES[part] + lora_file_name(part, name).replace(".", "_")
             if f"{key}.alpha" in tensors:
                 raise ValueError(f"{part} layer {name}: its kohya name {key} is taken by another layer")
-            tensors[f"{key}.lora_down.weight"], tensors[f"{key}.lora_up.weight"] = m.down, m.up
+            if isinstance(m, LoraModule):
+                tensors[f"{key}.lora_down.weight"], tensors[f"{key}.lora_up.weight"] = m.down, m.up
+            else:  # LyCORIS' names are PEFT's (hada_w1_a..., lokr_w1...), its conv factors 2-D alike
+                tensors.update({f"{key}.{n}": t for n, t in m.tensors.items()})
             tensors[f"{key}.alpha"] = torch.tensor(float(m.alpha), dtype=torch.float32)
     return tensors
 
@@ -299,6 +330,12 @@ def _kohya_header(layers: list[LoraModule]) -> dict[str, str]:
     ``ss_network_dim`` / ``ss_network_alpha`` of the Linear and 1x1 layers, and for LoCon the larger
     convolutions' rank and alpha as the network arguments sd-scripts' networks/lora.py takes
     (``ss_network_args``: JSON of ``conv_dim`` and ``conv_alpha``, as strings, the way it records them)."""
+    lycoris = [m for m in layers if not isinstance(m, LoraModule)]
+    if lycoris:  # LyCORIS' kohya network: the algorithm in the network arguments, every value a string
+        algo = "loha" if isinstance(lycoris[0], HadamardModule) else "lokr"
+        return {"ss_network_module": "lycoris.kohya", "ss_network_dim": str(_most_common(m.rank or 0 for m in layers)),
+                "ss_network_alpha": str(_most_common(m.alpha for m in layers)), "ss_v2": "False",
+                "ss_base_model_version": "sd_v1", "ss_network_args": json.dumps({"algo": algo})}
     convs = [m for m in layers if m.is_spatial_conv]
     linear = [m for m in layers if not m.is_spatial_conv] or layers
     header = {"ss_network_module": "networks.lora", "ss_network_dim": str(_most_common(m.rank for m in linear)),

@@ -24,6 +24,14 @@ class Lora(sd.train.mode.Mode):
                               "or hub id, a single file, or a run of ours)")
         if not (config.lora_targets and all(isinstance(t, str) and t.strip() for t in config.lora_targets)):
             raise ConfigError("lora_targets: a list of groups (attention, transformer, resnet) or module-name suffixes")
+        if config.lora_type not in sd.lora.adapters.LORA_TYPES:
+            raise ConfigError(f"lora_type: one of {', '.join(sd.lora.adapters.LORA_TYPES)}, got {config.lora_type!r}")
+        if config.lora_factor != -1 and config.lora_type != "lokr":
+            raise ConfigError(f"lora_factor sets a lokr adapter's factors (got lora_type: {config.lora_type}); set "
+                              "lora_type: lokr, or lora_factor: -1")
+        if config.lora_type != "lora" and config.lora_dropout:
+            raise ConfigError(f"lora_dropout drops a LoRA's input; a {config.lora_type} adapter has none: set "
+                              "lora_dropout: 0")
         if config.lora_rank:
             if config.sharding != "none":
                 raise ConfigError(f"sharding: {config.sharding} splits a full fine-tune's state; a LoRA adapter is a "
@@ -31,6 +39,9 @@ class Lora(sd.train.mode.Mode):
             return
         if config.lora_text_encoder:
             raise ConfigError("lora_text_encoder needs lora_rank > 0")
+        if config.lora_type != "lora":
+            raise ConfigError(f"lora_type: {config.lora_type} sets the adapter of a run with lora_rank > 0: set "
+                              "lora_rank, or lora_type: lora")
         if config.lora_conv_rank or config.lora_conv_alpha:
             raise ConfigError("lora_conv_rank / lora_conv_alpha set the convolutions' adapters of a LoRA run: set "
                               "lora_rank > 0 too")
@@ -53,7 +64,7 @@ class Lora(sd.train.mode.Mode):
 
     def describe(self, step) -> str:
         config = self.config
-        return (f"LoRA rank {config.lora_rank} (alpha "
+        return (f"{sd.lora.adapters.LORA_TYPES[config.lora_type]} rank {config.lora_rank} (alpha "
                 f"{sd.lora.adapters.effective_alpha(config.lora_rank, config.lora_alpha):g}) on "
                 f"{len(step.unet.lora_settings['modules'])} UNet layers"
                 f"{' and the text encoder' if config.lora_text_encoder else ''}: "

@@ -350,6 +350,7 @@ def session(config, resolution: int = 512, device: str = "cuda", world_size: int
         check_models(config, unet, text_encoder)
         mode = sd.train.modes.mode_of(config)
         unet = mode.estimate_attach(unet, text_encoder)
+        adapters_always_on(unet, text_encoder)
         empty_ids = torch.full((1, sd.model.TOKENIZER_MAX_LENGTH), 49407, dtype=torch.long)
         emulate = as_if_cuda(unet, lambda cast: casts.add(id(allocations.record_of(cast)))) if device == "cuda" \
             else contextlib.nullcontext()
@@ -685,6 +686,19 @@ def _zeros_list(tensor):
 
 # What reading a fake tensor's values to the host gives: zeros (fake tensors turn tolist into items).
 HOST_READS = {"tolist": _zeros_list, "item": _zero_item, "__bool__": lambda tensor: False}
+
+
+def adapters_always_on(*models) -> None:
+    """PEFT's LoHa and LoKr layers, while training, apply their adapter when ``torch.rand(1) > module_dropout``
+    (a host read); on fake tensors that read is zero (``HostReadsAsZeros``) and would leave the adapter out of
+    the graph. Their training flag alone is turned off: the forward and backward are those of training (no
+    module dropout is set: the adapter always applies)."""
+    from peft.tuners.lycoris_utils import LycorisLayer
+
+    for model in models:
+        for module in model.modules():
+            if isinstance(module, LycorisLayer):
+                module.training = False
 
 
 class HostReadsAsZeros(TorchFunctionMode):

@@ -676,3 +676,47 @@ def test_an_exported_lora_says_what_trained_it_as_sd_scripts_and_the_model_spec_
     assert not [k for k, v in header.items() if str(tmp_path) in v or str(Path.home()) in v]
     data_start = 8 + int.from_bytes(out.read_bytes()[:8], "little")
     assert header["sshs_model_hash"] == hashlib.sha256(out.read_bytes()[data_start:]).hexdigest()
+
+
+@pytest.mark.parametrize("kind", ["loha", "lokr"])
+def test_a_loha_or_lokr_run_resumes_bitwise_and_its_file_merges_to_what_the_run_samples_with(kind, tmp_path, base_model,
+                                                                                             data):
+    """lora_type loha / lokr (on the attention and the ResNet convolutions, the text encoder too): 6 steps
+    straight against 3 + 3 resumed, bit for bit; the exported kohya-layout file (LyCORIS' key names) read
+    back and merged into the base gives the weights the run itself samples with (PEFT's merge of its
+    layers), and the header names the algorithm."""
+    import SD_ImageGen
+    from safetensors import safe_open
+
+    fields = dict(datasets=[data], init_from=str(base_model), max_steps=6, lora_type=kind, lora_dropout=0.0,
+                  lora_targets=["attention", "resnet"], lora_text_encoder=True, lora_alpha=3.0)
+    straight = write_config(tmp_path / "a.yaml", out_dir=str(tmp_path / "a"), **fields)
+    assert SD_Train.main(["--config", str(straight)]) == 0
+    stopped = write_config(tmp_path / "b.yaml", out_dir=str(tmp_path / "b"), **fields)
+    assert SD_Train.main(["--config", str(stopped), "--stop_at_step", "3"]) == 0
+    assert SD_Train.main(["--config", str(stopped)]) == 0
+    assert_bitwise_equal(run_state(tmp_path / "a", 6), run_state(tmp_path / "b", 6))
+    adapter = load_file(tmp_path / "a" / "checkpoints" / sd.run_folder.step_dir_name(6) / "adapter.safetensors")
+    prefix = "hada_" if kind == "loha" else "lokr_"
+    assert any(prefix in k for k in adapter) and not any(".lora_A." in k for k in adapter)
+
+    out = tmp_path / f"{kind}.safetensors"
+    assert SD_ImageGen.main(["--ckpt", str(tmp_path / "a"), "--export_lora", str(out)]) == 0
+    with safe_open(str(out), framework="pt") as handle:
+        header, keys = handle.metadata(), list(handle.keys())
+    assert header["ss_network_module"] == "lycoris.kohya" and json.loads(header["ss_network_args"]) == {"algo": kind}
+    assert any(k.startswith("lora_unet_down_blocks_0_resnets_0_conv1." + prefix) for k in keys)
+    assert any(k.startswith("lora_te_text_model_encoder_layers_0_self_attn_q_proj.") for k in keys)
+    run = sd.formats.load_pipeline(str(tmp_path / "a"))
+    sd.lora.formats.merge_adapters(run, [])  # the run's own adapter, merged by PEFT
+    plain = sd.formats.load_pipeline(str(base_model))
+    sd.lora.formats.merge_adapters(plain, [(str(out), 1.0)])  # the file, merged by our reader
+    for part in ("unet", "text_encoder"):
+        ours, theirs = getattr(plain, part).state_dict(), getattr(run, part).state_dict()
+        assert ours.keys() == theirs.keys()
+        worst = max((ours[k].float() - theirs[k].float()).abs().max().item() for k in ours)
+        changed = max((ours[k].float() - v.float()).abs().max().item()
+                      for k, v in getattr(sd.formats.load_pipeline(str(base_model)), part).state_dict().items())
+        assert worst < 1e-5 and changed > 1e-4, (part, worst, changed)
+    assert SD_ImageGen.main(["--ckpt", str(tmp_path / "a"), "--export_lora", str(tmp_path / "d"),
+                             "--lora_format", "diffusers"]) == 2

@@ -289,3 +289,20 @@ def test_a_controlnet_run_keeps_gradients_optimizer_state_and_ema_for_the_contro
     # the ControlNet runs first, so its gradients come last in the backward pass: at its peak some may not exist yet
     assert parts["gradients"] <= rounded(controlnet) and parts["ema"] == rounded(controlnet)
     assert parts["optimizer_state"] == 2 * rounded(controlnet) + rounded([torch.zeros(())] * len(controlnet))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["loha", "lokr"])
+def test_a_loha_or_lokr_run_keeps_gradients_and_optimizer_state_for_its_factors_alone(kind):
+    """The adapter takes part in the estimated step (PEFT's LoHa / LoKr layers apply it behind a host read that
+    fake tensors answer with zero: sd.train.memory.adapters_always_on); its AdamW moments and EMA are the
+    exact sizes of its factors (AdamW's state exists only for parameters that had a gradient)."""
+    config = tiny_config(lora_rank=4, lora_type=kind, init_from="x", ema_decay=0.9, grad_checkpointing=False,
+                         lora_targets=["attention", "resnet"])
+    estimate = sd.train.memory.estimate(config, batch_size=2, resolution=64)
+    unet = sd.model.build_unet("tiny")
+    sd.lora.adapters.apply_settings(sd.lora.adapters.LoraSettings.from_config(config), unet,
+                                    sd.model.load_text_encoder("tiny"))
+    factors = [p for p in unet.parameters() if p.requires_grad]
+    assert factors and estimate.parts["ema"] == rounded(factors)
+    assert estimate.parts["optimizer_state"] == 2 * rounded(factors) + rounded([torch.zeros(())] * len(factors))

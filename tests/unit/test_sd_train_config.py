@@ -156,6 +156,7 @@ RANGES = {
     "text_encoder_warmup_steps": (">= -1", [-1], [-2]),
     "min_lr_ratio": ("in [0, 1]", [0.0, 1.0], [-0.01, 1.01]),
     "posthoc_ema_every": (">= 0", [0, 1000], [-1]),
+    "lora_factor": (">= -1", [-1], [-2]),  # > 0 needs lora_type lokr: test_optimizer_and_learning_rate_settings...
     "down_lr_scale": ("> 0 and finite", [1e-3, 1.0, 10.0], [0.0, -1.0]),
     "mid_lr_scale": ("> 0 and finite", [1e-3, 1.0, 10.0], [0.0, -1.0]),
     "up_lr_scale": ("> 0 and finite", [1e-3, 1.0, 10.0], [0.0, -1.0]),
@@ -503,6 +504,10 @@ LORA_TEXT = ["--lora_rank", "4", "--lora_text_encoder", "--init_from", "runs/x"]
     (["--posthoc_ema_every", "10", "--sharding", "fsdp"], "posthoc_ema_every: the post-hoc EMAs hold whole weights"),
     (["--posthoc_ema_every", "10", "--embedding_token", "<x>", "--embedding_init", "dog", "--init_from", "runs/x"],
      "posthoc_ema_every: averages what trains in the UNet, which a learned token's run leaves frozen"),
+    (["--lora_type", "dora"], "lora_type: one of lora, loha, lokr, got 'dora'"),
+    (["--lora_type", "loha"], "lora_type: loha sets the adapter of a run with lora_rank > 0"),
+    (["--lora_factor", "4", *LORA_TEXT], "lora_factor sets a lokr adapter's factors (got lora_type: lora)"),
+    (["--lora_type", "loha", "--lora_dropout", "0.1", *LORA_TEXT], "lora_dropout drops a LoRA's input; a loha"),
     (["--keep_best", "loss"], "keep_best: '', 'fid', 'clip_score', got 'loss'"),
     (["--keep_best", "fid"], "keep_best: fid ranks the checkpoints by the in-training evaluation: set eval_every"),
     (["--keep_best", "clip_score", "--eval_every", "5", "--eval_prompts", "p.txt", "--eval_reference", "ref",
