@@ -248,6 +248,7 @@ def test_saves_follow_save_steps_and_the_end_and_epoch_ends_only_when_asked(tmp_
     assert saved == steps
 
 
+@pytest.mark.slow
 def test_post_hoc_ema_snapshots_resume_bit_for_bit_and_rebuild_any_length(tmp_path, data):
     """posthoc_ema_every 2 over 5 steps (snapshots at 2, 4 and the last, 5), straight and stopped at 3 then
     resumed (a snapshot of step 4 left from a lost run is removed and written again): the kept EMAs in the

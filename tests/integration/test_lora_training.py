@@ -620,6 +620,7 @@ def test_prodigy_and_schedule_free_lora_runs_resume_bitwise_with_the_text_adapte
         assert records[0]["lr_text_encoder"] == pytest.approx(3e-3 / 2) and records[5]["lr_text_encoder"] == 3e-3
 
 
+@pytest.mark.slow
 def test_an_exported_lora_says_what_trained_it_as_sd_scripts_and_the_model_spec_do(tmp_path, base_model, data):
     """A run stopped at step 2 and resumed to 4, exported: the modelspec keys (a LoRA of SD 1.x, titled by its
     file, the training resolution, the checkpoint's date), sd-scripts' training keys with their values (steps,
@@ -678,6 +679,7 @@ def test_an_exported_lora_says_what_trained_it_as_sd_scripts_and_the_model_spec_
     assert header["sshs_model_hash"] == hashlib.sha256(out.read_bytes()[data_start:]).hexdigest()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["loha", "lokr"])
 def test_a_loha_or_lokr_run_resumes_bitwise_and_its_file_merges_to_what_the_run_samples_with(kind, tmp_path, base_model,
                                                                                              data):

@@ -412,6 +412,7 @@ def test_evaluating_during_training_leaves_the_training_bit_for_bit_unchanged(tr
     assert losses[0] == losses[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("metric", ["fid", "clip_score"])
 def test_keep_best_keeps_the_checkpoint_of_the_best_evaluation_through_pruning_and_a_resume(
         metric, reference, tmp_path, caplog):
