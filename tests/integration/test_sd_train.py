@@ -366,8 +366,10 @@ def test_bf16_weights_train_bf16_parameters_from_fp32_masters_and_resume_bit_for
                                                  snapshot(run.step)["opt"].values()))
 
 
-@pytest.mark.parametrize("fields", [dict(loss_type="huber"), dict(loss_type="smooth_l1", huber_schedule="exponential"),
-                                    dict(loss_type="l1", debiased_estimation=True)], ids=["huber", "smooth_l1", "l1"])
+@pytest.mark.parametrize("fields", [
+    pytest.param(dict(loss_type="huber"), id="huber"),
+    pytest.param(dict(loss_type="smooth_l1", huber_schedule="exponential"), id="smooth_l1", marks=pytest.mark.slow),
+    pytest.param(dict(loss_type="l1", debiased_estimation=True), id="l1", marks=pytest.mark.slow)])
 def test_each_loss_option_trains_and_its_loss_is_the_step_s(tmp_path, data, fields):
     """The option reaches the step (its formulas: tests/unit/test_losses.py): on the same draws as an l2 run's
     (same seed, same batches, the same weights at step 0), the first step's logged loss differs, and the

@@ -35,7 +35,9 @@ def one_rank_group():
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("fields", [{}, dict(down_lr_scale=0.5, up_lr_scale=2.0)], ids=["one_group", "block_groups"])
+@pytest.mark.parametrize("fields", [pytest.param({}, id="one_group"),
+                                    pytest.param(dict(down_lr_scale=0.5, up_lr_scale=2.0), id="block_groups",
+                                                 marks=pytest.mark.slow)])
 def test_the_adamw_state_stays_in_host_memory_until_the_split_and_arrives_whole(one_rank_group, fields):
     trained = tiny_step(**fields)
     batch = [(torch.randn(2, 4, 8, 8).half(), torch.randint(0, 49407, (2, 77)))]
