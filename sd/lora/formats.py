@@ -370,9 +370,9 @@ def read_lora(path: str | Path, unet, text_encoder=None) -> dict[str, dict[str, 
 
     Keys: kohya's ``lora_unet_`` / ``lora_te_`` names, diffusers' ``unet.`` / ``text_encoder.`` ones, or
     PEFT's without a prefix (UNet); a kohya-named layer may also be LyCORIS' LoHa (``hada_*``) or LoKr
-    (``lokr_*``), read as ``HadamardModule`` / ``KroneckerModule`` (DoRA's ``dora_scale`` is refused). kohya names are looked up in a table built from the models' own
-    module names (an underscore there may stand for a dot or be part of a name, so a name is never
-    split). A key of no layer, a layer's down without its up, a tensor that does not fit its layer, or
+    (``lokr_*``), read as ``HadamardModule`` / ``KroneckerModule`` (DoRA's ``dora_scale`` is refused).
+    kohya names are looked up in a table built from the models' own module names (an underscore there may
+    stand for a dot or be part of a name, so a name is never split). A key of no layer, a layer's down without its up, a tensor that does not fit its layer, or
     a NaN or infinity in any tensor or alpha is a ValueError naming the file.
     """
     file = lora_file(path)

@@ -122,9 +122,10 @@ class TrainConfig:
     lora_conv_alpha: float = _doc("LoRA alpha of those convolutions (kohya's conv_alpha); 0 = lora_alpha (and when "
                                   "that is 0 too, the convolutions' rank: scale 1)", 0.0, allowed=NON_NEGATIVE)
     lora_text_encoder: bool = _doc("also train a LoRA adapter on the text encoder's attention projections", False)
-    lora_type: str = _doc("the adapter: lora (up @ down), loha (LyCORIS' Hadamard product of two low-rank products) or "
-                          "lokr (LyCORIS' Kronecker product of a small and a low-rank factor); lora_rank, lora_alpha and "
-                          "the conv settings apply to each; loha and lokr export in the kohya layout only", "lora")
+    lora_type: str = _doc("the adapter: lora (up @ down), loha (LyCORIS' Hadamard product of two low-rank products) "
+                          "or lokr (LyCORIS' Kronecker product of a small and a low-rank factor); lora_rank, "
+                          "lora_alpha and the conv settings apply to each; loha and lokr export in the kohya layout "
+                          "only", "lora")
     lora_factor: int = _doc("lokr: the size of the small Kronecker factor's sides (a divisor of each layer's "
                             "sizes); -1 = the divisors nearest the square root", -1, allowed=Range(-1))
     embedding_token: str = _doc("textual inversion: learn this new token (a word not in the tokenizer, e.g. <my-cat>) "
