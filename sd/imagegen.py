@@ -127,10 +127,12 @@ def training_record(source: str | None) -> sd.metadata.TrainingRecord | None:
         return None
 
 
-def file_header(kind: str, out: str | Path, model: Pipeline, source: str | None) -> dict[str, str]:
+def file_header(kind: str, out: str | Path, model: Pipeline, source: str | None,
+                record: sd.metadata.TrainingRecord | None = None) -> dict[str, str]:
     """The ``modelspec`` header of an exported file of ``kind`` (``sd.metadata``), titled by the name ``out``
-    gives it, with the resolution and date of ``source``'s training when it is a run of ours."""
-    record = training_record(source)
+    gives it, with the resolution and date of ``source``'s training (``record``, when read already) when it is
+    a run of ours."""
+    record = record or training_record(source)
     resolution = sd.metadata.training_resolution(record.config) if record else None
     return sd.metadata.modelspec(kind, Path(out).name.removesuffix(".safetensors"), model.prediction_type,
                                  resolution, record.saved_at if record else None)
@@ -166,8 +168,8 @@ def export_lora(request: Request, model: Pipeline) -> None:
         raise ValueError(f"{request.ckpt} carries no LoRA adapter to export (--export_lora takes a LoRA run of ours; "
                          "--lora merges LoRA files into a model)")
     title = Path(request.export_lora).name.removesuffix(".safetensors")
-    header = file_header("lora", title, model, request.ckpt)
     record = training_record(request.ckpt)
+    header = file_header("lora", title, model, request.ckpt, record)
     if record is not None:
         header.update(sd.metadata.kohya_training_keys(record, title))
     path = sd.lora.formats.save_model_lora(request.export_lora, model.unet, model.text_encoder, request.lora_format,

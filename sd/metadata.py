@@ -104,10 +104,6 @@ class TrainingRecord:
             saved = (folder / sd.run_folder.COMPLETE).stat().st_mtime
         return cls(config, state if isinstance(state, dict) else {}, times.get("started_at"), saved)
 
-    @property
-    def prediction_type(self) -> str:
-        return self.config.get("prediction_type", "epsilon")
-
 
 
 def training_resolution(config: dict) -> tuple[int, int] | None:

@@ -77,9 +77,18 @@ class EMA:
         """
         if (step + 1) % self.update_every:
             return False
-        weight = 1.0 - (ema_decay_at(step, self.decay) if self.warmup else self.decay) ** self.update_every
         params = self.parameters(model)
-        live = self._live_weights(view(params) if view is not None else [p.detach() for p in params])
+        return self.fold(self._live_weights(view(params) if view is not None else [p.detach() for p in params]),
+                         self.weight_at(step), skip)
+
+    def weight_at(self, step: int) -> float:
+        """The weight of the live weights in the update after step ``step``: 1 - decay^update_every."""
+        return 1.0 - (ema_decay_at(step, self.decay) if self.warmup else self.decay) ** self.update_every
+
+    @torch.no_grad()
+    def fold(self, live: list[torch.Tensor], weight: float, skip: torch.Tensor | None = None) -> bool:
+        """``shadow += weight * (live - shadow)`` (``live``: fp32 on the shadow's device, ``_live_weights``),
+        nothing where ``skip``; returns whether it folded."""
         if skip is not None and skip.device == self.shadow[0].device:
             weight = (~skip).float() * weight  # one 0-dim weight for every tensor
             torch._foreach_lerp_(self.shadow, live, [weight] * len(self.shadow))

@@ -49,23 +49,8 @@ class PowerEMA(sd.train.ema.EMA):
         super().__init__(model, 0.0, device=device, trainable_only=trainable_only)
         self.sigma_rel, self.gamma = sigma_rel, gamma_of(sigma_rel)
 
-    @torch.no_grad()
-    def update(self, model, step: int, skip: torch.Tensor | None = None, view=None) -> bool:
-        params = self.parameters(model)
-        return self.fold(self._live_weights(view(params) if view is not None else [p.detach() for p in params]),
-                         step, skip)
-
-    @torch.no_grad()
-    def fold(self, live: list[torch.Tensor], step: int, skip: torch.Tensor | None = None) -> bool:
-        """Fold ``live`` (fp32 on the shadow's device: ``_live_weights``) in after step ``step`` (0-based)."""
-        weight = 1.0 - (1.0 - 1.0 / (step + 1)) ** (self.gamma + 1.0)
-        if skip is not None and skip.device == self.shadow[0].device:
-            torch._foreach_lerp_(self.shadow, live, [(~skip).float() * weight] * len(self.shadow))
-            return True
-        if skip is not None and bool(skip):
-            return False
-        torch._foreach_lerp_(self.shadow, live, weight)
-        return True
+    def weight_at(self, step: int) -> float:
+        return 1.0 - (1.0 - 1.0 / (step + 1)) ** (self.gamma + 1.0)
 
 
 def update_all(emas: list[PowerEMA], model, step: int, skip: torch.Tensor | None = None, view=None) -> None:
@@ -76,7 +61,7 @@ def update_all(emas: list[PowerEMA], model, step: int, skip: torch.Tensor | None
     params = emas[0].parameters(model)
     live = emas[0]._live_weights(view(params) if view is not None else [p.detach() for p in params])
     for ema in emas:
-        ema.fold(live, step, skip)
+        ema.fold(live, ema.weight_at(step), skip)
 
 
 class PosthocWeights:
