@@ -641,7 +641,8 @@ def lora_run_settings(source: str) -> dict | None:
         raise ValueError(f"{where}: lora_type {kind!r} / lora_factor {factor!r} name no adapter of ours")
     return {"rank": rank, "alpha": sd.lora.adapters.effective_alpha(rank, alpha), "targets": list(targets),
             "conv_rank": conv_rank, "conv_alpha": conv_alpha, "init_from": str(config["init_from"]),
-            "text_encoder": bool(config.get("lora_text_encoder", False)), "kind": kind, "factor": factor}
+            "text_encoder": bool(config.get("lora_text_encoder", False)), "kind": kind, "factor": factor,
+            "dora": bool(config.get("dora", False))}
 
 
 def load_lora_run(folder: Path, unet, text_encoder=None, *, use_ema: bool = True, check_base: bool = True) -> str:
@@ -753,7 +754,8 @@ def add_run_lora(model, targets, settings: dict):
     """``model`` with an adapter of ``settings``' rank and alpha on the layers ``targets`` selects."""
     sd.lora.adapters.add_lora(model, sd.lora.adapters.resolve_targets(model, targets), settings["rank"], settings["alpha"],
                               conv_rank=settings.get("conv_rank", 0), conv_alpha=settings.get("conv_alpha", 0.0),
-                              kind=settings.get("kind", "lora"), factor=settings.get("factor", -1))
+                              kind=settings.get("kind", "lora"), factor=settings.get("factor", -1),
+                              dora=settings.get("dora", False))
     model.lora_settings["targets"] = list(targets)
     model.eval()
     return model

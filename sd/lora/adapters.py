@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 import sd.cli
+import sd.lora.dora
 import sd.model
 
 ADAPTER = "default"  # PEFT's adapter name inside the modules
@@ -38,7 +39,7 @@ TARGET_GROUPS = {
 TEXT_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj")  # the CLIP text encoder's attention
 LAYER_TYPES = (torch.nn.Linear, torch.nn.Conv2d)
 LORA_TYPES = {"lora": "LoRA", "loha": "LoHa", "lokr": "LoKr"}  # lora_type: its name in messages
-ADAPTER_PARTS = (".lora_A.", ".lora_B.", ".hada_", ".lokr_")  # in the names of every kind's parameters
+ADAPTER_PARTS = (".lora_A.", ".lora_B.", ".hada_", ".lokr_", ".dora_scale.")  # in the names of every kind's parameters
 
 
 class LoraError(ValueError):
@@ -66,14 +67,15 @@ def is_spatial_conv(module) -> bool:
 
 
 def add_lora(model, modules: list[str], rank: int, alpha: float, dropout: float = 0.0, seed: int = 0,
-             conv_rank: int = 0, conv_alpha: float = 0.0, kind: str = "lora", factor: int = -1):
+             conv_rank: int = 0, conv_alpha: float = 0.0, kind: str = "lora", factor: int = -1, dora: bool = False):
     """Inject a LoRA adapter into ``modules`` of ``model`` and freeze everything else.
 
     ``conv_rank`` / ``conv_alpha`` (0: ``rank`` / ``alpha``): the rank and alpha of the modules that are
     convolutions with a kernel larger than 1x1. ``down`` is initialised (Kaiming-uniform, seeded by
     ``seed`` without touching the global RNG), ``up`` is zero. ``kind`` (``LORA_TYPES``): loha or lokr
     instead, through PEFT's LoHa / LoKr layers (one factor starts at zero likewise; lokr's small factor
-    has sides ``factor``, -1: near the square root). Returns ``model``.
+    has sides ``factor``, -1: near the square root). ``dora``: each layer also trains a magnitude per input
+    channel (``sd.lora.dora``). Returns ``model``.
     """
     import re
 
@@ -97,10 +99,14 @@ def add_lora(model, modules: list[str], rank: int, alpha: float, dropout: float 
     model.requires_grad_(False)
     with sd.model._seeded(seed):
         inject_adapter_in_model(config, model, adapter_name=ADAPTER)
+    if dora:
+        for _, layer in lora_layers(model):
+            sd.lora.dora.add_dora(layer)
     for name, param in model.named_parameters():
         param.requires_grad_(is_adapter_name(name))
     model.lora_settings = {"rank": rank, "alpha": float(alpha), "dropout": float(dropout), "modules": list(modules),
-                           "conv_rank": conv_rank, "conv_alpha": conv_alpha, "kind": kind, "factor": factor}
+                           "conv_rank": conv_rank, "conv_alpha": conv_alpha, "kind": kind, "factor": factor,
+                           "dora": dora}
     return model
 
 
@@ -157,10 +163,13 @@ def lora_layers(model):
 
 @torch.no_grad()
 def merge(model):
-    """Fold every adapter into its base weight (``W + scale * up @ down``) and put the plain layer
-    back in place of the LoRA wrapper. Returns ``model``, which then has no adapter."""
+    """Fold every adapter into its base weight (``W + scale * up @ down``; with DoRA, its magnitude too) and
+    put the plain layer back in place of the LoRA wrapper. Returns ``model``, which then has no adapter."""
     for name, layer in lora_layers(model):
-        layer.merge(adapter_names=[ADAPTER])
+        if sd.lora.dora.has_dora(layer):
+            sd.lora.dora.merge(layer)
+        else:
+            layer.merge(adapter_names=[ADAPTER])
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, layer.get_base_layer())
@@ -199,6 +208,7 @@ class LoraSettings:
     lora_text_encoder: bool = False
     lora_type: str = "lora"
     lora_factor: int = -1
+    dora: bool = False
     seed: int = 0
     precision: str = "bf16"
 
@@ -220,7 +230,7 @@ def apply_settings(settings: LoraSettings, unet, text_encoder) -> None:
     rank = settings.lora_rank
     alpha = effective_alpha(rank, settings.lora_alpha)
     conv_rank, conv_alpha = conv_settings(rank, settings.lora_alpha, settings.lora_conv_rank, settings.lora_conv_alpha)
-    kind = dict(kind=settings.lora_type, factor=settings.lora_factor)
+    kind = dict(kind=settings.lora_type, factor=settings.lora_factor, dora=settings.dora)
     add_lora(unet, resolve_targets(unet, list(settings.lora_targets)), rank, alpha, settings.lora_dropout,
              seed=settings.seed, conv_rank=conv_rank, conv_alpha=conv_alpha, **kind)
     if settings.lora_text_encoder:

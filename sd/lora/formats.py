@@ -19,6 +19,7 @@ import torch
 
 import sd.files
 import sd.lora.adapters
+import sd.lora.dora
 import sd.metadata
 from sd.cli import first_line
 from sd.formats import read_weights
@@ -45,11 +46,13 @@ KOHYA_PREFIXES = {"unet": "lora_unet_", "text_encoder": "lora_te_"}
 
 
 class LoraModule(NamedTuple):
-    """One adapted layer: ``W += (alpha / rank) * up @ down``."""
+    """One adapted layer: ``W += (alpha / rank) * up @ down`` (with DoRA's ``dora_scale``, then decomposed:
+    ``sd.lora.dora.decompose``)."""
 
     down: torch.Tensor  # (r, in) or (r, in, kh, kw)
     up: torch.Tensor  # (out, r) or (out, r, 1, 1)
     alpha: float
+    dora_scale: torch.Tensor | None = None  # (1, in[, 1, 1]); read also (out, 1[, 1, 1])
 
     @property
     def rank(self) -> int:
@@ -81,6 +84,7 @@ class HadamardModule(NamedTuple):
 
     tensors: dict[str, torch.Tensor]  # hada_w1_a, hada_w1_b, hada_w2_a, hada_w2_b[, hada_t1, hada_t2]
     alpha: float
+    dora_scale: torch.Tensor | None = None
 
     @property
     def rank(self) -> int:
@@ -106,6 +110,7 @@ class KroneckerModule(NamedTuple):
 
     tensors: dict[str, torch.Tensor]
     alpha: float
+    dora_scale: torch.Tensor | None = None
 
     @property
     def rank(self) -> int | None:
@@ -183,12 +188,14 @@ def adapter_lora_modules(model) -> dict[str, LoraModule]:
     for name, layer in sd.lora.adapters.lora_layers(model):
         if isinstance(layer, LycorisLayer):
             out[name] = lycoris_of(layer)
-            continue
-        if getattr(layer, "use_rslora", {}).get(sd.lora.adapters.ADAPTER, False):
+        elif getattr(layer, "use_rslora", {}).get(sd.lora.adapters.ADAPTER, False):
             raise ValueError(f"{name}: rank-stabilised LoRA (alpha / sqrt(r)) has no place in these file formats")
-        out[name] = LoraModule(layer.lora_A[sd.lora.adapters.ADAPTER].weight.detach().cpu(),
-                               layer.lora_B[sd.lora.adapters.ADAPTER].weight.detach().cpu(),
-                               float(layer.lora_alpha[sd.lora.adapters.ADAPTER]))
+        else:
+            out[name] = LoraModule(layer.lora_A[sd.lora.adapters.ADAPTER].weight.detach().cpu(),
+                                   layer.lora_B[sd.lora.adapters.ADAPTER].weight.detach().cpu(),
+                                   float(layer.lora_alpha[sd.lora.adapters.ADAPTER]))
+        if sd.lora.dora.has_dora(layer):
+            out[name] = out[name]._replace(dora_scale=sd.lora.dora.magnitude(layer).detach().cpu())
     return out
 
 
@@ -224,6 +231,9 @@ def save_lora(out: str | Path, lora: dict[str, dict[str, LoraModule]], lora_form
     if lycoris and lora_format != "kohya":
         raise ValueError(f"{out}: diffusers' LoRA format holds LoRA layers only; write a LoHa or LoKr with "
                          "--lora_format kohya (LyCORIS' layout, which ComfyUI and AUTOMATIC1111 load)")
+    if any(m.dora_scale is not None for m in layers) and lora_format != "kohya":
+        raise ValueError(f"{out}: diffusers' LoRA format holds DoRA per output channel, which this adapter is not; "
+                         "write it with --lora_format kohya (dora_scale, which ComfyUI and AUTOMATIC1111 load)")
     if not lycoris and (lora_format == "diffusers" or len({m.rank for m in layers}) > 1):
         lora = fold_alpha(lora)
         layers = [m for part in lora.values() for m in part.values()]
@@ -254,7 +264,7 @@ def fold_alpha(lora: dict[str, dict[str, LoraModule]]) -> dict[str, dict[str, Lo
     def folded(m: LoraModule) -> LoraModule:
         if m.alpha == m.rank:
             return m
-        return LoraModule(m.down, (m.up.float() * (m.alpha / m.rank)).to(m.up.dtype), float(m.rank))
+        return m._replace(up=(m.up.float() * (m.alpha / m.rank)).to(m.up.dtype), alpha=float(m.rank))
 
     return {part: {name: folded(m) for name, m in modules.items()} for part, modules in lora.items()}
 
@@ -322,6 +332,8 @@ def _kohya_lora_tensors(lora) -> dict[str, torch.Tensor]:
             else:  # LyCORIS' names are PEFT's (hada_w1_a..., lokr_w1...), its conv factors 2-D alike
                 tensors.update({f"{key}.{n}": t for n, t in m.tensors.items()})
             tensors[f"{key}.alpha"] = torch.tensor(float(m.alpha), dtype=torch.float32)
+            if m.dora_scale is not None:
+                tensors[f"{key}.dora_scale"] = m.dora_scale
     return tensors
 
 
@@ -329,21 +341,28 @@ def _kohya_header(layers: list[LoraModule]) -> dict[str, str]:
     """sd-scripts' own header fields (AUTOMATIC1111 shows them, and takes a file with any header for SD 1.x):
     ``ss_network_dim`` / ``ss_network_alpha`` of the Linear and 1x1 layers, and for LoCon the larger
     convolutions' rank and alpha as the network arguments sd-scripts' networks/lora.py takes
-    (``ss_network_args``: JSON of ``conv_dim`` and ``conv_alpha``, as strings, the way it records them)."""
+    (``ss_network_args``: JSON of ``conv_dim`` and ``conv_alpha``, as strings, the way it records them). A LoHa,
+    LoKr or DoRA file names LyCORIS' network and its arguments (``algo``; ``dora_wd``, ``wd_on_output``)."""
     lycoris = [m for m in layers if not isinstance(m, LoraModule)]
-    if lycoris:  # LyCORIS' kohya network: the algorithm in the network arguments, every value a string
-        algo = "loha" if isinstance(lycoris[0], HadamardModule) else "lokr"
-        return {"ss_network_module": "lycoris.kohya", "ss_network_dim": str(_most_common(m.rank or 0 for m in layers)),
-                "ss_network_alpha": str(_most_common(m.alpha for m in layers)), "ss_v2": "False",
-                "ss_base_model_version": "sd_v1", "ss_network_args": json.dumps({"algo": algo})}
-    convs = [m for m in layers if m.is_spatial_conv]
-    linear = [m for m in layers if not m.is_spatial_conv] or layers
-    header = {"ss_network_module": "networks.lora", "ss_network_dim": str(_most_common(m.rank for m in linear)),
+    dora = any(m.dora_scale is not None for m in layers)
+    if lycoris:
+        args = {"algo": "loha" if isinstance(lycoris[0], HadamardModule) else "lokr"}
+        convs, linear = [], layers
+    else:
+        convs = [m for m in layers if m.is_spatial_conv]
+        linear = [m for m in layers if not m.is_spatial_conv] or layers
+        args = {"conv_dim": str(_most_common(m.rank for m in convs)),
+                "conv_alpha": str(_most_common(m.alpha for m in convs))} if convs else {}
+        if dora:  # sd-scripts' networks.lora has no DoRA: LyCORIS' network, its algorithm named
+            args = {"algo": "locon" if convs else "lora", **args}
+    if dora:
+        args.update(dora_wd="True", wd_on_output="False")
+    header = {"ss_network_module": "lycoris.kohya" if "algo" in args else "networks.lora",
+              "ss_network_dim": str(_most_common(m.rank or 0 for m in linear)),
               "ss_network_alpha": str(_most_common(m.alpha for m in linear)), "ss_v2": "False",
               "ss_base_model_version": "sd_v1"}
-    if convs:
-        header["ss_network_args"] = json.dumps({"conv_dim": str(_most_common(m.rank for m in convs)),
-                                                "conv_alpha": str(_most_common(m.alpha for m in convs))})
+    if args:  # LyCORIS' kohya network takes its algorithm there; every value a string, as sd-scripts records them
+        header["ss_network_args"] = json.dumps(args)
     return header
 
 
@@ -370,7 +389,8 @@ def read_lora(path: str | Path, unet, text_encoder=None) -> dict[str, dict[str, 
 
     Keys: kohya's ``lora_unet_`` / ``lora_te_`` names, diffusers' ``unet.`` / ``text_encoder.`` ones, or
     PEFT's without a prefix (UNet); a kohya-named layer may also be LyCORIS' LoHa (``hada_*``) or LoKr
-    (``lokr_*``), read as ``HadamardModule`` / ``KroneckerModule`` (DoRA's ``dora_scale`` is refused).
+    (``lokr_*``), read as ``HadamardModule`` / ``KroneckerModule``; any may carry DoRA's ``dora_scale``
+    (per input channel, as written here, or per output channel: ``sd.lora.dora``).
     kohya names are looked up in a table built from the models' own module names (an underscore there may
     stand for a dot or be part of a name, so a name is never split). A key of no layer, a layer's down without its up, a tensor that does not fit its layer, or
     a NaN or infinity in any tensor or alpha is a ValueError naming the file.
@@ -399,20 +419,26 @@ def read_lora(path: str | Path, unet, text_encoder=None) -> dict[str, dict[str, 
     out = {}
     for (part, module), piece in pieces.items():
         where = f"{file}: {part} layer {module}"
-        if "dora_scale" in piece:
-            raise ValueError(f"{where}: a DoRA layer (dora_scale), which this reader does not merge yet")
+        weight = layers[part][module].weight
+        magnitude = piece.pop("dora_scale", None)
         kinds = [kind for kind, names in LYCORIS_KEYS.items() if any(name in piece for name in names)]
         if kinds:
-            out.setdefault(part, {})[module] = lycoris_module(kinds, piece, layers[part][module].weight, where)
-            continue
-        if "down" not in piece or "up" not in piece:
-            raise ValueError(f"{file}: {part} layer {module} has no {'up' if 'down' in piece else 'down'} weight")
-        down, up = piece["down"], piece["up"]
-        check_lora_fits(layers[part][module].weight, down, up, f"{file}: {part} layer {module}")
-        alpha = piece["alpha"].item() if "alpha" in piece else _metadata_alpha(configs.get(part), module, down.shape[0])
-        if not math.isfinite(alpha):
-            raise ValueError(f"{file}: {part} layer {module} has a non-finite alpha ({alpha}) in its header")
-        out.setdefault(part, {})[module] = LoraModule(down, up, float(alpha))
+            layer = lycoris_module(kinds, piece, weight, where)
+        elif "down" not in piece or "up" not in piece:
+            raise ValueError(f"{where} has no {'up' if 'down' in piece else 'down'} weight")
+        else:
+            down, up = piece["down"], piece["up"]
+            check_lora_fits(weight, down, up, where)
+            alpha = piece["alpha"].item() if "alpha" in piece else _metadata_alpha(configs.get(part), module, down.shape[0])
+            if not math.isfinite(alpha):
+                raise ValueError(f"{where} has a non-finite alpha ({alpha}) in its header")
+            layer = LoraModule(down, up, float(alpha))
+        if magnitude is not None:
+            if sd.lora.dora.axis_of(magnitude, weight.shape) is None:
+                raise ValueError(f"{where}: its dora_scale {tuple(magnitude.shape)} fits neither the inputs nor the "
+                                 f"outputs of its weight {tuple(weight.shape)}")
+            layer = layer._replace(dora_scale=magnitude)
+        out.setdefault(part, {})[module] = layer
     return out
 
 
@@ -515,7 +541,8 @@ def _metadata_alpha(config: dict | None, module: str, rank: int) -> float:
 @torch.no_grad()
 def merge_lora(models: dict, lora: dict[str, dict[str, LoraModule]], scale: float = 1.0) -> None:
     """Add ``scale * m.scale * m.delta`` (a LoRA's ``(alpha / r) up @ down``) to each adapted layer's weight,
-    in place.
+    in place; a DoRA layer's change is its decomposed weight's (``sd.lora.dora.decompose``) times ``scale``,
+    as ComfyUI and AUTOMATIC1111 apply a strength.
 
     ``models``: ``{"unet": ..., "text_encoder": ...}``; the sum is taken in fp32 and rounded once to the
     weight's dtype. A layer under a PEFT adapter gets it in its base weight.
@@ -526,8 +553,10 @@ def merge_lora(models: dict, lora: dict[str, dict[str, LoraModule]], scale: floa
         layers = lora_layers_of(models[part])
         for name, m in modules.items():
             weight = layers[name].weight
-            delta = (scale * m.scale) * m.delta(weight.shape)
-            weight.copy_(weight.float() + delta.to(weight.device))
+            delta = m.scale * m.delta(weight.shape).to(weight.device)
+            if m.dora_scale is not None:
+                delta = sd.lora.dora.decompose(weight, delta, m.dora_scale.to(weight.device))
+            weight.copy_(weight.float() + scale * delta)
 
 
 def merge_adapters(pipe, loras: list[tuple[str, float]]) -> None:

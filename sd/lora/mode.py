@@ -39,9 +39,10 @@ class Lora(sd.train.mode.Mode):
             return
         if config.lora_text_encoder:
             raise ConfigError("lora_text_encoder needs lora_rank > 0")
-        if config.lora_type != "lora":
-            raise ConfigError(f"lora_type: {config.lora_type} sets the adapter of a run with lora_rank > 0: set "
-                              "lora_rank, or lora_type: lora")
+        if config.lora_type != "lora" or config.dora:
+            setting = f"lora_type: {config.lora_type}" if config.lora_type != "lora" else "dora: true"
+            raise ConfigError(f"{setting} sets the adapter of a run with lora_rank > 0: set lora_rank, or "
+                              f"{'lora_type: lora' if config.lora_type != 'lora' else 'dora: false'}")
         if config.lora_conv_rank or config.lora_conv_alpha:
             raise ConfigError("lora_conv_rank / lora_conv_alpha set the convolutions' adapters of a LoRA run: set "
                               "lora_rank > 0 too")
@@ -64,7 +65,7 @@ class Lora(sd.train.mode.Mode):
 
     def describe(self, step) -> str:
         config = self.config
-        return (f"{sd.lora.adapters.LORA_TYPES[config.lora_type]} rank {config.lora_rank} (alpha "
+        return (f"{sd.lora.adapters.LORA_TYPES[config.lora_type]}{' with DoRA' if config.dora else ''} rank {config.lora_rank} (alpha "
                 f"{sd.lora.adapters.effective_alpha(config.lora_rank, config.lora_alpha):g}) on "
                 f"{len(step.unet.lora_settings['modules'])} UNet layers"
                 f"{' and the text encoder' if config.lora_text_encoder else ''}: "

@@ -128,6 +128,10 @@ class TrainConfig:
                           "only", "lora")
     lora_factor: int = _doc("lokr: the size of the small Kronecker factor's sides (a divisor of each layer's "
                             "sizes); -1 = the divisors nearest the square root", -1, allowed=Range(-1))
+    dora: bool = _doc("DoRA: each adapted layer also trains a magnitude per input channel, its weight used as "
+                      "(W + adapter) * magnitude / norm (the norm over each input channel's column); with any "
+                      "lora_type; written as dora_scale (1, in), which ComfyUI, AUTOMATIC1111 and LyCORIS merge "
+                      "alike; exports in the kohya layout only", False)
     embedding_token: str = _doc("textual inversion: learn this new token (a word not in the tokenizer, e.g. <my-cat>) "
                                 "from prompts that use it; the UNet and text encoder stay frozen. Needs init_from", "")
     embedding_init: str = _doc("textual inversion: the word(s) whose embedding the new token starts from (e.g. cat)",
@@ -852,6 +856,7 @@ ON_RESUME = {
     "lora_conv_rank": OnResume(REFUSE, "the adapters"), "lora_conv_alpha": OnResume(REFUSE, "the adapters"),
     "lora_text_encoder": OnResume(REFUSE, "the adapters"),
     "lora_type": OnResume(REFUSE, "the adapters"), "lora_factor": OnResume(REFUSE, "the adapters"),
+    "dora": OnResume(REFUSE, "the adapters"),
     "embedding_token": OnResume(REFUSE, "the learned token"), "embedding_init": OnResume(REFUSE, "the learned token"),
     "embedding_vectors": OnResume(REFUSE, "the learned token"),
     "instance_dir": OnResume(REFUSE, _ORDER), "instance_prompt": OnResume(REFUSE, _MATH, dreambooth=True),

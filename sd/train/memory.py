@@ -188,7 +188,8 @@ FP32_OPS = {  # and these to fp32
 class CudaAutocast(TorchFunctionMode):
     """``torch.autocast("cuda", dtype)`` for tensors of another device: inside a ``region`` the same
     casts on the same operators, each weight (a leaf that requires grad) cast once per region and
-    the cast kept until the region ends, as CUDA's autocast caches it. Outside a region, nothing."""
+    the cast kept until the region ends, as CUDA's autocast caches it; a cast made without autograd is
+    not kept (torch's autocast gives the next cast with autograd a gradient). Outside a region, nothing."""
 
     def __init__(self):
         super().__init__()
@@ -218,7 +219,7 @@ class CudaAutocast(TorchFunctionMode):
         if isinstance(value, torch.Tensor):
             if not value.is_floating_point() or value.dtype in (dtype, torch.float64):
                 return value
-            if value.is_leaf and value.requires_grad and dtype != torch.float32:
+            if value.is_leaf and value.requires_grad and dtype != torch.float32 and torch.is_grad_enabled():
                 cast = self.cache.get(id(value))
                 if cast is None:
                     cast = self.cache[id(value)] = value.to(dtype)

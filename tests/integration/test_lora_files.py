@@ -638,11 +638,112 @@ def test_broken_lycoris_layers_are_refused_naming_the_file_and_layer(base, tmp_p
     cases = {"half": {f"{key}.hada_w1_a": torch.ones(32, 2), f"{key}.hada_w1_b": torch.ones(2, 32)},
              "shape": {f"{key}.lokr_w1": torch.ones(4, 4), f"{key}.lokr_w2": torch.ones(8, 7)},
              "dora": {f"{key}.lora_down.weight": torch.ones(2, 32), f"{key}.lora_up.weight": torch.ones(32, 2),
-                      f"{key}.dora_scale": torch.ones(32, 1)}}
+                      f"{key}.dora_scale": torch.ones(7, 1)}}
     messages = {"half": "a loha layer without hada_w2_a, hada_w2_b", "shape": "do not make its weight's shape",
-                "dora": "a DoRA layer (dora_scale)"}
+                "dora": "its dora_scale (7, 1) fits neither the inputs nor the outputs of its weight (32, 32)"}
     for name, tensors in cases.items():
         save_file(tensors, str(tmp_path / f"{name}.safetensors"))
         with pytest.raises(ValueError, match=re.escape(messages[name])) as error:
             sd.lora.formats.read_lora(tmp_path / f"{name}.safetensors", base[0], base[1])
         assert f"{name}.safetensors" in str(error.value) and LINEAR in str(error.value)
+
+
+# ------------------------------------------------------------------------------ DoRA
+
+
+def a1111_dora(weight, delta, magnitude, strength):
+    """AUTOMATIC1111's DoRA merge (network.py's apply_weight_decompose, and ComfyUI's for a magnitude of shape
+    (1, in)), written out in float64: V = W0 + delta, each input channel's norm over the outputs and the
+    kernel, W0 + strength * (V * m / norm - W0)."""
+    weight, patched = weight.double(), weight.double() + delta.double()
+    shape = (1, patched.shape[1]) + (1,) * (patched.ndim - 2)
+    norm = patched.transpose(0, 1).reshape(patched.shape[1], -1).norm(dim=1).reshape(shape)
+    return weight + strength * (patched * magnitude.double().reshape(shape) / norm - weight)
+
+
+@torch.no_grad()
+def randomize_dora(model, seed):
+    """Random adapters, and magnitudes 0.8-1.2 times their starting values."""
+    magnitudes = {name: p.clone() for name, p in sd.lora.adapters.adapter_state(model).items() if ".dora_scale." in name}
+    randomize(model, seed)
+    generator = torch.Generator().manual_seed(seed)
+    for name, param in sd.lora.adapters.adapter_state(model).items():
+        if name in magnitudes:
+            param.copy_(magnitudes[name] * (0.8 + 0.4 * torch.rand(param.shape, generator=generator)))
+
+
+@pytest.mark.parametrize("kind", ["lora", "loha", "lokr"])
+def test_a_dora_adapter_starts_at_its_base_and_its_file_merges_as_a1111_and_comfyui_merge_it(kind, base, tmp_path):
+    """dora: true on a LoRA, LoHa or LoKr (a Linear and a 3x3 conv): the adapted model computes its base's output
+    bit for bit at the start; trained (random adapters and magnitudes), its forward equals its merged weights';
+    the kohya-layout file holds dora_scale per input channel ((1, in), (1, in, 1, 1)) and names LyCORIS'
+    network with dora_wd; read back and merged at strengths 1 and 0.5 it gives AUTOMATIC1111's merge of the
+    layers' own (PEFT's) deltas."""
+    unet = copy.deepcopy(base[0])
+    sd.lora.adapters.add_lora(unet, [LINEAR, CONV], 2, 3.0, kind=kind, dora=True)
+    assert torch.equal(unet_output(unet), unet_output(base[0]))
+    randomize_dora(unet, seed=5)
+    deltas = {name: unet.get_submodule(name).get_delta_weight("default").detach().clone() for name in (LINEAR, CONV)}
+    merged = sd.lora.adapters.merge(copy.deepcopy(unet))
+    torch.testing.assert_close(unet_output(merged), unet_output(unet), atol=1e-5, rtol=1e-4)
+
+    path = sd.lora.formats.save_model_lora(tmp_path / "dora", unet)
+    with safe_open(str(path), framework="pt") as handle:
+        header, tensors = handle.metadata(), {k: handle.get_tensor(k) for k in handle.keys()}
+    for name, shape in ((LINEAR, (1, 32)), (CONV, (1, 32, 1, 1))):
+        magnitude = tensors["lora_unet_" + name.replace(".", "_") + ".dora_scale"]
+        assert magnitude.shape == shape and torch.equal(magnitude, unet.get_submodule(name).dora_scale["default"])
+    args = json.loads(header["ss_network_args"])
+    assert header["ss_network_module"] == "lycoris.kohya" and args["dora_wd"] == "True" and args["wd_on_output"] == "False"
+    assert args["algo"] == {"lora": "locon", "loha": "loha", "lokr": "lokr"}[kind]
+    lora = sd.lora.formats.read_lora(path, base[0])
+    for strength in (1.0, 0.5):
+        plain = copy.deepcopy(base[0])
+        sd.lora.formats.merge_lora({"unet": plain}, lora, strength)
+        for name in (LINEAR, CONV):
+            magnitude = unet.get_submodule(name).dora_scale["default"].detach()
+            want = a1111_dora(base[0].get_submodule(name).weight, deltas[name], magnitude, strength)
+            assert not torch.allclose(want, base[0].get_submodule(name).weight.double(), atol=1e-3)
+            torch.testing.assert_close(plain.get_submodule(name).weight.double(), want, atol=2e-6, rtol=1e-5,
+                                       msg=f"{name} at {strength}")
+            if strength == 1.0:
+                torch.testing.assert_close(plain.get_submodule(name).weight, merged.get_submodule(name).weight,
+                                           atol=2e-6, rtol=1e-5)
+
+
+def test_an_output_axis_dora_file_merges_to_the_weights_peft_merges(base, tmp_path):
+    """dora_scale per output channel ((out, 1), (out, 1, 1, 1): LyCORIS' default since 3.2, PEFT's DoRA renamed)
+    is merged as PEFT and LyCORIS compute it, the norm of each output channel of W0 + delta."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    unet = copy.deepcopy(base[0])
+    inject_adapter_in_model(LoraConfig(r=2, lora_alpha=3, use_dora=True, target_modules=[LINEAR, CONV]), unet)
+    generator = torch.Generator().manual_seed(9)
+    out = {}
+    for name in (LINEAR, CONV):
+        layer = unet.get_submodule(name)
+        with torch.no_grad():
+            for weight in (layer.lora_A["default"].weight, layer.lora_B["default"].weight):
+                weight.copy_(torch.randn(weight.shape, generator=generator) * 0.3)
+            magnitude = layer.lora_magnitude_vector["default"].weight
+            magnitude.mul_(0.8 + 0.4 * torch.rand(magnitude.shape, generator=generator))
+        key = "lora_unet_" + name.replace(".", "_")
+        out.update({f"{key}.lora_down.weight": layer.lora_A["default"].weight.detach().clone(),
+                    f"{key}.lora_up.weight": layer.lora_B["default"].weight.detach().clone(),
+                    f"{key}.alpha": torch.tensor(3.0),
+                    f"{key}.dora_scale": magnitude.detach().reshape(-1, *[1] * (layer.weight.ndim - 1)).clone()})
+        layer.merge(adapter_names=["default"])
+    save_file(out, str(tmp_path / "out_axis.safetensors"))
+    plain = copy.deepcopy(base[0])
+    sd.lora.formats.merge_lora({"unet": plain}, sd.lora.formats.read_lora(tmp_path / "out_axis.safetensors", base[0]))
+    for name in (LINEAR, CONV):
+        want = unet.get_submodule(name).get_base_layer().weight
+        assert not torch.allclose(want, base[0].get_submodule(name).weight, atol=1e-3)
+        torch.testing.assert_close(plain.get_submodule(name).weight, want, atol=2e-6, rtol=1e-5, msg=name)
+
+
+def test_a_dora_adapter_is_not_written_in_diffusers_layout(base, tmp_path):
+    unet = sd.lora.adapters.add_lora(copy.deepcopy(base[0]), [LINEAR], 2, 3.0, dora=True)
+    with pytest.raises(ValueError, match="--lora_format kohya"):
+        sd.lora.formats.save_model_lora(tmp_path / "d", unet, lora_format="diffusers")
+    assert not (tmp_path / "d").exists()

@@ -17,6 +17,7 @@ import sd.data.dreambooth
 import sd.data.training_data
 import sd.formats
 import sd.lora.adapters
+import sd.lora.dora
 import sd.lora.formats
 import sd.model
 import sd.run_folder
@@ -680,18 +681,18 @@ def test_an_exported_lora_says_what_trained_it_as_sd_scripts_and_the_model_spec_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["loha", "lokr"])
-def test_a_loha_or_lokr_run_resumes_bitwise_and_its_file_merges_to_what_the_run_samples_with(kind, tmp_path, base_model,
-                                                                                             data):
-    """lora_type loha / lokr (on the attention and the ResNet convolutions, the text encoder too): 6 steps
-    straight against 3 + 3 resumed, bit for bit; the exported kohya-layout file (LyCORIS' key names) read
-    back and merged into the base gives the weights the run itself samples with (PEFT's merge of its
-    layers), and the header names the algorithm."""
+@pytest.mark.parametrize("kind,dora", [("loha", False), ("lokr", False), ("lora", True)])
+def test_a_loha_lokr_or_dora_run_resumes_bitwise_and_its_file_merges_to_what_the_run_samples_with(kind, dora, tmp_path,
+                                                                                                  base_model, data):
+    """lora_type loha / lokr, and a LoRA with DoRA (on the attention and the ResNet convolutions, the text
+    encoder too): 6 steps straight against 3 + 3 resumed, bit for bit; the exported kohya-layout file
+    (LyCORIS' key names, dora_scale) read back and merged into the base gives the weights the run itself
+    samples with (its layers' merge), and the header names the algorithm."""
     import SD_ImageGen
     from safetensors import safe_open
 
     fields = dict(datasets=[data], init_from=str(base_model), max_steps=6, lora_type=kind, lora_dropout=0.0,
-                  lora_targets=["attention", "resnet"], lora_text_encoder=True, lora_alpha=3.0)
+                  lora_targets=["attention", "resnet"], lora_text_encoder=True, lora_alpha=3.0, dora=dora)
     straight = write_config(tmp_path / "a.yaml", out_dir=str(tmp_path / "a"), **fields)
     assert SD_Train.main(["--config", str(straight)]) == 0
     stopped = write_config(tmp_path / "b.yaml", out_dir=str(tmp_path / "b"), **fields)
@@ -699,15 +700,24 @@ def test_a_loha_or_lokr_run_resumes_bitwise_and_its_file_merges_to_what_the_run_
     assert SD_Train.main(["--config", str(stopped)]) == 0
     assert_bitwise_equal(run_state(tmp_path / "a", 6), run_state(tmp_path / "b", 6))
     adapter = load_file(tmp_path / "a" / "checkpoints" / sd.run_folder.step_dir_name(6) / "adapter.safetensors")
-    prefix = "hada_" if kind == "loha" else "lokr_"
-    assert any(prefix in k for k in adapter) and not any(".lora_A." in k for k in adapter)
+    prefix = {"loha": "hada_", "lokr": "lokr_", "lora": "lora_"}[kind]
+    assert any(f".{prefix}" in k for k in adapter) and (kind == "lora" or not any(".lora_A." in k for k in adapter))
+    magnitudes = [k for k in adapter if ".dora_scale." in k]
+    assert bool(magnitudes) == dora and all(k.startswith(("unet.", "text_encoder.")) for k in magnitudes)
+    if dora:  # the magnitudes trained: they moved from their start, the norms of the base's input channels
+        start = sd.formats.load_pipeline(str(base_model)).unet.get_submodule("down_blocks.0.resnets.0.conv1").weight
+        trained = adapter["unet.down_blocks.0.resnets.0.conv1.dora_scale.default"]
+        assert (trained - sd.lora.dora.input_norm(start.float())).abs().max() > 1e-5
 
     out = tmp_path / f"{kind}.safetensors"
     assert SD_ImageGen.main(["--ckpt", str(tmp_path / "a"), "--export_lora", str(out)]) == 0
     with safe_open(str(out), framework="pt") as handle:
         header, keys = handle.metadata(), list(handle.keys())
-    assert header["ss_network_module"] == "lycoris.kohya" and json.loads(header["ss_network_args"]) == {"algo": kind}
+    network_args = ({"algo": "locon", "conv_dim": "4", "conv_alpha": "3.0", "dora_wd": "True", "wd_on_output": "False"}
+                    if dora else {"algo": kind})
+    assert header["ss_network_module"] == "lycoris.kohya" and json.loads(header["ss_network_args"]) == network_args
     assert any(k.startswith("lora_unet_down_blocks_0_resnets_0_conv1." + prefix) for k in keys)
+    assert ("lora_te_text_model_encoder_layers_0_self_attn_q_proj.dora_scale" in keys) == dora
     assert any(k.startswith("lora_te_text_model_encoder_layers_0_self_attn_q_proj.") for k in keys)
     run = sd.formats.load_pipeline(str(tmp_path / "a"))
     sd.lora.formats.merge_adapters(run, [])  # the run's own adapter, merged by PEFT

@@ -1,5 +1,6 @@
 """sd.train.memory: the predicted peak of a training step, against measured peaks and exact sizes."""
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -70,6 +71,29 @@ def test_cuda_autocast_emulation_casts_what_cuda_casts_and_caches_weights_for_th
                                                               torch.float32)
     assert len(casts) == 2  # weight and bias, cast once for both calls in the region
     assert {c.dtype for c in casts} == {torch.bfloat16}
+
+
+def test_a_weight_used_without_autograd_in_an_autocast_region_still_gets_its_gradient_there():
+    """As torch's autocast: a cast made under no_grad (DoRA's norm of the adapted weight) is not the one
+    the region's later, differentiated uses get, in the emulation and on the CPU's real autocast alike."""
+    def gradient(region):
+        linear = torch.nn.Linear(4, 4)
+        with region():
+            with torch.no_grad():
+                linear(torch.ones(1, 4))
+            out = linear(torch.ones(1, 4)).float().sum()
+        out.backward()
+        return linear.weight.grad
+
+    autocast = sd.train.memory.CudaAutocast()
+
+    @contextlib.contextmanager
+    def emulated():
+        with autocast, autocast.region(torch.bfloat16):
+            yield
+
+    for region in (emulated, lambda: torch.autocast("cpu", dtype=torch.bfloat16)):
+        assert gradient(region) is not None and torch.equal(gradient(region), torch.ones(4, 4))
 
 
 @pytest.mark.slow
@@ -292,17 +316,19 @@ def test_a_controlnet_run_keeps_gradients_optimizer_state_and_ema_for_the_contro
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["loha", "lokr"])
-def test_a_loha_or_lokr_run_keeps_gradients_and_optimizer_state_for_its_factors_alone(kind):
+@pytest.mark.parametrize("kind,dora", [("loha", False), ("lokr", False), ("loha", True), ("lora", True)])
+def test_a_loha_lokr_or_dora_run_keeps_gradients_and_optimizer_state_for_its_factors_alone(kind, dora):
     """The adapter takes part in the estimated step (PEFT's LoHa / LoKr layers apply it behind a host read that
     fake tensors answer with zero: sd.train.memory.adapters_always_on); its AdamW moments and EMA are the
-    exact sizes of its factors (AdamW's state exists only for parameters that had a gradient)."""
+    exact sizes of its factors and DoRA's magnitudes (AdamW's state exists only for parameters that had a
+    gradient)."""
     config = tiny_config(lora_rank=4, lora_type=kind, init_from="x", ema_decay=0.9, grad_checkpointing=False,
-                         lora_targets=["attention", "resnet"])
+                         lora_targets=["attention", "resnet"], dora=dora)
     estimate = sd.train.memory.estimate(config, batch_size=2, resolution=64)
     unet = sd.model.build_unet("tiny")
     sd.lora.adapters.apply_settings(sd.lora.adapters.LoraSettings.from_config(config), unet,
                                     sd.model.load_text_encoder("tiny"))
     factors = [p for p in unet.parameters() if p.requires_grad]
     assert factors and estimate.parts["ema"] == rounded(factors)
+    assert any(".dora_scale." in name for name, p in unet.named_parameters() if p.requires_grad) == dora
     assert estimate.parts["optimizer_state"] == 2 * rounded(factors) + rounded([torch.zeros(())] * len(factors))

@@ -506,6 +506,7 @@ LORA_TEXT = ["--lora_rank", "4", "--lora_text_encoder", "--init_from", "runs/x"]
      "posthoc_ema_every: averages what trains in the UNet, which a learned token's run leaves frozen"),
     (["--lora_type", "dora"], "lora_type: one of lora, loha, lokr, got 'dora'"),
     (["--lora_type", "loha"], "lora_type: loha sets the adapter of a run with lora_rank > 0"),
+    (["--dora"], "dora: true sets the adapter of a run with lora_rank > 0: set lora_rank, or dora: false"),
     (["--lora_factor", "4", *LORA_TEXT], "lora_factor sets a lokr adapter's factors (got lora_type: lora)"),
     (["--lora_type", "loha", "--lora_dropout", "0.1", *LORA_TEXT], "lora_dropout drops a LoRA's input; a loha"),
     (["--keep_best", "loss"], "keep_best: '', 'fid', 'clip_score', got 'loss'"),
