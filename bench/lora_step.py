@@ -3,7 +3,8 @@
     python bench/lora_step.py                  # CPU: tiny UNet, 64 px, batches 4 and 16, 3 + 6 steps a row
     python bench/lora_step.py --arch sd1 --resolution 512 --batch_sizes 1,4 --estimate_only \\
         --precision bf16 --checkpointing 1 --optimizer adamw,adamw8bit --cache_text_embeddings 0,1
-    python bench/lora_step.py --options huber,smooth_l1,l1,debiased,block_lr,posthoc_ema --peer false  # the options
+    python bench/lora_step.py --options huber,smooth_l1,l1,debiased,block_lr,posthoc_ema,dora,loha,lokr \\
+        --peer false  # the options
     python bench/lora_step.py --arch sd1 --resolution 512 --batch_sizes 1,4,16 --checkpointing 0,1 \\
         --peer_script diffusers/examples/text_to_image/train_text_to_image_lora.py          # GPU
 
@@ -17,7 +18,7 @@ Rows, for the same synthetic fp16 latents and token ids and the same seeded rand
   encoded once, the encoder then off the device, as ``sd.train.run.cache_text_embeddings`` does).
 * ``ours-full``: the same with ``lora_rank: 0`` (every UNet parameter trains, fp32 master weights).
 * ``ours-lora+NAME`` (``--options``): ours-lora with one more option of ``OPTIONS`` (a loss, debiased
-  estimation, block learning rates, the post-hoc EMAs), compared with ours-lora in the same run: images/s,
+  estimation, block learning rates, the post-hoc EMAs, DoRA, LoHa or LoKr instead of LoRA), compared with ours-lora in the same run: images/s,
   peak, estimate.
 * ``peer-lora``: the training step of diffusers' ``examples/text_to_image/train_text_to_image_lora.py``
   with its defaults, in this process. What follows which part of the script:
@@ -89,7 +90,8 @@ OPTIONS = {  # --options: the config fields each ours-lora+NAME row adds
     "huber": dict(loss_type="huber"), "smooth_l1": dict(loss_type="smooth_l1", huber_schedule="exponential"),
     "l1": dict(loss_type="l1"), "debiased": dict(debiased_estimation=True),
     "block_lr": dict(down_lr_scale=0.5, up_lr_scale=2.0),
-    "posthoc_ema": dict(posthoc_ema_every=1000)}  # the two power-function EMAs' updates (snapshots: not a step's)
+    "posthoc_ema": dict(posthoc_ema_every=1000),  # the two power-function EMAs' updates (snapshots: not a step's)
+    "dora": dict(dora=True), "loha": dict(lora_type="loha"), "lokr": dict(lora_type="lokr")}
 PEER_LR = 1e-4  # the script's --learning_rate default; ours uses it too (the rate does not change the cost)
 GIB = 2**30
 
