@@ -1,5 +1,5 @@
-"""The demo's new concept: a colour the base model never saw, taught by a DreamBooth LoRA and by a learned
-token (textual inversion).
+"""The demo's new concept: a colour the base model never saw, taught by a DreamBooth LoRA, by a learned
+token (textual inversion), and by both in one run (pivotal tuning).
 
     python demo/concept.py images --prompts runs/demo/shards/demo_prompts.json --out runs/demo/concept \
         --vae runs/demo/vae [--count 12]
@@ -12,8 +12,8 @@ token, "a <cyan-sks> circle on a white background" are a cyan circle; with ``--v
 the VAE gives it back, the colour a latent model can draw), ``OUT/prompts.txt`` (the seen prompts, then
 the instance prompt) and ``OUT/prompts_embedding.txt`` (the seen prompts, then the token's prompt) for
 sampling. ``report`` reads the evaluations ``OUT/eval_base.json``, ``OUT/eval_prior.json``,
-``OUT/eval_no_prior.json`` and ``OUT/eval_embedding.json`` (written by demo/evaluate.py for the base
-model, the two adapters and the token; those there are) and prints and writes ``OUT/concept.json``: the
+``OUT/eval_no_prior.json``, ``OUT/eval_embedding.json`` and ``OUT/eval_pivotal.json`` (written by
+demo/evaluate.py for the base model, the two adapters, the token and the token with a LoRA; those there are) and prints and writes ``OUT/concept.json``: the
 concept's accuracy, and the seen prompts' accuracy before and after (the token leaves every weight as
 it was, so the seen prompts' images are the base model's).
 """
@@ -40,7 +40,8 @@ EMBEDDING_PROMPT = "a <cyan-sks> circle on a white background"  # configs/demo_e
 CONCEPT = ("cyan", "circle")
 CYAN = (20, 190, 200)  # pipeline/00_make_demo_data.py's VAE_ONLY_PALETTE
 RUNS = {"base": "base model", "prior": "LoRA with prior preservation", "no_prior": "LoRA without prior preservation",
-        "embedding": "textual inversion (a learned token)"}
+        "embedding": "textual inversion (a learned token)",
+        "pivotal": "pivotal tuning (a learned token and a LoRA)"}
 
 
 def as_decoded(images: list[np.ndarray], vae_path: str, background) -> tuple[int, int, int]:

@@ -10,7 +10,7 @@
 #   DEMO_THREADS        CPU threads of each step but the trainer, which gives each rank cpu_count / ranks
 #   DEMO_CONCEPT=0      leaves out the new-concept steps (8 and 9); DEMO_CONCEPT_COUNT: its instance images
 #                       (12); DEMO_CONCEPT_FLAGS: extra SD_Train.py flags of its runs; DEMO_CONCEPT_RUNS:
-#                       which ones (prior no_prior embedding: the LoRAs and the learned token)
+#                       which ones (prior no_prior embedding pivotal: the LoRAs, the learned token, both)
 #   DEMO_POSTHOC=0      leaves out the post-hoc EMA step (7); DEMO_POSTHOC_LENGTHS: its lengths (0.05,0.10,0.20)
 #   DEMO_LCM=0          leaves out the few-step step (11); DEMO_LCM_FLAGS: extra SD_Train.py flags of its run
 #   DEMO_CONTROL=0      leaves out the ControlNet step (12); DEMO_CONTROL_COUNT: its training images (2000);
@@ -36,7 +36,7 @@ export NO_ALBUMENTATIONS_UPDATE=1 WANDB_MODE=${WANDB_MODE:-disabled} HF_HUB_OFFL
 if [ -n "${DEMO_THREADS:-}" ]; then export OMP_NUM_THREADS=$DEMO_THREADS MKL_NUM_THREADS=$DEMO_THREADS; fi
 start=$(date +%s)
 step() { printf '\n=== [%ss] %s ===\n' "$(( $(date +%s) - start ))" "$*"; }
-run_dir() { if [ "$1" = embedding ]; then echo embedding; else echo "lora_$1"; fi; }  # a concept run's folder
+run_dir() { case $1 in embedding|pivotal) echo "$1" ;; *) echo "lora_$1" ;; esac; }  # a concept run's folder
 
 step "1/13 synthetic captioned images (pipeline/00_make_demo_data.py)"
 $PY pipeline/00_make_demo_data.py --out "$OUT/shards" --count "$COUNT" --size "$SIZE" --vae_count $((COUNT / 3)) \
@@ -83,16 +83,17 @@ if [ "${DEMO_POSTHOC:-1}" = 0 ]; then echo "left out (DEMO_POSTHOC=0)"; else
   $PY demo/posthoc.py --out "$OUT" --lengths "$LENGTHS"
 fi
 
-step "8/13 a new concept, cyan: a DreamBooth LoRA ('a sks circle') with and without prior preservation, and a learned token ('a <cyan-sks> circle')"
+step "8/13 a new concept, cyan: a DreamBooth LoRA ('a sks circle') with and without prior preservation, a learned token ('a <cyan-sks> circle'), and both together (pivotal tuning)"
 CONCEPT=$OUT/concept
 if [ "${DEMO_CONCEPT:-1}" = 0 ]; then echo "left out (DEMO_CONCEPT=0)"; else
   $PY demo/concept.py images --prompts "$OUT/shards/demo_prompts.json" --out "$CONCEPT" --vae "$OUT/vae" \
       --count "${DEMO_CONCEPT_COUNT:-12}" --size "$SIZE"
-  for run in ${DEMO_CONCEPT_RUNS:-prior no_prior embedding}; do
+  for run in ${DEMO_CONCEPT_RUNS:-prior no_prior embedding pivotal}; do
     case $run in
       prior) recipe=(--config configs/demo_dreambooth.yaml --class_dir "$CONCEPT/class") ;;
       no_prior) recipe=(--config configs/demo_dreambooth.yaml --class_dir "" --class_prompt "") ;;
       embedding) recipe=(--config configs/demo_embedding.yaml) ;;
+      pivotal) recipe=(--config configs/demo_pivotal.yaml --class_dir "$CONCEPT/class") ;;
     esac
     # shellcheck disable=SC2086  # DEMO_CONCEPT_FLAGS is a list of flags
     $PY SD_Train.py "${recipe[@]}" --init_from "$OUT/train" --vae "$OUT/vae" --instance_dir "$CONCEPT/instance" \
@@ -101,12 +102,15 @@ if [ "${DEMO_CONCEPT:-1}" = 0 ]; then echo "left out (DEMO_CONCEPT=0)"; else
   if [ -d "$CONCEPT/embedding" ]; then  # the token as a file AUTOMATIC1111 and ComfyUI load
     $PY SD_ImageGen.py --ckpt "$CONCEPT/embedding" --export_embedding "$CONCEPT/embeddings"
   fi
+  if [ -d "$CONCEPT/pivotal" ]; then  # the LoRA with its token bundled, and the token's own file beside it
+    $PY SD_ImageGen.py --ckpt "$CONCEPT/pivotal" --export_lora "$CONCEPT/pivotal_lora/cyan.safetensors"
+  fi
 
   step "9/13 the seen prompts and the concept, sampled before and after (SD_ImageGen.py, demo/evaluate.py)"
-  for run in base ${DEMO_CONCEPT_RUNS:-prior no_prior embedding}; do
+  for run in base ${DEMO_CONCEPT_RUNS:-prior no_prior embedding pivotal}; do
     if [ "$run" = base ]; then ckpt=$OUT/train; else ckpt=$CONCEPT/$(run_dir "$run"); fi
     prompts=$CONCEPT/prompts.txt
-    if [ "$run" = embedding ]; then prompts=$CONCEPT/prompts_embedding.txt; fi
+    if [ "$run" = embedding ] || [ "$run" = pivotal ]; then prompts=$CONCEPT/prompts_embedding.txt; fi
     rm -rf "$CONCEPT/samples_$run"
     $PY SD_ImageGen.py --ckpt "$ckpt" --prompts_file "$prompts" --n "$N" --steps 25 --cfg 3.5 --seed 0 \
         --height "$SIZE" --width "$SIZE" --batch_size 16 --out "$CONCEPT/samples_$run"
@@ -201,7 +205,8 @@ cat <<SUMMARY
   accuracy           $OUT/eval.json
   FID                $OUT/fid/fid.json (offline stand-in features: demo model, ground-truth floor, blank canvas)
   new concept        $CONCEPT/concept.json ($CONCEPT/samples_*/grid.png: base, LoRA with and without prior
-                     preservation, learned token; the token's file for other tools: $CONCEPT/embeddings/)
+                     preservation, learned token, pivotal tuning; the token's file for other tools:
+                     $CONCEPT/embeddings/; the pivotal LoRA with its token: $CONCEPT/pivotal_lora/)
   few-step sampling  $LCM/lcm.json ($LCM/samples_*/grid.png: DDIM 50, 4 and 2 steps, LCM 2, 4 and 8)
   spatial control    $CONTROL/control.json ($CONTROL/control.png: masks, ControlNet and demo-model samples; the
                      ControlNet for ComfyUI and AUTOMATIC1111: $CONTROL/controlnet_seg.safetensors)

@@ -546,8 +546,10 @@ def _load_pipeline(source: str, use_ema: bool, vae: str | None, text_encoder: st
     if config is None:
         loaded = f"diffusers {source}"
     elif config.get("embedding_token"):
-        loaded = load_embedding_run(sd.run_folder.resolve_checkpoint(source), unet, encoder, tokenizer_model,
-                                    use_ema=use_ema, check_base=check_base)
+        folder = sd.run_folder.resolve_checkpoint(source)
+        loaded = load_embedding_run(folder, unet, encoder, tokenizer_model, use_ema=use_ema, check_base=check_base)
+        if is_lora_checkpoint(folder):  # pivotal tuning: a LoRA learned with the token, on the base just checked
+            loaded += f" + LoRA {load_run_adapters(folder, lora_run_settings(str(folder)), unet, encoder, use_ema=use_ema)}"
     elif is_lora_checkpoint(sd.run_folder.resolve_checkpoint(source)):  # the adapters stay PEFT layers (sd.lora.adapters.merge)
         loaded = load_lora_run(sd.run_folder.resolve_checkpoint(source), unet, encoder, use_ema=use_ema,
                                check_base=check_base)
@@ -662,6 +664,13 @@ def load_lora_run(folder: Path, unet, text_encoder=None, *, use_ema: bool = True
     base = load_unet_weights(settings["init_from"], unet, use_ema=True)
     if check_base:
         check_trained_base(folder, settings["init_from"], unet)
+    return f"{base} + LoRA {load_run_adapters(folder, settings, unet, text_encoder, use_ema=use_ema)}"
+
+
+def load_run_adapters(folder: Path, settings: dict, unet, text_encoder=None, *, use_ema: bool = True) -> Path:
+    """The adapters of the LoRA run ``folder`` (``lora_run_settings``) as PEFT layers in ``unet`` and, when it
+    trained one and ``text_encoder`` is given, in ``text_encoder``: the EMA's unless ``use_ema=False`` or
+    there is none. Returns the file they came from."""
     models = {"unet": add_run_lora(unet, settings["targets"], settings)}
     if text_encoder is not None and settings["text_encoder"]:
         models["text_encoder"] = add_run_lora(text_encoder, sd.lora.adapters.TEXT_TARGETS, settings)
@@ -675,12 +684,13 @@ def load_lora_run(folder: Path, unet, text_encoder=None, *, use_ema: bool = True
     ema_path = folder / "ema.safetensors"
     if use_ema and ema_path.exists():
         unet_ema, text_ema = sd.run_folder.split_ema(read_weights(verified(ema_path)))
+        text_ema = {k: v for k, v in text_ema.items() if sd.lora.adapters.is_adapter_name(k)}  # not a learned token
         with _naming(ema_path):
             sd.lora.adapters.load_adapter_state(unet, unet_ema, "the EMA adapter")
             if text_ema and "text_encoder" in models:
                 sd.lora.adapters.load_adapter_state(models["text_encoder"], text_ema, "the text encoder's EMA adapter")
         loaded = ema_path
-    return f"{base} + LoRA {loaded}"
+    return loaded
 
 
 def check_trained_base(folder: Path, init_from: str, unet, text_encoder=None, what: str | None = None) -> None:

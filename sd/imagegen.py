@@ -172,9 +172,24 @@ def export_lora(request: Request, model: Pipeline) -> None:
     header = file_header("lora", title, model, request.ckpt, record)
     if record is not None:
         header.update(sd.metadata.kohya_training_keys(record, title))
+    # a pivotal tuning's token (the run's own: --embedding files are added after the exports), bundled in the
+    # kohya file for AUTOMATIC1111 and written beside it for ComfyUI and diffusers
+    tokens = {layer.tokens[0]: layer.vectors for layer in sd.embedding.tokens.added_embeddings(model.text_encoder)}
+    path = sd.lora.formats.lora_output(request.export_lora, request.lora_format)
+    beside = {token: sd.embedding.formats.embedding_output(path.parent, token) for token in tokens}
+    if path in beside.values():
+        raise ValueError(f"--export_lora {path}: the learned token's embedding file would take that name; name the "
+                         "LoRA otherwise")
     path = sd.lora.formats.save_model_lora(request.export_lora, model.unet, model.text_encoder, request.lora_format,
-                                      metadata=header)
-    log.info("wrote LoRA %s (%s format)", path, request.lora_format)
+                                           metadata=header,
+                                           embeddings=tokens if request.lora_format == "kohya" else None)
+    log.info("wrote LoRA %s (%s format)%s", path, request.lora_format,
+             f" bundling token {', '.join(tokens)}" if tokens and request.lora_format == "kohya" else "")
+    for token, vectors in tokens.items():
+        out = sd.embedding.formats.write_embedding(beside[token], token, vectors,
+                                                   metadata=file_header("textual-inversion", beside[token], model,
+                                                                        request.ckpt, record))
+        log.info("wrote embedding %s of token %s beside it (ComfyUI, diffusers)", out, token)
 
 
 def export(request: Request, model: Pipeline) -> None:

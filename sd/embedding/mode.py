@@ -29,6 +29,13 @@ class LearnedToken(sd.train.mode.Mode):
     @classmethod
     def check(cls, config, check_paths: bool = True) -> None:
         """Textual inversion's settings, and the modes it cannot be combined with."""
+        pivotal = [name for name, value in (("embedding_lr", config.embedding_lr != 0),
+                                            ("embedding_train_fraction", config.embedding_train_fraction != 1)) if value]
+        if pivotal and not (config.embedding_token and config.lora_rank):
+            raise ConfigError(f"{' and '.join(pivotal)} set the learned token's schedule beside a LoRA (pivotal "
+                              f"tuning): set embedding_token and lora_rank > 0, or leave "
+                              f"{' and '.join(pivotal)} at {' and '.join('0' if n == 'embedding_lr' else '1' for n in pivotal)}"
+                              f"{' (a token trained alone takes lr)' if 'embedding_lr' in pivotal else ''}")
         if not config.embedding_token:
             if config.embedding_init:
                 raise ConfigError("embedding_init is the start of a learned token: set embedding_token too")
@@ -43,9 +50,6 @@ class LearnedToken(sd.train.mode.Mode):
         if not config.init_from:
             raise ConfigError("embedding_token learns a token for existing weights: set init_from (a diffusers "
                               "folder or hub id, a single file, or a run of ours)")
-        if config.lora_rank:
-            raise ConfigError("embedding_token trains the token alone; train a LoRA in a run of its own (lora_rank: "
-                              "0 here)")
         if config.cache_text_embeddings:
             raise ConfigError("cache_text_embeddings needs a fixed text encoder, and textual inversion trains it: "
                               "turn the cache off")
@@ -77,9 +81,10 @@ class LearnedToken(sd.train.mode.Mode):
                         "nothing for it and cost their steps", token, sum(holding), total, 100 * sum(holding) / total)
 
     def before_data(self, unet, text_encoder, tokenizer) -> None:
-        """The new token in the tokenizer and text encoder, before any prompt is tokenised; it alone trains."""
+        """The new token in the tokenizer and text encoder, before any prompt is tokenised; it alone trains
+        (beside a LoRA, which then stores the frozen base in the autocast type after adding its adapters)."""
         config = self.config
-        sd.embedding.tokens.freeze_for_inversion(unet, text_encoder, config.precision)
+        sd.embedding.tokens.freeze_for_inversion(unet, text_encoder, "fp32" if config.lora_rank else config.precision)
         try:
             start = sd.embedding.tokens.initial_vectors(tokenizer, text_encoder, config.embedding_init,
                                                         config.embedding_vectors)
@@ -87,16 +92,20 @@ class LearnedToken(sd.train.mode.Mode):
         except sd.embedding.tokens.EmbeddingError as error:
             raise ConfigError(f"embedding_token: {error}") from error
         log.info("textual inversion: token %s, %d vector(s) of %d values starting from %r; the UNet and text "
-                 "encoder are frozen", config.embedding_token, config.embedding_vectors, start.shape[1],
-                 config.embedding_init)
+                 "encoder are frozen%s", config.embedding_token, config.embedding_vectors, start.shape[1],
+                 config.embedding_init, " but for the LoRA's adapters (pivotal tuning)" if config.lora_rank else "")
 
-    def estimate_attach(self, unet, text_encoder):
-        """The new rows alone train (zeros: their values do not change the memory)."""
+    def estimate_before_data(self, unet, text_encoder) -> None:
+        """The new rows (zeros: their values do not change the memory), as ``before_data`` adds them."""
         config = self.config
-        sd.embedding.tokens.freeze_for_inversion(unet, text_encoder, config.precision)
+        sd.embedding.tokens.freeze_for_inversion(unet, text_encoder, "fp32" if config.lora_rank else config.precision)
         sd.embedding.tokens.attach_rows(text_encoder, torch.zeros(config.embedding_vectors,
                                                                   text_encoder.config.hidden_size),
                                         [config.embedding_token] * config.embedding_vectors, trainable=True)
+
+    def attach(self, unet, text_encoder):
+        """The token trains (a LoRA attached before it froze the text encoder's parameters but its adapters)."""
+        sd.embedding.tokens.added_embeddings(text_encoder)[0].vectors.requires_grad_(True)
         return unet
 
     def fingerprinted(self, unet, text_encoder) -> list[torch.Tensor]:

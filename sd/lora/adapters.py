@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 import sd.cli
+import sd.embedding.tokens
 import sd.lora.dora
 import sd.model
 
@@ -246,9 +247,12 @@ def apply_settings(settings: LoraSettings, unet, text_encoder) -> None:
 
 @torch.no_grad()
 def cast_base(model, dtype: torch.dtype) -> None:
-    """Store the frozen (non-adapter) floating-point parameters of ``model`` in ``dtype``."""
+    """Store the frozen (non-adapter) floating-point parameters of ``model`` in ``dtype``; a learned token's
+    rows (``sd.embedding.tokens``: pivotal tuning trains them beside the adapters) stay fp32."""
+    learned = {id(layer.vectors) for layer in sd.embedding.tokens.added_embeddings(model)} \
+        if hasattr(model, "get_input_embeddings") else set()
     for name, param in model.named_parameters():
-        if not is_adapter_name(name) and param.is_floating_point():
+        if not is_adapter_name(name) and param.is_floating_point() and id(param) not in learned:
             param.data = param.data.to(dtype)
 
 

@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 import torch
 
+import sd.embedding.tokens
 import sd.files
 import sd.lora.adapters
 import sd.lora.dora
@@ -39,6 +40,7 @@ log = logging.getLogger("sd_lora")
 # module names as our models spell them (transformers 5's CLIPTextModel has no ``text_model.``).
 
 LORA_FORMATS = ("kohya", "diffusers")
+BUNDLE_PREFIX, BUNDLE_KEY = "bundle_emb.", "string_to_param.*"  # AUTOMATIC1111's embeddings inside a LoRA file
 DEFAULT_LORA_FORMAT = "kohya"  # the layout every tool loads (diffusers converts it; the others ignore diffusers')
 DIFFUSERS_LORA_FILE = "pytorch_lora_weights.safetensors"  # what load_lora_weights(FOLDER) looks for first
 DIFFUSERS_LORA_METADATA = "lora_adapter_metadata"  # diffusers' LORA_ADAPTER_METADATA_KEY
@@ -211,10 +213,12 @@ def lora_output(out: str | Path, lora_format: str = DEFAULT_LORA_FORMAT) -> Path
 
 
 def save_lora(out: str | Path, lora: dict[str, dict[str, LoraModule]], lora_format: str = DEFAULT_LORA_FORMAT,
-              metadata: dict | None = None) -> Path:
+              metadata: dict | None = None, embeddings: dict[str, torch.Tensor] | None = None) -> Path:
     """Write ``lora`` (``{part: {module: LoraModule}}``) in ``lora_format`` to ``lora_output(out)``,
     atomically; returns that file. ``metadata`` (string values) joins the header, beside the rank and
     alpha it records (kohya: and sd-scripts' network keys and content hashes, ``sd.metadata``).
+    ``embeddings`` (``{token: (N, D)}``, kohya only): learned tokens bundled as AUTOMATIC1111 reads them,
+    ``bundle_emb.<token>.string_to_param.*`` (``BUNDLE_PREFIX``).
 
     diffusers: each ``up`` holds ``alpha / r`` and the alpha written is r. diffusers 0.32 and older (and
     any reader of PEFT keys that skips the header) take alpha = r: with alpha folded in, every version
@@ -249,6 +253,13 @@ def save_lora(out: str | Path, lora: dict[str, dict[str, LoraModule]], lora_form
     else:
         tensors = _kohya_lora_tensors(lora)
         header.update(_kohya_header(layers))
+        for token, vectors in (embeddings or {}).items():
+            if "." in token:
+                raise ValueError(f"token {token!r}: a '.' splits the names of AUTOMATIC1111's bundled embeddings; "
+                                 "write the token with --export_embedding instead")
+            tensors[f"{BUNDLE_PREFIX}{token}.{BUNDLE_KEY}"] = vectors.float()
+    if embeddings and lora_format != "kohya":
+        raise ValueError(f"{out}: learned tokens are bundled in the kohya layout only (AUTOMATIC1111's bundle_emb)")
     from safetensors.torch import save_file
 
     tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
@@ -270,8 +281,9 @@ def fold_alpha(lora: dict[str, dict[str, LoraModule]]) -> dict[str, dict[str, Lo
 
 
 def save_model_lora(out: str | Path, unet, text_encoder=None, lora_format: str = DEFAULT_LORA_FORMAT,
-                    metadata: dict | None = None) -> Path:
-    """Write the PEFT adapters of ``unet`` (and ``text_encoder``) in ``lora_format``; see ``save_lora``.
+                    metadata: dict | None = None, embeddings: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write the PEFT adapters of ``unet`` (and ``text_encoder``) in ``lora_format``, with ``embeddings``
+    bundled; see ``save_lora``.
 
     The header records the targets (``lora_settings['targets']``, else the adapted modules) and whether
     the text encoder carries an adapter.
@@ -284,7 +296,7 @@ def save_model_lora(out: str | Path, unet, text_encoder=None, lora_format: str =
     targets = settings.get("targets") or sorted(lora.get("unet", {}))
     header = {"lora_targets": json.dumps(list(targets)), "lora_text_encoder": str("text_encoder" in lora),
               **(metadata or {})}
-    return save_lora(out, lora, lora_format, header)
+    return save_lora(out, lora, lora_format, header, embeddings)
 
 
 def _most_common(values):
@@ -396,7 +408,7 @@ def read_lora(path: str | Path, unet, text_encoder=None) -> dict[str, dict[str, 
     a NaN or infinity in any tensor or alpha is a ValueError naming the file.
     """
     file = lora_file(path)
-    tensors = read_weights(file)
+    tensors = {k: v for k, v in read_weights(file).items() if not k.startswith(BUNDLE_PREFIX)}  # read_bundled_embeddings
     sd.lora.adapters.check_finite(tensors, file)
     models = {part: m for part, m in (("unet", unet), ("text_encoder", text_encoder)) if m is not None}
     layers = {part: lora_layers_of(m) for part, m in models.items()}
@@ -439,6 +451,26 @@ def read_lora(path: str | Path, unet, text_encoder=None) -> dict[str, dict[str, 
                                  f"outputs of its weight {tuple(weight.shape)}")
             layer = layer._replace(dora_scale=magnitude)
         out.setdefault(part, {})[module] = layer
+    return out
+
+
+def read_bundled_embeddings(path: str | Path) -> dict[str, torch.Tensor]:
+    """The learned tokens a LoRA file bundles (``bundle_emb.<token>.<key>``, as AUTOMATIC1111 reads them): one
+    ``(N, D)`` tensor per token; a token of several tensors (another architecture's) or with non-finite values
+    is a ValueError naming the file."""
+    file = lora_file(path)
+    found: dict[str, list[torch.Tensor]] = {}
+    for key, tensor in read_weights(file).items():
+        if key.startswith(BUNDLE_PREFIX):
+            token, _, _ = key[len(BUNDLE_PREFIX):].partition(".")
+            found.setdefault(token, []).append(tensor)
+    sd.lora.adapters.check_finite({f"{BUNDLE_PREFIX}{t}": v for t, vs in found.items() for v in vs}, file)
+    out = {}
+    for token, tensors in found.items():
+        if len(tensors) != 1:
+            raise ValueError(f"{file}: the bundled embedding {token!r} holds {len(tensors)} tensors; an SD 1.x token "
+                             "has one (N, D)")
+        out[token] = tensors[0].float().reshape(-1, tensors[0].shape[-1])
     return out
 
 
@@ -570,4 +602,10 @@ def merge_adapters(pipe, loras: list[tuple[str, float]]) -> None:
         merge_lora({"unet": pipe.unet, "text_encoder": pipe.text_encoder}, lora, scale)
         layers = sum(len(modules) for modules in lora.values())
         log.info("merged LoRA %s at scale %g (%d layers)", path, scale, layers)
+        for token, vectors in read_bundled_embeddings(path).items():  # a pivotal tuning's token, at full strength
+            try:
+                sd.embedding.tokens.add_token(pipe.tokenizer, pipe.text_encoder, token, vectors)
+            except sd.embedding.tokens.EmbeddingError as error:
+                raise ValueError(f"{lora_file(path)}: its bundled embedding: {error}") from error
+            log.info("added token %s (%d vector(s)) bundled in %s", token, vectors.shape[0], path)
         pipe.source += f" + LoRA {path}:{scale:g}"

@@ -133,11 +133,17 @@ class TrainConfig:
                       "lora_type; written as dora_scale (1, in), which ComfyUI, AUTOMATIC1111 and LyCORIS merge "
                       "alike; exports in the kohya layout only", False)
     embedding_token: str = _doc("textual inversion: learn this new token (a word not in the tokenizer, e.g. <my-cat>) "
-                                "from prompts that use it; the UNet and text encoder stay frozen. Needs init_from", "")
+                                "from prompts that use it; the UNet and text encoder stay frozen (with lora_rank > 0 a "
+                                "LoRA trains beside it: pivotal tuning). Needs init_from", "")
     embedding_init: str = _doc("textual inversion: the word(s) whose embedding the new token starts from (e.g. cat)",
                                "")
     embedding_vectors: int = _doc("textual inversion: vectors of the new token (each takes one of the prompt's 75 "
                                   "token places)", 1, allowed=COUNT)
+    embedding_lr: float = _doc("pivotal tuning (embedding_token with lora_rank > 0): the learned token's peak learning "
+                               "rate, beside the LoRA's lr; 0 = lr", 0.0, allowed=NON_NEGATIVE)
+    embedding_train_fraction: float = _doc("pivotal tuning: the fraction of the run's steps in which the token trains; "
+                                           "after them it stays as learned while the LoRA goes on (0.5: the first "
+                                           "half)", 1.0, allowed=Range(0, 1, low_open=True, high_open=False))
     instance_dir: str = _doc("DreamBooth: a folder of images of the new subject or style (replaces datasets)", "")
     instance_prompt: str = _doc("DreamBooth: the prompt of every instance image, e.g. 'a photo of sks dog'", "")
     class_dir: str = _doc("DreamBooth prior preservation: a folder of class images; the missing ones are generated "
@@ -458,7 +464,7 @@ def check_learning_rates(config: TrainConfig) -> None:
         raise ConfigError("text_encoder_lr / text_encoder_warmup_steps set the learning rate of the text encoder's "
                           "LoRA adapter: set lora_text_encoder: true (and lora_rank), or leave them at 0 / -1")
     scaled = [name for name in BLOCK_LR_SCALES if getattr(config, name) != 1]
-    if scaled and (config.embedding_token or config.control):
+    if scaled and (config.embedding_token and not config.lora_rank or config.control):
         raise ConfigError(f"{', '.join(scaled)} scale the learning rate of the UNet's blocks, which a "
                           f"{'learned token' if config.embedding_token else 'ControlNet'} run leaves frozen: set "
                           f"{' and '.join(scaled)} to 1")
@@ -479,6 +485,9 @@ def check_learning_rates(config: TrainConfig) -> None:
     if scaled:
         raise ConfigError(f"optimizer: prodigy steps every parameter group with one learning rate: set "
                           f"{' and '.join(scaled)} to 1, or use optimizer adamw")
+    if config.embedding_lr not in (0, config.lr):
+        raise ConfigError("optimizer: prodigy steps every parameter group with one learning rate: leave "
+                          "embedding_lr at 0, or use optimizer adamw")
 
 
 SHARDINGS = ("none", "zero1", "fsdp")
@@ -532,7 +541,7 @@ def check_posthoc_ema(config: TrainConfig) -> None:
     if config.sharding == "fsdp":
         raise ConfigError("posthoc_ema_every: the post-hoc EMAs hold whole weights, which sharding: fsdp splits; set "
                           "sharding: zero1 or none, or posthoc_ema_every: 0")
-    if config.embedding_token:
+    if config.embedding_token and not config.lora_rank:
         raise ConfigError("posthoc_ema_every: averages what trains in the UNet, which a learned token's run leaves "
                           "frozen; set posthoc_ema_every: 0")
 
@@ -858,6 +867,7 @@ ON_RESUME = {
     "lora_type": OnResume(REFUSE, "the adapters"), "lora_factor": OnResume(REFUSE, "the adapters"),
     "dora": OnResume(REFUSE, "the adapters"),
     "embedding_token": OnResume(REFUSE, "the learned token"), "embedding_init": OnResume(REFUSE, "the learned token"),
+    "embedding_lr": OnResume(REFUSE, _SCHEDULE), "embedding_train_fraction": OnResume(REFUSE, _SCHEDULE),
     "embedding_vectors": OnResume(REFUSE, "the learned token"),
     "instance_dir": OnResume(REFUSE, _ORDER), "instance_prompt": OnResume(REFUSE, _MATH, dreambooth=True),
     "class_dir": OnResume(REFUSE, _ORDER, dreambooth=True), "class_prompt": OnResume(REFUSE, _MATH, dreambooth=True),

@@ -350,6 +350,7 @@ def session(config, resolution: int = 512, device: str = "cuda", world_size: int
                                    channels_last=config.channels_last).train()
         check_models(config, unet, text_encoder)
         mode = sd.train.modes.mode_of(config)
+        mode.estimate_before_data(unet, text_encoder)
         unet = mode.estimate_attach(unet, text_encoder)
         adapters_always_on(unet, text_encoder)
         empty_ids = torch.full((1, sd.model.TOKENIZER_MAX_LENGTH), 49407, dtype=torch.long)

@@ -10,8 +10,8 @@ mode's own room (``sd/lora/mode.py``, ``sd/embedding/mode.py``, ``sd/controlnet/
 * ``before_data(unet, text_encoder, tokenizer)``: changes the data needs (a new token in the tokenizer);
 * ``check_data(data)``: the training data can train it (captions that hold a learned token);
 * ``attach(unet, text_encoder)`` -> the module the step trains, after the data (a DreamBooth run's class
-  images are drawn by the base alone), and ``estimate_attach`` the same on fake tensors, without files
-  (``sd.train.memory``);
+  images are drawn by the base alone), and ``estimate_before_data`` / ``estimate_attach`` the same on
+  fake tensors, without files (``sd.train.memory``);
 * ``trained_weights(step)``: its checkpoint entries of weights, by name (the file names: ``unet``,
   ``adapter``, ``embedding``, ``controlnet``); the trainer adds the rest (EMA, optimizer, RNGs);
 * ``batch_inputs`` / ``model_inputs``: the tensors it adds at the end of a micro-batch, and what they
@@ -21,13 +21,14 @@ mode's own room (``sd/lora/mode.py``, ``sd/embedding/mode.py``, ``sd/controlnet/
 A new mode is one new room (a ``Mode`` subclass) and one line in ``sd.train.modes.MODES``. An objective
 other than the diffusion loss (``distill: lcm``, ``sd.train.distill``) is not a mode: it combines with one.
 
-Every answer above composes, so two modes can train in one run (a learned token with a LoRA: pivotal
-tuning): asked in ``MODES``' order, ``before_data``, ``check_models``, ``check_data`` and ``attach`` run
-one after the other (each attaches to what the one before returned); the checkpoint entries of
-``trained_weights`` sit side by side (their names differ: ``adapter``, ``embedding``, ``controlnet``);
-``batch_inputs`` and ``model_inputs`` join; ``frozen_base`` and ``retokenises`` hold when one of them
-holds, ``whole_unet`` when both do; the frozen base's fingerprint is taken once, before either attaches.
-Today the modes' checks refuse a second mode beside one (``mode_of`` takes the first asked for).
+Every answer above composes, so two modes can train in one run (a LoRA with a learned token: pivotal
+tuning, ``sd.train.modes.Together``): asked in ``MODES``' order, ``before_data``, ``check_models``,
+``check_data`` and ``attach`` run one after the other (each attaches to what the one before returned);
+the checkpoint entries of ``trained_weights`` sit side by side (their names differ: ``adapter``,
+``embedding``, ``controlnet``); ``batch_inputs`` and ``model_inputs`` join; ``frozen_base`` and
+``retokenises`` hold when one of them holds, ``whole_unet`` when both do; the frozen base's fingerprint
+(of what either mode keeps frozen) is taken once, before either attaches. The modes' checks allow that
+one pair and refuse every other.
 """
 
 from __future__ import annotations
@@ -72,6 +73,9 @@ class Mode:
     def attach(self, unet, text_encoder) -> torch.nn.Module:
         """The module the step trains and calls; what does not train is frozen here."""
         return unet
+
+    def estimate_before_data(self, unet, text_encoder) -> None:
+        """``before_data`` on fake tensors, without a tokenizer (``sd.train.memory``)."""
 
     def estimate_attach(self, unet, text_encoder) -> torch.nn.Module:
         """``attach`` on fake tensors (``sd.train.memory``): the architecture, no file read."""

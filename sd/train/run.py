@@ -301,14 +301,16 @@ def open_metrics(run: Run) -> sd.train.metrics.MetricsLog | None:
 def step_record(run: Run, result, lr: dict[str, float], step: int | None = None, epoch: int | None = None) -> dict:
     """The metrics record of optimizer step ``step`` (default: the step just taken). ``lr``: each parameter
     group's learning rate (``sd.train.step.lrs_at``); ``lr`` is the UNet's, ``lr_text_encoder`` the text
-    adapter's when it trains."""
+    encoder's when it trains (its adapter, or a token trained alone), ``lr_embedding`` a pivotal run's token."""
     record = {"step": run.state.step if step is None else step, "epoch": run.state.epoch if epoch is None else epoch,
               "loss": result["loss"], "lr": lr["unet"], "grad_norm": result["grad_norm"],
               "loss_by_quartile": result["loss_quartiles"],
               "peak_memory_gb": sd.train.metrics.peak_memory_gb(run.d.device), "bad_steps": run.state.bad_steps,
               "skipped": result["bad"] or result["overflow"]}
-    if run.step.text_trains:
+    if run.step.text_trains and any(g.get("name") == "text_encoder" for g in run.step.optimizer.param_groups):
         record["lr_text_encoder"] = lr["text_encoder"]
+    if "embedding" in lr:  # pivotal tuning: the learned token's, 0 once it stopped training
+        record["lr_embedding"] = lr["embedding"]
     return record
 
 

@@ -20,6 +20,7 @@ import torch
 import sd.cli
 import sd.data.training_data
 import sd.distributed
+import sd.embedding.tokens
 import sd.model
 import sd.runtime
 import sd.train.distill
@@ -98,7 +99,7 @@ def schedule_free_lr_at(step: int, peak: float, warmup: int) -> float:
     return peak * ((step + 1) / warmup) if step < warmup else peak
 
 
-GROUPS = ("unet", "unet_down", "unet_mid", "unet_up", "text_encoder")  # the optimizer's parameter groups, in order
+GROUPS = ("unet", "unet_down", "unet_mid", "unet_up", "text_encoder", "embedding")  # the optimizer's groups, in order
 UNET_BLOCKS = {"down_blocks": "unet_down", "mid_block": "unet_mid", "up_blocks": "unet_up"}  # module: its group
 BLOCK_SCALES = {"unet_down": "down_lr_scale", "unet_mid": "mid_lr_scale", "unet_up": "up_lr_scale"}  # group: field
 
@@ -110,33 +111,54 @@ def block_scales(config) -> dict[str, float]:
     return scales if any(scale != 1 for scale in scales.values()) else {}
 
 
+def pivotal(config) -> bool:
+    """A LoRA and a learned token train together (pivotal tuning): the token in a group of its own."""
+    return bool(getattr(config, "embedding_token", "")) and getattr(config, "lora_rank", 0) > 0
+
+
 def group_schedules(config) -> dict[str, tuple[float, int]]:
     """Each parameter group's peak learning rate and warm-up steps: the UNet's ``lr`` / ``warmup_steps``,
     its blocks' ``lr`` times their scales (``block_scales``); the text encoder's adapter its own
-    ``text_encoder_lr`` / ``text_encoder_warmup_steps`` (0 / -1: the UNet's)."""
+    ``text_encoder_lr`` / ``text_encoder_warmup_steps`` (0 / -1: the UNet's); in pivotal tuning the
+    learned token ``embedding_lr`` (0: ``lr``) with the UNet's warm-up."""
     text_lr = getattr(config, "text_encoder_lr", 0.0) or config.lr
     text_warmup = getattr(config, "text_encoder_warmup_steps", -1)
     blocks = {name: (config.lr * scale, config.warmup_steps) for name, scale in block_scales(config).items()}
+    token = {"embedding": (config.embedding_lr or config.lr, config.warmup_steps)} if pivotal(config) else {}
     return {"unet": (config.lr, config.warmup_steps), **blocks,
-            "text_encoder": (text_lr, config.warmup_steps if text_warmup < 0 else text_warmup)}
+            "text_encoder": (text_lr, config.warmup_steps if text_warmup < 0 else text_warmup), **token}
+
+
+def token_steps(config, total: int) -> int:
+    """The optimizer steps in which a pivotal run's token trains: ``embedding_train_fraction`` of ``total``,
+    rounded, at least one."""
+    return max(1, round(getattr(config, "embedding_train_fraction", 1.0) * total))
 
 
 def lrs_at(config, step: int, total: int) -> dict[str, float]:
     """The learning rate of every parameter group at optimizer step ``step`` (0-based) of ``total``:
     ``lr_at``'s warm-up and cosine, or for ``adamw_schedulefree`` ``schedule_free_lr_at``'s warm-up alone.
     Prodigy takes the same schedule as AdamW: its step is its own estimate times this (``lr`` 1.0
-    at the peak), so the warm-up and the cosine scale the estimate."""
+    at the peak), so the warm-up and the cosine scale the estimate. The learned token of pivotal tuning has
+    rate 0 from ``token_steps`` on (``set_lr`` then freezes it)."""
     schedule_free = config.optimizer == "adamw_schedulefree"
-    return {name: schedule_free_lr_at(step, peak, warmup) if schedule_free
-            else lr_at(step, peak, warmup, total, config.min_lr_ratio)
-            for name, (peak, warmup) in group_schedules(config).items()}
+    lrs = {name: schedule_free_lr_at(step, peak, warmup) if schedule_free
+           else lr_at(step, peak, warmup, total, config.min_lr_ratio)
+           for name, (peak, warmup) in group_schedules(config).items()}
+    if "embedding" in lrs and step >= token_steps(config, total):
+        lrs["embedding"] = 0.0
+    return lrs
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float | dict[str, float]) -> None:
     """Set the learning rate of every parameter group: ``lr``, or ``lr[name]`` by the group's name (a group
-    without one is the UNet's)."""
+    without one is the UNet's). The learned token of pivotal tuning trains while its rate is above 0: at 0
+    it needs no gradient, and the text encoder's backward pass is left out when nothing else of it trains."""
     for group in optimizer.param_groups:
         group["lr"] = lr[group.get("name", "unet")] if isinstance(lr, dict) else lr
+        if group.get("name") == "embedding":
+            for p in group["params"]:
+                p.requires_grad_(group["lr"] > 0)
 
 
 def apply_cfg_dropout(hidden: torch.Tensor, empty: torch.Tensor, p: float, generator: torch.Generator):
@@ -157,7 +179,7 @@ def apply_cfg_dropout(hidden: torch.Tensor, empty: torch.Tensor, p: float, gener
 def param_groups(config, unet, text_encoder) -> list[dict]:
     """The optimizer's parameter groups: what trains in the UNet (with ``block_scales``, its down, middle
     and up blocks each in a group of their own after the rest), then in the text encoder (its LoRA
-    adapter), each named (``GROUPS``) and starting at its peak learning rate; a group with nothing to
+    adapter; a learned token, in pivotal tuning, in a group of its own after it), each named (``GROUPS``) and starting at its peak learning rate; a group with nothing to
     train is left out."""
     peaks = group_schedules(config)
     members = {name: [] for name in GROUPS}
@@ -165,7 +187,11 @@ def param_groups(config, unet, text_encoder) -> list[dict]:
         if p.requires_grad:
             block = UNET_BLOCKS.get(name.split(".", 1)[0], "unet")
             members[block if block in peaks else "unet"].append(p)
-    members["text_encoder"] = [p for p in text_encoder.parameters() if p.requires_grad]
+    token = {id(layer.vectors) for layer in sd.embedding.tokens.added_embeddings(text_encoder)} \
+        if "embedding" in peaks else set()
+    for p in text_encoder.parameters():
+        if p.requires_grad:
+            members["embedding" if id(p) in token else "text_encoder"].append(p)
     return [{"name": name, "lr": peaks[name][0], "params": params} for name, params in members.items() if params]
 
 

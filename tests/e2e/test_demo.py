@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from margins import at_least, at_most
@@ -121,9 +122,9 @@ def fid_blank(out: Path) -> float:
 
 def check_concept(out: Path, runs: tuple[str, ...]) -> dict:
     """The new concept: "a sks circle" drawn cyan by the DreamBooth LoRAs and "a <cyan-sks> circle" by the
-    learned token, a colour the base never drew. A sample counts only when it is clearly cyan
-    (``demo.evaluate.clearly``). Each run draws the concept prompt four times: the three runs' samples
-    together (12) must be mostly cyan, and each run's at least one in four."""
+    learned token (alone and with a LoRA), a colour the base never drew. A sample counts only when it is clearly
+    cyan (``demo.evaluate.clearly``). Each run draws the concept prompt four times: the runs' samples together
+    must be mostly cyan, and each run's at least one in four."""
     concept = json.loads((out / "concept" / "concept.json").read_text())
     assert set(concept) == {"base", *runs}, concept
     at_most("concept: the base model's samples in its colour", concept["base"]["concept_colour"],
@@ -179,11 +180,15 @@ def test_demo_at_64_px_learns_prompted_colours_a_concept_aspect_ratios_few_step_
     # FID measured at this size: 7.9 < 37.8 < 383.7, the model at 0.10 of the blank; the full demo:
     # 2.4 < 8.1 < 375.
     check_outputs(out, n=4, vae_steps=500, grid_step=300)
-    concept = check_concept(out, ("prior", "no_prior", "embedding"))
+    concept = check_concept(out, ("prior", "no_prior", "embedding", "pivotal"))
     # The learned token changes no weight: the seen prompts' samples are the base model's (measured: concept
     # 100%, seen colour 87% as the base's, the token 150 steps).
     assert concept["embedding"]["seen_colour"] == concept["base"]["seen_colour"], concept
     assert (out / "concept" / "embeddings" / "cyan-sks.safetensors").is_file()
+    # Pivotal tuning's LoRA carries its token (AUTOMATIC1111's bundle) and the token's file lies beside it.
+    assert (out / "concept" / "pivotal_lora" / "cyan-sks.safetensors").is_file()
+    with safe_open(str(out / "concept" / "pivotal_lora" / "cyan.safetensors"), framework="pt") as handle:
+        assert "bundle_emb.<cyan-sks>.string_to_param.*" in handle.keys()
     # Language drift: the base prompts lose less of their colour with prior preservation than without.
     # At this size the drift can be small, and the two runs then differ by sampling noise: 0.53 against
     # 0.28 and 1.00 against 0.53 measured on AVX-512 machines, 0.80 against 0.82 and 0.98 against 1.00 on

@@ -382,7 +382,7 @@ def test_a_text_cache_too_large_is_refused_before_encoding():
         sd.train.step.TextCache.build(encoder, ids, "fp32", torch.device("cpu"), max_bytes=10 * 77 * 4)
 
 
-@pytest.mark.parametrize("name", ["lora", "dreambooth_lora", "textual_inversion"])
+@pytest.mark.parametrize("name", ["lora", "dreambooth_lora", "textual_inversion", "pivotal_tuning"])
 def test_fine_tuning_recipes_load(name):
     path = Path(__file__).resolve().parents[2] / "configs" / "finetune" / f"{name}.yaml"
     config = sd.train.config.load_config(["--config", str(path)], check_paths=False)
@@ -390,6 +390,9 @@ def test_fine_tuning_recipes_load(name):
     assert bool(config.instance_dir) == (name != "lora")
     if name == "textual_inversion":
         assert config.embedding_token in config.instance_prompt and not config.lora_rank
+    elif name == "pivotal_tuning":
+        assert config.embedding_token in config.instance_prompt and config.lora_rank == 16
+        assert sd.train.step.token_steps(config, config.max_steps) == 500 and not config.cache_text_embeddings
     else:
         assert config.lora_rank == 16 and config.cache_text_embeddings
 

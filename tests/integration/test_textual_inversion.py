@@ -200,7 +200,6 @@ def test_a_multi_vector_token_is_written_out_in_prompts_and_a_known_word_is_refu
 @pytest.mark.parametrize("fields, message", [
     (dict(embedding_init=""), "embedding_token needs embedding_init"),
     (dict(instance_prompt="a circle"), "does not use embedding_token"),
-    (dict(lora_rank=4), "trains the token alone"),
     (dict(embedding_token="<Cyan>"), "lower case"),
     (dict(init_from=""), "set init_from"),
 ])

@@ -50,7 +50,9 @@ def train_one_step(cfg: TrainConfig, steps: int = 1, syncs: list | None = None):
         text_encoder = holder["text_encoder"] = sd.model.load_text_encoder("tiny")
         unet = holder["unet"] = sd.model.build_unet("tiny", grad_checkpointing=cfg.grad_checkpointing,
                                                     channels_last=cfg.channels_last).to(d.device).train()
-        unet = holder["unet"] = sd.train.modes.mode_of(cfg).estimate_attach(unet, text_encoder)  # a token: zeros
+        mode = sd.train.modes.mode_of(cfg)
+        mode.estimate_before_data(unet, text_encoder)  # a token: zeros
+        unet = holder["unet"] = mode.estimate_attach(unet, text_encoder)
         step = sd.train.step.build_step(cfg, d, unet, text_encoder, torch.full((1, 77), 49407), 0.18215)
         ids = torch.randint(0, 49407 + cfg.embedding_vectors, (2, 77))
         if cfg.cache_text_embeddings:  # as sd.train.run.cache_text_embeddings: built on the GPU, kept on the host

@@ -332,3 +332,17 @@ def test_a_loha_lokr_or_dora_run_keeps_gradients_and_optimizer_state_for_its_fac
     assert factors and estimate.parts["ema"] == rounded(factors)
     assert any(".dora_scale." in name for name, p in unet.named_parameters() if p.requires_grad) == dora
     assert estimate.parts["optimizer_state"] == 2 * rounded(factors) + rounded([torch.zeros(())] * len(factors))
+
+
+@pytest.mark.slow
+def test_a_pivotal_run_keeps_optimizer_state_for_its_adapters_and_its_token():
+    """A LoRA and a learned token together (sd.train.modes.Together): AdamW's moments are the exact sizes of the
+    UNet's and text encoder's adapters and of the token's rows (fp32), nothing of the frozen base."""
+    config = tiny_config(lora_rank=4, lora_text_encoder=True, init_from="x", embedding_token="<x>",
+                         embedding_init="dog", embedding_vectors=3, grad_checkpointing=False)
+    estimate = sd.train.memory.estimate(config, batch_size=2, resolution=64)
+    unet, encoder = sd.model.build_unet("tiny"), sd.model.load_text_encoder("tiny")
+    sd.lora.adapters.apply_settings(sd.lora.adapters.LoraSettings.from_config(config), unet, encoder)
+    trained = [p for model in (unet, encoder) for p in model.parameters() if p.requires_grad]
+    trained.append(torch.zeros(3, encoder.config.hidden_size))  # the token's rows
+    assert estimate.parts["optimizer_state"] == 2 * rounded(trained) + rounded([torch.zeros(())] * len(trained))

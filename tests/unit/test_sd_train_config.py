@@ -156,6 +156,8 @@ RANGES = {
     "text_encoder_warmup_steps": (">= -1", [-1], [-2]),
     "min_lr_ratio": ("in [0, 1]", [0.0, 1.0], [-0.01, 1.01]),
     "posthoc_ema_every": (">= 0", [0, 1000], [-1]),
+    "embedding_lr": (">= 0 and finite", [0.0], [-1e-5]),  # > 0 needs pivotal tuning: test_pivotal_settings_...
+    "embedding_train_fraction": ("in (0, 1]", [1.0], [0.0, 1.5]),  # < 1 likewise
     "lora_factor": (">= -1", [-1], [-2]),  # > 0 needs lora_type lokr: test_optimizer_and_learning_rate_settings...
     "down_lr_scale": ("> 0 and finite", [1e-3, 1.0, 10.0], [0.0, -1.0]),
     "mid_lr_scale": ("> 0 and finite", [1e-3, 1.0, 10.0], [0.0, -1.0]),
