@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -20,34 +19,21 @@ import sd.run_folder
 import sd.train.config
 import sd.train.step
 import SD_ImageGen
-import SD_Train
 
-from data_factory import BASE, assert_bitwise_equal, draw_subject, make_base_pipeline
+import test_textual_inversion as textual_inversion
+from data_factory import assert_bitwise_equal
+from test_textual_inversion import PROMPT, TOKEN
 
-TOKEN = "<cyan-sks>"
-PROMPT = f"a {TOKEN} circle"
 STEPS, TOKEN_STEPS = 6, 3  # embedding_train_fraction 0.5 of 6
-FIELDS = dict(BASE, lr=1e-2, embedding_lr=5e-2, embedding_train_fraction=0.5, warmup_steps=0, ema_decay=0.9,
-              cfg_dropout=0.1, batch_size=2, grad_accum=1, datasets=[], instance_prompt=PROMPT, image_size=32,
-              embedding_token=TOKEN, embedding_init="blue", embedding_vectors=2, lora_rank=4, lora_alpha=4.0,
-              lora_text_encoder=True, validate_every=0, save_steps=1, keep_checkpoints=STEPS, max_steps=STEPS, log_every=1)
-
-
-@pytest.fixture(scope="module")
-def base_model(tmp_path_factory) -> Path:
-    return make_base_pipeline(tmp_path_factory.mktemp("base") / "pipeline")
-
-
-@pytest.fixture(scope="module")
-def instance_images(tmp_path_factory) -> Path:
-    return draw_subject(tmp_path_factory.mktemp("instance"))
+PIVOTAL = dict(lr=1e-2, embedding_lr=5e-2, embedding_train_fraction=0.5, grad_accum=1, lora_rank=4, lora_alpha=4.0,
+               lora_text_encoder=True, save_steps=1, keep_checkpoints=STEPS, max_steps=STEPS, log_every=1)
+FIELDS = {**textual_inversion.FIELDS, **PIVOTAL}
+base_model, instance_images = textual_inversion.base_model, textual_inversion.instance_images  # the same fixtures
 
 
 def train(tmp_path: Path, name: str, base_model: Path, images: Path, *flags, **fields) -> int:
-    config = tmp_path / f"{name}.yaml"
-    config.write_text(yaml.safe_dump({**FIELDS, "init_from": str(base_model), "instance_dir": str(images),
-                                      "out_dir": str(tmp_path / name), **fields}))
-    return SD_Train.main(["--config", str(config), *flags])
+    """textual inversion's run of the same token and images, with a LoRA beside the token."""
+    return textual_inversion.train(tmp_path, name, base_model, images, *flags, **{**PIVOTAL, **fields})
 
 
 @pytest.fixture(scope="module")
