@@ -549,7 +549,8 @@ def _load_pipeline(source: str, use_ema: bool, vae: str | None, text_encoder: st
         folder = sd.run_folder.resolve_checkpoint(source)
         loaded = load_embedding_run(folder, unet, encoder, tokenizer_model, use_ema=use_ema, check_base=check_base)
         if is_lora_checkpoint(folder):  # pivotal tuning: a LoRA learned with the token, on the base just checked
-            loaded += f" + LoRA {load_run_adapters(folder, lora_run_settings(str(folder)), unet, encoder, use_ema=use_ema)}"
+            adapters = load_run_adapters(folder, lora_run_settings(str(folder)), unet, encoder, use_ema=use_ema)
+            loaded += f" + LoRA {adapters}"
     elif is_lora_checkpoint(sd.run_folder.resolve_checkpoint(source)):  # the adapters stay PEFT layers (sd.lora.adapters.merge)
         loaded = load_lora_run(sd.run_folder.resolve_checkpoint(source), unet, encoder, use_ema=use_ema,
                                check_base=check_base)

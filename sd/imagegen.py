@@ -294,8 +294,9 @@ def load(request: Request) -> Pipeline:
 
 
 def use_posthoc_ema(request: Request, model: Pipeline) -> None:
-    """``--ema_length``: the UNet's trained weights replaced by the EMA of that length rebuilt from the run's
-    post-hoc EMA snapshots (``sd.train.posthoc_ema``), at the newest snapshot up to the checkpoint's step."""
+    """``--ema_length``: the trained weights (the UNet's, and a text adapter's or learned token's) replaced by the
+    EMA of that length rebuilt from the run's post-hoc EMA snapshots (``sd.train.posthoc_ema``), at the newest
+    snapshot up to the checkpoint's step."""
     import sd.train.posthoc_ema
 
     if sd.formats.run_config(request.ckpt) is None:
@@ -308,14 +309,16 @@ def use_posthoc_ema(request: Request, model: Pipeline) -> None:
                          "(train with posthoc_ema_every)")
     weights, step = sd.train.posthoc_ema.reconstruct(run_dir, request.ema_length, steps[-1])
     params = dict(model.unet.named_parameters())
+    params.update({sd.run_folder.EMA_TEXT_PREFIX + name: p for name, p in model.text_encoder.named_parameters()})
     missing = [name for name in weights if name not in params]
     if missing:
         raise ValueError(f"--ema_length: the snapshots hold weights the model lacks, e.g. {missing[:2]}")
     with torch.no_grad():
         for name, tensor in weights.items():
             params[name].copy_(tensor)
-    log.info("the UNet's EMA of length %g rebuilt from %d post-hoc EMA snapshots at step %d", request.ema_length,
-             len([s for s in steps if s <= step]), step)
+    text = any(name.startswith(sd.run_folder.EMA_TEXT_PREFIX) for name in weights)
+    log.info("the UNet's%s EMA of length %g rebuilt from %d post-hoc EMA snapshots at step %d",
+             " and the text encoder's" if text else "", request.ema_length, len([s for s in steps if s <= step]), step)
 
 
 def prepare(request: Request, model: Pipeline) -> tuple[Request, torch.nn.Module | None]:

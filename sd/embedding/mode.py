@@ -29,12 +29,12 @@ class LearnedToken(sd.train.mode.Mode):
     @classmethod
     def check(cls, config, check_paths: bool = True) -> None:
         """Textual inversion's settings, and the modes it cannot be combined with."""
-        pivotal = [name for name, value in (("embedding_lr", config.embedding_lr != 0),
-                                            ("embedding_train_fraction", config.embedding_train_fraction != 1)) if value]
+        defaults = {"embedding_lr": 0, "embedding_train_fraction": 1}
+        pivotal = [name for name, default in defaults.items() if getattr(config, name) != default]
         if pivotal and not (config.embedding_token and config.lora_rank):
             raise ConfigError(f"{' and '.join(pivotal)} set the learned token's schedule beside a LoRA (pivotal "
                               f"tuning): set embedding_token and lora_rank > 0, or leave "
-                              f"{' and '.join(pivotal)} at {' and '.join('0' if n == 'embedding_lr' else '1' for n in pivotal)}"
+                              f"{' and '.join(f'{name} at {defaults[name]}' for name in pivotal)}"
                               f"{' (a token trained alone takes lr)' if 'embedding_lr' in pivotal else ''}")
         if not config.embedding_token:
             if config.embedding_init:

@@ -408,7 +408,8 @@ def read_lora(path: str | Path, unet, text_encoder=None) -> dict[str, dict[str, 
     a NaN or infinity in any tensor or alpha is a ValueError naming the file.
     """
     file = lora_file(path)
-    tensors = {k: v for k, v in read_weights(file).items() if not k.startswith(BUNDLE_PREFIX)}  # read_bundled_embeddings
+    tensors = {k: v for k, v in read_weights(file).items()
+               if not k.startswith(BUNDLE_PREFIX)}  # tokens: read_bundled_embeddings
     sd.lora.adapters.check_finite(tensors, file)
     models = {part: m for part, m in (("unet", unet), ("text_encoder", text_encoder)) if m is not None}
     layers = {part: lora_layers_of(m) for part, m in models.items()}

@@ -247,7 +247,8 @@ class TrainConfig:
                                  "(or 0): 10 for a whole UNet's EMA in host memory of a GPU run (each update copies "
                                  "3.4 GB off the GPU), else 1", 0, allowed=NON_NEGATIVE)
     posthoc_ema_every: int = _doc("post-hoc EMA (Karras et al. 2024): keep two power-function EMAs of what trains "
-                                  "in the UNet (sigma_rel 0.05 and 0.10, where ema_device says, updated every step) "
+                                  "(in the UNet, and a text adapter or learned token beside it; sigma_rel 0.05 and "
+                                  "0.10, where ema_device says, updated every step) "
                                   "and write both to OUT_DIR/posthoc_ema/ every N optimizer steps (fp16), from which "
                                   "SD_ImageGen.py --ema_length rebuilds an EMA of any length; 0 = off", 0,
                                   allowed=NON_NEGATIVE)

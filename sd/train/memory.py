@@ -645,7 +645,7 @@ def breakdown(allocations: Allocations, step, vae, config, casts: set[int], rebu
         "gradients": records([p.grad for p in unet.parameters() if p.grad is not None]),
         "optimizer_state": records([t for state in sd.train.sharding.local_optimizer(step.optimizer).state.values()
                                     for t in state.values() if isinstance(t, torch.Tensor)]),
-        "ema": records([t for ema in [e for e, _ in step.emas()] + step.posthoc
+        "ema": records([t for ema in [e for e, _ in step.emas()] + step.posthoc + step.posthoc_text
                         for t in ema.shadow + (ema.staging or [])]),
         "text_encoder_and_vae": records([*step.text_encoder.parameters(), *step.text_encoder.buffers(),
                                          *vae.parameters(), *vae.buffers()]),

@@ -4,9 +4,10 @@ section 3): an EMA of any length chosen after training, from snapshots of two EM
 Each kept EMA has a power-function profile: after optimizer step t (1-based) it folds the weights in with
 decay (1 - 1/t)^(gamma + 1), so it averages the whole run with weights growing as t'^gamma. Its length is
 ``sigma_rel``, the standard deviation of that profile relative to the run's length; ``PROFILES`` keeps
-0.05 and 0.10. Every ``posthoc_ema_every`` steps both are written to ``OUT_DIR/posthoc_ema/`` (fp16, a
-file a snapshot). Any profile (``sigma_rel``, at any snapshot's step) is, to a good approximation, a
-linear combination of the stored ones: the coefficients solve the least-squares problem of the profiles'
+0.05 and 0.10. What trains in the text encoder (a LoRA's text adapter, a pivotal run's token) has its two
+EMAs beside the UNet's, under ``text_encoder.`` + its name. Every ``posthoc_ema_every`` steps all are
+written to ``OUT_DIR/posthoc_ema/`` (fp16, a file a snapshot). Any profile (``sigma_rel``, at any
+snapshot's step) is, to a good approximation, a linear combination of the stored ones: the coefficients solve the least-squares problem of the profiles'
 inner products in closed form (``coefficients``), and ``reconstruct`` sums the snapshots with them,
 tensor by tensor (memory: one tensor of each snapshot at a time).
 """
@@ -22,6 +23,7 @@ import torch
 
 import sd.files
 import sd.train.ema
+from sd.run_folder import EMA_TEXT_PREFIX
 
 PROFILES = (0.05, 0.10)  # sigma_rel of the two EMAs kept during training
 FOLDER = "posthoc_ema"  # in the run folder
@@ -65,18 +67,21 @@ def update_all(emas: list[PowerEMA], model, step: int, skip: torch.Tensor | None
 
 
 class PosthocWeights:
-    """The kept EMAs as one checkpoint entry (``posthoc_ema.safetensors``), each under ``key``."""
+    """The kept EMAs as one checkpoint entry (``posthoc_ema.safetensors``), each under ``key``: the UNet's
+    (``emas``) by their names, the text encoder's (``text_emas``) by ``text_encoder.`` + their names."""
 
-    def __init__(self, emas: list[PowerEMA]):
-        self.emas = emas
+    def __init__(self, emas: list[PowerEMA], text_emas: list[PowerEMA] = ()):
+        self.parts = [(ema, "") for ema in emas] + [(ema, EMA_TEXT_PREFIX) for ema in text_emas]
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {key(ema.sigma_rel, name): tensor for ema in self.emas for name, tensor in ema.state_dict().items()}
+        return {key(ema.sigma_rel, part + name): tensor for ema, part in self.parts
+                for name, tensor in ema.state_dict().items()}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        for ema in self.emas:
-            prefix = key(ema.sigma_rel, "")
-            ema.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+        for ema, part in self.parts:
+            prefix = key(ema.sigma_rel, part)
+            ema.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)
+                                 and (part or not k[len(prefix):].startswith(EMA_TEXT_PREFIX))})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -88,14 +93,14 @@ def snapshot_path(run_dir: Path, step: int) -> Path:
     return Path(run_dir) / FOLDER / f"step_{step:08d}.safetensors"
 
 
-def write_snapshot(run_dir: Path, step: int, emas: list[PowerEMA]) -> Path:
-    """Both kept EMAs at ``step``, in fp16, atomically (rank 0)."""
+def write_snapshot(run_dir: Path, step: int, emas: list[PowerEMA], text_emas: list[PowerEMA] = ()) -> Path:
+    """The kept EMAs at ``step`` (``PosthocWeights``' tensors), in fp16, atomically (rank 0)."""
     from safetensors.torch import save_file
 
     path = snapshot_path(run_dir, step)
     path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to("cpu", torch.float16).contiguous()
-               for k, v in PosthocWeights(emas).state_dict().items()}
+               for k, v in PosthocWeights(emas, text_emas).state_dict().items()}
     header = {"step": str(step), "profiles": json.dumps({f"{e.sigma_rel:g}": e.gamma for e in emas})}
     sd.files.write_atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata=header))
     return path
@@ -142,8 +147,9 @@ def coefficients(steps: list[int], gammas: list[float], target_step: int, target
 
 
 def reconstruct(run_dir: Path, sigma_rel: float, step: int | None = None) -> tuple[dict[str, torch.Tensor], int]:
-    """The EMA of length ``sigma_rel`` at snapshot ``step`` (default: the last), fp32, by parameter name,
-    from the run's snapshots up to that step; returns it and the step."""
+    """The EMA of length ``sigma_rel`` at snapshot ``step`` (default: the last), fp32, by parameter name (the
+    text encoder's under ``text_encoder.``), from the run's snapshots up to that step; returns it and the
+    step."""
     from safetensors import safe_open
 
     found = snapshots(run_dir)

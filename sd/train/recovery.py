@@ -86,7 +86,7 @@ def resumable(run: Run) -> dict:
     if step.ema is not None or step.text_ema is not None:
         states["ema"] = ckpt.Weights(sd.train.ema.EMAWeights(step.ema, step.text_ema))
     if step.posthoc:  # posthoc_ema_every: the two power-function EMAs (their snapshots: sd.train.posthoc_ema)
-        states["posthoc_ema"] = ckpt.Weights(sd.train.posthoc_ema.PosthocWeights(step.posthoc))
+        states["posthoc_ema"] = ckpt.Weights(sd.train.posthoc_ema.PosthocWeights(step.posthoc, step.posthoc_text))
     states.update({name: ckpt.Weights(entry) for name, entry in step.objective.entries().items()})
     states.update(optimizer=sd.train.optimizers.OptimizerState(step.optimizer), scaler=step.scaler,
                   train_state=run.state, rng=ckpt.PerRank(run.rng))

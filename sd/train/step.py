@@ -63,6 +63,7 @@ class Step:
     held_optimizer_state: dict | None = None  # fsdp: a resume's AdamW state in host memory until shard_unet splits it
     text_ema: sd.train.ema.EMA | None = None  # of the text encoder's adapter, when it trains and there is an EMA
     posthoc: list = dataclasses.field(default_factory=list)  # posthoc_ema_every: PowerEMAs of the UNet
+    posthoc_text: list = dataclasses.field(default_factory=list)  # and of what trains in the text encoder
     objective: "Diffusion | sd.train.distill.Distiller" = dataclasses.field(default_factory=lambda: Diffusion())
     mode: sd.train.mode.Mode = dataclasses.field(default_factory=lambda: sd.train.mode.Mode(None))  # what trains
 
@@ -179,8 +180,8 @@ def apply_cfg_dropout(hidden: torch.Tensor, empty: torch.Tensor, p: float, gener
 def param_groups(config, unet, text_encoder) -> list[dict]:
     """The optimizer's parameter groups: what trains in the UNet (with ``block_scales``, its down, middle
     and up blocks each in a group of their own after the rest), then in the text encoder (its LoRA
-    adapter; a learned token, in pivotal tuning, in a group of its own after it), each named (``GROUPS``) and starting at its peak learning rate; a group with nothing to
-    train is left out."""
+    adapter; a learned token, in pivotal tuning, in a group of its own after it), each named (``GROUPS``)
+    and starting at its peak learning rate; a group with nothing to train is left out."""
     peaks = group_schedules(config)
     members = {name: [] for name in GROUPS}
     for name, p in unet.named_parameters():
@@ -295,11 +296,14 @@ def build_step(config, d: Dist, unet, text_encoder, empty_ids: torch.Tensor, sca
             ema = sd.train.ema.EMA(unet, config.ema_decay, **settings)
         if text_trains:
             text_ema = sd.train.ema.EMA(text_encoder, config.ema_decay, **{**settings, "trainable_only": True})
-    posthoc = []
+    posthoc, posthoc_text = [], []
     if getattr(config, "posthoc_ema_every", 0) and mode.unet_trains:
-        posthoc = [sd.train.posthoc_ema.PowerEMA(unet, sigma_rel, device="cpu" if config.ema_device == "cpu" else None,
-                                                trainable_only=not mode.whole_unet)
+        where = "cpu" if config.ema_device == "cpu" else None
+        posthoc = [sd.train.posthoc_ema.PowerEMA(unet, sigma_rel, device=where, trainable_only=not mode.whole_unet)
                    for sigma_rel in sd.train.posthoc_ema.PROFILES]
+        if text_trains:  # a text adapter, a pivotal run's token: their EMAs rebuilt with the UNet's
+            posthoc_text = [sd.train.posthoc_ema.PowerEMA(text_encoder, sigma_rel, device=where, trainable_only=True)
+                            for sigma_rel in sd.train.posthoc_ema.PROFILES]
     groups = param_groups(config, unet, text_encoder)
     master = None
     if getattr(config, "bf16_weights", False):  # every group is the UNet's (config.check_bf16_weights)
@@ -317,7 +321,7 @@ def build_step(config, d: Dist, unet, text_encoder, empty_ids: torch.Tensor, sca
                 sd.model.ddpm_alphas_cumprod(zero_terminal_snr=config.zero_terminal_snr).to(d.device), scaling_factor,
                 LossSettings.from_config(config), d, trainable=[p for group in groups for p in group["params"]],
                 text_trains=text_trains, empty_ids=empty_ids.to(d.device), sharding=sharding, text_ema=text_ema,
-                objective=objective, mode=mode, posthoc=posthoc,
+                objective=objective, mode=mode, posthoc=posthoc, posthoc_text=posthoc_text,
                 reduce_each_micro_batch=sharding == "fsdp" and getattr(config, "fsdp_reduce_each_micro_batch", False))
 
 
@@ -642,6 +646,7 @@ def apply_update(step: Step, skip: torch.Tensor, step_index: int) -> None:
         for ema, model in step.emas():
             ema.update(model, step_index, skip=skip, view=view)
         sd.train.posthoc_ema.update_all(step.posthoc, step.unet, step_index, skip=skip, view=view)
+        sd.train.posthoc_ema.update_all(step.posthoc_text, step.text_encoder, step_index, skip=skip, view=view)
         step.objective.update(step.unet, step_index, skip=skip)
         return
     # A read of the device: these optimizers cannot skip on their own (the foreach AdamW, bitsandbytes'
@@ -655,6 +660,7 @@ def apply_update(step: Step, skip: torch.Tensor, step_index: int) -> None:
     for ema, model in step.emas():
         ema.update(model, step_index, view=evaluated)
     sd.train.posthoc_ema.update_all(step.posthoc, step.unet, step_index, view=evaluated)
+    sd.train.posthoc_ema.update_all(step.posthoc_text, step.text_encoder, step_index, view=evaluated)
     step.objective.update(step.unet, step_index, view=evaluated)
 
 

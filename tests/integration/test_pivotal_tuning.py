@@ -26,7 +26,8 @@ from test_textual_inversion import PROMPT, TOKEN
 
 STEPS, TOKEN_STEPS = 6, 3  # embedding_train_fraction 0.5 of 6
 PIVOTAL = dict(lr=1e-2, embedding_lr=5e-2, embedding_train_fraction=0.5, grad_accum=1, lora_rank=4, lora_alpha=4.0,
-               lora_text_encoder=True, save_steps=1, keep_checkpoints=STEPS, max_steps=STEPS, log_every=1)
+               lora_text_encoder=True, save_steps=1, keep_checkpoints=STEPS, max_steps=STEPS, log_every=1,
+               posthoc_ema_every=2)
 FIELDS = {**textual_inversion.FIELDS, **PIVOTAL}
 base_model, instance_images = textual_inversion.base_model, textual_inversion.instance_images  # the same fixtures
 
@@ -76,7 +77,7 @@ def test_a_run_resumed_after_the_token_froze_is_bitwise_the_uninterrupted_one(tm
                                                                                instance_images):
     assert train(tmp_path, "b", base_model, instance_images, "--stop_at_step", "4") == 0
     assert train(tmp_path, "b", base_model, instance_images) == 0
-    for name in ("adapter.safetensors", "embedding.safetensors", "ema.safetensors"):
+    for name in ("adapter.safetensors", "embedding.safetensors", "ema.safetensors", "posthoc_ema.safetensors"):
         assert_bitwise_equal(load_file(folder(trained, 6) / name), load_file(folder(tmp_path / "b", 6) / name))
     straight = torch.load(folder(trained, 6) / "optimizer.pt", weights_only=True)["state"]
     resumed = torch.load(folder(tmp_path / "b", 6) / "optimizer.pt", weights_only=True)["state"]
@@ -112,6 +113,33 @@ def test_the_lora_file_bundles_the_token_and_loads_back_to_what_the_run_samples_
     torch.testing.assert_close(prompt_output(plain), prompt_output(run), atol=1e-5, rtol=1e-5)
     ours, theirs = plain.unet.state_dict(), run.unet.state_dict()
     assert max((ours[k] - theirs[k]).abs().max().item() for k in ours) < 1e-5
+
+
+def test_an_ema_length_rebuilds_the_text_adapter_and_the_token_with_the_unet(tmp_path, trained):
+    """posthoc_ema_every keeps the two power-function EMAs of the text adapter and the token beside the UNet's;
+    --ema_length 0.05 puts the rebuilt ones in the exported LoRA (its text layers and bundled token), which
+    differ from the classic EMA's."""
+    import sd.train.posthoc_ema
+
+    snapshot = load_file(trained / "posthoc_ema" / "step_00000006.safetensors")
+    rebuilt, step = sd.train.posthoc_ema.reconstruct(trained, 0.05)
+    # the text encoder's own names (transformers 5's CLIPTextModel has no text_model.)
+    (token_key,) = [k for k in rebuilt if k.startswith("text_encoder.") and k.endswith("token_embedding.vectors")]
+    (ours,) = [k for k in rebuilt
+               if k.startswith("text_encoder.") and k.endswith("layers.0.self_attn.q_proj.lora_A.default.weight")]
+    assert {f"sigma_rel_{s:g}/{token_key}" for s in sd.train.posthoc_ema.PROFILES} <= set(snapshot)
+    assert step == STEPS
+    out = {}
+    for name, flags in (("classic", []), ("rebuilt", ["--ema_length", "0.05"])):
+        path = tmp_path / f"{name}.safetensors"
+        assert SD_ImageGen.main(["--ckpt", str(trained), *flags, "--export_lora", str(path)]) == 0
+        out[name] = load_file(path)
+    bundled = f"bundle_emb.{TOKEN}.string_to_param.*"
+    down = "lora_te_text_model_encoder_layers_0_self_attn_q_proj.lora_down.weight"
+    torch.testing.assert_close(out["rebuilt"][bundled], rebuilt[token_key])
+    torch.testing.assert_close(out["rebuilt"][down], rebuilt[ours])
+    assert not torch.allclose(out["rebuilt"][bundled], out["classic"][bundled], atol=1e-6)
+    assert not torch.allclose(out["rebuilt"][down], out["classic"][down], atol=1e-6)
 
 
 @pytest.mark.parametrize("fields, message", [
