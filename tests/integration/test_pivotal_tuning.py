@@ -48,6 +48,7 @@ def folder(run: Path, step: int) -> Path:
     return run / "checkpoints" / sd.run_folder.step_dir_name(step)
 
 
+@pytest.mark.slow  # a training run: the full suite's, not make check's
 def test_the_token_and_the_lora_train_at_their_own_rates_and_the_token_stops_after_its_fraction(trained):
     """Checkpoint entries side by side (adapter, embedding); three named optimizer groups; the token moves in
     its 3 steps at embedding_lr and not after, while the adapters move in all 6; metrics.jsonl logs both rates."""
@@ -73,6 +74,7 @@ def test_the_token_and_the_lora_train_at_their_own_rates_and_the_token_stops_aft
     assert len(records) == STEPS
 
 
+@pytest.mark.slow  # a training run: the full suite's, not make check's
 def test_a_run_resumed_after_the_token_froze_is_bitwise_the_uninterrupted_one(tmp_path, trained, base_model,
                                                                                instance_images):
     assert train(tmp_path, "b", base_model, instance_images, "--stop_at_step", "4") == 0
@@ -91,6 +93,7 @@ def prompt_output(pipe) -> torch.Tensor:
         return pipe.text_encoder(ids).last_hidden_state
 
 
+@pytest.mark.slow  # a training run: the full suite's, not make check's
 def test_the_lora_file_bundles_the_token_and_loads_back_to_what_the_run_samples_with(tmp_path, trained, base_model):
     """--export_lora writes bundle_emb.<token>.string_to_param.* (AUTOMATIC1111's bundled embeddings) and the
     token's own file beside it; the base with --lora FILE (its token added from the bundle) computes what the run
@@ -115,6 +118,7 @@ def test_the_lora_file_bundles_the_token_and_loads_back_to_what_the_run_samples_
     assert max((ours[k] - theirs[k]).abs().max().item() for k in ours) < 1e-5
 
 
+@pytest.mark.slow  # a training run: the full suite's, not make check's
 def test_an_ema_length_rebuilds_the_text_adapter_and_the_token_with_the_unet(tmp_path, trained):
     """posthoc_ema_every keeps the two power-function EMAs of the text adapter and the token beside the UNet's;
     --ema_length 0.05 puts the rebuilt ones in the exported LoRA (its text layers and bundled token), which
