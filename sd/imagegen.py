@@ -28,6 +28,7 @@ import sd.formats
 import sd.lora.adapters
 import sd.lora.formats
 import sd.metadata
+import sd.posthoc_ema
 import sd.runtime
 import sd.run_folder
 import sd.sampling
@@ -295,19 +296,17 @@ def load(request: Request) -> Pipeline:
 
 def use_posthoc_ema(request: Request, model: Pipeline) -> None:
     """``--ema_length``: the trained weights (the UNet's, and a text adapter's or learned token's) replaced by the
-    EMA of that length rebuilt from the run's post-hoc EMA snapshots (``sd.train.posthoc_ema``), at the newest
+    EMA of that length rebuilt from the run's post-hoc EMA snapshots (``sd.posthoc_ema``), at the newest
     snapshot up to the checkpoint's step."""
-    import sd.train.posthoc_ema
-
     if sd.formats.run_config(request.ckpt) is None:
         raise ValueError(f"--ema_length rebuilds an EMA from a run of ours; {request.ckpt} is none")
     checkpoint = sd.run_folder.resolve_checkpoint(request.ckpt)
     run_dir, at = checkpoint.parent.parent, sd.run_folder.checkpoint_step(checkpoint)
-    steps = [s for s, _ in sd.train.posthoc_ema.snapshots(run_dir) if s <= at]
+    steps = [s for s, _ in sd.posthoc_ema.snapshots(run_dir) if s <= at]
     if not steps:
-        raise ValueError(f"--ema_length: {run_dir / sd.train.posthoc_ema.FOLDER} holds no snapshot up to step {at} "
+        raise ValueError(f"--ema_length: {run_dir / sd.posthoc_ema.FOLDER} holds no snapshot up to step {at} "
                          "(train with posthoc_ema_every)")
-    weights, step = sd.train.posthoc_ema.reconstruct(run_dir, request.ema_length, steps[-1])
+    weights, step = sd.posthoc_ema.reconstruct(run_dir, request.ema_length, steps[-1])
     params = dict(model.unet.named_parameters())
     params.update({sd.run_folder.EMA_TEXT_PREFIX + name: p for name, p in model.text_encoder.named_parameters()})
     missing = [name for name in weights if name not in params]

@@ -22,6 +22,7 @@ import sd.data.training_data
 import sd.distributed
 import sd.embedding.tokens
 import sd.model
+import sd.posthoc_ema
 import sd.runtime
 import sd.train.distill
 import sd.train.ema
@@ -300,10 +301,10 @@ def build_step(config, d: Dist, unet, text_encoder, empty_ids: torch.Tensor, sca
     if getattr(config, "posthoc_ema_every", 0) and mode.unet_trains:
         where = "cpu" if config.ema_device == "cpu" else None
         posthoc = [sd.train.posthoc_ema.PowerEMA(unet, sigma_rel, device=where, trainable_only=not mode.whole_unet)
-                   for sigma_rel in sd.train.posthoc_ema.PROFILES]
+                   for sigma_rel in sd.posthoc_ema.PROFILES]
         if text_trains:  # a text adapter, a pivotal run's token: their EMAs rebuilt with the UNet's
             posthoc_text = [sd.train.posthoc_ema.PowerEMA(text_encoder, sigma_rel, device=where, trainable_only=True)
-                            for sigma_rel in sd.train.posthoc_ema.PROFILES]
+                            for sigma_rel in sd.posthoc_ema.PROFILES]
     groups = param_groups(config, unet, text_encoder)
     master = None
     if getattr(config, "bf16_weights", False):  # every group is the UNet's (config.check_bf16_weights)

@@ -255,7 +255,7 @@ def test_post_hoc_ema_snapshots_resume_bit_for_bit_and_rebuild_any_length(tmp_pa
     checkpoints and every snapshot equal bit for bit; SD_ImageGen.py --ema_length 0.05 writes the
     kept EMA of that length at step 5 (fp16 snapshots), 0.08 another, and the plain export the classic EMA."""
     import SD_ImageGen
-    import sd.train.posthoc_ema
+    import sd.posthoc_ema
 
     fields = dict(max_steps=5, posthoc_ema_every=2, save_steps=2)
     straight, split = tmp_path / "a", tmp_path / "b"
@@ -266,7 +266,7 @@ def test_post_hoc_ema_snapshots_resume_bit_for_bit_and_rebuild_any_length(tmp_pa
     assert main(flags) == 0
     last = sd.run_folder.step_dir_name(5)
     assert_bitwise_equal(saved_tensors(straight / "checkpoints" / last), saved_tensors(split / "checkpoints" / last))
-    shots = [[p.name for _, p in sd.train.posthoc_ema.snapshots(run)] for run in (straight, split)]
+    shots = [[p.name for _, p in sd.posthoc_ema.snapshots(run)] for run in (straight, split)]
     assert shots[0] == shots[1] == [f"step_{s:08d}.safetensors" for s in (2, 4, 5)]
     for name in shots[0]:
         assert_bitwise_equal(load_file(straight / "posthoc_ema" / name), load_file(split / "posthoc_ema" / name))

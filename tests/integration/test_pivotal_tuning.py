@@ -123,15 +123,15 @@ def test_an_ema_length_rebuilds_the_text_adapter_and_the_token_with_the_unet(tmp
     """posthoc_ema_every keeps the two power-function EMAs of the text adapter and the token beside the UNet's;
     --ema_length 0.05 puts the rebuilt ones in the exported LoRA (its text layers and bundled token), which
     differ from the classic EMA's."""
-    import sd.train.posthoc_ema
+    import sd.posthoc_ema
 
     snapshot = load_file(trained / "posthoc_ema" / "step_00000006.safetensors")
-    rebuilt, step = sd.train.posthoc_ema.reconstruct(trained, 0.05)
+    rebuilt, step = sd.posthoc_ema.reconstruct(trained, 0.05)
     # the text encoder's own names (transformers 5's CLIPTextModel has no text_model.)
     (token_key,) = [k for k in rebuilt if k.startswith("text_encoder.") and k.endswith("token_embedding.vectors")]
     (ours,) = [k for k in rebuilt
                if k.startswith("text_encoder.") and k.endswith("layers.0.self_attn.q_proj.lora_A.default.weight")]
-    assert {f"sigma_rel_{s:g}/{token_key}" for s in sd.train.posthoc_ema.PROFILES} <= set(snapshot)
+    assert {f"sigma_rel_{s:g}/{token_key}" for s in sd.posthoc_ema.PROFILES} <= set(snapshot)
     assert step == STEPS
     out = {}
     for name, flags in (("classic", []), ("rebuilt", ["--ema_length", "0.05"])):

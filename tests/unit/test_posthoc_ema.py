@@ -1,11 +1,12 @@
-"""Post-hoc EMA (``sd.train.posthoc_ema``): the power-function profiles, their closed-form inner products,
+"""Post-hoc EMA (``sd.train.posthoc_ema`` keeps it, ``sd.posthoc_ema`` rebuilds it): the power-function profiles, their closed-form inner products,
 and an EMA of another length rebuilt from snapshots of the two kept ones."""
 
 import numpy as np
 import pytest
 import torch
 
-import sd.train.posthoc_ema as posthoc
+import sd.posthoc_ema as posthoc
+import sd.train.posthoc_ema as kept_ema
 
 
 @pytest.mark.parametrize("sigma_rel", [0.01, 0.05, 0.10, 0.2])
@@ -39,8 +40,8 @@ def test_an_ema_of_another_length_is_rebuilt_from_the_snapshots_of_the_two_kept_
     between that EMA and the nearer kept one, and a kept length comes back as itself."""
     generator = torch.Generator().manual_seed(0)
     model = Scalars(64)
-    kept = [posthoc.PowerEMA(model, s) for s in posthoc.PROFILES]
-    wanted = {s: posthoc.PowerEMA(model, s) for s in (0.075, 0.15)}
+    kept = [kept_ema.PowerEMA(model, s) for s in posthoc.PROFILES]
+    wanted = {s: kept_ema.PowerEMA(model, s) for s in (0.075, 0.15)}
     drift = torch.randn(64, generator=generator) * 0.01
     for step in range(2000):
         with torch.no_grad():
@@ -48,7 +49,7 @@ def test_an_ema_of_another_length_is_rebuilt_from_the_snapshots_of_the_two_kept_
         for ema in [*kept, *wanted.values()]:
             ema.update(model, step)
         if (step + 1) % 100 == 0:
-            posthoc.write_snapshot(tmp_path, step + 1, kept)
+            kept_ema.write_snapshot(tmp_path, step + 1, kept)
     assert [s for s, _ in posthoc.snapshots(tmp_path)] == list(range(100, 2001, 100))
     for sigma_rel, truth in wanted.items():
         rebuilt, step = posthoc.reconstruct(tmp_path, sigma_rel)
@@ -61,4 +62,4 @@ def test_an_ema_of_another_length_is_rebuilt_from_the_snapshots_of_the_two_kept_
     assert step == 1000 and not torch.allclose(earlier["w"], again["w"])
     with pytest.raises(FileNotFoundError, match="no snapshot of step 1050"):
         posthoc.reconstruct(tmp_path, 0.05, step=1050)
-    assert [p.name for p in posthoc.remove_after(tmp_path, 1900)] == ["step_00002000.safetensors"]
+    assert [p.name for p in kept_ema.remove_after(tmp_path, 1900)] == ["step_00002000.safetensors"]
