@@ -10,6 +10,8 @@ import yaml
 
 import sd.train.config
 import SD_Train
+
+ROOT = Path(__file__).resolve().parents[2]
 from sd.train.config import ConfigError, load_config
 
 
@@ -586,3 +588,11 @@ def test_the_controlnet_recipes_placeholder_control_image_is_checked_only_when_a
     assert load_config([*flags, "--validate_every", "0"]).validate_every == 0
     with pytest.raises(ConfigError, match="validation_controls: data/my_data/validation_edges.png is no file"):
         load_config(flags)
+
+
+@pytest.mark.parametrize("path", sorted(str(p.relative_to(ROOT)) for p in (ROOT / "configs").rglob("*.yaml")))
+def test_every_shipped_config_loads_and_passes_its_checks(path):
+    """A recipe that stops with a config error (a setting one of its modes refuses) fails here, not at a
+    user's step 8."""
+    config = sd.train.config.load_config(["--config", str(ROOT / path)], check_paths=False)
+    assert config.max_steps > 0 or config.epochs > 0
