@@ -227,6 +227,7 @@ def test_checkpoint_hash_bench_writes_real_shapes_and_times_both_hashes(tmp_path
     assert list(tmp_path.iterdir()) == []  # the files are removed
 
 
+@pytest.mark.slow  # over 5 s: the full suite's (make check stays near 3 minutes)
 def test_ema_copy_bench_times_both_paths_and_computes_the_sd1_transfer(capsys):
     from bench import ema_copy
 

@@ -72,6 +72,7 @@ def run_state(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
     return tensors
 
 
+@pytest.mark.slow  # 7 s: the full suite's
 def test_lora_trains_the_adapter_only_and_resumes_bitwise_with_adapter_dropout(tmp_path, base_model, data):
     # bitsandbytes' 8-bit moments, the noise offset's extra draws and the blocks' parameter groups are part of
     # the resumed state too
@@ -405,6 +406,7 @@ def test_a_lora_target_that_selects_nothing_stops_before_training(tmp_path, base
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+@pytest.mark.slow  # over 5 s: the full suite's (make check stays near 3 minutes)
 def test_a_trained_lora_run_exports_and_samples_through_sd_imagegen(tmp_path, base_model, data):
     """The trainer's checkpoint layout as SD_ImageGen reads it: the exported kohya file holds the run's
     EMA adapters (UNet and text encoder, both from ema.safetensors), and sampling the run equals sampling

@@ -390,6 +390,7 @@ def sample_png(ckpt_path, out, *flags):
     return np.asarray(Image.open(out / "000_000003.png").convert("RGB"))
 
 
+@pytest.mark.slow  # over 5 s: the full suite's (make check stays near 3 minutes)
 def test_v_prediction_survives_export_to_a_single_file_and_a_diffusers_folder(v_checkpoint, tmp_path):
     single, folder = tmp_path / "v.safetensors", tmp_path / "v_pipe"
     assert SD_ImageGen.main(["--ckpt", str(v_checkpoint), "--export_single_file", str(single),

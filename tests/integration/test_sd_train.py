@@ -367,7 +367,7 @@ def test_bf16_weights_train_bf16_parameters_from_fp32_masters_and_resume_bit_for
 
 
 @pytest.mark.parametrize("fields", [
-    pytest.param(dict(loss_type="huber"), id="huber"),
+    pytest.param(dict(loss_type="huber"), id="huber", marks=pytest.mark.slow),
     pytest.param(dict(loss_type="smooth_l1", huber_schedule="exponential"), id="smooth_l1", marks=pytest.mark.slow),
     pytest.param(dict(loss_type="l1", debiased_estimation=True), id="l1", marks=pytest.mark.slow)])
 def test_each_loss_option_trains_and_its_loss_is_the_step_s(tmp_path, data, fields):
@@ -992,6 +992,7 @@ def test_sigusr1_and_sighup_save_at_the_step_they_stop_and_the_run_resumes(tmp_p
         before = stopped
 
 
+@pytest.mark.slow  # over 5 s: the full suite's (make check stays near 3 minutes)
 def test_stop_at_step_at_or_below_the_resumed_step_trains_nothing(tmp_path, data):
     run_dir = tmp_path / "run"
     config = write_config(tmp_path / "s.yaml", datasets=[data], max_steps=6, out_dir=str(run_dir), batch_size=4,

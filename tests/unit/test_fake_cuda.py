@@ -71,7 +71,8 @@ def train_one_step(cfg: TrainConfig, steps: int = 1, syncs: list | None = None):
     return step, result
 
 
-@pytest.mark.parametrize("ema_device", ["same", "cpu"])
+@pytest.mark.parametrize("ema_device", [pytest.param("same", marks=pytest.mark.slow),  # 9 s each: the full suite's
+                                        pytest.param("cpu", marks=pytest.mark.slow)])
 def test_a_training_step_keeps_every_tensor_on_its_device(ema_device):
     """And the host never waits for the GPU in a step, but where an EMA in host memory waits for its copies
     and then reads whether the step was skipped."""
@@ -92,7 +93,8 @@ def test_a_training_step_keeps_every_tensor_on_its_device(ema_device):
     assert step.unet.conv_in.weight.is_contiguous(memory_format=torch.channels_last)
 
 
-@pytest.mark.parametrize("fields", [dict(attention="cudnn"), dict(bf16_weights=True)], ids=["cudnn", "bf16-weights"])
+@pytest.mark.parametrize("fields", [pytest.param(dict(attention="cudnn"), id="cudnn"),
+                                    pytest.param(dict(bf16_weights=True), id="bf16-weights", marks=pytest.mark.slow)])
 def test_a_step_with_a_speed_lever_stays_on_the_device_without_waiting(fields):
     """attention: cudnn; bf16_weights (bf16 parameters, their fp32 masters in fused AdamW and the EMA: the
     gradients copied in and the weights copied out by foreach kernels, no host read)."""
@@ -109,10 +111,11 @@ def test_a_step_with_a_speed_lever_stays_on_the_device_without_waiting(fields):
 
 
 @pytest.mark.parametrize("fields", [
-    dict(lora_rank=4, lora_dropout=0.1, lora_text_encoder=True, lora_targets=["attention", "resnet"],
-         optimizer="adamw8bit"),
-    dict(lora_rank=4, cache_text_embeddings=True, noise_offset=0.05, class_dir="x", ema_device="cpu"),
-], ids=["text-adapter-8bit", "cached-prompts-prior"])
+    pytest.param(dict(lora_rank=4, lora_dropout=0.1, lora_text_encoder=True, lora_targets=["attention", "resnet"],
+                      optimizer="adamw8bit"), id="text-adapter-8bit", marks=pytest.mark.slow),  # 12 s: the full suite's
+    pytest.param(dict(lora_rank=4, cache_text_embeddings=True, noise_offset=0.05, class_dir="x", ema_device="cpu"),
+                 id="cached-prompts-prior", marks=pytest.mark.slow),
+])
 def test_a_lora_step_keeps_every_tensor_on_its_device(fields):
     """8-bit AdamW has no skip flag and an EMA in host memory waits for its copies: each reads whether
     the step was skipped, the one wait of a step (the cached prompts' lookup does not block)."""

@@ -216,6 +216,7 @@ def test_batch_size_auto_takes_the_largest_batch_that_fits_and_one_more_would_no
         assert run(3) is run(3)  # a batch asked again is not stepped again
 
 
+@pytest.mark.slow  # 11 s: the full suite's
 def test_a_text_encoder_of_another_width_or_a_lora_target_of_no_layer_stops_the_estimate_in_one_line(tmp_path,
                                                                                                      capsys):
     import SD_Train
