@@ -351,6 +351,7 @@ def imagegen_errors(capsys) -> list[str]:
     return [line for line in capsys.readouterr().err.splitlines() if line.startswith("SD_ImageGen.py:")]
 
 
+@pytest.mark.slow  # over 4 s: the full suite's (make check stays near 3 minutes)
 def test_a_lora_run_on_a_base_it_was_not_trained_on_is_refused_unless_allowed(lora_run, base, tmp_path, capsys):
     """The run's init_from now holds other weights: sampling stops with one line naming the base and the
     checkpoint; --allow_other_base samples anyway; exporting the adapter alone does not use the base."""
@@ -369,6 +370,7 @@ def test_a_lora_run_on_a_base_it_was_not_trained_on_is_refused_unless_allowed(lo
         sd.formats.load_unet_weights(str(run), sd.model.build_unet("tiny", from_scratch=False))
 
 
+@pytest.mark.slow  # over 4 s: the full suite's (make check stays near 3 minutes)
 def test_non_finite_lora_weights_are_refused_naming_the_tensor_and_the_file(lora_run, base, tmp_path, capsys):
     unet, encoder = adapted(base, ["attention"])
     tensors = load_file(str(write("kohya", tmp_path, unet, encoder)))

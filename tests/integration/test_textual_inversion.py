@@ -126,6 +126,7 @@ def test_the_token_lowers_the_loss_of_its_images(tmp_path, base_model, instance_
     at_most("instance images' loss at fixed draws, trained token / its start", after / before, 0.99, (before, after))
 
 
+@pytest.mark.slow  # over 4 s: the full suite's (make check stays near 3 minutes)
 def test_exported_files_load_in_diffusers_with_the_layout_a1111_and_comfyui_read(tmp_path, trained, base_model):
     from diffusers import StableDiffusionPipeline
 

@@ -185,6 +185,7 @@ def exported(run_dir, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow  # over 4 s: the full suite's (make check stays near 3 minutes)
 def test_exports_record_the_schedule_and_every_loader_restores_it(run_dir, exported):
     from diffusers import DDIMScheduler, StableDiffusionPipeline
 

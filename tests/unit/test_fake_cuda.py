@@ -93,7 +93,7 @@ def test_a_training_step_keeps_every_tensor_on_its_device(ema_device):
     assert step.unet.conv_in.weight.is_contiguous(memory_format=torch.channels_last)
 
 
-@pytest.mark.parametrize("fields", [pytest.param(dict(attention="cudnn"), id="cudnn"),
+@pytest.mark.parametrize("fields", [pytest.param(dict(attention="cudnn"), id="cudnn", marks=pytest.mark.slow),
                                     pytest.param(dict(bf16_weights=True), id="bf16-weights", marks=pytest.mark.slow)])
 def test_a_step_with_a_speed_lever_stays_on_the_device_without_waiting(fields):
     """attention: cudnn; bf16_weights (bf16 parameters, their fp32 masters in fused AdamW and the EMA: the
