@@ -3,7 +3,7 @@
     python bench/lora_step.py                  # CPU: tiny UNet, 64 px, batches 4 and 16, 3 + 6 steps a row
     python bench/lora_step.py --arch sd1 --resolution 512 --batch_sizes 1,4 --estimate_only \\
         --precision bf16 --checkpointing 1 --optimizer adamw,adamw8bit --cache_text_embeddings 0,1
-    python bench/lora_step.py --options huber,smooth_l1,l1,debiased,block_lr,posthoc_ema,dora,loha,lokr \\
+    python bench/lora_step.py --options huber,smooth_l1,l1,debiased,block_lr,posthoc_ema,dora,loha,lokr,pivotal \\
         --peer false  # the options
     python bench/lora_step.py --arch sd1 --resolution 512 --batch_sizes 1,4,16 --checkpointing 0,1 \\
         --peer_script diffusers/examples/text_to_image/train_text_to_image_lora.py          # GPU
@@ -18,7 +18,8 @@ Rows, for the same synthetic fp16 latents and token ids and the same seeded rand
   encoded once, the encoder then off the device, as ``sd.train.run.cache_text_embeddings`` does).
 * ``ours-full``: the same with ``lora_rank: 0`` (every UNet parameter trains, fp32 master weights).
 * ``ours-lora+NAME`` (``--options``): ours-lora with one more option of ``OPTIONS`` (a loss, debiased
-  estimation, block learning rates, the post-hoc EMAs, DoRA, LoHa or LoKr instead of LoRA), compared with ours-lora in the same run: images/s,
+  estimation, block learning rates, the post-hoc EMAs, DoRA, LoHa or LoKr instead of LoRA, a learned token
+  beside it: pivotal tuning), compared with ours-lora in the same run: images/s,
   peak, estimate.
 * ``peer-lora``: the training step of diffusers' ``examples/text_to_image/train_text_to_image_lora.py``
   with its defaults, in this process. What follows which part of the script:
@@ -80,6 +81,7 @@ import sd.lora.adapters
 import sd.model
 import sd.runtime
 import sd.train.memory
+import sd.train.modes
 import sd.train.step
 from bench import harness
 from sd.distributed import Dist
@@ -91,7 +93,8 @@ OPTIONS = {  # --options: the config fields each ours-lora+NAME row adds
     "l1": dict(loss_type="l1"), "debiased": dict(debiased_estimation=True),
     "block_lr": dict(down_lr_scale=0.5, up_lr_scale=2.0),
     "posthoc_ema": dict(posthoc_ema_every=1000),  # the two power-function EMAs' updates (snapshots: not a step's)
-    "dora": dict(dora=True), "loha": dict(lora_type="loha"), "lokr": dict(lora_type="lokr")}
+    "dora": dict(dora=True), "loha": dict(lora_type="loha"), "lokr": dict(lora_type="lokr"),
+    "pivotal": dict(embedding_token="<bench>", embedding_init="dog", embedding_vectors=2, embedding_lr=5e-4)}
 PEER_LR = 1e-4  # the script's --learning_rate default; ours uses it too (the rate does not change the cost)
 GIB = 2**30
 
@@ -133,7 +136,7 @@ def our_step(arch: str, config: TrainConfig, device: torch.device, input_ids: to
     text_encoder = harness.random_text_encoder(arch)
     unet = sd.model.build_unet(config.unet, from_scratch=False, seed=config.seed,
                                grad_checkpointing=config.grad_checkpointing).to(device).train()
-    sd.lora.adapters.apply_settings(sd.lora.adapters.LoraSettings.from_config(config), unet, text_encoder)
+    unet = attach(config, unet, text_encoder)
     step = sd.train.step.build_step(config, Dist.single(device), unet, text_encoder, harness.empty_prompt_ids(),
                                    sd.model.SD1_SCALING_FACTOR)
     if config.cache_text_embeddings:
@@ -210,8 +213,17 @@ def trainable_on_meta(arch: str, config: TrainConfig) -> int:
     with torch.device("meta"):
         unet = sd.model.build_unet(config.unet, from_scratch=False)
         text_encoder = harness.random_text_encoder(arch)
-    sd.lora.adapters.apply_settings(sd.lora.adapters.LoraSettings.from_config(config), unet, text_encoder)
+        unet = attach(config, unet, text_encoder)
     return sd.lora.adapters.trainable_count(unet) + sd.lora.adapters.trainable_count(text_encoder)
+
+
+def attach(config: TrainConfig, unet, text_encoder):
+    """What ``config``'s training mode trains, attached as the trainer attaches it (a LoRA's adapters; with a
+    learned token, pivotal tuning, its rows too: zeros, which the bench's prompts never use, but the text
+    encoder then runs with gradients as in such a run)."""
+    mode = sd.train.modes.mode_of(config)
+    mode.estimate_before_data(unet, text_encoder)
+    return mode.estimate_attach(unet, text_encoder)
 
 
 # ---------------------------------------------------------------------------------------------
