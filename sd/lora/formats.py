@@ -395,7 +395,8 @@ def lora_file(path: str | Path) -> Path:
     return path
 
 
-def read_lora(path: str | Path, unet, text_encoder=None) -> dict[str, dict[str, LoraModule]]:
+def read_lora(path: str | Path, unet, text_encoder=None,
+              tensors: dict | None = None) -> dict[str, dict[str, LoraModule]]:
     """A LoRA file in either format (or a diffusers LoRA folder) as ``{part: {module: LoraModule}}`` for
     ``unet`` and ``text_encoder``'s own module names.
 
@@ -404,11 +405,12 @@ def read_lora(path: str | Path, unet, text_encoder=None) -> dict[str, dict[str, 
     (``lokr_*``), read as ``HadamardModule`` / ``KroneckerModule``; any may carry DoRA's ``dora_scale``
     (per input channel, as written here, or per output channel: ``sd.lora.dora``).
     kohya names are looked up in a table built from the models' own module names (an underscore there may
-    stand for a dot or be part of a name, so a name is never split). A key of no layer, a layer's down without its up, a tensor that does not fit its layer, or
-    a NaN or infinity in any tensor or alpha is a ValueError naming the file.
+    stand for a dot or be part of a name, so a name is never split). A key of no layer, a layer's down
+    without its up, a tensor that does not fit its layer, or a NaN or infinity in any tensor or alpha is a
+    ValueError naming the file. ``tensors``: the file's tensors when read already.
     """
     file = lora_file(path)
-    tensors = {k: v for k, v in read_weights(file).items()
+    tensors = {k: v for k, v in (read_weights(file) if tensors is None else tensors).items()
                if not k.startswith(BUNDLE_PREFIX)}  # tokens: read_bundled_embeddings
     sd.lora.adapters.check_finite(tensors, file)
     models = {part: m for part, m in (("unet", unet), ("text_encoder", text_encoder)) if m is not None}
@@ -455,13 +457,13 @@ def read_lora(path: str | Path, unet, text_encoder=None) -> dict[str, dict[str, 
     return out
 
 
-def read_bundled_embeddings(path: str | Path) -> dict[str, torch.Tensor]:
+def read_bundled_embeddings(path: str | Path, tensors: dict | None = None) -> dict[str, torch.Tensor]:
     """The learned tokens a LoRA file bundles (``bundle_emb.<token>.<key>``, as AUTOMATIC1111 reads them): one
     ``(N, D)`` tensor per token; a token of several tensors (another architecture's) or with non-finite values
-    is a ValueError naming the file."""
+    is a ValueError naming the file. ``tensors``: the file's tensors when read already."""
     file = lora_file(path)
     found: dict[str, list[torch.Tensor]] = {}
-    for key, tensor in read_weights(file).items():
+    for key, tensor in (read_weights(file) if tensors is None else tensors).items():
         if key.startswith(BUNDLE_PREFIX):
             token, _, _ = key[len(BUNDLE_PREFIX):].partition(".")
             found.setdefault(token, []).append(tensor)
@@ -599,11 +601,12 @@ def merge_adapters(pipe, loras: list[tuple[str, float]]) -> None:
         if sd.lora.adapters.has_lora(part):
             sd.lora.adapters.merge(part)
     for path, scale in loras:
-        lora = read_lora(path, pipe.unet, pipe.text_encoder)
+        tensors = read_weights(lora_file(path))  # read once: the adapter's layers and any bundled token
+        lora = read_lora(path, pipe.unet, pipe.text_encoder, tensors)
         merge_lora({"unet": pipe.unet, "text_encoder": pipe.text_encoder}, lora, scale)
         layers = sum(len(modules) for modules in lora.values())
         log.info("merged LoRA %s at scale %g (%d layers)", path, scale, layers)
-        for token, vectors in read_bundled_embeddings(path).items():  # a pivotal tuning's token, at full strength
+        for token, vectors in read_bundled_embeddings(path, tensors).items():  # a pivotal tuning's token, full strength
             try:
                 sd.embedding.tokens.add_token(pipe.tokenizer, pipe.text_encoder, token, vectors)
             except sd.embedding.tokens.EmbeddingError as error:
