@@ -1,7 +1,7 @@
 """Sample images from a trained SD 1.x model, and export it to the formats other tools load.
 
     python SD_ImageGen.py --ckpt PATH --prompt "..." [--negative "..."] [--steps 100] [--cfg 7.5]
-                          [--seed 0] [--n 4] [--batch_size 4] [--sampler auto|ddim|dpm++|euler|lcm] [--no_ema]
+                          [--seed 0] [--n 4] [--batch_size 4] [--sampler auto|ddim|dpm++|euler|lcm|flow_euler|flow_heun] [--no_ema]
                           [--height H --width W] [--device auto] --out DIR
     python SD_ImageGen.py --ckpt runs/p7_consolidation --export_diffusers exported/sd1
     python SD_ImageGen.py --ckpt runs/p7_consolidation --export_single_file sd1.safetensors --half
@@ -19,8 +19,11 @@ diffusers pipeline folder or hub id, or a single ``.safetensors`` / ``.ckpt`` fi
 SD layout. Image i of a prompt uses seed ``--seed + i``: the same seed gives the same image whatever
 the batch size. Each PNG stores its generation parameters in a ``parameters`` text chunk.
 ``--sampler lcm`` samples a latent consistency model: 4 steps at ``--cfg 1`` unless they are given;
-it is the default (``--sampler auto``) for a run of ours trained with ``distill: lcm``, DDIM otherwise.
-The default step count suits the sampler: 100 for DDIM and Euler, 25 for DPM++ (second order), 4 for LCM.
+it is the default (``--sampler auto``) for a run of ours trained with ``distill: lcm``, ``flow_euler`` for
+a model trained as a flow (``prediction_type: flow``, or ``flow_matching``: Euler on the flow ODE, as
+diffusers' ``FlowMatchEulerDiscreteScheduler``; ``flow_heun`` its Heun), DDIM otherwise. The default step
+count suits the sampler: 100 for DDIM and Euler, 25 for DPM++ (second order), 4 for LCM, 50 for flow_euler
+and 25 for flow_heun; ``--flow_shift`` defaults to the shift the model records.
 
 ``--prediction_type`` and ``--zero_terminal_snr`` default to what the checkpoint records. A model
 trained with ``zero_terminal_snr`` (Lin et al. 2023) is sampled on that rescaled schedule with
@@ -88,15 +91,16 @@ def parse_args(argv=None):
     parser.add_argument("--prompts_file", help="a text file with one prompt per line")
     parser.add_argument("--negative", default="", help="negative prompt: the unconditional branch of CFG (default: empty)")
     parser.add_argument("--steps", type=int, default=None, help="sampler steps (default: 100 with ddim and euler, "
-                        "25 with dpm++, 4 with lcm, which takes 1..50)")
+                        "25 with dpm++, 4 with lcm, which takes 1..50, 50 with flow_euler, 25 with flow_heun)")
     parser.add_argument("--cfg", type=float, default=None, help="classifier-free guidance scale (default: 7.5; 1 with "
                         "--sampler lcm, whose models take 1 to 2)")
     parser.add_argument("--seed", type=int, default=0, help="seed of image 0; image i uses seed + i (default: %(default)s)")
     parser.add_argument("--n", type=int, default=4, help="images per prompt (default: %(default)s)")
     parser.add_argument("--batch_size", type=int, default=4, help="images per UNet call (default: %(default)s)")
     parser.add_argument("--sampler", choices=("auto", *sd.sampling.SAMPLERS), default="auto", help="the sampler; "
-                        "lcm for a latent consistency model; auto = lcm for a run of ours trained with distill: lcm, "
-                        "else ddim (default: %(default)s)")
+                        "lcm for a latent consistency model, flow_euler or flow_heun for a flow; auto = lcm for a run of ours "
+                        "trained with distill: lcm, flow_euler for a model trained as a flow, else ddim "
+                        "(default: %(default)s)")
     parser.add_bool("--no_ema", help="use the live weights of our checkpoints, not the EMA")
     parser.add_argument("--ema_length", type=float, default=None, help="a run trained with posthoc_ema_every: the "
                         "UNet's EMA of this relative length (sigma_rel, e.g. 0.05; the kept ones are 0.05 and 0.10) "
@@ -119,6 +123,9 @@ def parse_args(argv=None):
                         help="what the UNet predicts; auto = what the checkpoint records (its training config, a "
                         "single file's metadata, a diffusers scheduler config), epsilon when it records nothing "
                         "(default: %(default)s)")
+    parser.add_argument("--flow_shift", type=float, default=None, help="the flow samplers' time shift (above 1: more "
+                        "steps at high noise); default: what the checkpoint records (its training config's flow_shift, "
+                        "a single file's metadata, a diffusers FlowMatch scheduler's shift), else 1")
     parser.add_argument("--zero_terminal_snr", type=sd.cli.parse_auto_bool, default=None, metavar="auto|true|false",
                         help="sample on the zero-terminal-SNR schedule with trailing timesteps (needs v_prediction); "
                         "auto = what the checkpoint records (its training config, a single file's metadata, a "
@@ -210,8 +217,10 @@ def parse_args(argv=None):
         parser.error(str(error))
     if any(side is not None and (side % 8 or side <= 0) for side in (args.height, args.width)):
         parser.error("--height and --width must be positive multiples of 8")
+    if args.flow_shift is not None and not 0 < args.flow_shift < math.inf:
+        parser.error(f"--flow_shift must be a positive number, got {args.flow_shift}")
     if args.sampler == "auto":
-        args.sampler = sampler_for(args.ckpt)
+        args.sampler = sampler_for(args.ckpt, args.prediction_type)
     steps, cfg = sd.sampling.sampler_defaults(args.sampler, args.steps, args.cfg,
                                               sd.sampling.SAMPLER_STEPS[args.sampler], 7.5)
     for name, value in (("n", args.n), ("batch_size", args.batch_size)):
@@ -229,14 +238,19 @@ def parse_args(argv=None):
                                   "control": tuple(args.control)})
 
 
-def sampler_for(ckpt: str) -> str:
-    """``--sampler auto``: lcm for a run of ours distilled to a latent consistency model, else ddim. A
-    checkpoint whose config cannot be read here gets ddim; loading it names what is wrong."""
+def sampler_for(ckpt: str, prediction_type: str = "auto") -> str:
+    """``--sampler auto``: lcm for a run of ours distilled to a latent consistency model, flow_euler for a
+    model trained as a flow (``sd.sampling.default_sampler``), else ddim. A checkpoint whose records cannot
+    be read here gets ddim; loading it names what is wrong."""
     try:
         config = sd.formats.run_config(ckpt)
+        if config and config.get("distill") == "lcm":
+            return "lcm"
+        if prediction_type == "auto":
+            prediction_type = sd.formats.recorded_prediction_type(ckpt)
+        return sd.sampling.default_sampler(prediction_type, sd.formats.recorded_flow(ckpt)[1])
     except ERRORS:
-        config = None
-    return "lcm" if config and config.get("distill") == "lcm" else "ddim"
+        return "ddim"
 
 
 def main(argv=None) -> int:

@@ -697,7 +697,7 @@ class EvalSettings:
 
     @classmethod
     def from_config(cls, config) -> "EvalSettings":
-        return sd.cli.view_of(cls, config)
+        return sd.cli.view_of(cls, config, validation_sampler=config.sampler)
 
 
 @dataclass

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import logging
 from pathlib import Path
 
@@ -44,7 +45,7 @@ CLIP_L_TEXT = dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, nu
 SINGLE_FILE_ARCHS = {"sd1": ("sd1", sd.model.SD1_VAE, CLIP_L_TEXT),
                      "tiny": ("tiny", sd.model.TINY_VAE, sd.model.TINY_TEXT_ENCODER)}
 
-PREDICTION_TYPES = ("epsilon", "v_prediction")
+PREDICTION_TYPES = sd.model.PREDICTION_TYPES
 
 UNET_PREFIX = "model.diffusion_model."
 VAE_PREFIX = "first_stage_model."
@@ -276,17 +277,24 @@ def from_single_file(state: dict[str, torch.Tensor], model, mapping: dict[str, s
 
 
 def export_diffusers(folder: Path, unet, vae, text_encoder, tokenizer, prediction_type: str = "epsilon",
-                     zero_terminal_snr: bool = False) -> None:
+                     zero_terminal_snr: bool = False, flow_shift: float = 1.0) -> None:
     """Write a StableDiffusionPipeline folder in safetensors (no safety checker), atomically.
 
-    ``zero_terminal_snr``: the scheduler config says ``rescale_betas_zero_snr`` and trailing spacing.
+    ``zero_terminal_snr``: the scheduler config says ``rescale_betas_zero_snr`` and trailing spacing. A flow
+    model's scheduler is a ``FlowMatchEulerDiscreteScheduler`` at ``flow_shift`` (``model_index.json`` names
+    it, which is what ``from_pretrained`` builds); diffusers' ``StableDiffusionPipeline`` then needs
+    ``pipe.scheduler.init_noise_sigma = 1.0``, an attribute that scheduler lacks (docs/training.md).
     """
-    from diffusers import DDIMScheduler, StableDiffusionPipeline
+    from diffusers import DDIMScheduler, FlowMatchEulerDiscreteScheduler, StableDiffusionPipeline
 
     folder = Path(folder)
+    if prediction_type == "flow":
+        scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=sd.model.NUM_TRAIN_TIMESTEPS, shift=flow_shift)
+    else:
+        scheduler = sd.model.build_noise_scheduler(prediction_type, DDIMScheduler, zero_terminal_snr)
     pipeline = StableDiffusionPipeline(
         unet=unet, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
-        scheduler=sd.model.build_noise_scheduler(prediction_type, DDIMScheduler, zero_terminal_snr),
+        scheduler=scheduler,
         safety_checker=None, feature_extractor=None, requires_safety_checker=False)
 
     def write(staging: Path) -> None:
@@ -424,10 +432,17 @@ def run_config(source: str) -> dict | None:
 def diffusers_prediction_type(source: str) -> str:
     """The prediction type in a diffusers folder's (or hub id's) scheduler config; epsilon if it names none.
 
-    ``model_index.json`` names only the scheduler's class: the type lives in ``scheduler_config.json``.
+    ``model_index.json`` names only the scheduler's class: the type lives in ``scheduler_config.json``, and a
+    flow-matching scheduler's (``FlowMatchEulerDiscreteScheduler``, which has no such field) is flow.
     """
     config, where = diffusers_scheduler_config(source)
+    if is_flow_scheduler(config):
+        return "flow"
     return checked_prediction_type(config.get("prediction_type", "epsilon"), where)
+
+
+def is_flow_scheduler(config: dict) -> bool:
+    return str(config.get("_class_name", "")).startswith("FlowMatch")
 
 
 def diffusers_scheduler_config(source: str) -> tuple[dict, str]:
@@ -444,6 +459,16 @@ def diffusers_scheduler_config(source: str) -> tuple[dict, str]:
     from diffusers import DDIMScheduler
 
     return DDIMScheduler.load_config(source, subfolder="scheduler"), f"{source} scheduler_config.json"
+
+
+def recorded_prediction_type(source: str) -> str:
+    """The prediction type ``source`` records (``load_pipeline``'s), epsilon when it records none."""
+    config = run_config(source)
+    if config is not None:
+        return checked_prediction_type(config["prediction_type"], f"{source} config.yaml")
+    if Path(source).is_file():
+        return single_file_prediction_type(Path(source)) or "epsilon"
+    return diffusers_prediction_type(source)
 
 
 def single_file_prediction_type(path: Path) -> str | None:
@@ -485,6 +510,34 @@ def recorded_zero_terminal_snr(source: str) -> bool:
     return checked_flag(config.get("rescale_betas_zero_snr", False), "rescale_betas_zero_snr", where)
 
 
+def recorded_flow(source: str) -> tuple[float, bool]:
+    """The flow settings ``source`` records: the samplers' shift (``flow_shift`` of our training config and
+    of a single file's metadata, ``shift`` of a diffusers flow scheduler; 1 when it records none) and whether
+    an epsilon or v model was trained as a flow (``flow_matching``)."""
+    config = run_config(source)
+    if config is not None:
+        where = f"{source} config.yaml"
+        return (checked_shift(config.get("flow_shift", 1.0), where),
+                checked_flag(config.get("flow_matching", False), "flow_matching", where))
+    if Path(source).is_file():
+        metadata = single_file_metadata(Path(source))
+        value = metadata.get("flow_matching", "false")
+        return (checked_shift(metadata.get("flow_shift", "1.0"), source),
+                checked_flag({"true": True, "false": False}.get(value.lower(), value), "flow_matching", source))
+    config, where = diffusers_scheduler_config(source)
+    return checked_shift(config.get("shift", 1.0) if is_flow_scheduler(config) else 1.0, where), False
+
+
+def checked_shift(value, where) -> float:
+    try:
+        shift = float(value)
+    except (TypeError, ValueError):
+        shift = math.nan
+    if isinstance(value, bool) or not 0 < shift < math.inf:
+        raise ValueError(f"{where}: flow shift {value!r} is no positive number")
+    return shift
+
+
 def checked_flag(value, name: str, where) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"{where}: {name} {value!r} is neither true nor false")
@@ -493,7 +546,7 @@ def checked_flag(value, name: str, where) -> bool:
 
 def checked_prediction_type(value, where) -> str:
     if value not in PREDICTION_TYPES:
-        raise ValueError(f"{where}: prediction_type {value!r} is neither of {', '.join(PREDICTION_TYPES)}")
+        raise ValueError(f"{where}: prediction_type {value!r} is not one of {', '.join(PREDICTION_TYPES)}")
     return value
 
 
@@ -504,15 +557,20 @@ def checked_prediction_type(value, where) -> str:
 
 def load_pipeline(source: str, *, use_ema: bool = True, vae: str | None = None, text_encoder: str | None = None,
                   tokenizer: str | None = None, arch: str = "sd1", prediction_type: str | None = None,
-                  zero_terminal_snr: bool | None = None, check_base: bool = True) -> "sd.sampling.Pipeline":
+                  zero_terminal_snr: bool | None = None, check_base: bool = True,
+                  flow_shift: float | None = None) -> "sd.sampling.Pipeline":
     """UNet, VAE, text encoder and tokenizer from any checkpoint kind; the keywords override the parts.
 
     The prediction type and the schedule (zero terminal SNR or not) are the source's own (the training
     config, a single file's metadata, a diffusers scheduler config) unless ``prediction_type`` /
     ``zero_terminal_snr`` say otherwise. Zero terminal SNR with epsilon is refused: it cannot be sampled.
-    A LoRA run's adapter on a base it was not trained on is a ``BaseMismatch`` unless ``check_base`` is False.
+    So are the flow samplers' shift and whether a model was trained as a flow (``recorded_flow``), unless
+    ``flow_shift`` is given. A LoRA run's adapter on a base it was not trained on is a ``BaseMismatch``
+    unless ``check_base`` is False.
     """
     pipeline = _load_pipeline(source, use_ema, vae, text_encoder, tokenizer, arch, check_base)
+    recorded_shift, pipeline.flow_matching = recorded_flow(source)
+    pipeline.flow_shift = recorded_shift if flow_shift is None else checked_shift(flow_shift, "flow_shift")
     if prediction_type is not None:
         pipeline.prediction_type = checked_prediction_type(prediction_type, "prediction_type")
     pipeline.zero_terminal_snr = recorded_zero_terminal_snr(source) if zero_terminal_snr is None else zero_terminal_snr

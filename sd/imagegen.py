@@ -62,6 +62,7 @@ class Request:
     arch: str = "sd1"
     prediction_type: str = "auto"
     zero_terminal_snr: bool | None = None
+    flow_shift: float | None = None
     vae: str | None = None
     text_encoder: str | None = None
     tokenizer: str | None = None
@@ -203,11 +204,13 @@ def export(request: Request, model: Pipeline) -> None:
 def export_models(request: Request, model: Pipeline) -> None:
     if request.export_diffusers:
         sd.formats.export_diffusers(Path(request.export_diffusers), model.unet, model.vae, model.text_encoder,
-                                    model.tokenizer, model.prediction_type, model.zero_terminal_snr)
+                                    model.tokenizer, model.prediction_type, model.zero_terminal_snr, model.flow_shift)
         log.info("wrote diffusers pipeline folder %s", request.export_diffusers)
     if request.export_single_file:
         metadata = {**file_header("checkpoint", request.export_single_file, model, request.ckpt),
                     "prediction_type": model.prediction_type, "zero_terminal_snr": str(model.zero_terminal_snr).lower()}
+        if model.prediction_type == "flow" or model.flow_matching:  # read back by sd.formats.recorded_flow
+            metadata.update(flow_shift=f"{model.flow_shift:g}", flow_matching=str(model.flow_matching).lower())
         sd.formats.save_single_file(Path(request.export_single_file), model.unet, model.vae, model.text_encoder,
                                     half=request.half, metadata=metadata)
         log.info("wrote single file %s%s", request.export_single_file, " (fp16)" if request.half else "")
@@ -281,9 +284,16 @@ def load(request: Request) -> Pipeline:
                                      prediction_type=None if request.prediction_type == "auto"
                                      else request.prediction_type,
                                      zero_terminal_snr=request.zero_terminal_snr,
-                                     check_base=request.merging and not request.allow_other_base)
-    log.info("loaded %s (%s%s)", model.source, model.prediction_type,
-             ", zero terminal SNR" if model.zero_terminal_snr else "")
+                                     check_base=request.merging and not request.allow_other_base,
+                                     flow_shift=request.flow_shift)
+    flow = model.prediction_type == "flow" or model.flow_matching
+    log.info("loaded %s (%s%s%s%s)", model.source, model.prediction_type,
+             ", zero terminal SNR" if model.zero_terminal_snr else "",
+             ", trained as a flow" if model.flow_matching else "",
+             f", flow shift {model.flow_shift:g}" if flow else "")
+    if request.prompt and model.prediction_type == "flow" and request.sampler not in sd.sampling.FLOW_SAMPLERS:
+        raise ValueError(f"{request.ckpt} is a flow model: sample it with --sampler "
+                         f"{' or '.join(sd.sampling.FLOW_SAMPLERS)} (or auto), not {request.sampler}")
     controlnet = request.controlnet
     if (controlnet and not request.allow_other_base and sd.controlnet.model.is_controlnet_run(controlnet)
             and sd.controlnet.model.run_base(controlnet) == request.ckpt):  # the base it records, as loaded now

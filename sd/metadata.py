@@ -31,7 +31,8 @@ STABILITY = "https://github.com/Stability-AI/generative-models"  # the original 
 KINDS = {"checkpoint": ("", STABILITY), "unet": ("", "diffusers"), "lora": ("/lora", "diffusers"),
          "textual-inversion": ("/textual-inversion", STABILITY), "controlnet": ("/controlnet", STABILITY),
          "controlnet-diffusers": ("/controlnet", "diffusers")}
-PREDICTION_KEYS = {"epsilon": "epsilon", "v_prediction": "v"}  # ours: the spec's (and ComfyUI's predict_key)
+# ours: the spec's (and ComfyUI's predict_key); "flow" as SimpleTuner's and other flow models' files write it
+PREDICTION_KEYS = {"epsilon": "epsilon", "v_prediction": "v", "flow": "flow"}
 TAG_CAPTIONS = 100_000  # captions of a dataset whose tags are counted for ss_tag_frequency (the first ones)
 TOP_TAGS = 100  # tags per dataset kept in ss_tag_frequency
 OPTIMIZER_CLASSES = {"adamw": "torch.optim.adamw.AdamW", "adamw8bit": "bitsandbytes.optim.adamw.AdamW8bit",

@@ -27,6 +27,7 @@ import sd.tokenizer
 # ---------------------------------------------------------------------------------------------
 
 NUM_TRAIN_TIMESTEPS = 1000
+PREDICTION_TYPES = ("epsilon", "v_prediction", "flow")  # flow: sd.flow
 BETA_START = 0.00085
 BETA_END = 0.012
 SD1_SCALING_FACTOR = 0.18215

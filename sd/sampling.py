@@ -28,9 +28,11 @@ import numpy as np
 import torch
 
 import sd.files
+import sd.flow
 import sd.model
 
-SAMPLERS = ("ddim", "dpm++", "euler", "lcm")
+SAMPLERS = ("ddim", "dpm++", "euler", "lcm", "flow_euler", "flow_heun")
+FLOW_SAMPLERS = ("flow_euler", "flow_heun")
 
 
 class Interrupted(Exception):
@@ -48,6 +50,8 @@ class Pipeline:
     prediction_type: str
     source: str = ""
     zero_terminal_snr: bool = False  # trained on the rescaled schedule: sample it with trailing spacing
+    flow_shift: float = 1.0  # the flow samplers' time shift (sd.flow.shifted)
+    flow_matching: bool = False  # an epsilon or v model trained as a flow (sd.flow): sampled as one by default
 
     def to(self, device: torch.device, dtype: torch.dtype) -> "Pipeline":
         """The UNet, VAE and text encoder on ``device`` in ``dtype``."""
@@ -134,6 +138,11 @@ class DDIM:
         return ddim_step(latents, prediction, t, self.previous[t], self.alphas_cumprod, self.prediction_type)
 
 
+def default_sampler(prediction_type: str, flow_matching: bool = False) -> str:
+    """The sampler of a model when none is named: flow_euler for one trained as a flow, ddim otherwise."""
+    return "flow_euler" if prediction_type == "flow" or flow_matching else "ddim"
+
+
 def settings_error(sampler: str, steps: int, cfg: float) -> str | None:
     """Why ``sampler`` cannot sample at ``steps`` steps and guidance ``cfg`` (None: it can): the check a
     command makes before any work, so that a setting never fails at its first use hours later."""
@@ -152,13 +161,24 @@ def settings_error(sampler: str, steps: int, cfg: float) -> str | None:
 
 
 def make_scheduler(sampler: str, steps: int, prediction_type: str, alphas_cumprod=None, device=None,
-                   zero_terminal_snr: bool = False, generators: list[torch.Generator] | None = None):
+                   zero_terminal_snr: bool = False, generators: list[torch.Generator] | None = None,
+                   flow_shift: float = 1.0):
     """A scheduler with ``timesteps``, ``init_noise_sigma``, ``scale_model_input`` and ``step``.
 
     ``zero_terminal_snr``: the rescaled schedule with "trailing" spacing (``alphas_cumprod``, when
     given, is DDIM's and LCM's schedule either way; LCM's timesteps start at the last one on both).
     ``generators``: LCM's per-step noise, one CPU generator per image (see ``image_noise``).
+    ``flow_shift``: the flow samplers' time shift. A flow model takes only those; an epsilon or v model
+    takes them through the diff2flow bridge (``sd.flow``).
     """
+    if prediction_type == "flow" and sampler not in FLOW_SAMPLERS:
+        raise ValueError(f"a flow model is sampled with {' or '.join(FLOW_SAMPLERS)}, not {sampler}")
+    if sampler in FLOW_SAMPLERS:
+        if zero_terminal_snr:
+            raise ValueError(f"{sampler} does not sample a zero-terminal-SNR model; use ddim, euler or dpm++")
+        bridge = None if prediction_type == "flow" else (
+            sd.model.ddpm_alphas_cumprod() if alphas_cumprod is None else alphas_cumprod, prediction_type)
+        return Flow(steps, flow_shift, heun=sampler == "flow_heun", bridge=bridge)
     conflict = sd.model.schedule_conflict(prediction_type, zero_terminal_snr)
     if conflict:
         raise ValueError(f"zero_terminal_snr: {conflict}; sample a v_prediction model, or this one with "
@@ -186,14 +206,82 @@ def make_scheduler(sampler: str, steps: int, prediction_type: str, alphas_cumpro
 
 
 # ---------------------------------------------------------------------------------------------
+# Flow matching: Euler and Heun on the flow ODE (sd.flow)
+# ---------------------------------------------------------------------------------------------
+
+
+class Flow:
+    """Euler or Heun steps on ``dx / dsigma = v`` behind the calls ``sample_latents`` makes.
+
+    Euler equals diffusers' ``FlowMatchEulerDiscreteScheduler`` step by step at the same ``shift``, and
+    Heun its ``FlowMatchHeunDiscreteScheduler`` (two evaluations a step but the last, which is Euler's).
+    ``timesteps`` are the sigmas evaluated at, in order (Heun's interior ones twice); ``model_time``
+    gives the UNet's time input for one. ``bridge``: ``(alphas_cumprod, prediction_type)`` of an epsilon
+    or v model, sampled as a flow through the diff2flow mapping (``sd.flow.bridge_inputs``): its steps
+    span its own sigmas, and it starts from unit-variance noise at its noisiest timestep, as DDIM does
+    (Euler from ``schedule_sigmas`` at DDIM's timesteps is DDIM). ``sigmas``: an own grid, ending at 0.
+    """
+
+    def __init__(self, steps: int, shift: float = 1.0, heun: bool = False, bridge=None,
+                 sigmas: list[float] | None = None):
+        self.bridge = bridge
+        span = None if bridge is None else sd.flow.bridge_range(bridge[0])
+        self.sigmas = sigmas if sigmas is not None else sd.flow.euler_sigmas(steps, shift, span)
+        self.heun = heun
+        plan = [(i, True) for i in range(len(self.sigmas) - 1)]  # (sigma index, first-order evaluation)
+        if heun:
+            plan = [entry for i, entry in enumerate(plan) for entry in
+                    ([entry] if self.sigmas[i + 1] == 0 else [entry, (i + 1, False)])]
+        self.plan = plan
+        self.timesteps = [self.sigmas[i] for i, _ in plan]
+        self.position = 0
+        self.init_noise_sigma = 1.0
+        if bridge is not None:
+            a, b = sd.flow.coefficients(torch.tensor([self.sigmas[0]]))
+            self.init_noise_sigma = float(1 / (a + b))
+
+    def _sigmas(self, sigma: float, latents: torch.Tensor) -> torch.Tensor:
+        return torch.full((latents.shape[0],), sigma, device=latents.device)
+
+    def model_time(self, sigma: float) -> float:
+        if self.bridge is None:
+            return sigma * sd.flow.TIMESTEP_MULTIPLIER
+        return float(sd.flow.continuous_timesteps(torch.tensor([sigma]), self.bridge[0]))
+
+    def scale_model_input(self, latents, sigma):
+        if self.bridge is None:
+            return latents
+        return sd.flow.bridge_inputs(latents, self._sigmas(float(sigma), latents), self.bridge[0])[0]
+
+    def velocity(self, prediction, sigma: float, latents):
+        if self.bridge is None:
+            return prediction.float()
+        return sd.flow.bridge_velocity(prediction, self.scale_model_input(latents, sigma),
+                                       self._sigmas(sigma, latents), self.bridge[1])
+
+    def step(self, prediction, sigma, latents):
+        i, first = self.plan[self.position]
+        self.position += 1
+        v = self.velocity(prediction, float(sigma), latents)
+        if first:
+            dt = self.sigmas[i + 1] - self.sigmas[i]
+            if self.heun and self.sigmas[i + 1] != 0:  # the corrector evaluates at the predicted point
+                self.start, self.slope = latents.float(), v
+            return latents.float() + dt * v
+        dt = self.sigmas[i] - self.sigmas[i - 1]
+        return self.start + dt * 0.5 * (self.slope + v)
+
+
+# ---------------------------------------------------------------------------------------------
 # LCM: latent consistency models (Luo et al. 2023, arXiv:2310.04378)
 # ---------------------------------------------------------------------------------------------
 
 LCM_ORIGINAL_STEPS = 50  # the DDIM-solver schedule a latent consistency model is distilled on (k = 20)
 LCM_DEFAULT_STEPS = 4
 # SD_ImageGen.py's steps when none are given: 100 for the first-order samplers (fewer proved too few for
-# faces with DDIM), 25 for DPM++ 2M, whose second order converges in a quarter of them
-SAMPLER_STEPS = {"ddim": 100, "euler": 100, "dpm++": 25, "lcm": LCM_DEFAULT_STEPS}
+# faces with DDIM), 25 for DPM++ 2M, whose second order converges in a quarter of them; on the flow ODE,
+# whose paths are straighter, 50 for Euler and 25 for Heun (49 evaluations)
+SAMPLER_STEPS = {"ddim": 100, "euler": 100, "dpm++": 25, "lcm": LCM_DEFAULT_STEPS, "flow_euler": 50, "flow_heun": 25}
 LCM_DEFAULT_CFG = 1.0  # the distillation folds guidance into the model (the paper's w); 1 runs one branch
 
 
@@ -275,14 +363,17 @@ class LCM:
 # ---------------------------------------------------------------------------------------------
 
 
-def guided_prediction(unet, latents, timestep: int, cond, uncond, guidance_scale: float):
+def guided_prediction(unet, latents, timestep: int | float, cond, uncond, guidance_scale: float):
     """Classifier-free guidance: ``uncond + s * (cond - uncond)``.
 
     ``uncond`` is the negative prompt's embedding (the empty prompt's when there is none). At scale 1
     the unconditional branch is not run at all: the result is the conditional prediction exactly.
+    ``timestep``: an integer DDPM timestep, or a float (a flow model's ``sigma * 1000``, a bridged
+    model's continuous timestep).
     """
     dtype = next(unet.parameters()).dtype
-    t = torch.full((latents.shape[0],), timestep, device=latents.device, dtype=torch.long)
+    kind = torch.float32 if isinstance(timestep, float) else torch.long
+    t = torch.full((latents.shape[0],), timestep, device=latents.device, dtype=kind)
     if guidance_scale == 1.0:
         return unet(latents.to(dtype), t, encoder_hidden_states=cond.to(dtype)).sample.float()
     both = unet(
@@ -299,15 +390,16 @@ def sample_latents(unet, noise: torch.Tensor, cond: torch.Tensor, uncond: torch.
                    steps: int = 100, cfg: float = 7.5, prediction_type: str = "epsilon", alphas_cumprod=None,
                    progress: bool = False, zero_terminal_snr: bool = False,
                    stop: Callable[[], bool] | None = None,
-                   generators: list[torch.Generator] | None = None) -> torch.Tensor:
+                   generators: list[torch.Generator] | None = None, flow_shift: float = 1.0) -> torch.Tensor:
     """Denoise unit-variance ``noise`` ``(B, 4, H/8, W/8)`` into scaled latents.
 
     ``cond`` / ``uncond``: ``(B, 77, D)`` prompt and negative-prompt embeddings. ``zero_terminal_snr``:
     the model was trained on that schedule (see ``make_scheduler``). ``stop``: asked before each step;
     True raises ``Interrupted``. ``generators``: the images' own, which drew ``noise`` (LCM's later noise).
+    ``flow_shift``: the flow samplers' time shift.
     """
     scheduler = make_scheduler(sampler, steps, prediction_type, alphas_cumprod, noise.device, zero_terminal_snr,
-                               generators)
+                               generators, flow_shift)
     latents = noise.float() * scheduler.init_noise_sigma
     timesteps = scheduler.timesteps
     if progress:
@@ -318,7 +410,8 @@ def sample_latents(unet, noise: torch.Tensor, cond: torch.Tensor, uncond: torch.
         if stop is not None and stop():
             raise Interrupted
         model_input = scheduler.scale_model_input(latents, t)
-        prediction = guided_prediction(unet, model_input, int(t), cond, uncond, cfg)
+        time = scheduler.model_time(t) if isinstance(scheduler, Flow) else int(t)
+        prediction = guided_prediction(unet, model_input, time, cond, uncond, cfg)
         latents = scheduler.step(prediction, t, latents)
     return latents
 
@@ -400,7 +493,7 @@ def decode_samples(pipe: Pipeline, cond: torch.Tensor, uncond: torch.Tensor, see
     with sd.model.attention_context(device), controlling:
         latents = sample_latents(pipe.unet, noise, cond, uncond, sampler=sampler, steps=steps, cfg=cfg,
                                  prediction_type=pipe.prediction_type, zero_terminal_snr=pipe.zero_terminal_snr,
-                                 stop=stop, generators=generators)
+                                 stop=stop, generators=generators, flow_shift=pipe.flow_shift)
         pixels = pipe.vae.decode(sd.model.unscale_latents(latents, factor).to(vae_dtype)).sample
     pixels = ((pixels.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
     return list(pixels.permute(0, 2, 3, 1).cpu().numpy())

@@ -210,6 +210,7 @@ def ensure_class_images(settings: DreamBoothSettings, d, pipeline) -> int:
             for block in blocks:
                 images = sd.sampling.generate(pipeline, settings.class_prompt, "", [class_seed(settings, i) for i in block],
                                               steps=settings.validation_steps, cfg=settings.validation_cfg,
+                                              sampler=sd.sampling.default_sampler(pipeline.prediction_type),
                                               height=settings.image_size, width=settings.image_size,
                                               batch_size=GENERATE_BATCH, device=d.device)
                 for index, image in zip(block, images):

@@ -19,6 +19,7 @@ from pathlib import Path
 import yaml
 
 import sd.cli
+import sd.flow
 import sd.model
 import sd.sampling
 import sd.train.distill
@@ -104,7 +105,20 @@ class TrainConfig:
                              "run's)", sd.model.DEFAULT_TEXT_ENCODER)
     tokenizer: str = _doc("CLIP tokenizer; empty = the text encoder's (with init_from a run of ours: that run's)",
                           "")
-    prediction_type: str = _doc("epsilon or v_prediction", "epsilon")
+    prediction_type: str = _doc("epsilon, v_prediction or flow (rectified flow: the UNet predicts the velocity "
+                                "noise - image of the straight path between them; see docs/training.md)", "epsilon")
+    flow_matching: bool = _doc("train an epsilon or v_prediction model (init_from) as a flow through the diff2flow "
+                               "mapping: the first step starts from all it knows, and its files stay epsilon or v "
+                               "models; sampled with flow_euler by default", False)
+    flow_density: str = _doc("flow: how the training sigmas (noise fractions) are drawn: logit_normal "
+                             "(sigmoid of N(flow_logit_mean, flow_logit_std), SD3's) or uniform", "logit_normal")
+    flow_logit_mean: float = _doc("flow, logit_normal: the mean (below 0: more training at low noise)", 0.0,
+                                  allowed=Range(-10, 10, high_open=False))
+    flow_logit_std: float = _doc("flow, logit_normal: the standard deviation", 1.0, allowed=Range(0, 10, low_open=True,
+                                                                                                     high_open=False))
+    flow_shift: float = _doc("flow: SD3's time shift of the training sigmas, shift s / (1 + (shift - 1) s) (above 1: "
+                             "more at high noise), and the flow samplers' default; recorded in the files", 1.0,
+                             allowed=Range(0.1, 10, high_open=False))
     init_from: str = _doc("start from these weights (a checkpoint or run folder) with a fresh optimizer "
                           "and schedule; ignored when out_dir already holds a checkpoint to resume", "")
     # -- fine-tuning: LoRA, DreamBooth -------------------------------------------------------
@@ -307,8 +321,9 @@ class TrainConfig:
     validation_steps: int = _doc("DDIM steps of the validation samples", 50, allowed=COUNT)
     validation_cfg: float = _doc("classifier-free guidance scale of the validation samples", 7.5,
                                  allowed=NON_NEGATIVE)
-    validation_sampler: str = _doc("sampler of the validation samples: ddim, dpm++, euler, or lcm (a distill: lcm "
-                                   "run: e.g. 4 validation_steps at validation_cfg 1)", "ddim")
+    validation_sampler: str = _doc("sampler of the validation samples: auto (flow_euler for a flow run, ddim "
+                                   "otherwise), ddim, dpm++, euler, lcm (a distill: lcm run: e.g. 4 validation_steps "
+                                   "at validation_cfg 1), flow_euler or flow_heun", "auto")
     validation_width: int = _doc("width of the validation samples in pixels, a multiple of 8; 0 = the training "
                                  "latents' size (with aspect-ratio buckets: the bucket nearest square)", 0,
                                  allowed=NON_NEGATIVE)
@@ -335,6 +350,18 @@ class TrainConfig:
                      allowed=Range(0, 2**32 - 1, high_open=False))
     device: str = _doc("auto, cpu, cuda", "auto")
 
+    @property
+    def flow(self) -> bool:
+        """Trained as a flow: a flow model, or an epsilon or v model through the diff2flow bridge."""
+        return self.prediction_type == "flow" or self.flow_matching
+
+    @property
+    def sampler(self) -> str:
+        """``validation_sampler`` with ``auto`` resolved."""
+        if self.validation_sampler != "auto":
+            return self.validation_sampler
+        return sd.sampling.default_sampler(self.prediction_type, self.flow_matching)
+
     def validate(self, check_paths: bool = True) -> None:
         """Reject bad values before any work, naming the field, the value and what is allowed.
         ``check_paths=False`` leaves the data folders and ``init_from`` unchecked (a memory estimate
@@ -355,7 +382,8 @@ class TrainConfig:
             for i, entry in enumerate(self.datasets):
                 check_dataset_entry(i, entry)
         need(self.unet in sd.model.UNET_PRESETS, f"unet: choose one of {sorted(sd.model.UNET_PRESETS)}")
-        need(self.prediction_type in ("epsilon", "v_prediction"), "prediction_type: epsilon or v_prediction")
+        need(self.prediction_type in sd.model.PREDICTION_TYPES,
+             f"prediction_type: one of {', '.join(sd.model.PREDICTION_TYPES)}")
         need(self.precision in ("bf16", "fp16", "fp32"), "precision: bf16, fp16 or fp32")
         need(self.ema_device in ("same", "cpu"), "ema_device: same or cpu")
         need(self.compile_mode in COMPILE_MODES, f"compile_mode: one of {', '.join(COMPILE_MODES)}")
@@ -384,7 +412,8 @@ class TrainConfig:
         need(not (self.cache_text_embeddings and self.lora_text_encoder),
              "cache_text_embeddings needs a frozen text encoder: turn off lora_text_encoder or the cache")
         check_distill(self, check_paths)
-        sampling = sd.sampling.settings_error(self.validation_sampler, self.validation_steps, self.validation_cfg)
+        check_flow(self)
+        sampling = sd.sampling.settings_error(self.sampler, self.validation_steps, self.validation_cfg)
         need(sampling is None, f"validation_sampler {self.validation_sampler}, validation_steps "
              f"{self.validation_steps}, validation_cfg {self.validation_cfg:g} (the validation grid's and the "
              f"evaluation's sampling): {sampling}")
@@ -454,6 +483,40 @@ OPTIMIZERS = ("adamw", "adamw8bit", "prodigy", "adamw_schedulefree")
 KEEP_BEST = ("", "fid", "clip_score")
 BLOCK_LR_SCALES = ("down_lr_scale", "mid_lr_scale", "up_lr_scale")  # the UNet blocks' (sd.train.step.BLOCK_SCALES)
 PRODIGY_LR = (0.1, 10.0)  # lr scales Prodigy's own estimate: far outside this, it was meant for another optimizer
+
+
+FLOW_FIELDS = ("flow_density", "flow_logit_mean", "flow_logit_std", "flow_shift")
+
+
+def check_flow(config: TrainConfig) -> None:
+    """Flow matching's settings, and the settings of the other objectives it cannot take."""
+    if config.flow_density not in sd.flow.DENSITIES:
+        raise ConfigError(f"flow_density: one of {', '.join(sd.flow.DENSITIES)}, got {config.flow_density!r}")
+    if not config.flow:
+        changed = [name for name in FLOW_FIELDS if getattr(config, name) != FIELDS[name].default]
+        if changed:
+            raise ConfigError(f"{', '.join(changed)} shape{'s' if len(changed) == 1 else ''} flow matching's training: "
+                              "set prediction_type: flow or flow_matching: true, or leave them at their defaults")
+        return
+    if config.flow_matching and config.prediction_type == "flow":
+        raise ConfigError("flow_matching trains an epsilon or v_prediction model as a flow; a prediction_type: flow "
+                          "model is one already: set flow_matching: false")
+    what = "prediction_type: flow" if config.prediction_type == "flow" else "flow_matching"
+    refused = [(config.zero_terminal_snr, "zero_terminal_snr", "a flow's path reaches pure noise by itself"
+                if config.prediction_type == "flow" else "the bridge needs a finite log-SNR at every timestep"),
+               (config.min_snr_gamma != 0, "min_snr_gamma", "Min-SNR weights the epsilon and v losses; set "
+                "min_snr_gamma: 0"),
+               (config.debiased_estimation, "debiased_estimation", "its weights are the epsilon and v losses'"),
+               (config.loss_type in ("huber", "smooth_l1") and config.huber_schedule == "snr", "huber_schedule: snr",
+                "its thresholds follow the DDPM schedule; use constant or exponential"),
+               (bool(config.distill), "distill", "consistency distillation samples a DDPM teacher"),
+               (bool(config.control), "control", "a ControlNet trains beside an epsilon or v model")]
+    for bad, name, why in refused:
+        if bad:
+            raise ConfigError(f"{what} does not train with {name}: {why}")
+    if config.prediction_type == "flow" and config.sampler not in sd.sampling.FLOW_SAMPLERS:
+        raise ConfigError(f"validation_sampler {config.validation_sampler}: a flow model is sampled with "
+                          f"{' or '.join(sd.sampling.FLOW_SAMPLERS)} (or auto)")
 
 
 def check_learning_rates(config: TrainConfig) -> None:
@@ -859,7 +922,9 @@ ON_RESUME = {
     "tag_dropout": OnResume(REFUSE, _MATH), "tag_separator": OnResume(REFUSE, _MATH),
     "unet": OnResume(REFUSE, "the model"), "vae": OnResume(REFUSE, "the instance latents", dreambooth=True),
     "text_encoder": OnResume(REFUSE, "the text conditioning"), "tokenizer": OnResume(REFUSE, "the text conditioning"),
-    "prediction_type": OnResume(REFUSE, _MATH),
+    "prediction_type": OnResume(REFUSE, _MATH), "flow_matching": OnResume(REFUSE, _MATH),
+    "flow_density": OnResume(REFUSE, _MATH), "flow_logit_mean": OnResume(REFUSE, _MATH),
+    "flow_logit_std": OnResume(REFUSE, _MATH), "flow_shift": OnResume(REFUSE, _MATH),
     "init_from": OnResume(FREE, "a resume loads its checkpoint (a LoRA run's base is checked by its fingerprint)"),
     "lora_rank": OnResume(REFUSE, "the adapters"), "lora_alpha": OnResume(REFUSE, "the adapters"),
     "lora_dropout": OnResume(REFUSE, _MATH), "lora_targets": OnResume(REFUSE, "the adapters"),

@@ -22,6 +22,11 @@ class LossSettings:
     """The config fields the loss and the update read."""
 
     prediction_type: str = "epsilon"
+    flow_matching: bool = False  # an epsilon or v model trained as a flow (sd.flow's bridge)
+    flow_density: str = "logit_normal"
+    flow_logit_mean: float = 0.0
+    flow_logit_std: float = 1.0
+    flow_shift: float = 1.0
     min_snr_gamma: float = 5.0
     loss_type: str = "l2"
     huber_schedule: str = "snr"
@@ -35,6 +40,10 @@ class LossSettings:
     noise_offset: float = 0.0
     prior_loss_weight: float = 1.0
     prior_preservation: bool = False  # every micro-batch: instance samples, then as many class samples
+
+    @property
+    def flow(self) -> bool:
+        return self.prediction_type == "flow" or self.flow_matching
 
     @classmethod
     def from_config(cls, config) -> "LossSettings":

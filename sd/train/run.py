@@ -161,7 +161,8 @@ def build(config: TrainConfig, d: Dist) -> Run:
             sd.train.recovery.load_base(config.init_from, unet)
         make_pipeline = lambda: sd.sampling.Pipeline(unet, vae, text_encoder.to(d.device), tokenizer,  # noqa: E731
                                                      config.prediction_type,
-                                                     zero_terminal_snr=base_zero_terminal_snr(config))
+                                                     zero_terminal_snr=base_zero_terminal_snr(config),
+                                                     flow_shift=config.flow_shift)
         dreambooth = sd.data.dreambooth.DreamBoothSettings.from_config(config)
         train_data, val_data = sd.data.dreambooth.build_data(dreambooth, d, vae, tokenizer, make_pipeline), None
     else:
@@ -184,7 +185,8 @@ def build(config: TrainConfig, d: Dist) -> Run:
     steps_per_epoch = steps_per_epoch_of(config, train_data, d)
     total = config.max_steps if config.max_steps > 0 else config.epochs * steps_per_epoch
     sampler = sd.sampling.Pipeline(unet, vae, step.text_encoder, tokenizer, config.prediction_type,
-                                   zero_terminal_snr=config.zero_terminal_snr)
+                                   zero_terminal_snr=config.zero_terminal_snr, flow_shift=config.flow_shift,
+                                   flow_matching=config.flow_matching)
     state = TrainState(world_size=d.world_size, data_samples=len(train_data))
     run = Run(config, d, step, state, train_data, val_data, sampler,
               ckpt.RankRNG(step.noise_generator, unet), steps_per_epoch, total, Path(config.out_dir), mode,

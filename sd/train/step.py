@@ -21,6 +21,7 @@ import sd.cli
 import sd.data.training_data
 import sd.distributed
 import sd.embedding.tokens
+import sd.flow
 import sd.model
 import sd.posthoc_ema
 import sd.runtime
@@ -452,6 +453,8 @@ def diffusion_loss(context: LossContext, model, latents, input_ids, generator, m
     if settings.noise_offset:  # a per-sample, per-channel shift: the mean brightness becomes learnable
         noise = noise + settings.noise_offset * torch.randn((*latents.shape[:2], 1, 1), generator=generator,
                                                              device=device)
+    if settings.flow:
+        return flow_loss(context, model, latents, noise, input_ids, generator, mask, inputs)
     timesteps = sd.model.sample_timesteps(latents.shape[0], generator).to(device)
     noisy = sd.model.add_noise(latents, noise, timesteps, alphas)
     target = sd.model.prediction_target(latents, noise, timesteps, alphas, settings.prediction_type)
@@ -468,6 +471,42 @@ def diffusion_loss(context: LossContext, model, latents, input_ids, generator, m
     loss = sd.model.diffusion_loss(pred, target, timesteps, alphas, settings.prediction_type, settings.min_snr_gamma,
                                    mask, settings.loss_type, huber_c, settings.debiased_estimation)
     return loss, timesteps
+
+
+def flow_loss(context: LossContext, model, latents, noise, input_ids, generator, mask, inputs):
+    """``diffusion_loss`` of a flow (``sd.flow``): the squared error (or ``loss_type``'s) of the velocity
+    ``noise - latents`` at sigmas drawn by ``flow_density`` and ``flow_shift``, with no per-sample weight. A
+    flow UNet is given the point on the path and ``sigma * 1000``; a bridged epsilon or v UNet its DDPM point
+    and continuous timestep, its output turned into the velocity. Returns the loss ``(B,)`` and the nearest
+    integer time ``(B,)`` of each sample (the per-quartile statistics')."""
+    settings, device = context.settings, context.device
+    sigmas = sd.flow.sample_sigmas(latents.shape[0], generator, settings.flow_density, settings.flow_logit_mean,
+                                   settings.flow_logit_std, settings.flow_shift).to(device)
+    bridged = settings.prediction_type != "flow"
+    if bridged:
+        sigmas = sd.flow.clamped(sigmas, context.alphas_cumprod)
+    noisy = sd.flow.noised(latents, noise, sigmas)
+    if bridged:
+        noisy, timesteps = sd.flow.bridge_inputs(noisy, sigmas, context.alphas_cumprod)
+    else:
+        timesteps = sd.flow.model_timesteps(sigmas)
+    conditioning = context.model_inputs(inputs, device, generator) if inputs else {}
+    with sd.runtime.autocast(settings.precision, device):
+        hidden = context.prompts(input_ids, generator)
+        pred = model(noisy, timesteps, encoder_hidden_states=hidden, **conditioning).sample
+    if bridged:
+        pred = sd.flow.bridge_velocity(pred, noisy, sigmas, settings.prediction_type)
+    if mask is not None:
+        mask = mask.to(device, non_blocking=True)
+    step_times = (sigmas * sd.model.NUM_TRAIN_TIMESTEPS).long().clamp(0, sd.model.NUM_TRAIN_TIMESTEPS - 1)
+    huber_c = None
+    if settings.loss_type in ("huber", "smooth_l1"):  # constant or exponential (check_flow), by sigma * 1000
+        huber_c = sd.model.huber_thresholds(step_times, context.alphas_cumprod, settings.huber_schedule,
+                                            settings.huber_c, settings.huber_scale)
+    loss = sd.model.elementwise_loss(pred, sd.flow.velocity(latents, noise), settings.loss_type, huber_c)
+    if mask is not None:
+        loss = loss * mask.to(dtype=torch.float32)
+    return loss.mean(dim=tuple(range(1, loss.ndim))), step_times
 
 
 def batch_extras(step: Step, extra: list) -> dict:

@@ -154,7 +154,7 @@ def sample_grid(run: Run, path: Path, prompts: list[str], stop=None) -> None:
     (no rank waits in a collective while another samples alone, and a stop is agreed between
     prompts), and rank 0 writes the grid. Each image is made by ``sd.sampling.generate`` at batch 1,
     the path of ``SD_ImageGen.py``: ``SD_ImageGen.py --ckpt <the checkpoint of this step> --prompt P
-    --seed SEED --n 1 --steps validation_steps --cfg validation_cfg --sampler validation_sampler`` at the same precision draws the
+    --seed SEED --n 1 --steps validation_steps --cfg validation_cfg --sampler validation_sampler`` (``auto`` as ``TrainConfig.sampler`` resolves it) at the same precision draws the
     same image.
     """
     config, d = run.config, run.d
@@ -162,7 +162,7 @@ def sample_grid(run: Run, path: Path, prompts: list[str], stop=None) -> None:
 
     def sample(i: int) -> list:
         return sd.sampling.generate(run.sampler, prompts[i], "", [config.seed], steps=config.validation_steps,
-                                    cfg=config.validation_cfg, sampler=config.validation_sampler, height=height,
+                                    cfg=config.validation_cfg, sampler=config.sampler, height=height,
                                     width=width, batch_size=1, device=d.device, stop=stop,
                                     **run.mode.sample_inputs(i, width, height))
 

@@ -415,7 +415,7 @@ def test_a_single_file_without_a_recorded_prediction_type_is_epsilon_unless_told
     assert told.prediction_type == "v_prediction"
     odd = tmp_path / "odd.safetensors"
     save_file(load_file(exported / "model.safetensors"), str(odd), metadata={"prediction_type": "sample"})
-    with pytest.raises(ValueError, match=rf"^{odd}: prediction_type 'sample' is neither of epsilon, v_prediction$"):
+    with pytest.raises(ValueError, match=rf"^{odd}: prediction_type 'sample' is not one of epsilon, v_prediction, flow$"):
         sd.formats.load_pipeline(str(odd), arch="tiny")
 
 

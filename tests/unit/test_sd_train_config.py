@@ -170,6 +170,9 @@ RANGES = {
     "adam_eps": ("> 0 and finite", [1e-30, 1.0], [0.0, -1e-8]),
     "grad_clip": (">= 0 and finite", [0.0, 100.0], [-1.0]),
     "min_snr_gamma": (">= 0 and finite", [0.0, 20.0], [-5.0]),
+    "flow_logit_mean": ("in [-10, 10]", [0.0], [-11.0, 10.5]),  # != 0 needs flow: test_flow_settings_are_checked...
+    "flow_logit_std": ("in (0, 10]", [1.0], [0.0, 11.0]),
+    "flow_shift": ("in [0.1, 10]", [1.0], [0.05, 12.0]),
     "huber_c": ("in (0, 1)", [0.001, 0.999], [0.0, 1.0, -0.1]),
     "huber_scale": ("> 0 and finite", [0.5, 4.0], [0.0, -1.0]),
     "cfg_dropout": ("in [0, 1)", [0.0, 0.99], [1.0, -0.1]),
@@ -569,7 +572,7 @@ def test_each_components_view_of_the_config_reads_fields_the_config_has_and_copi
         assert names <= set(FIELDS), (view.__name__, names - set(FIELDS))
         made = view.from_config(config)
         for name in names:
-            expected = getattr(config, name)
+            expected = config.sampler if name == "validation_sampler" else getattr(config, name)  # auto resolved
             assert getattr(made, name) == (tuple(expected) if name == "datasets" else expected), (view.__name__, name)
     data = sd.data.training_data.DataSettings.from_config(config)
     assert (data.caption_ops.shuffle_tags, data.caption_ops.keep_tokens) == (0.5, 2)
