@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+import sd.data.captions
 import sd.data.shards
 import sd.data.stages
 import sd.model
@@ -47,13 +48,6 @@ def parse_args(argv):
                         help="CLIP tokenizer hub id, local folder, or 'tiny' (the same BPE, built offline)")
     parser.add_argument("--batch_size", type=int, default=4096, help="captions per tokenizer call")
     return parser.parse_args(argv)
-
-
-def caption_table(keys: list[str], captions: list[str], input_ids: np.ndarray):
-    import pyarrow as pa
-
-    ids = pa.FixedSizeListArray.from_arrays(pa.array(input_ids.reshape(-1), type=pa.int32()), sd.model.TOKENIZER_MAX_LENGTH)
-    return pa.table({"key": pa.array(keys, pa.string()), "caption": pa.array(captions, pa.string()), "input_ids": ids})
 
 
 def process_shard(path: Path, out: Path, tokenizer, batch_size: int) -> dict:
@@ -81,7 +75,7 @@ def process_shard(path: Path, out: Path, tokenizer, batch_size: int) -> dict:
     for start in range(0, len(keys), batch_size):
         batch = captions[start : start + batch_size]
         input_ids[start : start + len(batch)] = sd.model.tokenize(tokenizer, batch).numpy()
-    table = caption_table(keys, captions, input_ids)
+    table = sd.data.captions.caption_table(keys, captions, input_ids)
     stats.successes = len(keys)
     name = sd.data.stages.shard_stem(path)
     return sd.data.stages.write_output(out, name, lambda tmp: pq.write_table(table, tmp), stats, ".parquet",

@@ -84,3 +84,13 @@ def caption_ids(ops: CaptionOps | None, tokenizer, captions: list[str], keys_for
     if not texts:
         return np.zeros((0, sd.model.TOKENIZER_MAX_LENGTH), dtype=np.int64)
     return sd.model.tokenize(tokenizer, texts).numpy().astype(np.int64, copy=False)
+
+
+def caption_table(keys: list[str], captions: list[str], input_ids: np.ndarray):
+    """A caption shard's table as ``pipeline/04_preprocess_to_cache.py`` writes it (and 05 reads it): ``key``,
+    ``caption`` and ``input_ids`` (77 int32 CLIP token ids a row)."""
+    import pyarrow as pa
+
+    ids = pa.FixedSizeListArray.from_arrays(pa.array(np.asarray(input_ids, dtype=np.int32).reshape(-1), type=pa.int32()),
+                                            sd.model.TOKENIZER_MAX_LENGTH)
+    return pa.table({"key": pa.array(keys, pa.string()), "caption": pa.array(captions, pa.string()), "input_ids": ids})

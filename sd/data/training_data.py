@@ -23,6 +23,8 @@
 * Loss masks (``masked_loss``): ``NNNNN.mask.npy`` (per bucket ``NNNNN.WxH.mask.npy``), float16
   ``(N, 1, H/8, W/8)`` weights in 0..1 beside a shard's latents; a shard without one weighs 1
   everywhere, and a mirrored latent takes its mask mirrored.
+* Reflow pairs (``reflow``, ``SD_Reflow.py``): ``NNNNN.noise.npy`` float16, the shape of the latents beside
+  it, the noise each latent was drawn from by a flow model's ODE; every shard must have one.
 * Conditioning images (a ControlNet run's ``control``): ``NNNNN[.WxH].<name>.pngs`` (each row's PNG at pixel
   resolution, concatenated) and ``NNNNN[.WxH].<name>.offsets.npy`` beside the latents; every shard must
   have them, and a mirrored latent takes its conditioning image mirrored.
@@ -64,6 +66,7 @@ class DataSettings:
     allow_missing_latents: bool = False
     flip: bool = False
     masked_loss: bool = False
+    reflow: bool = False
     control: str = ""
     caption_ops: sd.data.captions.CaptionOps = field(default_factory=sd.data.captions.CaptionOps)
 
@@ -87,10 +90,11 @@ class LatentStore:
     not there. ``shapes`` lists the latent shapes held (one unless the folder is bucketed) and
     ``bucket_of_row`` each row's index into it. ``masks=True`` maps the loss masks
     (``NNNNN.mask.npy``) into ``masks``, laid out like ``arrays`` (None for a shard without one).
+    ``noise=True`` maps each shard's reflow noise (``NNNNN.noise.npy``) into ``noises``.
     """
 
     def __init__(self, folder: str | Path, *, threads: int = 16, mmap: bool = False, flip: bool = False,
-                 share: tuple[int, int] = (0, 1), masks: bool = False, control: str = ""):
+                 share: tuple[int, int] = (0, 1), masks: bool = False, control: str = "", noise: bool = False):
         self.folder = Path(folder)
         self.warm_share = None if mmap else share
         if not self.folder.is_dir():
@@ -105,6 +109,7 @@ class LatentStore:
             raise DataError(f"latent folder {self.folder} holds no latents (no *.keys.txt shards, no <key>.npy files)")
         self.flipped = self._load_flipped(shard_files, threads) if flip else None
         self.masks = self._load_masks(threads) if masks else None
+        self.noises = self._load_noises(threads) if noise else None
         self.control = control
         self.controls = self._load_controls(control) if control else None
 
@@ -216,6 +221,29 @@ class LatentStore:
                             f"h, w) of the latents beside them): {', '.join(bad[:10])}; re-encode those shards")
         self._warm([p for p, m in zip(paths, masks) if m is not None], threads)
         return masks
+
+    def _load_noises(self, threads: int) -> list[np.ndarray]:
+        """The reflow noise beside each shard's array, memory-mapped; a shard without it, or with noise of
+        another shape than its latents, is a DataError naming it."""
+        if not hasattr(self, "paths"):
+            raise DataError(f"{self.folder} holds one latent file per image, which carries no reflow noise: "
+                            "draw the pairs with SD_Reflow.py")
+        paths = [p.with_name(p.name[: -len(".npy")] + ".noise.npy") for p in self.paths]
+        missing = [p.name for p in paths if not p.exists()]
+        if missing:
+            raise DataError(f"reflow: {len(missing)} latent shards in {self.folder} have no noise beside them "
+                            f"({', '.join(missing[:5])}): train on a folder SD_Reflow.py wrote, or set reflow: false")
+        noises = [load_npy(p, mmap=True) for p in paths]
+        bad = [f"{p.name} {n.shape}" for p, n, a in zip(paths, noises, self.arrays) if n.shape != a.shape]
+        if bad:
+            raise DataError(f"{len(bad)} noise files in {self.folder} do not match their latents' shape: "
+                            f"{', '.join(bad[:10])}; draw those shards again with SD_Reflow.py")
+        self._warm(paths, threads)
+        return noises
+
+    def gather_noise(self, rows: np.ndarray) -> np.ndarray:
+        """The reflow noise of the given rows, ``(B, 4, h, w)`` float16, in order."""
+        return self._rows(self.noises, rows)
 
     def _load_controls(self, name: str) -> list[tuple[np.ndarray, np.ndarray]]:
         """The conditioning images ``name`` beside each shard's (or bucket's) array: ``(its PNG bytes,
@@ -660,6 +688,7 @@ class MixedData:
              for split in splits] or [np.zeros(0, dtype=np.int16)])
         self.target = np.arange(len(self.shapes))
         self.masked = any(split.store.masks is not None for split in splits)
+        self.paired = any(split.store.noises is not None for split in splits)
         self.controlled = any(split.store.controls is not None for split in splits)
         if self.controlled and not all(split.store.controls is not None for split in splits if len(split)):
             raise DataError("conditioning images were loaded for some latent folders and not others")
@@ -692,7 +721,8 @@ class MixedData:
     def batch(self, indices: np.ndarray, flipped: np.ndarray | None = None,
               draws: np.ndarray | None = None) -> tuple[torch.Tensor, ...]:
         """``(latents (B, 4, h, w) float16, input_ids (B, 77) int64)`` for global indices, in order; when
-        ``masked``, also their loss masks ``(B, 1, h, w)`` float16 (``masks``).
+        ``masked``, also their loss masks ``(B, 1, h, w)`` float16 (``masks``); when ``paired``, then their
+        reflow noise ``(B, 4, h, w)`` float16 (``noise``).
 
         ``flipped`` (B,) bool: which samples take the latents of their mirrored image (``flip_coins``).
         ``draws`` (B, k): the keys of each sample's caption draws (``epoch_plan``), used when the data
@@ -717,6 +747,8 @@ class MixedData:
         if not stored_ids:
             input_ids = self.caption_ids(indices, indices[:, None] if draws is None else draws)
         extra = (self.masks(indices, flipped),) if self.masked else ()
+        if self.paired:
+            extra = (*extra, self.noise(indices))
         if self.controlled:
             extra = (*extra, self.controls(indices, flipped))
         return torch.from_numpy(latents), torch.from_numpy(input_ids), *extra
@@ -738,6 +770,21 @@ class MixedData:
                 part = store.gather_controls(rows, None if flipped is None else flipped[chosen])
                 images[chosen] = part if part.shape[1:] == size else sd.data.buckets.fit_images(part, shape)
         return torch.from_numpy(images)
+
+    def noise(self, indices: np.ndarray) -> torch.Tensor:
+        """Reflow noise ``(B, 4, h, w)`` float16 of global indices, in order (every store has it: ``reflow``
+        loads it for all; no flip, no merged buckets: a pair is one latent and its noise)."""
+        shape = self.shape_of(indices)
+        which = np.searchsorted(self.offsets, indices, side="right") - 1
+        out = np.empty((len(indices), *shape), dtype=np.float16)
+        for d in np.unique(which):
+            chosen = which == d
+            part = self.splits[d].store.gather_noise(self.splits[d].rows[indices[chosen] - self.offsets[d]])
+            if part.shape[1:] != tuple(shape):
+                raise DataError(f"reflow: {self.splits[d].store.folder}'s pairs of {part.shape[1:]} were put in a "
+                                f"bucket of {tuple(shape)}; keep reflow data in buckets of their own size")
+            out[chosen] = part
+        return torch.from_numpy(out)
 
     def masks(self, indices: np.ndarray, flipped: np.ndarray | None = None) -> torch.Tensor:
         """Loss masks ``(B, 1, h, w)`` float16 of global indices, in order, as ``batch`` lays out their

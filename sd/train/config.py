@@ -110,6 +110,9 @@ class TrainConfig:
     flow_matching: bool = _doc("train an epsilon or v_prediction model (init_from) as a flow through the diff2flow "
                                "mapping: the first step starts from all it knows, and its files stay epsilon or v "
                                "models; sampled with flow_euler by default", False)
+    reflow: bool = _doc("prediction_type: flow: train on the (noise, image) pairs of SD_Reflow.py (each latent with "
+                        "the noise it was drawn from: its folder's NNNNN.noise.npy) instead of fresh noise, which "
+                        "straightens the model's paths for 1-2 step sampling", False)
     flow_density: str = _doc("flow: how the training sigmas (noise fractions) are drawn: logit_normal "
                              "(sigmoid of N(flow_logit_mean, flow_logit_std), SD3's) or uniform", "logit_normal")
     flow_logit_mean: float = _doc("flow, logit_normal: the mean (below 0: more training at low noise)", 0.0,
@@ -492,6 +495,14 @@ def check_flow(config: TrainConfig) -> None:
     """Flow matching's settings, and the settings of the other objectives it cannot take."""
     if config.flow_density not in sd.flow.DENSITIES:
         raise ConfigError(f"flow_density: one of {', '.join(sd.flow.DENSITIES)}, got {config.flow_density!r}")
+    if config.reflow:
+        refused = [(config.prediction_type != "flow", "prediction_type: flow (the pairs are a flow model's)"),
+                   (config.flip, "flip: false (a pair is one image and its noise)"),
+                   (config.noise_offset != 0, "noise_offset: 0 (the noise is the pair's)"),
+                   (bool(config.instance_dir), "no instance_dir (the pairs are SD_Reflow.py's latent folders)")]
+        for bad, need in refused:
+            if bad:
+                raise ConfigError(f"reflow needs {need}")
     if not config.flow:
         changed = [name for name in FLOW_FIELDS if getattr(config, name) != FIELDS[name].default]
         if changed:
@@ -925,6 +936,7 @@ ON_RESUME = {
     "prediction_type": OnResume(REFUSE, _MATH), "flow_matching": OnResume(REFUSE, _MATH),
     "flow_density": OnResume(REFUSE, _MATH), "flow_logit_mean": OnResume(REFUSE, _MATH),
     "flow_logit_std": OnResume(REFUSE, _MATH), "flow_shift": OnResume(REFUSE, _MATH),
+    "reflow": OnResume(REFUSE, _MATH),
     "init_from": OnResume(FREE, "a resume loads its checkpoint (a LoRA run's base is checked by its fingerprint)"),
     "lora_rank": OnResume(REFUSE, "the adapters"), "lora_alpha": OnResume(REFUSE, "the adapters"),
     "lora_dropout": OnResume(REFUSE, _MATH), "lora_targets": OnResume(REFUSE, "the adapters"),

@@ -159,7 +159,7 @@ class Distiller:
         if self.target is not None:
             self.target.update(unet, step_index, skip=skip, view=view)
 
-    def loss(self, context, model, latents, input_ids, generator, mask, inputs):
+    def loss(self, context, model, latents, input_ids, generator, mask, inputs, noise=None):
         """The consistency-distillation loss (``lcm_loss``; a distillation takes no loss mask or mode inputs)."""
         return lcm_loss(self, context, model, latents, input_ids, generator)
 

@@ -27,6 +27,7 @@ class LossSettings:
     flow_logit_mean: float = 0.0
     flow_logit_std: float = 1.0
     flow_shift: float = 1.0
+    reflow: bool = False  # a batch carries each latent's noise (sd.data.training_data's reflow pairs)
     min_snr_gamma: float = 5.0
     loss_type: str = "l2"
     huber_schedule: str = "snr"

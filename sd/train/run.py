@@ -56,7 +56,7 @@ def build_data(settings: sd.data.training_data.DataSettings, d: Dist | None = No
         if folder not in stores:
             stores[folder] = sd.data.training_data.LatentStore(
                 folder, threads=settings.data_threads, mmap=settings.mmap_latents, flip=settings.flip, share=share,
-                masks=settings.masked_loss, control=settings.control)
+                masks=settings.masked_loss, control=settings.control, noise=settings.reflow)
         store = stores[folder]
         train.append(sd.data.training_data.join_split(entry["dataset"], "train", store,
                                                       allow_missing=settings.allow_missing_latents,

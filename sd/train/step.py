@@ -393,11 +393,12 @@ def compile_options(shapes: int, mode: str = "default") -> dict:
 
 
 def compute_loss(step: Step, model, latents: torch.Tensor, input_ids: torch.Tensor, generator: torch.Generator,
-                 mask: torch.Tensor | None = None, **inputs: torch.Tensor):
+                 mask: torch.Tensor | None = None, noise: torch.Tensor | None = None, **inputs: torch.Tensor):
     """Per-sample loss ``(B,)`` and timesteps of one micro-batch through ``model``, by the step's objective
     (``Diffusion``, or ``sd.train.distill.Distiller`` for ``distill: lcm``); ``mask`` ``(B, 1, h, w)``: the
-    loss weights of ``masked_loss``; ``inputs``: the mode's tensors of the micro-batch (``Mode.batch_inputs``)."""
-    return step.objective.loss(loss_context(step), model, latents, input_ids, generator, mask, inputs)
+    loss weights of ``masked_loss``; ``noise``: each latent's own noise (``reflow``'s pairs) instead of
+    drawn noise; ``inputs``: the mode's tensors of the micro-batch (``Mode.batch_inputs``)."""
+    return step.objective.loss(loss_context(step), model, latents, input_ids, generator, mask, inputs, noise)
 
 
 def loss_context(step: Step) -> LossContext:
@@ -420,10 +421,10 @@ class Diffusion:
     def build(cls, config, unet) -> "Diffusion":
         return cls()
 
-    def loss(self, context: LossContext, model, latents, input_ids, generator, mask, inputs):
-        """The Min-SNR loss: draws the noise (and its offset), the timesteps, the mode's random inputs (a
-        blank control image) and the CFG dropout from ``generator``, in that order."""
-        return diffusion_loss(context, model, latents, input_ids, generator, mask, inputs)
+    def loss(self, context: LossContext, model, latents, input_ids, generator, mask, inputs, noise=None):
+        """The Min-SNR loss: draws the noise (and its offset; not when ``noise`` is given), the timesteps, the
+        mode's random inputs (a blank control image) and the CFG dropout from ``generator``, in that order."""
+        return diffusion_loss(context, model, latents, input_ids, generator, mask, inputs, noise)
 
     def update(self, unet, step_index: int, skip: torch.Tensor | None = None, view=None) -> None:
         pass
@@ -443,12 +444,16 @@ def objective_of(config) -> type:
     return sd.train.distill.Distiller if getattr(config, "distill", "") else Diffusion
 
 
-def diffusion_loss(context: LossContext, model, latents, input_ids, generator, mask, inputs):
-    """``Diffusion.loss``: per-sample Min-SNR loss ``(B,)`` of a micro-batch, and its timesteps."""
+def diffusion_loss(context: LossContext, model, latents, input_ids, generator, mask, inputs, noise=None):
+    """``Diffusion.loss``: per-sample Min-SNR loss ``(B,)`` of a micro-batch, and its timesteps. ``noise``:
+    the latents' own (a reflow pair's, ``flow_loss``), else drawn."""
     settings, device, alphas = context.settings, context.device, context.alphas_cumprod
     latents = sd.model.scale_latents(latents.to(device, non_blocking=True).float(), context.scaling_factor)
     if settings.channels_last:
         latents = latents.contiguous(memory_format=torch.channels_last)
+    if noise is not None:  # reflow (check_flow: a flow model, no noise_offset)
+        noise = noise.to(device, non_blocking=True).float()
+        return flow_loss(context, model, latents, noise, input_ids, generator, mask, inputs)
     noise = torch.randn(latents.shape, generator=generator, device=device)
     if settings.noise_offset:  # a per-sample, per-channel shift: the mean brightness becomes learnable
         noise = noise + settings.noise_offset * torch.randn((*latents.shape[:2], 1, 1), generator=generator,
@@ -511,14 +516,19 @@ def flow_loss(context: LossContext, model, latents, noise, input_ids, generator,
 
 def batch_extras(step: Step, extra: list) -> dict:
     """A micro-batch's tensors after the latents and token ids, by ``compute_loss``'s names: the loss mask
-    (``masked_loss``), then the mode's (``Mode.batch_inputs``: a ControlNet run's conditioning images)."""
+    (``masked_loss``), the reflow noise (``reflow``), then the mode's (``Mode.batch_inputs``: a ControlNet
+    run's conditioning images)."""
     names = step.mode.batch_inputs
     if len(extra) < len(names):
         raise ValueError(f"a {step.mode.what} run's batch needs {step.mode.missing_inputs}")
-    own = len(extra) - len(names)
-    named = dict(zip(names, extra[own:]))
+    own = extra[: len(extra) - len(names)]
+    named = dict(zip(names, extra[len(own):]))
+    if step.loss.reflow:
+        if not own:
+            raise ValueError("a reflow run's batch needs each latent's noise (MixedData loaded with noise)")
+        named["noise"], own = own[-1], own[:-1]
     if own:
-        named["mask"] = extra[0]
+        named["mask"] = own[0]
     return named
 
 
