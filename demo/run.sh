@@ -13,7 +13,9 @@
 #                       which ones (prior no_prior embedding pivotal: the LoRAs, the learned token, both)
 #   DEMO_POSTHOC=0      leaves out the post-hoc EMA step (7); DEMO_POSTHOC_LENGTHS: its lengths (0.05,0.10,0.20)
 #   DEMO_LCM=0          leaves out the few-step step (11); DEMO_LCM_FLAGS: extra SD_Train.py flags of its run
-#   DEMO_CONTROL=0      leaves out the ControlNet step (12); DEMO_CONTROL_COUNT: its training images (2000);
+#   DEMO_FLOW=0         leaves out the flow-matching step (12); DEMO_FLOW_FLAGS: extra SD_Train.py flags of its
+#                       two runs; DEMO_REFLOW_PAIRS: the reflow pairs drawn (2048)
+#   DEMO_CONTROL=0      leaves out the ControlNet step (13); DEMO_CONTROL_COUNT: its training images (2000);
 #                       DEMO_CONTROL_FLAGS: extra SD_Train.py flags of its run
 #   DEMO_ASPECT=0       leaves out the aspect-ratio step; DEMO_ASPECT_COUNT: its wide, tall and square
 #                       images (600); DEMO_ASPECT_FLAGS: extra SD_Train.py flags of its two runs;
@@ -38,39 +40,39 @@ start=$(date +%s)
 step() { printf '\n=== [%ss] %s ===\n' "$(( $(date +%s) - start ))" "$*"; }
 run_dir() { case $1 in embedding|pivotal) echo "$1" ;; *) echo "lora_$1" ;; esac; }  # a concept run's folder
 
-step "1/13 synthetic captioned images (pipeline/00_make_demo_data.py)"
+step "1/14 synthetic captioned images (pipeline/00_make_demo_data.py)"
 $PY pipeline/00_make_demo_data.py --out "$OUT/shards" --count "$COUNT" --size "$SIZE" --vae_count $((COUNT / 3)) \
     --vae_out "$OUT/vae_shards"
 
-step "2/13 a VAE for these images and the same shapes in cyan, a colour the UNet never sees (train_vae.py)"
+step "2/14 a VAE for these images and the same shapes in cyan, a colour the UNet never sees (train_vae.py)"
 if [ -f "$OUT/vae/config.json" ]; then echo "$OUT/vae exists"; else
   $PY train_vae.py --shards "$OUT/*shards/*.tar" --out "$OUT/vae" --resolution "$SIZE" --max_steps "$VAE_STEPS" \
       --seed 0 ${DEMO_VAE_FLAGS:-}
 fi
 
-step "3/13 latents, token ids, training dataset (encode_latents.py, stages 04 and 05)"
+step "3/14 latents, token ids, training dataset (encode_latents.py, stages 04 and 05)"
 $PY encode_latents.py --shards "$OUT/shards/*.tar" --out "$OUT/latents" --vae "$OUT/vae" --resolution "$SIZE" \
     --batch_size 64 --workers 2
 $PY pipeline/04_preprocess_to_cache.py --shards "$OUT/shards/*.tar" --out "$OUT/captions" --tokenizer tiny
 $PY pipeline/05_build_hf_dataset.py --captions "$OUT/captions" --latents "$OUT/latents" --out "$OUT/dataset" \
     --val_fraction 0.03
 
-step "4/13 the UNet, $NPROC ranks (torchrun SD_Train.py --config configs/demo.yaml)"
+step "4/14 the UNet, $NPROC ranks (torchrun SD_Train.py --config configs/demo.yaml)"
 # shellcheck disable=SC2086  # DEMO_TRAIN_FLAGS is a list of flags
 $PY -m torch.distributed.run --standalone --nproc_per_node "$NPROC" SD_Train.py --config configs/demo.yaml \
     --datasets "[{dataset: $OUT/dataset, latents: $OUT/latents}]" --vae "$OUT/vae" --out_dir "$OUT/train" \
     ${DEMO_TRAIN_FLAGS:-}
 
-step "5/13 samples of seen and held-out prompts with the EMA weights (SD_ImageGen.py)"
+step "5/14 samples of seen and held-out prompts with the EMA weights (SD_ImageGen.py)"
 rm -rf "$OUT/samples"
 $PY SD_ImageGen.py --ckpt "$OUT/train" --prompts_file "$OUT/shards/prompts.txt" --n "$N" --steps 25 --cfg 3.5 \
     --seed 0 --height "$SIZE" --width "$SIZE" --batch_size 16 --out "$OUT/samples"
 
-step "6/13 prompt adherence (demo/evaluate.py) and FID against fresh ground-truth drawings (demo/fid.py, SD_Eval.py)"
+step "6/14 prompt adherence (demo/evaluate.py) and FID against fresh ground-truth drawings (demo/fid.py, SD_Eval.py)"
 $PY demo/evaluate.py --images "$OUT/samples" --prompts "$OUT/shards/demo_prompts.json" --out "$OUT/eval.json"
 $PY demo/fid.py --samples "$OUT/samples" --prompts "$OUT/shards/demo_prompts.json" --out "$OUT/fid"
 
-step "7/13 post-hoc EMA: EMAs of three lengths rebuilt after training from the run's snapshots, their FID beside the classic EMA's (SD_ImageGen.py --ema_length, demo/posthoc.py)"
+step "7/14 post-hoc EMA: EMAs of three lengths rebuilt after training from the run's snapshots, their FID beside the classic EMA's (SD_ImageGen.py --ema_length, demo/posthoc.py)"
 LENGTHS=${DEMO_POSTHOC_LENGTHS:-0.05,0.10,0.20}
 if [ "${DEMO_POSTHOC:-1}" = 0 ]; then echo "left out (DEMO_POSTHOC=0)"; else
   for length in ${LENGTHS//,/ }; do
@@ -83,7 +85,7 @@ if [ "${DEMO_POSTHOC:-1}" = 0 ]; then echo "left out (DEMO_POSTHOC=0)"; else
   $PY demo/posthoc.py --out "$OUT" --lengths "$LENGTHS"
 fi
 
-step "8/13 a new concept, cyan: a DreamBooth LoRA ('a sks circle') with and without prior preservation, a learned token ('a <cyan-sks> circle'), and both together (pivotal tuning)"
+step "8/14 a new concept, cyan: a DreamBooth LoRA ('a sks circle') with and without prior preservation, a learned token ('a <cyan-sks> circle'), and both together (pivotal tuning)"
 CONCEPT=$OUT/concept
 if [ "${DEMO_CONCEPT:-1}" = 0 ]; then echo "left out (DEMO_CONCEPT=0)"; else
   $PY demo/concept.py images --prompts "$OUT/shards/demo_prompts.json" --out "$CONCEPT" --vae "$OUT/vae" \
@@ -106,7 +108,7 @@ if [ "${DEMO_CONCEPT:-1}" = 0 ]; then echo "left out (DEMO_CONCEPT=0)"; else
     $PY SD_ImageGen.py --ckpt "$CONCEPT/pivotal" --export_lora "$CONCEPT/pivotal_lora/cyan.safetensors"
   fi
 
-  step "9/13 the seen prompts and the concept, sampled before and after (SD_ImageGen.py, demo/evaluate.py)"
+  step "9/14 the seen prompts and the concept, sampled before and after (SD_ImageGen.py, demo/evaluate.py)"
   for run in base ${DEMO_CONCEPT_RUNS:-prior no_prior embedding pivotal}; do
     if [ "$run" = base ]; then ckpt=$OUT/train; else ckpt=$CONCEPT/$(run_dir "$run"); fi
     prompts=$CONCEPT/prompts.txt
@@ -120,7 +122,7 @@ if [ "${DEMO_CONCEPT:-1}" = 0 ]; then echo "left out (DEMO_CONCEPT=0)"; else
   $PY demo/concept.py report --out "$CONCEPT"
 fi
 
-step "10/13 aspect-ratio buckets: wide and tall images with the shape at one end, trained in buckets and as centre squares"
+step "10/14 aspect-ratio buckets: wide and tall images with the shape at one end, trained in buckets and as centre squares"
 ASPECT=$OUT/aspect
 if [ "${DEMO_ASPECT:-1}" = 0 ]; then echo "left out (DEMO_ASPECT=0)"; else
   $PY demo/aspect.py images --prompts "$OUT/shards/demo_prompts.json" --out "$ASPECT" --count "${DEMO_ASPECT_COUNT:-600}"
@@ -148,7 +150,7 @@ if [ "${DEMO_ASPECT:-1}" = 0 ]; then echo "left out (DEMO_ASPECT=0)"; else
   $PY demo/aspect.py report --out "$ASPECT" --prompts "$OUT/shards/demo_prompts.json"
 fi
 
-step "11/13 few-step sampling: the UNet distilled into a latent consistency model (SD_Train.py --config configs/demo_lcm.yaml), sampled in 2, 4 and 8 steps beside DDIM in 50, 4 and 2"
+step "11/14 few-step sampling: the UNet distilled into a latent consistency model (SD_Train.py --config configs/demo_lcm.yaml), sampled in 2, 4 and 8 steps beside DDIM in 50, 4 and 2"
 LCM=$OUT/lcm_eval
 if [ "${DEMO_LCM:-1}" = 0 ]; then echo "left out (DEMO_LCM=0)"; else
   # shellcheck disable=SC2086  # DEMO_LCM_FLAGS is a list of flags
@@ -168,7 +170,38 @@ if [ "${DEMO_LCM:-1}" = 0 ]; then echo "left out (DEMO_LCM=0)"; else
   $PY demo/lcm.py --out "$LCM" --reference "$OUT/fid/reference"
 fi
 
-step "12/13 spatial control: a ControlNet on the frozen demo model draws the shape where a silhouette says (SD_Train.py --config configs/demo_control.yaml)"
+step "12/14 flow matching: the demo model fine-tuned to a rectified flow (configs/demo_flow.yaml), sampled in 25, 8 and 4 Euler steps; reflowed on 2048 pairs of its own ODE (SD_Reflow.py, configs/demo_reflow.yaml) and sampled in 2 and 1"
+FLOW=$OUT/flow
+if [ "${DEMO_FLOW:-1}" = 0 ]; then echo "left out (DEMO_FLOW=0)"; else
+  # shellcheck disable=SC2086  # DEMO_FLOW_FLAGS is a list of flags
+  $PY SD_Train.py --config configs/demo_flow.yaml --init_from "$OUT/train" --vae "$OUT/vae" \
+      --datasets "[{dataset: $OUT/dataset, latents: $OUT/latents}]" --out_dir "$FLOW/train" ${DEMO_FLOW_FLAGS:-}
+  $PY -c "import json, sys; print('\n'.join(json.load(open(sys.argv[1]))['seen']))" "$OUT/shards/demo_prompts.json" \
+      > "$FLOW/seen_prompts.txt"  # the pairs' prompts: the training captions, never the held-out ones
+  $PY SD_Reflow.py --ckpt "$FLOW/train" --prompts "$FLOW/seen_prompts.txt" --out "$FLOW/pairs" \
+      --n "${DEMO_REFLOW_PAIRS:-2048}" --steps 25 --cfg 3.5 --shard_size 512 --batch_size 64
+  $PY pipeline/05_build_hf_dataset.py --captions "$FLOW/pairs/captions" --latents "$FLOW/pairs/latents" \
+      --out "$FLOW/pairs/dataset" --val_fraction 0
+  # shellcheck disable=SC2086  # DEMO_FLOW_FLAGS is a list of flags
+  $PY SD_Train.py --config configs/demo_reflow.yaml --init_from "$FLOW/train" --vae "$OUT/vae" \
+      --datasets "[{dataset: $FLOW/pairs/dataset, latents: $FLOW/pairs/latents}]" --out_dir "$FLOW/reflow" \
+      ${DEMO_FLOW_FLAGS:-}
+  for row in ddim_50 ddim_4 flow_25 flow_8 flow_4 reflow_2 reflow_1; do
+    case $row in
+      ddim_*) sampling=(--ckpt "$OUT/train" --sampler ddim --steps "${row#ddim_}" --cfg 3.5) ;;
+      flow_*) sampling=(--ckpt "$FLOW/train" --sampler flow_euler --steps "${row#flow_}" --cfg 3.5) ;;
+      reflow_*) sampling=(--ckpt "$FLOW/reflow" --sampler flow_euler --steps "${row#reflow_}" --cfg 1) ;;
+    esac
+    rm -rf "$FLOW/samples_$row"
+    $PY SD_ImageGen.py "${sampling[@]}" --prompts_file "$OUT/shards/prompts.txt" --n "$N" --seed 0 \
+        --height "$SIZE" --width "$SIZE" --batch_size 16 --out "$FLOW/samples_$row"
+    $PY demo/evaluate.py --images "$FLOW/samples_$row" --prompts "$OUT/shards/demo_prompts.json" \
+        --out "$FLOW/eval_$row.json"
+  done
+  $PY demo/flow.py --out "$FLOW" --lcm "$LCM" --reference "$OUT/fid/reference"
+fi
+
+step "13/14 spatial control: a ControlNet on the frozen demo model draws the shape where a silhouette says (SD_Train.py --config configs/demo_control.yaml)"
 CONTROL=$OUT/control
 if [ "${DEMO_CONTROL:-1}" = 0 ]; then echo "left out (DEMO_CONTROL=0)"; else
   $PY demo/control.py images --prompts "$OUT/shards/demo_prompts.json" --out "$CONTROL" --size "$SIZE" \
@@ -193,7 +226,7 @@ if [ "${DEMO_CONTROL:-1}" = 0 ]; then echo "left out (DEMO_CONTROL=0)"; else
   $PY demo/control.py report --prompts "$OUT/shards/demo_prompts.json" --out "$CONTROL"
 fi
 
-step "13/13 done"
+step "14/14 done"
 cat <<SUMMARY
   sample grid        $OUT/samples/grid.png (rows: the seen prompts, then the held-out ones)
   loss curve         $OUT/train/loss.png
@@ -208,6 +241,8 @@ cat <<SUMMARY
                      preservation, learned token, pivotal tuning; the token's file for other tools:
                      $CONCEPT/embeddings/; the pivotal LoRA with its token: $CONCEPT/pivotal_lora/)
   few-step sampling  $LCM/lcm.json ($LCM/samples_*/grid.png: DDIM 50, 4 and 2 steps, LCM 2, 4 and 8)
+  flow matching      $FLOW/flow.json ($FLOW/samples_*/grid.png: DDIM 50 and 4, the flow model's Euler 25, 8 and 4,
+                     the reflowed model's 2 and 1; LCM's 2 and 4 beside them when step 11 ran)
   spatial control    $CONTROL/control.json ($CONTROL/control.png: masks, ControlNet and demo-model samples; the
                      ControlNet for ComfyUI and AUTOMATIC1111: $CONTROL/controlnet_seg.safetensors)
   aspect buckets     $ASPECT/aspect.json ($ASPECT/samples_*_wide|tall/grid.png: base, buckets, centre squares)

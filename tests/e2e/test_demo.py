@@ -30,7 +30,8 @@ THREADS = os.environ.get("OMP_NUM_THREADS", "2")
 SMALL_DEMO = {"DEMO_SIZE": "32", "DEMO_COUNT": "1200", "DEMO_VAE_STEPS": "500", "DEMO_VAE_FLAGS": "--preset tiny",
               "DEMO_N": "4", "DEMO_NPROC": "2", "DEMO_THREADS": THREADS,
               "DEMO_TRAIN_FLAGS": "--unet tiny --max_steps 500 --warmup_steps 30 --validate_every 500 --save_steps 500",
-              "DEMO_CONCEPT": "0", "DEMO_ASPECT": "0", "DEMO_LCM": "0", "DEMO_CONTROL": "0", "DEMO_POSTHOC": "0"}
+              "DEMO_CONCEPT": "0", "DEMO_ASPECT": "0", "DEMO_LCM": "0", "DEMO_CONTROL": "0", "DEMO_POSTHOC": "0",
+              "DEMO_FLOW": "0"}
 # Measured at these settings on the 2-core machine (one thread a process): seen colour 1.00 and shape
 # 0.78; FID 8.0 (ground truth) < 23.8 (model) < 393 (blank). The new-concept steps are left out here
 # (DEMO_CONCEPT=0), and the few-step distillation (DEMO_LCM=0: tests/integration/test_distillation.py): a LoRA
