@@ -22,6 +22,7 @@ import torch
 import sd.cli
 import sd.run_folder
 from demo.evaluate import report_table
+from demo.lcm import row_scores
 
 ROWS = {"ddim_50": "demo model, DDIM 50 steps", "ddim_4": "demo model, DDIM 4 steps",
         "flow_25": "flow, Euler 25 steps", "flow_8": "flow, Euler 8 steps", "flow_4": "flow, Euler 4 steps",
@@ -53,23 +54,13 @@ def costs(out: Path, lcm: Path | None) -> dict[str, str]:
 
 
 def report(out: Path, lcm: Path | None, reference: Path | None) -> dict:
-    from demo.fid import fid
-
     cost = costs(out, lcm)
     table = {}
     for row in ROWS:
         folder = lcm if row.startswith("lcm_") else out
-        if folder is None or not (folder / f"eval_{row}.json").exists():
-            continue
-        try:
-            scores = json.loads((folder / f"eval_{row}.json").read_text())
-        except (OSError, ValueError) as error:
-            raise SystemExit(f"demo/flow.py: {folder / f'eval_{row}.json'}: {error}; run demo/evaluate.py for it again")
-        table[row] = {"seen_colour": scores["seen"]["colour"], "seen_shape": scores["seen"]["shape"],
-                      "seen_both": scores["seen"]["both"], "held_out_both": scores["held_out"]["both"]}
-        if reference is not None:
-            table[row]["fid"] = round(fid(folder / f"samples_{row}", reference, folder / f"fid_{row}.json"), 2)
-        table[row]["training"] = cost[row.split("_")[0]]
+        scores = None if folder is None else row_scores(folder, row, reference)
+        if scores is not None:
+            table[row] = {**scores, "training": cost[row.split("_")[0]]}
     return report_table(out / "flow.json", table, ROWS, numbers=("fid",))
 
 

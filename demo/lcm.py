@@ -21,23 +21,28 @@ ROWS = {"ddim_50": "demo model, DDIM 50 steps", "ddim_4": "demo model, DDIM 4 st
         "lcm_2": "distilled, LCM 2 steps", "lcm_4": "distilled, LCM 4 steps", "lcm_8": "distilled, LCM 8 steps"}
 
 
-def report(out: Path, reference: Path | None) -> dict:
+def row_scores(folder: Path, row: str, reference: Path | None) -> dict | None:
+    """A row's scores: demo/evaluate.py's of ``samples_<row>`` (``eval_<row>.json``; None when there is none)
+    and, given the reference drawings, its FID."""
     import json
 
     from demo.fid import fid
 
-    table = {}
-    for row in ROWS:
-        if not (out / f"eval_{row}.json").exists():
-            continue
-        try:
-            scores = json.loads((out / f"eval_{row}.json").read_text())
-        except (OSError, ValueError) as error:
-            raise SystemExit(f"demo/lcm.py: {out / f'eval_{row}.json'}: {error}; run demo/evaluate.py for it again")
-        table[row] = {"seen_colour": scores["seen"]["colour"], "seen_shape": scores["seen"]["shape"],
-                      "seen_both": scores["seen"]["both"], "held_out_both": scores["held_out"]["both"]}
-        if reference is not None:
-            table[row]["fid"] = round(fid(out / f"samples_{row}", reference, out / f"fid_{row}.json"), 2)
+    if not (folder / f"eval_{row}.json").exists():
+        return None
+    try:
+        scores = json.loads((folder / f"eval_{row}.json").read_text())
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"{folder / f'eval_{row}.json'}: {error}; run demo/evaluate.py for it again")
+    row_table = {"seen_colour": scores["seen"]["colour"], "seen_shape": scores["seen"]["shape"],
+                 "seen_both": scores["seen"]["both"], "held_out_both": scores["held_out"]["both"]}
+    if reference is not None:
+        row_table["fid"] = round(fid(folder / f"samples_{row}", reference, folder / f"fid_{row}.json"), 2)
+    return row_table
+
+
+def report(out: Path, reference: Path | None) -> dict:
+    table = {row: scores for row in ROWS if (scores := row_scores(out, row, reference)) is not None}
     return report_table(out / "lcm.json", table, ROWS, numbers=("fid",))
 
 

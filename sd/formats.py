@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import logging
+import math
 from pathlib import Path
 
 import torch

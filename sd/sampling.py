@@ -228,13 +228,14 @@ class Flow:
         span = None if bridge is None else sd.flow.bridge_range(bridge[0])
         self.sigmas = sigmas if sigmas is not None else sd.flow.euler_sigmas(steps, shift, span)
         self.heun = heun
-        plan = [(i, True) for i in range(len(self.sigmas) - 1)]  # (sigma index, first-order evaluation)
-        if heun:
-            plan = [entry for i, entry in enumerate(plan) for entry in
-                    ([entry] if self.sigmas[i + 1] == 0 else [entry, (i + 1, False)])]
-        self.plan = plan
-        self.timesteps = [self.sigmas[i] for i, _ in plan]
+        self.plan = []  # (sigma index, whether the evaluation starts a step) of each evaluation, in order
+        for i in range(len(self.sigmas) - 1):
+            self.plan.append((i, True))  # Euler's step from sigma i (Heun's predictor)
+            if heun and self.sigmas[i + 1] != 0:
+                self.plan.append((i + 1, False))  # Heun's corrector, at the predicted point
+        self.timesteps = [self.sigmas[i] for i, _ in self.plan]
         self.position = 0
+        self.start = self.slope = None  # a Heun step's starting point and its first velocity
         self.init_noise_sigma = 1.0
         if bridge is not None:
             a, b = sd.flow.coefficients(torch.tensor([self.sigmas[0]]))
