@@ -23,6 +23,7 @@ this rank's shards are done, 2 with one line when it cannot run.
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -85,14 +86,13 @@ def parse_args(argv=None):
 
 
 def settings_of(args) -> sd.reflow.Settings:
-    """The request with the defaults known without the model resolved (the size: ``sd.reflow.draw``)."""
+    """The request, its defaults from the model (the shift and the size) left for ``sd.reflow.draw``."""
     import sd.evaluation
 
     prompts = sd.evaluation.read_prompts(args.prompts)
-    shift = args.flow_shift if args.flow_shift is not None else sd.formats.recorded_flow(args.ckpt)[0]
     return sd.reflow.Settings(ckpt=args.ckpt, prompts=str(Path(args.prompts).resolve()), n=args.n or len(prompts),
                               sampler=args.sampler, steps=args.steps, cfg=args.cfg, negative=args.negative,
-                              seed=args.seed, flow_shift=float(shift), height=args.height or args.width or 0,
+                              seed=args.seed, flow_shift=args.flow_shift or 0.0, height=args.height or args.width or 0,
                               width=args.width or args.height or 0, shard_size=args.shard_size, no_ema=args.no_ema)
 
 
@@ -107,6 +107,10 @@ def main(argv=None) -> int:
     except ERRORS as error:
         print(f"SD_Reflow.py: {sd.cli.first_line(error)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"SD_Reflow.py: interrupted (Ctrl-C); the finished shards are kept in {args.out} (a shard under way "
+              "is written whole or not at all): re-run the same command to draw the rest", file=sys.stderr)
+        return 128 + signal.SIGINT
     print(sd.reflow.summary(meta, Path(args.out)))
     return 0
 

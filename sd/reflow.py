@@ -60,7 +60,7 @@ class Settings:
     cfg: float
     negative: str
     seed: int
-    flow_shift: float
+    flow_shift: float  # 0: the shift the model records
     height: int  # 0 (with width): the size the model was trained at
     width: int
     shard_size: int
@@ -156,10 +156,11 @@ def draw(settings: Settings, out: Path, batch_size: int, d: sd.distributed.Dist,
     prompts = sd.evaluation.read_prompts(settings.prompts)
     if not prompts:
         raise ReflowError(f"--prompts {settings.prompts} holds no prompt")
-    pipe = sd.formats.load_pipeline(settings.ckpt, use_ema=not settings.no_ema, flow_shift=settings.flow_shift)
+    pipe = sd.formats.load_pipeline(settings.ckpt, use_ema=not settings.no_ema, flow_shift=settings.flow_shift or None)
     if pipe.prediction_type != "flow":
         raise ReflowError(f"{settings.ckpt} predicts {pipe.prediction_type}: reflow straightens the paths of a "
                           "prediction_type: flow model (train one first: docs/training.md)")
+    settings = dataclasses.replace(settings, flow_shift=pipe.flow_shift)
     if not (settings.height and settings.width):
         side = sd.imagegen.trained_size(settings.ckpt, pipe)[0]
         settings = dataclasses.replace(settings, height=side, width=side)

@@ -15,6 +15,7 @@ import yaml
 
 import sd.formats
 import sd.model
+import sd.reflow
 import sd.sampling
 import SD_Reflow
 import SD_Train
@@ -196,3 +197,17 @@ def test_a_reflow_run_on_latents_without_noise_names_the_folder(tmp_path, capsys
     assert train(tmp_path / "r.yaml", tiny(data, tmp_path / "run", max_steps=1, reflow=True)) != 0
     err = capsys.readouterr().err
     assert f"reflow: 1 latent shards in {Path(data['latents']).resolve()} have no noise beside them" in err
+
+
+def test_ctrl_c_ends_in_one_line_that_says_what_is_kept(tmp_path, monkeypatch, capsys):
+    (tmp_path / "prompts.txt").write_text("a red circle\n")
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sd.reflow, "draw", interrupted)
+    assert SD_Reflow.main(["--ckpt", "x", "--prompts", str(tmp_path / "prompts.txt"), "--out", str(tmp_path / "o"),
+                           "--device", "cpu"]) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"SD_Reflow.py: interrupted (Ctrl-C); the finished shards are kept in {tmp_path / 'o'} (a shard "
+                   "under way is written whole or not at all): re-run the same command to draw the rest"]
