@@ -222,6 +222,7 @@ def sample(ckpt, out: Path, *flags) -> np.ndarray:
     return np.asarray(Image.open(out / "000_000005.png").convert("RGB"))
 
 
+@pytest.mark.slow  # a training run and exports: the full suite's, not make check's
 def test_the_validation_grid_is_sd_imagegen_with_the_flow_sampler_it_picks(flow_run, tmp_path, caplog):
     from PIL import Image
 
@@ -246,6 +247,7 @@ def exported(flow_run, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow  # a training run and exports: the full suite's, not make check's
 def test_the_files_record_a_flow_and_every_loader_restores_it(flow_run, exported):
     index = json.loads((exported / "pipe" / "model_index.json").read_text())
     assert index["scheduler"] == ["diffusers", "FlowMatchEulerDiscreteScheduler"]  # what from_pretrained builds
@@ -265,6 +267,7 @@ def test_the_files_record_a_flow_and_every_loader_restores_it(flow_run, exported
     assert sd.formats.load_pipeline(str(flow_run), flow_shift=1.5).flow_shift == 1.5
 
 
+@pytest.mark.slow  # a training run and exports: the full suite's, not make check's
 def test_diffusers_samples_the_exported_folder_as_we_do(flow_run, exported):
     from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusionPipeline
 
@@ -287,6 +290,7 @@ def test_diffusers_samples_the_exported_folder_as_we_do(flow_run, exported):
     assert (ours(1.0) - theirs).abs().max() > 1e-4  # the comparison tells the shifts apart
 
 
+@pytest.mark.slow  # a training run and exports: the full suite's, not make check's
 def test_a_recorded_shift_that_is_no_number_is_an_error_naming_the_file(exported, tmp_path):
     folder = tmp_path / "pipe"
     shutil.copytree(exported / "pipe", folder)
