@@ -54,6 +54,7 @@ import sd.cli
 import sd.distributed
 import sd.files
 import sd.formats
+import sd.imagegen
 import sd.run_folder
 import sd.runtime
 import sd.train.config
@@ -109,8 +110,9 @@ def parse_args(argv=None):
                         "which takes 1..50)")
     parser.add_argument("--cfg", type=float, default=None, help="classifier-free guidance scale (default: 7.5; 1 with "
                         "--sampler lcm)")
-    parser.add_argument("--sampler", choices=sd.sampling.SAMPLERS, default="ddim", help="the sampler; lcm for a "
-                        "latent consistency model (default: %(default)s)")
+    parser.add_argument("--sampler", choices=("auto", *sd.sampling.SAMPLERS), default="auto", help="the sampler; "
+                        "auto = lcm for a run of ours trained with distill: lcm, flow_euler for a model trained as a "
+                        "flow, else ddim (each run's own with --runs; default: %(default)s)")
     parser.add_argument("--negative", default="", help="negative prompt")
     parser.add_argument("--seed", type=int, default=0, help="image i uses seed + i")
     parser.add_argument("--height", type=int, default=512, help="pixels, a multiple of 8")
@@ -126,12 +128,16 @@ def parse_args(argv=None):
         parser.error("--ckpt needs --images DIR: where the generated images go")
     if (args.ckpt or args.runs) and not args.prompts:
         parser.error("--ckpt needs --prompts: the prompts to generate")
-    steps, cfg = sd.sampling.sampler_defaults(args.sampler, args.steps, args.cfg, 50, 7.5)
-    resolved = {"steps": steps, "cfg": cfg}
+    if args.sampler == "auto" and args.ckpt:
+        args.sampler = sd.imagegen.auto_sampler(args.ckpt)
+    # --runs with auto: each run's sampler and its defaults (sampling_of); checked here as ddim's
+    sampler = "ddim" if args.sampler == "auto" else args.sampler
+    steps, cfg = sd.sampling.sampler_defaults(sampler, args.steps, args.cfg, 50, 7.5)
+    resolved = {"steps": steps, "cfg": cfg} if args.sampler != "auto" else {}
     for name in ("batch_size", "steps", "n") + (("num_prompts",) if args.num_prompts is not None else ()):
         if resolved.get(name, getattr(args, name)) < 1:
             parser.error(f"--{name} must be >= 1")
-    problem = sd.sampling.settings_error(args.sampler, steps, cfg)
+    problem = sd.sampling.settings_error(sampler, steps, cfg)
     if problem:
         parser.error(f"--sampler {args.sampler}, --steps {steps}, --cfg {cfg:g}: {problem}")
     if not 0 <= args.seed < 2**63:
@@ -147,8 +153,16 @@ def parse_args(argv=None):
     return argparse.Namespace(**{**vars(args), **resolved})
 
 
-def sampling_of(args) -> Sampling:
-    return Sampling(steps=args.steps, cfg=args.cfg, sampler=args.sampler, negative=args.negative, seed=args.seed,
+def sampling_of(args, ckpt: str) -> Sampling:
+    """The sampling of ``ckpt``'s images: ``--sampler auto`` and its step and guidance defaults resolved for it."""
+    sampler, steps, cfg = args.sampler, args.steps, args.cfg
+    if sampler == "auto":
+        sampler = sd.imagegen.auto_sampler(ckpt)
+        steps, cfg = sd.sampling.sampler_defaults(sampler, steps, cfg, 50, 7.5)
+        problem = sd.sampling.settings_error(sampler, steps, cfg)
+        if problem:
+            raise EvalError(f"{ckpt}: --sampler auto ({sampler}), --steps {steps}, --cfg {cfg:g}: {problem}")
+    return Sampling(steps=steps, cfg=cfg, sampler=sampler, negative=args.negative, seed=args.seed,
                     height=args.height, width=args.width)
 
 
@@ -156,9 +170,10 @@ def evaluate_checkpoint(args, ckpt: str, images_dir: Path, prompts: list[str], e
                         reference: dict, d: Dist) -> dict:
     pipe = sd.formats.load_pipeline(ckpt, use_ema=not args.no_ema)
     pipe.to(d.device, sd.runtime.resolve_precision(args.precision, d.device))
-    scores = evaluate_pipeline(pipe, prompts, sampling_of(args), extractors, reference, d, args.batch_size,
+    sampling = sampling_of(args, ckpt)
+    scores = evaluate_pipeline(pipe, prompts, sampling, extractors, reference, d, args.batch_size,
                                images_dir, args.inception_score, pipe.source)
-    return {**scores, "ckpt": str(ckpt), **vars(sampling_of(args))}
+    return {**scores, "ckpt": str(ckpt), **vars(sampling)}
 
 
 def evaluate_runs(args, prompts: list[str], extractors: Extractors, reference: dict, d: Dist) -> list[dict]:

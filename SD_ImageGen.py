@@ -220,7 +220,7 @@ def parse_args(argv=None):
     if args.flow_shift is not None and not 0 < args.flow_shift < math.inf:
         parser.error(f"--flow_shift must be a positive number, got {args.flow_shift}")
     if args.sampler == "auto":
-        args.sampler = sampler_for(args.ckpt, args.prediction_type)
+        args.sampler = sd.imagegen.auto_sampler(args.ckpt, args.prediction_type)
     steps, cfg = sd.sampling.sampler_defaults(args.sampler, args.steps, args.cfg,
                                               sd.sampling.SAMPLER_STEPS[args.sampler], 7.5)
     for name, value in (("n", args.n), ("batch_size", args.batch_size)):
@@ -236,21 +236,6 @@ def parse_args(argv=None):
     return sd.imagegen.Request(**{**given, "prompt": tuple(prompts), "steps": steps, "cfg": cfg, "lora": loras,
                                   "embedding": tuple(sd.imagegen.parse_embedding_spec(s) for s in args.embedding),
                                   "control": tuple(args.control)})
-
-
-def sampler_for(ckpt: str, prediction_type: str = "auto") -> str:
-    """``--sampler auto``: lcm for a run of ours distilled to a latent consistency model, flow_euler for a
-    model trained as a flow (``sd.sampling.default_sampler``), else ddim. A checkpoint whose records cannot
-    be read here gets ddim; loading it names what is wrong."""
-    try:
-        config = sd.formats.run_config(ckpt)
-        if config and config.get("distill") == "lcm":
-            return "lcm"
-        if prediction_type == "auto":
-            prediction_type = sd.formats.recorded_prediction_type(ckpt)
-        return sd.sampling.default_sampler(prediction_type, sd.formats.recorded_flow(ckpt)[1])
-    except ERRORS:
-        return "ddim"
 
 
 def main(argv=None) -> int:

@@ -258,6 +258,23 @@ def control_size(request: Request) -> tuple[int, int] | None:
     return (width, height) if width % 8 == 0 and height % 8 == 0 else None
 
 
+def auto_sampler(ckpt: str, prediction_type: str = "auto") -> str:
+    """``--sampler auto``: lcm for a run of ours distilled to a latent consistency model, flow_euler for a
+    model trained as a flow (``sd.sampling.default_sampler``), else ddim. A checkpoint whose records cannot
+    be read here gets ddim; loading it names what is wrong."""
+    from safetensors import SafetensorError
+
+    try:
+        config = sd.formats.run_config(ckpt)
+        if config and config.get("distill") == "lcm":
+            return "lcm"
+        if prediction_type == "auto":
+            prediction_type = sd.formats.recorded_prediction_type(ckpt)
+        return sd.sampling.default_sampler(prediction_type, sd.formats.recorded_flow(ckpt)[1])
+    except (KeyError, ValueError, OSError, SafetensorError):
+        return "ddim"
+
+
 def trained_size(ckpt: str, model: Pipeline) -> tuple[int, str]:
     """The square side a model was trained at, and where it comes from: a DreamBooth run's
     ``image_size``, a run's latents (the square of its largest bucket's pixels), else what its UNet
