@@ -135,7 +135,7 @@ def parse_args(argv=None):
     steps, cfg = sd.sampling.sampler_defaults(sampler, args.steps, args.cfg, 50, 7.5)
     resolved = {"steps": steps, "cfg": cfg} if args.sampler != "auto" else {}
     for name in ("batch_size", "steps", "n") + (("num_prompts",) if args.num_prompts is not None else ()):
-        if resolved.get(name, getattr(args, name)) < 1:
+        if {**vars(args), "steps": steps, **resolved}[name] < 1:
             parser.error(f"--{name} must be >= 1")
     problem = sd.sampling.settings_error(sampler, steps, cfg)
     if problem:
