@@ -20,6 +20,7 @@ import sd.model
 import sd.run_folder
 import sd.sampling
 import sd.train.memory
+import SD_Eval
 import SD_ImageGen
 import SD_Train
 from sd.train.config import ConfigError, TrainConfig
@@ -265,6 +266,8 @@ def test_the_files_record_a_flow_and_every_loader_restores_it(flow_run, exported
         assert SD_ImageGen.parse_args(["--ckpt", str(source), "--prompt", "p", "--out", "o", *flags]).sampler \
             == "flow_euler"
     assert sd.formats.load_pipeline(str(flow_run), flow_shift=1.5).flow_shift == 1.5
+    evaluation = SD_Eval.parse_args(["--ckpt", str(flow_run), "--images", "i", "--prompts", "p", "--reference", "r"])
+    assert (evaluation.sampler, evaluation.steps) == ("flow_euler", 50)  # SD_Eval.py's auto picks it too
 
 
 @pytest.mark.slow  # a training run and exports: the full suite's, not make check's
