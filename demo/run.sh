@@ -39,6 +39,17 @@ if [ -n "${DEMO_THREADS:-}" ]; then export OMP_NUM_THREADS=$DEMO_THREADS MKL_NUM
 start=$(date +%s)
 step() { printf '\n=== [%ss] %s ===\n' "$(( $(date +%s) - start ))" "$*"; }
 run_dir() { case $1 in embedding|pivotal) echo "$1" ;; *) echo "lora_$1" ;; esac; }  # a concept run's folder
+# sample_row FOLDER ROW SD_ImageGen.py's model and sampler flags: a table row's samples of every demo prompt
+# (FOLDER/samples_ROW) and demo/evaluate.py's scores of them (FOLDER/eval_ROW.json)
+sample_row() {
+  local folder=$1 row=$2
+  shift 2
+  rm -rf "$folder/samples_$row"
+  $PY SD_ImageGen.py "$@" --prompts_file "$OUT/shards/prompts.txt" --n "$N" --seed 0 --height "$SIZE" \
+      --width "$SIZE" --batch_size 16 --out "$folder/samples_$row"
+  $PY demo/evaluate.py --images "$folder/samples_$row" --prompts "$OUT/shards/demo_prompts.json" \
+      --out "$folder/eval_$row.json"
+}
 
 step "1/14 synthetic captioned images (pipeline/00_make_demo_data.py)"
 $PY pipeline/00_make_demo_data.py --out "$OUT/shards" --count "$COUNT" --size "$SIZE" --vae_count $((COUNT / 3)) \
@@ -161,11 +172,7 @@ if [ "${DEMO_LCM:-1}" = 0 ]; then echo "left out (DEMO_LCM=0)"; else
       ddim_*) sampling=(--ckpt "$OUT/train" --sampler ddim --steps "${row#ddim_}" --cfg 3.5) ;;
       lcm_*) sampling=(--ckpt "$OUT/lcm" --sampler lcm --steps "${row#lcm_}" --cfg 1) ;;
     esac
-    rm -rf "$LCM/samples_$row"
-    $PY SD_ImageGen.py "${sampling[@]}" --prompts_file "$OUT/shards/prompts.txt" --n "$N" --seed 0 \
-        --height "$SIZE" --width "$SIZE" --batch_size 16 --out "$LCM/samples_$row"
-    $PY demo/evaluate.py --images "$LCM/samples_$row" --prompts "$OUT/shards/demo_prompts.json" \
-        --out "$LCM/eval_$row.json"
+    sample_row "$LCM" "$row" "${sampling[@]}"
   done
   $PY demo/lcm.py --out "$LCM" --reference "$OUT/fid/reference"
 fi
@@ -192,11 +199,7 @@ if [ "${DEMO_FLOW:-1}" = 0 ]; then echo "left out (DEMO_FLOW=0)"; else
       flow_*) sampling=(--ckpt "$FLOW/train" --sampler flow_euler --steps "${row#flow_}" --cfg 3.5) ;;
       reflow_*) sampling=(--ckpt "$FLOW/reflow" --sampler flow_euler --steps "${row#reflow_}" --cfg 1) ;;
     esac
-    rm -rf "$FLOW/samples_$row"
-    $PY SD_ImageGen.py "${sampling[@]}" --prompts_file "$OUT/shards/prompts.txt" --n "$N" --seed 0 \
-        --height "$SIZE" --width "$SIZE" --batch_size 16 --out "$FLOW/samples_$row"
-    $PY demo/evaluate.py --images "$FLOW/samples_$row" --prompts "$OUT/shards/demo_prompts.json" \
-        --out "$FLOW/eval_$row.json"
+    sample_row "$FLOW" "$row" "${sampling[@]}"
   done
   $PY demo/flow.py --out "$FLOW" --lcm "$LCM" --reference "$OUT/fid/reference"
 fi
