@@ -228,6 +228,18 @@ def test_demo_at_64_px_learns_prompted_colours_a_concept_aspect_ratios_few_step_
     at_most("LCM rows: the largest FID / a blank canvas's",
             max(row["fid"] for name, row in lcm.items() if name.startswith("lcm_")) / fid_blank(out), FID_BELOW_BLANK,
             lcm)
+    # Flow matching (configs/demo_flow.yaml, 600 steps of 32 from the demo model; 2048 pairs of 25 Euler steps;
+    # configs/demo_reflow.yaml, 600 steps). Measured at make demo's own sizes (850 UNet steps of 64, not this
+    # test's; not yet measured here), seen prompts, both right: flow Euler 25 steps 100%, 4 steps 89%; reflowed
+    # 2 steps 88%, 1 step 88%; DDIM 2 steps 24% (lcm.json). The checks allow 15 points for the smaller run.
+    flow = json.loads((out / "flow" / "flow.json").read_text())
+    assert set(flow) == {"ddim_50", "ddim_4", "flow_25", "flow_8", "flow_4", "reflow_2", "reflow_1", "lcm_2",
+                         "lcm_4"}, flow
+    at_least("flow Euler 25 steps - DDIM 50 steps, seen both",
+             flow["flow_25"]["seen_both"] - flow["ddim_50"]["seen_both"], -0.15, flow)
+    at_least("reflowed 1 step - DDIM 2 steps, seen both", flow["reflow_1"]["seen_both"] - lcm["ddim_2"]["seen_both"],
+             0.30, flow)
+    assert all(row["fid"] > 0 and row["training"] for row in flow.values()), flow
     # Spatial control: a ControlNet on the frozen demo model (configs/demo_control.yaml, 400 steps of 32 on 2000
     # images of shapes anywhere) puts the shape where a silhouette in a corner says. Measured at this size:
     # IoU above 0.5 in 100% of 32 samples (mean IoU 0.78), the demo model without control 0% (0.20).
