@@ -65,6 +65,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import signal
 import sys
 from pathlib import Path
 
@@ -264,7 +265,12 @@ def main(argv=None) -> int:
     except ValueError as error:
         print(f"SD_ImageGen.py: {sd.cli.first_line(error)}", file=sys.stderr)
         return 2
-    sd.imagegen.sample(request, model, controlnet, controls)
+    try:
+        sd.imagegen.sample(request, model, controlnet, controls)
+    except KeyboardInterrupt:
+        print(f"SD_ImageGen.py: interrupted (Ctrl-C); the images already written are in {request.out}",
+              file=sys.stderr)
+        return 128 + signal.SIGINT
     return 0
 
 

@@ -9,6 +9,7 @@ import yaml
 from safetensors.torch import load_file
 
 import sd.formats
+import sd.imagegen
 import sd.model
 import sd.run_folder
 import sd.sampling
@@ -613,3 +614,17 @@ def test_numbers_no_sampler_can_use_are_refused_before_loading_anything(flags, m
         SD_ImageGen.main(["--ckpt", str(tmp_path / "none"), "--prompt", "a", "--out", str(tmp_path / "out"), *flags])
     assert stop.value.code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_ctrl_c_while_sampling_ends_in_one_line(tmp_path, monkeypatch, capsys):
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sd.imagegen, "load", lambda request: None)
+    monkeypatch.setattr(sd.imagegen, "prepare", lambda request, model: (request, None))
+    monkeypatch.setattr(sd.imagegen, "sized", lambda request, model: request)
+    monkeypatch.setattr(sd.imagegen, "control_images", lambda request, controlnet: [])
+    monkeypatch.setattr(sd.imagegen, "sample", interrupted)
+    assert SD_ImageGen.main(["--ckpt", "x", "--prompt", "p", "--out", str(tmp_path / "o"), "--sampler", "ddim"]) == 130
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"SD_ImageGen.py: interrupted (Ctrl-C); the images already written are in {tmp_path / 'o'}"]
