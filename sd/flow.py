@@ -80,11 +80,6 @@ def model_timesteps(sigmas: torch.Tensor) -> torch.Tensor:
     return sigmas.float() * TIMESTEP_MULTIPLIER
 
 
-def predicted_x0(sample: torch.Tensor, output: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
-    """The clean latents a velocity implies at ``sample`` = x_sigma: ``x - sigma v``."""
-    return sample.float() - _per_sample(sigmas, sample.ndim) * output.float()
-
-
 # ---------------------------------------------------------------------------------------------
 # The diff2flow bridge: an epsilon or v_prediction UNet as a flow model
 # ---------------------------------------------------------------------------------------------
