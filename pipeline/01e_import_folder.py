@@ -107,9 +107,12 @@ class CaptionRules:
     seed: int = 0
     template: str = DEFAULT_TEMPLATE
     template_map: dict = field(default_factory=dict)
+    captions_dir: str | None = None  # flat: where photo.txt is found (None: beside the image)
 
     def fingerprint(self, **extra) -> str:
         record = {**asdict(self), **extra}
+        if record["captions_dir"] is None:  # shards written before --captions existed still match
+            del record["captions_dir"]
         text = json.dumps(record, sort_keys=True, default=sorted)  # frozensets -> sorted lists
         return hashlib.sha1(text.encode("utf-8")).hexdigest()
 
@@ -135,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--min_size", type=int, default=None,
         help="skip images whose width or height is below this many pixels (too_small): they would be "
              "upscaled into blur; 0 imports every size (default: a quarter of --resolution)")
+    add("--captions", default=None, metavar="DIR",
+        help="flat: read photo.txt from DIR at the image's relative path (sub/a.jpg -> DIR/sub/a.txt), e.g. the "
+             "captions 03c_caption_images.py wrote (default: beside each image)")
     add("--default_caption", default=None,
         help="flat/metadata: caption for images whose .txt is missing or empty, or whose tags are all removed "
              "(default: none, such images are skipped as no_caption)")
@@ -201,6 +207,8 @@ def check_values(args) -> argparse.Namespace:
         raise ValueError(f"--min_size must be >= 0 (0 imports every size), got {args.min_size}")
     if not Path(args.input).is_dir():
         raise ValueError(f"--input {args.input} is not a folder")
+    if args.captions is not None and not Path(args.captions).is_dir():
+        raise ValueError(f"--captions {args.captions} is not a folder")
     # Options of another layout would be silently ignored; a user who passes them expects an effect.
     def given(name):  # 0 and "" count as given: --min_score 0 is a real threshold
         value = getattr(args, name)
@@ -210,6 +218,8 @@ def check_values(args) -> argparse.Namespace:
     wrong += [name for name in TEMPLATE_ONLY if args.layout != "template" and given(name)]
     if args.layout == "template" and given("default_caption"):
         wrong.append("default_caption")
+    if args.layout != "flat" and given("captions"):
+        wrong.append("captions")
     if wrong:
         raise ValueError(f"--{wrong[0]} does not apply to --layout {args.layout}")
     return args
@@ -232,7 +242,8 @@ def make_rules(args) -> CaptionRules:
         renames=renames, min_score=args.min_score, tag_bonus=bonus, score_tags=args.score_tags,
         shuffle_tags=args.shuffle_tags, keep_first=args.keep_first, seed=args.seed,
         template=args.template if args.template is not None else DEFAULT_TEMPLATE,
-        template_map=load_string_map(args.template_map, "--template_map") if args.template_map else {})
+        template_map=load_string_map(args.template_map, "--template_map") if args.template_map else {},
+        captions_dir=str(Path(args.captions).resolve()) if args.captions else None)
 
 
 def tag_list(values: list[str]) -> list[str]:
@@ -267,33 +278,6 @@ def clean_prefix(prefix: str) -> str:
 # ---------------------------------------------------------------------------------------------
 # Listing and keys
 # ---------------------------------------------------------------------------------------------
-
-
-def companion_name(file_name: str, names: tuple[str, ...]) -> str | None:
-    """The name of ``names`` whose ``_NAME`` ends the file's stem (the longest, if several do), or None."""
-    stem = file_name.rsplit(".", 1)[0]
-    found = [name for name in names if stem.endswith(f"_{name}")]
-    return max(found, key=len) if found else None
-
-
-def list_files(src: Path, names: tuple[str, ...] = (MASK,)) -> tuple[list[str], dict[str, list[str]]]:
-    """``(images, {name: companion files})``: relative POSIX paths under ``src``, sorted; a companion is an
-    image file whose name ends in ``_NAME`` (``photo_mask.png``, ``photo_canny.png``) for one of ``names``,
-    and is never an image itself.
-
-    Hidden entries are skipped: macOS ``._photo.jpg`` resource forks and ``.ipynb_checkpoints``
-    copies look like images but are not part of the dataset.
-    """
-    images, companions = [], {name: [] for name in names}
-    for folder, subfolders, files in os.walk(src):
-        subfolders[:] = [name for name in subfolders if not name.startswith(".")]
-        relative = Path(folder).relative_to(src)
-        for name in files:
-            if not name.startswith(".") and sd.data.stages.image_extension(name):
-                rel = (relative / name).as_posix()
-                owner = companion_name(name, names)
-                (images if owner is None else companions[owner]).append(rel)
-    return sorted(images), {name: sorted(files) for name, files in companions.items()}
 
 
 def match_files(images: list[str], files: list[str], name: str = MASK) -> tuple[dict[str, list[str]], list[str]]:
@@ -356,7 +340,7 @@ def join_caption(rules: CaptionRules, parts: list[str]) -> str:
 
 
 def flat_caption(src: Path, rel: str, rules: CaptionRules) -> tuple[str, dict]:
-    path = src / (rel.rsplit(".", 1)[0] + ".txt")
+    path = Path(rules.captions_dir or src) / (rel.rsplit(".", 1)[0] + ".txt")
     try:
         text = path.read_text(encoding="utf-8").strip() if path.is_file() else ""
     except UnicodeDecodeError:  # replacing the bad bytes would train on a caption nobody wrote
@@ -580,7 +564,7 @@ def main(argv=None) -> int:
     args, rules = parse_args(argv)
     sd.data.stages.setup_logging()
     src, out = Path(args.input), Path(args.out)
-    rels, companion_files = list_files(src, (MASK, *args.control))
+    rels, companion_files = sd.data.stages.list_images(src, (MASK, *args.control))
     if not rels:  # most likely a wrong --input; an empty dataset is never what was meant
         print(f"01e_import_folder.py: no images ({', '.join(sd.data.shards.IMAGE_EXTENSIONS)}) under {src}", file=sys.stderr)
         return 2

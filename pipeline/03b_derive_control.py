@@ -31,7 +31,6 @@ into the same --out is refused. ``--shards`` (encode_latents.py's spelling) work
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -151,18 +150,6 @@ def derive_shard(path: Path, out: Path, args, pool, bar) -> dict:
                                            control=args.name, low=args.low, high=args.high)
 
 
-def estimated_samples(paths: list[Path]) -> int | None:
-    """The input shards' kept samples from their stats files, for the progress bar (None without them)."""
-    total = 0
-    for path in paths:
-        try:
-            stats = path.with_name(f"{sd.data.stages.shard_stem(path)}_stats.json")
-            total += int(json.loads(stats.read_text())["successes"])
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
-    return total
-
-
 @sd.data.stages.ends_cleanly_on_a_full_disk(STAGE)
 def main(argv=None) -> int:
     sd.runtime.start_process(uses_torch=False)
@@ -186,7 +173,7 @@ def main(argv=None) -> int:
     summary = sd.data.stages.Summary(STAGE)
     todo = summary.pending(out, list(by_stem))
     with ThreadPoolExecutor(args.workers, thread_name_prefix="derive") as pool, \
-            tqdm(total=estimated_samples([by_stem[name] for name in todo]), unit="img", desc=f"{STAGE} {args.name}",
+            tqdm(total=sd.data.stages.input_sample_count([by_stem[name] for name in todo]), unit="img", desc=f"{STAGE} {args.name}",
                  dynamic_ncols=True) as bar:
         for name in todo:
             try:

@@ -610,6 +610,45 @@ def input_shards(pattern: str) -> dict[str, Path]:
     return by_stem
 
 
+def input_sample_count(paths: list[Path]) -> int | None:
+    """The input shards' kept samples from their stats files, for the progress bar (None without them)."""
+    total = 0
+    for path in paths:
+        try:
+            stats = path.with_name(f"{shard_stem(path)}_stats.json")
+            total += int(json.loads(stats.read_text())["successes"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+    return total
+
+
+def companion_name(file_name: str, names: tuple[str, ...]) -> str | None:
+    """The name of ``names`` whose ``_NAME`` ends the file's stem (the longest, if several do), or None."""
+    stem = file_name.rsplit(".", 1)[0]
+    found = [name for name in names if stem.endswith(f"_{name}")]
+    return max(found, key=len) if found else None
+
+
+def list_images(src: Path, names: tuple[str, ...] = (sd.data.shards.MASK_NAME,)) -> tuple[list[str], dict[str, list[str]]]:
+    """``(images, {name: companion files})``: relative POSIX paths under ``src``, sorted; a companion is an
+    image file whose name ends in ``_NAME`` (``photo_mask.png``, ``photo_canny.png``) for one of ``names``,
+    and is never an image itself.
+
+    Hidden entries are skipped: macOS ``._photo.jpg`` resource forks and ``.ipynb_checkpoints``
+    copies look like images but are not part of the dataset.
+    """
+    images, companions = [], {name: [] for name in names}
+    for folder, subfolders, files in os.walk(src):
+        subfolders[:] = [name for name in subfolders if not name.startswith(".")]
+        relative = Path(folder).relative_to(src)
+        for name in files:
+            if not name.startswith(".") and image_extension(name):
+                rel = (relative / name).as_posix()
+                owner = companion_name(name, names)
+                (images if owner is None else companions[owner]).append(rel)
+    return sorted(images), {name: sorted(files) for name, files in companions.items()}
+
+
 def find_column(names: list[str], role: str, given: str | None = None) -> str | None:
     """The column of ``names`` playing ``role``: ``given`` if set (an absent one is a UsageError),
     else the first candidate present, compared case-insensitively; None when there is none."""
