@@ -67,7 +67,6 @@ import sd.data.captioning
 import sd.data.review
 import sd.data.shards
 import sd.data.stages
-import sd.distributed
 import sd.files
 import sd.runtime
 
@@ -509,9 +508,10 @@ def add_to_review(sheets, source, name: str, captions: dict, max_pixels: int) ->
 
 @sd.data.stages.ends_cleanly_on_a_full_disk(STAGE)
 def main(argv=None) -> int:
-    sd.runtime.start_process()
+    sd.runtime.start_process(uses_torch=False)  # torch comes with the models, after the command line is read
     args = parse_args(argv)
     sd.data.stages.setup_logging()
+    import sd.distributed as distributed
 
 
     try:
@@ -527,7 +527,7 @@ def main(argv=None) -> int:
     except sd.data.stages.SettingsChanged as error:
         print(f"{STAGE}.py: {error}", file=sys.stderr)
         return 2
-    d = sd.distributed.independent(args.device, args.rank, args.world_size)
+    d = distributed.independent(args.device, args.rank, args.world_size)
     new_out = not out.exists()
     rank_lock = sd.files.FolderLock(folder, ".lock" if d.world_size == 1 else f".lock.rank{d.rank}of{d.world_size}")
     try:  # one process per rank: a second launch of the same command is told who runs it

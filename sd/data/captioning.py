@@ -8,6 +8,7 @@
 * ``ComposeOptions`` and ``compose``: one sample's final caption from its existing caption, the generated
   one and its tags (a trigger word first, the tags thresholded, dropped, de-underscored).
 
+torch and transformers are imported where a model is loaded, not with this module (a stage's --help stays quick).
 Models load from a hub id or a local folder; one that cannot be loaded is a ``ModelLoadError``, one line
 naming the model and the ways to fix it, never a silent fallback.
 """
@@ -22,7 +23,6 @@ from pathlib import Path
 import numpy as np
 
 import sd.cli
-import sd.model
 
 CAPTIONERS = {"blip": "Salesforce/blip-image-captioning-large", "florence2": "florence-community/Florence-2-base"}
 # What each family is asked: BLIP captions without a prompt; Florence-2 is told its task by a task token.
@@ -40,6 +40,8 @@ class ModelLoadError(RuntimeError):
 
 
 def _fixes(name: str, what: str) -> str:
+    import sd.model
+
     offline = sd.model.hub_options(name)
     reach = ("the hub cannot be reached (HF_HUB_OFFLINE set, or no network) and it is not in the local cache; "
              if offline else "")
@@ -99,6 +101,8 @@ def load_captioner(name_or_path: str, *, device, dtype, prompt: str | None = Non
     the default models of those families) in ``dtype`` on ``device``, asked ``prompt`` (None: its family's
     default)."""
     import transformers
+
+    import sd.model
 
     name = CAPTIONERS.get(name_or_path, name_or_path)
     options = sd.model.hub_options(name)
@@ -172,6 +176,8 @@ def tagger_files(name: str) -> tuple[Path, Path]:
     if not sd.cli.looks_like_hub_id(name):
         raise FileNotFoundError(f"{name} is neither a folder nor a hub id")
     from huggingface_hub import hf_hub_download
+
+    import sd.model
 
     options = sd.model.hub_options(name)
     model, tags = (Path(hf_hub_download(name, file, **options)) for file in TAGGER_FILES)

@@ -528,7 +528,7 @@ def test_help_lists_every_flag_with_its_default():
     flags = ["--input", "--out", "--layout", "--resolution", "--shard_size", "--max_pixels", "--default_caption",
              "--caption_prefix", "--exclude_tags", "--drop_tags", "--tag_map", "--rename", "--min_score",
              "--tag_bonus", "--score_tags", "--shuffle_tags", "--keep_first", "--seed", "--template",
-             "--template_map", "--keep_aspect", "--control", "--min_size"]
+             "--template_map", "--keep_aspect", "--control", "--min_size", "--captions"]
     options = result.stdout.split("options:")[1]
     entries = {entry.split()[0].rstrip(","): " ".join(entry.split())
                for entry in re.split(r"\n  (?=-)", options) if entry.strip()}

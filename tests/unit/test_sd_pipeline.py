@@ -150,11 +150,11 @@ def help_entries(name: str, capsys) -> dict[str, str]:
             for entry in re.split(r"\n  (?=-)", options) if entry.strip()}
 
 
-def test_there_are_eleven_stages():
+def test_there_are_twelve_stages():
     assert STAGES == ["00_make_demo_data", "01_download_metadata", "01b_download_diffusiondb",
                       "01c_download_journeydb_images", "01d_download_coco", "01e_import_folder",
-                      "02_filter_metadata", "03_download_images", "03b_derive_control", "04_preprocess_to_cache",
-                      "05_build_hf_dataset"]
+                      "02_filter_metadata", "03_download_images", "03b_derive_control", "03c_caption_images",
+                      "04_preprocess_to_cache", "05_build_hf_dataset"]
 
 
 @pytest.mark.parametrize("name", STAGES)
@@ -173,7 +173,7 @@ def test_every_stage_spells_shared_flags_one_way_with_one_default(name, capsys):
     decodes = downloads or name == "03b_derive_control"
     assert ("--workers" in entries, "--retries" in entries) == (decodes, downloads or name == "03_download_images")
     single_input = name in ("01e_import_folder", "02_filter_metadata", "03_download_images", "03b_derive_control",
-                            "04_preprocess_to_cache")
+                            "03c_caption_images", "04_preprocess_to_cache")
     assert ("--input" in entries) == single_input
 
 
