@@ -265,7 +265,7 @@ def tag_text(tag: str, options: ComposeOptions) -> str:
 def kept_tags(tags: list, options: ComposeOptions) -> list[str]:
     """The tags a sample keeps before dataset-wide counts: characters first, then general tags, then the
     rating, each over its threshold, best first; dropped tags left out; spelled as written."""
-    drop = set(options.drop_tags) | {tag_text(tag, ComposeOptions()) for tag in options.drop_tags}
+    drop = {form for tag in options.drop_tags for form in (tag, tag.replace("_", " "), tag.replace(" ", "_"))}
     characters = [t for t, s, c in tags if c == CHARACTER and s >= options.character_threshold]
     general = [t for t, s, c in tags if c not in (CHARACTER, RATING) and s >= options.threshold]
     ratings = [t for t, s, c in tags if c == RATING][:1] if options.rating_tags else []

@@ -240,3 +240,31 @@ def test_command_line_refusals(tmp_path, capsys):
             code = exit.code
         assert code == 2 and message in capsys.readouterr().err, flags
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_tagged_captions_reach_a_lora_files_tag_frequency(tmp_path, models):
+    """Captioned shards through encode_latents.py, stages 04 and 05: ss_tag_frequency counts the tagger's tags."""
+    import encode_latents
+    import sd.metadata
+
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    write_shard(shards / "00000.tar", [(f"k{i}", photo(colour), "") for i, colour in
+                                      enumerate(["red", "blue", "green", "red", "red", "blue"])])
+    out = tmp_path / "captioned"
+    assert run("--input", shards / "*.tar", "--out", out, "--captioner", "none", "--tagger", models["tagger"]) == 0
+    assert encode_latents.main(["--input", str(out / "*.tar"), "--out", str(tmp_path / "latents"), "--vae", "tiny",
+                                "--resolution", "32", "--batch_size", "4", "--workers", "1"]) == 0
+    assert importlib.import_module("pipeline.04_preprocess_to_cache").main(
+        ["--input", str(out / "*.tar"), "--out", str(tmp_path / "captions"), "--tokenizer", "tiny"]) == 0
+    assert importlib.import_module("pipeline.05_build_hf_dataset").main(
+        ["--captions", str(tmp_path / "captions"), "--latents", str(tmp_path / "latents"),
+         "--out", str(tmp_path / "dataset"), "--val_fraction", "0"]) == 0
+    keys = sd.metadata.dataset_keys({"datasets": [{"dataset": str(tmp_path / "dataset"),
+                                                   "latents": str(tmp_path / "latents")}]})
+    assert json.loads(keys["ss_tag_frequency"]) == {"dataset": {"long hair": 6, "^_^": 6, "red theme": 3,
+                                                                "blue theme": 2, "hatsune miku": 1}}
+    table = (out / "review" / "tags.csv").read_text().splitlines()
+    assert table[1:] == ["^_^,6,1.0000", "long hair,6,1.0000", "red theme,3,0.5000", "blue theme,2,0.3333",
+                         "hatsune miku,1,0.1667"]
