@@ -95,7 +95,7 @@ def wd14(folder: Path):
         def __init__(self):
             super().__init__()
             self.backbone = t.Swinv2Model(t.Swinv2Config(image_size=448, embed_dim=128, depths=[2, 2, 18, 2],
-                                                         num_heads=[4, 8, 16, 32], window_size=14))
+                                                         num_heads=[4, 8, 16, 32], window_size=8))
             self.head = torch.nn.Linear(1024, WD14_TAGS)
 
         def forward(self, x):

@@ -160,7 +160,10 @@ def compose_options(args) -> sd.data.captioning.ComposeOptions:
 def model_settings(args) -> dict:
     """What shapes the models' parts: the models and how they are asked, and whether they read the images that
     have a caption (``--existing keep`` leaves those out)."""
-    return {**{f"--{name}": getattr(args, name) for name in MODEL_FLAGS},
+    def named(value):  # a local folder by its absolute path: the same folder given relative to elsewhere matches
+        return str(Path(value).resolve()) if isinstance(value, str) and Path(value).exists() else value
+
+    return {**{f"--{name}": named(getattr(args, name)) for name in MODEL_FLAGS},
             "--existing": "keep" if args.existing == "keep" else "replace or join"}
 
 
@@ -262,7 +265,8 @@ class Models:
                      self.device, str(dtype).replace("torch.", ""), self.captioner.prompt)
         if args.tagger:
             self.tagger = sd.data.captioning.load_tagger(args.tagger, device=self.device)
-            log.info("tagger %s: %d tags at %d px", args.tagger, len(self.tagger.names), self.tagger.size)
+            log.info("tagger %s: %d tags at %d px, onnxruntime on %s", args.tagger, len(self.tagger.names),
+                     self.tagger.size, self.tagger.session.get_providers()[0])
         self.loaded = True
 
     def run(self, images: list) -> tuple[list[str], list[list]]:

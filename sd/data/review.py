@@ -52,9 +52,10 @@ class ContactSheets:
         if self.full:
             return
         thumbnail = None
-        if image is not None:
-            thumbnail = image.convert("RGB")
-            thumbnail.thumbnail((THUMBNAIL, THUMBNAIL))
+        if image is not None:  # scaled to fill the cell's square, up or down, its aspect ratio kept
+            from PIL import ImageOps
+
+            thumbnail = ImageOps.contain(image.convert("RGB"), (THUMBNAIL, THUMBNAIL))
         self.pending.append((thumbnail, caption, name))
         if len(self.pending) == self.columns * self.rows:
             self.flush()
