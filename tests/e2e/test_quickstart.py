@@ -16,7 +16,6 @@ draw measured (make test-margins; the figures are in the test below), not for on
 import importlib
 import json
 import os
-import re
 import shlex
 from pathlib import Path
 
@@ -29,6 +28,7 @@ import sd.sampling
 
 from demo.evaluate import classify
 from margins import at_least
+from readme_commands import readme_block, run_command
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_DATA = importlib.import_module("pipeline.00_make_demo_data")
@@ -74,26 +74,6 @@ def config_commands(name: str) -> list[str]:
     header = [line.lstrip("#").split("  #")[0].strip() for line in lines[: next(i for i, line in enumerate(lines)
                                                                                  if not line.startswith("#"))]]
     return [line for line in header if line.startswith("python ")]
-
-
-def readme_block(title: str) -> list[str]:
-    """The commands of the ```bash block that follows the README paragraph starting with ``title``."""
-    text = (ROOT / "README.md").read_text()
-    start = text.index(title)
-    block = re.search(r"```bash\n(.*?)```", text[start:], re.S).group(1)
-    lines = [line.split("  #")[0].strip() for line in block.replace("\\\n", " ").splitlines()]
-    return [line for line in lines if line and not line.startswith("#")]
-
-
-def run_command(line: str, extra: dict[str, list[str]]) -> None:
-    words = shlex.split(line)
-    assert words[0] == "python", line
-    script = words[1]
-    module_name = script.removesuffix(".py").replace("/", ".")
-    module = importlib.import_module(module_name)
-    argv = words[2:] + extra.get(script, [])
-    code = module.main(argv)
-    assert code in (0, None), f"{line} -> exit {code}"
 
 
 def draw_folder(folder: Path, pairs: list[tuple[str, str]], caption, seed: int) -> None:

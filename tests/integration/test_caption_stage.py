@@ -268,3 +268,26 @@ def test_tagged_captions_reach_a_lora_files_tag_frequency(tmp_path, models):
     table = (out / "review" / "tags.csv").read_text().splitlines()
     assert table[1:] == ["^_^,6,1.0000", "long hair,6,1.0000", "red theme,3,0.5000", "blue theme,2,0.3333",
                          "hatsune miku,1,0.1667"]
+
+
+def test_the_readme_block_for_photos_without_captions_runs_as_written(tmp_path, models, monkeypatch):
+    """The README's commands in a stranger's folder of uncaptioned photos, the hub's models replaced by the tiny
+    ones (appended flags override the README's)."""
+    from readme_commands import readme_block, run_command
+
+    folder = tmp_path / "my_images"
+    folder.mkdir()
+    for i, colour in enumerate(["red", "blue", "green"] * 3):
+        (folder / f"img{i}.png").write_bytes(photo(colour, 80, 64))
+    monkeypatch.chdir(tmp_path)
+    commands = readme_block("**Photos without captions.**")
+    assert [line.split()[1] for line in commands] == ["pipeline/03c_caption_images.py", "pipeline/01e_import_folder.py"]
+    for line in commands:
+        run_command(line, {"pipeline/03c_caption_images.py": ["--captioner", str(models["cat"]), "--tagger",
+                                                              str(models["tagger"]), "--max_length", "2"],
+                           "pipeline/01e_import_folder.py": ["--resolution", "32", "--min_size", "8"]})
+    assert (tmp_path / "data/mine/captions_txt/review/sheet_0001.png").is_file()
+    assert (tmp_path / "data/mine/captions_txt/img0.txt").read_text() == "cat cat, red theme, long hair, ^_^\n"
+    shard = read_tar(tmp_path / "data/mine/shards/00000.tar")
+    assert sorted(name for name in shard if name.endswith(".txt")) == [f"img{i}.txt" for i in range(9)]
+    assert shard["img1.txt"] == b"cat cat, blue theme, long hair, ^_^"
