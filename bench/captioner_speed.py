@@ -39,28 +39,30 @@ TOKENS = {"blip": 20, "florence2": 40}
 WD14_TAGS = 10861
 
 
-def blip(folder: Path):
+def blip(folder: Path, tiny: bool = False):
     import transformers as t
 
     words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "[DEC]"] + [f"w{i}" for i in range(200)]
     (folder / "vocab.txt").write_text("\n".join(words) + "\n")
     tokenizer = t.BertTokenizer(str(folder / "vocab.txt"))
-    processor = t.BlipProcessor(image_processor=t.BlipImageProcessorPil(size={"height": 384, "width": 384}),
+    side = 32 if tiny else 384
+    processor = t.BlipProcessor(image_processor=t.BlipImageProcessorPil(size={"height": side, "width": side}),
                                 tokenizer=tokenizer)
+    text = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64) if tiny else \
+        dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2) if tiny else \
+        dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16)
     config = t.BlipConfig(
-        text_config=dict(vocab_size=30524, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
-                         intermediate_size=3072, bos_token_id=30522, pad_token_id=0, sep_token_id=102,
-                         eos_token_id=102),
-        vision_config=dict(image_size=384, patch_size=16, hidden_size=1024, intermediate_size=4096,
-                           num_hidden_layers=24, num_attention_heads=16),
-        projection_dim=256)
+        text_config=dict(vocab_size=30524, bos_token_id=30522, pad_token_id=0, sep_token_id=102, eos_token_id=102,
+                         **text),
+        vision_config=dict(image_size=side, patch_size=16, **vision), projection_dim=256)
     model = t.BlipForConditionalGeneration(config)
     model.save_pretrained(folder)
     processor.save_pretrained(folder)
     return folder
 
 
-def florence2(folder: Path):
+def florence2(folder: Path, tiny: bool = False):
     import transformers as t
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
@@ -71,22 +73,28 @@ def florence2(folder: Path):
     bpe.decoder = decoders.ByteLevel()
     tokenizer = t.PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
                                           unk_token="<unk>", extra_special_tokens={"image_token": "<image>"})
-    image_processor = t.CLIPImageProcessor(size={"height": 768, "width": 768}, do_center_crop=False,
-                                           image_seq_length=577)
+    side, tokens = (32, 17) if tiny else (768, 577)
+    image_processor = t.CLIPImageProcessor(size={"height": side, "width": side}, do_center_crop=False,
+                                           image_seq_length=tokens)
     processor = t.Florence2Processor(image_processor=image_processor, tokenizer=tokenizer)
+    text = dict(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
+                encoder_ffn_dim=64, decoder_ffn_dim=64) if tiny else \
+        dict(d_model=768, encoder_layers=6, decoder_layers=6, encoder_attention_heads=12, decoder_attention_heads=12,
+             encoder_ffn_dim=3072, decoder_ffn_dim=3072)
+    vision = dict(depths=[1, 1], patch_size=[7, 3], patch_stride=[4, 2], patch_padding=[3, 1],
+                  patch_prenorm=[False, True], embed_dim=[16, 32], num_heads=[2, 2], num_groups=[2, 2], window_size=2,
+                  projection_dim=32, max_position_embeddings=16) if tiny else dict(projection_dim=768)
     config = t.Florence2Config(
-        text_config=dict(vocab_size=51289, d_model=768, encoder_layers=6, decoder_layers=6, encoder_attention_heads=12,
-                         decoder_attention_heads=12, encoder_ffn_dim=3072, decoder_ffn_dim=3072,
-                         max_position_embeddings=1024, bos_token_id=0, pad_token_id=1, eos_token_id=2,
-                         decoder_start_token_id=2),
-        vision_config=dict(projection_dim=768), image_token_id=tokenizer.image_token_id)
+        text_config=dict(vocab_size=51289, max_position_embeddings=1024, bos_token_id=0, pad_token_id=1,
+                         eos_token_id=2, decoder_start_token_id=2, **text),
+        vision_config=vision, image_token_id=tokenizer.image_token_id)
     model = t.Florence2ForConditionalGeneration(config)
     model.save_pretrained(folder)
     processor.save_pretrained(folder)
     return folder
 
 
-def wd14(folder: Path):
+def wd14(folder: Path, tiny: bool = False):
     """A SwinV2-base tagger at 448 px in ONNX, NHWC input as WD14's."""
     import torch
     import transformers as t
@@ -94,9 +102,11 @@ def wd14(folder: Path):
     class Tagger(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.backbone = t.Swinv2Model(t.Swinv2Config(image_size=448, embed_dim=128, depths=[2, 2, 18, 2],
-                                                         num_heads=[4, 8, 16, 32], window_size=8))
-            self.head = torch.nn.Linear(1024, WD14_TAGS)
+            config = t.Swinv2Config(image_size=32, embed_dim=16, depths=[1, 1], num_heads=[1, 2], window_size=2) \
+                if tiny else t.Swinv2Config(image_size=448, embed_dim=128, depths=[2, 2, 18, 2], num_heads=[4, 8, 16, 32],
+                                            window_size=8)
+            self.backbone = t.Swinv2Model(config)
+            self.head = torch.nn.Linear(config.hidden_size, WD14_TAGS)
 
         def forward(self, x):
             pooled = self.backbone(pixel_values=x.permute(0, 3, 1, 2) / 255.0).pooler_output
@@ -105,7 +115,8 @@ def wd14(folder: Path):
     model = Tagger().eval()
     buffer = io.BytesIO()
     with torch.no_grad():
-        torch.onnx.export(model, torch.rand(1, 448, 448, 3) * 255, buffer, dynamo=False, input_names=["input"],
+        side = 32 if tiny else 448
+        torch.onnx.export(model, torch.rand(1, side, side, 3) * 255, buffer, dynamo=False, input_names=["input"],
                           output_names=["output"], dynamic_axes={"input": {0: "batch"}, "output": {0: "batch"}},
                           opset_version=17)
     (folder / "model.onnx").write_bytes(buffer.getvalue())
@@ -142,10 +153,10 @@ def measure(name: str, folder: Path, args) -> dict:
     device = torch.device(args.device)
     images = photos(args.images)
     if name == "wd14":
-        tagger = sd.data.captioning.load_tagger(str(wd14(folder)), device=device)
+        tagger = sd.data.captioning.load_tagger(str(wd14(folder, args.tiny)), device=device)
         call = tagger.tag
     else:
-        built = {"blip": blip, "florence2": florence2}[name](folder)
+        built = {"blip": blip, "florence2": florence2}[name](folder, args.tiny)
         dtype = torch.float16 if device.type == "cuda" else torch.float32
         captioner = sd.data.captioning.load_captioner(str(built), device=device, dtype=dtype,
                                                       max_length=args.tokens or TOKENS[name])
@@ -166,6 +177,7 @@ def main(argv=None) -> int:
     parser.add_argument("--batch_size", type=int, default=8, help="images per call (default: %(default)s)")
     parser.add_argument("--tokens", type=int, default=None, help="new tokens per caption (default: 20 BLIP, 40 Florence-2)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
+    parser.add_argument("--tiny", action="store_true", help="small models of the same kinds (tests the script)")
     args = parser.parse_args(argv)
     import sd.runtime
 
@@ -181,7 +193,8 @@ def main(argv=None) -> int:
         rows = []
         for name in names:
             argv = [sys.executable, __file__, "--models", name, "--images", str(args.images), "--batch_size",
-                    str(args.batch_size), "--device", args.device, *(["--tokens", str(args.tokens)] if args.tokens else [])]
+                    str(args.batch_size), "--device", args.device, *(["--tokens", str(args.tokens)] if args.tokens else []),
+                    *(["--tiny"] if args.tiny else [])]
             result = subprocess.run(argv, capture_output=True, text=True, check=True)
             rows += json.loads(result.stdout.strip().splitlines()[-1])["rows"]
             print(" ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
@@ -189,7 +202,7 @@ def main(argv=None) -> int:
     for row in rows:
         print(f"{row['model']:10} {row['tokens']:>6} {row['s_per_image']:>8} {row['s_per_image_one_at_a_time']:>14} "
               f"{row['batched_speedup']:>10} {row['minutes_per_1000']:>9} {row['peak_rss_gb']:>12}")
-    print(json.dumps({"bench": "captioner_speed", "device": args.device, "rows": rows}))
+    print(json.dumps({"bench": "captioner_speed", "device": args.device, "tiny": args.tiny, "rows": rows}))
     return 0
 
 

@@ -38,7 +38,8 @@ fewer than --min_tag_count images of the whole input left out), all joined with 
 the tags before the caption). An image left with no caption at all is skipped as ``no_caption``.
 
 Review, at the end: ``OUT/review/sheet_NNNN.png`` (pages of thumbnails with their captions; the first
---review_pages pages) and ``OUT/review/tags.csv`` (each tag with the images carrying it). The LoRA files of a
+--review_pages pages) and ``OUT/review/tags.csv`` (each tag with the images carrying it; past 200,000 distinct
+pieces, as free-text captions make, the pieces seen once so far are left out). The LoRA files of a
 run trained on these captions record the same counts as ``ss_tag_frequency``.
 
 Images that cannot be read are skipped and counted by reason, named in the stats (``undecodable``,
@@ -73,6 +74,7 @@ import sd.runtime
 STAGE = "03c_caption_images"
 MODEL_DIR = "captioning"  # OUT/captioning/NAME.parquet: what the models said, per part
 REVIEW_DIR = "review"
+MAX_TABLE = 200_000  # distinct tags counted for tags.csv; past it, those seen once so far are let go
 CAPTIONS_LOCK = ".captions.lock"  # held while the captions and the review are written
 MODEL_FLAGS = ("captioner", "prompt", "max_length", "num_beams", "tagger")
 log = logging.getLogger(STAGE)
@@ -479,6 +481,8 @@ def write_captions(source, out: Path, folder: Path, args, settings: dict) -> Non
             final = [caption for caption, _, _ in captions.values() if caption]
             images += len(final)
             tags.update(sd.data.captioning.tag_counts(final))
+            if len(tags) > MAX_TABLE:  # free-text captions: every piece is its own "tag"; those seen once go
+                tags = Counter({tag: n for tag, n in tags.items() if n > 1})
             if sheets is not None and not sheets.full:
                 add_to_review(sheets, source, name, captions, args.max_pixels)
     pages = sheets.close() if sheets is not None else []

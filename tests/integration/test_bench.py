@@ -408,3 +408,21 @@ def test_a_collectives_flat_block_freed_by_another_thread_is_freed_when_the_op_t
     assert not handed
     assert memory_estimate.peak_live_bytes(prof, torch.device("cpu")) == 3 << 19  # not 1 MiB more
     del after
+
+
+@pytest.mark.slow
+def test_captioner_speed_bench_times_each_model_batched_and_alone():
+    printed, result = run_bench("captioner_speed.py", "--tiny", "--images", "4", "--batch_size", "2", own_process=True)
+    assert [row["model"] for row in result["rows"]] == ["blip", "florence2", "wd14"] and result["tiny"]
+    for row in result["rows"]:
+        assert row["s_per_image"] > 0 and row["batched_speedup"] > 0 and row["peak_rss_gb"] > 0
+        assert row["minutes_per_1000"] == pytest.approx(row["s_per_image"] * 1000 / 60, abs=0.1)
+    assert "min/1000" in printed
+
+
+@pytest.mark.slow
+def test_caption_stage_scale_bench_runs_the_stage_twice_per_size():
+    printed, result = run_bench("caption_stage_scale.py", "--sizes", "12,24", "--shard_size", "8", own_process=True)
+    assert [row["images"] for row in result["rows"]] == [12, 24]
+    assert all(row["peak_rss_gb"] > 0.1 and row["compose_again_s"] > 0 for row in result["rows"])
+    assert "peak at 24 images / at 12" in printed
