@@ -37,6 +37,7 @@ import numpy as np
 MODELS = ("blip", "florence2", "wd14")
 TOKENS = {"blip": 20, "florence2": 40}
 WD14_TAGS = 10861
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def blip(folder: Path, tiny: bool = False):
@@ -64,19 +65,13 @@ def blip(folder: Path, tiny: bool = False):
 
 def florence2(folder: Path, tiny: bool = False):
     import transformers as t
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    specials = ["<s>", "<pad>", "</s>", "<unk>", "<image>"]
-    vocab = {token: i for i, token in enumerate(specials + sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    bpe = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    tokenizer = t.PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                          unk_token="<unk>", extra_special_tokens={"image_token": "<image>"})
+    sys.path.insert(0, str(ROOT / "tests"))
+    from caption_models import florence_processor
+
     side, tokens = (32, 17) if tiny else (768, 577)
-    image_processor = t.CLIPImageProcessor(size={"height": side, "width": side}, do_center_crop=False,
-                                           image_seq_length=tokens)
-    processor = t.Florence2Processor(image_processor=image_processor, tokenizer=tokenizer)
+    processor = florence_processor(side, tokens)
+    tokenizer = processor.tokenizer
     text = dict(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
                 encoder_ffn_dim=64, decoder_ffn_dim=64) if tiny else \
         dict(d_model=768, encoder_layers=6, decoder_layers=6, encoder_attention_heads=12, decoder_attention_heads=12,

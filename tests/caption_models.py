@@ -45,9 +45,9 @@ def tiny_blip(folder: Path, seed: int = 0, force: str | None = None) -> Path:
     return folder
 
 
-def tiny_florence(folder: Path, seed: int = 0, force: str | None = None) -> Path:
-    """A Florence-2 of 16x16 patches at 32 px (17 image tokens) and a byte-level BPE vocabulary of single bytes."""
-    import torch
+def florence_processor(side: int, image_tokens: int):
+    """A Florence-2 processor at ``side`` px (``image_tokens``: what the vision tower makes of it) with a
+    byte-level BPE vocabulary of single bytes (no merges): enough to prompt and decode, built offline."""
     import transformers as t
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
@@ -59,14 +59,23 @@ def tiny_florence(folder: Path, seed: int = 0, force: str | None = None) -> Path
     tokenizer = t.PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
                                           unk_token="<unk>", extra_special_tokens={"image_token": "<image>"},
                                           model_max_length=1024)
-    image_processor = t.CLIPImageProcessor(size={"height": 32, "width": 32}, do_center_crop=False,
-                                           image_seq_length=17)
-    processor = t.Florence2Processor(image_processor=image_processor, tokenizer=tokenizer)
+    image_processor = t.CLIPImageProcessor(size={"height": side, "width": side}, do_center_crop=False,
+                                           image_seq_length=image_tokens)
+    return t.Florence2Processor(image_processor=image_processor, tokenizer=tokenizer)
+
+
+def tiny_florence(folder: Path, seed: int = 0, force: str | None = None) -> Path:
+    """A Florence-2 of 16x16 patches at 32 px (17 image tokens) and a byte-level BPE vocabulary of single bytes."""
+    import torch
+    import transformers as t
+
+    processor = florence_processor(side=32, image_tokens=17)
+    tokenizer = processor.tokenizer
     config = t.Florence2Config(
         vision_config=dict(depths=[1, 1], patch_size=[7, 3], patch_stride=[4, 2], patch_padding=[3, 1],
                            patch_prenorm=[False, True], embed_dim=[16, 32], num_heads=[2, 2], num_groups=[2, 2],
                            window_size=2, projection_dim=32, max_position_embeddings=16),
-        text_config=dict(vocab_size=len(vocab), d_model=32, encoder_layers=1, decoder_layers=1,
+        text_config=dict(vocab_size=len(tokenizer), d_model=32, encoder_layers=1, decoder_layers=1,
                          encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
                          max_position_embeddings=256, bos_token_id=0, pad_token_id=1, eos_token_id=2,
                          decoder_start_token_id=2),
@@ -74,7 +83,7 @@ def tiny_florence(folder: Path, seed: int = 0, force: str | None = None) -> Path
     torch.manual_seed(seed)
     model = t.Florence2ForConditionalGeneration(config).eval()
     if force is not None:  # the decoder's output is one vector, the forced token's embedding, longest of all
-        token = vocab[force]
+        token = tokenizer.convert_tokens_to_ids(force)
         embeddings = model.get_input_embeddings().weight
         with torch.no_grad():
             embeddings[token] *= 20.0
