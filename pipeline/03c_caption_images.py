@@ -43,7 +43,8 @@ pieces, as free-text captions make, the pieces seen once so far are left out). T
 run trained on these captions record the same counts as ``ss_tag_frequency``.
 
 Images that cannot be read are skipped and counted by reason, named in the stats (``undecodable``,
-``truncated_image``, ``too_large``...). Memory holds one batch of images and one part's captions.
+``truncated_image``, ``too_large``...); an input shard that cannot be read at all is left out of the captions,
+named under ``failed_shards`` in the summary, and tried again by the next run. Memory holds one batch of images and one part's captions.
 Several GPUs: ``torchrun --nproc_per_node=N`` (or ``--rank`` / ``--world_size`` from another launcher):
 rank r captions parts r, r+N, ..., no rank waits for another, and whichever finishes the last part writes
 the captions and the review (or run the command once more). Ctrl-C ends in one line; finished parts are kept.
@@ -445,10 +446,11 @@ def write_folder_captions(out: Path, captions: dict) -> tuple[int, Counter]:
     return written, skipped
 
 
-def write_captions(source, out: Path, folder: Path, args, settings: dict) -> None:
-    """Every caption from the finished parts, the review and the summary (run once every part is done)."""
+def write_captions(source, out: Path, folder: Path, args, settings: dict, failed: dict[str, str]) -> None:
+    """Every caption from the finished parts, the review and the summary (run once every part is done but
+    those in ``failed``, which could not be read)."""
     options = compose_options(args)
-    names = list(source.parts)
+    names = [name for name in source.parts if name not in failed]
     counts = dataset_tag_counts(folder, names, options) if options.min_tag_count > 1 else Counter()
     digest = fingerprint(options, counts, settings)
     summary = sd.data.stages.Summary(STAGE)
@@ -487,8 +489,10 @@ def write_captions(source, out: Path, folder: Path, args, settings: dict) -> Non
                 add_to_review(sheets, source, name, captions, args.max_pixels)
     pages = sheets.close() if sheets is not None else []
     sd.data.review.write_tag_table(out / REVIEW_DIR / "tags.csv", tags, images)
+    for name, error in failed.items():
+        summary.input_failed("unreadable_input", name, error)
     summary.finish(out, input=args.input, models=settings, compose=options.record(), review_pages=len(pages),
-                   tags=len(tags))
+                   tags=len(tags), failed_shards=summary.failed_inputs)
     if pages:
         print(f"{STAGE}: review {len(pages)} contact sheets in {out / REVIEW_DIR} (sheet_0001.png ...) and "
               f"{out / REVIEW_DIR / 'tags.csv'} before training on these captions")
@@ -557,6 +561,7 @@ def run(source, out: Path, folder: Path, settings: dict, args, d) -> int:
     mine = [name for i, name in enumerate(names) if i % d.world_size == d.rank
             and not sd.data.stages.output_done(folder, name, ".parquet")]
     models = Models(args, d.device)
+    failed: dict[str, str] = {}  # parts this run could not read: left out of the captions, named, tried again next run
     try:
         if mine:
             models.load()  # a model that cannot be loaded stops the stage here, before any output
@@ -573,7 +578,9 @@ def run(source, out: Path, folder: Path, settings: dict, args, d) -> int:
                         if sd.data.stages.disk_full(error):
                             raise
                         log.warning("%s: part %s unreadable (%s); the next run tries it again", STAGE, name, error)
-        missing = [name for name in names if not sd.data.stages.output_done(folder, name, ".parquet")]
+                        failed[name] = sd.cli.first_line(error)
+        missing = [name for name in names if name not in failed
+                   and not sd.data.stages.output_done(folder, name, ".parquet")]
         if missing:
             print(f"{STAGE}: {len(names) - len(missing)} of {len(names)} parts captioned in {folder}; the rest "
                   f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}) belong to other ranks or could not "
@@ -586,7 +593,7 @@ def run(source, out: Path, folder: Path, settings: dict, args, d) -> int:
             print(f"{STAGE}: the captions are being written by another process ({error})")
             return 0
         try:
-            write_captions(source, out, folder, args, settings)
+            write_captions(source, out, folder, args, settings, failed)
         finally:
             lock.release()
     except sd.data.captioning.ModelLoadError as error:

@@ -291,3 +291,19 @@ def test_the_readme_block_for_photos_without_captions_runs_as_written(tmp_path, 
     shard = read_tar(tmp_path / "data/mine/shards/00000.tar")
     assert sorted(name for name in shard if name.endswith(".txt")) == [f"img{i}.txt" for i in range(9)]
     assert shard["img1.txt"] == b"cat cat, blue theme, long hair, ^_^"
+
+
+def test_an_unreadable_shard_is_named_and_the_rest_captioned(tmp_path, models):
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    write_shard(shards / "00000.tar", [("a", photo("red"), "")])
+    (shards / "00001.tar").write_text("not a tar")
+    out = tmp_path / "out"
+    assert run("--input", shards / "*.tar", "--out", out, "--captioner", "none", "--tagger", models["tagger"]) == 0
+    assert read_tar(out / "00000.tar")["a.txt"] == b"red theme, long hair, ^_^"
+    summary = json.loads((out / "03c_caption_images_summary.json").read_text())
+    assert summary["failed_shards"] == {"unreadable_input": ["00001"]} and not (out / "00001.tar").exists()
+    write_shard(shards / "00001.tar", [("b", photo("blue"), "")])  # mended: the next run captions it
+    assert run("--input", shards / "*.tar", "--out", out, "--captioner", "none", "--tagger", models["tagger"]) == 0
+    assert read_tar(out / "00001.tar")["b.txt"] == b"blue theme, long hair, ^_^"
+    assert json.loads((out / "03c_caption_images_summary.json").read_text())["failed_shards"] == {}
