@@ -109,7 +109,7 @@ def load_captioner(name_or_path: str, *, device, dtype, prompt: str | None = Non
     try:
         config = transformers.AutoConfig.from_pretrained(name, **options)
         processor = transformers.AutoProcessor.from_pretrained(name, **options)
-        model = transformers.AutoModelForImageTextToText.from_pretrained(name, dtype=dtype, **options)
+        model = transformers.AutoModelForImageTextToText.from_pretrained(name, **options)
     except (OSError, ValueError, KeyError, ImportError) as error:
         raise ModelLoadError(f"captioning model {name}: cannot be loaded ({sd.cli.first_line(error)}); "
                              f"{_fixes(name, 'model and its processor')}") from error
@@ -117,7 +117,8 @@ def load_captioner(name_or_path: str, *, device, dtype, prompt: str | None = Non
     if family == "florence2" and prompt is not None and not prompt.startswith("<"):
         raise ModelLoadError(f"captioning model {name}: Florence-2 takes a task token as its prompt "
                              f"(<CAPTION>, <DETAILED_CAPTION>, <MORE_DETAILED_CAPTION>), not {prompt!r}")
-    model.requires_grad_(False).eval().to(device)
+    model.requires_grad_(False).eval().to(device=device, dtype=dtype)  # (from_pretrained's dtype argument is
+    # spelled torch_dtype before transformers 4.56)
     return Captioner(processor, model, family, DEFAULT_PROMPTS.get(family, "") if prompt is None else prompt,
                      max_length, num_beams, device, dtype)
 
