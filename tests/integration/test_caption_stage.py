@@ -188,6 +188,8 @@ def test_captioners_known_answers_and_batches(models):
     load = sd.data.captioning.load_captioner
     cat = load(str(models["cat"]), device=cpu, dtype=torch.float32, max_length=4)
     assert cat.caption(images) == ["cat cat cat cat"] * 3
+    half = load(str(models["cat"]), device=cpu, dtype=torch.bfloat16, max_length=4)  # images cast as the weights
+    assert next(half.model.parameters()).dtype == torch.bfloat16 and half.caption(images) == ["cat cat cat cat"] * 3
     prompted = load(str(models["cat"]), device=cpu, dtype=torch.float32, max_length=2, prompt="a picture of")
     assert prompted.caption(images[:1]) == ["cat cat"]  # the prompt is not part of the caption
     florence = load(str(models["florence_a"]), device=cpu, dtype=torch.float32, max_length=5)
