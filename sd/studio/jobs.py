@@ -24,8 +24,9 @@ REPOSITORY = Path(__file__).resolve().parents[2]
 
 
 def python_command(script: str, *args) -> list[str]:
-    """``python SCRIPT ARGS`` with this interpreter, every argument its own word."""
-    return [sys.executable, script, *(str(arg) for arg in args)]
+    """``python REPOSITORY/SCRIPT ARGS`` with this interpreter, every argument its own word (the script by its
+    full path: jobs run in the user's folder, which need not be the repository)."""
+    return [sys.executable, str(REPOSITORY / script), *(str(arg) for arg in args)]
 
 
 def shown(command: list[str]) -> str:

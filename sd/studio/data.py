@@ -1,0 +1,102 @@
+"""A folder of images as the studio's Data page shows it, and the commands that turn it into a dataset.
+
+``scan_folder`` reads what ``01e_import_folder.py`` would: each image's caption (``photo.txt``), its size from
+the file's header (nothing is decoded) and so the files it would skip, with the reason, and the aspect-ratio
+bucket each image falls in; the commands are the data stages' own, as a user types them.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import sd.data.buckets
+import sd.data.shards
+import sd.data.stages
+import sd.files
+from sd.studio.jobs import python_command
+
+
+@dataclass
+class FolderScan:
+    folder: Path
+    images: list[str] = field(default_factory=list)  # relative paths 01e would import, sorted
+    captions: dict[str, str] = field(default_factory=dict)
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (relative path, reason)
+    buckets: Counter = field(default_factory=Counter)  # "WxH" -> images
+
+
+def caption_path(folder: Path, rel: str) -> Path:
+    return Path(folder) / (rel.rsplit(".", 1)[0] + ".txt")
+
+
+def read_caption(folder: Path, rel: str) -> str | None:
+    """The image's caption, "" when it has none, None when its file is not UTF-8."""
+    path = caption_path(folder, rel)
+    try:
+        return path.read_text(encoding="utf-8").strip() if path.is_file() else ""
+    except UnicodeDecodeError:
+        return None
+
+
+def write_caption(folder: Path, rel: str, text: str) -> Path:
+    path = caption_path(folder, rel)
+    sd.files.write_text_atomic(path, text.strip() + "\n")
+    return path
+
+
+def scan_folder(folder: Path, resolution: int = 512, min_size: int | None = None,
+                max_pixels: int = sd.data.shards.DEFAULT_MAX_PIXELS) -> FolderScan:
+    """What importing ``folder`` at ``resolution`` would keep and skip (01e's reasons), read from the headers."""
+    folder = Path(folder)
+    scan = FolderScan(folder)
+    smallest = resolution // 4 if min_size is None else min_size
+    # encode_latents.py --buckets' sizes (64 px steps; 8 px below 64 px, where no 64 px step fits)
+    buckets = sd.data.buckets.default_buckets(resolution, 64 if resolution >= 64 else 8)
+    images, _ = sd.data.stages.list_images(folder)
+    for rel in images:
+        try:
+            with open(folder / rel, "rb") as handle:
+                head = handle.read(1 << 20)
+            width, height = sd.data.shards.image_size(head)
+        except Exception:  # noqa: BLE001 - any reader's error: the file would be skipped
+            scan.skipped.append((rel, "undecodable"))
+            continue
+        caption = read_caption(folder, rel)
+        reason = None
+        if caption is None:
+            reason = "bad_caption_encoding"
+        elif not caption:
+            reason = "no_caption"
+        elif width * height > max_pixels:
+            reason = "too_large"
+        elif max(width, height) > sd.data.shards.DEFAULT_MAX_ASPECT * min(width, height):
+            reason = "extreme_aspect"
+        elif min(width, height) < smallest:
+            reason = "too_small"
+        if reason:
+            scan.skipped.append((rel, reason))
+            continue
+        scan.images.append(rel)
+        scan.captions[rel] = caption
+        bucket = buckets[sd.data.buckets.nearest_bucket(width, height, buckets)]
+        scan.buckets[sd.data.buckets.name(bucket)] += 1
+    return scan
+
+
+def import_command(folder: Path, shards: Path, resolution: int, keep_aspect: bool) -> list[str]:
+    return python_command("pipeline/01e_import_folder.py", "--input", folder, "--out", shards, "--resolution",
+                          resolution, *(["--keep_aspect"] if keep_aspect else []))
+
+
+def encode_command(shards: Path, latents: Path, vae: str, resolution: int, buckets: bool) -> list[str]:
+    return python_command("encode_latents.py", "--input", f"{shards}/*.tar", "--out", latents, "--vae", vae,
+                          "--resolution", resolution, *(["--buckets"] if buckets else []))
+
+
+def dataset_commands(shards: Path, captions: Path, latents: Path, dataset: Path, tokenizer: str) -> list[list[str]]:
+    return [python_command("pipeline/04_preprocess_to_cache.py", "--input", f"{shards}/*.tar", "--out", captions,
+                           "--tokenizer", tokenizer),
+            python_command("pipeline/05_build_hf_dataset.py", "--captions", captions, "--latents", latents,
+                           "--out", dataset)]
