@@ -116,7 +116,10 @@ def build(roots: Roots, repository: Path):
                        "    code = subprocess.call(c)\n"
                        "    if code: sys.exit(code)\n")
             command = [sys.executable, "-c", program, json.dumps(commands)]
-        jobs.start(name, command)
+        try:
+            jobs.start(name, command)
+        except RuntimeError as error:  # the same job is running: said where the command would be
+            return f"# not started: {error}"
         tails[name] = LogTail(jobs.get(name).log)
         return "\n".join(shown(c) for c in commands)
 
@@ -128,6 +131,15 @@ def build(roots: Roots, repository: Path):
 
     def checked(path: str) -> Path:
         return roots.check(path)
+
+    scans: dict[tuple, data.FolderScan] = {}  # the last scan of each folder and size: paging reads no file
+
+    def scanned(where: Path, side: int, fresh: bool) -> data.FolderScan:
+        key = (str(where), side)
+        if fresh or key not in scans:
+            scans.clear()
+            scans[key] = data.scan_folder(where, side)
+        return scans[key]
 
     polls = []  # (function, inputs, outputs) the timer refreshes
 
@@ -159,30 +171,29 @@ def build(roots: Roots, repository: Path):
             data_state = gr.Textbox(label="state", interactive=False, elem_id="data-state")
             data_log = gr.Textbox(label="log", lines=8, max_lines=8, autoscroll=True, elem_id="data-log")
 
-            def show_folder(path, side, number):
+            def show_folder(path, side, number, fresh=False):
                 try:
                     where = checked(path)
                     if not where.is_dir():
                         raise ValueError(f"{path} is not a folder")
-                    scan = data.scan_folder(where, int(side))
+                    scan = scanned(where, int(side), fresh)
                 except (OutsideRoots, ValueError) as error:
                     return f"**{error}**", [], [], []
-                start_at = (max(int(number or 1), 1) - 1) * PAGE
-                shown_images = [(str(where / rel), scan.captions[rel]) for rel in scan.images[start_at:start_at + PAGE]]
+                shown_images = [(str(where / rel), text) for rel, text in data.page_of(scan, number or 1, PAGE)]
                 pages = max(1, -(-len(scan.images) // PAGE))
                 text = (f"**{len(scan.images)} images** to import, {len(scan.skipped)} skipped; page "
                         f"{min(int(number or 1), pages)} of {pages}")
                 return (text, shown_images, [list(row) for row in scan.skipped],
                         [[bucket, n] for bucket, n in sorted(scan.buckets.items())])
 
-            read.click(show_folder, [folder, resolution, page], [summary, gallery, skipped, buckets])
+            read.click(lambda *a: show_folder(*a, fresh=True), [folder, resolution, page],
+                       [summary, gallery, skipped, buckets])
             page.change(show_folder, [folder, resolution, page], [summary, gallery, skipped, buckets])
 
             def pick(path, side, number, evt: gr.SelectData):
                 where = checked(path)
-                scan = data.scan_folder(where, int(side))
-                rel = scan.images[(max(int(number or 1), 1) - 1) * PAGE + evt.index]
-                return rel, scan.captions[rel]
+                scan = scanned(where, int(side), fresh=False)
+                return data.page_of(scan, number or 1, PAGE)[evt.index]
 
             gallery.select(pick, [folder, resolution, page], [selected, caption])
 
@@ -190,6 +201,8 @@ def build(roots: Roots, repository: Path):
                 if not rel:
                     return "pick an image first"
                 written = data.write_caption(checked(path), rel, text)
+                for scan in scans.values():
+                    scan.captions[rel] = text.strip()
                 return f"saved {written.name}"
 
             save.click(save_caption, [folder, selected, caption], [summary])
@@ -222,6 +235,8 @@ def build(roots: Roots, repository: Path):
                                 elem_id="train-fields")
             verdict = gr.Markdown(elem_id="train-verdict")
             with gr.Row():
+                card = gr.Number(label="card memory (GB) for the estimate; 0: this machine's", value=24,
+                                 elem_id="train-card")
                 estimate = gr.Button("Estimate memory", elem_id="train-estimate")
                 launch = gr.Button("Launch / Resume", variant="primary", elem_id="train-launch")
                 stop = gr.Button("Stop (saves a checkpoint)", variant="stop", elem_id="train-stop")
@@ -252,19 +267,24 @@ def build(roots: Roots, repository: Path):
                 if holder.startswith("training"):
                     return f"**{run_dir} is in use:** {holder}", ""
                 command = training_command(preset_path, hardware_path, run_dir, flags, int(count or 1))
-                metrics[run] = JsonlTail(run_dir / "metrics.jsonl")
-                return "", start(f"train_{run}", [command])
+                shown_command = start(f"train_{run}", [command])
+                if not shown_command.startswith("#"):
+                    metrics[run] = JsonlTail(run_dir / "metrics.jsonl")
+                return "", shown_command
 
-            def do_estimate(preset_path, hardware_path, run, field_text):
+            def do_estimate(preset_path, hardware_path, run, field_text, card_gb, count):
                 try:
                     preset_path, hardware_path, run_dir, flags = settings(preset_path, hardware_path, run, field_text)
                 except (ValueError, OutsideRoots) as error:
                     return f"**refused:** {error}", ""
-                command = training_command(preset_path, hardware_path, run_dir, flags, 1) + ["--estimate_memory", "true"]
+                command = training_command(preset_path, hardware_path, run_dir, flags, 1)
+                command += ["--estimate_memory", "true", "--world_size", str(int(count or 1))]
+                if card_gb:
+                    command += ["--gpu_memory_gb", str(card_gb)]
                 return "", start(f"estimate_{run}", [command])
 
             launch.click(do_launch, [preset, hardware, run_name, fields, gpus], [verdict, train_command])
-            estimate.click(do_estimate, [preset, hardware, run_name, fields], [verdict, train_command])
+            estimate.click(do_estimate, [preset, hardware, run_name, fields, card, gpus], [verdict, train_command])
             def do_stop(run):
                 job = jobs.get(f"train_{run}")
                 if job is not None:
@@ -273,7 +293,8 @@ def build(roots: Roots, repository: Path):
             stop.click(do_stop, [run_name], [])
 
             def refresh(run):
-                job_name = f"train_{run}" if jobs.get(f"train_{run}") else f"estimate_{run}"
+                started = [job for job in (jobs.get(f"train_{run}"), jobs.get(f"estimate_{run}")) if job]
+                job_name = max(started, key=lambda job: job.started).name if started else ""
                 state, log = status(job_name)
                 tail = metrics.get(run)
                 rows = tail.read() if tail else []

@@ -46,6 +46,25 @@ def write_caption(folder: Path, rel: str, text: str) -> Path:
     return path
 
 
+def header_size(path: Path) -> tuple[int, int]:
+    """An image's width and height from its header alone (Pillow reads a few kilobytes, decodes nothing)."""
+    import warnings
+
+    from PIL import Image
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Pillow's decompression-bomb warning: the size is what is wanted
+        with Image.open(path) as image:
+            return image.size
+
+
+def page_of(scan: FolderScan, number: int, size: int) -> list[tuple[str, str]]:
+    """``(relative path, caption)`` of page ``number`` (from 1; clamped to the last) of ``size`` images."""
+    pages = max(1, -(-len(scan.images) // size))
+    start = (min(max(int(number), 1), pages) - 1) * size
+    return [(rel, scan.captions[rel]) for rel in scan.images[start:start + size]]
+
+
 def scan_folder(folder: Path, resolution: int = 512, min_size: int | None = None,
                 max_pixels: int = sd.data.shards.DEFAULT_MAX_PIXELS) -> FolderScan:
     """What importing ``folder`` at ``resolution`` would keep and skip (01e's reasons), read from the headers."""
@@ -57,9 +76,7 @@ def scan_folder(folder: Path, resolution: int = 512, min_size: int | None = None
     images, _ = sd.data.stages.list_images(folder)
     for rel in images:
         try:
-            with open(folder / rel, "rb") as handle:
-                head = handle.read(1 << 20)
-            width, height = sd.data.shards.image_size(head)
+            width, height = header_size(folder / rel)
         except Exception:  # noqa: BLE001 - any reader's error: the file would be skipped
             scan.skipped.append((rel, "undecodable"))
             continue

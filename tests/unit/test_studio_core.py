@@ -127,3 +127,38 @@ def test_run_states_and_the_lock_holder(tmp_path):
         handle.write('{"step": 8, "loss": 0.25}\n')
     assert runs.run_info(run).state == "finished"
     assert [r.name for r in runs.list_runs(tmp_path / "runs")] == ["mine"] and runs.list_runs(tmp_path / "no") == []
+
+
+def test_folder_scan_reads_headers_names_skips_and_pages(tmp_path):
+    from PIL import Image
+
+    from sd.studio import data
+
+    folder = tmp_path / "photos"
+    (folder / "sub").mkdir(parents=True)
+    for i in range(60):
+        Image.new("RGB", (96, 64) if i % 2 else (64, 64)).save(folder / ("sub" if i % 3 == 0 else "") / f"p{i:02d}.png")
+        if i != 7:
+            (folder / ("sub" if i % 3 == 0 else "") / f"p{i:02d}.txt").write_text(f"caption {i}")
+    Image.new("RGB", (8, 8)).save(folder / "tiny.png")
+    (folder / "tiny.txt").write_text("small")
+    Image.new("RGB", (640, 64)).save(folder / "strip.png")
+    (folder / "strip.txt").write_text("long")
+    (folder / "broken.png").write_bytes(b"\x89PNG nothing")
+    (folder / "latin.png").write_bytes((folder / "p01.png").read_bytes())
+    (folder / "latin.txt").write_bytes("caf\xe9".encode("latin-1"))
+    (folder / "p02_mask.png").write_bytes((folder / "p01.png").read_bytes())  # a loss mask, not an image
+    scan = data.scan_folder(folder, resolution=64)
+    assert sorted(scan.skipped) == [("broken.png", "undecodable"), ("latin.png", "bad_caption_encoding"),
+                                    ("p07.png", "no_caption"), ("strip.png", "extreme_aspect"),
+                                    ("tiny.png", "too_small")]
+    assert len(scan.images) == 59 and scan.captions["sub/p03.png"] == "caption 3"
+    assert scan.buckets == {"64x64": 59}  # 64 px recipes have one bucket; at 256 px the 3:2 images get their own
+    # (tiny.png counts at --min_size 0; p07 has no caption)
+    assert data.scan_folder(folder, resolution=256, min_size=0).buckets == {"256x256": 31, "320x192": 29}
+    pages = [data.page_of(scan, n, 24) for n in (1, 2, 3, 9)]
+    assert [len(p) for p in pages] == [24, 24, 11, 11]  # page 9 is past the end: the last one
+    assert [rel for page in pages[:3] for rel, _ in page] == scan.images
+    data.write_caption(folder, "p07.png", "  new words \n")
+    assert (folder / "p07.txt").read_text() == "new words\n"
+    assert ("p07.png", "no_caption") not in data.scan_folder(folder, resolution=64).skipped
