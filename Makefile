@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 # wandb never needs the network in tests.
 export NO_ALBUMENTATIONS_UPDATE := 1
 
-.PHONY: setup test test-demo test-order test-threads test-margins check demo docs clean
+.PHONY: setup test test-demo test-order test-threads test-margins check demo docs studio clean
 
 setup: $(STAMP)
 
@@ -59,6 +59,10 @@ test-margins: $(STAMP)
 # The whole system on built-in synthetic data: outputs under runs/demo/ (see demo/run.sh).
 demo: $(STAMP)
 	PY=$(PY) bash demo/run.sh
+
+# The web studio on http://127.0.0.1:7860 (docs/studio.md); STUDIO_ARGS passes flags (--port, --root, --listen).
+studio: $(STAMP)
+	$(PY) SD_Studio.py $(STUDIO_ARGS)
 
 # docs/config.md from the config fields' own docs (a test fails while it is out of date).
 docs: $(STAMP)
