@@ -1,12 +1,13 @@
 """A folder of images as the studio's Data page shows it, and the commands that turn it into a dataset.
 
 ``scan_folder`` reads what ``01e_import_folder.py`` would: each image's caption (``photo.txt``), its size from
-the file's header (nothing is decoded) and so the files it would skip, with the reason, and the aspect-ratio
+the file's first 64 KB (nothing is decoded) and so the files it would skip, with the reason, and the aspect-ratio
 bucket each image falls in; the commands are the data stages' own, as a user types them.
 """
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,16 +47,23 @@ def write_caption(folder: Path, rel: str, text: str) -> Path:
     return path
 
 
+HEADER_BYTES = 64 << 10  # where an image's size is found (a JPEG's EXIF thumbnail can push it past a few KB)
+
+
 def header_size(path: Path) -> tuple[int, int]:
-    """An image's width and height from its header alone (Pillow reads a few kilobytes, decodes nothing)."""
-    import warnings
-
-    from PIL import Image
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # Pillow's decompression-bomb warning: the size is what is wanted
-        with Image.open(path) as image:
-            return image.size
+    """An image's width and height from its first ``HEADER_BYTES`` (the whole file when its size lies further
+    in); nothing is decoded, and no read asks for more than the file holds."""
+    with open(path, "rb") as handle:
+        size = os.fstat(handle.fileno()).st_size
+        if size > sd.data.stages.MAX_MEMBER_BYTES:
+            raise ValueError(f"{path} is over {sd.data.stages.MAX_MEMBER_BYTES} bytes")
+        head = handle.read(min(HEADER_BYTES, size))
+        try:
+            return sd.data.shards.image_size(head)
+        except Exception:  # noqa: BLE001 - cut off before the size: read on
+            if len(head) >= size:
+                raise
+            return sd.data.shards.image_size(head + handle.read())
 
 
 def page_of(scan: FolderScan, number: int, size: int) -> list[tuple[str, str]]:
