@@ -33,6 +33,21 @@ def presets(repository: Path, kind: str = "") -> list[tuple[str, str]]:
             for p in sorted((repository / folder).glob("*.yaml"))]
 
 
+def gpus_present() -> int:
+    """The GPUs ``nvidia-smi -L`` lists (CUDA_VISIBLE_DEVICES counted when set), at least 1 (the CPU)."""
+    import os
+    import subprocess
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return max(1, len([d for d in visible.split(",") if d.strip()]))
+    try:
+        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 1
+    return max(1, sum(line.startswith("GPU ") for line in listed.splitlines()))
+
+
 def parse_fields(text: str) -> list[str]:
     """``field: value`` lines -> ``--field value`` flags (the trainer checks names, types and ranges)."""
     flags = []
@@ -65,14 +80,19 @@ def check_training(preset: str, hardware: str | None, run_dir: Path, fields: lis
     import sd.train.config
 
     argv = ["--config", preset] + (["--config", hardware] if hardware else []) + ["--out_dir", str(run_dir), *fields]
-    here = os.getcwd()
+    import contextlib
+    import io
+
+    here, said = os.getcwd(), io.StringIO()
     try:
         os.chdir(workdir)
-        sd.train.config.load_config(argv, check_paths=False)
+        with contextlib.redirect_stderr(said):
+            sd.train.config.load_config(argv, check_paths=False)
     except (sd.train.config.ConfigError, ValueError, OSError) as error:
         return str(error)
-    except SystemExit as exit:  # argparse: an unknown flag
-        return f"the settings are refused (exit {exit.code}): check the field names"
+    except SystemExit as exit:  # the command line's own refusal (an unknown field): its one line
+        lines = said.getvalue().strip().splitlines()
+        return lines[-1] if lines else f"the settings are refused (exit {exit.code})"
     finally:
         os.chdir(here)
     return ""
@@ -230,7 +250,7 @@ def build(roots: Roots, repository: Path):
                 hardware = gr.Dropdown([("none", "")] + presets(repository, "hardware"), value="",
                                        label="card recipe (second --config)", elem_id="train-hardware")
                 run_name = gr.Textbox(label="run name", value="my_run", elem_id="train-run")
-                gpus = gr.Number(label="GPUs", value=1, precision=0, minimum=1, elem_id="train-gpus")
+                gpus = gr.Number(label="GPUs", value=gpus_present(), precision=0, minimum=1, elem_id="train-gpus")
             fields = gr.Textbox(label="fields, one 'field: value' a line (override the preset)", lines=4,
                                 elem_id="train-fields")
             verdict = gr.Markdown(elem_id="train-verdict")
@@ -303,6 +323,10 @@ def build(roots: Roots, repository: Path):
                                      columns=["step", "loss"])
                 last_row = "" if not tail or tail.last is None else \
                     ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in tail.last.items())
+                if tail and tail.evaluations:  # FID / CLIP score of the latest evaluation (eval_every)
+                    last_row += "\nlatest evaluation: " + ", ".join(
+                        f"{key[5:]} {value:.4g} at step {step}" if isinstance(value, float) else f"{key[5:]} {value}"
+                        for key, (step, value) in sorted(tail.evaluations.items()))
                 grids = sorted((runs_root / run / "samples").glob("**/*.png"))[-8:] if run else []
                 table = [info.row() for info in list_runs(runs_root)]
                 return f"{run}: {state}" if state else "", frame, last_row, [str(p) for p in grids], log, table

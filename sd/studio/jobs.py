@@ -137,6 +137,8 @@ class JsonlTail:
         self.rows: list[dict] = []
         self.stride, self.seen = 1, 0
         self.last: dict | None = None
+        self.evaluations: dict[str, tuple] = {}  # eval_* key -> (step, value) of its latest record, kept apart
+        # from the thinned points: an evaluation every few thousand steps is never dropped
 
     def read(self) -> list[dict]:
         try:
@@ -159,6 +161,9 @@ class JsonlTail:
         if not isinstance(row, dict):
             return
         self.last = row
+        for key, value in row.items():
+            if key.startswith("eval_"):
+                self.evaluations[key] = (row.get("step"), value)
         if self.seen % self.stride == 0:
             self.rows.append(row)
             if len(self.rows) > self.points:

@@ -119,8 +119,27 @@ def test_studio_imports_trains_stops_resumes_samples_and_exports_in_a_browser(st
         assert field(page, "data-state").input_value() == "finished", page.inner_text("#data-log")
         assert (folder / "data/mine/dataset").is_dir()
 
-        # Train: the from-scratch recipe on the tiny models; loss seen, stopped, resumed to its end.
+        # Train: a bad field is refused inline; a run another process trains shows that process.
         page.click("#tab-train-button")
+        set_value(page, "train-run", "busy")
+        set_value(page, "train-fields", "lr: -1")
+        page.click("#train-launch")
+        page.wait_for_selector("#train-verdict :text('refused')", timeout=60_000)
+        assert "lr" in page.inner_text("#train-verdict")
+        holder = subprocess.Popen([sys.executable, "-c", "import sys, time, sd.files\n"
+                                   "sd.files.FolderLock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(120)",
+                                   str(folder / "runs" / "busy")], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        try:
+            assert holder.stdout.readline().strip() == "held"
+            set_value(page, "train-fields", "vae: tiny")
+            page.click("#train-launch")
+            page.wait_for_selector("#train-verdict :text('in use')", timeout=60_000)
+            assert f"pid {holder.pid}" in page.inner_text("#train-verdict")
+        finally:
+            holder.kill()
+            holder.wait()
+
+        # The from-scratch recipe on the tiny models; loss seen, stopped, resumed to its end.
         set_value(page, "train-run", "mine")
         set_value(page, "train-fields", "vae: tiny\nimage_size: 32\nbatch_size: 8\nmax_steps: 400\nsave_steps: 10\n"
                                         "log_every: 1\nvalidate_every: 0\nwarmup_steps: 5")

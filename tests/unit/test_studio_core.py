@@ -66,9 +66,12 @@ def test_metrics_tail_stays_bounded_and_evenly_spaced(tmp_path):
     assert len(rows) <= 100 and steps[0] == 1 and len(set(b - a for a, b in zip(steps, steps[1:]))) == 1
     assert tail.last == {"step": 1000, "loss": 0.001}
     with open(path, "a") as handle:
-        handle.write('ss": 0.5}\nnot json\n')
+        handle.write('ss": 0.5}\nnot json\n{"step": 1001, "eval_fid": 31.5}\n')
+        for step in range(1002, 1400):
+            handle.write(json.dumps({"step": step, "loss": 0.1}) + "\n")
     tail.read()
-    assert tail.last == {"step": 1001, "loss": 0.5}
+    assert tail.last == {"step": 1399, "loss": 0.1}
+    assert tail.evaluations == {"eval_fid": (1001, 31.5)}  # kept whatever the thinning drops
 
 
 def test_metrics_tail_memory_is_flat_over_a_long_run(tmp_path):
@@ -162,3 +165,28 @@ def test_folder_scan_reads_headers_names_skips_and_pages(tmp_path):
     data.write_caption(folder, "p07.png", "  new words \n")
     assert (folder / "p07.txt").read_text() == "new words\n"
     assert ("p07.png", "no_caption") not in data.scan_folder(folder, resolution=64).skipped
+
+
+def test_the_gpus_present_follow_cuda_visible_devices(monkeypatch):
+    from sd.studio import app
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,3")
+    assert app.gpus_present() == 2
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert app.gpus_present() == 1
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    monkeypatch.setenv("PATH", "/nonexistent")  # no nvidia-smi: the CPU
+    assert app.gpus_present() == 1
+
+
+def test_field_lines_become_the_trainers_flags_and_the_trainer_judges_them(tmp_path):
+    from sd.studio import app
+
+    assert app.parse_fields("lr: 1e-4  # peak\n\nmax_steps: 10\n") == ["--lr", "1e-4", "--max_steps", "10"]
+    with pytest.raises(ValueError, match="line 1"):
+        app.parse_fields("not a field line")
+    preset = str(jobs.REPOSITORY / "configs" / "quickstart" / "from_scratch.yaml")
+    assert app.check_training(preset, None, tmp_path / "runs" / "x", ["--lr", "1e-4"], tmp_path) == ""
+    refused = app.check_training(preset, None, tmp_path / "runs" / "x", ["--lr", "-1"], tmp_path)
+    assert "lr" in refused
+    assert "no_such_field" in app.check_training(preset, None, tmp_path / "runs" / "x", ["--no_such_field", "1"], tmp_path)
