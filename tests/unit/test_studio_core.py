@@ -74,6 +74,7 @@ def test_metrics_tail_stays_bounded_and_evenly_spaced(tmp_path):
     assert tail.evaluations == {"eval_fid": (1001, 31.5)}  # kept whatever the thinning drops
 
 
+@pytest.mark.slow
 def test_metrics_tail_memory_is_flat_over_a_long_run(tmp_path):
     """A run of 150,000 logged steps (23 MB of metrics) read by the studio: a few MB held at most."""
     path = tmp_path / "metrics.jsonl"
