@@ -4,7 +4,7 @@
     python bench/caption_stage_scale.py --sizes 1000,10000
 
 A folder of ``--sizes`` JPEG photos (512 x 384) is captioned by a tiny random BLIP and a tiny WD14-style
-tagger (``tests/caption_models.py``: the models' own time is bench/captioner_speed.py's), each run in a
+tagger (``sd.data.tiny_captioners``: the models' own time is bench/captioner_speed.py's), each run in a
 fresh process: its seconds, images per second and peak RSS (VmHWM), and the same for the second run, which
 only composes the captions again with another ``--trigger``. Memory should not grow with the folder: one
 batch of images and one part's captions are held at a time. Prints a table and one JSON line, and the
@@ -59,8 +59,7 @@ def main(argv=None) -> int:
     parser.add_argument("--sizes", default="500,2000,8000", help="images per run (default: %(default)s)")
     parser.add_argument("--shard_size", type=int, default=500, help="images per part (default: %(default)s)")
     args = parser.parse_args(argv)
-    sys.path.insert(0, str(ROOT / "tests"))
-    from caption_models import tiny_blip, tiny_tagger
+    from sd.data.tiny_captioners import tiny_blip, tiny_tagger
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -37,7 +37,6 @@ import numpy as np
 MODELS = ("blip", "florence2", "wd14")
 TOKENS = {"blip": 20, "florence2": 40}
 WD14_TAGS = 10861
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def blip(folder: Path, tiny: bool = False):
@@ -66,8 +65,7 @@ def blip(folder: Path, tiny: bool = False):
 def florence2(folder: Path, tiny: bool = False):
     import transformers as t
 
-    sys.path.insert(0, str(ROOT / "tests"))
-    from caption_models import florence_processor
+    from sd.data.tiny_captioners import florence_processor
 
     side, tokens = (32, 17) if tiny else (768, 577)
     processor = florence_processor(side, tokens)

@@ -1,7 +1,7 @@
 """pipeline/03c_caption_images.py: captions and tags by tiny random-weight models, for a folder and for shards.
 
 The models are nonsense (random weights) except where a known answer is built in: a captioner forced to say
-one word (tests/caption_models.py) and a tagger whose scores follow the image's mean colour in BGR order.
+one word (sd/data/tiny_captioners.py) and a tagger whose scores follow the image's mean colour in BGR order.
 """
 
 import importlib
@@ -17,7 +17,7 @@ from PIL import Image
 import sd.data.captioning
 import sd.data.shards
 
-from caption_models import tiny_blip, tiny_florence, tiny_tagger
+from sd.data.tiny_captioners import tiny_blip, tiny_florence, tiny_tagger
 from shard_factory import image_bytes
 
 stage = importlib.import_module("pipeline.03c_caption_images")

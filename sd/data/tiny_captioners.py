@@ -1,4 +1,5 @@
-"""Tiny random-weight captioning and tagging models built offline, for tests of pipeline/03c_caption_images.py.
+"""Tiny random-weight captioning and tagging models built offline (as ``--unet tiny`` builds a UNet), for the
+tests and benchmarks of pipeline/03c_caption_images.py.
 
 ``tiny_blip`` and ``tiny_florence`` save a model and its processor with ``save_pretrained``, as a hub download
 would hold them; ``force`` makes the model answer one word at every step (a known answer: the word repeated
