@@ -333,7 +333,14 @@ def use_posthoc_ema(request: Request, model: Pipeline) -> None:
     if not steps:
         raise ValueError(f"--ema_length: {run_dir / sd.posthoc_ema.FOLDER} holds no snapshot up to step {at} "
                          "(train with posthoc_ema_every)")
-    weights, step = sd.posthoc_ema.reconstruct(run_dir, request.ema_length, steps[-1])
+    for step in reversed(steps):  # the newest snapshot that can be read
+        try:
+            weights, step = sd.posthoc_ema.reconstruct(run_dir, request.ema_length, step)
+            break
+        except sd.posthoc_ema.DamagedSnapshot as error:
+            log.warning("--ema_length: %s; the EMA is rebuilt at an earlier snapshot", error)
+    else:
+        raise ValueError(f"--ema_length: no snapshot in {run_dir / sd.posthoc_ema.FOLDER} up to step {at} can be read")
     params = dict(model.unet.named_parameters())
     params.update({sd.run_folder.EMA_TEXT_PREFIX + name: p for name, p in model.text_encoder.named_parameters()})
     missing = [name for name in weights if name not in params]

@@ -249,11 +249,12 @@ def test_saves_follow_save_steps_and_the_end_and_epoch_ends_only_when_asked(tmp_
 
 
 @pytest.mark.slow
-def test_post_hoc_ema_snapshots_resume_bit_for_bit_and_rebuild_any_length(tmp_path, data):
+def test_post_hoc_ema_snapshots_resume_bit_for_bit_and_rebuild_any_length(tmp_path, data, caplog):
     """posthoc_ema_every 2 over 5 steps (snapshots at 2, 4 and the last, 5), straight and stopped at 3 then
     resumed (a snapshot of step 4 left from a lost run is removed and written again): the kept EMAs in the
     checkpoints and every snapshot equal bit for bit; SD_ImageGen.py --ema_length 0.05 writes the
-    kept EMA of that length at step 5 (fp16 snapshots), 0.08 another, and the plain export the classic EMA."""
+    kept EMA of that length at step 5 (fp16 snapshots), 0.08 another, and the plain export the classic EMA;
+    with the last snapshot cut short, it names that file and rebuilds at the snapshot before."""
     import SD_ImageGen
     import sd.posthoc_ema
 
@@ -285,3 +286,11 @@ def test_post_hoc_ema_snapshots_resume_bit_for_bit_and_rebuild_any_length(tmp_pa
         torch.testing.assert_close(short[name], tensor, atol=2e-3, rtol=1e-3)  # rebuilt from fp16 snapshots
     assert max((between[k] - short[k]).abs().max() for k in short) > 1e-4
     assert max((plain[k] - short[k]).abs().max() for k in short) > 1e-4
+    damaged = straight / "posthoc_ema" / shots[0][-1]  # the last snapshot cut short: named, the one before used
+    damaged.write_bytes(damaged.read_bytes()[:-64])
+    with caplog.at_level("WARNING"):
+        earlier = unet_of("--ema_length", "0.05")
+    assert str(damaged) in caplog.text
+    rebuilt, step = sd.posthoc_ema.reconstruct(straight, 0.05, 4)
+    for ours_name, tensor in rebuilt.items():
+        torch.testing.assert_close(earlier[ours[ours_name]], tensor.to(earlier[ours[ours_name]].dtype))
