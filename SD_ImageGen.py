@@ -73,6 +73,7 @@ from safetensors import SafetensorError
 
 import sd.cli
 import sd.embedding.formats
+import sd.flow
 import sd.formats
 import sd.imagegen
 import sd.lora.formats
@@ -126,7 +127,7 @@ def parse_args(argv=None):
                         "(default: %(default)s)")
     parser.add_argument("--flow_shift", type=float, default=None, help="the flow samplers' time shift (above 1: more "
                         "steps at high noise); default: what the checkpoint records (its training config's flow_shift, "
-                        "a single file's metadata, a diffusers FlowMatch scheduler's shift), else 1")
+                        "a single file's metadata, a diffusers FlowMatch scheduler's shift), else 1; in [0.1, 10] as in training")
     parser.add_argument("--zero_terminal_snr", type=sd.cli.parse_auto_bool, default=None, metavar="auto|true|false",
                         help="sample on the zero-terminal-SNR schedule with trailing timesteps (needs v_prediction); "
                         "auto = what the checkpoint records (its training config, a single file's metadata, a "
@@ -218,8 +219,11 @@ def parse_args(argv=None):
         parser.error(str(error))
     if any(side is not None and (side % 8 or side <= 0) for side in (args.height, args.width)):
         parser.error("--height and --width must be positive multiples of 8")
-    if args.flow_shift is not None and not 0 < args.flow_shift < math.inf:
-        parser.error(f"--flow_shift must be a positive number, got {args.flow_shift}")
+    if args.flow_shift is not None:
+        try:
+            sd.flow.check_shift(args.flow_shift, "--flow_shift")
+        except ValueError as error:
+            parser.error(str(error))
     if args.sampler == "auto":
         args.sampler = sd.imagegen.auto_sampler(args.ckpt, args.prediction_type)
     steps, cfg = sd.sampling.sampler_defaults(args.sampler, args.steps, args.cfg,

@@ -22,12 +22,30 @@ builds the training step on fake tensors).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 import sd.model
 
 TIMESTEP_MULTIPLIER = sd.model.NUM_TRAIN_TIMESTEPS  # the UNet's time input is sigma * 1000
 DENSITIES = ("logit_normal", "uniform")
+SHIFT_RANGE = (0.1, 10.0)  # the time shifts trained and sampled (both ends in): beyond, every step lands at one end
+
+
+def check_shift(value, where: str) -> float:
+    """``value`` as a time shift, or a ``ValueError`` naming ``where`` and ``SHIFT_RANGE`` (the one rule for
+    the training config, the samplers' flag and the shift a file records)."""
+    try:
+        shift = float(value)
+    except (TypeError, ValueError):
+        shift = math.nan
+    low, high = SHIFT_RANGE
+    if isinstance(value, bool) or not low <= shift <= high:
+        raise ValueError(f"{where}: flow shift {value!r} is outside [{low:g}, {high:g}] (1 = no shift; SD3 samples at 3)")
+    return shift
+
+
 SIGMA_MIN = 1 / TIMESTEP_MULTIPLIER  # the smallest sigma diffusers' Euler visits before 0 (shift 1)
 
 

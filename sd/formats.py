@@ -29,6 +29,7 @@ import torch
 import sd.cli
 import sd.embedding.tokens
 import sd.files
+import sd.flow
 import sd.lora.adapters
 import sd.model
 import sd.run_folder
@@ -529,13 +530,7 @@ def recorded_flow(source: str) -> tuple[float, bool]:
 
 
 def checked_shift(value, where) -> float:
-    try:
-        shift = float(value)
-    except (TypeError, ValueError):
-        shift = math.nan
-    if isinstance(value, bool) or not 0 < shift < math.inf:
-        raise ValueError(f"{where}: flow shift {value!r} is no positive number")
-    return shift
+    return sd.flow.check_shift(value, where)
 
 
 def checked_flag(value, name: str, where) -> bool:

@@ -121,7 +121,7 @@ class TrainConfig:
                                                                                                      high_open=False))
     flow_shift: float = _doc("flow: SD3's time shift of the training sigmas, shift s / (1 + (shift - 1) s) (above 1: "
                              "more at high noise), and the flow samplers' default; recorded in the files", 1.0,
-                             allowed=Range(0.1, 10, high_open=False))
+                             allowed=Range(*sd.flow.SHIFT_RANGE, high_open=False))
     init_from: str = _doc("start from these weights (a checkpoint or run folder) with a fresh optimizer "
                           "and schedule; ignored when out_dir already holds a checkpoint to resume", "")
     # -- fine-tuning: LoRA, DreamBooth -------------------------------------------------------
@@ -801,13 +801,26 @@ def load_config(argv=None, description: str = "", check_paths: bool = True) -> T
     if unknown:
         flag = next((u for u in unknown if u.startswith("--")), unknown[0])
         raise _unknown_field(flag.lstrip("-").split("=")[0], "the command line")
+    overrides = {name: getattr(args, name) for name in FIELDS if getattr(args, name) is not None}
+    return make_config(config_values(args.config or [], overrides), check_paths)
+
+
+def config_values(configs: list, overrides: dict, where: str = "the command line") -> dict:
+    """The fields of the YAML files ``configs`` (later over earlier), then ``overrides`` (field -> value as
+    written after ``--field``), each as its field's type: what ``load_config`` reads, for a caller that holds
+    the parts rather than a command line (the studio). An unknown field is a ConfigError naming ``where``."""
     values = {}
-    for path in args.config or []:  # later files over earlier ones
+    for path in configs:
         values.update(read_yaml(Path(path)))
-    for name in FIELDS:
-        raw = getattr(args, name)
-        if raw is not None:
-            values[name] = _coerce(name, raw)
+    for name, raw in overrides.items():
+        if name not in FIELDS:
+            raise _unknown_field(name, where)
+        values[name] = _coerce(name, raw)
+    return values
+
+
+def make_config(values: dict, check_paths: bool = True) -> TrainConfig:
+    """The validated config of ``values`` (``config_values``), with what ``init_from``'s run was built with."""
     config = TrainConfig(**inherit_model(values))
     config.validate(check_paths)
     return config

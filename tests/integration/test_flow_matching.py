@@ -294,12 +294,15 @@ def test_diffusers_samples_the_exported_folder_as_we_do(flow_run, exported):
 
 
 @pytest.mark.slow  # a training run and exports: the full suite's, not make check's
-def test_a_recorded_shift_that_is_no_number_is_an_error_naming_the_file(exported, tmp_path):
+def test_a_recorded_shift_that_is_no_number_or_out_of_range_is_an_error_naming_the_file(exported, tmp_path):
     folder = tmp_path / "pipe"
     shutil.copytree(exported / "pipe", folder)
     scheduler = folder / "scheduler" / "scheduler_config.json"
     scheduler.write_text(json.dumps({**json.loads(scheduler.read_text()), "shift": "high"}))
-    with pytest.raises(ValueError, match=rf"^{scheduler}: flow shift 'high' is no positive number$"):
+    with pytest.raises(ValueError, match=rf"^{scheduler}: flow shift 'high' is outside \[0.1, 10\]"):
+        sd.formats.load_pipeline(str(folder))
+    scheduler.write_text(json.dumps({**json.loads(scheduler.read_text()), "shift": 1e9}))  # beyond what trains
+    with pytest.raises(ValueError, match=rf"^{scheduler}: flow shift 1000000000.0 is outside \[0.1, 10\]"):
         sd.formats.load_pipeline(str(folder))
 
 

@@ -607,9 +607,12 @@ def test_a_checkpoint_that_does_not_exist_is_named_without_asking_the_hub(tmp_pa
     (["--seed", "-1"], "--seed must be a whole number in"),
     (["--control_scale", "nan"], "--control_scale must be a number >= 0"),
     (["--n", "0"], "--n must be >= 1"),
+    (["--flow_shift", "1e9"], "--flow_shift: flow shift 1000000000.0 is outside [0.1, 10]"),
+    (["--flow_shift", "0.05"], "--flow_shift: flow shift 0.05 is outside [0.1, 10]"),
 ])
 def test_numbers_no_sampler_can_use_are_refused_before_loading_anything(flags, message, tmp_path, capsys):
-    """``--cfg nan`` once wrote black images and exited 0."""
+    """``--cfg nan`` once wrote black images and exited 0, and so did ``--flow_shift 1e9`` (training's bounds hold
+    for sampling too)."""
     with pytest.raises(SystemExit) as stop:
         SD_ImageGen.main(["--ckpt", str(tmp_path / "none"), "--prompt", "a", "--out", str(tmp_path / "out"), *flags])
     assert stop.value.code == 2 and message in capsys.readouterr().err
