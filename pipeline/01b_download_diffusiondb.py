@@ -141,7 +141,7 @@ def main(argv=None) -> int:
     for part in tqdm(summary.pending(args.out, args.parts), desc="DiffusionDB parts", unit="part"):
         process_part(args, part, summary)
     summary.finish(args.out, parts=len(args.parts), failed_parts=summary.failed_inputs)
-    return 0
+    return summary.exit_code()
 
 
 if __name__ == "__main__":

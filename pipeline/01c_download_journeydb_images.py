@@ -202,7 +202,7 @@ def main(argv=None) -> int:
         process_archive(args, number, annotations, summary)
     summary.finish(args.out, archives=len(args.archives), failed_archives=summary.failed_inputs,
                    bad_annotation_lines=bad_lines, caption_field=args.caption)
-    return 0
+    return summary.exit_code()
 
 
 if __name__ == "__main__":

@@ -463,7 +463,7 @@ def main(argv=None) -> int:
     summary.finish(args.out, images=len(images), shards=shard_count, person_filter=args.person_filter,
                    min_person_height=args.min_person_height if args.person_filter else None,
                    **({"seg_category": args.seg_category} if args.seg else {}))
-    return 0
+    return summary.exit_code()
 
 
 if __name__ == "__main__":

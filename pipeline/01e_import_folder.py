@@ -595,7 +595,14 @@ def main(argv=None) -> int:
     summary.finish(out, layout=args.layout, source=str(src.resolve()), images=len(items),
                    resolution=args.resolution, keep_aspect=args.keep_aspect,
                    masked=sum(r.get("masked", 0) for r in records), orphan_masks=examples(orphans[MASK]), **extra)
-    return 0
+    code = summary.exit_code({"too_small": f"their shorter side is under {min_size(args)} px (a quarter of "
+                                           f"--resolution {args.resolution}): import at a smaller --resolution "
+                                           "(e.g. 64), or keep them with --min_size 0"})
+    if code:  # the empty shards go (done marker first), so the command with the fix starts afresh in --out
+        for index in range(len(plan)):
+            for path in reversed(sd.data.stages.output_paths(out, index)):
+                path.unlink(missing_ok=True)
+    return code
 
 
 if __name__ == "__main__":

@@ -62,6 +62,11 @@ log = logging.getLogger(STAGE)
 
 REASONS = ("missing_url_or_caption", "low_aesthetic", "low_similarity", "too_small", "watermark", "nsfw",
            "duplicate_url", "duplicate_caption_size")
+FILTER_FIXES = {  # every row dropped for one reason: the flag to loosen
+    "missing_url_or_caption": "the rows lack a URL or a caption: check --url_col and --caption_col",
+    "low_aesthetic": "lower --min_aesthetic", "low_similarity": "lower --min_similarity",
+    "too_small": "lower --min_size", "watermark": "raise --max_watermark", "nsfw": "raise --max_nsfw",
+}
 SAFE_NSFW_LABEL = "UNLIKELY"  # LAION-5B's string NSFW column: UNLIKELY / UNSURE / NSFW
 # What Python's str.strip() removes (the previous pandas code stripped with it); DuckDB's trim() alone
 # removes spaces only.
@@ -467,7 +472,7 @@ def run(con, files: list[tuple[Path, dict]], out: Path, args) -> int:
             print(f"{STAGE}.py: {path}: not a readable parquet file ({one_line(error)})", file=sys.stderr)
             return 2
     summary.finish(out, thresholds=limits, dedup=args.dedup)
-    return 0
+    return summary.exit_code(FILTER_FIXES)
 
 
 @sd.data.stages.ends_cleanly_on_a_full_disk(STAGE)

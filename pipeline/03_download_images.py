@@ -191,7 +191,7 @@ def spark_session(args):
         spark.stop()
 
 
-def summarize(out: Path, shards: list[int], done_before: set[int], args) -> dict:
+def summarize(out: Path, shards: list[int], done_before: set[int], args) -> sd.data.stages.Summary:
     """Add up img2dataset's per-shard stats: successes, and failures by its status message."""
     summary = sd.data.stages.Summary(STAGE)
     missing, failed_to_download, failed_to_resize = [], 0, 0
@@ -207,8 +207,9 @@ def summarize(out: Path, shards: list[int], done_before: set[int], args) -> dict
         failed_to_resize += stats["failed_to_resize"]
     summary.shards_skipped = len(done_before)
     summary.shards_written = len(shards) - len(done_before) - len(missing)
-    return summary.finish(out, failed_to_download=failed_to_download, failed_to_resize=failed_to_resize,
-                          shards_unfinished=missing, resolution=args.resolution, keep_aspect=args.keep_aspect)
+    summary.finish(out, failed_to_download=failed_to_download, failed_to_resize=failed_to_resize,
+                   shards_unfinished=missing, resolution=args.resolution, keep_aspect=args.keep_aspect)
+    return summary
 
 
 @sd.data.stages.ends_cleanly_on_a_full_disk(STAGE)
@@ -237,15 +238,17 @@ def main(argv=None) -> int:
         log.info("downloading %d of %d shards (url %s, caption %s, extra %s)", len(shards) - len(done_before),
                  len(shards), url_col, caption_col, scores)
         run_img2dataset(args, url_col, caption_col, scores)
-    record = summarize(args.out, shards, done_before, args)
-    if record["shards_unfinished"]:
+    summary = summarize(args.out, shards, done_before, args)
+    unfinished = [shard for shard in shards if not stats_path(args.out, shard).exists()]
+    if unfinished:
         free = shutil.disk_usage(args.out).free
         full = (f": the disk of {args.out} is full ({free} bytes free; img2dataset's workers printed why above), free "
                 "some space and" if free < DISK_FULL_BELOW else ";")
-        print(f"{STAGE}.py: shards {record['shards_unfinished']} did not finish{full} run the same command again "
+        print(f"{STAGE}.py: shards {unfinished} did not finish{full} run the same command again "
               "(finished shards are kept, unfinished ones are downloaded again)", file=sys.stderr)
         return 1
-    return 0
+    return summary.exit_code({reason: "the URLs could not be fetched or decoded (img2dataset's status above)"
+                              for reason in summary.dropped})
 
 
 if __name__ == "__main__":

@@ -184,7 +184,7 @@ def main(argv=None) -> int:
                 summary.input_failed("unreadable_tar", by_stem[name].name, error)
     summary.finish(out, kind=args.kind, name=args.name, low=args.low, high=args.high,
                    failed_shards=summary.failed_inputs)
-    return 0
+    return summary.exit_code()
 
 
 if __name__ == "__main__":

@@ -447,9 +447,9 @@ def write_folder_captions(out: Path, captions: dict) -> tuple[int, Counter]:
     return written, skipped
 
 
-def write_captions(source, out: Path, folder: Path, args, settings: dict, failed: dict[str, str]) -> None:
+def write_captions(source, out: Path, folder: Path, args, settings: dict, failed: dict[str, str]) -> int:
     """Every caption from the finished parts, the review and the summary (run once every part is done but
-    those in ``failed``, which could not be read)."""
+    those in ``failed``, which could not be read); returns the exit status (1: no caption written)."""
     options = compose_options(args)
     names = [name for name in source.parts if name not in failed]
     counts = dataset_tag_counts(folder, names, options) if options.min_tag_count > 1 else Counter()
@@ -497,6 +497,7 @@ def write_captions(source, out: Path, folder: Path, args, settings: dict, failed
     if pages:
         print(f"{STAGE}: review {len(pages)} contact sheets in {out / REVIEW_DIR} (sheet_0001.png ...) and "
               f"{out / REVIEW_DIR / 'tags.csv'} before training on these captions")
+    return summary.exit_code()
 
 
 def add_to_review(sheets, source, name: str, captions: dict, max_pixels: int) -> None:
@@ -594,7 +595,7 @@ def run(source, out: Path, folder: Path, settings: dict, args, d) -> int:
             print(f"{STAGE}: the captions are being written by another process ({error})")
             return 0
         try:
-            write_captions(source, out, folder, args, settings, failed)
+            code = write_captions(source, out, folder, args, settings, failed)
         finally:
             lock.release()
     except sd.data.captioning.ModelLoadError as error:
@@ -604,7 +605,7 @@ def run(source, out: Path, folder: Path, settings: dict, args, d) -> int:
         print(f"{STAGE}.py: interrupted; the finished parts in {folder} are kept: run the same command to go on",
               file=sys.stderr)
         return 130
-    return 0
+    return code
 
 
 if __name__ == "__main__":

@@ -192,7 +192,7 @@ def main(argv=None) -> int:
                     raise
                 summary.input_failed("unreadable_tar", by_stem[name].name, error)
     summary.finish(out, tokenizer=args.tokenizer, failed_shards=summary.failed_inputs)
-    return 0
+    return summary.exit_code()
 
 
 if __name__ == "__main__":

@@ -176,7 +176,7 @@ def main(argv=None) -> int:
         print(f"  no sample fell into the validation split ({len(train_rows)} samples at --val_fraction "
               f"{args.val_fraction}, about {len(train_rows) * args.val_fraction:.1f} expected): the trainer will "
               f"report no validation loss; raise --val_fraction to have some")
-    return 0
+    return summary.exit_code()
 
 
 if __name__ == "__main__":

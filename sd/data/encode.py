@@ -854,6 +854,24 @@ def encode_folder(paths: list[Path], out: Path, args, meta: dict, encoder: Encod
     log.info("done: %d latents in %d shards in %s; skipped: %s", summary["count"], summary["shards"], out, skipped)
     for reason, names in summary["failed_shards"].items():
         log.warning("%d shards gave no latent (%s): %s", len(names), reason, ", ".join(names[:20]))
-    return 0
+    return nothing_encoded(summary)
+
+
+def nothing_encoded(summary: dict) -> int:
+    """1, with the reasons and their fixes on stderr, when the folder holds no latent from a non-empty input
+    (every shard failed, or every sample was skipped): the trainer would find nothing to train on; else 0."""
+    if summary["count"]:
+        return 0
+    reasons = [(f"{len(names)} shards {reason}{sd.data.stages.named(names, len(names))}", reason)
+               for reason, names in summary["failed_shards"].items()]
+    examples = summary.get("skipped_examples", {})
+    reasons += [(f"{n} samples {reason}{sd.data.stages.named(examples.get(reason, []), n)}", reason)
+                for reason, n in summary["skipped"].items() if n]
+    if not reasons:
+        return 0
+    said = "; ".join(text + (f": {sd.data.stages.FIXES[reason]}" if reason in sd.data.stages.FIXES else "")
+                     for text, reason in reasons)
+    print(f"encode_latents.py: error: no latent was encoded: {said}", file=sys.stderr)
+    return 1
 
 

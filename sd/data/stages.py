@@ -208,6 +208,21 @@ def keep_settings(args) -> None:
     record_settings(Path(args.out), stage, settings)
 
 
+# What to change when every input was skipped for one reason (a stage adds or overrides its own).
+FIXES = {
+    "too_small": "images below the smallest size kept (a quarter of --resolution): a lower --resolution, or "
+                 "--min_size 0 to keep small images",
+    "no_caption": "each image needs its caption beside it (photo.txt for photo.jpg), or captions from "
+                  "pipeline/03c_caption_images.py",
+    "undecodable": "the files are not images Pillow can read",
+    "unreadable_tar": "the shards cannot be read: write them again with the stage that made them",
+    "truncated_tar": "the shards are cut short: write them again with the stage that made them",
+    "empty_tar": "the shards hold no samples: check the stage that wrote them",
+    "no_usable_sample": "no sample of the shards has an image and a caption",
+    "no_latent": "the captions' keys match no latent: run encode_latents.py on the same shards as stage 04",
+}
+
+
 class Summary:
     """Totals of a stage run, printed at the end and written next to its outputs."""
 
@@ -258,6 +273,26 @@ class Summary:
 
     def path(self, out_dir: Path) -> Path:
         return Path(out_dir) / f"{self.stage}_summary.json"
+
+    def nothing_kept(self, fixes: dict[str, str] | None = None) -> str | None:
+        """Why this run kept nothing of a non-empty input (each reason with its count, examples and, from
+        ``fixes`` or ``FIXES``, what to change), or None when it kept something or was given nothing."""
+        if self.kept or not sum(self.dropped.values()):
+            return None
+        fixes = {**FIXES, **(fixes or {})}
+        reasons = sorted(((n, reason) for reason, n in self.dropped.items() if n), reverse=True)
+        said = "; ".join(f"{reason} {n}{named(self.examples.get(reason, []), n)}"
+                         + (f": {fixes[reason]}" if reason in fixes else "") for n, reason in reasons)
+        return f"kept nothing: {said}"
+
+    def exit_code(self, fixes: dict[str, str] | None = None) -> int:
+        """The stage's exit status after ``finish``: 1, with ``nothing_kept``'s line on stderr, when a
+        non-empty input gave nothing (the next stage would find nothing to read), else 0."""
+        problem = self.nothing_kept(fixes)
+        if problem is None:
+            return 0
+        print(f"{self.stage}.py: error: {problem}", file=sys.stderr)
+        return 1
 
     def finish(self, out_dir: Path, **extra) -> dict:
         """Write ``<stage>_summary.json`` into ``out_dir`` and print the totals in one line."""

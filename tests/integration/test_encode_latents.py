@@ -502,6 +502,27 @@ def test_a_shard_with_nothing_to_encode_is_counted_and_named_and_the_run_finishe
     assert json.loads((out / "latents.json").read_text()) == meta
 
 
+def test_shards_of_which_nothing_is_encoded_fail_naming_each_reason(tmp_path, capsys):
+    """Every shard failed (an empty one, one that is no tar, one whose only image is garbage) once exited 0, and
+    the user learnt it from SD_Train.py three commands later; now 1 with one line naming the shards and what
+    to do. A re-run says the same; the folder is recorded as complete with 0 latents."""
+    shards, out = tmp_path / "shards", tmp_path / "latents"
+    (shards / "00000.tar").parent.mkdir(parents=True)
+    (shards / "00000.tar").write_bytes(b"")
+    (shards / "00001.tar").write_bytes(b"this is not a tar file\n" * 100)
+    sd.data.shards.write_shard(shards / "00002.tar", [sd.data.shards.ShardSample("bad", os.urandom(300) + b"\xff\xd9",
+                                                                                "jpg", "garbage")])
+    for _ in range(2):
+        capsys.readouterr()
+        assert encode(shards, out) == 1
+        error = [line for line in capsys.readouterr().err.splitlines() if "encode_latents.py" in line]
+        assert len(error) == 1 and error[0].startswith("encode_latents.py: error: no latent was encoded: "), error
+        for said in ("1 shards empty_tar (00000.tar)", "1 shards unreadable_tar (00001.tar): the shards cannot be read",
+                     "1 shards no_usable_sample (00002.tar)", "1 samples undecodable (bad)"):
+            assert said in error[0], said
+    assert json.loads((out / "latents.json").read_text())["count"] == 0
+
+
 def test_resize_center_crop_work_is_bounded_by_the_output():
     import tracemalloc
 

@@ -508,9 +508,11 @@ def test_a_body_cut_short_is_retried_then_a_download_error(tmp_path):
 def test_stages_count_or_name_a_download_that_went_wrong(tmp_path, capsys):
     with http_server(cut_short(zip_bytes({"a.png": png()}))) as url:
         out = tmp_path / "ddb"
-        assert DIFFUSIONDB.main(["--parts", "1", "--out", str(out), "--base_url", url, "--retries", "0"]) == 0
+        # its only part failed: nothing downloaded, which a later stage would find out (exit 1, the part named)
+        assert DIFFUSIONDB.main(["--parts", "1", "--out", str(out), "--base_url", url, "--retries", "0"]) == 1
         summary = json.loads((out / "01b_download_diffusiondb_summary.json").read_text())
         assert summary["failed_parts"] == {"download_failed": [1]} and not (out / "00001.tar").exists()
+        assert "01b_download_diffusiondb.py: error: kept nothing: download_failed 1 (1)" in capsys.readouterr().err
     capsys.readouterr()
     annotations = json.dumps({"img_path": "./imgs/000/a.jpg", "prompt": "a fox"}).encode() * 50
     with http_server(partial_from(annotations, 30)) as url:

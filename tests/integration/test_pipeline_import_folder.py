@@ -177,10 +177,31 @@ def test_tiny_images_are_skipped_not_upscaled_and_the_console_names_the_first_sk
     assert stage.main(["--input", str(src), "--out", str(out), "--min_size", "16", *RES]) == 0
 
 
+def test_a_folder_of_which_nothing_is_kept_fails_with_the_reason_and_the_fix(tmp_path, capsys):
+    """32 images of 100 px at the default --resolution 512 (all under its 128 px minimum) once exited 0 with
+    nothing imported; now 1, naming the reason, examples and the flag to change, with no shard left behind,
+    so the command with the fix runs in the same --out."""
+    src, rng = tmp_path / "src", np.random.default_rng(3)
+    for index in range(32):
+        write_image(src / f"p{index:02d}.png", rng, 100, 100)
+        (src / f"p{index:02d}.txt").write_text("a photo")
+    out = tmp_path / "out"
+    assert stage.main(["--input", str(src), "--out", str(out)]) == 1
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("01e_import_folder.py: error: kept nothing: too_small 32 (p00.png")
+    assert "under 128 px" in error and "--resolution" in error and "--min_size 0" in error
+    assert not list(out.glob("*.tar")) and not list(out.glob("*_stats.json"))
+    assert summary(out)["kept"] == 0
+    assert stage.main(["--input", str(src), "--out", str(out), *RES]) == 0
+    assert len(read_output(out)) == 32
+
+
 def test_the_console_names_at_most_three_skipped_files_per_reason(tmp_path, capsys):
     src, rng = tmp_path / "src", np.random.default_rng(2)
     for index in range(5):
         write_image(src / f"u{index}.png", rng, 40, 40)
+    write_image(src / "z.png", rng, 40, 40)  # one kept: a stage that keeps nothing fails
+    (src / "z.txt").write_text("a photo")
     out = tmp_path / "out"
     assert stage.main(["--input", str(src), "--out", str(out), "--shard_size", "2", *RES]) == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]
