@@ -248,6 +248,16 @@ def main(argv=None) -> int:
     request = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     try:
+        return run(request)
+    except KeyboardInterrupt as stop:  # loading, exporting (atomic: no file half-written) or sampling
+        written = stop.written if isinstance(stop, sd.imagegen.Interrupted) else 0
+        said = f"{written} images written to {request.out}" if written else "no image was written"
+        print(f"SD_ImageGen.py: interrupted (Ctrl-C); {said}", file=sys.stderr)
+        return 128 + signal.SIGINT
+
+
+def run(request: sd.imagegen.Request) -> int:
+    try:
         request = sd.imagegen.controlnet_run_as_ckpt(request)
         model = sd.imagegen.load(request)
     except ERRORS as error:
@@ -269,14 +279,8 @@ def main(argv=None) -> int:
     except ValueError as error:
         print(f"SD_ImageGen.py: {sd.cli.first_line(error)}", file=sys.stderr)
         return 2
-    try:
-        sd.imagegen.sample(request, model, controlnet, controls)
-    except KeyboardInterrupt:
-        print(f"SD_ImageGen.py: interrupted (Ctrl-C); the images already written are in {request.out}",
-              file=sys.stderr)
-        return 128 + signal.SIGINT
+    sd.imagegen.sample(request, model, controlnet, controls)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -394,9 +394,18 @@ def control_images(request: Request, controlnet) -> list:
     return read * len(request.prompt) if len(read) == 1 else read
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C while sampling, after ``written`` images were saved (each is saved as its batch is done)."""
+
+    def __init__(self, written: int):
+        super().__init__(written)
+        self.written = written
+
+
 def sample(request: Request, model: Pipeline, controlnet, controls: list) -> None:
-    """``n`` images a prompt (``sized``) into ``out``: ``PPP_SEED.png`` with its parameters, ``grid.png`` and
-    ``images.json``; with a ControlNet, each prompt's image of ``controls``."""
+    """``n`` images a prompt (``sized``) into ``out``: ``PPP_SEED.png`` with its parameters, saved as each
+    batch is done, ``images.json`` (what is saved so far, after each batch) and ``grid.png`` at the end; with a
+    ControlNet, each prompt's image of ``controls``. Ctrl-C raises ``Interrupted`` with the count saved."""
     from tqdm.auto import tqdm
 
     device = sd.runtime.pick_device(request.device)
@@ -416,25 +425,36 @@ def sample(request: Request, model: Pipeline, controlnet, controls: list) -> Non
     def step_done() -> bool:
         bar.update(1)
         return False  # never a stop: Ctrl-C raises KeyboardInterrupt by itself
-    for p, prompt in enumerate(request.prompt):
-        seeds = [request.seed + i for i in range(request.n)]
-        control = controls[p]
-        images = sd.sampling.generate(model, prompt, request.negative, seeds, steps=request.steps, cfg=request.cfg,
-                                      sampler=request.sampler, height=request.height, width=request.width,
-                                      batch_size=request.batch_size, device=device, control=control,
-                                      control_scale=request.control_scale, stop=step_done)
-        for seed, image in zip(seeds, images):
-            path = out / f"{p:03d}_{seed:06d}.png"
-            parameters = sd.sampling.parameters_text(prompt, request.negative, seed, request, model.source)
-            sd.sampling.save_png(path, image, parameters)
-            record = {"file": path.name, "prompt": prompt, "negative": request.negative, "seed": seed}
-            if control is not None:
-                record.update(controlnet=request.controlnet,
-                              control=request.control[p if len(request.control) > 1 else 0],
-                              control_scale=request.control_scale)
-            records.append(record)
-        rows.append((prompt, images))
-    bar.close()
+    try:
+        for p, prompt in enumerate(request.prompt):
+            seeds = [request.seed + i for i in range(request.n)]
+            images = []
+            for start in range(0, len(seeds), request.batch_size):  # generate's own batches, saved as they end
+                chunk = seeds[start : start + request.batch_size]
+                drawn = sd.sampling.generate(model, prompt, request.negative, chunk, steps=request.steps,
+                                             cfg=request.cfg, sampler=request.sampler, height=request.height,
+                                             width=request.width, batch_size=request.batch_size, device=device,
+                                             control=controls[p], control_scale=request.control_scale, stop=step_done)
+                records += [save_image(request, model, out, p, seed, image, controls[p] is not None)
+                            for seed, image in zip(chunk, drawn)]
+                sd.files.write_text_atomic(out / "images.json", json.dumps(records, indent=1) + "\n")
+                images += drawn
+            rows.append((prompt, images))
+    except KeyboardInterrupt:
+        raise Interrupted(len(records)) from None
+    finally:
+        bar.close()
     sd.sampling.save_grid(out / "grid.png", rows)
-    sd.files.write_text_atomic(out / "images.json", json.dumps(records, indent=1) + "\n")
     log.info("wrote %d images and grid.png to %s", len(records), out)
+
+
+def save_image(request: Request, model: Pipeline, out: Path, p: int, seed: int, image, controlled: bool) -> dict:
+    """Image ``seed`` of prompt ``p`` as ``PPP_SEED.png`` with its parameters; its ``images.json`` record."""
+    prompt = request.prompt[p]
+    path = out / f"{p:03d}_{seed:06d}.png"
+    sd.sampling.save_png(path, image, sd.sampling.parameters_text(prompt, request.negative, seed, request, model.source))
+    record = {"file": path.name, "prompt": prompt, "negative": request.negative, "seed": seed}
+    if controlled:
+        record.update(controlnet=request.controlnet, control=request.control[p if len(request.control) > 1 else 0],
+                      control_scale=request.control_scale)
+    return record

@@ -629,5 +629,31 @@ def test_ctrl_c_while_sampling_ends_in_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sd.imagegen, "control_images", lambda request, controlnet: [])
     monkeypatch.setattr(sd.imagegen, "sample", interrupted)
     assert SD_ImageGen.main(["--ckpt", "x", "--prompt", "p", "--out", str(tmp_path / "o"), "--sampler", "ddim"]) == 130
-    assert capsys.readouterr().err.strip().splitlines() == [
-        f"SD_ImageGen.py: interrupted (Ctrl-C); the images already written are in {tmp_path / 'o'}"]
+    assert capsys.readouterr().err.strip().splitlines() == ["SD_ImageGen.py: interrupted (Ctrl-C); no image was written"]
+
+
+def test_ctrl_c_keeps_the_batches_already_drawn_and_says_how_many(run_dir, tmp_path, monkeypatch, capsys):
+    """--n 4 --batch_size 2, Ctrl-C in the second batch: the first batch's two images are on disk with their
+    images.json (once, every image waited for the last batch and Ctrl-C lost them while saying they were
+    written), and the line says 2; the images are those an uninterrupted run draws."""
+    flags = ["--ckpt", str(run_dir), "--prompt", "a red circle", "--n", "4", "--batch_size", "2", "--steps", "2",
+             "--sampler", "ddim"]
+    assert SD_ImageGen.main([*flags, "--out", str(tmp_path / "whole")]) == 0
+    real, calls = sd.sampling.generate, []
+
+    def interrupted_second(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sd.sampling, "generate", interrupted_second)
+    out = tmp_path / "cut"
+    capsys.readouterr()
+    assert SD_ImageGen.main([*flags, "--out", str(out)]) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == \
+        f"SD_ImageGen.py: interrupted (Ctrl-C); 2 images written to {out}"
+    assert sorted(p.name for p in out.glob("*.png")) == ["000_000000.png", "000_000001.png"]
+    assert [r["file"] for r in json.loads((out / "images.json").read_text())] == ["000_000000.png", "000_000001.png"]
+    for name in ("000_000000.png", "000_000001.png"):
+        assert (out / name).read_bytes() == (tmp_path / "whole" / name).read_bytes()
