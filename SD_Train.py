@@ -38,8 +38,9 @@ import sd.train.step
 import sd.train.validation
 from sd.data.prefetch import Prefetcher
 from sd.distributed import Dist
+from sd.runtime import StopSignal
 from sd.train.config import AUTO_BATCH, ConfigError, TrainConfig, config_yaml, estimate_flags, load_config
-from sd.train.run import StopSignal, step_record, stop_code
+from sd.train.run import step_record, stop_code
 from sd.train.state import Run
 
 log = logging.getLogger("sd_train")
@@ -59,7 +60,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO if d.is_main else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     try:
-        with sd.train.run.interrupting_signals():
+        with sd.runtime.interrupting_signals():
             return train(config, d)
     except (ConfigError, sd.data.training_data.DataError, sd.train.metrics.MetricsError, FileNotFoundError,
             sd.run_folder.CheckpointError) as error:

@@ -16,8 +16,10 @@ before and after training. ``--max_steps`` was ``--steps`` (still accepted): ``-
 from __future__ import annotations
 
 import argparse
+import signal
 import logging
 import sys
+from pathlib import Path
 
 import torch
 
@@ -58,8 +60,9 @@ def parse_args(argv=None):
     parser.add_argument("--max_images", type=int, default=0, help="use at most this many images; 0 = all")
     parser.add_argument("--seed", type=int, default=0, help="seed of the init, batch order, flips and noise")
     parser.add_argument("--save_steps", type=int, default=100,
-                        help="save the training state to OUT.resume every N steps; after a Ctrl-C or a crash the "
-                        "same command resumes from the last one exactly; removed when the VAE is saved")
+                        help="save the training state to OUT.resume every N steps, at the last step and at Ctrl-C or "
+                        "SIGTERM (after the step under way); the same command resumes from it exactly; removed when "
+                        "the VAE is saved (default: %(default)s)")
     parser.add_argument("--stop_at_step", type=int, default=0, help="save the state after this step and exit, as an "
                         "interruption would; 0 = off")
     parser.add_argument("--device", default="auto", help="auto (CUDA, then MPS, then CPU), cpu, cuda or mps")
@@ -83,13 +86,22 @@ def main(argv=None) -> int:
         args = argparse.Namespace(**{**vars(args), "precision": "bf16" if device.type == "cuda" else "fp32"})
     torch.manual_seed(args.seed)
     try:
-        sd.vae.fit(args, device)
+        with sd.runtime.interrupting_signals():
+            sd.vae.fit(args, device)
     except (sd.vae.InputError, sd.vae.ResumeMismatch) as error:
         print(f"train_vae.py: error: {error}", file=sys.stderr)
         return 2
     except sd.vae.Stopped as stop:
         print(f"train_vae.py: {stop}", file=sys.stderr)
         return stop.code
+    except KeyboardInterrupt as error:  # outside a step: loading the images, measuring or saving the VAE
+        signum = getattr(error, "signum", signal.SIGINT)
+        what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        state = sd.vae.resume_path(Path(args.out))
+        kept = (f"the state saved in {state} is kept: the same command resumes from it" if state.exists()
+                else "no training state was saved yet")
+        print(f"train_vae.py: interrupted ({what}) outside a training step; {kept}", file=sys.stderr)
+        return 128 + signum
     return 0
 
 

@@ -6,8 +6,10 @@ variables or torch flags when imported or deep inside a function.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 from typing import TYPE_CHECKING
 
 import sd.faults
@@ -106,3 +108,52 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
     elif device.type == "mps":
         torch.mps.synchronize()
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+
+
+class SignalInterrupt(KeyboardInterrupt):
+    """A stop signal other than SIGINT outside the training loop (loading, class images): it interrupts
+    what runs, as Ctrl-C does, and the process exits with 128 + ``signum``."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def interrupting_signals():
+    """Within the body, SIGTERM, SIGHUP, SIGUSR1 and SIGUSR2 raise ``SignalInterrupt`` where the process is
+    (SIGINT raises KeyboardInterrupt anyway), instead of killing it: what is finished stays (written
+    atomically) and the message says so. A training loop's ``StopSignal`` takes over inside it."""
+    def interrupt(signum, frame):
+        raise SignalInterrupt(signum)
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in STOP_SIGNALS if sig != signal.SIGINT}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+class StopSignal:
+    """SIGTERM, SIGINT, SIGHUP, SIGUSR1 or SIGUSR2 (what schedulers send before a time limit, e.g. SLURM's
+    ``--signal=USR1@120``): finish the current optimizer step (or cut short its validation or
+    evaluation), save, exit with 128 + signal."""
+
+    def __init__(self):
+        self.signum = 0
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
+
+    def _handle(self, signum, frame):
+        self.signum = signum
+
+    def requested(self) -> bool:
+        """Whether a stop signal reached this rank (the ranks agree on it at their next collective)."""
+        return self.signum != 0
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)

@@ -7,6 +7,7 @@ import glob
 import logging
 import math
 import shutil
+import signal
 import time
 from pathlib import Path
 
@@ -219,6 +220,7 @@ def train(vae, train_images: torch.Tensor, args, device, state_path: Path, shard
         save_state(state_path, step, vae, optimizer, schedule, generator, order, args, shards)
 
     bar = tqdm(range(start, args.max_steps), desc="vae", unit="step", initial=start, total=args.max_steps)
+    stopper = sd.runtime.StopSignal()  # Ctrl-C or SIGTERM: the step under way finishes, then the state is saved
     try:
         for step in bar:
             batch = train_images[torch.randint(0, len(train_images), (args.batch_size,), generator=order)]
@@ -234,18 +236,21 @@ def train(vae, train_images: torch.Tensor, args, device, state_path: Path, shard
             if step % 20 == 0:
                 bar.set_postfix(loss=f"{reconstruction.item():.4f}")
             done = step + 1
+            if stopper.requested() and done < args.max_steps:
+                save(done)
+                bar.close()
+                what = "Ctrl-C" if stopper.signum == signal.SIGINT else signal.Signals(stopper.signum).name
+                raise Stopped(f"stopped by {what} after step {done} of {args.max_steps}; state saved to {state_path}, "
+                              "run the same command to resume", 128 + stopper.signum)
             if done == args.stop_at_step:
                 save(done)
                 raise Stopped(f"stopped after step {done} (--stop_at_step); state saved to {state_path}, "
                               "run the same command to resume", 0)
-            if done % args.save_steps == 0 and done < args.max_steps:
-                save(done)
-    except KeyboardInterrupt:
+            if done % args.save_steps == 0 or done == args.max_steps:  # the last too: Ctrl-C while the
+                save(done)  # VAE is measured and saved costs no step
+    finally:
+        stopper.restore()
         bar.close()
-        # The step under way when the interrupt came is not finished: the state of the last whole one is
-        # the one saved every save_steps; a step's updates are all-or-nothing only at its end.
-        raise Stopped(f"interrupted; training resumes from the last state saved in {state_path.parent} "
-                      f"(every {args.save_steps} steps) when the same command is run again", 130) from None
 
 
 def fit(args, device: torch.device) -> dict:

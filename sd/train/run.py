@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import signal
@@ -20,6 +19,7 @@ import sd.files
 import sd.formats
 import sd.model
 import sd.run_folder
+import sd.runtime
 import sd.sampling
 import sd.train.checkpoint as ckpt
 import sd.train.recovery
@@ -335,7 +335,7 @@ def take_results(run: Run, window: list) -> tuple[list[dict], int | None]:
     return records, code
 
 
-def stop_code(run: Run, stopper: "StopSignal") -> int:
+def stop_code(run: Run, stopper: sd.runtime.StopSignal) -> int:
     """The exit code of a run that stops on a signal (to this rank or another), logged."""
     if stopper.signum:
         log.info("stopped by signal %d after step %d; re-run the same command to resume", stopper.signum,
@@ -343,52 +343,3 @@ def stop_code(run: Run, stopper: "StopSignal") -> int:
     else:  # the ranks agreed on a stop that another one was sent
         log.info("stopped after step %d by a signal to another rank; re-run the same command to resume", run.state.step)
     return 128 + (stopper.signum or signal.SIGTERM)
-
-
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
-
-
-class SignalInterrupt(KeyboardInterrupt):
-    """A stop signal other than SIGINT outside the training loop (loading, class images): it interrupts
-    what runs, as Ctrl-C does, and the process exits with 128 + ``signum``."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
-
-
-@contextlib.contextmanager
-def interrupting_signals():
-    """Within the body, SIGTERM, SIGHUP, SIGUSR1 and SIGUSR2 raise ``SignalInterrupt`` where the process is
-    (SIGINT raises KeyboardInterrupt anyway), instead of killing it: what is finished stays (written
-    atomically) and the message says so. The loop's ``StopSignal`` takes over inside it."""
-    def interrupt(signum, frame):
-        raise SignalInterrupt(signum)
-
-    previous = {sig: signal.signal(sig, interrupt) for sig in STOP_SIGNALS if sig != signal.SIGINT}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-class StopSignal:
-    """SIGTERM, SIGINT, SIGHUP, SIGUSR1 or SIGUSR2 (what schedulers send before a time limit, e.g. SLURM's
-    ``--signal=USR1@120``): finish the current optimizer step (or cut short its validation or
-    evaluation), save, exit with 128 + signal."""
-
-    def __init__(self):
-        self.signum = 0
-        self.previous = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
-
-    def _handle(self, signum, frame):
-        self.signum = signum
-
-    def requested(self) -> bool:
-        """Whether a stop signal reached this rank (the ranks agree on it at their next collective)."""
-        return self.signum != 0
-
-    def restore(self) -> None:
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)

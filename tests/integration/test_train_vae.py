@@ -4,7 +4,9 @@ import importlib
 import io
 import json
 import logging
+import os
 import re
+import signal
 from pathlib import Path
 
 import pytest
@@ -110,6 +112,49 @@ def test_a_stopped_run_resumes_to_the_weights_of_an_uninterrupted_one_bit_for_bi
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     stats_a, stats_b = (json.loads((tmp_path / r / "vae_stats.json").read_text()) for r in "ab")
     assert stats_a["psnr_db"] == stats_b["psnr_db"] and stats_a["psnr_db_start"] == stats_b["psnr_db_start"]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl_c", "sigterm"])
+def test_a_signal_saves_the_state_after_the_step_under_way_and_the_run_resumes_bit_for_bit(shards, tmp_path, capsys,
+                                                                                          monkeypatch, signum):
+    """Ctrl-C (or SIGTERM, the studio's stop) in step 3 of 6 with save_steps 100: once nothing was saved and the
+    message promised a resume from "the last state saved"; now step 3 finishes, its state is saved, the exit
+    status is 128 + the signal, and the resumed run ends with the uninterrupted run's weights bit for bit."""
+    from safetensors.torch import load_file
+
+    def argv(out):
+        return vae_argv(shards, out, "--max_steps", "6", "--save_steps", "100")
+
+    assert train_vae.main(argv(tmp_path / "a")) == 0
+    real, calls = sd.vae.vae_loss, []
+
+    def signalled(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signum)
+        return real(*args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(sd.vae, "vae_loss", signalled)
+        capsys.readouterr()
+        assert train_vae.main(argv(tmp_path / "b")) == 128 + signum
+    what = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
+    assert f"stopped by {what} after step 3 of 6; state saved to" in capsys.readouterr().err
+    assert torch.load(sd.vae.resume_path(tmp_path / "b"), weights_only=True)["step"] == 3
+    assert train_vae.main(argv(tmp_path / "b")) == 0
+    weights = "diffusion_pytorch_model.safetensors"
+    a, b = load_file(tmp_path / "a" / weights), load_file(tmp_path / "b" / weights)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_ctrl_c_before_training_says_that_nothing_was_saved(shards, tmp_path, capsys, monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sd.vae, "load_images", interrupted)
+    assert train_vae.main(vae_argv(shards, tmp_path / "vae")) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == \
+        "train_vae.py: interrupted (Ctrl-C) outside a training step; no training state was saved yet"
 
 
 def test_a_damaged_saved_state_is_named_set_aside_and_training_starts_over(shards, tmp_path, caplog):
