@@ -136,7 +136,8 @@ def parse_args(argv=None):
     parser.add_argument("--vae", help="override the checkpoint's VAE (hub id, folder or tiny)")
     parser.add_argument("--text_encoder", help="override the checkpoint's text encoder (hub id, folder or tiny)")
     parser.add_argument("--tokenizer", help="override the checkpoint's tokenizer (hub id, folder or tiny)")
-    parser.add_argument("--out", help="output folder for the PNGs and the grid")
+    parser.add_argument("--out", help="output folder for the PNGs and the grid (default: samples/NAME, NAME the "
+                        "checkpoint's: samples/flow for --ckpt runs/flow)")
     parser.add_argument("--export_diffusers", metavar="DIR", help="write a diffusers StableDiffusionPipeline folder")
     parser.add_argument("--export_single_file", metavar="FILE", help="write one .safetensors in the original SD layout")
     parser.add_bool("--half", help="fp16 weights in --export_single_file")
@@ -194,8 +195,8 @@ def parse_args(argv=None):
         prompts += [line.strip() for line in path.read_text().splitlines() if line.strip()]
     exporting = (args.export_diffusers or args.export_single_file or args.export_lora or args.export_embedding
                  or args.export_controlnet)
-    if not exporting and not (prompts and args.out):
-        parser.error("give --prompt (or --prompts_file) and --out to sample, or an --export_* flag")
+    if not exporting and not prompts:
+        parser.error("give --prompt (or --prompts_file) to sample, or an --export_* flag")
     if args.export_lora and args.lora_format == "diffusers" and args.export_lora.endswith(".safetensors"):
         parser.error("--export_lora with --lora_format diffusers is a folder: give it a name without .safetensors, "
                      "or leave out --lora_format for one kohya .safetensors file")
@@ -238,7 +239,8 @@ def parse_args(argv=None):
         parser.error(f"--sampler {args.sampler}, --steps {steps}, --cfg {cfg:g}: {problem}")
     fields = {f.name for f in dataclasses.fields(sd.imagegen.Request)}
     given = {name: value for name, value in vars(args).items() if name in fields}
-    return sd.imagegen.Request(**{**given, "prompt": tuple(prompts), "steps": steps, "cfg": cfg, "lora": loras,
+    out = args.out or (str(sd.imagegen.default_out(args.ckpt)) if prompts else None)
+    return sd.imagegen.Request(**{**given, "out": out, "prompt": tuple(prompts), "steps": steps, "cfg": cfg, "lora": loras,
                                   "embedding": tuple(sd.imagegen.parse_embedding_spec(s) for s in args.embedding),
                                   "control": tuple(args.control)})
 

@@ -7,7 +7,9 @@
         --out data/reflow/dataset --val_fraction 0
     python SD_Train.py --config configs/finetune/reflow.yaml
 
-``--ckpt`` is a ``prediction_type: flow`` model (a run of ours, a diffusers folder, a single file). Pair i
+``--ckpt`` is a flow model (a run of ours, a diffusers folder, a single file): a ``prediction_type: flow`` one,
+or an epsilon or v model trained as a flow (``flow_matching: true``, configs/finetune/flow.yaml), drawn through
+the diff2flow bridge as it is sampled. Pair i
 takes prompt ``i % len(prompts)`` of ``--prompts`` (one per line, or a .tsv/.csv with a ``caption``
 column) and seed ``--seed + i``: its noise is the one ``SD_ImageGen.py --seed`` draws, its image the
 model's solution of the flow ODE from it (``--sampler``, ``--steps``, ``--cfg``, ``--flow_shift``: the
@@ -41,8 +43,8 @@ ERRORS = (KeyError, ValueError, OSError, SafetensorError)
 
 def parse_args(argv=None):
     parser = sd.cli.ArgumentParser(description=__doc__, formatter_class=sd.cli.HelpFormatter)
-    parser.add_argument("--ckpt", required=True, help="a prediction_type: flow model: our run or checkpoint folder, "
-                        "a diffusers folder or hub id, or a single file")
+    parser.add_argument("--ckpt", required=True, help="a flow model (prediction_type: flow, or trained with "
+                        "flow_matching: true): our run or checkpoint folder, a diffusers folder or hub id, or a single file")
     parser.add_argument("--prompts", required=True, help="prompts: a text file (one per line) or a .tsv/.csv with "
                         "a caption column")
     parser.add_argument("--out", required=True, help="output folder (latents/ and captions/ under it)")

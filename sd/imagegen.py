@@ -394,6 +394,17 @@ def control_images(request: Request, controlnet) -> list:
     return read * len(request.prompt) if len(read) == 1 else read
 
 
+def default_out(ckpt: str) -> Path:
+    """Where samples go without ``--out``: ``samples/NAME``, NAME the run's, file's or model's
+    (``runs/flow`` -> ``samples/flow``, ``runs/x/checkpoints/step_00000500`` -> ``samples/x_step_00000500``,
+    ``sd-v1-5.safetensors`` -> ``samples/sd-v1-5``, a hub id ``org/model`` -> ``samples/model``)."""
+    path = Path(ckpt.rstrip("/"))
+    name = path.stem if path.suffix in (".safetensors", ".ckpt") else path.name
+    if path.parent.name == "checkpoints":
+        name = f"{path.parent.parent.name}_{name}"
+    return Path("samples") / (name or "model")
+
+
 class Interrupted(KeyboardInterrupt):
     """Ctrl-C while sampling, after ``written`` images were saved (each is saved as its batch is done)."""
 

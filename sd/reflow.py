@@ -128,7 +128,7 @@ def draw_shard(pipe: sd.sampling.Pipeline, settings: Settings, prompts: list[str
             x0 = sd.sampling.sample_latents(pipe.unet, noise, cond.float().to(device),
                                             negative.float().to(device).expand(len(chunk), -1, -1),
                                             sampler=settings.sampler, steps=settings.steps, cfg=settings.cfg,
-                                            prediction_type="flow", flow_shift=settings.flow_shift)
+                                            prediction_type=pipe.prediction_type, flow_shift=settings.flow_shift)
         noises[start : start + len(chunk)] = noise.cpu().numpy()
         latents[start : start + len(chunk)] = sd.model.unscale_latents(x0, factor).cpu().numpy()
         if bar is not None:
@@ -157,9 +157,10 @@ def draw(settings: Settings, out: Path, batch_size: int, d: sd.distributed.Dist,
     if not prompts:
         raise ReflowError(f"--prompts {settings.prompts} holds no prompt")
     pipe = sd.formats.load_pipeline(settings.ckpt, use_ema=not settings.no_ema, flow_shift=settings.flow_shift or None)
-    if pipe.prediction_type != "flow":
-        raise ReflowError(f"{settings.ckpt} predicts {pipe.prediction_type}: reflow straightens the paths of a "
-                          "prediction_type: flow model (train one first: docs/training.md)")
+    if pipe.prediction_type != "flow" and not pipe.flow_matching:
+        raise ReflowError(f"{settings.ckpt} predicts {pipe.prediction_type}: reflow straightens the paths of a flow "
+                          "model, a prediction_type: flow one or one trained with flow_matching: true (train one "
+                          "first: configs/finetune/flow.yaml, docs/training.md)")
     settings = dataclasses.replace(settings, flow_shift=pipe.flow_shift)
     if not (settings.height and settings.width):
         side = sd.imagegen.trained_size(settings.ckpt, pipe)[0]

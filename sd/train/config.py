@@ -110,7 +110,8 @@ class TrainConfig:
     flow_matching: bool = _doc("train an epsilon or v_prediction model (init_from) as a flow through the diff2flow "
                                "mapping: the first step starts from all it knows, and its files stay epsilon or v "
                                "models; sampled with flow_euler by default", False)
-    reflow: bool = _doc("prediction_type: flow: train on the (noise, image) pairs of SD_Reflow.py (each latent with "
+    reflow: bool = _doc("a flow model (prediction_type: flow, or flow_matching: true): train on the (noise, image) "
+                        "pairs of SD_Reflow.py (each latent with "
                         "the noise it was drawn from: its folder's NNNNN.noise.npy) instead of fresh noise, which "
                         "straightens the model's paths for 1-2 step sampling", False)
     flow_density: str = _doc("flow: how the training sigmas (noise fractions) are drawn: logit_normal "
@@ -496,7 +497,8 @@ def check_flow(config: TrainConfig) -> None:
     if config.flow_density not in sd.flow.DENSITIES:
         raise ConfigError(f"flow_density: one of {', '.join(sd.flow.DENSITIES)}, got {config.flow_density!r}")
     if config.reflow:
-        refused = [(config.prediction_type != "flow", "prediction_type: flow (the pairs are a flow model's)"),
+        refused = [(not config.flow, "a flow model, prediction_type: flow or flow_matching: true (the pairs are a "
+                                     "flow model's)"),
                    (config.flip, "flip: false (a pair is one image and its noise)"),
                    (config.noise_offset != 0, "noise_offset: 0 (the noise is the pair's)"),
                    (bool(config.instance_dir), "no instance_dir (the pairs are SD_Reflow.py's latent folders)")]

@@ -3,6 +3,7 @@ resumed, shared out across workers, and a training run on them that straightens 
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -126,14 +127,15 @@ def test_a_model_that_is_no_flow_is_refused_before_any_pair(tmp_path, capsys):
     (tmp_path / "prompts.txt").write_text("a red circle\n")
     assert SD_Reflow.main(["--ckpt", str(tmp_path / "eps"), "--prompts", str(tmp_path / "prompts.txt"), "--out",
                            str(tmp_path / "pairs"), "--device", "cpu"]) == 2
-    assert "predicts epsilon: reflow straightens the paths of a prediction_type: flow model" in capsys.readouterr().err
+    assert "predicts epsilon: reflow straightens the paths of a flow model" in capsys.readouterr().err
     assert not (tmp_path / "pairs").exists()
     with pytest.raises(SystemExit):
         SD_Reflow.parse_args(["--ckpt", "x", "--prompts", "p", "--out", "o", "--rank", "2", "--world_size", "2"])
 
 
 @pytest.mark.parametrize("fields, message", [
-    (dict(prediction_type="epsilon", min_snr_gamma=5.0), "^reflow needs prediction_type: flow"),
+    (dict(prediction_type="epsilon", min_snr_gamma=5.0), "^reflow needs a flow model, prediction_type: flow or "
+                                                         "flow_matching: true"),
     (dict(flip=True), "^reflow needs flip: false"),
     (dict(noise_offset=0.05), "^reflow needs noise_offset: 0"),
 ])
@@ -211,3 +213,53 @@ def test_ctrl_c_ends_in_one_line_that_says_what_is_kept(tmp_path, monkeypatch, c
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"SD_Reflow.py: interrupted (Ctrl-C); the finished shards are kept in {tmp_path / 'o'} (a shard "
                    "under way is written whole or not at all): re-run the same command to draw the rest"]
+
+
+def recipe_commands(name: str) -> list[str]:
+    """The ``python ...`` commands in the comments at the top of ``configs/finetune/NAME.yaml``, as a user copies
+    them: continued lines joined, ``[optional flags]`` and trailing comments left out."""
+    lines = (ROOT / "configs" / "finetune" / f"{name}.yaml").read_text().splitlines()
+    header = " \n".join(line.lstrip("#").strip() for line in lines[: next(i for i, line in enumerate(lines)
+                                                                          if not line.startswith("#"))])
+    commands = [line.split("  #")[0].strip() for line in header.replace("\\ \n", " ").splitlines()]
+    return [re.sub(r"\s*\[[^]]*\]", "", line) for line in commands if line.startswith("python ")]
+
+
+@pytest.mark.slow  # four commands with training runs: the full suite's, not make check's
+def test_the_flow_and_reflow_recipes_chain_as_their_comments_write_them(tmp_path, monkeypatch):
+    """flow.yaml's commands, then reflow.yaml's, run as written in a folder holding the user's data and the
+    recipes (a tiny epsilon base for the hub's SD 1.5, and the appended flags below for the tiny models and a
+    few steps): flow.yaml makes an epsilon model trained as a flow, which SD_Reflow.py and reflow.yaml once
+    refused ("prediction_type: flow model"); every command now exits 0 and the reflowed model samples."""
+    import importlib
+    import shlex
+
+    data = make_dataset(tmp_path / "data" / "my_set", n_train=16, n_val=0)
+    (tmp_path / "data" / "my_set" / "captions").rename(tmp_path / "data" / "my_set" / "dataset")
+    base = tmp_path / "base"
+    assert train(tmp_path / "base.yaml", tiny({**data, "dataset": str(tmp_path / "data/my_set/dataset")}, base,
+                                              max_steps=2, prediction_type="epsilon")) == 0
+    (tmp_path / "configs").symlink_to(ROOT / "configs")
+    (tmp_path / "prompts.txt").write_text("a red circle\na blue square\n")
+    monkeypatch.chdir(tmp_path)
+    tiny_flags = ["--unet", "tiny", "--vae", "tiny", "--text_encoder", "tiny", "--precision", "fp32", "--device", "cpu",
+                  "--optimizer", "adamw", "--grad_checkpointing", "false", "--batch_size", "8", "--grad_accum", "1",
+                  "--max_steps", "2", "--save_steps", "2", "--validate_every", "0", "--warmup_steps", "0"]
+    appended = {"flow": {"SD_Train.py": [*tiny_flags, "--init_from", str(base)]},
+                "reflow": {"SD_Train.py": tiny_flags, "SD_Reflow.py": ["--n", "8", "--shard_size", "8", "--steps", "2",
+                                                                         "--device", "cpu"]}}
+    ran = []
+    for recipe in ("flow", "reflow"):
+        for line in recipe_commands(recipe):
+            words = shlex.split(line)
+            script = words[1]
+            argv = words[2:] + appended[recipe].get(script, []) + (["--steps", "2", "--n", "1"]
+                                                                    if script == "SD_ImageGen.py" else [])
+            module = importlib.import_module(script.removesuffix(".py").replace("/", "."))
+            assert module.main(argv) == 0, line
+            ran.append(script)
+    assert ran == ["SD_Train.py", "SD_ImageGen.py", "SD_Reflow.py", "pipeline/05_build_hf_dataset.py", "SD_Train.py",
+                   "SD_ImageGen.py"]
+    model = sd.formats.load_pipeline("runs/reflow")
+    assert (model.prediction_type, model.flow_matching) == ("epsilon", True)
+    assert len(list(Path("samples/reflow").glob("000_*.png"))) == 1 and len(list(Path("samples/flow").glob("*.png"))) >= 1

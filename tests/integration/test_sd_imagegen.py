@@ -590,6 +590,15 @@ def test_the_default_steps_suit_the_sampler_and_a_plain_run_samples_with_ddim(fl
     assert (request.sampler, request.steps) == (sampler, steps)
 
 
+@pytest.mark.parametrize("ckpt, out", [("runs/flow", "samples/flow"), ("runs/flow/", "samples/flow"),
+                                       ("runs/x/checkpoints/step_00000500", "samples/x_step_00000500"),
+                                       ("sd-v1-5.safetensors", "samples/sd-v1-5"), ("org/model", "samples/model")])
+def test_samples_go_to_a_folder_named_after_the_checkpoint_without_out(ckpt, out):
+    """The recipes' and docs' sampling lines give no --out (once: "give --prompt ... and --out")."""
+    assert SD_ImageGen.parse_args(["--ckpt", ckpt, "--prompt", "a", "--sampler", "ddim"]).out == out
+    assert SD_ImageGen.parse_args(["--ckpt", ckpt, "--prompt", "a", "--sampler", "ddim", "--out", "o"]).out == "o"
+
+
 def test_a_checkpoint_that_does_not_exist_is_named_without_asking_the_hub(tmp_path, capsys):
     missing = tmp_path / "no_such_run"
     assert SD_ImageGen.main(["--ckpt", str(missing), "--prompt", "a red circle", "--out", str(tmp_path / "out")]) == 2
