@@ -200,7 +200,7 @@ def loop(run: Run, stopper: StopSignal, metrics, bar, prefetch: Prefetcher) -> i
                     records[-1]["images_per_s"] = window_images / (now - tick)
                     tick, window_images = now, 0
                 image, best = None, False
-                if sd.train.validation.due(config, state.step):
+                if sd.train.validation.due(config, state.step, total):
                     if not records or records[-1]["step"] != state.step:
                         records.append(step_record(run, result, lr))
                     if code is not None:  # stopping: save now
@@ -234,7 +234,8 @@ def read_due(run: Run, epoch_done: bool, stopper: StopSignal) -> bool:
     signal (with several, the ranks learn of one at their next read, at most ``log_every`` steps on)."""
     config, step = run.config, run.state.step
     return (step % config.log_every == 0 or step == run.total_steps or step == config.stop_at_step
-            or sd.train.validation.due(config, step) or sd.train.recovery.due(run, epoch_done, stopping=False)
+            or sd.train.validation.due(config, step, run.total_steps)
+            or sd.train.recovery.due(run, epoch_done, stopping=False)
             or (run.d.world_size == 1 and stopper.requested()))
 
 

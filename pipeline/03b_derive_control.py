@@ -7,7 +7,9 @@ For each input shard NNNNN.tar, writes DIR/NNNNN.tar holding its samples (image,
 mask and conditioning images already there, as they were) each with ``key.NAME.png`` added (NAME is
 ``--name``, by default the kind; one already there is replaced), then DIR/NNNNN_stats.json as the shard's
 done marker, and 03b_derive_control_summary.json at the end. ``encode_latents.py --control NAME`` reads
-them, cut and scaled as their images.
+them, cut and scaled as their images. The first ``--examples`` conditioning images of the first shard are
+also written as files, ``DIR/examples/NN.NAME.png`` with the sample's caption in ``NN.txt``: a control
+image for ``SD_ImageGen.py --control`` and a training run's ``validation_controls``.
 
 Kinds:
 * ``canny``: the image's edges by OpenCV's Canny detector (``cv2.Canny`` on the image in grey, 3x3 Sobel,
@@ -43,6 +45,7 @@ from tqdm import tqdm
 
 import sd.data.shards
 import sd.data.stages
+import sd.files
 import sd.runtime
 
 STAGE = "03b_derive_control"
@@ -65,8 +68,14 @@ def parse_args(argv):
     parser.add_argument("--high", type=float, default=200.0,
                         help="canny: the upper hysteresis threshold; a gradient above it is an edge "
                              "(default: %(default)s)")
+    parser.add_argument("--examples", type=int, default=8,
+                        help="conditioning images of the first shard also written as files to OUT/examples/ "
+                             "(NN.NAME.png and its caption NN.txt), for SD_ImageGen.py --control and "
+                             "validation_controls; 0 = none (default: %(default)s)")
     parser.add_workers()
     args = parser.parse_args(argv)
+    if args.examples < 0:
+        parser.error("--examples must be >= 0")
     args = argparse.Namespace(**{**vars(args), "name": args.kind if args.name is None else args.name})
     if not sd.data.shards.is_control_name(args.name):
         parser.error(f"--name {args.name!r}: a conditioning image's name is lower-case letters, digits and _ "
@@ -150,6 +159,29 @@ def derive_shard(path: Path, out: Path, args, pool, bar) -> dict:
                                            control=args.name, low=args.low, high=args.high)
 
 
+def write_examples(out: Path, first: str, name: str, count: int) -> list[Path]:
+    """The first ``count`` conditioning images of output shard ``first`` as ``out/examples/NN.NAME.png`` and
+    their captions ``NN.txt`` (written atomically; those there already are kept)."""
+    folder, written = out / "examples", []
+    path = sd.data.stages.output_paths(out, first)[0]
+    if not count or not path.exists():
+        return written
+    with open(path, "rb") as file:
+        reader = sd.data.shards.TarSamples(file, os.fstat(file.fileno()).st_size, fields=("caption", "control"),
+                                           max_member_bytes=sd.data.stages.MAX_MEMBER_BYTES)
+        for sample in reader:
+            if len(written) == count:
+                break
+            if sample.problem is None and sample.controls.get(name):
+                image, caption = folder / f"{len(written):02d}.{name}.png", folder / f"{len(written):02d}.txt"
+                if not image.exists():
+                    data = sample.controls[name]
+                    sd.files.write_atomic(image, lambda tmp: Path(tmp).write_bytes(data))
+                    sd.files.write_text_atomic(caption, (sample.caption or "") + "\n")
+                written.append(image)
+    return written
+
+
 @sd.data.stages.ends_cleanly_on_a_full_disk(STAGE)
 def main(argv=None) -> int:
     sd.runtime.start_process(uses_torch=False)
@@ -182,8 +214,12 @@ def main(argv=None) -> int:
                 if sd.data.stages.disk_full(error):  # not the input's fault: the stage ends
                     raise
                 summary.input_failed("unreadable_tar", by_stem[name].name, error)
+    examples = write_examples(out, sorted(by_stem)[0], args.name, args.examples)
     summary.finish(out, kind=args.kind, name=args.name, low=args.low, high=args.high,
-                   failed_shards=summary.failed_inputs)
+                   failed_shards=summary.failed_inputs, examples_folder=str(out / "examples") if examples else None)
+    if examples:
+        print(f"{STAGE}: {len(examples)} conditioning images as files in {out / 'examples'} ({examples[0].name} ...): "
+              "for SD_ImageGen.py --control and validation_controls")
     return summary.exit_code()
 
 

@@ -92,6 +92,10 @@ class ControlNet(sd.train.mode.Mode):
     def estimate_inputs(self, images: int, resolution: int) -> tuple:
         return (torch.zeros(images, 3, resolution, resolution, dtype=torch.uint8),)
 
+    def shown_inputs(self, inputs: dict) -> list:
+        control = inputs["control"][0].permute(1, 2, 0)  # (H, W, 3) in [0, 1]
+        return [(control * 255).round().clamp(0, 255).to(torch.uint8).numpy()]
+
     def sample_inputs(self, index: int, width: int, height: int) -> dict:
         return {"control": sd.controlnet.model.read_control_image(self.config.validation_controls[index], width,
                                                                   height)}

@@ -300,8 +300,9 @@ class DreamBoothData:
     """Instance (and class) latents with fixed prompts, addressed like ``sd.data.training_data.MixedData``."""
 
     def __init__(self, instance: np.ndarray, instance_ids: torch.Tensor, prior: np.ndarray | None = None,
-                 prior_ids: torch.Tensor | None = None):
+                 prior_ids: torch.Tensor | None = None, instance_prompt: str = ""):
         self.instance, self.instance_ids = instance, instance_ids.reshape(1, -1)
+        self.instance_prompt = instance_prompt  # the grid's caption of the training data
         self.prior = prior
         self.prior_ids = None if prior_ids is None else prior_ids.reshape(1, -1)
         self.sizes = [max(len(instance), len(prior) if prior is not None else 0)]
@@ -352,4 +353,5 @@ def build_data(settings: DreamBoothSettings, d, vae, tokenizer, make_pipeline) -
         log.info("prior preservation: %d class images of %r, weight %g", len(prior), settings.class_prompt,
                  settings.prior_loss_weight)
     log.info("DreamBooth: %d instance images of %r at %d px", len(instance), settings.instance_prompt, settings.image_size)
-    return DreamBoothData(instance, sd.model.tokenize(tokenizer, [settings.instance_prompt]), prior, prior_ids)
+    return DreamBoothData(instance, sd.model.tokenize(tokenizer, [settings.instance_prompt]), prior, prior_ids,
+                          settings.instance_prompt)

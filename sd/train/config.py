@@ -313,8 +313,8 @@ class TrainConfig:
     stop_at_step: int = _doc("end after this optimizer step as an interruption would (save, exit 0); 0 = off", 0,
                              allowed=NON_NEGATIVE)
     log_every: int = _doc("log metrics every N optimizer steps (the step statistics are read from the device then, not every step)", 10, allowed=COUNT)
-    validate_every: int = _doc("validation loss and sample grid every N optimizer steps; 0 = never", 1000,
-                               allowed=NON_NEGATIVE)
+    validate_every: int = _doc("validation loss and sample grid every N optimizer steps and at the last; 0 = never",
+                               1000, allowed=NON_NEGATIVE)
     validation_prompts: list = _doc("prompts of the validation sample grid",
                                     default_factory=lambda: ["a photograph of an astronaut riding a horse"])
     validation_data_captions: int = _doc("captions of the training data (drawn with seed, the same all run) sampled "
@@ -333,7 +333,8 @@ class TrainConfig:
                                  allowed=NON_NEGATIVE)
     validation_height: int = _doc("height of the validation samples in pixels, a multiple of 8; 0 = as "
                                   "validation_width's default", 0, allowed=NON_NEGATIVE)
-    eval_every: int = _doc("FID and CLIP score (SD_Eval.py) of the EMA weights every N optimizer steps, logged to "
+    eval_every: int = _doc("FID and CLIP score (SD_Eval.py) of the EMA weights every N optimizer steps and at the "
+                           "last, logged to "
                            "metrics.jsonl as eval_fid / eval_clip_score; 0 = never", 0, allowed=NON_NEGATIVE)
     eval_prompts: str = _doc("prompts of the evaluation: a text file (one per line) or a .tsv/.csv with a caption "
                              "column; image i uses seed + i", "")

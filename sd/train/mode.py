@@ -15,7 +15,8 @@ mode's own room (``sd/lora/mode.py``, ``sd/embedding/mode.py``, ``sd/controlnet/
 * ``trained_weights(step)``: its checkpoint entries of weights, by name (the file names: ``unet``,
   ``adapter``, ``embedding``, ``controlnet``); the trainer adds the rest (EMA, optimizer, RNGs);
 * ``batch_inputs`` / ``model_inputs``: the tensors it adds at the end of a micro-batch, and what they
-  become in the model's call; ``sample_inputs``: the same for the validation grid's samples;
+  become in the model's call; ``sample_inputs``: the same for the validation grid's samples, and
+  ``shown_inputs`` the images of them the grid shows beside each sample (a ControlNet's conditioning image);
 * ``describe(step)``: its line in the log.
 
 A new mode is one new room (a ``Mode`` subclass) and one line in ``sd.train.modes.MODES``. An objective
@@ -100,6 +101,10 @@ class Mode:
     def sample_inputs(self, index: int, width: int, height: int) -> dict:
         """``sd.sampling.generate``'s keyword arguments for validation prompt ``index``."""
         return {}
+
+    def shown_inputs(self, inputs: dict) -> list:
+        """Images (uint8 ``(H, W, 3)``) of ``sample_inputs``' that the grid shows before the sample."""
+        return []
 
     def describe(self, step) -> str | None:
         """A line for the log once the step is built, or None."""

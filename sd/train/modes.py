@@ -86,6 +86,9 @@ class Together(Mode):
     def sample_inputs(self, index: int, width: int, height: int) -> dict:
         return {k: v for mode in self.modes for k, v in mode.sample_inputs(index, width, height).items()}
 
+    def shown_inputs(self, inputs: dict) -> list:
+        return [image for mode in self.modes for image in mode.shown_inputs(inputs)]
+
     def describe(self, step) -> str | None:
         lines = [line for line in (mode.describe(step) for mode in self.modes) if line]
         return "; ".join(lines) or None

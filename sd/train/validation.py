@@ -30,9 +30,14 @@ from sd.train.state import Run
 log = logging.getLogger("sd_train")
 
 
-def due(config: TrainConfig, step: int) -> bool:
-    """Whether validation or evaluation runs after optimizer step ``step``."""
-    return any(every and step % every == 0 for every in (config.validate_every, config.eval_every))
+def due(config: TrainConfig, step: int, total: int) -> bool:
+    """Whether validation or evaluation runs after optimizer step ``step`` of ``total``: every ``validate_every``
+    (``eval_every``) steps and at the last step, so a run shorter than either still ends with its grid."""
+    return any(every_due(every, step, total) for every in (config.validate_every, config.eval_every))
+
+
+def every_due(every: int, step: int, total: int) -> bool:
+    return bool(every) and (step % every == 0 or step == total)
 
 
 def check(run: Run, record: dict, stop) -> tuple[Path | None, bool]:
@@ -46,9 +51,9 @@ def check(run: Run, record: dict, stop) -> tuple[Path | None, bool]:
     config, step, grid = run.config, run.state.step, None
     try:  # a Schedule-Free optimizer's model is its average x, not the point y it trains at (sd.train.optimizers)
         with sd.train.optimizers.evaluation_weights(run.step.optimizer):
-            if config.validate_every and step % config.validate_every == 0:
+            if every_due(config.validate_every, step, run.total_steps):
                 grid = validate(run, record, stop)
-            if config.eval_every and step % config.eval_every == 0:
+            if every_due(config.eval_every, step, run.total_steps):
                 record.update(evaluate(run, stop))
     except sd.distributed.Stopped:
         log.info("step %d: validation/evaluation interrupted by a stop signal; the rest of it is skipped", step)
@@ -82,10 +87,13 @@ def validate(run: Run, record: dict, stop=None) -> Path | None:
 
 def grid_prompts(run: Run) -> list[str]:
     """``validation_prompts``, then ``validation_data_captions`` captions of the training samples drawn
-    with the run's seed (the same at every validation, on every rank and after a resume; none for a mode
-    whose prompts take inputs of their own)."""
+    with the run's seed (the same at every validation, on every rank and after a resume; a subject folder's
+    instance prompt; none for a mode whose prompts take inputs of their own)."""
     config, data = run.config, run.train_data
     splits = getattr(data, "splits", None)
+    if getattr(data, "instance_prompt", ""):  # a subject's folder (DreamBooth): its one prompt is its captions
+        own = [data.instance_prompt] if config.validation_data_captions and not run.mode.prompt_inputs else []
+        return [*config.validation_prompts, *(c for c in own if c not in config.validation_prompts)]
     count = min(config.validation_data_captions, len(data)) if splits and not run.mode.prompt_inputs else 0
     captions: list[str] = []
     if count:  # distinct captions, from up to 16 draws each: a dataset of few captions gives what it has
@@ -148,7 +156,8 @@ def evaluate(run: Run, stop=None) -> dict:
 
 @torch.no_grad()
 def sample_grid(run: Run, path: Path, prompts: list[str], stop=None) -> None:
-    """One image per prompt (``grid_prompts``), seed ``config.seed``, with the EMA weights: a labelled grid.
+    """One image per prompt (``grid_prompts``), seed ``config.seed``, with the EMA weights: a labelled grid
+    (a mode's inputs shown first in a prompt's row: a ControlNet's conditioning image).
 
     The prompts are shared out across the ranks, one each per round of ``sd.evaluation.gather_in_order``
     (no rank waits in a collective while another samples alone, and a stop is agreed between
@@ -161,10 +170,11 @@ def sample_grid(run: Run, path: Path, prompts: list[str], stop=None) -> None:
     width, height = validation_size(config, run.train_data)
 
     def sample(i: int) -> list:
-        return sd.sampling.generate(run.sampler, prompts[i], "", [config.seed], steps=config.validation_steps,
-                                    cfg=config.validation_cfg, sampler=config.sampler, height=height,
-                                    width=width, batch_size=1, device=d.device, stop=stop,
-                                    **run.mode.sample_inputs(i, width, height))
+        inputs = run.mode.sample_inputs(i, width, height)
+        images = sd.sampling.generate(run.sampler, prompts[i], "", [config.seed], steps=config.validation_steps,
+                                      cfg=config.validation_cfg, sampler=config.sampler, height=height,
+                                      width=width, batch_size=1, device=d.device, stop=stop, **inputs)
+        return [*run.mode.shown_inputs(inputs), *images]  # a ControlNet's conditioning image before its sample
 
     with ema_sampling(run):
         rows = list(sd.evaluation.gather_in_order(len(prompts), sample, d, desc="validation grid", stop=stop))

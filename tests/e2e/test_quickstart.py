@@ -159,9 +159,8 @@ def test_quick_starts_2_and_3_as_written_give_the_prompted_pictures(user_folder)
     at_least("LoRA: gain in the subject's colour over the base", after - before, 0.4, (base, tuned))
     assert (user_folder / "my_lora.safetensors").stat().st_size > 0
 
+    assert (user_folder / "runs" / "my_lora" / "samples" / "step_00000300.png").exists()  # the last step's grid
     # The other modes on the same model and data, each config run as its comments say.
-    Image.fromarray(np.pad(np.full((SIZE - 8, SIZE - 8, 3), 255, np.uint8), ((4, 4), (4, 4), (0, 0)))).save(
-        user_folder / "EDGES.png")  # an edge map for the ControlNet's sample: a white block on black
     for name in MODE_CONFIGS:
         commands = config_commands(name)
         assert any(shlex.split(c)[1] == "SD_Train.py" and f"configs/quickstart/{name}.yaml" in c for c in commands)
@@ -173,8 +172,13 @@ def test_quick_starts_2_and_3_as_written_give_the_prompted_pictures(user_folder)
         assert [r["step"] for r in records if "loss" in r][-1] == 4 and all(np.isfinite(r["loss"]) for r in records
                                                                              if "loss" in r), name
         assert (run / "checkpoints" / "step_00000004").is_dir(), name
+        assert (run / "samples" / "step_00000004.png").exists(), name  # a grid, at the run's last step
     assert "Steps: 4, Sampler: lcm" in sd.sampling.read_parameters(  # auto: a distilled run samples in 4 LCM steps
         next((user_folder / "samples" / "my_lcm").glob("0*.png")))
     assert (user_folder / "my_lcm.safetensors").stat().st_size > 0
     assert list((user_folder / "embeddings").glob("*.safetensors"))
     assert len(list((user_folder / "samples" / "my_controlnet").glob("0*.png"))) == 2
+    # the ControlNet's grid shows its edge image (03b's first example, the one --control took), then the sample
+    grid = np.asarray(Image.open(user_folder / "runs" / "my_controlnet" / "samples" / "step_00000004.png").convert("RGB"))
+    edges = np.asarray(Image.open(user_folder / "data" / "mine" / "shards_canny" / "examples" / "00.canny.png").convert("RGB"))
+    assert np.array_equal(sd.sampling.grid_cell(grid, 0, 0, SIZE, SIZE, ["a red circle"], images=2), edges)

@@ -275,6 +275,10 @@ def test_derived_canny_edges_lie_on_the_drawn_rectangles_border(tmp_path):
         for col in range(cols[0], cols[-1] + 1):
             assert edges[rows[0] - 1 : rows[0] + 1, col].any() and edges[rows[-1] : rows[-1] + 2, col].any()
     assert samples["a"].mask is not None and samples["a"].caption == "a white box 0"  # the rest as it was
+    # the first shard's conditioning images as files (for --control and validation_controls), with captions
+    assert sorted(p.name for p in (out / "examples").iterdir()) == ["00.canny.png", "00.txt", "01.canny.png", "01.txt"]
+    assert (out / "examples" / "01.canny.png").read_bytes() == samples["b"].controls["canny"]
+    assert (out / "examples" / "00.txt").read_text() == "a white box 0\n"
 
 
 def test_the_derive_stage_resumes_per_shard_and_refuses_other_thresholds(tmp_path, capsys):

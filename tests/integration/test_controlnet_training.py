@@ -22,6 +22,7 @@ import sd.controlnet.model
 import sd.formats
 import sd.model
 import sd.run_folder
+import sd.sampling
 import SD_ImageGen
 import SD_Train
 from data_factory import BASE, assert_bitwise_equal, checkpoint_state, make_base_pipeline, make_dataset
@@ -159,7 +160,11 @@ def test_a_controlnet_run_stopped_and_resumed_equals_the_straight_run_bit_for_bi
     records = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r][:6] == [1, 2, 3, 4, 5, 6]
     assert any("val_loss" in r for r in records) and all(np.isfinite(r["val_loss"]) for r in records if "val_loss" in r)
-    assert (straight / "samples" / "step_00000006.png").is_file()  # the grid, on its control image
+    grid = np.asarray(Image.open(straight / "samples" / "step_00000006.png").convert("RGB"))
+    control = np.asarray(Image.open(straight.parent / "grid_control.png").convert("RGB"))
+    shown = sd.sampling.grid_cell(grid, 0, 0, 64, 64, ["a red circle"], images=2)  # the control image, then the sample
+    assert np.array_equal(shown, control)
+    assert not np.array_equal(sd.sampling.grid_cell(grid, 0, 1, 64, 64, ["a red circle"], images=2), control)
 
 
 @pytest.mark.slow

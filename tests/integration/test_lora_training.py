@@ -158,8 +158,8 @@ def test_dreambooth_generates_missing_class_images_and_trains_on_both_halves(tmp
     fields = dict(instance_dir=str(instance), instance_prompt="a sks square", class_dir=str(class_dir),
                   class_prompt="a square", num_class_images=6, prior_loss_weight=0.5, image_size=64,
                   init_from=str(base_model), max_steps=3, lora_rank=lora_rank, cfg_dropout=0.0,
-                  out_dir=str(tmp_path / "run"), validate_every=3, validation_prompts=["a sks square"],
-                  lora_text_encoder=lora_rank > 0)
+                  out_dir=str(tmp_path / "run"), validate_every=100, validation_prompts=[], validation_data_captions=4,
+                  lora_text_encoder=lora_rank > 0)  # a run shorter than validate_every, with no prompts of its own
     config = write_config(tmp_path / "db.yaml", **fields)
     seen = []
     real = sd.train.step.train_step
@@ -176,7 +176,12 @@ def test_dreambooth_generates_missing_class_images_and_trains_on_both_halves(tmp
         assert latents.shape == (4, 4, 8, 8)  # batch 2 of instances, then their 2 class images
         assert all(torch.equal(row, instance_ids) for row in ids[:2])
         assert all(torch.equal(row, class_ids) for row in ids[2:])
-    assert (tmp_path / "run" / "samples" / "step_00000003.png").exists()
+    # its last step's grid (once none: the run was shorter than validate_every), of the instance prompt
+    assert sorted(p.name for p in (tmp_path / "run" / "samples").iterdir()) == ["step_00000003.png"]
+    from PIL import Image
+
+    grid = Image.open(tmp_path / "run" / "samples" / "step_00000003.png")
+    assert grid.size == sd.sampling.GridLayout.of(["a sks square"], 1, 64, 64).size
     assert "instance image skipped: " in caplog.text and "broken.png" in caplog.text
     assert f"training samples in instance_dir {fields['instance_dir']}," in caplog.text  # not "0 dataset(s)"
     saved = tmp_path / "run" / "checkpoints" / sd.run_folder.step_dir_name(3)
@@ -718,8 +723,9 @@ def test_a_loha_lokr_or_dora_run_resumes_bitwise_and_its_file_merges_to_what_the
     assert SD_ImageGen.main(["--ckpt", str(tmp_path / "a"), "--export_lora", str(out)]) == 0
     with safe_open(str(out), framework="pt") as handle:
         header, keys = handle.metadata(), list(handle.keys())
-    network_args = ({"algo": "locon", "conv_dim": "4", "conv_alpha": "3.0", "dora_wd": "True", "wd_on_output": "False"}
-                    if dora else {"algo": kind})
+    network_args = {"algo": "locon" if dora else kind, "conv_dim": "4", "conv_alpha": "3.0",
+                    **({"factor": "-1"} if kind == "lokr" else {}),
+                    **({"dora_wd": "True", "wd_on_output": "False"} if dora else {})}
     assert header["ss_network_module"] == "lycoris.kohya" and json.loads(header["ss_network_args"]) == network_args
     assert any(k.startswith("lora_unet_down_blocks_0_resnets_0_conv1." + prefix) for k in keys)
     assert ("lora_te_text_model_encoder_layers_0_self_attn_q_proj.dora_scale" in keys) == dora
@@ -737,3 +743,29 @@ def test_a_loha_lokr_or_dora_run_resumes_bitwise_and_its_file_merges_to_what_the
         assert worst < 1e-5 and changed > 1e-4, (part, worst, changed)
     assert SD_ImageGen.main(["--ckpt", str(tmp_path / "a"), "--export_lora", str(tmp_path / "d"),
                              "--lora_format", "diffusers"]) == 2
+
+
+def test_a_lokr_run_of_the_earlier_layout_resumes_with_the_scales_it_trained_with(tmp_path, base_model, data, caplog):
+    """A LoKr checkpoint that records no layout (written before LyCORIS' layout: PEFT's, which trains a layer of two
+    whole factors at alpha / r; every layer of the tiny UNet at rank 4 is one) resumes as it trained: the run
+    builds its layers at alpha / r before the optimizer holds them, says so, keeps its checkpoints (none set aside
+    as damaged), and records layout 1 in its next; loaded for sampling, its layers are at alpha / r."""
+    from safetensors.torch import save_file
+
+    config = write_config(tmp_path / "a.yaml", out_dir=str(tmp_path / "a"), datasets=[data], init_from=str(base_model),
+                          max_steps=4, lora_type="lokr", lora_dropout=0.0, lora_alpha=3.0)
+    assert SD_Train.main(["--config", str(config), "--stop_at_step", "2"]) == 0
+    folder = tmp_path / "a" / "checkpoints" / sd.run_folder.step_dir_name(2)
+    adapter = load_file(folder / "adapter.safetensors")
+    assert int(adapter.pop(sd.lora.adapters.LAYOUT_KEY)) == sd.lora.adapters.LOKR_LAYOUT == 2
+    save_file(adapter, str(folder / "adapter.safetensors"))  # as an earlier version wrote it
+    (folder / sd.run_folder.MANIFEST).unlink()
+    with caplog.at_level(logging.WARNING):
+        assert SD_Train.main(["--config", str(config)]) == 0
+    assert "trained with PEFT's layout of its factors (layout 1" in caplog.text
+    assert not list((tmp_path / "a" / "checkpoints").glob(f"*{sd.run_folder.DAMAGED_SUFFIX}*"))
+    last = load_file(tmp_path / "a" / "checkpoints" / sd.run_folder.step_dir_name(4) / "adapter.safetensors")
+    assert int(last[sd.lora.adapters.LAYOUT_KEY]) == 1
+    unet = sd.formats.load_pipeline(str(tmp_path / "a")).unet
+    layers = sd.lora.adapters.lokr_layers(unet)
+    assert layers and all("default" in layer.lokr_w2 and layer.scaling["default"] == 3.0 / 4 for _, layer in layers)
