@@ -14,6 +14,17 @@ A convolution with a kernel larger than 1x1 (the ResNet and sampler convolutions
 rank and alpha (``lora_conv_rank`` / ``lora_conv_alpha``, kohya's ``conv_dim`` / ``conv_alpha``);
 Linear layers and 1x1 convolutions take ``lora_rank`` / ``lora_alpha``, as in kohya's sd-scripts.
 
+LoHa and LoKr (``kind``) are LyCORIS' adapters through PEFT's layers, laid out, scaled and initialised as
+LyCORIS' own modules (``lycoris/modules/loha.py``, ``lokr.py``) make them, so that a file of ours means in
+LyCORIS, ComfyUI and AUTOMATIC1111 what it meant in training: a LoKr's sides split by LyCORIS'
+``factorization`` (its smaller factor first, where PEFT puts a ``lora_factor`` above a side's square root
+first), a LoKr of two whole factors at scale 1 ("alpha is ignored in this case", LyCORIS' docs; PEFT
+scales it by alpha / r), ``w2`` zero at the start and ``w1`` Kaiming-uniform (PEFT zeroes ``w1``), a
+LoHa's ``w1_a`` drawn with std 0.1, ``w1_b`` and ``w2_b`` with std 1 and ``w2_a`` zero (PEFT: Kaiming-uniform
+and ``w2_b`` zero, a first product 0.3 sqrt(r * in) times smaller: 11-21 times at rank 4 in SD 1.x).
+``LOKR_LAYOUT`` numbers that layout; a run's adapter file records it, and a run trained before it (PEFT's,
+layout 1) is rebuilt as it trained.
+
 Adapters live inside the model's modules under PEFT's adapter name ``default``; ``adapter_state``
 reads them as a flat dict, ``merge`` folds them into the base weights (for export) and restores
 plain layers.
@@ -21,6 +32,7 @@ plain layers.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +53,11 @@ TEXT_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj")  # the CLIP text encod
 LAYER_TYPES = (torch.nn.Linear, torch.nn.Conv2d)
 LORA_TYPES = {"lora": "LoRA", "loha": "LoHa", "lokr": "LoKr"}  # lora_type: its name in messages
 ADAPTER_PARTS = (".lora_A.", ".lora_B.", ".hada_", ".lokr_", ".dora_scale.")  # in the names of every kind's parameters
+# How LoKr layers are laid out: 1, PEFT's (runs before this layout was numbered: a lora_factor above a side's
+# square root as the first factor, two whole factors at alpha / r); 2, LyCORIS' (the module docstring).
+LOKR_LAYOUT = 2
+LAYOUT_KEY = "lokr_layout"  # the tensor of a run's adapter file (AdapterWeights) that records it
+LOKR_FACTORS = ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b", "lokr_t2")
 
 
 class LoraError(ValueError):
@@ -68,15 +85,17 @@ def is_spatial_conv(module) -> bool:
 
 
 def add_lora(model, modules: list[str], rank: int, alpha: float, dropout: float = 0.0, seed: int = 0,
-             conv_rank: int = 0, conv_alpha: float = 0.0, kind: str = "lora", factor: int = -1, dora: bool = False):
+             conv_rank: int = 0, conv_alpha: float = 0.0, kind: str = "lora", factor: int = -1, dora: bool = False,
+             layout: int = LOKR_LAYOUT):
     """Inject a LoRA adapter into ``modules`` of ``model`` and freeze everything else.
 
     ``conv_rank`` / ``conv_alpha`` (0: ``rank`` / ``alpha``): the rank and alpha of the modules that are
     convolutions with a kernel larger than 1x1. ``down`` is initialised (Kaiming-uniform, seeded by
     ``seed`` without touching the global RNG), ``up`` is zero. ``kind`` (``LORA_TYPES``): loha or lokr
-    instead, through PEFT's LoHa / LoKr layers (one factor starts at zero likewise; lokr's small factor
-    has sides ``factor``, -1: near the square root). ``dora``: each layer also trains a magnitude per input
-    channel (``sd.lora.dora``). Returns ``model``.
+    instead, through PEFT's LoHa / LoKr layers made as LyCORIS makes them (the module docstring; one factor
+    starts at zero likewise; lokr's sides split by ``lycoris_factorization(side, factor)``, -1: near the
+    square root); ``layout`` 1 builds a LoKr as PEFT does (a run trained before ``LOKR_LAYOUT``).
+    ``dora``: each layer also trains a magnitude per input channel (``sd.lora.dora``). Returns ``model``.
     """
     import re
 
@@ -92,23 +111,103 @@ def add_lora(model, modules: list[str], rank: int, alpha: float, dropout: float 
     if kind == "loha":
         config = LoHaConfig(r=rank, alpha=alpha, target_modules=list(modules), init_weights=True, **patterns)
     elif kind == "lokr":
-        config = LoKrConfig(r=rank, alpha=alpha, target_modules=list(modules), init_weights=True,
-                            decompose_factor=factor, **patterns)
+        config = LoKrConfig(r=rank, alpha=alpha, target_modules=list(modules), decompose_factor=factor,
+                            init_weights="lycoris" if layout == LOKR_LAYOUT else True, **patterns)
     else:
         config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(modules),
                             init_lora_weights=True, **patterns)
     model.requires_grad_(False)
+    model.lora_settings = {"rank": rank, "alpha": float(alpha), "dropout": float(dropout), "modules": list(modules),
+                           "conv_rank": conv_rank, "conv_alpha": conv_alpha, "kind": kind, "factor": factor,
+                           "dora": dora}
     with sd.model._seeded(seed):
         inject_adapter_in_model(config, model, adapter_name=ADAPTER)
+        if kind == "loha":
+            for _, layer in lora_layers(model):
+                init_loha_as_lycoris(layer)
+        elif kind == "lokr":
+            set_lokr_layout(model, layout, init=True)
     if dora:
         for _, layer in lora_layers(model):
             sd.lora.dora.add_dora(layer)
     for name, param in model.named_parameters():
         param.requires_grad_(is_adapter_name(name))
-    model.lora_settings = {"rank": rank, "alpha": float(alpha), "dropout": float(dropout), "modules": list(modules),
-                           "conv_rank": conv_rank, "conv_alpha": conv_alpha, "kind": kind, "factor": factor,
-                           "dora": dora}
     return model
+
+
+def lycoris_factorization(side: int, factor: int = -1) -> tuple[int, int]:
+    """LyCORIS' split of a layer's side into the sides of a LoKr's two factors, ``(m, n)`` with ``m * n = side``
+    and ``m <= n`` (``lycoris.functional.general.factorization``): ``factor`` and the rest when ``factor`` divides
+    ``side`` (in either order: PEFT keeps ``factor`` first even when it is the larger), else the divisor nearest
+    the square root that is at most ``factor`` (-1: any)."""
+    if factor > 0 and side % factor == 0:
+        return min(factor, side // factor), max(factor, side // factor)
+    limit = side if factor < 0 else factor
+    m = max(d for d in range(1, math.isqrt(side) + 1) if side % d == 0 and d <= limit)
+    return m, side // m
+
+
+@torch.no_grad()
+def init_loha_as_lycoris(layer) -> None:
+    """A PEFT LoHa layer's factors drawn as LyCORIS' LohaModule draws them: Tucker cores and ``w1_a`` normal
+    with std 0.1, ``w1_b`` and ``w2_b`` with std 1, ``w2_a`` zero (the layer adds nothing at the start)."""
+    if ADAPTER in layer.hada_t1:
+        torch.nn.init.normal_(layer.hada_t1[ADAPTER], std=0.1)
+        torch.nn.init.normal_(layer.hada_t2[ADAPTER], std=0.1)
+    torch.nn.init.normal_(layer.hada_w1_b[ADAPTER], std=1.0)
+    torch.nn.init.normal_(layer.hada_w1_a[ADAPTER], std=0.1)
+    torch.nn.init.normal_(layer.hada_w2_b[ADAPTER], std=1.0)
+    torch.nn.init.zeros_(layer.hada_w2_a[ADAPTER])
+
+
+def lokr_layers(model) -> list:
+    from peft.tuners.lokr.layer import LoKrLayer
+
+    return [(name, layer) for name, layer in lora_layers(model) if isinstance(layer, LoKrLayer)]
+
+
+def set_lokr_layout(model, layout: int, init: bool = False) -> None:
+    """Lay out every LoKr layer of ``model`` as ``layout`` (``LOKR_LAYOUT``) says: a layer whose factors have
+    other shapes gets new ones (drawn as LyCORIS draws them with ``init``, else zero: to be loaded), and each
+    its scale (1 for two whole factors in layout 2, else alpha / r). The factor sides are ``lora_settings``'."""
+    factor = model.lora_settings["factor"]
+    for _, layer in lokr_layers(model):
+        _lay_out_lokr(layer, factor, layout, init)
+    model.lora_settings["layout"] = layout
+
+
+def lokr_layout_of(model) -> int | None:
+    """The layout of ``model``'s LoKr layers, None when it has none."""
+    return model.lora_settings.get("layout", LOKR_LAYOUT) if lokr_layers(model) else None
+
+
+def _lay_out_lokr(layer, factor: int, layout: int, init: bool) -> None:
+    from peft.tuners.lokr.layer import factorization as peft_factorization
+
+    r, alpha = layer.r[ADAPTER], layer.alpha[ADAPTER]
+    out_side, in_side, *kernel = layer.get_base_layer().weight.shape
+    split = lycoris_factorization if layout == LOKR_LAYOUT else peft_factorization
+    (a, b), (c, d) = split(out_side, factor), split(in_side, factor)
+    whole = r >= max(b, d) / 2  # LyCORIS' and PEFT's rule: w2 whole when the rank reaches half its larger side
+    if kernel:
+        wanted = {"lokr_w1": (a, c), **({"lokr_w2": (b, d, *kernel)} if whole else
+                                        {"lokr_w2_a": (b, r), "lokr_w2_b": (r, d * math.prod(kernel))})}
+    else:
+        wanted = {"lokr_w1": (a, c), **({"lokr_w2": (b, d)} if whole else {"lokr_w2_a": (b, r), "lokr_w2_b": (r, d)})}
+    present = {name: getattr(layer, name)[ADAPTER] for name in LOKR_FACTORS if ADAPTER in getattr(layer, name)}
+    if {name: tuple(p.shape) for name, p in present.items()} != wanted:
+        like = next(iter(present.values()))
+        for name in present:
+            del getattr(layer, name)[ADAPTER]
+        layer.create_adapter_parameters(ADAPTER, r, ((a, b), (c, d), *kernel), use_w1=True, use_w2=whole,
+                                        use_effective_conv2d=False)
+        for name in wanted:
+            holder = getattr(layer, name)
+            zeros = torch.zeros_like(holder[ADAPTER], device=like.device, dtype=like.dtype)
+            holder[ADAPTER] = torch.nn.Parameter(zeros, requires_grad=like.requires_grad)
+        if init:
+            layer.reset_adapter_parameters_lycoris_way(ADAPTER)
+    layer.scaling[ADAPTER] = 1.0 if layout == LOKR_LAYOUT and whole else alpha / r
 
 
 def is_adapter_name(name: str) -> bool:
@@ -218,10 +317,10 @@ class LoraSettings:
         return sd.cli.view_of(cls, config)
 
 
-def apply_settings(settings: LoraSettings, unet, text_encoder) -> None:
+def apply_settings(settings: LoraSettings, unet, text_encoder, layout: int = LOKR_LAYOUT) -> None:
     """Add the adapters a training config asks for (``lora_rank`` > 0): on the UNet's ``lora_targets``
     (its larger-than-1x1 convolutions at ``lora_conv_rank`` / ``lora_conv_alpha``) and, with
-    ``lora_text_encoder``, on the text encoder's attention projections.
+    ``lora_text_encoder``, on the text encoder's attention projections; a LoKr laid out as ``layout``.
 
     With bf16 or fp16 precision the frozen base weights are then stored in that type (half their
     memory: autocast computes the layers in it anyway); the adapters stay fp32.
@@ -231,7 +330,7 @@ def apply_settings(settings: LoraSettings, unet, text_encoder) -> None:
     rank = settings.lora_rank
     alpha = effective_alpha(rank, settings.lora_alpha)
     conv_rank, conv_alpha = conv_settings(rank, settings.lora_alpha, settings.lora_conv_rank, settings.lora_conv_alpha)
-    kind = dict(kind=settings.lora_type, factor=settings.lora_factor, dora=settings.dora)
+    kind = dict(kind=settings.lora_type, factor=settings.lora_factor, dora=settings.dora, layout=layout)
     add_lora(unet, resolve_targets(unet, list(settings.lora_targets)), rank, alpha, settings.lora_dropout,
              seed=settings.seed, conv_rank=conv_rank, conv_alpha=conv_alpha, **kind)
     if settings.lora_text_encoder:
@@ -262,15 +361,34 @@ def trainable_count(model) -> int:
 
 class AdapterWeights:
     """The trained adapters of a run as one flat dict of tensors (``unet.``/``text_encoder.`` +
-    parameter name): what a LoRA run's checkpoints hold instead of the full UNet."""
+    parameter name): what a LoRA run's checkpoints hold instead of the full UNet. With LoKr layers it also
+    holds their layout (``LAYOUT_KEY``, 0-d); a file with LoKr tensors and none is layout 1.
 
-    def __init__(self, **models):
+    Loading lays the LoKr layers out as the state's layout says (their scales, and new factors where the
+    shapes differ) when ``relayout`` allows it: never while training, whose optimizer holds the factors the
+    run was built with (``resumed_lokr_layout`` builds them right for a resume)."""
+
+    def __init__(self, relayout: bool = True, **models):
+        self.relayout = relayout
         self.models = {prefix: m for prefix, m in models.items() if m is not None and has_lora(m)}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {f"{prefix}.{name}": p for prefix, m in self.models.items() for name, p in adapter_state(m).items()}
+        state = {f"{prefix}.{name}": p for prefix, m in self.models.items() for name, p in adapter_state(m).items()}
+        layouts = {lokr_layout_of(m) for m in self.models.values()} - {None}
+        if layouts:
+            state[LAYOUT_KEY] = torch.tensor(max(layouts), dtype=torch.int32)
+        return state
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        state = dict(state)
+        layout = state.pop(LAYOUT_KEY, None)
+        layout = int(layout) if layout is not None else 1 if any(".lokr_" in k for k in state) else LOKR_LAYOUT
+        for model in self.models.values():
+            if lokr_layout_of(model) not in (None, layout):
+                if not self.relayout:
+                    raise ValueError(f"adapter weights of LoKr layout {layout}, the run's layers are laid out as "
+                                     f"{lokr_layout_of(model)}")
+                set_lokr_layout(model, layout)
         check_finite(state, "adapter weights")  # named as the file names them
         for prefix, model in self.models.items():
             mine = {k[len(prefix) + 1:]: v for k, v in state.items() if k.startswith(prefix + ".")}

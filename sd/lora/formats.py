@@ -108,7 +108,7 @@ class KroneckerModule(NamedTuple):
     """A LoKr layer (LyCORIS): ``W += scale * kron(W1, W2)``, each factor stored whole (``lokr_w1``,
     ``lokr_w2``) or as a low-rank product (``_a @ _b``; ``W2`` also with a Tucker core ``lokr_t2``). The
     rank is that of ``W2``'s product, else ``W1``'s; with both factors whole the scale is 1 (LyCORIS
-    stores alpha = r then, and ComfyUI and AUTOMATIC1111 ignore alpha), else alpha / rank."""
+    trains them so and stores alpha = r, and ComfyUI and AUTOMATIC1111 ignore alpha), else alpha / rank."""
 
     tensors: dict[str, torch.Tensor]
     alpha: float
@@ -141,11 +141,52 @@ class KroneckerModule(NamedTuple):
 
 LYCORIS_KEYS = {"loha": ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "hada_t1", "hada_t2"),
                 "lokr": ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b", "lokr_t2")}
+FOLDED = "lora_alpha_folded"  # the header's note of scales multiplied into a file's weights (its alphas then r)
+
+
+class Network(NamedTuple):
+    """An adapter as it trained, as a kohya-layout header records it (sd-scripts' ``ss_network_dim`` /
+    ``ss_network_alpha`` / ``ss_network_args``, LyCORIS' kohya network's arguments)."""
+
+    dim: int  # the rank of the Linear and 1x1 layers
+    alpha: float  # their alpha
+    conv_dim: int | None = None  # the rank and alpha of the convolutions larger than 1x1; None: none adapted
+    conv_alpha: float | None = None
+    kind: str = "lora"  # sd.lora.adapters.LORA_TYPES
+    factor: int | None = None  # a LoKr's lora_factor (None: unknown)
+    dora: bool = False
+
+    @property
+    def algo(self) -> str:
+        """The algorithm as LyCORIS' kohya network names it (``algo``)."""
+        return self.kind if self.kind != "lora" else "locon" if self.conv_dim is not None else "lora"
+
+    @classmethod
+    def of_settings(cls, settings: dict, convs: bool) -> "Network":
+        """From a model's ``lora_settings`` (``sd.lora.adapters.add_lora``); ``convs``: larger convolutions adapted."""
+        return cls(settings["rank"], float(settings["alpha"]), settings["conv_rank"] if convs else None,
+                   float(settings["conv_alpha"]) if convs else None, settings["kind"],
+                   settings["factor"] if settings["kind"] == "lokr" else None, bool(settings["dora"]))
+
+    @classmethod
+    def of_layers(cls, layers: list) -> "Network":
+        """From the layers as they trained (before any folding). A LoHa's or LoKr's convolutions are flattened
+        to 2-D in its tensors: they count among the Linear layers here."""
+        convs = [m for m in layers if getattr(m, "is_spatial_conv", False)]
+        linear = [m for m in layers if not getattr(m, "is_spatial_conv", False)] or layers
+        ranked = [m for m in linear if m.rank is not None] or linear  # a LoKr of two whole factors has no rank
+        lycoris = [m for m in layers if not isinstance(m, LoraModule)]
+        kind = ("loha" if isinstance(lycoris[0], HadamardModule) else "lokr") if lycoris else "lora"
+        return cls(_most_common(m.rank or 0 for m in ranked), _most_common(m.alpha for m in ranked),
+                   _most_common(m.rank for m in convs) if convs else None,
+                   _most_common(m.alpha for m in convs) if convs else None, kind,
+                   dora=any(m.dora_scale is not None for m in layers))
 
 
 def lycoris_of(layer):
-    """A PEFT LoHa or LoKr layer as the module its file holds. PEFT scales by alpha / r always; a LoKr of two
-    whole factors is read at scale 1 (ComfyUI, AUTOMATIC1111, LyCORIS), so its scale goes into ``lokr_w1``."""
+    """A PEFT LoHa or LoKr layer (``sd.lora.adapters.add_lora``) as the module its file holds. A LoKr of two
+    whole factors is read at scale 1 (ComfyUI, AUTOMATIC1111, LyCORIS) and written with alpha = r, as LyCORIS
+    writes it; one that trained at another scale (a run of layout 1, PEFT's alpha / r) has it in ``lokr_w1``."""
     adapter = sd.lora.adapters.ADAPTER
     names = [n for kind in LYCORIS_KEYS.values() for n in kind
              if adapter in getattr(layer, n, {}) and getattr(layer, n)[adapter].numel()]
@@ -155,9 +196,21 @@ def lycoris_of(layer):
         return HadamardModule(tensors, alpha)
     module = KroneckerModule(tensors, alpha)
     if module.rank is None:
-        tensors["lokr_w1"] = (tensors["lokr_w1"].float() * (alpha / rank)).to(tensors["lokr_w1"].dtype)
+        scale = float(layer.scaling[adapter])
+        if scale != 1.0:
+            tensors["lokr_w1"] = (tensors["lokr_w1"].float() * scale).to(tensors["lokr_w1"].dtype)
         module = KroneckerModule(tensors, float(rank))
     return module
+
+
+def swapped_lokr_factors(module: KroneckerModule, weight_shape) -> bool:
+    """Whether a LoKr's first factor is the larger on a side of its layer's weight: PEFT's split of a side by
+    a ``lora_factor`` above its square root (a run of layout 1), which LyCORIS' loader refuses (its
+    ``factorization`` puts the smaller first); ComfyUI and AUTOMATIC1111 read it as it is."""
+    t = module.tensors
+    w1 = t["lokr_w1"].shape if "lokr_w1" in t else (t["lokr_w1_a"].shape[0], t["lokr_w1_b"].shape[1])
+    rows, columns = w1[0], w1[1]
+    return rows * rows > weight_shape[0] or columns * columns > weight_shape[1]
 
 
 def lora_file_name(part: str, module: str) -> str:
@@ -190,6 +243,11 @@ def adapter_lora_modules(model) -> dict[str, LoraModule]:
     for name, layer in sd.lora.adapters.lora_layers(model):
         if isinstance(layer, LycorisLayer):
             out[name] = lycoris_of(layer)
+            weight_shape = layer.get_base_layer().weight.shape
+            if isinstance(out[name], KroneckerModule) and swapped_lokr_factors(out[name], weight_shape):
+                log.warning("%s: its LoKr factors are PEFT's split of lora_factor (a run trained before LyCORIS' "
+                            "layout was used): ComfyUI and AUTOMATIC1111 read the file, LyCORIS' loader refuses "
+                            "it", name)
         elif getattr(layer, "use_rslora", {}).get(sd.lora.adapters.ADAPTER, False):
             raise ValueError(f"{name}: rank-stabilised LoRA (alpha / sqrt(r)) has no place in these file formats")
         else:
@@ -213,10 +271,13 @@ def lora_output(out: str | Path, lora_format: str = DEFAULT_LORA_FORMAT) -> Path
 
 
 def save_lora(out: str | Path, lora: dict[str, dict[str, LoraModule]], lora_format: str = DEFAULT_LORA_FORMAT,
-              metadata: dict | None = None, embeddings: dict[str, torch.Tensor] | None = None) -> Path:
+              metadata: dict | None = None, embeddings: dict[str, torch.Tensor] | None = None,
+              network: Network | None = None) -> Path:
     """Write ``lora`` (``{part: {module: LoraModule}}``) in ``lora_format`` to ``lora_output(out)``,
     atomically; returns that file. ``metadata`` (string values) joins the header, beside the rank and
-    alpha it records (kohya: and sd-scripts' network keys and content hashes, ``sd.metadata``).
+    alpha it records (kohya: and sd-scripts' network keys and content hashes, ``sd.metadata``): those of
+    ``network`` (the adapter as it trained; None: as its layers say before any folding), whatever the
+    tensors hold after folding, which ``FOLDED`` then notes.
     ``embeddings`` (``{token: (N, D)}``, kohya only): learned tokens bundled as AUTOMATIC1111 reads them,
     ``bundle_emb.<token>.string_to_param.*`` (``BUNDLE_PREFIX``).
 
@@ -238,13 +299,17 @@ def save_lora(out: str | Path, lora: dict[str, dict[str, LoraModule]], lora_form
     if any(m.dora_scale is not None for m in layers) and lora_format != "kohya":
         raise ValueError(f"{out}: diffusers' LoRA format holds DoRA per output channel, which this adapter is not; "
                          "write it with --lora_format kohya (dora_scale, which ComfyUI and AUTOMATIC1111 load)")
+    network = network or Network.of_layers(layers)
+    header = {"format": "pt", "lora_rank": str(network.dim), "lora_alpha": str(float(network.alpha))}
+    if network.conv_dim is not None:
+        header.update(lora_conv_rank=str(network.conv_dim), lora_conv_alpha=str(float(network.conv_alpha)))
+    header.update({k: str(v) for k, v in (metadata or {}).items()})
     if not lycoris and (lora_format == "diffusers" or len({m.rank for m in layers}) > 1):
+        if any(m.alpha != m.rank for m in layers):
+            up = "lora_B" if lora_format == "diffusers" else "lora_up"
+            header[FOLDED] = (f"each layer's alpha / rank is multiplied into its {up} weight and its alpha written as "
+                              "its rank; it trained at the alphas lora_alpha and lora_conv_alpha say")
         lora = fold_alpha(lora)
-        layers = [m for part in lora.values() for m in part.values()]
-    linear = [m for m in layers if not getattr(m, "is_spatial_conv", False)] or layers  # LoCon's convs apart
-    header = {"format": "pt", "lora_rank": str(_most_common(m.rank or 0 for m in linear)),
-              "lora_alpha": str(_most_common(m.alpha for m in linear)),
-              **{k: str(v) for k, v in (metadata or {}).items()}}
     if lora_format == "diffusers":
         tensors = _diffusers_lora_tensors(lora)
         header[DIFFUSERS_LORA_METADATA] = json.dumps(
@@ -252,7 +317,7 @@ def save_lora(out: str | Path, lora: dict[str, dict[str, LoraModule]], lora_form
              for key, value in _peft_config(part, modules).items()}, indent=2, sort_keys=True)
     else:
         tensors = _kohya_lora_tensors(lora)
-        header.update(_kohya_header(layers))
+        header.update(_kohya_header(network))
         for token, vectors in (embeddings or {}).items():
             if "." in token:
                 raise ValueError(f"token {token!r}: a '.' splits the names of AUTOMATIC1111's bundled embeddings; "
@@ -296,7 +361,23 @@ def save_model_lora(out: str | Path, unet, text_encoder=None, lora_format: str =
     targets = settings.get("targets") or sorted(lora.get("unet", {}))
     header = {"lora_targets": json.dumps(list(targets)), "lora_text_encoder": str("text_encoder" in lora),
               **(metadata or {})}
-    return save_lora(out, lora, lora_format, header, embeddings)
+    layers = [layer for m in models.values() if m is not None for _, layer in sd.lora.adapters.lora_layers(m)]
+    if any(_whole_lokr_scale(layer) != 1.0 for layer in layers):
+        header[FOLDED] = ("the scale of each LoKr layer of two whole factors (alpha / rank: it trained with PEFT's "
+                          "layout) is multiplied into its lokr_w1 and its alpha written as its rank")
+    network = None
+    if settings and sd.lora.adapters.has_lora(unet):
+        convs = any(sd.lora.adapters.is_spatial_conv(layer.get_base_layer()) for layer in layers)
+        network = Network.of_settings(settings, convs)
+    return save_lora(out, lora, lora_format, header, embeddings, network)
+
+
+def _whole_lokr_scale(layer) -> float:
+    """The scale a LoKr layer of two whole factors trained at (1 in LyCORIS' layout); 1 for any other layer."""
+    adapter = sd.lora.adapters.ADAPTER
+    if adapter in getattr(layer, "lokr_w1", {}) and adapter in getattr(layer, "lokr_w2", {}):
+        return float(layer.scaling[adapter])
+    return 1.0
 
 
 def _most_common(values):
@@ -349,31 +430,25 @@ def _kohya_lora_tensors(lora) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _kohya_header(layers: list[LoraModule]) -> dict[str, str]:
+def _kohya_header(network: Network) -> dict[str, str]:
     """sd-scripts' own header fields (AUTOMATIC1111 shows them, and takes a file with any header for SD 1.x):
-    ``ss_network_dim`` / ``ss_network_alpha`` of the Linear and 1x1 layers, and for LoCon the larger
-    convolutions' rank and alpha as the network arguments sd-scripts' networks/lora.py takes
-    (``ss_network_args``: JSON of ``conv_dim`` and ``conv_alpha``, as strings, the way it records them). A LoHa,
-    LoKr or DoRA file names LyCORIS' network and its arguments (``algo``; ``dora_wd``, ``wd_on_output``)."""
-    lycoris = [m for m in layers if not isinstance(m, LoraModule)]
-    dora = any(m.dora_scale is not None for m in layers)
-    if lycoris:
-        args = {"algo": "loha" if isinstance(lycoris[0], HadamardModule) else "lokr"}
-        convs, linear = [], layers
-    else:
-        convs = [m for m in layers if m.is_spatial_conv]
-        linear = [m for m in layers if not m.is_spatial_conv] or layers
-        args = {"conv_dim": str(_most_common(m.rank for m in convs)),
-                "conv_alpha": str(_most_common(m.alpha for m in convs))} if convs else {}
-        if dora:  # sd-scripts' networks.lora has no DoRA: LyCORIS' network, its algorithm named
-            args = {"algo": "locon" if convs else "lora", **args}
-    if dora:
+    ``ss_network_dim`` / ``ss_network_alpha``, the Linear and 1x1 layers' rank and alpha as they trained, and
+    the network's arguments (``ss_network_args``, JSON, every value a string, the way sd-scripts records
+    them): ``conv_dim`` / ``conv_alpha`` when larger convolutions are adapted (sd-scripts' networks.lora and
+    LyCORIS take both); a LoHa, LoKr or DoRA file names LyCORIS' network and its arguments (``algo``,
+    lokr's ``factor``, ``dora_wd`` and ``wd_on_output``), as LyCORIS' kohya network reads them."""
+    lycoris = network.kind != "lora" or network.dora
+    args = {"algo": network.algo} if lycoris else {}
+    if network.conv_dim is not None:
+        args.update(conv_dim=str(network.conv_dim), conv_alpha=str(float(network.conv_alpha)))
+    if network.kind == "lokr" and network.factor is not None:
+        args["factor"] = str(network.factor)
+    if network.dora:
         args.update(dora_wd="True", wd_on_output="False")
-    header = {"ss_network_module": "lycoris.kohya" if "algo" in args else "networks.lora",
-              "ss_network_dim": str(_most_common(m.rank or 0 for m in linear)),
-              "ss_network_alpha": str(_most_common(m.alpha for m in linear)), "ss_v2": "False",
+    header = {"ss_network_module": "lycoris.kohya" if lycoris else "networks.lora",
+              "ss_network_dim": str(network.dim), "ss_network_alpha": str(float(network.alpha)), "ss_v2": "False",
               "ss_base_model_version": "sd_v1"}
-    if args:  # LyCORIS' kohya network takes its algorithm there; every value a string, as sd-scripts records them
+    if args:
         header["ss_network_args"] = json.dumps(args)
     return header
 

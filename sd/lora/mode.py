@@ -3,9 +3,16 @@
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
+
+import sd.formats
 import sd.lora.adapters
+import sd.run_folder
 import sd.train.mode
 from sd.cli import ConfigError
+
+log = logging.getLogger("sd_lora")
 
 
 class Lora(sd.train.mode.Mode):
@@ -54,14 +61,30 @@ class Lora(sd.train.mode.Mode):
             raise ConfigError(str(error)) from None
 
     def attach(self, unet, text_encoder):
+        layout = sd.lora.adapters.LOKR_LAYOUT
+        if self.config.lora_type == "lokr":
+            layout = resumed_lokr_layout(Path(self.config.out_dir) / "checkpoints")
+            if layout != sd.lora.adapters.LOKR_LAYOUT:
+                log.warning("the LoKr run in %s was trained with PEFT's layout of its factors (layout %d, before "
+                            "LyCORIS' was used): it trains on as it began; a new run takes LyCORIS' layout",
+                            self.config.out_dir, layout)
+        return self._attach(unet, text_encoder, layout)
+
+    def estimate_attach(self, unet, text_encoder):
+        return self._attach(unet, text_encoder, sd.lora.adapters.LOKR_LAYOUT)  # no file read
+
+    def _attach(self, unet, text_encoder, layout: int):
         try:
-            sd.lora.adapters.apply_settings(sd.lora.adapters.LoraSettings.from_config(self.config), unet, text_encoder)
+            sd.lora.adapters.apply_settings(sd.lora.adapters.LoraSettings.from_config(self.config), unet, text_encoder,
+                                            layout)
         except sd.lora.adapters.LoraError as error:
             raise ConfigError(str(error)) from error
         return unet
 
     def trained_weights(self, step) -> dict[str, object]:
-        return {"adapter": sd.lora.adapters.AdapterWeights(unet=step.unet, text_encoder=step.text_encoder)}
+        # relayout=False: the optimizer holds the factors attach built (a resume's layout: resumed_lokr_layout)
+        return {"adapter": sd.lora.adapters.AdapterWeights(relayout=False, unet=step.unet,
+                                                           text_encoder=step.text_encoder)}
 
     def describe(self, step) -> str:
         config = self.config
@@ -70,3 +93,22 @@ class Lora(sd.train.mode.Mode):
                 f"{len(step.unet.lora_settings['modules'])} UNet layers"
                 f"{' and the text encoder' if config.lora_text_encoder else ''}: "
                 f"{sum(p.numel() for p in step.trainable)} trainable parameters")
+
+
+def resumed_lokr_layout(checkpoints_dir: Path) -> int:
+    """The LoKr layout (``sd.lora.adapters.LOKR_LAYOUT``) of the run whose checkpoints are in ``checkpoints_dir``,
+    from its newest complete checkpoint whose adapter file can be read (a resume loads one of them); the current
+    layout when there is none. A checkpoint's layout is chosen before the optimizer holds the factors, so the
+    resumed run keeps the factors and scales it was trained with."""
+    from safetensors import SafetensorError, safe_open
+
+    for _, folder in reversed(sd.run_folder.complete_checkpoints(checkpoints_dir)):
+        try:
+            with safe_open(str(folder / sd.formats.RUN_ADAPTER_FILE), framework="pt") as handle:
+                keys = set(handle.keys())
+                if sd.lora.adapters.LAYOUT_KEY in keys:
+                    return int(handle.get_tensor(sd.lora.adapters.LAYOUT_KEY))
+        except (OSError, SafetensorError, RuntimeError, ValueError):
+            continue  # a damaged file: the resume sets its checkpoint aside and reads an older one
+        return 1 if any(".lokr_" in key for key in keys) else sd.lora.adapters.LOKR_LAYOUT
+    return sd.lora.adapters.LOKR_LAYOUT

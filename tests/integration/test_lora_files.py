@@ -214,7 +214,8 @@ def test_written_files_read_back_to_the_same_tensors(fmt, base, tmp_path):
             assert back[part][name].alpha == (RANK if fmt == "diffusers" else ALPHA)
     with safe_open(str(path), framework="pt") as handle:
         header = handle.metadata()
-    assert (header["lora_rank"], header["lora_alpha"]) == (str(RANK), str(float(RANK) if fmt == "diffusers" else ALPHA))
+    assert (header["lora_rank"], header["lora_alpha"]) == (str(RANK), str(ALPHA))  # as trained, whatever is folded
+    assert ("lora_B weight" in header.get(sd.lora.formats.FOLDED, "")) == (fmt == "diffusers")
     assert json.loads(header["lora_targets"]) == sorted(sd.lora.formats.adapter_lora_modules(unet))
     keys = set(load_file(str(path)))
     if fmt == "kohya":
@@ -482,10 +483,11 @@ CONV_RANK, CONV_ALPHA = 2, 1.0
 
 def test_locon_convolutions_keep_their_own_rank_in_the_kohya_layout_with_alpha_folded(base, tmp_path):
     """3x3 convolutions at rank 2 / alpha 1, Linear and 1x1 layers at rank 4 / alpha 8: the file's keys say
-    so and its header records kohya's conv_dim / conv_alpha. Layers of two ranks are written with alpha /
-    rank folded into up and alpha = rank: diffusers up to 0.32.1 (sd-scripts' pinned version) reads such a
-    file at alpha = rank whatever it holds (``_maybe_adjust_config``), the other readers (ours, newer
-    diffusers' conversion of kohya files) read each alpha; both get the trained weights."""
+    so and its header records them as trained (kohya's network_dim / network_alpha, conv_dim / conv_alpha) with
+    a note of the folding. Layers of two ranks are written with alpha / rank folded into up and alpha = rank:
+    diffusers up to 0.32.1 (sd-scripts' pinned version) reads such a file at alpha = rank whatever it holds
+    (``_maybe_adjust_config``), the other readers (ours, newer diffusers' conversion of kohya files) read each
+    alpha; both get the trained weights."""
     from diffusers import DDIMScheduler, StableDiffusionPipeline
 
     unet = copy.deepcopy(base[0])
@@ -515,9 +517,10 @@ def test_locon_convolutions_keep_their_own_rank_in_the_kohya_layout_with_alpha_f
             torch.testing.assert_close(delta, trained, atol=1e-6, rtol=1e-5, msg=f"{reader}: {name}")
     with safe_open(str(path), framework="pt") as handle:
         header = handle.metadata()
-    assert (header["ss_network_dim"], header["ss_network_alpha"]) == (str(RANK), str(float(RANK)))
-    assert json.loads(header["ss_network_args"]) == {"conv_dim": str(CONV_RANK), "conv_alpha": str(float(CONV_RANK))}
-    assert (header["lora_rank"], header["lora_alpha"]) == (str(RANK), str(float(RANK)))
+    assert (header["ss_network_dim"], header["ss_network_alpha"]) == (str(RANK), str(ALPHA))  # as trained
+    assert json.loads(header["ss_network_args"]) == {"conv_dim": str(CONV_RANK), "conv_alpha": str(CONV_ALPHA)}
+    assert (header["lora_rank"], header["lora_alpha"]) == (str(RANK), str(ALPHA))
+    assert "lora_up weight and its alpha written as its rank" in header[sd.lora.formats.FOLDED]
 
     pipe = StableDiffusionPipeline(unet=copy.deepcopy(base[0]), text_encoder=copy.deepcopy(base[1]), vae=base[2],
                                    tokenizer=base[3], scheduler=sd.model.build_noise_scheduler("epsilon", DDIMScheduler),
@@ -553,7 +556,46 @@ def test_a_locon_run_records_its_conv_rank_and_loads_back_with_it(lora_run, base
     assert adapters_equal(model.unet, unet)
     assert SD_ImageGen.main(["--ckpt", str(copy_run), "--export_lora", str(tmp_path / "k.safetensors")]) == 0
     with safe_open(str(tmp_path / "k.safetensors"), framework="pt") as handle:
-        assert json.loads(handle.metadata()["ss_network_args"]) == {"conv_dim": "2", "conv_alpha": "2.0"}  # folded
+        assert json.loads(handle.metadata()["ss_network_args"]) == {"conv_dim": "2", "conv_alpha": "1.0"}  # trained
+
+
+HEADER_ARGS = {"lora": None, "locon": {"conv_dim": "2", "conv_alpha": "1.0"},
+               "loha": {"algo": "loha", "conv_dim": "2", "conv_alpha": "1.0"},
+               "lokr": {"algo": "lokr", "conv_dim": "2", "conv_alpha": "1.0", "factor": "-1"},
+               "dora": {"algo": "locon", "conv_dim": "2", "conv_alpha": "1.0", "dora_wd": "True",
+                        "wd_on_output": "False"}}
+
+
+@pytest.mark.parametrize("kind", list(HEADER_ARGS))
+def test_the_kohya_header_records_the_network_as_it_trained(kind, base, tmp_path):
+    """Rank 4 / alpha 2, the 3x3 convolutions (LoCon, LoHa, LoKr, DoRA) at 2 / 1: ss_network_dim / ss_network_alpha
+    are the Linear layers' rank and alpha as asked, ss_network_args holds the convolutions' conv_dim / conv_alpha
+    and LyCORIS' algo (lokr: its factor; DoRA: dora_wd) where LyCORIS' network trains the kind (plain LoRA and
+    LoCon: sd-scripts' networks.lora, which records no algo), and a note says where alpha is folded into the
+    weights (layers of two ranks). The header is metadata: the .alpha tensors stay those of the weights, so
+    the file read back and merged gives the adapted model's weights."""
+    unet = copy.deepcopy(base[0])
+    targets = ["attention"] if kind == "lora" else ["attention", "resnet"]
+    sd.lora.adapters.add_lora(unet, sd.lora.adapters.resolve_targets(unet, targets), 4, 2.0, conv_rank=2,
+                              conv_alpha=1.0, kind=kind if kind in ("loha", "lokr") else "lora", dora=kind == "dora")
+    (randomize_dora if kind == "dora" else randomize)(unet, 3)
+    path = sd.lora.formats.save_model_lora(tmp_path / f"{kind}.safetensors", unet.eval())
+    with safe_open(str(path), framework="pt") as handle:
+        header = handle.metadata()
+    lycoris = kind in ("loha", "lokr", "dora")
+    assert header["ss_network_module"] == ("lycoris.kohya" if lycoris else "networks.lora")
+    assert (header["ss_network_dim"], header["ss_network_alpha"], header["lora_rank"], header["lora_alpha"]) == (
+        "4", "2.0", "4", "2.0")
+    assert (json.loads(header["ss_network_args"]) if "ss_network_args" in header else None) == HEADER_ARGS[kind]
+    assert (sd.lora.formats.FOLDED in header) == (kind in ("locon", "dora"))
+    merged = sd.lora.adapters.merge(copy.deepcopy(unet))
+    plain = copy.deepcopy(base[0])
+    sd.lora.formats.merge_lora({"unet": plain}, sd.lora.formats.read_lora(path, base[0]))
+    changed = 0.0
+    for (name, ours), theirs in zip(plain.state_dict().items(), merged.state_dict().values()):
+        torch.testing.assert_close(ours, theirs, atol=2e-6, rtol=1e-5, msg=name)
+        changed = max(changed, (ours - base[0].state_dict()[name]).abs().max().item())
+    assert changed > 1e-3
 
 
 # ------------------------------------------------------------------------------ LyCORIS files (LoHa, LoKr)
