@@ -18,7 +18,8 @@ Salesforce/blip-image-captioning-large, ``florence2``: florence-community/Floren
 local folder of BLIP, Florence-2 or another model ``AutoModelForImageTextToText`` loads), asked ``--prompt``
 (Florence-2: a task token, by default ``<DETAILED_CAPTION>``), at most ``--max_length`` new tokens, greedy or
 ``--num_beams``. ``--tagger`` is a WD14 tagger in ONNX (``wd14``: SmilingWolf/wd-swinv2-tagger-v3, or a hub id
-or folder with ``model.onnx`` and ``selected_tags.csv``) run by onnxruntime. Either may be ``none``. A model
+or folder with ``model.onnx`` and ``selected_tags.csv``) run by onnxruntime. Either may be ``none``, or ``tiny``:
+small models built offline to try the stage without the hub (nonsense captions, tags from the colours). A model
 that cannot be loaded (offline and not cached, a wrong folder) stops the stage in one line naming it.
 
 What the models say is kept per input shard (per ``--shard_size`` images of a folder) in
@@ -38,9 +39,9 @@ fewer than --min_tag_count images of the whole input left out), all joined with 
 the tags before the caption). An image left with no caption at all is skipped as ``no_caption``.
 
 Review, at the end: ``OUT/review/sheet_NNNN.png`` (pages of thumbnails with their captions; the first
---review_pages pages) and ``OUT/review/tags.csv`` (each tag with the images carrying it; past 200,000 distinct
-pieces, as free-text captions make, the pieces seen once so far are left out). The LoRA files of a
-run trained on these captions record the same counts as ``ss_tag_frequency``.
+--review_pages pages) and ``OUT/review/tags.csv`` (each of the tagger's tags with the images whose captions carry
+it; not the trigger nor pieces of a sentence). The LoRA files of a run trained on these captions record every
+comma-separated piece of them in ``ss_tag_frequency``, as sd-scripts does.
 
 Images that cannot be read are skipped and counted by reason, named in the stats (``undecodable``,
 ``truncated_image``, ``too_large``...); an input shard that cannot be read at all is left out of the captions,
@@ -75,7 +76,6 @@ import sd.runtime
 STAGE = "03c_caption_images"
 MODEL_DIR = "captioning"  # OUT/captioning/NAME.parquet: what the models said, per part
 REVIEW_DIR = "review"
-MAX_TABLE = 200_000  # distinct tags counted for tags.csv; past it, those seen once so far are let go
 CAPTIONS_LOCK = ".captions.lock"  # held while the captions and the review are written
 MODEL_FLAGS = ("captioner", "prompt", "max_length", "num_beams", "tagger")
 log = logging.getLogger(STAGE)
@@ -89,7 +89,8 @@ def parse_args(argv):
     parser.add_out("output folder: caption files mirroring the folder's images, or NNNNN.tar shards (not the input's "
                    "folder)")
     add("--captioner", default="blip",
-        help="captioning model: blip, florence2, a hub id or local folder, or none (default: %(default)s)")
+        help="captioning model: blip, florence2, a hub id or local folder, none, or tiny (a small random model built "
+             "here: the stage tried offline, its captions nonsense words) (default: %(default)s)")
     add("--prompt", default=None,
         help="what the captioner is asked: BLIP continues it (e.g. 'a photo of'), Florence-2 takes a task token "
              "(<CAPTION>, <DETAILED_CAPTION>, <MORE_DETAILED_CAPTION>) (default: none for BLIP, <DETAILED_CAPTION> "
@@ -97,8 +98,8 @@ def parse_args(argv):
     add("--max_length", type=int, default=75, help="most new tokens of a generated caption (default: %(default)s)")
     add("--num_beams", type=int, default=1, help="beam search width; 1 is greedy decoding (default: %(default)s)")
     add("--tagger", default="none",
-        help="WD14 tagger: wd14, a hub id or local folder with model.onnx and selected_tags.csv, or none "
-             "(default: %(default)s)")
+        help="WD14 tagger: wd14, a hub id or local folder with model.onnx and selected_tags.csv, none, or tiny "
+             "(a small model built here, its tags from the image's colours) (default: %(default)s)")
     add("--batch_size", type=int, default=8, help="images per model call (default: %(default)s)")
     add("--existing", choices=sd.data.captioning.EXISTING, default="keep",
         help="an image's existing caption: keep it (no model runs on that image), replace it, or join the generated "
@@ -371,6 +372,17 @@ def dataset_tag_counts(folder: Path, names: list[str], options) -> Counter:
     return counts
 
 
+def written_tags(captions) -> Counter:
+    """Images per tagger tag over ``(caption, generated, kept tags)`` entries, counting the tags a caption
+    carries (not its other pieces: the trigger, a sentence's fragments, a kept caption's words); bounded by
+    the tagger's vocabulary."""
+    counts = Counter()
+    for caption, _, kept in captions:
+        pieces = set(sd.data.captioning.caption_tags(caption))
+        counts.update(tag for tag in set(kept) if tag in pieces)
+    return counts
+
+
 def final_captions(folder: Path, name: str, options, counts: Counter) -> dict[str, tuple[str, str, list[str]]]:
     """``{key: (caption, generated caption, kept tags)}`` of one part."""
     captions = {}
@@ -481,11 +493,8 @@ def write_captions(source, out: Path, folder: Path, args, settings: dict, failed
                     bar.update(model_stats.get("count", 0))
                 else:
                     summary.add(write_shard_captions(source, name, out, captions, model_stats, digest, bar))
-            final = [caption for caption, _, _ in captions.values() if caption]
-            images += len(final)
-            tags.update(sd.data.captioning.tag_counts(final))
-            if len(tags) > MAX_TABLE:  # free-text captions: every piece is its own "tag"; those seen once go
-                tags = Counter({tag: n for tag, n in tags.items() if n > 1})
+            images += sum(1 for caption, _, _ in captions.values() if caption)
+            tags.update(written_tags(captions.values()))
             if sheets is not None and not sheets.full:
                 add_to_review(sheets, source, name, captions, args.max_pixels)
     pages = sheets.close() if sheets is not None else []

@@ -16,6 +16,7 @@ naming the model and the ways to fix it, never a silent fallback.
 from __future__ import annotations
 
 import csv
+import tempfile
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -28,6 +29,9 @@ CAPTIONERS = {"blip": "Salesforce/blip-image-captioning-large", "florence2": "fl
 # What each family is asked: BLIP captions without a prompt; Florence-2 is told its task by a task token.
 DEFAULT_PROMPTS = {"blip": "", "florence2": "<DETAILED_CAPTION>"}
 TAGGERS = {"wd14": "SmilingWolf/wd-swinv2-tagger-v3"}
+# Small random models built offline (sd.data.tiny_captioners), to try the stage without the hub: the captioner's
+# words are nonsense, the tagger's tags follow the image's colours (red theme, blue theme, ...).
+TINY = "tiny"
 TAGGER_FILES = ("model.onnx", "selected_tags.csv")
 TAG_FLOOR = 0.1  # tags scored below this are not kept at all; the thresholds apply when captions are composed
 # WD14's categories in selected_tags.csv
@@ -104,6 +108,12 @@ def load_captioner(name_or_path: str, *, device, dtype, prompt: str | None = Non
 
     import sd.model
 
+    if name_or_path == TINY:
+        import sd.data.tiny_captioners
+
+        with tempfile.TemporaryDirectory() as folder:  # read whole by from_pretrained; gone once loaded
+            return load_captioner(str(sd.data.tiny_captioners.tiny_blip(Path(folder) / "blip")), device=device,
+                                  dtype=dtype, prompt=prompt, max_length=max_length, num_beams=num_beams)
     name = CAPTIONERS.get(name_or_path, name_or_path)
     options = sd.model.hub_options(name)
     try:
@@ -206,7 +216,13 @@ def onnx_providers(device) -> list:
 
 def load_tagger(name_or_path: str, *, device=None, threads: int | None = None) -> Tagger:
     """The WD14 tagger ``name_or_path`` (a hub id or a local folder with ``model.onnx`` and
-    ``selected_tags.csv``; ``wd14`` names the default model)."""
+    ``selected_tags.csv``; ``wd14`` names the default model, ``tiny`` a small one built here)."""
+    if name_or_path == TINY:
+        import sd.data.tiny_captioners
+
+        with tempfile.TemporaryDirectory() as folder:  # onnxruntime holds the model in memory once loaded
+            return load_tagger(str(sd.data.tiny_captioners.tiny_tagger(Path(folder) / "tagger")), device=device,
+                               threads=threads)
     name = TAGGERS.get(name_or_path, name_or_path)
     try:
         import onnxruntime
