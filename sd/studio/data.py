@@ -2,7 +2,8 @@
 
 ``scan_folder`` reads what ``01e_import_folder.py`` would: each image's caption (``photo.txt``), its size from
 the file's first 64 KB (nothing is decoded) and so the files it would skip, with the reason, and the aspect-ratio
-bucket each image falls in; the commands are the data stages' own, as a user types them.
+bucket each image falls in; ``write_caption`` writes only an image's caption that 01e reads; the commands are the
+data stages' own, as a user types them.
 """
 
 from __future__ import annotations
@@ -42,6 +43,11 @@ def read_caption(folder: Path, rel: str) -> str | None:
 
 
 def write_caption(folder: Path, rel: str, text: str) -> Path:
+    """``rel``'s caption file written; ``rel`` must be an image that 01e reads from ``folder`` (a ValueError
+    otherwise: a name with ``..``, an absolute one or any other file never reaches the disk)."""
+    images, _ = sd.data.stages.list_images(Path(folder))
+    if rel not in images:
+        raise ValueError(f"{rel!r} is not an image that 01e_import_folder.py reads from {folder}")
     path = caption_path(folder, rel)
     sd.files.write_text_atomic(path, text.strip() + "\n")
     return path
@@ -113,6 +119,12 @@ def scan_folder(folder: Path, resolution: int = 512, min_size: int | None = None
 def import_command(folder: Path, shards: Path, resolution: int, keep_aspect: bool) -> list[str]:
     return python_command("pipeline/01e_import_folder.py", "--input", folder, "--out", shards, "--resolution",
                           resolution, *(["--keep_aspect"] if keep_aspect else []))
+
+
+def vae_command(shards: Path, vae: Path, resolution: int) -> list[str]:
+    """A VAE for the images, as the README's quick start 2 trains one (the ``tiny`` preset: minutes on a CPU)."""
+    return python_command("train_vae.py", "--input", f"{shards}/*.tar", "--out", vae, "--resolution", resolution,
+                          "--preset", "tiny")
 
 
 def encode_command(shards: Path, latents: Path, vae: str, resolution: int, buckets: bool) -> list[str]:

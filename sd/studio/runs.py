@@ -2,7 +2,8 @@
 
 ``run_state`` says whether a run is training now (its lock is held: the holder's host and pid), finished
 (``max_steps`` reached) or stopped (a checkpoint to resume from), without taking the lock. ``Roots`` confines
-every path the studio shows or is given to the folders it was started with.
+every path the studio shows or is given to the folders it was started with; ``folder_name`` is what a run or
+dataset may be called (one folder).
 """
 
 from __future__ import annotations
@@ -10,12 +11,13 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import socket
 from dataclasses import dataclass
 from pathlib import Path
 
 import sd.files
-from sd.cli import load_yaml
+from sd.cli import load_yaml, looks_like_hub_id
 
 METRICS = "metrics.jsonl"
 
@@ -40,6 +42,30 @@ class Roots:
             raise OutsideRoots(f"{path} is outside the folders this studio was started with "
                                f"({', '.join(str(root) for root in self.folders)}); start it with --root for more")
         return resolved
+
+    def source(self, value: str, presets: tuple[str, ...] = ("tiny",)) -> str:
+        """What a command reads that may also be a model hub id: ``value`` itself when it is one of ``presets`` or
+        a hub id (``owner/name`` where the first root, in which the commands run, has no ``owner``: nothing there
+        that the command could read instead), else the path it names, resolved and checked (``check``)."""
+        text = str(value)
+        if text in presets:
+            return text
+        owner = text.split("/")[0]
+        if (looks_like_hub_id(text) and not text.startswith("~") and ".." not in text.split("/")
+                and not os.path.lexists(self.folders[0] / owner)):
+            return text
+        return str(self.check(text))
+
+
+NAME = re.compile(r"(?!\.)[\w.-]{1,200}")  # one folder: letters, digits, '-', '_', '.'; not hidden
+
+
+def folder_name(name: str, what: str = "run name") -> str:
+    """``name`` when it names one folder (a run under runs/, a dataset under data/), else a one-line ValueError."""
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise ValueError(f"{what} {name!r}: one folder name of letters, digits, '-', '_' and '.', not starting "
+                         "with '.' (e.g. my_run)")
+    return name
 
 
 def lock_holder(folder: Path) -> dict | None:

@@ -108,6 +108,25 @@ def test_roots_confine_paths(tmp_path):
         roots.check("link/passwd")
 
 
+def test_a_model_is_a_preset_a_hub_id_or_a_path_inside_the_roots(tmp_path):
+    roots = runs.Roots([tmp_path])
+    assert roots.source("tiny") == "tiny" and roots.source("stabilityai/sd-vae-ft-mse") == "stabilityai/sd-vae-ft-mse"
+    (tmp_path / "runs" / "my_vae").mkdir(parents=True)
+    assert roots.source("runs/my_vae") == str((tmp_path / "runs" / "my_vae").resolve())  # here: a path
+    assert roots.source("runs/other") == str((tmp_path / "runs" / "other").resolve())  # runs/ is here: not a hub id
+    for outside in ("/etc/vae", "../vae", "~/vae", "a/../../vae", "./../x", str(tmp_path.parent)):
+        with pytest.raises(runs.OutsideRoots):
+            roots.source(outside)
+
+
+def test_a_run_or_dataset_name_is_one_folder_name():
+    for name in ("mine", "my_run-2", "r.1", "phase_7"):
+        assert runs.folder_name(name) == name
+    for name in ("team/r1", "..", ".hidden", "", "a b", "r1/", "x\n", "../x", "/abs", None):
+        with pytest.raises(ValueError, match="one folder name"):
+            runs.folder_name(name)
+
+
 def test_run_states_and_the_lock_holder(tmp_path):
     run = tmp_path / "runs" / "mine"
     (run / "checkpoints" / "step_00000004").mkdir(parents=True)
@@ -163,31 +182,35 @@ def test_folder_scan_reads_headers_names_skips_and_pages(tmp_path):
     pages = [data.page_of(scan, n, 24) for n in (1, 2, 3, 9)]
     assert [len(p) for p in pages] == [24, 24, 11, 11]  # page 9 is past the end: the last one
     assert [rel for page in pages[:3] for rel, _ in page] == scan.images
+    for name in ("../outside.png", str(tmp_path / "outside.png"), "p07.txt", "p02_mask.png", "missing.png"):
+        with pytest.raises(ValueError, match="not an image that 01e_import_folder.py reads"):
+            data.write_caption(folder, name, "words")
+    assert not (tmp_path / "outside.txt").exists() and not (folder / "p02_mask.txt").exists()
     data.write_caption(folder, "p07.png", "  new words \n")
     assert (folder / "p07.txt").read_text() == "new words\n"
     assert ("p07.png", "no_caption") not in data.scan_folder(folder, resolution=64).skipped
 
 
 def test_the_gpus_present_follow_cuda_visible_devices(monkeypatch):
-    from sd.studio import app
+    from sd.studio import training
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,3")
-    assert app.gpus_present() == 2
+    assert training.gpus_present() == 2
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    assert app.gpus_present() == 1
+    assert training.gpus_present() == 1
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     monkeypatch.setenv("PATH", "/nonexistent")  # no nvidia-smi: the CPU
-    assert app.gpus_present() == 1
+    assert training.gpus_present() == 1
 
 
 def test_field_lines_become_the_trainers_flags_and_the_trainer_judges_them(tmp_path):
-    from sd.studio import app
+    from sd.studio import training
 
-    assert app.parse_fields("lr: 1e-4  # peak\n\nmax_steps: 10\n") == ["--lr", "1e-4", "--max_steps", "10"]
+    assert training.parse_fields("lr: 1e-4  # peak\n\nmax_steps: 10\n") == ["--lr", "1e-4", "--max_steps", "10"]
     with pytest.raises(ValueError, match="line 1"):
-        app.parse_fields("not a field line")
+        training.parse_fields("not a field line")
     preset = str(jobs.REPOSITORY / "configs" / "quickstart" / "from_scratch.yaml")
-    assert app.check_training(preset, None, tmp_path / "runs" / "x", ["--lr", "1e-4"], tmp_path) == ""
-    refused = app.check_training(preset, None, tmp_path / "runs" / "x", ["--lr", "-1"], tmp_path)
+    assert training.check_training(preset, None, tmp_path / "runs" / "x", ["--lr", "1e-4"], tmp_path) == ""
+    refused = training.check_training(preset, None, tmp_path / "runs" / "x", ["--lr", "-1"], tmp_path)
     assert "lr" in refused
-    assert "no_such_field" in app.check_training(preset, None, tmp_path / "runs" / "x", ["--no_such_field", "1"], tmp_path)
+    assert "no_such_field" in training.check_training(preset, None, tmp_path / "runs" / "x", ["--no_such_field", "1"], tmp_path)
