@@ -40,23 +40,36 @@ def parse_args(argv=None) -> argparse.Namespace:
     return argparse.Namespace(**{**vars(args), "root": roots})
 
 
+def password_check(token: str):
+    """The login's check: user ``studio`` and ``token``, compared as UTF-8 bytes in constant time (any letter)."""
+    expected_user, expected = b"studio", token.encode("utf-8")
+
+    def check(user: str, password: str) -> bool:
+        same_user = hmac.compare_digest(str(user).encode("utf-8"), expected_user)
+        return hmac.compare_digest(str(password).encode("utf-8"), expected) and same_user
+
+    return check
+
+
 def main(argv=None) -> int:
     sd.runtime.start_process(uses_torch=False)
     args = parse_args(argv)
+    print("starting the studio ...", flush=True)  # Gradio's import and the pages take half a minute
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # never calls out
-    from sd.studio.app import build
+    from sd.studio.app import build, server_options
     from sd.studio.runs import Roots
 
     roots = Roots(args.root)
     studio = build(roots, REPOSITORY)
     host = "0.0.0.0" if args.listen else "127.0.0.1"
-    token = os.environ.get(TOKEN_ENV)
-    auth = (lambda user, password: user == "studio" and hmac.compare_digest(password, token)) if args.listen else None
-    print(f"SD studio on http://{host}:{args.port} (roots: {', '.join(str(r) for r in roots.folders)}); Ctrl-C stops it",
-          flush=True)
+    auth = password_check(os.environ[TOKEN_ENV]) if args.listen else None
     try:
         studio.launch(server_name=host, server_port=args.port, auth=auth, allowed_paths=[str(r) for r in roots.folders],
-                      show_error=True, quiet=True, inbrowser=False)
+                      show_error=True, quiet=True, inbrowser=False, prevent_thread_lock=True,
+                      app_kwargs=server_options())
+        print(f"SD studio on http://{host}:{args.port} (roots: {', '.join(str(r) for r in roots.folders)}); "
+              "Ctrl-C stops it", flush=True)
+        studio.block_thread()
     except KeyboardInterrupt:
         pass
     finally:

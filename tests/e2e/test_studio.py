@@ -77,8 +77,8 @@ def studio(tmp_path):
     server = subprocess.Popen([sys.executable, str(ROOT / "SD_Studio.py"), "--port", str(port)], cwd=tmp_path,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                               start_new_session=True)
-    first = server.stdout.readline()
-    assert first.startswith(f"SD studio on http://127.0.0.1:{port}"), first
+    said = [server.stdout.readline() for _ in range(2)]  # at once, then when it serves
+    assert said[0] == "starting the studio ...\n" and said[1].startswith(f"SD studio on http://127.0.0.1:{port}"), said
     yield f"http://127.0.0.1:{port}/", tmp_path
     server.terminate()
     server.wait(60)
@@ -170,6 +170,7 @@ def test_studio_imports_trains_stops_resumes_samples_and_exports_in_a_browser(st
         set_value(page, "sample-run", "runs/mine")
         set_value(page, "sample-prompt", "a red picture")
         set_value(page, "sample-steps", 4)
+        set_value(page, "sample-n", 1)
         page.click("#sample-go")
         wait_for(page, "sample-state", lambda v: v == "finished" or v.startswith("failed"), what="finished")
         pngs = [p for p in (folder / "samples" / "mine").glob("*.png") if p.name != "grid.png"]

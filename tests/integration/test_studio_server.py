@@ -1,6 +1,10 @@
-"""SD_Studio.py's server: the loopback address by default, the network only behind a token."""
+"""SD_Studio.py's server: the loopback address by default, the network only behind a token; before the login
+nothing of the API; a handler called through Gradio's API checks what it is given as the page's button does."""
 
+import http.cookiejar
+import json
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -33,13 +37,30 @@ def outside_address() -> str | None:
     return None if address.startswith("127.") else address
 
 
-def status(url: str, data: dict | None = None) -> int:
+def fetch(url: str, data: dict | None = None, opener=None) -> tuple[int, str]:
+    """``(status, body)`` of a GET (a form POST with ``data``)."""
     request = urllib.request.Request(url, data=urllib.parse.urlencode(data).encode() if data else None)
     try:
-        with urllib.request.urlopen(request, timeout=30) as response:
-            return response.status
+        with (opener or urllib.request.build_opener()).open(request, timeout=30) as response:
+            return response.status, response.read().decode("utf-8", errors="replace")
     except urllib.error.HTTPError as error:
-        return error.code
+        return error.code, error.read().decode("utf-8", errors="replace")
+
+
+def status(url: str, data: dict | None = None, opener=None) -> int:
+    return fetch(url, data, opener)[0]
+
+
+def call(base: str, name: str, *values) -> list:
+    """What the handler ``name`` returns when called through Gradio's API as any script can."""
+    request = urllib.request.Request(f"{base}/gradio_api/call/{name}", data=json.dumps({"data": list(values)}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        event = json.loads(response.read())["event_id"]
+    with urllib.request.urlopen(f"{base}/gradio_api/call/{name}/{event}", timeout=60) as response:
+        lines = response.read().decode().splitlines()
+    assert "event: complete" in lines, lines
+    return json.loads(lines[lines.index("event: complete") + 1].removeprefix("data: "))
 
 
 def serve(tmp_path, *flags, token: str | None = None):
@@ -50,14 +71,14 @@ def serve(tmp_path, *flags, token: str | None = None):
         env["SD_STUDIO_TOKEN"] = token
     server = subprocess.Popen([sys.executable, str(ROOT / "SD_Studio.py"), "--port", str(port), *flags], cwd=tmp_path,
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    first = server.stdout.readline()
-    for _ in range(240):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            time.sleep(0.5)
-    return server, port, first
+    started = time.monotonic()
+    lines = []  # (seconds after the start, line) until it says it serves
+    while not (lines and lines[-1][1].startswith("SD studio on")) and time.monotonic() - started < 180:
+        if select.select([server.stdout], [], [], 1)[0]:
+            lines.append((time.monotonic() - started, server.stdout.readline()))
+    socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    (said_at_once, first), (_, serving) = lines[0], lines[-1]
+    return server, port, (first, said_at_once, serving)
 
 
 def test_listen_needs_a_token(capsys, monkeypatch):
@@ -69,25 +90,72 @@ def test_listen_needs_a_token(capsys, monkeypatch):
         studio.parse_args(["--root", "/no/such/folder"])
 
 
+def test_the_login_compares_any_letters():
+    """A token with letters outside ASCII (compared as UTF-8 bytes: hmac.compare_digest refuses such str)."""
+    check = studio.password_check("s3cret-tök€n")
+    assert check("studio", "s3cret-tök€n") is True
+    wrong = (("studio", "s3cret-tok€n"), ("stüdio", "s3cret-tök€n"), ("studio", ""), ("studio", "s3cret-tök€n "))
+    assert not any(check(user, password) for user, password in wrong)
+
+
 @pytest.mark.slow
 def test_loopback_by_default_and_the_network_behind_the_token(tmp_path):
-    server, port, first = serve(tmp_path)
+    (tmp_path / "work" / "my_images").mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    server, port, (first, said_at_once, serving) = serve(tmp_path / "work")
     try:
-        assert first.startswith(f"SD studio on http://127.0.0.1:{port}")
+        assert first == "starting the studio ...\n" and said_at_once < 10  # before Gradio's import
+        assert serving.startswith(f"SD studio on http://127.0.0.1:{port}")
         assert status(f"http://127.0.0.1:{port}/config") == 200
         address = outside_address()
         if address is not None:  # the machine's own network address is not served
             with pytest.raises(OSError):
                 socket.create_connection((address, port), timeout=3).close()
+        # the caption handler through the API: an image name that leaves the folder writes nothing
+        from PIL import Image
+
+        Image.new("RGB", (64, 64)).save(tmp_path / "elsewhere" / "victim.png")
+        Image.new("RGB", (64, 64)).save(tmp_path / "work" / "my_images" / "cat.png")
+        base = f"http://127.0.0.1:{port}"
+        for folder, name in (("my_images", "../../elsewhere/victim.png"), (".", "../elsewhere/victim.png"),
+                             ("my_images", str(tmp_path / "elsewhere" / "victim.png"))):
+            said, = call(base, "save_caption", folder, name, "pwned")
+            assert said.startswith("**not saved:**"), said
+        assert not (tmp_path / "elsewhere" / "victim.txt").exists()
+        assert call(base, "save_caption", "my_images", "cat.png", "a cat") == ["saved cat.txt"]
+        verdict, command = call(base, "do_launch", "configs/quickstart/from_scratch.yaml", "", "r1",
+                                "out_dir: /elsewhere/run", 1)
+        assert "out_dir is the run name's" in verdict and command == ""
     finally:
         server.terminate()
         server.wait(60)
-    server, port, first = serve(tmp_path, "--listen", token="s3cret-token")
+
+
+@pytest.mark.slow
+def test_before_the_login_nothing_of_the_api_and_any_letter_in_the_token(tmp_path):
+    """The login page, /config, the API's description: none says an endpoint, a field or where the repository is
+    to a client that has not logged in; a token with letters outside ASCII logs in (compared as UTF-8 bytes)."""
+    token = "s3cret-tök€n-ß"
+    server, port, (_, _, serving) = serve(tmp_path, "--listen", token=token)
+    base = f"http://127.0.0.1:{port}"
+    secrets = ("save_caption", "do_launch", "prepare_data", "named_endpoints", str(ROOT), "from_scratch.yaml")
     try:
-        assert first.startswith(f"SD studio on http://0.0.0.0:{port}")
-        assert status(f"http://127.0.0.1:{port}/config") == 401  # nothing without logging in
-        assert status(f"http://127.0.0.1:{port}/login", {"username": "studio", "password": "wrong"}) == 400
-        assert status(f"http://127.0.0.1:{port}/login", {"username": "studio", "password": "s3cret-token"}) == 200
+        assert serving.startswith(f"SD studio on http://0.0.0.0:{port}")
+        for path in ("/", "/?all_endpoints=true", "/?view=api", "/config", "/gradio_api/info",
+                     "/gradio_api/info?all_endpoints=true", "/info", "/gradio_api/openapi.json", "/gradio_api/runs",
+                     "/gradio_api/runs?all_endpoints=true", "/gradio_api/startup-events", "/gradio_api/app_id",
+                     "/manifest.json", "/gradio_api/api/save_caption"):
+            code, body = fetch(base + path)
+            assert not [word for word in secrets if word in body], (path, code, body[:300])
+        assert status(base + "/config") == 401 and status(base + "/gradio_api/info") == 401
+        for user, password in (("studio", "wrong"), ("studio", token[:-1]), ("stüdio", token), ("Studio", token)):
+            assert status(f"{base}/login", {"username": user, "password": password}) == 400
+        session = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(http.cookiejar.CookieJar()))
+        assert status(f"{base}/login", {"username": "studio", "password": token}, session) == 200
+        code, info = fetch(f"{base}/gradio_api/info", opener=session)  # after the login: the API, for its pages
+        assert code == 200 and "save_caption" in info
+        code, page = fetch(f"{base}/", opener=session)
+        assert code == 200 and "window.gradio_api_info = null;" in page
     finally:
         server.terminate()
         server.wait(60)
