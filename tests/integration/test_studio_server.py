@@ -76,7 +76,11 @@ def serve(tmp_path, *flags, token: str | None = None):
     while not (lines and lines[-1][1].startswith("SD studio on")) and time.monotonic() - started < 180:
         if select.select([server.stdout], [], [], 1)[0]:
             lines.append((time.monotonic() - started, server.stdout.readline()))
-    socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    except OSError:  # said it serves, or said nothing, and does not: stopped, not left behind
+        server.kill()
+        raise
     (said_at_once, first), (_, serving) = lines[0], lines[-1]
     return server, port, (first, said_at_once, serving)
 
