@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 import sd.data.training_data
 import sd.distributed
@@ -140,7 +141,8 @@ def train_locked(config: TrainConfig, d: Dist) -> int:
     bar = tqdm(total=run.total_steps, initial=state.step, disable=not d.is_main, desc="train", unit="step")
     prefetch = Prefetcher(run.train_data, pin=d.device.type == "cuda")
     try:
-        code = loop(run, stopper, metrics, bar, prefetch)
+        with logging_redirect_tqdm():  # log lines (a stop, a validation) print above the bar, not on it
+            code = loop(run, stopper, metrics, bar, prefetch)
     finally:
         prefetch.close()
         bar.close()

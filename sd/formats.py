@@ -337,6 +337,23 @@ def write_vocabulary_files(folder: Path, tokenizer) -> None:
     (folder / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n", encoding="utf-8")
 
 
+def pretrained(load, source: str, **kwargs):
+    """``load(source, **kwargs)``, a diffusers ``from_pretrained`` or ``load_config``, with the hub's options
+    (while the hub cannot be reached, the local cache alone: seconds, not minutes of retries). A source that
+    is no folder here and no hub id that loads is one line saying both."""
+    options = sd.model.hub_options(source)
+    try:
+        return load(source, **kwargs, **options)
+    except OSError as error:
+        if Path(source).exists():
+            raise
+        why = ("the hub cannot be reached and the local cache lacks it" if options.get("local_files_only")
+               else first_line(error))
+        raise FileNotFoundError(f"{source}: no such folder here, and as a hub id it cannot be loaded ({why}); "
+                                "check the path (a run folder exists once its run has started), or fetch the "
+                                "model where there is internet") from None
+
+
 def is_diffusers_folder(path: Path) -> bool:
     return (path / "model_index.json").exists() or (path / "unet" / "config.json").exists()
 
@@ -375,7 +392,7 @@ def load_unet_weights(source: str, unet, *, use_ema: bool = True, keep_adapter: 
         return f"{weights}"
     from diffusers import UNet2DConditionModel
 
-    loaded = UNet2DConditionModel.from_pretrained(source, subfolder="unet")
+    loaded = pretrained(UNet2DConditionModel.from_pretrained, source, subfolder="unet")
     load_into(unet, loaded.state_dict(), f"{source} unet")
     return f"diffusers {source}"
 
@@ -459,7 +476,8 @@ def diffusers_scheduler_config(source: str) -> tuple[dict, str]:
             raise ValueError(f"{config_file}: not valid JSON ({error})") from error
     from diffusers import DDIMScheduler
 
-    return DDIMScheduler.load_config(source, subfolder="scheduler"), f"{source} scheduler_config.json"
+    return (pretrained(DDIMScheduler.load_config, source, subfolder="scheduler"),
+            f"{source} scheduler_config.json")
 
 
 def recorded_prediction_type(source: str) -> str:
@@ -590,7 +608,7 @@ def _load_pipeline(source: str, use_ema: bool, vae: str | None, text_encoder: st
 
         if not path.exists() and not sd.cli.looks_like_hub_id(source):
             raise FileNotFoundError(f"{source}: no such file or folder (nor a hub id, which reads owner/name)")
-        unet = UNet2DConditionModel.from_pretrained(source, subfolder="unet")
+        unet = pretrained(UNet2DConditionModel.from_pretrained, source, subfolder="unet")
         sd.model.use_sdpa_attention(unet)
         parts = (source, source, source)
         prediction_type = diffusers_prediction_type(source)

@@ -10,6 +10,7 @@ import contextlib
 import logging
 import os
 import signal
+import warnings
 from typing import TYPE_CHECKING
 
 import sd.faults
@@ -32,12 +33,15 @@ def start_process(*, threads: int | None = None, uses_torch: bool = True) -> Non
     - ``NO_ALBUMENTATIONS_UPDATE=1``: img2dataset's albumentations import otherwise calls out.
     - ``threads``: CPU threads for this process (several processes on one CPU share its cores).
     - The test-only fault points of ``sd.faults`` (armed by ``SD_FAULT``; inert otherwise).
-    - bitsandbytes' notice, on CPUs with AVX-512 BF16, that its optional 4-bit CPU kernels are not
-      installed (diffusers imports it with every model; nothing here uses 4-bit layers) is muted.
+    - Muted: huggingface_hub's warning that diffusers passes it ``local_dir_use_symlinks``, and
+      bitsandbytes' notice, on CPUs with AVX-512 BF16, that its optional 4-bit CPU kernels are not
+      installed (diffusers imports it with every model; nothing here uses 4-bit layers).
     ``uses_torch=False`` (the data stages, which compute nothing with torch) leaves torch's settings
     out and torch unimported. A value the user already set in the environment is kept.
     """
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    # diffusers passes huggingface_hub an argument it has deprecated, on every hub id it looks up: not the user's
+    warnings.filterwarnings("ignore", message=".*local_dir_use_symlinks.*", category=UserWarning)
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
     if uses_torch:

@@ -274,7 +274,7 @@ def fit(args, device: torch.device) -> dict:
     stats = {"psnr_db": round(psnr, 2), "psnr_db_start": round(psnr_start, 2), "latent_std": latent_std,
              "scaling_factor": 1.0 / latent_std, "steps": args.max_steps,
              "seconds": round(time.perf_counter() - start, 1), "images": len(train_images), "held_out": held}
-    save(vae.to("cpu", torch.float32), Path(args.out), stats)
+    save(sd.model.moved(vae, "cpu", torch.float32), Path(args.out), stats)
     shutil.rmtree(state_path.parent, ignore_errors=True)  # the VAE is saved: nothing left to resume
     log.info("%s PSNR %.2f dB (%.2f dB before training), scaling factor %.4f; saved %s",
              "held-out" if held else "training-set", stats["psnr_db"], stats["psnr_db_start"],

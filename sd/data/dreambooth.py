@@ -296,6 +296,9 @@ def latents_of(files: list[Path], size: int, vae, device, cache: Path, what: str
     return latents
 
 
+SUBJECT_CACHE = "subject_latents"  # in the run folder: a subject folder's latents (a LoRA's, a token's, a fine-tune's)
+
+
 class DreamBoothData:
     """Instance (and class) latents with fixed prompts, addressed like ``sd.data.training_data.MixedData``."""
 
@@ -340,18 +343,19 @@ def build_data(settings: DreamBoothSettings, d, vae, tokenizer, make_pipeline) -
     instances = image_files(settings.instance_dir)
     if not instances:
         raise sd.data.training_data.DataError(f"instance_dir {settings.instance_dir} holds no .png/.jpg/.jpeg/.webp image")
-    run_dir = Path(settings.out_dir)
-    instance = latents_of(instances, settings.image_size, vae, d.device, run_dir / "dreambooth" / "instance.safetensors",
+    cache = Path(settings.out_dir) / SUBJECT_CACHE
+    instance = latents_of(instances, settings.image_size, vae, d.device, cache / "instance.safetensors",
                           "instance", write=d.is_main)
     prior = prior_ids = None
     if settings.class_dir:
         ensure_class_images(settings, d, make_pipeline())
         classes = image_files(settings.class_dir)[: class_image_count(settings)]
-        prior = latents_of(classes, settings.image_size, vae, d.device, run_dir / "dreambooth" / "class.safetensors",
+        prior = latents_of(classes, settings.image_size, vae, d.device, cache / "class.safetensors",
                            "class", write=d.is_main)
         prior_ids = sd.model.tokenize(tokenizer, [settings.class_prompt])
         log.info("prior preservation: %d class images of %r, weight %g", len(prior), settings.class_prompt,
                  settings.prior_loss_weight)
-    log.info("DreamBooth: %d instance images of %r at %d px", len(instance), settings.instance_prompt, settings.image_size)
+    log.info("subject folder %s: %d images of %r at %d px", settings.instance_dir, len(instance),
+             settings.instance_prompt, settings.image_size)
     return DreamBoothData(instance, sd.model.tokenize(tokenizer, [settings.instance_prompt]), prior, prior_ids,
                           settings.instance_prompt)

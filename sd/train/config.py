@@ -144,8 +144,10 @@ class TrainConfig:
                           "or lokr (LyCORIS' Kronecker product of a small and a low-rank factor); lora_rank, "
                           "lora_alpha and the conv settings apply to each; loha and lokr export in the kohya layout "
                           "only", "lora")
-    lora_factor: int = _doc("lokr: the size of the small Kronecker factor's sides (a divisor of each layer's "
-                            "sizes); -1 = the divisors nearest the square root", -1, allowed=Range(-1))
+    lora_factor: int = _doc("lokr: how each layer's sides split between the two Kronecker factors, as LyCORIS "
+                            "splits them: a divisor of a side gives it and the rest (the smaller first), else the "
+                            "divisor nearest the square root and at most this; -1 = nearest the square root", -1,
+                            allowed=Range(-1))
     dora: bool = _doc("DoRA: each adapted layer also trains a magnitude per input channel, its weight used as "
                       "(W + adapter) * magnitude / norm (the norm over each input channel's column); with any "
                       "lora_type; written as dora_scale (1, in), which ComfyUI, AUTOMATIC1111 and LyCORIS merge "
@@ -162,8 +164,9 @@ class TrainConfig:
     embedding_train_fraction: float = _doc("pivotal tuning: the fraction of the run's steps in which the token trains; "
                                            "after them it stays as learned while the LoRA goes on (0.5: the first "
                                            "half)", 1.0, allowed=Range(0, 1, low_open=True, high_open=False))
-    instance_dir: str = _doc("DreamBooth: a folder of images of the new subject or style (replaces datasets)", "")
-    instance_prompt: str = _doc("DreamBooth: the prompt of every instance image, e.g. 'a photo of sks dog'", "")
+    instance_dir: str = _doc("a subject folder (DreamBooth; a LoRA's, a token's, a fine-tune's): images of the new "
+                             "subject or style (replaces datasets)", "")
+    instance_prompt: str = _doc("subject folder: the prompt of every instance image, e.g. 'a photo of sks dog'", "")
     class_dir: str = _doc("DreamBooth prior preservation: a folder of class images; the missing ones are generated "
                           "there by the base model from class_prompt", "")
     class_prompt: str = _doc("DreamBooth prior preservation: the prompt of the class images, e.g. 'a photo of dog'",
@@ -171,7 +174,7 @@ class TrainConfig:
     num_class_images: int = _doc("class images to use in all (and generate when class_dir has fewer; the "
                                  "DreamBooth paper's 200 per instance image is a ceiling); 0 = 100", 100,
                                  allowed=NON_NEGATIVE)
-    image_size: int = _doc("DreamBooth: the instance and class images are centre-cropped and resized to this many "
+    image_size: int = _doc("subject folder: the instance and class images are centre-cropped and resized to this many "
                            "pixels square (a multiple of 8)", 512, allowed=Range(8))
     prior_loss_weight: float = _doc("weight of the class images' loss beside the instance loss", 1.0,
                                     allowed=NON_NEGATIVE)

@@ -599,6 +599,18 @@ def test_samples_go_to_a_folder_named_after_the_checkpoint_without_out(ckpt, out
     assert SD_ImageGen.parse_args(["--ckpt", ckpt, "--prompt", "a", "--sampler", "ddim", "--out", "o"]).out == "o"
 
 
+def test_a_run_folder_not_made_yet_is_named_in_seconds_offline(tmp_path, capsys, monkeypatch):
+    """``runs/mine`` before its run started reads as a hub id (owner/name): offline it once took a minute of the
+    hub's retries and ended in "does not appear to have a file named config.json"."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert SD_ImageGen.main(["--ckpt", "runs/mine", "--prompt", "a red circle", "--out", "samples/mine"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == ("SD_ImageGen.py: cannot load runs/mine: runs/mine: no such folder here, and as a hub id it cannot "
+                   "be loaded (the hub cannot be reached and the local cache lacks it); check the path (a run folder "
+                   "exists once its run has started), or fetch the model where there is internet")
+
+
 def test_a_checkpoint_that_does_not_exist_is_named_without_asking_the_hub(tmp_path, capsys):
     missing = tmp_path / "no_such_run"
     assert SD_ImageGen.main(["--ckpt", str(missing), "--prompt", "a red circle", "--out", str(tmp_path / "out")]) == 2

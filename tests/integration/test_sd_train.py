@@ -4,6 +4,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import shutil
@@ -882,6 +883,8 @@ def test_two_trainers_on_one_folder_the_second_exits_at_once(tmp_path, data, cap
     first.send_signal(signal.SIGTERM)
     _, stderr = first.communicate(timeout=600)
     assert first.returncode == 128 + signal.SIGTERM, stderr[-2000:]
+    # the stop's line starts a line of its own (the progress bar is cleared for it, not written after)
+    assert re.search(r"(^|[\r\n])\d\d:\d\d:\d\d INFO stopped by signal 15 after step", stderr), stderr[-2000:]
     saved = sd.run_folder.latest_checkpoint(run_dir / "checkpoints")
     assert saved is not None and 0 < int(saved.name.split("_")[1]) < 400
     assert not (run_dir / ".lock").exists()

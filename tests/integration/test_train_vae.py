@@ -147,6 +147,11 @@ def test_a_signal_saves_the_state_after_the_step_under_way_and_the_run_resumes_b
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_saving_prints_no_diffusers_float32_warning(shards, tmp_path, capfd):
+    assert train_vae.main(vae_argv(shards, tmp_path / "vae", "--max_steps", "1", "--warmup_steps", "0")) == 0
+    assert "should be kept in float32" not in capfd.readouterr().err
+
+
 def test_ctrl_c_before_training_says_that_nothing_was_saved(shards, tmp_path, capsys, monkeypatch):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
