@@ -20,6 +20,28 @@ class Stopped(Exception):
     same collective, where each has learnt of it, so none is left waiting in one."""
 
 
+class Failed(Exception):
+    """Work between collectives failed on another rank: every rank leaves at the same collective, where each
+    has learnt of it (the failing rank with its own error, the others with this one naming it), so none is
+    left waiting in a collective for a rank that will not come."""
+
+
+def failure_text(error: BaseException, rank: int) -> str:
+    """How a rank's error is told to the others: one line."""
+    lines = str(error).strip().splitlines()
+    return f"rank {rank}: {type(error).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+
+
+def raise_failures(told: list[str | None], mine: BaseException | None) -> None:
+    """After a collective that carried every rank's ``failure_text`` (None: its work went well): this rank's
+    own error if it failed, else ``Failed`` naming the ranks that did; nothing when none did."""
+    if mine is not None:
+        raise mine
+    failures = [text for text in told if text]
+    if failures:
+        raise Failed("; ".join(failures))
+
+
 @dataclass
 class Dist:
     rank: int

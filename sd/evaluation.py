@@ -379,7 +379,8 @@ def gather_in_order(n_batches: int, work, d: Dist, desc: str = "evaluate", stop=
     rank waits in a collective while another works alone for longer than one batch. ``stop``: asked
     before each batch (and by ``work``'s sampler between denoising steps, ``sd.sampling.Interrupted``);
     its answer travels with the round's gather, and once any rank's is True every rank raises
-    ``sd.distributed.Stopped`` after that same gather.
+    ``sd.distributed.Stopped`` after that same gather. An error in ``work`` travels the same way: the
+    failing rank raises it after the gather, every other rank ``sd.distributed.Failed`` naming it.
     """
     from tqdm.auto import tqdm
 
@@ -387,16 +388,22 @@ def gather_in_order(n_batches: int, work, d: Dist, desc: str = "evaluate", stop=
     with tqdm(total=n_batches, desc=desc, unit="batch", disable=not d.is_main, leave=False) as bar:
         for first in range(0, n_batches, d.world_size):
             k = first + d.rank
-            mine = None
+            mine, error = None, None
             if k < n_batches and not stop():
                 try:
                     mine = work(k)
                 except sd.sampling.Interrupted:
                     pass  # stop() is True now: the gather below tells every rank
-            gathered = sd.distributed.all_gather_objects((mine, stop()), d)
-            if any(stopping for _, stopping in gathered):
+                except Exception as failed:  # noqa: BLE001 - told to every rank below, then raised here
+                    if d.world_size == 1:
+                        raise
+                    error = failed
+            told = error and sd.distributed.failure_text(error, d.rank)
+            gathered = sd.distributed.all_gather_objects((mine, stop(), told), d)
+            if any(stopping for _, stopping, _ in gathered):
                 raise sd.distributed.Stopped
-            for part, _ in gathered:
+            sd.distributed.raise_failures([text for _, _, text in gathered], error)
+            for part, _, _ in gathered:
                 if part is not None:
                     yield part
                     bar.update(1)

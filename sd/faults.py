@@ -6,6 +6,9 @@ The tests start a program with ``SD_FAULT=NAME:KEY`` (several separated by comma
     after_unet:STEP       SD_Train.py: SIGKILL this process while checkpoint STEP is half written
     sigterm_parent:STEP   SD_Train.py: SIGTERM the launcher (torchrun) after optimizer step STEP
     after_npy:SHARD       encode_latents.py: SIGKILL after shard SHARD's .npy, before its keys file
+    fail_validation_loss:RANK, fail_grid:RANK
+                          SD_Train.py: raise ``Injected`` once on rank RANK in its share of the validation
+                          loss, or of the sample grid (a failure one rank meets while the others wait)
 
 Unarmed, ``point`` is one set lookup, so the hooks cost nothing in the loops that call them.
 """
@@ -29,10 +32,18 @@ def arm_from_environment() -> None:
     arm(os.environ.get(ENV))
 
 
+class Injected(RuntimeError):
+    """The error a ``fail_*`` point raises."""
+
+
 def point(name: str, key) -> None:
-    """Act if ``NAME:KEY`` is armed: ``sigterm_parent`` signals the parent, the rest SIGKILL this process."""
+    """Act if ``NAME:KEY`` is armed: ``sigterm_parent`` signals the parent, a ``fail_*`` point raises
+    ``Injected`` (once: it disarms itself), the rest SIGKILL this process."""
     if not _armed or f"{name}:{key}" not in _armed:
         return
+    if name.startswith("fail_"):
+        _armed.discard(f"{name}:{key}")
+        raise Injected(f"injected fault {name}:{key}")
     if name == "sigterm_parent":
         os.kill(os.getppid(), signal.SIGTERM)
     else:

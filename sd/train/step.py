@@ -21,6 +21,7 @@ import sd.cli
 import sd.data.training_data
 import sd.distributed
 import sd.embedding.tokens
+import sd.faults
 import sd.flow
 import sd.model
 import sd.posthoc_ema
@@ -774,26 +775,36 @@ def validation_loss(step: Step, data, count: int, batch_size: int, stop=None) ->
     The samples are split across ranks and drawn with a generator seeded the same at every
     validation, so values at different steps are comparable. ``stop``: asked before each batch; a True
     answer on any rank ends every rank's share there and raises ``sd.distributed.Stopped`` on all of them
-    after the one all-reduce.
+    after the one all-reduce. An error in a rank's share is told at the same all-reduce: that rank raises
+    it, every other ``sd.distributed.Failed`` naming it.
     """
     d = step.d
     stop = stop or (lambda: False)
     indices = sd.data.training_data.validation_indices(data.sizes, data.weights, count)[d.rank :: d.world_size]
     generator = torch.Generator(device=d.device).manual_seed(1234 + d.rank)
-    totals = torch.zeros(3, dtype=torch.float64, device=d.device)  # loss sum, count, stop
+    totals = torch.zeros(4, dtype=torch.float64, device=d.device)  # loss sum, count, stop, failed
+    error = None
     step.unet.eval()
     try:
         for batch in sd.data.training_data.shape_batches(data, indices, batch_size):
             if stop():
                 break
+            sd.faults.point("fail_validation_loss", d.rank)
             latents, input_ids, *extra = data.batch(batch)
             loss, _ = compute_loss(step, step.unet, latents, input_ids, generator, **batch_extras(step, extra))
             totals[0] += loss.double().sum()
             totals[1] += loss.numel()
+    except Exception as failed:  # noqa: BLE001 - told to every rank at the all-reduce, then raised here
+        if d.world_size == 1:
+            raise
+        error = failed
     finally:
         step.unet.train()
-    totals[2] = float(stop())
-    loss_sum, n, stopping = sd.distributed.all_reduce_sum(totals, d).tolist()
+    totals[2], totals[3] = float(stop()), float(error is not None)
+    loss_sum, n, stopping, failures = sd.distributed.all_reduce_sum(totals, d).tolist()
     if stopping:
         raise sd.distributed.Stopped
+    if failures:  # every rank knows; the texts come in one more collective, which every rank joins
+        told = sd.distributed.all_gather_objects(error and sd.distributed.failure_text(error, d.rank), d)
+        sd.distributed.raise_failures(told, error)
     return loss_sum / n if n > 0 else float("nan")

@@ -19,6 +19,7 @@ import sd.cli
 import sd.data.buckets
 import sd.distributed
 import sd.evaluation
+import sd.faults
 import sd.runtime
 import sd.sampling
 import sd.train.optimizers
@@ -46,7 +47,10 @@ def check(run: Run, record: dict, stop) -> tuple[Path | None, bool]:
     ``interrupted``: a stop signal (``stop()`` True on some rank) cut them short; every rank left at the
     same collective, so it is the same on all of them, and what was left undone is skipped. Any other
     error is logged as a warning and the run goes on: a setting that fails the same way on every rank
-    (the config checks at start catch those they can) never costs the steps since the last save.
+    (the config checks at start catch those they can) never costs the steps since the last save. An
+    error in one rank's share (its validation batches, its grid prompts, its evaluation images) reaches
+    every rank at the collective after it (``sd.distributed.Failed`` naming it), so all of them leave
+    together, warn, and train on; none waits in a collective until the watchdog's timeout.
     """
     config, step, grid = run.config, run.state.step, None
     try:  # a Schedule-Free optimizer's model is its average x, not the point y it trains at (sd.train.optimizers)
@@ -170,6 +174,7 @@ def sample_grid(run: Run, path: Path, prompts: list[str], stop=None) -> None:
     width, height = validation_size(config, run.train_data)
 
     def sample(i: int) -> list:
+        sd.faults.point("fail_grid", d.rank)
         inputs = run.mode.sample_inputs(i, width, height)
         images = sd.sampling.generate(run.sampler, prompts[i], "", [config.seed], steps=config.validation_steps,
                                       cfg=config.validation_cfg, sampler=config.sampler, height=height,

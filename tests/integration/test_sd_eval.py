@@ -391,11 +391,39 @@ def test_a_stop_ends_an_evaluation_between_denoising_steps_and_on_every_rank_at_
     # rank 1 leaves after that same gather though its own stop() never answers True.
     gathers = []
     monkeypatch.setattr(sd.distributed, "all_gather_objects",
-                        lambda value, d: gathers.append(value) or [(None, True), value])
+                        lambda value, d: gathers.append(value) or [(None, True, None), value])
     calls.clear()
     with pytest.raises(sd.distributed.Stopped):
         evaluate(Dist(1, 2, 1, torch.device("cpu"), False), lambda: False)
     assert len(gathers) == 1 and len(calls) == 3 and gathers[0][1] is False
+
+
+def test_an_error_in_one_ranks_share_reaches_every_rank_at_the_same_gather(monkeypatch):
+    """Rank 1 of 2: rank 0's work failed, so rank 1 raises Failed naming it after that round's gather, though its
+    own work went well; when its own work fails, it takes part in the gather (rank 0 is not left waiting), then
+    raises its own error. One rank alone raises its error at once."""
+    gathers = []
+    told = "rank 0: RuntimeError: out of memory"
+    monkeypatch.setattr(sd.distributed, "all_gather_objects",
+                        lambda value, d: gathers.append(value) or [(None, False, told), value])
+    rank1 = Dist(1, 2, 1, torch.device("cpu"), False)
+    with pytest.raises(sd.distributed.Failed, match="^rank 0: RuntimeError: out of memory$"):
+        list(sd.evaluation.gather_in_order(4, lambda k: k, rank1))
+    assert gathers == [(1, False, None)]
+
+    def broken(k):
+        raise ValueError("a NaN in the features\nmore")
+
+    gathers.clear()
+    monkeypatch.setattr(sd.distributed, "all_gather_objects",
+                        lambda value, d: gathers.append(value) or [(0, False, None), value])
+    with pytest.raises(ValueError, match="a NaN in the features"):
+        list(sd.evaluation.gather_in_order(4, broken, rank1))
+    assert gathers == [(None, False, "rank 1: ValueError: a NaN in the features")]
+    gathers.clear()
+    with pytest.raises(ValueError, match="a NaN in the features"):
+        list(sd.evaluation.gather_in_order(4, broken, Dist.single()))
+    assert gathers == []
 
 
 @pytest.mark.slow

@@ -586,6 +586,25 @@ def test_a_failure_inside_validation_is_a_warning_and_costs_no_step(tmp_path, da
 
 
 @pytest.mark.slow
+def test_a_failure_inside_one_ranks_validation_reaches_every_rank_and_the_run_goes_on(tmp_path, data):
+    """2 ranks, validation at steps 2 and 4: rank 1's share of the validation loss fails at step 2, rank 0's
+    share of the grid at step 4. Once the other rank waited in the collective until the watchdog's timeout
+    (30 minutes); now both leave at that collective, each warns (the failing rank with its error, the other
+    naming it), and the run trains on to step 4 and saves."""
+    config = write_config(tmp_path / "c.yaml", datasets=[data], max_steps=4, validate_every=2, save_steps=4,
+                          out_dir=str(tmp_path / "run"), batch_size=2, grad_accum=1, validation_samples=8)
+    result = torchrun(config, env={"SD_FAULT": "fail_validation_loss:1,fail_grid:0"})  # 300 s at most
+    err = result.stderr
+    assert "step 2: validation failed (Injected: injected fault fail_validation_loss:1)" in err, err[-3000:]
+    assert "step 2: validation failed (Failed: rank 1: Injected: injected fault fail_validation_loss:1)" in err
+    assert "step 4: validation failed (Injected: injected fault fail_grid:0)" in err
+    assert "step 4: validation failed (Failed: rank 0: Injected: injected fault fail_grid:0)" in err
+    assert (tmp_path / "run" / "checkpoints" / sd.run_folder.step_dir_name(4) / "COMPLETE").exists()
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4]
+
+
+@pytest.mark.slow
 def test_epochs_size_the_schedule_from_real_optimizer_steps(tmp_path, data):
     # 1 rank, batch 4, accumulation 2: 64 samples -> 16 micro-batches -> 8 steps per epoch.
     config = write_config(tmp_path / "e.yaml", datasets=[data], epochs=2, out_dir=str(tmp_path / "run"),
@@ -945,7 +964,7 @@ def test_a_stop_during_validation_ends_it_between_denoising_steps_on_live_weight
     reduce = sd.distributed.all_reduce_sum
     with monkeypatch.context() as patch:
         patch.setattr(sd.distributed, "all_reduce_sum",
-                      lambda values, d: reduce(values, d) + torch.tensor([0.0, 0.0, 1.0], dtype=values.dtype))
+                      lambda values, d: reduce(values, d) + torch.tensor([0.0, 0.0, 1.0, 0.0], dtype=values.dtype))
         assert sd.train.validation.check(run, record, lambda: False) == (None, True)
     assert len(calls) == 4 and record == {}  # its four batches of 2 with the live weights; none with the EMA
     # The grid's first prompt: asked before each denoising step, the stop comes after two of its four
