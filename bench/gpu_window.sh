@@ -2,7 +2,8 @@
 # The headline GPU table in one command, sized to one borrowed GPU (15 minutes of machine time in all).
 #
 #   OUT=DIR bash bench/gpu_window.sh             # on the GPU machine, from the repository root
-#   OUT=DIR bash bench/gpu_window.sh --dry_run   # every piece at tiny sizes on the CPU (a few minutes)
+#   OUT=DIR bash bench/gpu_window.sh --dry_run   # every piece at tiny sizes on the CPU (a few minutes; no overall
+#                                                # budget and five times each piece's cap: a busy CPU does not fail it)
 #
 # Installs the wheels of .whl/ (made here by `bash bench/prepare_gpu_wheels.sh`: what the GPU machine lacks)
 # into a temporary folder, then runs bench/gpu_window.py: each piece under its own time cap, all within

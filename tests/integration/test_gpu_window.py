@@ -35,6 +35,32 @@ def test_the_gpu_sizes_fit_the_window():
     assert gpu_window.BUDGET_S + 20 <= 7 * 60
 
 
+def test_a_dry_run_on_a_busy_cpu_runs_every_piece_under_wider_caps(tmp_path, monkeypatch):
+    """Each piece taking 300 s of a loaded 2-core machine: the window's 400 s budget once left the later pieces
+    unrun and the dry run exited 1; a dry run has no overall budget and gives each piece five times its cap
+    (a hang still ends it), while the window keeps both."""
+    import contextlib
+
+    clock, caps = [0.0], {}
+
+    def slow_piece(piece, folder, cap_s, python):
+        clock[0] += 300
+        caps[piece.name] = cap_s
+        piece.ended, piece.seconds = "ok", 300
+
+    monkeypatch.setattr(gpu_window, "run_piece", slow_piece)
+    monkeypatch.setattr(gpu_window, "compute_estimates", lambda sizes: {})
+    monkeypatch.setattr(gpu_window, "preloaded", lambda folder: contextlib.nullcontext([sys.executable]))
+    monkeypatch.setattr(gpu_window, "table_rows", lambda chosen, sizes, estimates: [])
+    monkeypatch.setattr(gpu_window.time, "monotonic", lambda: clock[0])
+    headline = [p for p in gpu_window.pieces(gpu_window.DRY) if p.part == "headline"]
+    assert gpu_window.main(["--dry_run", "--out", str(tmp_path / "dry")]) == 0
+    assert caps == {p.name: p.cap_s * gpu_window.DRY_CAP_SCALE for p in headline}
+    caps.clear()
+    assert gpu_window.main(["--out", str(tmp_path / "window")]) == 1  # the window's budget binds: 2 pieces run
+    assert len(caps) == 2 and all(cap <= gpu_window.BUDGET_S for cap in caps.values())
+
+
 def test_the_carried_estimates_cover_the_measured_batches():
     estimates = json.loads(gpu_window.ESTIMATES.read_text())
     for batch in gpu_window.GPU.batches:
