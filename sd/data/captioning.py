@@ -109,10 +109,10 @@ def load_captioner(name_or_path: str, *, device, dtype, prompt: str | None = Non
     import sd.model
 
     if name_or_path == TINY:
-        import sd.data.tiny_captioners
+        from sd.data import tiny_captioners
 
         with tempfile.TemporaryDirectory() as folder:  # read whole by from_pretrained; gone once loaded
-            return load_captioner(str(sd.data.tiny_captioners.tiny_blip(Path(folder) / "blip")), device=device,
+            return load_captioner(str(tiny_captioners.tiny_blip(Path(folder) / "blip")), device=device,
                                   dtype=dtype, prompt=prompt, max_length=max_length, num_beams=num_beams)
     name = CAPTIONERS.get(name_or_path, name_or_path)
     options = sd.model.hub_options(name)
@@ -218,10 +218,10 @@ def load_tagger(name_or_path: str, *, device=None, threads: int | None = None) -
     """The WD14 tagger ``name_or_path`` (a hub id or a local folder with ``model.onnx`` and
     ``selected_tags.csv``; ``wd14`` names the default model, ``tiny`` a small one built here)."""
     if name_or_path == TINY:
-        import sd.data.tiny_captioners
+        from sd.data import tiny_captioners
 
         with tempfile.TemporaryDirectory() as folder:  # onnxruntime holds the model in memory once loaded
-            return load_tagger(str(sd.data.tiny_captioners.tiny_tagger(Path(folder) / "tagger")), device=device,
+            return load_tagger(str(tiny_captioners.tiny_tagger(Path(folder) / "tagger")), device=device,
                                threads=threads)
     name = TAGGERS.get(name_or_path, name_or_path)
     try:

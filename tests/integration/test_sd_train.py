@@ -146,10 +146,10 @@ def test_two_ranks_end_with_identical_weights_and_a_full_run_folder(run_a):
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == TOTAL and {"loss", "lr", "grad_norm", "loss_by_quartile", "images_per_s"} <= set(records[0])
     validated = [r for r in records if "val_loss" in r]
-    assert [r["step"] for r in validated] == [5, 10]
+    assert [r["step"] for r in validated] == [5, 10, TOTAL]  # every validate_every steps, and the last
     assert all(math.isfinite(r["val_loss"]) and math.isfinite(r["val_loss_ema"]) for r in validated)
     assert validated[0]["val_loss"] != validated[0]["val_loss_ema"]  # the EMA is not the live model
-    assert sorted(p.name for p in (run_dir / "samples").iterdir()) == ["step_00000005.png", "step_00000010.png"]
+    assert sorted(p.name for p in (run_dir / "samples").iterdir()) == [f"step_{s:08d}.png" for s in (5, 10, TOTAL)]
     assert (run_dir / "loss.png").stat().st_size > 1000
 
 
