@@ -35,11 +35,13 @@ def start_process(*, threads: int | None = None, uses_torch: bool = True) -> Non
     - The test-only fault points of ``sd.faults`` (armed by ``SD_FAULT``; inert otherwise).
     - Muted: huggingface_hub's warning that diffusers passes it ``local_dir_use_symlinks``, and
       bitsandbytes' notice, on CPUs with AVX-512 BF16, that its optional 4-bit CPU kernels are not
-      installed (diffusers imports it with every model; nothing here uses 4-bit layers).
+      installed, with the ``kernels`` package's warning about looking for them offline (diffusers imports
+      bitsandbytes with every model; nothing here uses 4-bit layers).
     ``uses_torch=False`` (the data stages, which compute nothing with torch) leaves torch's settings
     out and torch unimported. A value the user already set in the environment is kept.
     """
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    logging.getLogger("kernels").setLevel(logging.ERROR)  # its hub lookup for those kernels, offline
     # diffusers passes huggingface_hub an argument it has deprecated, on every hub id it looks up: not the user's
     warnings.filterwarnings("ignore", message=".*local_dir_use_symlinks.*", category=UserWarning)
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
