@@ -184,6 +184,10 @@ def test_dreambooth_generates_missing_class_images_and_trains_on_both_halves(tmp
     assert grid.size == sd.sampling.GridLayout.of(["a sks square"], 1, 64, 64).size
     assert "instance image skipped: " in caplog.text and "broken.png" in caplog.text
     assert f"training samples in instance_dir {fields['instance_dir']}," in caplog.text  # not "0 dataset(s)"
+    # the subject folder's latents and log line are named for what they are, whichever mode trains on them
+    assert f"subject folder {instance}: 3 images of 'a sks square' at 64 px" in caplog.text
+    assert (tmp_path / "run" / "subject_latents" / "instance.safetensors").exists()
+    assert not (tmp_path / "run" / "dreambooth").exists() and "DreamBooth:" not in caplog.text
     saved = tmp_path / "run" / "checkpoints" / sd.run_folder.step_dir_name(3)
     if lora_rank:  # the text encoder's adapter trained and is saved beside the UNet's
         adapter = load_file(saved / "adapter.safetensors")
