@@ -11,7 +11,7 @@
   ``max(instances, class images)`` samples; sample ``i`` pairs instance ``i mod instances`` with
   class image ``i mod class images``, and every micro-batch holds its instance samples followed by
   their class samples, so the loss is instance loss + ``prior_loss_weight`` x class loss
-  (``sd.train.step.objective``).
+  (``sd.train.objectives.Objective.reduce``).
 """
 
 from __future__ import annotations

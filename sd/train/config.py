@@ -22,8 +22,8 @@ import sd.cli
 import sd.flow
 import sd.model
 import sd.sampling
-import sd.train.distill
 import sd.train.modes
+import sd.train.objectives
 from sd.cli import ConfigError, load_yaml
 from sd.run_folder import read_saved_config
 
@@ -398,9 +398,6 @@ class TrainConfig:
         need(self.loss_type in sd.model.LOSS_TYPES, f"loss_type: one of {', '.join(sd.model.LOSS_TYPES)}")
         need(self.huber_schedule in sd.model.HUBER_SCHEDULES,
              f"huber_schedule: one of {', '.join(sd.model.HUBER_SCHEDULES)}")
-        need(not self.distill or (self.loss_type == "l2" and not self.debiased_estimation),
-             "loss_type and debiased_estimation are the diffusion loss's; a distill run has lcm_loss: set loss_type: "
-             "l2 and debiased_estimation: false")
         need(self.attention in sd.model.ATTENTION_CHOICES, f"attention: one of {', '.join(sd.model.ATTENTION_CHOICES)}")
         need(self.ema_warmup in ("auto", "restart", "off"), "ema_warmup: auto, restart or off")
         need(self.wandb_mode in ("online", "offline", "disabled"), "wandb_mode: online, offline or disabled")
@@ -419,8 +416,7 @@ class TrainConfig:
         check_posthoc_ema(self)
         need(not (self.cache_text_embeddings and self.lora_text_encoder),
              "cache_text_embeddings needs a frozen text encoder: turn off lora_text_encoder or the cache")
-        check_distill(self, check_paths)
-        check_flow(self)
+        sd.train.objectives.check(self, check_paths)
         sampling = sd.sampling.settings_error(self.sampler, self.validation_steps, self.validation_cfg)
         need(sampling is None, f"validation_sampler {self.validation_sampler}, validation_steps "
              f"{self.validation_steps}, validation_cfg {self.validation_cfg:g} (the validation grid's and the "
@@ -460,80 +456,10 @@ class TrainConfig:
              f"init_from: {self.init_from} is neither an existing path nor a hub id (owner/name)")
 
 
-def check_distill(config: TrainConfig, check_paths: bool = True) -> None:
-    """Consistency distillation's settings, and the modes it cannot be combined with."""
-    if config.distill not in sd.train.distill.MODES:
-        raise ConfigError(f"distill: lcm, or empty for the usual diffusion loss; got {config.distill!r}")
-    if not config.distill:
-        return
-    if check_paths and not config.init_from:
-        raise ConfigError("distill: lcm learns from a trained model: set init_from (the teacher: a run of ours, a "
-                          "diffusers folder or hub id, or a single file)")
-    if config.lcm_loss not in sd.train.distill.LOSSES:
-        raise ConfigError(f"lcm_loss: huber or l2, got {config.lcm_loss!r}")
-    if config.lcm_guidance_max < config.lcm_guidance_min:
-        raise ConfigError(f"lcm_guidance_max ({config.lcm_guidance_max:g}) is below lcm_guidance_min "
-                          f"({config.lcm_guidance_min:g}): set max >= min (equal for a fixed scale)")
-    if sd.model.NUM_TRAIN_TIMESTEPS % config.lcm_solver_steps:
-        raise ConfigError(f"lcm_solver_steps: a divisor of {sd.model.NUM_TRAIN_TIMESTEPS} (e.g. 50: a skip of 20), "
-                          f"got {config.lcm_solver_steps}")
-    refused = {"instance_dir": "a DreamBooth folder", "embedding_token": "textual inversion",
-               "lora_text_encoder": "a text-encoder adapter (the teacher's prompts are its own)",
-               "masked_loss": "masked_loss", "shuffle_tags": "caption operations", "tag_dropout": "caption operations"}
-    for name, what in refused.items():
-        if getattr(config, name):
-            raise ConfigError(f"distill: lcm does not train with {what}; unset {name}, or distill in a run of its own")
-    if config.sharding != "none":
-        raise ConfigError(f"distill: lcm runs on DDP; set sharding: none (got {config.sharding})")
-
-
 OPTIMIZERS = ("adamw", "adamw8bit", "prodigy", "adamw_schedulefree")
 KEEP_BEST = ("", "fid", "clip_score")
 BLOCK_LR_SCALES = ("down_lr_scale", "mid_lr_scale", "up_lr_scale")  # the UNet blocks' (sd.train.step.BLOCK_SCALES)
 PRODIGY_LR = (0.1, 10.0)  # lr scales Prodigy's own estimate: far outside this, it was meant for another optimizer
-
-
-FLOW_FIELDS = ("flow_density", "flow_logit_mean", "flow_logit_std", "flow_shift")
-
-
-def check_flow(config: TrainConfig) -> None:
-    """Flow matching's settings, and the settings of the other objectives it cannot take."""
-    if config.flow_density not in sd.flow.DENSITIES:
-        raise ConfigError(f"flow_density: one of {', '.join(sd.flow.DENSITIES)}, got {config.flow_density!r}")
-    if config.reflow:
-        refused = [(not config.flow, "a flow model, prediction_type: flow or flow_matching: true (the pairs are a "
-                                     "flow model's)"),
-                   (config.flip, "flip: false (a pair is one image and its noise)"),
-                   (config.noise_offset != 0, "noise_offset: 0 (the noise is the pair's)"),
-                   (bool(config.instance_dir), "no instance_dir (the pairs are SD_Reflow.py's latent folders)")]
-        for bad, need in refused:
-            if bad:
-                raise ConfigError(f"reflow needs {need}")
-    if not config.flow:
-        changed = [name for name in FLOW_FIELDS if getattr(config, name) != FIELDS[name].default]
-        if changed:
-            raise ConfigError(f"{', '.join(changed)} shape{'s' if len(changed) == 1 else ''} flow matching's training: "
-                              "set prediction_type: flow or flow_matching: true, or leave them at their defaults")
-        return
-    if config.flow_matching and config.prediction_type == "flow":
-        raise ConfigError("flow_matching trains an epsilon or v_prediction model as a flow; a prediction_type: flow "
-                          "model is one already: set flow_matching: false")
-    what = "prediction_type: flow" if config.prediction_type == "flow" else "flow_matching"
-    refused = [(config.zero_terminal_snr, "zero_terminal_snr", "a flow's path reaches pure noise by itself"
-                if config.prediction_type == "flow" else "the bridge needs a finite log-SNR at every timestep"),
-               (config.min_snr_gamma != 0, "min_snr_gamma", "Min-SNR weights the epsilon and v losses; set "
-                "min_snr_gamma: 0"),
-               (config.debiased_estimation, "debiased_estimation", "its weights are the epsilon and v losses'"),
-               (config.loss_type in ("huber", "smooth_l1") and config.huber_schedule == "snr", "huber_schedule: snr",
-                "its thresholds follow the DDPM schedule; use constant or exponential"),
-               (bool(config.distill), "distill", "consistency distillation samples a DDPM teacher"),
-               (bool(config.control), "control", "a ControlNet trains beside an epsilon or v model")]
-    for bad, name, why in refused:
-        if bad:
-            raise ConfigError(f"{what} does not train with {name}: {why}")
-    if config.prediction_type == "flow" and config.sampler not in sd.sampling.FLOW_SAMPLERS:
-        raise ConfigError(f"validation_sampler {config.validation_sampler}: a flow model is sampled with "
-                          f"{' or '.join(sd.sampling.FLOW_SAMPLERS)} (or auto)")
 
 
 def check_learning_rates(config: TrainConfig) -> None:

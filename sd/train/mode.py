@@ -20,7 +20,7 @@ mode's own room (``sd/lora/mode.py``, ``sd/embedding/mode.py``, ``sd/controlnet/
 * ``describe(step)``: its line in the log.
 
 A new mode is one new room (a ``Mode`` subclass) and one line in ``sd.train.modes.MODES``. An objective
-other than the diffusion loss (``distill: lcm``, ``sd.train.distill``) is not a mode: it combines with one.
+other than the diffusion loss (``sd.train.objectives``: flow, reflow, consistency distillation) is not a mode: it combines with one.
 
 Every answer above composes, so two modes can train in one run (a LoRA with a learned token: pivotal
 tuning, ``sd.train.modes.Together``): asked in ``MODES``' order, ``before_data``, ``check_models``,

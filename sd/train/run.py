@@ -26,6 +26,7 @@ import sd.train.recovery
 import sd.train.metrics
 import sd.train.mode
 import sd.train.modes
+import sd.train.objectives
 import sd.train.step
 import sd.train.validation
 from sd.train.state import Run, TrainState
@@ -150,7 +151,7 @@ def build(config: TrainConfig, d: Dist) -> Run:
     unet = sd.model.build_unet(config.unet, seed=config.seed, grad_checkpointing=config.grad_checkpointing,
                                channels_last=config.channels_last).to(d.device).train()
     check_models(config, unet, text_encoder)
-    frozen_base = mode.frozen_base or sd.train.step.objective_of(config).uses_base  # trained on, or from
+    frozen_base = mode.frozen_base or sd.train.objectives.objective_of(config).uses_base  # trained on, or from
     base_fingerprint = None
     if config.init_from and frozen_base:
         sd.train.recovery.load_base(config.init_from, unet)

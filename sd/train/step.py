@@ -22,19 +22,18 @@ import sd.data.training_data
 import sd.distributed
 import sd.embedding.tokens
 import sd.faults
-import sd.flow
 import sd.model
 import sd.posthoc_ema
 import sd.runtime
-import sd.train.distill
 import sd.train.ema
 import sd.train.optimizers
 import sd.train.posthoc_ema
 import sd.train.mode
 import sd.train.modes
+import sd.train.objectives
 import sd.train.sharding
 from sd.distributed import Dist
-from sd.train.objective import LossContext, LossSettings
+from sd.train.objectives import LossContext, LossSettings
 
 log = logging.getLogger("sd_train")
 
@@ -67,7 +66,7 @@ class Step:
     text_ema: sd.train.ema.EMA | None = None  # of the text encoder's adapter, when it trains and there is an EMA
     posthoc: list = dataclasses.field(default_factory=list)  # posthoc_ema_every: PowerEMAs of the UNet
     posthoc_text: list = dataclasses.field(default_factory=list)  # and of what trains in the text encoder
-    objective: "Diffusion | sd.train.distill.Distiller" = dataclasses.field(default_factory=lambda: Diffusion())
+    objective: sd.train.objectives.Objective = dataclasses.field(default_factory=sd.train.objectives.Diffusion)
     mode: sd.train.mode.Mode = dataclasses.field(default_factory=lambda: sd.train.mode.Mode(None))  # what trains
 
     def emas(self) -> list[tuple[sd.train.ema.EMA, torch.nn.Module]]:
@@ -316,7 +315,7 @@ def build_step(config, d: Dist, unet, text_encoder, empty_ids: torch.Tensor, sca
             group["params"] = [next(masters) for _ in group["params"]]
     noise_generator = torch.Generator(device=d.device).manual_seed(config.seed * 7919 + d.rank + 1)
     sharding = getattr(config, "sharding", "none") if d.world_size > 1 else "none"
-    objective = objective_of(config).build(config, unet)
+    objective = sd.train.objectives.objective_of(config).build(config, unet)
     optimizer = build_optimizer(groups, config, zero=sharding == "zero1")
     optimizer.master_weights = master
     return Step(unet, unet, text_encoder, empty, optimizer,
@@ -394,12 +393,11 @@ def compile_options(shapes: int, mode: str = "default") -> dict:
 
 
 def compute_loss(step: Step, model, latents: torch.Tensor, input_ids: torch.Tensor, generator: torch.Generator,
-                 mask: torch.Tensor | None = None, noise: torch.Tensor | None = None, **inputs: torch.Tensor):
+                 mask: torch.Tensor | None = None, **inputs: torch.Tensor):
     """Per-sample loss ``(B,)`` and timesteps of one micro-batch through ``model``, by the step's objective
-    (``Diffusion``, or ``sd.train.distill.Distiller`` for ``distill: lcm``); ``mask`` ``(B, 1, h, w)``: the
-    loss weights of ``masked_loss``; ``noise``: each latent's own noise (``reflow``'s pairs) instead of
-    drawn noise; ``inputs``: the mode's tensors of the micro-batch (``Mode.batch_inputs``)."""
-    return step.objective.loss(loss_context(step), model, latents, input_ids, generator, mask, inputs, noise)
+    (``sd.train.objectives``); ``mask`` ``(B, 1, h, w)``: the loss weights of ``masked_loss``; ``inputs``: the
+    micro-batch's other tensors by name (the objective's and the mode's ``batch_inputs``)."""
+    return step.objective.loss(loss_context(step), model, latents, input_ids, generator, mask, inputs)
 
 
 def loss_context(step: Step) -> LossContext:
@@ -409,125 +407,16 @@ def loss_context(step: Step) -> LossContext:
                        step.mode.model_inputs)
 
 
-class Diffusion:
-    """The objective of a diffusion model: the Min-SNR-weighted prediction error of noised latents
-    (``sd.model.diffusion_loss``). An objective is asked for its loss, updated after each optimizer step
-    (``update``), and names what it saves (``entries``) and holds in memory (``held_tensors``); this one
-    keeps nothing of its own."""
-
-    what = None  # what a checkpoint trained under it holds, in messages (None: the mode says)
-    uses_base = False  # init_from's weights are its reference (a distillation's teacher): fingerprinted
-
-    @classmethod
-    def build(cls, config, unet) -> "Diffusion":
-        return cls()
-
-    def loss(self, context: LossContext, model, latents, input_ids, generator, mask, inputs, noise=None):
-        """The Min-SNR loss: draws the noise (and its offset; not when ``noise`` is given), the timesteps, the
-        mode's random inputs (a blank control image) and the CFG dropout from ``generator``, in that order."""
-        return diffusion_loss(context, model, latents, input_ids, generator, mask, inputs, noise)
-
-    def update(self, unet, step_index: int, skip: torch.Tensor | None = None, view=None) -> None:
-        pass
-
-    def entries(self) -> dict:
-        return {}
-
-    def held_tensors(self) -> list:
-        return []
-
-    def describe(self, config) -> str | None:
-        return None
-
-
-def objective_of(config) -> type:
-    """The objective ``config`` asks for: consistency distillation (``distill: lcm``), else ``Diffusion``."""
-    return sd.train.distill.Distiller if getattr(config, "distill", "") else Diffusion
-
-
-def diffusion_loss(context: LossContext, model, latents, input_ids, generator, mask, inputs, noise=None):
-    """``Diffusion.loss``: per-sample Min-SNR loss ``(B,)`` of a micro-batch, and its timesteps. ``noise``:
-    the latents' own (a reflow pair's, ``flow_loss``), else drawn."""
-    settings, device, alphas = context.settings, context.device, context.alphas_cumprod
-    latents = sd.model.scale_latents(latents.to(device, non_blocking=True).float(), context.scaling_factor)
-    if settings.channels_last:
-        latents = latents.contiguous(memory_format=torch.channels_last)
-    if noise is not None:  # reflow (check_flow: a flow model, no noise_offset)
-        noise = noise.to(device, non_blocking=True).float()
-        return flow_loss(context, model, latents, noise, input_ids, generator, mask, inputs)
-    noise = torch.randn(latents.shape, generator=generator, device=device)
-    if settings.noise_offset:  # a per-sample, per-channel shift: the mean brightness becomes learnable
-        noise = noise + settings.noise_offset * torch.randn((*latents.shape[:2], 1, 1), generator=generator,
-                                                             device=device)
-    if settings.flow:
-        return flow_loss(context, model, latents, noise, input_ids, generator, mask, inputs)
-    timesteps = sd.model.sample_timesteps(latents.shape[0], generator).to(device)
-    noisy = sd.model.add_noise(latents, noise, timesteps, alphas)
-    target = sd.model.prediction_target(latents, noise, timesteps, alphas, settings.prediction_type)
-    conditioning = context.model_inputs(inputs, device, generator) if inputs else {}
-    with sd.runtime.autocast(settings.precision, device):
-        hidden = context.prompts(input_ids, generator)
-        pred = model(noisy, timesteps, encoder_hidden_states=hidden, **conditioning).sample
-    if mask is not None:
-        mask = mask.to(device, non_blocking=True)
-    huber_c = None
-    if settings.loss_type in ("huber", "smooth_l1"):
-        huber_c = sd.model.huber_thresholds(timesteps, alphas, settings.huber_schedule, settings.huber_c,
-                                            settings.huber_scale)
-    loss = sd.model.diffusion_loss(pred, target, timesteps, alphas, settings.prediction_type, settings.min_snr_gamma,
-                                   mask, settings.loss_type, huber_c, settings.debiased_estimation)
-    return loss, timesteps
-
-
-def flow_loss(context: LossContext, model, latents, noise, input_ids, generator, mask, inputs):
-    """``diffusion_loss`` of a flow (``sd.flow``): the squared error (or ``loss_type``'s) of the velocity
-    ``noise - latents`` at sigmas drawn by ``flow_density`` and ``flow_shift``, with no per-sample weight. A
-    flow UNet is given the point on the path and ``sigma * 1000``; a bridged epsilon or v UNet its DDPM point
-    and continuous timestep, its output turned into the velocity. Returns the loss ``(B,)`` and the nearest
-    integer time ``(B,)`` of each sample (the per-quartile statistics')."""
-    settings, device = context.settings, context.device
-    sigmas = sd.flow.sample_sigmas(latents.shape[0], generator, settings.flow_density, settings.flow_logit_mean,
-                                   settings.flow_logit_std, settings.flow_shift).to(device)
-    bridged = settings.prediction_type != "flow"
-    if bridged:
-        sigmas = sd.flow.clamped(sigmas, context.alphas_cumprod)
-    noisy = sd.flow.noised(latents, noise, sigmas)
-    if bridged:
-        noisy, timesteps = sd.flow.bridge_inputs(noisy, sigmas, context.alphas_cumprod)
-    else:
-        timesteps = sd.flow.model_timesteps(sigmas)
-    conditioning = context.model_inputs(inputs, device, generator) if inputs else {}
-    with sd.runtime.autocast(settings.precision, device):
-        hidden = context.prompts(input_ids, generator)
-        pred = model(noisy, timesteps, encoder_hidden_states=hidden, **conditioning).sample
-    if bridged:
-        pred = sd.flow.bridge_velocity(pred, noisy, sigmas, settings.prediction_type)
-    if mask is not None:
-        mask = mask.to(device, non_blocking=True)
-    step_times = (sigmas * sd.model.NUM_TRAIN_TIMESTEPS).long().clamp(0, sd.model.NUM_TRAIN_TIMESTEPS - 1)
-    huber_c = None
-    if settings.loss_type in ("huber", "smooth_l1"):  # constant or exponential (check_flow), by sigma * 1000
-        huber_c = sd.model.huber_thresholds(step_times, context.alphas_cumprod, settings.huber_schedule,
-                                            settings.huber_c, settings.huber_scale)
-    loss = sd.model.elementwise_loss(pred, sd.flow.velocity(latents, noise), settings.loss_type, huber_c)
-    if mask is not None:
-        loss = loss * mask.to(dtype=torch.float32)
-    return loss.mean(dim=tuple(range(1, loss.ndim))), step_times
-
-
 def batch_extras(step: Step, extra: list) -> dict:
     """A micro-batch's tensors after the latents and token ids, by ``compute_loss``'s names: the loss mask
-    (``masked_loss``), the reflow noise (``reflow``), then the mode's (``Mode.batch_inputs``: a ControlNet
-    run's conditioning images)."""
-    names = step.mode.batch_inputs
+    (``masked_loss``), then the objective's (``Objective.batch_inputs``: reflow's noise), then the mode's
+    (``Mode.batch_inputs``: a ControlNet run's conditioning images)."""
+    names = (*step.objective.batch_inputs, *step.mode.batch_inputs)
     if len(extra) < len(names):
-        raise ValueError(f"a {step.mode.what} run's batch needs {step.mode.missing_inputs}")
+        lacking = "; ".join(part.missing_inputs for part in (step.objective, step.mode) if part.batch_inputs)
+        raise ValueError(f"this run's micro-batch needs {lacking}")
     own = extra[: len(extra) - len(names)]
     named = dict(zip(names, extra[len(own):]))
-    if step.loss.reflow:
-        if not own:
-            raise ValueError("a reflow run's batch needs each latent's noise (MixedData loaded with noise)")
-        named["noise"], own = own[-1], own[:-1]
     if own:
         named["mask"] = own[0]
     return named
@@ -552,15 +441,6 @@ def prompt_embeddings(step: Step, input_ids: torch.Tensor, generator: torch.Gene
     if generator is not None:
         hidden, _ = apply_cfg_dropout(hidden, step.empty_embedding, dropout, generator)
     return hidden
-
-
-def objective(loss: torch.Tensor, settings: LossSettings) -> torch.Tensor:
-    """The scalar a micro-batch minimises: the mean per-sample loss, or with prior preservation the
-    instance half's mean plus ``prior_loss_weight`` times the class half's mean."""
-    if not settings.prior_preservation:
-        return loss.mean()
-    instance, prior = loss.chunk(2)
-    return instance.mean() + settings.prior_loss_weight * prior.mean()
 
 
 class TextCache:
@@ -643,7 +523,7 @@ def train_step(step: Step, micro_batches: list, step_index: int, stop_requested:
         with sync:
             loss, timesteps = compute_loss(step, step.model, latents, input_ids, step.noise_generator,
                                            **batch_extras(step, extra))
-            value = objective(loss, settings)
+            value = step.objective.reduce(loss, settings)
             step.scaler.scale(value / len(micro_batches)).backward()
         quartile = (timesteps * 4 // sd.model.NUM_TRAIN_TIMESTEPS).clamp(max=3)
         stats[0] += value.detach().double() / len(micro_batches)

@@ -20,7 +20,7 @@ import sd.model
 import sd.run_folder
 import sd.sampling
 import sd.train.config
-import sd.train.distill
+import sd.train.objectives.lcm
 import sd.train.step
 import SD_ImageGen
 import SD_Train
@@ -128,7 +128,7 @@ def fixed_draw_loss(config_fields: dict, student: dict | None, target: dict | No
     if target is not None:
         step.objective.load_state_dict(target)
     with torch.no_grad():
-        loss, _ = sd.train.distill.lcm_loss(step.objective, sd.train.step.loss_context(step), unet, latents, ids,
+        loss, _ = sd.train.objectives.lcm.lcm_loss(step.objective, sd.train.step.loss_context(step), unet, latents, ids,
                                                 torch.Generator().manual_seed(0))
     return loss.mean().item()
 

@@ -26,7 +26,7 @@ import sd.train.checkpoint as ckpt
 import sd.train.recovery
 import sd.train.config
 import sd.train.ema
-import sd.train.objective
+import sd.train.objectives
 import sd.train.step
 import SD_Train
 from sd.distributed import Dist
@@ -130,10 +130,11 @@ def test_lora_needs_base_weights(tmp_path, data, capsys):
 
 
 def test_prior_preservation_loss_is_instance_mean_plus_weighted_class_mean():
-    settings = sd.train.objective.LossSettings(prior_preservation=True, prior_loss_weight=0.3)
+    settings = sd.train.objectives.LossSettings(prior_preservation=True, prior_loss_weight=0.3)
+    objective = sd.train.objectives.Diffusion()
     loss = torch.tensor([1.0, 2.0, 3.0, 10.0, 20.0, 30.0])
-    assert sd.train.step.objective(loss, settings).item() == pytest.approx(2.0 + 0.3 * 20.0)
-    assert sd.train.step.objective(loss, sd.train.objective.LossSettings()).item() == pytest.approx(11.0)
+    assert objective.reduce(loss, settings).item() == pytest.approx(2.0 + 0.3 * 20.0)
+    assert objective.reduce(loss, sd.train.objectives.LossSettings()).item() == pytest.approx(11.0)
 
 
 def write_images(folder: Path, count: int, colour, size: int = 72) -> Path:

@@ -559,14 +559,14 @@ def test_each_components_view_of_the_config_reads_fields_the_config_has_and_copi
     import sd.data.training_data
     import sd.evaluation
     import sd.lora.adapters
-    import sd.train.objective
+    import sd.train.objectives
     from sd.train.config import FIELDS, TrainConfig
 
     config = TrainConfig(datasets=[{"dataset": "d", "latents": "l"}], lora_rank=8, lora_alpha=4.0, class_dir="c",
                          instance_dir="i", eval_n=7, validation_steps=12, shuffle_tags=0.5, keep_tokens=2, seed=9,
                          flip=True, precision="fp32")
     views = (sd.data.dreambooth.DreamBoothSettings, sd.data.training_data.DataSettings, sd.evaluation.EvalSettings,
-             sd.lora.adapters.LoraSettings, sd.train.objective.LossSettings)
+             sd.lora.adapters.LoraSettings, sd.train.objectives.LossSettings)
     for view in views:
         names = {f.name for f in dataclasses.fields(view)} - {"caption_ops", "prior_preservation"}
         assert names <= set(FIELDS), (view.__name__, names - set(FIELDS))
@@ -576,7 +576,7 @@ def test_each_components_view_of_the_config_reads_fields_the_config_has_and_copi
             assert getattr(made, name) == (tuple(expected) if name == "datasets" else expected), (view.__name__, name)
     data = sd.data.training_data.DataSettings.from_config(config)
     assert (data.caption_ops.shuffle_tags, data.caption_ops.keep_tokens) == (0.5, 2)
-    assert sd.train.objective.LossSettings.from_config(config).prior_preservation
+    assert sd.train.objectives.LossSettings.from_config(config).prior_preservation
 
 
 def test_the_controlnet_recipes_placeholder_control_image_is_checked_only_when_a_grid_is_drawn(tmp_path):

@@ -1,5 +1,5 @@
-"""Latent consistency distillation (``distill: lcm``): a model that samples in 1-8 steps, learned from a
-trained one.
+"""Latent consistency distillation (``distill: lcm``), an objective: a model that samples in 1-8 steps, learned
+from a trained one.
 
 LCM (Luo et al. 2023, "Latent Consistency Models", arXiv:2310.04378) and LCM-LoRA (Luo et al. 2023,
 arXiv:2311.05556). Three networks take part in a step:
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+
 import torch
 
 import sd.lora.adapters
@@ -28,6 +29,8 @@ import sd.model
 import sd.runtime
 import sd.sampling
 import sd.train.ema
+from sd.cli import ConfigError
+from sd.train.objectives.base import LossContext, Objective, scaled_latents
 
 MODES = ("", "lcm")
 LOSSES = ("huber", "l2")
@@ -110,7 +113,7 @@ def distance(prediction: torch.Tensor, target: torch.Tensor, loss: str, huber_c:
 # ---------------------------------------------------------------------------------------------
 
 
-class Distiller:
+class LatentConsistency(Objective):
     """The teacher and target of a consistency-distillation run around its student UNet.
 
     ``teacher``: a frozen copy of the base (a whole-UNet student), or None: the student's own UNet with
@@ -131,7 +134,43 @@ class Distiller:
         self.solver = solver_timesteps(settings.solver_steps).to(next(unet.parameters()).device)  # no copy per step
 
     @classmethod
-    def build(cls, config, unet) -> "Distiller":
+    def wanted(cls, config) -> bool:
+        return config.distill == "lcm"
+
+    @classmethod
+    def check(cls, config, check_paths: bool = True) -> None:
+        """Consistency distillation's settings, and the modes it cannot be combined with."""
+        if config.distill not in MODES:
+            raise ConfigError(f"distill: lcm, or empty for the usual diffusion loss; got {config.distill!r}")
+        if not config.distill:
+            return
+        if check_paths and not config.init_from:
+            raise ConfigError("distill: lcm learns from a trained model: set init_from (the teacher: a run of ours, "
+                              "a diffusers folder or hub id, or a single file)")
+        if config.lcm_loss not in LOSSES:
+            raise ConfigError(f"lcm_loss: huber or l2, got {config.lcm_loss!r}")
+        if config.lcm_guidance_max < config.lcm_guidance_min:
+            raise ConfigError(f"lcm_guidance_max ({config.lcm_guidance_max:g}) is below lcm_guidance_min "
+                              f"({config.lcm_guidance_min:g}): set max >= min (equal for a fixed scale)")
+        if sd.model.NUM_TRAIN_TIMESTEPS % config.lcm_solver_steps:
+            raise ConfigError(f"lcm_solver_steps: a divisor of {sd.model.NUM_TRAIN_TIMESTEPS} (e.g. 50: a skip of "
+                              f"20), got {config.lcm_solver_steps}")
+        if config.loss_type != "l2" or config.debiased_estimation:
+            raise ConfigError("loss_type and debiased_estimation are the diffusion loss's; a distill run has "
+                              "lcm_loss: set loss_type: l2 and debiased_estimation: false")
+        refused = {"instance_dir": "a DreamBooth folder", "embedding_token": "textual inversion",
+                   "lora_text_encoder": "a text-encoder adapter (the teacher's prompts are its own)",
+                   "masked_loss": "masked_loss", "shuffle_tags": "caption operations",
+                   "tag_dropout": "caption operations"}
+        for name, what in refused.items():
+            if getattr(config, name):
+                raise ConfigError(f"distill: lcm does not train with {what}; unset {name}, or distill in a run of "
+                                  "its own")
+        if config.sharding != "none":
+            raise ConfigError(f"distill: lcm runs on DDP; set sharding: none (got {config.sharding})")
+
+    @classmethod
+    def build(cls, config, unet) -> "LatentConsistency":
         """For a run's UNet as loaded from ``init_from`` (before its weights are resumed)."""
         settings = LCMSettings.from_config(config)
         if sd.lora.adapters.has_lora(unet):
@@ -159,7 +198,7 @@ class Distiller:
         if self.target is not None:
             self.target.update(unet, step_index, skip=skip, view=view)
 
-    def loss(self, context, model, latents, input_ids, generator, mask, inputs, noise=None):
+    def loss(self, context: LossContext, model, latents, input_ids, generator, mask, inputs: dict):
         """The consistency-distillation loss (``lcm_loss``; a distillation takes no loss mask or mode inputs)."""
         return lcm_loss(self, context, model, latents, input_ids, generator)
 
@@ -220,19 +259,16 @@ def adapters_off(unet):
 # ---------------------------------------------------------------------------------------------
 
 
-def lcm_loss(distiller: Distiller, context, model, latents: torch.Tensor, input_ids: torch.Tensor,
-             generator: torch.Generator):
-    """Per-sample consistency-distillation loss ``(B,)`` of one micro-batch and its timesteps ``t_n``;
-    ``context``: the step's ``sd.train.objective.LossContext``.
+def lcm_loss(distiller: LatentConsistency, context: LossContext, model, latents: torch.Tensor,
+             input_ids: torch.Tensor, generator: torch.Generator):
+    """Per-sample consistency-distillation loss ``(B,)`` of one micro-batch and its timesteps ``t_n``.
 
     Draws from ``generator``, in order: the noise, the solver index n and the guidance scale. The
     student runs through ``model`` (DDP-wrapped, compiled); teacher and target through the plain UNet
     without gradients. The prompts are taken as written: the guided teacher needs them (no CFG dropout).
     """
     settings, loss, device, alphas = distiller.settings, context.settings, context.device, context.alphas_cumprod
-    x0 = sd.model.scale_latents(latents.to(device, non_blocking=True).float(), context.scaling_factor)
-    if loss.channels_last:
-        x0 = x0.contiguous(memory_format=torch.channels_last)
+    x0 = scaled_latents(context, latents)
     batch = x0.shape[0]
     noise = torch.randn(x0.shape, generator=generator, device=device)
     index = torch.randint(0, settings.solver_steps, (batch,), generator=generator, device=generator.device)
@@ -252,7 +288,7 @@ def lcm_loss(distiller: Distiller, context, model, latents: torch.Tensor, input_
     return distance(prediction, target, settings.loss, settings.huber_c), start
 
 
-def teacher_solver_step(distiller: Distiller, context, x_start, start, end, hidden, scale) -> torch.Tensor:
+def teacher_solver_step(distiller: LatentConsistency, context: LossContext, x_start, start, end, hidden, scale) -> torch.Tensor:
     """``x_{t_{n-k}}``: one DDIM step of the teacher's guided prediction from ``x_{t_n}`` (cond and
     uncond in one batch of 2B)."""
     alphas, prediction_type = context.alphas_cumprod, context.settings.prediction_type

@@ -1,4 +1,4 @@
-"""Latent consistency distillation (sd.train.distill): the solver's timesteps, the boundary scalings, the
+"""Latent consistency distillation (sd.train.objectives.lcm): the solver's timesteps, the boundary scalings, the
 whole loss of a micro-batch against a reference computed by hand, the teacher and the target network."""
 
 import copy
@@ -11,10 +11,10 @@ import torch
 
 import sd.lora.adapters
 import sd.model
-import sd.train.distill as distill
+import sd.train.objectives.lcm as distill
 import sd.train.step
 from sd.distributed import Dist
-from sd.train.config import ConfigError, TrainConfig, check_distill
+from sd.train.config import ConfigError, TrainConfig
 
 from fake_cuda import fake_cuda, steady_steps, zero_gradients
 
@@ -164,7 +164,7 @@ def test_the_target_moves_by_one_minus_its_decay_towards_the_student_at_each_ste
 def test_a_bad_distillation_setting_is_refused_by_name(fields, message):
     config = TrainConfig(**{**FIELDS, "init_from": "base", **fields})
     with pytest.raises(ConfigError, match=re.escape(message)):
-        check_distill(config)
+        distill.LatentConsistency.check(config)
     if fields.get("init_from") != "":  # the same from the whole validation, before any work
         with pytest.raises(ConfigError, match=re.escape(message)):
             config.validate(check_paths=False)

@@ -1,0 +1,157 @@
+"""Flow matching (``sd.flow``): the velocity ``noise - latents`` of the straight path between them, learned at
+sigmas drawn by ``flow_density`` and ``flow_shift``, unweighted. A ``prediction_type: flow`` UNet is given the
+point on the path and ``sigma * 1000``; an epsilon or v UNet trained as a flow (``flow_matching``) its DDPM
+point and continuous timestep through the diff2flow bridge, its output turned into the velocity. ``Reflow``
+trains on SD_Reflow.py's pairs: each latent with the noise a flow model's ODE drew it from."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+import sd.flow
+import sd.model
+import sd.runtime
+import sd.sampling
+from sd.cli import ConfigError
+from sd.train.objectives.base import LossContext, Objective, scaled_latents
+from sd.train.objectives.diffusion import drawn_noise
+
+FIELDS = ("flow_density", "flow_logit_mean", "flow_logit_std", "flow_shift")  # what shapes the training sigmas
+
+
+@dataclass(frozen=True)
+class FlowSettings:
+    """The config fields of a flow's training sigmas."""
+
+    density: str = "logit_normal"
+    logit_mean: float = 0.0
+    logit_std: float = 1.0
+    shift: float = 1.0
+
+    @classmethod
+    def from_config(cls, config) -> "FlowSettings":
+        return cls(config.flow_density, config.flow_logit_mean, config.flow_logit_std, config.flow_shift)
+
+
+def is_flow(config) -> bool:
+    """Trained as a flow: a flow model, or an epsilon or v model through the diff2flow bridge."""
+    return config.prediction_type == "flow" or config.flow_matching
+
+
+class Flow(Objective):
+    """A flow model, or an epsilon or v model trained as one through the bridge."""
+
+    def __init__(self, settings: FlowSettings = FlowSettings()):
+        self.settings = settings
+
+    @classmethod
+    def wanted(cls, config) -> bool:
+        return is_flow(config)
+
+    @classmethod
+    def build(cls, config, unet) -> "Flow":
+        return cls(FlowSettings.from_config(config))
+
+    @classmethod
+    def check(cls, config, check_paths: bool = True) -> None:
+        """Flow matching's settings, and the settings of the other objectives it cannot take."""
+        if config.flow_density not in sd.flow.DENSITIES:
+            raise ConfigError(f"flow_density: one of {', '.join(sd.flow.DENSITIES)}, got {config.flow_density!r}")
+        if not is_flow(config):
+            defaults = {f.name: f.default for f in dataclasses.fields(config)}
+            changed = [name for name in FIELDS if getattr(config, name) != defaults[name]]
+            if changed:
+                raise ConfigError(f"{', '.join(changed)} shape{'s' if len(changed) == 1 else ''} flow matching's "
+                                  "training: set prediction_type: flow or flow_matching: true, or leave them at their "
+                                  "defaults")
+            return
+        if config.flow_matching and config.prediction_type == "flow":
+            raise ConfigError("flow_matching trains an epsilon or v_prediction model as a flow; a prediction_type: "
+                              "flow model is one already: set flow_matching: false")
+        what = "prediction_type: flow" if config.prediction_type == "flow" else "flow_matching"
+        refused = [(config.zero_terminal_snr, "zero_terminal_snr", "a flow's path reaches pure noise by itself"
+                    if config.prediction_type == "flow" else "the bridge needs a finite log-SNR at every timestep"),
+                   (config.min_snr_gamma != 0, "min_snr_gamma", "Min-SNR weights the epsilon and v losses; set "
+                    "min_snr_gamma: 0"),
+                   (config.debiased_estimation, "debiased_estimation", "its weights are the epsilon and v losses'"),
+                   (config.loss_type in ("huber", "smooth_l1") and config.huber_schedule == "snr",
+                    "huber_schedule: snr", "its thresholds follow the DDPM schedule; use constant or exponential"),
+                   (bool(config.distill), "distill", "consistency distillation samples a DDPM teacher"),
+                   (bool(config.control), "control", "a ControlNet trains beside an epsilon or v model")]
+        for bad, name, why in refused:
+            if bad:
+                raise ConfigError(f"{what} does not train with {name}: {why}")
+        if config.prediction_type == "flow" and config.sampler not in sd.sampling.FLOW_SAMPLERS:
+            raise ConfigError(f"validation_sampler {config.validation_sampler}: a flow model is sampled with "
+                              f"{' or '.join(sd.sampling.FLOW_SAMPLERS)} (or auto)")
+
+    def loss(self, context: LossContext, model, latents, input_ids, generator, mask, inputs: dict):
+        """Draws the noise (and its offset), the sigmas, the mode's random inputs and the CFG dropout from
+        ``generator``, in that order."""
+        latents = scaled_latents(context, latents)
+        return self.path_loss(context, model, latents, self.noise(context, latents, generator, inputs), input_ids,
+                              generator, mask, self.mode_inputs(inputs))
+
+    def noise(self, context: LossContext, latents: torch.Tensor, generator, inputs: dict) -> torch.Tensor:
+        return drawn_noise(context, latents, generator)
+
+    def path_loss(self, context: LossContext, model, latents, noise, input_ids, generator, mask, inputs: dict):
+        """The squared error (or ``loss_type``'s) of the velocity ``noise - latents`` at the drawn sigmas, with no
+        per-sample weight: the loss ``(B,)`` and the nearest integer time ``(B,)`` of each sample."""
+        settings, flow, device = context.settings, self.settings, context.device
+        sigmas = sd.flow.sample_sigmas(latents.shape[0], generator, flow.density, flow.logit_mean, flow.logit_std,
+                                       flow.shift).to(device)
+        bridged = settings.prediction_type != "flow"
+        if bridged:
+            sigmas = sd.flow.clamped(sigmas, context.alphas_cumprod)
+        noisy = sd.flow.noised(latents, noise, sigmas)
+        if bridged:
+            noisy, timesteps = sd.flow.bridge_inputs(noisy, sigmas, context.alphas_cumprod)
+        else:
+            timesteps = sd.flow.model_timesteps(sigmas)
+        conditioning = context.model_inputs(inputs, device, generator) if inputs else {}
+        with sd.runtime.autocast(settings.precision, device):
+            hidden = context.prompts(input_ids, generator)
+            pred = model(noisy, timesteps, encoder_hidden_states=hidden, **conditioning).sample
+        if bridged:
+            pred = sd.flow.bridge_velocity(pred, noisy, sigmas, settings.prediction_type)
+        step_times = (sigmas * sd.model.NUM_TRAIN_TIMESTEPS).long().clamp(0, sd.model.NUM_TRAIN_TIMESTEPS - 1)
+        huber_c = None
+        if settings.loss_type in ("huber", "smooth_l1"):  # constant or exponential (check), by sigma * 1000
+            huber_c = sd.model.huber_thresholds(step_times, context.alphas_cumprod, settings.huber_schedule,
+                                                settings.huber_c, settings.huber_scale)
+        loss = sd.model.elementwise_loss(pred, sd.flow.velocity(latents, noise), settings.loss_type, huber_c)
+        if mask is not None:
+            loss = loss * mask.to(device, non_blocking=True).to(dtype=torch.float32)
+        return loss.mean(dim=tuple(range(1, loss.ndim))), step_times
+
+
+class Reflow(Flow):
+    """Reflow (Liu et al. 2022; InstaFlow's 2-rectified flow): the flow loss on SD_Reflow.py's (noise, image)
+    pairs, each latent with its own noise, which straightens the model's paths for 1-2 step sampling."""
+
+    batch_inputs = ("noise",)  # (B, 4, h, w) float16: the noise each latent was drawn from
+    missing_inputs = "each latent's noise (MixedData loaded with noise)"
+
+    @classmethod
+    def wanted(cls, config) -> bool:
+        return bool(config.reflow)
+
+    @classmethod
+    def check(cls, config, check_paths: bool = True) -> None:
+        if not config.reflow:
+            return
+        refused = [(not is_flow(config), "a flow model, prediction_type: flow or flow_matching: true (the pairs are "
+                                          "a flow model's)"),
+                   (config.flip, "flip: false (a pair is one image and its noise)"),
+                   (config.noise_offset != 0, "noise_offset: 0 (the noise is the pair's)"),
+                   (bool(config.instance_dir), "no instance_dir (the pairs are SD_Reflow.py's latent folders)")]
+        for bad, need in refused:
+            if bad:
+                raise ConfigError(f"reflow needs {need}")
+
+    def noise(self, context: LossContext, latents: torch.Tensor, generator, inputs: dict) -> torch.Tensor:
+        return inputs["noise"].to(context.device, non_blocking=True).float()
