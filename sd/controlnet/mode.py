@@ -12,13 +12,13 @@ import torch
 
 import sd.cli
 import sd.controlnet.model
-import sd.train.mode
+import sd.training_mode
 from sd.cli import ConfigError
 
 log = logging.getLogger("sd_train")
 
 
-class ControlNet(sd.train.mode.Mode):
+class ControlNet(sd.training_mode.Mode):
     what = "ControlNet"
     frozen_base = True
     whole_unet = False

@@ -9,13 +9,13 @@ import logging
 import torch
 
 import sd.embedding.tokens
-import sd.train.mode
+import sd.training_mode
 from sd.cli import ConfigError
 
 log = logging.getLogger("sd_train")
 
 
-class LearnedToken(sd.train.mode.Mode):
+class LearnedToken(sd.training_mode.Mode):
     what = "learned token"
     frozen_base = True
     whole_unet = False

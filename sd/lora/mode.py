@@ -9,13 +9,13 @@ from pathlib import Path
 import sd.formats
 import sd.lora.adapters
 import sd.run_folder
-import sd.train.mode
+import sd.training_mode
 from sd.cli import ConfigError
 
 log = logging.getLogger("sd_lora")
 
 
-class Lora(sd.train.mode.Mode):
+class Lora(sd.training_mode.Mode):
     what = "adapter"
     frozen_base = True
     whole_unet = False

@@ -1,4 +1,4 @@
-"""The training modes, one line each (``sd.train.mode``): a run's mode is the one its config asks for,
+"""The training modes, one line each (``sd.training_mode``): a run's mode is the one its config asks for,
 both of them together when it asks for two (a LoRA and a learned token: pivotal tuning), else the
 whole-UNet run."""
 
@@ -9,7 +9,7 @@ import torch
 import sd.controlnet.mode
 import sd.embedding.mode
 import sd.lora.mode
-from sd.train.mode import Mode
+from sd.training_mode import Mode
 
 MODES: tuple[type[Mode], ...] = (  # the order in which two modes of one run are asked (``Together``)
     sd.controlnet.mode.ControlNet,
@@ -19,7 +19,7 @@ MODES: tuple[type[Mode], ...] = (  # the order in which two modes of one run are
 
 
 class Together(Mode):
-    """Two modes in one run, each asked in ``MODES``' order (``sd.train.mode``'s composition rules)."""
+    """Two modes in one run, each asked in ``MODES``' order (``sd.training_mode``'s composition rules)."""
 
     def __init__(self, config, modes: list[Mode]):
         super().__init__(config)

@@ -24,7 +24,7 @@ import sd.sampling
 import sd.train.checkpoint as ckpt
 import sd.train.recovery
 import sd.train.metrics
-import sd.train.mode
+import sd.training_mode
 import sd.train.modes
 import sd.train.objectives
 import sd.train.step

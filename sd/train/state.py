@@ -13,7 +13,7 @@ import torch
 import sd.data.training_data
 import sd.sampling
 import sd.train.checkpoint as ckpt
-import sd.train.mode
+import sd.training_mode
 import sd.train.step
 from sd.distributed import Dist
 from sd.evaluation import TrainingEval
@@ -93,7 +93,7 @@ class Run:
     steps_per_epoch: int
     total_steps: int  # optimizer steps of the phase: sizes the LR schedule
     run_dir: Path
-    mode: sd.train.mode.Mode  # what trains (sd.train.modes)
+    mode: sd.training_mode.Mode  # what trains (sd.train.modes)
     base_fingerprint: torch.Tensor | None = None  # a LoRA run's base weights as loaded (see BaseFingerprint)
     evaluation: TrainingEval | None = None  # FID / CLIP score every eval_every steps
     started_at: float = field(default_factory=time.time)  # when the run first started (a resume's: its checkpoint's)

@@ -28,7 +28,7 @@ import sd.runtime
 import sd.train.ema
 import sd.train.optimizers
 import sd.train.posthoc_ema
-import sd.train.mode
+import sd.training_mode
 import sd.train.modes
 import sd.train.objectives
 import sd.train.sharding
@@ -67,7 +67,7 @@ class Step:
     posthoc: list = dataclasses.field(default_factory=list)  # posthoc_ema_every: PowerEMAs of the UNet
     posthoc_text: list = dataclasses.field(default_factory=list)  # and of what trains in the text encoder
     objective: sd.train.objectives.Objective = dataclasses.field(default_factory=sd.train.objectives.Diffusion)
-    mode: sd.train.mode.Mode = dataclasses.field(default_factory=lambda: sd.train.mode.Mode(None))  # what trains
+    mode: sd.training_mode.Mode = dataclasses.field(default_factory=lambda: sd.training_mode.Mode(None))  # what trains
 
     def emas(self) -> list[tuple[sd.train.ema.EMA, torch.nn.Module]]:
         """Each EMA with the model it averages: the UNet's, then the text adapter's."""
@@ -274,7 +274,7 @@ def ema_update_every(config, device: torch.device, part: bool) -> int:
 
 
 def build_step(config, d: Dist, unet, text_encoder, empty_ids: torch.Tensor, scaling_factor: float,
-               mode: sd.train.mode.Mode | None = None) -> Step:
+               mode: sd.training_mode.Mode | None = None) -> Step:
     """A step around a built UNet (on ``d.device``) and text encoder, at step 0, for ``mode`` (default: the
     one ``config`` asks for) attached to them already.
 
