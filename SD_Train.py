@@ -29,7 +29,7 @@ import sd.faults
 import sd.model
 import sd.run_folder
 import sd.runtime
-import sd.train.posthoc_ema
+import sd.train.power_ema
 import sd.train.recovery
 import sd.train.config
 import sd.train.memory
@@ -185,7 +185,7 @@ def loop(run: Run, stopper: StopSignal, metrics, bar, prefetch: Prefetcher) -> i
             epoch_done = state.advance(config.grad_accum, usable, images_per_step)
             if run.step.posthoc and d.is_main and (state.step % config.posthoc_ema_every == 0
                                                    or state.step == total):
-                sd.train.posthoc_ema.write_snapshot(run.run_dir, state.step, run.step.posthoc, run.step.posthoc_text)
+                sd.train.power_ema.write_snapshot(run.run_dir, state.step, run.step.posthoc, run.step.posthoc_text)
             unread.append((state.step, state.epoch, lr, result))
             window_images += images_per_step
             if d.is_main:

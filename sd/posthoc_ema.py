@@ -1,7 +1,7 @@
 """Post-hoc EMA snapshots in a run folder (Karras et al. 2024, "Analyzing and Improving the Training
 Dynamics of Diffusion Models", section 3): reading them and rebuilding an EMA of any length from them.
 
-A run trained with ``posthoc_ema_every`` keeps two EMAs with power-function profiles (``sd.train.posthoc_ema``
+A run trained with ``posthoc_ema_every`` keeps two EMAs with power-function profiles (``sd.train.power_ema``
 keeps and writes them): after optimizer step t (1-based) each folds the weights in with decay
 (1 - 1/t)^(gamma + 1), so it averages the whole run with weights growing as t'^gamma. Its length is
 ``sigma_rel``, the standard deviation of that profile relative to the run's length (``gamma_of``). Every

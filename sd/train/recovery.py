@@ -25,7 +25,7 @@ import sd.run_folder
 import sd.train.checkpoint as ckpt
 import sd.train.ema
 import sd.train.optimizers
-import sd.train.posthoc_ema
+import sd.train.power_ema
 import sd.train.sharding
 from sd.distributed import Dist
 from sd.run_folder import read_saved_config
@@ -85,8 +85,8 @@ def resumable(run: Run) -> dict:
         states["lora_base"] = ckpt.Weights(BaseFingerprint(run.base_fingerprint))
     if step.ema is not None or step.text_ema is not None:
         states["ema"] = ckpt.Weights(sd.train.ema.EMAWeights(step.ema, step.text_ema))
-    if step.posthoc:  # posthoc_ema_every: the two power-function EMAs (their snapshots: sd.train.posthoc_ema)
-        states["posthoc_ema"] = ckpt.Weights(sd.train.posthoc_ema.PosthocWeights(step.posthoc, step.posthoc_text))
+    if step.posthoc:  # posthoc_ema_every: the two power-function EMAs (their snapshots: sd.train.power_ema)
+        states["posthoc_ema"] = ckpt.Weights(sd.train.power_ema.PosthocWeights(step.posthoc, step.posthoc_text))
     states.update({name: ckpt.Weights(entry) for name, entry in step.objective.entries().items()})
     states.update(optimizer=sd.train.optimizers.OptimizerState(step.optimizer), scaler=step.scaler,
                   train_state=run.state, rng=ckpt.PerRank(run.rng))
@@ -276,7 +276,7 @@ def resume(run: Run, folder: Path, parts: dict) -> None:
     ckpt.load(folder, parts, run.d.rank)
     run.started_at = sd.run_folder.read_manifest_times(folder).get("started_at", run.started_at)
     if run.step.posthoc and run.d.is_main:  # snapshots of the steps this run takes again are written again
-        removed = sd.train.posthoc_ema.remove_after(run.run_dir, run.state.step)
+        removed = sd.train.power_ema.remove_after(run.run_dir, run.state.step)
         if removed:
             log.info("removed %d post-hoc EMA snapshots after step %d (of steps taken again)", len(removed),
                      run.state.step)

@@ -27,7 +27,7 @@ import sd.posthoc_ema
 import sd.runtime
 import sd.train.ema
 import sd.train.optimizers
-import sd.train.posthoc_ema
+import sd.train.power_ema
 import sd.training_mode
 import sd.train.modes
 import sd.train.objectives
@@ -301,10 +301,10 @@ def build_step(config, d: Dist, unet, text_encoder, empty_ids: torch.Tensor, sca
     posthoc, posthoc_text = [], []
     if getattr(config, "posthoc_ema_every", 0) and mode.unet_trains:
         where = "cpu" if config.ema_device == "cpu" else None
-        posthoc = [sd.train.posthoc_ema.PowerEMA(unet, sigma_rel, device=where, trainable_only=not mode.whole_unet)
+        posthoc = [sd.train.power_ema.PowerEMA(unet, sigma_rel, device=where, trainable_only=not mode.whole_unet)
                    for sigma_rel in sd.posthoc_ema.PROFILES]
         if text_trains:  # a text adapter, a pivotal run's token: their EMAs rebuilt with the UNet's
-            posthoc_text = [sd.train.posthoc_ema.PowerEMA(text_encoder, sigma_rel, device=where, trainable_only=True)
+            posthoc_text = [sd.train.power_ema.PowerEMA(text_encoder, sigma_rel, device=where, trainable_only=True)
                             for sigma_rel in sd.posthoc_ema.PROFILES]
     groups = param_groups(config, unet, text_encoder)
     master = None
@@ -576,8 +576,8 @@ def apply_update(step: Step, skip: torch.Tensor, step_index: int) -> None:
         view = sd.train.optimizers.evaluation_view(step.optimizer)  # bf16_weights: the fp32 masters
         for ema, model in step.emas():
             ema.update(model, step_index, skip=skip, view=view)
-        sd.train.posthoc_ema.update_all(step.posthoc, step.unet, step_index, skip=skip, view=view)
-        sd.train.posthoc_ema.update_all(step.posthoc_text, step.text_encoder, step_index, skip=skip, view=view)
+        sd.train.power_ema.update_all(step.posthoc, step.unet, step_index, skip=skip, view=view)
+        sd.train.power_ema.update_all(step.posthoc_text, step.text_encoder, step_index, skip=skip, view=view)
         step.objective.update(step.unet, step_index, skip=skip)
         return
     # A read of the device: these optimizers cannot skip on their own (the foreach AdamW, bitsandbytes'
@@ -590,8 +590,8 @@ def apply_update(step: Step, skip: torch.Tensor, step_index: int) -> None:
     evaluated = sd.train.optimizers.evaluation_view(step.optimizer)  # Schedule-Free: the EMAs average x, not y
     for ema, model in step.emas():
         ema.update(model, step_index, view=evaluated)
-    sd.train.posthoc_ema.update_all(step.posthoc, step.unet, step_index, view=evaluated)
-    sd.train.posthoc_ema.update_all(step.posthoc_text, step.text_encoder, step_index, view=evaluated)
+    sd.train.power_ema.update_all(step.posthoc, step.unet, step_index, view=evaluated)
+    sd.train.power_ema.update_all(step.posthoc_text, step.text_encoder, step_index, view=evaluated)
     step.objective.update(step.unet, step_index, view=evaluated)
 
 

@@ -1,4 +1,4 @@
-"""Post-hoc EMA (``sd.train.posthoc_ema`` keeps it, ``sd.posthoc_ema`` rebuilds it): the power-function profiles, their closed-form inner products,
+"""Post-hoc EMA (``sd.train.power_ema`` keeps it, ``sd.posthoc_ema`` rebuilds it): the power-function profiles, their closed-form inner products,
 and an EMA of another length rebuilt from snapshots of the two kept ones."""
 
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import sd.posthoc_ema as posthoc
-import sd.train.posthoc_ema as kept_ema
+import sd.train.power_ema as kept_ema
 
 
 @pytest.mark.parametrize("sigma_rel", [0.01, 0.05, 0.10, 0.2])
