@@ -44,6 +44,8 @@ class Mode:
     frozen_base = False  # trains an addition to init_from's weights, which are never saved: fingerprinted instead
     whole_unet = True  # every UNet parameter trains (its EMA averages all of them; sharding can split them)
     unet_trains = True  # False: the UNet is frozen and keeps no EMA
+    unet_blocks_train = True  # the UNet's own blocks train (their learning-rate scales apply)
+    text_encoder_trains = False  # an adapter of the text encoder trains (its own learning rate and warm-up apply)
     retokenises = False  # the captions are tokenised again (the stored token ids lack what the mode adds)
     batch_inputs: tuple[str, ...] = ()  # the names of the tensors it adds at the end of a micro-batch
     missing_inputs = ""  # what a micro-batch without them lacks, and why, in an error message
@@ -60,6 +62,11 @@ class Mode:
     @classmethod
     def check(cls, config, check_paths: bool = True) -> None:
         """Refuse settings of this mode that cannot work, also while it is off (its fields set without it)."""
+
+    def own_learning_rates(self) -> list[str]:
+        """The fields set to give what it trains a learning rate of its own (``name at its default`` each), which
+        an optimizer with one rate for every group (Prodigy) cannot follow."""
+        return []
 
     def check_models(self, unet, text_encoder) -> None:
         """Refuse, before any work, models the settings do not fit."""

@@ -22,6 +22,7 @@ class ControlNet(sd.training_mode.Mode):
     what = "ControlNet"
     frozen_base = True
     whole_unet = False
+    unet_blocks_train = False  # the ControlNet's blocks train; the UNet's stay frozen
     batch_inputs = ("control",)  # (B, 3, H, W) uint8 at the image's size, after the loss mask
     missing_inputs = "a control image per sample (latents encoded without encode_latents.py --control?)"
     prompt_inputs = True  # a control image per validation prompt

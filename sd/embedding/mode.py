@@ -20,7 +20,11 @@ class LearnedToken(sd.training_mode.Mode):
     frozen_base = True
     whole_unet = False
     unet_trains = False
+    unet_blocks_train = False
     retokenises = True  # the stored token ids lack the new token
+
+    def own_learning_rates(self) -> list[str]:
+        return ["embedding_lr at 0"] if self.config.embedding_lr not in (0, self.config.lr) else []
 
     @classmethod
     def wanted(cls, config) -> bool:

@@ -20,6 +20,10 @@ class Lora(sd.training_mode.Mode):
     frozen_base = True
     whole_unet = False
 
+    @property
+    def text_encoder_trains(self) -> bool:
+        return bool(self.config.lora_text_encoder)
+
     @classmethod
     def wanted(cls, config) -> bool:
         return getattr(config, "lora_rank", 0) > 0

@@ -414,7 +414,7 @@ class TrainConfig:
         check_sharding(self)
         check_bf16_weights(self)
         check_posthoc_ema(self)
-        need(not (self.cache_text_embeddings and self.lora_text_encoder),
+        need(not (self.cache_text_embeddings and sd.train.modes.mode_of(self).text_encoder_trains),
              "cache_text_embeddings needs a frozen text encoder: turn off lora_text_encoder or the cache")
         sd.train.objectives.check(self, check_paths)
         sampling = sd.sampling.settings_error(self.sampler, self.validation_steps, self.validation_cfg)
@@ -467,14 +467,14 @@ def check_learning_rates(config: TrainConfig) -> None:
     trains; Prodigy's lr is a multiplier near 1, the same for every parameter group (its one step-size
     estimate is shared by them)."""
     own_schedule = config.text_encoder_lr or config.text_encoder_warmup_steps >= 0
-    if own_schedule and not config.lora_text_encoder:
+    mode = sd.train.modes.mode_of(config)
+    if own_schedule and not mode.text_encoder_trains:
         raise ConfigError("text_encoder_lr / text_encoder_warmup_steps set the learning rate of the text encoder's "
                           "LoRA adapter: set lora_text_encoder: true (and lora_rank), or leave them at 0 / -1")
     scaled = [name for name in BLOCK_LR_SCALES if getattr(config, name) != 1]
-    if scaled and (config.embedding_token and not config.lora_rank or config.control):
-        raise ConfigError(f"{', '.join(scaled)} scale the learning rate of the UNet's blocks, which a "
-                          f"{'learned token' if config.embedding_token else 'ControlNet'} run leaves frozen: set "
-                          f"{' and '.join(scaled)} to 1")
+    if scaled and not mode.unet_blocks_train:
+        raise ConfigError(f"{', '.join(scaled)} scale the learning rate of the UNet's blocks, which a {mode.what} "
+                          f"run leaves frozen: set {' and '.join(scaled)} to 1")
     if config.optimizer == "adamw_schedulefree" and config.adam_beta1 == 0:
         raise ConfigError("optimizer: adamw_schedulefree interpolates with adam_beta1 (its model is an average "
                           "reached through 1 / beta1): set adam_beta1 above 0, e.g. 0.9")
@@ -492,9 +492,10 @@ def check_learning_rates(config: TrainConfig) -> None:
     if scaled:
         raise ConfigError(f"optimizer: prodigy steps every parameter group with one learning rate: set "
                           f"{' and '.join(scaled)} to 1, or use optimizer adamw")
-    if config.embedding_lr not in (0, config.lr):
-        raise ConfigError("optimizer: prodigy steps every parameter group with one learning rate: leave "
-                          "embedding_lr at 0, or use optimizer adamw")
+    own = mode.own_learning_rates()
+    if own:
+        raise ConfigError(f"optimizer: prodigy steps every parameter group with one learning rate: leave "
+                          f"{' and '.join(own)}, or use optimizer adamw")
 
 
 SHARDINGS = ("none", "zero1", "fsdp")
@@ -529,13 +530,12 @@ def check_bf16_weights(config: TrainConfig) -> None:
     """``bf16_weights`` and the settings it does not run with, each refused with the way out."""
     if not config.bf16_weights:
         return
+    mode, objective = sd.train.modes.mode_of(config), sd.train.objectives.objective_of(config)
     others = [(config.precision != "bf16", f"precision: bf16 (got {config.precision})"),
               (config.optimizer != "adamw", f"optimizer: adamw (got {config.optimizer})"),
               (config.sharding != "none", f"sharding: none (got {config.sharding})"),
-              (config.lora_rank > 0, "full fine-tuning (lora_rank: 0; a LoRA's base is frozen in bf16 already)"),
-              (bool(config.embedding_token), "full fine-tuning (not embedding_token)"),
-              (bool(config.control), "a UNet that trains (not control)"),
-              (bool(config.distill), "no distill")]
+              (not mode.whole_unet, f"full fine-tuning (not a {mode.what} run: its base is frozen in bf16 already)"),
+              (objective.uses_base, f"no {objective.what} (its frozen reference)")]
     needs = [what for failed, what in others if failed]
     if needs:
         raise ConfigError(f"bf16_weights: runs with {', '.join(needs)}; set those, or bf16_weights: false")
@@ -548,8 +548,9 @@ def check_posthoc_ema(config: TrainConfig) -> None:
     if config.sharding == "fsdp":
         raise ConfigError("posthoc_ema_every: the post-hoc EMAs hold whole weights, which sharding: fsdp splits; set "
                           "sharding: zero1 or none, or posthoc_ema_every: 0")
-    if config.embedding_token and not config.lora_rank:
-        raise ConfigError("posthoc_ema_every: averages what trains in the UNet, which a learned token's run leaves "
+    mode = sd.train.modes.mode_of(config)
+    if not mode.unet_trains:
+        raise ConfigError(f"posthoc_ema_every: averages what trains in the UNet, which a {mode.what}'s run leaves "
                           "frozen; set posthoc_ema_every: 0")
 
 

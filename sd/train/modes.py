@@ -28,10 +28,15 @@ class Together(Mode):
         self.frozen_base = any(mode.frozen_base for mode in modes)
         self.whole_unet = all(mode.whole_unet for mode in modes)
         self.unet_trains = any(mode.unet_trains for mode in modes)
+        self.unet_blocks_train = any(mode.unet_blocks_train for mode in modes)
+        self.text_encoder_trains = any(mode.text_encoder_trains for mode in modes)
         self.retokenises = any(mode.retokenises for mode in modes)
         self.prompt_inputs = any(mode.prompt_inputs for mode in modes)
         self.batch_inputs = tuple(name for mode in modes for name in mode.batch_inputs)
         self.missing_inputs = "; ".join(mode.missing_inputs for mode in modes if mode.missing_inputs)
+
+    def own_learning_rates(self) -> list[str]:
+        return [name for mode in self.modes for name in mode.own_learning_rates()]
 
     def check_models(self, unet, text_encoder) -> None:
         for mode in self.modes:

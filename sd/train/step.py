@@ -489,7 +489,15 @@ class TextCache:
         return self.embeddings.numel() * self.embeddings.element_size()
 
 
-STATS = 13  # loss, bad, stop, per-quartile loss sums (4) and counts (4), grad norm, fp16 overflow
+class Slot:
+    """Where each statistic of a step sits in the one tensor all-reduced across the ranks."""
+
+    LOSS, BAD, STOP = 0, 1, 2  # the reduced loss; any non-finite loss or gradient; a stop request
+    QUARTILE_SUMS, QUARTILE_COUNTS = slice(3, 7), slice(7, 11)  # per timestep quartile: loss sums, samples
+    GRAD_NORM, OVERFLOW = 11, 12  # the gradient norm; fp16's non-finite gradients (the scaler's overflow)
+    COUNT = 13
+
+
 
 
 def train_step(step: Step, micro_batches: list, step_index: int, stop_requested: bool = False) -> "StepResult":
@@ -514,7 +522,7 @@ def train_step(step: Step, micro_batches: list, step_index: int, stop_requested:
     keep_grads = step.ddp is not None  # DDP's bucket views: zeroed in place (see wrap_ddp)
     master = getattr(step.optimizer, "master_weights", None)  # bf16_weights
     (master or step.optimizer).zero_grad(set_to_none=not keep_grads)
-    stats = torch.zeros(STATS, dtype=torch.float64, device=d.device)
+    stats = torch.zeros(Slot.COUNT, dtype=torch.float64, device=d.device)
     for i, (latents, input_ids, *extra) in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
         sync = contextlib.nullcontext() if last or step.reduce_each_micro_batch else sd.train.sharding.no_sync(step)
@@ -526,9 +534,9 @@ def train_step(step: Step, micro_batches: list, step_index: int, stop_requested:
             value = step.objective.reduce(loss, settings)
             step.scaler.scale(value / len(micro_batches)).backward()
         quartile = (timesteps * 4 // sd.model.NUM_TRAIN_TIMESTEPS).clamp(max=3)
-        stats[0] += value.detach().double() / len(micro_batches)
-        stats[3:7].index_add_(0, quartile, loss.detach().double())
-        stats[7:11].index_add_(0, quartile, torch.ones_like(loss, dtype=torch.float64))
+        stats[Slot.LOSS] += value.detach().double() / len(micro_batches)
+        stats[Slot.QUARTILE_SUMS].index_add_(0, quartile, loss.detach().double())
+        stats[Slot.QUARTILE_COUNTS].index_add_(0, quartile, torch.ones_like(loss, dtype=torch.float64))
     if step.text_trains and d.world_size > 1:
         average_text_gradients(step)
     if master is not None:
@@ -538,17 +546,17 @@ def train_step(step: Step, micro_batches: list, step_index: int, stop_requested:
     clip = settings.grad_clip if settings.grad_clip > 0 else float("inf")
     grad_norm = sd.train.sharding.whole(torch.nn.utils.clip_grad_norm_(params, clip))  # fsdp: a DTensor
     grads_finite = torch.isfinite(grad_norm)
-    bad = ~torch.isfinite(stats[0])
+    bad = ~torch.isfinite(stats[Slot.LOSS])
     if not fp16:  # with fp16, non-finite gradients are an overflow: the scaler skips the step and backs off
         bad = bad | ~grads_finite
-    stats[1] = bad
-    stats[2].fill_(float(stop_requested))
-    stats[11] = grad_norm.double()
-    stats[12] = ~grads_finite
+    stats[Slot.BAD] = bad
+    stats[Slot.STOP].fill_(float(stop_requested))
+    stats[Slot.GRAD_NORM] = grad_norm.double()
+    stats[Slot.OVERFLOW] = ~grads_finite
     stats = sd.distributed.all_reduce_sum(stats, d)
-    skip = stats[1] > 0
+    skip = stats[Slot.BAD] > 0
     if fp16:
-        skip = skip | (stats[12] > 0)
+        skip = skip | (stats[Slot.OVERFLOW] > 0)
     apply_update(step, skip, step_index)
     if master is not None:  # unchanged where the step was skipped: the same rounding again
         master.put_weights()
@@ -612,13 +620,13 @@ class StepResult:
         return self.values[key]
 
     def fill(self, values: list[float]) -> None:
-        sums, counts = values[3:7], values[7:11]
+        sums, counts = values[Slot.QUARTILE_SUMS], values[Slot.QUARTILE_COUNTS]
         self.values = {
-            "loss": values[0] / self.world_size,
-            "grad_norm": values[11] / self.world_size,
-            "bad": values[1] > 0,
-            "overflow": self.fp16 and values[12] > 0,
-            "stop": values[2] > 0,
+            "loss": values[Slot.LOSS] / self.world_size,
+            "grad_norm": values[Slot.GRAD_NORM] / self.world_size,
+            "bad": values[Slot.BAD] > 0,
+            "overflow": self.fp16 and values[Slot.OVERFLOW] > 0,
+            "stop": values[Slot.STOP] > 0,
             "loss_quartiles": [sums[q] / counts[q] if counts[q] > 0 else None for q in range(4)],
         }
         self.stats = None
