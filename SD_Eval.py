@@ -54,7 +54,6 @@ import sd.cli
 import sd.distributed
 import sd.files
 import sd.formats
-import sd.imagegen
 import sd.run_folder
 import sd.runtime
 import sd.train.config
@@ -129,7 +128,7 @@ def parse_args(argv=None):
     if (args.ckpt or args.runs) and not args.prompts:
         parser.error("--ckpt needs --prompts: the prompts to generate")
     if args.sampler == "auto" and args.ckpt:
-        args.sampler = sd.imagegen.auto_sampler(args.ckpt)
+        args.sampler = sd.formats.recorded_default_sampler(args.ckpt)
     # --runs with auto: each run's sampler and its defaults (sampling_of); checked here as ddim's
     sampler = "ddim" if args.sampler == "auto" else args.sampler
     steps, cfg = sd.sampling.sampler_defaults(sampler, args.steps, args.cfg, 50, 7.5)
@@ -157,7 +156,7 @@ def sampling_of(args, ckpt: str) -> Sampling:
     """The sampling of ``ckpt``'s images: ``--sampler auto`` and its step and guidance defaults resolved for it."""
     sampler, steps, cfg = args.sampler, args.steps, args.cfg
     if sampler == "auto":
-        sampler = sd.imagegen.auto_sampler(ckpt)
+        sampler = sd.formats.recorded_default_sampler(ckpt)
         steps, cfg = sd.sampling.sampler_defaults(sampler, steps, cfg, 50, 7.5)
         problem = sd.sampling.settings_error(sampler, steps, cfg)
         if problem:

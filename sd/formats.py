@@ -590,7 +590,50 @@ def load_pipeline(source: str, *, use_ema: bool = True, vae: str | None = None, 
     conflict = sd.model.schedule_conflict(pipeline.prediction_type, pipeline.zero_terminal_snr)
     if conflict:
         raise ValueError(f"{source}: {conflict}; say --prediction_type v_prediction or --zero_terminal_snr false")
+    pipeline.distilled = recorded_distillation(source)
+    pipeline.trained_size = recorded_trained_size(source, pipeline.unet)
     return pipeline
+
+
+def recorded_distillation(source: str) -> str:
+    """``lcm`` for a run of ours distilled to a latent consistency model (``distill: lcm``), else empty."""
+    config = run_config(source)
+    return str(config.get("distill") or "") if config is not None else ""
+
+
+def recorded_default_sampler(source: str, prediction_type: str = "auto") -> str:
+    """The sampler of ``--sampler auto`` for ``source`` read from its records before it is loaded (the
+    ``Pipeline.default_sampler`` of what would load): lcm for a latent consistency model of ours, flow_euler
+    for a model trained as a flow, else ddim; ddim when its records cannot be read (loading names why)."""
+    from safetensors import SafetensorError
+
+    try:
+        if recorded_distillation(source) == "lcm":
+            return "lcm"
+        kind = recorded_prediction_type(source) if prediction_type == "auto" else prediction_type
+        return sd.sampling.default_sampler(kind, recorded_flow(source)[1])
+    except (KeyError, ValueError, OSError, SafetensorError):
+        return "ddim"
+
+
+def recorded_trained_size(source: str, unet) -> tuple[int, str]:
+    """The square side a model was trained at, and where it comes from: a subject-folder run's ``image_size``,
+    a run's latents (the square of its largest bucket's pixels), else what its UNet config says
+    (``sample_size`` latents, diffusers' own default)."""
+    import sd.data.training_data
+
+    config = run_config(source)
+    if config and config.get("instance_dir"):
+        return int(config["image_size"]), "the run's DreamBooth image_size"
+    if config and config.get("datasets"):
+        latents = Path(str(config["datasets"][0]["latents"]))
+        try:
+            side = sd.data.training_data.resolution_of_latents(sd.data.training_data.read_latents_meta(latents))
+        except (OSError, ValueError):  # unreadable or unfinished: the size is not known from there
+            side = None
+        if side:
+            return side, f"the latents in {latents}"
+    return int(unet.config.sample_size) * 8, "the UNet's sample_size"
 
 
 def _load_pipeline(source: str, use_ema: bool, vae: str | None, text_encoder: str | None, tokenizer: str | None,

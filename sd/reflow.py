@@ -35,7 +35,6 @@ import sd.distributed
 import sd.evaluation
 import sd.files
 import sd.formats
-import sd.imagegen
 import sd.model
 import sd.runtime
 import sd.sampling
@@ -163,7 +162,7 @@ def draw(settings: Settings, out: Path, batch_size: int, d: sd.distributed.Dist,
                           "first: configs/finetune/flow.yaml, docs/training.md)")
     settings = dataclasses.replace(settings, flow_shift=pipe.flow_shift)
     if not (settings.height and settings.width):
-        side = sd.imagegen.trained_size(settings.ckpt, pipe)[0]
+        side = pipe.trained_size[0]
         settings = dataclasses.replace(settings, height=side, width=side)
     (out / "latents").mkdir(parents=True, exist_ok=True)
     (out / "captions").mkdir(parents=True, exist_ok=True)

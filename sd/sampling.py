@@ -41,7 +41,9 @@ class Interrupted(Exception):
 
 @dataclass
 class Pipeline:
-    """Everything sampling needs: the UNet (live or EMA weights), the frozen parts, the target type."""
+    """Everything sampling needs: the UNet (live or EMA weights), the frozen parts, and what the model is, as its
+    loader read it from the model's records (``sd.formats.load_pipeline``): sampling and the exports ask these
+    instead of deriving them again."""
 
     unet: torch.nn.Module
     vae: torch.nn.Module
@@ -52,6 +54,52 @@ class Pipeline:
     zero_terminal_snr: bool = False  # trained on the rescaled schedule: sample it with trailing spacing
     flow_shift: float = 1.0  # the flow samplers' time shift (sd.flow.shifted)
     flow_matching: bool = False  # an epsilon or v model trained as a flow (sd.flow): sampled as one by default
+    distilled: str = ""  # "lcm": a latent consistency model (a run of ours with distill: lcm)
+    trained_size: tuple[int, str] | None = None  # the square side it was trained at, and where that is recorded
+
+    @property
+    def flow(self) -> bool:
+        """Sampled as a flow: a flow model, or one trained as a flow through the diff2flow bridge."""
+        return self.prediction_type == "flow" or self.flow_matching
+
+    @property
+    def default_sampler(self) -> str:
+        """The sampler of ``--sampler auto``: lcm for a latent consistency model, else ``default_sampler``."""
+        return "lcm" if self.distilled == "lcm" else default_sampler(self.prediction_type, self.flow_matching)
+
+    def sampler_error(self, sampler: str) -> str | None:
+        """Why ``sampler`` cannot sample this model (None: it can)."""
+        if self.prediction_type == "flow" and sampler not in FLOW_SAMPLERS:
+            return f"a flow model: sample it with --sampler {' or '.join(FLOW_SAMPLERS)} (or auto), not {sampler}"
+        return None
+
+    @property
+    def learned_tokens(self) -> dict:
+        """The tokens its text encoder learned or was given (a textual-inversion or pivotal run's), by token: their
+        vectors ``(vectors, D)``."""
+        import sd.embedding.tokens
+
+        return {layer.tokens[0]: layer.vectors for layer in sd.embedding.tokens.added_embeddings(self.text_encoder)}
+
+    @property
+    def has_adapter(self) -> bool:
+        """Whether it carries a LoRA run's adapter (on the UNet or the text encoder), not merged yet."""
+        import sd.lora.adapters
+
+        return sd.lora.adapters.has_lora(self.unet) or sd.lora.adapters.has_lora(self.text_encoder)
+
+    def describe(self) -> str:
+        """``epsilon``, ``v_prediction, zero terminal SNR``, ``epsilon, trained as a flow, flow shift 3``."""
+        return ", ".join([self.prediction_type, *(["zero terminal SNR"] if self.zero_terminal_snr else []),
+                          *(["trained as a flow"] if self.flow_matching else []),
+                          *([f"flow shift {self.flow_shift:g}"] if self.flow else [])])
+
+    def file_metadata(self) -> dict[str, str]:
+        """What a single file records of the model, read back by ``sd.formats.load_pipeline``."""
+        metadata = {"prediction_type": self.prediction_type, "zero_terminal_snr": str(self.zero_terminal_snr).lower()}
+        if self.flow:
+            metadata.update(flow_shift=f"{self.flow_shift:g}", flow_matching=str(self.flow_matching).lower())
+        return metadata
 
     def to(self, device: torch.device, dtype: torch.dtype) -> "Pipeline":
         """The UNet, VAE and text encoder on ``device`` in ``dtype``."""

@@ -262,7 +262,8 @@ class Studio:
 
     def do_sample(self, run, lora_file, embedding_file, text, negative_text, sampler_name, step_count, scale,
                   first_seed, side, n, use_best, controlnet_path, control_image) -> str:
-        import sd.imagegen  # SD_ImageGen.py's own reading of FILE:SCALE and FILE:TOKEN
+        import sd.imagegen.embedding  # SD_ImageGen.py's own reading of FILE:SCALE and FILE:TOKEN
+        import sd.imagegen.lora
 
         try:
             checkpoint = self.roots.source(run, presets=())
@@ -278,10 +279,10 @@ class Studio:
             if int(side or 0):
                 args += ["--height", int(side), "--width", int(side)]
             if lora_file:
-                path, lora_scale = self.spec(lora_file, sd.imagegen.parse_lora_spec)
+                path, lora_scale = self.spec(lora_file, sd.imagegen.lora.parse_lora_spec)
                 args += ["--lora", f"{path}:{lora_scale:g}"]
             if embedding_file:
-                path, token = self.spec(embedding_file, sd.imagegen.parse_embedding_spec)
+                path, token = self.spec(embedding_file, sd.imagegen.embedding.parse_embedding_spec)
                 args += ["--embedding", f"{path}:{token}" if token else path]
             if use_best:
                 args += ["--best", "true"]

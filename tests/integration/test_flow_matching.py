@@ -229,7 +229,8 @@ def test_the_validation_grid_is_sd_imagegen_with_the_flow_sampler_it_picks(flow_
 
     record = json.loads((flow_run / "metrics.jsonl").read_text().splitlines()[0])
     assert math.isfinite(record["loss"]) and record["loss"] > 0
-    assert SD_ImageGen.parse_args(["--ckpt", str(flow_run), "--prompt", "p", "--out", "o"]).sampler == "flow_euler"
+    request = SD_ImageGen.parse_args(["--ckpt", str(flow_run), "--prompt", "p", "--out", "o"])
+    assert request.sampling.sampler == "flow_euler"
     grid = np.asarray(Image.open(flow_run / "samples" / "step_00000002.png").convert("RGB"))
     image = sample(flow_run, tmp_path / "auto")
     assert image.std() > 0 and np.array_equal(sd.sampling.grid_cell(grid, 0, 0, 64, 64, [PROMPT]), image)
@@ -263,7 +264,7 @@ def test_the_files_record_a_flow_and_every_loader_restores_it(flow_run, exported
         model = sd.formats.load_pipeline(str(source), **kwargs)
         assert (model.prediction_type, model.flow_shift, model.flow_matching) == ("flow", SHIFT, False), source
         flags = ["--arch", "tiny"] if kwargs else []
-        assert SD_ImageGen.parse_args(["--ckpt", str(source), "--prompt", "p", "--out", "o", *flags]).sampler \
+        assert SD_ImageGen.parse_args(["--ckpt", str(source), "--prompt", "p", "--out", "o", *flags]).sampling.sampler \
             == "flow_euler"
     assert sd.formats.load_pipeline(str(flow_run), flow_shift=1.5).flow_shift == 1.5
     evaluation = SD_Eval.parse_args(["--ckpt", str(flow_run), "--images", "i", "--prompts", "p", "--reference", "r"])
@@ -386,4 +387,5 @@ def test_a_bridged_run_resumes_bit_for_bit_and_changed_flow_settings_are_refused
     assert yaml.safe_load((tmp_path / "b" / "config.yaml").read_text())["flow_matching"] is True
     model = sd.formats.load_pipeline(str(tmp_path / "b"))  # an epsilon model, sampled as a flow by default
     assert (model.prediction_type, model.flow_matching, model.flow_shift) == ("epsilon", True, 1.5)
-    assert SD_ImageGen.parse_args(["--ckpt", str(tmp_path / "b"), "--prompt", "p", "--out", "o"]).sampler == "flow_euler"
+    request = SD_ImageGen.parse_args(["--ckpt", str(tmp_path / "b"), "--prompt", "p", "--out", "o"])
+    assert request.sampling.sampler == "flow_euler"

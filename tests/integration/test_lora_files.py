@@ -15,7 +15,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import sd.formats
-import sd.imagegen
+import sd.imagegen.lora
 import sd.lora.adapters
 import sd.lora.formats
 import sd.model
@@ -457,15 +457,15 @@ def test_sampling_with_lora_equals_sampling_the_merged_export(merged, tmp_path):
 
 
 def test_lora_specs_split_on_the_last_colon_only_before_a_number(tmp_path):
-    assert sd.imagegen.parse_lora_spec("style.safetensors") == ("style.safetensors", 1.0)
-    assert sd.imagegen.parse_lora_spec("style.safetensors:0.5") == ("style.safetensors", 0.5)
-    assert sd.imagegen.parse_lora_spec("C:\\loras\\style.safetensors:-1e-1") == ("C:\\loras\\style.safetensors", -0.1)
-    assert sd.imagegen.parse_lora_spec("C:\\loras\\style.safetensors") == ("C:\\loras\\style.safetensors", 1.0)
+    assert sd.imagegen.lora.parse_lora_spec("style.safetensors") == ("style.safetensors", 1.0)
+    assert sd.imagegen.lora.parse_lora_spec("style.safetensors:0.5") == ("style.safetensors", 0.5)
+    assert sd.imagegen.lora.parse_lora_spec("C:\\loras\\style.safetensors:-1e-1") == ("C:\\loras\\style.safetensors", -0.1)
+    assert sd.imagegen.lora.parse_lora_spec("C:\\loras\\style.safetensors") == ("C:\\loras\\style.safetensors", 1.0)
     odd = tmp_path / "a:2"
     odd.mkdir()
-    assert sd.imagegen.parse_lora_spec(str(odd)) == (str(odd), 1.0)
+    assert sd.imagegen.lora.parse_lora_spec(str(odd)) == (str(odd), 1.0)
     with pytest.raises(ValueError, match="finite"):
-        sd.imagegen.parse_lora_spec("style.safetensors:nan")
+        sd.imagegen.lora.parse_lora_spec("style.safetensors:nan")
 
 
 def test_lora_flags_that_could_do_nothing_are_refused(capsys):

@@ -587,7 +587,7 @@ def test_cli_lcm_samples_four_steps_at_guidance_one_by_default(run_dir, model, t
     (["--sampler", "lcm"], "lcm", 4), (["--sampler", "dpm++", "--steps", "7"], "dpm++", 7)])
 def test_the_default_steps_suit_the_sampler_and_a_plain_run_samples_with_ddim(flags, sampler, steps, run_dir):
     request = SD_ImageGen.parse_args(["--ckpt", str(run_dir), "--prompt", "a", "--out", "unused", *flags])
-    assert (request.sampler, request.steps) == (sampler, steps)
+    assert (request.sampling.sampler, request.sampling.steps) == (sampler, steps)
 
 
 @pytest.mark.parametrize("ckpt, out", [("runs/flow", "samples/flow"), ("runs/flow/", "samples/flow"),
@@ -595,8 +595,8 @@ def test_the_default_steps_suit_the_sampler_and_a_plain_run_samples_with_ddim(fl
                                        ("sd-v1-5.safetensors", "samples/sd-v1-5"), ("org/model", "samples/model")])
 def test_samples_go_to_a_folder_named_after_the_checkpoint_without_out(ckpt, out):
     """The recipes' and docs' sampling lines give no --out (once: "give --prompt ... and --out")."""
-    assert SD_ImageGen.parse_args(["--ckpt", ckpt, "--prompt", "a", "--sampler", "ddim"]).out == out
-    assert SD_ImageGen.parse_args(["--ckpt", ckpt, "--prompt", "a", "--sampler", "ddim", "--out", "o"]).out == "o"
+    assert SD_ImageGen.parse_args(["--ckpt", ckpt, "--prompt", "a", "--sampler", "ddim"]).sampling.out == out
+    assert SD_ImageGen.parse_args(["--ckpt", ckpt, "--prompt", "a", "--sampler", "ddim", "--out", "o"]).sampling.out == "o"
 
 
 def test_a_run_folder_not_made_yet_is_named_in_seconds_offline(tmp_path, capsys, monkeypatch):
@@ -644,11 +644,7 @@ def test_ctrl_c_while_sampling_ends_in_one_line(tmp_path, monkeypatch, capsys):
     def interrupted(*args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(sd.imagegen, "load", lambda request: None)
-    monkeypatch.setattr(sd.imagegen, "prepare", lambda request, model: (request, None))
-    monkeypatch.setattr(sd.imagegen, "sized", lambda request, model: request)
-    monkeypatch.setattr(sd.imagegen, "control_images", lambda request, controlnet: [])
-    monkeypatch.setattr(sd.imagegen, "sample", interrupted)
+    monkeypatch.setattr(sd.imagegen, "run", interrupted)
     assert SD_ImageGen.main(["--ckpt", "x", "--prompt", "p", "--out", str(tmp_path / "o"), "--sampler", "ddim"]) == 130
     assert capsys.readouterr().err.strip().splitlines() == ["SD_ImageGen.py: interrupted (Ctrl-C); no image was written"]
 

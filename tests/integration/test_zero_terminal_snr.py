@@ -239,9 +239,9 @@ def test_diffusers_samples_the_exported_folder_as_we_do(run_dir, exported):
 
 def test_the_flag_reads_auto_true_and_false():
     base = ["--ckpt", "x", "--export_diffusers", "y"]
-    assert SD_ImageGen.parse_args(base).zero_terminal_snr is None
-    assert SD_ImageGen.parse_args(base + ["--zero_terminal_snr", "auto"]).zero_terminal_snr is None
-    assert SD_ImageGen.parse_args(base + ["--zero_terminal_snr", "true"]).zero_terminal_snr is True
-    assert SD_ImageGen.parse_args(base + ["--zero_terminal_snr", "no"]).zero_terminal_snr is False
+    assert SD_ImageGen.parse_args(base).model.zero_terminal_snr is None
+    assert SD_ImageGen.parse_args(base + ["--zero_terminal_snr", "auto"]).model.zero_terminal_snr is None
+    assert SD_ImageGen.parse_args(base + ["--zero_terminal_snr", "true"]).model.zero_terminal_snr is True
+    assert SD_ImageGen.parse_args(base + ["--zero_terminal_snr", "no"]).model.zero_terminal_snr is False
     with pytest.raises(SystemExit):
         SD_ImageGen.parse_args(base + ["--zero_terminal_snr", "maybe"])

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-INFERENCE = ["SD_ImageGen.py", "sd/imagegen.py", "sd/sampling.py", "sd/formats.py", "sd/metadata.py", "sd/run_folder.py",
+INFERENCE = ["SD_ImageGen.py", *(str(p.relative_to(ROOT)) for p in sorted((ROOT / "sd" / "imagegen").glob("*.py"))),
+             "sd/sampling.py", "sd/formats.py", "sd/metadata.py", "sd/run_folder.py",
              "sd/posthoc_ema.py", "sd/lora/formats.py", "sd/lora/dora.py", "sd/embedding/formats.py",
              "sd/embedding/tokens.py", "sd/controlnet/formats.py", "sd/flow.py", "sd/reflow.py", "SD_Reflow.py"]
 
