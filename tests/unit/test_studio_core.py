@@ -168,6 +168,7 @@ def test_folder_scan_reads_headers_names_skips_and_pages(tmp_path):
     Image.new("RGB", (640, 64)).save(folder / "strip.png")
     (folder / "strip.txt").write_text("long")
     (folder / "broken.png").write_bytes(b"\x89PNG nothing")
+    (folder / "broken.txt").write_text("a caption: 01e reads it first")
     (folder / "latin.png").write_bytes((folder / "p01.png").read_bytes())
     (folder / "latin.txt").write_bytes("caf\xe9".encode("latin-1"))
     (folder / "p02_mask.png").write_bytes((folder / "p01.png").read_bytes())  # a loss mask, not an image
