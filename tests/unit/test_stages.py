@@ -1,3 +1,6 @@
+"""sd.data.stages, the stage contract: downloads, archive safety, image samples, shards with their done markers, the
+skip rules of an import, and every stage's command line on it."""
+
 import importlib
 import json
 import re
