@@ -1,5 +1,5 @@
-# Each target sets itself up from a fresh clone: a .venv is created and the requirements installed
-# the first time (and again whenever requirements.txt or requirements-engines.txt changes).
+# Each target sets itself up from a fresh clone: a .venv is created and the requirements installed, with every
+# extra the test suite needs, the first time (and again whenever requirements.txt or pyproject.toml changes).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -17,12 +17,14 @@ setup: $(STAMP)
 # CPU-only Linux machine the package index's torch is the CUDA build, with several GB of NVIDIA packages).
 TORCH_INDEX ?=
 
-$(STAMP): requirements.txt requirements-engines.txt pyproject.toml
+# pyproject.toml's extras: the studio, the WD14 tagger, the download stage's engines, the test tools.
+EXTRAS := studio,caption,engines,test
+
+$(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(if $(TORCH_INDEX),$(PY) -m pip install --quiet --index-url $(TORCH_INDEX) "$$(grep '^torch==' requirements.txt)")
-	$(PY) -m pip install --quiet -r requirements.txt -r requirements-engines.txt
-	$(PY) -m pip install --quiet --no-deps -e .
+	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 
 # Both targets spread test files over two pytest-xdist workers (--dist loadfile keeps a file's module

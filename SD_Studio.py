@@ -60,7 +60,11 @@ def main(argv=None) -> int:
     from sd.studio.runs import Roots
 
     roots = Roots(args.root)
-    studio = build(roots, REPOSITORY)
+    try:
+        studio = build(roots, REPOSITORY)
+    except sd.cli.MissingExtra as error:
+        print(f"SD_Studio.py: {error}", file=sys.stderr)
+        return 2
     host = "0.0.0.0" if args.listen else "127.0.0.1"
     auth = password_check(os.environ[TOKEN_ENV]) if args.listen else None
     try:

@@ -331,7 +331,8 @@ def make_keys(rels: list[str]) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Captions (each returns caption + metadata or raises sd.data.shards.ImageSkip with the reason)
+# Captions (each returns caption + metadata, the caption None or "" where there is none to use, which
+# sd.data.stages.check_import refuses; or raises sd.data.shards.ImageSkip with the reason)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -339,16 +340,11 @@ def join_caption(rules: CaptionRules, parts: list[str]) -> str:
     return ", ".join(([rules.caption_prefix] if rules.caption_prefix else []) + parts)
 
 
-def flat_caption(src: Path, rel: str, rules: CaptionRules) -> tuple[str, dict]:
-    path = Path(rules.captions_dir or src) / (rel.rsplit(".", 1)[0] + ".txt")
-    try:
-        text = path.read_text(encoding="utf-8").strip() if path.is_file() else ""
-    except UnicodeDecodeError:  # replacing the bad bytes would train on a caption nobody wrote
-        raise sd.data.shards.ImageSkip("bad_caption_encoding", f"{path.name} is not UTF-8") from None
-    text = text or rules.default_caption or ""
-    if not text:
-        raise sd.data.shards.ImageSkip("no_caption", f"{path.name} missing or empty")
-    return join_caption(rules, [text]), {}
+def flat_caption(src: Path, rel: str, rules: CaptionRules) -> tuple[str | None, dict]:
+    text = sd.data.stages.read_caption(Path(rules.captions_dir or src) / (rel.rsplit(".", 1)[0] + ".txt"))
+    if text == "":
+        text = rules.default_caption or ""
+    return (join_caption(rules, [text]) if text else text), {}
 
 
 def template_caption(rel: str, rules: CaptionRules, src_name: str) -> tuple[str, dict]:
@@ -401,7 +397,7 @@ def metadata_caption(src: Path, rel: str, key: str, rules: CaptionRules) -> tupl
     if not tags and rules.default_caption:
         tags = [rules.default_caption]
     if not tags:
-        raise sd.data.shards.ImageSkip("no_caption", "no tags left")
+        return "", {}
     score_tag = [f"score_{min(9, max(0, math.floor(score)))}"] if rules.score_tags and score is not None else []
     meta = {"tags": tags, "score": score, "source_score": source_score}
     return join_caption(rules, score_tag + tags), meta
@@ -448,8 +444,11 @@ def import_shard(src: Path, out: Path, index: int, items: list[tuple[str, str]],
         files = companions.get(rel, {})
         try:
             caption, meta = caption_for(src, rel, key, rules)
+            sd.data.stages.check_import(caption)  # the caption's rules first: no image read for a caption refused
             data = sd.files.read_file_bounded(src / rel, sd.data.stages.MAX_MEMBER_BYTES)
             payloads = read_companions(src, files)
+            sd.data.stages.check_import(caption, sd.data.shards.header_size(data), min_size=min_size(args),
+                                        max_pixels=args.max_pixels)  # and the size's, from the header
             mask = payloads.pop(MASK, None)
             if mask is not None:
                 meta = {**meta, "mask_source": files[MASK][0]}
@@ -457,7 +456,7 @@ def import_shard(src: Path, out: Path, index: int, items: list[tuple[str, str]],
                 meta = {**meta, "control_sources": {name: files[name][0] for name in payloads}}
             samples.append(sd.data.stages.image_sample(key, data, sd.data.stages.image_extension(rel), caption,
                                                     args.resolution, {"source": rel, **meta}, args.max_pixels,
-                                                    args.keep_aspect, mask, payloads, min_size(args)))
+                                                    args.keep_aspect, mask, payloads))
         except sd.data.shards.ImageSkip as skip:
             if skip.reason in COMPANION_SKIPS:  # the companion is at fault: it is the file named
                 named = " and ".join(files.get(skip.member or MASK, []))
@@ -504,7 +503,7 @@ def shard_fingerprints(items: list[tuple[str, str]], rules: CaptionRules, args,
     # keep_aspect enters only when set, so shards written before the flag existed still match; so do
     # the masks and the conditioning images, only for a shard with at least one.
     shape = {"keep_aspect": args.keep_aspect} if args.keep_aspect else {}
-    if min_size(args) != default_min_size(args.resolution):  # likewise the default minimum size
+    if min_size(args) != sd.data.stages.default_min_size(args.resolution):  # likewise the default minimum size
         shape["min_size"] = min_size(args)
     fingerprints = {"sources_sha1": sources,
                     "options_sha1": rules.fingerprint(resolution=args.resolution, max_pixels=args.max_pixels, **shape)}
@@ -523,13 +522,9 @@ FINGERPRINT_CHANGES = {"sources_sha1": "images under --input", "masks_sha1": "ma
                        "options_sha1": "options"}
 
 
-def default_min_size(resolution: int) -> int:
-    return resolution // 4
-
-
 def min_size(args) -> int:
     """The smallest width and height imported: ``--min_size``, or a quarter of ``--resolution``."""
-    return default_min_size(args.resolution) if args.min_size is None else args.min_size
+    return sd.data.stages.default_min_size(args.resolution) if args.min_size is None else args.min_size
 
 
 def check_done_shards(out: Path, plan: list[list[tuple[str, str]]], rules: CaptionRules, args,

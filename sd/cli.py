@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 
 import yaml
 
@@ -83,6 +84,22 @@ def first_line(error) -> str:
     a one-line error shows of a cause."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     return lines[0] if lines else type(error).__name__
+
+
+class MissingExtra(ImportError):
+    """A part whose packages are an extra of the project (``pyproject.toml``'s optional dependencies), used
+    where they are not installed: one line naming the extra that installs them."""
+
+
+def import_extra(module: str, extra: str, what: str):
+    """``module`` imported, or ``MissingExtra``: "WHAT needs its extra: pip install -e .[EXTRA] (MODULE is not
+    installed)". The parts that need an extra import it where they use it, so the rest imports without it."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as error:
+        package = (error.name or module).split(".")[0]  # the package, also when a module inside it was asked for
+        message = f"{what} needs its extra: pip install -e .[{extra}] ({package} is not installed)"
+        raise MissingExtra(message) from error
 
 
 def duration(seconds: float) -> str:

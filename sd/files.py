@@ -1,5 +1,6 @@
 """Atomic writes (a reader, or a crash, never sees a half-written file or folder), bounded reads of
-untrusted files and archive members, and one-writer folder locks.
+untrusted files and archive members, safetensors files read with an error naming a damaged one, and
+one-writer folder locks.
 
 Every output of the project goes through these: the data is written under a temporary name in the
 same folder, flushed, and renamed onto the final name (``os.replace`` is atomic on one file system).
@@ -15,6 +16,10 @@ import logging
 import os
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 try:
     import fcntl
@@ -187,6 +192,23 @@ def gunzip_bounded(data: bytes, limit: int, name: str = "gzip data") -> bytes:
     if not inflater.eof:
         raise ValueError(f"{name} is truncated gzip data")
     return out
+
+
+def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """The tensors of a ``.safetensors`` file; a missing or damaged file is an error naming it.
+
+    (safetensors has no checksum: a flipped bit inside the tensor data loads as a different number.)
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"weights file {path} is missing")
+    try:
+        return load_file(str(path))
+    except SafetensorError as error:
+        raise ValueError(f"{path}: not a readable safetensors file, damaged or truncated ({error})") from error
 
 
 # ---------------------------------------------------------------------------------------------

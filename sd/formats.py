@@ -197,7 +197,7 @@ def read_single_file(path: str | Path) -> dict[str, torch.Tensor]:
     """
     path = Path(path)
     if path.suffix == ".safetensors":
-        return read_weights(path)
+        return sd.files.read_weights(path)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # pickles holding objects beyond tensors are refused
@@ -209,23 +209,6 @@ def read_single_file(path: str | Path) -> dict[str, torch.Tensor]:
     if not isinstance(state, dict):
         raise ValueError(f"{path}: holds a {type(state).__name__}, not a state dict of tensors")
     return state
-
-
-def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
-    """The tensors of a ``.safetensors`` file; a missing or damaged file is an error naming it.
-
-    (safetensors has no checksum: a flipped bit inside the tensor data loads as a different number.)
-    """
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"weights file {path} is missing")
-    try:
-        return load_file(str(path))
-    except SafetensorError as error:
-        raise ValueError(f"{path}: not a readable safetensors file, damaged or truncated ({error})") from error
 
 
 def load_into(model, state: dict[str, torch.Tensor], source) -> None:
@@ -388,7 +371,7 @@ def load_unet_weights(source: str, unet, *, use_ema: bool = True, keep_adapter: 
         weights = folder / ("ema.safetensors" if use_ema else "unet.safetensors")
         if use_ema and not weights.exists():
             weights = folder / "unet.safetensors"
-        load_into(unet, read_weights(verified(weights)), weights)
+        load_into(unet, sd.files.read_weights(verified(weights)), weights)
         return f"{weights}"
     from diffusers import UNet2DConditionModel
 
@@ -412,7 +395,7 @@ def run_ema_weights(source: str, unet) -> dict[str, torch.Tensor] | None:
         merged = copy.deepcopy(unet)
         load_unet_weights(str(folder), merged, use_ema=True)
         return merged.state_dict()
-    state = read_weights(verified(path))
+    state = sd.files.read_weights(verified(path))
     check_fits(unet, state, path)
     return state
 
@@ -790,7 +773,7 @@ def load_run_adapters(folder: Path, settings: dict, unet, text_encoder=None, *, 
     if text_encoder is not None and settings["text_encoder"]:
         models["text_encoder"] = add_run_lora(text_encoder, sd.lora.adapters.TEXT_TARGETS, settings)
     adapter_path = verified(folder / RUN_ADAPTER_FILE)
-    state = read_weights(adapter_path)
+    state = sd.files.read_weights(adapter_path)
     if text_encoder is None:  # the UNet alone
         state = {k: v for k, v in state.items() if not k.startswith("text_encoder.")}
     loaded = adapter_path
@@ -798,7 +781,7 @@ def load_run_adapters(folder: Path, settings: dict, unet, text_encoder=None, *, 
         sd.lora.adapters.AdapterWeights(**models).load_state_dict(state)
     ema_path = folder / "ema.safetensors"
     if use_ema and ema_path.exists():
-        unet_ema, text_ema = sd.run_folder.split_ema(read_weights(verified(ema_path)))
+        unet_ema, text_ema = sd.run_folder.split_ema(sd.files.read_weights(verified(ema_path)))
         text_ema = {k: v for k, v in text_ema.items() if sd.lora.adapters.is_adapter_name(k)}  # not a learned token
         with _naming(ema_path):
             sd.lora.adapters.load_adapter_state(unet, unet_ema, "the EMA adapter")
@@ -816,7 +799,7 @@ def check_trained_base(folder: Path, init_from: str, unet, text_encoder=None, wh
     if not path.is_file():
         log.warning("%s records no fingerprint of its base weights: %s is not checked", folder, init_from)
         return
-    saved = read_weights(verified(path)).get("fingerprint")
+    saved = sd.files.read_weights(verified(path)).get("fingerprint")
     if saved is None:
         raise ValueError(f"{path}: holds no fingerprint tensor")
     models = [unet] + ([text_encoder] if text_encoder is not None else [])  # a learned token's: both
@@ -850,12 +833,12 @@ def load_embedding_run(folder: Path, unet, text_encoder, tokenizer, *, use_ema: 
     if check_base:
         check_trained_base(folder, init_from, unet, text_encoder)
     path = verified(folder / RUN_EMBEDDING_FILE)
-    vectors = read_weights(path).get("emb_params")
+    vectors = sd.files.read_weights(path).get("emb_params")
     if vectors is None:
         raise ValueError(f"{path}: holds no emb_params tensor")
     ema_path = folder / "ema.safetensors"
     if use_ema and ema_path.exists():
-        ema = read_weights(verified(ema_path))
+        ema = sd.files.read_weights(verified(ema_path))
         found = [v for k, v in ema.items() if k.endswith("token_embedding.vectors")]
         if len(found) != 1:
             raise ValueError(f"{ema_path}: holds no EMA of the learned token's vectors")

@@ -1,4 +1,4 @@
-"""Small training inputs in the formats of DESIGN.md, built on the spot for tests."""
+"""Small training inputs in the formats of docs/data.md and docs/latents.md, built on the spot for tests."""
 
 import json
 from pathlib import Path

@@ -29,7 +29,6 @@ import torch
 
 import sd.files
 import sd.formats
-from sd.formats import read_weights
 
 log = logging.getLogger("sd_controlnet")
 
@@ -188,7 +187,7 @@ def load_controlnet(source: str | Path, unet_config=None):
     if path.is_dir():
         return _load_folder(path)
     file = controlnet_file(path)
-    tensors = read_weights(file)
+    tensors = sd.files.read_weights(file)
     recorded = recorded_config(file)
     state, spell = diffusers_state(tensors, file, unet_config if unet_config is not None else recorded)
     if unet_config is not None:
@@ -216,7 +215,7 @@ def _load_folder(folder: Path):
     if config.get("_class_name", "ControlNetModel") != "ControlNetModel":
         raise ValueError(f"{found / CONFIG_FILE} describes a {config['_class_name']}, not a ControlNetModel")
     model = ControlNetModel.from_config(config)
-    load_checked(model, read_weights(weights), lambda key: key, weights)
+    load_checked(model, sd.files.read_weights(weights), lambda key: key, weights)
     return model.eval()
 
 

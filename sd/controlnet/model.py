@@ -163,11 +163,11 @@ def load(source: str, unet, *, use_ema: bool = True):
     folder = sd.run_folder.resolve_checkpoint(Path(source))
     controlnet = new_controlnet(unet).to("cpu")
     path = sd.formats.verified(folder / CONTROLNET_FILE)
-    state = sd.formats.read_weights(path)
+    state = sd.files.read_weights(path)
     ema_path = folder / "ema.safetensors"
     if use_ema and ema_path.exists():
         path = sd.formats.verified(ema_path)
-        state = {name[len(EMA_PREFIX):]: tensor for name, tensor in sd.formats.read_weights(path).items()
+        state = {name[len(EMA_PREFIX):]: tensor for name, tensor in sd.files.read_weights(path).items()
                  if name.startswith(EMA_PREFIX)}
     sd.formats.load_into(controlnet, state, path)
     return controlnet

@@ -217,18 +217,17 @@ def onnx_providers(device) -> list:
 def load_tagger(name_or_path: str, *, device=None, threads: int | None = None) -> Tagger:
     """The WD14 tagger ``name_or_path`` (a hub id or a local folder with ``model.onnx`` and
     ``selected_tags.csv``; ``wd14`` names the default model, ``tiny`` a small one built here)."""
-    if name_or_path == TINY:
-        from sd.data import tiny_captioners
-
-        with tempfile.TemporaryDirectory() as folder:  # onnxruntime holds the model in memory once loaded
-            return load_tagger(str(tiny_captioners.tiny_tagger(Path(folder) / "tagger")), device=device,
-                               threads=threads)
     name = TAGGERS.get(name_or_path, name_or_path)
     try:
-        import onnxruntime
-    except ImportError as error:
-        raise ModelLoadError(f"tagger {name}: onnxruntime is not installed (pip install onnxruntime, or "
-                             "onnxruntime-gpu on a GPU machine)") from error
+        onnxruntime = sd.cli.import_extra("onnxruntime", "caption", "the tagger")
+        if name_or_path == TINY:
+            from sd.data import tiny_captioners
+
+            with tempfile.TemporaryDirectory() as folder:  # onnxruntime holds the model in memory once loaded
+                return load_tagger(str(tiny_captioners.tiny_tagger(Path(folder) / "tagger")), device=device,
+                                   threads=threads)
+    except sd.cli.MissingExtra as error:
+        raise ModelLoadError(f"tagger {name}: {error}; onnxruntime-gpu runs it on a GPU") from error
     try:
         model_path, tags_path = tagger_files(name)
         names, categories = read_tag_table(tags_path)

@@ -295,6 +295,27 @@ def image_size(data: bytes) -> tuple[int, int]:
             return image.size
 
 
+def check_size(width: int, height: int, max_pixels: int = DEFAULT_MAX_PIXELS, max_aspect: float = DEFAULT_MAX_ASPECT,
+               min_size: int = 0) -> None:
+    """``ImageSkip`` for an image of ``width`` x ``height`` pixels that is not imported: more pixels than
+    ``max_pixels`` (``too_large``), more elongated than ``max_aspect`` (``extreme_aspect``), or narrower or lower
+    than ``min_size`` (``too_small``: it would be upscaled into blur)."""
+    if width * height > max_pixels:
+        raise ImageSkip("too_large", f"{width}x{height}")
+    if max(width, height) > max_aspect * min(width, height):
+        raise ImageSkip("extreme_aspect", f"{width}x{height}")
+    if min(width, height) < min_size:
+        raise ImageSkip("too_small", f"{width}x{height} pixels, below the minimum side of {min_size}")
+
+
+def header_size(data: bytes) -> tuple[int, int] | None:
+    """``image_size``, or None when the header cannot be read (``decode_image`` then says why)."""
+    try:
+        return image_size(data)
+    except Exception:  # noqa: BLE001 - PIL raises many types for garbage
+        return None
+
+
 def decode_image(data: bytes, ext: str, max_pixels: int = DEFAULT_MAX_PIXELS,
                  max_aspect: float = DEFAULT_MAX_ASPECT) -> np.ndarray:
     """RGB ``(H, W, 3)`` uint8 via OpenCV; raises ``ImageSkip`` for truncated, undecodable, huge or
@@ -316,10 +337,7 @@ def decode_image(data: bytes, ext: str, max_pixels: int = DEFAULT_MAX_PIXELS,
         if "decompression bomb" in str(error).lower():
             raise ImageSkip("too_large", str(error)) from error
         raise ImageSkip("undecodable" if whole else "truncated_image", str(error)) from error
-    if width * height > max_pixels:
-        raise ImageSkip("too_large", f"{width}x{height}")
-    if max(width, height) > max_aspect * min(width, height):
-        raise ImageSkip("extreme_aspect", f"{width}x{height}")
+    check_size(width, height, max_pixels, max_aspect)
     bgr = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR)
     # Not ending with its end marker, the file is kept only if both decoders read all of it: libpng in
     # OpenCV refuses a cut-off PNG that Pillow reads, Pillow a cut-off JPEG that some OpenCVs fill.

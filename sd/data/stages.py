@@ -331,10 +331,39 @@ def encode_jpeg(rgb: np.ndarray, quality: int = 95) -> bytes:
     return data.tobytes()
 
 
+def default_min_size(resolution: int) -> int:
+    """The smallest width and height an import at ``resolution`` keeps unless told otherwise (01e's
+    ``--min_size``): a quarter of it."""
+    return resolution // 4
+
+
+def read_caption(path: Path) -> str | None:
+    """A caption file's text, stripped: "" when the file is missing or empty, None when it is not UTF-8
+    (replacing the bad bytes would train on a caption nobody wrote)."""
+    try:
+        return path.read_text(encoding="utf-8").strip() if path.is_file() else ""
+    except UnicodeDecodeError:
+        return None
+
+
+def check_import(caption: str | None, size: tuple[int, int] | None = None, *, min_size: int = 0,
+                 max_pixels: int = sd.data.shards.DEFAULT_MAX_PIXELS) -> None:
+    """Stage 01e's five rules of what it skips, which the studio's Data page shows before an import
+    (``sd.studio.data.scan_folder``): ``sd.data.shards.ImageSkip`` with the reason of the first rule that
+    refuses the image. Its caption first (None: the caption file is not UTF-8, ``bad_caption_encoding``;
+    empty: ``no_caption``), then its ``(width, height)`` read from the header (``too_large``, ``extreme_aspect``,
+    ``too_small``: ``sd.data.shards.check_size``). ``size`` None asks the caption's rules alone."""
+    if caption is None:
+        raise sd.data.shards.ImageSkip("bad_caption_encoding", "the caption file is not UTF-8")
+    if not caption:
+        raise sd.data.shards.ImageSkip("no_caption", "the caption file is missing or empty")
+    if size is not None:
+        sd.data.shards.check_size(*size, max_pixels, min_size=min_size)
+
+
 def image_sample(key: str, data: bytes, ext: str, caption: str, resolution: int, metadata: dict | None = None,
                  max_pixels: int = sd.data.shards.DEFAULT_MAX_PIXELS, keep_aspect: str | None = None,
-                 mask: bytes | None = None, controls: dict | None = None,
-                 min_size: int = 0) -> sd.data.shards.ShardSample:
+                 mask: bytes | None = None, controls: dict | None = None) -> sd.data.shards.ShardSample:
     """Decode, resize, re-encode as JPEG. Without ``keep_aspect``: the short side scaled to
     ``resolution`` and the centre square cut out; with ``keep_aspect`` "short" or "long": the whole
     image with that side scaled to ``resolution`` (``sd.data.shards.resize_keep_aspect``).
@@ -347,13 +376,10 @@ def image_sample(key: str, data: bytes, ext: str, caption: str, resolution: int,
     ``<key>.<name>.png``.
 
     Raises ``sd.data.shards.ImageSkip`` (with a reason) for an unusable image, mask or conditioning
-    image; for the last two its ``member`` names which; an image narrower or lower than ``min_size``
-    pixels is ``too_small``. The metadata records the original size and the written one.
+    image; for the last two its ``member`` names which. The metadata records the original size and the written one.
     """
     rgb = sd.data.shards.decode_image(data, ext.lower().lstrip("."), max_pixels)
     height, width = rgb.shape[:2]
-    if min(width, height) < min_size:
-        raise sd.data.shards.ImageSkip("too_small", f"{width}x{height} pixels, below the minimum side of {min_size}")
     grey = None if mask is None else companion(sd.data.shards.MASK_NAME, sd.data.shards.decode_mask, mask,
                                                (width, height), max_pixels)
     drawn = {name: companion(name, sd.data.shards.decode_control, source, (width, height), max_pixels)

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
+import sd.cli
+
 BLIP_WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "[DEC]", "a", "picture", "of", "photo", "red", "blue",
               "square", "circle", "on", "the", "background", "green", "cat", "dog"]
 
@@ -104,7 +106,7 @@ def tiny_tagger(folder: Path, size: int = 32, batched: bool = True) -> Path:
     """Scores from the image's mean colour ``(b, g, r)`` in 0..1, as WD14 reads it (BGR): red_theme
     sigmoid(12 (r - b) - 3), blue_theme sigmoid(12 (b - r) - 3), long_hair sigmoid(1) and ^_^ sigmoid(0.5) (every
     image), hatsune_miku sigmoid(12 g - 9), the ratings general sigmoid(2) and sensitive sigmoid(-2)."""
-    import onnx
+    onnx = sd.cli.import_extra("onnx", "caption", "the tiny tagger")
     from onnx import TensorProto, helper, numpy_helper
 
     folder.mkdir(parents=True, exist_ok=True)

@@ -41,8 +41,8 @@ import sd.cli
 import sd.embedding.tokens
 import sd.lora.dora
 import sd.model
+from sd.lora.dora import ADAPTER  # PEFT's adapter name inside the modules
 
-ADAPTER = "default"  # PEFT's adapter name inside the modules
 ATTENTION = ("to_q", "to_k", "to_v", "to_out.0")
 TARGET_GROUPS = {
     "attention": ATTENTION,

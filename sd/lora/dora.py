@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import torch
 
-import sd.lora.adapters
-
+ADAPTER = "default"  # PEFT's adapter name inside the modules (sd.lora.adapters injects under it)
 DORA = "dora_scale"  # the layer's ParameterDict of magnitudes: <module>.dora_scale.default, as files name it
 HOOK = "_dora_hook"
 
@@ -63,16 +62,16 @@ def add_dora(layer) -> None:
     """Give a PEFT adapter layer a magnitude (``|W0|`` per input channel, fp32, trained) and the hook that
     applies it."""
     weight = layer.get_base_layer().weight.detach().float()
-    setattr(layer, DORA, torch.nn.ParameterDict({sd.lora.adapters.ADAPTER: torch.nn.Parameter(input_norm(weight))}))
+    setattr(layer, DORA, torch.nn.ParameterDict({ADAPTER: torch.nn.Parameter(input_norm(weight))}))
     setattr(layer, HOOK, layer.register_forward_pre_hook(scale_input))
 
 
 def has_dora(layer) -> bool:
-    return sd.lora.adapters.ADAPTER in getattr(layer, DORA, {})
+    return ADAPTER in getattr(layer, DORA, {})
 
 
 def magnitude(layer) -> torch.Tensor:
-    return getattr(layer, DORA)[sd.lora.adapters.ADAPTER]
+    return getattr(layer, DORA)[ADAPTER]
 
 
 @torch.no_grad()
@@ -81,7 +80,7 @@ def adapted_norm(layer) -> torch.Tensor:
     cache of a weight's cast, made here without autograd, could stand in for the forward pass' own)."""
     base = layer.get_base_layer().weight
     with torch.autocast(base.device.type, enabled=False):
-        delta = layer.get_delta_weight(sd.lora.adapters.ADAPTER)
+        delta = layer.get_delta_weight(ADAPTER)
     return input_norm(base.float() + delta.float().reshape(base.shape))
 
 
@@ -100,7 +99,7 @@ def merge(layer) -> None:
     """Fold a DoRA layer's adapter and magnitude into its base weight, ``V * m / |V|`` in fp32 rounded
     once to the weight's dtype, and remove the hook (the layer then computes its base alone)."""
     weight = layer.get_base_layer().weight
-    delta = layer.get_delta_weight(sd.lora.adapters.ADAPTER).float().reshape(weight.shape)
+    delta = layer.get_delta_weight(ADAPTER).float().reshape(weight.shape)
     weight.copy_(weight.float() + decompose(weight, delta, magnitude(layer)))
     getattr(layer, HOOK).remove()
     getattr(layer, DORA).clear()

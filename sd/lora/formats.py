@@ -23,7 +23,6 @@ import sd.lora.adapters
 import sd.lora.dora
 import sd.metadata
 from sd.cli import first_line
-from sd.formats import read_weights
 
 log = logging.getLogger("sd_lora")
 
@@ -485,7 +484,7 @@ def read_lora(path: str | Path, unet, text_encoder=None,
     ValueError naming the file. ``tensors``: the file's tensors when read already.
     """
     file = lora_file(path)
-    tensors = {k: v for k, v in (read_weights(file) if tensors is None else tensors).items()
+    tensors = {k: v for k, v in (sd.files.read_weights(file) if tensors is None else tensors).items()
                if not k.startswith(BUNDLE_PREFIX)}  # tokens: read_bundled_embeddings
     sd.lora.adapters.check_finite(tensors, file)
     models = {part: m for part, m in (("unet", unet), ("text_encoder", text_encoder)) if m is not None}
@@ -538,7 +537,7 @@ def read_bundled_embeddings(path: str | Path, tensors: dict | None = None) -> di
     is a ValueError naming the file. ``tensors``: the file's tensors when read already."""
     file = lora_file(path)
     found: dict[str, list[torch.Tensor]] = {}
-    for key, tensor in (read_weights(file) if tensors is None else tensors).items():
+    for key, tensor in (sd.files.read_weights(file) if tensors is None else tensors).items():
         if key.startswith(BUNDLE_PREFIX):
             token, _, _ = key[len(BUNDLE_PREFIX):].partition(".")
             found.setdefault(token, []).append(tensor)
@@ -676,7 +675,7 @@ def merge_adapters(pipe, loras: list[tuple[str, float]]) -> None:
         if sd.lora.adapters.has_lora(part):
             sd.lora.adapters.merge(part)
     for path, scale in loras:
-        tensors = read_weights(lora_file(path))  # read once: the adapter's layers and any bundled token
+        tensors = sd.files.read_weights(lora_file(path))  # read once: the adapter's layers and any bundled token
         lora = read_lora(path, pipe.unet, pipe.text_encoder, tensors)
         merge_lora({"unet": pipe.unet, "text_encoder": pipe.text_encoder}, lora, scale)
         layers = sum(len(modules) for modules in lora.values())

@@ -10,14 +10,16 @@ as a ``Job``; the timer then reads the jobs' logs, the run's ``metrics.jsonl`` a
 import re
 from pathlib import Path
 
+import sd.cli
 from sd.studio.handlers import EXPORTS, Studio
 from sd.studio.runs import Roots
 from sd.studio.training import field_reference, gpus_present, presets
 
+
 def build(roots: Roots, repository: Path, uploads: Path | None = None):
     """The studio's ``gr.Blocks``: jobs run in the first root (relative paths in recipes, ``data/``, ``runs/``,
     are the user's there, as on the command line) and log to ROOT/.studio/logs; ``roots`` bound every path."""
-    import gradio as gr
+    gr = sd.cli.import_extra("gradio", "studio", "the studio")
     from gradio.utils import get_upload_folder
 
     studio = Studio(roots, repository, uploads or Path(get_upload_folder()))

@@ -1,9 +1,9 @@
 """A folder of images as the studio's Data page shows it, and the commands that turn it into a dataset.
 
 ``scan_folder`` reads what ``01e_import_folder.py`` would: each image's caption (``photo.txt``), its size from
-the file's first 64 KB (nothing is decoded) and so the files it would skip, with the reason, and the aspect-ratio
-bucket each image falls in; ``write_caption`` writes only an image's caption that 01e reads; the commands are the
-data stages' own, as a user types them.
+the file's first 64 KB (nothing is decoded) and so the files it would skip, with the reason 01e's own rules give
+(``sd.data.stages.check_import``), and the aspect-ratio bucket each image falls in; ``write_caption`` writes only
+an image's caption that 01e reads; the commands are the data stages' own, as a user types them.
 """
 
 from __future__ import annotations
@@ -31,15 +31,6 @@ class FolderScan:
 
 def caption_path(folder: Path, rel: str) -> Path:
     return Path(folder) / (rel.rsplit(".", 1)[0] + ".txt")
-
-
-def read_caption(folder: Path, rel: str) -> str | None:
-    """The image's caption, "" when it has none, None when its file is not UTF-8."""
-    path = caption_path(folder, rel)
-    try:
-        return path.read_text(encoding="utf-8").strip() if path.is_file() else ""
-    except UnicodeDecodeError:
-        return None
 
 
 def write_caption(folder: Path, rel: str, text: str) -> Path:
@@ -84,31 +75,24 @@ def scan_folder(folder: Path, resolution: int = 512, min_size: int | None = None
     """What importing ``folder`` at ``resolution`` would keep and skip (01e's reasons), read from the headers."""
     folder = Path(folder)
     scan = FolderScan(folder)
-    smallest = resolution // 4 if min_size is None else min_size
+    smallest = sd.data.stages.default_min_size(resolution) if min_size is None else min_size
     # encode_latents.py --buckets' sizes (64 px steps; 8 px below 64 px, where no 64 px step fits)
     buckets = sd.data.buckets.default_buckets(resolution, 64 if resolution >= 64 else 8)
     images, _ = sd.data.stages.list_images(folder)
     for rel in images:
+        caption = sd.data.stages.read_caption(caption_path(folder, rel))
         try:
-            width, height = header_size(folder / rel)
-        except Exception:  # noqa: BLE001 - any reader's error: the file would be skipped
-            scan.skipped.append((rel, "undecodable"))
+            size = header_size(folder / rel)
+        except Exception:  # noqa: BLE001 - any reader's error: the file would be skipped, after its caption's rules
+            size = None
+        try:
+            sd.data.stages.check_import(caption, size, min_size=smallest, max_pixels=max_pixels)
+            if size is None:
+                raise sd.data.shards.ImageSkip("undecodable")
+        except sd.data.shards.ImageSkip as skip:
+            scan.skipped.append((rel, skip.reason))
             continue
-        caption = read_caption(folder, rel)
-        reason = None
-        if caption is None:
-            reason = "bad_caption_encoding"
-        elif not caption:
-            reason = "no_caption"
-        elif width * height > max_pixels:
-            reason = "too_large"
-        elif max(width, height) > sd.data.shards.DEFAULT_MAX_ASPECT * min(width, height):
-            reason = "extreme_aspect"
-        elif min(width, height) < smallest:
-            reason = "too_small"
-        if reason:
-            scan.skipped.append((rel, reason))
-            continue
+        width, height = size
         scan.images.append(rel)
         scan.captions[rel] = caption
         bucket = buckets[sd.data.buckets.nearest_bucket(width, height, buckets)]

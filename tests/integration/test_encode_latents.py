@@ -137,7 +137,7 @@ def test_a_rerun_encodes_nothing(encoded, caplog):
 def test_a_run_killed_mid_shard_resumes_to_the_same_files(encoded, tmp_path):
     root, _ = encoded
     out = tmp_path / "latents"
-    # DESIGN.md's spelling --dtype (now an alias of --precision): fp32 is what the reference run used on the CPU.
+    # --dtype, the earlier spelling of --precision (docs/latents.md): fp32 is what the reference run used on the CPU.
     cmd = [sys.executable, str(ROOT / "encode_latents.py"), "--shards", str(root / "shards" / "*.tar"), "--out",
            str(out), "--vae", "tiny", "--resolution", "64", "--batch_size", "2", "--workers", "3",
            "--max_pixels", str(MAX_PIXELS), "--flip", "--dtype", "fp32"]

@@ -65,7 +65,7 @@ def test_04_writes_keys_captions_and_77_token_ids(captions):
 def test_04_rerun_is_a_no_op(captions):
     out = captions / "captions"
     before = {p.name: p.stat().st_mtime_ns for p in out.glob("0000*")}
-    # DESIGN.md's spelling --shards, an alias of --input: the same run, so nothing is redone.
+    # --shards, the earlier spelling of --input (docs/data.md): the same run, so nothing is redone.
     assert stage04.main(["--shards", str(captions / "shards" / "*.tar"), "--out", str(out), "--tokenizer", "tiny"]) == 0
     assert len(before) == 4 and {p.name: p.stat().st_mtime_ns for p in out.glob("0000*")} == before
     assert json.loads((out / "04_preprocess_to_cache_summary.json").read_text())["shards_already_done"] == 2

@@ -533,6 +533,48 @@ def test_bad_command_lines_exit_2_with_one_line_before_any_work(tmp_path, capsys
     assert not out.exists()
 
 
+def test_the_studio_scan_and_01e_skip_the_same_files_for_the_same_reasons(tmp_path):
+    """One rule (sd.data.stages.check_import), two readers: 01e and the studio's Data page (sd.studio.data.scan_folder)
+    on one folder with a few images each rule skips, some that two rules would (the first in the rules' order names
+    it), an undecodable file and some kept."""
+    from sd.studio import data
+
+    src, rng = tmp_path / "src", np.random.default_rng(5)
+    cases = {  # file: (width, height, the caption file's bytes or None for none), at --resolution 64: at least 16 px
+        "kept_a": (64, 64, b"a square"), "kept_b": (96, 64, b"a wide one"), "sub/kept_c": (64, 80, b"a tall one"),
+        "latin_a": (64, 64, "caf\xe9".encode("latin-1")), "latin_small": (8, 8, b"\xff\xfe"),
+        "nocap_a": (64, 64, None), "nocap_empty": (64, 64, b"  \n"), "nocap_large": (260, 200, None),
+        "large_a": (256, 200, b"big"), "large_strip": (1000, 100, b"big and long"),
+        "strip_a": (320, 32, b"long"), "strip_b": (40, 400, b"tall"), "strip_small": (200, 10, b"thin"),
+        "small_a": (12, 12, b"tiny"), "small_b": (15, 40, b"narrow"),
+    }
+    for name, (width, height, caption) in cases.items():
+        write_image(src / f"{name}.png", rng, width, height)
+        if caption is not None:
+            (src / f"{name}.txt").write_bytes(caption)
+    (src / "garbage.png").write_bytes(b"not an image at all")
+    (src / "garbage.txt").write_text("a caption")
+    (src / "garbage_nocap.png").write_bytes(b"not an image either")  # the caption's rules come first
+    expected = {"bad_caption_encoding": ["latin_a.png", "latin_small.png"],
+                "no_caption": ["garbage_nocap.png", "nocap_a.png", "nocap_empty.png", "nocap_large.png"],
+                "too_large": ["large_a.png", "large_strip.png"],
+                "extreme_aspect": ["strip_a.png", "strip_b.png", "strip_small.png"],
+                "too_small": ["small_a.png", "small_b.png"], "undecodable": ["garbage.png"]}
+    kept = ["kept_a.png", "kept_b.png", "sub/kept_c.png"]
+
+    out = tmp_path / "out"
+    assert stage.main(["--input", str(src), "--out", str(out), "--max_pixels", str(200 * 200), *RES]) == 0
+    assert {reason: sorted(names) for reason, names in summary(out)["examples"].items()} == expected
+    assert sorted(sample["meta"]["source"] for sample in read_output(out).values()) == kept
+
+    scan = data.scan_folder(src, resolution=64, max_pixels=200 * 200)
+    skipped = {}
+    for rel, reason in scan.skipped:
+        skipped.setdefault(reason, []).append(rel)
+    assert {reason: sorted(names) for reason, names in skipped.items()} == expected
+    assert scan.images == kept
+
+
 def test_missing_or_imageless_src_folder_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         stage.main(["--input", str(tmp_path / "nope"), "--out", str(tmp_path / "out")])

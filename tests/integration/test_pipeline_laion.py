@@ -539,8 +539,8 @@ def test_download_images_with_img2dataset(tmp_path):
 @pytest.mark.parametrize("engine", ["pyspark", "ray"])
 def test_the_distributed_engines_download_what_multiprocessing_does(tmp_path, engine):
     """img2dataset's pyspark (a local[1] Spark session) and ray (a local Ray instance) distributors against
-    the loopback server: the shards of the single-process path. Both are in requirements-engines.txt, which
-    make setup installs (not requirements.txt: ~500 MB and, for Spark, a Java runtime)."""
+    the loopback server: the shards of the single-process path. Both are the engines extra, which make
+    setup installs (not requirements.txt: ~500 MB and, for Spark, a Java runtime)."""
     importlib.import_module(engine)  # installed by make setup: a missing engine fails here, never skips
     forbidden = image_bytes(random_image(np.random.default_rng(1), 64, 64), "PNG")
     with LoopbackServer(image_routes()) as server, NoAIServer(forbidden) as noai:

@@ -771,7 +771,7 @@ def test_latents_of_another_scaling_factor_are_refused_before_any_work(tmp_path,
     assert not (tmp_path / "run").exists()
 
 
-# (lr, warm-up, CFG dropout, {dataset: weight}) of the reference curriculum, DESIGN.md.
+# (lr, warm-up, CFG dropout, {dataset: weight}) of the reference curriculum, docs/training.md.
 PHASES = {
     "p1_laion_broad": (1e-5, 500, 0.05, {"laion_p1": 1.0}),
     "p2_laion_aesthetic": (1e-5, 500, 0.05, {"laion_p2": 1.0}),

@@ -118,3 +118,24 @@ def test_a_recipe_is_the_repositorys_or_a_file_inside_a_root(studio_folder):
                   "/etc/passwd", "configs/quickstart"):
         with pytest.raises(OutsideRoots):
             training.recipe(value, ROOT, roots)
+
+
+def test_the_gpus_present_follow_cuda_visible_devices(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,3")
+    assert training.gpus_present() == 2
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert training.gpus_present() == 1
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    monkeypatch.setenv("PATH", "/nonexistent")  # no nvidia-smi: the CPU
+    assert training.gpus_present() == 1
+
+
+def test_field_lines_become_the_trainers_flags_and_the_trainer_judges_them(tmp_path):
+    assert training.parse_fields("lr: 1e-4  # peak\n\nmax_steps: 10\n") == ["--lr", "1e-4", "--max_steps", "10"]
+    with pytest.raises(ValueError, match="line 1"):
+        training.parse_fields("not a field line")
+    preset = FROM_SCRATCH
+    assert training.check_training(preset, None, tmp_path / "runs" / "x", ["--lr", "1e-4"], tmp_path) == ""
+    refused = training.check_training(preset, None, tmp_path / "runs" / "x", ["--lr", "-1"], tmp_path)
+    assert "lr" in refused
+    assert "no_such_field" in training.check_training(preset, None, tmp_path / "runs" / "x", ["--no_such_field", "1"], tmp_path)

@@ -1,3 +1,7 @@
+"""sd.data.training_data: epoch batches per rank, mixing, latent stores and caption splits joined to latents, flips,
+the validation indices; also the checkpoints' pruning (sd.train.checkpoint) and a subject folder's class images
+(sd.data.dreambooth)."""
+
 import json
 from pathlib import Path
 

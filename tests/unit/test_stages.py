@@ -1,3 +1,6 @@
+"""sd.data.stages, the stage contract: downloads, archive safety, image samples, shards with their done markers, the
+skip rules of an import, and every stage's command line on it."""
+
 import importlib
 import json
 import re
@@ -87,6 +90,22 @@ def test_image_sample_is_a_square_jpeg_with_metadata():
     assert (meta["original_width"], meta["original_height"], meta["source"]) == (200, 300, "test")
     with pytest.raises(sd.data.shards.ImageSkip):
         sd.data.stages.image_sample("k2", b"not an image\xff\xd9", "jpg", "x", 64)
+
+
+@pytest.mark.parametrize("caption, size, reason", [
+    (None, (8, 8), "bad_caption_encoding"), ("", (100_000, 1), "no_caption"), (None, None, "bad_caption_encoding"),
+    ("", None, "no_caption"), ("a cat", (300, 300), "too_large"), ("a cat", (1000, 100), "too_large"),
+    ("a cat", (200, 10), "extreme_aspect"), ("a cat", (15, 40), "too_small"), ("a cat", (16, 128), None),
+    ("a cat", None, None)])
+def test_the_skip_rules_of_an_import_answer_in_their_order(caption, size, reason):
+    """01e's five rules (and the studio's scan): the caption's before the size's, the first that refuses names it;
+    without a size, the caption's alone."""
+    try:
+        sd.data.stages.check_import(caption, size, min_size=16, max_pixels=250 * 250)
+    except sd.data.shards.ImageSkip as skip:
+        assert skip.reason == reason
+    else:
+        assert reason is None
 
 
 def test_write_shard_marks_done_last_and_summary_adds_up(tmp_path):

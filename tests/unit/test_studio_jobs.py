@@ -1,0 +1,93 @@
+"""sd.studio.jobs: commands run from argument lists in process groups of their own, stopped with the signal that
+saves, their logs and metrics read incrementally in bounded memory."""
+
+import json
+import sys
+import time
+import tracemalloc
+
+import pytest
+
+from sd.studio import jobs
+
+
+def test_a_job_runs_its_argument_list_and_logs_it(tmp_path):
+    registry = jobs.Jobs(tmp_path / "logs", cwd=tmp_path)
+    command = [sys.executable, "-c", "import sys; print('hello', sys.argv[1:])", "a b", "$HOME;", "'"]
+    job = registry.start("hello", command)
+    assert job.wait(60) == 0 and job.state == "finished"
+    log = (tmp_path / "logs" / "hello.log").read_text()
+    assert log.splitlines()[0] == """$ python -c 'import sys; print('"'"'hello'"'"', sys.argv[1:])' 'a b' '$HOME;' ''"'"''"""
+    assert "hello ['a b', '$HOME;', \"'\"]" in log  # no shell: every word arrives as written
+
+
+def test_stop_sends_the_signal_that_saves_and_a_running_name_is_refused(tmp_path):
+    script = ("import signal, sys, time\n"
+              "signal.signal(signal.SIGTERM, lambda *a: (print('saved', flush=True), sys.exit(143)))\n"
+              "print('ready', flush=True)\n"
+              "time.sleep(60)\n")
+    registry = jobs.Jobs(tmp_path / "logs", cwd=tmp_path)
+    job = registry.start("train", [sys.executable, "-c", script])
+    tail = jobs.LogTail(job.log)
+    for _ in range(600):
+        if "ready" in tail.read().splitlines()[1:]:  # (the first line is the command, which says ready too)
+            break
+        time.sleep(0.05)
+    with pytest.raises(RuntimeError, match="still running"):
+        registry.start("train", [sys.executable, "-c", "pass"])
+    job.stop()
+    assert job.wait(60) == 143 and job.state == "stopped (exit 143)"
+    assert tail.read().splitlines()[-1] == "saved"
+    assert registry.start("train", [sys.executable, "-c", "pass"]).wait(60) == 0  # stopped: the name is free again
+
+
+def test_log_tail_reads_only_what_is_new_and_keeps_the_last_lines(tmp_path):
+    path = tmp_path / "log"
+    path.write_text("a\nb\nprogress 1%\rprogress 2%")
+    tail = jobs.LogTail(path, lines=3)
+    assert tail.read() == "a\nb\nprogress 2%"
+    with open(path, "a") as handle:
+        handle.write("\rprogress 100%\nc\nd\n")
+    assert tail.read() == "progress 100%\nc\nd" and tail.offset == path.stat().st_size
+    assert jobs.LogTail(tmp_path / "missing").read() == ""
+
+
+def test_metrics_tail_stays_bounded_and_evenly_spaced(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    tail = jobs.JsonlTail(path, points=100)
+    with open(path, "w") as handle:
+        for step in range(1, 1001):
+            handle.write(json.dumps({"step": step, "loss": 1 / step}) + "\n")
+        handle.write('{"step": 1001, "lo')  # a line being written
+    rows = tail.read()
+    steps = [row["step"] for row in rows]
+    assert len(rows) <= 100 and steps[0] == 1 and len(set(b - a for a, b in zip(steps, steps[1:]))) == 1
+    assert tail.last == {"step": 1000, "loss": 0.001}
+    with open(path, "a") as handle:
+        handle.write('ss": 0.5}\nnot json\n{"step": 1001, "eval_fid": 31.5}\n')
+        for step in range(1002, 1400):
+            handle.write(json.dumps({"step": step, "loss": 0.1}) + "\n")
+    tail.read()
+    assert tail.last == {"step": 1399, "loss": 0.1}
+    assert tail.evaluations == {"eval_fid": (1001, 31.5)}  # kept whatever the thinning drops
+
+
+@pytest.mark.slow
+def test_metrics_tail_memory_is_flat_over_a_long_run(tmp_path):
+    """A run of 150,000 logged steps (23 MB of metrics) read by the studio: a few MB held at most."""
+    path = tmp_path / "metrics.jsonl"
+    line = json.dumps({"step": 0, "loss": 0.1234567, "lr": 1e-4, "grad_norm": 0.5, "images_per_s": 12.5,
+                       "note": "x" * 60})
+    with open(path, "w") as handle:
+        for step in range(150_000):
+            handle.write(line.replace('"step": 0', f'"step": {step}') + "\n")
+    tracemalloc.start()
+    try:
+        tail = jobs.JsonlTail(path, points=2000, chunk=1 << 18)
+        rows = tail.read()
+        peak_mb = tracemalloc.get_traced_memory()[1] / 2**20
+    finally:
+        tracemalloc.stop()
+    assert path.stat().st_size > 20 * 2**20
+    assert len(rows) <= 2000 and tail.last["step"] == 149_999
+    assert peak_mb < 8, peak_mb  # a chunk, its lines and 2,000 rows: not the file
