@@ -163,11 +163,11 @@ def test_a_seeds_image_is_the_same_in_a_batch_of_one_and_of_three(pipeline):
 
 def test_command_lines_default_to_four_steps_at_guidance_one_for_lcm(tmp_path):
     base = ["--ckpt", "x", "--prompt", "p", "--out", str(tmp_path)]
-    args = SD_ImageGen.parse_args(base + ["--sampler", "lcm"])
+    args = SD_ImageGen.parse_args(base + ["--sampler", "lcm"]).sampling
     assert (args.steps, args.cfg) == (4, 1.0)
-    args = SD_ImageGen.parse_args(base + ["--sampler", "lcm", "--steps", "8", "--cfg", "1.5"])
+    args = SD_ImageGen.parse_args(base + ["--sampler", "lcm", "--steps", "8", "--cfg", "1.5"]).sampling
     assert (args.steps, args.cfg) == (8, 1.5)
-    args = SD_ImageGen.parse_args(base)
+    args = SD_ImageGen.parse_args(base).sampling
     assert (args.steps, args.cfg) == (100, 7.5)
     with pytest.raises(SystemExit):
         SD_ImageGen.parse_args(base + ["--sampler", "lcm", "--steps", "51"])
