@@ -68,7 +68,7 @@ studio: $(STAMP)
 
 # docs/config.md from the config fields' own docs (a test fails while it is out of date).
 docs: $(STAMP)
-	$(PY) -m sd.train.config docs/config.md
+	$(PY) -m sd.train.config_docs docs/config.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache

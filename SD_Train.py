@@ -60,6 +60,9 @@ def main(argv=None) -> int:
     d = sd.distributed.setup(config.device)
     logging.basicConfig(level=logging.INFO if d.is_main else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    if config.flat_keys:
+        log.info("config: read %s into their sections (%s); docs/config.md names each field both ways",
+                 ", ".join(config.flat_keys), ", ".join(sd.train.config.canonical(k) for k in config.flat_keys))
     try:
         with sd.runtime.interrupting_signals():
             return train(config, d)

@@ -27,6 +27,8 @@ import sd.model
 import sd.runtime
 import sd.sampling
 from sd.distributed import Dist
+from sd.settings import setting, NON_NEGATIVE, COUNT
+from sd.cli import ConfigError
 
 log = logging.getLogger("sd_eval")
 FEATURES = ("inception", "tiny")
@@ -37,6 +39,77 @@ IS_SPLITS = 10
 TINY_SEED = 0
 MAX_IMAGE_BYTES = 256 * 2**20
 
+
+KEEP_BEST = ("", "fid", "clip_score")  # keep_best: what ranks the checkpoints (none, lowest FID, highest CLIP score)
+
+
+@dataclass(frozen=True)
+class ValidationConfig:
+    """The validation loss and sample grid (validate_every and validation_prompts are top-level)."""
+
+    data_captions: int = setting("captions of the training data (drawn with seed, the same all run) sampled "
+                                 "in the grid after validation_prompts: the model's progress on its own "
+                                 "data; not with control, whose prompts take images; 0 = none", 4,
+                                 allowed=NON_NEGATIVE)
+    samples: int = setting("held-out samples used for the validation loss", 256, allowed=COUNT)
+    steps: int = setting("DDIM steps of the validation samples", 50, allowed=COUNT)
+    cfg: float = setting("classifier-free guidance scale of the validation samples", 7.5,
+                         allowed=NON_NEGATIVE)
+    sampler: str = setting("sampler of the validation samples: auto (flow_euler for a flow run, ddim "
+                           "otherwise), ddim, dpm++, euler, lcm (a distill: lcm run: e.g. 4 validation_steps "
+                           "at validation_cfg 1), flow_euler or flow_heun", "auto")
+    width: int = setting("width of the validation samples in pixels, a multiple of 8; 0 = the training "
+                         "latents' size (with aspect-ratio buckets: the bucket nearest square)", 0,
+                         allowed=NON_NEGATIVE)
+    height: int = setting("height of the validation samples in pixels, a multiple of 8; 0 = as "
+                          "validation_width's default", 0, allowed=NON_NEGATIVE)
+
+    def check(self, config, check_paths: bool = True) -> None:
+        """The grid's sampler at its steps and guidance, and its size."""
+        problem = sd.sampling.settings_error(config.sampler, self.steps, self.cfg)
+        if problem:
+            raise ConfigError(f"validation_sampler {self.sampler}, validation_steps {self.steps}, validation_cfg "
+                              f"{self.cfg:g} (the validation grid's and the evaluation's sampling): {problem}")
+        if self.width % 8 or self.height % 8 or bool(self.width) != bool(self.height):
+            raise ConfigError(f"validation_width and validation_height: both multiples of 8, or both 0 (got "
+                              f"{self.width}x{self.height})")
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """FID and CLIP score during training."""
+
+    every: int = setting("FID and CLIP score (SD_Eval.py) of the EMA weights every N optimizer steps and at the "
+                         "last, logged to "
+                         "metrics.jsonl as eval_fid / eval_clip_score; 0 = never", 0, allowed=NON_NEGATIVE)
+    prompts: str = setting("prompts of the evaluation: a text file (one per line) or a .tsv/.csv with a caption "
+                           "column; image i uses seed + i", "")
+    n: int = setting("evaluate on the first N of eval_prompts (one image each)", 500, allowed=COUNT)
+    reference: str = setting("reference of the FID: a folder of images (statistics cached in it) or an .npz "
+                             "(mu, sigma) computed with the same eval_features", "")
+    features: str = setting("FID network: inception (torch-fidelity's InceptionV3, needs torch-fidelity) or tiny "
+                            "(offline stand-ins)", "inception")
+    clip_model: str = setting("CLIP of the CLIP score (hub id or folder; empty = no CLIP score); the stand-in "
+                              "with eval_features tiny", "openai/clip-vit-large-patch14")
+    batch_size: int = setting("images per generation and feature batch of the evaluation", 16, allowed=COUNT)
+
+    def check(self, config, check_paths: bool = True) -> None:
+        """The features, the inputs the evaluation needs, and ``keep_best``, which ranks checkpoints by it."""
+        if self.features not in ("inception", "tiny"):
+            raise ConfigError("eval_features: inception or tiny")
+        if config.keep_best not in KEEP_BEST:
+            raise ConfigError(f"keep_best: {', '.join(repr(m) for m in KEEP_BEST)}, got {config.keep_best!r}")
+        if config.keep_best and not self.every:
+            raise ConfigError(f"keep_best: {config.keep_best} ranks the checkpoints by the in-training evaluation: "
+                              "set eval_every (with eval_prompts and eval_reference), or keep_best: ''")
+        if config.keep_best == "clip_score" and not self.clip_model:
+            raise ConfigError("keep_best: clip_score needs the CLIP score: set eval_clip_model, or keep_best: fid")
+        if self.every and not (self.prompts and self.reference):
+            raise ConfigError("eval_every > 0 needs eval_prompts (a prompts file) and eval_reference (a folder of "
+                              "images or an .npz)")
+        for name, value in (("eval_prompts", self.prompts), ("eval_reference", self.reference)):
+            if check_paths and self.every and not Path(value).exists():
+                raise ConfigError(f"{name}: {value} does not exist")
 
 class EvalError(ValueError):
     """A bad input or setting the user can fix; the message names it."""

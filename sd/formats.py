@@ -412,7 +412,8 @@ def verified(path: Path) -> Path:
 
 
 def run_config(source: str) -> dict | None:
-    """The resolved training config of one of our checkpoints or run folders; None for other sources.
+    """The resolved training config of one of our checkpoints or run folders, by flat names
+    (``sd.run_folder.flat_view``); None for other sources.
 
     A folder that is no diffusers folder is taken for ours: without a complete checkpoint, or with a
     missing or unreadable ``config.yaml``, it is an error naming it.
@@ -423,7 +424,7 @@ def run_config(source: str) -> dict | None:
     config_file = sd.run_folder.resolve_checkpoint(path) / "config.yaml"
     if not config_file.is_file():
         raise FileNotFoundError(f"checkpoint file {config_file} is missing")
-    config = read_saved_config(verified(config_file))
+    config = sd.run_folder.flat_view(read_saved_config(verified(config_file)))
     missing = [key for key in ("unet", "vae", "text_encoder", "prediction_type") if key not in config]
     if missing:
         raise ValueError(f"{config_file}: not a training config (lacks {', '.join(missing)})")

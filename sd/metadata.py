@@ -96,7 +96,7 @@ class TrainingRecord:
     @classmethod
     def read(cls, folder: str | Path) -> "TrainingRecord":
         folder = Path(folder)
-        config = sd.run_folder.read_saved_config(folder / "config.yaml")
+        config = sd.run_folder.flat_view(sd.run_folder.read_saved_config(folder / "config.yaml"))
         state_file = folder / "train_state.pt"
         state = sd.run_folder.load_torch(state_file) if state_file.exists() else {}
         times = sd.run_folder.read_manifest_times(folder)

@@ -243,16 +243,96 @@ def load_weights(path: Path) -> dict[str, torch.Tensor]:
     return load_file(str(path))
 
 
+# The training config's flat keys before it came in sections (configs and run folders written then): each is the
+# field of a section now. A YAML or a saved config.yaml that uses them is read into the sections.
+LEGACY_KEYS = {
+    "epoch_size": ("data", "epoch_size"), "data_threads": ("data", "threads"),
+    "mmap_latents": ("data", "mmap_latents"), "allow_missing_latents": ("data", "allow_missing_latents"),
+    "flip": ("data", "flip"), "masked_loss": ("data", "masked_loss"),
+    "shuffle_tags": ("captions", "shuffle_tags"), "keep_tokens": ("captions", "keep_tokens"),
+    "tag_dropout": ("captions", "tag_dropout"), "tag_separator": ("captions", "tag_separator"),
+    "flow_matching": ("flow", "matching"), "reflow": ("flow", "reflow"), "flow_density": ("flow", "density"),
+    "flow_logit_mean": ("flow", "logit_mean"), "flow_logit_std": ("flow", "logit_std"),
+    "flow_shift": ("flow", "shift"),
+    "lora_rank": ("lora", "rank"), "lora_alpha": ("lora", "alpha"), "lora_dropout": ("lora", "dropout"),
+    "lora_targets": ("lora", "targets"), "lora_conv_rank": ("lora", "conv_rank"),
+    "lora_conv_alpha": ("lora", "conv_alpha"), "lora_text_encoder": ("lora", "text_encoder"),
+    "lora_type": ("lora", "type"), "lora_factor": ("lora", "factor"), "dora": ("lora", "dora"),
+    "embedding_token": ("embedding", "token"), "embedding_init": ("embedding", "init"),
+    "embedding_vectors": ("embedding", "vectors"), "embedding_lr": ("embedding", "lr"),
+    "embedding_train_fraction": ("embedding", "train_fraction"),
+    "instance_dir": ("subject", "instance_dir"), "instance_prompt": ("subject", "instance_prompt"),
+    "class_dir": ("subject", "class_dir"), "class_prompt": ("subject", "class_prompt"),
+    "num_class_images": ("subject", "num_class_images"), "image_size": ("subject", "image_size"),
+    "prior_loss_weight": ("subject", "prior_loss_weight"),
+    "distill": ("distill", "method"), "lcm_solver_steps": ("distill", "solver_steps"),
+    "lcm_guidance_min": ("distill", "guidance_min"), "lcm_guidance_max": ("distill", "guidance_max"),
+    "lcm_loss": ("distill", "loss"), "lcm_huber_c": ("distill", "huber_c"),
+    "lcm_timestep_scaling": ("distill", "timestep_scaling"), "lcm_target_decay": ("distill", "target_decay"),
+    "control": ("controlnet", "control"), "control_dropout": ("controlnet", "dropout"),
+    "controlnet_from": ("controlnet", "init_from"), "validation_controls": ("controlnet", "validation_images"),
+    "text_encoder_lr": ("optim", "text_encoder_lr"),
+    "text_encoder_warmup_steps": ("optim", "text_encoder_warmup_steps"), "down_lr_scale": ("optim", "down_lr_scale"),
+    "mid_lr_scale": ("optim", "mid_lr_scale"), "up_lr_scale": ("optim", "up_lr_scale"),
+    "min_lr_ratio": ("optim", "min_lr_ratio"), "weight_decay": ("optim", "weight_decay"),
+    "adam_beta1": ("optim", "adam_beta1"), "adam_beta2": ("optim", "adam_beta2"), "adam_eps": ("optim", "adam_eps"),
+    "optimizer": ("optim", "name"), "bf16_weights": ("optim", "bf16_weights"),
+    "noise_offset": ("loss", "noise_offset"), "loss_type": ("loss", "type"),
+    "huber_schedule": ("loss", "huber_schedule"), "huber_c": ("loss", "huber_c"),
+    "huber_scale": ("loss", "huber_scale"), "debiased_estimation": ("loss", "debiased_estimation"),
+    "ema_update_every": ("ema", "update_every"), "posthoc_ema_every": ("ema", "posthoc_every"),
+    "ema_warmup": ("ema", "warmup"),
+    "validation_data_captions": ("validation", "data_captions"), "validation_samples": ("validation", "samples"),
+    "validation_steps": ("validation", "steps"), "validation_cfg": ("validation", "cfg"),
+    "validation_sampler": ("validation", "sampler"), "validation_width": ("validation", "width"),
+    "validation_height": ("validation", "height"),
+    "eval_every": ("eval", "every"), "eval_prompts": ("eval", "prompts"), "eval_n": ("eval", "n"),
+    "eval_reference": ("eval", "reference"), "eval_features": ("eval", "features"),
+    "eval_clip_model": ("eval", "clip_model"), "eval_batch_size": ("eval", "batch_size"),
+}
+
+
 def read_saved_config(path: str | Path) -> dict:
-    """A run's or checkpoint's ``config.yaml`` as written by ``config_yaml``: the one reader of a saved
-    config. A file that is no YAML mapping is a ValueError naming it (OSError when it cannot be read)."""
+    """A run's or checkpoint's ``config.yaml`` as written by ``config_yaml``, in sections (a file written before
+    the sections, with flat keys, is read into them): the one reader of a saved config. A file that is no YAML
+    mapping is a ValueError naming it (OSError when it cannot be read)."""
     try:
         saved = load_yaml(Path(path).read_text())
     except (ValueError, UnicodeDecodeError) as error:
         raise ValueError(f"{path}: {first_line(error)}") from error
     if not isinstance(saved, dict):
         raise ValueError(f"{path}: not a mapping of config fields")
-    return saved
+    return in_sections(saved)
+
+
+def in_sections(values: dict) -> dict:
+    """``values`` with every flat key of ``LEGACY_KEYS`` moved into its section (a section given as a mapping
+    keeps what it says; ``distill: lcm`` is the distill section's method)."""
+    nested = {key: dict(value) if isinstance(value, dict) else value for key, value in values.items()
+              if key not in LEGACY_KEYS or isinstance(value, dict)}
+    for key, value in values.items():
+        if key in LEGACY_KEYS and not isinstance(value, dict):
+            section, name = LEGACY_KEYS[key]
+            nested.setdefault(section, {}).setdefault(name, value)
+    return nested
+
+
+def flat_view(saved: dict) -> dict:
+    """A saved config (``read_saved_config``) as one mapping of names: its top-level fields, and each section's
+    fields by their flat names of ``LEGACY_KEYS`` (what the readers of a run's records ask by)."""
+    view = {key: value for key, value in saved.items() if not isinstance(value, dict)}
+    for flat, (section, name) in LEGACY_KEYS.items():
+        holder = saved.get(section)
+        if isinstance(holder, dict) and name in holder:
+            view[flat] = holder[name]
+    return view
+
+
+def saved_value(saved: dict, name: str, default=None):
+    """A field of a saved config (``read_saved_config``) by its dotted name (``lora.rank``), or ``default``."""
+    section, _, field = name.rpartition(".")
+    holder = saved.get(section, {}) if section else saved
+    return holder.get(field, default) if isinstance(holder, dict) else default
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,6 +3,8 @@ conditioning image per sample; the ControlNet alone trains and is saved (``contr
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import dataclasses
 import logging
 import re
@@ -14,8 +16,26 @@ import sd.cli
 import sd.controlnet.model
 import sd.training_mode
 from sd.cli import ConfigError
+from sd.settings import setting, refused, OnResume, FREE, FRACTION, MATH
 
 log = logging.getLogger("sd_train")
+
+
+@dataclass(frozen=True)
+class ControlNetConfig:
+    """A ControlNet beside init_from's frozen UNet, steered by conditioning images."""
+
+    control: str = setting("ControlNet: the name of the conditioning images it learns from (canny, seg, ...: the "
+                           "latent folders' files from encode_latents.py --control NAME); init_from, the base, stays "
+                           "frozen and the ControlNet alone trains; empty = no ControlNet", "", resume=refused(MATH))
+    dropout: float = setting("ControlNet: probability that a sample's conditioning image is blank (all zeros) "
+                             "in a step", 0.0, allowed=FRACTION, resume=refused(MATH))
+    init_from: str = setting("ControlNet: train on from this ControlNet (a ControlNet run of ours, a diffusers "
+                             "folder or a single file); empty = a new one, a copy of the base UNet's encoder with "
+                             "zero convolutions out", "",
+                             resume=OnResume(FREE, "a resume loads its checkpoint's ControlNet"))
+    validation_images: list = setting("ControlNet: the sample grid's conditioning images, one file per validation "
+                                      "prompt", default_factory=list)
 
 
 class ControlNet(sd.training_mode.Mode):
@@ -46,12 +66,16 @@ class ControlNet(sd.training_mode.Mode):
         if check_paths and not config.init_from:
             raise ConfigError("control: a ControlNet conditions a trained model: set init_from (the base: a run of "
                               "ours, a diffusers folder or hub id, or a single file)")
-        refused = {"lora_rank": "a LoRA", "embedding_token": "textual inversion", "distill": "distillation",
-                   "instance_dir": "a DreamBooth folder", "lora_text_encoder": "a text-encoder adapter",
-                   "masked_loss": "masked_loss", "eval_every": "eval_every (FID of samples "
-                   "needs a control image per prompt: score saved samples with SD_Eval.py)"}
-        for name, what in refused.items():
-            if getattr(config, name):
+        refused = {"lora_rank": (config.lora.rank, "a LoRA"), "embedding_token": (config.embedding.token,
+                                                                                   "textual inversion"),
+                   "distill": (config.distill.method, "distillation"),
+                   "instance_dir": (config.subject.instance_dir, "a DreamBooth folder"),
+                   "lora_text_encoder": (config.lora.text_encoder, "a text-encoder adapter"),
+                   "masked_loss": (config.data.masked_loss, "masked_loss"),
+                   "eval_every": (config.eval.every, "eval_every (FID of samples needs a control image per prompt: "
+                                                     "score saved samples with SD_Eval.py)")}
+        for name, (value, what) in refused.items():
+            if value:
                 raise ConfigError(f"control: a ControlNet run does not train with {what}; unset {name}")
         if config.sharding != "none":
             raise ConfigError(f"control: a ControlNet run runs on DDP; set sharding: none (got {config.sharding})")

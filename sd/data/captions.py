@@ -21,9 +21,40 @@ from dataclasses import dataclass
 import numpy as np
 
 import sd.model
+from sd.settings import setting, refused, NON_NEGATIVE, FRACTION, MATH
+from sd.cli import ConfigError
 
 _CAPTION_STREAM = 0x63617074  # "capt": keeps these draws apart from every other stream seeded from the run
 
+
+@dataclass(frozen=True)
+class CaptionsConfig:
+    """Caption operations at each step (tag captions): shuffling and dropping tags."""
+
+    shuffle_tags: float = setting("tag captions: probability that a sample's tags after the first keep_tokens are "
+                                  "shuffled, drawn anew at every step; 0 = off (0.5: half the samples)", 0.0,
+                                  allowed=FRACTION, resume=refused(MATH))
+    keep_tokens: int = setting("tag captions: tags at the front of each caption that shuffle_tags and tag_dropout "
+                               "leave in place", 0, allowed=NON_NEGATIVE, resume=refused(MATH))
+    tag_dropout: float = setting("tag captions: probability that each tag after the first keep_tokens is left out of "
+                                 "a sample's caption at a step; 0 = off", 0.0, allowed=FRACTION, resume=refused(MATH))
+    tag_separator: str = setting("tag captions: what joins the tags; captions are split on its non-blank part (on "
+                                 "blanks if it is blank)", ", ", resume=refused(MATH))
+
+    def check(self, config, check_paths: bool = True) -> None:
+        """``shuffle_tags`` / ``tag_dropout`` and the settings they cannot run with, each refused with the way out."""
+        if self.tag_separator == "":
+            raise ConfigError("tag_separator must not be empty; use ', ' (tags joined by commas) or ' ' (by blanks)")
+        if not (self.shuffle_tags or self.tag_dropout):
+            return
+        on = "shuffle_tags" if self.shuffle_tags else "tag_dropout"
+        if config.subject.instance_dir:
+            raise ConfigError(f"{on} changes dataset captions at each step; a DreamBooth run (instance_dir) has one "
+                              "fixed instance_prompt: set shuffle_tags: 0 and tag_dropout: 0, or train on datasets")
+        if config.cache_text_embeddings:
+            raise ConfigError(f"{on} makes a new prompt at each step, so the prompts are no fixed set whose "
+                              "embeddings could be cached: set cache_text_embeddings: false, or shuffle_tags: 0 and "
+                              "tag_dropout: 0")
 
 @dataclass(frozen=True)
 class CaptionOps:

@@ -35,6 +35,8 @@ import sd.files
 import sd.model
 import sd.runtime
 import sd.sampling
+from sd.settings import setting, refused, Range, NON_NEGATIVE, MATH, ORDER
+from sd.cli import ConfigError
 
 log = logging.getLogger("sd_dreambooth")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
@@ -43,6 +45,55 @@ GENERATE_BATCH = 8  # class images per sampler call
 CLASS_RECORD = "class_images.json"  # in class_dir: the settings its generated images were made with
 GENERATED_NAME = re.compile(r"class_\d{5}\.png")  # class_image_name's
 
+
+@dataclass(frozen=True)
+class SubjectConfig:
+    """A subject folder (DreamBooth, and a LoRA's, a token's or a fine-tune's): its images and prompt, and prior
+    preservation's class images."""
+
+    instance_dir: str = setting("a subject folder (DreamBooth; a LoRA's, a token's, a fine-tune's): images of the new "
+                                "subject or style (replaces datasets)", "", resume=refused(ORDER))
+    instance_prompt: str = setting("subject folder: the prompt of every instance image, e.g. 'a photo of sks dog'", "",
+                                   resume=refused(MATH, subject=True))
+    class_dir: str = setting("DreamBooth prior preservation: a folder of class images; the missing ones are generated "
+                             "there by the base model from class_prompt", "", resume=refused(ORDER, subject=True))
+    class_prompt: str = setting("DreamBooth prior preservation: the prompt of the class images, e.g. 'a photo of dog'",
+                                "", resume=refused(MATH, subject=True))
+    num_class_images: int = setting("class images to use in all (and generate when class_dir has fewer; the "
+                                    "DreamBooth paper's 200 per instance image is a ceiling); 0 = 100", 100,
+                                    allowed=NON_NEGATIVE, resume=refused(ORDER, subject=True))
+    image_size: int = setting("subject folder: the instance and class images are centre-cropped and resized to this many "
+                              "pixels square (a multiple of 8)", 512, allowed=Range(8), resume=refused(MATH, subject=True))
+    prior_loss_weight: float = setting("weight of the class images' loss beside the instance loss", 1.0,
+                                       allowed=NON_NEGATIVE, resume=refused(MATH, subject=True))
+
+    def check(self, config, check_paths: bool = True) -> None:
+        """A subject folder replaces the datasets and takes a prompt; prior preservation needs class images and
+        their prompt; what a subject folder cannot give (masks, mirrored latents) is refused."""
+        def need(ok, message):
+            if not ok:
+                raise ConfigError(message)
+
+        if check_paths:
+            need(config.datasets or self.instance_dir,
+                 "datasets: list at least one {dataset: DIR, latents: DIR, weight: 1.0} (or set instance_dir)")
+            need(not (config.datasets and self.instance_dir), "instance_dir replaces datasets: set one of them")
+            need(not self.instance_dir or Path(self.instance_dir).is_dir(),
+                 f"instance_dir: folder {self.instance_dir} does not exist")
+        need(not self.instance_dir or self.instance_prompt.strip(), "instance_dir needs an instance_prompt")
+        need(self.image_size % 8 == 0, f"image_size must be a multiple of 8, got {self.image_size}")
+        need(not (self.instance_dir and config.data.masked_loss), "masked_loss needs masks carried by "
+             "encode_latents.py (pipeline/01e_import_folder.py reads photo_mask.png beside photo.jpg); instance_dir has "
+             "none: set masked_loss: false, or import and encode the images as a dataset")
+        need(not (self.instance_dir and config.data.flip), "flip needs latents of mirrored images from "
+             "encode_latents.py; with instance_dir add mirrored copies to the folder instead")
+        need(bool(self.class_dir) == bool(self.class_prompt.strip()),
+             "prior preservation needs both class_dir and class_prompt (or neither)")
+        need(not self.class_dir or self.instance_dir, "class_dir (prior preservation) needs instance_dir")
+        if self.class_dir:
+            classes = sd.sampling.settings_error("ddim", config.validation.steps, config.validation.cfg)
+            need(classes is None, f"validation_steps {config.validation.steps} (DDIM steps of the class images of "
+                 f"class_dir): {classes}")
 
 @dataclass(frozen=True)
 class DreamBoothSettings:

@@ -45,7 +45,56 @@ import torch
 import sd.cli
 import sd.data.buckets
 import sd.data.captions
+from sd.settings import COUNT, FREE, MATH, NON_NEGATIVE, ORDER, POSITIVE, OnResume, refused, setting
+from sd.cli import ConfigError
 
+
+@dataclass(frozen=True)
+class DataConfig:
+    """The data's reading: epoch size, threads, memory-mapped latents, mirrored images, loss masks."""
+
+    epoch_size: int = setting("samples per epoch across all datasets; 0 = every sample once", 0,
+                              allowed=NON_NEGATIVE, resume=refused(ORDER))
+    threads: int = setting("threads that read latent files into the page cache at start", 16, allowed=COUNT)
+    mmap_latents: bool = setting("read latent shards from storage on demand instead of reading them all once at "
+                                 "start (for latent sets larger than RAM)", False)
+    allow_missing_latents: bool = setting("drop captions without a latent (reported) instead of stopping", False,
+                                          resume=OnResume(FREE, "a changed number of samples is refused by itself"))
+    flip: bool = setting("train each sample on the latents of its mirrored image with probability 1/2 (a coin "
+                         "fixed by seed, epoch and position); needs latents from encode_latents.py --flip", False,
+                         resume=refused(ORDER))
+    masked_loss: bool = setting("weight each sample's loss by its mask (photo_mask.png beside photo.jpg at import, "
+                                "NNNNN.mask.npy from encode_latents.py): black pixels teach nothing, white ones in "
+                                "full; samples without a mask weigh 1", False, resume=refused(MATH))
+
+    def check(self, config, check_paths: bool = True) -> None:
+        """Each ``datasets`` entry: known keys, existing folders (``check_paths``), a finite weight > 0."""
+        if check_paths:
+            for i, entry in enumerate(config.datasets):
+                check_dataset_entry(i, entry)
+
+
+def check_dataset_entry(i: int, entry) -> None:
+    """One ``{dataset: DIR, latents: DIR, weight: W}``: known keys, existing folders, a finite weight > 0."""
+    if not isinstance(entry, dict):
+        raise ConfigError(f"datasets[{i}]: expected a mapping with dataset, latents, weight")
+    unknown = set(entry) - {"dataset", "latents", "weight"}
+    if unknown:
+        raise ConfigError(f"datasets[{i}]: unknown keys {sorted(unknown)} (allowed: dataset, latents, weight)")
+    for key in ("dataset", "latents"):
+        if key not in entry:
+            raise ConfigError(f"datasets[{i}].{key} is missing")
+        if not Path(str(entry[key])).is_dir():
+            raise ConfigError(f"datasets[{i}].{key}: folder {entry[key]} does not exist")
+    weight = entry.get("weight", 1.0)
+    if isinstance(weight, str):  # YAML reads 1e-3 (no dot) as a string
+        try:
+            weight = float(weight)
+        except ValueError:
+            pass
+    if not POSITIVE.allows(weight):
+        raise ConfigError(f"datasets[{i}].weight must be {POSITIVE.describe()}, got {entry.get('weight')!r} "
+                          "(the share of each epoch drawn from this dataset, relative to the others)")
 
 class DataError(ValueError):
     """A problem with the user's data, with a message that names the files involved."""

@@ -4,6 +4,8 @@ encoder, starting from ``embedding_init``'s embedding; its vectors alone train a
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import logging
 
 import torch
@@ -11,8 +13,30 @@ import torch
 import sd.embedding.tokens
 import sd.training_mode
 from sd.cli import ConfigError
+from sd.settings import setting, refused, Range, NON_NEGATIVE, COUNT, SCHEDULE
 
 log = logging.getLogger("sd_train")
+
+
+@dataclass(frozen=True)
+class EmbeddingConfig:
+    """Textual inversion: a new token learned for a subject, alone or beside a LoRA (pivotal tuning)."""
+
+    token: str = setting("textual inversion: learn this new token (a word not in the tokenizer, e.g. <my-cat>) "
+                         "from prompts that use it; the UNet and text encoder stay frozen (with lora_rank > 0 a "
+                         "LoRA trains beside it: pivotal tuning). Needs init_from", "",
+                         resume=refused("the learned token"))
+    init: str = setting("textual inversion: the word(s) whose embedding the new token starts from (e.g. cat)",
+                        "", resume=refused("the learned token"))
+    vectors: int = setting("textual inversion: vectors of the new token (each takes one of the prompt's 75 "
+                           "token places)", 1, allowed=COUNT, resume=refused("the learned token"))
+    lr: float = setting("pivotal tuning (embedding_token with lora_rank > 0): the learned token's peak learning "
+                        "rate, beside the LoRA's lr; 0 = lr", 0.0, allowed=NON_NEGATIVE,
+                        resume=refused(SCHEDULE))
+    train_fraction: float = setting("pivotal tuning: the fraction of the run's steps in which the token trains; "
+                                    "after them it stays as learned while the LoRA goes on (0.5: the first "
+                                    "half)", 1.0, allowed=Range(0, 1, low_open=True, high_open=False),
+                                    resume=refused(SCHEDULE))
 
 
 class LearnedToken(sd.training_mode.Mode):

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import logging
 from pathlib import Path
 
@@ -11,8 +13,47 @@ import sd.lora.adapters
 import sd.run_folder
 import sd.training_mode
 from sd.cli import ConfigError
+from sd.settings import setting, refused, Range, NON_NEGATIVE, BELOW_ONE, MATH
 
 log = logging.getLogger("sd_lora")
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """LoRA and its relatives (LoCon, LoHa, LoKr, DoRA): adapters on init_from's frozen weights."""
+
+    rank: int = setting("LoRA rank of the adapters trained instead of the full UNet; 0 = full fine-tuning. "
+                        "Needs init_from (the base weights, which stay unchanged)", 0, allowed=NON_NEGATIVE,
+                        resume=refused("the adapters"))
+    alpha: float = setting("LoRA alpha: the adapter's output is scaled by lora_alpha / lora_rank; 0 = lora_rank "
+                           "(scale 1)", 0.0, allowed=NON_NEGATIVE, resume=refused("the adapters"))
+    dropout: float = setting("dropout on the adapter's input during training", 0.0, allowed=BELOW_ONE,
+                             resume=refused(MATH))
+    targets: list = setting("UNet layers that get an adapter: groups attention (q/k/v/out projections), "
+                            "transformer (+ feed-forward and proj_in/out), resnet (the convolutions: LoCon), "
+                            "or module-name suffixes such as to_q", default_factory=lambda: ["attention"],
+                            resume=refused("the adapters"))
+    conv_rank: int = setting("LoRA rank of the convolutions with a kernel larger than 1x1 that lora_targets "
+                             "selects (LoCon: the resnet group's 3x3 convolutions; kohya's conv_dim); the 1x1 "
+                             "ones take lora_rank, as in kohya's files; 0 = lora_rank", 0, allowed=NON_NEGATIVE,
+                             resume=refused("the adapters"))
+    conv_alpha: float = setting("LoRA alpha of those convolutions (kohya's conv_alpha); 0 = lora_alpha (and when "
+                                "that is 0 too, the convolutions' rank: scale 1)", 0.0, allowed=NON_NEGATIVE,
+                                resume=refused("the adapters"))
+    text_encoder: bool = setting("also train a LoRA adapter on the text encoder's attention projections", False,
+                                 resume=refused("the adapters"))
+    type: str = setting("the adapter: lora (up @ down), loha (LyCORIS' Hadamard product of two low-rank products) "
+                        "or lokr (LyCORIS' Kronecker product of a small and a low-rank factor); lora_rank, "
+                        "lora_alpha and the conv settings apply to each; loha and lokr export in the kohya layout "
+                        "only", "lora", resume=refused("the adapters"))
+    factor: int = setting("lokr: how each layer's sides split between the two Kronecker factors, as LyCORIS "
+                          "splits them: a divisor of a side gives it and the rest (the smaller first), else the "
+                          "divisor nearest the square root and at most this; -1 = nearest the square root", -1,
+                          allowed=Range(-1), resume=refused("the adapters"))
+    dora: bool = setting("DoRA: each adapted layer also trains a magnitude per input channel, its weight used as "
+                         "(W + adapter) * magnitude / norm (the norm over each input channel's column); with any "
+                         "lora_type; written as dora_scale (1, in), which ComfyUI, AUTOMATIC1111 and LyCORIS merge "
+                         "alike; exports in the kohya layout only", False, resume=refused("the adapters"))
 
 
 class Lora(sd.training_mode.Mode):

@@ -3,13 +3,53 @@ after each optimizer step; ``EMAWeights``, the EMAs of a run as its checkpoints'
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import contextlib
 
 import torch
 
 import sd.train.sharding
 from sd.run_folder import EMA_TEXT_PREFIX, split_ema
+from sd.settings import setting, refused, warned, OnResume, FREE, NON_NEGATIVE
+from sd.cli import ConfigError
 
+
+@dataclass(frozen=True)
+class EmaConfig:
+    """The EMA's updates and warm-up, and the post-hoc EMAs (ema_decay and ema_device are top-level)."""
+
+    update_every: int = setting("update the EMA every N optimizer steps (decay raised to the N-th power); auto "
+                                "(or 0): 10 for a whole UNet's EMA in host memory of a GPU run (each update copies "
+                                "3.4 GB off the GPU), else 1", 0, allowed=NON_NEGATIVE,
+                                resume=warned("the EMA goes on updating at the new interval"))
+    posthoc_every: int = setting("post-hoc EMA (Karras et al. 2024): keep two power-function EMAs of what trains "
+                                 "(in the UNet, and a text adapter or learned token beside it; sigma_rel 0.05 and "
+                                 "0.10, where ema_device says, updated every step) "
+                                 "and write both to OUT_DIR/posthoc_ema/ every N optimizer steps (fp16), from which "
+                                 "SD_ImageGen.py --ema_length rebuilds an EMA of any length; 0 = off", 0,
+                                 allowed=NON_NEGATIVE, resume=refused("the post-hoc EMAs' snapshots"))
+    warmup: str = setting("EMA decay warm-up: restart (min(ema_decay, (1+t)/(10+t)) from this run's step 0), "
+                          "off (the full ema_decay from the first step, so an inherited EMA keeps its weight), or "
+                          "auto (off when init_from brings an EMA of ours, else restart; config.yaml records which)",
+                          "auto", resume=OnResume(FREE, "a resume keeps the warm-up its checkpoint records"))
+
+    def check(self, config, check_paths: bool = True) -> None:
+        """``ema_warmup``, and ``posthoc_ema_every`` with the runs it cannot keep its EMAs in, each refused with the
+        way out."""
+        if self.warmup not in ("auto", "restart", "off"):
+            raise ConfigError("ema_warmup: auto, restart or off")
+        if config.ema_device not in ("same", "cpu"):
+            raise ConfigError("ema_device: same or cpu")
+        if not self.posthoc_every:
+            return
+        if config.sharding == "fsdp":
+            raise ConfigError("posthoc_ema_every: the post-hoc EMAs hold whole weights, which sharding: fsdp splits; "
+                              "set sharding: zero1 or none, or posthoc_ema_every: 0")
+        mode = config.mode
+        if not mode.unet_trains:
+            raise ConfigError(f"posthoc_ema_every: averages what trains in the UNet, which a {mode.what}'s run "
+                              "leaves frozen; set posthoc_ema_every: 0")
 
 def ema_decay_at(step: int, decay: float) -> float:
     """Warm-up of the EMA decay: ``min(decay, (1 + step) / (10 + step))``."""

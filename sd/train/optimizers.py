@@ -24,13 +24,103 @@ and the EMAs and the checkpoint's weight files take the master copies (``evaluat
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import contextlib
 import logging
 
 import torch
+from sd.settings import setting, refused, OnResume, FREE, Range, POSITIVE, NON_NEGATIVE, FRACTION, BELOW_ONE, SCHEDULE
+from sd.cli import ConfigError
 
 log = logging.getLogger("sd_train")
 
+
+OPTIMIZERS = ("adamw", "adamw8bit", "prodigy", "adamw_schedulefree")
+BLOCK_LR_SCALES = ("down_lr_scale", "mid_lr_scale", "up_lr_scale")  # the UNet blocks' (sd.train.step.BLOCK_SCALES)
+PRODIGY_LR = (0.1, 10.0)  # lr scales Prodigy's own estimate: far outside this, it was meant for another optimizer
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """The optimizer, its hyper-parameters, and the learning rates of groups other than the UNet's."""
+
+    name: str = setting("adamw (fused or foreach, fp32 state: 8 bytes a parameter), adamw8bit (bitsandbytes' "
+                        "8-bit state: 2 bytes), prodigy (Prodigy: estimates its own step size, which lr multiplies: set lr "
+                        "1.0; 16 bytes) or adamw_schedulefree (Schedule-Free AdamW: no decay after the warm-up, weights "
+                        "averaged instead; 8 bytes); see docs/training.md", "adamw", resume=refused("the optimizer"))
+    text_encoder_lr: float = setting("peak learning rate of the text encoder's LoRA adapter (lora_text_encoder), its own "
+                                     "parameter group; 0 = lr", 0.0, allowed=NON_NEGATIVE, resume=refused(SCHEDULE))
+    text_encoder_warmup_steps: int = setting("warm-up steps of the text encoder's adapter; -1 = warmup_steps", -1,
+                                             allowed=Range(-1), resume=refused(SCHEDULE))
+    down_lr_scale: float = setting("the UNet's down blocks (their weights, or the LoRA adapters in them) train at lr x "
+                                   "this, in a parameter group of their own", 1.0, allowed=POSITIVE,
+                                   resume=refused(SCHEDULE))
+    mid_lr_scale: float = setting("the UNet's middle block at lr x this", 1.0, allowed=POSITIVE,
+                                  resume=refused(SCHEDULE))
+    up_lr_scale: float = setting("the UNet's up blocks at lr x this (the rest of the UNet: conv_in, the time embedding "
+                                 "and the output layers train at lr)", 1.0, allowed=POSITIVE, resume=refused(SCHEDULE))
+    min_lr_ratio: float = setting("cosine decay ends at lr * min_lr_ratio", 0.01, allowed=FRACTION,
+                                  resume=refused(SCHEDULE))
+    weight_decay: float = setting("AdamW weight decay", 1e-2, allowed=NON_NEGATIVE, resume=refused("the optimizer"))
+    adam_beta1: float = setting("AdamW beta1", 0.9, allowed=BELOW_ONE, resume=refused("the optimizer"))
+    adam_beta2: float = setting("AdamW beta2", 0.999, allowed=BELOW_ONE, resume=refused("the optimizer"))
+    adam_eps: float = setting("AdamW epsilon", 1e-8, allowed=POSITIVE, resume=refused("the optimizer"))
+    bf16_weights: bool = setting("precision bf16, full fine-tuning: keep the UNet's weights and gradients in bf16 (no "
+                                 "per-step casts under autocast) with fp32 master weights in AdamW and the EMA "
+                                 "(MLPerf's recipe); checkpoints hold the masters. A speed lever not yet measured on "
+                                 "a GPU", False, resume=OnResume(FREE, "checkpoints hold fp32 weights either way"))
+
+    def check(self, config, check_paths: bool = True) -> None:
+        """The optimizer; the text encoder's learning rate and warm-up need its adapter, the UNet blocks' scales a
+        UNet whose blocks train; Prodigy's lr is a multiplier near 1, the same for every parameter group (its one
+        step-size estimate is shared by them); ``bf16_weights`` and what it does not run with."""
+        if self.name not in OPTIMIZERS:
+            raise ConfigError(f"optimizer: one of {', '.join(OPTIMIZERS)}")
+        own_schedule = self.text_encoder_lr or self.text_encoder_warmup_steps >= 0
+        mode = config.mode
+        if own_schedule and not mode.text_encoder_trains:
+            raise ConfigError("text_encoder_lr / text_encoder_warmup_steps set the learning rate of the text "
+                              "encoder's LoRA adapter: set lora_text_encoder: true (and lora_rank), or leave them at "
+                              "0 / -1")
+        scaled = [name for name in BLOCK_LR_SCALES if getattr(self, name) != 1]
+        if scaled and not mode.unet_blocks_train:
+            raise ConfigError(f"{', '.join(scaled)} scale the learning rate of the UNet's blocks, which a {mode.what} "
+                              f"run leaves frozen: set {' and '.join(scaled)} to 1")
+        if self.name == "adamw_schedulefree" and self.adam_beta1 == 0:
+            raise ConfigError("optimizer: adamw_schedulefree interpolates with adam_beta1 (its model is an average "
+                              "reached through 1 / beta1): set adam_beta1 above 0, e.g. 0.9")
+        if self.name == "prodigy":
+            self.check_prodigy(config, own_schedule, scaled, mode)
+        if self.bf16_weights:
+            objective = config.objective
+            others = [(config.precision != "bf16", f"precision: bf16 (got {config.precision})"),
+                      (self.name != "adamw", f"optimizer: adamw (got {self.name})"),
+                      (config.sharding != "none", f"sharding: none (got {config.sharding})"),
+                      (not mode.whole_unet, f"full fine-tuning (not a {mode.what} run: its base is frozen in bf16 "
+                                            "already)"),
+                      (objective.uses_base, f"no {objective.what} (its frozen reference)")]
+            needs = [what for failed, what in others if failed]
+            if needs:
+                raise ConfigError(f"bf16_weights: runs with {', '.join(needs)}; set those, or bf16_weights: false")
+
+    def check_prodigy(self, config, own_schedule: bool, scaled: list, mode) -> None:
+        low, high = PRODIGY_LR
+        if not low <= config.lr <= high:
+            raise ConfigError(f"optimizer: prodigy estimates the step size itself and lr multiplies it: set lr: 1.0 "
+                              f"(got {config.lr:g}; {low:g} to {high:g} to scale the estimate, which Prodigy's "
+                              "authors advise against)")
+        if own_schedule and (self.text_encoder_lr not in (0, config.lr)
+                             or self.text_encoder_warmup_steps not in (-1, config.warmup_steps)):
+            raise ConfigError("optimizer: prodigy steps every parameter group with one learning rate: leave "
+                              "text_encoder_lr at 0 and text_encoder_warmup_steps at -1, or use optimizer adamw")
+        if scaled:
+            raise ConfigError(f"optimizer: prodigy steps every parameter group with one learning rate: set "
+                              f"{' and '.join(scaled)} to 1, or use optimizer adamw")
+        own = mode.own_learning_rates()
+        if own:
+            raise ConfigError(f"optimizer: prodigy steps every parameter group with one learning rate: leave "
+                              f"{' and '.join(own)}, or use optimizer adamw")
 
 def is_schedule_free(optimizer) -> bool:
     """Whether ``optimizer`` keeps Schedule-Free's ``y`` in its parameters (its groups' ``train_mode``)."""

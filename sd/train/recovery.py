@@ -355,6 +355,6 @@ def ema_warmup_of(config: TrainConfig, resumed_from: Path | None, inherited: boo
     if config.ema_warmup != "auto":
         return config.ema_warmup
     if resumed_from is not None:
-        recorded = read_saved_config(resumed_from / "config.yaml").get("ema_warmup")
+        recorded = sd.run_folder.saved_value(read_saved_config(resumed_from / "config.yaml"), "ema.warmup")
         return recorded if recorded in ("restart", "off") else "restart"
     return "off" if inherited else "restart"

@@ -23,6 +23,35 @@ import torch
 import sd.train.checkpoint as ckpt
 import sd.train.optimizers
 from sd.run_folder import is_split
+from sd.cli import ConfigError
+
+
+SHARDINGS = ("none", "zero1", "fsdp")
+
+
+def check(config) -> None:
+    """``sharding`` and the settings it cannot run with, each refused with the way out."""
+    name = config.sharding
+    if name not in SHARDINGS:
+        raise ConfigError(f"sharding: none, zero1 or fsdp, got {name!r}")
+    if config.fsdp_reduce_each_micro_batch and name != "fsdp":
+        raise ConfigError(f"fsdp_reduce_each_micro_batch: applies to sharding: fsdp (got sharding: {name}); set it "
+                          "false, or sharding: fsdp")
+    if name == "none":
+        return
+    if config.optim.name != "adamw":
+        raise ConfigError(f"sharding: {name} splits torch's AdamW state; set optimizer: adamw (adamw8bit's state is "
+                          "already a quarter of the size; prodigy and adamw_schedulefree run unsharded), or sharding: "
+                          "none")
+    if name == "fsdp" and config.precision == "fp16":
+        raise ConfigError("sharding: fsdp runs precision bf16 or fp32 (fp16's loss scaler is not sharded); set "
+                          "precision: bf16, or sharding: zero1")
+    if name == "fsdp" and config.channels_last:
+        raise ConfigError("sharding: fsdp needs contiguous weights (FSDP2 refuses channels_last convolution "
+                          "weights); set channels_last: false, or sharding: zero1")
+    if name == "fsdp" and config.eval.every:
+        raise ConfigError("sharding: fsdp does not run the in-training evaluation; set eval_every: 0 and score the "
+                          "checkpoints with SD_Eval.py, or use sharding: zero1")
 
 
 def zero_optimizer(params: list, **kwargs):

@@ -182,7 +182,7 @@ def test_training_sigmas_follow_their_density_and_shift():
     (dict(flow_density="uniform", flow_logit_std=2.0), "^flow_density, flow_logit_std shape flow matching's"),
     (dict(prediction_type="flow", min_snr_gamma=0, flow_density="beta"), "^flow_density: one of logit_normal, uniform"),
     (dict(prediction_type="x0"), "^prediction_type: one of epsilon, v_prediction, flow$"),
-    (dict(prediction_type="flow", min_snr_gamma=0, flow_shift=0.0), "flow_shift"),
+    (dict(prediction_type="flow", min_snr_gamma=0, flow_shift=0.0), "flow.shift"),
 ])
 def test_flow_settings_are_checked_before_any_work(fields, message):
     config = TrainConfig(unet="tiny", vae="tiny", text_encoder="tiny", datasets=[], **fields)

@@ -8,11 +8,13 @@ from pathlib import Path
 import pytest
 import yaml
 
+import sd.run_folder
+import sd.settings
 import sd.train.config
 import SD_Train
 
 ROOT = Path(__file__).resolve().parents[2]
-from sd.train.config import ConfigError, load_config
+from sd.train.config import ConfigError, canonical, load_config
 
 
 @pytest.fixture
@@ -94,9 +96,9 @@ def test_numbers_on_the_command_line_take_the_fields_type(base_config, flag, tex
 
 @pytest.mark.parametrize("flag, text", [("--max_steps", "1.5"), ("--batch_size", "two"), ("--lr", "fast")])
 def test_numbers_of_the_wrong_kind_are_refused(base_config, flag, text):
-    kind = sd.train.config.FIELDS[flag[2:]].type
+    kind = sd.train.config.kind_of(sd.train.config.FIELDS[canonical(flag[2:])])
     # A number-like text is shown as the number it read as (1.5), other text quoted ('two').
-    with pytest.raises(ConfigError, match=rf"^{flag[2:]}: expected {kind}, got '?{re.escape(text)}'?$"):
+    with pytest.raises(ConfigError, match=rf"^{canonical(flag[2:])}: expected {kind}, got '?{re.escape(text)}'?$"):
         load_config(["--config", str(base_config), flag, text])
 
 
@@ -219,13 +221,13 @@ RANGES = {
 
 
 def test_every_numeric_field_has_a_range_here():
-    numeric = {name for name, f in sd.train.config.FIELDS.items() if f.type in ("int", "float")}
-    assert numeric == set(RANGES)
+    numeric = {name for name, f in sd.train.config.FIELDS.items() if sd.train.config.kind_of(f) in ("int", "float")}
+    assert numeric == {canonical(name) for name in RANGES}
 
 
 def out_of_range_cases():
     for name, (allowed, _, bad) in RANGES.items():
-        kind = sd.train.config.FIELDS[name].type
+        kind = sd.train.config.kind_of(sd.train.config.FIELDS[canonical(name)])
         for value in bad + ([math.inf, -math.inf, math.nan] if kind == "float" else []):
             yield pytest.param(name, value, allowed, id=f"{name}={value}")
 
@@ -237,7 +239,7 @@ def test_a_value_out_of_range_is_refused_naming_field_value_and_range(base_confi
     with pytest.raises(ConfigError) as error:
         load_config(["--config", str(path)])
     message = str(error.value)
-    assert message.startswith(f"{name} must be {allowed}, got {value!r} (")
+    assert message.startswith(f"{canonical(name)} must be {allowed}, got {value!r} (")
     assert "\n" not in message
     with pytest.raises(ConfigError) as flagged:  # the same on the command line (= keeps -1e-05 a value)
         load_config(["--config", str(base_config), f"--{name}={value}"])
@@ -269,8 +271,9 @@ def test_yaml_spellings_of_inf_and_nan_are_refused_for_lr(base_config, tmp_path,
 
 @pytest.mark.parametrize("flags, shown", [(["--lr", "inf"], "lr must be > 0 and finite, got inf"),
                                           (["--lr", "nan"], "lr must be > 0 and finite, got nan"),
-                                          (["--adam_beta1", "5"], "adam_beta1 must be in [0, 1), got 5.0"),
-                                          (["--weight_decay=-inf"], "weight_decay must be >= 0 and finite, got -inf")])
+                                          (["--adam_beta1", "5"], "optim.adam_beta1 must be in [0, 1), got 5.0"),
+                                          (["--optim.weight_decay=-inf"],
+                                           "optim.weight_decay must be >= 0 and finite, got -inf")])
 def test_the_trainer_stops_with_a_config_error_before_any_work(base_config, tmp_path, capsys, flags, shown):
     assert SD_Train.main(["--config", str(base_config), *flags]) == 2
     err = capsys.readouterr().err
@@ -349,9 +352,10 @@ def test_init_from_a_run_of_another_model_is_one_line_naming_both(tmp_path, base
 
 
 def test_docs_config_md_is_the_reference_generated_from_the_fields():
-    from sd.train.config import FIELDS, reference_markdown, sections
+    from sd.train.config import FIELDS
+    from sd.train.config_docs import groups, reference_markdown
 
-    names = [name for _, group in sections() for name in group]
+    names = [name for _, _, group in groups() for name in group]
     assert sorted(names) == sorted(FIELDS) and len(names) == len(set(names))  # every field, in one group
     text = (Path(__file__).resolve().parents[2] / "docs" / "config.md").read_text()
     assert text == reference_markdown(), "docs/config.md is out of date: run make docs"
@@ -360,7 +364,7 @@ def test_docs_config_md_is_the_reference_generated_from_the_fields():
 
 
 def test_global_batch_keeps_the_curriculums_96_images_per_step_on_any_number_of_gpus():
-    from sd.train.config import ConfigError, load_config, resolve_global_batch
+    from sd.train.config import ConfigError, canonical, load_config, resolve_global_batch
 
     phase1 = load_config(["--config", "configs/phases/p1_laion_broad.yaml"], check_paths=False)
     assert (phase1.global_batch, phase1.batch_size) == (96, 24)
@@ -379,8 +383,8 @@ def test_global_batch_keeps_the_curriculums_96_images_per_step_on_any_number_of_
     assert unset.global_batch == 0 and resolve_global_batch(unset, 8) == unset  # grad_accum as given
 
 
-# What a resume does with each changed field: the literal lists here are the contract (a new field
-# must be placed in sd.train.config.ON_RESUME, and moving one between lists changes this test).
+# What a resume does with each changed field, by either of its names: the literal lists here are the contract (a new
+# field declares its rule where it is declared, and moving one between lists changes this test).
 RESUME_WARNED = {"ema_decay", "ema_update_every", "precision", "keep_best"}
 RESUME_FREE = {
     "data_threads", "mmap_latents", "allow_missing_latents", "init_from", "cache_text_embeddings", "ema_device",
@@ -405,32 +409,44 @@ def another_value(value):
 
 
 def test_every_field_has_a_resume_rule():
-    assert set(sd.train.config.ON_RESUME) == set(sd.train.config.FIELDS)
+    assert all(isinstance(f.metadata["resume"], sd.settings.OnResume) for f in sd.train.config.FIELDS.values())
+
+
+def saved_with(config, name: str, value) -> dict:
+    """``config`` as its config.yaml holds it, with the field ``name`` (dotted) set to ``value``."""
+    saved = yaml.safe_load(sd.train.config.config_yaml(config))
+    section, _, field = name.rpartition(".")
+    (saved[section] if section else saved)[field] = value
+    return saved
 
 
 @pytest.mark.parametrize("name", sorted(sd.train.config.FIELDS))
 @pytest.mark.parametrize("dreambooth", [False, True])
 def test_a_changed_field_on_resume_is_refused_warned_or_free_by_its_rule(name, dreambooth):
     config = sd.train.config.TrainConfig(instance_dir="instances" if dreambooth else "")
-    saved = dict(yaml.safe_load(sd.train.config.config_yaml(config)))
-    saved[name] = another_value(saved[name])
-    refused, warned = sd.train.config.resume_changes(saved, config)
-    if name in RESUME_FREE or (name in RESUME_DREAMBOOTH_ONLY and not dreambooth):
+    old = another_value(sd.train.config.value_of(config, name))
+    refused, warned = sd.train.config.resume_changes(saved_with(config, name, old), config)
+    either = {name, sd.train.config.FLAT_NAMES.get(name)}
+    if either & RESUME_FREE or (either & RESUME_DREAMBOOTH_ONLY and not dreambooth):
         assert (refused, warned) == ([], [])
-    elif name in RESUME_WARNED:
-        assert refused == [] and len(warned) == 1 and warned[0].startswith(f"{name}: {saved[name]!r} -> ")
+    elif either & RESUME_WARNED:
+        assert refused == [] and len(warned) == 1 and warned[0].startswith(f"{name}: {old!r} -> ")
     else:
         assert warned == [] and len(refused) == 1
-        assert refused[0].startswith(f"{name}: {saved[name]!r} -> {getattr(config, name)!r} (it fixes ")
+        assert refused[0].startswith(f"{name}: {old!r} -> {sd.train.config.value_of(config, name)!r} (it fixes ")
 
 
 def test_a_field_newer_than_the_checkpoint_compares_with_its_default():
     config = sd.train.config.TrainConfig()
     saved = dict(yaml.safe_load(sd.train.config.config_yaml(config)))
-    del saved["noise_offset"]
+    del saved["loss"]["noise_offset"]
     assert sd.train.config.resume_changes(saved, config) == ([], [])
     refused, _ = sd.train.config.resume_changes(saved, sd.train.config.TrainConfig(noise_offset=0.1))
-    assert refused == ["noise_offset: 0.0 -> 0.1 (it fixes the training math)"]
+    assert refused == ["loss.noise_offset: 0.0 -> 0.1 (it fixes the training math)"]
+    flat = {"noise_offset": 0.0, **{k: v for k, v in saved.items() if not isinstance(v, dict)}}  # a run of before
+    refused, _ = sd.train.config.resume_changes(sd.run_folder.in_sections(flat), sd.train.config.TrainConfig(
+        noise_offset=0.1))
+    assert refused == ["loss.noise_offset: 0.0 -> 0.1 (it fixes the training math)"]
 
 
 def test_a_yaml_alias_bomb_is_refused_at_once_and_ordinary_aliases_still_work(tmp_path):
@@ -445,7 +461,7 @@ def test_a_yaml_alias_bomb_is_refused_at_once_and_ordinary_aliases_still_work(tm
         load_config(["--config", str(bomb)], check_paths=False)
     flag = "[&b0 [x, x, x, x, x, x, x, x, x, x]" + "".join(
         f", &b{i} [{', '.join([f'*b{i - 1}'] * 10)}]" for i in range(1, 6)) + "]"  # 10^6 values on a command line
-    with pytest.raises(ConfigError, match="lora_targets: its aliases"):
+    with pytest.raises(ConfigError, match="lora.targets: its aliases"):
         load_config(["--unet", "tiny", "--lora_targets", flag], check_paths=False)
     fine = tmp_path / "fine.yaml"
     fine.write_text("unet: tiny\nvalidation_prompts: [&p 'a red circle', *p]\n")
@@ -569,7 +585,7 @@ def test_each_components_view_of_the_config_reads_fields_the_config_has_and_copi
              sd.lora.adapters.LoraSettings, sd.train.objectives.LossSettings)
     for view in views:
         names = {f.name for f in dataclasses.fields(view)} - {"caption_ops", "prior_preservation"}
-        assert names <= set(FIELDS), (view.__name__, names - set(FIELDS))
+        assert names <= set(FIELDS) | set(sd.run_folder.LEGACY_KEYS), (view.__name__, names - set(FIELDS))
         made = view.from_config(config)
         for name in names:
             expected = config.sampler if name == "validation_sampler" else getattr(config, name)  # auto resolved

@@ -6,7 +6,6 @@ trains on SD_Reflow.py's pairs: each latent with the noise a flow model's ODE dr
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -18,8 +17,33 @@ import sd.sampling
 from sd.cli import ConfigError
 from sd.train.objectives.base import LossContext, Objective, scaled_latents
 from sd.train.objectives.diffusion import drawn_noise
+from sd.settings import setting, refused, Range, MATH
 
-FIELDS = ("flow_density", "flow_logit_mean", "flow_logit_std", "flow_shift")  # what shapes the training sigmas
+SHAPING = ("density", "logit_mean", "logit_std", "shift")  # what shapes the training sigmas
+
+
+@dataclass(frozen=True)
+class FlowConfig:
+    """Flow matching: an epsilon or v model trained as a flow, reflow, and the training sigmas."""
+
+    matching: bool = setting("train an epsilon or v_prediction model (init_from) as a flow through the diff2flow "
+                             "mapping: the first step starts from all it knows, and its files stay epsilon or v "
+                             "models; sampled with flow_euler by default", False, resume=refused(MATH))
+    reflow: bool = setting("a flow model (prediction_type: flow, or flow_matching: true): train on the (noise, image) "
+                           "pairs of SD_Reflow.py (each latent with "
+                           "the noise it was drawn from: its folder's NNNNN.noise.npy) instead of fresh noise, which "
+                           "straightens the model's paths for 1-2 step sampling", False, resume=refused(MATH))
+    density: str = setting("flow: how the training sigmas (noise fractions) are drawn: logit_normal "
+                           "(sigmoid of N(flow_logit_mean, flow_logit_std), SD3's) or uniform", "logit_normal",
+                           resume=refused(MATH))
+    logit_mean: float = setting("flow, logit_normal: the mean (below 0: more training at low noise)", 0.0,
+                                allowed=Range(-10, 10, high_open=False), resume=refused(MATH))
+    logit_std: float = setting("flow, logit_normal: the standard deviation", 1.0, allowed=Range(0, 10, low_open=True,
+                               high_open=False),
+                               resume=refused(MATH))
+    shift: float = setting("flow: SD3's time shift of the training sigmas, shift s / (1 + (shift - 1) s) (above 1: "
+                           "more at high noise), and the flow samplers' default; recorded in the files", 1.0,
+                           allowed=Range(*sd.flow.SHIFT_RANGE, high_open=False), resume=refused(MATH))
 
 
 @dataclass(frozen=True)
@@ -33,12 +57,13 @@ class FlowSettings:
 
     @classmethod
     def from_config(cls, config) -> "FlowSettings":
-        return cls(config.flow_density, config.flow_logit_mean, config.flow_logit_std, config.flow_shift)
+        flow = config.flow
+        return cls(flow.density, flow.logit_mean, flow.logit_std, flow.shift)
 
 
 def is_flow(config) -> bool:
     """Trained as a flow: a flow model, or an epsilon or v model through the diff2flow bridge."""
-    return config.prediction_type == "flow" or config.flow_matching
+    return config.prediction_type == "flow" or config.flow.matching
 
 
 class Flow(Objective):
@@ -58,11 +83,12 @@ class Flow(Objective):
     @classmethod
     def check(cls, config, check_paths: bool = True) -> None:
         """Flow matching's settings, and the settings of the other objectives it cannot take."""
-        if config.flow_density not in sd.flow.DENSITIES:
-            raise ConfigError(f"flow_density: one of {', '.join(sd.flow.DENSITIES)}, got {config.flow_density!r}")
+        flow = config.flow
+        if flow.density not in sd.flow.DENSITIES:
+            raise ConfigError(f"flow_density: one of {', '.join(sd.flow.DENSITIES)}, got {flow.density!r}")
         if not is_flow(config):
-            defaults = {f.name: f.default for f in dataclasses.fields(config)}
-            changed = [name for name in FIELDS if getattr(config, name) != defaults[name]]
+            default = FlowConfig()
+            changed = [f"flow_{name}" for name in SHAPING if getattr(flow, name) != getattr(default, name)]
             if changed:
                 raise ConfigError(f"{', '.join(changed)} shape{'s' if len(changed) == 1 else ''} flow matching's "
                                   "training: set prediction_type: flow or flow_matching: true, or leave them at their "
@@ -79,7 +105,7 @@ class Flow(Objective):
                    (config.debiased_estimation, "debiased_estimation", "its weights are the epsilon and v losses'"),
                    (config.loss_type in ("huber", "smooth_l1") and config.huber_schedule == "snr",
                     "huber_schedule: snr", "its thresholds follow the DDPM schedule; use constant or exponential"),
-                   (bool(config.distill), "distill", "consistency distillation samples a DDPM teacher"),
+                   (bool(config.distill.method), "distill", "consistency distillation samples a DDPM teacher"),
                    (bool(config.control), "control", "a ControlNet trains beside an epsilon or v model")]
         for bad, name, why in refused:
             if bad:
@@ -138,11 +164,11 @@ class Reflow(Flow):
 
     @classmethod
     def wanted(cls, config) -> bool:
-        return bool(config.reflow)
+        return bool(config.flow.reflow)
 
     @classmethod
     def check(cls, config, check_paths: bool = True) -> None:
-        if not config.reflow:
+        if not config.flow.reflow:
             return
         refused = [(not is_flow(config), "a flow model, prediction_type: flow or flow_matching: true (the pairs are "
                                           "a flow model's)"),

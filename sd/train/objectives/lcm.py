@@ -31,9 +31,32 @@ import sd.sampling
 import sd.train.ema
 from sd.cli import ConfigError
 from sd.train.objectives.base import LossContext, Objective, scaled_latents
+from sd.settings import setting, refused, Range, POSITIVE, BELOW_ONE, MATH
 
 MODES = ("", "lcm")
 LOSSES = ("huber", "l2")
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    """Distillation of init_from (the teacher) into a few-step model: latent consistency (lcm)."""
+
+    method: str = setting("lcm: latent consistency distillation of init_from (the teacher) into a model that samples "
+                          "in 1-8 steps (SD_ImageGen.py --sampler lcm); with lora_rank an LCM-LoRA, else the whole "
+                          "UNet; empty = the usual diffusion loss", "", resume=refused(MATH))
+    solver_steps: int = setting("distill: DDIM solver steps over the teacher's 1000 timesteps (each a skip of 1000 / "
+                                "this)", 50, allowed=Range(1, 1000, high_open=False), resume=refused(MATH))
+    guidance_min: float = setting("distill: lowest classifier-free guidance scale of the teacher (drawn per sample "
+                                  "between min and max; LCM's w is this - 1)", 3.0, allowed=Range(1, 30, high_open=False),
+                                  resume=refused(MATH))
+    guidance_max: float = setting("distill: highest guidance scale of the teacher; = lcm_guidance_min for a fixed "
+                                  "scale", 15.0, allowed=Range(1, 30, high_open=False), resume=refused(MATH))
+    loss: str = setting("distill: huber (pseudo-Huber, as LCM) or l2", "huber", resume=refused(MATH))
+    huber_c: float = setting("distill: the pseudo-Huber loss's c", 0.001, allowed=POSITIVE, resume=refused(MATH))
+    timestep_scaling: float = setting("distill: the boundary condition's timestep scaling (c_skip, c_out at 10 t)", 10.0,
+                                      allowed=POSITIVE, resume=refused(MATH))
+    target_decay: float = setting("distill: EMA decay of the target network; 0 = the student itself (diffusers' "
+                                  "LCM-LoRA script)", 0.95, allowed=BELOW_ONE, resume=refused("the target network"))
 
 
 @dataclass(frozen=True)
@@ -135,14 +158,15 @@ class LatentConsistency(Objective):
 
     @classmethod
     def wanted(cls, config) -> bool:
-        return config.distill == "lcm"
+        return config.distill.method == "lcm"
 
     @classmethod
     def check(cls, config, check_paths: bool = True) -> None:
         """Consistency distillation's settings, and the modes it cannot be combined with."""
-        if config.distill not in MODES:
-            raise ConfigError(f"distill: lcm, or empty for the usual diffusion loss; got {config.distill!r}")
-        if not config.distill:
+        method = config.distill.method
+        if method not in MODES:
+            raise ConfigError(f"distill: lcm, or empty for the usual diffusion loss; got {method!r}")
+        if not method:
             return
         if check_paths and not config.init_from:
             raise ConfigError("distill: lcm learns from a trained model: set init_from (the teacher: a run of ours, "
@@ -212,7 +236,7 @@ class LatentConsistency(Objective):
         return teacher + (list(self.target.shadow) if self.target is not None else [])
 
     def describe(self, config) -> str:
-        return (f"distill: {config.distill} from {config.init_from} (teacher: "
+        return (f"distill: {config.distill.method} from {config.init_from} (teacher: "
                 f"{'a frozen copy' if self.teacher is not None else 'the base, adapters off'}; target: "
                 f"{f'EMA {config.lcm_target_decay:g} of the student' if config.lcm_target_decay else 'the student'})")
 
