@@ -4,7 +4,8 @@ config confined to the studio's roots, the trainer's own verdict and the command
 A run's settings are a recipe (``--config``: one of the repository's, or a YAML file inside a root), an optional
 card recipe (a second ``--config``), the run folder (``runs/NAME``: the run name decides ``out_dir``) and
 ``field: value`` lines. Before anything runs, every field that can hold a path (``PATH_FIELDS``,
-``MODEL_FIELDS``, the ``datasets`` entries' folders, ``validation_controls``), whichever of those three set it,
+``MODEL_FIELDS``, the ``datasets`` entries' folders, ``controlnet.validation_images``), whichever of those three
+set it and by whichever name (``subject.instance_dir`` or ``instance_dir``, a section's mapping or a line),
 is resolved against the first root (where the trainer runs) and must lie inside a root; a model field may also
 be a hub id or ``tiny``. The config is then made and validated by the trainer's own functions
 (``sd.train.config.config_values``, ``make_config``): no working directory is changed, no parser is reused.
@@ -21,9 +22,10 @@ from sd.studio.jobs import python_command
 from sd.studio.runs import OutsideRoots, Roots
 
 PRESET_FOLDERS = ("configs/quickstart", "configs/finetune", "configs/hardware")
-PATH_FIELDS = ("instance_dir", "class_dir", "eval_prompts", "eval_reference")  # a file or folder, nothing else
-MODEL_FIELDS = ("init_from", "vae", "text_encoder", "tokenizer", "controlnet_from", "eval_clip_model")  # or a hub id
-FILE_LISTS = ("validation_controls",)  # lists of files
+# By their names in sd.train.config.FIELDS, which config_values gives whatever name a YAML or a line used.
+PATH_FIELDS = ("subject.instance_dir", "subject.class_dir", "eval.prompts", "eval.reference")  # a file or folder
+MODEL_FIELDS = ("init_from", "vae", "text_encoder", "tokenizer", "controlnet.init_from", "eval.clip_model")  # or hub
+FILE_LISTS = ("controlnet.validation_images",)  # lists of files
 RUN_FIELD = "out_dir"  # the run name's: never a field line
 
 
@@ -67,9 +69,9 @@ def extends_of(path: Path) -> str | None:
 
 
 def parse_fields(text: str) -> list[str]:
-    """``field: value`` lines -> ``--field value`` flags (the trainer checks names, values, types and ranges);
-    never ``out_dir`` (the run name decides the run folder), and no value that the command line would read as
-    a flag of its own (``-`` first, other than a number)."""
+    """``field: value`` lines (``lr: 1e-4``, ``lora.rank: 8``) -> ``--field value`` flags (the trainer checks names,
+    values, types and ranges); never ``out_dir`` (the run name decides the run folder), and no value that the
+    command line would read as a flag of its own (``-`` first, other than a number)."""
     flags = []
     for number, line in enumerate(text.splitlines(), 1):
         line = line.split("#", 1)[0].strip()
@@ -77,7 +79,7 @@ def parse_fields(text: str) -> list[str]:
             continue
         name, colon, value = line.partition(":")
         name = name.strip()
-        if not colon or not name.isidentifier():
+        if not colon or not all(part.isidentifier() for part in name.split(".")):
             raise ValueError(f"line {number}: {line!r} is not 'field: value'")
         if name == RUN_FIELD:
             raise ValueError(f"line {number}: out_dir is the run name's (runs/NAME): set the run name instead")
@@ -181,10 +183,13 @@ def recipe_run_name(path: Path) -> str | None:
 
 
 def field_reference() -> list[list[str]]:
+    """``[name, default, allowed, what it does]`` of every field, in docs/config.md's order."""
+    import sd.train.config_docs
+
     rows = []
-    for _, names in config.sections():
+    for _, _, names in sd.train.config_docs.groups():
         for name in names:
-            meta = config.FIELDS[name].metadata
-            allowed = meta["allowed"].describe(config.FIELDS[name].type) if meta.get("allowed") else ""
-            rows.append([name, config.describe_default(name).strip("`"), allowed, meta["help"]])
+            f = config.FIELDS[name]
+            allowed = f.metadata["allowed"].describe(config.kind_of(f)) if f.metadata.get("allowed") else ""
+            rows.append([name, sd.train.config_docs.describe_default(name).strip("`"), allowed, f.metadata["help"]])
     return rows

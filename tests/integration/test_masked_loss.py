@@ -15,6 +15,7 @@ from PIL import Image
 import encode_latents
 import sd.data.shards
 import sd.data.training_data
+import sd.settings
 import sd.train.config
 import SD_Train
 
@@ -223,4 +224,4 @@ def test_masked_loss_is_refused_for_dreambooth_folders_which_carry_no_masks():
                                          max_steps=1)
     with pytest.raises(sd.train.config.ConfigError, match="masked_loss needs masks carried by encode_latents.py"):
         config.validate(check_paths=False)
-    assert sd.train.config.ON_RESUME["masked_loss"].action == sd.train.config.REFUSE  # it changes the math
+    assert sd.train.config.FIELDS["data.masked_loss"].metadata["resume"].action == sd.settings.REFUSE  # the math

@@ -151,7 +151,7 @@ def test_every_card_recipe_loads_over_every_phase_and_splits_its_global_batch_on
         for phase in phases:
             config = load_config(["--config", str(phase), "--config", str(recipe)], check_paths=False)
             fields = sd.train.config.read_yaml(recipe)
-            assert {name: getattr(config, name) for name in fields} == fields  # the recipe over the phase
+            assert {name: sd.train.config.value_of(config, name) for name in fields} == fields  # the recipe over the phase
             assert config.lr == sd.train.config.read_yaml(phase)["lr"]  # the phase's own fields stay
             for gpus in (1, 2):
                 resolved = resolve_global_batch(config, gpus)

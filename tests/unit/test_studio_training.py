@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 FROM_SCRATCH = str(ROOT / "configs" / "quickstart" / "from_scratch.yaml")
 
 # Text fields whose doc speaks of files or folders but which hold none themselves (a choice, a name, a prompt).
-NOT_PATHS = {"prediction_type", "control", "keep_best", "tensorboard", "instance_prompt"}
+NOT_PATHS = {"prediction_type", "controlnet.control", "keep_best", "tensorboard", "subject.instance_prompt"}
 PATH_WORDS = ("file", "folder", "path", "hub id", "dir")
 
 
@@ -40,7 +40,7 @@ def test_every_field_that_can_hold_a_path_is_confined():
     classified = {*training.PATH_FIELDS, *training.MODEL_FIELDS, *training.FILE_LISTS, training.RUN_FIELD, "datasets"}
     for name, field in config.FIELDS.items():
         speaks_of_paths = any(word in field.metadata["help"].lower() for word in PATH_WORDS)
-        if field.type in ("str", "list") and speaks_of_paths and name not in NOT_PATHS:
+        if config.kind_of(field) in ("str", "list") and speaks_of_paths and name not in NOT_PATHS:
             assert name in classified, (f"{name} ({field.metadata['help']}): confine it in sd.studio.training if it "
                                         "can hold a path, else name it in NOT_PATHS here")
     assert classified <= set(config.FIELDS)
@@ -49,12 +49,15 @@ def test_every_field_that_can_hold_a_path_is_confined():
 @pytest.mark.parametrize("refused_field, field_flags", [
     ("init_from", ["--init_from", "{outside}/run"]), ("init_from", ["--init_from", "../elsewhere"]),
     ("vae", ["--vae", "{outside}/vae"]), ("text_encoder", ["--text_encoder", "../../te"]),
-    ("tokenizer", ["--tokenizer", "~/tok"]), ("controlnet_from", ["--controlnet_from", "{outside}/cn.safetensors"]),
-    ("eval_clip_model", ["--eval_clip_model", "/clip"]), ("instance_dir", ["--instance_dir", "{outside}"]),
-    ("class_dir", ["--class_dir", "../class"]),
-    ("eval_prompts", ["--eval_every", "10", "--eval_prompts", "{outside}/p.txt", "--eval_reference", "ref"]),
-    ("eval_reference", ["--eval_every", "10", "--eval_prompts", "p.txt", "--eval_reference", "{outside}/ref.npz"]),
-    ("validation_controls[1]", ["--validation_controls", "[edges.png, '{outside}/e.png']"]),
+    ("tokenizer", ["--tokenizer", "~/tok"]),
+    ("controlnet.init_from", ["--controlnet_from", "{outside}/cn.safetensors"]),
+    ("controlnet.init_from", ["--controlnet.init_from", "{outside}/cn.safetensors"]),
+    ("eval.clip_model", ["--eval_clip_model", "/clip"]), ("subject.instance_dir", ["--instance_dir", "{outside}"]),
+    ("subject.instance_dir", ["--subject.instance_dir", "{outside}"]),
+    ("subject.class_dir", ["--class_dir", "../class"]),
+    ("eval.prompts", ["--eval_every", "10", "--eval_prompts", "{outside}/p.txt", "--eval_reference", "ref"]),
+    ("eval.reference", ["--eval.every", "10", "--eval.prompts", "p.txt", "--eval.reference", "{outside}/ref.npz"]),
+    ("controlnet.validation_images[1]", ["--validation_controls", "[edges.png, '{outside}/e.png']"]),
     ("datasets[0].dataset", ["--datasets", "[{{dataset: '{outside}/d', latents: data/mine/latents}}]"]),
     ("datasets[0].latents", ["--datasets", '[{{"dataset": "data/mine/dataset", "latents": "../elsewhere"}}]']),
 ])
@@ -62,6 +65,19 @@ def test_a_path_valued_field_outside_the_roots_is_refused(studio_folder, refused
     outside = studio_folder.parent / "elsewhere"
     said = verdict(studio_folder, *[flag.format(outside=outside) for flag in field_flags])
     assert said.startswith(f"{refused_field}: ") and "outside the folders this studio was started with" in said, said
+
+
+def test_a_path_in_a_recipes_section_is_confined_as_its_flag_is(studio_folder):
+    """A recipe inside the root may write a section's path by its mapping, its dotted name or its flat one."""
+    outside = studio_folder.parent / "elsewhere"
+    for fields in ({"subject": {"instance_dir": str(outside), "instance_prompt": "x"}},
+                   {"instance_dir": str(outside), "instance_prompt": "x"},
+                   {"controlnet": {"validation_images": ["edges.png", str(outside / "e.png")]}}):
+        recipe = studio_folder / "mine.yaml"
+        recipe.write_text(yaml.safe_dump({"extends": FROM_SCRATCH, **fields}))
+        said = training.check_training(str(recipe), None, studio_folder / "runs" / "r1", [], studio_folder,
+                                       Roots([studio_folder]))
+        assert "outside the folders this studio was started with" in said, (fields, said)
 
 
 def test_paths_inside_the_roots_hub_ids_and_tiny_are_taken(studio_folder):
@@ -85,6 +101,9 @@ def test_a_value_is_never_read_as_a_flag_of_its_own():
     with pytest.raises(ValueError, match="would read as a flag"):
         training.parse_fields("compile: --config=/elsewhere/x.yaml")
     assert training.parse_fields("lr: -1\nflow_logit_mean: -0.5") == ["--lr", "-1", "--flow_logit_mean", "-0.5"]
+    assert training.parse_fields("flow.logit_mean: -0.5") == ["--flow.logit_mean", "-0.5"]
+    with pytest.raises(ValueError, match="is not 'field: value'"):
+        training.parse_fields("flow..shift: 2")
     assert "unknown config field 'config'" in verdict(Path("/nonexistent"), "--config", "x.yaml")
 
 
