@@ -103,14 +103,14 @@ if [ "${DEMO_CONCEPT:-1}" = 0 ]; then echo "left out (DEMO_CONCEPT=0)"; else
       --count "${DEMO_CONCEPT_COUNT:-12}" --size "$SIZE"
   for run in ${DEMO_CONCEPT_RUNS:-prior no_prior embedding pivotal}; do
     case $run in
-      prior) recipe=(--config configs/demo_dreambooth.yaml --class_dir "$CONCEPT/class") ;;
-      no_prior) recipe=(--config configs/demo_dreambooth.yaml --class_dir "" --class_prompt "") ;;
+      prior) recipe=(--config configs/demo_dreambooth.yaml --subject.class_dir "$CONCEPT/class") ;;
+      no_prior) recipe=(--config configs/demo_dreambooth.yaml --subject.class_dir "" --subject.class_prompt "") ;;
       embedding) recipe=(--config configs/demo_embedding.yaml) ;;
-      pivotal) recipe=(--config configs/demo_pivotal.yaml --class_dir "$CONCEPT/class") ;;
+      pivotal) recipe=(--config configs/demo_pivotal.yaml --subject.class_dir "$CONCEPT/class") ;;
     esac
     # shellcheck disable=SC2086  # DEMO_CONCEPT_FLAGS is a list of flags
-    $PY SD_Train.py "${recipe[@]}" --init_from "$OUT/train" --vae "$OUT/vae" --instance_dir "$CONCEPT/instance" \
-        --out_dir "$CONCEPT/$(run_dir "$run")" --image_size "$SIZE" ${DEMO_CONCEPT_FLAGS:-}
+    $PY SD_Train.py "${recipe[@]}" --init_from "$OUT/train" --vae "$OUT/vae" --subject.instance_dir "$CONCEPT/instance" \
+        --out_dir "$CONCEPT/$(run_dir "$run")" --subject.image_size "$SIZE" ${DEMO_CONCEPT_FLAGS:-}
   done
   if [ -d "$CONCEPT/embedding" ]; then  # the token as a file AUTOMATIC1111 and ComfyUI load
     $PY SD_ImageGen.py --ckpt "$CONCEPT/embedding" --export_embedding "$CONCEPT/embeddings"

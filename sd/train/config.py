@@ -361,20 +361,27 @@ def read_values(given: dict, where: str, flat: list | None = None) -> dict:
     """``{field: value}`` as FIELDS names them, each of its field's type, from what a YAML or the command line
     gives: top-level fields, sections as mappings, a section's fields by dotted or flat name. The flat names found
     are added to ``flat``; an unknown name is a ConfigError naming ``where``."""
-    values = {}
+    values, spelled = {}, {}
+
+    def put(field: str, spelling: str, value) -> None:
+        if field in spelled:  # which of the two wins would be a guess
+            raise ConfigError(f"{where}: {spelled[field]} and {spelling} are one field ({field}): keep one")
+        spelled[field] = spelling
+        values[field] = coerce(field, value)
+
     for name, value in given.items():
         if name in SECTIONS and isinstance(value, dict):
             for field, inner in value.items():
                 dotted = f"{name}.{field}"
                 if dotted not in FIELDS:
                     raise unknown_field(dotted, where)
-                values[dotted] = coerce(dotted, inner)
+                put(dotted, f"{name}: {{{field}: ...}}", inner)
             continue
         if canonical(name) not in FIELDS:
             raise unknown_field(name, where)
         if name != canonical(name) and flat is not None:
             flat.append(name)
-        values[canonical(name)] = coerce(canonical(name), value)
+        put(canonical(name), name, value)
     return values
 
 

@@ -804,8 +804,8 @@ SAVINGS = (
     ("grad_checkpointing: true", lambda c: not c.grad_checkpointing, dict(grad_checkpointing=True)),
     ("ema_device: cpu", lambda c: c.ema_decay > 0 and c.ema_device != "cpu", dict(ema_device="cpu")),
     ("precision: bf16", lambda c: c.precision == "fp32", dict(precision="bf16")),
-    ("optimizer: adamw8bit", lambda c: c.optimizer == "adamw", dict(optimizer="adamw8bit")),
-    ("lora_rank: 16 (a LoRA on init_from's weights)", lambda c: not c.lora_rank, dict(lora_rank=16)),
+    ("optim.name: adamw8bit", lambda c: c.optim.name == "adamw", {"optim.name": "adamw8bit"}),
+    ("lora.rank: 16 (a LoRA on init_from's weights)", lambda c: not c.lora.rank, {"lora.rank": 16}),
 )
 
 

@@ -82,7 +82,7 @@ FID_BELOW_BLANK = 0.2
 DEMO_64 = {"DEMO_COUNT": "1200", "DEMO_VAE_STEPS": "500", "DEMO_N": "4", "DEMO_NPROC": "2",
               "DEMO_THREADS": THREADS,
               "DEMO_TRAIN_FLAGS": "--max_steps 600 --warmup_steps 30 --validate_every 300 --save_steps 300",
-              "DEMO_CONCEPT_FLAGS": "--max_steps 150 --num_class_images 32 --save_steps 150 --validate_every 150",
+              "DEMO_CONCEPT_FLAGS": "--max_steps 150 --subject.num_class_images 32 --save_steps 150 --validate_every 150",
               "DEMO_ASPECT_COUNT": "300", "DEMO_ASPECT_FLAGS": "--max_steps 150 --save_steps 150",
               "DEMO_ASPECT_RUNS": "buckets square"}
 

@@ -132,13 +132,13 @@ def test_estimate_memory_needs_no_data_and_ends_with_one_json_line(tmp_path, cap
     assert not (tmp_path / "absent").exists()
     # Advice: only the savings not already on, least memory first, each with its predicted peak.
     advised = [s["setting"] for s in answer["suggestions"]]
-    assert advised and set(advised) <= {"optimizer: adamw8bit", "lora_rank: 16 (a LoRA on init_from's weights)"}
-    assert "optimizer: adamw8bit" in advised
+    assert advised and set(advised) <= {"optim.name: adamw8bit", "lora.rank: 16 (a LoRA on init_from's weights)"}
+    assert "optim.name: adamw8bit" in advised
     peaks = [s["peak_gb"] for s in answer["suggestions"]]
     assert peaks == sorted(peaks) and all(p > 0 for p in peaks)
     assert "grad_checkpointing: true" not in out and "ema_device: cpu" not in out.split("Not even")[1]
     assert "estimating one training step on fake tensors" in captured.err  # progress before the long work
-    assert "estimating with optimizer: adamw8bit" in captured.err
+    assert "estimating with optim.name: adamw8bit" in captured.err
     # A line for each micro-batch tried, as it is estimated: the search's sizes, ending at one image.
     tried = [line.split()[1].rstrip(":") for line in captured.err.splitlines() if line.startswith("  micro-batch")]
     assert tried[:2] == ["4", "8"] and "1" in tried and len(tried) == len(set(tried))

@@ -1,6 +1,7 @@
 """sd.train.config: flags, bools, numbers given as text, and ``extends`` chains of YAML files."""
 
 import json
+import logging
 import math
 import re
 from pathlib import Path
@@ -615,3 +616,49 @@ def test_every_shipped_config_loads_and_passes_its_checks(path):
     user's step 8."""
     config = sd.train.config.load_config(["--config", str(ROOT / path)], check_paths=False)
     assert config.max_steps > 0 or config.epochs > 0
+    assert config.flat_keys == ()  # written in sections, as docs/config.md names the fields
+
+
+# ------------------------------------------------------------------------------ sections and flat names
+
+FLAT_RECIPE = {"lora_rank": 8, "lora_alpha": 4, "lora_targets": ["attention"], "optimizer": "adamw",
+               "min_lr_ratio": 0.5, "validation_samples": 16, "validation_cfg": 5.0, "posthoc_ema_every": 10,
+               "noise_offset": 0.05, "shuffle_tags": 0.5, "keep_tokens": 1, "flow_matching": False,
+               "max_steps": 3, "lr": 1.0e-4}
+
+
+def test_a_flat_config_of_before_and_its_sections_give_the_same_config(tmp_path, datasets, caplog, monkeypatch):
+    """Each flat name of before reads into its section: a YAML written flat, the same in sections, and the flat
+    YAML with a dotted flag over a flat one (the flag wins) give equal configs; only the flat one lists what it
+    read flat, and SD_Train.py says so in one log line naming both spellings."""
+    flat = write_yaml(tmp_path / "flat.yaml", datasets=datasets, out_dir=str(tmp_path / "run"), **FLAT_RECIPE)
+    sections: dict = {"datasets": datasets, "out_dir": str(tmp_path / "run")}
+    for name, value in FLAT_RECIPE.items():
+        where, _, field = canonical(name).rpartition(".")
+        (sections.setdefault(where, {}) if where else sections)[field] = value
+    assert set(sections) >= {"lora", "optim", "validation", "ema", "loss", "captions", "flow"}
+    sectioned = write_yaml(tmp_path / "sections.yaml", **sections)
+    a, b = (load_config(["--config", str(path)], check_paths=False) for path in (flat, sectioned))
+    assert a == b and a.lora.rank == 8 and a.optim.min_lr_ratio == 0.5 and a.ema.posthoc_every == 10
+    assert set(a.flat_keys) == set(FLAT_RECIPE) - set(sd.train.config.TOP) and b.flat_keys == ()
+    assert a.lora_rank == a.lora.rank  # the flat name still reads, for code of before
+    c = load_config(["--config", str(flat), "--lora.rank", "16", "--noise_offset", "0.1"], check_paths=False)
+    assert c.lora.rank == 16 and c.loss.noise_offset == 0.1 and "noise_offset" in c.flat_keys
+    assert c == load_config(["--config", str(sectioned), "--lora.rank", "16", "--loss.noise_offset", "0.1"],
+                            check_paths=False)
+    # SD_Train.py names what it read flat, before the run.
+    full = write_yaml(tmp_path / "full.yaml", datasets=datasets, out_dir=str(tmp_path / "run"), max_steps=3,
+                      noise_offset=0.05, min_lr_ratio=0.5)
+    monkeypatch.setattr(SD_Train, "train", lambda config, d: 0)
+    with caplog.at_level(logging.INFO):
+        assert SD_Train.main(["--config", str(full), "--device", "cpu"]) == 0
+    assert re.search(r"config: read (noise_offset, min_lr_ratio|min_lr_ratio, noise_offset) into their sections "
+                     r"\((loss.noise_offset, optim.min_lr_ratio|optim.min_lr_ratio, loss.noise_offset)\)",
+                     caplog.text), caplog.text
+
+
+def test_a_flat_name_and_its_section_field_in_one_file_is_refused(tmp_path, datasets):
+    """Two spellings of one field in one file: which one wins would be a guess."""
+    path = write_yaml(tmp_path / "both.yaml", datasets=datasets, max_steps=2, lora_rank=4, lora={"rank": 8})
+    with pytest.raises(ConfigError, match=r"lora_rank.*lora\.rank|lora\.rank.*lora_rank"):
+        load_config(["--config", str(path)])
