@@ -127,7 +127,7 @@ def train_locked(config: TrainConfig, d: Dist) -> int:
     if d.is_main:
         (run.run_dir / "config.yaml").write_text(config_yaml(config))
         source = (f"{len(run.train_data.splits)} dataset(s)" if run.train_data.splits
-                  else f"instance_dir {config.instance_dir}")
+                  else f"instance_dir {config.subject.instance_dir}")
         log.info("%d training samples in %s, latents %s; %d steps/epoch, %d steps in all; "
                  "%d images per optimizer step (batch_size %d x %d GPU(s) x grad_accum %d%s)", len(run.train_data),
                  source, " ".join(str(s) for s in run.train_data.shapes), run.steps_per_epoch,
@@ -172,7 +172,7 @@ def loop(run: Run, stopper: StopSignal, metrics, bar, prefetch: Prefetcher) -> i
     while state.step < total:
         batches, flips, draws = sd.data.training_data.epoch_plan(run.train_data, config.seed, state.epoch, d.rank,
                                                                 d.world_size, config.batch_size,
-                                                                config.epoch_size or None, config.flip)
+                                                                config.data.epoch_size or None, config.data.flip)
         usable = len(batches) // config.grad_accum * config.grad_accum
         while state.position < usable and state.step < total:
             position, accum = state.position, config.grad_accum
@@ -186,7 +186,7 @@ def loop(run: Run, stopper: StopSignal, metrics, bar, prefetch: Prefetcher) -> i
             with sd.model.attention_context(d.device, config.attention):
                 result = sd.train.step.train_step(run.step, micro, state.step, stop_requested=stopper.requested())
             epoch_done = state.advance(config.grad_accum, usable, images_per_step)
-            if run.step.posthoc and d.is_main and (state.step % config.posthoc_ema_every == 0
+            if run.step.posthoc and d.is_main and (state.step % config.ema.posthoc_every == 0
                                                    or state.step == total):
                 sd.train.power_ema.write_snapshot(run.run_dir, state.step, run.step.posthoc, run.step.posthoc_text)
             unread.append((state.step, state.epoch, lr, result))

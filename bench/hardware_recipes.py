@@ -37,7 +37,7 @@ def predict(phase: str, recipe: str, world_size: int, resolution: int = 512) -> 
     card = card_gb(recipe)
     return {"recipe": recipe, "card_gb": round(card, 2), "batch_size": config.batch_size,
             "grad_accum": config.grad_accum, "grad_checkpointing": config.grad_checkpointing,
-            "ema_device": config.ema_device, "optimizer": config.optimizer, "world_size": world_size,
+            "ema_device": config.ema_device, "optimizer": config.optim.name, "world_size": world_size,
             "allocated_gb": round(estimate.allocated / 1e9, 2), "peak_gb": round(estimate.peak_gb, 2),
             "headroom_gb": round(card - estimate.peak_gb, 2), "fits": estimate.peak_gb <= card}
 

@@ -49,26 +49,26 @@ class ControlNet(sd.training_mode.Mode):
 
     @classmethod
     def wanted(cls, config) -> bool:
-        return bool(getattr(config, "control", ""))
+        return bool(config.controlnet.control)
 
     @classmethod
     def check(cls, config, check_paths: bool = True) -> None:
         """A ControlNet run's settings, and the modes it cannot be combined with."""
-        if not config.control:
+        if not config.controlnet.control:
             for name in ("controlnet_from", "validation_controls", "control_dropout"):
                 if getattr(config, name):
                     raise ConfigError(f"{name} belongs to a ControlNet run: set control (the conditioning images' "
                                       f"name) too, or unset {name}")
             return
-        if not re.fullmatch(r"[a-z0-9_]+", config.control) or config.control == "mask":
+        if not re.fullmatch(r"[a-z0-9_]+", config.controlnet.control) or config.controlnet.control == "mask":
             raise ConfigError(f"control: the conditioning images' name (lower-case letters, digits, _; not 'mask', "
-                              f"the loss masks), got {config.control!r}")
+                              f"the loss masks), got {config.controlnet.control!r}")
         if check_paths and not config.init_from:
             raise ConfigError("control: a ControlNet conditions a trained model: set init_from (the base: a run of "
                               "ours, a diffusers folder or hub id, or a single file)")
         refused = {"lora_rank": (config.lora.rank, "a LoRA"), "embedding_token": (config.embedding.token,
                                                                                    "textual inversion"),
-                   "distill": (config.distill.method, "distillation"),
+                   "distill": (config.distill.method.method, "distillation"),
                    "instance_dir": (config.subject.instance_dir, "a DreamBooth folder"),
                    "lora_text_encoder": (config.lora.text_encoder, "a text-encoder adapter"),
                    "masked_loss": (config.data.masked_loss, "masked_loss"),
@@ -80,12 +80,12 @@ class ControlNet(sd.training_mode.Mode):
         if config.sharding != "none":
             raise ConfigError(f"control: a ControlNet run runs on DDP; set sharding: none (got {config.sharding})")
         if config.validate_every and config.validation_prompts and \
-                len(config.validation_controls) != len(config.validation_prompts):
+                len(config.controlnet.validation_images) != len(config.validation_prompts):
             raise ConfigError(f"validation_controls: one conditioning image per validation prompt ("
-                              f"{len(config.validation_prompts)} prompts, {len(config.validation_controls)} images); "
+                              f"{len(config.validation_prompts)} prompts, {len(config.controlnet.validation_images)} images); "
                               "or set validation_prompts: [] for no sample grid")
         drawn = config.validate_every and config.validation_prompts  # the grid is drawn, on these images
-        for path in config.validation_controls if check_paths and drawn else ():
+        for path in config.controlnet.validation_images if check_paths and drawn else ():
             if not isinstance(path, str) or not Path(path).is_file():
                 raise ConfigError(f"validation_controls: {path} is no file (give one conditioning image per "
                                   "validation prompt, or validate_every: 0 for no sample grid)")
@@ -96,10 +96,10 @@ class ControlNet(sd.training_mode.Mode):
         try:
             model = sd.controlnet.model.attach(config, unet)
         except (OSError, KeyError, ValueError) as error:  # the message names the file
-            raise ConfigError(f"controlnet_from: cannot load {config.controlnet_from}: "
+            raise ConfigError(f"controlnet_from: cannot load {config.controlnet.init_from}: "
                               f"{sd.cli.first_line(error)}") from error
         log.info("ControlNet on %r conditioning images (%s): %d trainable parameters; the base UNet is frozen",
-                 config.control, f"from {config.controlnet_from}" if config.controlnet_from
+                 config.controlnet.control, f"from {config.controlnet.init_from}" if config.controlnet.init_from
                  else "new, zero convolutions out", sum(p.numel() for p in model.controlnet.parameters()))
         return model
 
@@ -112,7 +112,7 @@ class ControlNet(sd.training_mode.Mode):
 
     def model_inputs(self, inputs: dict, device: torch.device, generator: torch.Generator) -> dict:
         return {"controlnet_cond": sd.controlnet.model.control_batch(inputs["control"], device,
-                                                                     self.config.control_dropout, generator)}
+                                                                     self.config.controlnet.dropout, generator)}
 
     def estimate_inputs(self, images: int, resolution: int) -> tuple:
         return (torch.zeros(images, 3, resolution, resolution, dtype=torch.uint8),)
@@ -122,5 +122,5 @@ class ControlNet(sd.training_mode.Mode):
         return [(control * 255).round().clamp(0, 255).to(torch.uint8).numpy()]
 
     def sample_inputs(self, index: int, width: int, height: int) -> dict:
-        return {"control": sd.controlnet.model.read_control_image(self.config.validation_controls[index], width,
+        return {"control": sd.controlnet.model.read_control_image(self.config.controlnet.validation_images[index], width,
                                                                   height)}

@@ -89,7 +89,7 @@ def attach(config, unet) -> ControlledUNet:
     """A training config's ControlNet on ``unet``, which is frozen (the ControlNet alone trains): new
     (``new_controlnet``) or ``controlnet_from``'s, with gradient checkpointing when the config asks for it.
     With bf16 or fp16 the frozen UNet's weights are stored in that type (autocast computes in it anyway)."""
-    controlnet = (load(config.controlnet_from, unet, use_ema=True) if config.controlnet_from
+    controlnet = (load(config.controlnet.init_from, unet, use_ema=True) if config.controlnet.init_from
                   else new_controlnet(unet, config.seed)).to(unet.device)
     if config.grad_checkpointing:
         controlnet.enable_gradient_checkpointing()

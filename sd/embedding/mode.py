@@ -48,31 +48,31 @@ class LearnedToken(sd.training_mode.Mode):
     retokenises = True  # the stored token ids lack the new token
 
     def own_learning_rates(self) -> list[str]:
-        return ["embedding_lr at 0"] if self.config.embedding_lr not in (0, self.config.lr) else []
+        return ["embedding_lr at 0"] if self.config.embedding.lr not in (0, self.config.lr) else []
 
     @classmethod
     def wanted(cls, config) -> bool:
-        return bool(getattr(config, "embedding_token", ""))
+        return bool(config.embedding.token)
 
     @classmethod
     def check(cls, config, check_paths: bool = True) -> None:
         """Textual inversion's settings, and the modes it cannot be combined with."""
         defaults = {"embedding_lr": 0, "embedding_train_fraction": 1}
         pivotal = [name for name, default in defaults.items() if getattr(config, name) != default]
-        if pivotal and not (config.embedding_token and config.lora_rank):
+        if pivotal and not (config.embedding.token and config.lora.rank):
             raise ConfigError(f"{' and '.join(pivotal)} set the learned token's schedule beside a LoRA (pivotal "
                               f"tuning): set embedding_token and lora_rank > 0, or leave "
                               f"{' and '.join(f'{name} at {defaults[name]}' for name in pivotal)}"
                               f"{' (a token trained alone takes lr)' if 'embedding_lr' in pivotal else ''}")
-        if not config.embedding_token:
-            if config.embedding_init:
+        if not config.embedding.token:
+            if config.embedding.init:
                 raise ConfigError("embedding_init is the start of a learned token: set embedding_token too")
             return
         try:
-            sd.embedding.tokens.check_token(config.embedding_token)
+            sd.embedding.tokens.check_token(config.embedding.token)
         except ValueError as error:
             raise ConfigError(f"embedding_token: {error}") from None
-        if not config.embedding_init.strip():
+        if not config.embedding.init.strip():
             raise ConfigError("embedding_token needs embedding_init: a word close to the concept that the token "
                               "starts from (e.g. dog)")
         if not config.init_from:
@@ -81,12 +81,12 @@ class LearnedToken(sd.training_mode.Mode):
         if config.cache_text_embeddings:
             raise ConfigError("cache_text_embeddings needs a fixed text encoder, and textual inversion trains it: "
                               "turn the cache off")
-        if config.embedding_vectors > 75:
-            raise ConfigError(f"embedding_vectors: at most 75 (a prompt's places), got {config.embedding_vectors}")
-        if config.instance_dir and config.embedding_token not in config.instance_prompt.lower().split():
-            raise ConfigError(f"instance_prompt {config.instance_prompt!r} does not use embedding_token "
-                              f"{config.embedding_token!r}: write it into the prompt, e.g. 'a photo of "
-                              f"{config.embedding_token}'")
+        if config.embedding.vectors > 75:
+            raise ConfigError(f"embedding_vectors: at most 75 (a prompt's places), got {config.embedding.vectors}")
+        if config.subject.instance_dir and config.embedding.token not in config.subject.instance_prompt.lower().split():
+            raise ConfigError(f"instance_prompt {config.subject.instance_prompt!r} does not use embedding_token "
+                              f"{config.embedding.token!r}: write it into the prompt, e.g. 'a photo of "
+                              f"{config.embedding.token}'")
         if config.sharding != "none":
             raise ConfigError(f"sharding: {config.sharding} splits a full fine-tune's state; a learned token is a few "
                               "KB that every GPU holds whole: set sharding: none")
@@ -96,7 +96,7 @@ class LearnedToken(sd.training_mode.Mode):
         splits = [split for split in getattr(data, "splits", []) if split.captions is not None]
         if not splits:  # DreamBooth: its instance prompt holds the token (``check``)
             return
-        token = self.config.embedding_token
+        token = self.config.embedding.token
         holding = [split.captions.count_word(token) for split in splits]
         total = sum(len(split.captions) for split in splits)
         if not sum(holding):
@@ -112,24 +112,24 @@ class LearnedToken(sd.training_mode.Mode):
         """The new token in the tokenizer and text encoder, before any prompt is tokenised; it alone trains
         (beside a LoRA, which then stores the frozen base in the autocast type after adding its adapters)."""
         config = self.config
-        sd.embedding.tokens.freeze_for_inversion(unet, text_encoder, "fp32" if config.lora_rank else config.precision)
+        sd.embedding.tokens.freeze_for_inversion(unet, text_encoder, "fp32" if config.lora.rank else config.precision)
         try:
-            start = sd.embedding.tokens.initial_vectors(tokenizer, text_encoder, config.embedding_init,
-                                                        config.embedding_vectors)
-            sd.embedding.tokens.add_token(tokenizer, text_encoder, config.embedding_token, start, trainable=True)
+            start = sd.embedding.tokens.initial_vectors(tokenizer, text_encoder, config.embedding.init,
+                                                        config.embedding.vectors)
+            sd.embedding.tokens.add_token(tokenizer, text_encoder, config.embedding.token, start, trainable=True)
         except sd.embedding.tokens.EmbeddingError as error:
             raise ConfigError(f"embedding_token: {error}") from error
         log.info("textual inversion: token %s, %d vector(s) of %d values starting from %r; the UNet and text "
-                 "encoder are frozen%s", config.embedding_token, config.embedding_vectors, start.shape[1],
-                 config.embedding_init, " but for the LoRA's adapters (pivotal tuning)" if config.lora_rank else "")
+                 "encoder are frozen%s", config.embedding.token, config.embedding.vectors, start.shape[1],
+                 config.embedding.init, " but for the LoRA's adapters (pivotal tuning)" if config.lora.rank else "")
 
     def estimate_before_data(self, unet, text_encoder) -> None:
         """The new rows (zeros: their values do not change the memory), as ``before_data`` adds them."""
         config = self.config
-        sd.embedding.tokens.freeze_for_inversion(unet, text_encoder, "fp32" if config.lora_rank else config.precision)
-        sd.embedding.tokens.attach_rows(text_encoder, torch.zeros(config.embedding_vectors,
+        sd.embedding.tokens.freeze_for_inversion(unet, text_encoder, "fp32" if config.lora.rank else config.precision)
+        sd.embedding.tokens.attach_rows(text_encoder, torch.zeros(config.embedding.vectors,
                                                                   text_encoder.config.hidden_size),
-                                        [config.embedding_token] * config.embedding_vectors, trainable=True)
+                                        [config.embedding.token] * config.embedding.vectors, trainable=True)
 
     def attach(self, unet, text_encoder):
         """The token trains (a LoRA attached before it froze the text encoder's parameters but its adapters)."""

@@ -63,51 +63,51 @@ class Lora(sd.training_mode.Mode):
 
     @property
     def text_encoder_trains(self) -> bool:
-        return bool(self.config.lora_text_encoder)
+        return bool(self.config.lora.text_encoder)
 
     @classmethod
     def wanted(cls, config) -> bool:
-        return getattr(config, "lora_rank", 0) > 0
+        return config.lora.rank > 0
 
     @classmethod
     def check(cls, config, check_paths: bool = True) -> None:
-        if check_paths and config.lora_rank and not config.init_from:
+        if check_paths and config.lora.rank and not config.init_from:
             raise ConfigError("lora_rank > 0 trains an adapter on existing weights: set init_from (a diffusers folder "
                               "or hub id, a single file, or a run of ours)")
-        if not (config.lora_targets and all(isinstance(t, str) and t.strip() for t in config.lora_targets)):
+        if not (config.lora.targets and all(isinstance(t, str) and t.strip() for t in config.lora.targets)):
             raise ConfigError("lora_targets: a list of groups (attention, transformer, resnet) or module-name suffixes")
-        if config.lora_type not in sd.lora.adapters.LORA_TYPES:
-            raise ConfigError(f"lora_type: one of {', '.join(sd.lora.adapters.LORA_TYPES)}, got {config.lora_type!r}")
-        if config.lora_factor != -1 and config.lora_type != "lokr":
-            raise ConfigError(f"lora_factor sets a lokr adapter's factors (got lora_type: {config.lora_type}); set "
+        if config.lora.type not in sd.lora.adapters.LORA_TYPES:
+            raise ConfigError(f"lora_type: one of {', '.join(sd.lora.adapters.LORA_TYPES)}, got {config.lora.type!r}")
+        if config.lora.factor != -1 and config.lora.type != "lokr":
+            raise ConfigError(f"lora_factor sets a lokr adapter's factors (got lora_type: {config.lora.type}); set "
                               "lora_type: lokr, or lora_factor: -1")
-        if config.lora_type != "lora" and config.lora_dropout:
-            raise ConfigError(f"lora_dropout drops a LoRA's input; a {config.lora_type} adapter has none: set "
+        if config.lora.type != "lora" and config.lora.dropout:
+            raise ConfigError(f"lora_dropout drops a LoRA's input; a {config.lora.type} adapter has none: set "
                               "lora_dropout: 0")
-        if config.lora_rank:
+        if config.lora.rank:
             if config.sharding != "none":
                 raise ConfigError(f"sharding: {config.sharding} splits a full fine-tune's state; a LoRA adapter is a "
                                   "few MB that every GPU holds whole: set sharding: none, or lora_rank: 0")
             return
-        if config.lora_text_encoder:
+        if config.lora.text_encoder:
             raise ConfigError("lora_text_encoder needs lora_rank > 0")
-        if config.lora_type != "lora" or config.dora:
-            setting = f"lora_type: {config.lora_type}" if config.lora_type != "lora" else "dora: true"
+        if config.lora.type != "lora" or config.lora.dora:
+            setting = f"lora_type: {config.lora.type}" if config.lora.type != "lora" else "dora: true"
             raise ConfigError(f"{setting} sets the adapter of a run with lora_rank > 0: set lora_rank, or "
-                              f"{'lora_type: lora' if config.lora_type != 'lora' else 'dora: false'}")
-        if config.lora_conv_rank or config.lora_conv_alpha:
+                              f"{'lora_type: lora' if config.lora.type != 'lora' else 'dora: false'}")
+        if config.lora.conv_rank or config.lora.conv_alpha:
             raise ConfigError("lora_conv_rank / lora_conv_alpha set the convolutions' adapters of a LoRA run: set "
                               "lora_rank > 0 too")
 
     def check_models(self, unet, text_encoder) -> None:
         try:
-            sd.lora.adapters.resolve_targets(unet, self.config.lora_targets)
+            sd.lora.adapters.resolve_targets(unet, self.config.lora.targets)
         except sd.lora.adapters.LoraError as error:
             raise ConfigError(str(error)) from None
 
     def attach(self, unet, text_encoder):
         layout = sd.lora.adapters.LOKR_LAYOUT
-        if self.config.lora_type == "lokr":
+        if self.config.lora.type == "lokr":
             layout = resumed_lokr_layout(Path(self.config.out_dir) / "checkpoints")
             if layout != sd.lora.adapters.LOKR_LAYOUT:
                 log.warning("the LoKr run in %s was trained with PEFT's layout of its factors (layout %d, before "
@@ -133,10 +133,10 @@ class Lora(sd.training_mode.Mode):
 
     def describe(self, step) -> str:
         config = self.config
-        return (f"{sd.lora.adapters.LORA_TYPES[config.lora_type]}{' with DoRA' if config.dora else ''} rank {config.lora_rank} (alpha "
-                f"{sd.lora.adapters.effective_alpha(config.lora_rank, config.lora_alpha):g}) on "
+        return (f"{sd.lora.adapters.LORA_TYPES[config.lora.type]}{' with DoRA' if config.lora.dora else ''} rank {config.lora.rank} (alpha "
+                f"{sd.lora.adapters.effective_alpha(config.lora.rank, config.lora.alpha):g}) on "
                 f"{len(step.unet.lora_settings['modules'])} UNet layers"
-                f"{' and the text encoder' if config.lora_text_encoder else ''}: "
+                f"{' and the text encoder' if config.lora.text_encoder else ''}: "
                 f"{sum(p.numel() for p in step.trainable)} trainable parameters")
 
 

@@ -62,7 +62,7 @@ class TrainConfig:
 
     Made from keyword values: top-level fields by name, a section as its object or a mapping of its fields, a
     section's field by its dotted name (``**{"lora.rank": 8}``) or its flat one (``lora_rank=8``); a field given
-    alone overrides its section's. ``config.lora_rank`` reads ``config.lora.rank``."""
+    alone overrides its section's. ``config.lora.rank`` reads ``config.lora.rank``."""
 
     # -- data and models -------------------------------------------------------------------------------------------
     datasets: list = setting("[{dataset: DIR, latents: DIR, weight: 1.0}, ...]: caption datasets "
@@ -192,7 +192,7 @@ class TrainConfig:
         object.__setattr__(self, "flat_keys", tuple(flat))  # the flat names it was given (SD_Train.py names them)
 
     def __getattr__(self, name: str):
-        """A section's field by its flat name (``config.lora_rank``: ``config.lora.rank``)."""
+        """A section's field by its flat name (``config.lora.rank``: ``config.lora.rank``)."""
         if name in LEGACY_KEYS and not name.startswith("__"):
             where, field = LEGACY_KEYS[name]
             return getattr(object.__getattribute__(self, where), field)

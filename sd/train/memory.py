@@ -361,7 +361,7 @@ def session(config, resolution: int = 512, device: str = "cuda", world_size: int
             with zero_in_group(process_group):
                 step = sd.train.step.build_step(config, d, unet, text_encoder, empty_ids, sd.model.SD1_SCALING_FACTOR,
                                                 mode)
-            if config.optimizer == "prodigy":
+            if config.optim.name == "prodigy":
                 prodigy_reads_on_fake_tensors(step)
             if step.sharding == "fsdp":
                 shard_on_fake_tensors(step, process_group)

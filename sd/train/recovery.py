@@ -44,7 +44,7 @@ def resume_or_init(run: Run) -> None:
     if not resumed and run.step.objective.uses_base and not run.mode.frozen_base:
         log.info("distillation: the student starts as the teacher (init_from's EMA where it has one); the EMA and "
                  "the target network start from it too")
-    elif not resumed and run.config.init_from and run.config.instance_dir and not run.mode.frozen_base:
+    elif not resumed and run.config.init_from and run.config.subject.instance_dir and not run.mode.frozen_base:
         # full DreamBooth: the run trains on from the weights sd.train.run.build loaded, init_from's EMA where
         # it has one: the weights that drew the class images, and those its users sample
         log.info("DreamBooth fine-tune: training starts from the base weights that drew the class images (init_from's "
@@ -54,7 +54,7 @@ def resume_or_init(run: Run) -> None:
     resumed_from = sd.run_folder.latest_checkpoint(run.run_dir / "checkpoints") if resumed else None
     run.config = dataclasses.replace(run.config, ema_warmup=ema_warmup_of(run.config, resumed_from, inherited))
     for ema, _ in run.step.emas():
-        ema.warmup = run.config.ema_warmup == "restart"
+        ema.warmup = run.config.ema.warmup == "restart"
 
 
 def due(run: Run, epoch_done: bool, stopping: bool) -> bool:
@@ -352,8 +352,8 @@ def ema_warmup_of(config: TrainConfig, resumed_from: Path | None, inherited: boo
     that starts as the live weights. A resume keeps the choice its checkpoint recorded (restart when it predates
     the field: what it was trained with).
     """
-    if config.ema_warmup != "auto":
-        return config.ema_warmup
+    if config.ema.warmup != "auto":
+        return config.ema.warmup
     if resumed_from is not None:
         recorded = sd.run_folder.saved_value(read_saved_config(resumed_from / "config.yaml"), "ema.warmup")
         return recorded if recorded in ("restart", "off") else "restart"

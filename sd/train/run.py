@@ -103,7 +103,7 @@ def plan_buckets(config: TrainConfig, data: sd.data.training_data.MixedData, d: 
     """Aspect-ratio buckets: fold those too small to fill one global batch into their nearest, then
     report what an epoch trains (rank 0 logs; every rank computes the same plan)."""
     global_batch = config.batch_size * d.world_size
-    order = sd.data.training_data.epoch_order(data.sizes, data.weights, config.seed, 0, config.epoch_size or None)
+    order = sd.data.training_data.epoch_order(data.sizes, data.weights, config.seed, 0, config.data.epoch_size or None)
     merged = data.merge_small(order, global_batch)
     if not d.is_main:
         return
@@ -127,7 +127,7 @@ def steps_per_epoch_of(config: TrainConfig, data: sd.data.training_data.MixedDat
     """Optimizer steps in an epoch (the first's: with buckets and weighted mixing, later epochs can
     differ by a few batches, as each bucket's tail left out varies)."""
     batches, _ = sd.data.training_data.epoch_batches(data, config.seed, 0, d.rank, d.world_size, config.batch_size,
-                                       config.epoch_size or None)
+                                       config.data.epoch_size or None)
     steps = len(batches) // config.grad_accum
     if steps == 0:
         raise ConfigError(f"an epoch of {len(data)} samples is less than one optimizer step of "
@@ -157,13 +157,13 @@ def build(config: TrainConfig, d: Dist) -> Run:
         sd.train.recovery.load_base(config.init_from, unet)
         base_fingerprint = sd.run_folder.weights_fingerprint(mode.fingerprinted(unet, text_encoder))  # as loaded
     mode.before_data(unet, text_encoder, tokenizer)
-    if config.instance_dir:  # DreamBooth: the class images are drawn by the base, which a fine-tune starts from
+    if config.subject.instance_dir:  # DreamBooth: the class images are drawn by the base, which a fine-tune starts from
         if config.init_from and not frozen_base:
             sd.train.recovery.load_base(config.init_from, unet)
         make_pipeline = lambda: sd.sampling.Pipeline(unet, vae, text_encoder.to(d.device), tokenizer,  # noqa: E731
                                                      config.prediction_type,
                                                      zero_terminal_snr=base_zero_terminal_snr(config),
-                                                     flow_shift=config.flow_shift)
+                                                     flow_shift=config.flow.shift)
         dreambooth = sd.data.dreambooth.DreamBoothSettings.from_config(config)
         train_data, val_data = sd.data.dreambooth.build_data(dreambooth, d, vae, tokenizer, make_pipeline), None
     else:
@@ -186,13 +186,13 @@ def build(config: TrainConfig, d: Dist) -> Run:
     steps_per_epoch = steps_per_epoch_of(config, train_data, d)
     total = config.max_steps if config.max_steps > 0 else config.epochs * steps_per_epoch
     sampler = sd.sampling.Pipeline(unet, vae, step.text_encoder, tokenizer, config.prediction_type,
-                                   zero_terminal_snr=config.zero_terminal_snr, flow_shift=config.flow_shift,
-                                   flow_matching=config.flow_matching)
+                                   zero_terminal_snr=config.zero_terminal_snr, flow_shift=config.flow.shift,
+                                   flow_matching=config.flow.matching)
     state = TrainState(world_size=d.world_size, data_samples=len(train_data))
     run = Run(config, d, step, state, train_data, val_data, sampler,
               ckpt.RankRNG(step.noise_generator, unet), steps_per_epoch, total, Path(config.out_dir), mode,
               base_fingerprint)
-    if config.eval_every:
+    if config.eval.every:
         try:
             run.evaluation = TrainingEval.build(EvalSettings.from_config(config), d,
                                                 *sd.train.validation.validation_size(config, train_data))

@@ -110,13 +110,13 @@ BLOCK_SCALES = {"unet_down": "down_lr_scale", "unet_mid": "mid_lr_scale", "unet_
 def block_scales(config) -> dict[str, float]:
     """The learning-rate multipliers of the UNet's down, middle and up blocks (by group name), or none when
     each is 1: the blocks then train in the UNet's one group."""
-    scales = {name: getattr(config, field, 1.0) for name, field in BLOCK_SCALES.items()}
+    scales = {name: getattr(config.optim, field) for name, field in BLOCK_SCALES.items()}
     return scales if any(scale != 1 for scale in scales.values()) else {}
 
 
 def pivotal(config) -> bool:
     """A LoRA and a learned token train together (pivotal tuning): the token in a group of its own."""
-    return bool(getattr(config, "embedding_token", "")) and getattr(config, "lora_rank", 0) > 0
+    return bool(config.embedding.token) and config.lora.rank > 0
 
 
 def group_schedules(config) -> dict[str, tuple[float, int]]:
@@ -124,10 +124,10 @@ def group_schedules(config) -> dict[str, tuple[float, int]]:
     its blocks' ``lr`` times their scales (``block_scales``); the text encoder's adapter its own
     ``text_encoder_lr`` / ``text_encoder_warmup_steps`` (0 / -1: the UNet's); in pivotal tuning the
     learned token ``embedding_lr`` (0: ``lr``) with the UNet's warm-up."""
-    text_lr = getattr(config, "text_encoder_lr", 0.0) or config.lr
-    text_warmup = getattr(config, "text_encoder_warmup_steps", -1)
+    text_lr = config.optim.text_encoder_lr or config.lr
+    text_warmup = config.optim.text_encoder_warmup_steps
     blocks = {name: (config.lr * scale, config.warmup_steps) for name, scale in block_scales(config).items()}
-    token = {"embedding": (config.embedding_lr or config.lr, config.warmup_steps)} if pivotal(config) else {}
+    token = {"embedding": (config.embedding.lr or config.lr, config.warmup_steps)} if pivotal(config) else {}
     return {"unet": (config.lr, config.warmup_steps), **blocks,
             "text_encoder": (text_lr, config.warmup_steps if text_warmup < 0 else text_warmup), **token}
 
@@ -135,7 +135,7 @@ def group_schedules(config) -> dict[str, tuple[float, int]]:
 def token_steps(config, total: int) -> int:
     """The optimizer steps in which a pivotal run's token trains: ``embedding_train_fraction`` of ``total``,
     rounded, at least one."""
-    return max(1, round(getattr(config, "embedding_train_fraction", 1.0) * total))
+    return max(1, round(config.embedding.train_fraction * total))
 
 
 def lrs_at(config, step: int, total: int) -> dict[str, float]:
@@ -144,9 +144,9 @@ def lrs_at(config, step: int, total: int) -> dict[str, float]:
     Prodigy takes the same schedule as AdamW: its step is its own estimate times this (``lr`` 1.0
     at the peak), so the warm-up and the cosine scale the estimate. The learned token of pivotal tuning has
     rate 0 from ``token_steps`` on (``set_lr`` then freezes it)."""
-    schedule_free = config.optimizer == "adamw_schedulefree"
+    schedule_free = config.optim.name == "adamw_schedulefree"
     lrs = {name: schedule_free_lr_at(step, peak, warmup) if schedule_free
-           else lr_at(step, peak, warmup, total, config.min_lr_ratio)
+           else lr_at(step, peak, warmup, total, config.optim.min_lr_ratio)
            for name, (peak, warmup) in group_schedules(config).items()}
     if "embedding" in lrs and step >= token_steps(config, total):
         lrs["embedding"] = 0.0
@@ -218,20 +218,20 @@ def build_optimizer(params: list, config, zero: bool = False):
     Schedule-Free AdamW (Defazio et al. 2024) in train mode, its own warm-up off (``set_lr`` applies
     it, ``schedule_free_lr_at``). ``zero``: the AdamW state split across the ranks (``sharding: zero1``).
     """
-    kwargs = dict(lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
-                  weight_decay=config.weight_decay)
-    if config.optimizer == "adamw8bit":
+    kwargs = dict(lr=config.lr, betas=(config.optim.adam_beta1, config.optim.adam_beta2), eps=config.optim.adam_eps,
+                  weight_decay=config.optim.weight_decay)
+    if config.optim.name == "adamw8bit":
         import bitsandbytes
 
         return bitsandbytes.optim.AdamW8bit(params, **kwargs)
-    if config.optimizer == "prodigy":
+    if config.optim.name == "prodigy":
         import io
 
         from prodigyopt import Prodigy
 
         with contextlib.redirect_stdout(io.StringIO()):  # it prints a line on every rank when it decays weights
             return Prodigy(params, use_bias_correction=True, safeguard_warmup=True, **kwargs)
-    if config.optimizer == "adamw_schedulefree":
+    if config.optim.name == "adamw_schedulefree":
         from schedulefree import AdamWScheduleFree
 
         optimizer = AdamWScheduleFree(params, warmup_steps=0, **kwargs)
@@ -268,8 +268,8 @@ def ema_update_every(config, device: torch.device, part: bool) -> int:
     GPU run, where each update copies the weights off the GPU and waits for them (3.4 GB at SD 1.x,
     0.1-0.6 s), every step otherwise (an EMA on the device, of a ``part`` of the model: an adapter, a
     ControlNet; a CPU run)."""
-    if config.ema_update_every:
-        return config.ema_update_every
+    if config.ema.update_every:
+        return config.ema.update_every
     return 10 if config.ema_device == "cpu" and device.type == "cuda" and not part else 1
 
 
@@ -299,7 +299,7 @@ def build_step(config, d: Dist, unet, text_encoder, empty_ids: torch.Tensor, sca
         if text_trains:
             text_ema = sd.train.ema.EMA(text_encoder, config.ema_decay, **{**settings, "trainable_only": True})
     posthoc, posthoc_text = [], []
-    if getattr(config, "posthoc_ema_every", 0) and mode.unet_trains:
+    if config.ema.posthoc_every and mode.unet_trains:
         where = "cpu" if config.ema_device == "cpu" else None
         posthoc = [sd.train.power_ema.PowerEMA(unet, sigma_rel, device=where, trainable_only=not mode.whole_unet)
                    for sigma_rel in sd.posthoc_ema.PROFILES]
@@ -308,13 +308,13 @@ def build_step(config, d: Dist, unet, text_encoder, empty_ids: torch.Tensor, sca
                             for sigma_rel in sd.posthoc_ema.PROFILES]
     groups = param_groups(config, unet, text_encoder)
     master = None
-    if getattr(config, "bf16_weights", False):  # every group is the UNet's (config.check_bf16_weights)
+    if config.optim.bf16_weights:  # every group is the UNet's (config.check_bf16_weights)
         master = sd.train.optimizers.MasterWeights([p for group in groups for p in group["params"]])
         masters = iter(master.master)
         for group in groups:
             group["params"] = [next(masters) for _ in group["params"]]
     noise_generator = torch.Generator(device=d.device).manual_seed(config.seed * 7919 + d.rank + 1)
-    sharding = getattr(config, "sharding", "none") if d.world_size > 1 else "none"
+    sharding = config.sharding if d.world_size > 1 else "none"
     objective = sd.train.objectives.objective_of(config).build(config, unet)
     optimizer = build_optimizer(groups, config, zero=sharding == "zero1")
     optimizer.master_weights = master
@@ -324,7 +324,7 @@ def build_step(config, d: Dist, unet, text_encoder, empty_ids: torch.Tensor, sca
                 LossSettings.from_config(config), d, trainable=[p for group in groups for p in group["params"]],
                 text_trains=text_trains, empty_ids=empty_ids.to(d.device), sharding=sharding, text_ema=text_ema,
                 objective=objective, mode=mode, posthoc=posthoc, posthoc_text=posthoc_text,
-                reduce_each_micro_batch=sharding == "fsdp" and getattr(config, "fsdp_reduce_each_micro_batch", False))
+                reduce_each_micro_batch=sharding == "fsdp" and config.fsdp_reduce_each_micro_batch)
 
 
 def wrap_model(step: Step, compile: bool, shapes: int = 1, mode: str = "default") -> None:

@@ -34,7 +34,7 @@ log = logging.getLogger("sd_train")
 def due(config: TrainConfig, step: int, total: int) -> bool:
     """Whether validation or evaluation runs after optimizer step ``step`` of ``total``: every ``validate_every``
     (``eval_every``) steps and at the last step, so a run shorter than either still ends with its grid."""
-    return any(every_due(every, step, total) for every in (config.validate_every, config.eval_every))
+    return any(every_due(every, step, total) for every in (config.validate_every, config.eval.every))
 
 
 def every_due(every: int, step: int, total: int) -> bool:
@@ -57,7 +57,7 @@ def check(run: Run, record: dict, stop) -> tuple[Path | None, bool]:
         with sd.train.optimizers.evaluation_weights(run.step.optimizer):
             if every_due(config.validate_every, step, run.total_steps):
                 grid = validate(run, record, stop)
-            if every_due(config.eval_every, step, run.total_steps):
+            if every_due(config.eval.every, step, run.total_steps):
                 record.update(evaluate(run, stop))
     except sd.distributed.Stopped:
         log.info("step %d: validation/evaluation interrupted by a stop signal; the rest of it is skipped", step)
@@ -75,11 +75,11 @@ def validate(run: Run, record: dict, stop=None) -> Path | None:
     step, config = run.step, run.config
     if run.val_data is not None:
         with sd.train.sharding.unsharded(step.unet):  # fsdp: the ranks' batch counts may differ
-            record["val_loss"] = sd.train.step.validation_loss(step, run.val_data, config.validation_samples,
+            record["val_loss"] = sd.train.step.validation_loss(step, run.val_data, config.validation.samples,
                                                               config.batch_size, stop)
         if step.emas():
             with ema_swapped_in(step), sd.train.sharding.unsharded(step.unet):
-                record["val_loss_ema"] = sd.train.step.validation_loss(step, run.val_data, config.validation_samples,
+                record["val_loss_ema"] = sd.train.step.validation_loss(step, run.val_data, config.validation.samples,
                                                                       config.batch_size, stop)
     prompts = grid_prompts(run)
     if not prompts:
@@ -96,9 +96,9 @@ def grid_prompts(run: Run) -> list[str]:
     config, data = run.config, run.train_data
     splits = getattr(data, "splits", None)
     if getattr(data, "instance_prompt", ""):  # a subject's folder (DreamBooth): its one prompt is its captions
-        own = [data.instance_prompt] if config.validation_data_captions and not run.mode.prompt_inputs else []
+        own = [data.instance_prompt] if config.validation.data_captions and not run.mode.prompt_inputs else []
         return [*config.validation_prompts, *(c for c in own if c not in config.validation_prompts)]
-    count = min(config.validation_data_captions, len(data)) if splits and not run.mode.prompt_inputs else 0
+    count = min(config.validation.data_captions, len(data)) if splits and not run.mode.prompt_inputs else 0
     captions: list[str] = []
     if count:  # distinct captions, from up to 16 draws each: a dataset of few captions gives what it has
         rng = np.random.default_rng([config.seed, 0x67726964])  # the grid's own stream: no training draw moves
@@ -176,8 +176,8 @@ def sample_grid(run: Run, path: Path, prompts: list[str], stop=None) -> None:
     def sample(i: int) -> list:
         sd.faults.point("fail_grid", d.rank)
         inputs = run.mode.sample_inputs(i, width, height)
-        images = sd.sampling.generate(run.sampler, prompts[i], "", [config.seed], steps=config.validation_steps,
-                                      cfg=config.validation_cfg, sampler=config.sampler, height=height,
+        images = sd.sampling.generate(run.sampler, prompts[i], "", [config.seed], steps=config.validation.steps,
+                                      cfg=config.validation.cfg, sampler=config.sampler, height=height,
                                       width=width, batch_size=1, device=d.device, stop=stop, **inputs)
         return [*run.mode.shown_inputs(inputs), *images]  # a ControlNet's conditioning image before its sample
 
@@ -190,8 +190,8 @@ def sample_grid(run: Run, path: Path, prompts: list[str], stop=None) -> None:
 def validation_size(config: TrainConfig, data) -> tuple[int, int]:
     """``(width, height)`` of the validation samples: the config's, else the training latents' size
     (with buckets, the one nearest square; between equals, the one with more samples)."""
-    if config.validation_width:
-        return config.validation_width, config.validation_height
+    if config.validation.width:
+        return config.validation.width, config.validation.height
     counts = np.bincount(data.bucket_of, minlength=len(data.shapes)) if hasattr(data, "bucket_of") else [1]
     best = min(range(len(data.shapes)),
                key=lambda i: (abs(np.log(sd.data.buckets.aspect(data.shapes[i]))), -counts[i]))

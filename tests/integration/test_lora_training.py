@@ -398,14 +398,14 @@ def test_fine_tuning_recipes_load(name):
     path = Path(__file__).resolve().parents[2] / "configs" / "finetune" / f"{name}.yaml"
     config = sd.train.config.load_config(["--config", str(path)], check_paths=False)
     assert config.init_from and config.precision == "bf16" and config.grad_checkpointing
-    assert bool(config.instance_dir) == (name != "lora")
+    assert bool(config.subject.instance_dir) == (name != "lora")
     if name == "textual_inversion":
-        assert config.embedding_token in config.instance_prompt and not config.lora_rank
+        assert config.embedding.token in config.subject.instance_prompt and not config.lora.rank
     elif name == "pivotal_tuning":
-        assert config.embedding_token in config.instance_prompt and config.lora_rank == 16
+        assert config.embedding.token in config.subject.instance_prompt and config.lora.rank == 16
         assert sd.train.step.token_steps(config, config.max_steps) == 500 and not config.cache_text_embeddings
     else:
-        assert config.lora_rank == 16 and config.cache_text_embeddings
+        assert config.lora.rank == 16 and config.cache_text_embeddings
 
 
 def test_a_lora_target_that_selects_nothing_stops_before_training(tmp_path, base_model, data, capsys):

@@ -465,14 +465,14 @@ def train_steps(run, steps: int) -> list[list[torch.Tensor]]:
 def test_an_inherited_ema_keeps_its_weight_across_phases_and_a_resume(tmp_path, data):
     small = dict(grad_accum=1, batch_size=2, ema_decay=0.9)
     previous = make_run(tmp_path / "p1", data, **small)
-    assert previous.config.ema_warmup == "restart" and previous.step.ema.warmup  # a fresh EMA warms up
+    assert previous.config.ema.warmup == "restart" and previous.step.ema.warmup  # a fresh EMA warms up
     train_steps(previous, 1)
     sd.train.recovery.save(previous)
     inherited = [s.clone() for s in previous.step.ema.shadow]
     assert any(not torch.equal(s, p) for s, p in zip(inherited, previous.step.unet.parameters()))
 
     run = make_run(tmp_path / "p2", data, **small, init_from=str(previous.run_dir))
-    assert run.config.ema_warmup == "off" and not run.step.ema.warmup
+    assert run.config.ema.warmup == "off" and not run.step.ema.warmup
     assert all(torch.equal(s, e) for s, e in zip(run.step.ema.shadow, inherited))
     live = train_steps(run, 3)
     # Constant decay d from the inherited EMA E0: E_k = d^k E0 + sum_i (1 - d) d^(k - i) w_i.
@@ -488,7 +488,7 @@ def test_an_inherited_ema_keeps_its_weight_across_phases_and_a_resume(tmp_path, 
 
     sd.train.recovery.save(run)  # a resume keeps the recorded choice, whatever init_from says now
     resumed = make_run(tmp_path / "p2", data, **small)
-    assert resumed.config.ema_warmup == "off" and not resumed.step.ema.warmup
+    assert resumed.config.ema.warmup == "off" and not resumed.step.ema.warmup
     # What auto becomes for a new phase: off when init_from brought an EMA of ours, else restart.
     fresh = dataclasses.replace(resumed.config, ema_warmup="auto")
     assert sd.train.recovery.ema_warmup_of(fresh, None, inherited=True) == "off"

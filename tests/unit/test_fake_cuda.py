@@ -54,7 +54,7 @@ def train_one_step(cfg: TrainConfig, steps: int = 1, syncs: list | None = None):
         mode.estimate_before_data(unet, text_encoder)  # a token: zeros
         unet = holder["unet"] = mode.estimate_attach(unet, text_encoder)
         step = sd.train.step.build_step(cfg, d, unet, text_encoder, torch.full((1, 77), 49407), 0.18215)
-        ids = torch.randint(0, 49407 + cfg.embedding_vectors, (2, 77))
+        ids = torch.randint(0, 49407 + cfg.embedding.vectors, (2, 77))
         if cfg.cache_text_embeddings:  # as sd.train.run.cache_text_embeddings: built on the GPU, kept on the host
             step.text_cache = sd.train.step.TextCache.build(step.text_encoder, ids, cfg.precision, d.device)
             step.text_encoder.to("cpu")

@@ -384,7 +384,7 @@ def test_dreambooth_generates_100_class_images_in_all_by_default_whatever_the_in
     import sd.train.config
 
     config = sd.train.config.TrainConfig(datasets=[], class_dir=str(tmp_path / "class"))
-    assert config.num_class_images == 100
+    assert config.subject.num_class_images == 100
     settings = sd.data.dreambooth.DreamBoothSettings.from_config(config)
     assert len(sd.data.dreambooth.missing_class_images(settings)) == 100
     (tmp_path / "class").mkdir()

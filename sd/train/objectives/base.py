@@ -58,7 +58,7 @@ class LossSettings:
 
     @classmethod
     def from_config(cls, config) -> "LossSettings":
-        return sd.cli.view_of(cls, config, prior_preservation=bool(getattr(config, "class_dir", "")))
+        return sd.cli.view_of(cls, config, prior_preservation=bool(config.subject.class_dir))
 
 
 @dataclass(frozen=True)

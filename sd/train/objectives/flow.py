@@ -94,7 +94,7 @@ class Flow(Objective):
                                   "training: set prediction_type: flow or flow_matching: true, or leave them at their "
                                   "defaults")
             return
-        if config.flow_matching and config.prediction_type == "flow":
+        if config.flow.matching and config.prediction_type == "flow":
             raise ConfigError("flow_matching trains an epsilon or v_prediction model as a flow; a prediction_type: "
                               "flow model is one already: set flow_matching: false")
         what = "prediction_type: flow" if config.prediction_type == "flow" else "flow_matching"
@@ -102,16 +102,16 @@ class Flow(Objective):
                     if config.prediction_type == "flow" else "the bridge needs a finite log-SNR at every timestep"),
                    (config.min_snr_gamma != 0, "min_snr_gamma", "Min-SNR weights the epsilon and v losses; set "
                     "min_snr_gamma: 0"),
-                   (config.debiased_estimation, "debiased_estimation", "its weights are the epsilon and v losses'"),
-                   (config.loss_type in ("huber", "smooth_l1") and config.huber_schedule == "snr",
+                   (config.loss.debiased_estimation, "debiased_estimation", "its weights are the epsilon and v losses'"),
+                   (config.loss.type in ("huber", "smooth_l1") and config.loss.huber_schedule == "snr",
                     "huber_schedule: snr", "its thresholds follow the DDPM schedule; use constant or exponential"),
-                   (bool(config.distill.method), "distill", "consistency distillation samples a DDPM teacher"),
-                   (bool(config.control), "control", "a ControlNet trains beside an epsilon or v model")]
+                   (bool(config.distill.method.method), "distill", "consistency distillation samples a DDPM teacher"),
+                   (bool(config.controlnet.control), "control", "a ControlNet trains beside an epsilon or v model")]
         for bad, name, why in refused:
             if bad:
                 raise ConfigError(f"{what} does not train with {name}: {why}")
         if config.prediction_type == "flow" and config.sampler not in sd.sampling.FLOW_SAMPLERS:
-            raise ConfigError(f"validation_sampler {config.validation_sampler}: a flow model is sampled with "
+            raise ConfigError(f"validation_sampler {config.validation.sampler}: a flow model is sampled with "
                               f"{' or '.join(sd.sampling.FLOW_SAMPLERS)} (or auto)")
 
     def loss(self, context: LossContext, model, latents, input_ids, generator, mask, inputs: dict):
@@ -172,9 +172,9 @@ class Reflow(Flow):
             return
         refused = [(not is_flow(config), "a flow model, prediction_type: flow or flow_matching: true (the pairs are "
                                           "a flow model's)"),
-                   (config.flip, "flip: false (a pair is one image and its noise)"),
-                   (config.noise_offset != 0, "noise_offset: 0 (the noise is the pair's)"),
-                   (bool(config.instance_dir), "no instance_dir (the pairs are SD_Reflow.py's latent folders)")]
+                   (config.data.flip, "flip: false (a pair is one image and its noise)"),
+                   (config.loss.noise_offset != 0, "noise_offset: 0 (the noise is the pair's)"),
+                   (bool(config.subject.instance_dir), "no instance_dir (the pairs are SD_Reflow.py's latent folders)")]
         for bad, need in refused:
             if bad:
                 raise ConfigError(f"reflow needs {need}")

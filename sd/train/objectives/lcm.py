@@ -73,8 +73,8 @@ class LCMSettings:
 
     @classmethod
     def from_config(cls, config) -> "LCMSettings":
-        return cls(config.lcm_solver_steps, config.lcm_guidance_min, config.lcm_guidance_max, config.lcm_loss,
-                   config.lcm_huber_c, config.lcm_timestep_scaling, config.lcm_target_decay)
+        return cls(config.distill.solver_steps, config.distill.guidance_min, config.distill.guidance_max, config.distill.loss,
+                   config.distill.huber_c, config.distill.timestep_scaling, config.distill.target_decay)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -158,12 +158,12 @@ class LatentConsistency(Objective):
 
     @classmethod
     def wanted(cls, config) -> bool:
-        return config.distill.method == "lcm"
+        return config.distill.method.method == "lcm"
 
     @classmethod
     def check(cls, config, check_paths: bool = True) -> None:
         """Consistency distillation's settings, and the modes it cannot be combined with."""
-        method = config.distill.method
+        method = config.distill.method.method
         if method not in MODES:
             raise ConfigError(f"distill: lcm, or empty for the usual diffusion loss; got {method!r}")
         if not method:
@@ -171,15 +171,15 @@ class LatentConsistency(Objective):
         if check_paths and not config.init_from:
             raise ConfigError("distill: lcm learns from a trained model: set init_from (the teacher: a run of ours, "
                               "a diffusers folder or hub id, or a single file)")
-        if config.lcm_loss not in LOSSES:
-            raise ConfigError(f"lcm_loss: huber or l2, got {config.lcm_loss!r}")
-        if config.lcm_guidance_max < config.lcm_guidance_min:
-            raise ConfigError(f"lcm_guidance_max ({config.lcm_guidance_max:g}) is below lcm_guidance_min "
-                              f"({config.lcm_guidance_min:g}): set max >= min (equal for a fixed scale)")
-        if sd.model.NUM_TRAIN_TIMESTEPS % config.lcm_solver_steps:
+        if config.distill.loss not in LOSSES:
+            raise ConfigError(f"lcm_loss: huber or l2, got {config.distill.loss!r}")
+        if config.distill.guidance_max < config.distill.guidance_min:
+            raise ConfigError(f"lcm_guidance_max ({config.distill.guidance_max:g}) is below lcm_guidance_min "
+                              f"({config.distill.guidance_min:g}): set max >= min (equal for a fixed scale)")
+        if sd.model.NUM_TRAIN_TIMESTEPS % config.distill.solver_steps:
             raise ConfigError(f"lcm_solver_steps: a divisor of {sd.model.NUM_TRAIN_TIMESTEPS} (e.g. 50: a skip of "
-                              f"20), got {config.lcm_solver_steps}")
-        if config.loss_type != "l2" or config.debiased_estimation:
+                              f"20), got {config.distill.solver_steps}")
+        if config.loss.type != "l2" or config.loss.debiased_estimation:
             raise ConfigError("loss_type and debiased_estimation are the diffusion loss's; a distill run has "
                               "lcm_loss: set loss_type: l2 and debiased_estimation: false")
         refused = {"instance_dir": "a DreamBooth folder", "embedding_token": "textual inversion",
@@ -236,9 +236,9 @@ class LatentConsistency(Objective):
         return teacher + (list(self.target.shadow) if self.target is not None else [])
 
     def describe(self, config) -> str:
-        return (f"distill: {config.distill.method} from {config.init_from} (teacher: "
+        return (f"distill: {config.distill.method.method} from {config.init_from} (teacher: "
                 f"{'a frozen copy' if self.teacher is not None else 'the base, adapters off'}; target: "
-                f"{f'EMA {config.lcm_target_decay:g} of the student' if config.lcm_target_decay else 'the student'})")
+                f"{f'EMA {config.distill.target_decay:g} of the student' if config.distill.target_decay else 'the student'})")
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.target.state_dict() if self.target is not None else {}
