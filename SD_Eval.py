@@ -57,6 +57,7 @@ import sd.formats
 import sd.run_folder
 import sd.runtime
 import sd.train.config
+import sd.train.config_loading
 from sd.distributed import Dist
 from sd.evaluation import (
     DEFAULT_CLIP_MODEL,
@@ -196,7 +197,7 @@ def evaluate_runs(args, prompts: list[str], extractors: Extractors, reference: d
 def run_folder(run: str) -> Path:
     """A run folder, or a phase YAML's ``out_dir``."""
     if run.endswith((".yaml", ".yml")):
-        return Path(sd.train.config.load_config(["--config", run], check_paths=False).out_dir)
+        return Path(sd.train.config_loading.load_config(["--config", run], check_paths=False).out_dir)
     return Path(run)
 
 

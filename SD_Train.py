@@ -32,6 +32,7 @@ import sd.runtime
 import sd.train.power_ema
 import sd.train.recovery
 import sd.train.config
+import sd.train.config_loading
 import sd.train.memory
 import sd.train.metrics
 import sd.train.run
@@ -40,7 +41,8 @@ import sd.train.validation
 from sd.data.prefetch import Prefetcher
 from sd.distributed import Dist
 from sd.runtime import StopSignal
-from sd.train.config import AUTO_BATCH, ConfigError, TrainConfig, config_yaml, estimate_flags, load_config
+from sd.train.config import AUTO_BATCH, ConfigError, TrainConfig, config_yaml
+from sd.train.config_loading import estimate_flags, load_config
 from sd.train.run import step_record, stop_code
 from sd.train.state import Run
 
@@ -110,7 +112,7 @@ def build(config: TrainConfig, d: Dist) -> Run:
     ``init_from``; its config is final from here on."""
     if config.batch_size == AUTO_BATCH:
         config = dataclasses.replace(config, batch_size=sd.train.memory.auto_batch_size(config, d))
-    config = sd.train.config.resolve_global_batch(config, d.world_size)
+    config = sd.train.config_loading.resolve_global_batch(config, d.world_size)
     run = sd.train.run.build(config, d)
     sd.train.recovery.resume_or_init(run)
     sd.train.step.wrap_model(run.step, run.config.compile, len(run.train_data.shapes), run.config.compile_mode)

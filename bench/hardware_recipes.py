@@ -18,7 +18,7 @@ from pathlib import Path
 
 import sd.cli
 import sd.train.memory
-from sd.train.config import load_config, resolve_global_batch
+from sd.train.config_loading import load_config, resolve_global_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ("12gb", "16gb", "24gb", "48gb", "80gb")

@@ -17,7 +17,7 @@ import sys
 import SD_Train
 import sd.distributed
 import sd.runtime
-from sd.train.config import load_config
+from sd.train.config_loading import load_config
 
 
 def main(argv: list[str]) -> int:

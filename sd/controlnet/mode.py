@@ -68,7 +68,7 @@ class ControlNet(sd.training_mode.Mode):
                               "ours, a diffusers folder or hub id, or a single file)")
         refused = {"lora_rank": (config.lora.rank, "a LoRA"), "embedding_token": (config.embedding.token,
                                                                                    "textual inversion"),
-                   "distill": (config.distill.method.method, "distillation"),
+                   "distill": (config.distill.method, "distillation"),
                    "instance_dir": (config.subject.instance_dir, "a DreamBooth folder"),
                    "lora_text_encoder": (config.lora.text_encoder, "a text-encoder adapter"),
                    "masked_loss": (config.data.masked_loss, "masked_loss"),
@@ -82,7 +82,8 @@ class ControlNet(sd.training_mode.Mode):
         if config.validate_every and config.validation_prompts and \
                 len(config.controlnet.validation_images) != len(config.validation_prompts):
             raise ConfigError(f"validation_controls: one conditioning image per validation prompt ("
-                              f"{len(config.validation_prompts)} prompts, {len(config.controlnet.validation_images)} images); "
+                              f"{len(config.validation_prompts)} prompts, "
+                              f"{len(config.controlnet.validation_images)} images); "
                               "or set validation_prompts: [] for no sample grid")
         drawn = config.validate_every and config.validation_prompts  # the grid is drawn, on these images
         for path in config.controlnet.validation_images if check_paths and drawn else ():
@@ -122,5 +123,5 @@ class ControlNet(sd.training_mode.Mode):
         return [(control * 255).round().clamp(0, 255).to(torch.uint8).numpy()]
 
     def sample_inputs(self, index: int, width: int, height: int) -> dict:
-        return {"control": sd.controlnet.model.read_control_image(self.config.controlnet.validation_images[index], width,
-                                                                  height)}
+        image = self.config.controlnet.validation_images[index]
+        return {"control": sd.controlnet.model.read_control_image(image, width, height)}

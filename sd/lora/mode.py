@@ -132,11 +132,11 @@ class Lora(sd.training_mode.Mode):
                                                            text_encoder=step.text_encoder)}
 
     def describe(self, step) -> str:
-        config = self.config
-        return (f"{sd.lora.adapters.LORA_TYPES[config.lora.type]}{' with DoRA' if config.lora.dora else ''} rank {config.lora.rank} (alpha "
-                f"{sd.lora.adapters.effective_alpha(config.lora.rank, config.lora.alpha):g}) on "
+        lora = self.config.lora
+        return (f"{sd.lora.adapters.LORA_TYPES[lora.type]}{' with DoRA' if lora.dora else ''} rank {lora.rank} (alpha "
+                f"{sd.lora.adapters.effective_alpha(lora.rank, lora.alpha):g}) on "
                 f"{len(step.unet.lora_settings['modules'])} UNet layers"
-                f"{' and the text encoder' if config.lora.text_encoder else ''}: "
+                f"{' and the text encoder' if lora.text_encoder else ''}: "
                 f"{sum(p.numel() for p in step.trainable)} trainable parameters")
 
 

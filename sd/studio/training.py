@@ -8,7 +8,7 @@ card recipe (a second ``--config``), the run folder (``runs/NAME``: the run name
 set it and by whichever name (``subject.instance_dir`` or ``instance_dir``, a section's mapping or a line),
 is resolved against the first root (where the trainer runs) and must lie inside a root; a model field may also
 be a hub id or ``tiny``. The config is then made and validated by the trainer's own functions
-(``sd.train.config.config_values``, ``make_config``): no working directory is changed, no parser is reused.
+(``sd.train.config_loading.config_values``, ``make_config``): no working directory is changed, no parser is reused.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import sd.train.config as config
+import sd.train.config_loading as config_loading
 from sd.cli import load_yaml
 from sd.studio.jobs import python_command
 from sd.studio.runs import OutsideRoots, Roots
@@ -141,9 +142,9 @@ def check_training(preset: str, hardware: str | None, run_dir: Path, fields: lis
         return "out_dir is the run name's (runs/NAME): set the run name instead"
     recipes = [workdir / path for path in [preset] + ([hardware] if hardware else [])]
     try:
-        values = config.config_values(recipes, overrides, where="the fields")
+        values = config_loading.config_values(recipes, overrides, where="the fields")
         values = confined({**values, RUN_FIELD: str(roots.check(run_dir))}, roots)
-        config.make_config(values, check_paths=False)
+        config_loading.make_config(values, check_paths=False)
     except (config.ConfigError, ValueError, OSError) as error:  # OutsideRoots is a ValueError
         return str(error)
     return ""

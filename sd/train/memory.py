@@ -67,7 +67,8 @@ import sd.train.sharding
 import sd.train.step
 from sd.distributed import Dist
 from sd.run_folder import read_saved_config
-from sd.train.config import ConfigError, check_models, largest_batch_for, resolve_global_batch
+from sd.train.config import ConfigError, check_models
+from sd.train.config_loading import largest_batch_for, resolve_global_batch
 
 log = logging.getLogger("sd_train")
 

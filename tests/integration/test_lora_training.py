@@ -25,6 +25,7 @@ import sd.sampling
 import sd.train.checkpoint as ckpt
 import sd.train.recovery
 import sd.train.config
+import sd.train.config_loading
 import sd.train.ema
 import sd.train.objectives
 import sd.train.step
@@ -99,7 +100,7 @@ def test_lora_trains_the_adapter_only_and_resumes_bitwise_with_adapter_dropout(t
     # The base weights of the trained model are the base model's, bit for bit.
     unet = base_unet(base_model)
     before = {k: v.clone() for k, v in unet.state_dict().items()}
-    config = sd.train.config.load_config(["--config", str(straight)])
+    config = sd.train.config_loading.load_config(["--config", str(straight)])
     run = SD_Train.build(config, Dist.single())
     after = {k.replace(".base_layer", ""): v for k, v in run.step.unet.state_dict().items()
              if not sd.lora.adapters.is_adapter_name(k)}
@@ -196,7 +197,7 @@ def test_dreambooth_generates_missing_class_images_and_trains_on_both_halves(tmp
     else:
         assert (saved / "unet.safetensors").exists()
     # The epoch is the 6 class images, each paired with instance i mod 3: all of them in 6 samples.
-    data = SD_Train.build(sd.train.config.load_config(["--config", str(config)]), Dist.single()).train_data
+    data = SD_Train.build(sd.train.config_loading.load_config(["--config", str(config)]), Dist.single()).train_data
     assert len(data) == 6 and data.instance.shape[0] == 3 and data.prior.shape[0] == 6
 
 
@@ -225,7 +226,7 @@ def test_ctrl_c_during_class_images_keeps_the_finished_ones_and_ends_with_one_li
     assert len(list((tmp_path / "class").glob("class_*.png"))) == batch  # the first batch is kept
     assert "generating 20 class images" in caplog.text and f"stopped after {batch} new ones" in caplog.text
     assert "for the 12 left" in caplog.text  # the time it will take, from the first batch
-    parsed = sd.train.config.load_config(["--config", str(config)])
+    parsed = sd.train.config_loading.load_config(["--config", str(config)])
     assert len(sd.data.dreambooth.missing_class_images(sd.data.dreambooth.DreamBoothSettings.from_config(parsed))) \
         == 20 - batch  # a re-run makes only the rest
 
@@ -396,7 +397,7 @@ def test_a_text_cache_too_large_is_refused_before_encoding():
 @pytest.mark.parametrize("name", ["lora", "dreambooth_lora", "textual_inversion", "pivotal_tuning"])
 def test_fine_tuning_recipes_load(name):
     path = Path(__file__).resolve().parents[2] / "configs" / "finetune" / f"{name}.yaml"
-    config = sd.train.config.load_config(["--config", str(path)], check_paths=False)
+    config = sd.train.config_loading.load_config(["--config", str(path)], check_paths=False)
     assert config.init_from and config.precision == "bf16" and config.grad_checkpointing
     assert bool(config.subject.instance_dir) == (name != "lora")
     if name == "textual_inversion":
@@ -481,7 +482,7 @@ def test_full_dreambooth_trains_from_the_weights_that_drew_its_class_images(tmp_
                           num_class_images=2, image_size=64, init_from=str(source), max_steps=1, cfg_dropout=0.0,
                           out_dir=str(tmp_path / "run"), prediction_type="v_prediction", zero_terminal_snr=True,
                           batch_size=1, grad_accum=1)
-    run = SD_Train.build(sd.train.config.load_config(["--config", str(config)]), Dist.single())
+    run = SD_Train.build(sd.train.config_loading.load_config(["--config", str(config)]), Dist.single())
     assert drawn["ztsnr"] is True
     assert_bitwise_equal(drawn["weights"], ema)
     assert_bitwise_equal(run.step.unet.state_dict(), ema)  # the weights training starts from
@@ -505,7 +506,8 @@ def test_the_text_encoder_adapter_steps_with_its_own_learning_rate_and_warm_up(t
     config = write_config(tmp_path / "a.yaml", datasets=[data], init_from=str(base_model), max_steps=4, ema_decay=0.0,
                           out_dir=str(tmp_path / "run"), warmup_steps=1, text_encoder_lr=1e-30,
                           text_encoder_warmup_steps=3, **TEXT)
-    start = adapter_tensors(SD_Train.build(sd.train.config.load_config(["--config", str(config)]), Dist.single()))
+    loaded = sd.train.config_loading.load_config(["--config", str(config)])
+    start = adapter_tensors(SD_Train.build(loaded, Dist.single()))
     assert SD_Train.main(["--config", str(config)]) == 0
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4]
@@ -514,7 +516,7 @@ def test_the_text_encoder_adapter_steps_with_its_own_learning_rate_and_warm_up(t
         assert record["lr_text_encoder"] == pytest.approx(sd.train.step.lr_at(step, 1e-30, 3, 4), rel=1e-12)
     assert records[0]["lr_text_encoder"] == pytest.approx(1e-32) and records[3]["lr"] < records[1]["lr"]
 
-    resumed = SD_Train.build(sd.train.config.load_config(["--config", str(config)]), Dist.single())
+    resumed = SD_Train.build(sd.train.config_loading.load_config(["--config", str(config)]), Dist.single())
     groups = {g["name"]: g for g in resumed.step.optimizer.param_groups}
     assert list(groups) == ["unet", "text_encoder"] and resumed.state.step == 4
     assert {name: g["lr"] for name, g in groups.items()} == sd.train.step.lrs_at(resumed.config, 3, 4)  # the last set
@@ -571,7 +573,7 @@ def test_a_checkpoint_whose_ema_predates_the_text_adapters_starts_that_ema_from_
     ckpt.save_weights({k: v for k, v in ema.items() if not k.startswith("text_encoder.")}, folder / "ema.safetensors")
     (folder / sd.run_folder.MANIFEST).unlink()  # as an older version wrote it
     with caplog.at_level(logging.INFO, logger="sd_train"):
-        run = SD_Train.build(sd.train.config.load_config(["--config", str(config)]), Dist.single())
+        run = SD_Train.build(sd.train.config_loading.load_config(["--config", str(config)]), Dist.single())
     assert run.state.step == 2
     assert any("EMA of the text encoder's adapter starts from the weights of" in r.getMessage() for r in caplog.records)
     live = dict(run.step.text_encoder.named_parameters())
@@ -624,7 +626,7 @@ def test_prodigy_and_schedule_free_lora_runs_resume_bitwise_with_the_text_adapte
     assert [r["step"] for r in records if "val_loss" in r] == [2, 4, 6]
     if optimizer == "adamw_schedulefree":
         # The adapter file holds x = lerp(y, z, 1 - 1/beta1); optimizer.pt holds y and z; a resume trains on at y.
-        resumed = SD_Train.build(sd.train.config.load_config(["--config", str(straight)]), Dist.single())
+        resumed = SD_Train.build(sd.train.config_loading.load_config(["--config", str(straight)]), Dist.single())
         live = adapter_tensors(resumed)  # in the optimizer's parameter order
         saved = torch.load(tmp_path / "a" / "checkpoints" / sd.run_folder.step_dir_name(6) / "optimizer.pt", weights_only=True)
         assert len(saved["train_weights"]) == len(live)

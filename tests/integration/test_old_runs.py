@@ -17,6 +17,7 @@ import sd.model
 import sd.run_folder
 import sd.train.recovery
 import sd.train.config
+import sd.train.config_loading
 import SD_ImageGen
 import SD_Train
 from sd.distributed import Dist
@@ -67,7 +68,7 @@ STATE_FILES = ("COMPLETE", "manifest.json", "config.yaml")  # written about the 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_an_old_checkpoint_loads_the_state_its_files_hold_and_the_run_goes_on(old_runs, mode, tmp_path):
-    config = sd.train.config.load_config(["--config", f"configs/{mode}.yaml"])
+    config = sd.train.config_loading.load_config(["--config", f"configs/{mode}.yaml"])
     run = SD_Train.build(config, Dist.single())
     assert run.state.step == 2
     run.rng.start(run.config.seed, 0)  # the loaded RNG states, as the loop applies them
@@ -103,7 +104,7 @@ def test_a_changed_precision_resumes_every_modes_checkpoint_both_ways(old_runs, 
     weights in the run's precision, and its good checkpoint was renamed ``*.damaged``.)"""
     run_dir = old_runs / "runs" / mode
     for precision in ("bf16", "fp32"):
-        config = sd.train.config.load_config(["--config", f"configs/{mode}.yaml", "--precision", precision])
+        config = sd.train.config_loading.load_config(["--config", f"configs/{mode}.yaml", "--precision", precision])
         with caplog.at_level("WARNING"):
             run = SD_Train.build(config, Dist.single())
         assert run.state.step == 2 and run.config.precision == precision, (mode, precision)

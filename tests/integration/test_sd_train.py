@@ -24,6 +24,7 @@ import sd.model
 import sd.run_folder
 import sd.train.recovery
 import sd.train.config
+import sd.train.config_loading
 import sd.train.ema
 import sd.train.step
 import sd.sampling
@@ -792,7 +793,7 @@ def test_phase_recipes_match_the_reference_curriculum(name, tmp_path, monkeypatc
     for dataset in mix:
         (tmp_path / "data" / dataset / "dataset").mkdir(parents=True, exist_ok=True)
         (tmp_path / "data" / dataset / "latents").mkdir(parents=True, exist_ok=True)
-    config = sd.train.config.load_config(["--config", str(path), "--init_from", ""])
+    config = sd.train.config_loading.load_config(["--config", str(path), "--init_from", ""])
     assert (config.lr, config.warmup_steps, config.cfg_dropout) == (lr, warmup, dropout)
     weights = {Path(d["dataset"]).parent.name: d["weight"] for d in config.datasets}
     assert weights == pytest.approx(mix) and sum(weights.values()) == pytest.approx(1.0)

@@ -192,7 +192,8 @@ def test_max_batch_tries_few_sizes_and_only_those_that_could_be_the_answer(globa
 
 def test_batch_size_auto_is_read_refused_on_the_cpu_and_kept_by_a_resumed_run(tmp_path):
     from sd.distributed import Dist
-    from sd.train.config import AUTO_BATCH, ConfigError, load_config
+    from sd.train.config import AUTO_BATCH, ConfigError
+    from sd.train.config_loading import load_config
 
     config = load_config(["--unet", "tiny", "--batch_size", "auto", "--out_dir", str(tmp_path / "run")],
                          check_paths=False)

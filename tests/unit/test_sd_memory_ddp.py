@@ -9,8 +9,10 @@ import torch.distributed as dist
 
 import sd.model
 import sd.train.config
+import sd.train.config_loading
 import sd.train.memory
-from sd.train.config import ConfigError, TrainConfig, estimate_flags
+from sd.train.config import ConfigError, TrainConfig
+from sd.train.config_loading import estimate_flags
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -142,7 +144,7 @@ RECIPES = sorted((ROOT / "configs" / "hardware").glob("*.yaml"))
 
 
 def test_every_card_recipe_loads_over_every_phase_and_splits_its_global_batch_on_one_and_two_gpus():
-    from sd.train.config import load_config, resolve_global_batch
+    from sd.train.config_loading import load_config, resolve_global_batch
 
     assert [r.stem for r in RECIPES] == ["12gb", "16gb", "24gb", "48gb", "80gb"]
     phases = sorted((ROOT / "configs" / "phases").glob("p*.yaml"))
@@ -150,16 +152,16 @@ def test_every_card_recipe_loads_over_every_phase_and_splits_its_global_batch_on
         assert "predicted peak" in recipe.read_text().split("\n", 1)[0]  # the estimate it was chosen by, on top
         for phase in phases:
             config = load_config(["--config", str(phase), "--config", str(recipe)], check_paths=False)
-            fields = sd.train.config.read_yaml(recipe)
+            fields = sd.train.config_loading.read_yaml(recipe)
             assert {name: sd.train.config.value_of(config, name) for name in fields} == fields  # the recipe over the phase
-            assert config.lr == sd.train.config.read_yaml(phase)["lr"]  # the phase's own fields stay
+            assert config.lr == sd.train.config_loading.read_yaml(phase)["lr"]  # the phase's own fields stay
             for gpus in (1, 2):
                 resolved = resolve_global_batch(config, gpus)
                 assert resolved.batch_size * resolved.grad_accum * gpus == config.global_batch
 
 
 def test_a_later_config_file_overrides_an_earlier_ones_fields(tmp_path):
-    from sd.train.config import load_config
+    from sd.train.config_loading import load_config
 
     (tmp_path / "a.yaml").write_text("unet: tiny\nbatch_size: 4\nlr: 0.001\n")
     (tmp_path / "b.yaml").write_text("batch_size: 2\n")

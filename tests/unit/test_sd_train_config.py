@@ -12,10 +12,12 @@ import yaml
 import sd.run_folder
 import sd.settings
 import sd.train.config
+import sd.train.config_loading
 import SD_Train
 
 ROOT = Path(__file__).resolve().parents[2]
-from sd.train.config import ConfigError, canonical, load_config
+from sd.train.config import ConfigError, canonical
+from sd.train.config_loading import load_config
 
 
 @pytest.fixture
@@ -365,7 +367,8 @@ def test_docs_config_md_is_the_reference_generated_from_the_fields():
 
 
 def test_global_batch_keeps_the_curriculums_96_images_per_step_on_any_number_of_gpus():
-    from sd.train.config import ConfigError, canonical, load_config, resolve_global_batch
+    from sd.train.config import ConfigError
+    from sd.train.config_loading import load_config, resolve_global_batch
 
     phase1 = load_config(["--config", "configs/phases/p1_laion_broad.yaml"], check_paths=False)
     assert (phase1.global_batch, phase1.batch_size) == (96, 24)
@@ -599,7 +602,7 @@ def test_each_components_view_of_the_config_reads_fields_the_config_has_and_copi
 def test_the_controlnet_recipes_placeholder_control_image_is_checked_only_when_a_grid_is_drawn(tmp_path):
     """configs/finetune/controlnet.yaml names the user's own validation image, which a run without a sample grid
     never reads."""
-    from sd.train.config import load_config
+    from sd.train.config_loading import load_config
 
     (tmp_path / "captions").mkdir()
     (tmp_path / "latents").mkdir()
@@ -614,7 +617,7 @@ def test_the_controlnet_recipes_placeholder_control_image_is_checked_only_when_a
 def test_every_shipped_config_loads_and_passes_its_checks(path):
     """A recipe that stops with a config error (a setting one of its modes refuses) fails here, not at a
     user's step 8."""
-    config = sd.train.config.load_config(["--config", str(ROOT / path)], check_paths=False)
+    config = sd.train.config_loading.load_config(["--config", str(ROOT / path)], check_paths=False)
     assert config.max_steps > 0 or config.epochs > 0
     assert config.flat_keys == ()  # written in sections, as docs/config.md names the fields
 

@@ -102,10 +102,11 @@ class Flow(Objective):
                     if config.prediction_type == "flow" else "the bridge needs a finite log-SNR at every timestep"),
                    (config.min_snr_gamma != 0, "min_snr_gamma", "Min-SNR weights the epsilon and v losses; set "
                     "min_snr_gamma: 0"),
-                   (config.loss.debiased_estimation, "debiased_estimation", "its weights are the epsilon and v losses'"),
+                   (config.loss.debiased_estimation, "debiased_estimation",
+                    "its weights are the epsilon and v losses'"),
                    (config.loss.type in ("huber", "smooth_l1") and config.loss.huber_schedule == "snr",
                     "huber_schedule: snr", "its thresholds follow the DDPM schedule; use constant or exponential"),
-                   (bool(config.distill.method.method), "distill", "consistency distillation samples a DDPM teacher"),
+                   (bool(config.distill.method), "distill", "consistency distillation samples a DDPM teacher"),
                    (bool(config.controlnet.control), "control", "a ControlNet trains beside an epsilon or v model")]
         for bad, name, why in refused:
             if bad:

@@ -73,8 +73,9 @@ class LCMSettings:
 
     @classmethod
     def from_config(cls, config) -> "LCMSettings":
-        return cls(config.distill.solver_steps, config.distill.guidance_min, config.distill.guidance_max, config.distill.loss,
-                   config.distill.huber_c, config.distill.timestep_scaling, config.distill.target_decay)
+        distill = config.distill
+        return cls(distill.solver_steps, distill.guidance_min, distill.guidance_max, distill.loss, distill.huber_c,
+                   distill.timestep_scaling, distill.target_decay)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -158,12 +159,12 @@ class LatentConsistency(Objective):
 
     @classmethod
     def wanted(cls, config) -> bool:
-        return config.distill.method.method == "lcm"
+        return config.distill.method == "lcm"
 
     @classmethod
     def check(cls, config, check_paths: bool = True) -> None:
         """Consistency distillation's settings, and the modes it cannot be combined with."""
-        method = config.distill.method.method
+        method = config.distill.method
         if method not in MODES:
             raise ConfigError(f"distill: lcm, or empty for the usual diffusion loss; got {method!r}")
         if not method:
@@ -236,9 +237,10 @@ class LatentConsistency(Objective):
         return teacher + (list(self.target.shadow) if self.target is not None else [])
 
     def describe(self, config) -> str:
-        return (f"distill: {config.distill.method.method} from {config.init_from} (teacher: "
+        decay = config.distill.target_decay
+        return (f"distill: {config.distill.method} from {config.init_from} (teacher: "
                 f"{'a frozen copy' if self.teacher is not None else 'the base, adapters off'}; target: "
-                f"{f'EMA {config.distill.target_decay:g} of the student' if config.distill.target_decay else 'the student'})")
+                f"{f'EMA {decay:g} of the student' if decay else 'the student'})")
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.target.state_dict() if self.target is not None else {}
