@@ -37,7 +37,8 @@ PYTEST := $(PY) -m pytest $(if $(filter 0,$(XDIST)),,-n $(XDIST) --dist loadfile
 test: $(STAMP)
 	$(PYTEST)
 
-# The demo chain at 64 px with every step (about 40 minutes on 2 cores), besides the small one make test runs.
+# The learned demo chains: at 32 px (steps 1-6, about 3 minutes) and at 64 px with every step (about 40 minutes
+# on 2 cores), besides the rest of tests/e2e; make test runs the chain's smoke (a few iterations a step).
 test-demo: $(STAMP)
 	$(PY) -m pytest --full-demo tests/e2e
 
@@ -47,7 +48,7 @@ check: $(STAMP)
 
 # Tests independent of the machine and the order (docs/testing.md): the suite in a shuffled order
 # (ORDER=reverse or random:SEED), in one process with two threads, and the learned outcomes' margins on
-# AVX2 and AVX-512 kernels at one and two threads (MARGINS_ARGS=--full-demo adds the 64 px chain).
+# AVX2 and AVX-512 kernels at one and two threads (MARGINS_ARGS=--full-demo adds the demo chains, 32 and 64 px).
 ORDER ?= random:1
 test-order: $(STAMP)
 	$(PYTEST) --test-order $(ORDER)

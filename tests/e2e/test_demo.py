@@ -1,8 +1,13 @@
 """make demo's chain (demo/run.sh) at smaller sizes: the model must follow its prompts' colours.
 
-``test_small_demo_...`` runs in ``make test``: 32 px images, the tiny VAE and UNet, the new concept with
-prior preservation, no aspect-ratio step. ``test_demo_at_64_px_...`` is the larger chain with every step
-(language drift and aspect-ratio buckets included); it runs with ``--full-demo`` (``make test-demo``).
+``make test`` runs ``test_the_demo_chain_...``, the smoke: run.sh's first six steps end to end (data, VAE,
+latents, the 2-rank UNet run, samples, accuracy and FID) a few steps each, every output there and in its
+shape; it asserts nothing a model learnt. What a from-scratch chain learns is asserted in ``make test`` by
+tests/e2e/test_quickstart.py (the same commands on coloured shapes at 32 px: the samples' colours and
+shapes, stricter bounds). The learned chains run with ``--full-demo`` (``make test-demo``):
+``test_small_demo_...`` (32 px, the tiny VAE and UNet, steps 1-6: prompted colours and shapes, FID against
+a blank canvas's) and ``test_demo_at_64_px_...``, the larger chain with every step (the new concept,
+language drift, aspect-ratio buckets, few-step sampling, flow matching, control).
 """
 
 import json
@@ -32,6 +37,9 @@ SMALL_DEMO = {"DEMO_SIZE": "32", "DEMO_COUNT": "1200", "DEMO_VAE_STEPS": "500", 
               "DEMO_TRAIN_FLAGS": "--unet tiny --max_steps 500 --warmup_steps 30 --validate_every 500 --save_steps 500",
               "DEMO_CONCEPT": "0", "DEMO_ASPECT": "0", "DEMO_LCM": "0", "DEMO_CONTROL": "0", "DEMO_POSTHOC": "0",
               "DEMO_FLOW": "0"}
+# The smoke (make test): the small run's steps, each a few iterations on a few images, one sample a prompt.
+SMOKE = {**SMALL_DEMO, "DEMO_COUNT": "96", "DEMO_VAE_STEPS": "4", "DEMO_N": "1",
+         "DEMO_TRAIN_FLAGS": "--unet tiny --max_steps 4 --warmup_steps 1 --validate_every 4 --save_steps 4"}
 # Measured at these settings on the 2-core machine (one thread a process): seen colour 1.00 and shape
 # 0.78; FID 8.0 (ground truth) < 23.8 (model) < 393 (blank). The new-concept steps are left out here
 # (DEMO_CONCEPT=0), and the few-step distillation (DEMO_LCM=0: tests/integration/test_distillation.py): a LoRA
@@ -143,6 +151,27 @@ def check_concept(out: Path, runs: tuple[str, ...]) -> dict:
 
 
 @pytest.mark.slow
+def test_the_demo_chain_runs_end_to_end_and_writes_every_output(tmp_path):
+    """run.sh's steps 1-6 as the small chain runs them (32 px, the tiny VAE and UNet on 2 ranks), a few
+    iterations each: every output in its place and shape, the FID's ground-truth floor below a blank
+    canvas's. What the chain learns: test_small_demo_... (make test-demo); in make test, test_quickstart.py."""
+    result, out = run_demo(tmp_path, SMOKE)
+    scores = json.loads((out / "eval.json").read_text())
+    assert scores["seen"]["n"] == 15 and scores["held_out"]["n"] == 3
+    assert all(0 <= scores[part][what] <= 1 for part in ("seen", "held_out") for what in ("colour", "shape", "both"))
+    assert (out / "samples" / "grid.png").exists() and (out / "train" / "loss.png").exists()
+    assert (out / "train" / "samples" / "step_00000004.png").exists()
+    assert json.loads((out / "vae" / "vae_stats.json").read_text())["steps"] == 4
+    records = [json.loads(line) for line in (out / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert max(r["step"] for r in records) == 4
+    fid = json.loads((out / "fid" / "fid.json").read_text())
+    assert fid["n"] == 18 and all(np.isfinite(fid[k]) and fid[k] >= 0 for k in ("ground_truth", "samples", "blank"))
+    assert fid["ground_truth"] < fid["blank"], fid
+    assert not (out / "posthoc.json").exists() and not (out / "concept").exists()  # DEMO_POSTHOC=0, DEMO_CONCEPT=0
+
+
+@pytest.mark.slow
+@pytest.mark.full_demo
 @pytest.mark.learned
 def test_small_demo_chain_learns_prompted_colours_and_shapes(tmp_path):
     _, out = run_demo(tmp_path, SMALL_DEMO)
