@@ -57,15 +57,17 @@ def torchrun(config: Path, *flags, env=None, nproc=2, check=True):
     return result
 
 
-def torchrun_runs(*runs: list[str], env=None) -> None:
-    """The runs (each an SD_Train.py command line) one after another in one 2-rank torchrun launch
-    (tests/train_runs.py): one start-up, most of a tiny run's time, for all of them."""
+def torchrun_runs(*runs: list[str] | dict, env=None) -> subprocess.CompletedProcess:
+    """The runs (each an SD_Train.py command line, or a dict tests/train_runs.py reads) one after another in
+    one 2-rank torchrun launch (tests/train_runs.py): one start-up, most of a tiny run's time, for all of
+    them. Returns the launch's result (the runs' logs in its stderr)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
            "tests.train_runs", json.dumps(runs)]
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, **(env or {})},
                             timeout=900)
     if result.returncode != 0:
         raise AssertionError(f"torchrun failed ({result.returncode}):\n{result.stderr[-4000:]}")
+    return result
 
 
 def losses(run_dir: Path) -> list[float]:
@@ -106,12 +108,18 @@ def dataset_with_a_nan_sample(root: Path) -> dict:
     return entry
 
 
+# The run whose validation fails on one rank (test_a_failure_inside_one_ranks_validation_...): rank 1's share
+# of the validation loss at step 2, rank 0's share of the grid at step 4.
+VALIDATION_FAULTS = "fail_validation_loss:1,fail_grid:0"
+
+
 @pytest.fixture(scope="module")
 def from_scratch(tmp_path_factory, data):
     """The 2-rank runs that start from nothing, in one launch: the uninterrupted reference ``a`` (2N
-    steps, with validation grids along the way), a run on a dataset with a NaN sample (8 steps), and the
+    steps, with validation grids along the way), a run on a dataset with a NaN sample (8 steps), the
     interrupted run ``b``'s first part (the reference's command stopped by ``--stop_at_step 2``; its
-    resumes run in launches of their own, as re-runs of the command)."""
+    resumes run in launches of their own, as re-runs of the command), and last a run whose validation
+    fails on one rank (4 steps, VALIDATION_FAULTS armed for it alone); with the launch's stderr."""
     root = tmp_path_factory.mktemp("from_scratch")
     a = write_config(root / "a.yaml", datasets=[data], max_steps=TOTAL, out_dir=str(root / "run_a"),
                      validate_every=5)
@@ -119,8 +127,12 @@ def from_scratch(tmp_path_factory, data):
                        out_dir=str(root / "run_nan"))
     b = write_config(root / "b.yaml", datasets=[data], max_steps=TOTAL, out_dir=str(root / "run_b"),
                      validate_every=5, save_steps=4)  # save_steps may change freely: here it never does
-    torchrun_runs(["--config", str(a)], ["--config", str(nan)], ["--config", str(b), "--stop_at_step", "2"])
-    return {"a": (root / "run_a", a), "nan": root / "run_nan", "b": (root / "run_b", b)}
+    failing = write_config(root / "c.yaml", datasets=[data], max_steps=4, validate_every=2, save_steps=4,
+                           out_dir=str(root / "run_c"), batch_size=2, grad_accum=1, validation_samples=8)
+    result = torchrun_runs(["--config", str(a)], ["--config", str(nan)], ["--config", str(b), "--stop_at_step", "2"],
+                           {"argv": ["--config", str(failing)], "fault": VALIDATION_FAULTS})
+    return {"a": (root / "run_a", a), "nan": root / "run_nan", "b": (root / "run_b", b),
+            "failing": root / "run_c", "stderr": result.stderr}
 
 
 @pytest.fixture(scope="module")
@@ -587,21 +599,20 @@ def test_a_failure_inside_validation_is_a_warning_and_costs_no_step(tmp_path, da
 
 
 @pytest.mark.slow
-def test_a_failure_inside_one_ranks_validation_reaches_every_rank_and_the_run_goes_on(tmp_path, data):
+def test_a_failure_inside_one_ranks_validation_reaches_every_rank_and_the_run_goes_on(from_scratch):
     """2 ranks, validation at steps 2 and 4: rank 1's share of the validation loss fails at step 2, rank 0's
-    share of the grid at step 4. Once the other rank waited in the collective until the watchdog's timeout
-    (30 minutes); now both leave at that collective, each warns (the failing rank with its error, the other
-    naming it), and the run trains on to step 4 and saves."""
-    config = write_config(tmp_path / "c.yaml", datasets=[data], max_steps=4, validate_every=2, save_steps=4,
-                          out_dir=str(tmp_path / "run"), batch_size=2, grad_accum=1, validation_samples=8)
-    result = torchrun(config, env={"SD_FAULT": "fail_validation_loss:1,fail_grid:0"})  # 300 s at most
-    err = result.stderr
+    share of the grid at step 4 (``from_scratch``'s last run). Once the other rank waited in the collective
+    until the watchdog's timeout (30 minutes); now both leave at that collective, each warns (the failing
+    rank with its error, the other naming it), and the run trains on to step 4 and saves. (The launch's
+    other runs validate at steps 5 and 10 or not at all and arm no fault: none of these lines is theirs.)"""
+    err, run_dir = from_scratch["stderr"], from_scratch["failing"]
     assert "step 2: validation failed (Injected: injected fault fail_validation_loss:1)" in err, err[-3000:]
     assert "step 2: validation failed (Failed: rank 1: Injected: injected fault fail_validation_loss:1)" in err
     assert "step 4: validation failed (Injected: injected fault fail_grid:0)" in err
     assert "step 4: validation failed (Failed: rank 0: Injected: injected fault fail_grid:0)" in err
-    assert (tmp_path / "run" / "checkpoints" / sd.run_folder.step_dir_name(4) / "COMPLETE").exists()
-    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert err.count("validation failed") == 4  # each rank once at each step, and no other run's
+    assert (run_dir / "checkpoints" / sd.run_folder.step_dir_name(4) / "COMPLETE").exists()
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4]
 
 
@@ -1217,13 +1228,14 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def two_nodes(config: Path, cwds: tuple[Path, Path], *flags, env=None) -> list[subprocess.CompletedProcess]:
+def two_nodes(cwds: tuple[Path, Path], *runs: list[str] | dict, env=None) -> list[subprocess.CompletedProcess]:
     """Two torchrun launchers of one rank each, as two nodes would start them, meeting by c10d rendezvous
-    on the loopback address; each in its own working folder."""
+    on the loopback address; each in its own working folder. The ranks run ``runs`` one after another
+    (tests/train_runs.py)."""
     port = free_port()
     launchers = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
                                    "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=nodes",
-                                   str(ROOT / "SD_Train.py"), "--config", str(config), *map(str, flags)],
+                                   "-m", "tests.train_runs", json.dumps(runs)],
                                   cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                   env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {}),
                                        "OMP_NUM_THREADS": "1"})  # as torchrun sets for 2 ranks on one node
@@ -1238,25 +1250,30 @@ def two_nodes(config: Path, cwds: tuple[Path, Path], *flags, env=None) -> list[s
 @pytest.mark.slow
 def test_two_nodes_stopped_and_resumed_end_bitwise_as_one_node_and_a_node_local_out_dir_is_refused(
         run_a, data, tmp_path):
-    """Two "nodes" of one rank each (local rank 0 on both): the reference's command, stopped at step 2 and
-    resumed, ends with its weights, optimizer and every rank's RNGs bit for bit. With out_dir local to each
-    node (a relative path in each node's own folder), every rank stops before any step, naming the folder."""
+    """Two "nodes" of one rank each (local rank 0 on both): with out_dir local to each node (a relative path
+    in each node's own folder), every rank stops before any step with a config error naming the folder; then,
+    in the same launch, the reference's command stopped at step 2, and resumed in a launch of its own, ends
+    with its weights, optimizer and every rank's RNGs bit for bit."""
     reference, _ = run_a
     nodes = (tmp_path / "node0", tmp_path / "node1")
     for node in nodes:
         node.mkdir()
     shared = write_config(tmp_path / "shared.yaml", datasets=[data], max_steps=TOTAL, out_dir=str(tmp_path / "run"),
                           validate_every=5)
-    for flags in (["--stop_at_step", "2"], []):
-        results = two_nodes(shared, nodes, *flags)
-        assert all(r.returncode == 0 for r in results), [r.stderr[-3000:] for r in results]
+    local = write_config(tmp_path / "local.yaml", datasets=[data], max_steps=TOTAL, out_dir="run")
+    results = two_nodes(nodes, {"argv": ["--config", str(local)], "exit": 2},
+                        ["--config", str(shared), "--stop_at_step", "2"], env={"SD_SHARED_FOLDER_WAIT_S": "3"})
+    assert all(r.returncode == 0 for r in results), [r.stderr[-3000:] for r in results]
+    ranks = set()
+    for result in results:  # each launcher's stderr holds its own rank's error
+        error = re.search(r"SD_Train.py: error \(rank (\d)\): out_dir \S+ is not one folder for all ranks: rank 1 on",
+                          result.stderr)
+        assert error and "shared filesystem" in result.stderr, result.stderr[-3000:]
+        ranks.add(error.group(1))
+    assert ranks == {"0", "1"}
+    assert not any((node / "run" / "checkpoints").exists() for node in nodes)
+    results = two_nodes(nodes, ["--config", str(shared)])
+    assert all(r.returncode == 0 for r in results), [r.stderr[-3000:] for r in results]
     assert_bitwise_equal(final_state(tmp_path / "run", TOTAL), final_state(reference, TOTAL))
     assert losses(tmp_path / "run") == losses(reference)
     assert not list((tmp_path / "run").glob(".shared-*"))
-
-    local = write_config(tmp_path / "local.yaml", datasets=[data], max_steps=TOTAL, out_dir="run")
-    results = two_nodes(local, nodes, env={"SD_SHARED_FOLDER_WAIT_S": "3"})
-    assert all(r.returncode != 0 for r in results), [r.stderr[-3000:] for r in results]  # torchrun's 1 for our 2
-    for result in results:
-        assert "is not one folder for all ranks: rank 1 on" in result.stderr and "shared filesystem" in result.stderr
-    assert not any((node / "run" / "checkpoints").exists() for node in nodes)
