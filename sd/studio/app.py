@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 import sd.cli
+import sd.sampling
 from sd.studio.handlers import EXPORTS, Studio
 from sd.studio.runs import Roots
 from sd.studio.training import field_reference, gpus_present, presets
@@ -133,8 +134,8 @@ def sample_page(gr, studio: Studio, polls: list) -> None:
     prompt = gr.Textbox(label="prompt", value="a red circle", elem_id="sample-prompt")
     negative = gr.Textbox(label="negative prompt", elem_id="sample-negative")
     with gr.Row():
-        sampler = gr.Dropdown(["auto", "ddim", "dpm++", "euler", "lcm", "flow_euler", "flow_heun"],
-                              value="auto", label="sampler", elem_id="sample-sampler")
+        sampler = gr.Dropdown(["auto", *sd.sampling.SAMPLERS], value="auto", label="sampler",
+                              elem_id="sample-sampler")
         steps = gr.Number(label="steps (0: the sampler's default)", value=0, precision=0, elem_id="sample-steps")
         cfg = gr.Number(label="CFG (0: the sampler's default, 7.5; 1 with lcm)", value=0, elem_id="sample-cfg")
         seed = gr.Number(label="seed", value=0, precision=0, elem_id="sample-seed")

@@ -78,3 +78,11 @@ def test_no_page_carries_the_api_description():
         b"<script>window.gradio_api_info = null;</script>")
     info = b'{"named_endpoints": {"/save_caption": {}}, "window.gradio_api_info = x;": 1}'
     assert served(info, b"application/json") == info  # what /gradio_api/info answers after the login: as it is
+
+
+def test_the_sample_page_offers_the_samplers_sd_imagegen_takes(tmp_path):
+    import sd.sampling
+
+    pages = build(Roots([tmp_path]), ROOT)
+    sampler = next(block for block in pages.blocks.values() if getattr(block, "elem_id", None) == "sample-sampler")
+    assert [value for _, value in sampler.choices] == ["auto", *sd.sampling.SAMPLERS]
