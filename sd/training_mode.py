@@ -19,7 +19,8 @@ mode's own room (``sd/lora/mode.py``, ``sd/embedding/mode.py``, ``sd/controlnet/
   ``shown_inputs`` the images of them the grid shows beside each sample (a ControlNet's conditioning image);
 * ``describe(step)``: its line in the log.
 
-A new mode is one new room (a ``Mode`` subclass) and one line in ``sd.train.modes.MODES``. An objective
+A new mode is one new room (a ``Mode`` subclass, its config section beside it) and one line in
+``sd.train.modes.MODES`` (ARCHITECTURE.md, "Where to add", lists the other lines). An objective
 other than the diffusion loss (``sd.train.objectives``: flow, reflow, consistency distillation) is not a mode: it combines with one.
 
 Every answer above composes, so two modes can train in one run (a LoRA with a learned token: pivotal

@@ -42,8 +42,9 @@ def add_flags(parser) -> None:
     parser.add_argument("--prompts_file", help="a text file with one prompt per line")
     parser.add_argument("--negative", default="", help="negative prompt: the unconditional branch of CFG "
                         "(default: empty)")
-    parser.add_argument("--steps", type=int, default=None, help="sampler steps (default: 100 with ddim and euler, "
-                        "25 with dpm++, 4 with lcm, which takes 1..50, 50 with flow_euler, 25 with flow_heun)")
+    parser.add_argument("--steps", type=int, default=None, help="sampler steps (default: "
+                        + ", ".join(f"{n} with {s}" for s, n in sd.sampling.SAMPLER_STEPS.items())
+                        + "; lcm takes 1..50)")
     parser.add_argument("--cfg", type=float, default=None, help="classifier-free guidance scale (default: 7.5; 1 with "
                         "--sampler lcm, whose models take 1 to 2)")
     parser.add_argument("--seed", type=int, default=0, help="seed of image 0; image i uses seed + i "

@@ -233,7 +233,7 @@ class TrainConfig:
             need(getattr(self, name).strip(), f"{name} must not be empty")
         need(all(isinstance(p, str) for p in self.validation_prompts), "validation_prompts: a list of strings")
         need(self.max_steps > 0 or self.epochs > 0, "set max_steps or epochs to a positive number")
-        for part in (self.data, self.subject, self.loss, self.optim):
+        for part in (self.data, self.subject, self.loss, self.optim):  # before the modes (asked below)
             part.check(self, check_paths)
         sd.train.modes.check(self, check_paths)
         sd.train.sharding.check(self)
@@ -241,8 +241,11 @@ class TrainConfig:
         need(not (self.cache_text_embeddings and self.mode.text_encoder_trains),
              "cache_text_embeddings needs a frozen text encoder: turn off lora_text_encoder or the cache")
         sd.train.objectives.check(self, check_paths)
-        for part in (self.validation, self.captions, self.eval):
-            part.check(self, check_paths)
+        asked = ("data", "subject", "loss", "optim", "ema")
+        for name in SECTIONS:  # the others after the modes and objectives, whose sections those check
+            part = getattr(self, name)
+            if name not in asked and callable(getattr(part, "check", None)):
+                part.check(self, check_paths)
         conflict = sd.model.schedule_conflict(self.prediction_type, self.zero_terminal_snr)
         need(conflict is None, f"zero_terminal_snr: {conflict}; set prediction_type: v_prediction")
         need(not check_paths or not self.init_from or Path(self.init_from).exists()

@@ -52,7 +52,7 @@ def resume_or_init(run: Run) -> None:
     elif not resumed and run.config.init_from and not run.mode.frozen_base:
         inherited = init_weights(run, run.config.init_from)
     resumed_from = sd.run_folder.latest_checkpoint(run.run_dir / "checkpoints") if resumed else None
-    run.config = dataclasses.replace(run.config, ema_warmup=ema_warmup_of(run.config, resumed_from, inherited))
+    run.config = dataclasses.replace(run.config, **{"ema.warmup": ema_warmup_of(run.config, resumed_from, inherited)})
     for ema, _ in run.step.emas():
         ema.warmup = run.config.ema.warmup == "restart"
 

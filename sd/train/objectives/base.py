@@ -23,7 +23,8 @@ do. The step asks the objective, in its own module, at a few points:
 * ``what`` (a checkpoint's kind in messages, None: the mode's), ``uses_base`` (``init_from`` is its reference:
   loaded first, fingerprinted, checked on resume), ``describe(config)`` (its line in the log, or None).
 
-A new objective is one module here (an ``Objective`` subclass) and one line in ``OBJECTIVES``.
+A new objective is one module here (an ``Objective`` subclass, its config section beside it) and one line in
+``OBJECTIVES`` (ARCHITECTURE.md, "Where to add", lists the other lines).
 """
 
 from __future__ import annotations
