@@ -187,7 +187,7 @@ class TrainConfig:
         object.__setattr__(self, "flat_keys", tuple(flat))  # the flat names it was given (SD_Train.py names them)
 
     def __getattr__(self, name: str):
-        """A section's field by its flat name (``config.lora.rank``: ``config.lora.rank``)."""
+        """A section's field by its flat name (``config.lora_rank``: ``config.lora.rank``)."""
         if name in LEGACY_KEYS and not name.startswith("__"):
             where, field = LEGACY_KEYS[name]
             return getattr(object.__getattribute__(self, where), field)

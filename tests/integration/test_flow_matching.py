@@ -1,6 +1,7 @@
 """Flow matching (sd.flow): the samplers against diffusers' flow schedulers, the diff2flow bridge's exact
 algebra, training from scratch and from an epsilon model, exact resume, and the files other tools sample."""
 
+import dataclasses
 import json
 import math
 import re
@@ -193,8 +194,8 @@ def test_flow_settings_are_checked_before_any_work(fields, message):
 @pytest.mark.slow  # three estimates: the full suite's, not make check's
 def test_a_flow_config_resolves_the_validation_sampler_and_keeps_the_memory_estimate():
     plain = TrainConfig(unet="tiny", vae="tiny", text_encoder="tiny", datasets=[], batch_size=4)
-    flow = TrainConfig(**{**plain.__dict__, "prediction_type": "flow", "min_snr_gamma": 0, "flow_shift": SHIFT})
-    bridged = TrainConfig(**{**plain.__dict__, "flow_matching": True, "min_snr_gamma": 0})
+    flow = dataclasses.replace(plain, prediction_type="flow", min_snr_gamma=0, flow_shift=SHIFT)
+    bridged = dataclasses.replace(plain, flow_matching=True, min_snr_gamma=0)
     for config in (flow, bridged):
         config.validate(check_paths=False)
     assert (plain.sampler, flow.sampler, bridged.sampler) == ("ddim", "flow_euler", "flow_euler")
@@ -380,11 +381,11 @@ def test_a_bridged_run_resumes_bit_for_bit_and_changed_flow_settings_are_refused
     changed = write_config(tmp_path / "c.yaml", **tiny(data, tmp_path / "b", **{**fields, "flow_shift": 3.0}))
     capsys.readouterr()
     assert SD_Train.main(["--config", str(changed)]) != 0
-    assert "flow_shift" in capsys.readouterr().err
+    assert "flow.shift: 1.5 -> 3.0" in capsys.readouterr().err
     assert SD_Train.main(["--config", str(resumed)]) == 0
     weights = ("unet", "ema")
     assert_bitwise_equal(checkpoint_state(tmp_path / "a", 4, weights), checkpoint_state(tmp_path / "b", 4, weights))
-    assert yaml.safe_load((tmp_path / "b" / "config.yaml").read_text())["flow_matching"] is True
+    assert yaml.safe_load((tmp_path / "b" / "config.yaml").read_text())["flow"]["matching"] is True
     model = sd.formats.load_pipeline(str(tmp_path / "b"))  # an epsilon model, sampled as a flow by default
     assert (model.prediction_type, model.flow_matching, model.flow_shift) == ("epsilon", True, 1.5)
     request = SD_ImageGen.parse_args(["--ckpt", str(tmp_path / "b"), "--prompt", "p", "--out", "o"])

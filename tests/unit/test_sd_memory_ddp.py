@@ -226,4 +226,4 @@ def test_fsdp_reducing_each_micro_batch_keeps_the_accumulated_gradients_split():
     gradient_bytes = 4 * sd.model.count_parameters(sd.model.build_unet("tiny"))  # fp32, the UNet's, whole
     assert whole.allocated - split.allocated == pytest.approx(gradient_bytes / 2, rel=0.1)
     with pytest.raises(ConfigError, match="fsdp_reduce_each_micro_batch: applies to sharding: fsdp"):
-        sd.train.config.check_sharding(tiny_config(sharding="zero1", fsdp_reduce_each_micro_batch=True))
+        sd.train.sharding.check(tiny_config(sharding="zero1", fsdp_reduce_each_micro_batch=True))
