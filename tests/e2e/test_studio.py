@@ -141,7 +141,7 @@ def test_studio_imports_trains_stops_resumes_samples_and_exports_in_a_browser(st
 
         # The from-scratch recipe on the tiny models; loss seen, stopped, resumed to its end.
         set_value(page, "train-run", "mine")
-        set_value(page, "train-fields", "vae: tiny\nimage_size: 32\nbatch_size: 8\nmax_steps: 400\nsave_steps: 10\n"
+        set_value(page, "train-fields", "vae: tiny\nsubject.image_size: 32\nbatch_size: 8\nmax_steps: 400\nsave_steps: 10\n"
                                         "log_every: 1\nvalidate_every: 0\nwarmup_steps: 5")
         page.click("#train-launch")
         page.wait_for_selector("#train-command :text('SD_Train.py')", timeout=60_000)
@@ -155,7 +155,7 @@ def test_studio_imports_trains_stops_resumes_samples_and_exports_in_a_browser(st
         assert saved, "stopping saved no checkpoint"
         stopped_at = int(saved[-1].split("_")[1])
         end = stopped_at + 8
-        set_value(page, "train-fields", "vae: tiny\nimage_size: 32\nbatch_size: 8\nmax_steps: 400\nsave_steps: 10\n"
+        set_value(page, "train-fields", "vae: tiny\nsubject.image_size: 32\nbatch_size: 8\nmax_steps: 400\nsave_steps: 10\n"
                                         f"log_every: 1\nvalidate_every: 0\nwarmup_steps: 5\nstop_at_step: {end}")
         page.click("#train-launch")  # the same command resumes (to 8 steps further, then stops as a signal would)
         wait_for(page, "train-state", lambda v: v == "mine: finished" or v.startswith("mine: failed"), timeout=600,
@@ -183,8 +183,8 @@ def test_studio_imports_trains_stops_resumes_samples_and_exports_in_a_browser(st
         field(page, "train-preset").fill(str(ROOT / "configs/quickstart/lora.yaml"))
         field(page, "train-preset").press("Enter")
         set_value(page, "train-run", "my_lora")
-        set_value(page, "train-fields", "init_from: runs/mine\ninstance_dir: my_subject\n"
-                                        "instance_prompt: a photo of sks toy\nimage_size: 32\nmax_steps: 6\n"
+        set_value(page, "train-fields", "init_from: runs/mine\nsubject.instance_dir: my_subject\n"
+                                        "subject.instance_prompt: a photo of sks toy\nsubject.image_size: 32\nmax_steps: 6\n"
                                         "save_steps: 6\nvalidate_every: 0")
         page.click("#train-launch")
         for _ in range(120):
