@@ -39,14 +39,9 @@ from sd.train.objectives.flow import FlowConfig
 from sd.train.objectives.lcm import DistillConfig
 from sd.train.optimizers import OptimConfig
 
-# The sections, each the settings of one component, in the order docs/config.md and config.yaml show them.
-SECTIONS = {"data": DataConfig, "captions": CaptionsConfig, "subject": SubjectConfig, "lora": LoraConfig,
-            "embedding": EmbeddingConfig, "controlnet": ControlNetConfig, "flow": FlowConfig,
-            "distill": DistillConfig, "loss": LossConfig, "optim": OptimConfig, "ema": EmaConfig,
-            "validation": ValidationConfig, "eval": EvalConfig}
-
 
 def section(cls):
+    """A TrainConfig field that holds one component's section (``SECTIONS``)."""
     return dataclasses.field(default_factory=cls, metadata={"section": True})
 
 
@@ -57,7 +52,7 @@ class TrainConfig:
 
     Made from keyword values: top-level fields by name, a section as its object or a mapping of its fields, a
     section's field by its dotted name (``**{"lora.rank": 8}``) or its flat one (``lora_rank=8``); a field given
-    alone overrides its section's. ``config.lora.rank`` reads ``config.lora.rank``."""
+    alone overrides its section's. ``config.lora_rank`` reads ``config.lora.rank``."""
 
     # -- data and models -------------------------------------------------------------------------------------------
     datasets: list = setting("[{dataset: DIR, latents: DIR, weight: 1.0}, ...]: caption datasets "
@@ -253,6 +248,8 @@ class TrainConfig:
              f"init_from: {self.init_from} is neither an existing path nor a hub id (owner/name)")
 
 
+# The sections, each the settings of one component, in the order docs/config.md and config.yaml show them.
+SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(TrainConfig) if f.metadata.get("section")}
 TOP = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.name not in SECTIONS)
 FIELDS = {**{f.name: f for f in dataclasses.fields(TrainConfig) if f.name in TOP},
           **{f"{name}.{f.name}": f for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)}}
