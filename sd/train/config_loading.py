@@ -58,8 +58,18 @@ def coerce(name: str, value):
 
 
 def unknown_field(name: str, where: str) -> ConfigError:
-    close = difflib.get_close_matches(name, [*FIELDS, *LEGACY_KEYS], n=1)
-    hint = f"; did you mean '{close[0]}'?" if close else ""
+    """The error for a name no field has, with the likeliest one meant: a section's field by a close name in that
+    section, a top-level field written inside a section, or any field or flat name of before close to it."""
+    section, _, field = name.rpartition(".")
+    if name in SECTIONS:
+        hint = f"; {name} is a section: give its fields, --{name}.{dataclasses.fields(SECTIONS[name])[0].name} VALUE"
+    elif section in SECTIONS and field in FIELDS:
+        hint = f"; {field} is a top-level field: write '{field}', not in {section}:"
+    else:
+        inside = [f"{section}.{f.name}" for f in dataclasses.fields(SECTIONS[section])] if section in SECTIONS else []
+        close = difflib.get_close_matches(name, inside, n=1) or difflib.get_close_matches(
+            name, [*FIELDS, *LEGACY_KEYS], n=1)
+        hint = f"; did you mean '{canonical(close[0])}'?" if close else ""
     return ConfigError(f"unknown config field '{name}' in {where}{hint}")
 
 
@@ -76,6 +86,10 @@ def read_values(given: dict, where: str, flat: list | None = None) -> dict:
         values[field] = coerce(field, value)
 
     for name, value in given.items():
+        if name in SECTIONS and name not in LEGACY_KEYS and not isinstance(value, dict):
+            example = dataclasses.fields(SECTIONS[name])[0].name
+            raise ConfigError(f"{name} in {where}: a section, written as a mapping of its fields ({name}: "
+                              f"{{{example}: ...}}, or --{name}.{example} on the command line), got {value!r}")
         if name in SECTIONS and isinstance(value, dict):
             for field, inner in value.items():
                 dotted = f"{name}.{field}"

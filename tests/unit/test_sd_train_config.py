@@ -47,10 +47,23 @@ def base_config(tmp_path, datasets):
 def test_an_abbreviated_flag_is_refused_with_the_full_name(tmp_path, base_config, capsys, flags):
     assert SD_Train.main(["--config", str(base_config), *flags]) == 2
     err = capsys.readouterr().err
-    assert "unknown config field 'min_lr' in the command line; did you mean 'min_lr_ratio'?" in err
+    assert "unknown config field 'min_lr' in the command line; did you mean 'optim.min_lr_ratio'?" in err
     assert not (tmp_path / "run").exists()
-    with pytest.raises(ConfigError, match="did you mean 'min_lr_ratio'"):
+    with pytest.raises(ConfigError, match="did you mean 'optim.min_lr_ratio'"):
         load_config(["--config", str(base_config), *flags])
+
+
+@pytest.mark.parametrize("fields, flags, shown", [
+    ({"lora": {"rnak": 4}}, [], "unknown config field 'lora.rnak' in .*; did you mean 'lora.rank'"),
+    ({"optim": {"lr": 1e-4}}, [], "'optim.lr' in .*; lr is a top-level field: write 'lr', not in optim:"),
+    ({"lora": 4}, [], r"lora in .*: a section, written as a mapping of its fields \(lora: \{rank: ...\}"),
+    ({}, ["--lora", "4"], "'lora' in the command line; lora is a section: give its fields, --lora.rank VALUE"),
+    ({}, ["--lora_rnak", "4"], "'lora_rnak' in the command line; did you mean 'lora.rank'"),
+])
+def test_a_misplaced_or_misspelt_section_field_is_named_with_the_one_meant(tmp_path, datasets, fields, flags, shown):
+    path = write_yaml(tmp_path / "c.yaml", datasets=datasets, max_steps=2, **fields)
+    with pytest.raises(ConfigError, match=shown):
+        load_config(["--config", str(path), *flags], check_paths=False)
 
 
 @pytest.mark.parametrize("flags, grad_checkpointing, compile", [
