@@ -68,10 +68,10 @@ class ValidationConfig:
         """The grid's sampler at its steps and guidance, and its size."""
         problem = sd.sampling.settings_error(config.sampler, self.steps, self.cfg)
         if problem:
-            raise ConfigError(f"validation_sampler {self.sampler}, validation_steps {self.steps}, validation_cfg "
+            raise ConfigError(f"validation.sampler {self.sampler}, validation.steps {self.steps}, validation.cfg "
                               f"{self.cfg:g} (the validation grid's and the evaluation's sampling): {problem}")
         if self.width % 8 or self.height % 8 or bool(self.width) != bool(self.height):
-            raise ConfigError(f"validation_width and validation_height: both multiples of 8, or both 0 (got "
+            raise ConfigError("validation.width and validation.height: both multiples of 8, or both 0 (got "
                               f"{self.width}x{self.height})")
 
 
@@ -96,16 +96,16 @@ class EvalConfig:
     def check(self, config, check_paths: bool = True) -> None:
         """The features, the inputs the evaluation needs, and ``keep_best``, which ranks checkpoints by it."""
         if self.features not in ("inception", "tiny"):
-            raise ConfigError("eval_features: inception or tiny")
+            raise ConfigError("eval.features: inception or tiny")
         if config.keep_best not in KEEP_BEST:
             raise ConfigError(f"keep_best: {', '.join(repr(m) for m in KEEP_BEST)}, got {config.keep_best!r}")
         if config.keep_best and not self.every:
             raise ConfigError(f"keep_best: {config.keep_best} ranks the checkpoints by the in-training evaluation: "
-                              "set eval_every (with eval_prompts and eval_reference), or keep_best: ''")
+                              "set eval.every (with eval.prompts and eval.reference), or keep_best: ''")
         if config.keep_best == "clip_score" and not self.clip_model:
-            raise ConfigError("keep_best: clip_score needs the CLIP score: set eval_clip_model, or keep_best: fid")
+            raise ConfigError("keep_best: clip_score needs the CLIP score: set eval.clip_model, or keep_best: fid")
         if self.every and not (self.prompts and self.reference):
-            raise ConfigError("eval_every > 0 needs eval_prompts (a prompts file) and eval_reference (a folder of "
+            raise ConfigError("eval.every > 0 needs eval.prompts (a prompts file) and eval.reference (a folder of "
                               "images or an .npz)")
         for name, value in (("eval_prompts", self.prompts), ("eval_reference", self.reference)):
             if check_paths and self.every and not Path(value).exists():

@@ -55,40 +55,42 @@ class ControlNet(sd.training_mode.Mode):
     def check(cls, config, check_paths: bool = True) -> None:
         """A ControlNet run's settings, and the modes it cannot be combined with."""
         if not config.controlnet.control:
-            for name in ("controlnet_from", "validation_controls", "control_dropout"):
-                if getattr(config, name):
-                    raise ConfigError(f"{name} belongs to a ControlNet run: set control (the conditioning images' "
-                                      f"name) too, or unset {name}")
+            for name in ("init_from", "validation_images", "dropout"):
+                if getattr(config.controlnet, name):
+                    name = f"controlnet.{name}"
+                    raise ConfigError(f"{name} belongs to a ControlNet run: set controlnet.control (the conditioning "
+                                      f"images' name) too, or unset {name}")
             return
         if not re.fullmatch(r"[a-z0-9_]+", config.controlnet.control) or config.controlnet.control == "mask":
-            raise ConfigError(f"control: the conditioning images' name (lower-case letters, digits, _; not 'mask', "
-                              f"the loss masks), got {config.controlnet.control!r}")
+            raise ConfigError("controlnet.control: the conditioning images' name (lower-case letters, digits, _; "
+                              f"not 'mask', the loss masks), got {config.controlnet.control!r}")
         if check_paths and not config.init_from:
-            raise ConfigError("control: a ControlNet conditions a trained model: set init_from (the base: a run of "
-                              "ours, a diffusers folder or hub id, or a single file)")
-        refused = {"lora_rank": (config.lora.rank, "a LoRA"), "embedding_token": (config.embedding.token,
-                                                                                   "textual inversion"),
-                   "distill": (config.distill.method, "distillation"),
-                   "instance_dir": (config.subject.instance_dir, "a DreamBooth folder"),
-                   "lora_text_encoder": (config.lora.text_encoder, "a text-encoder adapter"),
-                   "masked_loss": (config.data.masked_loss, "masked_loss"),
-                   "eval_every": (config.eval.every, "eval_every (FID of samples needs a control image per prompt: "
+            raise ConfigError("controlnet.control: a ControlNet conditions a trained model: set init_from (the "
+                              "base: a run of ours, a diffusers folder or hub id, or a single file)")
+        refused = {"lora.rank": (config.lora.rank, "a LoRA"),
+                   "embedding.token": (config.embedding.token, "textual inversion"),
+                   "distill.method": (config.distill.method, "distillation"),
+                   "subject.instance_dir": (config.subject.instance_dir, "a DreamBooth folder"),
+                   "lora.text_encoder": (config.lora.text_encoder, "a text-encoder adapter"),
+                   "data.masked_loss": (config.data.masked_loss, "loss masks"),
+                   "eval.every": (config.eval.every, "eval.every (FID of samples needs a control image per prompt: "
                                                      "score saved samples with SD_Eval.py)")}
         for name, (value, what) in refused.items():
             if value:
-                raise ConfigError(f"control: a ControlNet run does not train with {what}; unset {name}")
+                raise ConfigError(f"controlnet.control: a ControlNet run does not train with {what}; unset {name}")
         if config.sharding != "none":
-            raise ConfigError(f"control: a ControlNet run runs on DDP; set sharding: none (got {config.sharding})")
+            raise ConfigError("controlnet.control: a ControlNet run runs on DDP; set sharding: none (got "
+                              f"{config.sharding})")
         if config.validate_every and config.validation_prompts and \
                 len(config.controlnet.validation_images) != len(config.validation_prompts):
-            raise ConfigError(f"validation_controls: one conditioning image per validation prompt ("
-                              f"{len(config.validation_prompts)} prompts, "
-                              f"{len(config.controlnet.validation_images)} images); "
-                              "or set validation_prompts: [] for no sample grid")
+            raise ConfigError("controlnet.validation_images: one conditioning image per validation prompt "
+                              f"({len(config.validation_prompts)} prompts, "
+                              f"{len(config.controlnet.validation_images)} images); or set validation_prompts: [] "
+                              "for no sample grid")
         drawn = config.validate_every and config.validation_prompts  # the grid is drawn, on these images
         for path in config.controlnet.validation_images if check_paths and drawn else ():
             if not isinstance(path, str) or not Path(path).is_file():
-                raise ConfigError(f"validation_controls: {path} is no file (give one conditioning image per "
+                raise ConfigError(f"controlnet.validation_images: {path} is no file (give one conditioning image per "
                                   "validation prompt, or validate_every: 0 for no sample grid)")
 
     def attach(self, unet, text_encoder) -> sd.controlnet.model.ControlledUNet:
@@ -97,7 +99,7 @@ class ControlNet(sd.training_mode.Mode):
         try:
             model = sd.controlnet.model.attach(config, unet)
         except (OSError, KeyError, ValueError) as error:  # the message names the file
-            raise ConfigError(f"controlnet_from: cannot load {config.controlnet.init_from}: "
+            raise ConfigError(f"controlnet.init_from: cannot load {config.controlnet.init_from}: "
                               f"{sd.cli.first_line(error)}") from error
         log.info("ControlNet on %r conditioning images (%s): %d trainable parameters; the base UNet is frozen",
                  config.controlnet.control, f"from {config.controlnet.init_from}" if config.controlnet.init_from

@@ -44,17 +44,19 @@ class CaptionsConfig:
     def check(self, config, check_paths: bool = True) -> None:
         """``shuffle_tags`` / ``tag_dropout`` and the settings they cannot run with, each refused with the way out."""
         if self.tag_separator == "":
-            raise ConfigError("tag_separator must not be empty; use ', ' (tags joined by commas) or ' ' (by blanks)")
+            raise ConfigError("captions.tag_separator must not be empty; use ', ' (tags joined by commas) or ' ' "
+                              "(by blanks)")
         if not (self.shuffle_tags or self.tag_dropout):
             return
-        on = "shuffle_tags" if self.shuffle_tags else "tag_dropout"
+        on = "captions.shuffle_tags" if self.shuffle_tags else "captions.tag_dropout"
         if config.subject.instance_dir:
-            raise ConfigError(f"{on} changes dataset captions at each step; a DreamBooth run (instance_dir) has one "
-                              "fixed instance_prompt: set shuffle_tags: 0 and tag_dropout: 0, or train on datasets")
+            raise ConfigError(f"{on} changes dataset captions at each step; a DreamBooth run (subject.instance_dir) "
+                              "has one fixed subject.instance_prompt: set captions.shuffle_tags: 0 and "
+                              "captions.tag_dropout: 0, or train on datasets")
         if config.cache_text_embeddings:
             raise ConfigError(f"{on} makes a new prompt at each step, so the prompts are no fixed set whose "
-                              "embeddings could be cached: set cache_text_embeddings: false, or shuffle_tags: 0 and "
-                              "tag_dropout: 0")
+                              "embeddings could be cached: set cache_text_embeddings: false, or "
+                              "captions.shuffle_tags: 0 and captions.tag_dropout: 0")
 
 @dataclass(frozen=True)
 class CaptionOps:

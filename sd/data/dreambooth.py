@@ -76,24 +76,29 @@ class SubjectConfig:
 
         if check_paths:
             need(config.datasets or self.instance_dir,
-                 "datasets: list at least one {dataset: DIR, latents: DIR, weight: 1.0} (or set instance_dir)")
-            need(not (config.datasets and self.instance_dir), "instance_dir replaces datasets: set one of them")
+                 "datasets: list at least one {dataset: DIR, latents: DIR, weight: 1.0} (or set "
+                 "subject.instance_dir)")
+            need(not (config.datasets and self.instance_dir), "subject.instance_dir replaces datasets: set one of "
+                                                              "them")
             need(not self.instance_dir or Path(self.instance_dir).is_dir(),
-                 f"instance_dir: folder {self.instance_dir} does not exist")
-        need(not self.instance_dir or self.instance_prompt.strip(), "instance_dir needs an instance_prompt")
-        need(self.image_size % 8 == 0, f"image_size must be a multiple of 8, got {self.image_size}")
-        need(not (self.instance_dir and config.data.masked_loss), "masked_loss needs masks carried by "
-             "encode_latents.py (pipeline/01e_import_folder.py reads photo_mask.png beside photo.jpg); instance_dir has "
-             "none: set masked_loss: false, or import and encode the images as a dataset")
-        need(not (self.instance_dir and config.data.flip), "flip needs latents of mirrored images from "
-             "encode_latents.py; with instance_dir add mirrored copies to the folder instead")
+                 f"subject.instance_dir: folder {self.instance_dir} does not exist")
+        need(not self.instance_dir or self.instance_prompt.strip(), "subject.instance_dir needs an "
+                                                                    "subject.instance_prompt")
+        need(self.image_size % 8 == 0, f"subject.image_size must be a multiple of 8, got {self.image_size}")
+        need(not (self.instance_dir and config.data.masked_loss), "data.masked_loss needs masks carried by "
+             "encode_latents.py (pipeline/01e_import_folder.py reads photo_mask.png beside photo.jpg); "
+             "subject.instance_dir has none: set data.masked_loss: false, or import and encode the images as a "
+             "dataset")
+        need(not (self.instance_dir and config.data.flip), "data.flip needs latents of mirrored images from "
+             "encode_latents.py; with subject.instance_dir add mirrored copies to the folder instead")
         need(bool(self.class_dir) == bool(self.class_prompt.strip()),
-             "prior preservation needs both class_dir and class_prompt (or neither)")
-        need(not self.class_dir or self.instance_dir, "class_dir (prior preservation) needs instance_dir")
+             "prior preservation needs both subject.class_dir and subject.class_prompt (or neither)")
+        need(not self.class_dir or self.instance_dir, "subject.class_dir (prior preservation) needs "
+                                                      "subject.instance_dir")
         if self.class_dir:
             classes = sd.sampling.settings_error("ddim", config.validation.steps, config.validation.cfg)
-            need(classes is None, f"validation_steps {config.validation.steps} (DDIM steps of the class images of "
-                 f"class_dir): {classes}")
+            need(classes is None, f"validation.steps {config.validation.steps} (DDIM steps of the class images of "
+                 f"subject.class_dir): {classes}")
 
 @dataclass(frozen=True)
 class DreamBoothSettings:
@@ -193,15 +198,16 @@ def claim_class_dir(settings: DreamBoothSettings, d) -> None:
         theirs = [p for p in images if p not in stale]
         if theirs:
             raise sd.data.training_data.DataError(
-                f"class_dir {folder}: its {len(stale)} generated class images (class_*.png) were made with "
+                f"subject.class_dir {folder}: its {len(stale)} generated class images (class_*.png) were made with "
                 f"{settings_change(recorded, made_with)} ({CLASS_RECORD}), and it holds {len(theirs)} other images "
-                f"(e.g. {theirs[0].name}), which are never deleted: use another class_dir, or delete the class_*.png "
-                "files to have them made again")
-        log.warning("class_dir %s: its %d class images were generated with %s: generating them again", folder,
+                f"(e.g. {theirs[0].name}), which are never deleted: use another subject.class_dir, or delete the "
+                "class_*.png files to have them made again")
+        log.warning("subject.class_dir %s: its %d class images were generated with %s: generating them again", folder,
                     len(stale), settings_change(recorded, made_with))
     elif generated:
-        log.warning("class_dir %s: %d generated class images without a record of their settings (%s); taken as made "
-                    "with this run's (delete them to have them made again)", folder, len(generated), CLASS_RECORD)
+        log.warning("subject.class_dir %s: %d generated class images without a record of their settings (%s); taken "
+                    "as made with this run's (delete them to have them made again)", folder, len(generated),
+                    CLASS_RECORD)
     elif not missing_class_images(settings):
         return  # only the user's images, enough of them: nothing generated to record
     sd.distributed.barrier(d)  # every rank has looked before rank 0 changes the folder
@@ -248,7 +254,7 @@ def ensure_class_images(settings: DreamBoothSettings, d, pipeline) -> int:
     blocks = blocks[d.rank :: d.world_size]
     to_make = sum(i in wanted for block in blocks for i in block)
     if d.is_main:
-        log.info("generating %d class images of %r in %s (%d ranks; num_class_images %d, %d there already; "
+        log.info("generating %d class images of %r in %s (%d ranks; subject.num_class_images %d, %d there already; "
                  "the bar shows the time left, and images finished before a stop are kept)", len(todo),
                  settings.class_prompt, folder, d.world_size, class_image_count(settings),
                  class_image_count(settings) - len(todo))
@@ -271,8 +277,8 @@ def ensure_class_images(settings: DreamBoothSettings, d, pipeline) -> int:
                         bar.update(1)
                 if block is blocks[0] and d.is_main and to_make > made:
                     each = (time.perf_counter() - started) / made
-                    log.info("class images: %.1f s each here, about %s for the %d left (num_class_images sets the "
-                             "count)", each, sd.cli.duration(each * (to_make - made)), to_make - made)
+                    log.info("class images: %.1f s each here, about %s for the %d left (subject.num_class_images "
+                             "sets the count)", each, sd.cli.duration(each * (to_make - made)), to_make - made)
             bar.close()
     except KeyboardInterrupt:
         log.warning("class images: stopped after %d new ones; they are kept in %s and a re-run makes only the rest",
@@ -393,7 +399,8 @@ def build_data(settings: DreamBoothSettings, d, vae, tokenizer, make_pipeline) -
     gives the base-model pipeline for that)."""
     instances = image_files(settings.instance_dir)
     if not instances:
-        raise sd.data.training_data.DataError(f"instance_dir {settings.instance_dir} holds no .png/.jpg/.jpeg/.webp image")
+        raise sd.data.training_data.DataError(f"subject.instance_dir {settings.instance_dir} holds no "
+                                              ".png/.jpg/.jpeg/.webp image")
     cache = Path(settings.out_dir) / SUBJECT_CACHE
     instance = latents_of(instances, settings.image_size, vae, d.device, cache / "instance.safetensors",
                           "instance", write=d.is_main)

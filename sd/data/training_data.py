@@ -230,9 +230,9 @@ class LatentStore:
             paths = [self.folder / f"{key}.flip.npy" for key in self.keys]
         missing = [p.name for p in paths if not p.exists()]
         if missing:
-            raise DataError(f"flip: latent folder {self.folder} has no flipped latents for {len(missing)} of "
-                            f"{len(paths)} files (e.g. {missing[:3]}); encode it with encode_latents.py --flip, "
-                            "or set flip: false")
+            raise DataError(f"data.flip: latent folder {self.folder} has no flipped latents for {len(missing)} of "
+                            f"{len(paths)} files (e.g. {missing[:3]}); encode it with encode_latents.py --flip, or "
+                            "set data.flip: false")
         arrays = [load_npy(p, mmap=True) for p in paths]  # a damaged file is a DataError naming it
         # (rows, sample shape) of the latents each flipped file mirrors: the shards, already mapped
         expected = ([(len(a), a.shape[1:]) for a in self.arrays] if key_files
@@ -240,7 +240,7 @@ class LatentStore:
         bad = [f"{p.name} {a.shape}" for p, a, (n, shape) in zip(paths, arrays, expected)
                if a.size != n * int(np.prod(shape))]
         if bad:
-            raise DataError(f"flip: {len(bad)} flipped latent files in {self.folder} do not match their latents "
+            raise DataError(f"data.flip: {len(bad)} flipped latent files in {self.folder} do not match their latents "
                             f"({', '.join(bad[:10])})")
         arrays = [a.reshape(n, *shape) for a, (n, shape) in zip(arrays, expected)]
         if key_files:
@@ -280,8 +280,9 @@ class LatentStore:
         paths = [p.with_name(p.name[: -len(".npy")] + ".noise.npy") for p in self.paths]
         missing = [p.name for p in paths if not p.exists()]
         if missing:
-            raise DataError(f"reflow: {len(missing)} latent shards in {self.folder} have no noise beside them "
-                            f"({', '.join(missing[:5])}): train on a folder SD_Reflow.py wrote, or set reflow: false")
+            raise DataError(f"flow.reflow: {len(missing)} latent shards in {self.folder} have no noise beside them "
+                            f"({', '.join(missing[:5])}): train on a folder SD_Reflow.py wrote, or set flow.reflow: "
+                            "false")
         noises = [load_npy(p, mmap=True) for p in paths]
         bad = [f"{p.name} {n.shape}" for p, n, a in zip(paths, noises, self.arrays) if n.shape != a.shape]
         if bad:
@@ -666,7 +667,8 @@ def load_caption_text(dataset_dir: str | Path, split: str) -> CaptionText:
     dataset = load_from_disk(str(dataset_dir))[split]
     if "caption" not in dataset.column_names:
         raise DataError(f"caption dataset {dataset_dir} split '{split}' has no caption column, which caption "
-                        "operations (shuffle_tags, tag_dropout) read; rebuild it with 05_build_hf_dataset.py")
+                        "operations (captions.shuffle_tags, captions.tag_dropout) read; rebuild it with "
+                        "05_build_hf_dataset.py")
     column = dataset.with_format("arrow", columns=["caption"])[:].column("caption")  # zero-copy
     if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
         raise DataError(f"caption dataset {dataset_dir} split '{split}': caption holds {column.type}, not text")
@@ -830,8 +832,8 @@ class MixedData:
             chosen = which == d
             part = self.splits[d].store.gather_noise(self.splits[d].rows[indices[chosen] - self.offsets[d]])
             if part.shape[1:] != tuple(shape):
-                raise DataError(f"reflow: {self.splits[d].store.folder}'s pairs of {part.shape[1:]} were put in a "
-                                f"bucket of {tuple(shape)}; keep reflow data in buckets of their own size")
+                raise DataError(f"flow.reflow: {self.splits[d].store.folder}'s pairs of {part.shape[1:]} were put in "
+                                f"a bucket of {tuple(shape)}; keep reflow data in buckets of their own size")
             out[chosen] = part
         return torch.from_numpy(out)
 

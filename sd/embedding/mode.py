@@ -48,7 +48,7 @@ class LearnedToken(sd.training_mode.Mode):
     retokenises = True  # the stored token ids lack the new token
 
     def own_learning_rates(self) -> list[str]:
-        return ["embedding_lr at 0"] if self.config.embedding.lr not in (0, self.config.lr) else []
+        return ["embedding.lr at 0"] if self.config.embedding.lr not in (0, self.config.lr) else []
 
     @classmethod
     def wanted(cls, config) -> bool:
@@ -57,36 +57,37 @@ class LearnedToken(sd.training_mode.Mode):
     @classmethod
     def check(cls, config, check_paths: bool = True) -> None:
         """Textual inversion's settings, and the modes it cannot be combined with."""
-        defaults = {"embedding_lr": 0, "embedding_train_fraction": 1}
-        pivotal = [name for name, default in defaults.items() if getattr(config, name) != default]
+        defaults = {"lr": 0, "train_fraction": 1}
+        pivotal = [f"embedding.{name}" for name, default in defaults.items()
+                   if getattr(config.embedding, name) != default]
         if pivotal and not (config.embedding.token and config.lora.rank):
             raise ConfigError(f"{' and '.join(pivotal)} set the learned token's schedule beside a LoRA (pivotal "
-                              f"tuning): set embedding_token and lora_rank > 0, or leave "
-                              f"{' and '.join(f'{name} at {defaults[name]}' for name in pivotal)}"
-                              f"{' (a token trained alone takes lr)' if 'embedding_lr' in pivotal else ''}")
+                              "tuning): set embedding.token and lora.rank > 0, or leave "
+                              f"{' and '.join(f'{name} at {defaults[name[10:]]}' for name in pivotal)}"
+                              f"{' (a token trained alone takes lr)' if 'embedding.lr' in pivotal else ''}")
         if not config.embedding.token:
             if config.embedding.init:
-                raise ConfigError("embedding_init is the start of a learned token: set embedding_token too")
+                raise ConfigError("embedding.init is the start of a learned token: set embedding.token too")
             return
         try:
             sd.embedding.tokens.check_token(config.embedding.token)
         except ValueError as error:
-            raise ConfigError(f"embedding_token: {error}") from None
+            raise ConfigError(f"embedding.token: {error}") from None
         if not config.embedding.init.strip():
-            raise ConfigError("embedding_token needs embedding_init: a word close to the concept that the token "
+            raise ConfigError("embedding.token needs embedding.init: a word close to the concept that the token "
                               "starts from (e.g. dog)")
         if not config.init_from:
-            raise ConfigError("embedding_token learns a token for existing weights: set init_from (a diffusers "
+            raise ConfigError("embedding.token learns a token for existing weights: set init_from (a diffusers "
                               "folder or hub id, a single file, or a run of ours)")
         if config.cache_text_embeddings:
             raise ConfigError("cache_text_embeddings needs a fixed text encoder, and textual inversion trains it: "
                               "turn the cache off")
         if config.embedding.vectors > 75:
-            raise ConfigError(f"embedding_vectors: at most 75 (a prompt's places), got {config.embedding.vectors}")
+            raise ConfigError(f"embedding.vectors: at most 75 (a prompt's places), got {config.embedding.vectors}")
         if config.subject.instance_dir and config.embedding.token not in config.subject.instance_prompt.lower().split():
-            raise ConfigError(f"instance_prompt {config.subject.instance_prompt!r} does not use embedding_token "
-                              f"{config.embedding.token!r}: write it into the prompt, e.g. 'a photo of "
-                              f"{config.embedding.token}'")
+            raise ConfigError(f"subject.instance_prompt {config.subject.instance_prompt!r} does not use "
+                              f"embedding.token {config.embedding.token!r}: write it into the prompt, e.g. 'a photo "
+                              f"of {config.embedding.token}'")
         if config.sharding != "none":
             raise ConfigError(f"sharding: {config.sharding} splits a full fine-tune's state; a learned token is a few "
                               "KB that every GPU holds whole: set sharding: none")
@@ -100,12 +101,12 @@ class LearnedToken(sd.training_mode.Mode):
         holding = [split.captions.count_word(token) for split in splits]
         total = sum(len(split.captions) for split in splits)
         if not sum(holding):
-            raise ConfigError(f"embedding_token {token!r} is in none of the {total} training captions of "
+            raise ConfigError(f"embedding.token {token!r} is in none of the {total} training captions of "
                               f"{', '.join(split.name for split in splits)}: the token would learn nothing. Write it "
-                              f"into the captions (e.g. 'a photo of {token}'), or use instance_dir with an "
-                              "instance_prompt that holds it")
+                              f"into the captions (e.g. 'a photo of {token}'), or use subject.instance_dir with an "
+                              "subject.instance_prompt that holds it")
         if sum(holding) < total / 2:
-            log.warning("embedding_token %s is in only %d of the %d training captions (%.0f%%): the others train "
+            log.warning("embedding.token %s is in only %d of the %d training captions (%.0f%%): the others train "
                         "nothing for it and cost their steps", token, sum(holding), total, 100 * sum(holding) / total)
 
     def before_data(self, unet, text_encoder, tokenizer) -> None:
@@ -118,7 +119,7 @@ class LearnedToken(sd.training_mode.Mode):
                                                         config.embedding.vectors)
             sd.embedding.tokens.add_token(tokenizer, text_encoder, config.embedding.token, start, trainable=True)
         except sd.embedding.tokens.EmbeddingError as error:
-            raise ConfigError(f"embedding_token: {error}") from error
+            raise ConfigError(f"embedding.token: {error}") from error
         log.info("textual inversion: token %s, %d vector(s) of %d values starting from %r; the UNet and text "
                  "encoder are frozen%s", config.embedding.token, config.embedding.vectors, start.shape[1],
                  config.embedding.init, " but for the LoRA's adapters (pivotal tuning)" if config.lora.rank else "")

@@ -72,7 +72,7 @@ def resolve_targets(model, targets) -> list[str]:
     for target in targets:
         found = [n for n in layers for s in TARGET_GROUPS.get(target, (target,)) if n == s or n.endswith("." + s)]
         if not found:
-            raise LoraError(f"lora_targets: {target!r} selects no Linear or Conv2d layer; use a group "
+            raise LoraError(f"lora.targets: {target!r} selects no Linear or Conv2d layer; use a group "
                             f"({', '.join(TARGET_GROUPS)}) or a module-name suffix such as to_q or ff.net.2")
         chosen.update(found)
     return [n for n in layers if n in chosen]

@@ -244,9 +244,9 @@ def adapter_lora_modules(model) -> dict[str, LoraModule]:
             out[name] = lycoris_of(layer)
             weight_shape = layer.get_base_layer().weight.shape
             if isinstance(out[name], KroneckerModule) and swapped_lokr_factors(out[name], weight_shape):
-                log.warning("%s: its LoKr factors are PEFT's split of lora_factor (a run trained before LyCORIS' "
-                            "layout was used): ComfyUI and AUTOMATIC1111 read the file, LyCORIS' loader refuses "
-                            "it", name)
+                log.warning("%s: its LoKr factors are PEFT's split of lora.factor (a run trained before LyCORIS' "
+                            "layout was used): ComfyUI and AUTOMATIC1111 read the file, LyCORIS' loader refuses it",
+                            name)
         elif getattr(layer, "use_rslora", {}).get(sd.lora.adapters.ADAPTER, False):
             raise ValueError(f"{name}: rank-stabilised LoRA (alpha / sqrt(r)) has no place in these file formats")
         else:

@@ -72,32 +72,33 @@ class Lora(sd.training_mode.Mode):
     @classmethod
     def check(cls, config, check_paths: bool = True) -> None:
         if check_paths and config.lora.rank and not config.init_from:
-            raise ConfigError("lora_rank > 0 trains an adapter on existing weights: set init_from (a diffusers folder "
-                              "or hub id, a single file, or a run of ours)")
+            raise ConfigError("lora.rank > 0 trains an adapter on existing weights: set init_from (a diffusers "
+                              "folder or hub id, a single file, or a run of ours)")
         if not (config.lora.targets and all(isinstance(t, str) and t.strip() for t in config.lora.targets)):
-            raise ConfigError("lora_targets: a list of groups (attention, transformer, resnet) or module-name suffixes")
+            raise ConfigError("lora.targets: a list of groups (attention, transformer, resnet) or module-name "
+                              "suffixes")
         if config.lora.type not in sd.lora.adapters.LORA_TYPES:
-            raise ConfigError(f"lora_type: one of {', '.join(sd.lora.adapters.LORA_TYPES)}, got {config.lora.type!r}")
+            raise ConfigError(f"lora.type: one of {', '.join(sd.lora.adapters.LORA_TYPES)}, got {config.lora.type!r}")
         if config.lora.factor != -1 and config.lora.type != "lokr":
-            raise ConfigError(f"lora_factor sets a lokr adapter's factors (got lora_type: {config.lora.type}); set "
-                              "lora_type: lokr, or lora_factor: -1")
+            raise ConfigError(f"lora.factor sets a lokr adapter's factors (got lora.type: {config.lora.type}); set "
+                              "lora.type: lokr, or lora.factor: -1")
         if config.lora.type != "lora" and config.lora.dropout:
-            raise ConfigError(f"lora_dropout drops a LoRA's input; a {config.lora.type} adapter has none: set "
-                              "lora_dropout: 0")
+            raise ConfigError(f"lora.dropout drops a LoRA's input; a {config.lora.type} adapter has none: set "
+                              "lora.dropout: 0")
         if config.lora.rank:
             if config.sharding != "none":
                 raise ConfigError(f"sharding: {config.sharding} splits a full fine-tune's state; a LoRA adapter is a "
-                                  "few MB that every GPU holds whole: set sharding: none, or lora_rank: 0")
+                                  "few MB that every GPU holds whole: set sharding: none, or lora.rank: 0")
             return
         if config.lora.text_encoder:
-            raise ConfigError("lora_text_encoder needs lora_rank > 0")
+            raise ConfigError("lora.text_encoder needs lora.rank > 0")
         if config.lora.type != "lora" or config.lora.dora:
-            setting = f"lora_type: {config.lora.type}" if config.lora.type != "lora" else "dora: true"
-            raise ConfigError(f"{setting} sets the adapter of a run with lora_rank > 0: set lora_rank, or "
-                              f"{'lora_type: lora' if config.lora.type != 'lora' else 'dora: false'}")
+            setting = f"lora.type: {config.lora.type}" if config.lora.type != "lora" else "lora.dora: true"
+            raise ConfigError(f"{setting} sets the adapter of a run with lora.rank > 0: set lora.rank, or "
+                              f"{'lora.type: lora' if config.lora.type != 'lora' else 'lora.dora: false'}")
         if config.lora.conv_rank or config.lora.conv_alpha:
-            raise ConfigError("lora_conv_rank / lora_conv_alpha set the convolutions' adapters of a LoRA run: set "
-                              "lora_rank > 0 too")
+            raise ConfigError("lora.conv_rank / lora.conv_alpha set the convolutions' adapters of a LoRA run: set "
+                              "lora.rank > 0 too")
 
     def check_models(self, unet, text_encoder) -> None:
         try:

@@ -234,7 +234,7 @@ class TrainConfig:
         sd.train.sharding.check(self)
         self.ema.check(self, check_paths)
         need(not (self.cache_text_embeddings and self.mode.text_encoder_trains),
-             "cache_text_embeddings needs a frozen text encoder: turn off lora_text_encoder or the cache")
+             "cache_text_embeddings needs a frozen text encoder: turn off lora.text_encoder or the cache")
         sd.train.objectives.check(self, check_paths)
         asked = ("data", "subject", "loss", "optim", "ema")
         for name in SECTIONS:  # the others after the modes and objectives, whose sections those check

@@ -38,18 +38,18 @@ class EmaConfig:
         """``ema_warmup``, and ``posthoc_ema_every`` with the runs it cannot keep its EMAs in, each refused with the
         way out."""
         if self.warmup not in ("auto", "restart", "off"):
-            raise ConfigError("ema_warmup: auto, restart or off")
+            raise ConfigError("ema.warmup: auto, restart or off")
         if config.ema_device not in ("same", "cpu"):
             raise ConfigError("ema_device: same or cpu")
         if not self.posthoc_every:
             return
         if config.sharding == "fsdp":
-            raise ConfigError("posthoc_ema_every: the post-hoc EMAs hold whole weights, which sharding: fsdp splits; "
-                              "set sharding: zero1 or none, or posthoc_ema_every: 0")
+            raise ConfigError("ema.posthoc_every: the post-hoc EMAs hold whole weights, which sharding: fsdp "
+                              "splits; set sharding: zero1 or none, or ema.posthoc_every: 0")
         mode = config.mode
         if not mode.unet_trains:
-            raise ConfigError(f"posthoc_ema_every: averages what trains in the UNet, which a {mode.what}'s run "
-                              "leaves frozen; set posthoc_ema_every: 0")
+            raise ConfigError(f"ema.posthoc_every: averages what trains in the UNet, which a {mode.what}'s run "
+                              "leaves frozen; set ema.posthoc_every: 0")
 
 def ema_decay_at(step: int, decay: float) -> float:
     """Warm-up of the EMA decay: ``min(decay, (1 + step) / (10 + step))``."""

@@ -76,20 +76,20 @@ class OptimConfig:
         UNet whose blocks train; Prodigy's lr is a multiplier near 1, the same for every parameter group (its one
         step-size estimate is shared by them); ``bf16_weights`` and what it does not run with."""
         if self.name not in OPTIMIZERS:
-            raise ConfigError(f"optimizer: one of {', '.join(OPTIMIZERS)}")
+            raise ConfigError(f"optim.name: one of {', '.join(OPTIMIZERS)}")
         own_schedule = self.text_encoder_lr or self.text_encoder_warmup_steps >= 0
         mode = config.mode
         if own_schedule and not mode.text_encoder_trains:
-            raise ConfigError("text_encoder_lr / text_encoder_warmup_steps set the learning rate of the text "
-                              "encoder's LoRA adapter: set lora_text_encoder: true (and lora_rank), or leave them at "
-                              "0 / -1")
-        scaled = [name for name in BLOCK_LR_SCALES if getattr(self, name) != 1]
+            raise ConfigError("optim.text_encoder_lr / optim.text_encoder_warmup_steps set the learning rate of the "
+                              "text encoder's LoRA adapter: set lora.text_encoder: true (and lora.rank), or leave "
+                              "them at 0 / -1")
+        scaled = [f"optim.{name}" for name in BLOCK_LR_SCALES if getattr(self, name) != 1]
         if scaled and not mode.unet_blocks_train:
             raise ConfigError(f"{', '.join(scaled)} scale the learning rate of the UNet's blocks, which a {mode.what} "
                               f"run leaves frozen: set {' and '.join(scaled)} to 1")
         if self.name == "adamw_schedulefree" and self.adam_beta1 == 0:
-            raise ConfigError("optimizer: adamw_schedulefree interpolates with adam_beta1 (its model is an average "
-                              "reached through 1 / beta1): set adam_beta1 above 0, e.g. 0.9")
+            raise ConfigError("optim.name: adamw_schedulefree interpolates with optim.adam_beta1 (its model is an "
+                              "average reached through 1 / beta1): set optim.adam_beta1 above 0, e.g. 0.9")
         if self.name == "prodigy":
             self.check_prodigy(config, own_schedule, scaled, mode)
         if self.bf16_weights:
@@ -102,25 +102,27 @@ class OptimConfig:
                       (objective.uses_base, f"no {objective.what} (its frozen reference)")]
             needs = [what for failed, what in others if failed]
             if needs:
-                raise ConfigError(f"bf16_weights: runs with {', '.join(needs)}; set those, or bf16_weights: false")
+                raise ConfigError(f"optim.bf16_weights: runs with {', '.join(needs)}; set those, or "
+                                  "optim.bf16_weights: false")
 
     def check_prodigy(self, config, own_schedule: bool, scaled: list, mode) -> None:
         low, high = PRODIGY_LR
         if not low <= config.lr <= high:
-            raise ConfigError(f"optimizer: prodigy estimates the step size itself and lr multiplies it: set lr: 1.0 "
+            raise ConfigError("optim.name: prodigy estimates the step size itself and lr multiplies it: set lr: 1.0 "
                               f"(got {config.lr:g}; {low:g} to {high:g} to scale the estimate, which Prodigy's "
                               "authors advise against)")
         if own_schedule and (self.text_encoder_lr not in (0, config.lr)
                              or self.text_encoder_warmup_steps not in (-1, config.warmup_steps)):
-            raise ConfigError("optimizer: prodigy steps every parameter group with one learning rate: leave "
-                              "text_encoder_lr at 0 and text_encoder_warmup_steps at -1, or use optimizer adamw")
+            raise ConfigError("optim.name: prodigy steps every parameter group with one learning rate: leave "
+                              "optim.text_encoder_lr at 0 and optim.text_encoder_warmup_steps at -1, or use "
+                              "optim.name adamw")
         if scaled:
-            raise ConfigError(f"optimizer: prodigy steps every parameter group with one learning rate: set "
-                              f"{' and '.join(scaled)} to 1, or use optimizer adamw")
+            raise ConfigError("optim.name: prodigy steps every parameter group with one learning rate: set "
+                              f"{' and '.join(scaled)} to 1, or use optim.name adamw")
         own = mode.own_learning_rates()
         if own:
-            raise ConfigError(f"optimizer: prodigy steps every parameter group with one learning rate: leave "
-                              f"{' and '.join(own)}, or use optimizer adamw")
+            raise ConfigError("optim.name: prodigy steps every parameter group with one learning rate: leave "
+                              f"{' and '.join(own)}, or use optim.name adamw")
 
 def is_schedule_free(optimizer) -> bool:
     """Whether ``optimizer`` keeps Schedule-Free's ``y`` in its parameters (its groups' ``train_mode``)."""
@@ -334,6 +336,6 @@ def regrouped(state: dict, groups: list[dict]) -> dict:
         split.append({**saved[0], "params": indices[start : start + size],
                       **({"name": group["name"]} if "name" in group else {})})
         start += size
-    log.info("the checkpoint's optimizer state has one parameter group: split into %s",
+    log.info("the checkpoint's optim.name state has one parameter group: split into %s",
              ", ".join(str(g.get("name", i)) for i, g in enumerate(groups)))
     return {**state, "param_groups": split}

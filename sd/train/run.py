@@ -80,12 +80,13 @@ def check_masks(stores: dict, report: bool) -> None:
     (their samples weigh 1 everywhere)."""
     unmasked = [folder for folder, store in stores.items() if not store.has_masks]
     if len(unmasked) == len(stores):
-        raise ConfigError(f"masked_loss: true but no latent folder holds masks (NNNNN.mask.npy) ({', '.join(unmasked)}): "
-                          "put photo_mask.png beside photo.jpg, import with pipeline/01e_import_folder.py and "
-                          "encode with encode_latents.py, or set masked_loss: false")
+        raise ConfigError("data.masked_loss: true but no latent folder holds masks (NNNNN.mask.npy) "
+                          f"({', '.join(unmasked)}): put photo_mask.png beside photo.jpg, import with "
+                          "pipeline/01e_import_folder.py and encode with encode_latents.py, or set "
+                          "data.masked_loss: false")
     if unmasked and report:
-        log.info("masked_loss: %d latent folders have no masks, their samples weigh 1 everywhere: %s", len(unmasked),
-                 ", ".join(unmasked))
+        log.info("data.masked_loss: %d latent folders have no masks, their samples weigh 1 everywhere: %s",
+                 len(unmasked), ", ".join(unmasked))
 
 
 def scaling_factor_of(config: TrainConfig, data: sd.data.training_data.MixedData, vae) -> float:
@@ -197,7 +198,7 @@ def build(config: TrainConfig, d: Dist) -> Run:
             run.evaluation = TrainingEval.build(EvalSettings.from_config(config), d,
                                                 *sd.train.validation.validation_size(config, train_data))
         except EvalError as error:
-            raise ConfigError(f"eval_every: {error}") from error
+            raise ConfigError(f"eval.every: {error}") from error
     return run
 
 

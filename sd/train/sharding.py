@@ -40,9 +40,9 @@ def check(config) -> None:
     if name == "none":
         return
     if config.optim.name != "adamw":
-        raise ConfigError(f"sharding: {name} splits torch's AdamW state; set optimizer: adamw (adamw8bit's state is "
-                          "already a quarter of the size; prodigy and adamw_schedulefree run unsharded), or sharding: "
-                          "none")
+        raise ConfigError(f"sharding: {name} splits torch's AdamW state; set optim.name: adamw (adamw8bit's state is "
+                          "already a quarter of the size; prodigy and adamw_schedulefree run unsharded), or "
+                          "sharding: none")
     if name == "fsdp" and config.precision == "fp16":
         raise ConfigError("sharding: fsdp runs precision bf16 or fp32 (fp16's loss scaler is not sharded); set "
                           "precision: bf16, or sharding: zero1")
@@ -50,7 +50,7 @@ def check(config) -> None:
         raise ConfigError("sharding: fsdp needs contiguous weights (FSDP2 refuses channels_last convolution "
                           "weights); set channels_last: false, or sharding: zero1")
     if name == "fsdp" and config.eval.every:
-        raise ConfigError("sharding: fsdp does not run the in-training evaluation; set eval_every: 0 and score the "
+        raise ConfigError("sharding: fsdp does not run the in-training evaluation; set eval.every: 0 and score the "
                           "checkpoints with SD_Eval.py, or use sharding: zero1")
 
 

@@ -64,7 +64,7 @@ def check(run: Run, record: dict, stop) -> tuple[Path | None, bool]:
         return grid, True
     except Exception as error:  # what it measures is worth less than the steps: training goes on, the save is kept
         log.warning("step %d: validation failed (%s: %s); training goes on without it (set validate_every: 0 or "
-                    "eval_every: 0 to turn it off)", step, type(error).__name__, sd.cli.first_line(error))
+                    "eval.every: 0 to turn it off)", step, type(error).__name__, sd.cli.first_line(error))
         return grid, False
     return grid, False
 

@@ -351,7 +351,7 @@ def test_validation_samples_take_a_size_of_their_own(bucketed):
     for width, height in ((96, 0), (60, 64)):
         bad = sd.train.config.TrainConfig(datasets=[{"dataset": "x", "latents": "y"}], validation_width=width,
                                          validation_height=height)
-        with pytest.raises(sd.train.config.ConfigError, match="validation_width and validation_height"):
+        with pytest.raises(sd.train.config.ConfigError, match="validation.width and validation.height"):
             bad.validate(check_paths=False)
 
 

@@ -127,7 +127,7 @@ def test_a_resume_on_another_base_model_is_refused(tmp_path, base_model, data, c
 def test_lora_needs_base_weights(tmp_path, data, capsys):
     config = write_config(tmp_path / "a.yaml", datasets=[data], max_steps=2, out_dir=str(tmp_path / "run"))
     assert SD_Train.main(["--config", str(config)]) == 2
-    assert "lora_rank > 0 trains an adapter on existing weights: set init_from" in capsys.readouterr().err
+    assert "lora.rank > 0 trains an adapter on existing weights: set init_from" in capsys.readouterr().err
 
 
 def test_prior_preservation_loss_is_instance_mean_plus_weighted_class_mean():
@@ -281,9 +281,9 @@ def test_class_images_of_other_settings_are_made_again_unless_the_folder_holds_t
     with pytest.raises(sd.data.training_data.DataError) as refused:
         make_class_images(folder, 3, class_prompt="a photo of dog", validation_steps=4)
     assert str(refused.value) == (
-        f"class_dir {folder}: its 3 generated class images (class_*.png) were made with class_prompt 'a photo of cat', "
+        f"subject.class_dir {folder}: its 3 generated class images (class_*.png) were made with class_prompt 'a photo of cat', "
         "not 'a photo of dog' (class_images.json), and it holds 1 other images (e.g. img_0.png), which are never "
-        "deleted: use another class_dir, or delete the class_*.png files to have them made again")
+        "deleted: use another subject.class_dir, or delete the class_*.png files to have them made again")
     assert folder_bytes(folder) == before
 
 
@@ -413,7 +413,7 @@ def test_a_lora_target_that_selects_nothing_stops_before_training(tmp_path, base
     config = write_config(tmp_path / "a.yaml", datasets=[data], init_from=str(base_model), max_steps=2,
                           out_dir=str(tmp_path / "run"), lora_targets=["attention", "to_nowhere"])
     assert SD_Train.main(["--config", str(config)]) == 2
-    assert "lora_targets: 'to_nowhere' selects no Linear or Conv2d layer" in capsys.readouterr().err
+    assert "lora.targets: 'to_nowhere' selects no Linear or Conv2d layer" in capsys.readouterr().err
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 

@@ -198,7 +198,7 @@ def test_masked_loss_without_masks_stops_naming_the_field(tmp_path, capsys):
                                       "out_dir": str(tmp_path / "run")}))
     assert SD_Train.main(["--config", str(config)]) == 2
     err = capsys.readouterr().err
-    assert "masked_loss: true but no latent folder holds masks" in err and "masked_loss: false" in err
+    assert "data.masked_loss: true but no latent folder holds masks" in err and "data.masked_loss: false" in err
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
@@ -222,6 +222,6 @@ def test_batches_carry_masks_only_with_masked_loss_and_weight_one_where_a_folder
 def test_masked_loss_is_refused_for_dreambooth_folders_which_carry_no_masks():
     config = sd.train.config.TrainConfig(instance_dir="photos", instance_prompt="a photo of sks dog", masked_loss=True,
                                          max_steps=1)
-    with pytest.raises(sd.train.config.ConfigError, match="masked_loss needs masks carried by encode_latents.py"):
+    with pytest.raises(sd.train.config.ConfigError, match="data.masked_loss needs masks carried by encode_latents.py"):
         config.validate(check_paths=False)
     assert sd.train.config.FIELDS["data.masked_loss"].metadata["resume"].action == sd.settings.REFUSE  # the math

@@ -147,11 +147,11 @@ def test_an_ema_length_rebuilds_the_text_adapter_and_the_token_with_the_unet(tmp
 
 
 @pytest.mark.parametrize("fields, message", [
-    (dict(lora_rank=0, lora_text_encoder=False), "embedding_lr and embedding_train_fraction set the learned token's "
+    (dict(lora_rank=0, lora_text_encoder=False), "embedding.lr and embedding.train_fraction set the learned token's "
      "schedule beside a LoRA"),
-    (dict(embedding_token="", embedding_init="", embedding_lr=0.0), "embedding_train_fraction set the learned token's"),
+    (dict(embedding_token="", embedding_init="", embedding_lr=0.0), "embedding.train_fraction set the learned token's"),
     (dict(embedding_train_fraction=0.0), r"embedding\.train_fraction must be in \(0, 1\]"),
-    (dict(optimizer="prodigy", lr=1.0), "leave embedding_lr at 0"),
+    (dict(optimizer="prodigy", lr=1.0), "leave embedding.lr at 0"),
 ])
 def test_pivotal_settings_are_checked_before_any_work(instance_images, fields, message):
     values = {**FIELDS, "init_from": "owner/model", "instance_dir": str(instance_images), **fields}

@@ -134,10 +134,10 @@ def test_a_model_that_is_no_flow_is_refused_before_any_pair(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("fields, message", [
-    (dict(prediction_type="epsilon", min_snr_gamma=5.0), "^reflow needs a flow model, prediction_type: flow or "
-                                                         "flow_matching: true"),
-    (dict(flip=True), "^reflow needs flip: false"),
-    (dict(noise_offset=0.05), "^reflow needs noise_offset: 0"),
+    (dict(prediction_type="epsilon", min_snr_gamma=5.0), "^flow.reflow needs a flow model, prediction_type: flow or "
+                                                         "flow.matching: true"),
+    (dict(flip=True), "^flow.reflow needs data.flip: false"),
+    (dict(noise_offset=0.05), "^flow.reflow needs loss.noise_offset: 0"),
 ])
 def test_reflow_settings_are_checked_before_any_work(fields, message):
     config = TrainConfig(**{**dict(unet="tiny", vae="tiny", text_encoder="tiny", datasets=[], prediction_type="flow",
@@ -198,7 +198,7 @@ def test_a_reflow_run_on_latents_without_noise_names_the_folder(tmp_path, capsys
     data = make_dataset(tmp_path / "data", n_train=8, n_val=0)
     assert train(tmp_path / "r.yaml", tiny(data, tmp_path / "run", max_steps=1, reflow=True)) != 0
     err = capsys.readouterr().err
-    assert f"reflow: 1 latent shards in {Path(data['latents']).resolve()} have no noise beside them" in err
+    assert f"flow.reflow: 1 latent shards in {Path(data['latents']).resolve()} have no noise beside them" in err
 
 
 def test_ctrl_c_ends_in_one_line_that_says_what_is_kept(tmp_path, monkeypatch, capsys):

@@ -358,12 +358,12 @@ def test_training_evaluation_settings_are_checked_before_any_work(tmp_path):
 
     base = dict(datasets=[{"dataset": str(tmp_path), "latents": str(tmp_path)}], unet="tiny", vae="tiny",
                 text_encoder="tiny", max_steps=2)
-    with pytest.raises(ConfigError, match="eval_every > 0 needs eval_prompts"):
+    with pytest.raises(ConfigError, match="eval.every > 0 needs eval.prompts"):
         TrainConfig(**base, eval_every=10).validate(check_paths=False)
-    with pytest.raises(ConfigError, match="eval_prompts: .*missing.txt does not exist"):
+    with pytest.raises(ConfigError, match="eval.prompts: .*missing.txt does not exist"):
         TrainConfig(**base, eval_every=10, eval_prompts=str(tmp_path / "missing.txt"),
                     eval_reference=str(tmp_path)).validate()
-    with pytest.raises(ConfigError, match="eval_features: inception or tiny"):
+    with pytest.raises(ConfigError, match="eval.features: inception or tiny"):
         TrainConfig(**base, eval_features="vgg").validate(check_paths=False)
 
 

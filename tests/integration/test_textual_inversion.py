@@ -199,8 +199,8 @@ def test_a_multi_vector_token_is_written_out_in_prompts_and_a_known_word_is_refu
 
 
 @pytest.mark.parametrize("fields, message", [
-    (dict(embedding_init=""), "embedding_token needs embedding_init"),
-    (dict(instance_prompt="a circle"), "does not use embedding_token"),
+    (dict(embedding_init=""), "embedding.token needs embedding.init"),
+    (dict(instance_prompt="a circle"), "does not use embedding.token"),
     (dict(embedding_token="<Cyan>"), "lower case"),
     (dict(init_from=""), "set init_from"),
 ])
@@ -257,14 +257,14 @@ def test_a_caption_dataset_without_the_token_is_refused_and_one_with_few_is_warn
         caption_dataset(tmp_path / "d1", ["a red square", f"a {TOKEN}x circle", "asks"] * 3)]}))
     assert SD_Train.main(["--config", str(none)]) == 2
     err = capsys.readouterr().err
-    assert f"embedding_token {TOKEN!r} is in none of the 9 training captions" in err and "Traceback" not in err
+    assert f"embedding.token {TOKEN!r} is in none of the 9 training captions" in err and "Traceback" not in err
     assert not list((tmp_path / "none").glob("checkpoints/step_*"))
     few = tmp_path / "few.yaml"
     few.write_text(yaml.safe_dump({**fields, "out_dir": str(tmp_path / "few"), "datasets": [
         caption_dataset(tmp_path / "d2", [f"A {TOKEN.upper()}, circle"] + ["a red square"] * 4)]}))
     with caplog.at_level("WARNING"):
         assert SD_Train.main(["--config", str(few)]) == 0
-    assert f"embedding_token {TOKEN} is in only 1 of the 5 training captions (20%)" in caplog.text
+    assert f"embedding.token {TOKEN} is in only 1 of the 5 training captions (20%)" in caplog.text
 
 
 def test_an_embedding_that_cannot_be_added_is_named_by_its_file(tmp_path, base_model, capsys):

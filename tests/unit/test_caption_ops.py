@@ -167,12 +167,12 @@ def test_a_split_without_caption_text_is_refused_by_a_tokenising_loader(tmp_path
 
 
 @pytest.mark.parametrize("fields, message", [
-    (dict(shuffle_tags=0.5, instance_dir="x", instance_prompt="a sks dog"), "shuffle_tags changes dataset captions"),
-    (dict(tag_dropout=0.1, instance_dir="x", instance_prompt="a sks dog"), "tag_dropout changes dataset captions"),
+    (dict(shuffle_tags=0.5, instance_dir="x", instance_prompt="a sks dog"), "captions.shuffle_tags changes dataset captions"),
+    (dict(tag_dropout=0.1, instance_dir="x", instance_prompt="a sks dog"), "captions.tag_dropout changes dataset captions"),
     (dict(shuffle_tags=1.0, cache_text_embeddings=True), "no fixed set whose embeddings could be cached"),
-    (dict(tag_separator=""), "tag_separator must not be empty"),
-    (dict(shuffle_tags=1.5), r"shuffle_tags must be in \[0, 1\], got 1.5"),
-    (dict(keep_tokens=-1), "keep_tokens must be >= 0"),
+    (dict(tag_separator=""), "captions.tag_separator must not be empty"),
+    (dict(shuffle_tags=1.5), r"captions.shuffle_tags must be in \[0, 1\], got 1.5"),
+    (dict(keep_tokens=-1), "captions.keep_tokens must be >= 0"),
 ])
 def test_caption_operation_conflicts_are_config_errors(fields, message):
     with pytest.raises(ConfigError, match=message):

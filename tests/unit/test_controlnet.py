@@ -126,15 +126,15 @@ def test_a_step_without_its_control_images_is_an_error(parts):
 
 @pytest.mark.parametrize("fields, message", [
     (dict(init_from=""), "set init_from (the base"),
-    (dict(control="Canny"), "control: the conditioning images' name"),
+    (dict(control="Canny"), "controlnet.control: the conditioning images' name"),
     (dict(control="mask"), "not 'mask'"),
     (dict(lora_rank=4), "does not train with a LoRA"),
     (dict(distill="lcm"), "distillation"),
     (dict(masked_loss=True), "masked_loss"),
     (dict(sharding="zero1"), "sharding: none"),
     (dict(validation_prompts=["a", "b"], validation_controls=["x.png"]), "one conditioning image per validation"),
-    (dict(control="", control_dropout=0.5), "control_dropout belongs to a ControlNet run"),
-    (dict(control="", controlnet_from="cn"), "controlnet_from belongs to a ControlNet run"),
+    (dict(control="", control_dropout=0.5), "controlnet.dropout belongs to a ControlNet run"),
+    (dict(control="", controlnet_from="cn"), "controlnet.init_from belongs to a ControlNet run"),
 ])
 def test_a_bad_controlnet_setting_is_refused_by_name(fields, message):
     values = {**dict(unet="tiny", vae="tiny", text_encoder="tiny", control="canny", init_from="base",

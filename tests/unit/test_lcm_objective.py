@@ -152,11 +152,11 @@ def test_the_target_moves_by_one_minus_its_decay_towards_the_student_at_each_ste
 
 
 @pytest.mark.parametrize("fields, message", [
-    (dict(distill="lcn"), "distill: lcm"),
+    (dict(distill="lcn"), "distill.method: lcm"),
     (dict(init_from=""), "set init_from (the teacher"),
-    (dict(lcm_guidance_min=8.0, lcm_guidance_max=4.0), "lcm_guidance_max (4) is below"),
-    (dict(lcm_solver_steps=30), "lcm_solver_steps: a divisor of 1000"),
-    (dict(lcm_loss="l1"), "lcm_loss: huber or l2"),
+    (dict(lcm_guidance_min=8.0, lcm_guidance_max=4.0), "distill.guidance_max (4) is below"),
+    (dict(lcm_solver_steps=30), "distill.solver_steps: a divisor of 1000"),
+    (dict(lcm_loss="l1"), "distill.loss: huber or l2"),
     (dict(embedding_token="<x>", embedding_init="x"), "textual inversion"),
     (dict(lora_rank=4, lora_text_encoder=True), "a text-encoder adapter"),
     (dict(sharding="zero1"), "sharding: none"),

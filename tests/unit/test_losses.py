@@ -72,9 +72,9 @@ def test_the_default_loss_is_the_min_snr_mse_and_the_options_change_it():
 
 
 @pytest.mark.parametrize("fields, message", [
-    (dict(loss_type="mse"), "loss_type: one of l2, l1, huber, smooth_l1"),
-    (dict(loss_type="huber", huber_schedule="cosine"), "huber_schedule: one of snr, exponential, constant"),
-    (dict(distill="lcm", loss_type="huber"), "loss_type and debiased_estimation are the diffusion loss's"),
+    (dict(loss_type="mse"), "loss.type: one of l2, l1, huber, smooth_l1"),
+    (dict(loss_type="huber", huber_schedule="cosine"), "loss.huber_schedule: one of snr, exponential, constant"),
+    (dict(distill="lcm", loss_type="huber"), "loss.type and loss.debiased_estimation are the diffusion loss's"),
 ])
 def test_loss_settings_are_checked(fields, message):
     config = TrainConfig(unet="tiny", text_encoder="tiny", vae="tiny", datasets=[], **fields)

@@ -232,7 +232,7 @@ def test_a_text_encoder_of_another_width_or_a_lora_target_of_no_layer_stops_the_
     assert SD_Train.main(["--estimate_memory", "--unet", "tiny", "--vae", "tiny", "--text_encoder", "tiny",
                           "--lora_rank", "4", "--init_from", "owner/base", "--lora_targets", "[to_nowhere]"]) == 2
     err = capsys.readouterr().err
-    assert "config error: lora_targets: 'to_nowhere' selects no Linear or Conv2d layer" in err
+    assert "config error: lora.targets: 'to_nowhere' selects no Linear or Conv2d layer" in err
     assert "Traceback" not in err
 
 

@@ -321,8 +321,8 @@ def test_a_dataset_weight_written_1e_3_is_a_number(tmp_path, datasets):
                                "max-autotune"),
     ({"max_steps": True}, "max_steps: expected int, got True"),
     ({"attention": "xformers"}, "attention: one of auto, cudnn, flash, efficient, math"),
-    ({"bf16_weights": True, "precision": "fp32", "sharding": "zero1"}, "bf16_weights: runs with precision: bf16 "
-     "(got fp32), sharding: none (got zero1); set those, or bf16_weights: false"),
+    ({"bf16_weights": True, "precision": "fp32", "sharding": "zero1"}, "optim.bf16_weights: runs with precision: bf16 "
+     "(got fp32), sharding: none (got zero1); set those, or optim.bf16_weights: false"),
     ({"vae": ""}, "vae must not be empty"),
 ])
 def test_a_config_built_in_code_is_checked_like_a_yaml(datasets, fields, message):
@@ -507,14 +507,14 @@ def test_ema_update_every_auto_spaces_a_whole_unets_host_ema_of_a_gpu_run():
     (["--sharding", "zero3"], "sharding: none, zero1 or fsdp, got 'zero3'"),
     (["--sharding", "zero1", "--lora_rank", "4", "--init_from", "runs/x"],
      "sharding: zero1 splits a full fine-tune's state; a LoRA adapter is a few MB that every GPU holds whole: set "
-     "sharding: none, or lora_rank: 0"),
-    (["--sharding", "fsdp", "--optimizer", "adamw8bit"], "sharding: fsdp splits torch's AdamW state; set optimizer: "
+     "sharding: none, or lora.rank: 0"),
+    (["--sharding", "fsdp", "--optimizer", "adamw8bit"], "sharding: fsdp splits torch's AdamW state; set optim.name: "
      "adamw (adamw8bit's state is already a quarter of the size; prodigy and adamw_schedulefree run unsharded), or "
      "sharding: none"),
     (["--sharding", "zero1", "--optimizer", "prodigy", "--lr", "1"], "sharding: zero1 splits torch's AdamW state; "
-     "set optimizer: adamw"),
+     "set optim.name: adamw"),
     (["--sharding", "fsdp", "--optimizer", "adamw_schedulefree"], "sharding: fsdp splits torch's AdamW state; set "
-     "optimizer: adamw"),
+     "optim.name: adamw"),
     (["--sharding", "fsdp", "--precision", "fp16"], "sharding: fsdp runs precision bf16 or fp32"),
     (["--sharding", "fsdp", "--channels_last"], "sharding: fsdp needs contiguous weights"),
     (["--sharding", "fsdp", "--eval_every", "10"], "sharding: fsdp does not run the in-training evaluation"),
@@ -529,36 +529,36 @@ LORA_TEXT = ["--lora_rank", "4", "--lora_text_encoder", "--init_from", "runs/x"]
 
 
 @pytest.mark.parametrize("flags, shown", [
-    (["--text_encoder_lr", "1e-4"], "text_encoder_lr / text_encoder_warmup_steps set the learning rate of the text "
-     "encoder's LoRA adapter: set lora_text_encoder: true"),
-    (["--text_encoder_warmup_steps", "0"], "text_encoder_lr / text_encoder_warmup_steps set the learning rate"),
-    (["--optimizer", "prodigy"], "optimizer: prodigy estimates the step size itself and lr multiplies it: set lr: 1.0 "
+    (["--text_encoder_lr", "1e-4"], "optim.text_encoder_lr / optim.text_encoder_warmup_steps set the learning rate of the text "
+     "encoder's LoRA adapter: set lora.text_encoder: true"),
+    (["--text_encoder_warmup_steps", "0"], "optim.text_encoder_lr / optim.text_encoder_warmup_steps set the learning rate"),
+    (["--optimizer", "prodigy"], "optim.name: prodigy estimates the step size itself and lr multiplies it: set lr: 1.0 "
      "(got 1e-05;"),
-    (["--optimizer", "prodigy", "--lr", "20"], "optimizer: prodigy estimates the step size itself"),
+    (["--optimizer", "prodigy", "--lr", "20"], "optim.name: prodigy estimates the step size itself"),
     (["--optimizer", "prodigy", "--lr", "1", *LORA_TEXT, "--text_encoder_lr", "0.5"],
-     "optimizer: prodigy steps every parameter group with one learning rate"),
+     "optim.name: prodigy steps every parameter group with one learning rate"),
     (["--optimizer", "prodigy", "--lr", "1", *LORA_TEXT, "--warmup_steps", "5", "--text_encoder_warmup_steps", "0"],
-     "optimizer: prodigy steps every parameter group with one learning rate"),
-    (["--optimizer", "adamw_schedulefree", "--adam_beta1", "0"], "optimizer: adamw_schedulefree interpolates with "
-     "adam_beta1"),
-    (["--posthoc_ema_every", "10", "--sharding", "fsdp"], "posthoc_ema_every: the post-hoc EMAs hold whole weights"),
+     "optim.name: prodigy steps every parameter group with one learning rate"),
+    (["--optimizer", "adamw_schedulefree", "--adam_beta1", "0"], "optim.name: adamw_schedulefree interpolates with "
+     "optim.adam_beta1"),
+    (["--posthoc_ema_every", "10", "--sharding", "fsdp"], "ema.posthoc_every: the post-hoc EMAs hold whole weights"),
     (["--posthoc_ema_every", "10", "--embedding_token", "<x>", "--embedding_init", "dog", "--init_from", "runs/x"],
-     "posthoc_ema_every: averages what trains in the UNet, which a learned token's run leaves frozen"),
-    (["--lora_type", "dora"], "lora_type: one of lora, loha, lokr, got 'dora'"),
-    (["--lora_type", "loha"], "lora_type: loha sets the adapter of a run with lora_rank > 0"),
-    (["--dora"], "dora: true sets the adapter of a run with lora_rank > 0: set lora_rank, or dora: false"),
-    (["--lora_factor", "4", *LORA_TEXT], "lora_factor sets a lokr adapter's factors (got lora_type: lora)"),
-    (["--lora_type", "loha", "--lora_dropout", "0.1", *LORA_TEXT], "lora_dropout drops a LoRA's input; a loha"),
+     "ema.posthoc_every: averages what trains in the UNet, which a learned token's run leaves frozen"),
+    (["--lora_type", "dora"], "lora.type: one of lora, loha, lokr, got 'dora'"),
+    (["--lora_type", "loha"], "lora.type: loha sets the adapter of a run with lora.rank > 0"),
+    (["--dora"], "lora.dora: true sets the adapter of a run with lora.rank > 0: set lora.rank, or lora.dora: false"),
+    (["--lora_factor", "4", *LORA_TEXT], "lora.factor sets a lokr adapter's factors (got lora.type: lora)"),
+    (["--lora_type", "loha", "--lora_dropout", "0.1", *LORA_TEXT], "lora.dropout drops a LoRA's input; a loha"),
     (["--keep_best", "loss"], "keep_best: '', 'fid', 'clip_score', got 'loss'"),
-    (["--keep_best", "fid"], "keep_best: fid ranks the checkpoints by the in-training evaluation: set eval_every"),
+    (["--keep_best", "fid"], "keep_best: fid ranks the checkpoints by the in-training evaluation: set eval.every"),
     (["--keep_best", "clip_score", "--eval_every", "5", "--eval_prompts", "p.txt", "--eval_reference", "ref",
-      "--eval_clip_model", ""], "keep_best: clip_score needs the CLIP score: set eval_clip_model"),
-    (["--optimizer", "prodigy", "--lr", "1", "--up_lr_scale", "2"], "optimizer: prodigy steps every parameter group "
-     "with one learning rate: set up_lr_scale to 1"),
+      "--eval_clip_model", ""], "keep_best: clip_score needs the CLIP score: set eval.clip_model"),
+    (["--optimizer", "prodigy", "--lr", "1", "--up_lr_scale", "2"], "optim.name: prodigy steps every parameter group "
+     "with one learning rate: set optim.up_lr_scale to 1"),
     (["--down_lr_scale", "0.5", "--mid_lr_scale", "2", "--embedding_token", "<x>", "--init_from", "runs/x"],
-     "down_lr_scale, mid_lr_scale scale the learning rate of the UNet's blocks, which a learned token run leaves "
-     "frozen: set down_lr_scale and mid_lr_scale to 1"),
-    (["--optimizer", "sgd"], "optimizer: one of adamw, adamw8bit, prodigy, adamw_schedulefree"),
+     "optim.down_lr_scale, optim.mid_lr_scale scale the learning rate of the UNet's blocks, which a learned token run leaves "
+     "frozen: set optim.down_lr_scale and optim.mid_lr_scale to 1"),
+    (["--optimizer", "sgd"], "optim.name: one of adamw, adamw8bit, prodigy, adamw_schedulefree"),
 ])
 def test_optimizer_and_learning_rate_settings_that_cannot_work_are_refused(base_config, flags, shown):
     with pytest.raises(ConfigError) as error:
@@ -622,7 +622,7 @@ def test_the_controlnet_recipes_placeholder_control_image_is_checked_only_when_a
     flags = ["--config", "configs/finetune/controlnet.yaml", "--init_from", str(tmp_path), "--datasets",
              json.dumps([{"dataset": str(tmp_path / "captions"), "latents": str(tmp_path / "latents")}])]
     assert load_config([*flags, "--validate_every", "0"]).validate_every == 0
-    with pytest.raises(ConfigError, match="validation_controls: data/my_data/validation_edges.png is no file"):
+    with pytest.raises(ConfigError, match="controlnet.validation_images: data/my_data/validation_edges.png is no file"):
         load_config(flags)
 
 

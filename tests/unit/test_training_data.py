@@ -319,7 +319,7 @@ def test_flip_coins_depend_only_on_seed_epoch_and_position():
 
 def test_flip_without_flipped_latents_names_the_folder(tmp_path):
     folder = make_latents(tmp_path / "lat", ["a", "b"], np.zeros((2, 4, 8, 8)))
-    with pytest.raises(sd.data.training_data.DataError, match=f"flip: latent folder {folder} has no flipped latents.*"
+    with pytest.raises(sd.data.training_data.DataError, match=f"data.flip: latent folder {folder} has no flipped latents.*"
                                                 r"00000\.flip\.npy.*encode_latents\.py --flip"):
         sd.data.training_data.LatentStore(folder, flip=True)
     assert sd.data.training_data.LatentStore(folder).flipped is None

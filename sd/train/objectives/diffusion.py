@@ -38,9 +38,9 @@ class LossConfig:
 
     def check(self, config, check_paths: bool = True) -> None:
         if self.type not in sd.model.LOSS_TYPES:
-            raise ConfigError(f"loss_type: one of {', '.join(sd.model.LOSS_TYPES)}")
+            raise ConfigError(f"loss.type: one of {', '.join(sd.model.LOSS_TYPES)}")
         if self.huber_schedule not in sd.model.HUBER_SCHEDULES:
-            raise ConfigError(f"huber_schedule: one of {', '.join(sd.model.HUBER_SCHEDULES)}")
+            raise ConfigError(f"loss.huber_schedule: one of {', '.join(sd.model.HUBER_SCHEDULES)}")
 
 def drawn_noise(context: LossContext, latents: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """Unit noise the shape of ``latents``, plus ``noise_offset`` times a per-sample, per-channel shift (the mean

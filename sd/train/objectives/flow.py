@@ -85,34 +85,34 @@ class Flow(Objective):
         """Flow matching's settings, and the settings of the other objectives it cannot take."""
         flow = config.flow
         if flow.density not in sd.flow.DENSITIES:
-            raise ConfigError(f"flow_density: one of {', '.join(sd.flow.DENSITIES)}, got {flow.density!r}")
+            raise ConfigError(f"flow.density: one of {', '.join(sd.flow.DENSITIES)}, got {flow.density!r}")
         if not is_flow(config):
             default = FlowConfig()
-            changed = [f"flow_{name}" for name in SHAPING if getattr(flow, name) != getattr(default, name)]
+            changed = [f"flow.{name}" for name in SHAPING if getattr(flow, name) != getattr(default, name)]
             if changed:
                 raise ConfigError(f"{', '.join(changed)} shape{'s' if len(changed) == 1 else ''} flow matching's "
-                                  "training: set prediction_type: flow or flow_matching: true, or leave them at their "
-                                  "defaults")
+                                  "training: set prediction_type: flow or flow.matching: true, or leave them at "
+                                  "their defaults")
             return
         if config.flow.matching and config.prediction_type == "flow":
-            raise ConfigError("flow_matching trains an epsilon or v_prediction model as a flow; a prediction_type: "
-                              "flow model is one already: set flow_matching: false")
-        what = "prediction_type: flow" if config.prediction_type == "flow" else "flow_matching"
+            raise ConfigError("flow.matching trains an epsilon or v_prediction model as a flow; a prediction_type: "
+                              "flow model is one already: set flow.matching: false")
+        what = "prediction_type: flow" if config.prediction_type == "flow" else "flow.matching"
         refused = [(config.zero_terminal_snr, "zero_terminal_snr", "a flow's path reaches pure noise by itself"
                     if config.prediction_type == "flow" else "the bridge needs a finite log-SNR at every timestep"),
                    (config.min_snr_gamma != 0, "min_snr_gamma", "Min-SNR weights the epsilon and v losses; set "
                     "min_snr_gamma: 0"),
-                   (config.loss.debiased_estimation, "debiased_estimation",
+                   (config.loss.debiased_estimation, "loss.debiased_estimation",
                     "its weights are the epsilon and v losses'"),
                    (config.loss.type in ("huber", "smooth_l1") and config.loss.huber_schedule == "snr",
-                    "huber_schedule: snr", "its thresholds follow the DDPM schedule; use constant or exponential"),
-                   (bool(config.distill.method), "distill", "consistency distillation samples a DDPM teacher"),
-                   (bool(config.controlnet.control), "control", "a ControlNet trains beside an epsilon or v model")]
+                    "loss.huber_schedule: snr", "its thresholds follow the DDPM schedule; use constant or exponential"),
+                   (bool(config.distill.method), "distill.method", "consistency distillation samples a DDPM teacher"),
+                   (bool(config.controlnet.control), "controlnet.control", "a ControlNet trains beside an epsilon or v model")]
         for bad, name, why in refused:
             if bad:
                 raise ConfigError(f"{what} does not train with {name}: {why}")
         if config.prediction_type == "flow" and config.sampler not in sd.sampling.FLOW_SAMPLERS:
-            raise ConfigError(f"validation_sampler {config.validation.sampler}: a flow model is sampled with "
+            raise ConfigError(f"validation.sampler {config.validation.sampler}: a flow model is sampled with "
                               f"{' or '.join(sd.sampling.FLOW_SAMPLERS)} (or auto)")
 
     def loss(self, context: LossContext, model, latents, input_ids, generator, mask, inputs: dict):
@@ -171,14 +171,14 @@ class Reflow(Flow):
     def check(cls, config, check_paths: bool = True) -> None:
         if not config.flow.reflow:
             return
-        refused = [(not is_flow(config), "a flow model, prediction_type: flow or flow_matching: true (the pairs are "
+        refused = [(not is_flow(config), "a flow model, prediction_type: flow or flow.matching: true (the pairs are "
                                           "a flow model's)"),
-                   (config.data.flip, "flip: false (a pair is one image and its noise)"),
-                   (config.loss.noise_offset != 0, "noise_offset: 0 (the noise is the pair's)"),
-                   (bool(config.subject.instance_dir), "no instance_dir (the pairs are SD_Reflow.py's latent folders)")]
+                   (config.data.flip, "data.flip: false (a pair is one image and its noise)"),
+                   (config.loss.noise_offset != 0, "loss.noise_offset: 0 (the noise is the pair's)"),
+                   (bool(config.subject.instance_dir), "no subject.instance_dir (the pairs are SD_Reflow.py's latent folders)")]
         for bad, need in refused:
             if bad:
-                raise ConfigError(f"reflow needs {need}")
+                raise ConfigError(f"flow.reflow needs {need}")
 
     def noise(self, context: LossContext, latents: torch.Tensor, generator, inputs: dict) -> torch.Tensor:
         return inputs["noise"].to(context.device, non_blocking=True).float()

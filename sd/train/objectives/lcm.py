@@ -166,33 +166,34 @@ class LatentConsistency(Objective):
         """Consistency distillation's settings, and the modes it cannot be combined with."""
         method = config.distill.method
         if method not in MODES:
-            raise ConfigError(f"distill: lcm, or empty for the usual diffusion loss; got {method!r}")
+            raise ConfigError(f"distill.method: lcm, or empty for the usual diffusion loss; got {method!r}")
         if not method:
             return
         if check_paths and not config.init_from:
-            raise ConfigError("distill: lcm learns from a trained model: set init_from (the teacher: a run of ours, "
-                              "a diffusers folder or hub id, or a single file)")
+            raise ConfigError("distill.method: lcm learns from a trained model: set init_from (the teacher: a run "
+                              "of ours, a diffusers folder or hub id, or a single file)")
         if config.distill.loss not in LOSSES:
-            raise ConfigError(f"lcm_loss: huber or l2, got {config.distill.loss!r}")
+            raise ConfigError(f"distill.loss: huber or l2, got {config.distill.loss!r}")
         if config.distill.guidance_max < config.distill.guidance_min:
-            raise ConfigError(f"lcm_guidance_max ({config.distill.guidance_max:g}) is below lcm_guidance_min "
+            raise ConfigError(f"distill.guidance_max ({config.distill.guidance_max:g}) is below distill.guidance_min "
                               f"({config.distill.guidance_min:g}): set max >= min (equal for a fixed scale)")
         if sd.model.NUM_TRAIN_TIMESTEPS % config.distill.solver_steps:
-            raise ConfigError(f"lcm_solver_steps: a divisor of {sd.model.NUM_TRAIN_TIMESTEPS} (e.g. 50: a skip of "
-                              f"20), got {config.distill.solver_steps}")
+            raise ConfigError(f"distill.solver_steps: a divisor of {sd.model.NUM_TRAIN_TIMESTEPS} (e.g. 50: a skip "
+                              f"of 20), got {config.distill.solver_steps}")
         if config.loss.type != "l2" or config.loss.debiased_estimation:
-            raise ConfigError("loss_type and debiased_estimation are the diffusion loss's; a distill run has "
-                              "lcm_loss: set loss_type: l2 and debiased_estimation: false")
-        refused = {"instance_dir": "a DreamBooth folder", "embedding_token": "textual inversion",
-                   "lora_text_encoder": "a text-encoder adapter (the teacher's prompts are its own)",
-                   "masked_loss": "masked_loss", "shuffle_tags": "caption operations",
-                   "tag_dropout": "caption operations"}
+            raise ConfigError("loss.type and loss.debiased_estimation are the diffusion loss's; a distill run has "
+                              "distill.loss: set loss.type: l2 and loss.debiased_estimation: false")
+        refused = {"subject.instance_dir": "a DreamBooth folder", "embedding.token": "textual inversion",
+                   "lora.text_encoder": "a text-encoder adapter (the teacher's prompts are its own)",
+                   "data.masked_loss": "loss masks", "captions.shuffle_tags": "caption operations",
+                   "captions.tag_dropout": "caption operations"}
         for name, what in refused.items():
-            if getattr(config, name):
-                raise ConfigError(f"distill: lcm does not train with {what}; unset {name}, or distill in a run of "
-                                  "its own")
+            where, _, field = name.partition(".")
+            if getattr(getattr(config, where), field):
+                raise ConfigError(f"distill.method: lcm does not train with {what}; unset {name}, or distill in a "
+                                  "run of its own")
         if config.sharding != "none":
-            raise ConfigError(f"distill: lcm runs on DDP; set sharding: none (got {config.sharding})")
+            raise ConfigError(f"distill.method: lcm runs on DDP; set sharding: none (got {config.sharding})")
 
     @classmethod
     def build(cls, config, unet) -> "LatentConsistency":
