@@ -25,7 +25,7 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(if $(TORCH_INDEX),$(PY) -m pip install --quiet --index-url $(TORCH_INDEX) "$$(grep '^torch==' requirements.txt)")
 	$(PY) -m pip install --quiet --no-compile -e ".[$(EXTRAS)]"
-	$(PY) -m compileall -q -j 0 $(VENV)/lib > /dev/null
+	$(PY) -m compileall -q -j 0 $(VENV)/lib > /dev/null || true  # as pip's own pass, past files of newer Pythons
 	touch $(STAMP)
 
 # The bytecode of the repository's own modules, written once before a run (and again for what changed since):
