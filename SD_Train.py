@@ -69,8 +69,11 @@ def main(argv=None) -> int:
         with sd.runtime.interrupting_signals():
             return train(config, d)
     except (ConfigError, sd.data.training_data.DataError, sd.train.metrics.MetricsError, FileNotFoundError,
-            sd.run_folder.CheckpointError) as error:
-        print(f"SD_Train.py: error (rank {d.rank}): {error}", file=sys.stderr)
+            sd.run_folder.CheckpointError, sd.model.LoadError) as error:
+        hint = ""
+        if isinstance(error, sd.model.LoadError) and config.init_from and not Path(config.init_from).exists():
+            hint = f" (init_from {config.init_from} is no file or folder here, so it was read as a hub id)"
+        print(f"SD_Train.py: error (rank {d.rank}): {error}{hint}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as error:  # outside the loop's own handler: loading, class images
         signum = getattr(error, "signum", signal.SIGINT)

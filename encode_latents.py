@@ -190,7 +190,11 @@ def main(argv=None) -> int:
     if out.exists() and not out.is_dir():
         print(f"encode_latents.py: error: --out {out} is a file, not a folder", file=sys.stderr)
         return 2
-    return sd.data.encode.encode(paths, out, args)
+    try:
+        return sd.data.encode.encode(paths, out, args)
+    except sd.model.LoadError as error:
+        print(f"encode_latents.py: error: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

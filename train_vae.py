@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     try:
         with sd.runtime.interrupting_signals():
             sd.vae.fit(args, device)
-    except (sd.vae.InputError, sd.vae.ResumeMismatch) as error:
+    except (sd.vae.InputError, sd.vae.ResumeMismatch, sd.model.LoadError) as error:
         print(f"train_vae.py: error: {error}", file=sys.stderr)
         return 2
     except sd.vae.Stopped as stop:

@@ -299,6 +299,25 @@ def _frozen(model):
     return model
 
 
+class LoadError(ValueError):
+    """A model part that could not be loaded, in one line naming it and the ways to fix it."""
+
+
+HUB_FIX = "a local folder, or a hub id with the hub reachable (HF_HUB_OFFLINE unset)"
+
+
+def from_pretrained(cls, what: str, name_or_path: str, **kwargs):
+    """``cls.from_pretrained`` with ``hub_options``; a part that cannot be loaded (a hub id not in the cache while
+    the hub cannot be reached, a folder without its files) is a LoadError naming ``what`` and the source."""
+    options = hub_options(name_or_path)
+    try:
+        return cls.from_pretrained(name_or_path, **kwargs, **options)
+    except (OSError, ValueError) as error:
+        offline = "the hub cannot be reached and it is not in the local cache; " if options else ""
+        raise LoadError(f"{what} {name_or_path}: cannot be loaded ({sd.cli.first_line(error)}); {offline}give "
+                        f"{HUB_FIX}") from error
+
+
 def load_vae(name_or_path: str = DEFAULT_VAE, *, subfolder: str | None = None, seed: int = TINY_SEED):
     """The frozen ``AutoencoderKL``: a hub id, a local folder (or pipeline folder), or ``"tiny"``."""
     from diffusers import AutoencoderKL
@@ -308,7 +327,7 @@ def load_vae(name_or_path: str = DEFAULT_VAE, *, subfolder: str | None = None, s
             return _frozen(AutoencoderKL(**TINY_VAE))
     subfolder = subfolder or _local_subfolder(name_or_path, "vae")
     kwargs = {"subfolder": subfolder} if subfolder else {}
-    return _frozen(AutoencoderKL.from_pretrained(name_or_path, **kwargs, **hub_options(name_or_path)))
+    return _frozen(from_pretrained(AutoencoderKL, "vae", name_or_path, **kwargs))
 
 
 def load_text_encoder(
@@ -322,10 +341,10 @@ def load_text_encoder(
             return _frozen(CLIPTextModel(CLIPTextConfig(**TINY_TEXT_ENCODER)))
     subfolder = subfolder or _local_subfolder(name_or_path, "text_encoder")
     kwargs = {"subfolder": subfolder} if subfolder else {}
-    return _frozen(CLIPTextModel.from_pretrained(name_or_path, **kwargs, **hub_options(name_or_path)))
+    return _frozen(from_pretrained(CLIPTextModel, "text_encoder", name_or_path, **kwargs))
 
 
-class TokenizerError(ValueError):
+class TokenizerError(LoadError):
     """A tokenizer that could not be loaded, in one line naming it and the ways to fix it."""
 
 

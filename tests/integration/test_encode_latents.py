@@ -630,3 +630,14 @@ def test_a_size_over_the_pixel_cap_stops_before_any_work(tmp_path, capsys, flags
     assert not (tmp_path / "out").exists()
     assert encode_latents.parse_args(["--shards", "x", "--out", "o", *flags, "--max_encode_pixels", str(2**27)]) \
         .max_encode_pixels == 2**27
+
+
+def test_a_vae_the_offline_hub_cannot_give_is_one_line_and_writes_nothing(encoded, tmp_path, capsys, monkeypatch):
+    root, _ = encoded
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert encode_latents.main(["--shards", str(root / "shards" / "*.tar"), "--out", str(tmp_path / "out"),
+                                "--vae", "nobody/no-such-vae", "--resolution", "64"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("encode_latents.py: error: vae nobody/no-such-vae: cannot be loaded (") and "\n" not in err
+    assert "it is not in the local cache; give a local folder, or a hub id with the hub reachable" in err
+    assert not list(tmp_path.glob("out/*.npy"))  # nothing encoded

@@ -694,6 +694,23 @@ def test_bad_configs_stop_before_any_work(tmp_path, data, capsys, fields, flags,
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("part", ["text_encoder", "vae"])
+def test_a_model_part_the_offline_hub_cannot_give_is_one_line_naming_it_and_init_from(tmp_path, data, capsys,
+                                                                                       monkeypatch, part):
+    """Offline, a hub id missing from the local cache stops the run in one line naming the part and the way out;
+    an ``init_from`` that is no folder here (a quick start run before the one it builds on) is named with it."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    fields = {"text_encoder": "tiny", "vae": "tiny", part: "nobody/no-such-model"}
+    config = write_config(tmp_path / "c.yaml", datasets=[data], max_steps=2, out_dir=str(tmp_path / "run"),
+                          init_from="runs/not_trained_yet", **fields)
+    assert SD_Train.main(["--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert f"error (rank 0): {part} nobody/no-such-model: cannot be loaded (" in err, err
+    assert "it is not in the local cache; give a local folder, or a hub id with the hub reachable" in err
+    assert "(init_from runs/not_trained_yet is no file or folder here, so it was read as a hub id)" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
 def test_latents_missing_for_captions_stop_with_counts_and_keys(tmp_path, capsys):
     make_latents(tmp_path / "lat", ["a0", "a1"], np.zeros((2, 4, 8, 8)))
     make_captions(tmp_path / "caps", [("a0", "x"), ("a1", "y"), ("b7", "z")], [])
