@@ -57,13 +57,13 @@ class LearnedToken(sd.training_mode.Mode):
     @classmethod
     def check(cls, config, check_paths: bool = True) -> None:
         """Textual inversion's settings, and the modes it cannot be combined with."""
-        defaults = {"lr": 0, "train_fraction": 1}
-        pivotal = [f"embedding.{name}" for name, default in defaults.items()
-                   if getattr(config.embedding, name) != default]
+        defaults = {"lr": 0, "train_fraction": 1}  # embedding's fields that only pivotal tuning reads
+        pivotal = {f"embedding.{name}": default for name, default in defaults.items()
+                   if getattr(config.embedding, name) != default}
         if pivotal and not (config.embedding.token and config.lora.rank):
             raise ConfigError(f"{' and '.join(pivotal)} set the learned token's schedule beside a LoRA (pivotal "
                               "tuning): set embedding.token and lora.rank > 0, or leave "
-                              f"{' and '.join(f'{name} at {defaults[name[10:]]}' for name in pivotal)}"
+                              f"{' and '.join(f'{name} at {default}' for name, default in pivotal.items())}"
                               f"{' (a token trained alone takes lr)' if 'embedding.lr' in pivotal else ''}")
         if not config.embedding.token:
             if config.embedding.init:

@@ -40,6 +40,10 @@ from sd.train.objectives.lcm import DistillConfig
 from sd.train.optimizers import OptimConfig
 
 
+# The sections whose checks run before the modes' and objectives' (the others, and ema's, after them).
+BEFORE_MODES = ("data", "subject", "loss", "optim")
+
+
 def section(cls):
     """A TrainConfig field that holds one component's section (``SECTIONS``)."""
     return dataclasses.field(default_factory=cls, metadata={"section": True})
@@ -228,18 +232,17 @@ class TrainConfig:
             need(getattr(self, name).strip(), f"{name} must not be empty")
         need(all(isinstance(p, str) for p in self.validation_prompts), "validation_prompts: a list of strings")
         need(self.max_steps > 0 or self.epochs > 0, "set max_steps or epochs to a positive number")
-        for part in (self.data, self.subject, self.loss, self.optim):  # before the modes (asked below)
-            part.check(self, check_paths)
+        for name in BEFORE_MODES:
+            getattr(self, name).check(self, check_paths)
         sd.train.modes.check(self, check_paths)
         sd.train.sharding.check(self)
         self.ema.check(self, check_paths)
         need(not (self.cache_text_embeddings and self.mode.text_encoder_trains),
              "cache_text_embeddings needs a frozen text encoder: turn off lora.text_encoder or the cache")
         sd.train.objectives.check(self, check_paths)
-        asked = ("data", "subject", "loss", "optim", "ema")
         for name in SECTIONS:  # the others after the modes and objectives, whose sections those check
             part = getattr(self, name)
-            if name not in asked and callable(getattr(part, "check", None)):
+            if name not in (*BEFORE_MODES, "ema") and callable(getattr(part, "check", None)):
                 part.check(self, check_paths)
         conflict = sd.model.schedule_conflict(self.prediction_type, self.zero_terminal_snr)
         need(conflict is None, f"zero_terminal_snr: {conflict}; set prediction_type: v_prediction")
