@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+from pathlib import Path
 
 import yaml
 
@@ -112,6 +113,22 @@ def duration(seconds: float) -> str:
 
 
 YAML_NODES = 100_000  # a config's values with every alias expanded: far above any config, far below an alias bomb
+
+
+YAML_BYTES = 16 * 2**20  # a config is a few KB; this many bytes is no config
+
+
+def load_yaml_file(path: str | Path):
+    """``load_yaml`` of a file, of which at most ``YAML_BYTES`` are read (a huge file or a device such as
+    /dev/zero is refused, not read into memory). A ValueError names the file; OSError when it cannot be read."""
+    with open(path, "rb") as handle:
+        data = handle.read(YAML_BYTES + 1)
+    if len(data) > YAML_BYTES:
+        raise ValueError(f"{path}: over {YAML_BYTES // 2**20} MiB, too large for a config YAML")
+    try:
+        return load_yaml(data.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path}: {first_line(error)}") from error
 
 
 def load_yaml(text: str):

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from sd.cli import first_line, load_yaml
+from sd.cli import first_line, load_yaml_file
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 COMPLETE = "COMPLETE"
@@ -296,10 +296,7 @@ def read_saved_config(path: str | Path) -> dict:
     """A run's or checkpoint's ``config.yaml`` as written by ``config_yaml``, in sections (a file written before
     the sections, with flat keys, is read into them): the one reader of a saved config. A file that is no YAML
     mapping is a ValueError naming it (OSError when it cannot be read)."""
-    try:
-        saved = load_yaml(Path(path).read_text())
-    except (ValueError, UnicodeDecodeError) as error:
-        raise ValueError(f"{path}: {first_line(error)}") from error
+    saved = load_yaml_file(path)
     if not isinstance(saved, dict):
         raise ValueError(f"{path}: not a mapping of config fields")
     return in_sections(saved)

@@ -153,9 +153,11 @@ def read_yaml(path: Path, seen: tuple = (), flat: list | None = None) -> dict:
     if path.resolve() in seen:
         raise ConfigError(f"{path}: 'extends' loops back to itself")
     try:
-        loaded = load_yaml(path.read_text()) or {}
+        loaded = sd.cli.load_yaml_file(path) or {}
     except ValueError as error:
-        raise ConfigError(f"{path}: {error}") from None
+        raise ConfigError(str(error)) from None
+    except OSError as error:  # a folder, no permission
+        raise ConfigError(f"{path}: cannot be read ({sd.cli.first_line(error)})") from None
     if not isinstance(loaded, dict):
         raise ConfigError(f"{path}: expected a mapping of config fields")
     values = {}

@@ -678,3 +678,19 @@ def test_a_flat_name_and_its_section_field_in_one_file_is_refused(tmp_path, data
     path = write_yaml(tmp_path / "both.yaml", datasets=datasets, max_steps=2, lora_rank=4, lora={"rank": 8})
     with pytest.raises(ConfigError, match=r"lora_rank.*lora\.rank|lora\.rank.*lora_rank"):
         load_config(["--config", str(path)])
+
+
+@pytest.mark.parametrize("how", ["config", "extends"])
+def test_a_config_file_too_large_to_be_one_is_refused_unread(tmp_path, how):
+    """A 20 MiB file (sparse: nothing written) given as a config or as its base is refused by its size, in one
+    line naming it; at most the cap plus a byte is read, so /dev/zero is refused the same way."""
+    huge = tmp_path / "huge.yaml"
+    with open(huge, "wb") as handle:
+        handle.truncate(20 * 2**20)
+    path = huge if how == "config" else write_yaml(tmp_path / "c.yaml", extends=str(huge))
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(huge))}: over 16 MiB, too large for a config YAML$"):
+        load_config(["--config", str(path)], check_paths=False)
+    with pytest.raises(ConfigError, match=r"^/dev/zero: over 16 MiB"):
+        load_config(["--config", "/dev/zero"], check_paths=False)
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(tmp_path))}: cannot be read \("):
+        load_config(["--config", str(tmp_path)], check_paths=False)
