@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 from pathlib import Path
 
 import torch
@@ -32,154 +31,30 @@ import sd.files
 import sd.flow
 import sd.lora.adapters
 import sd.model
+import sd.original_layout as original
 import sd.run_folder
 import sd.sampling
 from sd.cli import first_line
+from sd.original_layout import text_key_map, unet_key_map, vae_key_map
 from sd.run_folder import read_saved_config
 
 log = logging.getLogger("sd_formats")
 
-# CLIP ViT-L/14's text tower, as SD 1.x uses it.
-CLIP_L_TEXT = dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
-                   num_attention_heads=12, max_position_embeddings=77, hidden_act="quick_gelu", projection_dim=768)
 # What a single file in the original layout holds: (UNet preset, VAE config, text encoder config).
-SINGLE_FILE_ARCHS = {"sd1": ("sd1", sd.model.SD1_VAE, CLIP_L_TEXT),
-                     "tiny": ("tiny", sd.model.TINY_VAE, sd.model.TINY_TEXT_ENCODER)}
+SINGLE_FILE_ARCHS = {name: (name, sd.model.FILE_CONFIGS["vae"][name], sd.model.FILE_CONFIGS["text_encoder"][name])
+                     for name in ("sd1", "tiny")}
 
 PREDICTION_TYPES = sd.model.PREDICTION_TYPES
-
-UNET_PREFIX = "model.diffusion_model."
-VAE_PREFIX = "first_stage_model."
-TEXT_PREFIX = "cond_stage_model.transformer.text_model."
-
-# Sub-module names inside a ResNet block: diffusers -> original.
-UNET_RESNET = {"norm1": "in_layers.0", "conv1": "in_layers.2", "time_emb_proj": "emb_layers.1",
-               "norm2": "out_layers.0", "conv2": "out_layers.3", "conv_shortcut": "skip_connection"}
-VAE_RESNET = {"conv_shortcut": "nin_shortcut"}
-VAE_ATTENTION = {"group_norm": "norm", "to_q": "q", "to_k": "k", "to_v": "v", "to_out.0": "proj_out"}
-
-
-# ---------------------------------------------------------------------------------------------
-# Key maps
-# ---------------------------------------------------------------------------------------------
-
-
-def _layers(config) -> int:
-    layers = config["layers_per_block"]
-    return layers if isinstance(layers, int) else layers[0]
-
-
-def unet_prefixes(config) -> list[tuple[str, str, str]]:
-    """``(diffusers prefix, original prefix, kind)`` for every block of a UNet2DConditionModel."""
-    layers, blocks = _layers(config), len(config["block_out_channels"])
-    out = [("time_embedding.linear_1", "time_embed.0", "plain"), ("time_embedding.linear_2", "time_embed.2", "plain"),
-           ("conv_in", "input_blocks.0.0", "plain"), ("conv_norm_out", "out.0", "plain"), ("conv_out", "out.2", "plain")]
-    for b, kind in enumerate(config["down_block_types"]):
-        for l in range(layers):
-            index = 1 + b * (layers + 1) + l
-            out.append((f"down_blocks.{b}.resnets.{l}", f"input_blocks.{index}.0", "resnet"))
-            if "CrossAttn" in kind:
-                out.append((f"down_blocks.{b}.attentions.{l}", f"input_blocks.{index}.1", "plain"))
-        if b < blocks - 1:
-            out.append((f"down_blocks.{b}.downsamplers.0.conv", f"input_blocks.{1 + b * (layers + 1) + layers}.0.op",
-                        "plain"))
-    out += [("mid_block.resnets.0", "middle_block.0", "resnet"), ("mid_block.attentions.0", "middle_block.1", "plain"),
-            ("mid_block.resnets.1", "middle_block.2", "resnet")]
-    for b, kind in enumerate(config["up_block_types"]):
-        attends = "CrossAttn" in kind
-        for l in range(layers + 1):
-            index = b * (layers + 1) + l
-            out.append((f"up_blocks.{b}.resnets.{l}", f"output_blocks.{index}.0", "resnet"))
-            if attends:
-                out.append((f"up_blocks.{b}.attentions.{l}", f"output_blocks.{index}.1", "plain"))
-        if b < blocks - 1:
-            out.append((f"up_blocks.{b}.upsamplers.0.conv",
-                        f"output_blocks.{b * (layers + 1) + layers}.{2 if attends else 1}.conv", "plain"))
-    return out
-
-
-def vae_prefixes(config) -> list[tuple[str, str, str]]:
-    layers, blocks = config["layers_per_block"], len(config["block_out_channels"])
-    out = [("quant_conv", "quant_conv", "plain"), ("post_quant_conv", "post_quant_conv", "plain")]
-    for part in ("encoder", "decoder"):
-        out += [(f"{part}.conv_in", f"{part}.conv_in", "plain"), (f"{part}.conv_out", f"{part}.conv_out", "plain"),
-                (f"{part}.conv_norm_out", f"{part}.norm_out", "plain"),
-                (f"{part}.mid_block.resnets.0", f"{part}.mid.block_1", "resnet"),
-                (f"{part}.mid_block.resnets.1", f"{part}.mid.block_2", "resnet"),
-                (f"{part}.mid_block.attentions.0", f"{part}.mid.attn_1", "attention")]
-    for b in range(blocks):
-        for l in range(layers):
-            out.append((f"encoder.down_blocks.{b}.resnets.{l}", f"encoder.down.{b}.block.{l}", "resnet"))
-        if b < blocks - 1:
-            out.append((f"encoder.down_blocks.{b}.downsamplers.0.conv", f"encoder.down.{b}.downsample.conv", "plain"))
-        # The original decoder numbers its up blocks from the lowest resolution: up.{n-1} runs first.
-        for l in range(layers + 1):
-            out.append((f"decoder.up_blocks.{b}.resnets.{l}", f"decoder.up.{blocks - 1 - b}.block.{l}", "resnet"))
-        if b < blocks - 1:
-            out.append((f"decoder.up_blocks.{b}.upsamplers.0.conv", f"decoder.up.{blocks - 1 - b}.upsample.conv",
-                        "plain"))
-    return out
-
-
-def _rename(key: str, prefixes, renames: dict[str, dict[str, str]]) -> str:
-    """Map one diffusers key to the original layout via the longest matching block prefix."""
-    best = max((p for p in prefixes if key == p[0] or key.startswith(p[0] + ".")), key=lambda p: len(p[0]),
-               default=None)
-    if best is None:
-        raise KeyError(f"no original-layout name for {key!r}")
-    source, target, kind = best
-    rest = key[len(source):]  # "" or ".sub.module.weight"
-    for old, new in renames.get(kind, {}).items():
-        if rest.startswith(f".{old}."):
-            rest = f".{new}." + rest[len(old) + 2:]
-            break
-    return target + rest
-
-
-def key_map(state_dict_keys, prefixes, renames) -> dict[str, str]:
-    mapping = {key: _rename(key, prefixes, renames) for key in state_dict_keys}
-    if len(set(mapping.values())) != len(mapping):
-        raise AssertionError("key map is not one-to-one")
-    return mapping
-
-
-def unet_key_map(unet) -> dict[str, str]:
-    return {k: UNET_PREFIX + v for k, v in key_map(unet.state_dict(), unet_prefixes(unet.config),
-                                                     {"resnet": UNET_RESNET}).items()}
-
-
-def vae_key_map(vae) -> dict[str, str]:
-    renames = {"resnet": VAE_RESNET, "attention": VAE_ATTENTION}
-    return {k: VAE_PREFIX + v for k, v in key_map(vae.state_dict(), vae_prefixes(vae.config), renames).items()}
-
-
-def text_key_map(text_encoder) -> dict[str, str]:
-    """transformers 5 drops the ``text_model.`` prefix from CLIPTextModel keys; the original keeps it."""
-    return {k: TEXT_PREFIX + k.removeprefix("text_model.") for k in text_encoder.state_dict()}
-
 
 # ---------------------------------------------------------------------------------------------
 # Single file
 # ---------------------------------------------------------------------------------------------
 
 
-def _vae_tensor_to_original(name: str, tensor: torch.Tensor) -> torch.Tensor:
-    """The original VAE attention uses 1x1 convs where diffusers uses linears."""
-    if ".mid.attn_1." in name and name.endswith(".weight") and tensor.ndim == 2:
-        return tensor[:, :, None, None]
-    return tensor
-
-
 def single_file_state_dict(unet, vae, text_encoder, half: bool = False) -> dict[str, torch.Tensor]:
-    out = {}
-    for model, mapping in ((unet, unet_key_map(unet)), (vae, vae_key_map(vae)), (text_encoder, text_key_map(text_encoder))):
-        for key, tensor in model.state_dict().items():
-            name = mapping[key]
-            tensor = _vae_tensor_to_original(name, tensor.detach().cpu().contiguous())
-            if half and tensor.is_floating_point():
-                tensor = tensor.half()
-            out[name] = tensor.contiguous()
-    return out
+    """The three models' tensors under the original single file's names (fp16 with ``half``)."""
+    return {**original.to_original(unet, unet_key_map(unet), half), **original.to_original(vae, vae_key_map(vae), half),
+            **original.to_original(text_encoder, text_key_map(text_encoder), half)}
 
 
 def save_single_file(path: Path, unet, vae, text_encoder, half: bool = False, metadata: dict | None = None) -> None:
@@ -188,27 +63,6 @@ def save_single_file(path: Path, unet, vae, text_encoder, half: bool = False, me
     tensors = single_file_state_dict(unet, vae, text_encoder, half)
     meta = {k: str(v) for k, v in (metadata or {}).items()}
     sd.files.write_atomic(Path(path), lambda tmp: save_file(tensors, str(tmp), metadata=meta))
-
-
-def read_single_file(path: str | Path) -> dict[str, torch.Tensor]:
-    """A ``.safetensors`` file, or a ``.ckpt`` read with ``weights_only=True`` (never unpickling code).
-
-    A damaged file is a one-line ValueError naming it.
-    """
-    path = Path(path)
-    if path.suffix == ".safetensors":
-        return sd.files.read_weights(path)
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # pickles holding objects beyond tensors are refused
-        reason = str(error).split("WeightsUnpickler error:")[-1]  # torch's own advice comes first; the cause last
-        raise ValueError(f"{path}: not loadable without unpickling arbitrary objects, or damaged "
-                         f"({first_line(reason).split('. ')[0]}); convert it to .safetensors with a tool you "
-                         "trust") from error
-    state = state.get("state_dict", state) if isinstance(state, dict) else state
-    if not isinstance(state, dict):
-        raise ValueError(f"{path}: holds a {type(state).__name__}, not a state dict of tensors")
-    return state
 
 
 def load_into(model, state: dict[str, torch.Tensor], source) -> None:
@@ -233,26 +87,6 @@ def check_fits(model, state: dict[str, torch.Tensor], source) -> None:
         raise ValueError(f"{source}: its weights do not fit this {type(model).__name__} ({len(missing)} missing, "
                          f"{len(unexpected)} unexpected, {len(misshaped)} of another shape, e.g. "
                          f"{(missing + unexpected + misshaped)[:2]}); damaged, or another architecture")
-
-
-def from_single_file(state: dict[str, torch.Tensor], model, mapping: dict[str, str], what: str,
-                     source="the single file") -> dict:
-    """The part of an original-layout state dict that belongs to ``model``, under its own key names."""
-    missing = [name for name in mapping.values() if name not in state]
-    if missing:
-        raise ValueError(f"{source} lacks {len(missing)} {what} tensors, e.g. {missing[:3]}; "
-                         "is it an SD 1.x checkpoint of this architecture?")
-    own = model.state_dict()
-    out = {}
-    for key, name in mapping.items():
-        tensor = state[name]
-        if tensor.ndim == 4 and own[key].ndim == 2:
-            tensor = tensor[:, :, 0, 0]
-        if tensor.shape != own[key].shape:
-            raise ValueError(f"{source}: {name} of shape {tuple(tensor.shape)} does not fit {what} {key} "
-                             f"{tuple(own[key].shape)}")
-        out[key] = tensor.to(own[key].dtype)
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -356,8 +190,11 @@ def load_unet_weights(source: str, unet, *, use_ema: bool = True, keep_adapter: 
     """
     path = Path(source)
     if path.is_file():
-        unet.load_state_dict(from_single_file(read_single_file(path), unet, unet_key_map(unet), "UNet", path))
-        return f"single file {path}"
+        file = sd.model.open_file(path, use_ema)
+        if "unet" not in file.parts:
+            raise ValueError(f"{path}: holds no UNet (it holds the {' and '.join(file.parts) or 'no SD 1.x model'})")
+        unet.load_state_dict(file.state_for(unet, unet_key_map(unet), "UNet"))
+        return file.describe("unet")
     if path.is_dir() and not is_diffusers_folder(path):
         folder = sd.run_folder.resolve_checkpoint(path)
         if is_lora_checkpoint(folder):
@@ -381,8 +218,14 @@ def load_unet_weights(source: str, unet, *, use_ema: bool = True, keep_adapter: 
 
 
 def run_ema_weights(source: str, unet) -> dict[str, torch.Tensor] | None:
-    """The EMA weights of one of our checkpoints or run folders, checked to fit ``unet``; None for other
-    sources, or a checkpoint saved without an EMA. A LoRA run's: its base with the EMA adapter merged."""
+    """The EMA weights of one of our checkpoints or run folders, checked to fit ``unet``, or of a single file
+    that keeps one beside its live weights (``model_ema.*``); None for other sources, or a checkpoint saved
+    without an EMA. A LoRA run's: its base with the EMA adapter merged."""
+    if Path(source).is_file():
+        file = sd.model.open_file(source, use_ema=True)
+        if not any(part == "unet" and "EMA" in note for part, note in file.notes):
+            return None
+        return file.state_for(unet, unet_key_map(unet), "UNet")
     if run_config(source) is None:
         return None
     folder = sd.run_folder.resolve_checkpoint(source)
@@ -553,7 +396,7 @@ def checked_prediction_type(value, where) -> str:
 
 
 def load_pipeline(source: str, *, use_ema: bool = True, vae: str | None = None, text_encoder: str | None = None,
-                  tokenizer: str | None = None, arch: str = "sd1", prediction_type: str | None = None,
+                  tokenizer: str | None = None, arch: str = "auto", prediction_type: str | None = None,
                   zero_terminal_snr: bool | None = None, check_base: bool = True,
                   flow_shift: float | None = None) -> "sd.sampling.Pipeline":
     """UNet, VAE, text encoder and tokenizer from any checkpoint kind; the keywords override the parts.
@@ -629,7 +472,7 @@ def _load_pipeline(source: str, use_ema: bool, vae: str | None, text_encoder: st
         parts = (config["vae"], config["text_encoder"], config.get("tokenizer") or config["text_encoder"])
         prediction_type = checked_prediction_type(config["prediction_type"], f"{source} config.yaml")
     elif path.is_file():  # a single file holds all three models
-        return _load_single_file(path, arch, vae, text_encoder, tokenizer)
+        return _load_single_file(path, arch, vae, text_encoder, tokenizer, use_ema)
     else:  # a diffusers folder or hub id
         from diffusers import UNet2DConditionModel
 
@@ -658,32 +501,33 @@ def _load_pipeline(source: str, use_ema: bool, vae: str | None, text_encoder: st
                                 prediction_type, loaded)
 
 
-def _load_single_file(path: Path, arch: str, vae: str | None, text_encoder: str | None,
-                      tokenizer: str | None) -> "sd.sampling.Pipeline":
-    """An original-layout file holds the UNet, VAE and CLIP text encoder weights of ``arch``."""
-    from diffusers import AutoencoderKL
-    from transformers import CLIPTextConfig, CLIPTextModel
-
-    unet_preset, vae_config, text_config = SINGLE_FILE_ARCHS[arch]
-    state = read_single_file(path)
-    unet = sd.model.build_unet(unet_preset, from_scratch=False)
-    unet.load_state_dict(from_single_file(state, unet, unet_key_map(unet), "UNet", path))
-    if vae:
-        vae_model = sd.model.load_vae(vae)
-    else:
-        vae_model = AutoencoderKL(**vae_config)
-        vae_model.load_state_dict(from_single_file(state, vae_model, vae_key_map(vae_model), "VAE", path))
-    if text_encoder:
-        encoder = sd.model.load_text_encoder(text_encoder)
-    else:
-        encoder = CLIPTextModel(CLIPTextConfig(**text_config))
-        encoder.load_state_dict(from_single_file(state, encoder, text_key_map(encoder), "text encoder", path))
-    default_tokenizer = "tiny" if arch == "tiny" else sd.model.DEFAULT_TEXT_ENCODER
+def _load_single_file(path: Path, arch: str, vae: str | None, text_encoder: str | None, tokenizer: str | None,
+                      use_ema: bool) -> "sd.sampling.Pipeline":
+    """The UNet, VAE and CLIP text encoder of an original-layout file, each of the architecture its tensors
+    have (``arch`` ``auto``, or the one named); ``vae`` / ``text_encoder`` name others. A file without a VAE
+    or text encoder (a UNet-only file) takes SD 1.x's defaults, said in the log."""
+    file = sd.model.open_file(path, use_ema)
+    preset = None if arch == "auto" else arch
+    unet = sd.model.model_from_file(file, "unet", preset=preset)
+    sd.model.use_sdpa_attention(unet)
+    parts = {}
+    for part, named, default in (("vae", vae, sd.model.DEFAULT_VAE),
+                                 ("text_encoder", text_encoder, sd.model.DEFAULT_TEXT_ENCODER)):
+        if named:
+            parts[part] = (sd.model.load_vae if part == "vae" else sd.model.load_text_encoder)(named)
+        elif part in file.parts:
+            parts[part] = sd.model.frozen(sd.model.model_from_file(file, part, preset=preset))
+        else:
+            log.info("%s holds no %s: taking %s", path, original.PART_NAMES[part], default)
+            parts[part] = (sd.model.load_vae if part == "vae" else sd.model.load_text_encoder)(default)
+    for part, model in (("UNet", unet), ("VAE", parts["vae"]), ("text encoder", parts["text_encoder"])):
+        log.info("%s from %s", part, sd.model.loaded_from(model))
     prediction_type = single_file_prediction_type(path)
     if prediction_type is None:
         log.info("%s records no prediction_type: sampling as epsilon (say otherwise with --prediction_type)", path)
-    return sd.sampling.Pipeline(unet.eval(), vae_model.eval(), encoder.eval(), sd.model.load_tokenizer(tokenizer or default_tokenizer),
-                 prediction_type or "epsilon", f"single file {path}")
+    return sd.sampling.Pipeline(unet.eval(), parts["vae"], parts["text_encoder"],
+                                sd.model.load_tokenizer(tokenizer or str(path)), prediction_type or "epsilon",
+                                file.describe("unet"))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,7 +5,8 @@ Everything here is importable without side effects:
 * ``build_unet``: the SD 1.x UNet (``"sd1"``, 859,520,964 parameters) or a tiny CPU preset, with
   zero-initialised output projections for from-scratch training.
 * ``load_vae`` / ``load_text_encoder`` / ``load_tokenizer``: the frozen parts, from a hub id, a local
-  folder (a diffusers pipeline folder works too) or the seeded ``"tiny"`` presets.
+  folder (a diffusers pipeline folder works too), a single file or the seeded ``"tiny"`` presets;
+  ``model_from_file``: any of the three models of a single file (``sd.original_layout``).
 * The DDPM training schedule, latent scaling, prediction targets and ``diffusion_loss`` with Min-SNR.
 """
 
@@ -20,6 +21,7 @@ import torch
 
 import sd.cli
 import sd.embedding.tokens
+import sd.original_layout
 import sd.tokenizer
 
 # ---------------------------------------------------------------------------------------------
@@ -90,6 +92,12 @@ SD1_VAE = dict(
 )
 # AutoencoderKL preset with the real VAE's interface: 4 latent channels, downsampling factor 8.
 TINY_VAE = dict(SD1_VAE, block_out_channels=(16, 32, 32, 32), layers_per_block=1, norm_num_groups=8, sample_size=64)
+# CLIP ViT-L/14's text tower, as SD 1.x uses it.
+SD1_TEXT_ENCODER = dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                        num_attention_heads=12, max_position_embeddings=77, hidden_act="quick_gelu", projection_dim=768)
+# The architectures a single file's models are recognised as, by their tensors' names and shapes.
+FILE_CONFIGS = {"unet": UNET_PRESETS, "vae": {"sd1": SD1_VAE, "tiny": TINY_VAE},
+                "text_encoder": {"sd1": SD1_TEXT_ENCODER, "tiny": TINY_TEXT_ENCODER}}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -293,9 +301,11 @@ def moved(module, device=None, dtype=None):
     return torch.nn.Module.to(module, device=device, dtype=dtype)
 
 
-def _frozen(model):
+def frozen(model, loaded_from: str | None = None):
     model.requires_grad_(False)
     model.eval()
+    if loaded_from:
+        model.loaded_from = loaded_from
     return model
 
 
@@ -319,29 +329,126 @@ def from_pretrained(cls, what: str, name_or_path: str, **kwargs):
 
 
 def load_vae(name_or_path: str = DEFAULT_VAE, *, subfolder: str | None = None, seed: int = TINY_SEED):
-    """The frozen ``AutoencoderKL``: a hub id, a local folder (or pipeline folder), or ``"tiny"``."""
+    """The frozen ``AutoencoderKL``: a hub id, a local folder (or pipeline folder), a single file (a whole
+    checkpoint's VAE, or a VAE-only file) or ``"tiny"``. ``loaded_from`` says which."""
     from diffusers import AutoencoderKL
 
     if name_or_path == "tiny":
         with _seeded(seed):
-            return _frozen(AutoencoderKL(**TINY_VAE))
+            return frozen(AutoencoderKL(**TINY_VAE), f"tiny (random, seed {seed})")
+    if Path(name_or_path).is_file():
+        return frozen(model_from_file(name_or_path, "vae"))
     subfolder = subfolder or _local_subfolder(name_or_path, "vae")
     kwargs = {"subfolder": subfolder} if subfolder else {}
-    return _frozen(from_pretrained(AutoencoderKL, "vae", name_or_path, **kwargs))
+    return frozen(from_pretrained(AutoencoderKL, "vae", name_or_path, **kwargs), _source_kind(name_or_path))
 
 
 def load_text_encoder(
     name_or_path: str = DEFAULT_TEXT_ENCODER, *, subfolder: str | None = None, seed: int = TINY_SEED
 ):
-    """The frozen ``CLIPTextModel`` whose ``last_hidden_state`` conditions the UNet."""
+    """The frozen ``CLIPTextModel`` whose hidden states condition the UNet: a hub id, a local folder (or
+    pipeline folder), a single file holding one, or ``"tiny"``. ``loaded_from`` says which."""
     from transformers import CLIPTextConfig, CLIPTextModel
 
     if name_or_path == "tiny":
         with _seeded(seed):
-            return _frozen(CLIPTextModel(CLIPTextConfig(**TINY_TEXT_ENCODER)))
+            return frozen(CLIPTextModel(CLIPTextConfig(**TINY_TEXT_ENCODER)), f"tiny (random, seed {seed})")
+    if Path(name_or_path).is_file():
+        return frozen(model_from_file(name_or_path, "text_encoder"))
     subfolder = subfolder or _local_subfolder(name_or_path, "text_encoder")
     kwargs = {"subfolder": subfolder} if subfolder else {}
-    return _frozen(from_pretrained(CLIPTextModel, "text_encoder", name_or_path, **kwargs))
+    return frozen(from_pretrained(CLIPTextModel, "text_encoder", name_or_path, **kwargs), _source_kind(name_or_path))
+
+
+def _source_kind(name_or_path: str) -> str:
+    path = Path(name_or_path)
+    if path.is_dir():
+        return f"{'diffusers folder' if (path / 'model_index.json').exists() else 'folder'} {name_or_path}"
+    return f"hub id {name_or_path}"
+
+
+def loaded_from(model) -> str:
+    """Where a model of ``load_vae`` / ``load_text_encoder`` / ``model_from_file`` came from, for the log."""
+    return getattr(model, "loaded_from", "") or "built here"
+
+
+# ---------------------------------------------------------------------------------------------
+# Single files: the models of a .safetensors / .ckpt in the original layout (sd.original_layout)
+# ---------------------------------------------------------------------------------------------
+
+
+def open_file(path: str | Path, use_ema: bool = True) -> sd.original_layout.OriginalFile:
+    """A single file's names and shapes (its tensors are read per model); an unreadable one is a LoadError."""
+    try:
+        return sd.original_layout.OriginalFile(path, use_ema)
+    except (OSError, ValueError) as error:
+        raise LoadError(sd.cli.first_line(error)) from error
+
+
+def empty_model(part: str, config: dict):
+    """A ``part`` (``unet``, ``vae``, ``text_encoder``) of ``config`` on the meta device: its tensors' names and
+    shapes without memory or random initialisation."""
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    with torch.device("meta"):
+        if part == "unet":
+            return UNet2DConditionModel(**config)
+        return AutoencoderKL(**config) if part == "vae" else CLIPTextModel(CLIPTextConfig(**config))
+
+
+def key_map(part: str, model) -> dict[str, str]:
+    """``model``'s key map to the original layout (``sd.original_layout``)."""
+    maps = {"unet": sd.original_layout.unet_key_map, "vae": sd.original_layout.vae_key_map,
+            "text_encoder": sd.original_layout.text_key_map}
+    return maps[part](model)
+
+
+def file_preset(file: sd.original_layout.OriginalFile, part: str) -> str | None:
+    """The name in ``FILE_CONFIGS[part]`` whose architecture the file's ``part`` has, by its tensors' names and
+    shapes; None when no known one fits."""
+    for name, config in FILE_CONFIGS[part].items():
+        model = empty_model(part, config)
+        if file.fits(model, key_map(part, model)):
+            return name
+    return None
+
+
+def model_from_file(source, part: str, *, use_ema: bool = True, preset: str | None = None):
+    """The ``part`` of a single file (a path or an ``OriginalFile``), of the architecture its tensors have
+    (or ``preset``'s), built without random initialisation; ``loaded_from`` names the file and what was
+    taken. A file without that model, or of no known architecture, is a LoadError saying so."""
+    file = source if isinstance(source, sd.original_layout.OriginalFile) else open_file(source, use_ema)
+    what = sd.original_layout.PART_NAMES[part]
+    if part not in file.parts:
+        holds = " and ".join(sd.original_layout.PART_NAMES[p] for p in file.parts) or "no SD 1.x model"
+        raise LoadError(f"{what} {file.path}: the file holds {holds}, no {what}; name the {what} to use "
+                        f"({'vae' if part == 'vae' else 'text_encoder' if part == 'text_encoder' else 'init_from'})")
+    preset = preset or file_preset(file, part)
+    if preset is None:
+        raise LoadError(f"{what} {file.path}: its tensors fit no {what} known here ({', '.join(FILE_CONFIGS[part])}); "
+                        "an SD 2.x or SDXL file is not an SD 1.x model")
+    model = empty_model(part, FILE_CONFIGS[part][preset])
+    try:
+        state = file.state_for(model, key_map(part, model), what)
+    except (OSError, ValueError) as error:
+        raise LoadError(sd.cli.first_line(error)) from error
+    model.load_state_dict(state, assign=True, strict=False)
+    _materialise_buffers(model)
+    model.loaded_from = file.describe(part)
+    return model
+
+
+def _materialise_buffers(model) -> None:
+    """Buffers no state dict holds (CLIP's ``position_ids``) left on the meta device: built as the model
+    builds them; any other is an error (a model of this kind changed)."""
+    for module_name, module in model.named_modules():
+        for name, buffer in module._buffers.items():
+            if buffer is None or not buffer.is_meta:
+                continue
+            if name != "position_ids":
+                raise RuntimeError(f"{type(model).__name__}: {module_name}.{name} has no value in a state dict")
+            module._buffers[name] = torch.arange(buffer.shape[-1]).expand(buffer.shape).clone()
 
 
 class TokenizerError(LoadError):
@@ -354,12 +461,13 @@ MIN_VOCABULARY = 1000
 
 
 def load_tokenizer(name_or_path: str = DEFAULT_TEXT_ENCODER, *, subfolder: str | None = None):
-    """The CLIP tokenizer (77 tokens). ``"tiny"`` is the real CLIP BPE built offline (see below).
+    """The CLIP tokenizer (77 tokens). ``"tiny"`` is the real CLIP BPE built offline (see below), and so is a
+    single file's (which holds none: SD 1.x's is CLIP ViT-L/14's).
     One that cannot be loaded, or comes back without a vocabulary, is a TokenizerError."""
     from transformers import CLIPTokenizer
 
     requested = name_or_path
-    if name_or_path == "tiny":
+    if name_or_path == "tiny" or Path(name_or_path).is_file():  # a single file's: SD 1.x's CLIP vocabulary
         name_or_path, subfolder = str(sd.tokenizer.clip_tokenizer_folder()), None
     subfolder = subfolder or _local_subfolder(name_or_path, "tokenizer")
     kwargs = {"subfolder": subfolder} if subfolder else {}

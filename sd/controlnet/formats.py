@@ -13,7 +13,7 @@
   (with or without ``control_model.``) as a ``ControlNetModel`` in fp32; safetensors only.
 
 The key map is derived from the model's config (blocks, layers per block, which blocks attend): the
-encoder half of ``sd.formats.unet_prefixes`` plus the ControlNet's own parts, so it holds for the SD 1.x
+encoder half of ``sd.original_layout.unet_prefixes`` plus the ControlNet's own parts, so it holds for the SD 1.x
 ControlNet and the tiny preset alike.
 """
 
@@ -29,6 +29,7 @@ import torch
 
 import sd.files
 import sd.formats
+import sd.original_layout
 
 log = logging.getLogger("sd_controlnet")
 
@@ -44,7 +45,7 @@ HINT_CHANNELS = (16, 32, 96, 256)
 # Keys that mark other kinds of control model, which this module does not read.
 OTHER_KINDS = {"lora_controlnet": "a Control-LoRA",
                "difference": "a difference ControlNet (weights relative to its base)"}
-RENAMES = {"resnet": sd.formats.UNET_RESNET}
+RENAMES = {"resnet": sd.original_layout.UNET_RESNET}
 LABEL_FIELDS = ("addition_embed_type", "class_embed_type", "num_class_embeds")  # where a label embedding goes
 
 
@@ -75,7 +76,7 @@ def label_prefixes(config) -> list[tuple[str, str, str]]:
 def original_prefixes(config, hint: int) -> list[tuple[str, str, str]]:
     """``(diffusers prefix, original prefix, kind)`` for every part of a ControlNetModel of ``config``
     whose hint encoder has ``hint`` convolutions between its first and its last."""
-    encoder = sd.formats.unet_prefixes({**config, "up_block_types": ()})  # the UNet's encoder half
+    encoder = sd.original_layout.unet_prefixes({**config, "up_block_types": ()})  # the UNet's encoder half
     out = [p for p in encoder if p[0] not in ("conv_norm_out", "conv_out")]
     zero_convs = len(config["block_out_channels"]) * (_layers(config) + 1)  # conv_in, each layer, each downsampler
     out += [("controlnet_cond_embedding.conv_in", "input_hint_block.0", "plain"),
@@ -101,7 +102,7 @@ def original_key_map(controlnet) -> dict[str, str]:
     if homeless:
         raise ValueError(f"the original ControlNet layout has no place for this ControlNet's {homeless[0]}"
                          f"{_more(homeless)}; save it with save_diffusers")
-    return sd.formats.key_map(keys, prefixes, RENAMES)
+    return sd.original_layout.key_map(keys, prefixes, RENAMES)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -267,7 +268,7 @@ def diffusers_state(tensors: dict[str, torch.Tensor], file: Path, config=None) -
 
     def spell(name: str) -> str:
         try:
-            return prefix + sd.formats.key_map([name], prefixes, RENAMES)[name]
+            return prefix + sd.original_layout.key_map([name], prefixes, RENAMES)[name]
         except KeyError:
             return name
 
@@ -290,7 +291,7 @@ def block_layout(keys, file: Path) -> dict:
 
 
 def diffusers_name(key: str, prefixes) -> str | None:
-    """An original-layout key's diffusers name (the inverse of ``sd.formats.key_map``), or None."""
+    """An original-layout key's diffusers name (the inverse of ``sd.original_layout.key_map``), or None."""
     match = max((p for p in prefixes if key == p[1] or key.startswith(p[1] + ".")), key=lambda p: len(p[1]),
                 default=None)
     if match is None:

@@ -24,7 +24,7 @@ class Settings:
     ckpt: str
     no_ema: bool = False
     ema_length: float | None = None
-    arch: str = "sd1"
+    arch: str = "auto"
     prediction_type: str = "auto"
     zero_terminal_snr: bool | None = None
     flow_shift: float | None = None
@@ -43,8 +43,9 @@ def add_flags(parser) -> None:
                         "rebuilt from its snapshots, at the newest one up to the checkpoint's step")
     parser.add_bool("--best", help="--ckpt is a run folder trained with keep_best: use the checkpoint of its best "
                     "evaluation, which its best.json names")
-    parser.add_argument("--arch", choices=sorted(sd.formats.SINGLE_FILE_ARCHS), default="sd1",
-                        help="architecture of a single-file --ckpt (default: %(default)s)")
+    parser.add_argument("--arch", choices=("auto", *sorted(sd.formats.SINGLE_FILE_ARCHS)), default="auto",
+                        help="architecture of a single-file --ckpt; auto = what its tensors' shapes say (default: "
+                        "%(default)s)")
     parser.add_argument("--prediction_type", choices=("auto", *sd.formats.PREDICTION_TYPES), default="auto",
                         help="what the UNet predicts; auto = what the checkpoint records (its training config, a "
                         "single file's metadata, a diffusers scheduler config), epsilon when it records nothing "

@@ -325,7 +325,7 @@ def frozen_models(config):
     else:
         text = CLIPTextConfig(**SD1_TEXT_ENCODER)
     vae = sd.model.TINY_VAE if config.vae == "tiny" else sd.model.SD1_VAE
-    return sd.model._frozen(CLIPTextModel(text)), sd.model._frozen(AutoencoderKL(**vae))
+    return sd.model.frozen(CLIPTextModel(text)), sd.model.frozen(AutoencoderKL(**vae))
 
 
 @contextlib.contextmanager

@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 import sd.formats
 import sd.imagegen
 import sd.model
+import sd.original_layout
 import sd.run_folder
 import sd.sampling
 import SD_ImageGen
@@ -340,9 +341,9 @@ class TrainerCallback:  # stands for the objects old .ckpt pickles carry (code t
 def test_pickle_checkpoints_with_objects_are_refused(tmp_path):
     torch.save({"state_dict": {"x": torch.zeros(1)}, "callbacks": TrainerCallback()}, tmp_path / "m.ckpt")
     with pytest.raises(ValueError, match="without unpickling"):
-        sd.formats.read_single_file(tmp_path / "m.ckpt")
+        sd.original_layout.read_single_file(tmp_path / "m.ckpt")
     torch.save({"state_dict": {"x": torch.ones(1)}}, tmp_path / "ok.ckpt")
-    assert torch.equal(sd.formats.read_single_file(tmp_path / "ok.ckpt")["x"], torch.ones(1))
+    assert torch.equal(sd.original_layout.read_single_file(tmp_path / "ok.ckpt")["x"], torch.ones(1))
 
 
 def test_compile_unet_wraps_the_same_weights_and_rejects_unknown_modes():

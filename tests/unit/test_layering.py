@@ -18,7 +18,7 @@ INFERENCE = ["SD_ImageGen.py", *(str(p.relative_to(ROOT)) for p in sorted((ROOT 
 # it or a package holding it; every module of sd/ must have one (a new room is placed here when it is made).
 FLOORS = [
     ["sd.cli", "sd.files", "sd.faults", "sd.training_mode", "sd.settings"],  # import nothing of ours
-    ["sd.runtime", "sd.distributed", "sd.tokenizer", "sd.run_folder", "sd.posthoc_ema"],  # the other helpers
+    ["sd.runtime", "sd.distributed", "sd.tokenizer", "sd.run_folder", "sd.posthoc_ema", "sd.original_layout"],  # the other helpers
     ["sd.embedding"],  # embedding only files
     ["sd.model", "sd.flow"],  # model only tokenizer and embedding.tokens
     ["sd.data", "sd.lora", "sd.sampling", "sd.metadata"],  # data, lora and sampling on model
