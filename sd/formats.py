@@ -484,6 +484,11 @@ def _load_pipeline(source: str, use_ema: bool, vae: str | None, text_encoder: st
         prediction_type = diffusers_prediction_type(source)
     encoder = sd.model.load_text_encoder(text_encoder or parts[1])
     tokenizer_model = sd.model.load_tokenizer(tokenizer or parts[2])
+    vae_model = sd.model.load_vae(vae or parts[0])
+    if config is not None and check_base:  # as loaded: before a learned token or an adapter joins them
+        check_frozen_parts(sd.run_folder.resolve_checkpoint(source),
+                           {"text_encoder": None if text_encoder else encoder, "vae": None if vae else vae_model},
+                           {"text_encoder": parts[1], "vae": parts[0]})
     if config is None:
         loaded = f"diffusers {source}"
     elif config.get("embedding_token"):
@@ -497,8 +502,29 @@ def _load_pipeline(source: str, use_ema: bool, vae: str | None, text_encoder: st
                                check_base=check_base)
     else:
         loaded = load_unet_weights(source, unet, use_ema=use_ema)
-    return sd.sampling.Pipeline(unet.eval(), sd.model.load_vae(vae or parts[0]), encoder.eval(), tokenizer_model,
-                                prediction_type, loaded)
+    return sd.sampling.Pipeline(unet.eval(), vae_model, encoder.eval(), tokenizer_model, prediction_type, loaded)
+
+
+FROZEN_PARTS_FILE = "frozen_parts.safetensors"  # the text encoder's and VAE's fingerprints as a run loaded them
+
+
+def check_frozen_parts(folder: Path, models: dict, sources: dict) -> None:
+    """``models`` (``text_encoder``, ``vae``; None: named by the user, not checked), just loaded from ``sources``,
+    must be those the run of ``folder`` trained with: the fingerprints its checkpoint records. A checkpoint of
+    before they were recorded is not checked."""
+    path = folder / FROZEN_PARTS_FILE
+    if not path.is_file():
+        return
+    saved = sd.files.read_weights(verified(path))
+    for field, model in models.items():
+        if model is None or field not in saved:
+            continue
+        now = sd.run_folder.weights_fingerprint(list(model.parameters()))
+        if not sd.lora.adapters.same_base(saved[field], now):
+            what = "text encoder" if field == "text_encoder" else "VAE"
+            raise BaseMismatch(f"{sources[field]} is not the {what} the run in {folder} was trained with (its "
+                               f"weights differ from those {FROZEN_PARTS_FILE} records); restore it, or name "
+                               f"another with --{field} to sample with that one anyway")
 
 
 def _load_single_file(path: Path, arch: str, vae: str | None, text_encoder: str | None, tokenizer: str | None,

@@ -367,6 +367,19 @@ def _source_kind(name_or_path: str) -> str:
     return f"hub id {name_or_path}"
 
 
+def encoder_digest(vae) -> str:
+    """A short SHA-256 of the weights latents depend on: the VAE's encoder and ``quant_conv``, as float32.
+    A VAE whose decoder alone was fine-tuned (sd-vae-ft-mse) encodes as the original does and has its digest."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name, tensor in sorted(vae.state_dict().items()):
+        if name.startswith(("encoder.", "quant_conv.")):
+            digest.update(name.encode())
+            digest.update(tensor.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
 def loaded_from(model) -> str:
     """Where a model of ``load_vae`` / ``load_text_encoder`` / ``model_from_file`` came from, for the log."""
     return getattr(model, "loaded_from", "") or "built here"

@@ -73,8 +73,9 @@ def encode_locked(paths: list[Path], out: Path, args, place: sd.distributed.Dist
         previous = read_meta(out)
         compare_settings(out, previous, requested_settings(args))
         dtype = sd.runtime.resolve_precision(args.precision, place.device)
-        vae = sd.model.moved(sd.model.load_vae(args.vae), place.device, dtype)
-        meta = vae_settings(args, vae.config)
+        vae = sd.model.load_vae(args.vae)
+        meta = {**vae_settings(args, vae.config), "vae_encoder": sd.model.encoder_digest(vae)}
+        vae = sd.model.moved(vae, place.device, dtype)
         compare_settings(out, previous, meta)
         if not previous:
             check_existing_shards(out, meta)
@@ -142,7 +143,7 @@ def shard_done(out: Path, stem: str, flip: bool, bucketed: bool = False) -> bool
 
 # What a re-run must share with the run that started a folder: anything else mixes latents that do not
 # belong together (other shapes, another VAE's space, flipped or not) in one folder, silently.
-SETTINGS = ("vae", "scaling_factor", "resolution", "latent_shape", "dtype", "flip", "buckets", "control")
+SETTINGS = ("vae", "vae_encoder", "scaling_factor", "resolution", "latent_shape", "dtype", "flip", "buckets", "control")
 
 
 class FolderMismatch(Exception):

@@ -1,6 +1,6 @@
 """Reading a training config: YAML files (each with its ``extends`` chain) and ``--field value`` flags, each value
 converted to its field's type, flat names of before read into their sections, unknown names suggested; the
-``init_from`` run's model fields inherited; ``--estimate_memory``'s flags; ``global_batch`` resolved for a world
+model fields inherited from ``init_from`` (a run's, a single file's, a diffusers folder's); ``--estimate_memory``'s flags; ``global_batch`` resolved for a world
 size. ``sd.train.config`` holds the fields and their checks; this module turns text into them.
 """
 
@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 import sd.cli
+import sd.model
 from sd.cli import ConfigError, load_yaml
 from sd.run_folder import LEGACY_KEYS, read_saved_config
 from sd.settings import default_of
@@ -214,6 +215,10 @@ def inherit_model(values: dict) -> dict:
     ConfigError naming both: the weights would not fit, or would meet other latents or text. An
     unreadable config.yaml is left to the loading of ``init_from``, which names the damaged file."""
     source = values.get("init_from")
+    if source and Path(source).is_file():
+        return inherit_from_file(values, source)
+    if source and (Path(source) / "model_index.json").is_file():  # a diffusers pipeline folder
+        return inherit_from_folder(values, source)
     saved_path = Path(source) / "config.yaml" if source else None
     if saved_path is None or not saved_path.is_file():
         return values
@@ -232,6 +237,36 @@ def inherit_model(values: dict) -> dict:
                               f"{saved[name]!r} ({saved_path}); leave {name} out to take the run's, or set it to "
                               f"{saved[name]!r}")
     return values
+def inherit_from_file(values: dict, source: str) -> dict:
+    """``values`` with what the single file ``init_from`` holds and ``values`` does not name: its VAE and text
+    encoder (``vae`` / ``text_encoder``: the file) and its UNet's preset (``unet``). A file without one keeps
+    the default (the run's log says so). An unreadable file is left to the loading of ``init_from``."""
+    try:
+        file = sd.model.open_file(source)
+    except sd.model.LoadError:
+        return values
+    values = dict(values)
+    for name in ("vae", "text_encoder"):
+        if name not in values and name in file.parts:
+            values[name] = source
+    if "unet" not in values and "unet" in file.parts:
+        values["unet"] = sd.model.file_preset(file, "unet") or default_of(FIELDS["unet"])
+    return values
+
+
+def inherit_from_folder(values: dict, source: str) -> dict:
+    """``values`` with the VAE and the text encoder (with its tokenizer) of the diffusers folder ``init_from``
+    where it has them and ``values`` does not name them."""
+    folder = Path(source)
+    values = dict(values)
+    if "vae" not in values and (folder / "vae" / "config.json").is_file():
+        values["vae"] = source
+    tokenizer_there = (folder / "tokenizer").is_dir() or "tokenizer" in values
+    if "text_encoder" not in values and (folder / "text_encoder" / "config.json").is_file() and tokenizer_there:
+        values["text_encoder"] = source
+    return values
+
+
 def estimate_flags(argv=None) -> tuple[bool, float | None, int | None, int]:
     """``--estimate_memory``, ``--gpu_memory_gb``, ``--resolution``, ``--world_size`` of a command line."""
     args, _ = build_parser().parse_known_args(argv)

@@ -83,6 +83,8 @@ def resumable(run: Run) -> dict:
               for name, weights in run.mode.trained_weights(step).items()}
     if run.base_fingerprint is not None:  # the frozen base, or a distillation's teacher: checked on resume
         states["lora_base"] = ckpt.Weights(BaseFingerprint(run.base_fingerprint))
+    if run.parts_fingerprint:  # the text encoder and VAE as loaded at the start: checked on resume and sampling
+        states[FROZEN_PARTS] = ckpt.Weights(BaseFingerprint(**run.parts_fingerprint))
     if step.ema is not None or step.text_ema is not None:
         states["ema"] = ckpt.Weights(sd.train.ema.EMAWeights(step.ema, step.text_ema))
     if step.posthoc:  # posthoc_ema_every: the two power-function EMAs (their snapshots: sd.train.power_ema)
@@ -93,15 +95,20 @@ def resumable(run: Run) -> dict:
     return sd.train.sharding.whole_states(states, step)
 
 
-class BaseFingerprint:
-    """A LoRA run's base weights in one small tensor, taken as loaded (before any cast to bf16):
-    saved with every checkpoint and compared by ``resume`` before anything is loaded."""
+FROZEN_PARTS = sd.formats.FROZEN_PARTS_FILE.removesuffix(".safetensors")  # {"text_encoder", "vae"} fingerprints
 
-    def __init__(self, fingerprint: torch.Tensor):
-        self.fingerprint = fingerprint
+
+class BaseFingerprint:
+    """Weights the run does not save, each in one small tensor taken as loaded (before any cast to bf16): a
+    LoRA run's base (``fingerprint``), the frozen text encoder and VAE (``text_encoder``, ``vae``); saved with
+    every checkpoint and compared by ``resume`` before anything is loaded."""
+
+    def __init__(self, fingerprint: torch.Tensor | None = None, **parts: torch.Tensor):
+        self.tensors = {"fingerprint": fingerprint} if fingerprint is not None else {}
+        self.tensors.update(parts)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {"fingerprint": self.fingerprint}
+        return dict(self.tensors)
 
     def load_state_dict(self, state) -> None:  # checked by resume, where a mismatch is a config error
         pass
@@ -250,6 +257,7 @@ def parts_to_load(run: Run, saved: dict) -> dict:
     """The resumable state a checkpoint written with the ``saved`` config has for this run: an EMA
     turned on since starts from the resumed weights, and a loss scaler new with fp16 starts afresh."""
     parts = resumable(run)
+    parts.pop(FROZEN_PARTS, None)  # compared by resume, where a checkpoint of before it was recorded has none
     if "ema" in parts and not saved.get("ema_decay"):
         del parts["ema"]
     if run.config.precision == "fp16" and saved.get("precision") != "fp16":
@@ -273,6 +281,7 @@ def resume(run: Run, folder: Path, parts: dict) -> None:
     """
     if run.base_fingerprint is not None:
         check_lora_base(run, folder)
+    check_frozen_parts(run, folder)
     ckpt.load(folder, parts, run.d.rank)
     run.started_at = sd.run_folder.read_manifest_times(folder).get("started_at", run.started_at)
     if run.step.posthoc and run.d.is_main:  # snapshots of the steps this run takes again are written again
@@ -309,6 +318,24 @@ def check_lora_base(run: Run, folder: Path) -> None:
         what = run.step.objective.what or run.mode.what
         raise ConfigError(f"init_from {run.config.init_from} is not the base model the {what} in {folder} was "
                           "trained on; restore that base, or start a new out_dir")
+
+
+def check_frozen_parts(run: Run, folder: Path) -> None:
+    """The text encoder and VAE loaded now must be those the checkpoint's run started with (the files its
+    config names may have changed since); a checkpoint of before they were recorded is not checked."""
+    path = folder / f"{FROZEN_PARTS}.safetensors"
+    if not path.is_file():
+        return
+    try:
+        saved = sd.run_folder.load_weights(path)
+    except (OSError, RuntimeError, ValueError, SafetensorError) as error:
+        raise sd.run_folder.Damaged(f"{path}: {sd.cli.first_line(error)}") from error
+    for field, now in run.parts_fingerprint.items():
+        if field in saved and not sd.lora.adapters.same_base(saved[field], now):
+            what = "text encoder" if field == "text_encoder" else "VAE"
+            raise ConfigError(f"{field}: the {what} loaded from {getattr(run.config, field)} is not the one this run "
+                              f"was trained with (its weights differ from those {path} records); restore that "
+                              "file, or start a new out_dir")
 
 
 def load_base(source: str, unet) -> None:

@@ -146,9 +146,12 @@ def build(config: TrainConfig, d: Dist) -> Run:
     the data is built.
     """
     mode = sd.train.modes.mode_of(config)
-    text_encoder = sd.model.load_text_encoder(config.text_encoder)
-    tokenizer = sd.model.load_tokenizer(config.tokenizer or config.text_encoder)
-    vae = sd.model.load_vae(config.vae).to(d.device)
+    text_encoder, tokenizer, vae = load_frozen_parts(config, d)
+    parts_fingerprint = {name: sd.run_folder.weights_fingerprint(list(model.parameters()))
+                         for name, model in (("text_encoder", text_encoder), ("vae", vae))}
+    if not config.subject.instance_dir:  # a DreamBooth run encodes its own images with its VAE
+        check_latents_vae(config, sd.model.encoder_digest(vae))
+    vae = vae.to(d.device)
     unet = sd.model.build_unet(config.unet, seed=config.seed, grad_checkpointing=config.grad_checkpointing,
                                channels_last=config.channels_last).to(d.device).train()
     check_models(config, unet, text_encoder)
@@ -192,7 +195,7 @@ def build(config: TrainConfig, d: Dist) -> Run:
     state = TrainState(world_size=d.world_size, data_samples=len(train_data))
     run = Run(config, d, step, state, train_data, val_data, sampler,
               ckpt.RankRNG(step.noise_generator, unet), steps_per_epoch, total, Path(config.out_dir), mode,
-              base_fingerprint)
+              base_fingerprint, parts_fingerprint)
     if config.eval.every:
         try:
             run.evaluation = TrainingEval.build(EvalSettings.from_config(config), d,
@@ -200,6 +203,37 @@ def build(config: TrainConfig, d: Dist) -> Run:
         except EvalError as error:
             raise ConfigError(f"eval.every: {error}") from error
     return run
+
+
+def load_frozen_parts(config: TrainConfig, d: Dist):
+    """The text encoder, tokenizer and VAE the config names (a single file ``init_from`` names itself for the
+    parts it holds: ``sd.train.config_loading.inherit_from_file``), each one's source in the log."""
+    text_encoder = sd.model.load_text_encoder(config.text_encoder)
+    tokenizer = sd.model.load_tokenizer(config.tokenizer or config.text_encoder)
+    vae = sd.model.load_vae(config.vae)
+    if d.is_main:
+        init_file = bool(config.init_from) and Path(config.init_from).is_file()
+        held = sd.model.open_file(config.init_from).parts if init_file else []
+        for field, model, what in (("text_encoder", text_encoder, "text encoder"), ("vae", vae, "VAE")):
+            lacking = f" (init_from {config.init_from} holds no {what})" if init_file and field not in held else ""
+            log.info("%s from %s%s", what, sd.model.loaded_from(model), lacking)
+    return text_encoder, tokenizer, vae
+
+
+def check_latents_vae(config: TrainConfig, digest: str) -> None:
+    """Latents encoded by a VAE whose encoder differs from the run's are a ConfigError with both ways out
+    (folders written before ``vae_encoder`` was recorded are not checked)."""
+    for entry in config.datasets:
+        folder = Path(str(entry["latents"]))
+        try:
+            meta = sd.data.training_data.read_latents_meta(folder)
+        except sd.data.training_data.DataError:
+            continue  # building the data names the folder
+        encoded = meta.get("vae_encoder")
+        if encoded and encoded != digest:
+            raise ConfigError(f"vae: the latents in {folder} were encoded with another VAE encoder ({meta.get('vae')}) "
+                              f"than this run's ({config.vae}); name that one (vae: {meta.get('vae')}) or encode the "
+                              f"images again with encode_latents.py --vae {config.vae}")
 
 
 def base_zero_terminal_snr(config: TrainConfig) -> bool:

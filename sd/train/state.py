@@ -95,5 +95,6 @@ class Run:
     run_dir: Path
     mode: sd.training_mode.Mode  # what trains (sd.train.modes)
     base_fingerprint: torch.Tensor | None = None  # a LoRA run's base weights as loaded (see BaseFingerprint)
+    parts_fingerprint: dict[str, torch.Tensor] = field(default_factory=dict)  # the frozen text encoder's and VAE's
     evaluation: TrainingEval | None = None  # FID / CLIP score every eval_every steps
     started_at: float = field(default_factory=time.time)  # when the run first started (a resume's: its checkpoint's)
