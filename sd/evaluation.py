@@ -638,7 +638,8 @@ def generated_work(pipe, prompts: list[str], batches: list[range], settings: Sam
                                                 width=settings.width, device=device, stop=stop)
             for i, path, image in zip(rows, paths or [], images):
                 sd.sampling.save_png(path, image, sd.sampling.parameters_text(
-                    prompts[i], settings.negative, settings.seed + i, settings, source))
+                    prompts[i], settings.negative, settings.seed + i, settings, source,
+                    sd.model.clip_skip_of(pipe.text_encoder)))
         return scored_part(extractors, images, [prompts[i] for i in rows], rows.start)
 
     return work

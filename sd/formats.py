@@ -317,6 +317,27 @@ def recorded_prediction_type(source: str) -> str:
     return diffusers_prediction_type(source)
 
 
+def recorded_clip_skip(source: str) -> int:
+    """The CLIP skip ``source`` was trained with: a run's ``clip_skip``, a single file's ``clip_skip`` or
+    ``ss_clip_skip`` metadata; 1 when it records none (a diffusers folder records none)."""
+    config = run_config(source)
+    if config is not None:
+        value, where = config.get("clip_skip", 1), f"{source} config.yaml"
+    elif Path(source).is_file():
+        metadata = single_file_metadata(Path(source))
+        value, where = metadata.get("clip_skip", metadata.get("ss_clip_skip", "1")), str(source)
+        value = 1 if value in ("None", "") else value
+    else:
+        return 1
+    try:
+        skip = int(value)
+    except (TypeError, ValueError):
+        skip = 0
+    if isinstance(value, bool) or skip < 1:
+        raise ValueError(f"{where}: clip_skip {value!r} is no whole number >= 1")
+    return skip
+
+
 def single_file_prediction_type(path: Path) -> str | None:
     """The ``prediction_type`` a ``.safetensors`` single file records in its metadata (as
     ``save_single_file`` writes it), or None when it records none (other tools' files, a ``.ckpt``)."""
@@ -398,17 +419,18 @@ def checked_prediction_type(value, where) -> str:
 def load_pipeline(source: str, *, use_ema: bool = True, vae: str | None = None, text_encoder: str | None = None,
                   tokenizer: str | None = None, arch: str = "auto", prediction_type: str | None = None,
                   zero_terminal_snr: bool | None = None, check_base: bool = True,
-                  flow_shift: float | None = None) -> "sd.sampling.Pipeline":
+                  flow_shift: float | None = None, clip_skip: int | None = None) -> "sd.sampling.Pipeline":
     """UNet, VAE, text encoder and tokenizer from any checkpoint kind; the keywords override the parts.
 
     The prediction type and the schedule (zero terminal SNR or not) are the source's own (the training
     config, a single file's metadata, a diffusers scheduler config) unless ``prediction_type`` /
     ``zero_terminal_snr`` say otherwise. Zero terminal SNR with epsilon is refused: it cannot be sampled.
     So are the flow samplers' shift and whether a model was trained as a flow (``recorded_flow``), unless
-    ``flow_shift`` is given. A LoRA run's adapter on a base it was not trained on is a ``BaseMismatch``
-    unless ``check_base`` is False.
+    ``flow_shift`` is given. So is the CLIP skip (``recorded_clip_skip``) unless ``clip_skip`` is given.
+    A LoRA run's adapter on a base it was not trained on is a ``BaseMismatch`` unless ``check_base`` is False.
     """
     pipeline = _load_pipeline(source, use_ema, vae, text_encoder, tokenizer, arch, check_base)
+    sd.model.set_clip_skip(pipeline.text_encoder, recorded_clip_skip(source) if clip_skip is None else clip_skip)
     recorded_shift, pipeline.flow_matching = recorded_flow(source)
     pipeline.flow_shift = recorded_shift if flow_shift is None else checked_shift(flow_shift, "flow_shift")
     if prediction_type is not None:

@@ -512,11 +512,43 @@ def tokenize(tokenizer, prompts: list[str]) -> torch.Tensor:
     ).input_ids
 
 
+# CLIP skip: the UNet's text condition is the hidden state ``clip_skip`` layers from the end, through the final
+# layer norm (1: the last layer's, ``last_hidden_state``). AUTOMATIC1111 ("Clip skip", sd_hijack_clip.py),
+# sd-scripts (``--clip_skip``, train_util.get_hidden_states) and ComfyUI (CLIPSetLastLayer -n, its SD 1.x CLIP
+# normalising the hidden layer) compute the same; the anime family of SD 1.x models is trained at 2.
+CLIP_SKIP_ATTRIBUTE = "clip_skip"
+
+
+def set_clip_skip(text_encoder, clip_skip: int):
+    """Make ``text_condition`` read ``text_encoder``'s hidden state ``clip_skip`` layers from the end, for every
+    user of this encoder (training, its text cache, validation, sampling). Returns the encoder."""
+    layers = text_encoder.config.num_hidden_layers
+    if isinstance(clip_skip, bool) or not isinstance(clip_skip, int) or not 1 <= clip_skip <= layers:
+        raise ValueError(f"clip_skip {clip_skip!r}: a whole number from 1 (the last layer) to {layers} (this text "
+                         "encoder's layers)")
+    setattr(text_encoder, CLIP_SKIP_ATTRIBUTE, clip_skip)
+    return text_encoder
+
+
+def clip_skip_of(text_encoder) -> int:
+    return getattr(text_encoder, CLIP_SKIP_ATTRIBUTE, 1)
+
+
+def text_condition(text_encoder, input_ids: torch.Tensor) -> torch.Tensor:
+    """The UNet's context for token ids ``(B, 77)``: ``(B, 77, hidden)``, at the encoder's CLIP skip."""
+    clip_skip = clip_skip_of(text_encoder)
+    device = next(text_encoder.parameters()).device
+    input_ids = input_ids.to(device, non_blocking=True)
+    if clip_skip == 1:
+        return text_encoder(input_ids).last_hidden_state
+    hidden = text_encoder(input_ids, output_hidden_states=True).hidden_states[-clip_skip]
+    return getattr(text_encoder, "text_model", text_encoder).final_layer_norm(hidden)  # transformers 4 nests it
+
+
 @torch.no_grad()
 def encode_prompt_ids(text_encoder, input_ids: torch.Tensor) -> torch.Tensor:
-    """CLIP ``last_hidden_state`` for token ids: ``(B, 77, hidden)``, the UNet's context."""
-    device = next(text_encoder.parameters()).device
-    return text_encoder(input_ids.to(device, non_blocking=True)).last_hidden_state
+    """``text_condition`` without gradients."""
+    return text_condition(text_encoder, input_ids)
 
 
 # ---------------------------------------------------------------------------------------------

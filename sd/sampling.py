@@ -92,13 +92,17 @@ class Pipeline:
         """``epsilon``, ``v_prediction, zero terminal SNR``, ``epsilon, trained as a flow, flow shift 3``."""
         return ", ".join([self.prediction_type, *(["zero terminal SNR"] if self.zero_terminal_snr else []),
                           *(["trained as a flow"] if self.flow_matching else []),
-                          *([f"flow shift {self.flow_shift:g}"] if self.flow else [])])
+                          *([f"flow shift {self.flow_shift:g}"] if self.flow else []),
+                          *([f"clip skip {sd.model.clip_skip_of(self.text_encoder)}"]
+                            if sd.model.clip_skip_of(self.text_encoder) > 1 else [])])
 
     def file_metadata(self) -> dict[str, str]:
         """What a single file records of the model, read back by ``sd.formats.load_pipeline``."""
         metadata = {"prediction_type": self.prediction_type, "zero_terminal_snr": str(self.zero_terminal_snr).lower()}
         if self.flow:
             metadata.update(flow_shift=f"{self.flow_shift:g}", flow_matching=str(self.flow_matching).lower())
+        if sd.model.clip_skip_of(self.text_encoder) > 1:
+            metadata["clip_skip"] = str(sd.model.clip_skip_of(self.text_encoder))
         return metadata
 
     def to(self, device: torch.device, dtype: torch.dtype) -> "Pipeline":
@@ -650,11 +654,13 @@ def compile_unet(unet, mode: str):
     return unet if mode == "off" else torch.compile(unet, mode=None if mode == "default" else mode)
 
 
-def parameters_text(prompt: str, negative: str, seed: int, settings, source: str) -> str:
+def parameters_text(prompt: str, negative: str, seed: int, settings, source: str, clip_skip: int = 1) -> str:
     """The A1111-style ``parameters`` chunk: prompt, negative prompt, then the settings on one line
-    (``settings``: ``steps``, ``sampler``, ``cfg``, ``width``, ``height``)."""
+    (``settings``: ``steps``, ``sampler``, ``cfg``, ``width``, ``height``); ``Clip skip: N`` above 1, as
+    AUTOMATIC1111 writes it."""
+    skip = f", Clip skip: {clip_skip}" if clip_skip > 1 else ""
     return (f"{prompt}\nNegative prompt: {negative}\nSteps: {settings.steps}, Sampler: {settings.sampler}, "
-            f"CFG scale: {settings.cfg}, Seed: {seed}, Size: {settings.width}x{settings.height}, Model: {source}")
+            f"CFG scale: {settings.cfg}, Seed: {seed}, Size: {settings.width}x{settings.height}, Model: {source}{skip}")
 
 
 def save_png(path: Path, image: np.ndarray, parameters: str) -> None:

@@ -32,6 +32,7 @@ class Settings:
     text_encoder: str | None = None
     tokenizer: str | None = None
     allow_other_base: bool = False
+    clip_skip: int | None = None  # None: what the model records
 
 
 def add_flags(parser) -> None:
@@ -46,6 +47,11 @@ def add_flags(parser) -> None:
     parser.add_argument("--arch", choices=("auto", *sorted(sd.formats.SINGLE_FILE_ARCHS)), default="auto",
                         help="architecture of a single-file --ckpt; auto = what its tensors' shapes say (default: "
                         "%(default)s)")
+    parser.add_argument("--clip_skip", default="auto",
+                        help="CLIP skip: condition on the text encoder's hidden state this many layers from the end "
+                        "(2: as AUTOMATIC1111's 'Clip skip: 2', ComfyUI's CLIPSetLastLayer -2); auto = what the "
+                        "model records (its training config, a single file's clip_skip or ss_clip_skip), else 1 "
+                        "(default: %(default)s)")
     parser.add_argument("--prediction_type", choices=("auto", *sd.formats.PREDICTION_TYPES), default="auto",
                         help="what the UNet predicts; auto = what the checkpoint records (its training config, a "
                         "single file's metadata, a diffusers scheduler config), epsilon when it records nothing "
@@ -83,8 +89,16 @@ def settings(args, error) -> Settings:
             sd.flow.check_shift(args.flow_shift, "--flow_shift")
         except ValueError as problem:
             error(str(problem))
+    clip_skip = None if args.clip_skip == "auto" else args.clip_skip
+    if clip_skip is not None:
+        try:
+            clip_skip = int(clip_skip)
+        except ValueError:
+            clip_skip = 0
+        if clip_skip < 1:
+            error(f"--clip_skip: auto or a whole number >= 1, got {args.clip_skip}")
     return Settings(ckpt, args.no_ema, args.ema_length, args.arch, args.prediction_type, args.zero_terminal_snr,
-                    args.flow_shift, args.vae, args.text_encoder, args.tokenizer, args.allow_other_base)
+                    args.flow_shift, args.vae, args.text_encoder, args.tokenizer, args.allow_other_base, clip_skip)
 
 
 def load(settings: Settings, merging: bool) -> Pipeline:
@@ -97,7 +111,7 @@ def load(settings: Settings, merging: bool) -> Pipeline:
                                      else settings.prediction_type,
                                      zero_terminal_snr=settings.zero_terminal_snr,
                                      check_base=merging and not settings.allow_other_base,
-                                     flow_shift=settings.flow_shift)
+                                     flow_shift=settings.flow_shift, clip_skip=settings.clip_skip)
     log.info("loaded %s (%s)", model.source, model.describe())
     if settings.ema_length is not None:
         use_posthoc_ema(settings, model)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import sd.files
 import sd.formats
+import sd.model
 import sd.runtime
 import sd.sampling
 from sd.sampling import Pipeline
@@ -179,5 +180,5 @@ def save_image(settings: Settings, model: Pipeline, out: Path, p: int, seed: int
     prompt = settings.prompt[p]
     path = out / f"{p:03d}_{seed:06d}.png"
     sd.sampling.save_png(path, image, sd.sampling.parameters_text(prompt, settings.negative, seed, settings,
-                                                                  model.source))
+                                                                  model.source, sd.model.clip_skip_of(model.text_encoder)))
     return {"file": path.name, "prompt": prompt, "negative": settings.negative, "seed": seed, **extra}

@@ -70,6 +70,10 @@ class TrainConfig:
                                 "run's)", sd.model.DEFAULT_TEXT_ENCODER, resume=refused("the text conditioning"))
     tokenizer: str = setting("CLIP tokenizer; empty = the text encoder's (with init_from a run of ours: that run's)",
                              "", resume=refused("the text conditioning"))
+    clip_skip: int = setting("CLIP skip: the text condition is the text encoder's hidden state this many layers from "
+                             "the end, through its final layer norm (1: the last layer; 2: what NovelAI-descended "
+                             "anime models are trained and sampled with), as AUTOMATIC1111, ComfyUI and sd-scripts "
+                             "compute it", 1, allowed=Range(1), resume=refused("the text conditioning"))
     prediction_type: str = setting("epsilon, v_prediction or flow (rectified flow: the UNet predicts the velocity "
                                    "noise - image of the straight path between them; see docs/training.md)", "epsilon",
                                    resume=refused(MATH))

@@ -209,6 +209,10 @@ def load_frozen_parts(config: TrainConfig, d: Dist):
     """The text encoder, tokenizer and VAE the config names (a single file ``init_from`` names itself for the
     parts it holds: ``sd.train.config_loading.inherit_from_file``), each one's source in the log."""
     text_encoder = sd.model.load_text_encoder(config.text_encoder)
+    try:
+        sd.model.set_clip_skip(text_encoder, config.clip_skip)
+    except ValueError as error:
+        raise ConfigError(f"{error} ({config.text_encoder})") from error
     tokenizer = sd.model.load_tokenizer(config.tokenizer or config.text_encoder)
     vae = sd.model.load_vae(config.vae)
     if d.is_main:
@@ -217,6 +221,9 @@ def load_frozen_parts(config: TrainConfig, d: Dist):
         for field, model, what in (("text_encoder", text_encoder, "text encoder"), ("vae", vae, "VAE")):
             lacking = f" (init_from {config.init_from} holds no {what})" if init_file and field not in held else ""
             log.info("%s from %s%s", what, sd.model.loaded_from(model), lacking)
+        if config.clip_skip > 1:
+            log.info("CLIP skip %d: the text condition is the hidden state %d layers from the end", config.clip_skip,
+                     config.clip_skip)
     return text_encoder, tokenizer, vae
 
 

@@ -433,7 +433,7 @@ def prompt_embeddings(step: Step, input_ids: torch.Tensor, generator: torch.Gene
         if generator is not None:
             drop = torch.rand(ids.shape[0], generator=generator, device=generator.device) < dropout
             ids = torch.where(drop.to(device)[:, None], step.empty_ids.to(device), ids)
-        return step.text_encoder(ids).last_hidden_state
+        return sd.model.text_condition(step.text_encoder, ids)
     if step.text_cache is not None:
         hidden = step.text_cache.lookup(input_ids).to(device, non_blocking=True)
     else:

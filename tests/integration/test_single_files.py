@@ -17,6 +17,7 @@ import sd.formats
 import sd.model
 import sd.original_layout
 import sd.run_folder
+import sd.sampling
 import SD_ImageGen
 import SD_Train
 import sd.train.config_loading
@@ -146,10 +147,10 @@ def test_a_unet_only_file_takes_the_named_parts_and_says_what_it_lacks(community
     assert values == {"init_from": str(path), "vae": "tiny", "text_encoder": str(path), "unet": "tiny"}
 
 
-def lora_config(tmp_path: Path, data: dict, init_from: Path, name: str = "run") -> Path:
+def lora_config(tmp_path: Path, data: dict, init_from: Path, name: str = "run", **fields) -> Path:
     config = tmp_path / f"{name}.yaml"
     config.write_text(yaml.safe_dump({**LORA, "datasets": [data], "init_from": str(init_from),
-                                      "out_dir": str(tmp_path / name)}))
+                                      "out_dir": str(tmp_path / name), **fields}))
     return config
 
 
@@ -158,15 +159,22 @@ def test_a_lora_on_a_community_file_trains_with_its_text_encoder_and_vae(communi
     path, (unet, vae, text_encoder) = community
     base = tmp_path / "my_model.safetensors"
     base.write_bytes(path.read_bytes())
-    config = lora_config(tmp_path, dataset_16, base)
+    config = lora_config(tmp_path, dataset_16, base, clip_skip=2)  # an anime model's: trained at CLIP skip 2
     with caplog.at_level(logging.INFO, logger="sd_train"):
         assert SD_Train.main(["--config", str(config), "--stop_at_step", "1"]) == 0
     assert f"text encoder from single file {base}" in caplog.text and f"VAE from single file {base}" in caplog.text
     saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
-    assert (saved["unet"], saved["text_encoder"], saved["vae"]) == ("tiny", str(base), str(base))
+    assert (saved["unet"], saved["text_encoder"], saved["vae"], saved["clip_skip"]) == ("tiny", str(base), str(base), 2)
+    assert SD_Train.main(["--config", str(config), "--clip_skip", "1"]) == 2
+    assert "clip_skip: 2 -> 1" in capsys.readouterr().err
+    assert SD_ImageGen.main(["--ckpt", str(tmp_path / "run"), "--prompt", "a red circle", "--steps", "2",
+                             "--out", str(tmp_path / "drawn")]) == 0
+    parameters = sd.sampling.read_parameters(next((tmp_path / "drawn").glob("*.png")))
+    assert parameters.splitlines()[-1].endswith(", Clip skip: 2")  # AUTOMATIC1111's spelling, last on its line
     step_1 = tmp_path / "run" / "checkpoints" / sd.run_folder.step_dir_name(1)
     assert set(load_file(step_1 / "frozen_parts.safetensors")) == {"text_encoder", "vae"}
     trained = sd.formats.load_pipeline(str(tmp_path / "run"))
+    assert sd.model.clip_skip_of(trained.text_encoder) == 2
     assert_bitwise_equal(state_of(trained.vae), state_of(vae))
     assert_bitwise_equal(state_of(trained.text_encoder), state_of(text_encoder))  # no text adapter: the file's
 

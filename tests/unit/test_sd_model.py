@@ -724,3 +724,58 @@ def test_a_pipeline_cast_to_bf16_says_nothing_about_float32_modules_and_casts_ev
     assert "kept in float32" not in capfd.readouterr().err
     for part in (pipe.unet, pipe.vae, pipe.text_encoder):
         assert {p.dtype for p in part.parameters()} == {torch.bfloat16}
+
+
+# CLIP skip, as three tools compute it from the same weights (their formulas written out here).
+def a1111_condition(text_encoder, ids, clip_stop_at_last_layers):
+    """AUTOMATIC1111 (modules/sd_hijack_clip.py, encode_with_transformers): the hidden state
+    ``-CLIP_stop_at_last_layers`` through the final layer norm when above 1, else ``last_hidden_state``."""
+    outputs = text_encoder(input_ids=ids, output_hidden_states=True)
+    if clip_stop_at_last_layers > 1:
+        return text_encoder.final_layer_norm(outputs.hidden_states[-clip_stop_at_last_layers])
+    return outputs.last_hidden_state
+
+
+def sd_scripts_condition(text_encoder, ids, clip_skip):
+    """sd-scripts (library/train_util.py, get_hidden_states): ``hidden_states[-clip_skip]`` through the final
+    layer norm whenever ``--clip_skip`` is given, 1 included."""
+    outputs = text_encoder(ids, output_hidden_states=True, return_dict=True)
+    return text_encoder.final_layer_norm(outputs["hidden_states"][-clip_skip])
+
+
+def comfyui_condition(text_encoder, ids, stop_at_clip_layer):
+    """ComfyUI (CLIPSetLastLayer, comfy/sd1_clip.py): layer index ``len(layers) + stop_at_clip_layer`` counted
+    from the first layer, the output after it normalised (SD 1.x's ``layer_norm_hidden_state``); -1 is the last."""
+    layers = text_encoder.config.num_hidden_layers
+    index = layers + stop_at_clip_layer  # the layer after which the intermediate output is taken
+    hidden = text_encoder(ids, output_hidden_states=True).hidden_states[index + 1]  # [0] is the embeddings
+    return text_encoder.final_layer_norm(hidden)
+
+
+def test_clip_skip_is_the_condition_automatic1111_comfyui_and_sd_scripts_compute():
+    text_encoder = M.load_text_encoder("tiny")
+    ids = M.tokenize(M.load_tokenizer("tiny"), ["a red circle", "1girl, solo, long hair"])
+    with torch.no_grad():
+        for skip in (1, 2):
+            ours = M.encode_prompt_ids(M.set_clip_skip(text_encoder, skip), ids)
+            for theirs in (a1111_condition(text_encoder, ids, skip), sd_scripts_condition(text_encoder, ids, skip),
+                           comfyui_condition(text_encoder, ids, -skip)):
+                torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
+        assert (M.encode_prompt_ids(M.set_clip_skip(text_encoder, 2), ids)
+                - M.encode_prompt_ids(M.set_clip_skip(text_encoder, 1), ids)).abs().max() > 0.1
+    for bad in (0, 3, True, 1.5):
+        with pytest.raises(ValueError, match="a whole number from 1 .* to 2"):
+            M.set_clip_skip(text_encoder, bad)
+
+
+def test_clip_skip_2_on_a_clip_l_sized_encoder_takes_the_penultimate_layer():
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    torch.manual_seed(0)
+    text_encoder = CLIPTextModel(CLIPTextConfig(**{**M.SD1_TEXT_ENCODER, "hidden_size": 64, "intermediate_size": 128,
+                                                   "num_attention_heads": 4})).eval()  # 12 layers, as CLIP ViT-L
+    ids = torch.randint(0, 49408, (2, 77))
+    with torch.no_grad():
+        ours = M.encode_prompt_ids(M.set_clip_skip(text_encoder, 2), ids)
+        torch.testing.assert_close(ours, comfyui_condition(text_encoder, ids, -2), rtol=0, atol=1e-6)
+        torch.testing.assert_close(ours, a1111_condition(text_encoder, ids, 2), rtol=0, atol=1e-6)
