@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import math
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,7 @@ OPTIMIZER_CLASSES = {"adamw": "torch.optim.adamw.AdamW", "adamw8bit": "bitsandby
                      "prodigy": "prodigyopt.prodigy.Prodigy",
                      "adamw_schedulefree": "schedulefree.adamw_schedulefree.AdamWScheduleFree"}
 MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
+SD1_SIDE = 512  # sd-scripts' modelspec resolution of an SD 1.x model given none (determine_resolution)
 
 
 def version() -> str:
@@ -51,21 +53,30 @@ def version() -> str:
         return "unknown"
 
 
-def modelspec(kind: str, title: str, prediction_type: str = "epsilon", resolution: tuple[int, int] | None = None,
-              date: float | None = None) -> dict[str, str]:
+def modelspec(kind: str, title: str, prediction_type: str, resolution: tuple[int, int], date: float) -> dict[str, str]:
     """The ``modelspec.*`` keys of a file of ``kind`` (``KINDS``). ``resolution``: (width, height) of the
-    training images; ``date``: when the weights were trained (a Unix time; the checkpoint's save)."""
+    training images (``training_resolution``, else ``model_resolution``); ``date``: when the weights were
+    trained (a Unix time; the checkpoint's save). Both are written in every file, as sd-scripts does
+    (``library/sai_model_spec.py``: ``determine_resolution``'s ``WxH``, the date ISO-8601 to the second; ours
+    in UTC with its offset, so the header does not depend on the machine's time zone)."""
     suffix, implementation = KINDS[kind]
-    keys = {"modelspec.sai_model_spec": SPEC_VERSION, "modelspec.architecture": ARCHITECTURE + suffix,
+    return {"modelspec.sai_model_spec": SPEC_VERSION, "modelspec.architecture": ARCHITECTURE + suffix,
             "modelspec.implementation": implementation, "modelspec.implementation_version": f"sd1-train/{version()}",
             "modelspec.title": title, "modelspec.prediction_type": PREDICTION_KEYS[prediction_type],
-            "modelspec.predict_key": PREDICTION_KEYS[prediction_type]}
-    if resolution:
-        keys["modelspec.resolution"] = f"{resolution[0]}x{resolution[1]}"
-    if date is not None:
-        keys["modelspec.date"] = datetime.datetime.fromtimestamp(date, datetime.timezone.utc).isoformat(
-            timespec="seconds")
-    return keys
+            "modelspec.predict_key": PREDICTION_KEYS[prediction_type],
+            "modelspec.resolution": f"{resolution[0]}x{resolution[1]}",
+            "modelspec.date": datetime.datetime.fromtimestamp(date, datetime.timezone.utc).isoformat(
+                timespec="seconds")}
+
+
+def model_resolution(unet) -> tuple[int, int]:
+    """(width, height) a UNet makes by default: its config's ``sample_size`` latents (the VAE's 8x), else
+    sd-scripts' ``SD1_SIDE`` square: the resolution of a model whose training images are not known."""
+    size = getattr(getattr(unet, "config", None), "sample_size", None)
+    if not size:
+        return SD1_SIDE, SD1_SIDE
+    height, width = (size, size) if isinstance(size, int) else size
+    return int(width) * 8, int(height) * 8
 
 
 def public_name(value) -> str | None:
@@ -134,15 +145,16 @@ def kohya_training_keys(record: TrainingRecord, output_name: str) -> dict[str, s
     get = config.get
     text_lr = (get("text_encoder_lr") or get("lr")) if get("lora_text_encoder") else None
     world = int(state.get("world_size", 1) or 1)
+    per_epoch = steps_per_epoch(config, state)
+    max_steps_of_epochs = (get("epochs") or 0) * per_epoch if per_epoch else None
     keys = {
         "ss_output_name": output_name,
         "ss_training_started_at": record.started_at, "ss_training_finished_at": record.saved_at,
         "ss_learning_rate": get("lr"), "ss_unet_lr": get("lr"), "ss_text_encoder_lr": text_lr,
         "ss_num_train_images": state.get("data_samples") or None,
         "ss_num_reg_images": get("num_class_images") if get("class_dir") else 0,
-        "ss_num_epochs": get("epochs") if not get("max_steps") else None,
-        "ss_max_train_steps": get("max_steps") or None,
-        "ss_steps": state.get("step"), "ss_epoch": state.get("epoch"),
+        "ss_num_epochs": num_epochs(config, state), "ss_max_train_steps": get("max_steps") or max_steps_of_epochs,
+        "ss_steps": state.get("step"), "ss_epoch": epoch_number(state),
         "ss_gradient_checkpointing": bool(get("grad_checkpointing")),
         "ss_gradient_accumulation_steps": get("grad_accum"),
         "ss_lr_warmup_steps": get("warmup_steps"),
@@ -150,7 +162,8 @@ def kohya_training_keys(record: TrainingRecord, output_name: str) -> dict[str, s
                             else "cosine_with_min_lr" if get("min_lr_ratio") else "cosine"),
         "ss_network_dropout": get("lora_dropout"),
         "ss_mixed_precision": MIXED_PRECISION.get(get("precision"), get("precision")),
-        "ss_full_fp16": False, "ss_v2": False, "ss_base_model_version": "sd_v1", "ss_clip_skip": None,
+        "ss_full_fp16": False, "ss_v2": False, "ss_base_model_version": "sd_v1",
+        "ss_clip_skip": get("clip_skip") if (get("clip_skip") or 1) > 1 else None,  # sd-scripts' "None": the last
         "ss_cache_latents": True, "ss_seed": get("seed"), "ss_noise_offset": get("noise_offset"),
         "ss_zero_terminal_snr": bool(get("zero_terminal_snr")),
         "ss_optimizer": optimizer_text(config),
@@ -170,6 +183,43 @@ def kohya_training_keys(record: TrainingRecord, output_name: str) -> dict[str, s
         keys["ss_resolution"] = f"({resolution[0]}, {resolution[1]})"
     keys.update(dataset_keys(config))
     return {k: str(v) for k, v in keys.items()}
+
+
+def epoch_number(state: dict) -> int | None:
+    """``ss_epoch``: the epoch the state's last step trained in, counted from 1, as sd-scripts' train_network.py
+    saves it (``save_model(..., epoch + 1)`` at an epoch's end, ``num_train_epochs`` at the end of a run that
+    stops in an epoch). Our ``epoch`` counts the epochs completed and ``position`` the micro-batches into the
+    next: at an epoch's end the epoch just completed, within one the epoch under way; 0 before any step."""
+    if "epoch" not in state:
+        return None
+    return int(state["epoch"]) + (1 if state.get("position") else 0)
+
+
+def steps_per_epoch(config: dict, state: dict) -> int | None:
+    """The run's optimizer steps per epoch: as its record says (``steps_per_epoch``), else measured over the
+    epochs it completed, else counted as the trainer cuts its samples (``rank_batches``: whole batches on every
+    rank, whole accumulations); None when none of these is known."""
+    if state.get("steps_per_epoch"):
+        return int(state["steps_per_epoch"])
+    accum = int(config.get("grad_accum") or 1)
+    epoch, step = int(state.get("epoch") or 0), int(state.get("step") or 0)
+    if epoch:
+        return (step - int(state.get("position") or 0) // accum) // epoch or None
+    samples = config.get("epoch_size") or state.get("data_samples")
+    batch = int(config.get("batch_size") or 0) * int(state.get("world_size") or 1)
+    return (int(samples) // batch // accum or None) if samples and batch else None
+
+
+def num_epochs(config: dict, state: dict) -> int:
+    """``ss_num_epochs``, a number as sd-scripts always writes it (train_network.py: ``num_train_epochs =
+    ceil(max_train_steps / num_update_steps_per_epoch)``): ``epochs``, or the epochs ``max_steps`` spans
+    (a part of one counting whole); the epochs begun so far (at least 1) when the steps per epoch are not known."""
+    if not config.get("max_steps"):
+        return int(config.get("epochs") or 1)  # the config's default
+    per_epoch = steps_per_epoch(config, state)
+    if per_epoch:
+        return math.ceil(int(config["max_steps"]) / per_epoch)
+    return max(1, epoch_number(state) or 0)
 
 
 def optimizer_text(config: dict) -> str:

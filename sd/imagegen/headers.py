@@ -3,6 +3,7 @@ training when the source is one."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import sd.formats
@@ -23,9 +24,22 @@ def training_record(source: str | None) -> sd.metadata.TrainingRecord | None:
 
 def file_header(kind: str, out: str | Path, model: Pipeline, source: str | None,
                 record: sd.metadata.TrainingRecord | None = None) -> dict[str, str]:
-    """The ``modelspec`` header of an exported file of ``kind``, titled by the name ``out`` gives it, with the
-    resolution and date of ``source``'s training (``record``, when read already) when it is a run of ours."""
+    """The ``modelspec`` header of an exported file of ``kind``, titled by the name ``out`` gives it. When
+    ``source`` is a run of ours (``record``, when read already): the resolution and date of its training;
+    else, and where the run does not record them, the model's own size (``sd.metadata.model_resolution``)
+    and ``source``'s time."""
     record = record or training_record(source)
     resolution = sd.metadata.training_resolution(record.config) if record else None
+    date = record.saved_at if record else None
     return sd.metadata.modelspec(kind, Path(out).name.removesuffix(".safetensors"), model.prediction_type,
-                                 resolution, record.saved_at if record else None)
+                                 resolution or sd.metadata.model_resolution(model.unet),
+                                 source_time(source) if date is None else date)
+
+
+def source_time(source: str | None) -> float:
+    """When ``source``'s weights were written: its file's or folder's time when it is here, else now (a hub
+    model, whose export makes this file)."""
+    try:
+        return Path(source).stat().st_mtime if source else time.time()
+    except OSError:
+        return time.time()

@@ -98,6 +98,7 @@ def export(settings: Settings, model: Pipeline, source: str) -> None:
                                            metadata=header, embeddings=tokens if kohya else None)
     log.info("wrote LoRA %s (%s format)%s", path, settings.format,
              f" bundling token {', '.join(tokens)}" if tokens and kohya else "")
+    log.info("%s", sd.lora.formats.sd_scripts_usage(path))
     for token, vectors in tokens.items():
         out = sd.embedding.formats.write_embedding(beside[token], token, vectors,
                                                    metadata=file_header("textual-inversion", beside[token], model,

@@ -86,6 +86,7 @@ class HadamardModule(NamedTuple):
     tensors: dict[str, torch.Tensor]  # hada_w1_a, hada_w1_b, hada_w2_a, hada_w2_b[, hada_t1, hada_t2]
     alpha: float
     dora_scale: torch.Tensor | None = None
+    is_spatial_conv: bool = False  # its layer is a convolution larger than 1x1 (its factors 2-D all the same)
 
     @property
     def rank(self) -> int:
@@ -112,6 +113,7 @@ class KroneckerModule(NamedTuple):
     tensors: dict[str, torch.Tensor]
     alpha: float
     dora_scale: torch.Tensor | None = None
+    is_spatial_conv: bool = False  # as HadamardModule's
 
     @property
     def rank(self) -> int | None:
@@ -169,16 +171,18 @@ class Network(NamedTuple):
 
     @classmethod
     def of_layers(cls, layers: list) -> "Network":
-        """From the layers as they trained (before any folding). A LoHa's or LoKr's convolutions are flattened
-        to 2-D in its tensors: they count among the Linear layers here."""
-        convs = [m for m in layers if getattr(m, "is_spatial_conv", False)]
-        linear = [m for m in layers if not getattr(m, "is_spatial_conv", False)] or layers
-        ranked = [m for m in linear if m.rank is not None] or linear  # a LoKr of two whole factors has no rank
+        """From the layers as they trained (before any folding): the Linear and 1x1 layers' rank and alpha, and
+        the larger convolutions' (``is_spatial_conv``, which a LoHa's or LoKr's layer is told, its factors being
+        2-D) as ``conv_dim`` / ``conv_alpha``. A LoKr layer of two whole factors has no rank: counted where
+        no other layer has one."""
+        convs = [m for m in layers if m.is_spatial_conv]
+        linear = [m for m in layers if not m.is_spatial_conv] or layers
+        ranked, ranked_convs = ([m for m in group if m.rank is not None] or group for group in (linear, convs))
         lycoris = [m for m in layers if not isinstance(m, LoraModule)]
         kind = ("loha" if isinstance(lycoris[0], HadamardModule) else "lokr") if lycoris else "lora"
         return cls(_most_common(m.rank or 0 for m in ranked), _most_common(m.alpha for m in ranked),
-                   _most_common(m.rank for m in convs) if convs else None,
-                   _most_common(m.alpha for m in convs) if convs else None, kind,
+                   _most_common(m.rank or 0 for m in ranked_convs) if convs else None,
+                   _most_common(m.alpha for m in ranked_convs) if convs else None, kind,
                    dora=any(m.dora_scale is not None for m in layers))
 
 
@@ -191,14 +195,15 @@ def lycoris_of(layer):
              if adapter in getattr(layer, n, {}) and getattr(layer, n)[adapter].numel()]
     tensors = {n: getattr(layer, n)[adapter].detach().cpu() for n in names}
     alpha, rank = float(layer.alpha[adapter]), int(layer.r[adapter])
+    spatial = sd.lora.adapters.is_spatial_conv(layer.get_base_layer())
     if any(n.startswith("hada_") for n in names):
-        return HadamardModule(tensors, alpha)
-    module = KroneckerModule(tensors, alpha)
+        return HadamardModule(tensors, alpha, is_spatial_conv=spatial)
+    module = KroneckerModule(tensors, alpha, is_spatial_conv=spatial)
     if module.rank is None:
         scale = float(layer.scaling[adapter])
         if scale != 1.0:
             tensors["lokr_w1"] = (tensors["lokr_w1"].float() * scale).to(tensors["lokr_w1"].dtype)
-        module = KroneckerModule(tensors, float(rank))
+        module = KroneckerModule(tensors, float(rank), is_spatial_conv=spatial)
     return module
 
 
@@ -452,6 +457,27 @@ def _kohya_header(network: Network) -> dict[str, str]:
     return header
 
 
+def sd_scripts_usage(path: str | Path) -> str:
+    """How sd-scripts loads the LoRA file ``path``, from its header (``_kohya_header``): its network module
+    (``lycoris.kohya`` for a LoHa, LoKr or DoRA, ``networks.lora`` for a LoRA or LoCon) and the arguments that
+    rebuild the network as it trained (``--network_dim`` / ``--network_alpha`` and ``--network_args``: the
+    ``algo``, ``conv_dim`` / ``conv_alpha``... of ``ss_network_args``), as train_network.py takes them to go on
+    training it; diffusers' layout, which sd-scripts does not read, says so."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        header = handle.metadata() or {}
+    module = header.get("ss_network_module")
+    if not module:
+        return "sd-scripts reads the kohya layout only: write it with --lora_format kohya for sd-scripts"
+    args = json.loads(header.get("ss_network_args") or "{}")
+    flags = (f"--network_module {module} --network_weights {path} --network_dim {header.get('ss_network_dim')} "
+             f"--network_alpha {header.get('ss_network_alpha')}")
+    if args:
+        flags += " --network_args " + " ".join(f'"{key}={value}"' for key, value in args.items())
+    return f"sd-scripts loads it with {flags}"
+
+
 LORA_KEY_KINDS = {**{f".{name}": name for names in LYCORIS_KEYS.values() for name in names},
                   ".dora_scale": "dora_scale", ".lora_down.weight": "down", ".lora_up.weight": "up", ".alpha": "alpha",
                   ".lora_A.weight": "down", ".lora_B.weight": "up"}
@@ -558,13 +584,14 @@ def lycoris_module(kinds: list[str], piece: dict[str, torch.Tensor], weight: tor
         raise ValueError(f"{where}: holds the tensors of more than one kind of adapter")
     alpha = piece["alpha"].item() if "alpha" in piece else None
     tensors = {k: v for k, v in piece.items() if k != "alpha"}
+    spatial = weight.ndim == 4 and tuple(weight.shape[2:]) != (1, 1)
     if kinds == ["loha"]:
         needed = {"hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b"} | ({"hada_t2"} if "hada_t1" in tensors else set())
-        module = HadamardModule(tensors, 0.0)
+        module = HadamardModule(tensors, 0.0, is_spatial_conv=spatial)
     else:
         needed = ({"lokr_w1"} if "lokr_w1" in tensors else {"lokr_w1_a", "lokr_w1_b"}) | (
             {"lokr_w2"} if "lokr_w2" in tensors else {"lokr_w2_a", "lokr_w2_b"})
-        module = KroneckerModule(tensors, 0.0)
+        module = KroneckerModule(tensors, 0.0, is_spatial_conv=spatial)
     missing = sorted(needed - set(tensors))
     if missing:
         raise ValueError(f"{where}: a {kinds[0]} layer without {', '.join(missing)}")

@@ -164,7 +164,9 @@ def weight_headers(run: Run, states: dict) -> dict[str, dict[str, str]]:
     if "ema" in states:
         kinds["ema"] = next(iter(kinds.values()))
     title = f"{run.run_dir.name} step {run.state.step}"
-    resolution = sd.metadata.training_resolution(dataclasses.asdict(run.config))
+    # flat: a DreamBooth run's instance_dir and image_size are fields of its subject section
+    resolution = (sd.metadata.training_resolution(sd.run_folder.flat_view(dataclasses.asdict(run.config)))
+                  or sd.metadata.model_resolution(run.step.unet))
     return {name: sd.metadata.modelspec(kind, title, run.config.prediction_type, resolution, time.time())
             for name, kind in kinds.items()}
 

@@ -588,6 +588,13 @@ def test_the_kohya_header_records_the_network_as_it_trained(kind, base, tmp_path
         "4", "2.0", "4", "2.0")
     assert (json.loads(header["ss_network_args"]) if "ss_network_args" in header else None) == HEADER_ARGS[kind]
     assert (sd.lora.formats.FOLDED in header) == (kind in ("locon", "dora"))
+    args = "".join(f' "{key}={value}"' for key, value in (HEADER_ARGS[kind] or {}).items())
+    assert sd.lora.formats.sd_scripts_usage(path) == (  # the export's log line: train_network.py's arguments
+        f"sd-scripts loads it with --network_module {'lycoris.kohya' if lycoris else 'networks.lora'} "
+        f"--network_weights {path} --network_dim 4 --network_alpha 2.0" + (f" --network_args{args}" if args else ""))
+    if kind == "lora":  # diffusers' layout, which sd-scripts does not read
+        folder = sd.lora.formats.save_model_lora(tmp_path / "diffusers", unet, lora_format="diffusers")
+        assert sd.lora.formats.sd_scripts_usage(folder).startswith("sd-scripts reads the kohya layout only")
     merged = sd.lora.adapters.merge(copy.deepcopy(unet))
     plain = copy.deepcopy(base[0])
     sd.lora.formats.merge_lora({"unet": plain}, sd.lora.formats.read_lora(path, base[0]))

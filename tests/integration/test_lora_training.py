@@ -639,12 +639,14 @@ def test_prodigy_and_schedule_free_lora_runs_resume_bitwise_with_the_text_adapte
 
 
 @pytest.mark.slow
-def test_an_exported_lora_says_what_trained_it_as_sd_scripts_and_the_model_spec_do(tmp_path, base_model, data):
+def test_an_exported_lora_says_what_trained_it_as_sd_scripts_and_the_model_spec_do(tmp_path, base_model, data,
+                                                                                    caplog):
     """A run stopped at step 2 and resumed to 4, exported: the modelspec keys (a LoRA of SD 1.x, titled by its
     file, the training resolution, the checkpoint's date), sd-scripts' training keys with their values (steps,
     images, tags counted from the captions, folders by their last name: no path of this machine anywhere in
     the header), the content hash AUTOMATIC1111's additional networks index by, and the same modelspec in the
-    checkpoint's own weight files; the run's start time survives the resume."""
+    checkpoint's own weight files; the run's start time survives the resume. The export's log says how
+    sd-scripts loads the file (networks.lora, with the network's dim and alpha)."""
     import datasets
     import hashlib
 
@@ -662,13 +664,17 @@ def test_an_exported_lora_says_what_trained_it_as_sd_scripts_and_the_model_spec_
     with safe_open(str(last / "adapter.safetensors"), framework="pt") as handle:
         own = handle.metadata()
     assert (own["modelspec.architecture"], own["modelspec.title"]) == ("stable-diffusion-v1/lora", "run step 4")
-
-    out = tmp_path / "exports" / "my_style.safetensors"
-    assert SD_ImageGen.main(["--ckpt", str(tmp_path / "run"), "--export_lora", str(out)]) == 0
-    with safe_open(str(out), framework="pt") as handle:
-        header = handle.metadata()
     latents = json.loads((Path(data["latents"]) / "latents.json").read_text())
     side = sd.data.training_data.resolution_of_latents(latents)
+    assert own["modelspec.resolution"] == f"{side}x{side}" and "modelspec.date" in own
+
+    out = tmp_path / "exports" / "my_style.safetensors"
+    caplog.set_level(logging.INFO)
+    assert SD_ImageGen.main(["--ckpt", str(tmp_path / "run"), "--export_lora", str(out)]) == 0
+    assert (f"sd-scripts loads it with --network_module networks.lora --network_weights {out} --network_dim 4 "
+            "--network_alpha 8.0") in caplog.text
+    with safe_open(str(out), framework="pt") as handle:
+        header = handle.metadata()
     assert {k: header[k] for k in ("modelspec.architecture", "modelspec.implementation", "modelspec.title",
                                    "modelspec.resolution", "modelspec.prediction_type", "modelspec.sai_model_spec")} == {
         "modelspec.architecture": "stable-diffusion-v1/lora", "modelspec.implementation": "diffusers",
@@ -679,17 +685,24 @@ def test_an_exported_lora_says_what_trained_it_as_sd_scripts_and_the_model_spec_
     captions = datasets.load_from_disk(data["dataset"])["train"]["caption"]
     tags = Counter(t.strip() for c in captions for t in c.split(",") if t.strip())
     folder = Path(data["dataset"]).name
-    assert {k: header[k] for k in ("ss_output_name", "ss_steps", "ss_epoch", "ss_num_train_images", "ss_network_module",
+    assert {k: header[k] for k in ("ss_output_name", "ss_steps", "ss_epoch", "ss_num_epochs", "ss_num_train_images",
+                                   "ss_network_module",
                                    "ss_network_dim", "ss_network_alpha", "ss_base_model_version", "ss_v2",
                                    "ss_learning_rate", "ss_max_train_steps", "ss_resolution", "ss_sd_model_name",
                                    "ss_gradient_accumulation_steps", "ss_batch_size_per_device", "ss_seed")} == {
-        "ss_output_name": "my_style", "ss_steps": "4", "ss_epoch": "1", "ss_num_train_images": str(len(captions)),
+        "ss_output_name": "my_style", "ss_steps": "4", "ss_epoch": "1", "ss_num_epochs": "1",  # 4 steps an epoch
+        "ss_num_train_images": str(len(captions)),
         "ss_network_module": "networks.lora", "ss_network_dim": "4", "ss_network_alpha": "8.0",
         "ss_base_model_version": "sd_v1", "ss_v2": "False", "ss_learning_rate": "0.01", "ss_max_train_steps": "4",
         "ss_resolution": f"({side}, {side})", "ss_sd_model_name": base_model.name,
         "ss_gradient_accumulation_steps": "2", "ss_batch_size_per_device": "2", "ss_seed": str(LORA["seed"])}
     assert json.loads(header["ss_dataset_dirs"]) == {folder: {"n_repeats": 1, "img_count": len(captions)}}
     assert json.loads(header["ss_tag_frequency"]) == {folder: dict(tags)}
+    midway = tmp_path / "exports" / "step_2.safetensors"  # half the first epoch: sd-scripts counts it epoch 1
+    assert SD_ImageGen.main(["--ckpt", str(first), "--export_lora", str(midway)]) == 0
+    with safe_open(str(midway), framework="pt") as handle:
+        assert {k: v for k, v in handle.metadata().items() if k in ("ss_steps", "ss_epoch", "ss_num_epochs")} == {
+            "ss_steps": "2", "ss_epoch": "1", "ss_num_epochs": "1"}
     assert float(header["ss_training_started_at"]) == times[0]["started_at"]
     assert float(header["ss_training_finished_at"]) == times[1]["saved_at"]
     assert not [k for k, v in header.items() if str(tmp_path) in v or str(Path.home()) in v]

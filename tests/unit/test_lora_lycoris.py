@@ -228,3 +228,32 @@ def test_a_resumed_lokr_run_takes_the_layout_of_its_newest_checkpoint(tmp_path):
     checkpoint(10, lokr, complete=False)
     assert sd.lora.mode.resumed_lokr_layout(checkpoints) == 2
 
+
+
+@pytest.mark.parametrize("kind", ["loha", "lokr"])
+def test_a_loha_or_lokr_file_records_its_convolutions_rank_as_lycoris_kohya_network_args(kind, tmp_path):
+    """Written from its layers alone (no settings: save_lora) or read back from its file, a LoHa's or LoKr's
+    3x3 convolutions (their factors 2-D, as PEFT holds them) are told apart from its Linear layers: the header
+    records their rank and alpha as conv_dim / conv_alpha in ss_network_args (strings, as sd-scripts'
+    train_network.py records its --network_args and LyCORIS' kohya network reads them), the Linear layers'
+    as ss_network_dim / ss_network_alpha; the sd-scripts line names lycoris.kohya and the algorithm."""
+    import json
+
+    from safetensors import safe_open
+
+    model = adapted(kind)
+    written = sd.lora.formats.adapter_lora_modules(model)
+    assert [n for n, m in written.items() if m.is_spatial_conv] == ["conv", "conv_whole"]
+    first = sd.lora.formats.save_lora(tmp_path / "first.safetensors", {"unet": written})
+    again = sd.lora.formats.save_lora(tmp_path / "again.safetensors", sd.lora.formats.read_lora(first, Layers()))
+    args = {"algo": kind, "conv_dim": str(CONV_RANK), "conv_alpha": str(CONV_ALPHA)}
+    for path in (first, again):
+        with safe_open(str(path), framework="pt") as handle:
+            header = handle.metadata()
+        assert json.loads(header["ss_network_args"]) == args
+        assert (header["ss_network_module"], header["ss_network_dim"], header["ss_network_alpha"]) == (
+            "lycoris.kohya", str(RANK), str(ALPHA))
+        assert (header["lora_conv_rank"], header["lora_conv_alpha"]) == (str(CONV_RANK), str(CONV_ALPHA))
+    assert sd.lora.formats.sd_scripts_usage(first) == (
+        f"sd-scripts loads it with --network_module lycoris.kohya --network_weights {first} --network_dim {RANK} "
+        f'--network_alpha {ALPHA} --network_args "algo={kind}" "conv_dim={CONV_RANK}" "conv_alpha={CONV_ALPHA}"')

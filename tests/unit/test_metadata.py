@@ -3,12 +3,14 @@ from a run's config, and the bounds on what is read to write them."""
 
 import hashlib
 import json
+import types
 
 import pytest
 import safetensors.torch
 import torch
 
 import sd.metadata
+import sd.model
 from data_factory import make_captions
 
 
@@ -24,7 +26,81 @@ def test_the_model_spec_names_the_architecture_and_the_key_layout(kind, architec
     assert keys["modelspec.resolution"] == "512x384" and keys["modelspec.date"] == "1970-01-01T00:00:00+00:00"
     assert keys["modelspec.prediction_type"] == keys["modelspec.predict_key"] == "v"
     assert all(isinstance(v, str) for v in keys.values())
-    assert "modelspec.resolution" not in sd.metadata.modelspec(kind, "x")  # unknown: left out, not guessed
+
+
+def test_a_model_s_resolution_unknown_from_its_training_is_its_unet_s_as_sd_scripts_defaults_it():
+    """sd-scripts writes modelspec.resolution in every file (library/sai_model_spec.py determine_resolution: its
+    512 default for SD 1.x); ours falls back to what the UNet makes, its sample_size latents times 8."""
+    from diffusers import UNet2DConditionModel
+
+    tiny = UNet2DConditionModel(**sd.model.UNET_PRESETS["tiny"])
+    assert sd.metadata.model_resolution(tiny) == (64, 64)
+    assert sd.metadata.model_resolution(types.SimpleNamespace(config=types.SimpleNamespace(sample_size=[8, 12]))) == (
+        96, 64)  # diffusers' (height, width) latents
+    assert sd.metadata.model_resolution(object()) == (512, 512)
+    keys = sd.metadata.modelspec("lora", "x", "epsilon", sd.metadata.model_resolution(tiny), 86400.0)
+    assert keys["modelspec.resolution"] == "64x64" and keys["modelspec.date"] == "1970-01-02T00:00:00+00:00"
+
+
+def test_an_export_of_a_model_that_is_no_run_of_ours_has_its_resolution_and_date_too(tmp_path):
+    """The modelspec of a file exported from a model file (not a run): the UNet's resolution, the file's time."""
+    import os
+
+    from diffusers import UNet2DConditionModel
+
+    import sd.imagegen.headers
+
+    source = tmp_path / "base.safetensors"
+    source.write_bytes(b"")
+    os.utime(source, (86400.0, 86400.0))
+    model = types.SimpleNamespace(prediction_type="epsilon", unet=UNet2DConditionModel(**sd.model.UNET_PRESETS["tiny"]))
+    keys = sd.imagegen.headers.file_header("checkpoint", tmp_path / "out.safetensors", model, str(source))
+    assert (keys["modelspec.resolution"], keys["modelspec.date"], keys["modelspec.title"]) == (
+        "64x64", "1970-01-02T00:00:00+00:00", "out")
+
+
+RUN = dict(batch_size=2, grad_accum=2, epochs=1)  # 16 samples on one rank: 8 micro-batches, 4 steps an epoch
+
+
+@pytest.mark.parametrize("step, epoch, position, expected", [
+    (0, 0, 0, "0"),  # nothing trained yet
+    (2, 0, 4, "1"),  # within the first epoch
+    (4, 1, 0, "1"),  # the first epoch just finished (our epoch counts those completed)
+    (6, 1, 4, "2"),  # within the second
+    (12, 3, 0, "3"),  # the third finished
+])
+def test_ss_epoch_is_the_epoch_of_the_last_step_counted_from_1_as_sd_scripts_saves_it(step, epoch, position,
+                                                                                        expected):
+    state = dict(step=step, epoch=epoch, position=position, world_size=1, data_samples=16)
+    keys = sd.metadata.kohya_training_keys(sd.metadata.TrainingRecord(RUN, state, None, None), "out")
+    assert keys["ss_epoch"] == expected and keys["ss_steps"] == str(step)
+
+
+@pytest.mark.parametrize("config, state, epochs, max_steps", [
+    (dict(max_steps=12), dict(step=2, epoch=0, position=4, data_samples=16), "3", "12"),  # counted: 16 // 2 // 2
+    (dict(max_steps=10), dict(step=10, epoch=2, position=4, data_samples=16), "3", "10"),  # a part of one: whole
+    (dict(max_steps=10), dict(step=10, epoch=2, position=4, data_samples=0), "3", "10"),  # measured: (10 - 2) / 2
+    (dict(max_steps=12, epoch_size=32), dict(step=2, epoch=0, position=4, data_samples=16), "2", "12"),
+    (dict(max_steps=12, steps_per_epoch=5), dict(step=2, epoch=0, position=4, steps_per_epoch=6), "2", "12"),
+    (dict(max_steps=12), dict(step=2, epoch=0, position=4, data_samples=16, world_size=2), "6", "12"),
+    (dict(max_steps=12), dict(step=2, epoch=0, position=4), "1", "12"),  # unknown: the epochs begun
+    (dict(max_steps=0, epochs=3), dict(step=2, epoch=0, position=4, data_samples=16), "3", "12"),
+])
+def test_ss_num_epochs_is_a_number_a_max_steps_run_counts_as_sd_scripts_does(config, state, epochs, max_steps):
+    """sd-scripts' train_network.py: num_train_epochs = ceil(max_train_steps / steps per epoch), max_train_steps
+    = epochs x steps per epoch when given epochs; the steps per epoch are the record's, else measured over its
+    completed epochs, else counted from its samples and batch."""
+    record = sd.metadata.TrainingRecord({**RUN, **config}, {"world_size": 1, **state}, None, None)
+    keys = sd.metadata.kohya_training_keys(record, "out")
+    assert (keys["ss_num_epochs"], keys["ss_max_train_steps"]) == (epochs, max_steps)
+
+
+@pytest.mark.parametrize("clip_skip, expected", [(None, "None"), (1, "None"), (2, "2")])
+def test_ss_clip_skip_is_the_runs_as_sd_scripts_writes_it(clip_skip, expected):
+    """sd-scripts writes str(args.clip_skip): "None" for a run at the last layer, "2" for CLIP skip 2."""
+    config = {**RUN, **({} if clip_skip is None else {"clip_skip": clip_skip})}
+    keys = sd.metadata.kohya_training_keys(sd.metadata.TrainingRecord(config, {}, None, None), "out")
+    assert keys["ss_clip_skip"] == expected
 
 
 def test_a_local_path_is_named_by_its_last_part_and_a_hub_id_as_it_is(tmp_path):
