@@ -99,6 +99,9 @@ def export(settings: Settings, model: Pipeline, source: str) -> None:
     log.info("wrote LoRA %s (%s format)%s", path, settings.format,
              f" bundling token {', '.join(tokens)}" if tokens and kohya else "")
     log.info("%s", sd.lora.formats.sd_scripts_usage(path))
+    if tokens and kohya:  # diffusers' load_lora_weights refuses a file with bundle_emb keys
+        log.info("for diffusers: the same export with --lora_format diffusers writes the LoRA without the token, "
+                 "whose embedding is written beside it (load_lora_weights, then load_textual_inversion)")
     for token, vectors in tokens.items():
         out = sd.embedding.formats.write_embedding(beside[token], token, vectors,
                                                    metadata=file_header("textual-inversion", beside[token], model,

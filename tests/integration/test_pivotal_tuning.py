@@ -94,12 +94,16 @@ def prompt_output(pipe) -> torch.Tensor:
 
 
 @pytest.mark.slow  # a training run: the full suite's, not make check's
-def test_the_lora_file_bundles_the_token_and_loads_back_to_what_the_run_samples_with(tmp_path, trained, base_model):
+def test_the_lora_file_bundles_the_token_and_loads_back_to_what_the_run_samples_with(tmp_path, trained, base_model,
+                                                                                     caplog):
     """--export_lora writes bundle_emb.<token>.string_to_param.* (AUTOMATIC1111's bundled embeddings) and the
     token's own file beside it; the base with --lora FILE (its token added from the bundle) computes what the run
-    computes: the same text encoding of a prompt with the token and the same UNet weights."""
+    computes: the same text encoding of a prompt with the token and the same UNet weights. The log names the
+    export diffusers loads (it refuses bundle_emb keys)."""
     out = tmp_path / "style.safetensors"
-    assert SD_ImageGen.main(["--ckpt", str(trained), "--export_lora", str(out)]) == 0
+    with caplog.at_level("INFO"):
+        assert SD_ImageGen.main(["--ckpt", str(trained), "--export_lora", str(out)]) == 0
+    assert "for diffusers: the same export with --lora_format diffusers" in caplog.text
     run = sd.formats.load_pipeline(str(trained))
     vectors = sd.embedding.tokens.added_embeddings(run.text_encoder)[0].vectors
     with safe_open(str(out), framework="pt") as handle:
