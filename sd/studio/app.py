@@ -128,7 +128,8 @@ def train_page(gr, studio: Studio, repository: Path, polls: list) -> None:
 def sample_page(gr, studio: Studio, polls: list) -> None:
     """The README's quick start 2's last command: runs/mine, "a red circle", the sampler's own steps and CFG."""
     with gr.Row():
-        sample_run = gr.Textbox(label="run folder or checkpoint (or hub id)", value="runs/mine", elem_id="sample-run")
+        sample_run = gr.Textbox(label="run folder, checkpoint, single .safetensors/.ckpt (or hub id)", value="runs/mine",
+                                elem_id="sample-run")
         lora = gr.Textbox(label="LoRA / LyCORIS file (optional, FILE:SCALE)", elem_id="sample-lora")
         embedding = gr.Textbox(label="embedding (optional, FILE:TOKEN)", elem_id="sample-embedding")
     prompt = gr.Textbox(label="prompt", value="a red circle", elem_id="sample-prompt")
@@ -142,6 +143,8 @@ def sample_page(gr, studio: Studio, polls: list) -> None:
         size = gr.Number(label="size (px, 0: the model's)", value=0, precision=0, elem_id="sample-size")
         count = gr.Number(label="images", value=4, precision=0, elem_id="sample-n")
         best = gr.Checkbox(label="best checkpoint", value=False, elem_id="sample-best")
+        clip_skip = gr.Dropdown(["auto", "1", "2"], value="auto", label="CLIP skip (auto: what the model records)",
+                                elem_id="sample-clip-skip")
     with gr.Row():
         controlnet = gr.Textbox(label="ControlNet (optional)", elem_id="sample-controlnet")
         control = gr.Image(label="its conditioning image", type="filepath", elem_id="sample-control")
@@ -151,7 +154,7 @@ def sample_page(gr, studio: Studio, polls: list) -> None:
     images = gr.Gallery(label="images (their PNGs carry the settings as parameters)", columns=4,
                         elem_id="sample-images")
     go.click(studio.do_sample, [sample_run, lora, embedding, prompt, negative, sampler, steps, cfg, seed, size,
-                                count, best, controlnet, control], [sample_command])
+                                count, best, controlnet, control, clip_skip], [sample_command])
     polls.append((studio.sample_refresh, [], [sample_state, images]))
 
 

@@ -261,7 +261,7 @@ class Studio:
         return self.roots.check(image)
 
     def do_sample(self, run, lora_file, embedding_file, text, negative_text, sampler_name, step_count, scale,
-                  first_seed, side, n, use_best, controlnet_path, control_image) -> str:
+                  first_seed, side, n, use_best, controlnet_path, control_image, clip_skip="auto") -> str:
         import sd.imagegen.embedding  # SD_ImageGen.py's own reading of FILE:SCALE and FILE:TOKEN
         import sd.imagegen.lora
 
@@ -286,6 +286,8 @@ class Studio:
                 args += ["--embedding", f"{path}:{token}" if token else path]
             if use_best:
                 args += ["--best", "true"]
+            if str(clip_skip or "auto") != "auto":
+                args += ["--clip_skip", int(clip_skip)]
             if controlnet_path:
                 if not control_image:
                     raise ValueError("a ControlNet needs its conditioning image")

@@ -159,6 +159,11 @@ def test_the_sample_page_runs_the_readmes_command_with_checked_files(studio):
                                                                                                      "--cfg", "7.5"]
     said = studio.do_sample("runs/mine", "", "", "x", "", "auto", 0, 0, 0, 0, 1, False, "runs/cn", None)
     assert "needs its conditioning image" in said
+    (work / "models").mkdir()
+    (work / "models" / "anime.safetensors").write_bytes(b"")
+    studio.do_sample("models/anime.safetensors", "", "", "1girl", "", "auto", 0, 0, 0, 0, 1, False, "", None, "2")
+    words = studio.started[-1][1][0][2:]
+    assert words[:2] == ["--ckpt", str(work / "models" / "anime.safetensors")] and words[-2:] == ["--clip_skip", "2"]
 
 
 def test_the_export_page_checks_its_run(studio):
