@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import save_file
 
 import encode_latents
 import sd.data.encode
@@ -18,6 +19,7 @@ import sd.data.shards
 import sd.data.training_data
 import sd.files
 import sd.model
+import sd.original_layout
 
 from shard_factory import clean_shard, image_bytes, random_image
 
@@ -641,3 +643,18 @@ def test_a_vae_the_offline_hub_cannot_give_is_one_line_and_writes_nothing(encode
     assert err.startswith("encode_latents.py: error: vae nobody/no-such-vae: cannot be loaded (") and "\n" not in err
     assert "it is not in the local cache; give a local folder, or a hub id with the hub reachable" in err
     assert not list(tmp_path.glob("out/*.npy"))  # nothing encoded
+
+
+def test_a_vae_only_single_file_encodes_as_the_vae_it_holds_and_its_digest_is_recorded(encoded, tmp_path):
+    root, _ = encoded
+    vae = sd.model.load_vae("tiny")
+    state = sd.original_layout.to_original(vae, sd.original_layout.vae_key_map(vae), half=False)
+    save_file({k.removeprefix("first_stage_model."): v for k, v in state.items()}, tmp_path / "vae.safetensors")
+    assert encode_latents.main(["--shards", str(root / "shards" / "*.tar"), "--out", str(tmp_path / "latents"),
+                                "--vae", str(tmp_path / "vae.safetensors"), "--resolution", "64", "--batch_size",
+                                "2", "--max_pixels", str(MAX_PIXELS), "--flip"]) == 0
+    ours, theirs = (json.loads((folder / "latents.json").read_text()) for folder in (tmp_path / "latents",
+                                                                                     root / "latents"))
+    assert ours["vae_encoder"] == theirs["vae_encoder"] == sd.model.encoder_digest(vae)
+    for npy in sorted((root / "latents").glob("*.npy")):
+        assert np.array_equal(np.load(npy), np.load(tmp_path / "latents" / npy.name)), npy.name
