@@ -208,3 +208,24 @@ def test_latents_of_another_vae_encoder_are_refused_with_the_fix(community, data
     err = capsys.readouterr().err
     assert "were encoded with another VAE encoder (tiny)" in err and "vae: tiny" in err
     assert SD_Train.main(["--config", str(config), "--vae", "tiny", "--max_steps", "1"]) == 0
+
+
+def test_the_readmes_community_checkpoint_line_trains_a_lora_on_the_files_own_models(community, tmp_path,
+                                                                                     monkeypatch, caplog):
+    """The README's line, as a user types it, on a tiny file (on the CPU: 64 px, fp32, two steps)."""
+    from readme_commands import ROOT, readme_block, run_command
+
+    from data_factory import draw_subject
+
+    (line,) = readme_block("On a community checkpoint")
+    path, _ = community
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_model.safetensors").write_bytes(path.read_bytes())
+    draw_subject(tmp_path / "my_subject")
+    smaller = ["--subject.image_size", "64", "--precision", "fp32", "--grad_checkpointing", "false", "--max_steps",
+               "2", "--validate_every", "0"]
+    with caplog.at_level(logging.INFO, logger="sd_train"):
+        run_command(line.replace("configs/", f"{ROOT}/configs/"), {"SD_Train.py": smaller})
+    assert "text encoder from single file my_model.safetensors" in caplog.text
+    saved = yaml.safe_load((tmp_path / "runs" / "my_lora" / "config.yaml").read_text())
+    assert (saved["text_encoder"], saved["vae"], saved["clip_skip"]) == ("my_model.safetensors",) * 2 + (2,)
