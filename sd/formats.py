@@ -5,15 +5,16 @@
   (``model.diffusion_model.*``, ``first_stage_model.*``, ``cond_stage_model.transformer.text_model.*``)
   that AUTOMATIC1111, ComfyUI and diffusers' ``from_single_file`` load.
 * ``load_pipeline``: UNet, VAE, text encoder and tokenizer from any of the sources below, with the
-  prediction type and noise schedule (zero terminal SNR or not) the source records.
+  prediction type, noise schedule (zero terminal SNR or not) and CLIP skip the source records; a run's
+  text encoder and VAE checked against the fingerprints its checkpoint records (``check_frozen_parts``).
 * ``load_unet_weights``: UNet weights from any of: a training checkpoint or run folder of ours (EMA or
   live), a diffusers pipeline folder or hub id, or a single ``.safetensors`` / ``.ckpt`` file.
 * LoRA runs of ours (``adapter.safetensors`` instead of ``unet.safetensors``): ``load_lora_run`` loads
   the base from the run's ``init_from`` and the adapter on top, as PEFT layers.
   (LoRA files for other tools are ``sd.lora.formats``.)
 
-The key maps are derived from the model's config (blocks, layers per block, which blocks attend), so
-they hold for the SD 1.x UNet and for any other UNet2DConditionModel / AutoencoderKL layout alike.
+Single files as other tools write them (the key maps, a ``.ckpt``'s EMA, VAE-only files) are read by
+``sd.original_layout``, each model of the architecture its tensors have (``sd.model.model_from_file``).
 """
 
 from __future__ import annotations
