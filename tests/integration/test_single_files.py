@@ -154,6 +154,7 @@ def lora_config(tmp_path: Path, data: dict, init_from: Path, name: str = "run", 
     return config
 
 
+@pytest.mark.slow  # training runs: the full suite's
 def test_a_lora_on_a_community_file_trains_with_its_text_encoder_and_vae(community, dataset_16, tmp_path, caplog,
                                                                           capsys):
     path, (unet, vae, text_encoder) = community
@@ -193,6 +194,7 @@ def test_a_lora_on_a_community_file_trains_with_its_text_encoder_and_vae(communi
     assert not (tmp_path / "img").exists()
 
 
+@pytest.mark.slow  # training runs: the full suite's
 def test_latents_of_another_vae_encoder_are_refused_with_the_fix(community, dataset_16, tmp_path, capsys):
     path, _ = community
     latents = tmp_path / "latents"
@@ -210,6 +212,7 @@ def test_latents_of_another_vae_encoder_are_refused_with_the_fix(community, data
     assert SD_Train.main(["--config", str(config), "--vae", "tiny", "--max_steps", "1"]) == 0
 
 
+@pytest.mark.slow  # training runs: the full suite's
 def test_the_readmes_community_checkpoint_line_trains_a_lora_on_the_files_own_models(community, tmp_path,
                                                                                      monkeypatch, caplog):
     """The README's line, as a user types it, on a tiny file (on the CPU: 64 px, fp32, two steps)."""
