@@ -279,10 +279,12 @@ class OriginalFile:
             if tuple(tensor.shape) != tuple(own[key].shape):
                 raise ValueError(f"{self.path}: {name} of shape {tuple(tensor.shape)} does not fit {what} {key} "
                                  f"{tuple(own[key].shape)}")
-            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            tensor = tensor.to(own[key].dtype)
+            # one sum per tensor: a NaN or inf anywhere makes it non-finite (a cheaper pass than isfinite per value)
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor.sum(dtype=torch.float64))):
                 raise ValueError(f"{self.path}: {name} holds non-finite values (NaN or inf); the file is damaged, "
                                  "use another copy")
-            out[key] = tensor.to(own[key].dtype)
+            out[key] = tensor
         return out
 
 

@@ -123,6 +123,18 @@ def test_a_vae_only_file_is_a_vae(community, tmp_path, prefix):
         sd.model.load_text_encoder(str(tmp_path / "vae.ckpt"))
 
 
+def test_a_non_finite_weight_is_one_line_naming_the_tensor_and_the_file(community, tmp_path):
+    _, (unet, vae, text_encoder) = community
+    state = sd.formats.single_file_state_dict(unet, vae, text_encoder, half=True)
+    name = "first_stage_model.decoder.conv_in.weight"
+    state[name] = state[name].clone()
+    state[name].view(-1)[7] = float("inf")  # fp16 overflow of a corrupted fine-tune
+    save_file(state, tmp_path / "broken.safetensors")
+    with pytest.raises(sd.model.LoadError, match=f"broken.safetensors: {name} holds non-finite values"):
+        sd.model.load_vae(str(tmp_path / "broken.safetensors"))
+    assert sd.model.load_text_encoder(str(tmp_path / "broken.safetensors"))  # its other models are sound
+
+
 def test_a_real_size_vae_only_file_is_an_sd1_vae(tmp_path):
     from diffusers import AutoencoderKL
 
