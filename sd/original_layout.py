@@ -280,12 +280,17 @@ class OriginalFile:
                 raise ValueError(f"{self.path}: {name} of shape {tuple(tensor.shape)} does not fit {what} {key} "
                                  f"{tuple(own[key].shape)}")
             tensor = tensor.to(own[key].dtype)
-            # one sum per tensor: a NaN or inf anywhere makes it non-finite (a cheaper pass than isfinite per value)
-            if tensor.is_floating_point() and not bool(torch.isfinite(tensor.sum(dtype=torch.float64))):
+            if tensor.is_floating_point() and not all_finite(tensor):
                 raise ValueError(f"{self.path}: {name} holds non-finite values (NaN or inf); the file is damaged, "
                                  "use another copy")
             out[key] = tensor
         return out
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """No NaN or inf in ``tensor``: a NaN or inf anywhere makes its sum non-finite, so a finite sum (one fast
+    pass) settles it; a non-finite sum (or one that overflowed) is settled value by value."""
+    return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
 
 
 _DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,

@@ -133,6 +133,10 @@ def test_a_non_finite_weight_is_one_line_naming_the_tensor_and_the_file(communit
     with pytest.raises(sd.model.LoadError, match=f"broken.safetensors: {name} holds non-finite values"):
         sd.model.load_vae(str(tmp_path / "broken.safetensors"))
     assert sd.model.load_text_encoder(str(tmp_path / "broken.safetensors"))  # its other models are sound
+    # the check's fast sum, and its value-by-value answer where a sum of finite values overflows
+    assert sd.original_layout.all_finite(torch.tensor([3e38, 3e38]))
+    assert not any(sd.original_layout.all_finite(torch.tensor(v)) for v in ([1.0, float("nan")], [float("inf"), -1e38],
+                                                                             [float("inf"), float("-inf")]))
 
 
 def test_a_real_size_vae_only_file_is_an_sd1_vae(tmp_path):
