@@ -208,6 +208,11 @@ def build(config: TrainConfig, d: Dist) -> Run:
 def load_frozen_parts(config: TrainConfig, d: Dist):
     """The text encoder, tokenizer and VAE the config names (a single file ``init_from`` names itself for the
     parts it holds: ``sd.train.config_loading.inherit_from_file``), each one's source in the log."""
+    init_file = bool(config.init_from) and Path(config.init_from).is_file()
+    try:
+        held = sd.model.open_file(config.init_from).parts if init_file else []
+    except sd.model.LoadError as error:  # the message names the file
+        raise ConfigError(f"init_from: cannot load {config.init_from}: {error}") from error
     text_encoder = sd.model.load_text_encoder(config.text_encoder)
     try:
         sd.model.set_clip_skip(text_encoder, config.clip_skip)
@@ -216,8 +221,6 @@ def load_frozen_parts(config: TrainConfig, d: Dist):
     tokenizer = sd.model.load_tokenizer(config.tokenizer or config.text_encoder)
     vae = sd.model.load_vae(config.vae)
     if d.is_main:
-        init_file = bool(config.init_from) and Path(config.init_from).is_file()
-        held = sd.model.open_file(config.init_from).parts if init_file else []
         for field, model, what in (("text_encoder", text_encoder, "text encoder"), ("vae", vae, "VAE")):
             lacking = f" (init_from {config.init_from} holds no {what})" if init_file and field not in held else ""
             log.info("%s from %s%s", what, sd.model.loaded_from(model), lacking)

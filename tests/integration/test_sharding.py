@@ -169,4 +169,5 @@ def test_a_single_process_ignores_sharding(tmp_path, dataset_16):
     config.validate()
     run = SD_Train.build(config, Dist.single())
     assert run.step.sharding == "none" and isinstance(run.step.optimizer, torch.optim.AdamW)
-    assert list(sd.train.recovery.resumable(run)) == ["unet", "ema", "optimizer", "scaler", "train_state", "rng"]
+    assert list(sd.train.recovery.resumable(run)) == ["unet", "frozen_parts", "ema", "optimizer", "scaler",
+                                                      "train_state", "rng"]

@@ -167,6 +167,7 @@ RANGES = {
     "data_threads": (">= 1", [1], [0, -2]),
     "batch_size": (">= 0", [0, 1, 64], [-1, -8]),  # 0: auto
     "grad_accum": (">= 1", [1], [0]),
+    "clip_skip": (">= 1", [1, 2], [0, -1]),  # above the text encoder's layers: refused when it is loaded
     "global_batch": (">= 0", [0, 96], [-1]),
     "max_steps": (">= 0", [0, 5], [-1]),
     "epochs": (">= 0", [0, 3], [-1]),
