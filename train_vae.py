@@ -39,7 +39,8 @@ def parse_args(argv=None):
                         "stages' spelling)")
     parser.add_argument("--out", required=True, help="output diffusers VAE folder")
     parser.add_argument("--preset", choices=sorted(sd.vae.VAE_PRESETS), default="demo", help="architecture of a new VAE")
-    parser.add_argument("--init_from", help="fine-tune this VAE (hub id or folder) instead of a new one")
+    parser.add_argument("--init_from", help="fine-tune this VAE (hub id, folder, or a single file: a whole checkpoint's VAE or a "
+                        "VAE-only file) instead of a new one")
     parser.add_argument("--resolution", type=int, default=64, help="training size, multiple of 8")
     parser.add_argument("--max_steps", type=int, default=900, help="optimizer steps")
     parser.add_alias("--steps", "max_steps", type=int)

@@ -238,3 +238,24 @@ def test_a_bad_input_folder_is_one_line_naming_it(kind, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("train_vae.py: error: ") and str(folder) in err, err
     assert not (tmp_path / "vae").exists()
+
+
+def test_init_from_a_vae_only_single_file_trains_on_from_its_weights(trained, shards, tmp_path):
+    """A community VAE file (vae-ft-mse-840000-ema-pruned.safetensors: encoder.* / decoder.*) as train_vae.py's
+    --init_from: its weights are the start, every one of them trains."""
+    from safetensors.torch import save_file
+    import sd.model
+    import sd.original_layout
+
+    out, _, held = trained
+    vae = sd.model.load_vae(str(out))
+    state = sd.original_layout.to_original(vae, sd.original_layout.vae_key_map(vae), half=False)
+    save_file({k.removeprefix("first_stage_model."): v for k, v in state.items()}, tmp_path / "vae.safetensors")
+    args = train_vae.parse_args(vae_argv(shards, tmp_path / "tuned", "--init_from", str(tmp_path / "vae.safetensors")))
+    start = sd.vae.build_vae(args)
+    assert all(torch.equal(start.state_dict()[name], held[name]) for name in held)
+    assert all(p.requires_grad and not p.is_meta for p in start.parameters())
+    assert train_vae.main(vae_argv(shards, tmp_path / "tuned", "--init_from", str(tmp_path / "vae.safetensors"),
+                                   "--max_steps", "2")) == 0
+    tuned = sd.model.load_vae(str(tmp_path / "tuned")).state_dict()
+    assert any(not torch.equal(tuned[name], held[name]) for name in held)  # it trained on
