@@ -434,6 +434,9 @@ def _kohya_lora_tensors(lora) -> dict[str, torch.Tensor]:
     return tensors
 
 
+NETWORK_KEYS = ("ss_network_module", "ss_network_dim", "ss_network_alpha", "ss_network_args")  # _kohya_header's
+
+
 def _kohya_header(network: Network) -> dict[str, str]:
     """sd-scripts' own header fields (AUTOMATIC1111 shows them, and takes a file with any header for SD 1.x):
     ``ss_network_dim`` / ``ss_network_alpha``, the Linear and 1x1 layers' rank and alpha as they trained, and

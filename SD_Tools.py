@@ -1,0 +1,159 @@
+"""The tools around a trained file: a LoRA extracted from two models, a LoRA resized to a lower rank.
+
+    python SD_Tools.py extract --tuned my_model.safetensors --base v1-5-pruned-emaonly.safetensors \\
+        --out my_model_lora.safetensors [--rank 32] [--conv_rank 16] [--dynamic sv_fro --dynamic_param 0.9]
+    python SD_Tools.py resize --lora big.safetensors --out small.safetensors --rank 8 [--dynamic sv_ratio \\
+        --dynamic_param 8]
+
+``extract``: the difference of ``--tuned`` and ``--base`` (single files, diffusers folders or hub ids, runs of
+ours: their EMA weights) as a LoRA, by truncated SVD per layer: the UNet's transformer layers, its 3x3
+convolutions with ``--conv_rank`` (LoCon), the text encoder's attention and MLP unless the two text encoders
+differ by under ``--min_diff`` everywhere. ``resize``: a LoRA, LoCon or DoRA file (kohya or diffusers layout) at
+a lower rank, each layer's scale and DoRA magnitude kept. The rank is ``--rank`` for every layer, or with
+``--dynamic`` chosen per layer from its singular values (``sv_ratio``, ``sv_fro``, ``sv_cumulative`` with
+``--dynamic_param``, as kohya's resize_lora.py names them) and at most ``--rank``. One layer is read at a time,
+the output written atomically in the kohya layout (ComfyUI, AUTOMATIC1111, sd-scripts, diffusers) with a
+header saying what was done, and a per-layer report of the rank and the share of the Frobenius norm kept
+beside it (``OUT.report.csv``). Exit 0 when written, 2 with one line when it cannot run.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import logging
+import signal
+import sys
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+
+import sd.cli
+import sd.files
+import sd.formats
+import sd.lora.formats
+import sd.lora.tools
+import sd.metadata
+import sd.model
+import sd.model_weights
+import sd.runtime
+from sd.lora.lowrank import RANK_METHODS, RankRule
+
+ERRORS = (KeyError, ValueError, OSError, SafetensorError, sd.model.LoadError)
+SAVE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def add_rank_flags(parser, default_rank: int) -> None:
+    parser.add_argument("--rank", type=int, default=default_rank, help="rank of the Linear and 1x1 layers; with "
+                        "--dynamic the most any layer keeps (default: %(default)s)")
+    parser.add_argument("--conv_rank", type=int, default=None, help="rank of the 3x3 convolutions (LoCon); extract: "
+                        "without it they are left out; resize: without it they follow --rank")
+    parser.add_argument("--dynamic", choices=RANK_METHODS[1:], default=None,
+                        help="choose each layer's rank from its singular values: sv_ratio (those above the largest "
+                        "/ param), sv_fro (the fewest holding a share param of the Frobenius norm), sv_cumulative "
+                        "(the fewest holding a share param of their sum)")
+    parser.add_argument("--dynamic_param", type=float, default=None, help="the ratio (> 1) or share (0-1] of --dynamic")
+    parser.add_argument("--clamp_quantile", type=float, default=None, help="clamp the factors' entries at this "
+                        "quantile of their magnitudes, as kohya's extraction does (1: not clamped; default: 0.99 "
+                        "for extract, 1 for resize)")
+    parser.add_argument("--save_precision", choices=tuple(SAVE_DTYPES), default="fp16",
+                        help="dtype of the written factors (default: %(default)s)")
+
+
+def parse_args(argv=None):
+    parser = sd.cli.ArgumentParser(prog="SD_Tools.py", description=__doc__, formatter_class=sd.cli.HelpFormatter)
+    tools = parser.add_subparsers(dest="tool", required=True)
+    extract = tools.add_parser("extract", help="a LoRA from the difference of two models")
+    extract.add_argument("--tuned", required=True, help="the fine-tuned model: a single file, a diffusers folder or "
+                         "hub id, or a run of ours")
+    extract.add_argument("--base", required=True, help="the model it was tuned from (the same kinds)")
+    extract.add_argument("--out", required=True, help="the LoRA file to write (.safetensors)")
+    add_rank_flags(extract, 32)
+    extract.add_argument("--text_encoder", choices=("auto", "false"), default="auto", help="auto: extracted unless "
+                         "the text encoders differ by under --min_diff everywhere; false: the UNet alone")
+    extract.add_argument("--min_diff", type=float, default=0.01, help="see --text_encoder (default: %(default)s)")
+    resize = tools.add_parser("resize", help="a LoRA at a lower rank")
+    resize.add_argument("--lora", required=True, help="the LoRA, LoCon or DoRA file (kohya or diffusers layout)")
+    resize.add_argument("--out", required=True, help="the LoRA file to write (.safetensors)")
+    add_rank_flags(resize, 8)
+    args = parser.parse_args(argv)
+    if not args.out.endswith(".safetensors"):
+        parser.error(f"--out {args.out}: a .safetensors file")
+    return args, parser
+
+
+def settings_of(args, parser) -> sd.lora.tools.ExtractSettings:
+    if (args.dynamic is None) != (args.dynamic_param is None):
+        parser.error("--dynamic and --dynamic_param go together")
+    method, param = args.dynamic or "fixed", args.dynamic_param or 0.0
+    clamp = args.clamp_quantile if args.clamp_quantile is not None else (0.99 if args.tool == "extract" else 1.0)
+    if not 0 < clamp <= 1:
+        parser.error(f"--clamp_quantile must be in (0, 1], got {clamp}")
+    try:
+        rule = RankRule(args.rank, method, param).check("--rank")
+        conv = RankRule(args.conv_rank, method, param).check("--conv_rank") if args.conv_rank is not None else None
+    except ValueError as problem:
+        parser.error(str(problem))
+    text = getattr(args, "text_encoder", "auto") == "auto"
+    return sd.lora.tools.ExtractSettings(rule, conv, text, clamp, getattr(args, "min_diff", 0.0),
+                                         SAVE_DTYPES[args.save_precision])
+
+
+def run_extract(args, settings) -> tuple[Path, list[dict]]:
+    lora, report = sd.lora.tools.extract(args.tuned, args.base, settings)
+    unet = sd.model_weights.WeightReader(args.tuned, "unet").model
+    header = sd.lora.tools.tool_header("extract", Path(args.out).stem, settings,
+                                       {"tuned": args.tuned, "base": args.base}, report,
+                                       sd.metadata.model_resolution(unet), sd.formats.recorded_prediction_type(args.tuned))
+    return sd.lora.formats.save_lora(args.out, lora, "kohya", metadata=header), report
+
+
+def run_resize(args, settings) -> tuple[Path, list[dict]]:
+    lora, header, preset = sd.lora.tools.read_lora_file(args.lora)
+    resized, report = sd.lora.tools.resize(lora, settings)
+    unet = sd.model.empty_model("unet", sd.model.FILE_CONFIGS["unet"][preset])
+    kept = {k: v for k, v in header.items() if k.startswith("ss_") and k not in sd.lora.formats.NETWORK_KEYS}
+    prediction = next((k for k, v in sd.metadata.PREDICTION_KEYS.items()
+                       if v == header.get("modelspec.prediction_type")), "epsilon")
+    new = sd.lora.tools.tool_header("resize", Path(args.out).stem, settings, {"lora": args.lora}, report,
+                                    sd.metadata.model_resolution(unet), prediction)
+    bundled = sd.lora.formats.read_bundled_embeddings(args.lora)
+    return sd.lora.formats.save_lora(args.out, resized, "kohya", metadata={**kept, **new},
+                                     embeddings=bundled or None), report
+
+
+def write_report(out: Path, report: list[dict]) -> Path:
+    """``OUT.report.csv``: one row per layer (part, module, rank, full rank, Frobenius share kept)."""
+    path = out.with_name(out.name.removesuffix(".safetensors") + ".report.csv")
+    text = io.StringIO()
+    writer = csv.DictWriter(text, fieldnames=["part", "module", "rank", "full_rank", "fro_kept"])
+    writer.writeheader()
+    writer.writerows({**row, "fro_kept": f"{row['fro_kept']:.6f}"} for row in report)
+    sd.files.write_text_atomic(path, text.getvalue())
+    return path
+
+
+def main(argv=None) -> int:
+    sd.runtime.start_process()
+    args, parser = parse_args(argv)
+    settings = settings_of(args, parser)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    try:
+        path, report = (run_extract if args.tool == "extract" else run_resize)(args, settings)
+        written = write_report(path, report)
+    except ERRORS as error:
+        print(f"SD_Tools.py {args.tool}: {sd.cli.first_line(error)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"SD_Tools.py {args.tool}: interrupted (Ctrl-C); nothing was written", file=sys.stderr)
+        return 128 + signal.SIGINT
+    kept = [row["fro_kept"] for row in report]
+    ranks = sorted({row["rank"] for row in report})
+    print(f"wrote {path}: {len(report)} layers, rank {ranks[0]}-{ranks[-1]}, Frobenius share kept {min(kept):.3f} "
+          f"(least) / {sum(kept) / len(kept):.3f} (mean); per layer in {written}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,165 @@
+"""SD_Tools.py extract and resize on tiny models: the extracted LoRA is the difference of the two models (exact
+at a rank that holds it, the best rank-r error below), read back key for key; a resized LoRA keeps its scale,
+its DoRA magnitude and the Frobenius share its report says; mismatched inputs are one line."""
+
+import csv
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+import SD_Tools
+import sd.formats
+import sd.lora.formats
+import sd.lora.tools
+import sd.model
+
+TEXT_LAYERS = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
+
+
+def low_rank_change(model, suffixes, rank: int, seed: int) -> dict[str, torch.Tensor]:
+    """Add a rank-``rank`` change to every layer of ``model`` whose name ends with one of ``suffixes``;
+    returns the changes by weight name."""
+    generator = torch.Generator().manual_seed(seed)
+    changes = {}
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, (torch.nn.Linear, torch.nn.Conv2d)) and name.endswith(suffixes):
+                weight = module.weight
+                up = torch.randn(weight.shape[0], rank, generator=generator) * 0.1
+                down = torch.randn(rank, weight[0].numel(), generator=generator) * 0.1
+                change = (up @ down).reshape(weight.shape)
+                weight.add_(change)
+                changes[f"{name}.weight"] = change
+    return changes
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """A base as a diffusers folder and a fine-tune of it as a single file: rank-2 changes in the UNet's
+    attention and the text encoder's attention and MLP, nothing elsewhere."""
+    folder = tmp_path_factory.mktemp("pair")
+    unet = sd.model.build_unet("tiny", seed=3, from_scratch=False)
+    vae, text_encoder = sd.model.load_vae("tiny"), sd.model.load_text_encoder("tiny")
+    sd.formats.export_diffusers(folder / "base", unet, vae, text_encoder, sd.model.load_tokenizer("tiny"))
+    base = {"unet": {k: v.clone() for k, v in unet.state_dict().items()},
+            "text_encoder": {k: v.clone() for k, v in text_encoder.state_dict().items()}}
+    changes = {"unet": low_rank_change(unet, ("to_q", "to_k", "to_v", "to_out.0"), 2, seed=1),
+               "text_encoder": low_rank_change(text_encoder, TEXT_LAYERS, 2, seed=2)}
+    sd.formats.save_single_file(folder / "tuned.safetensors", unet, vae, text_encoder)
+    return folder, base, changes
+
+
+def merged(lora_path: Path, base: dict) -> dict[str, dict[str, torch.Tensor]]:
+    """The base's UNet and text encoder with the LoRA file merged at strength 1, read as ``--lora`` reads it."""
+    unet = sd.model.build_unet("tiny", from_scratch=False)
+    text_encoder = sd.model.load_text_encoder("tiny")
+    unet.load_state_dict(base["unet"])
+    text_encoder.load_state_dict(base["text_encoder"])
+    lora = sd.lora.formats.read_lora(lora_path, unet, text_encoder)  # strict: a key of no layer is an error
+    sd.lora.formats.merge_lora({"unet": unet, "text_encoder": text_encoder}, lora)
+    return {"unet": unet.state_dict(), "text_encoder": text_encoder.state_dict()}
+
+
+def test_an_extracted_lora_is_the_difference_of_the_two_models(pair, tmp_path, capsys):
+    folder, base, changes = pair
+    out = tmp_path / "tuned_lora.safetensors"
+    assert SD_Tools.main(["extract", "--tuned", str(folder / "tuned.safetensors"), "--base", str(folder / "base"),
+                          "--out", str(out), "--rank", "4", "--clamp_quantile", "1", "--save_precision", "fp32"]) == 0
+    assert f"wrote {out}" in capsys.readouterr().out
+    result = merged(out, base)
+    for part in ("unet", "text_encoder"):
+        for name, value in result[part].items():
+            expected = base[part][name] + changes[part].get(name, 0)
+            torch.testing.assert_close(value, expected, rtol=0, atol=2e-5, msg=f"{part} {name}")
+    keys = set(load_file(out))
+    assert "lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q.lora_down.weight" in keys
+    assert "lora_te_text_model_encoder_layers_0_mlp_fc1.lora_up.weight" in keys  # kohya's text encoder names
+    with safe_open(str(out), framework="pt") as handle:
+        header = handle.metadata()
+    assert header["ss_network_module"] == "networks.lora" and header["modelspec.architecture"].endswith("/lora")
+    rows = list(csv.DictReader((tmp_path / "tuned_lora.report.csv").open()))
+    assert {row["part"] for row in rows} == {"unet", "text_encoder"}
+    assert all(float(row["fro_kept"]) == pytest.approx(1.0, abs=1e-5) for row in rows if float(row["fro_kept"]) > 0)
+
+
+def test_at_a_lower_rank_each_layer_keeps_its_best_approximation(pair, tmp_path):
+    folder, base, changes = pair
+    out = tmp_path / "r1.safetensors"
+    assert SD_Tools.main(["extract", "--tuned", str(folder / "tuned.safetensors"), "--base", str(folder / "base"),
+                          "--out", str(out), "--rank", "1", "--clamp_quantile", "1", "--save_precision", "fp32",
+                          "--text_encoder", "false"]) == 0
+    result = merged(out, base)
+    for name, change in changes["unet"].items():
+        s = torch.linalg.svdvals(change.flatten(1).double())
+        error = torch.linalg.matrix_norm((result["unet"][name] - base["unet"][name] - change).flatten(1).double())
+        assert float(error) == pytest.approx(float(s[1:].square().sum().sqrt()), rel=1e-3, abs=1e-6), name
+    assert not any(k.startswith("lora_te_") for k in load_file(out))
+
+
+def test_identical_text_encoders_are_left_out_and_other_architectures_refused(pair, tmp_path, capsys):
+    folder, _, _ = pair
+    unet = sd.model.build_unet("tiny", seed=9, from_scratch=False)
+    sd.formats.save_single_file(tmp_path / "same_text.safetensors", unet, sd.model.load_vae("tiny"),
+                                sd.model.load_text_encoder("tiny"))
+    out = tmp_path / "unet_only.safetensors"
+    assert SD_Tools.main(["extract", "--tuned", str(tmp_path / "same_text.safetensors"), "--base",
+                          str(folder / "base"), "--out", str(out)]) == 0
+    assert not any(k.startswith("lora_te_") for k in load_file(out))
+    demo = sd.model.build_unet("demo", seed=0, from_scratch=False)
+    sd.formats.save_single_file(tmp_path / "demo.safetensors", demo, sd.model.load_vae("tiny"),
+                                sd.model.load_text_encoder("tiny"))
+    capsys.readouterr()
+    assert SD_Tools.main(["extract", "--tuned", str(tmp_path / "demo.safetensors"), "--base", str(folder / "base"),
+                          "--out", str(tmp_path / "x.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert "their unets are of other architectures" in err and err.count("\n") == 1
+    assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_a_resized_lora_keeps_its_scale_and_reports_the_share_kept(pair, tmp_path):
+    folder, base, _ = pair
+    full = tmp_path / "full.safetensors"
+    assert SD_Tools.main(["extract", "--tuned", str(folder / "tuned.safetensors"), "--base", str(folder / "base"),
+                          "--out", str(full), "--rank", "4", "--clamp_quantile", "1", "--save_precision", "fp32"]) == 0
+    small = tmp_path / "small.safetensors"
+    assert SD_Tools.main(["resize", "--lora", str(full), "--out", str(small), "--rank", "2",
+                          "--save_precision", "fp32"]) == 0
+    before, after = merged(full, base), merged(small, base)  # the changes are rank 2: nothing is lost
+    for part in before:
+        for name in before[part]:
+            torch.testing.assert_close(after[part][name], before[part][name], rtol=0, atol=5e-5)
+    tensors = load_file(small)
+    assert {v.shape[0] for k, v in tensors.items() if k.endswith("lora_down.weight")} == {2}
+    one = tmp_path / "one.safetensors"
+    assert SD_Tools.main(["resize", "--lora", str(full), "--out", str(one), "--rank", "1",
+                          "--save_precision", "fp32"]) == 0
+    rows = list(csv.DictReader((tmp_path / "one.report.csv").open()))
+    changed = [row for row in rows if row["module"].endswith(("to_q", "to_k", "to_v", "to_out.0", *TEXT_LAYERS))]
+    assert len(changed) == 32 + 12 and all(row["rank"] == "1" for row in rows)  # 4 transformers x 8; 2 x 6
+    assert all(0.5 < float(row["fro_kept"]) < 1 for row in changed)  # rank 2 changes: the larger half or more kept
+    assert all(float(row["fro_kept"]) == 1.0 for row in rows if row not in changed)  # no change: nothing to lose
+    with safe_open(str(one), framework="pt") as handle:
+        assert '"tool": "resize"' in handle.metadata()["sd_tools"]
+
+
+def test_a_dora_file_is_resized_with_its_magnitude_and_a_loha_refused(tmp_path, capsys):
+    unet = sd.model.build_unet("tiny", seed=0, from_scratch=False)
+    generator = torch.Generator().manual_seed(0)
+    layers = {}
+    for name, module in unet.named_modules():
+        if name.endswith(("attn1.to_q", "attn1.to_v")):
+            w = module.weight
+            layers[name] = sd.lora.formats.LoraModule(torch.randn(4, w.shape[1], generator=generator),
+                                                      torch.randn(w.shape[0], 4, generator=generator), 2.0,
+                                                      torch.rand(1, w.shape[1], generator=generator) + 0.5)
+    sd.lora.formats.save_lora(tmp_path / "dora.safetensors", {"unet": layers})
+    assert SD_Tools.main(["resize", "--lora", str(tmp_path / "dora.safetensors"), "--out",
+                          str(tmp_path / "dora4.safetensors"), "--rank", "4", "--save_precision", "fp32"]) == 0
+    lora, _, _ = sd.lora.tools.read_lora_file(tmp_path / "dora4.safetensors")
+    for name, layer in lora["unet"].items():
+        assert torch.equal(layer.dora_scale, layers[name].dora_scale) and layer.scale == pytest.approx(0.5)
+        torch.testing.assert_close(layer.scale * layer.up @ layer.down, 0.5 * layers[name].up @ layers[name].down,
+                                   rtol=1e-4, atol=1e-4)
