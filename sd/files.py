@@ -79,6 +79,45 @@ def write_atomic(path: str | Path, write) -> None:
         raise
 
 
+SAFETENSORS_DTYPES = {"torch.float16": "F16", "torch.bfloat16": "BF16", "torch.float32": "F32", "torch.float64": "F64",
+                      "torch.int64": "I64", "torch.int32": "I32", "torch.uint8": "U8", "torch.bool": "BOOL"}
+
+
+def write_safetensors_streamed(path: str | Path, layout: dict, tensors, metadata: dict | None = None) -> None:
+    """A ``.safetensors`` file written one tensor at a time, atomically: ``layout`` is ``{name: (dtype, shape)}``
+    in file order, ``tensors`` yields ``(name, tensor)`` in that order, each of its layout (a tensor made only
+    when written: memory holds one). The format: an 8-byte little-endian header size, the JSON header (8-byte
+    aligned), the tensors' bytes."""
+    import torch
+
+    offsets, header, start = {}, {}, 0
+    for name, (dtype, shape) in layout.items():
+        size = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": SAFETENSORS_DTYPES[str(dtype)], "shape": list(shape),
+                        "data_offsets": [start, start + size]}
+        offsets[name], start = (dtype, tuple(shape), size), start + size
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+
+    def write(tmp):
+        with open(tmp, "wb") as handle:
+            handle.write(len(text).to_bytes(8, "little") + text)
+            count = -1
+            for count, (name, tensor) in enumerate(tensors):
+                dtype, shape, size = offsets[name] if name in offsets else (None, None, None)
+                if dtype is None or tensor.dtype != dtype or tuple(tensor.shape) != shape:
+                    raise ValueError(f"{path}: tensor {name} {tensor.dtype} {tuple(tensor.shape)} is not the "
+                                     f"{dtype} {shape} its layout says")
+                data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+                handle.write(data)
+            if count + 1 != len(layout):
+                raise ValueError(f"{path}: {count + 1} tensors written of the {len(layout)} its layout names")
+
+    write_atomic(path, write)
+
+
 def write_text_atomic(path: str | Path, text: str) -> None:
     write_atomic(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
 

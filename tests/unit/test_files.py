@@ -112,3 +112,24 @@ def test_a_lock_file_this_user_may_not_open_is_refused_in_one_line_naming_its_ow
     with pytest.raises(sd.files.FolderLocked, match=f"cannot be opened \\(Permission denied\\): {tmp_path} belongs "
                                                     f"to {owner}; use a folder of your own"):
         sd.files.FolderLock(tmp_path).acquire()
+
+
+def test_a_streamed_safetensors_file_reads_back_and_a_wrong_tensor_leaves_nothing(tmp_path):
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    tensors = {"a": torch.randn(3, 5).half(), "b": torch.arange(7), "c": torch.randn(2, 2, 2).bfloat16(),
+               "scalar": torch.tensor(1.5), "empty": torch.zeros(0, 3)}
+    layout = {k: (v.dtype, v.shape) for k, v in tensors.items()}
+    sd.files.write_safetensors_streamed(tmp_path / "x.safetensors", layout, iter(tensors.items()), {"k": 1})
+    back = load_file(tmp_path / "x.safetensors")
+    assert list(back) == list(tensors) and all(torch.equal(back[k], v) for k, v in tensors.items())
+    with safe_open(str(tmp_path / "x.safetensors"), framework="pt") as handle:
+        assert handle.metadata() == {"k": "1"}
+    wrong = {**tensors, "b": torch.arange(8)}
+    with pytest.raises(ValueError, match="tensor b torch.int64 \\(8,\\) is not the torch.int64 \\(7,\\)"):
+        sd.files.write_safetensors_streamed(tmp_path / "y.safetensors", layout, iter(wrong.items()))
+    with pytest.raises(ValueError, match="4 tensors written of the 5"):
+        sd.files.write_safetensors_streamed(tmp_path / "y.safetensors", layout, iter(list(tensors.items())[:4]))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.safetensors"]
