@@ -1,9 +1,11 @@
-"""The tools around a trained file: a LoRA extracted from two models, a LoRA resized to a lower rank.
+"""The tools around a trained file: a LoRA extracted from two models, a LoRA resized to a lower rank, models merged.
 
     python SD_Tools.py extract --tuned my_model.safetensors --base v1-5-pruned-emaonly.safetensors \\
         --out my_model_lora.safetensors [--rank 32] [--conv_rank 16] [--dynamic sv_fro --dynamic_param 0.9]
     python SD_Tools.py resize --lora big.safetensors --out small.safetensors --rank 8 [--dynamic sv_ratio \\
         --dynamic_param 8]
+    python SD_Tools.py merge --a A.safetensors --b B.safetensors [--c C.safetensors] --out merged.safetensors \\
+        [--alpha 0.5] [--block_alphas 25,VALUES] [--text_encoder merge|a|b] [--vae a|b|merge]
 
 ``extract``: the difference of ``--tuned`` and ``--base`` (single files, diffusers folders or hub ids, runs of
 ours: their EMA weights) as a LoRA, by truncated SVD per layer: the UNet's transformer layers, its 3x3
@@ -14,7 +16,9 @@ a lower rank, each layer's scale and DoRA magnitude kept. The rank is ``--rank``
 ``--dynamic_param``, as kohya's resize_lora.py names them) and at most ``--rank``. One layer is read at a time,
 the output written atomically in the kohya layout (ComfyUI, AUTOMATIC1111, sd-scripts, diffusers) with a
 header saying what was done, and a per-layer report of the rank and the share of the Frobenius norm kept
-beside it (``OUT.report.csv``). Exit 0 when written, 2 with one line when it cannot run.
+beside it (``OUT.report.csv``). ``merge``: a weighted sum of two models or A + alpha (B - C) of three, per UNet
+block with ``--block_alphas`` (``sd.checkpoint_merge``), into one single file written a tensor at a time.
+Exit 0 when written, 2 with one line when it cannot run.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
+import sd.checkpoint_merge
 import sd.cli
 import sd.files
 import sd.formats
@@ -77,10 +82,49 @@ def parse_args(argv=None):
     resize.add_argument("--lora", required=True, help="the LoRA, LoCon or DoRA file (kohya or diffusers layout)")
     resize.add_argument("--out", required=True, help="the LoRA file to write (.safetensors)")
     add_rank_flags(resize, 8)
+    merge = tools.add_parser("merge", help="two models (weighted sum) or three (add difference) into one file")
+    merge.add_argument("--a", required=True, help="model A: a single file, diffusers folder or hub id, or a run of ours")
+    merge.add_argument("--b", required=True, help="model B (the same kinds)")
+    merge.add_argument("--c", default=None, help="model C, for add_difference: A + alpha (B - C)")
+    merge.add_argument("--out", required=True, help="the single file to write (.safetensors, original layout)")
+    merge.add_argument("--method", choices=sd.checkpoint_merge.METHODS, default=None,
+                       help="weighted_sum: (1 - alpha) A + alpha B; add_difference: A + alpha (B - C) (default: "
+                       "add_difference with --c, else weighted_sum)")
+    merge.add_argument("--alpha", type=float, default=0.5, help="the ratio (default: %(default)s); with "
+                       "--block_alphas, that of the UNet's tensors outside the blocks and of a merged text encoder "
+                       "and VAE")
+    merge.add_argument("--block_alphas", default=None, help="25 comma-separated ratios for the UNet's blocks IN00-IN11, "
+                       "M00, OUT00-OUT11 (as the block-merge tools order them)")
+    merge.add_argument("--text_encoder", choices=sd.checkpoint_merge.SIDES, default="merge",
+                       help="merge the text encoders, or take A's or B's (default: %(default)s)")
+    merge.add_argument("--vae", choices=sd.checkpoint_merge.SIDES, default="a",
+                       help="take A's VAE, B's, or merge them (default: %(default)s)")
+    merge.add_argument("--save_precision", choices=tuple(SAVE_DTYPES), default="fp16",
+                       help="dtype of the written weights (default: %(default)s)")
     args = parser.parse_args(argv)
     if not args.out.endswith(".safetensors"):
         parser.error(f"--out {args.out}: a .safetensors file")
     return args, parser
+
+
+def merge_settings_of(args, parser) -> sd.checkpoint_merge.MergeSettings:
+    method = args.method or ("add_difference" if args.c else "weighted_sum")
+    blocks = None
+    if args.block_alphas:
+        try:
+            blocks = tuple(float(v) for v in args.block_alphas.split(","))
+        except ValueError:
+            parser.error(f"--block_alphas: comma-separated numbers, got {args.block_alphas!r}")
+    try:
+        return sd.checkpoint_merge.MergeSettings(method, args.alpha, blocks, args.text_encoder, args.vae,
+                                                 SAVE_DTYPES[args.save_precision]).check()
+    except ValueError as problem:
+        parser.error(f"--{problem}")
+
+
+def run_merge(args, settings) -> Path:
+    sources = {"a": args.a, "b": args.b, **({"c": args.c} if args.c else {})}
+    return sd.checkpoint_merge.merge(sources, args.out, settings)
 
 
 def settings_of(args, parser) -> sd.lora.tools.ExtractSettings:
@@ -137,8 +181,19 @@ def write_report(out: Path, report: list[dict]) -> Path:
 def main(argv=None) -> int:
     sd.runtime.start_process()
     args, parser = parse_args(argv)
-    settings = settings_of(args, parser)
+    settings = merge_settings_of(args, parser) if args.tool == "merge" else settings_of(args, parser)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    if args.tool == "merge":
+        try:
+            path = run_merge(args, settings)
+        except ERRORS as error:
+            print(f"SD_Tools.py merge: {sd.cli.first_line(error)}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            print("SD_Tools.py merge: interrupted (Ctrl-C); nothing was written", file=sys.stderr)
+            return 128 + signal.SIGINT
+        print(f"wrote {path}")
+        return 0
     try:
         path, report = (run_extract if args.tool == "extract" else run_resize)(args, settings)
         written = write_report(path, report)

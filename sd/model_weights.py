@@ -20,8 +20,9 @@ import sd.model
 import sd.original_layout
 import sd.run_folder
 
-PARTS = ("unet", "text_encoder")
+PARTS = ("unet", "vae", "text_encoder")
 WEIGHT_FILES = {"unet": ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.fp16.safetensors"),
+                "vae": ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.fp16.safetensors"),
                 "text_encoder": ("model.safetensors", "model.fp16.safetensors")}
 
 
@@ -33,7 +34,12 @@ class WeightReader:
             raise ValueError(f"part: one of {', '.join(PARTS)}, got {part!r}")
         self.source, self.part = str(source), part
         path = Path(source)
-        if path.is_file():
+        if self.source == "tiny" and part != "unet":  # the seeded preset: small, built here
+            model = (sd.model.load_vae if part == "vae" else sd.model.load_text_encoder)("tiny")
+            state = model.state_dict()
+            self.model, self._names, self.kind = model, {k: k for k in state}, "tiny (random, seed 0)"
+            self._read = lambda names: {n: state[n] for n in names}
+        elif path.is_file():
             self._from_file(path, use_ema)
         elif sd.formats.run_config(self.source) is not None:
             self._from_run(use_ema)
@@ -61,10 +67,10 @@ class WeightReader:
         if sd.formats.is_lora_checkpoint(folder):
             raise ValueError(f"{self.source}: a LoRA run of ours; its adapter is a LoRA already: write it with "
                              "SD_ImageGen.py --export_lora")
-        if self.part == "text_encoder":  # a run of ours trains the UNet: its text encoder is the one it names
-            inner = WeightReader(str(config["text_encoder"]), self.part)
+        if self.part != "unet":  # a run of ours trains the UNet: its text encoder and VAE are those it names
+            inner = WeightReader(str(config[self.part]), self.part)
             self.model, self._names, self._read = inner.model, inner._names, inner._read
-            self.kind = f"the text encoder of {self.source}: {inner.kind}"
+            self.kind = f"the {sd.original_layout.PART_NAMES[self.part]} of {self.source}: {inner.kind}"
             return
         weights = folder / ("ema.safetensors" if use_ema else "unet.safetensors")
         if not weights.is_file():
@@ -134,9 +140,13 @@ def _empty_from_config(part: str, config: dict):
     from diffusers import UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel
 
+    from diffusers import AutoencoderKL
+
     with torch.device("meta"):
         if part == "unet":
             return UNet2DConditionModel.from_config(config)
+        if part == "vae":
+            return AutoencoderKL.from_config(config)
         return CLIPTextModel(CLIPTextConfig(**{k: v for k, v in config.items() if not k.startswith("_")}))
 
 

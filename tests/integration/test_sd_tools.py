@@ -11,6 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import SD_Tools
+import sd.checkpoint_merge
 import sd.formats
 import sd.lora.formats
 import sd.lora.tools
@@ -163,3 +164,67 @@ def test_a_dora_file_is_resized_with_its_magnitude_and_a_loha_refused(tmp_path, 
         assert torch.equal(layer.dora_scale, layers[name].dora_scale) and layer.scale == pytest.approx(0.5)
         torch.testing.assert_close(layer.scale * layer.up @ layer.down, 0.5 * layers[name].up @ layers[name].down,
                                    rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def three(tmp_path_factory):
+    """Three tiny models of one architecture as single files, each with its own UNet, VAE and text encoder."""
+    folder = tmp_path_factory.mktemp("three")
+    models = {}
+    for side, seed in (("a", 20), ("b", 30), ("c", 40)):
+        parts = (sd.model.build_unet("tiny", seed=seed, from_scratch=False), sd.model.load_vae("tiny", seed=seed + 1),
+                 sd.model.load_text_encoder("tiny", seed=seed + 2))
+        sd.formats.save_single_file(folder / f"{side}.safetensors", *parts)
+        models[side] = load_file(folder / f"{side}.safetensors")
+    return folder, models
+
+
+def test_a_weighted_sum_per_block_takes_each_blocks_ratio(three, tmp_path):
+    folder, models = three
+    a, b = models["a"], models["b"]
+    out = tmp_path / "sum.safetensors"
+    assert SD_Tools.main(["merge", "--a", str(folder / "a.safetensors"), "--b", str(folder / "b.safetensors"),
+                          "--out", str(out), "--alpha", "0.3", "--save_precision", "fp32"]) == 0
+    merged = load_file(out)
+    assert merged.keys() == a.keys()
+    for name in a:
+        expected = a[name] if name.startswith("first_stage_model.") else torch.lerp(a[name], b[name], 0.3)
+        torch.testing.assert_close(merged[name], expected, rtol=0, atol=0, msg=name)  # the VAE: A's by default
+    blocks = ["0"] * 25
+    blocks[13] = "1"  # OUT00
+    out = tmp_path / "out00.safetensors"
+    assert SD_Tools.main(["merge", "--a", str(folder / "a.safetensors"), "--b", str(folder / "b.safetensors"),
+                          "--out", str(out), "--alpha", "0", "--block_alphas", ",".join(blocks), "--text_encoder", "b",
+                          "--save_precision", "fp32"]) == 0
+    merged = load_file(out)
+    for name in a:
+        from_b = name.startswith(("model.diffusion_model.output_blocks.0.", "cond_stage_model."))
+        assert torch.equal(merged[name], (b if from_b else a)[name]), name
+    assert sd.checkpoint_merge.block_of("model.diffusion_model.output_blocks.11.1.proj_in.weight") == "OUT11"
+    assert sd.checkpoint_merge.block_of("model.diffusion_model.middle_block.0.in_layers.0.weight") == "M00"
+    assert sd.checkpoint_merge.block_of("model.diffusion_model.time_embed.0.weight") is None
+    pipeline = sd.formats.load_pipeline(str(out))  # our own loader reads it as a whole model
+    assert sd.model.loaded_from(pipeline.vae).startswith("single file")
+
+
+def test_add_difference_puts_what_b_learned_from_c_on_a(three, tmp_path, capsys):
+    folder, models = three
+    out = tmp_path / "diff.safetensors"
+    assert SD_Tools.main(["merge", "--a", str(folder / "c.safetensors"), "--b", str(folder / "b.safetensors"),
+                          "--c", str(folder / "c.safetensors"), "--out", str(out), "--alpha", "1", "--vae", "b",
+                          "--save_precision", "fp32"]) == 0
+    merged = load_file(out)  # C + (B - C) = B, to float rounding
+    for name, value in models["b"].items():
+        torch.testing.assert_close(merged[name], value, rtol=0, atol=1e-6, msg=name)
+    with safe_open(str(out), framework="pt") as handle:
+        header = handle.metadata()
+    assert '"method": "add_difference"' in header["sd_tools"] and header["modelspec.architecture"] == \
+        "stable-diffusion-v1"
+    demo = sd.model.build_unet("demo", seed=0, from_scratch=False)
+    sd.formats.save_single_file(tmp_path / "demo.safetensors", demo, sd.model.load_vae("tiny"),
+                                sd.model.load_text_encoder("tiny"))
+    capsys.readouterr()
+    assert SD_Tools.main(["merge", "--a", str(folder / "a.safetensors"), "--b", str(tmp_path / "demo.safetensors"),
+                          "--out", str(tmp_path / "no.safetensors")]) == 2
+    assert "models of other layouts" in capsys.readouterr().err
+    assert not (tmp_path / "no.safetensors").exists()

@@ -23,7 +23,7 @@ FLOORS = [
     ["sd.model", "sd.flow"],  # model only tokenizer and embedding.tokens
     ["sd.data", "sd.lora", "sd.sampling", "sd.metadata"],  # data, lora and sampling on model
     ["sd.formats"],  # formats on lora.adapters, sampling and run_folder
-    ["sd.controlnet", "sd.evaluation", "sd.vae", "sd.model_weights", "sd.lora.tools"],  # on formats
+    ["sd.controlnet", "sd.evaluation", "sd.vae", "sd.model_weights", "sd.lora.tools", "sd.checkpoint_merge"],
     ["sd.imagegen"],
     ["sd.reflow"],
     ["sd.lora.mode", "sd.embedding.mode", "sd.controlnet.mode"],  # the training modes, each in its room
