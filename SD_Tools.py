@@ -35,6 +35,7 @@ from safetensors import SafetensorError
 
 import sd.checkpoint_merge
 import sd.cli
+import sd.embedding.formats
 import sd.files
 import sd.formats
 import sd.lora.formats
@@ -45,6 +46,7 @@ import sd.model_weights
 import sd.runtime
 from sd.lora.lowrank import RANK_METHODS, RankRule
 
+log = logging.getLogger("sd_tools")
 ERRORS = (KeyError, ValueError, OSError, SafetensorError, sd.model.LoadError)
 SAVE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -101,6 +103,14 @@ def parse_args(argv=None):
                        help="take A's VAE, B's, or merge them (default: %(default)s)")
     merge.add_argument("--save_precision", choices=tuple(SAVE_DTYPES), default="fp16",
                        help="dtype of the written weights (default: %(default)s)")
+    join = tools.add_parser("merge-lora", help="LoRAs joined into one LoRA (exactly: their ranks concatenated; "
+                            "--rank N refactors it), or merged into a model (--into)")
+    join.add_argument("--lora", action="append", required=True, metavar="FILE[:RATIO]",
+                      help="a LoRA file and its ratio (default 1); repeat for each")
+    join.add_argument("--out", required=True, help="the file to write (.safetensors): a LoRA, or with --into a model")
+    join.add_argument("--into", default=None, help="merge into this model (a single file, diffusers folder or hub "
+                      "id, run of ours) and write it as one single file; LoHa, LoKr and DoRA files too")
+    add_rank_flags(join, 0)
     args = parser.parse_args(argv)
     if not args.out.endswith(".safetensors"):
         parser.error(f"--out {args.out}: a .safetensors file")
@@ -122,6 +132,39 @@ def merge_settings_of(args, parser) -> sd.checkpoint_merge.MergeSettings:
         parser.error(f"--{problem}")
 
 
+def run_merge_lora(args, settings) -> tuple[Path, list[dict]]:
+    """Joined into one LoRA (exact: the ranks concatenated; with --rank, refactored to it), or merged into
+    --into's model."""
+    import sd.imagegen.lora  # SD_ImageGen.py's own reading of FILE:SCALE
+
+    specs = [sd.imagegen.lora.parse_lora_spec(spec) for spec in args.lora]
+    loras = [(sd.lora.tools.read_lora_file(path)[0], ratio) for path, ratio in specs]
+    files = [sd.lora.formats.lora_file(path) for path, _ in specs]
+    sources = {"loras": [f"{sd.metadata.public_name(str(path))}:{ratio:g}" for path, ratio in specs]}
+    if args.into:
+        sources["into"] = sd.metadata.public_name(args.into)
+        path = sd.checkpoint_merge.bake(args.into, loras, args.out, settings.dtype, sources)
+        tokens = sd.lora.tools.joined_tokens(files)
+        for token, vectors in tokens.items():  # a checkpoint has no place for a new token: its file goes beside
+            written = sd.embedding.formats.write_embedding(sd.embedding.formats.embedding_output(path.parent, token),
+                                                           token, vectors)
+            log.info("wrote the bundled token %s beside it: %s (load it as an embedding)", token, written)
+        return path, []
+    lora = sd.lora.tools.concatenate(loras)
+    report = []
+    if args.rank:
+        lora, report = sd.lora.tools.resize(lora, settings)
+    else:
+        lora = {part: {m: layer._replace(down=layer.down.to(settings.dtype), up=layer.up.to(settings.dtype))
+                       for m, layer in modules.items()} for part, modules in lora.items()}
+    _, _, preset = sd.lora.tools.read_lora_file(files[0])
+    unet = sd.model.empty_model("unet", sd.model.FILE_CONFIGS["unet"][preset])
+    header = sd.lora.tools.tool_header("merge-lora", Path(args.out).stem, settings, sources, report,
+                                       sd.metadata.model_resolution(unet))
+    tokens = sd.lora.tools.joined_tokens(files)
+    return sd.lora.formats.save_lora(args.out, lora, "kohya", metadata=header, embeddings=tokens or None), report
+
+
 def run_merge(args, settings) -> Path:
     sources = {"a": args.a, "b": args.b, **({"c": args.c} if args.c else {})}
     return sd.checkpoint_merge.merge(sources, args.out, settings)
@@ -135,7 +178,8 @@ def settings_of(args, parser) -> sd.lora.tools.ExtractSettings:
     if not 0 < clamp <= 1:
         parser.error(f"--clamp_quantile must be in (0, 1], got {clamp}")
     try:
-        rule = RankRule(args.rank, method, param).check("--rank")
+        joined = args.tool == "merge-lora" and args.rank == 0  # the ranks joined as they are: no rule
+        rule = RankRule(1 if joined else args.rank, method, param).check("--rank")
         conv = RankRule(args.conv_rank, method, param).check("--conv_rank") if args.conv_rank is not None else None
     except ValueError as problem:
         parser.error(str(problem))
@@ -181,6 +225,8 @@ def write_report(out: Path, report: list[dict]) -> Path:
 def main(argv=None) -> int:
     sd.runtime.start_process()
     args, parser = parse_args(argv)
+    if args.tool == "merge-lora" and not args.rank and (args.dynamic or args.conv_rank):
+        parser.error("--dynamic and --conv_rank refactor the joined LoRA to --rank: give --rank too")
     settings = merge_settings_of(args, parser) if args.tool == "merge" else settings_of(args, parser)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     if args.tool == "merge":
@@ -195,7 +241,11 @@ def main(argv=None) -> int:
         print(f"wrote {path}")
         return 0
     try:
-        path, report = (run_extract if args.tool == "extract" else run_resize)(args, settings)
+        run = {"extract": run_extract, "resize": run_resize, "merge-lora": run_merge_lora}[args.tool]
+        path, report = run(args, settings)
+        if not report:
+            print(f"wrote {path}")
+            return 0
         written = write_report(path, report)
     except ERRORS as error:
         print(f"SD_Tools.py {args.tool}: {sd.cli.first_line(error)}", file=sys.stderr)

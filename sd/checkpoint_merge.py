@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 import sd.files
 import sd.formats
+import sd.lora.formats
 import sd.metadata
 import sd.model
 import sd.model_weights
@@ -147,3 +148,38 @@ def merge_header(sources: dict[str, str], settings: MergeSettings, out) -> dict[
             **{side: sd.metadata.public_name(source) for side, source in sources.items()}}
     header.update({"prediction_type": prediction, "sd_tools": json.dumps(done)})
     return header
+
+
+def bake(source: str, loras: list[tuple[dict, float]], out: str | Path, dtype: torch.dtype = torch.float16,
+         title_sources: dict | None = None) -> Path:
+    """The model ``source`` with ``loras`` (``[(lora, ratio)]``, each ``{part: {module: layer}}``: LoRA, LoCon,
+    LoHa, LoKr, DoRA) merged in at their ratios, as one single file written a tensor at a time. A LoRA layer of
+    no layer of the model is a ValueError (a LoRA of another architecture)."""
+    view = OriginalView(source)
+    targets = {(reader.part, key.removesuffix(".weight")): name for name, (reader, key, _) in view.entries.items()
+               if key.endswith(".weight")}
+    for lora, _ in loras:
+        missing = [f"{part} {module}" for part, modules in lora.items() for module in modules
+                   if (part, module) not in targets]
+        if missing:
+            raise ValueError(f"{source}: has no layer {missing[0]} of a LoRA ({len(missing)} in all); a LoRA of "
+                             "another architecture")
+    changes = {targets[(part, module)]: [(layer, ratio) for lora, ratio in loras
+                                         for layer in [lora.get(part, {}).get(module)] if layer is not None]
+               for part, module in targets}
+
+    def tensors():
+        for name in tqdm(view.entries, desc="merge LoRAs into the model", unit="tensor"):
+            weight = view.read(name)
+            for layer, ratio in changes.get(name, ()):
+                weight = weight + ratio * sd.lora.formats.layer_change(layer, weight)
+            yield name, weight.to(dtype)
+
+    prediction = sd.formats.recorded_prediction_type(source)
+    unet = sd.model_weights.WeightReader(source, "unet").model
+    header = sd.metadata.modelspec("checkpoint", Path(out).stem, prediction, sd.metadata.model_resolution(unet),
+                                   time.time())
+    header.update(prediction_type=prediction, sd_tools=json.dumps({"tool": "merge-lora", **(title_sources or {})}))
+    layout = {name: (dtype, view.shape(name)) for name in view.entries}
+    sd.files.write_safetensors_streamed(out, layout, tensors(), header)
+    return Path(out)

@@ -692,10 +692,16 @@ def merge_lora(models: dict, lora: dict[str, dict[str, LoraModule]], scale: floa
         layers = lora_layers_of(models[part])
         for name, m in modules.items():
             weight = layers[name].weight
-            delta = m.scale * m.delta(weight.shape).to(weight.device)
-            if m.dora_scale is not None:
-                delta = sd.lora.dora.decompose(weight, delta, m.dora_scale.to(weight.device))
-            weight.copy_(weight.float() + scale * delta)
+            weight.copy_(weight.float() + scale * layer_change(m, weight))
+
+
+def layer_change(m, weight: torch.Tensor) -> torch.Tensor:
+    """What a LoRA, LoHa or LoKr layer ``m`` adds to ``weight`` at strength 1, in fp32: ``(alpha / r) up @
+    down``, or with DoRA's magnitude the decomposed weight's change (``sd.lora.dora.decompose``)."""
+    delta = m.scale * m.delta(weight.shape).to(weight.device)
+    if m.dora_scale is not None:
+        delta = sd.lora.dora.decompose(weight, delta, m.dora_scale.to(weight.device))
+    return delta
 
 
 def merge_adapters(pipe, loras: list[tuple[str, float]]) -> None:

@@ -147,3 +147,36 @@ def _rule_text(rule: RankRule | None) -> str | None:
     if rule is None:
         return None
     return str(rule.max_rank) if rule.method == "fixed" else f"{rule.method} {rule.param:g} (at most {rule.max_rank})"
+
+
+def concatenate(loras: list[tuple[dict, float]]) -> dict:
+    """One LoRA whose every layer adds what ``loras`` (``[(lora, ratio)]``) add together, exactly: the ranks
+    concatenated, each input's ratio and scale folded into its ``up``, alpha the total rank (scale 1). A LoHa,
+    LoKr or DoRA layer is a ValueError: its change is no sum of low-rank products (merge it into a model)."""
+    layers: dict[tuple[str, str], list] = {}
+    for lora, ratio in loras:
+        for part, modules in lora.items():
+            for module, layer in modules.items():
+                if not isinstance(layer, LoraModule) or layer.dora_scale is not None:
+                    kind = "DoRA" if isinstance(layer, LoraModule) else type(layer).__name__.removesuffix("Module")
+                    raise ValueError(f"{part} layer {module}: a {kind} layer is no low-rank product to join; merge "
+                                     "the files into a model instead (SD_Tools.py merge-lora --into MODEL)")
+                layers.setdefault((part, module), []).append((layer, ratio))
+    out: dict = {}
+    for (part, module), items in layers.items():
+        down = torch.cat([layer.down.float() for layer, _ in items])
+        up = torch.cat([layer.up.float() * (ratio * layer.scale) for layer, ratio in items], dim=1)
+        out.setdefault(part, {})[module] = LoraModule(down, up, float(down.shape[0]))
+    return out
+
+
+def joined_tokens(files: list[Path]) -> dict[str, torch.Tensor]:
+    """The learned tokens the LoRA ``files`` bundle, all of them; one token bundled with other vectors in two files
+    is a ValueError naming both."""
+    tokens, where = {}, {}
+    for file in files:
+        for token, vectors in sd.lora.formats.read_bundled_embeddings(file).items():
+            if token in tokens and not torch.equal(tokens[token], vectors):
+                raise ValueError(f"token {token}: {where[token]} and {file} bundle it with other vectors")
+            tokens[token], where[token] = vectors, file
+    return tokens

@@ -228,3 +228,55 @@ def test_add_difference_puts_what_b_learned_from_c_on_a(three, tmp_path, capsys)
                           "--out", str(tmp_path / "no.safetensors")]) == 2
     assert "models of other layouts" in capsys.readouterr().err
     assert not (tmp_path / "no.safetensors").exists()
+
+
+def test_loras_joined_add_what_each_adds_at_its_ratio_and_merge_into_a_model(pair, tmp_path):
+    folder, base, changes = pair
+    first, second = tmp_path / "first.safetensors", tmp_path / "second.safetensors"
+    for out, rank in ((first, "4"), (second, "1")):
+        assert SD_Tools.main(["extract", "--tuned", str(folder / "tuned.safetensors"), "--base", str(folder / "base"),
+                              "--out", str(out), "--rank", rank, "--clamp_quantile", "1", "--save_precision",
+                              "fp32"]) == 0
+    joined = tmp_path / "joined.safetensors"
+    assert SD_Tools.main(["merge-lora", "--lora", f"{first}:0.5", "--lora", f"{second}:-0.25", "--out", str(joined),
+                          "--save_precision", "fp32"]) == 0
+    result, one, two = merged(joined, base), merged(first, base), merged(second, base)
+    for part in result:
+        for name in result[part]:
+            expected = base[part][name] + 0.5 * (one[part][name] - base[part][name]) - 0.25 * (
+                two[part][name] - base[part][name])
+            torch.testing.assert_close(result[part][name], expected, rtol=0, atol=2e-5, msg=name)
+    ranks = {v.shape[0] for k, v in load_file(joined).items() if k.endswith("lora_down.weight")}
+    assert ranks == {5}  # 4 + 1, concatenated
+    # into the base model itself, as one single file: the LoRA's layers changed, the rest as they were
+    model = tmp_path / "model.safetensors"
+    assert SD_Tools.main(["merge-lora", "--lora", str(first), "--into", str(folder / "base"), "--out", str(model),
+                          "--save_precision", "fp32"]) == 0
+    pipeline = sd.formats.load_pipeline(str(model))
+    for name, value in pipeline.unet.state_dict().items():
+        torch.testing.assert_close(value, base["unet"][name] + changes["unet"].get(name, 0), rtol=0, atol=2e-5)
+    assert SD_Tools.main(["merge-lora", "--lora", str(first), "--into", str(tmp_path / "none"), "--out",
+                          str(tmp_path / "x.safetensors")]) == 2
+
+
+def test_a_dora_file_merges_into_a_model_as_the_samplers_merge_it_and_refuses_to_join(pair, tmp_path, capsys):
+    folder, base, _ = pair
+    unet = sd.model.build_unet("tiny", from_scratch=False)
+    unet.load_state_dict(base["unet"])
+    generator = torch.Generator().manual_seed(7)
+    layers = {name: sd.lora.formats.LoraModule(torch.randn(2, m.weight.shape[1], generator=generator) * 0.1,
+                                               torch.randn(m.weight.shape[0], 2, generator=generator) * 0.1, 2.0,
+                                               torch.rand(1, m.weight.shape[1], generator=generator) + 0.5)
+              for name, m in unet.named_modules() if name.endswith("attn2.to_k")}
+    sd.lora.formats.save_lora(tmp_path / "dora.safetensors", {"unet": layers})
+    assert SD_Tools.main(["merge-lora", "--lora", f"{tmp_path / 'dora.safetensors'}:0.8", "--into",
+                          str(folder / "base"), "--out", str(tmp_path / "m.safetensors"), "--save_precision",
+                          "fp32"]) == 0
+    sd.lora.formats.merge_lora({"unet": unet}, {"unet": layers}, 0.8)  # SD_ImageGen.py --lora FILE:0.8's merge
+    baked = sd.formats.load_pipeline(str(tmp_path / "m.safetensors")).unet.state_dict()
+    for name, value in unet.state_dict().items():
+        torch.testing.assert_close(baked[name], value, rtol=0, atol=1e-6, msg=name)
+    capsys.readouterr()
+    assert SD_Tools.main(["merge-lora", "--lora", str(tmp_path / "dora.safetensors"), "--lora",
+                          str(tmp_path / "dora.safetensors"), "--out", str(tmp_path / "j.safetensors")]) == 2
+    assert "a DoRA layer is no low-rank product to join" in capsys.readouterr().err
