@@ -105,8 +105,9 @@ def parse_args(argv=None):
                        help="dtype of the written weights (default: %(default)s)")
     join = tools.add_parser("merge-lora", help="LoRAs joined into one LoRA (exactly: their ranks concatenated; "
                             "--rank N refactors it), or merged into a model (--into)")
-    join.add_argument("--lora", action="append", required=True, metavar="FILE[:RATIO]",
-                      help="a LoRA file and its ratio (default 1); repeat for each")
+    join.add_argument("--lora", action="append", required=True, metavar="FILE[:RATIO[:BLOCKS]]",
+                      help="a LoRA file and its ratio (default 1), with --into also a block-weight vector as "
+                      "SD_ImageGen.py --lora takes it; repeat for each")
     join.add_argument("--out", required=True, help="the file to write (.safetensors): a LoRA, or with --into a model")
     join.add_argument("--into", default=None, help="merge into this model (a single file, diffusers folder or hub "
                       "id, run of ours) and write it as one single file; LoHa, LoKr and DoRA files too")
@@ -137,10 +138,12 @@ def run_merge_lora(args, settings) -> tuple[Path, list[dict]]:
     --into's model."""
     import sd.imagegen.lora  # SD_ImageGen.py's own reading of FILE:SCALE
 
-    specs = [sd.imagegen.lora.parse_lora_spec(spec) for spec in args.lora]
-    loras = [(sd.lora.tools.read_lora_file(path)[0], ratio) for path, ratio in specs]
-    files = [sd.lora.formats.lora_file(path) for path, _ in specs]
-    sources = {"loras": [f"{sd.metadata.public_name(str(path))}:{ratio:g}" for path, ratio in specs]}
+    specs = [sd.imagegen.lora.parse_lora_blocks(spec) for spec in args.lora]
+    if any(blocks for *_, blocks in specs) and not args.into:
+        raise ValueError("block weights (FILE:RATIO:BLOCKS) scale a LoRA merged into a model: give --into")
+    loras = [(sd.lora.tools.read_lora_file(path)[0], ratio, blocks) for path, ratio, blocks in specs]
+    files = [sd.lora.formats.lora_file(path) for path, *_ in specs]
+    sources = {"loras": [f"{sd.metadata.public_name(str(path))}:{ratio:g}" for path, ratio, _ in specs]}
     if args.into:
         sources["into"] = sd.metadata.public_name(args.into)
         path = sd.checkpoint_merge.bake(args.into, loras, args.out, settings.dtype, sources)
@@ -150,7 +153,7 @@ def run_merge_lora(args, settings) -> tuple[Path, list[dict]]:
                                                            token, vectors)
             log.info("wrote the bundled token %s beside it: %s (load it as an embedding)", token, written)
         return path, []
-    lora = sd.lora.tools.concatenate(loras)
+    lora = sd.lora.tools.concatenate([(lora, ratio) for lora, ratio, _ in loras])
     report = []
     if args.rank:
         lora, report = sd.lora.tools.resize(lora, settings)

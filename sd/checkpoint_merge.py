@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,18 +35,14 @@ import sd.original_layout
 log = logging.getLogger("sd_tools")
 
 METHODS = ("weighted_sum", "add_difference")
-BLOCKS = (*(f"IN{i:02d}" for i in range(12)), "M00", *(f"OUT{i:02d}" for i in range(12)))
 SIDES = ("merge", "a", "b")
-BLOCK_OF = ((re.compile(r"^model\.diffusion_model\.input_blocks\.(\d+)\."), "IN"),
-            (re.compile(r"^model\.diffusion_model\.middle_block\."), "M"),
-            (re.compile(r"^model\.diffusion_model\.output_blocks\.(\d+)\."), "OUT"))
 
 
 @dataclass(frozen=True)
 class MergeSettings:
     method: str = "weighted_sum"
     alpha: float = 0.5  # the base ratio: the UNet outside the blocks, and the text encoder and VAE when merged
-    block_alphas: tuple[float, ...] | None = None  # 25 values, BLOCKS' order
+    block_alphas: tuple[float, ...] | None = None  # 25 values, sd.original_layout.BLOCKS' order
     text_encoder: str = "merge"  # merge, a or b
     vae: str = "a"
     dtype: torch.dtype = torch.float16
@@ -55,22 +50,13 @@ class MergeSettings:
     def check(self) -> "MergeSettings":
         if self.method not in METHODS:
             raise ValueError(f"method: one of {', '.join(METHODS)}, got {self.method!r}")
-        if self.block_alphas is not None and len(self.block_alphas) != len(BLOCKS):
-            raise ValueError(f"block alphas: {len(BLOCKS)} values ({BLOCKS[0]}-{BLOCKS[11]}, M00, OUT00-OUT11), got "
-                             f"{len(self.block_alphas)}")
+        if self.block_alphas is not None and len(self.block_alphas) != len(sd.original_layout.BLOCKS):
+            raise ValueError(f"block alphas: {len(sd.original_layout.BLOCKS)} values (IN00-IN11, M00, OUT00-OUT11), "
+                             f"got {len(self.block_alphas)}")
         for name in ("text_encoder", "vae"):
             if getattr(self, name) not in SIDES:
                 raise ValueError(f"{name}: one of {', '.join(SIDES)}, got {getattr(self, name)!r}")
         return self
-
-
-def block_of(name: str) -> str | None:
-    """The SD 1.x UNet block of an original-layout key (``IN04``, ``M00``, ``OUT11``), None outside them."""
-    for pattern, kind in BLOCK_OF:
-        found = pattern.match(name)
-        if found:
-            return "M00" if kind == "M" else f"{kind}{int(found.group(1)):02d}"
-    return None
 
 
 class OriginalView:
@@ -121,7 +107,7 @@ def merge(sources: dict[str, str], out: str | Path, settings: MergeSettings) -> 
 
 def merged_tensors(views: dict, names: list[str], settings: MergeSettings):
     """``(name, tensor)`` of the merged model in ``names``' order, each made when asked for."""
-    alphas = dict(zip(BLOCKS, settings.block_alphas)) if settings.block_alphas else {}
+    alphas = dict(zip(sd.original_layout.BLOCKS, settings.block_alphas)) if settings.block_alphas else {}
     for name in tqdm(names, desc=f"merge ({settings.method})", unit="tensor"):
         part = "unet" if name.startswith(sd.original_layout.UNET_PREFIX) else \
             "vae" if name.startswith(sd.original_layout.VAE_PREFIX) else "text_encoder"
@@ -129,7 +115,7 @@ def merged_tensors(views: dict, names: list[str], settings: MergeSettings):
         if side in ("a", "b"):
             tensor = views[side].read(name)
         else:
-            alpha = alphas.get(block_of(name), settings.alpha) if part == "unet" else settings.alpha
+            alpha = alphas.get(sd.original_layout.block_of(name), settings.alpha) if part == "unet" else settings.alpha
             a, b = views["a"].read(name), views["b"].read(name)
             tensor = a + alpha * (b - views["c"].read(name)) if settings.method == "add_difference" else \
                 torch.lerp(a, b, alpha)
@@ -150,23 +136,28 @@ def merge_header(sources: dict[str, str], settings: MergeSettings, out) -> dict[
     return header
 
 
-def bake(source: str, loras: list[tuple[dict, float]], out: str | Path, dtype: torch.dtype = torch.float16,
+def bake(source: str, loras: list[tuple], out: str | Path, dtype: torch.dtype = torch.float16,
          title_sources: dict | None = None) -> Path:
-    """The model ``source`` with ``loras`` (``[(lora, ratio)]``, each ``{part: {module: layer}}``: LoRA, LoCon,
-    LoHa, LoKr, DoRA) merged in at their ratios, as one single file written a tensor at a time. A LoRA layer of
+    """The model ``source`` with ``loras`` (``[(lora, ratio[, block weights])]``, each ``{part: {module: layer}}``:
+    LoRA, LoCon, LoHa, LoKr, DoRA) merged in at their ratios (and block weights), as one single file written a tensor at a time. A LoRA layer of
     no layer of the model is a ValueError (a LoRA of another architecture)."""
     view = OriginalView(source)
     targets = {(reader.part, key.removesuffix(".weight")): name for name, (reader, key, _) in view.entries.items()
                if key.endswith(".weight")}
-    for lora, _ in loras:
+    for lora, *_ in loras:
         missing = [f"{part} {module}" for part, modules in lora.items() for module in modules
                    if (part, module) not in targets]
         if missing:
             raise ValueError(f"{source}: has no layer {missing[0]} of a LoRA ({len(missing)} in all); a LoRA of "
                              "another architecture")
-    changes = {targets[(part, module)]: [(layer, ratio) for lora, ratio in loras
-                                         for layer in [lora.get(part, {}).get(module)] if layer is not None]
-               for part, module in targets}
+    unet = sd.model_weights.WeightReader(source, "unet").model
+    changes = {}
+    for lora, ratio, *blocks in loras:
+        factors = sd.lora.formats.block_scales(lora, unet, blocks[0] if blocks else None)
+        for part, modules in lora.items():
+            for module, layer in modules.items():
+                changes.setdefault(targets[(part, module)], []).append(
+                    (layer, ratio * factors.get((part, module), 1.0)))
 
     def tensors():
         for name in tqdm(view.entries, desc="merge LoRAs into the model", unit="tensor"):
@@ -176,7 +167,6 @@ def bake(source: str, loras: list[tuple[dict, float]], out: str | Path, dtype: t
             yield name, weight.to(dtype)
 
     prediction = sd.formats.recorded_prediction_type(source)
-    unet = sd.model_weights.WeightReader(source, "unet").model
     header = sd.metadata.modelspec("checkpoint", Path(out).stem, prediction, sd.metadata.model_resolution(unet),
                                    time.time())
     header.update(prediction_type=prediction, sd_tools=json.dumps({"tool": "merge-lora", **(title_sources or {})}))

@@ -13,6 +13,7 @@ community's checkpoints write them, and the key maps between it and diffusers' /
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -335,3 +336,38 @@ def canonical_names(shapes: dict, use_ema: bool) -> tuple[dict[str, str], list[t
         else:
             notes.append(("unet", "its live weights, model.diffusion_model.*; its EMA left"))
     return names, notes
+
+
+# ---------------------------------------------------------------------------------------------
+# The SD 1.x UNet's 25 blocks, as the block-merge tools, kohya and AUTOMATIC1111's LoRA block weights name them
+# ---------------------------------------------------------------------------------------------
+
+BLOCKS = (*(f"IN{i:02d}" for i in range(12)), "M00", *(f"OUT{i:02d}" for i in range(12)))
+LBW_BLOCKS = ("BASE", *BLOCKS)  # a LoRA block-weight vector's 26 entries; BASE: the text encoder
+LBW17 = ("BASE", "IN01", "IN02", "IN04", "IN05", "IN07", "IN08", "M00", *(f"OUT{i:02d}" for i in range(3, 12)))
+_BLOCK_PATTERNS = ((re.compile(r"^model\.diffusion_model\.input_blocks\.(\d+)\."), "IN"),
+                   (re.compile(r"^model\.diffusion_model\.middle_block\."), "M"),
+                   (re.compile(r"^model\.diffusion_model\.output_blocks\.(\d+)\."), "OUT"))
+
+
+def block_of(name: str) -> str | None:
+    """The SD 1.x UNet block of an original-layout key (``IN04``, ``M00``, ``OUT11``), None outside them (the
+    time embedding, the output layer)."""
+    for pattern, kind in _BLOCK_PATTERNS:
+        found = pattern.match(name)
+        if found:
+            return "M00" if kind == "M" else f"{kind}{int(found.group(1)):02d}"
+    return None
+
+
+def block_weights(values) -> dict[str, float]:
+    """A LoRA block-weight vector as AUTOMATIC1111's LoRA Block Weight extension takes it: 26 values (``BASE``, the
+    text encoder, then ``BLOCKS``), or 17 (``LBW17``: the blocks that attend; the others then stay at 1)."""
+    values = [float(v) for v in values]
+    if len(values) == 17:
+        named = dict(zip(LBW17, values))
+        return {block: named.get(block, 1.0) for block in LBW_BLOCKS}
+    if len(values) == 26:
+        return dict(zip(LBW_BLOCKS, values))
+    raise ValueError(f"a block-weight vector has 17 or 26 values ({', '.join(LBW17)}; or BASE, IN00-IN11, M00, "
+                     f"OUT00-OUT11), got {len(values)}")

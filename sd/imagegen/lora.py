@@ -12,6 +12,7 @@ from pathlib import Path
 import sd.embedding.formats
 import sd.lora.formats
 import sd.metadata
+import sd.original_layout
 from sd.imagegen.headers import file_header, training_record
 from sd.sampling import Pipeline
 
@@ -20,7 +21,7 @@ log = logging.getLogger("sd_imagegen")
 
 @dataclass(frozen=True)
 class Settings:
-    merged: tuple[tuple[str, float], ...] = ()  # --lora: (file or folder, scale)
+    merged: tuple[tuple, ...] = ()  # --lora: (file or folder, scale, block weights or None)
     export: str | None = None
     format: str = sd.lora.formats.DEFAULT_LORA_FORMAT
 
@@ -34,9 +35,12 @@ def add_flags(parser) -> None:
                         help="layout of --export_lora: kohya (lora_unet_...: ComfyUI, AUTOMATIC1111, sd-scripts and "
                         "diffusers load it) or diffusers (PEFT keys: diffusers' load_lora_weights only; the other "
                         "tools skip them) (default: %(default)s)")
-    parser.add_argument("--lora", action="append", default=[], metavar="FILE_OR_DIR[:SCALE]",
+    parser.add_argument("--lora", action="append", default=[], metavar="FILE_OR_DIR[:SCALE[:BLOCKS]]",
                         help="merge this LoRA (a kohya .safetensors, or a diffusers file or folder) into the weights "
-                        "before sampling and the full exports, times SCALE (default 1); repeat for several")
+                        "before sampling and the full exports, times SCALE (default 1), each layer also times its "
+                        "block's weight in BLOCKS: 17 or 26 comma-separated values as AUTOMATIC1111's LoRA Block "
+                        "Weight extension takes them (BASE, the text encoder, then IN00-IN11, M00, OUT00-OUT11; 17: "
+                        "the blocks that attend); repeat for several")
 
 
 def parse_lora_spec(spec: str) -> tuple[str, float]:
@@ -55,6 +59,20 @@ def parse_lora_spec(spec: str) -> tuple[str, float]:
     return path, scale
 
 
+def parse_lora_blocks(spec: str) -> tuple[str, float, dict[str, float] | None]:
+    """``FILE_OR_DIR[:SCALE[:W1,W2,...]]`` -> (path, scale, block weights or None): the 17 or 26 values of
+    AUTOMATIC1111's LoRA Block Weight extension (``sd.original_layout.block_weights``) after the scale."""
+    head, sep, tail = spec.rpartition(":")
+    if sep and "," in tail and not Path(spec).exists():
+        try:
+            blocks = sd.original_layout.block_weights(tail.split(","))
+        except ValueError as problem:
+            raise ValueError(f"--lora {spec}: {problem}") from None
+        path, scale = parse_lora_spec(head)
+        return path, scale, blocks
+    return (*parse_lora_spec(spec), None)
+
+
 def settings(args, error, merging: bool) -> Settings:
     """``merging``: the weights are sampled or exported whole (what ``--lora`` merges into)."""
     if args.export_lora and args.lora_format == "diffusers" and args.export_lora.endswith(".safetensors"):
@@ -64,7 +82,7 @@ def settings(args, error, merging: bool) -> Settings:
         error("--lora merges into the weights that are sampled or exported whole (--export_diffusers, "
               "--export_single_file); --export_lora writes the --ckpt's own adapter alone")
     try:
-        merged = tuple(parse_lora_spec(spec) for spec in args.lora)
+        merged = tuple(parse_lora_blocks(spec) for spec in args.lora)
     except ValueError as problem:
         error(str(problem))
     return Settings(merged, args.export_lora, args.lora_format)

@@ -22,6 +22,7 @@ import sd.files
 import sd.lora.adapters
 import sd.lora.dora
 import sd.metadata
+import sd.original_layout
 from sd.cli import first_line
 
 log = logging.getLogger("sd_lora")
@@ -677,22 +678,47 @@ def _metadata_alpha(config: dict | None, module: str, rank: int) -> float:
     return alpha * math.sqrt(rank) if config.get("use_rslora") else float(alpha)  # rsLoRA scales by alpha/sqrt(r)
 
 
+def layer_blocks(unet) -> dict[str, str]:
+    """``{module: block}`` of ``unet``'s Linear and Conv2d layers in the original layout's 25 blocks
+    (``sd.original_layout.block_of``); the layers outside them are left out."""
+    mapping = sd.original_layout.unet_key_map(unet)
+    blocks = {}
+    for key, original in mapping.items():
+        block = sd.original_layout.block_of(original)
+        if key.endswith(".weight") and block is not None:
+            blocks[key.removesuffix(".weight")] = block
+    return blocks
+
+
+def block_scales(lora: dict, unet, weights: dict[str, float] | None) -> dict[tuple[str, str], float]:
+    """Each layer's factor of a block-weight vector (``sd.original_layout.block_weights``): the text encoder's
+    ``BASE``, a UNet layer its block's, 1 outside the blocks (AUTOMATIC1111's LoRA Block Weight extension)."""
+    if weights is None:
+        return {}
+    blocks = layer_blocks(unet)
+    return {(part, module): weights["BASE"] if part == "text_encoder" else weights.get(blocks.get(module), 1.0)
+            for part, modules in lora.items() for module in modules}
+
+
 @torch.no_grad()
-def merge_lora(models: dict, lora: dict[str, dict[str, LoraModule]], scale: float = 1.0) -> None:
+def merge_lora(models: dict, lora: dict[str, dict[str, LoraModule]], scale: float = 1.0,
+               blocks: dict[str, float] | None = None) -> None:
     """Add ``scale * m.scale * m.delta`` (a LoRA's ``(alpha / r) up @ down``) to each adapted layer's weight,
     in place; a DoRA layer's change is its decomposed weight's (``sd.lora.dora.decompose``) times ``scale``,
     as ComfyUI and AUTOMATIC1111 apply a strength.
 
     ``models``: ``{"unet": ..., "text_encoder": ...}``; the sum is taken in fp32 and rounded once to the
-    weight's dtype. A layer under a PEFT adapter gets it in its base weight.
+    weight's dtype. A layer under a PEFT adapter gets it in its base weight. ``blocks``: a block-weight vector
+    (``sd.original_layout.block_weights``) that scales each layer by its block's value too.
     """
+    factors = block_scales(lora, models.get("unet"), blocks)
     for part, modules in lora.items():
         if models.get(part) is None:
             raise ValueError(f"a LoRA of the {part} needs a {part} to merge into")
         layers = lora_layers_of(models[part])
         for name, m in modules.items():
             weight = layers[name].weight
-            weight.copy_(weight.float() + scale * layer_change(m, weight))
+            weight.copy_(weight.float() + scale * factors.get((part, name), 1.0) * layer_change(m, weight))
 
 
 def layer_change(m, weight: torch.Tensor) -> torch.Tensor:
@@ -704,22 +730,24 @@ def layer_change(m, weight: torch.Tensor) -> torch.Tensor:
     return delta
 
 
-def merge_adapters(pipe, loras: list[tuple[str, float]]) -> None:
+def merge_adapters(pipe, loras: list[tuple]) -> None:
     """Fold the checkpoint's own adapter (a LoRA run's, scale 1) into ``pipe``'s weights, then add each
-    ``(file, scale)`` LoRA: the plain models that sampling and the full exports use."""
+    ``(file, scale[, block weights])`` LoRA: the plain models that sampling and the full exports use."""
     for part in (pipe.unet, pipe.text_encoder):
         if sd.lora.adapters.has_lora(part):
             sd.lora.adapters.merge(part)
-    for path, scale in loras:
+    for path, scale, *blocks in loras:
+        blocks = blocks[0] if blocks else None
         tensors = sd.files.read_weights(lora_file(path))  # read once: the adapter's layers and any bundled token
         lora = read_lora(path, pipe.unet, pipe.text_encoder, tensors)
-        merge_lora({"unet": pipe.unet, "text_encoder": pipe.text_encoder}, lora, scale)
+        merge_lora({"unet": pipe.unet, "text_encoder": pipe.text_encoder}, lora, scale, blocks)
         layers = sum(len(modules) for modules in lora.values())
-        log.info("merged LoRA %s at scale %g (%d layers)", path, scale, layers)
+        log.info("merged LoRA %s at scale %g (%d layers)%s", path, scale, layers,
+                 f", block weights {','.join(f'{v:g}' for v in blocks.values())}" if blocks else "")
         for token, vectors in read_bundled_embeddings(path, tensors).items():  # a pivotal tuning's token, full strength
             try:
                 sd.embedding.tokens.add_token(pipe.tokenizer, pipe.text_encoder, token, vectors)
             except sd.embedding.tokens.EmbeddingError as error:
                 raise ValueError(f"{lora_file(path)}: its bundled embedding: {error}") from error
             log.info("added token %s (%d vector(s)) bundled in %s", token, vectors.shape[0], path)
-        pipe.source += f" + LoRA {path}:{scale:g}"
+        pipe.source += f" + LoRA {path}:{scale:g}" + (f":{','.join(f'{v:g}' for v in blocks.values())}" if blocks else "")

@@ -16,6 +16,7 @@ import sd.formats
 import sd.lora.formats
 import sd.lora.tools
 import sd.model
+import sd.original_layout
 
 TEXT_LAYERS = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
 
@@ -200,9 +201,9 @@ def test_a_weighted_sum_per_block_takes_each_blocks_ratio(three, tmp_path):
     for name in a:
         from_b = name.startswith(("model.diffusion_model.output_blocks.0.", "cond_stage_model."))
         assert torch.equal(merged[name], (b if from_b else a)[name]), name
-    assert sd.checkpoint_merge.block_of("model.diffusion_model.output_blocks.11.1.proj_in.weight") == "OUT11"
-    assert sd.checkpoint_merge.block_of("model.diffusion_model.middle_block.0.in_layers.0.weight") == "M00"
-    assert sd.checkpoint_merge.block_of("model.diffusion_model.time_embed.0.weight") is None
+    assert sd.original_layout.block_of("model.diffusion_model.output_blocks.11.1.proj_in.weight") == "OUT11"
+    assert sd.original_layout.block_of("model.diffusion_model.middle_block.0.in_layers.0.weight") == "M00"
+    assert sd.original_layout.block_of("model.diffusion_model.time_embed.0.weight") is None
     pipeline = sd.formats.load_pipeline(str(out))  # our own loader reads it as a whole model
     assert sd.model.loaded_from(pipeline.vae).startswith("single file")
 
@@ -280,3 +281,36 @@ def test_a_dora_file_merges_into_a_model_as_the_samplers_merge_it_and_refuses_to
     assert SD_Tools.main(["merge-lora", "--lora", str(tmp_path / "dora.safetensors"), "--lora",
                           str(tmp_path / "dora.safetensors"), "--out", str(tmp_path / "j.safetensors")]) == 2
     assert "a DoRA layer is no low-rank product to join" in capsys.readouterr().err
+
+
+def test_block_weights_scale_each_blocks_layers_in_a_merge_and_in_sampling(pair, tmp_path):
+    """AUTOMATIC1111's LoRA Block Weight vector: BASE (the text encoder) 0, the middle block 1, the output blocks
+    0.5, the input blocks 0; the same through SD_Tools.py merge-lora --into and SD_ImageGen.py --lora."""
+    import sd.imagegen.lora
+
+    folder, base, changes = pair
+    lora = tmp_path / "l.safetensors"
+    assert SD_Tools.main(["extract", "--tuned", str(folder / "tuned.safetensors"), "--base", str(folder / "base"),
+                          "--out", str(lora), "--rank", "4", "--clamp_quantile", "1", "--save_precision", "fp32"]) == 0
+    vector = ["0"] + ["0"] * 12 + ["1"] + ["0.5"] * 12
+    out = tmp_path / "m.safetensors"
+    assert SD_Tools.main(["merge-lora", "--lora", f"{lora}:1:{','.join(vector)}", "--into", str(folder / "base"),
+                          "--out", str(out), "--save_precision", "fp32"]) == 0
+    baked = sd.formats.load_pipeline(str(out))
+    factor = {"down_blocks": 0.0, "mid_block": 1.0, "up_blocks": 0.5}
+    for name, value in baked.unet.state_dict().items():
+        expected = base["unet"][name] + factor[name.split(".")[0]] * changes["unet"].get(name, 0) \
+            if name.split(".")[0] in factor else base["unet"][name]
+        torch.testing.assert_close(value, expected, rtol=0, atol=2e-5, msg=name)
+    for name, value in baked.text_encoder.state_dict().items():
+        assert torch.equal(value, base["text_encoder"][name]), name
+    path, scale, blocks = sd.imagegen.lora.parse_lora_blocks(f"{lora}:1:{','.join(vector)}")
+    pipeline = sd.formats.load_pipeline(str(folder / "base"))
+    sd.lora.formats.merge_adapters(pipeline, [(path, scale, blocks)])  # SD_ImageGen.py --lora FILE:1:BLOCKS
+    for name, value in pipeline.unet.state_dict().items():
+        torch.testing.assert_close(value, baked.unet.state_dict()[name], rtol=0, atol=1e-6, msg=name)
+    seventeen = sd.original_layout.block_weights(["0.1"] * 7 + ["0.2"] + ["0.3"] * 9)
+    assert seventeen["BASE"] == 0.1 and seventeen["IN01"] == 0.1 and seventeen["IN03"] == 1.0
+    assert seventeen["M00"] == 0.2 and seventeen["OUT02"] == 1.0 and seventeen["OUT03"] == 0.3
+    with pytest.raises(ValueError, match="17 or 26 values"):
+        sd.imagegen.lora.parse_lora_blocks(f"{lora}:1:1,0,1")
