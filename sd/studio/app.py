@@ -170,6 +170,15 @@ def export_page(gr, studio: Studio, polls: list) -> None:
     export_log = gr.Textbox(label="log", lines=6, elem_id="export-log")
     export.click(studio.do_export, [export_run, export_format], [export_command])
     polls.append((studio.export_status, [], [export_state, export_log]))
+    gr.Markdown("A LoRA from a fine-tuned model and its base, or a LoRA at a lower rank (`SD_Tools.py`, "
+                "docs/tools.md): written to exports/, the state and log above.")
+    with gr.Row():
+        tool = gr.Dropdown(["extract", "resize"], value="extract", label="tool", elem_id="tool-name")
+        first = gr.Textbox(label="extract: the tuned model; resize: the LoRA file", elem_id="tool-first")
+        second = gr.Textbox(label="extract: its base model", elem_id="tool-second")
+        rank = gr.Number(label="rank", value=32, precision=0, elem_id="tool-rank")
+    run_tool = gr.Button("Run the tool", elem_id="tool-go")
+    run_tool.click(studio.do_tool, [tool, first, second, rank], [export_command])
 
 
 def server_options() -> dict:

@@ -304,6 +304,27 @@ class Studio:
         found = sorted(p for p in out.glob("*.png") if p.name != "grid.png") if out and out.is_dir() else []
         return state, [str(p) for p in found[-12:]]
 
+    def do_tool(self, tool, first, second, rank) -> str:
+        """``SD_Tools.py``: a LoRA extracted from ``first`` (the tuned model) minus ``second`` (its base), or the
+        LoRA file ``first`` resized; at ``rank``, into ROOT/exports/."""
+        try:
+            rank = int(rank or 0)
+            if rank < 1:
+                raise ValueError(f"rank: a whole number >= 1, got {rank}")
+            if tool == "extract":
+                tuned, base = self.roots.source(first, presets=()), self.roots.source(second, presets=())
+                target = self.roots.check(Path("exports") / f"{Path(tuned).stem}_lora_r{rank}.safetensors")
+                args = ["extract", "--tuned", tuned, "--base", base, "--out", target, "--rank", rank]
+            elif tool == "resize":
+                lora = self.roots.check(first)
+                target = self.roots.check(Path("exports") / f"{lora.stem}_r{rank}.safetensors")
+                args = ["resize", "--lora", lora, "--out", target, "--rank", rank]
+            else:
+                raise ValueError(f"tool: extract or resize, got {tool!r}")
+        except (ValueError, TypeError) as error:
+            return refused(error)
+        return self.start("export", [python_command("SD_Tools.py", *args)])
+
     def do_export(self, run, kind) -> str:
         try:
             checkpoint = self.roots.source(run, presets=())

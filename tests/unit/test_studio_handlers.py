@@ -166,6 +166,25 @@ def test_the_sample_page_runs_the_readmes_command_with_checked_files(studio):
     assert words[:2] == ["--ckpt", str(work / "models" / "anime.safetensors")] and words[-2:] == ["--clip_skip", "2"]
 
 
+def test_the_export_pages_tools_run_sd_tools_on_checked_paths(studio):
+    work = studio.workdir
+    (work / "models").mkdir(exist_ok=True)
+    for name in ("tuned", "base"):
+        (work / "models" / f"{name}.safetensors").write_bytes(b"")
+    assert studio.do_tool("extract", "models/tuned.safetensors", "models/base.safetensors", 16) == "started export"
+    words = studio.started[-1][1][0][2:]
+    assert words == ["extract", "--tuned", str(work / "models" / "tuned.safetensors"), "--base",
+                     str(work / "models" / "base.safetensors"), "--out",
+                     str(work / "exports" / "tuned_lora_r16.safetensors"), "--rank", "16"]
+    assert studio.do_tool("resize", "loras/style.safetensors", "", 4) == "started export"
+    assert studio.started[-1][1][0][2:][-3:] == [str(work / "exports" / "style_r4.safetensors"), "--rank", "4"]
+    count = len(studio.started)
+    for said in (studio.do_tool("extract", "/etc/passwd", "models/base.safetensors", 8),
+                 studio.do_tool("resize", "../../x.safetensors", "", 8), studio.do_tool("resize", "l.safetensors", "", 0)):
+        assert said.startswith("# not started:"), said
+    assert len(studio.started) == count
+
+
 def test_the_export_page_checks_its_run(studio):
     for run in ("/elsewhere/run", "../../run"):
         assert OUTSIDE in studio.do_export(run, "LoRA (kohya layout)")
