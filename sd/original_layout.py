@@ -371,3 +371,17 @@ def block_weights(values) -> dict[str, float]:
         return dict(zip(LBW_BLOCKS, values))
     raise ValueError(f"a block-weight vector has 17 or 26 values ({', '.join(LBW17)}; or BASE, IN00-IN11, M00, "
                      f"OUT00-OUT11), got {len(values)}")
+
+
+def unet_blocks(config) -> "callable":
+    """A function from a UNet's parameter or module name (diffusers' names, a PEFT layer's within them too) to its
+    block (``block_of``), None outside the blocks: by the longest diffusers block prefix that starts the name."""
+    prefixes = sorted(((source, target) for source, target, _ in unet_prefixes(config)), key=lambda p: -len(p[0]))
+
+    def block(name: str) -> str | None:
+        for source, target in prefixes:
+            if name == source or name.startswith(source + "."):
+                return block_of(f"{UNET_PREFIX}{target}.")
+        return None
+
+    return block

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import contextlib
 import logging
+import math
 
 import torch
 from sd.settings import setting, refused, OnResume, FREE, Range, POSITIVE, NON_NEGATIVE, FRACTION, BELOW_ONE, SCHEDULE
@@ -60,6 +61,11 @@ class OptimConfig:
                                   resume=refused(SCHEDULE))
     up_lr_scale: float = setting("the UNet's up blocks at lr x this (the rest of the UNet: conv_in, the time embedding "
                                  "and the output layers train at lr)", 1.0, allowed=POSITIVE, resume=refused(SCHEDULE))
+    block_lr_weights: list = setting("the learning rate of each of the UNet's 25 blocks as a multiple of lr, in the "
+                                     "order IN00-IN11, M00, OUT00-OUT11 (kohya's down_lr_weight, mid_lr_weight and "
+                                     "up_lr_weight as one list; 0: the block's weights, or the LoRA adapters in them, "
+                                     "stay as they start), each block in a parameter group of its own; empty: lr "
+                                     "everywhere", default_factory=list, resume=refused(SCHEDULE))
     min_lr_ratio: float = setting("cosine decay ends at lr * min_lr_ratio", 0.01, allowed=FRACTION,
                                   resume=refused(SCHEDULE))
     weight_decay: float = setting("AdamW weight decay", 1e-2, allowed=NON_NEGATIVE, resume=refused("the optimizer"))
@@ -84,6 +90,8 @@ class OptimConfig:
                               "text encoder's LoRA adapter: set lora.text_encoder: true (and lora.rank), or leave "
                               "them at 0 / -1")
         scaled = [f"optim.{name}" for name in BLOCK_LR_SCALES if getattr(self, name) != 1]
+        self.check_block_weights(scaled)
+        scaled += ["optim.block_lr_weights"] if self.block_lr_weights else []
         if scaled and not mode.unet_blocks_train:
             raise ConfigError(f"{', '.join(scaled)} scale the learning rate of the UNet's blocks, which a {mode.what} "
                               f"run leaves frozen: set {' and '.join(scaled)} to 1")
@@ -104,6 +112,18 @@ class OptimConfig:
             if needs:
                 raise ConfigError(f"optim.bf16_weights: runs with {', '.join(needs)}; set those, or "
                                   "optim.bf16_weights: false")
+
+    def check_block_weights(self, scaled: list) -> None:
+        weights = self.block_lr_weights
+        if not weights:
+            return
+        if len(weights) != 25 or not all(isinstance(w, (int, float)) and not isinstance(w, bool) and 0 <= w < math.inf
+                                           for w in weights):
+            raise ConfigError(f"optim.block_lr_weights: 25 numbers >= 0 (IN00-IN11, M00, OUT00-OUT11), got "
+                              f"{len(weights)} values {weights[:4]}...")
+        if scaled:
+            raise ConfigError(f"optim.block_lr_weights and {', '.join(scaled)} both set the UNet blocks' learning "
+                              "rates: give the blocks' weights alone")
 
     def check_prodigy(self, config, own_schedule: bool, scaled: list, mode) -> None:
         low, high = PRODIGY_LR

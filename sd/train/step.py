@@ -23,6 +23,7 @@ import sd.distributed
 import sd.embedding.tokens
 import sd.faults
 import sd.model
+import sd.original_layout
 import sd.posthoc_ema
 import sd.runtime
 import sd.train.ema
@@ -108,8 +109,12 @@ BLOCK_SCALES = {"unet_down": "down_lr_scale", "unet_mid": "mid_lr_scale", "unet_
 
 
 def block_scales(config) -> dict[str, float]:
-    """The learning-rate multipliers of the UNet's down, middle and up blocks (by group name), or none when
-    each is 1: the blocks then train in the UNet's one group."""
+    """The learning-rate multipliers of the UNet's blocks by group name: the 25 of ``optim.block_lr_weights``
+    (``unet_IN00`` ... ``unet_OUT11``), else the down, middle and up blocks', or none when each is 1: the blocks
+    then train in the UNet's one group."""
+    if config.optim.block_lr_weights:
+        return {f"unet_{block}": float(weight)
+                for block, weight in zip(sd.original_layout.BLOCKS, config.optim.block_lr_weights)}
     scales = {name: getattr(config.optim, field) for name, field in BLOCK_SCALES.items()}
     return scales if any(scale != 1 for scale in scales.values()) else {}
 
@@ -185,10 +190,11 @@ def param_groups(config, unet, text_encoder) -> list[dict]:
     adapter; a learned token, in pivotal tuning, in a group of its own after it), each named (``GROUPS``)
     and starting at its peak learning rate; a group with nothing to train is left out."""
     peaks = group_schedules(config)
-    members = {name: [] for name in GROUPS}
+    members = {name: [] for name in GROUPS[:1] + tuple(block_scales(config)) + GROUPS[1:]}
+    block_of = sd.original_layout.unet_blocks(unet.config) if config.optim.block_lr_weights else None
     for name, p in unet.named_parameters():
         if p.requires_grad:
-            block = UNET_BLOCKS.get(name.split(".", 1)[0], "unet")
+            block = f"unet_{block_of(name)}" if block_of else UNET_BLOCKS.get(name.split(".", 1)[0], "unet")
             members[block if block in peaks else "unet"].append(p)
     token = {id(layer.vectors) for layer in sd.embedding.tokens.added_embeddings(text_encoder)} \
         if "embedding" in peaks else set()

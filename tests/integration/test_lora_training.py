@@ -20,6 +20,7 @@ import sd.lora.adapters
 import sd.lora.dora
 import sd.lora.formats
 import sd.model
+import sd.original_layout
 import sd.run_folder
 import sd.sampling
 import sd.train.checkpoint as ckpt
@@ -789,3 +790,32 @@ def test_a_lokr_run_of_the_earlier_layout_resumes_with_the_scales_it_trained_wit
     unet = sd.formats.load_pipeline(str(tmp_path / "a")).unet
     layers = sd.lora.adapters.lokr_layers(unet)
     assert layers and all("default" in layer.lokr_w2 and layer.scaling["default"] == 3.0 / 4 for _, layer in layers)
+
+
+@pytest.mark.slow  # a training run: the full suite's
+def test_block_lr_weights_give_each_unet_block_its_group_and_a_zero_block_stays_as_it_started(tmp_path, base_model,
+                                                                                             data):
+    """optim.block_lr_weights (kohya's down/mid/up_lr_weight in one list of 25): the input blocks at 0, the middle
+    block at 1, the output blocks at 2; each block with adapters is a group at lr x its weight."""
+    weights = [0.0] * 12 + [1.0] + [2.0] * 12
+    config = write_config(tmp_path / "a.yaml", datasets=[data], init_from=str(base_model), max_steps=3, ema_decay=0.0,
+                          out_dir=str(tmp_path / "run"), warmup_steps=0, optim={"block_lr_weights": weights})
+    loaded = sd.train.config_loading.load_config(["--config", str(config)])
+    start = adapter_tensors(SD_Train.build(loaded, Dist.single()))
+    assert SD_Train.main(["--config", str(config)]) == 0
+    resumed = SD_Train.build(sd.train.config_loading.load_config(["--config", str(config)]), Dist.single())
+    groups = {g["name"]: g for g in resumed.step.optimizer.param_groups}
+    block_of = sd.original_layout.unet_blocks(resumed.step.unet.config)
+    assert set(groups) == {f"unet_{block_of(n)}" for n, p in resumed.step.unet.named_parameters() if p.requires_grad}
+    assert set(groups) == {"unet_IN01", "unet_M00", "unet_OUT02", "unet_OUT03"}  # the tiny UNet's attending blocks
+    peaks = sd.train.step.group_schedules(resumed.config)
+    assert peaks["unet_IN01"][0] == 0.0 and peaks["unet_M00"][0] == 1e-2 and peaks["unet_OUT03"][0] == 2e-2
+    end = adapter_tensors(resumed)
+    moved = {k: (end[k] - start[k]).abs().max().item() for k in start}
+    assert max(v for k, v in moved.items() if k.startswith("unet.down_blocks.")) == 0.0
+    assert min(max(v for k, v in moved.items() if k.startswith(f"unet.{part}")) for part in ("mid_block",
+                                                                                            "up_blocks")) > 1e-4
+    with pytest.raises(sd.train.config.ConfigError, match="both set the UNet blocks' learning rates"):
+        sd.train.config_loading.load_config(["--config", str(config), "--optim.up_lr_scale", "2"])
+    with pytest.raises(sd.train.config.ConfigError, match="25 numbers >= 0"):
+        sd.train.config_loading.load_config(["--config", str(config), "--optim.block_lr_weights", "[1, 2]"])
