@@ -636,7 +636,8 @@ def lora_run_settings(source: str) -> dict | None:
     return {"rank": rank, "alpha": sd.lora.adapters.effective_alpha(rank, alpha), "targets": list(targets),
             "conv_rank": conv_rank, "conv_alpha": conv_alpha, "init_from": str(config["init_from"]),
             "text_encoder": bool(config.get("lora_text_encoder", False)), "kind": kind, "factor": factor,
-            "dora": bool(config.get("dora", False))}
+            "dora": bool(config.get("dora", False)), "block_dims": list(config.get("lora_block_dims") or []),
+            "block_alphas": list(config.get("lora_block_alphas") or [])}
 
 
 def load_lora_run(folder: Path, unet, text_encoder=None, *, use_ema: bool = True, check_base: bool = True) -> str:
@@ -754,10 +755,14 @@ def _naming(path: Path):
 
 def add_run_lora(model, targets, settings: dict):
     """``model`` with an adapter of ``settings``' rank and alpha on the layers ``targets`` selects."""
-    sd.lora.adapters.add_lora(model, sd.lora.adapters.resolve_targets(model, targets), settings["rank"], settings["alpha"],
+    modules, ranks = sd.lora.adapters.resolve_targets(model, targets), {}
+    if settings.get("block_dims") and hasattr(model.config, "block_out_channels"):  # the UNet's blocks
+        modules, ranks = sd.lora.adapters.block_layout(model, modules, settings["alpha"], settings["block_dims"],
+                                                       settings.get("block_alphas"))
+    sd.lora.adapters.add_lora(model, modules, settings["rank"], settings["alpha"],
                               conv_rank=settings.get("conv_rank", 0), conv_alpha=settings.get("conv_alpha", 0.0),
                               kind=settings.get("kind", "lora"), factor=settings.get("factor", -1),
-                              dora=settings.get("dora", False))
+                              dora=settings.get("dora", False), module_ranks=ranks)
     model.lora_settings["targets"] = list(targets)
     model.eval()
     return model

@@ -258,6 +258,7 @@ LEGACY_KEYS = {
     "lora_targets": ("lora", "targets"), "lora_conv_rank": ("lora", "conv_rank"),
     "lora_conv_alpha": ("lora", "conv_alpha"), "lora_text_encoder": ("lora", "text_encoder"),
     "lora_type": ("lora", "type"), "lora_factor": ("lora", "factor"), "dora": ("lora", "dora"),
+    "lora_block_dims": ("lora", "block_dims"), "lora_block_alphas": ("lora", "block_alphas"),
     "embedding_token": ("embedding", "token"), "embedding_init": ("embedding", "init"),
     "embedding_vectors": ("embedding", "vectors"), "embedding_lr": ("embedding", "lr"),
     "embedding_train_fraction": ("embedding", "train_fraction"),

@@ -41,6 +41,7 @@ import sd.cli
 import sd.embedding.tokens
 import sd.lora.dora
 import sd.model
+import sd.original_layout
 from sd.lora.dora import ADAPTER  # PEFT's adapter name inside the modules
 
 ATTENTION = ("to_q", "to_k", "to_v", "to_out.0")
@@ -86,7 +87,7 @@ def is_spatial_conv(module) -> bool:
 
 def add_lora(model, modules: list[str], rank: int, alpha: float, dropout: float = 0.0, seed: int = 0,
              conv_rank: int = 0, conv_alpha: float = 0.0, kind: str = "lora", factor: int = -1, dora: bool = False,
-             layout: int = LOKR_LAYOUT):
+             layout: int = LOKR_LAYOUT, module_ranks: dict | None = None):
     """Inject a LoRA adapter into ``modules`` of ``model`` and freeze everything else.
 
     ``conv_rank`` / ``conv_alpha`` (0: ``rank`` / ``alpha``): the rank and alpha of the modules that are
@@ -95,7 +96,8 @@ def add_lora(model, modules: list[str], rank: int, alpha: float, dropout: float 
     instead, through PEFT's LoHa / LoKr layers made as LyCORIS makes them (the module docstring; one factor
     starts at zero likewise; lokr's sides split by ``lycoris_factorization(side, factor)``, -1: near the
     square root); ``layout`` 1 builds a LoKr as PEFT does (a run trained before ``LOKR_LAYOUT``).
-    ``dora``: each layer also trains a magnitude per input channel (``sd.lora.dora``). Returns ``model``.
+    ``dora``: each layer also trains a magnitude per input channel (``sd.lora.dora``). ``module_ranks``:
+    ``{module: (rank, alpha)}`` of modules at their own rank (``block_layout``). Returns ``model``.
     """
     import re
 
@@ -108,6 +110,9 @@ def add_lora(model, modules: list[str], rank: int, alpha: float, dropout: float 
     # PEFT matches a pattern as the end of a module's name after a dot: the escaped full name is that module alone
     patterns = dict(rank_pattern={re.escape(name): conv_rank for name in convs} if conv_rank != rank else {},
                     alpha_pattern={re.escape(name): conv_alpha for name in convs} if conv_alpha != alpha else {})
+    for name, (own_rank, own_alpha) in (module_ranks or {}).items():  # per block (block_layout)
+        patterns["rank_pattern"][re.escape(name)] = own_rank
+        patterns["alpha_pattern"][re.escape(name)] = own_alpha
     if kind == "loha":
         config = LoHaConfig(r=rank, alpha=alpha, target_modules=list(modules), init_weights=True, **patterns)
     elif kind == "lokr":
@@ -309,12 +314,37 @@ class LoraSettings:
     lora_type: str = "lora"
     lora_factor: int = -1
     dora: bool = False
+    lora_block_dims: tuple = ()
+    lora_block_alphas: tuple = ()
     seed: int = 0
     precision: str = "bf16"
 
     @classmethod
     def from_config(cls, config) -> "LoraSettings":
         return sd.cli.view_of(cls, config)
+
+
+def block_layout(unet, modules: list[str], alpha: float, block_dims, block_alphas
+                 ) -> tuple[list[str], dict[str, tuple[int, float]]]:
+    """``(modules, {module: (rank, alpha)})`` with kohya's per-block ranks (``block_dims``: 25 values, IN00-IN11,
+    M00, OUT00-OUT11; ``block_alphas`` likewise, or empty: ``alpha``): a block at 0 loses its modules, the others
+    take its rank; the convolutions larger than 1x1 and the modules outside the blocks keep the run's own."""
+    if not block_dims:
+        return list(modules), {}
+    dims = dict(zip(sd.original_layout.BLOCKS, block_dims))
+    alphas = dict(zip(sd.original_layout.BLOCKS, block_alphas or [alpha] * len(block_dims)))
+    block_of = sd.original_layout.unet_blocks(unet.config)
+    kept, ranks = [], {}
+    for name in modules:
+        block = block_of(name)
+        if block is None or is_spatial_conv(unet.get_submodule(name)):
+            kept.append(name)
+        elif dims[block] > 0:
+            kept.append(name)
+            ranks[name] = (int(dims[block]), effective_alpha(int(dims[block]), float(alphas[block])))
+    if not kept:
+        raise LoraError("lora.block_dims: every block of the targets is 0: no layer keeps an adapter")
+    return kept, ranks
 
 
 def apply_settings(settings: LoraSettings, unet, text_encoder, layout: int = LOKR_LAYOUT) -> None:
@@ -331,8 +361,10 @@ def apply_settings(settings: LoraSettings, unet, text_encoder, layout: int = LOK
     alpha = effective_alpha(rank, settings.lora_alpha)
     conv_rank, conv_alpha = conv_settings(rank, settings.lora_alpha, settings.lora_conv_rank, settings.lora_conv_alpha)
     kind = dict(kind=settings.lora_type, factor=settings.lora_factor, dora=settings.dora, layout=layout)
-    add_lora(unet, resolve_targets(unet, list(settings.lora_targets)), rank, alpha, settings.lora_dropout,
-             seed=settings.seed, conv_rank=conv_rank, conv_alpha=conv_alpha, **kind)
+    modules, ranks = block_layout(unet, resolve_targets(unet, list(settings.lora_targets)), alpha,
+                                  settings.lora_block_dims, settings.lora_block_alphas)
+    add_lora(unet, modules, rank, alpha, settings.lora_dropout, seed=settings.seed, conv_rank=conv_rank,
+             conv_alpha=conv_alpha, module_ranks=ranks, **kind)
     if settings.lora_text_encoder:
         add_lora(text_encoder, resolve_targets(text_encoder, TEXT_TARGETS), rank, alpha, settings.lora_dropout,
                  seed=settings.seed + 1, **kind)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import logging
+import math
 from pathlib import Path
 
 import sd.formats
@@ -40,6 +41,12 @@ class LoraConfig:
     conv_alpha: float = setting("LoRA alpha of those convolutions (kohya's conv_alpha); 0 = lora_alpha (and when "
                                 "that is 0 too, the convolutions' rank: scale 1)", 0.0, allowed=NON_NEGATIVE,
                                 resume=refused("the adapters"))
+    block_dims: list = setting("the rank of each of the UNet's 25 blocks (IN00-IN11, M00, OUT00-OUT11; kohya's "
+                               "block_dims): a target layer in a block takes its block's rank, 0 leaves the block "
+                               "without adapters; the convolutions larger than 1x1 keep conv_rank; empty: rank "
+                               "everywhere", default_factory=list, resume=refused("the adapters"))
+    block_alphas: list = setting("the alpha of each of the 25 blocks with block_dims (kohya's block_alphas); empty: "
+                                 "alpha everywhere", default_factory=list, resume=refused("the adapters"))
     text_encoder: bool = setting("also train a LoRA adapter on the text encoder's attention projections", False,
                                  resume=refused("the adapters"))
     type: str = setting("the adapter: lora (up @ down), loha (LyCORIS' Hadamard product of two low-rank products) "
@@ -85,6 +92,7 @@ class Lora(sd.training_mode.Mode):
         if config.lora.type != "lora" and config.lora.dropout:
             raise ConfigError(f"lora.dropout drops a LoRA's input; a {config.lora.type} adapter has none: set "
                               "lora.dropout: 0")
+        cls.check_blocks(config.lora)
         if config.lora.rank:
             if config.sharding != "none":
                 raise ConfigError(f"sharding: {config.sharding} splits a full fine-tune's state; a LoRA adapter is a "
@@ -99,6 +107,21 @@ class Lora(sd.training_mode.Mode):
         if config.lora.conv_rank or config.lora.conv_alpha:
             raise ConfigError("lora.conv_rank / lora.conv_alpha set the convolutions' adapters of a LoRA run: set "
                               "lora.rank > 0 too")
+
+    @staticmethod
+    def check_blocks(lora) -> None:
+        def numbers(values, kind):
+            return len(values) == 25 and all(isinstance(v, kind) and not isinstance(v, bool) and 0 <= v < math.inf
+                                             for v in values)
+
+        if lora.block_dims and not numbers(lora.block_dims, int):
+            raise ConfigError(f"lora.block_dims: 25 whole numbers >= 0 (IN00-IN11, M00, OUT00-OUT11), got "
+                              f"{len(lora.block_dims)} values")
+        if lora.block_alphas and not (lora.block_dims and numbers(lora.block_alphas, (int, float))):
+            raise ConfigError("lora.block_alphas: 25 numbers >= 0, with lora.block_dims (the blocks' ranks)")
+        if lora.block_dims and not lora.rank:
+            raise ConfigError("lora.block_dims sets the ranks of a LoRA run's blocks: set lora.rank > 0 too (the "
+                              "rank of the layers outside the blocks)")
 
     def check_models(self, unet, text_encoder) -> None:
         try:

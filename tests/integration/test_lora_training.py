@@ -819,3 +819,31 @@ def test_block_lr_weights_give_each_unet_block_its_group_and_a_zero_block_stays_
         sd.train.config_loading.load_config(["--config", str(config), "--optim.up_lr_scale", "2"])
     with pytest.raises(sd.train.config.ConfigError, match="25 numbers >= 0"):
         sd.train.config_loading.load_config(["--config", str(config), "--optim.block_lr_weights", "[1, 2]"])
+
+
+@pytest.mark.slow  # a training run: the full suite's
+def test_block_dims_give_each_block_its_rank_and_leave_a_zero_block_out(tmp_path, base_model, data):
+    """lora.block_dims (kohya's): the input blocks 0 (no adapters there), the middle block rank 8 at alpha 4, the
+    output blocks rank 2; the run's samples and its exported file rebuild the same layers."""
+    import SD_ImageGen
+
+    dims, alphas = [0] * 12 + [8] + [2] * 12, [1.0] * 12 + [4.0] + [2.0] * 12
+    config = write_config(tmp_path / "a.yaml", datasets=[data], init_from=str(base_model), max_steps=2, ema_decay=0.0,
+                          out_dir=str(tmp_path / "run"), lora_block_dims=dims, lora_block_alphas=alphas)
+    assert SD_Train.main(["--config", str(config)]) == 0
+    ranks = {}
+    for name, tensor in load_file(tmp_path / "run" / "checkpoints" / sd.run_folder.step_dir_name(2)
+                                  / "adapter.safetensors").items():
+        if name.endswith("lora_A.default.weight"):
+            ranks.setdefault(name.split(".")[1], set()).add(tensor.shape[0])
+    assert ranks == {"mid_block": {8}, "up_blocks": {2}}  # no down_blocks layer has an adapter
+    pipeline = sd.formats.load_pipeline(str(tmp_path / "run"))  # the run's adapters rebuilt from its config
+    layers = dict(sd.lora.adapters.lora_layers(pipeline.unet))
+    assert {layer.r["default"] for name, layer in layers.items() if name.startswith("mid_block")} == {8}
+    assert {layer.lora_alpha["default"] for name, layer in layers.items() if name.startswith("mid_block")} == {4.0}
+    out = tmp_path / "blocks.safetensors"
+    assert SD_ImageGen.main(["--ckpt", str(tmp_path / "run"), "--export_lora", str(out)]) == 0
+    exported = sd.lora.formats.read_lora(out, sd.model.build_unet("tiny", from_scratch=False))
+    assert {m.rank for name, m in exported["unet"].items() if name.startswith("up_blocks")} == {2}
+    with pytest.raises(sd.train.config.ConfigError, match="lora.block_dims: 25 whole numbers"):
+        sd.train.config_loading.load_config(["--config", str(config), "--lora.block_dims", "[1, 2]"])
