@@ -54,6 +54,23 @@ def pair(tmp_path_factory):
     return folder, base, changes
 
 
+@pytest.fixture(scope="module")
+def full_lora(pair, tmp_path_factory) -> Path:
+    """The pair's difference extracted at rank 4 (the changes' rank is 2: exact), fp32, unclamped."""
+    folder, _, _ = pair
+    out = tmp_path_factory.mktemp("lora") / "full.safetensors"
+    assert SD_Tools.main(["extract", "--tuned", str(folder / "tuned.safetensors"), "--base", str(folder / "base"),
+                          "--out", str(out), "--rank", "4", "--clamp_quantile", "1", "--save_precision", "fp32"]) == 0
+    return out
+
+
+def demo_file(path: Path) -> Path:
+    """A single file of another architecture than the tiny models' (the demo UNet)."""
+    demo = sd.model.build_unet("demo", seed=0, from_scratch=False)
+    sd.formats.save_single_file(path, demo, sd.model.load_vae("tiny"), sd.model.load_text_encoder("tiny"))
+    return path
+
+
 def merged(lora_path: Path, base: dict) -> dict[str, dict[str, torch.Tensor]]:
     """The base's UNet and text encoder with the LoRA file merged at strength 1, read as ``--lora`` reads it."""
     unet = sd.model.build_unet("tiny", from_scratch=False)
@@ -110,9 +127,7 @@ def test_identical_text_encoders_are_left_out_and_other_architectures_refused(pa
     assert SD_Tools.main(["extract", "--tuned", str(tmp_path / "same_text.safetensors"), "--base",
                           str(folder / "base"), "--out", str(out)]) == 0
     assert not any(k.startswith("lora_te_") for k in load_file(out))
-    demo = sd.model.build_unet("demo", seed=0, from_scratch=False)
-    sd.formats.save_single_file(tmp_path / "demo.safetensors", demo, sd.model.load_vae("tiny"),
-                                sd.model.load_text_encoder("tiny"))
+    demo_file(tmp_path / "demo.safetensors")
     capsys.readouterr()
     assert SD_Tools.main(["extract", "--tuned", str(tmp_path / "demo.safetensors"), "--base", str(folder / "base"),
                           "--out", str(tmp_path / "x.safetensors")]) == 2
@@ -121,11 +136,9 @@ def test_identical_text_encoders_are_left_out_and_other_architectures_refused(pa
     assert not (tmp_path / "x.safetensors").exists()
 
 
-def test_a_resized_lora_keeps_its_scale_and_reports_the_share_kept(pair, tmp_path):
-    folder, base, _ = pair
-    full = tmp_path / "full.safetensors"
-    assert SD_Tools.main(["extract", "--tuned", str(folder / "tuned.safetensors"), "--base", str(folder / "base"),
-                          "--out", str(full), "--rank", "4", "--clamp_quantile", "1", "--save_precision", "fp32"]) == 0
+def test_a_resized_lora_keeps_its_scale_and_reports_the_share_kept(pair, full_lora, tmp_path):
+    _, base, _ = pair
+    full = full_lora
     small = tmp_path / "small.safetensors"
     assert SD_Tools.main(["resize", "--lora", str(full), "--out", str(small), "--rank", "2",
                           "--save_precision", "fp32"]) == 0
@@ -221,9 +234,7 @@ def test_add_difference_puts_what_b_learned_from_c_on_a(three, tmp_path, capsys)
         header = handle.metadata()
     assert '"method": "add_difference"' in header["sd_tools"] and header["modelspec.architecture"] == \
         "stable-diffusion-v1"
-    demo = sd.model.build_unet("demo", seed=0, from_scratch=False)
-    sd.formats.save_single_file(tmp_path / "demo.safetensors", demo, sd.model.load_vae("tiny"),
-                                sd.model.load_text_encoder("tiny"))
+    demo_file(tmp_path / "demo.safetensors")
     capsys.readouterr()
     assert SD_Tools.main(["merge", "--a", str(folder / "a.safetensors"), "--b", str(tmp_path / "demo.safetensors"),
                           "--out", str(tmp_path / "no.safetensors")]) == 2
@@ -231,13 +242,11 @@ def test_add_difference_puts_what_b_learned_from_c_on_a(three, tmp_path, capsys)
     assert not (tmp_path / "no.safetensors").exists()
 
 
-def test_loras_joined_add_what_each_adds_at_its_ratio_and_merge_into_a_model(pair, tmp_path):
+def test_loras_joined_add_what_each_adds_at_its_ratio_and_merge_into_a_model(pair, full_lora, tmp_path):
     folder, base, changes = pair
-    first, second = tmp_path / "first.safetensors", tmp_path / "second.safetensors"
-    for out, rank in ((first, "4"), (second, "1")):
-        assert SD_Tools.main(["extract", "--tuned", str(folder / "tuned.safetensors"), "--base", str(folder / "base"),
-                              "--out", str(out), "--rank", rank, "--clamp_quantile", "1", "--save_precision",
-                              "fp32"]) == 0
+    first, second = full_lora, tmp_path / "second.safetensors"
+    assert SD_Tools.main(["resize", "--lora", str(first), "--out", str(second), "--rank", "1", "--save_precision",
+                          "fp32"]) == 0
     joined = tmp_path / "joined.safetensors"
     assert SD_Tools.main(["merge-lora", "--lora", f"{first}:0.5", "--lora", f"{second}:-0.25", "--out", str(joined),
                           "--save_precision", "fp32"]) == 0
@@ -283,15 +292,13 @@ def test_a_dora_file_merges_into_a_model_as_the_samplers_merge_it_and_refuses_to
     assert "a DoRA layer is no low-rank product to join" in capsys.readouterr().err
 
 
-def test_block_weights_scale_each_blocks_layers_in_a_merge_and_in_sampling(pair, tmp_path):
+def test_block_weights_scale_each_blocks_layers_in_a_merge_and_in_sampling(pair, full_lora, tmp_path):
     """AUTOMATIC1111's LoRA Block Weight vector: BASE (the text encoder) 0, the middle block 1, the output blocks
     0.5, the input blocks 0; the same through SD_Tools.py merge-lora --into and SD_ImageGen.py --lora."""
     import sd.imagegen.lora
 
     folder, base, changes = pair
-    lora = tmp_path / "l.safetensors"
-    assert SD_Tools.main(["extract", "--tuned", str(folder / "tuned.safetensors"), "--base", str(folder / "base"),
-                          "--out", str(lora), "--rank", "4", "--clamp_quantile", "1", "--save_precision", "fp32"]) == 0
+    lora = full_lora
     vector = ["0"] + ["0"] * 12 + ["1"] + ["0.5"] * 12
     out = tmp_path / "m.safetensors"
     assert SD_Tools.main(["merge-lora", "--lora", f"{lora}:1:{','.join(vector)}", "--into", str(folder / "base"),
