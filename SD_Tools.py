@@ -88,7 +88,8 @@ def parse_args(argv=None):
     merge.add_argument("--a", required=True, help="model A: a single file, diffusers folder or hub id, or a run of ours")
     merge.add_argument("--b", required=True, help="model B (the same kinds)")
     merge.add_argument("--c", default=None, help="model C, for add_difference: A + alpha (B - C)")
-    merge.add_argument("--out", required=True, help="the single file to write (.safetensors, original layout)")
+    merge.add_argument("--out", required=True, help="the single file to write (.safetensors, original layout), or a "
+                       "diffusers pipeline folder (any other name)")
     merge.add_argument("--method", choices=sd.checkpoint_merge.METHODS, default=None,
                        help="weighted_sum: (1 - alpha) A + alpha B; add_difference: A + alpha (B - C) (default: "
                        "add_difference with --c, else weighted_sum)")
@@ -108,14 +109,33 @@ def parse_args(argv=None):
     join.add_argument("--lora", action="append", required=True, metavar="FILE[:RATIO[:BLOCKS]]",
                       help="a LoRA file and its ratio (default 1), with --into also a block-weight vector as "
                       "SD_ImageGen.py --lora takes it; repeat for each")
-    join.add_argument("--out", required=True, help="the file to write (.safetensors): a LoRA, or with --into a model")
+    join.add_argument("--out", required=True, help="the file to write (.safetensors): a LoRA, or with --into a model "
+                      "(a single file, or a diffusers pipeline folder: any other name)")
     join.add_argument("--into", default=None, help="merge into this model (a single file, diffusers folder or hub "
                       "id, run of ours) and write it as one single file; LoHa, LoKr and DoRA files too")
     add_rank_flags(join, 0)
     args = parser.parse_args(argv)
-    if not args.out.endswith(".safetensors"):
+    model_out = args.tool == "merge" or (args.tool == "merge-lora" and args.into)
+    if not args.out.endswith(".safetensors") and not model_out:
         parser.error(f"--out {args.out}: a .safetensors file")
     return args, parser
+
+
+def written_as(out: str, write) -> Path:
+    """``write(single_file)`` into ``out``: a ``.safetensors`` single file, or else a diffusers pipeline folder
+    converted from it (the single file then removed; the folder written atomically)."""
+    if out.endswith(".safetensors"):
+        return write(out)
+    folder = Path(out)
+    single = folder.with_name(f".{folder.name}.single.safetensors")
+    try:
+        write(str(single))
+        pipeline = sd.formats.load_pipeline(str(single))
+        sd.formats.export_diffusers(folder, pipeline.unet, pipeline.vae, pipeline.text_encoder, pipeline.tokenizer,
+                                    pipeline.prediction_type)
+    finally:
+        single.unlink(missing_ok=True)
+    return folder
 
 
 def merge_settings_of(args, parser) -> sd.checkpoint_merge.MergeSettings:
@@ -146,10 +166,12 @@ def run_merge_lora(args, settings) -> tuple[Path, list[dict]]:
     sources = {"loras": [f"{sd.metadata.public_name(str(path))}:{ratio:g}" for path, ratio, _ in specs]}
     if args.into:
         sources["into"] = sd.metadata.public_name(args.into)
-        path = sd.checkpoint_merge.bake(args.into, loras, args.out, settings.dtype, sources)
+        path = written_as(args.out, lambda out: sd.checkpoint_merge.bake(args.into, loras, out, settings.dtype,
+                                                                         sources))
         tokens = sd.lora.tools.joined_tokens(files)
+        beside = path.parent if path.suffix == ".safetensors" else path
         for token, vectors in tokens.items():  # a checkpoint has no place for a new token: its file goes beside
-            written = sd.embedding.formats.write_embedding(sd.embedding.formats.embedding_output(path.parent, token),
+            written = sd.embedding.formats.write_embedding(sd.embedding.formats.embedding_output(beside, token),
                                                            token, vectors)
             log.info("wrote the bundled token %s beside it: %s (load it as an embedding)", token, written)
         return path, []
@@ -170,7 +192,7 @@ def run_merge_lora(args, settings) -> tuple[Path, list[dict]]:
 
 def run_merge(args, settings) -> Path:
     sources = {"a": args.a, "b": args.b, **({"c": args.c} if args.c else {})}
-    return sd.checkpoint_merge.merge(sources, args.out, settings)
+    return written_as(args.out, lambda out: sd.checkpoint_merge.merge(sources, out, settings))
 
 
 def settings_of(args, parser) -> sd.lora.tools.ExtractSettings:

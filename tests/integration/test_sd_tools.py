@@ -267,6 +267,12 @@ def test_loras_joined_add_what_each_adds_at_its_ratio_and_merge_into_a_model(pai
         torch.testing.assert_close(value, base["unet"][name] + changes["unet"].get(name, 0), rtol=0, atol=2e-5)
     assert SD_Tools.main(["merge-lora", "--lora", str(first), "--into", str(tmp_path / "none"), "--out",
                           str(tmp_path / "x.safetensors")]) == 2
+    # into a diffusers folder: the same weights
+    assert SD_Tools.main(["merge-lora", "--lora", str(first), "--into", str(folder / "base"), "--out",
+                          str(tmp_path / "folder"), "--save_precision", "fp32"]) == 0
+    assert (tmp_path / "folder" / "model_index.json").is_file() and not list(tmp_path.glob(".folder*"))
+    from_folder = sd.formats.load_pipeline(str(tmp_path / "folder")).unet.state_dict()
+    assert all(torch.equal(value, from_folder[name]) for name, value in pipeline.unet.state_dict().items())
 
 
 def test_a_dora_file_merges_into_a_model_as_the_samplers_merge_it_and_refuses_to_join(pair, tmp_path, capsys):
