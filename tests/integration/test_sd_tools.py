@@ -275,7 +275,7 @@ def test_loras_joined_add_what_each_adds_at_its_ratio_and_merge_into_a_model(pai
     assert all(torch.equal(value, from_folder[name]) for name, value in pipeline.unet.state_dict().items())
 
 
-def test_a_dora_file_merges_into_a_model_as_the_samplers_merge_it_and_refuses_to_join(pair, tmp_path, capsys):
+def test_dora_and_loha_files_merge_into_a_model_as_the_samplers_merge_them_and_refuse_to_join(pair, tmp_path, capsys):
     folder, base, _ = pair
     unet = sd.model.build_unet("tiny", from_scratch=False)
     unet.load_state_dict(base["unet"])
@@ -290,6 +290,20 @@ def test_a_dora_file_merges_into_a_model_as_the_samplers_merge_it_and_refuses_to
                           "fp32"]) == 0
     sd.lora.formats.merge_lora({"unet": unet}, {"unet": layers}, 0.8)  # SD_ImageGen.py --lora FILE:0.8's merge
     baked = sd.formats.load_pipeline(str(tmp_path / "m.safetensors")).unet.state_dict()
+    for name, value in unet.state_dict().items():
+        torch.testing.assert_close(baked[name], value, rtol=0, atol=1e-6, msg=name)
+    hada = {name: sd.lora.formats.HadamardModule(
+        {"hada_w1_a": torch.randn(m.weight.shape[0], 2, generator=generator) * 0.1,
+         "hada_w1_b": torch.randn(2, m.weight.shape[1], generator=generator) * 0.1,
+         "hada_w2_a": torch.randn(m.weight.shape[0], 2, generator=generator) * 0.1,
+         "hada_w2_b": torch.randn(2, m.weight.shape[1], generator=generator) * 0.1}, 1.0)
+        for name, m in unet.named_modules() if name.endswith("attn1.to_v")}
+    sd.lora.formats.save_lora(tmp_path / "loha.safetensors", {"unet": hada})  # a LoHa: merged into a model too
+    assert SD_Tools.main(["merge-lora", "--lora", f"{tmp_path / 'loha.safetensors'}:0.8", "--into",
+                          str(tmp_path / "m.safetensors"), "--out", str(tmp_path / "m2.safetensors"),
+                          "--save_precision", "fp32"]) == 0
+    sd.lora.formats.merge_lora({"unet": unet}, {"unet": hada}, 0.8)
+    baked = sd.formats.load_pipeline(str(tmp_path / "m2.safetensors")).unet.state_dict()
     for name, value in unet.state_dict().items():
         torch.testing.assert_close(baked[name], value, rtol=0, atol=1e-6, msg=name)
     capsys.readouterr()
