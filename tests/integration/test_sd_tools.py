@@ -18,6 +18,8 @@ import sd.lora.tools
 import sd.model
 import sd.original_layout
 
+from lora_readers import comfyui_loaded_keys, sd_scripts_loaded_keys
+
 TEXT_LAYERS = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
 
 
@@ -94,6 +96,9 @@ def test_an_extracted_lora_is_the_difference_of_the_two_models(pair, tmp_path, c
             expected = base[part][name] + changes[part].get(name, 0)
             torch.testing.assert_close(value, expected, rtol=0, atol=2e-5, msg=f"{part} {name}")
     keys = set(load_file(out))
+    unet, text_encoder = sd.model.build_unet("tiny", from_scratch=False), sd.model.load_text_encoder("tiny")
+    assert comfyui_loaded_keys(keys, unet, text_encoder) == keys  # ComfyUI and sd-scripts apply every key
+    assert sd_scripts_loaded_keys(keys, unet, text_encoder) == keys
     assert "lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q.lora_down.weight" in keys
     assert "lora_te_text_model_encoder_layers_0_mlp_fc1.lora_up.weight" in keys  # kohya's text encoder names
     with safe_open(str(out), framework="pt") as handle:
