@@ -86,3 +86,15 @@ def test_the_clamp_quantile_bounds_the_factors_entries():
     free_up, free_down, _ = factor(delta, RankRule(8))
     assert float(entries.max()) < float(torch.cat([free_up.flatten(), free_down.flatten()]).abs().max())
     assert float((entries >= entries.max() - 1e-6).float().mean()) >= 0.05  # the clamped ones sit at the limit
+
+
+def test_the_clamp_is_kohyas_signed_quantile_of_both_factors():
+    """kohya's extract_lora_from_models.py: U @ diag(S) and Vh truncated, then both clamped to +-(the quantile of
+    their signed entries, together); written out here as it computes it."""
+    delta = torch.randn(48, 40, generator=torch.Generator().manual_seed(6))
+    up, down, _ = factor(delta, RankRule(8), clamp_quantile=0.99)
+    u, s, vh = torch.linalg.svd(delta, full_matrices=False)
+    u, vh = u[:, :8] @ torch.diag(s[:8]), vh[:8]
+    high = torch.quantile(torch.cat([u.flatten(), vh.flatten()]), 0.99)
+    torch.testing.assert_close(up, u.clamp(-high, high), rtol=0, atol=1e-5)
+    torch.testing.assert_close(down, vh.clamp(-high, high), rtol=0, atol=1e-5)
