@@ -56,7 +56,7 @@ for use in (lambda: sd.studio.app.build(sd.studio.runs.Roots([Path.cwd()]), Path
 
 def source_tree(folder: Path) -> Path:
     """What the build reads, copied (setuptools writes build/ and *.egg-info beside the sources)."""
-    for name in ("pyproject.toml", "requirements.txt", "SD_Model.py"):
+    for name in ("pyproject.toml", "requirements.txt"):
         (folder / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / name, folder / name)
     for name in ("sd", "pipeline", "bench", "demo"):

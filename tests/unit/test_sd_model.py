@@ -624,14 +624,6 @@ def test_training_flops_count_attention_in_full():
     assert M.training_flops_per_image("tiny", 16) > 4 * M.training_flops_per_image("tiny", 8)
 
 
-def test_the_root_module_users_import_is_the_package_module():
-    import SD_Model
-
-    public = [name for name in vars(sd.model) if not name.startswith("_")]
-    assert public and all(getattr(SD_Model, name) is getattr(sd.model, name) for name in public)
-    assert SD_Model.build_unet is sd.model.build_unet and SD_Model.load_vae is sd.model.load_vae
-
-
 def test_grid_labels_hold_the_whole_prompt_wrapped_to_the_row(tmp_path):
     from PIL import Image
 
