@@ -310,7 +310,7 @@ def lycoris_rows(folder: Path):
 
 
 def sd_scripts_rows(folder: Path):
-    sys.path.insert(0, os.environ["SD_SCRIPTS"])
+    """sd-scripts' loader; its checkout ($SD_SCRIPTS) is on this process's PYTHONPATH (``main`` sets it)."""
     try:
         import torchvision  # noqa: F401
     except ImportError:  # library/utils.py imports torchvision.transforms for image helpers the loader never calls
@@ -361,7 +361,9 @@ def main(argv: list[str]) -> int:
     read(folder)
     other = os.environ.get("READERS_PYTHON")
     if other:
-        env = {**os.environ, **({"SD_SCRIPTS": sd_scripts} if sd_scripts else {})}
+        # the checkout's packages (networks, library) are importable in that process through its PYTHONPATH
+        env = {**os.environ, **({"SD_SCRIPTS": sd_scripts, "PYTHONPATH": os.pathsep.join(
+            filter(None, [sd_scripts, os.environ.get("PYTHONPATH")]))} if sd_scripts else {})}
         subprocess.run([other, __file__, "read", str(folder)], check=True, env=env)
     return 0
 
