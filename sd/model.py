@@ -13,6 +13,7 @@ Everything here is importable without side effects:
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 from pathlib import Path
@@ -391,11 +392,19 @@ def loaded_from(model) -> str:
 
 
 def open_file(path: str | Path, use_ema: bool = True) -> sd.original_layout.OriginalFile:
-    """A single file's names and shapes (its tensors are read per model); an unreadable one is a LoadError."""
+    """A single file's names and shapes (its tensors are read per model); an unreadable one is a LoadError.
+    The config, the run's build and each model's loader ask for the same file: it is opened once while it stays
+    the same file (its size, time and inode), which spares a ``.ckpt`` its pickle read each time."""
     try:
-        return sd.original_layout.OriginalFile(path, use_ema)
+        stat = Path(path).stat()
+        return _opened(str(path), stat.st_size, stat.st_mtime_ns, stat.st_ino, use_ema)
     except (OSError, ValueError) as error:
         raise LoadError(sd.cli.first_line(error)) from error
+
+
+@functools.lru_cache(maxsize=2)
+def _opened(path: str, size: int, mtime_ns: int, inode: int, use_ema: bool) -> sd.original_layout.OriginalFile:
+    return sd.original_layout.OriginalFile(path, use_ema)
 
 
 def empty_model(part: str, config: dict):
