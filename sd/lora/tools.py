@@ -112,9 +112,14 @@ def read_lora_file(path: str | Path) -> tuple[dict, dict[str, str], str]:
     presets), with its header; returns ``(lora, header, preset)``."""
     from safetensors import safe_open
 
+    from safetensors import SafetensorError
+
     file = sd.lora.formats.lora_file(path)
-    with safe_open(str(file), framework="pt") as handle:
-        header = handle.metadata() or {}
+    try:
+        with safe_open(str(file), framework="pt") as handle:
+            header = handle.metadata() or {}
+    except SafetensorError as error:
+        raise ValueError(f"{file}: not a readable safetensors file, damaged or truncated ({error})") from error
     errors = []
     for preset in sd.model.FILE_CONFIGS["unet"]:
         unet = sd.model.empty_model("unet", sd.model.FILE_CONFIGS["unet"][preset])

@@ -346,3 +346,12 @@ def test_block_weights_scale_each_blocks_layers_in_a_merge_and_in_sampling(pair,
     assert seventeen["M00"] == 0.2 and seventeen["OUT02"] == 1.0 and seventeen["OUT03"] == 0.3
     with pytest.raises(ValueError, match="17 or 26 values"):
         sd.imagegen.lora.parse_lora_blocks(f"{lora}:1:1,0,1")
+
+
+def test_a_damaged_lora_file_is_one_line_naming_it(tmp_path, capsys):
+    (tmp_path / "x.safetensors").write_bytes(b"\xff" * 7 + b"\x7f{}")  # a header size far past the file
+    assert SD_Tools.main(["resize", "--lora", str(tmp_path / "x.safetensors"), "--out",
+                          str(tmp_path / "o.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{tmp_path / 'x.safetensors'}: not a readable safetensors file" in err
+    assert not (tmp_path / "o.safetensors").exists()
