@@ -3,7 +3,7 @@
     python encode_latents.py --shards 'DIR/*.tar' --out DIR --vae ID_OR_PATH [--resolution 512]
                              [--batch_size 64] [--workers 16] [--precision bf16] [--compile] [--device auto]
                              [--buckets [--bucket_list WxH,...] [--bucket_step 64]] [--flip]
-                             [--max_encode_pixels 4194304] [--control NAME[,NAME]]
+                             [--max_encode_pixels 4194304] [--control NAME[,NAME]] [--pairs]
     torchrun --nproc_per_node 8 encode_latents.py --shards ... --out ...           # one process per GPU
     python encode_latents.py ... --rank $SLURM_ARRAY_TASK_ID --world_size $SLURM_ARRAY_TASK_COUNT
 
@@ -32,6 +32,11 @@ mask, depth; pipeline/03b_derive_control.py and 01e make them) cut and scaled ex
 pixel resolution, losslessly: NNNNN.NAME.pngs (each row's PNG, concatenated; per bucket NNNNN.WxH.NAME.pngs)
 and NNNNN.NAME.offsets.npy (where each row's begins). A sample without it is skipped (``no_control``). The
 mirrored latents' conditioning images are these mirrored, by the trainer.
+--pairs encodes preference pairs (pipeline/01f_import_pairs.py, 01g_draw_pairs.py): each sample's image is
+the preferred one and ``key.rejected.<ext>`` the rejected one, brought to the preferred image's size and cut and
+scaled as it was (one bucket, one crop), into NNNNN.rejected.npy (per bucket NNNNN.WxH.rejected.npy) row for row
+beside the latents. A sample without it is skipped (``no_rejected``), one of another aspect ratio too
+(``rejected_mismatch``).
 latents.json holds the settings (VAE id, scaling factor, resolution, latent shape or bucket list,
 dtype, flip) and the totals (``masked``: the samples with a mask). It is written first, with ``"complete": false``, before any shard is
 encoded, and again
@@ -117,7 +122,13 @@ def parse_args(argv=None):
     parser.add_argument("--control", default=(), type=control_names, metavar="NAME[,NAME]",
                         help="also store each sample's conditioning images key.NAME.png (ControlNet training), cut "
                              "and scaled as its image; a sample without one is skipped")
+    parser.add_bool("--pairs", help="preference pairs (pipeline/01f_import_pairs.py, 01g_draw_pairs.py): also encode "
+                    "each sample's rejected image key.rejected.<ext>, cut and scaled as its preferred image, into "
+                    "NNNNN.rejected.npy (SD_Train.py --preference.method dpo trains on them); a sample without one "
+                    "is skipped")
     args = parser.parse_args(argv)
+    if args.pairs and args.flip:
+        parser.error("--pairs takes no --flip: a pair's latents are trained unmirrored")
     for name in args.control:
         if not sd.data.shards.is_control_name(name):
             parser.error(f"--control {name!r}: a conditioning image's name is lower-case letters, digits and _ "

@@ -124,7 +124,7 @@ def outputs(out: Path, stem: str) -> dict[str, Path]:
             "keys": out / f"{stem}.keys.txt", "buckets": out / f"{stem}.buckets.json"}
 
 
-LATENT_SUFFIXES = {"npy": "", "flip": ".flip", "mask": ".mask"}  # output -> its files' suffix before .npy
+LATENT_SUFFIXES = {"npy": "", "flip": ".flip", "mask": ".mask", "rejected": ".rejected"}  # output -> suffix before .npy
 
 
 def latent_file(out: Path, stem: str, name: str, bucket: sd.data.buckets.Bucket | None) -> Path:
@@ -143,7 +143,8 @@ def shard_done(out: Path, stem: str, flip: bool, bucketed: bool = False) -> bool
 
 # What a re-run must share with the run that started a folder: anything else mixes latents that do not
 # belong together (other shapes, another VAE's space, flipped or not) in one folder, silently.
-SETTINGS = ("vae", "vae_encoder", "scaling_factor", "resolution", "latent_shape", "dtype", "flip", "buckets", "control")
+SETTINGS = ("vae", "vae_encoder", "scaling_factor", "resolution", "latent_shape", "dtype", "flip", "buckets", "control",
+            "pairs")
 
 
 class FolderMismatch(Exception):
@@ -168,7 +169,8 @@ def requested_settings(args) -> dict:
     """The settings known from the command line alone, checked before the VAE is loaded."""
     buckets = None if args.bucket_sizes is None else [list(b) for b in args.bucket_sizes]
     return {"vae": args.vae, "resolution": args.resolution, "dtype": "float16", "flip": bool(args.flip),
-            "buckets": buckets, "control": list(getattr(args, "control", None) or ())}
+            "buckets": buckets, "control": list(getattr(args, "control", None) or ()),
+            "pairs": bool(getattr(args, "pairs", False))}
 
 
 def vae_settings(args, vae_config) -> dict:
@@ -351,14 +353,19 @@ def read_ahead(paths: list[Path], depth: int):
 
 
 def decode_sample(sample: sd.data.shards.ShardSample, resolution: int, max_pixels: int, max_aspect: float,
-                  buckets: list[sd.data.buckets.Bucket] | None = None, controls: tuple[str, ...] = ()):
+                  buckets: list[sd.data.buckets.Bucket] | None = None, controls: tuple[str, ...] = (),
+                  pairs: bool = False):
     """``(key, image (res, res, 3) uint8)`` or ``(key, skip reason)``; with ``buckets``
     ``(key, (bucket index, image (H, W, 3) of that bucket, original (h, w), crop (top, left)))``.
 
     A sample with a loss mask (``<key>.mask.png``) gets it as a fourth channel of its image, ``(H, W, 4)``,
     cut and scaled exactly as the image. With ``controls`` (conditioning images' names) the result is
     ``(that result, {name: PNG bytes})``: each ``<key>.<name>.png`` cut and scaled as the image, encoded
-    here in the decode threads; a sample without one of them is skipped (``no_control``)."""
+    here in the decode threads; a sample without one of them is skipped (``no_control``). With ``pairs`` (a
+    preference pair's rejected image ``<key>.rejected.<ext>`` beside the preferred one) the result is ``(that
+    result, the PNGs or None, the rejected image)``: brought to the preferred image's size and cut and scaled as
+    it was, so both latents of a pair share the bucket and the crop; a sample without one is skipped
+    (``no_rejected``), one of another aspect ratio too (``rejected_mismatch``)."""
     if sample.problem is not None:  # a bad key, a caption that is not UTF-8, a member given twice
         return sample.key, sample.problem
     if sample.image is None:
@@ -379,9 +386,10 @@ def decode_sample(sample: sd.data.shards.ShardSample, resolution: int, max_pixel
                 pixels = np.dstack([pixels, sd.data.buckets.fit_to_bucket(mask, buckets[bucket])[0]])
             result = (bucket, pixels, (height, width), crop)
             fit = lambda pixels: sd.data.buckets.fit_to_bucket(pixels, buckets[bucket])[0]  # noqa: E731
-        if not controls:
-            return sample.key, result
-        return sample.key, (result, fitted_controls(sample, controls, (width, height), fit, max_pixels))
+        pngs = fitted_controls(sample, controls, (width, height), fit, max_pixels) if controls else None
+        if pairs:
+            return sample.key, (result, pngs, fit(rejected_image(sample, (width, height), max_pixels)))
+        return sample.key, result if not controls else (result, pngs)
     except sd.data.shards.ImageSkip as skip:
         return sample.key, skip.reason
     except Exception:  # a decoder failing in a way of its own: still one bad image, not a bad run
@@ -397,6 +405,17 @@ def fitted_controls(sample: sd.data.shards.ShardSample, names: tuple[str, ...], 
         raise sd.data.shards.ImageSkip("no_control", ", ".join(missing))
     return {name: sd.data.shards.encode_png(fit(sd.data.shards.decode_control(sample.controls[name], size, max_pixels)))
             for name in names}
+
+
+def rejected_image(sample: sd.data.shards.ShardSample, size: tuple[int, int], max_pixels: int) -> np.ndarray:
+    """A pair's rejected image ``(height, width, 3)`` uint8 at its preferred image's ``size`` ``(width, height)``."""
+    if sample.rejected is None:
+        raise sd.data.shards.ImageSkip("no_rejected")
+    try:
+        rgb = sd.data.shards.decode_image(sample.rejected, sample.rejected_ext, max_pixels)
+    except sd.data.shards.ImageSkip as skip:
+        raise sd.data.shards.ImageSkip("bad_rejected", str(skip)) from None
+    return sd.data.shards.scaled_to_image(rgb, size, "rejected_mismatch", "rejected image")
 
 
 def with_mask(fit, image: np.ndarray, mask: np.ndarray | None, *size) -> np.ndarray:
@@ -514,7 +533,7 @@ class Writer:
     """Moves latents to the host, appends them to their shard's files, and completes each shard once its
     last batch is back."""
 
-    NAMES = {"npy": "latents", "flip": "flipped"}  # output file -> what its rows are, in messages
+    NAMES = {"npy": "latents", "flip": "flipped", "rejected": "rejected"}  # output file -> its rows, in messages
 
     def __init__(self, out: Path, flip: bool, buckets: list[sd.data.buckets.Bucket] | None = None):
         self.out, self.flip, self.buckets = out, flip, buckets
@@ -525,13 +544,15 @@ class Writer:
         self.thread.start()
 
     def put(self, job: ShardJob, keys: list[str] | None, latents: torch.Tensor | None, flipped: torch.Tensor | None,
-            bucket: int | None = None, masks: np.ndarray | None = None, controls: list[dict] | None = None):
+            bucket: int | None = None, masks: np.ndarray | None = None, controls: list[dict] | None = None,
+            rejected: torch.Tensor | None = None):
         """One batch of ``job`` (its ``keys``, in order; with buckets, all of ``bucket``; ``masks``: the
         batch's loss masks, ``split_masks``; ``controls``: each sample's conditioning images as PNG bytes by
-        name), or with ``latents`` None the shard's closing notice."""
+        name; ``rejected``: the latents of each pair's rejected image), or with ``latents`` None the shard's
+        closing notice."""
         if self.error is not None:
             raise self.error
-        self.jobs.put((job, keys, latents, flipped, bucket, masks, controls))
+        self.jobs.put((job, keys, latents, flipped, bucket, masks, controls, rejected))
 
     def close(self) -> None:
         self.jobs.put(None)
@@ -550,7 +571,7 @@ class Writer:
             except BaseException as error:  # surfaced to the main thread by put()/close()
                 self.error = error
 
-    def _handle(self, job: ShardJob, keys, latents, flipped, bucket, masks, controls):
+    def _handle(self, job: ShardJob, keys, latents, flipped, bucket, masks, controls, rejected=None):
         if latents is None:  # the closing notice: the shard's batches were all queued before it
             self._save(job)
             return
@@ -564,6 +585,8 @@ class Writer:
         self._append(job, "npy", keys, latents, bucket)
         if flipped is not None:
             self._append(job, "flip", keys, flipped, bucket)
+        if rejected is not None:
+            self._append(job, "rejected", keys, rejected, bucket)
 
     def _append_masks(self, job: ShardJob, masks: np.ndarray | None, count: int, size, bucket: int | None) -> None:
         """The batch's rows of ``NNNNN.mask.npy`` (per bucket ``NNNNN.WxH.mask.npy``), begun at the first
@@ -697,6 +720,7 @@ class ShardStream:
         # Decoded images of the oldest shard in the window, by bucket (0 without buckets): (key, image, info)
         self.pending: dict[int, list] = {}
         self.controls = tuple(getattr(args, "control", None) or ())  # conditioning images' names
+        self.pairs = bool(getattr(args, "pairs", False))  # preference pairs: each sample's rejected image too
 
     def add(self, job: ShardJob, sample: sd.data.shards.ShardSample | None) -> None:
         """One sample of ``job`` to decode, or with ``sample`` None the end of the shard."""
@@ -707,7 +731,8 @@ class ShardStream:
             self.take()
         args = self.args
         self.window.append((job, self.pool.submit(decode_sample, sample, args.resolution, args.max_pixels,
-                                                  args.max_aspect, args.bucket_sizes, self.controls)))
+                                                  args.max_aspect, args.bucket_sizes, self.controls,
+                                                  self.pairs)))
         self.in_flight.add(1)
 
     def drain(self) -> None:
@@ -731,10 +756,10 @@ class ShardStream:
             job.skip(result, key)
             self.in_flight.remove(1)
             return
-        result, pngs = result if self.controls else (result, None)
+        result, pngs, rejected = result if self.pairs else (*result, None) if self.controls else (result, None, None)
         bucket, image, info = (0, result, None) if self.args.bucket_sizes is None else \
             (result[0], result[1], result[2:])
-        self.pending.setdefault(bucket, []).append((key, image, info, pngs))
+        self.pending.setdefault(bucket, []).append((key, image, info, pngs, rejected))
         batch_size = self.args.batch_size
         if len(self.pending[bucket]) == batch_size:
             self.encode(job, bucket)
@@ -744,16 +769,17 @@ class ShardStream:
     def encode(self, job: ShardJob, bucket: int) -> None:
         batch = self.pending.pop(bucket)
         keys = [key for key, *_ in batch]
-        images, masks = split_masks([image for _, image, _, _ in batch])
+        images, masks = split_masks([image for _, image, *_ in batch])
         latents, flipped = self.encoder(images)
+        rejected = self.encoder([pixels for *_, pixels in batch])[0] if self.pairs else None
         self.in_flight.remove(len(keys))
         job.keys.extend(keys)
-        job.masked += sum(image.shape[-1] == 4 for _, image, _, _ in batch)
+        job.masked += sum(image.shape[-1] == 4 for _, image, *_ in batch)
         if self.args.bucket_sizes is not None:
-            job.buckets.setdefault(bucket, []).extend((key, *info) for key, _, info, _ in batch)
-        controls = [pngs for *_, pngs in batch] if self.controls else None
+            job.buckets.setdefault(bucket, []).extend((key, *info) for key, _, info, *_ in batch)
+        controls = [pngs for _, _, _, pngs, _ in batch] if self.controls else None
         self.writer.put(job, keys, latents, flipped, None if self.args.bucket_sizes is None else bucket, masks,
-                        controls)
+                        controls, rejected)
         self.bar.update(len(keys))
 
     def close(self, job: ShardJob) -> None:

@@ -41,6 +41,8 @@ class ShardSample:
     problem: str | None = None  # set by TarSamples: the skip reason of a sample no reader may use
     mask: bytes | None = None  # the loss mask's image file, ``<key>.mask.png``
     controls: dict = field(default_factory=dict)  # conditioning images (ControlNet): name -> ``<key>.<name>.png``
+    rejected: bytes | None = None  # a preference pair's other image, ``<key>.rejected.<ext>`` (``image`` is preferred)
+    rejected_ext: str = ""
 
 
 # Characters no key may hold: the control characters (Unicode category Cc: ``\n``, ``\r``, ``\x85``
@@ -80,14 +82,14 @@ class TarSamples:
     ``bad_caption_encoding``, a member to be read that is over ``max_member_bytes`` ``too_large_member``
     (it is not read).
 
-    Only the payloads of ``fields`` (``image``, ``caption``, ``metadata``, ``mask``) are read; a member of another
+    Only the payloads of ``fields`` (``image``, ``caption``, ``metadata``, ``mask``, ``control``, ``rejected``) are read; a member of another
     field stands as ``b""`` and passing it over is a seek. Reading stops at the first member whose data
     runs past ``size`` (a cut-off file) or that tarfile cannot read; that member's sample is dropped
     and, once the loop ends, ``truncated_key`` names it (``<after N samples: error>`` where no key was
     read). A file that is not a tar at all raises ``tarfile.ReadError`` from the first ``next``.
     """
 
-    FIELDS = ("image", "caption", "metadata", "mask", "control")
+    FIELDS = ("image", "caption", "metadata", "mask", "control", "rejected")
 
     def __init__(self, file, size: int, fields=FIELDS, max_member_bytes: int | None = None):
         self.file, self.size, self.fields, self.max_member_bytes = file, size, set(fields), max_member_bytes
@@ -154,6 +156,7 @@ def read_shard(data: bytes) -> tuple[list[ShardSample], str | None]:
 
 MASK_NAME = "mask"  # the companion name of a sample's loss mask; every other name is a conditioning image's
 MASK_EXTENSION = "mask.png"  # the member a sample's loss mask is written as: <key>.mask.png
+REJECTED_NAME = "rejected"  # a preference pair's rejected image: <key>.rejected.jpg|png|webp beside the preferred one
 
 
 CONTROL_NAME = re.compile(r"[a-z0-9_]+")  # a conditioning image's name: <key>.<name>.png
@@ -161,12 +164,14 @@ CONTROL_NAME = re.compile(r"[a-z0-9_]+")  # a conditioning image's name: <key>.<
 
 def is_control_name(name: str) -> bool:
     """Whether ``name`` can name conditioning images (``mask`` is the loss mask's)."""
-    return bool(CONTROL_NAME.fullmatch(name)) and name != "mask"
+    return bool(CONTROL_NAME.fullmatch(name)) and name not in (MASK_NAME, REJECTED_NAME)
 
 
 def field_of(ext: str) -> str | None:
     if ext.startswith("mask.") and ext[len("mask."):] in IMAGE_EXTENSIONS:
         return "mask"
+    if ext.startswith(REJECTED_NAME + ".") and ext[len(REJECTED_NAME) + 1:] in IMAGE_EXTENSIONS:
+        return "rejected"
     name, dot, image_ext = ext.partition(".")
     if dot and image_ext in IMAGE_EXTENSIONS and is_control_name(name):
         return "control"
@@ -193,6 +198,8 @@ def add_member(sample: ShardSample, ext: str, payload: bytes) -> None:
         sample.metadata = payload
     elif field == "mask":
         sample.mask = payload
+    elif field == "rejected":
+        sample.rejected, sample.rejected_ext = payload, ext[len(REJECTED_NAME) + 1:]
     else:
         try:
             sample.caption = payload.decode("utf-8").strip()
@@ -225,6 +232,8 @@ def write_tar(path: Path, samples: list[ShardSample]) -> None:
                 add(tar, f"{sample.key}.json", sample.metadata)
             if sample.mask is not None:
                 add(tar, f"{sample.key}.{MASK_EXTENSION}", sample.mask)
+            if sample.rejected is not None:
+                add(tar, f"{sample.key}.{REJECTED_NAME}.{sample.rejected_ext}", sample.rejected)
             for name, payload in sorted(sample.controls.items()):
                 add(tar, f"{sample.key}.{name}.png", payload)
 

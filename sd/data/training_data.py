@@ -25,6 +25,9 @@
   everywhere, and a mirrored latent takes its mask mirrored.
 * Reflow pairs (``reflow``, ``SD_Reflow.py``): ``NNNNN.noise.npy`` float16, the shape of the latents beside
   it, the noise each latent was drawn from by a flow model's ODE; every shard must have one.
+* Preference pairs (``preference.method: dpo``, ``encode_latents.py --pairs``): ``NNNNN[.WxH].rejected.npy``
+  float16, the shape of the latents beside it: each row the rejected image of the pair whose preferred image
+  is the latents' row, encoded at the same size and crop; every shard must have one.
 * Conditioning images (a ControlNet run's ``control``): ``NNNNN[.WxH].<name>.pngs`` (each row's PNG at pixel
   resolution, concatenated) and ``NNNNN[.WxH].<name>.offsets.npy`` beside the latents; every shard must
   have them, and a mirrored latent takes its conditioning image mirrored.
@@ -116,12 +119,14 @@ class DataSettings:
     flip: bool = False
     masked_loss: bool = False
     reflow: bool = False
+    rejected: bool = False  # preference pairs: each latent's rejected image (NNNNN.rejected.npy)
     control: str = ""
     caption_ops: sd.data.captions.CaptionOps = field(default_factory=sd.data.captions.CaptionOps)
 
     @classmethod
     def from_config(cls, config) -> "DataSettings":
         return sd.cli.view_of(cls, config, datasets=tuple(config.datasets),
+                              rejected=config.preference.method == "dpo",
                               caption_ops=sd.cli.view_of(sd.data.captions.CaptionOps, config))
 
 
@@ -139,11 +144,13 @@ class LatentStore:
     not there. ``shapes`` lists the latent shapes held (one unless the folder is bucketed) and
     ``bucket_of_row`` each row's index into it. ``masks=True`` maps the loss masks
     (``NNNNN.mask.npy``) into ``masks``, laid out like ``arrays`` (None for a shard without one).
-    ``noise=True`` maps each shard's reflow noise (``NNNNN.noise.npy``) into ``noises``.
+    ``noise=True`` maps each shard's reflow noise (``NNNNN.noise.npy``) into ``noises``, ``rejected=True``
+    each shard's rejected images of preference pairs (``NNNNN.rejected.npy``) into ``rejected``.
     """
 
     def __init__(self, folder: str | Path, *, threads: int = 16, mmap: bool = False, flip: bool = False,
-                 share: tuple[int, int] = (0, 1), masks: bool = False, control: str = "", noise: bool = False):
+                 share: tuple[int, int] = (0, 1), masks: bool = False, control: str = "", noise: bool = False,
+                 rejected: bool = False):
         self.folder = Path(folder)
         self.warm_share = None if mmap else share
         if not self.folder.is_dir():
@@ -158,7 +165,8 @@ class LatentStore:
             raise DataError(f"latent folder {self.folder} holds no latents (no *.keys.txt shards, no <key>.npy files)")
         self.flipped = self._load_flipped(shard_files, threads) if flip else None
         self.masks = self._load_masks(threads) if masks else None
-        self.noises = self._load_noises(threads) if noise else None
+        self.noises = self._load_beside("noise", threads) if noise else None
+        self.rejected = self._load_beside("rejected", threads) if rejected else None
         self.control = control
         self.controls = self._load_controls(control) if control else None
 
@@ -271,29 +279,39 @@ class LatentStore:
         self._warm([p for p, m in zip(paths, masks) if m is not None], threads)
         return masks
 
-    def _load_noises(self, threads: int) -> list[np.ndarray]:
-        """The reflow noise beside each shard's array, memory-mapped; a shard without it, or with noise of
-        another shape than its latents, is a DataError naming it."""
+    # What lies beside each shard's latents, row for row (``_load_beside``): its file's suffix, what it is, and the
+    # way to a folder that has it.
+    BESIDE = {"noise": ("noise", "flow.reflow", "train on a folder SD_Reflow.py wrote, or set flow.reflow: "
+                        "false", "draw those shards again with SD_Reflow.py"),
+              "rejected": ("rejected latents", "preference.method: dpo", "encode the pair shards with "
+                           "encode_latents.py --pairs, or unset preference.method", "encode those shards again")}
+
+    def _load_beside(self, suffix: str, threads: int) -> list[np.ndarray]:
+        """``NNNNN[.WxH].<suffix>.npy`` beside each shard's array, memory-mapped; a shard without it, or with one
+        of another shape than its latents, is a DataError naming it."""
+        what, setting, way, again = self.BESIDE[suffix]
         if not hasattr(self, "paths"):
-            raise DataError(f"{self.folder} holds one latent file per image, which carries no reflow noise: "
-                            "draw the pairs with SD_Reflow.py")
-        paths = [p.with_name(p.name[: -len(".npy")] + ".noise.npy") for p in self.paths]
+            raise DataError(f"{self.folder} holds one latent file per image, which carries no {what}: {way}")
+        paths = [p.with_name(p.name[: -len(".npy")] + f".{suffix}.npy") for p in self.paths]
         missing = [p.name for p in paths if not p.exists()]
         if missing:
-            raise DataError(f"flow.reflow: {len(missing)} latent shards in {self.folder} have no noise beside them "
-                            f"({', '.join(missing[:5])}): train on a folder SD_Reflow.py wrote, or set flow.reflow: "
-                            "false")
-        noises = [load_npy(p, mmap=True) for p in paths]
-        bad = [f"{p.name} {n.shape}" for p, n, a in zip(paths, noises, self.arrays) if n.shape != a.shape]
+            raise DataError(f"{setting}: {len(missing)} latent shards in {self.folder} have no {what} beside them "
+                            f"({', '.join(missing[:5])}): {way}")
+        arrays = [load_npy(p, mmap=True) for p in paths]
+        bad = [f"{p.name} {n.shape}" for p, n, a in zip(paths, arrays, self.arrays) if n.shape != a.shape]
         if bad:
-            raise DataError(f"{len(bad)} noise files in {self.folder} do not match their latents' shape: "
-                            f"{', '.join(bad[:10])}; draw those shards again with SD_Reflow.py")
+            raise DataError(f"{len(bad)} {what} files in {self.folder} do not match their latents' shape: "
+                            f"{', '.join(bad[:10])}; {again}")
         self._warm(paths, threads)
-        return noises
+        return arrays
 
     def gather_noise(self, rows: np.ndarray) -> np.ndarray:
         """The reflow noise of the given rows, ``(B, 4, h, w)`` float16, in order."""
         return self._rows(self.noises, rows)
+
+    def gather_rejected(self, rows: np.ndarray) -> np.ndarray:
+        """The rejected latents of the given rows' pairs, ``(B, 4, h, w)`` float16, in order."""
+        return self._rows(self.rejected, rows)
 
     def _load_controls(self, name: str) -> list[tuple[np.ndarray, np.ndarray]]:
         """The conditioning images ``name`` beside each shard's (or bucket's) array: ``(its PNG bytes,
@@ -740,6 +758,7 @@ class MixedData:
         self.target = np.arange(len(self.shapes))
         self.masked = any(split.store.masks is not None for split in splits)
         self.paired = any(split.store.noises is not None for split in splits)
+        self.preference = any(split.store.rejected is not None for split in splits)
         self.controlled = any(split.store.controls is not None for split in splits)
         if self.controlled and not all(split.store.controls is not None for split in splits if len(split)):
             raise DataError("conditioning images were loaded for some latent folders and not others")
@@ -773,7 +792,8 @@ class MixedData:
               draws: np.ndarray | None = None) -> tuple[torch.Tensor, ...]:
         """``(latents (B, 4, h, w) float16, input_ids (B, 77) int64)`` for global indices, in order; when
         ``masked``, also their loss masks ``(B, 1, h, w)`` float16 (``masks``); when ``paired``, then their
-        reflow noise ``(B, 4, h, w)`` float16 (``noise``).
+        reflow noise ``(B, 4, h, w)`` float16 (``noise``); when ``preference``, then their pairs' rejected latents
+        ``(B, 4, h, w)`` float16 (``rejected``).
 
         ``flipped`` (B,) bool: which samples take the latents of their mirrored image (``flip_coins``).
         ``draws`` (B, k): the keys of each sample's caption draws (``epoch_plan``), used when the data
@@ -800,6 +820,8 @@ class MixedData:
         extra = (self.masks(indices, flipped),) if self.masked else ()
         if self.paired:
             extra = (*extra, self.noise(indices))
+        if self.preference:
+            extra = (*extra, self.rejected(indices))
         if self.controlled:
             extra = (*extra, self.controls(indices, flipped))
         return torch.from_numpy(latents), torch.from_numpy(input_ids), *extra
@@ -835,6 +857,21 @@ class MixedData:
                 raise DataError(f"flow.reflow: {self.splits[d].store.folder}'s pairs of {part.shape[1:]} were put in "
                                 f"a bucket of {tuple(shape)}; keep reflow data in buckets of their own size")
             out[chosen] = part
+        return torch.from_numpy(out)
+
+    def rejected(self, indices: np.ndarray) -> torch.Tensor:
+        """The rejected latents ``(B, 4, h, w)`` float16 of the pairs at global indices, in order, laid out as
+        ``batch`` lays out their preferred latents (brought to a merged bucket's shape the same way)."""
+        shape = self.shape_of(indices)
+        which = np.searchsorted(self.offsets, indices, side="right") - 1
+        stored = self.bucket_of[indices]
+        out = np.empty((len(indices), *shape), dtype=np.float16)
+        for d in np.unique(which):
+            split = self.splits[d]
+            for b in np.unique(stored[which == d]):
+                chosen = (which == d) & (stored == b)
+                part = split.store.gather_rejected(split.rows[indices[chosen] - self.offsets[d]])
+                out[chosen] = part if part.shape[1:] == shape else sd.data.buckets.fit_latents(part, shape)
         return torch.from_numpy(out)
 
     def masks(self, indices: np.ndarray, flipped: np.ndarray | None = None) -> torch.Tensor:
