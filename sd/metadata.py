@@ -103,18 +103,22 @@ class TrainingRecord:
     state: dict
     started_at: float | None
     saved_at: float | None
+    preference: dict | None = None  # the preference section of a run tuned on preference pairs (Diffusion-DPO)
 
     @classmethod
     def read(cls, folder: str | Path) -> "TrainingRecord":
         folder = Path(folder)
-        config = sd.run_folder.flat_view(sd.run_folder.read_saved_config(folder / "config.yaml"))
+        saved = sd.run_folder.read_saved_config(folder / "config.yaml")
+        config = sd.run_folder.flat_view(saved)
+        preference = saved.get("preference") if isinstance(saved.get("preference"), dict) else None
         state_file = folder / "train_state.pt"
         state = sd.run_folder.load_torch(state_file) if state_file.exists() else {}
         times = sd.run_folder.read_manifest_times(folder)
-        saved = times.get("saved_at")
-        if saved is None and (folder / sd.run_folder.COMPLETE).exists():
-            saved = (folder / sd.run_folder.COMPLETE).stat().st_mtime
-        return cls(config, state if isinstance(state, dict) else {}, times.get("started_at"), saved)
+        saved_at = times.get("saved_at")
+        if saved_at is None and (folder / sd.run_folder.COMPLETE).exists():
+            saved_at = (folder / sd.run_folder.COMPLETE).stat().st_mtime
+        return cls(config, state if isinstance(state, dict) else {}, times.get("started_at"), saved_at,
+                   preference if preference and preference.get("method") else None)
 
 
 
@@ -182,7 +186,21 @@ def kohya_training_keys(record: TrainingRecord, output_name: str) -> dict[str, s
     if resolution:
         keys["ss_resolution"] = f"({resolution[0]}, {resolution[1]})"
     keys.update(dataset_keys(config))
+    keys.update(preference_keys(record.preference, get("init_from")))
     return {k: str(v) for k, v in keys.items()}
+
+
+def preference_keys(preference: dict | None, reference) -> dict[str, str]:
+    """What a file tuned on preference pairs says of it: ``ss_training_comment`` (the free text sd-scripts' and
+    AUTOMATIC1111's metadata viewers show) and ``sd_preference`` (JSON: method, beta, loss, the reference)."""
+    if not preference:
+        return {}
+    beta, loss = float(preference["beta"]), preference.get("loss", "sigmoid")  # config.yaml holds every field
+    name = public_name(reference)
+    return {"ss_training_comment": f"Diffusion-DPO on preference pairs (beta {beta:g}, {loss} loss) against "
+                                   f"{name or 'its base model'}",
+            "sd_preference": json.dumps({"method": preference["method"], "beta": beta, "loss": loss,
+                                         "reference": name})}
 
 
 def epoch_number(state: dict) -> int | None:

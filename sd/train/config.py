@@ -37,6 +37,7 @@ from sd.train.ema import EmaConfig
 from sd.train.objectives.diffusion import LossConfig
 from sd.train.objectives.flow import FlowConfig
 from sd.train.objectives.lcm import DistillConfig
+from sd.train.objectives.preference import PreferenceConfig
 from sd.train.optimizers import OptimConfig
 
 
@@ -170,6 +171,7 @@ class TrainConfig:
     controlnet: ControlNetConfig = section(ControlNetConfig)
     flow: FlowConfig = section(FlowConfig)
     distill: DistillConfig = section(DistillConfig)
+    preference: PreferenceConfig = section(PreferenceConfig)
     loss: LossConfig = section(LossConfig)
     optim: OptimConfig = section(OptimConfig)
     ema: EmaConfig = section(EmaConfig)

@@ -383,6 +383,7 @@ def session(config, resolution: int = 512, device: str = "cuda", world_size: int
                 images = batch_size * per_batch
                 batches = [(torch.zeros(images, 4, latent, latent, dtype=torch.float16),
                             torch.zeros(images, sd.model.TOKENIZER_MAX_LENGTH, dtype=torch.long),
+                            *step.objective.estimate_inputs(images, resolution),
                             *mode.estimate_inputs(images, resolution))
                            for _ in range(min(2, accumulation(config, batch_size, world_size)))]
                 if steps == 0:
@@ -654,9 +655,9 @@ def breakdown(allocations: Allocations, step, vae, config, casts: set[int], rebu
     master = getattr(step.optimizer, "master_weights", None)
     if master is not None:  # bf16_weights: the fp32 masters and their gradients
         groups["master_weights"] = records([t for m in master.master for t in (m, m.grad) if t is not None])
-    held = step.objective.held_tensors()  # a distillation's teacher copy and target network
+    held = step.objective.held_tensors()  # a distillation's teacher copy and target network, DPO's reference
     if held:
-        groups["distillation"] = records(held)
+        groups[step.objective.held_as] = records(held)
     groups["autocast_weight_copies"] = casts
     if sd.train.sharding.is_sharded(unet):  # FSDP2's gathered weights, in storages it resizes in place
         groups["fsdp_gathered_weights"] = allocations.regrown

@@ -42,8 +42,7 @@ def resume_or_init(run: Run) -> None:
     resumed = resume_newest_usable(run)
     inherited = False
     if not resumed and run.step.objective.uses_base and not run.mode.frozen_base:
-        log.info("distillation: the student starts as the teacher (init_from's EMA where it has one); the EMA and "
-                 "the target network start from it too")
+        log.info("%s", run.step.objective.starts_from_base)
     elif not resumed and run.config.init_from and run.config.subject.instance_dir and not run.mode.frozen_base:
         # full DreamBooth: the run trains on from the weights sd.train.run.build loaded, init_from's EMA where
         # it has one: the weights that drew the class images, and those its users sample

@@ -57,7 +57,8 @@ def build_data(settings: sd.data.training_data.DataSettings, d: Dist | None = No
         if folder not in stores:
             stores[folder] = sd.data.training_data.LatentStore(
                 folder, threads=settings.data_threads, mmap=settings.mmap_latents, flip=settings.flip, share=share,
-                masks=settings.masked_loss, control=settings.control, noise=settings.reflow)
+                masks=settings.masked_loss, control=settings.control, noise=settings.reflow,
+                rejected=settings.rejected)
         store = stores[folder]
         train.append(sd.data.training_data.join_split(entry["dataset"], "train", store,
                                                       allow_missing=settings.allow_missing_latents,
@@ -354,7 +355,7 @@ def step_record(run: Run, result, lr: dict[str, float], step: int | None = None,
               "loss": result["loss"], "lr": lr["unet"], "grad_norm": result["grad_norm"],
               "loss_by_quartile": result["loss_quartiles"],
               "peak_memory_gb": sd.train.metrics.peak_memory_gb(run.d.device), "bad_steps": run.state.bad_steps,
-              "skipped": result["bad"] or result["overflow"]}
+              "skipped": result["bad"] or result["overflow"], **result["measured"]}
     if run.step.text_trains and any(g.get("name") == "text_encoder" for g in run.step.optimizer.param_groups):
         record["lr_text_encoder"] = lr["text_encoder"]
     if "embedding" in lr:  # pivotal tuning: the learned token's, 0 once it stopped training

@@ -529,6 +529,7 @@ def train_step(step: Step, micro_batches: list, step_index: int, stop_requested:
     master = getattr(step.optimizer, "master_weights", None)  # bf16_weights
     (master or step.optimizer).zero_grad(set_to_none=not keep_grads)
     stats = torch.zeros(Slot.COUNT, dtype=torch.float64, device=d.device)
+    step.objective.measured(d.device)  # what a validation loss or an earlier step left is not this step's
     for i, (latents, input_ids, *extra) in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
         sync = contextlib.nullcontext() if last or step.reduce_each_micro_batch else sd.train.sharding.no_sync(step)
@@ -559,6 +560,7 @@ def train_step(step: Step, micro_batches: list, step_index: int, stop_requested:
     stats[Slot.STOP].fill_(float(stop_requested))
     stats[Slot.GRAD_NORM] = grad_norm.double()
     stats[Slot.OVERFLOW] = ~grads_finite
+    stats = torch.cat([stats, step.objective.measured(d.device)])  # the objective's sums and their count
     stats = sd.distributed.all_reduce_sum(stats, d)
     skip = stats[Slot.BAD] > 0
     if fp16:
@@ -566,7 +568,7 @@ def train_step(step: Step, micro_batches: list, step_index: int, stop_requested:
     apply_update(step, skip, step_index)
     if master is not None:  # unchanged where the step was skipped: the same rounding again
         master.put_weights()
-    return StepResult(stats, d.world_size, fp16)
+    return StepResult(stats, d.world_size, fp16, step.objective.statistics)
 
 
 def skips_on_device(optimizer) -> bool:
@@ -616,8 +618,8 @@ class StepResult:
     them, one device-to-host copy; ``read_results`` reads a window of steps with one copy.
     """
 
-    def __init__(self, stats: torch.Tensor, world_size: int, fp16: bool):
-        self.stats, self.world_size, self.fp16 = stats, world_size, fp16
+    def __init__(self, stats: torch.Tensor, world_size: int, fp16: bool, statistics: tuple[str, ...] = ()):
+        self.stats, self.world_size, self.fp16, self.statistics = stats, world_size, fp16, statistics
         self.values: dict | None = None
 
     def __getitem__(self, key: str):
@@ -634,7 +636,13 @@ class StepResult:
             "overflow": self.fp16 and values[Slot.OVERFLOW] > 0,
             "stop": values[Slot.STOP] > 0,
             "loss_quartiles": [sums[q] / counts[q] if counts[q] > 0 else None for q in range(4)],
+            "measured": {},  # the objective's statistics: means over the step's samples on every rank
         }
+        if self.statistics:
+            own = values[Slot.COUNT:]
+            count = own[len(self.statistics)]
+            self.values["measured"] = {name: own[i] / count if count > 0 else None
+                                       for i, name in enumerate(self.statistics)}
         self.stats = None
 
 

@@ -225,6 +225,7 @@ RANGES = {
     "lcm_huber_c": ("> 0 and finite", [0.001], [0.0, -1.0]),
     "lcm_timestep_scaling": ("> 0 and finite", [10.0], [0.0]),
     "lcm_target_decay": ("in [0, 1)", [0.0, 0.95], [1.0, -0.1]),
+    "preference.beta": ("> 0 and finite", [0.1, 2500.0], [0.0, -1.0]),
     "prior_loss_weight": (">= 0 and finite", [0.0, 1.0], [-1.0]),
     "control_dropout": ("in [0, 1]", [0.0], [1.5, -0.1]),  # > 0 needs control: test_controlnet_fields_need_control
     "noise_offset": (">= 0 and finite", [0.0, 0.1], [-0.1]),
@@ -267,7 +268,7 @@ def test_a_value_out_of_range_is_refused_naming_field_value_and_range(base_confi
                                          for v in good])
 def test_the_ends_of_each_range_are_accepted(base_config, name, value):
     config = load_config(["--config", str(base_config), f"--{name}", str(value)])
-    assert getattr(config, name) == value
+    assert sd.train.config.value_of(config, canonical(name)) == value
 
 
 @pytest.mark.parametrize("name, text", [("max_steps", ".inf"), ("batch_size", ".nan"), ("seed", "1e400")])
@@ -602,7 +603,8 @@ def test_each_components_view_of_the_config_reads_fields_the_config_has_and_copi
     views = (sd.data.dreambooth.DreamBoothSettings, sd.data.training_data.DataSettings, sd.evaluation.EvalSettings,
              sd.lora.adapters.LoraSettings, sd.train.objectives.LossSettings)
     for view in views:
-        names = {f.name for f in dataclasses.fields(view)} - {"caption_ops", "prior_preservation"}
+        names = {f.name for f in dataclasses.fields(view)} - {"caption_ops", "prior_preservation",
+                                                               "rejected"}  # rejected: preference.method is dpo
         assert names <= set(FIELDS) | set(sd.run_folder.LEGACY_KEYS), (view.__name__, names - set(FIELDS))
         made = view.from_config(config)
         for name in names:

@@ -19,7 +19,12 @@ do. The step asks the objective, in its own module, at a few points:
 * ``update(unet, step_index, skip, view)``: after each optimizer step (a target network's EMA; a critic's own
   update would go here, with its optimizer among its ``entries``);
 * ``entries()``: its checkpoint entries by name (objects with ``state_dict`` / ``load_state_dict``);
-  ``held_tensors()``: what it holds in memory besides the step's model (a memory estimate counts them);
+  ``held_tensors()``: what it holds in memory besides the step's model (a memory estimate counts them, as
+  ``held_as``); ``estimate_inputs(images, resolution)``: stand-ins of its ``batch_inputs`` for a memory estimate;
+* ``statistics``: the names of what it measures per sample besides the loss (DPO's implicit reward accuracy),
+  logged as means over a step's samples; ``measured(device)`` -> their sums over the training micro-batches
+  since it was last asked, then the samples counted (a float64 tensor on the device, all-reduced with the
+  step's own statistics; zeros where none were counted);
 * ``what`` (a checkpoint's kind in messages, None: the mode's), ``uses_base`` (``init_from`` is its reference:
   loaded first, fingerprinted, checked on resume), ``describe(config)`` (its line in the log, or None).
 
@@ -83,8 +88,11 @@ class Objective:
 
     what: str | None = None
     uses_base = False
+    starts_from_base = ""  # uses_base, a whole-UNet run's first start: the log's line on where it starts
     batch_inputs: tuple[str, ...] = ()
     missing_inputs = ""
+    statistics: tuple[str, ...] = ()
+    held_as = "distillation"  # what held_tensors are, in a memory estimate's breakdown
 
     @classmethod
     def wanted(cls, config) -> bool:
@@ -121,6 +129,12 @@ class Objective:
 
     def held_tensors(self) -> list:
         return []
+
+    def estimate_inputs(self, images: int, resolution: int) -> tuple:
+        return ()
+
+    def measured(self, device) -> torch.Tensor:
+        return torch.zeros(len(self.statistics) + 1 if self.statistics else 0, dtype=torch.float64, device=device)
 
     def describe(self, config) -> str | None:
         return None

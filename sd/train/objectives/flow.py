@@ -182,3 +182,6 @@ class Reflow(Flow):
 
     def noise(self, context: LossContext, latents: torch.Tensor, generator, inputs: dict) -> torch.Tensor:
         return inputs["noise"].to(context.device, non_blocking=True).float()
+
+    def estimate_inputs(self, images: int, resolution: int) -> tuple:
+        return (torch.zeros(images, 4, resolution // 8, resolution // 8, dtype=torch.float16),)

@@ -148,6 +148,8 @@ class LatentConsistency(Objective):
 
     what = "distilled model"  # in messages
     uses_base = True  # init_from is the teacher: loaded first, fingerprinted, checked on resume
+    starts_from_base = ("distillation: the student starts as the teacher (init_from's EMA where it has one); the EMA "
+                        "and the target network start from it too")
 
     def __init__(self, settings: LCMSettings, unet, teacher=None):
         self.settings = settings
