@@ -169,10 +169,10 @@ def help_entries(name: str, capsys) -> dict[str, str]:
             for entry in re.split(r"\n  (?=-)", options) if entry.strip()}
 
 
-def test_there_are_twelve_stages():
+def test_the_stages_are_these():
     assert STAGES == ["00_make_demo_data", "01_download_metadata", "01b_download_diffusiondb",
                       "01c_download_journeydb_images", "01d_download_coco", "01e_import_folder",
-                      "02_filter_metadata", "03_download_images", "03b_derive_control", "03c_caption_images",
+                      "01f_import_pairs", "01g_draw_pairs", "02_filter_metadata", "03_download_images", "03b_derive_control", "03c_caption_images",
                       "04_preprocess_to_cache", "05_build_hf_dataset"]
 
 
@@ -186,12 +186,12 @@ def test_every_stage_spells_shared_flags_one_way_with_one_default(name, capsys):
                                         f"(default: {sd.data.stages.DEFAULT_WORKERS})")
     if "--retries" in entries:
         assert entries["--retries"].endswith(f"(default: {sd.data.stages.DEFAULT_RETRIES})")
-    if "--resolution" in entries:
-        assert entries["--resolution"].endswith("(default: 512)")
+    if "--resolution" in entries:  # pairs keep their images as they come unless asked (encode_latents.py scales)
+        assert entries["--resolution"].endswith("(default: 0)" if name == "01f_import_pairs" else "(default: 512)")
     downloads = name in ("01b_download_diffusiondb", "01c_download_journeydb_images", "01d_download_coco")
-    decodes = downloads or name == "03b_derive_control"
+    decodes = downloads or name in ("03b_derive_control", "01f_import_pairs")
     assert ("--workers" in entries, "--retries" in entries) == (decodes, downloads or name == "03_download_images")
-    single_input = name in ("01e_import_folder", "02_filter_metadata", "03_download_images", "03b_derive_control",
+    single_input = name in ("01e_import_folder", "01f_import_pairs", "02_filter_metadata", "03_download_images", "03b_derive_control",
                             "03c_caption_images", "04_preprocess_to_cache")
     assert ("--input" in entries) == single_input
 
