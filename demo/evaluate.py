@@ -7,10 +7,14 @@ connected region of pixels far from the white background; its colour is the pale
 to the region's median, and its shape class comes from how much of its bounding box it fills (a
 square fills it all, a circle pi/4, a triangle half). Accuracies are reported separately for the combinations seen in training and
 for the held-out ones.
+
+``preference_score(images, prompts)`` scores single images on the same reading, as the oracle that ranks
+``pipeline/01g_draw_pairs.py``'s drawings into preference pairs (``--scorer demo.evaluate:preference_score``).
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -115,6 +119,39 @@ def score(records: list[dict], images_dir: Path, prompts: dict) -> dict:
                          "shape": sum(s for _, s in hits) / n if n else None,
                          "both": sum(c and s for c, s in hits) / n if n else None, "n": n}
     return result
+
+
+def preference_score(images: list[np.ndarray], prompts: list[str]) -> list[float]:
+    """The demo's oracle for preference pairs (``pipeline/01g_draw_pairs.py --scorer
+    demo.evaluate:preference_score``): how well each RGB uint8 ``(H, W, 3)`` image draws its prompt ("a red
+    circle on a white background"), higher is better. 1 point for the prompted colour and 1 for the prompted
+    shape, both as ``measure`` reads the largest shape, plus ``colour_share`` of the prompted colour times 0.99, a
+    term in [0, 1) that ranks images with the same points, so best against worst is rarely a tie. A prompt that
+    names no palette colour or no shape is a ValueError naming it."""
+    stage00 = importlib.import_module("pipeline.00_make_demo_data")
+    palette, shapes, background = stage00.PALETTE, stage00.SHAPES, stage00.BACKGROUND
+    if len(images) != len(prompts):
+        raise ValueError(f"{len(images)} images for {len(prompts)} prompts")
+    scores = []
+    for image, prompt in zip(images, prompts):
+        try:
+            want_colour, want_shape = parse_prompt(prompt, palette, shapes)
+        except StopIteration:
+            raise ValueError(f"{prompt!r} names no colour of {', '.join(palette)} or no shape of {', '.join(shapes)} "
+                             "(the demo's prompts are 'a red circle on a white background')") from None
+        colour, shape, _ = measure(image, palette, background)
+        share = colour_share(image, want_colour, palette, background)
+        scores.append(float(colour == want_colour) + float(shape == want_shape) + 0.99 * share)
+    return scores
+
+
+def colour_share(image: np.ndarray, colour: str, palette: dict[str, tuple], background=(255, 255, 255)) -> float:
+    """The share of ``image``'s pixels nearer to palette colour ``colour`` than to every other palette colour and
+    to the background: in [0, 1]."""
+    references = np.array([palette[colour], *(rgb for name, rgb in palette.items() if name != colour), background],
+                          np.float32)
+    distance = np.linalg.norm(image.astype(np.float32)[..., None, :] - references, axis=-1)  # (H, W, colours + 1)
+    return float((distance.argmin(axis=-1) == 0).mean())
 
 
 def step_parser(description: str, folder: str, count: int, count_help: str, seed: int, prompts_required: bool):
