@@ -1,4 +1,4 @@
-"""The studio's pages (Gradio): Data, Train, Sample and Export, each running the command line it shows.
+"""The studio's pages (Gradio): Data, Train, Sample, Prefer and Export, each running the command line it shows.
 
 The widgets call ``sd.studio.handlers.Studio``'s methods, which check every value they are given (Gradio's API
 reaches them with any values, as any script can), build the same command a user would type, show it and run it
@@ -12,6 +12,7 @@ from pathlib import Path
 
 import sd.cli
 import sd.sampling
+import sd.studio.prefer
 from sd.studio.handlers import EXPORTS, Studio
 from sd.studio.runs import Roots
 from sd.studio.training import field_reference, gpus_present, presets
@@ -35,6 +36,8 @@ def build(roots: Roots, repository: Path, uploads: Path | None = None):
             train_page(gr, studio, repository, polls)
         with gr.Tab("Sample", elem_id="tab-sample"):
             sample_page(gr, studio, polls)
+        with gr.Tab("Prefer", elem_id="tab-prefer") as prefer_tab:
+            sd.studio.prefer.page(gr, studio, polls, prefer_tab)
         with gr.Tab("Export", elem_id="tab-export"):
             export_page(gr, studio, polls)
         timer = gr.Timer(2.0)  # at the top level: a timer inside a tab ticks only while its tab is shown

@@ -6,11 +6,13 @@ Chromium comes from the system (``.ci/run`` installs Debian's ``chromium``); ``C
 Without one the test is skipped, saying so.
 """
 
+import json
 import os
 import shutil
 import socket
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -208,3 +210,65 @@ def test_studio_imports_trains_stops_resumes_samples_and_exports_in_a_browser(st
     with safe_open(exported, "pt") as handle:
         assert any(key.startswith("lora_unet_") for key in handle.keys())
     assert all((shots / f"{name}.png").stat().st_size > 10_000 for name in ("data", "train", "sample", "export"))
+
+
+@pytest.mark.slow
+def test_the_prefer_page_records_keyboard_answers_in_a_browser(studio):
+    """A draw folder's four questions answered with the keys (1, Right, t, then u back and 2 again, s): each
+    answer in choices.jsonl in the file's a/b terms, whichever side its images were shown on; then the page's
+    01g command makes the three a/b answers into pair shards."""
+    binary = browser_binary()
+    if binary is None:
+        pytest.skip("no Chromium on this machine (apt-get install chromium, or CHROMIUM=PATH)")
+    from playwright.sync_api import sync_playwright
+
+    from sd.data.preference import read_choices
+    from sd.studio.prefer import recorded_choice, shows_a_left
+
+    url, folder = studio
+    draw = folder / "draws" / "cats"
+    (draw / "candidates").mkdir(parents=True)
+    drawn = {"model": "stable-diffusion-v1-5/stable-diffusion-v1-5", "sampler": "ddim", "steps": 20, "cfg": 7.5}
+    records = [{"index": 0, "prompt": "a red cat", "images": [], "seeds": [0, 1, 2], **drawn},
+               {"index": 1, "prompt": "a blue dog", "images": [], "seeds": [3, 4], **drawn}]
+    for record, count in zip(records, (3, 2)):
+        for k in range(count):
+            record["images"].append(f"candidates/{record['index']:06d}_{k}.png")
+            Image.new("RGB", (32, 32), (120 * record["index"], 80 * k, 200)).save(draw / record["images"][-1])
+    (draw / "candidates.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=binary, headless=True, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1400, "height": 1400})
+        for _ in range(120):
+            try:
+                page.goto(url)
+                break
+            except Exception:  # noqa: BLE001 - not listening yet
+                time.sleep(0.5)
+        page.click("#tab-prefer-button", timeout=120_000)
+        set_value(page, "prefer-folder", "draws/cats")
+        page.click("#prefer-open")
+        wait_for(page, "prefer-question", lambda v: v == "0:0:1", timeout=60, what="showed 0:0:1")
+        left_shown = page.locator("#prefer-left img").first.get_attribute("src")
+        assert left_shown.endswith("000000_0.png" if shows_a_left(records[0], 0, 1) else "000000_1.png")
+        for key, after in (("1", "0:0:2"), ("ArrowRight", "0:1:2"), ("t", "1:0:1"), ("u", "0:1:2"), ("2", "1:0:1"),
+                           ("s", "")):
+            page.keyboard.press(key)
+            wait_for(page, "prefer-question", lambda v: v == after, timeout=60, what=f"showed {after!r} after {key}")
+        assert "4 of 4 answered" in page.inner_text("#prefer-progress")
+        assert "--scorer user" in page.inner_text("#prefer-command")
+        page.click("#prefer-make")
+        wait_for(page, "prefer-state", lambda v: v == "finished" or v.startswith("failed"), timeout=120,
+                 what="finished")
+        assert field(page, "prefer-state").input_value() == "finished", field(page, "prefer-log").input_value()
+        browser.close()
+    sides = {(0, 0, 1): "left", (0, 0, 2): "right", (0, 1, 2): "right", (1, 0, 1): "skip"}
+    assert read_choices(draw) == {key: recorded_choice(side, shows_a_left(records[key[0]], key[1], key[2]))
+                                  for key, side in sides.items()}
+    assert len((draw / "choices.jsonl").read_text().splitlines()) == 5  # the tie, then its replacement
+    pairs = []  # 01g's key of a pair: <index>_<preferred>_<rejected>
+    for a, b in ((0, 1), (0, 2), (1, 2)):
+        preferred, rejected = (a, b) if read_choices(draw)[(0, a, b)] == "a" else (b, a)
+        pairs.append(f"000000_{preferred}_{rejected}.rejected.png")
+    with tarfile.open(draw / "shards" / "00000.tar") as shard:
+        assert sorted(name for name in shard.getnames() if name.endswith(".rejected.png")) == sorted(pairs)
