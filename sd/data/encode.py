@@ -182,7 +182,14 @@ def vae_settings(args, vae_config) -> dict:
             "latent_shape": latent_shape, "latent_channels": channels}
 
 
+# Settings a folder encoded before they existed does not record, and what it was encoded with.
+LATER_SETTINGS = {"control": [], "pairs": False}
+
+
 def compare_settings(out: Path, previous: dict, settings: dict) -> None:
+    """Stop (``FolderMismatch``) when ``out``'s latents.json (``previous``; {} for a new folder) was written
+    with other settings than these."""
+    previous = {**LATER_SETTINGS, **previous} if previous else previous
     for key in SETTINGS:
         if key in previous and key in settings and previous[key] != settings[key]:
             raise FolderMismatch(f"{out} was encoded with {key}={previous[key]!r} but this run asks for "
