@@ -4,6 +4,7 @@ import contextlib
 import importlib
 import io
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -331,6 +332,40 @@ def test_lora_step_ratios_pair_each_lora_row_with_full_fine_tuning_and_the_peer_
     assert compared == {"batch": 4, "setting": "adamw8bit+checkpointing+text_cache", "lora_vs_full_images_per_s": 1.5,
                         "lora_vs_full_peak": None, "lora_vs_full_estimate": 0.25, "lora_vs_peer_images_per_s": 1.25,
                         "lora_vs_peer_peak": None}
+
+
+def test_dpo_step_bench_times_dpo_against_the_same_adapters_plain_step_at_b_and_2b_images(tmp_path):
+    stdout, result = run_bench("dpo_step.py", "--smoke", "--whole_unet", "--device", "cpu",
+                               "--json", str(tmp_path / "out.json"))
+    assert result == json.loads((tmp_path / "out.json").read_text())
+    assert (result["unet"], result["resolution"], result["pairs"], result["steps"], result["repeats"]) == (
+        "tiny", 32, 2, 2, 1)
+    rows = {row["name"]: row for row in result["rows"]}
+    assert list(rows) == ["plain-lora B", "plain-lora 2B", "dpo-lora", "plain-whole B", "plain-whole 2B", "dpo-whole"]
+    # B = 2 pairs: DPO runs 2B images with gradients and 2B more through the reference, without
+    assert [(row["images_with_grad"], row["images_through_unet"]) for row in rows.values()] == [(2, 2), (4, 4),
+                                                                                                (4, 8)] * 2
+    # each DPO run starts as its reference (a LoRA's up-projection is zero, a whole UNet's copy is equal): the
+    # logits are 0 and the first loss is -log sigmoid(0) = ln 2; the plain runs' first loss is an MSE
+    for name, row in rows.items():
+        assert (row["first_loss"] == pytest.approx(math.log(2), abs=1e-6)) == name.startswith("dpo")
+    assert rows["plain-lora B"]["trainable_params"] == rows["dpo-lora"]["trainable_params"] == 11_008
+    assert rows["plain-whole B"]["trainable_params"] == rows["dpo-whole"]["trainable_params"] == 803_204
+    for row in rows.values():
+        assert len(row["step_s"]) == 1 and row["step_ms"] == round(1000 * row["step_s"][0], 2) > 0
+        assert "peak_allocated_gb" not in row and "estimate_bytes" not in row  # a CPU run, --smoke: no estimate
+    if rows["dpo-whole"]["host_build_mib"] is not None:  # /proc/self/clear_refs writable: the host's peak, reset
+        # the whole UNet's frozen reference: 803,204 fp32 weights, 3.06 MiB, built only for DPO
+        assert rows["dpo-whole"]["host_build_mib"] - rows["plain-whole B"]["host_build_mib"] > 2.0
+    compared = {entry["adapter"]: entry for entry in result["ratios"]}
+    assert list(compared) == ["lora", "whole"]
+    for adapter, entry in compared.items():
+        for side in ("B", "2B"):
+            plain = rows[f"plain-{adapter} {side}"]["step_ms"]
+            assert entry[f"step_vs_plain_{side}"] == round(rows[f"dpo-{adapter}"]["step_ms"] / plain, 3)
+            assert entry[f"peak_vs_plain_{side}"] is None and entry[f"estimate_vs_plain_{side}"] is None
+    assert result["summary"] in stdout
+    assert f"dpo-lora (2 pairs): {compared['lora']['step_vs_plain_2B']:.2f}x the step time of plain lora on 4" in stdout
 
 
 def test_bucket_cycles_hold_exactly_the_square_pixels_and_only_sizes_the_unet_takes():
