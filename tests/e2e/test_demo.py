@@ -36,7 +36,7 @@ SMALL_DEMO = {"DEMO_SIZE": "32", "DEMO_COUNT": "1200", "DEMO_VAE_STEPS": "500", 
               "DEMO_N": "4", "DEMO_NPROC": "2", "DEMO_THREADS": THREADS,
               "DEMO_TRAIN_FLAGS": "--unet tiny --max_steps 500 --warmup_steps 30 --validate_every 500 --save_steps 500",
               "DEMO_CONCEPT": "0", "DEMO_ASPECT": "0", "DEMO_LCM": "0", "DEMO_CONTROL": "0", "DEMO_POSTHOC": "0",
-              "DEMO_FLOW": "0"}
+              "DEMO_FLOW": "0", "DEMO_DPO": "0"}
 # The smoke (make test): the small run's steps, each a few iterations on a few images, one sample a prompt.
 SMOKE = {**SMALL_DEMO, "DEMO_COUNT": "96", "DEMO_VAE_STEPS": "4", "DEMO_N": "1",
          "DEMO_TRAIN_FLAGS": "--unet tiny --max_steps 4 --warmup_steps 1 --validate_every 4 --save_steps 4"}

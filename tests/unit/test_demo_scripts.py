@@ -81,6 +81,33 @@ def test_the_few_step_table_reads_each_rows_scores_and_prints_fid_as_a_number(tm
     assert lines[1].split()[-4:] == ["100%", "100%", "100%", "25%"] and "LCM 4 steps" in lines[2]
 
 
+def test_the_preference_row_splits_the_prompts_in_halves_and_reports_each_models_halves(tmp_path, capsys):
+    from demo.preference import cost, halves, report
+
+    demo_prompts = {"palette": {"red": [220, 30, 30]}, "shapes": ["circle"], "background": [255, 255, 255],
+                    "seen": [f"seen {i}" for i in range(5)], "held_out": ["held 0", "held 1"]}
+    (tmp_path / "demo_prompts.json").write_text(json.dumps(demo_prompts))
+    split = halves(tmp_path / "demo_prompts.json", tmp_path, repeats=3)
+    assert split["seen"] == ["seen 0", "seen 2", "seen 4", "held 1"] and split["held_out"] == ["seen 1", "seen 3", "held 0"]
+    assert (tmp_path / "draw_prompts.txt").read_text().splitlines() == split["seen"] * 3  # never an unseen prompt
+    assert json.loads((tmp_path / "halves.json").read_text())["palette"] == demo_prompts["palette"]
+    for model, both in (("base", 0.5), ("dpo", 0.75)):
+        for half, group in (("pairs", "seen"), ("unseen", "held_out")):
+            scores = {group: {"colour": 1.0, "shape": both, "both": both, "n": 16}}
+            (tmp_path / f"eval_{model}_{half}.json").write_text(json.dumps(scores))
+    (tmp_path / "latents").mkdir()
+    (tmp_path / "latents" / "latents.json").write_text(json.dumps({"count": 96}))
+    (tmp_path / "train").mkdir()
+    (tmp_path / "train" / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 0.6}) + "\n"
+                                                               for s in (10, 20)))
+    assert cost(tmp_path, draw_s=90, train_s=30) == {"draw_s": 90, "train_s": 30, "pairs": 96, "steps": 20}
+    table = report(tmp_path)
+    assert table["base"] == {half: {"colour": 1.0, "shape": 0.5, "both": 0.5} for half in ("pairs", "unseen")}
+    assert table["dpo"]["unseen"]["both"] == 0.75 and table["dpo"]["cost"] == {"steps": 20, "pairs": 96,
+                                                                                "minutes": 2.0}
+    assert "Diffusion-DPO" in capsys.readouterr().out
+
+
 def test_control_images_carry_their_silhouettes_and_a_drawn_shape_matches_its_mask(tmp_path):
     """demo/control.py: each image's seg member is its shape's silhouette (IoU above 0.9 against the shape as
     the report finds it), and the report's IoU is low for the same shape elsewhere."""
