@@ -134,9 +134,10 @@ def train_locked(config: TrainConfig, d: Dist) -> int:
         source = (f"{len(run.train_data.splits)} dataset(s)" if run.train_data.splits
                   else f"instance_dir {config.subject.instance_dir}")
         log.info("%d training samples in %s, latents %s; %d steps/epoch, %d steps in all; "
-                 "%d images per optimizer step (batch_size %d x %d GPU(s) x grad_accum %d%s)", len(run.train_data),
+                 "%d %s per optimizer step (batch_size %d x %d GPU(s) x grad_accum %d%s)", len(run.train_data),
                  source, " ".join(str(s) for s in run.train_data.shapes), run.steps_per_epoch,
-                 run.total_steps, config.batch_size * config.grad_accum * d.world_size, config.batch_size,
+                 run.total_steps, config.batch_size * config.grad_accum * d.world_size,
+                 run.step.objective.batch_unit, config.batch_size,
                  d.world_size, config.grad_accum,
                  f", set by global_batch {config.global_batch}" if config.global_batch else
                  "; global_batch keeps it on any number of GPUs")

@@ -83,12 +83,17 @@ def report(out: Path) -> dict:
         row = {half: scores for half in HALVES if (scores := scores_of(out, model, half)) is not None}
         if row:
             table[model] = row
-    if (out / "cost.json").exists():
+    numbers = tuple(f"{half} fid" for half in HALVES)
+    if (out / "cost.json").exists() and "dpo" in table:
         cost = json.loads((out / "cost.json").read_text())
-        if "dpo" in table:
-            table["dpo"]["cost"] = {"steps": cost.get("steps"), "pairs": cost.get("pairs"),
-                                    "minutes": round((cost.get("draw_s", 0) + cost.get("train_s", 0)) / 60, 1)}
-    return report_table(out / "preference.json", table, MODELS, numbers=("fid", "steps", "pairs", "minutes"))
+        table["dpo"]["cost"] = {"steps": cost.get("steps"), "pairs": cost.get("pairs"),
+                                "minutes": round((cost.get("draw_s", 0) + cost.get("train_s", 0)) / 60, 1)}
+        print(f"DPO's cost: {cost.get('pairs')} pairs drawn and ranked in {cost.get('draw_s', 0) / 60:.1f} min, "
+              f"encoded and trained {cost.get('steps')} steps in {cost.get('train_s', 0) / 60:.1f} min")
+    shown = {model: {half: scores for half, scores in row.items() if half in HALVES} for model, row in table.items()}
+    report_table(out / "preference.json", shown, MODELS, numbers=numbers)
+    sd.files.write_text_atomic(out / "preference.json", json.dumps(table, indent=1) + "\n")
+    return table
 
 
 def main(argv=None) -> int:

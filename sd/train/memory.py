@@ -851,8 +851,10 @@ def report(config, resolution: int, gpu_memory_gb: float, world_size: int = 1) -
         shown = config.batch_size or batch or 1  # batch_size: auto shows the batch it would choose
         at_config = run(shown)
     gpus = f", each of {world_size} GPUs in {wrapper}" if world_size > 1 else ""
+    unit = config.objective.batch_unit  # what batch_size counts: images, or DPO's pairs
     print(f"Predicted device memory of one training step{gpus}: {config.unet} UNet, {resolution} px, "
-          f"micro-batch {shown}{' (auto)' if not config.batch_size else ''} x grad_accum {at_config.grad_accum}, "
+          f"micro-batch {shown}{f' {unit}' if unit != 'images' else ''}"
+          f"{' (auto)' if not config.batch_size else ''} x grad_accum {at_config.grad_accum}, "
           f"{config.precision}, gradient checkpointing "
           f"{'on' if config.grad_checkpointing else 'off'}, EMA "
           f"{'off' if config.ema_decay == 0 else 'on the CPU' if config.ema_device == 'cpu' else 'on the GPU'}")
@@ -864,7 +866,8 @@ def report(config, resolution: int, gpu_memory_gb: float, world_size: int = 1) -
         print(f"  {name:<32}{size / GB:9.3f} GB")
     if batch:
         print(f"Largest micro-batch within {gpu_memory_gb:.2f} GB"
-              f"{f' that makes global_batch {config.global_batch}' if config.global_batch else ''}: {batch} (peak "
+              f"{f' that makes global_batch {config.global_batch}' if config.global_batch else ''}: {batch}"
+              f"{f' {unit}' if unit != 'images' else ''} (peak "
               f"{at_max.peak_gb:.2f} GB)")
     advice = []
     if not batch:

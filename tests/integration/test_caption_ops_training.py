@@ -61,7 +61,7 @@ def recorded_ids(monkeypatch) -> list:
     def record(step, micro_batches, step_index, stop_requested=False):
         seen.append(torch.cat([ids for _, ids in micro_batches]))
         return {"loss": 1.0, "grad_norm": 1.0, "bad": False, "overflow": False, "stop": False,
-                "loss_quartiles": [None] * 4}
+                "loss_quartiles": [None] * 4, "measured": {}}
 
     monkeypatch.setattr(sd.train.step, "train_step", record)
     return seen

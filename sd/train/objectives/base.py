@@ -89,6 +89,7 @@ class Objective:
     what: str | None = None
     uses_base = False
     starts_from_base = ""  # uses_base, a whole-UNet run's first start: the log's line on where it starts
+    batch_unit = "images"  # what batch_size counts, in messages
     batch_inputs: tuple[str, ...] = ()
     missing_inputs = ""
     statistics: tuple[str, ...] = ()

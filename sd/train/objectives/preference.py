@@ -109,6 +109,7 @@ class DirectPreference(Objective):
     missing_inputs = "each pair's rejected latents (a latent folder encoded with encode_latents.py --pairs)"
     statistics = ("reward_accuracy", "reward_margin", "model_mse", "reference_mse")
     held_as = "reference"
+    batch_unit = "pairs"  # batch_size counts pairs: twice the images go through the UNet, with and without gradients
 
     def __init__(self, settings: PreferenceSettings, reference=None):
         self.settings = settings
