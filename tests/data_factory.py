@@ -134,3 +134,22 @@ def draw_subject(folder: Path) -> Path:
         image[top : top + 16, left : left + 16] = (20, 190, 200)
         Image.fromarray(image).save(folder / f"sks_{i}.png")
     return folder
+
+
+def make_pairs(root: Path, n_train: int = 16, n_val: int = 4, size: int = 8, seed: int = 0) -> dict:
+    """Preference pairs of a toy set, as encode_latents.py --pairs writes them (shards of 8, each with its
+    NNNNN.rejected.npy) with their captions: each caption's class fixes a latent pattern; the preferred latent is
+    its own class's, the rejected one the next class's (the wrong picture for the caption)."""
+    rng = np.random.default_rng(seed)
+    patterns = rng.normal(0, 5, size=(len(WORDS), 4, size, size))  # about unit variance once scaled
+    n = n_train + n_val
+    classes = np.arange(n) % len(WORDS)
+    preferred = patterns[classes] + rng.normal(0, 0.5, size=(n, 4, size, size))
+    rejected = patterns[(classes + 1) % len(WORDS)] + rng.normal(0, 0.5, size=(n, 4, size, size))
+    keys = [f"p{i:05d}" for i in range(n)]
+    folder = make_latents(root / "latents", keys, preferred, shard_size=8)
+    for shard, start in enumerate(range(0, n, 8)):
+        np.save(folder / f"{shard:05d}.rejected.npy", rejected[start : start + 8].astype(np.float16))
+    rows = list(zip(keys, [f"a {WORDS[c]}" for c in classes]))
+    make_captions(root / "captions", rows[:n_train], rows[n_train:])
+    return {"dataset": str(root / "captions"), "latents": str(folder)}

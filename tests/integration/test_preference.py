@@ -23,7 +23,7 @@ import SD_ImageGen
 import SD_Train
 from sd.train.config import TrainConfig
 
-from data_factory import BASE, WORDS, assert_bitwise_equal, checkpoint_state, make_captions, make_latents
+from data_factory import BASE, assert_bitwise_equal, checkpoint_state, make_captions, make_latents, make_pairs
 from sd.distributed import Dist
 from margins import at_least
 
@@ -31,24 +31,6 @@ pytestmark = pytest.mark.slow
 DPO = dict(BASE, preference={"method": "dpo", "beta": 500.0}, min_snr_gamma=0.0, cfg_dropout=0.0, lr=1e-3,
            warmup_steps=0, batch_size=2, grad_accum=2, ema_decay=0.0)
 WEIGHTS = ("unet", "adapter", "ema", "lora_base")
-
-
-def make_pairs(root: Path, n_train: int = 16, n_val: int = 4, size: int = 8, seed: int = 0) -> dict:
-    """Pairs of a toy set: each caption's class fixes a latent pattern; the preferred latent is its own class's,
-    the rejected one the next class's (the wrong picture for the caption)."""
-    rng = np.random.default_rng(seed)
-    patterns = rng.normal(0, 5, size=(len(WORDS), 4, size, size))  # about unit variance once scaled
-    n = n_train + n_val
-    classes = np.arange(n) % len(WORDS)
-    preferred = patterns[classes] + rng.normal(0, 0.5, size=(n, 4, size, size))
-    rejected = patterns[(classes + 1) % len(WORDS)] + rng.normal(0, 0.5, size=(n, 4, size, size))
-    keys = [f"p{i:05d}" for i in range(n)]
-    folder = make_latents(root / "latents", keys, preferred, shard_size=8)
-    for shard, start in enumerate(range(0, n, 8)):
-        np.save(folder / f"{shard:05d}.rejected.npy", rejected[start : start + 8].astype(np.float16))
-    rows = list(zip(keys, [f"a {WORDS[c]}" for c in classes]))
-    make_captions(root / "captions", rows[:n_train], rows[n_train:])
-    return {"dataset": str(root / "captions"), "latents": str(folder)}
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ import sd.model
 import sd.run_folder
 import SD_Train
 
-from data_factory import BASE, WORDS, make_base_pipeline, make_captions, make_latents
+from data_factory import BASE, WORDS, make_base_pipeline, make_pairs
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -259,26 +259,9 @@ def test_samples_without_a_usable_rejected_image_are_skipped_counted_and_named(t
     assert "pairs=False" in capsys.readouterr().err and files_of(plain) == before
 
 
-def latent_pairs(root: Path, n_train: int = 16, size: int = 8) -> dict:
-    """A latent folder of pairs as encode_latents.py --pairs writes one (two shards of 8, each with its
-    NNNNN.rejected.npy) and its captions: each caption's class fixes the preferred latents' pattern, the rejected
-    latents take the next class's."""
-    rng = np.random.default_rng(4)
-    patterns = rng.normal(0, 5, size=(len(WORDS), 4, size, size))
-    classes = np.arange(n_train) % len(WORDS)
-    preferred = patterns[classes] + rng.normal(0, 0.5, size=(n_train, 4, size, size))
-    rejected = patterns[(classes + 1) % len(WORDS)] + rng.normal(0, 0.5, size=(n_train, 4, size, size))
-    keys = [f"p{i:05d}" for i in range(n_train)]
-    folder = make_latents(root / "latents", keys, preferred, shard_size=8)
-    for shard, start in enumerate(range(0, n_train, 8)):
-        np.save(folder / f"{shard:05d}.rejected.npy", rejected[start : start + 8].astype(np.float16))
-    make_captions(root / "captions", list(zip(keys, [f"a {WORDS[c]}" for c in classes])), [])
-    return {"dataset": str(root / "captions"), "latents": str(folder)}
-
-
 def test_two_ranks_train_a_dpo_lora_to_the_same_weights(base_model, tmp_path):
     config = tmp_path / "two.yaml"
-    config.write_text(yaml.safe_dump({**DPO, "datasets": [latent_pairs(tmp_path / "pairs")],
+    config.write_text(yaml.safe_dump({**DPO, "datasets": [make_pairs(tmp_path / "pairs", n_val=0)],
                                       "init_from": str(base_model), "max_steps": 4, "out_dir": str(tmp_path / "run")}))
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                              str(ROOT / "SD_Train.py"), "--config", str(config)], cwd=ROOT, capture_output=True,
