@@ -17,6 +17,8 @@
 #                       two runs; DEMO_REFLOW_PAIRS: the reflow pairs drawn (2048)
 #   DEMO_CONTROL=0      leaves out the ControlNet step (13); DEMO_CONTROL_COUNT: its training images (2000);
 #                       DEMO_CONTROL_FLAGS: extra SD_Train.py flags of its run
+#   DEMO_DPO=0          leaves out the preference-tuning step (14); DEMO_DPO_REPEATS: draw lines per prompt of its
+#                       pairs half (24), each drawn DEMO_DPO_K times (4); DEMO_DPO_FLAGS: extra SD_Train.py flags
 #   DEMO_ASPECT=0       leaves out the aspect-ratio step; DEMO_ASPECT_COUNT: its wide, tall and square
 #                       images (600); DEMO_ASPECT_FLAGS: extra SD_Train.py flags of its two runs;
 #                       DEMO_ASPECT_RUNS: which models it samples (base buckets square); DEMO_WIDE: its wide
@@ -51,39 +53,39 @@ sample_row() {
       --out "$folder/eval_$row.json"
 }
 
-step "1/14 synthetic captioned images (pipeline/00_make_demo_data.py)"
+step "1/15 synthetic captioned images (pipeline/00_make_demo_data.py)"
 $PY pipeline/00_make_demo_data.py --out "$OUT/shards" --count "$COUNT" --size "$SIZE" --vae_count $((COUNT / 3)) \
     --vae_out "$OUT/vae_shards"
 
-step "2/14 a VAE for these images and the same shapes in cyan, a colour the UNet never sees (train_vae.py)"
+step "2/15 a VAE for these images and the same shapes in cyan, a colour the UNet never sees (train_vae.py)"
 if [ -f "$OUT/vae/config.json" ]; then echo "$OUT/vae exists"; else
   $PY train_vae.py --shards "$OUT/*shards/*.tar" --out "$OUT/vae" --resolution "$SIZE" --max_steps "$VAE_STEPS" \
       --seed 0 ${DEMO_VAE_FLAGS:-}
 fi
 
-step "3/14 latents, token ids, training dataset (encode_latents.py, stages 04 and 05)"
+step "3/15 latents, token ids, training dataset (encode_latents.py, stages 04 and 05)"
 $PY encode_latents.py --shards "$OUT/shards/*.tar" --out "$OUT/latents" --vae "$OUT/vae" --resolution "$SIZE" \
     --batch_size 64 --workers 2
 $PY pipeline/04_preprocess_to_cache.py --shards "$OUT/shards/*.tar" --out "$OUT/captions" --tokenizer tiny
 $PY pipeline/05_build_hf_dataset.py --captions "$OUT/captions" --latents "$OUT/latents" --out "$OUT/dataset" \
     --val_fraction 0.03
 
-step "4/14 the UNet, $NPROC ranks (torchrun SD_Train.py --config configs/demo.yaml)"
+step "4/15 the UNet, $NPROC ranks (torchrun SD_Train.py --config configs/demo.yaml)"
 # shellcheck disable=SC2086  # DEMO_TRAIN_FLAGS is a list of flags
 $PY -m torch.distributed.run --standalone --nproc_per_node "$NPROC" SD_Train.py --config configs/demo.yaml \
     --datasets "[{dataset: $OUT/dataset, latents: $OUT/latents}]" --vae "$OUT/vae" --out_dir "$OUT/train" \
     ${DEMO_TRAIN_FLAGS:-}
 
-step "5/14 samples of seen and held-out prompts with the EMA weights (SD_ImageGen.py)"
+step "5/15 samples of seen and held-out prompts with the EMA weights (SD_ImageGen.py)"
 rm -rf "$OUT/samples"
 $PY SD_ImageGen.py --ckpt "$OUT/train" --prompts_file "$OUT/shards/prompts.txt" --n "$N" --steps 25 --cfg 3.5 \
     --seed 0 --height "$SIZE" --width "$SIZE" --batch_size 16 --out "$OUT/samples"
 
-step "6/14 prompt adherence (demo/evaluate.py) and FID against fresh ground-truth drawings (demo/fid.py, SD_Eval.py)"
+step "6/15 prompt adherence (demo/evaluate.py) and FID against fresh ground-truth drawings (demo/fid.py, SD_Eval.py)"
 $PY demo/evaluate.py --images "$OUT/samples" --prompts "$OUT/shards/demo_prompts.json" --out "$OUT/eval.json"
 $PY demo/fid.py --samples "$OUT/samples" --prompts "$OUT/shards/demo_prompts.json" --out "$OUT/fid"
 
-step "7/14 post-hoc EMA: EMAs of three lengths rebuilt after training from the run's snapshots, their FID beside the classic EMA's (SD_ImageGen.py --ema_length, demo/posthoc.py)"
+step "7/15 post-hoc EMA: EMAs of three lengths rebuilt after training from the run's snapshots, their FID beside the classic EMA's (SD_ImageGen.py --ema_length, demo/posthoc.py)"
 LENGTHS=${DEMO_POSTHOC_LENGTHS:-0.05,0.10,0.20}
 if [ "${DEMO_POSTHOC:-1}" = 0 ]; then echo "left out (DEMO_POSTHOC=0)"; else
   for length in ${LENGTHS//,/ }; do
@@ -96,7 +98,7 @@ if [ "${DEMO_POSTHOC:-1}" = 0 ]; then echo "left out (DEMO_POSTHOC=0)"; else
   $PY demo/posthoc.py --out "$OUT" --lengths "$LENGTHS"
 fi
 
-step "8/14 a new concept, cyan: a DreamBooth LoRA ('a sks circle') with and without prior preservation, a learned token ('a <cyan-sks> circle'), and both together (pivotal tuning)"
+step "8/15 a new concept, cyan: a DreamBooth LoRA ('a sks circle') with and without prior preservation, a learned token ('a <cyan-sks> circle'), and both together (pivotal tuning)"
 CONCEPT=$OUT/concept
 if [ "${DEMO_CONCEPT:-1}" = 0 ]; then echo "left out (DEMO_CONCEPT=0)"; else
   $PY demo/concept.py images --prompts "$OUT/shards/demo_prompts.json" --out "$CONCEPT" --vae "$OUT/vae" \
@@ -119,7 +121,7 @@ if [ "${DEMO_CONCEPT:-1}" = 0 ]; then echo "left out (DEMO_CONCEPT=0)"; else
     $PY SD_ImageGen.py --ckpt "$CONCEPT/pivotal" --export_lora "$CONCEPT/pivotal_lora/cyan.safetensors"
   fi
 
-  step "9/14 the seen prompts and the concept, sampled before and after (SD_ImageGen.py, demo/evaluate.py)"
+  step "9/15 the seen prompts and the concept, sampled before and after (SD_ImageGen.py, demo/evaluate.py)"
   for run in base ${DEMO_CONCEPT_RUNS:-prior no_prior embedding pivotal}; do
     if [ "$run" = base ]; then ckpt=$OUT/train; else ckpt=$CONCEPT/$(run_dir "$run"); fi
     prompts=$CONCEPT/prompts.txt
@@ -133,7 +135,7 @@ if [ "${DEMO_CONCEPT:-1}" = 0 ]; then echo "left out (DEMO_CONCEPT=0)"; else
   $PY demo/concept.py report --out "$CONCEPT"
 fi
 
-step "10/14 aspect-ratio buckets: wide and tall images with the shape at one end, trained in buckets and as centre squares"
+step "10/15 aspect-ratio buckets: wide and tall images with the shape at one end, trained in buckets and as centre squares"
 ASPECT=$OUT/aspect
 if [ "${DEMO_ASPECT:-1}" = 0 ]; then echo "left out (DEMO_ASPECT=0)"; else
   $PY demo/aspect.py images --prompts "$OUT/shards/demo_prompts.json" --out "$ASPECT" --count "${DEMO_ASPECT_COUNT:-600}"
@@ -161,7 +163,7 @@ if [ "${DEMO_ASPECT:-1}" = 0 ]; then echo "left out (DEMO_ASPECT=0)"; else
   $PY demo/aspect.py report --out "$ASPECT" --prompts "$OUT/shards/demo_prompts.json"
 fi
 
-step "11/14 few-step sampling: the UNet distilled into a latent consistency model (SD_Train.py --config configs/demo_lcm.yaml), sampled in 2, 4 and 8 steps beside DDIM in 50, 4 and 2"
+step "11/15 few-step sampling: the UNet distilled into a latent consistency model (SD_Train.py --config configs/demo_lcm.yaml), sampled in 2, 4 and 8 steps beside DDIM in 50, 4 and 2"
 LCM=$OUT/lcm_eval
 if [ "${DEMO_LCM:-1}" = 0 ]; then echo "left out (DEMO_LCM=0)"; else
   # shellcheck disable=SC2086  # DEMO_LCM_FLAGS is a list of flags
@@ -177,7 +179,7 @@ if [ "${DEMO_LCM:-1}" = 0 ]; then echo "left out (DEMO_LCM=0)"; else
   $PY demo/lcm.py --out "$LCM" --reference "$OUT/fid/reference"
 fi
 
-step "12/14 flow matching: the demo model fine-tuned to a rectified flow (configs/demo_flow.yaml), sampled in 25, 8 and 4 Euler steps; reflowed on 2048 pairs of its own ODE (SD_Reflow.py, configs/demo_reflow.yaml) and sampled in 2 and 1"
+step "12/15 flow matching: the demo model fine-tuned to a rectified flow (configs/demo_flow.yaml), sampled in 25, 8 and 4 Euler steps; reflowed on 2048 pairs of its own ODE (SD_Reflow.py, configs/demo_reflow.yaml) and sampled in 2 and 1"
 FLOW=$OUT/flow
 if [ "${DEMO_FLOW:-1}" = 0 ]; then echo "left out (DEMO_FLOW=0)"; else
   # shellcheck disable=SC2086  # DEMO_FLOW_FLAGS is a list of flags
@@ -204,7 +206,7 @@ if [ "${DEMO_FLOW:-1}" = 0 ]; then echo "left out (DEMO_FLOW=0)"; else
   $PY demo/flow.py --out "$FLOW" --lcm "$LCM" --reference "$OUT/fid/reference"
 fi
 
-step "13/14 spatial control: a ControlNet on the frozen demo model draws the shape where a silhouette says (SD_Train.py --config configs/demo_control.yaml)"
+step "13/15 spatial control: a ControlNet on the frozen demo model draws the shape where a silhouette says (SD_Train.py --config configs/demo_control.yaml)"
 CONTROL=$OUT/control
 if [ "${DEMO_CONTROL:-1}" = 0 ]; then echo "left out (DEMO_CONTROL=0)"; else
   $PY demo/control.py images --prompts "$OUT/shards/demo_prompts.json" --out "$CONTROL" --size "$SIZE" \
@@ -229,7 +231,40 @@ if [ "${DEMO_CONTROL:-1}" = 0 ]; then echo "left out (DEMO_CONTROL=0)"; else
   $PY demo/control.py report --prompts "$OUT/shards/demo_prompts.json" --out "$CONTROL"
 fi
 
-step "14/14 done"
+step "14/15 preference tuning: Diffusion-DPO of the demo model on pairs of its own drawings for half of the prompts, ranked by the colour-and-shape oracle (pipeline/01g_draw_pairs.py, SD_Train.py --config configs/demo_dpo.yaml), scored on both halves"
+DPO=$OUT/dpo
+if [ "${DEMO_DPO:-1}" = 0 ]; then echo "left out (DEMO_DPO=0)"; else
+  $PY demo/preference.py halves --prompts "$OUT/shards/demo_prompts.json" --out "$DPO" --repeats "${DEMO_DPO_REPEATS:-24}"
+  began=$(date +%s)
+  $PY pipeline/01g_draw_pairs.py --model "$OUT/train" --prompts "$DPO/draw_prompts.txt" --out "$DPO/draw" \
+      --per_prompt "${DEMO_DPO_K:-4}" --scorer demo.evaluate:preference_score --steps 25 --cfg 3.5 --seed 0 \
+      --width "$SIZE" --height "$SIZE" --batch_size 64
+  drawn=$(date +%s)
+  $PY encode_latents.py --shards "$DPO/draw/shards/*.tar" --out "$DPO/latents" --vae "$OUT/vae" --resolution "$SIZE" \
+      --pairs --batch_size 64 --workers 2
+  $PY pipeline/04_preprocess_to_cache.py --shards "$DPO/draw/shards/*.tar" --out "$DPO/captions" --tokenizer tiny
+  $PY pipeline/05_build_hf_dataset.py --captions "$DPO/captions" --latents "$DPO/latents" --out "$DPO/dataset" \
+      --val_fraction 0
+  # shellcheck disable=SC2086  # DEMO_DPO_FLAGS is a list of flags
+  $PY SD_Train.py --config configs/demo_dpo.yaml --init_from "$OUT/train" --vae "$OUT/vae" \
+      --datasets "[{dataset: $DPO/dataset, latents: $DPO/latents}]" --out_dir "$DPO/train" ${DEMO_DPO_FLAGS:-}
+  trained=$(date +%s)
+  $PY demo/preference.py cost --out "$DPO" --draw_s $((drawn - began)) --train_s $((trained - drawn))
+  for half in pairs unseen; do
+    for model in base dpo; do
+      if [ "$model" = base ]; then ckpt=$OUT/train; else ckpt=$DPO/train; fi
+      rm -rf "$DPO/samples_${model}_$half"
+      $PY SD_ImageGen.py --ckpt "$ckpt" --prompts_file "$DPO/prompts_$half.txt" --n "$N" --steps 25 --cfg 3.5 --seed 0 \
+          --height "$SIZE" --width "$SIZE" --batch_size 16 --out "$DPO/samples_${model}_$half"
+      $PY demo/evaluate.py --images "$DPO/samples_${model}_$half" --prompts "$DPO/halves.json" \
+          --out "$DPO/eval_${model}_$half.json"
+    done
+    $PY demo/fid.py --samples "$DPO/samples_base_$half" --prompts "$DPO/halves.json" --out "$DPO/fid_$half"
+  done
+  $PY demo/preference.py report --out "$DPO"
+fi
+
+step "15/15 done"
 cat <<SUMMARY
   sample grid        $OUT/samples/grid.png (rows: the seen prompts, then the held-out ones)
   loss curve         $OUT/train/loss.png
@@ -248,5 +283,7 @@ cat <<SUMMARY
                      the reflowed model's 2 and 1; LCM's 2 and 4 beside them when step 11 ran)
   spatial control    $CONTROL/control.json ($CONTROL/control.png: masks, ControlNet and demo-model samples; the
                      ControlNet for ComfyUI and AUTOMATIC1111: $CONTROL/controlnet_seg.safetensors)
+  preference tuning  $DPO/preference.json ($DPO/samples_base|dpo_pairs|unseen/grid.png: the demo model and its DPO
+                     tuning on the prompts pairs were drawn for and on those never in a pair)
   aspect buckets     $ASPECT/aspect.json ($ASPECT/samples_*_wide|tall/grid.png: base, buckets, centre squares)
 SUMMARY

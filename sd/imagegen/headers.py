@@ -31,9 +31,12 @@ def file_header(kind: str, out: str | Path, model: Pipeline, source: str | None,
     record = record or training_record(source)
     resolution = sd.metadata.training_resolution(record.config) if record else None
     date = record.saved_at if record else None
-    return sd.metadata.modelspec(kind, Path(out).name.removesuffix(".safetensors"), model.prediction_type,
-                                 resolution or sd.metadata.model_resolution(model.unet),
-                                 source_time(source) if date is None else date)
+    header = sd.metadata.modelspec(kind, Path(out).name.removesuffix(".safetensors"), model.prediction_type,
+                                   resolution or sd.metadata.model_resolution(model.unet),
+                                   source_time(source) if date is None else date)
+    if record and kind == "checkpoint":  # a model tuned on preference pairs says so (a LoRA's ss_* keys do)
+        header.update(sd.metadata.preference_keys(record.preference, record.config.get("init_from")))
+    return header
 
 
 def source_time(source: str | None) -> float:

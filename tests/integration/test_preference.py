@@ -100,6 +100,12 @@ def test_a_whole_unet_dpo_resumes_bit_for_bit_and_refuses_a_changed_beta(base_mo
     train(tmp_path, "b", "--stop_at_step", "2", **common)
     resumed = train(tmp_path, "b", **common)
     assert_bitwise_equal(checkpoint_state(straight, 4, WEIGHTS), checkpoint_state(resumed, 4, WEIGHTS))
+    out = tmp_path / "dpo.safetensors"  # a model tuned on pairs says so in its single file's header
+    assert SD_ImageGen.main(["--ckpt", str(straight), "--export_single_file", str(out)]) == 0
+    from safetensors import safe_open
+
+    with safe_open(str(out), "pt") as file:
+        assert json.loads(file.metadata()["sd_preference"])["method"] == "dpo"
     path = tmp_path / "changed.yaml"
     path.write_text(yaml.safe_dump({**DPO, **common, "out_dir": str(tmp_path / "b"), "max_steps": 6,
                                     "preference": {"method": "dpo", "beta": 1000.0}}))
