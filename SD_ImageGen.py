@@ -1,7 +1,7 @@
 """Sample images from a trained SD 1.x model, and export it to the formats other tools load.
 
     python SD_ImageGen.py --ckpt PATH --prompt "..." [--negative "..."] [--steps 100] [--cfg 7.5]
-                          [--seed 0] [--n 4] [--batch_size 4] [--sampler auto|ddim|dpm++|euler|lcm|flow_euler|flow_heun] [--no_ema]
+                          [--seed 0] [--n 4] [--batch_size 4] [--sampler auto|ddim|dpm++|euler|lcm|onestep|flow_euler|flow_heun] [--no_ema]
                           [--height H --width W] [--device auto] --out DIR
     python SD_ImageGen.py --ckpt runs/p7_consolidation --export_diffusers exported/sd1
     python SD_ImageGen.py --ckpt runs/p7_consolidation --export_single_file sd1.safetensors --half
@@ -19,7 +19,10 @@ diffusers pipeline folder or hub id, or a single ``.safetensors`` / ``.ckpt`` fi
 SD layout. Image i of a prompt uses seed ``--seed + i``: the same seed gives the same image whatever
 the batch size. Each PNG stores its generation parameters in a ``parameters`` text chunk.
 ``--sampler lcm`` samples a latent consistency model: 4 steps at ``--cfg 1`` unless they are given;
-it is the default (``--sampler auto``) for a run of ours trained with ``distill: lcm``, ``flow_euler`` for
+it is the default (``--sampler auto``) for a run of ours trained with ``distill: lcm``. ``--sampler onestep``
+samples a DMD generator (``distill: dmd``) in the steps it was trained for (1 to 4: from pure noise at
+999, its image noised again for each further step) at ``--cfg 1``; it is the default for such a run and
+for a single file exported from one (its header records ``generator_timesteps``). ``flow_euler`` is the default for
 a model trained as a flow (``prediction_type: flow``, or ``flow_matching``: Euler on the flow ODE, as
 diffusers' ``FlowMatchEulerDiscreteScheduler``; ``flow_heun`` its Heun), DDIM otherwise. The default step
 count suits the sampler: 100 for DDIM and Euler, 25 for DPM++ (second order), 4 for LCM, 50 for flow_euler

@@ -57,7 +57,8 @@ class ValidationConfig:
                          allowed=NON_NEGATIVE)
     sampler: str = setting("sampler of the validation samples: auto (flow_euler for a flow run, ddim "
                            "otherwise), ddim, dpm++, euler, lcm (a distill: lcm run: e.g. 4 validation_steps "
-                           "at validation_cfg 1), flow_euler or flow_heun", "auto")
+                           "at validation_cfg 1), onestep (auto in a distill: dmd run: validation_steps dmd.steps at "
+                           "validation_cfg 1), flow_euler or flow_heun", "auto")
     width: int = setting("width of the validation samples in pixels, a multiple of 8; 0 = the training "
                          "latents' size (with aspect-ratio buckets: the bucket nearest square)", 0,
                          allowed=NON_NEGATIVE)

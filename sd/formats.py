@@ -96,21 +96,24 @@ def check_fits(model, state: dict[str, torch.Tensor], source) -> None:
 
 
 def export_diffusers(folder: Path, unet, vae, text_encoder, tokenizer, prediction_type: str = "epsilon",
-                     zero_terminal_snr: bool = False, flow_shift: float = 1.0) -> None:
+                     zero_terminal_snr: bool = False, flow_shift: float = 1.0, distilled: str = "") -> None:
     """Write a StableDiffusionPipeline folder in safetensors (no safety checker), atomically.
 
     ``zero_terminal_snr``: the scheduler config says ``rescale_betas_zero_snr`` and trailing spacing. A flow
     model's scheduler is a ``FlowMatchEulerDiscreteScheduler`` at ``flow_shift`` (``model_index.json`` names
     it, which is what ``from_pretrained`` builds); diffusers' ``StableDiffusionPipeline`` then needs
-    ``pipe.scheduler.init_noise_sigma = 1.0``, an attribute that scheduler lacks (docs/training.md).
+    ``pipe.scheduler.init_noise_sigma = 1.0``, an attribute that scheduler lacks (docs/training.md). A DMD
+    generator (``distilled: dmd``) of an epsilon or v model gets diffusers' ``LCMScheduler``, whose first timestep
+    is 999 at any step count: one step there is the generator's one step (docs/sampling.md).
     """
-    from diffusers import DDIMScheduler, FlowMatchEulerDiscreteScheduler, StableDiffusionPipeline
+    from diffusers import DDIMScheduler, FlowMatchEulerDiscreteScheduler, LCMScheduler, StableDiffusionPipeline
 
     folder = Path(folder)
     if prediction_type == "flow":
         scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=sd.model.NUM_TRAIN_TIMESTEPS, shift=flow_shift)
     else:
-        scheduler = sd.model.build_noise_scheduler(prediction_type, DDIMScheduler, zero_terminal_snr)
+        scheduler = sd.model.build_noise_scheduler(prediction_type, LCMScheduler if distilled == "dmd" else DDIMScheduler,
+                                                   zero_terminal_snr)
     pipeline = StableDiffusionPipeline(
         unet=unet, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
         scheduler=scheduler,
@@ -441,14 +444,36 @@ def load_pipeline(source: str, *, use_ema: bool = True, vae: str | None = None, 
     if conflict:
         raise ValueError(f"{source}: {conflict}; say --prediction_type v_prediction or --zero_terminal_snr false")
     pipeline.distilled = recorded_distillation(source)
+    pipeline.generator_steps = recorded_generator_steps(source) if pipeline.distilled == "dmd" else 0
     pipeline.trained_size = recorded_trained_size(source, pipeline.unet)
     return pipeline
 
 
 def recorded_distillation(source: str) -> str:
-    """``lcm`` for a run of ours distilled to a latent consistency model (``distill: lcm``), else empty."""
+    """``lcm`` for a run of ours distilled to a latent consistency model (``distill: lcm``), ``dmd`` for a DMD
+    generator (a run of ours, or a single file whose metadata says ``distilled: dmd``), else empty."""
     config = run_config(source)
-    return str(config.get("distill") or "") if config is not None else ""
+    if config is not None:
+        return str(config.get("distill") or "")
+    if Path(source).is_file():
+        return "dmd" if single_file_metadata(Path(source)).get("distilled") == "dmd" else ""
+    return ""
+
+
+def recorded_generator_steps(source: str) -> int:
+    """A DMD generator's steps: ``dmd.steps`` of our training config, or the count of a single file's
+    ``generator_timesteps``; 1 when it records none."""
+    config = run_config(source)
+    if config is not None:
+        saved = read_saved_config(sd.run_folder.resolve_checkpoint(Path(source)) / "config.yaml")
+        steps = sd.run_folder.saved_value(saved, "dmd.steps", 1)
+    elif Path(source).is_file():
+        steps = len(single_file_metadata(Path(source)).get("generator_timesteps", "999").split(","))
+    else:
+        steps = 1
+    if not isinstance(steps, int) or not 1 <= steps <= sd.sampling.ONESTEP_MAX:
+        raise ValueError(f"{source}: a DMD generator of {steps!r} steps (1 to {sd.sampling.ONESTEP_MAX})")
+    return steps
 
 
 def recorded_default_sampler(source: str, prediction_type: str = "auto") -> str:
@@ -458,8 +483,9 @@ def recorded_default_sampler(source: str, prediction_type: str = "auto") -> str:
     from safetensors import SafetensorError
 
     try:
-        if recorded_distillation(source) == "lcm":
-            return "lcm"
+        distilled = recorded_distillation(source)
+        if distilled in sd.sampling.DISTILLED_SAMPLERS:
+            return sd.sampling.DISTILLED_SAMPLERS[distilled]
         kind = recorded_prediction_type(source) if prediction_type == "auto" else prediction_type
         return sd.sampling.default_sampler(kind, recorded_flow(source)[1])
     except (KeyError, ValueError, OSError, SafetensorError):

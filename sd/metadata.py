@@ -104,6 +104,7 @@ class TrainingRecord:
     started_at: float | None
     saved_at: float | None
     preference: dict | None = None  # the preference section of a run tuned on preference pairs (Diffusion-DPO)
+    distillation: dict | None = None  # a DMD generator's dmd section, with its method
 
     @classmethod
     def read(cls, folder: str | Path) -> "TrainingRecord":
@@ -117,8 +118,11 @@ class TrainingRecord:
         saved_at = times.get("saved_at")
         if saved_at is None and (folder / sd.run_folder.COMPLETE).exists():
             saved_at = (folder / sd.run_folder.COMPLETE).stat().st_mtime
+        distill = saved.get("distill") if isinstance(saved.get("distill"), dict) else {}
+        dmd = saved.get("dmd") if isinstance(saved.get("dmd"), dict) else {}
         return cls(config, state if isinstance(state, dict) else {}, times.get("started_at"), saved_at,
-                   preference if preference and preference.get("method") else None)
+                   preference if preference and preference.get("method") else None,
+                   {"method": "dmd", **dmd} if distill.get("method") == "dmd" else None)
 
 
 
@@ -187,6 +191,7 @@ def kohya_training_keys(record: TrainingRecord, output_name: str) -> dict[str, s
         keys["ss_resolution"] = f"({resolution[0]}, {resolution[1]})"
     keys.update(dataset_keys(config))
     keys.update(preference_keys(record.preference, get("init_from")))
+    keys.update(distillation_keys(record.distillation, get("init_from")))
     return {k: str(v) for k, v in keys.items()}
 
 
@@ -201,6 +206,26 @@ def preference_keys(preference: dict | None, reference) -> dict[str, str]:
                                    f"{name or 'its base model'}",
             "sd_preference": json.dumps({"method": preference["method"], "beta": beta, "loss": loss,
                                          "reference": name})}
+
+
+def distillation_keys(distillation: dict | None, teacher) -> dict[str, str]:
+    """What a DMD generator's file says of it: ``ss_training_comment`` (with the sampler settings it draws with),
+    ``sd_distilled`` (JSON: method, steps, timesteps, guidance, the teacher), and ``distilled`` /
+    ``generator_timesteps``, which ``SD_ImageGen.py --sampler auto`` reads from a single file."""
+    if not distillation:
+        return {}
+    import sd.sampling
+
+    steps = int(distillation.get("steps", 1))
+    timesteps = sd.sampling.onestep_timesteps(steps)
+    name = public_name(teacher)
+    return {"ss_training_comment": f"DMD2 distillation of {name or 'its base model'} into a {steps}-step generator "
+                                   f"(timesteps {', '.join(map(str, timesteps))}): sample it with {steps} step"
+                                   f"{'s' if steps > 1 else ''} at CFG 1 (ComfyUI: the lcm sampler, sgm_uniform "
+                                   "scheduler; ours: --sampler onestep)",
+            "sd_distilled": json.dumps({"method": "dmd", "steps": steps, "timesteps": timesteps,
+                                        "guidance": float(distillation.get("guidance", 1.75)), "teacher": name}),
+            "distilled": "dmd", "generator_timesteps": ",".join(map(str, timesteps))}
 
 
 def epoch_number(state: dict) -> int | None:

@@ -31,7 +31,8 @@ import sd.files
 import sd.flow
 import sd.model
 
-SAMPLERS = ("ddim", "dpm++", "euler", "lcm", "flow_euler", "flow_heun")
+SAMPLERS = ("ddim", "dpm++", "euler", "lcm", "onestep", "flow_euler", "flow_heun")
+ANY_MODEL = ("onestep",)  # samplers of epsilon, v and flow models alike
 FLOW_SAMPLERS = ("flow_euler", "flow_heun")
 
 
@@ -54,7 +55,8 @@ class Pipeline:
     zero_terminal_snr: bool = False  # trained on the rescaled schedule: sample it with trailing spacing
     flow_shift: float = 1.0  # the flow samplers' time shift (sd.flow.shifted)
     flow_matching: bool = False  # an epsilon or v model trained as a flow (sd.flow): sampled as one by default
-    distilled: str = ""  # "lcm": a latent consistency model (a run of ours with distill: lcm)
+    distilled: str = ""  # "lcm": a latent consistency model, "dmd": a DMD generator (a run of ours with distill: ...)
+    generator_steps: int = 0  # a DMD generator's steps (dmd.steps), what --sampler onestep draws by default
     trained_size: tuple[int, str] | None = None  # the square side it was trained at, and where that is recorded
 
     @property
@@ -64,12 +66,15 @@ class Pipeline:
 
     @property
     def default_sampler(self) -> str:
-        """The sampler of ``--sampler auto``: lcm for a latent consistency model, else ``default_sampler``."""
-        return "lcm" if self.distilled == "lcm" else default_sampler(self.prediction_type, self.flow_matching)
+        """The sampler of ``--sampler auto``: lcm for a latent consistency model, onestep for a DMD generator, else
+        ``default_sampler``."""
+        if self.distilled in DISTILLED_SAMPLERS:
+            return DISTILLED_SAMPLERS[self.distilled]
+        return default_sampler(self.prediction_type, self.flow_matching)
 
     def sampler_error(self, sampler: str) -> str | None:
         """Why ``sampler`` cannot sample this model (None: it can)."""
-        if self.prediction_type == "flow" and sampler not in FLOW_SAMPLERS:
+        if self.prediction_type == "flow" and sampler not in FLOW_SAMPLERS + ANY_MODEL:
             return f"a flow model: sample it with --sampler {' or '.join(FLOW_SAMPLERS)} (or auto), not {sampler}"
         return None
 
@@ -101,6 +106,9 @@ class Pipeline:
         metadata = {"prediction_type": self.prediction_type, "zero_terminal_snr": str(self.zero_terminal_snr).lower()}
         if self.flow:
             metadata.update(flow_shift=f"{self.flow_shift:g}", flow_matching=str(self.flow_matching).lower())
+        if self.distilled == "dmd":  # a DMD generator: its sampler and timesteps
+            metadata.update(distilled="dmd", generator_timesteps=",".join(map(str, onestep_timesteps(
+                self.generator_steps or 1))))
         if sd.model.clip_skip_of(self.text_encoder) > 1:
             metadata["clip_skip"] = str(sd.model.clip_skip_of(self.text_encoder))
         return metadata
@@ -202,10 +210,10 @@ def settings_error(sampler: str, steps: int, cfg: float) -> str | None:
         return f"sampler must be one of {', '.join(SAMPLERS)}, got {sampler!r}"
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         return f"steps must be a whole number of at least 1, got {steps!r}"
-    most = LCM_ORIGINAL_STEPS if sampler == "lcm" else sd.model.NUM_TRAIN_TIMESTEPS
+    most = {"lcm": LCM_ORIGINAL_STEPS, "onestep": ONESTEP_MAX}.get(sampler, sd.model.NUM_TRAIN_TIMESTEPS)
     if steps > most:
-        why = (f"the {LCM_ORIGINAL_STEPS}-step schedule a latent consistency model is distilled on"
-               if sampler == "lcm" else "the model's timesteps")
+        why = {"lcm": f"the {LCM_ORIGINAL_STEPS}-step schedule a latent consistency model is distilled on",
+               "onestep": "a DMD generator draws in 1 to 4 steps"}.get(sampler, "the model's timesteps")
         return f"{sampler} takes at most {most} steps ({why}), got {steps}"
     if not math.isfinite(cfg) or cfg < 0:
         return f"the guidance scale must be a finite number of at least 0, got {cfg!r}"
@@ -223,8 +231,12 @@ def make_scheduler(sampler: str, steps: int, prediction_type: str, alphas_cumpro
     ``flow_shift``: the flow samplers' time shift. A flow model takes only those; an epsilon or v model
     takes them through the diff2flow bridge (``sd.flow``).
     """
-    if prediction_type == "flow" and sampler not in FLOW_SAMPLERS:
+    if prediction_type == "flow" and sampler not in FLOW_SAMPLERS + ANY_MODEL:
         raise ValueError(f"a flow model is sampled with {' or '.join(FLOW_SAMPLERS)}, not {sampler}")
+    if sampler == "onestep":
+        if alphas_cumprod is None:
+            alphas_cumprod = sd.model.ddpm_alphas_cumprod(zero_terminal_snr=zero_terminal_snr)
+        return OneStep(steps, alphas_cumprod, prediction_type, generators)
     if sampler in FLOW_SAMPLERS:
         if zero_terminal_snr:
             raise ValueError(f"{sampler} does not sample a zero-terminal-SNR model; use ddim, euler or dpm++")
@@ -334,7 +346,8 @@ LCM_DEFAULT_STEPS = 4
 # SD_ImageGen.py's steps when none are given: 100 for the first-order samplers (fewer proved too few for
 # faces with DDIM), 25 for DPM++ 2M, whose second order converges in a quarter of them; on the flow ODE,
 # whose paths are straighter, 50 for Euler and 25 for Heun (49 evaluations)
-SAMPLER_STEPS = {"ddim": 100, "euler": 100, "dpm++": 25, "lcm": LCM_DEFAULT_STEPS, "flow_euler": 50, "flow_heun": 25}
+SAMPLER_STEPS = {"ddim": 100, "euler": 100, "dpm++": 25, "lcm": LCM_DEFAULT_STEPS, "onestep": 1, "flow_euler": 50,
+                 "flow_heun": 25}
 LCM_DEFAULT_CFG = 1.0  # the distillation folds guidance into the model (the paper's w); 1 runs one branch
 
 
@@ -374,6 +387,8 @@ def sampler_defaults(sampler: str, steps: int | None, cfg: float | None, default
     already applied guidance: it is sampled at 1 to 2), the caller's own for the others."""
     if sampler == "lcm":
         default_steps, default_cfg = LCM_DEFAULT_STEPS, LCM_DEFAULT_CFG
+    elif sampler == "onestep":  # a DMD generator: guidance is folded in; its own steps come from its records
+        default_cfg = LCM_DEFAULT_CFG
     return (default_steps if steps is None else steps, default_cfg if cfg is None else cfg)
 
 
@@ -409,6 +424,62 @@ class LCM:
             return denoised
         noise = image_noise(self.generators, latents.shape[1:], len(latents)).to(latents.device)
         return sd.model.add_noise(denoised, noise, torch.full_like(t, following), self.alphas_cumprod)
+
+
+# ---------------------------------------------------------------------------------------------
+# onestep: DMD generators (Yin et al. 2024, arXiv:2405.14867)
+# ---------------------------------------------------------------------------------------------
+
+ONESTEP_MAX = 4
+DISTILLED_SAMPLERS = {"lcm": "lcm", "dmd": "onestep"}  # Pipeline.distilled: its sampler of --sampler auto
+
+
+def onestep_timesteps(steps: int, num_train_timesteps: int = sd.model.NUM_TRAIN_TIMESTEPS) -> list[int]:
+    """A DMD generator's timesteps, highest first: 999 for one step; 999, 749, 499, 249 for four (DMD2's
+    ``denoising_step_list``, what ``sd.train.objectives.dmd`` trains on)."""
+    if not 1 <= steps <= ONESTEP_MAX:
+        raise ValueError(f"onestep takes 1 to {ONESTEP_MAX} steps (a DMD generator's), got {steps}")
+    return list(range(num_train_timesteps - 1, 0, -(num_train_timesteps // steps)))[:steps]
+
+
+class OneStep:
+    """A DMD generator's sampling: from pure noise at 999 its prediction is taken as the clean image; with several
+    steps every one but the last noises that image again to the next timestep with fresh noise (image i's from
+    ``generators[i]``), as the generator was trained. A flow model's timestep t is ``sigma = (t + 1) / 1000``.
+    In ComfyUI: the LCM sampler with the sgm_uniform scheduler at CFG 1 (docs/sampling.md)."""
+
+    init_noise_sigma = 1.0
+
+    def __init__(self, steps: int, alphas_cumprod: torch.Tensor, prediction_type: str,
+                 generators: list[torch.Generator] | None = None):
+        self.timesteps = onestep_timesteps(steps, len(alphas_cumprod))
+        self.following = dict(zip(self.timesteps, self.timesteps[1:] + [None]))
+        self.alphas_cumprod = alphas_cumprod.float()
+        self.prediction_type = prediction_type
+        self.generators = generators
+
+    def sigma(self, timestep: int) -> float:
+        return (int(timestep) + 1) / len(self.alphas_cumprod)
+
+    def model_time(self, timestep) -> int | float:
+        return self.sigma(timestep) * sd.flow.TIMESTEP_MULTIPLIER if self.prediction_type == "flow" else int(timestep)
+
+    def scale_model_input(self, latents, timestep):
+        return latents
+
+    def step(self, prediction, timestep, latents):
+        t = torch.full((latents.shape[0],), int(timestep), device=latents.device)
+        if self.prediction_type == "flow":
+            x0 = latents.float() - self.sigma(timestep) * prediction.float()
+        else:
+            x0 = sd.model.predicted_x0(latents, prediction, t, self.alphas_cumprod, self.prediction_type)
+        following = self.following[int(timestep)]
+        if following is None:
+            return x0
+        noise = image_noise(self.generators, latents.shape[1:], len(latents)).to(latents.device)
+        if self.prediction_type == "flow":
+            return sd.flow.noised(x0, noise, torch.full_like(t, following).float().add(1) / len(self.alphas_cumprod))
+        return sd.model.add_noise(x0, noise, torch.full_like(t, following), self.alphas_cumprod)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -463,7 +534,7 @@ def sample_latents(unet, noise: torch.Tensor, cond: torch.Tensor, uncond: torch.
         if stop is not None and stop():
             raise Interrupted
         model_input = scheduler.scale_model_input(latents, t)
-        time = scheduler.model_time(t) if isinstance(scheduler, Flow) else int(t)
+        time = scheduler.model_time(t) if isinstance(scheduler, (Flow, OneStep)) else int(t)
         prediction = guided_prediction(unet, model_input, time, cond, uncond, cfg)
         latents = scheduler.step(prediction, t, latents)
     return latents

@@ -45,7 +45,7 @@ def export(settings: Settings, model: Pipeline, source: str) -> None:
         if settings.diffusers:
             sd.formats.export_diffusers(Path(settings.diffusers), model.unet, model.vae, model.text_encoder,
                                         model.tokenizer, model.prediction_type, model.zero_terminal_snr,
-                                        model.flow_shift)
+                                        model.flow_shift, model.distilled)
             log.info("wrote diffusers pipeline folder %s", settings.diffusers)
         if settings.single_file:
             metadata = {**file_header("checkpoint", settings.single_file, model, source), **model.file_metadata()}

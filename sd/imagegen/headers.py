@@ -34,8 +34,9 @@ def file_header(kind: str, out: str | Path, model: Pipeline, source: str | None,
     header = sd.metadata.modelspec(kind, Path(out).name.removesuffix(".safetensors"), model.prediction_type,
                                    resolution or sd.metadata.model_resolution(model.unet),
                                    source_time(source) if date is None else date)
-    if record and kind == "checkpoint":  # a model tuned on preference pairs says so (a LoRA's ss_* keys do)
+    if record and kind == "checkpoint":  # tuned on pairs or distilled: it says so (a LoRA's ss_* keys do)
         header.update(sd.metadata.preference_keys(record.preference, record.config.get("init_from")))
+        header.update(sd.metadata.distillation_keys(record.distillation, record.config.get("init_from")))
     return header
 
 

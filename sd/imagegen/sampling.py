@@ -45,16 +45,17 @@ def add_flags(parser) -> None:
                         "(default: empty)")
     parser.add_argument("--steps", type=int, default=None, help="sampler steps (default: "
                         + ", ".join(f"{n} with {s}" for s, n in sd.sampling.SAMPLER_STEPS.items())
-                        + "; lcm takes 1..50)")
+                        + "; lcm takes 1..50; onestep 1..4, by default the steps a DMD generator was trained for)")
     parser.add_argument("--cfg", type=float, default=None, help="classifier-free guidance scale (default: 7.5; 1 with "
-                        "--sampler lcm, whose models take 1 to 2)")
+                        "--sampler lcm, whose models take 1 to 2, and onestep, whose generators have it folded in)")
     parser.add_argument("--seed", type=int, default=0, help="seed of image 0; image i uses seed + i "
                         "(default: %(default)s)")
     parser.add_argument("--n", type=int, default=4, help="images per prompt (default: %(default)s)")
     parser.add_argument("--batch_size", type=int, default=4, help="images per UNet call (default: %(default)s)")
     parser.add_argument("--sampler", choices=("auto", *sd.sampling.SAMPLERS), default="auto", help="the sampler; "
-                        "lcm for a latent consistency model, flow_euler or flow_heun for a flow; auto = lcm for a run "
-                        "of ours trained with distill: lcm, flow_euler for a model trained as a flow, else ddim "
+                        "lcm for a latent consistency model, onestep for a DMD generator, flow_euler or flow_heun for a "
+                        "flow; auto = lcm for a run of ours trained with distill: lcm, onestep for distill: dmd (and a "
+                        "file exported from one), flow_euler for a model trained as a flow, else ddim "
                         "(default: %(default)s)")
     parser.add_argument("--height", type=int, default=None, help="pixels, a multiple of 8 (default: the size the "
                         "model was trained at: our run's latents or DreamBooth image_size, else the UNet's "
@@ -82,7 +83,13 @@ def settings(args, error, ckpt: str, prediction_type: str) -> Settings:
     if any(side is not None and (side % 8 or side <= 0) for side in (args.height, args.width)):
         error("--height and --width must be positive multiples of 8")
     sampler = sd.formats.recorded_default_sampler(ckpt, prediction_type) if args.sampler == "auto" else args.sampler
-    steps, cfg = sd.sampling.sampler_defaults(sampler, args.steps, args.cfg, sd.sampling.SAMPLER_STEPS[sampler], 7.5)
+    default_steps = sd.sampling.SAMPLER_STEPS[sampler]
+    if sampler == "onestep" and args.steps is None:  # the steps the generator was trained for
+        try:
+            default_steps = sd.formats.recorded_generator_steps(ckpt)
+        except (KeyError, ValueError, OSError) as problem:
+            error(f"--sampler onestep: {problem}")
+    steps, cfg = sd.sampling.sampler_defaults(sampler, args.steps, args.cfg, default_steps, 7.5)
     for name, value in (("n", args.n), ("batch_size", args.batch_size)):
         if value < 1:
             error(f"--{name} must be >= 1")

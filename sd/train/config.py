@@ -36,6 +36,7 @@ from sd.settings import (BELOW_ONE, COUNT, FREE, MATH, NON_NEGATIVE, ORDER, POSI
 from sd.train.ema import EmaConfig
 from sd.train.objectives.diffusion import LossConfig
 from sd.train.objectives.flow import FlowConfig
+from sd.train.objectives.dmd import DMDConfig
 from sd.train.objectives.lcm import DistillConfig
 from sd.train.objectives.preference import PreferenceConfig
 from sd.train.optimizers import OptimConfig
@@ -171,6 +172,7 @@ class TrainConfig:
     controlnet: ControlNetConfig = section(ControlNetConfig)
     flow: FlowConfig = section(FlowConfig)
     distill: DistillConfig = section(DistillConfig)
+    dmd: DMDConfig = section(DMDConfig)
     preference: PreferenceConfig = section(PreferenceConfig)
     loss: LossConfig = section(LossConfig)
     optim: OptimConfig = section(OptimConfig)
@@ -203,6 +205,8 @@ class TrainConfig:
         """``validation.sampler`` with ``auto`` resolved."""
         if self.validation.sampler != "auto":
             return self.validation.sampler
+        if self.distill.method == "dmd":  # a DMD generator draws in its own steps
+            return "onestep"
         return sd.sampling.default_sampler(self.prediction_type, self.flow.matching)
 
     @property

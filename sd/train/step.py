@@ -322,6 +322,7 @@ def build_step(config, d: Dist, unet, text_encoder, empty_ids: torch.Tensor, sca
     noise_generator = torch.Generator(device=d.device).manual_seed(config.seed * 7919 + d.rank + 1)
     sharding = config.sharding if d.world_size > 1 else "none"
     objective = sd.train.objectives.objective_of(config).build(config, unet)
+    objective.attach(d)
     optimizer = build_optimizer(groups, config, zero=sharding == "zero1")
     optimizer.master_weights = master
     return Step(unet, unet, text_encoder, empty, optimizer,

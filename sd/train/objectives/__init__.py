@@ -6,11 +6,12 @@ from __future__ import annotations
 
 from sd.train.objectives.base import LossContext, LossSettings, Objective
 from sd.train.objectives.diffusion import Diffusion
+from sd.train.objectives.dmd import DistributionMatching
 from sd.train.objectives.flow import Flow, Reflow
 from sd.train.objectives.lcm import LatentConsistency
 from sd.train.objectives.preference import DirectPreference
 
-OBJECTIVES: tuple[type[Objective], ...] = (LatentConsistency, DirectPreference, Reflow, Flow, Diffusion)
+OBJECTIVES: tuple[type[Objective], ...] = (LatentConsistency, DistributionMatching, DirectPreference, Reflow, Flow, Diffusion)
 
 __all__ = ["OBJECTIVES", "LossContext", "LossSettings", "Objective", "check", "objective_of"]
 

@@ -16,8 +16,9 @@ do. The step asks the objective, in its own module, at a few points:
   (its own ``batch_inputs`` and the mode's, which ``context.model_inputs`` turns into the model's call);
 * ``reduce(loss, settings)`` -> the scalar a micro-batch minimises (the mean; with prior preservation the
   instance half's mean plus ``prior_loss_weight`` times the class half's);
-* ``update(unet, step_index, skip, view)``: after each optimizer step (a target network's EMA; a critic's own
-  update would go here, with its optimizer among its ``entries``);
+* ``update(unet, step_index, skip, view)``: after each optimizer step (a target network's EMA);
+* ``attach(d)``: the run's ranks, once the step is built (DMD's fake score averages its own gradients over them:
+  it trains by an optimizer of its own, inside ``loss``, its state among its ``entries``);
 * ``entries()``: its checkpoint entries by name (objects with ``state_dict`` / ``load_state_dict``);
   ``held_tensors()``: what it holds in memory besides the step's model (a memory estimate counts them, as
   ``held_as``); ``estimate_inputs(images, resolution)``: stand-ins of its ``batch_inputs`` for a memory estimate;
@@ -121,6 +122,10 @@ class Objective:
             return loss.mean()
         instance, prior = loss.chunk(2)
         return instance.mean() + settings.prior_loss_weight * prior.mean()
+
+    def attach(self, d) -> None:
+        """Told the run's ranks (``sd.distributed.Dist``) once the step is built: an objective that trains a network
+        of its own averages its gradients over them."""
 
     def update(self, unet, step_index: int, skip: torch.Tensor | None = None, view=None) -> None:
         pass

@@ -106,7 +106,7 @@ class Flow(Objective):
                     "its weights are the epsilon and v losses'"),
                    (config.loss.type in ("huber", "smooth_l1") and config.loss.huber_schedule == "snr",
                     "loss.huber_schedule: snr", "its thresholds follow the DDPM schedule; use constant or exponential"),
-                   (bool(config.distill.method), "distill.method", "consistency distillation samples a DDPM teacher"),
+                   (config.distill.method == "lcm", "distill.method: lcm", "consistency distillation samples a DDPM teacher"),
                    (bool(config.controlnet.control), "controlnet.control", "a ControlNet trains beside an epsilon or v model")]
         for bad, name, why in refused:
             if bad:

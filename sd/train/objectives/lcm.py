@@ -33,7 +33,7 @@ from sd.cli import ConfigError
 from sd.train.objectives.base import LossContext, Objective, scaled_latents
 from sd.settings import setting, refused, Range, POSITIVE, BELOW_ONE, MATH
 
-MODES = ("", "lcm")
+MODES = ("", "lcm", "dmd")  # dmd: sd.train.objectives.dmd
 LOSSES = ("huber", "l2")
 
 
@@ -42,8 +42,9 @@ class DistillConfig:
     """Distillation of init_from (the teacher) into a few-step model: latent consistency (lcm)."""
 
     method: str = setting("lcm: latent consistency distillation of init_from (the teacher) into a model that samples "
-                          "in 1-8 steps (SD_ImageGen.py --sampler lcm); with lora_rank an LCM-LoRA, else the whole "
-                          "UNet; empty = the usual diffusion loss", "", resume=refused(MATH))
+                          "in 1-8 steps (SD_ImageGen.py --sampler lcm); dmd: distribution matching distillation "
+                          "(DMD2, the dmd section) into a 1-4 step generator (--sampler onestep); with lora.rank an "
+                          "adapter, else the whole UNet; empty = the usual diffusion loss", "", resume=refused(MATH))
     solver_steps: int = setting("distill: DDIM solver steps over the teacher's 1000 timesteps (each a skip of 1000 / "
                                 "this)", 50, allowed=Range(1, 1000, high_open=False), resume=refused(MATH))
     guidance_min: float = setting("distill: lowest classifier-free guidance scale of the teacher (drawn per sample "
@@ -168,8 +169,8 @@ class LatentConsistency(Objective):
         """Consistency distillation's settings, and the modes it cannot be combined with."""
         method = config.distill.method
         if method not in MODES:
-            raise ConfigError(f"distill.method: lcm, or empty for the usual diffusion loss; got {method!r}")
-        if not method:
+            raise ConfigError(f"distill.method: lcm, dmd, or empty for the usual diffusion loss; got {method!r}")
+        if method != "lcm":
             return
         if check_paths and not config.init_from:
             raise ConfigError("distill.method: lcm learns from a trained model: set init_from (the teacher: a run "

@@ -1,0 +1,100 @@
+"""Distribution matching distillation runs (``distill.method: dmd``) on the tiny presets: exact resume of a DMD
+LoRA (the generator's adapter, the fake score's adapter and its optimizer) and of a whole-UNet generator with the
+GAN term and backward simulation, its exports recording the generator's timesteps, ``--sampler onestep`` drawn
+by default from both, the fake score never in a file users load, and a generator that moves toward the teacher's
+samples."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from safetensors import safe_open
+from PIL import Image
+from safetensors.torch import load_file
+
+import sd.formats
+import SD_ImageGen
+import SD_Train
+
+from data_factory import BASE, assert_bitwise_equal, checkpoint_state, make_base_pipeline
+
+pytestmark = pytest.mark.slow
+DMD = dict(BASE, distill="dmd", dmd={"fake_updates": 2, "guidance": 2.0}, lr=1e-3, warmup_steps=0, batch_size=2,
+           grad_accum=2, min_snr_gamma=0.0, cfg_dropout=0.0, ema_decay=0.0, validation_sampler="onestep",
+           validation_steps=1, validation_cfg=1.0)
+WEIGHTS = ("unet", "adapter", "ema", "lora_base", "dmd_fake", "dmd_fake_optimizer")
+
+
+@pytest.fixture(scope="module")
+def base_model(tmp_path_factory) -> Path:
+    return make_base_pipeline(tmp_path_factory.mktemp("base") / "pipeline")
+
+
+def train(tmp_path: Path, name: str, *flags: str, **fields) -> Path:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({**DMD, "out_dir": str(tmp_path / name), **fields}))
+    assert SD_Train.main(["--config", str(path), *flags]) == 0
+    return tmp_path / name
+
+
+def records(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_dmd_lora_resumes_bit_for_bit_with_its_fake_score_and_exports_no_fake_weights(base_model, dataset_16,
+                                                                                        tmp_path):
+    common = dict(datasets=[dataset_16], init_from=str(base_model), max_steps=4, lora_rank=4)
+    straight = train(tmp_path, "a", **common)
+    train(tmp_path, "b", "--stop_at_step", "2", **common)
+    resumed = train(tmp_path, "b", **common)
+    a, b = checkpoint_state(straight, 4, WEIGHTS), checkpoint_state(resumed, 4, WEIGHTS)
+    assert_bitwise_equal(a, b)
+    fake = {k for k in a if k.startswith("dmd_fake.fake.")}
+    generator = {k.removeprefix("adapter.unet.") for k in a if k.startswith("adapter.unet.")}
+    assert fake and {k.removeprefix("dmd_fake.fake.") for k in fake} == generator  # a second adapter, same layers
+    assert any(k.startswith("dmd_fake_optimizer.") and k.endswith("exp_avg") for k in a)
+    assert not any(k.startswith("unet.") for k in a)  # one UNet: the teacher is init_from, never saved
+    steps = records(straight)
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert all(np.isfinite(r["loss"]) and np.isfinite(r["dm_loss"]) and np.isfinite(r["fake_loss"]) for r in steps)
+    out = tmp_path / "dmd_lora.safetensors"
+    assert SD_ImageGen.main(["--ckpt", str(straight), "--export_lora", str(out)]) == 0
+    exported = load_file(out)
+    assert exported and not any("fake" in k for k in exported)
+    with safe_open(str(out), "pt") as file:
+        header = file.metadata()
+    assert json.loads(header["sd_distilled"])["timesteps"] == [999] and "lcm sampler" in header["ss_training_comment"]
+    assert "Steps: 1, Sampler: onestep, CFG scale: 1.0" in sampled(straight, tmp_path / "samples")
+
+
+def sampled(source: Path, out: Path) -> str:
+    """The generation parameters of one image drawn from ``source`` with SD_ImageGen.py's defaults."""
+    assert SD_ImageGen.main(["--ckpt", str(source), "--prompt", "a red circle", "--n", "1", "--out", str(out)]) == 0
+    return Image.open(sorted(out.glob("0*.png"))[0]).text["parameters"]
+
+
+def test_a_whole_unet_generator_with_the_gan_term_and_two_steps_resumes_bit_for_bit_and_exports_its_steps(
+        base_model, dataset_16, tmp_path):
+    """The fake score is a whole float32 copy beside the frozen teacher; the critic trains on the data's latents."""
+    common = dict(datasets=[dataset_16], init_from=str(base_model), max_steps=4, grad_accum=1,
+                  dmd={"steps": 2, "fake_updates": 2, "gan_weight": 0.01, "guidance": 2.0},
+                  validation_steps=2)
+    straight = train(tmp_path, "a", **common)
+    train(tmp_path, "b", "--stop_at_step", "2", **common)
+    resumed = train(tmp_path, "b", **common)
+    a, b = checkpoint_state(straight, 4, WEIGHTS), checkpoint_state(resumed, 4, WEIGHTS)
+    assert_bitwise_equal(a, b)
+    assert any(k.startswith("dmd_fake.critic.") for k in a) and any(k.startswith("unet.") for k in a)
+    unet = {k.removeprefix("unet.") for k in a if k.startswith("unet.")}
+    assert {k.removeprefix("dmd_fake.fake.") for k in a if k.startswith("dmd_fake.fake.")} == unet
+    assert all(np.isfinite(r["gan_loss"]) and r["gan_loss"] > 0 and np.isfinite(r["critic_loss"])
+               for r in records(straight))
+    single = tmp_path / "dmd.safetensors"
+    assert SD_ImageGen.main(["--ckpt", str(straight), "--export_single_file", str(single)]) == 0
+    with safe_open(str(single), "pt") as file:
+        header = file.metadata()
+    assert header["distilled"] == "dmd" and header["generator_timesteps"] == "999,499"
+    assert sd.formats.recorded_default_sampler(str(single)) == "onestep"
+    assert "Steps: 2, Sampler: onestep, CFG scale: 1.0" in sampled(single, tmp_path / "from_file")
