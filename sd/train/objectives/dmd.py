@@ -144,6 +144,12 @@ def matching_loss(x0: torch.Tensor, gradient: torch.Tensor) -> torch.Tensor:
     return 0.5 * (x0.float() - (x0 - gradient).detach().float()).square().flatten(1).mean(1)
 
 
+def fake_score_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The fake score's diffusion loss: the mean squared error of its prediction over the batch (DMD2's
+    ``loss_fake_mean``, whose target is the noise; here the teacher's own target: the noise, v or the velocity)."""
+    return (output.float() - target.float()).square().mean()
+
+
 def generator_gan_loss(logits: torch.Tensor) -> torch.Tensor:
     """The generator's GAN term per image: ``softplus(-logit)`` of the critic on its images."""
     return F.softplus(-logits.float()).reshape(-1)
@@ -429,7 +435,7 @@ class DistributionMatching(Objective):
         with reparametrized(unet, self.fake):
             with sd.runtime.autocast(context.settings.precision, device):
                 output = unet(noisy, path.model_time(t), encoder_hidden_states=hidden).sample
-            fake_loss = (output.float() - path.target(x0, noise, t)).square().mean()
+            fake_loss = fake_score_loss(output, path.target(x0, noise, t))
             total, critic = fake_loss, torch.zeros_like(fake_loss)
             if self.critic is not None:
                 critic = critic_loss(self.critic_logits(unet, x0, hidden, generator, device, False),
