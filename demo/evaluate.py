@@ -170,7 +170,7 @@ def step_parser(description: str, folder: str, count: int, count_help: str, seed
 def report_table(path: Path, table: dict[str, dict], names: dict[str, str], numbers: tuple[str, ...] = ()) -> dict:
     """Write ``table`` (run -> scores, nested at most one level) as JSON to ``path`` and print it: a line
     per run, its name from ``names``, a column per score (fractions as percentages, the columns named in
-    ``numbers`` as numbers)."""
+    ``numbers`` as numbers, none as -)."""
     sd.files.write_text_atomic(path, json.dumps(table, indent=1) + "\n")
     flat = {run: {f"{group} {name}".strip(): value for group, inner in scores.items()
                   for name, value in (inner.items() if isinstance(inner, dict) else [("", inner)])}
@@ -180,7 +180,8 @@ def report_table(path: Path, table: dict[str, dict], names: dict[str, str], numb
     print(f"{'':{width}s}" + "".join(f"{column:>16s}" for column in columns))
     for run, scores in flat.items():
         print(f"{names[run]:{width}s}" + "".join(f"{scores[c]:>16.0%}" if isinstance(scores[c], float)
-                                                 and c not in numbers else f"{scores[c]:>16}" for c in columns))
+                                                 and c not in numbers else f"{'-' if scores[c] is None else scores[c]:>16}"
+                                                 for c in columns))
     return table
 
 

@@ -1,11 +1,13 @@
 """The demo's few-step table: the demo model sampled with DDIM at 50, 4 and 2 steps, beside its latent consistency
-distillation (configs/demo_lcm.yaml) sampled with the LCM sampler at 2, 4 and 8 steps.
+distillation (configs/demo_lcm.yaml) sampled with the LCM sampler at 2, 4 and 8 steps and its DMD generators
+(configs/demo_dmd.yaml) sampled in the steps each was trained for.
 
     python demo/lcm.py --out runs/demo/lcm_eval --reference runs/demo/fid/reference
 
 Reads each row's ``eval_<row>.json`` (demo/evaluate.py of ``samples_<row>``), scores ``samples_<row>``'s FID
 against demo/fid.py's reference drawings of the same prompts (the offline stand-in features: the numbers
-compare with each other and with demo/fid.py's floor, not with published FIDs), and writes ``lcm.json``.
+compare with each other and with demo/fid.py's floor, not with published FIDs), adds each distillation's training
+minutes where ``training_seconds.json`` (demo/run.sh's) records them, and writes ``lcm.json``.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from demo.evaluate import report_table
 
 ROWS = {"ddim_50": "demo model, DDIM 50 steps", "ddim_4": "demo model, DDIM 4 steps",
         "ddim_2": "demo model, DDIM 2 steps",
-        "lcm_2": "distilled, LCM 2 steps", "lcm_4": "distilled, LCM 4 steps", "lcm_8": "distilled, LCM 8 steps"}
+        "lcm_2": "distilled, LCM 2 steps", "lcm_4": "distilled, LCM 4 steps", "lcm_8": "distilled, LCM 8 steps",
+        **{f"dmd_{n}": f"distilled, DMD {n} step{'s' if n > 1 else ''}" for n in range(1, 5)}}
 
 
 def row_scores(folder: Path, row: str, reference: Path | None) -> dict | None:
@@ -41,9 +44,23 @@ def row_scores(folder: Path, row: str, reference: Path | None) -> dict | None:
     return row_table
 
 
+def training_minutes(out: Path, row: str) -> float | None:
+    """The minutes the distillation a row samples took to train (``training_seconds.json``: lcm, dmd_N), or None."""
+    import json
+
+    try:
+        seconds = json.loads((out / "training_seconds.json").read_text())
+    except (OSError, ValueError):
+        return None
+    run = "lcm" if row.startswith("lcm_") else row
+    return round(seconds[run] / 60, 1) if isinstance(seconds.get(run), (int, float)) else None
+
+
 def report(out: Path, reference: Path | None) -> dict:
     table = {row: scores for row in ROWS if (scores := row_scores(out, row, reference)) is not None}
-    return report_table(out / "lcm.json", table, ROWS, numbers=("fid",))
+    for row, scores in table.items():  # the demo model itself: no distillation (None)
+        scores["training_minutes"] = None if row.startswith("ddim_") else training_minutes(out, row)
+    return report_table(out / "lcm.json", table, ROWS, numbers=("fid", "training_minutes"))
 
 
 def main(argv=None) -> int:

@@ -15,6 +15,8 @@
 #   DEMO_LCM=0          leaves out the few-step step (11); DEMO_LCM_FLAGS: extra SD_Train.py flags of its run
 #   DEMO_FLOW=0         leaves out the flow-matching step (12); DEMO_FLOW_FLAGS: extra SD_Train.py flags of its
 #                       two runs; DEMO_REFLOW_PAIRS: the reflow pairs drawn (2048)
+#   DEMO_DMD_STEPS      the DMD generators of step 11, by their steps (1; "1 4" for both; 0: none);
+#                       DEMO_DMD_FLAGS: extra SD_Train.py flags of their runs
 #   DEMO_CONTROL=0      leaves out the ControlNet step (13); DEMO_CONTROL_COUNT: its training images (2000);
 #                       DEMO_CONTROL_FLAGS: extra SD_Train.py flags of its run
 #   DEMO_DPO=0          leaves out the preference-tuning step (14); DEMO_DPO_REPEATS: draw lines per prompt of its
@@ -163,16 +165,32 @@ if [ "${DEMO_ASPECT:-1}" = 0 ]; then echo "left out (DEMO_ASPECT=0)"; else
   $PY demo/aspect.py report --out "$ASPECT" --prompts "$OUT/shards/demo_prompts.json"
 fi
 
-step "11/15 few-step sampling: the UNet distilled into a latent consistency model (SD_Train.py --config configs/demo_lcm.yaml), sampled in 2, 4 and 8 steps beside DDIM in 50, 4 and 2"
+step "11/15 few-step sampling: the UNet distilled into a latent consistency model (SD_Train.py --config configs/demo_lcm.yaml), sampled in 2, 4 and 8 steps beside DDIM in 50, 4 and 2, and into a one-step DMD generator (configs/demo_dmd.yaml)"
 LCM=$OUT/lcm_eval
 if [ "${DEMO_LCM:-1}" = 0 ]; then echo "left out (DEMO_LCM=0)"; else
+  rows="ddim_50 ddim_4 ddim_2 lcm_2 lcm_4 lcm_8"
+  mkdir -p "$LCM"
+  began=$(date +%s)
   # shellcheck disable=SC2086  # DEMO_LCM_FLAGS is a list of flags
   $PY SD_Train.py --config configs/demo_lcm.yaml --init_from "$OUT/train" --vae "$OUT/vae" \
       --datasets "[{dataset: $OUT/dataset, latents: $OUT/latents}]" --out_dir "$OUT/lcm" ${DEMO_LCM_FLAGS:-}
-  for row in ddim_50 ddim_4 ddim_2 lcm_2 lcm_4 lcm_8; do
+  cost="{\"lcm\": $(( $(date +%s) - began ))"
+  for generator in ${DEMO_DMD_STEPS:-1}; do  # DEMO_DMD_STEPS=0: no DMD generator
+    [ "$generator" = 0 ] && break
+    began=$(date +%s)
+    # shellcheck disable=SC2086  # DEMO_DMD_FLAGS is a list of flags
+    $PY SD_Train.py --config configs/demo_dmd.yaml --init_from "$OUT/train" --vae "$OUT/vae" \
+        --datasets "[{dataset: $OUT/dataset, latents: $OUT/latents}]" --out_dir "$OUT/dmd_$generator" \
+        --dmd.steps "$generator" --validation.steps "$generator" ${DEMO_DMD_FLAGS:-}
+    cost="$cost, \"dmd_$generator\": $(( $(date +%s) - began ))"
+    rows="$rows dmd_$generator"
+  done
+  echo "$cost}" > "$LCM/training_seconds.json"  # each distillation's minutes, for demo/lcm.py's table
+  for row in $rows; do
     case $row in
       ddim_*) sampling=(--ckpt "$OUT/train" --sampler ddim --steps "${row#ddim_}" --cfg 3.5) ;;
       lcm_*) sampling=(--ckpt "$OUT/lcm" --sampler lcm --steps "${row#lcm_}" --cfg 1) ;;
+      dmd_*) sampling=(--ckpt "$OUT/$row" --sampler onestep --cfg 1) ;;
     esac
     sample_row "$LCM" "$row" "${sampling[@]}"
   done

@@ -368,6 +368,43 @@ def test_dpo_step_bench_times_dpo_against_the_same_adapters_plain_step_at_b_and_
     assert f"dpo-lora (2 pairs): {compared['lora']['step_vs_plain_2B']:.2f}x the step time of plain lora on 4" in stdout
 
 
+def test_dmd_step_bench_times_dmd_against_the_same_adapters_lcm_step_and_one_fake_update_alone(tmp_path):
+    stdout, result = run_bench("dmd_step.py", "--smoke", "--whole_unet", "--device", "cpu",
+                               "--json", str(tmp_path / "out.json"))
+    assert result == json.loads((tmp_path / "out.json").read_text())
+    assert (result["unet"], result["resolution"], result["images"], result["steps"], result["repeats"],
+            result["fake_updates"]) == ("tiny", 32, 2, 2, 1, 2)
+    rows = {row["name"]: row for row in result["rows"]}
+    assert list(rows) == [name.format(adapter) for adapter in ("lora", "whole") for name in
+                          ("lcm-{}", "dmd-{}", "dmd-{} fake update", "dmd-{}+gan", "dmd-{}+gan fake update")]
+    # B = 2 images, 2 fake updates: each update draws B without gradients and trains the fake score on them (the
+    # GAN's critic adds 2B through the down and middle blocks); the generator draws B with gradients, the fake
+    # score and the guided teacher (2B) see them without. LCM: the student on B, the teacher on 2B, the target on B.
+    assert [(row["images_with_grad"], row["images_through_unet"], row["images_critic"]) for row in rows.values()] == [
+        (2, 8, 0), (6, 16, 0), (2, 4, 0), (6, 16, 10), (2, 4, 4)] * 2
+    assert [row["part"] for row in rows.values()] == ["step", "step", "fake_update", "step", "fake_update"] * 2
+    # both LCM students start as their teacher (a LoRA's up-projection is zero, a whole UNet's copy is equal)
+    assert rows["lcm-lora"]["first_loss"] == pytest.approx(rows["lcm-whole"]["first_loss"], rel=1e-5)
+    for name, row in rows.items():
+        assert ("first_loss" in row) == (row["part"] == "step")
+        assert row["trainable_params"] == (11_008 if "lora" in name else 803_204)
+        assert len(row["step_s"]) == 1 and row["step_ms"] == round(1000 * row["step_s"][0], 2) > 0
+        assert "peak_allocated_gb" not in row and "estimate_bytes" not in row  # a CPU run, --smoke: no estimate
+    compared = {entry["name"]: entry for entry in result["ratios"]}
+    assert list(compared) == ["dmd-lora", "dmd-lora+gan", "dmd-whole", "dmd-whole+gan"]
+    for name, entry in compared.items():
+        lcm = rows[f"lcm-{entry['adapter']}"]["step_ms"]
+        assert entry["step_vs_lcm"] == round(rows[name]["step_ms"] / lcm, 3)
+        assert entry["peak_vs_lcm"] is None and entry["estimate_vs_lcm"] is None
+    for entry in result["per_pass"]:  # the generator's part: the step less its fake updates, each as timed alone
+        step, fake = rows[entry["name"]]["step_ms"], rows[entry["name"] + " fake update"]["step_ms"]
+        assert entry["fake_update_ms"] == fake and entry["generator_ms_derived"] == round(step - 2 * fake, 2)
+        assert f"per pass {entry['name']}: one fake-score update {fake:.1f} ms (measured alone" in stdout
+    assert stdout.count("(derived: the step less 2 x one update") == 4
+    assert result["summary"] in stdout
+    assert f"dmd-lora (2 images): {compared['dmd-lora']['step_vs_lcm']:.2f}x the step time of lcm-lora" in stdout
+
+
 def test_bucket_cycles_hold_exactly_the_square_pixels_and_only_sizes_the_unet_takes():
     from bench import bucket_throughput
 

@@ -69,16 +69,22 @@ def test_classifier_reads_the_ground_truth_images(tmp_path):
 def test_the_few_step_table_reads_each_rows_scores_and_prints_fid_as_a_number(tmp_path, capsys):
     from demo.lcm import report
 
-    for row, both in (("ddim_50", 1.0), ("lcm_4", 0.95)):
+    for row, both in (("ddim_50", 1.0), ("lcm_4", 0.95), ("dmd_1", 0.9)):
         scores = {"seen": {"colour": 1.0, "shape": both, "both": both, "n": 60},
                   "held_out": {"colour": 0.5, "shape": 0.5, "both": 0.25, "n": 12}}
         (tmp_path / f"eval_{row}.json").write_text(json.dumps(scores))
+    (tmp_path / "training_seconds.json").write_text(json.dumps({"lcm": 390, "dmd_1": 900}))
     table = report(tmp_path, None)
-    assert table == {"ddim_50": {"seen_colour": 1.0, "seen_shape": 1.0, "seen_both": 1.0, "held_out_both": 0.25},
-                     "lcm_4": {"seen_colour": 1.0, "seen_shape": 0.95, "seen_both": 0.95, "held_out_both": 0.25}}
+    assert table == {"ddim_50": {"seen_colour": 1.0, "seen_shape": 1.0, "seen_both": 1.0, "held_out_both": 0.25,
+                                 "training_minutes": None},
+                     "lcm_4": {"seen_colour": 1.0, "seen_shape": 0.95, "seen_both": 0.95, "held_out_both": 0.25,
+                               "training_minutes": 6.5},
+                     "dmd_1": {"seen_colour": 1.0, "seen_shape": 0.9, "seen_both": 0.9, "held_out_both": 0.25,
+                               "training_minutes": 15.0}}
     assert json.loads((tmp_path / "lcm.json").read_text()) == table
     lines = capsys.readouterr().out.splitlines()
-    assert lines[1].split()[-4:] == ["100%", "100%", "100%", "25%"] and "LCM 4 steps" in lines[2]
+    assert lines[1].split()[-5:] == ["100%", "100%", "100%", "25%", "-"] and "LCM 4 steps" in lines[2]
+    assert "DMD 1 step" in lines[3] and lines[3].split()[-1] == "15.0"
 
 
 def test_the_preference_row_splits_the_prompts_in_halves_and_reports_each_models_halves(tmp_path, capsys):

@@ -368,14 +368,16 @@ class DistributionMatching(Objective):
             output = model(x_t, path.model_time(t), encoder_hidden_states=hidden).sample
         return path.clean(output, x_t, t)
 
-    def critic_logits(self, unet, x0, hidden, generator, device, detached: bool) -> torch.Tensor:
+    def critic_logits(self, context: LossContext, x0, hidden, generator, detached: bool) -> torch.Tensor:
         """The critic's logits ``(B, 1)`` on clean latents ``x0``, noised at a timestep drawn in 0..999 (DMD2's
-        diffusion GAN), through the fake score's middle block."""
-        path = Path(self.alphas, self.prediction_type)
+        diffusion GAN), through the fake score's middle block (``detached``: neither trains by them)."""
+        unet, device = context.unet, context.device
+        path = Path(context.alphas_cumprod, context.settings.prediction_type)
         t = torch.randint(0, sd.model.NUM_TRAIN_TIMESTEPS, (x0.shape[0],), generator=generator,
                           device=generator.device).to(device)
         noisy = path.noised(x0, torch.randn(x0.shape, generator=generator, device=device), t)
-        with reparametrized(unet, self.fake_weights(detached)), sd.runtime.autocast(self.precision, device):
+        with reparametrized(unet, self.fake_weights(detached)), \
+                sd.runtime.autocast(context.settings.precision, device):
             features = middle_features(unet, noisy, path.model_time(t), hidden)
         if not detached:
             return self.critic(features)
@@ -390,8 +392,6 @@ class DistributionMatching(Objective):
         ``generator``, in order: the fake updates' draws, the generator's noise (and steps), the
         distribution-matching timesteps and noise, then the GAN term's."""
         settings, device = self.settings, context.device
-        self.alphas, self.prediction_type, self.precision = (context.alphas_cumprod, context.settings.prediction_type,
-                                                             context.settings.precision)
         path = Path(context.alphas_cumprod, context.settings.prediction_type)
         real = scaled_latents(context, latents)
         with sd.runtime.autocast(context.settings.precision, device):
@@ -414,7 +414,7 @@ class DistributionMatching(Objective):
         gan = torch.zeros_like(dm)
         if self.critic is not None:
             with checkpointing_off(context.unet):
-                gan = generator_gan_loss(self.critic_logits(context.unet, x0, hidden, generator, device, True))
+                gan = generator_gan_loss(self.critic_logits(context, x0, hidden, generator, True))
         if training:
             self.count(dm=dm.detach().sum(), gan=gan.detach().sum(), images=batch)
         return dm + settings.gan_weight * gan, t
@@ -438,8 +438,8 @@ class DistributionMatching(Objective):
             fake_loss = fake_score_loss(output, path.target(x0, noise, t))
             total, critic = fake_loss, torch.zeros_like(fake_loss)
             if self.critic is not None:
-                critic = critic_loss(self.critic_logits(unet, x0, hidden, generator, device, False),
-                                     self.critic_logits(unet, real, hidden, generator, device, False))
+                critic = critic_loss(self.critic_logits(context, x0, hidden, generator, False),
+                                     self.critic_logits(context, real, hidden, generator, False))
                 total = total + self.settings.critic_weight * critic
             total.backward()
         self.step_fake(device)
