@@ -15,8 +15,10 @@ from PIL import Image
 from safetensors.torch import load_file
 
 import sd.formats
+import sd.train.memory
 import SD_ImageGen
 import SD_Train
+from sd.train.config import TrainConfig
 
 from data_factory import BASE, assert_bitwise_equal, checkpoint_state, make_base_pipeline
 
@@ -98,3 +100,19 @@ def test_a_whole_unet_generator_with_the_gan_term_and_two_steps_resumes_bit_for_
     assert header["distilled"] == "dmd" and header["generator_timesteps"] == "999,499"
     assert sd.formats.recorded_default_sampler(str(single)) == "onestep"
     assert "Steps: 2, Sampler: onestep, CFG scale: 1.0" in sampled(single, tmp_path / "from_file")
+
+
+def test_the_memory_estimate_holds_one_unet_and_two_adapters_or_a_teacher_and_a_fake_copy():
+    def estimate(**fields):
+        config = TrainConfig(**{**DMD, "datasets": [], "init_from": "x", "unet": "tiny", "batch_size": 2,
+                                "grad_accum": 1, "precision": "bf16", **fields})
+        return sd.train.memory.estimate(config, resolution=64, device="cuda")
+
+    lora, whole = estimate(lora_rank=4), estimate()
+    lcm = estimate(lora_rank=4, distill="lcm", validation_sampler="lcm")
+    # the fake adapter and its two AdamW moments: one and a half times the generator's moments, no UNet copy
+    assert lora.parts["distillation"] == pytest.approx(1.5 * lora.parts["optimizer_state"], rel=0.1)
+    assert lora.allocated == pytest.approx(lcm.allocated, rel=0.05)
+    # a whole UNet: the teacher in bf16 (half the fp32 weights), the fake score's fp32 copy and its two moments
+    assert whole.parts["distillation"] == pytest.approx(3.5 * whole.parts["weights"], rel=0.05)
+    assert whole.allocated > lora.allocated + whole.parts["distillation"]

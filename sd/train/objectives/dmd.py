@@ -240,7 +240,8 @@ class DistributionMatching(Objective):
 
     ``teacher``: a frozen copy of the base (a whole-UNet generator), or None: the UNet with its adapters off.
     ``fake``: the fake score's weights by parameter name (the adapter's, or the whole UNet's), float32 leaves
-    trained by ``optimizer`` (AdamW as the run's, at ``fake_lr``, constant); ``critic`` with them when
+    trained by ``optimizer`` (AdamW with the run's betas, eps and weight decay, whatever ``optim.name``, at
+    ``fake_lr``, constant); ``critic`` with them when
     ``gan_weight`` > 0.
     """
 
@@ -305,12 +306,15 @@ class DistributionMatching(Objective):
     @classmethod
     def build(cls, config, unet) -> "DistributionMatching":
         """For a run's UNet as loaded from ``init_from``, its adapters attached (before its weights are resumed)."""
-        import sd.train.step
-
         settings = DMDSettings.from_config(config)
+        optim = config.optim
 
-        def make_optimizer(groups):
-            return sd.train.step.build_optimizer(groups, config)
+        def make_optimizer(groups):  # AdamW whatever optim.name: its state is saved as flat tensors
+            kwargs = dict(betas=(optim.adam_beta1, optim.adam_beta2), eps=optim.adam_eps, weight_decay=optim.weight_decay)
+            try:
+                return torch.optim.AdamW(groups, fused=True, **kwargs)
+            except (RuntimeError, TypeError):  # no fused kernel for this device or dtype
+                return torch.optim.AdamW(groups, foreach=True, **kwargs)
 
         if sd.lora.adapters.has_lora(unet):
             return cls(settings, unet, make_optimizer=make_optimizer)
