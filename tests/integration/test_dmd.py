@@ -5,16 +5,20 @@ by default from both, the fake score never in a file users load, and a generator
 samples."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import yaml
 from safetensors import safe_open
 from PIL import Image
 from safetensors.torch import load_file
 
 import sd.formats
+import sd.run_folder
 import sd.train.memory
 import SD_ImageGen
 import SD_Train
@@ -22,6 +26,7 @@ from sd.train.config import TrainConfig
 
 from data_factory import BASE, assert_bitwise_equal, checkpoint_state, make_base_pipeline
 
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 DMD = dict(BASE, distill="dmd", dmd={"fake_updates": 2, "guidance": 2.0}, lr=1e-3, warmup_steps=0, batch_size=2,
            grad_accum=2, min_snr_gamma=0.0, cfg_dropout=0.0, ema_decay=0.0, validation_sampler="onestep",
@@ -116,3 +121,21 @@ def test_the_memory_estimate_holds_one_unet_and_two_adapters_or_a_teacher_and_a_
     # a whole UNet: the teacher in bf16 (half the fp32 weights), the fake score's fp32 copy and its two moments
     assert whole.parts["distillation"] == pytest.approx(3.5 * whole.parts["weights"], rel=0.05)
     assert whole.allocated > lora.allocated + whole.parts["distillation"]
+
+
+def test_two_ranks_distill_a_dmd_lora_to_the_same_generator(base_model, dataset_16, tmp_path):
+    """DDP wraps the generator; the fake score's updates run on each rank outside it, their gradients averaged."""
+    config = tmp_path / "two.yaml"
+    config.write_text(yaml.safe_dump({**DMD, "out_dir": str(tmp_path / "run"), "datasets": [dataset_16],
+                                      "init_from": str(base_model), "max_steps": 2, "lora_rank": 4,
+                                      "dmd": {"fake_updates": 1}, "batch_size": 2, "grad_accum": 1}))
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             str(ROOT / "SD_Train.py"), "--config", str(config)], cwd=ROOT, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    folder = tmp_path / "run" / "checkpoints" / sd.run_folder.step_dir_name(2)
+    rank0, rank1 = (torch.load(folder / f"rng_rank{r}.pt", weights_only=True) for r in (0, 1))
+    assert torch.equal(rank0["fingerprint"], rank1["fingerprint"])  # the ranks' generators agree
+    assert not torch.equal(rank0["rng"]["noise"], rank1["rng"]["noise"])  # and they drew different images
+    assert (folder / "dmd_fake.safetensors").exists() and (folder / "dmd_fake_optimizer.safetensors").exists()
+    assert all(np.isfinite(r["fake_loss"]) for r in records(tmp_path / "run"))
