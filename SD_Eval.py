@@ -107,12 +107,12 @@ def parse_args(argv=None):
                         "(or phase YAML's out_dir) and write --table")
     parser.add_argument("--table", help="with --runs: the table (Markdown; a .json beside it)")
     parser.add_argument("--steps", type=int, default=None, help="sampler steps (default: 50; 4 with --sampler lcm, "
-                        "which takes 1..50)")
+                        "which takes 1..50; a DMD generator's own with onestep, which takes 1..4)")
     parser.add_argument("--cfg", type=float, default=None, help="classifier-free guidance scale (default: 7.5; 1 with "
-                        "--sampler lcm)")
+                        "--sampler lcm and onestep)")
     parser.add_argument("--sampler", choices=("auto", *sd.sampling.SAMPLERS), default="auto", help="the sampler; "
-                        "auto = lcm for a run of ours trained with distill: lcm, flow_euler for a model trained as a "
-                        "flow, else ddim (each run's own with --runs; default: %(default)s)")
+                        "auto = lcm for a run of ours trained with distill: lcm, onestep for distill: dmd, flow_euler "
+                        "for a model trained as a flow, else ddim (each run's own with --runs; default: %(default)s)")
     parser.add_argument("--negative", default="", help="negative prompt")
     parser.add_argument("--seed", type=int, default=0, help="image i uses seed + i")
     parser.add_argument("--height", type=int, default=512, help="pixels, a multiple of 8")
@@ -132,7 +132,10 @@ def parse_args(argv=None):
         args.sampler = sd.formats.recorded_default_sampler(args.ckpt)
     # --runs with auto: each run's sampler and its defaults (sampling_of); checked here as ddim's
     sampler = "ddim" if args.sampler == "auto" else args.sampler
-    steps, cfg = sd.sampling.sampler_defaults(sampler, args.steps, args.cfg, 50, 7.5)
+    try:  # onestep: the steps the DMD generator was trained for
+        steps, cfg = sd.formats.sampling_defaults(args.ckpt or "", sampler, args.steps, args.cfg, 50, 7.5)
+    except (KeyError, ValueError, OSError) as problem:
+        parser.error(f"--sampler {sampler}: {problem}")
     resolved = {"steps": steps, "cfg": cfg} if args.sampler != "auto" else {}
     for name in ("batch_size", "steps", "n") + (("num_prompts",) if args.num_prompts is not None else ()):
         if {**vars(args), "steps": steps, **resolved}[name] < 1:
@@ -158,7 +161,10 @@ def sampling_of(args, ckpt: str) -> Sampling:
     sampler, steps, cfg = args.sampler, args.steps, args.cfg
     if sampler == "auto":
         sampler = sd.formats.recorded_default_sampler(ckpt)
-        steps, cfg = sd.sampling.sampler_defaults(sampler, steps, cfg, 50, 7.5)
+        try:
+            steps, cfg = sd.formats.sampling_defaults(ckpt, sampler, steps, cfg, 50, 7.5)
+        except (KeyError, ValueError, OSError) as problem:
+            raise EvalError(f"{ckpt}: --sampler auto ({sampler}): {problem}") from None
         problem = sd.sampling.settings_error(sampler, steps, cfg)
         if problem:
             raise EvalError(f"{ckpt}: --sampler auto ({sampler}), --steps {steps}, --cfg {cfg:g}: {problem}")

@@ -117,11 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: SD_Eval.py's, openai/clip-vit-large-patch14)")
     parser.add_bool("--rescore", help="score every drawn prompt again, not only those the scorer has not scored "
                     "(default: off)")
-    add("--steps", type=int, default=None, help=f"sampler steps (default: {DEFAULT_STEPS}; 4 with lcm)")
-    add("--cfg", type=float, default=None, help=f"classifier-free guidance scale (default: {DEFAULT_CFG}; 1 with lcm)")
+    add("--steps", type=int, default=None, help=f"sampler steps (default: {DEFAULT_STEPS}; 4 with lcm; a DMD generator's own "
+        "with onestep)")
+    add("--cfg", type=float, default=None, help=f"classifier-free guidance scale (default: {DEFAULT_CFG}; 1 with lcm and onestep)")
     add("--sampler", default="auto", help="auto (the model's own: lcm for a latent consistency model of ours, "
-        "flow_euler for a flow, else ddim) or a sampler of SD_ImageGen.py --sampler (ddim, dpm++, euler, lcm, "
-        "flow_euler, flow_heun)")
+        "onestep for a DMD generator, flow_euler for a flow, else ddim) or a sampler of SD_ImageGen.py --sampler "
+        "(ddim, dpm++, euler, lcm, onestep, flow_euler, flow_heun)")
     add("--negative", default="", help="negative prompt, the unconditional branch of CFG (default: empty)")
     add("--width", type=int, default=None, help="pixels, a multiple of 8 (default: --height, else the size the model "
         "was trained at)")
@@ -235,7 +236,10 @@ def drawing_of(args) -> Drawing:
     sampler = sd.formats.recorded_default_sampler(args.model) if args.sampler == "auto" else args.sampler
     if sampler not in sd.sampling.SAMPLERS:
         raise StageError(f"--sampler must be auto or one of {', '.join(sd.sampling.SAMPLERS)}, got {sampler!r}")
-    steps, cfg = sd.sampling.sampler_defaults(sampler, args.steps, args.cfg, DEFAULT_STEPS, DEFAULT_CFG)
+    try:  # onestep: the steps the DMD generator was trained for
+        steps, cfg = sd.formats.sampling_defaults(args.model, sampler, args.steps, args.cfg, DEFAULT_STEPS, DEFAULT_CFG)
+    except (KeyError, ValueError, OSError) as problem:
+        raise StageError(f"--sampler {sampler}: {problem}") from None
     problem = sd.sampling.settings_error(sampler, steps, cfg)
     if problem:
         raise StageError(f"--sampler {sampler}, --steps {steps}, --cfg {cfg:g}: {problem}")

@@ -460,6 +460,15 @@ def recorded_distillation(source: str) -> str:
     return ""
 
 
+def sampling_defaults(source: str, sampler: str, steps: int | None, cfg: float | None, default_steps: int,
+                      default_cfg: float) -> tuple[int, float]:
+    """``sd.sampling.sampler_defaults`` for ``source``: ``onestep`` without steps takes the steps the DMD generator
+    records (``recorded_generator_steps``)."""
+    if sampler == "onestep" and steps is None and source:
+        default_steps = recorded_generator_steps(source)
+    return sd.sampling.sampler_defaults(sampler, steps, cfg, default_steps, default_cfg)
+
+
 def recorded_generator_steps(source: str) -> int:
     """A DMD generator's steps: ``dmd.steps`` of our training config, or the count of a single file's
     ``generator_timesteps``; 1 when it records none."""

@@ -83,13 +83,11 @@ def settings(args, error, ckpt: str, prediction_type: str) -> Settings:
     if any(side is not None and (side % 8 or side <= 0) for side in (args.height, args.width)):
         error("--height and --width must be positive multiples of 8")
     sampler = sd.formats.recorded_default_sampler(ckpt, prediction_type) if args.sampler == "auto" else args.sampler
-    default_steps = sd.sampling.SAMPLER_STEPS[sampler]
-    if sampler == "onestep" and args.steps is None:  # the steps the generator was trained for
-        try:
-            default_steps = sd.formats.recorded_generator_steps(ckpt)
-        except (KeyError, ValueError, OSError) as problem:
-            error(f"--sampler onestep: {problem}")
-    steps, cfg = sd.sampling.sampler_defaults(sampler, args.steps, args.cfg, default_steps, 7.5)
+    try:  # onestep: the steps the generator was trained for
+        steps, cfg = sd.formats.sampling_defaults(ckpt, sampler, args.steps, args.cfg,
+                                                  sd.sampling.SAMPLER_STEPS[sampler], 7.5)
+    except (KeyError, ValueError, OSError) as problem:
+        error(f"--sampler {sampler}: {problem}")
     for name, value in (("n", args.n), ("batch_size", args.batch_size)):
         if value < 1:
             error(f"--{name} must be >= 1")
