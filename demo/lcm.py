@@ -1,4 +1,4 @@
-"""The demo's few-step table: the demo model sampled with DDIM at 50, 4 and 2 steps, beside its latent consistency
+"""The demo's few-step table: the demo model sampled with DDIM at 50, 4, 2 and 1 steps, beside its latent consistency
 distillation (configs/demo_lcm.yaml) sampled with the LCM sampler at 2, 4 and 8 steps and its DMD generators
 (configs/demo_dmd.yaml) sampled in the steps each was trained for.
 
@@ -19,7 +19,7 @@ import sd.cli
 from demo.evaluate import report_table
 
 ROWS = {"ddim_50": "demo model, DDIM 50 steps", "ddim_4": "demo model, DDIM 4 steps",
-        "ddim_2": "demo model, DDIM 2 steps",
+        "ddim_2": "demo model, DDIM 2 steps", "ddim_1": "demo model, DDIM 1 step",
         "lcm_2": "distilled, LCM 2 steps", "lcm_4": "distilled, LCM 4 steps", "lcm_8": "distilled, LCM 8 steps",
         **{f"dmd_{n}": f"distilled, DMD {n} step{'s' if n > 1 else ''}" for n in range(1, 5)}}
 
@@ -44,7 +44,7 @@ def row_scores(folder: Path, row: str, reference: Path | None) -> dict | None:
     return row_table
 
 
-def training_minutes(out: Path, row: str) -> float | None:
+def train_minutes(out: Path, row: str) -> float | None:
     """The minutes the distillation a row samples took to train (``training_seconds.json``: lcm, dmd_N), or None."""
     import json
 
@@ -59,8 +59,8 @@ def training_minutes(out: Path, row: str) -> float | None:
 def report(out: Path, reference: Path | None) -> dict:
     table = {row: scores for row in ROWS if (scores := row_scores(out, row, reference)) is not None}
     for row, scores in table.items():  # the demo model itself: no distillation (None)
-        scores["training_minutes"] = None if row.startswith("ddim_") else training_minutes(out, row)
-    return report_table(out / "lcm.json", table, ROWS, numbers=("fid", "training_minutes"))
+        scores["train_minutes"] = None if row.startswith("ddim_") else train_minutes(out, row)
+    return report_table(out / "lcm.json", table, ROWS, numbers=("fid", "train_minutes"))
 
 
 def main(argv=None) -> int:

@@ -165,10 +165,10 @@ if [ "${DEMO_ASPECT:-1}" = 0 ]; then echo "left out (DEMO_ASPECT=0)"; else
   $PY demo/aspect.py report --out "$ASPECT" --prompts "$OUT/shards/demo_prompts.json"
 fi
 
-step "11/15 few-step sampling: the UNet distilled into a latent consistency model (SD_Train.py --config configs/demo_lcm.yaml), sampled in 2, 4 and 8 steps beside DDIM in 50, 4 and 2, and into a one-step DMD generator (configs/demo_dmd.yaml)"
+step "11/15 few-step sampling: the UNet distilled into a latent consistency model (SD_Train.py --config configs/demo_lcm.yaml), sampled in 2, 4 and 8 steps beside DDIM in 50, 4, 2 and 1, and into a one-step DMD generator (configs/demo_dmd.yaml)"
 LCM=$OUT/lcm_eval
 if [ "${DEMO_LCM:-1}" = 0 ]; then echo "left out (DEMO_LCM=0)"; else
-  rows="ddim_50 ddim_4 ddim_2 lcm_2 lcm_4 lcm_8"
+  rows="ddim_50 ddim_4 ddim_2 ddim_1 lcm_2 lcm_4 lcm_8"
   mkdir -p "$LCM"
   began=$(date +%s)
   # shellcheck disable=SC2086  # DEMO_LCM_FLAGS is a list of flags

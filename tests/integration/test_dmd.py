@@ -105,6 +105,21 @@ def test_a_whole_unet_generator_with_the_gan_term_and_two_steps_resumes_bit_for_
     assert header["distilled"] == "dmd" and header["generator_timesteps"] == "999,499"
     assert sd.formats.recorded_default_sampler(str(single)) == "onestep"
     assert "Steps: 2, Sampler: onestep, CFG scale: 1.0" in sampled(single, tmp_path / "from_file")
+    # a diffusers folder names LCMScheduler; diffusers draws at 999 what one step of ours draws
+    from diffusers import StableDiffusionPipeline
+
+    folder = tmp_path / "dmd_diffusers"
+    assert SD_ImageGen.main(["--ckpt", str(straight), "--export_diffusers", str(folder)]) == 0
+    assert json.loads((folder / "scheduler" / "scheduler_config.json").read_text())["_class_name"] == "LCMScheduler"
+    out = tmp_path / "one_step"
+    assert SD_ImageGen.main(["--ckpt", str(straight), "--prompt", "a red circle", "--steps", "1", "--seed", "3",
+                             "--n", "1", "--height", "64", "--width", "64", "--device", "cpu", "--out", str(out)]) == 0
+    ours = np.asarray(Image.open(out / "000_000003.png").convert("RGB")).astype(int)
+    pipe = StableDiffusionPipeline.from_pretrained(str(folder), safety_checker=None, requires_safety_checker=False,
+                                                   local_files_only=True)
+    theirs = pipe(["a red circle"], num_inference_steps=1, guidance_scale=1.0, height=64, width=64,
+                  generator=[torch.Generator().manual_seed(3)], output_type="np").images[0]
+    assert np.abs(ours - np.round(theirs * 255)).max() <= 1
 
 
 def test_the_memory_estimate_holds_one_unet_and_two_adapters_or_a_teacher_and_a_fake_copy():

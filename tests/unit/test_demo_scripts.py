@@ -76,11 +76,11 @@ def test_the_few_step_table_reads_each_rows_scores_and_prints_fid_as_a_number(tm
     (tmp_path / "training_seconds.json").write_text(json.dumps({"lcm": 390, "dmd_1": 900}))
     table = report(tmp_path, None)
     assert table == {"ddim_50": {"seen_colour": 1.0, "seen_shape": 1.0, "seen_both": 1.0, "held_out_both": 0.25,
-                                 "training_minutes": None},
+                                 "train_minutes": None},
                      "lcm_4": {"seen_colour": 1.0, "seen_shape": 0.95, "seen_both": 0.95, "held_out_both": 0.25,
-                               "training_minutes": 6.5},
+                               "train_minutes": 6.5},
                      "dmd_1": {"seen_colour": 1.0, "seen_shape": 0.9, "seen_both": 0.9, "held_out_both": 0.25,
-                               "training_minutes": 15.0}}
+                               "train_minutes": 15.0}}
     assert json.loads((tmp_path / "lcm.json").read_text()) == table
     lines = capsys.readouterr().out.splitlines()
     assert lines[1].split()[-5:] == ["100%", "100%", "100%", "25%", "-"] and "LCM 4 steps" in lines[2]
