@@ -18,13 +18,17 @@ from PIL import Image
 from safetensors.torch import load_file
 
 import sd.formats
+import sd.model
+import sd.sampling
 import sd.run_folder
 import sd.train.memory
 import SD_ImageGen
 import SD_Train
 from sd.train.config import TrainConfig
 
-from data_factory import BASE, assert_bitwise_equal, checkpoint_state, make_base_pipeline
+from data_factory import (BASE, WORDS, assert_bitwise_equal, checkpoint_state, make_base_pipeline, make_captions,
+                          make_latents)
+from margins import at_most
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -154,3 +158,54 @@ def test_two_ranks_distill_a_dmd_lora_to_the_same_generator(base_model, dataset_
     assert not torch.equal(rank0["rng"]["noise"], rank1["rng"]["noise"])  # and they drew different images
     assert (folder / "dmd_fake.safetensors").exists() and (folder / "dmd_fake_optimizer.safetensors").exists()
     assert all(np.isfinite(r["fake_loss"]) for r in records(tmp_path / "run"))
+
+
+def two_mode_data(root: Path) -> dict:
+    """A toy set whose every caption has two latent patterns (half its images each): a teacher drawing it in
+    many steps lands near one pattern, its one-step prediction from noise lands far from both."""
+    rng = np.random.default_rng(0)
+    modes = rng.normal(0, 3, size=(len(WORDS), 2, 4, 8, 8))
+    n = 64
+    classes, which = np.arange(n) % len(WORDS), (np.arange(n) // len(WORDS)) % 2
+    keys = [f"s{i:05d}" for i in range(n)]
+    make_latents(root / "latents", keys, modes[classes, which] + rng.normal(0, 0.1, size=(n, 4, 8, 8)))
+    make_captions(root / "captions", list(zip(keys, [f"a {WORDS[c]}" for c in classes])), [])
+    return {"dataset": str(root / "captions"), "latents": str(root / "latents"), "modes": modes}
+
+
+def distance_to_modes(source: Path, modes: np.ndarray) -> float:
+    """The RMS distance of one-step samples (16 per caption, fixed seeds) to the nearer of their caption's
+    patterns, averaged."""
+    pipe = sd.formats.load_pipeline(str(source))
+    ids = sd.model.tokenize(pipe.tokenizer, [f"a {word}" for word in WORDS] + [""])
+    embeddings = sd.model.encode_prompt_ids(pipe.text_encoder, ids).float()
+    distances = []
+    for c in range(len(WORDS)):
+        generators = sd.sampling.seed_generators(list(range(16)))
+        noise = sd.sampling.image_noise(generators, (4, 8, 8), 16)
+        latents = sd.sampling.sample_latents(pipe.unet, noise, embeddings[c:c + 1].expand(16, -1, -1),
+                                             embeddings[-1:].expand(16, -1, -1), sampler="onestep", steps=1, cfg=1.0,
+                                             prediction_type=pipe.prediction_type, generators=generators)
+        x = sd.model.unscale_latents(latents, float(pipe.vae.config.scaling_factor)).double().numpy()
+        distances.append(np.sqrt(((x[:, None] - modes[c][None]) ** 2).mean(axis=(2, 3, 4))).min(1))
+    return float(np.mean(distances))
+
+
+@pytest.mark.learned
+def test_the_one_step_generator_draws_nearer_the_data_than_its_teachers_one_step(tmp_path):
+    """A teacher trained on the two-pattern set draws, in one step from noise, images far from both patterns of a
+    caption (its prediction of the clean latents, amplified by the noisiest timestep); 60 DMD steps of the whole
+    UNet bring its generator's single step nearer them, and the fake score learns the generator's images."""
+    data = two_mode_data(tmp_path / "data")
+    sets = [{"dataset": data["dataset"], "latents": data["latents"]}]
+    teacher = tmp_path / "teacher.yaml"
+    teacher.write_text(yaml.safe_dump({**BASE, "datasets": sets, "max_steps": 150, "lr": 3e-3, "batch_size": 8,
+                                       "grad_accum": 1, "warmup_steps": 0, "ema_decay": 0.0,
+                                       "out_dir": str(tmp_path / "teacher")}))
+    assert SD_Train.main(["--config", str(teacher)]) == 0
+    run = train(tmp_path, "dmd", datasets=sets, init_from=str(tmp_path / "teacher"), max_steps=60, batch_size=8,
+                grad_accum=1, dmd={"fake_updates": 2, "guidance": 2.0})
+    before, after = distance_to_modes(tmp_path / "teacher", data["modes"]), distance_to_modes(run, data["modes"])
+    at_most("DMD generator's one-step distance to the data / the teacher's one step", after / before, 0.9)
+    fake = [r["fake_loss"] for r in records(run)]
+    at_most("the fake score's loss, last 10 steps / first 5", np.mean(fake[-10:]) / np.mean(fake[:5]), 0.8)
