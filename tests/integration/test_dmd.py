@@ -27,7 +27,7 @@ import SD_Train
 from sd.train.config import TrainConfig
 
 from data_factory import (BASE, WORDS, assert_bitwise_equal, checkpoint_state, make_base_pipeline, make_captions,
-                          make_latents)
+                          make_latents, train_tiny_run)
 from margins import at_most
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -209,3 +209,14 @@ def test_the_one_step_generator_draws_nearer_the_data_than_its_teachers_one_step
     at_most("DMD generator's one-step distance to the data / the teacher's one step", after / before, 0.9)
     fake = [r["fake_loss"] for r in records(run)]
     at_most("the fake score's loss, last 10 steps / first 5", np.mean(fake[-10:]) / np.mean(fake[:5]), 0.8)
+
+
+def test_a_flow_teacher_distils_to_a_generator_sampled_in_one_step_on_its_straight_path(dataset_16, tmp_path):
+    """A flow model (prediction_type: flow) as the teacher: the generator reads its velocity at sigma 1 (pure
+    noise, time 1000) as the clean image ``x - v``; --sampler auto draws it in one step there."""
+    teacher = train_tiny_run(tmp_path / "flow", 8, max_steps=2, warmup_steps=0, ema_decay=0.0,
+                             prediction_type="flow", min_snr_gamma=0)
+    run = train(tmp_path, "dmd", datasets=[dataset_16], init_from=str(teacher), max_steps=2, grad_accum=1,
+                prediction_type="flow", dmd={"fake_updates": 1})
+    assert all(np.isfinite(r["dm_loss"]) and np.isfinite(r["fake_loss"]) for r in records(run))
+    assert "Steps: 1, Sampler: onestep, CFG scale: 1.0" in sampled(run, tmp_path / "samples")

@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[2]
 FROM_SCRATCH = str(ROOT / "configs" / "quickstart" / "from_scratch.yaml")
 
 # Text fields whose doc speaks of files or folders but which hold none themselves (a choice, a name, a prompt).
-NOT_PATHS = {"prediction_type", "controlnet.control", "keep_best", "tensorboard", "subject.instance_prompt"}
+NOT_PATHS = {"prediction_type", "controlnet.control", "keep_best", "tensorboard", "subject.instance_prompt",
+             "preference.method"}  # its doc names the latent folder DPO reads, not a path of its own
 PATH_WORDS = ("file", "folder", "path", "hub id", "dir")
 
 

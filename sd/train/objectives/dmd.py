@@ -450,8 +450,6 @@ class DistributionMatching(Objective):
         self.count(fake=fake_loss.detach(), critic=critic.detach(), updates=1)
 
     def step_fake(self, device) -> None:
-        import sd.train.step
-
         params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
         if self.d is not None and self.d.world_size > 1:
             flat = sd.distributed.all_reduce_sum(torch.cat([p.grad.reshape(-1) for p in params]), self.d)
@@ -463,7 +461,7 @@ class DistributionMatching(Objective):
         clip = self.settings.grad_clip if self.settings.grad_clip > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(params, clip)
         skip = ~torch.isfinite(norm)
-        if sd.train.step.skips_on_device(self.optimizer):
+        if self.optimizer.defaults.get("fused"):  # torch's fused AdamW skips itself on found_inf, on the device
             self.optimizer.found_inf = skip.float()
             self.optimizer.step()
         elif not bool(skip):

@@ -111,7 +111,7 @@ class Flow(Objective):
         for bad, name, why in refused:
             if bad:
                 raise ConfigError(f"{what} does not train with {name}: {why}")
-        if config.prediction_type == "flow" and config.sampler not in sd.sampling.FLOW_SAMPLERS:
+        if config.prediction_type == "flow" and config.sampler not in sd.sampling.FLOW_SAMPLERS + sd.sampling.ANY_MODEL:
             raise ConfigError(f"validation.sampler {config.validation.sampler}: a flow model is sampled with "
                               f"{' or '.join(sd.sampling.FLOW_SAMPLERS)} (or auto)")
 
