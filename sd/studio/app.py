@@ -13,18 +13,21 @@ from pathlib import Path
 import sd.cli
 import sd.sampling
 import sd.studio.prefer
+import sd.studio.tags
 from sd.studio.handlers import EXPORTS, Studio
 from sd.studio.runs import Roots
 from sd.studio.training import field_reference, gpus_present, presets
 
 
-def build(roots: Roots, repository: Path, uploads: Path | None = None):
+def build(roots: Roots, repository: Path, uploads: Path | None = None, gpu_sets: list[str | None] | None = None,
+          webhook: str | None = None):
     """The studio's ``gr.Blocks``: jobs run in the first root (relative paths in recipes, ``data/``, ``runs/``,
-    are the user's there, as on the command line) and log to ROOT/.studio/logs; ``roots`` bound every path."""
+    are the user's there, as on the command line) from the queue in ROOT/.studio; ``roots`` bound every path.
+    The handlers are ``page_set.studio`` (the HTTP API serves the same)."""
     gr = sd.cli.import_extra("gradio", "studio", "the studio")
     from gradio.utils import get_upload_folder
 
-    studio = Studio(roots, repository, uploads or Path(get_upload_folder()))
+    studio = Studio(roots, repository, uploads or Path(get_upload_folder()), gpu_sets=gpu_sets, webhook=webhook)
     polls = []  # (function, inputs, outputs) the timer refreshes
 
     with gr.Blocks(title="SD studio", analytics_enabled=False) as page_set:
@@ -40,11 +43,13 @@ def build(roots: Roots, repository: Path, uploads: Path | None = None):
             sd.studio.prefer.page(gr, studio, polls, prefer_tab)
         with gr.Tab("Export", elem_id="tab-export"):
             export_page(gr, studio, polls)
+        with gr.Tab("Jobs", elem_id="tab-jobs"):
+            jobs_page(gr, studio, polls)
         timer = gr.Timer(2.0)  # at the top level: a timer inside a tab ticks only while its tab is shown
         for function, inputs, outputs in polls:
             timer.tick(function, inputs, outputs)
 
-    page_set.jobs = studio.jobs  # for the command line's shutdown: running jobs are stopped (and save) with it
+    page_set.studio = studio
     return page_set
 
 
@@ -55,6 +60,9 @@ def data_page(gr, studio: Studio, polls: list) -> None:
         resolution = gr.Number(label="resolution", value=64, precision=0, elem_id="data-resolution")
         name = gr.Textbox(label="dataset name (data/NAME)", value="mine", elem_id="data-name")
         read = gr.Button("Read folder", elem_id="data-read")
+    with gr.Row():
+        here = gr.Dropdown(choices=folder_choices(studio, "my_images"), value=None, label="open a folder (.. is up)",
+                           allow_custom_value=False, elem_id="data-pick")
     summary = gr.Markdown(elem_id="data-summary")
     with gr.Row():
         page = gr.Number(label="page", value=1, precision=0, minimum=1, elem_id="data-page")
@@ -82,12 +90,35 @@ def data_page(gr, studio: Studio, polls: list) -> None:
     def pick(path, side, number, evt: gr.SelectData):
         return studio.pick(path, side, number, evt.index)
 
+    def open_folder(current, choice):
+        if not choice:
+            return current, gr.update()
+        try:
+            where = studio.subfolders(current)
+            target = where["parent"] if choice == ".." else str(Path(studio.subfolders(current)["path"]) / choice)
+            path = studio.subfolders(target)["path"]
+        except (ValueError, OSError):
+            path = current
+        return path, gr.update(choices=folder_choices(studio, path), value=None)
+
+    here.input(open_folder, [folder, here], [folder, here])
+    folder.submit(lambda current: gr.update(choices=folder_choices(studio, current), value=None), [folder], [here])
     read.click(read_folder, [folder, resolution, page], [summary, gallery, skipped, buckets])
     page.change(studio.show_folder, [folder, resolution, page], [summary, gallery, skipped, buckets])
     gallery.select(pick, [folder, resolution, page], [selected, caption])
     save.click(studio.save_caption, [folder, selected, caption], [summary])
     prepare.click(studio.prepare_data, [folder, resolution, name, vae, tokenizer, train_vae], [data_command])
     polls.append((studio.data_status, [], [data_state, data_log]))
+    sd.studio.tags.section(gr, studio, folder)
+
+
+def folder_choices(studio: Studio, path: str) -> list[str]:
+    """The picker's entries under ``path``: ``..`` (when the parent lies under a root) and its subfolders."""
+    try:
+        where = studio.subfolders(path)
+    except (ValueError, OSError):
+        where = studio.subfolders("")
+    return ([".."] if where["parent"] else []) + where["subfolders"]
 
 
 def train_page(gr, studio: Studio, repository: Path, polls: list) -> None:
@@ -99,19 +130,24 @@ def train_page(gr, studio: Studio, repository: Path, polls: list) -> None:
                                label="card recipe (second --config)", elem_id="train-hardware")
         run_name = gr.Textbox(label="run name (runs/NAME)", value="mine", elem_id="train-run")
         gpus = gr.Number(label="GPUs", value=gpus_present(), precision=0, minimum=1, elem_id="train-gpus")
+        keep_going = gr.Checkbox(label="if it fails, the queue goes on", value=False, elem_id="train-keep-going")
     fields = gr.Textbox(label="fields, one 'field: value' a line (override the preset)", lines=4,
                         elem_id="train-fields")
     verdict = gr.Markdown(elem_id="train-verdict")
     with gr.Row():
         card = gr.Number(label="card memory (GB) for the estimate; 0: this machine's", value=24, elem_id="train-card")
         estimate = gr.Button("Estimate memory", elem_id="train-estimate")
-        launch = gr.Button("Launch / Resume", variant="primary", elem_id="train-launch")
+        launch = gr.Button("Queue / Resume", variant="primary", elem_id="train-launch")
         stop = gr.Button("Stop (saves a checkpoint)", variant="stop", elem_id="train-stop")
     train_command = gr.Code(label="command", language="shell", elem_id="train-command")
     estimate_result = gr.Textbox(label="memory estimate", lines=4, max_lines=20, interactive=False,
                                  elem_id="train-estimate-result")
     train_state = gr.Textbox(label="state", interactive=False, elem_id="train-state")
-    loss_plot = gr.LinePlot(x="step", y="loss", title="loss", elem_id="train-loss")
+    with gr.Row():
+        loss_plot = gr.LinePlot(x="step", y="loss", title="loss", elem_id="train-loss")
+        lr_plot = gr.LinePlot(x="step", y="lr", title="learning rate", elem_id="train-lr")
+        eval_plot = gr.LinePlot(x="step", y="value", color="evaluation", title="evaluations (eval.every)",
+                                elem_id="train-evals")
     last = gr.Textbox(label="last logged step", interactive=False, elem_id="train-last")
     samples = gr.Gallery(label="sample grids", columns=4, height=260, elem_id="train-samples")
     train_log = gr.Textbox(label="log", lines=8, max_lines=8, autoscroll=True, elem_id="train-log")
@@ -121,11 +157,12 @@ def train_page(gr, studio: Studio, repository: Path, polls: list) -> None:
         gr.Dataframe(value=field_reference(), headers=["field", "default", "allowed", "doc"], wrap=True)
 
     preset.change(studio.run_name_for, [preset, run_name], [run_name])
-    launch.click(studio.do_launch, [preset, hardware, run_name, fields, gpus], [verdict, train_command])
+    launch.click(studio.do_launch, [preset, hardware, run_name, fields, gpus, keep_going], [verdict, train_command])
     estimate.click(studio.do_estimate, [preset, hardware, run_name, fields, card, gpus], [verdict, train_command])
     stop.click(studio.do_stop, [run_name], [])
     polls.append((studio.refresh, [run_name],
                   [train_state, loss_plot, last, samples, train_log, run_table, estimate_result]))
+    polls.append((studio.plots, [run_name], [lr_plot, eval_plot]))
 
 
 def sample_page(gr, studio: Studio, polls: list) -> None:
@@ -184,11 +221,36 @@ def export_page(gr, studio: Studio, polls: list) -> None:
     run_tool.click(studio.do_tool, [tool, first, second, rank], [export_command])
 
 
-def server_options() -> dict:
-    """The settings of Gradio's web app for ``launch(app_kwargs=...)``: the pages without the API description."""
-    from starlette.middleware import Middleware
+def jobs_page(gr, studio: Studio, polls: list) -> None:
+    """The queue: every job with its state, moved, stopped, cancelled or retried by its number; its log."""
+    queue_state = gr.Markdown(elem_id="jobs-queue")
+    table = gr.Dataframe(headers=list(JOB_COLUMNS), label="jobs, newest first", wrap=True, elem_id="jobs-table")
+    with gr.Row():
+        number = gr.Number(label="job", value=0, precision=0, minimum=0, elem_id="jobs-id")
+        buttons = {action: gr.Button(label, elem_id=f"jobs-{action}") for action, label in JOB_ACTIONS.items()}
+        resume = gr.Button("Resume the queue", elem_id="jobs-resume")
+    said = gr.Markdown(elem_id="jobs-said")
+    log = gr.Textbox(label="its log", lines=10, max_lines=10, autoscroll=True, elem_id="jobs-log")
+    for action, button in buttons.items():
+        button.click(lambda job_id, action=action: studio.job_action(action, job_id), [number], [said])
+    resume.click(lambda: studio.job_action("resume", 0), [], [said])
+    polls.append((studio.jobs_view, [number], [queue_state, table, log]))
 
-    return {"middleware": [Middleware(WithoutApiDescription)]}
+
+JOB_COLUMNS = ("job", "name", "state", "GPU set", "queued at", "command")
+JOB_ACTIONS = {"stop": "Stop / cancel", "top": "To the top", "up": "Up", "down": "Down", "retry": "Retry"}
+
+
+def server_options(api=None) -> dict:
+    """The settings of Gradio's web app for ``launch(app_kwargs=...)``: the pages without the API description,
+    and the studio's own HTTP API mounted at ``/api`` (ahead of Gradio's routes)."""
+    from starlette.middleware import Middleware
+    from starlette.routing import Mount
+
+    options = {"middleware": [Middleware(WithoutApiDescription)]}
+    if api is not None:
+        options["routes"] = [Mount("/api", app=api)]
+    return options
 
 
 API_INFO = re.compile(rb"<script>window\.gradio_api_info = .*?;</script>", re.DOTALL)

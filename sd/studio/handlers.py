@@ -4,24 +4,29 @@ Gradio's API (``/gradio_api/call/<name>``) reaches every one of these as a scrip
 each checks what it is given where it enters: every path resolves inside the studio's roots (``Roots``; a
 recipe may also be one of the repository's, a model a hub id), a run or dataset name is one folder name, an
 image whose caption is written is one that 01e reads. Each action builds the command a user would type
-(``sd.studio.data``, ``sd.studio.training``), shows it and runs it as a ``Job``; the pages read the job's log,
+(``sd.studio.data``, ``sd.studio.training``: ``data_job``, ``train_job`` ... return it, and the HTTP API submits
+what they return), shows it and submits it to the queue (``sd.studio.queue``); the pages read the job's log,
 the run's ``metrics.jsonl`` and its sample grids incrementally.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
+import heapq
+import os
 import shutil
-import sys
+import time
 from pathlib import Path
 
 import sd.studio.data as data
 import sd.studio.training as training
-from sd.studio.jobs import JsonlTail, Jobs, LogTail, python_command, shown
-from sd.studio.runs import OutsideRoots, Roots, folder_name, list_runs, run_info
+from sd.studio.jobs import JsonlTail, LogTail, python_command, shown
+from sd.studio.queue import JobRecord, Queue
+from sd.studio.webhooks import Webhooks, check_url
+from sd.studio.runs import Roots, folder_name, list_runs, run_info
 
 PAGE = 24  # thumbnails a page on the Data page
+FOLDERS = 500  # subfolders the folder picker lists at most
 EXPORTS = {  # format -> (SD_ImageGen.py flag, file name, where other tools expect it)
     "LoRA (kohya layout)": ("--export_lora", "lora.safetensors",
                             "ComfyUI models/loras/, AUTOMATIC1111 models/Lora/, sd-scripts, diffusers load_lora_weights"),
@@ -33,7 +38,11 @@ EXPORTS = {  # format -> (SD_ImageGen.py flag, file name, where other tools expe
     "ControlNet": ("--export_controlnet", "controlnet.safetensors",
                    "ComfyUI models/controlnet/, AUTOMATIC1111 extensions/sd-webui-controlnet/models/"),
 }
-ESTIMATE_STATES = {"running": "estimating ...", "stopping": "estimating ...", "finished": "estimate done"}
+ESTIMATE_STATES = {"estimating ...": "estimating ...", "stopping": "estimating ...", "finished": "estimate done"}
+RUNNING = {"train": "training", "estimate": "estimating ...", "data": "preparing the dataset ...",
+           "sample": "sampling ...", "export": "exporting ...", "prefer": "writing the pair shards ..."}
+WAITS = ("train", "data")  # kinds of job that wait their turn in the queue of their GPU set
+TAILS = 64  # job logs followed at once
 SUMMARY_START = "Predicted device memory"  # where --estimate_memory's summary begins
 
 
@@ -41,45 +50,87 @@ def refused(error: Exception) -> str:
     return f"# not started: {error}"
 
 
+def is_run_name(name) -> bool:
+    try:
+        folder_name(name)
+        return True
+    except ValueError:
+        return False
+
+
+def kind_of(name: str) -> str:
+    """The kind of the job ``name``: ``train_RUN`` -> train, ``estimate_RUN`` -> estimate, else the name."""
+    return name.split("_", 1)[0] if name.startswith(("train_", "estimate_")) else name
+
+
 class Studio:
     """The handlers of one studio: its roots (the first is where jobs run and ``runs/``, ``data/`` are), the
     repository (its recipes), the folder Gradio keeps a page's uploads in, and the jobs it started."""
 
-    def __init__(self, roots: Roots, repository: Path, uploads: Path | None = None):
+    def __init__(self, roots: Roots, repository: Path, uploads: Path | None = None,
+                 gpu_sets: list[str | None] | None = None, webhook: str | None = None):
         self.roots, self.repository = roots, Path(repository)
         self.workdir = roots.folders[0]
         self.uploads = Path(uploads).resolve() if uploads else None
-        self.jobs = Jobs(self.workdir / ".studio" / "logs", cwd=self.workdir)
+        self.webhooks = Webhooks(webhook)
+        self.queue = Queue(self.workdir / ".studio", self.workdir, gpu_sets, notify=self.webhooks)
         self.runs_root = self.workdir / "runs"
-        self.tails: dict[str, LogTail] = {}
+        self.tails: dict[int, LogTail] = {}  # by job id
         self.metrics: dict[str, JsonlTail] = {}
         self.scans: dict[tuple, data.FolderScan] = {}  # the last scan of each folder and size: paging reads no file
         self.sample_dir: Path | None = None
 
     # -- jobs ----------------------------------------------------------------------------------------------------
-    def start(self, name: str, commands: list[list[str]]) -> str:
-        """Run ``commands`` one after another as the job ``name`` (a small shell-free chain in Python)."""
-        if len(commands) == 1:
-            command = commands[0]
-        else:
-            program = ("import subprocess, sys, json\n"
-                       "for c in json.loads(sys.argv[1]):\n"
-                       "    print('$', ' '.join(c[1:]), flush=True)\n"
-                       "    code = subprocess.call(c)\n"
-                       "    if code: sys.exit(code)\n")
-            command = [sys.executable, "-c", program, json.dumps(commands)]
+    def submit(self, name: str, commands: list[list[str]], *, run: Path | None = None, waits: bool | None = None,
+               gpu_set: int = 0, keep_going: bool = False, webhook: str | None = None) -> JobRecord:
+        """``commands`` as the job ``name`` of the queue: training and data preparation wait their turn in their GPU
+        set's queue unless ``waits`` says otherwise, the rest start at once. A QueueError (a ValueError) says why
+        not."""
+        kind = kind_of(name)
+        return self.queue.submit(name, kind, commands, waits=kind in WAITS if waits is None else bool(waits),
+                                 gpu_set=int(gpu_set), keep_going=bool(keep_going),
+                                 webhook=check_url(webhook) if webhook else None, run=str(run) if run else None)
+
+    def start(self, name: str, commands: list[list[str]], **options) -> str:
+        """``submit``, for a page: the commands as shown, or why it was not started (a ``#`` line)."""
         try:
-            self.jobs.start(name, command)
-        except RuntimeError as error:  # the same job is running: said where the command would be
+            self.submit(name, commands, **options)
+        except ValueError as error:  # the same job is queued or running, a set that does not exist
             return refused(error)
-        self.tails[name] = LogTail(self.jobs.get(name).log)
         return "\n".join(shown(c) for c in commands)
 
+    def tail(self, job: JobRecord) -> LogTail:
+        """The job's log, read on from where the last call stopped (the latest ``TAILS`` jobs are kept)."""
+        if job.id not in self.tails:
+            while len(self.tails) >= TAILS:
+                self.tails.pop(next(iter(self.tails)))
+            self.tails[job.id] = LogTail(self.queue.log(job))
+        return self.tails[job.id]
+
+    def describe(self, job: JobRecord) -> str:
+        """A job's state as what it is: ``queued: 1 job ahead``, ``estimating ...``, ``failed (exit 1)``."""
+        if job.state == "queued":
+            ahead = [other.id for other in self.queue.waiting(job.gpu_set)].index(job.id) if job.waits else 0
+            held = self.queue.held().get(job.gpu_set)
+            where = f" on GPU set {job.gpu_set}" if len(self.queue.gpu_sets) > 1 else ""
+            return (f"queued{where}: {ahead} job{'s' * (ahead != 1)} ahead" +
+                    (f"; the queue is held ({held}): resume it on the Jobs page" if held else ""))
+        if job.state == "running":
+            return RUNNING.get(job.kind, "running")
+        if job.state in ("failed", "stopped"):
+            return f"{job.state} (exit {job.exit_code})"
+        if job.state == "lost":
+            return "lost: it ended while the studio was not following it (its last lines are in the log)"
+        return job.state
+
     def status(self, name: str) -> tuple[str, str]:
-        job = self.jobs.get(name)
+        job = self.queue.latest(name)
         if job is None:
             return "", ""
-        return job.state, self.tails[name].read()
+        log = self.tail(job).read()
+        if job.state == "lost":
+            log = "\n".join(filter(None, [log, job.detail]))
+        return self.describe(job), log
 
     def data_status(self) -> tuple[str, str]:
         return self.status("data")
@@ -110,6 +161,24 @@ class Studio:
         return (text, shown_images, [list(row) for row in scan.skipped],
                 [[bucket, n] for bucket, n in sorted(scan.buckets.items())])
 
+    def subfolders(self, path) -> dict:
+        """The folder picker's view of ``path`` (a folder under a root; the first root when empty): its subfolders
+        by name (hidden ones left out; the first ``FOLDERS`` when there are more, read in bounded memory), and its
+        parent when that lies under a root too."""
+        where = self.roots.check(path or self.workdir)
+        if not where.is_dir():
+            raise ValueError(f"{path} is not a folder")
+        with os.scandir(where) as entries:
+            names = heapq.nsmallest(FOLDERS + 1, (entry.name for entry in entries
+                                                  if not entry.name.startswith(".") and entry.is_dir()))
+        try:
+            parent = str(self.roots.check(where.parent)) if where not in self.roots.folders else None
+        except ValueError:
+            parent = None
+        shown_path = str(where.relative_to(self.workdir)) if self.workdir in (where, *where.parents) else str(where)
+        return {"path": shown_path, "parent": parent, "subfolders": names[:FOLDERS],
+                "truncated": len(names) > FOLDERS}
+
     def pick(self, path, side, number, index: int) -> tuple[str, str]:
         scan = self.scanned(self.roots.check(path), int(side), fresh=False)
         return data.page_of(scan, number or 1, PAGE)[index]
@@ -132,23 +201,28 @@ class Studio:
     def prepare_data(self, path, side, dataset_name, vae_name, tokenizer_name, train_vae=True) -> str:
         """Import, (train a VAE,) encode and build the dataset ``data/NAME``: the README's quick start 2."""
         try:
-            source = self.roots.check(path)
-            base = self.roots.check(Path("data") / folder_name(dataset_name, "dataset name"))
-            side = int(side)
-            vae = self.roots.source(vae_name)
-            tokenizer = self.roots.source(tokenizer_name)
-            commands = [data.import_command(source, base / "shards", side, keep_aspect=False)]
-            if train_vae and vae_name != "tiny":  # the VAE field names the folder it is trained into
-                vae_dir = self.roots.check(vae_name)
-                if not (vae_dir / "config.json").is_file():  # a VAE is there already: used as it is
-                    commands.append(data.vae_command(base / "shards", vae_dir, side))
-                vae = str(vae_dir)
+            name, commands, _ = self.data_job(path, side, dataset_name, vae_name, tokenizer_name, train_vae)
         except (ValueError, TypeError) as error:
             return refused(error)
+        return self.start(name, commands)
+
+    def data_job(self, path, side, dataset_name, vae_name, tokenizer_name, train_vae=True) -> tuple:
+        """``("data", commands, None)`` of ``prepare_data``; a ValueError says what is refused."""
+        source = self.roots.check(path)
+        base = self.roots.check(Path("data") / folder_name(dataset_name, "dataset name"))
+        side = int(side)
+        vae = self.roots.source(vae_name)
+        tokenizer = self.roots.source(tokenizer_name)
+        commands = [data.import_command(source, base / "shards", side, keep_aspect=False)]
+        if train_vae and vae_name != "tiny":  # the VAE field names the folder it is trained into
+            vae_dir = self.roots.check(vae_name)
+            if not (vae_dir / "config.json").is_file():  # a VAE is there already: used as it is
+                commands.append(data.vae_command(base / "shards", vae_dir, side))
+            vae = str(vae_dir)
         commands += [data.encode_command(base / "shards", base / "latents", vae, side, buckets=False),
                      *data.dataset_commands(base / "shards", base / "captions", base / "latents", base / "dataset",
                                             tokenizer)]
-        return self.start("data", commands)
+        return "data", commands, None
 
     # -- Train ---------------------------------------------------------------------------------------------------
     def settings(self, preset, hardware, run, field_text) -> tuple[str, str | None, Path, list[str]]:
@@ -162,36 +236,43 @@ class Studio:
             raise ValueError(problem)
         return preset_path, hardware_path, run_dir, flags
 
-    def do_launch(self, preset, hardware, run, field_text, count) -> tuple[str, str]:
-        try:
-            preset_path, hardware_path, run_dir, flags = self.settings(preset, hardware, run, field_text)
-            gpus = int(count or 1)
-        except (ValueError, TypeError) as error:
-            return f"**refused:** {error}", ""
+    def train_job(self, preset, hardware, run, field_text, count) -> tuple:
+        """``("train_RUN", [command], run folder)``; a ValueError says what is refused (a run in use too)."""
+        preset_path, hardware_path, run_dir, flags = self.settings(preset, hardware, run, field_text)
+        gpus = int(count or 1)
         holder = run_info(run_dir).state
         if holder.startswith("training"):
-            return f"**{run_dir} is in use:** {holder}", ""
-        command = training.training_command(preset_path, hardware_path, run_dir, flags, gpus)
-        shown_command = self.start(f"train_{run}", [command])
-        if not shown_command.startswith("#"):
-            self.metrics[run] = JsonlTail(run_dir / "metrics.jsonl")
-        return "", shown_command
+            raise ValueError(f"{run_dir} is in use: {holder}")
+        return f"train_{run}", [training.training_command(preset_path, hardware_path, run_dir, flags, gpus)], run_dir
+
+    def do_launch(self, preset, hardware, run, field_text, count, keep_going=False) -> tuple[str, str]:
+        """The run queued (it starts when its GPU set is free; at once when nothing runs there)."""
+        try:
+            name, commands, run_dir = self.train_job(preset, hardware, run, field_text, count)
+        except (ValueError, TypeError) as error:
+            return f"**refused:** {error}", ""
+        return "", self.start(name, commands, run=run_dir, keep_going=bool(keep_going))
+
+    def estimate_job(self, preset, hardware, run, field_text, card_gb, count) -> tuple:
+        preset_path, hardware_path, run_dir, flags = self.settings(preset, hardware, run, field_text)
+        extra = ["--estimate_memory", "true", "--world_size", str(int(count or 1))]
+        if card_gb:
+            extra += ["--gpu_memory_gb", str(float(card_gb))]
+        return f"estimate_{run}", [training.training_command(preset_path, hardware_path, run_dir, flags, 1) + extra], \
+            None
 
     def do_estimate(self, preset, hardware, run, field_text, card_gb, count) -> tuple[str, str]:
         try:
-            preset_path, hardware_path, run_dir, flags = self.settings(preset, hardware, run, field_text)
-            extra = ["--estimate_memory", "true", "--world_size", str(int(count or 1))]
-            if card_gb:
-                extra += ["--gpu_memory_gb", str(float(card_gb))]
+            name, commands, _ = self.estimate_job(preset, hardware, run, field_text, card_gb, count)
         except (ValueError, TypeError) as error:
             return f"**refused:** {error}", ""
-        command = training.training_command(preset_path, hardware_path, run_dir, flags, 1) + extra
-        return "", self.start(f"estimate_{run}", [command])
+        return "", self.start(name, commands)
 
     def do_stop(self, run) -> None:
-        job = self.jobs.get(f"train_{run}")
+        """The run's job stopped: SIGTERM when it runs (the trainer saves), cancelled when it waits."""
+        job = self.queue.latest(f"train_{run}")
         if job is not None:
-            job.stop()
+            self.queue.stop(job.id)
 
     def run_name_for(self, preset, current):
         """The run name a recipe writes to (its ``out_dir``'s folder), for the page to follow the recipe."""
@@ -202,19 +283,30 @@ class Studio:
 
     def estimate_summary(self, run) -> str:
         """The memory estimate of ``run``: its state (estimating, estimate done, failed) and its summary lines."""
-        job = self.jobs.get(f"estimate_{run}")
+        job = self.queue.latest(f"estimate_{run}")
         if job is None:
             return ""
-        state = ESTIMATE_STATES.get(job.state, f"estimate {job.state}")
-        lines = self.tails[job.name].read().splitlines()[1:]  # (the first is the command)
+        described = self.describe(job)
+        state = ESTIMATE_STATES.get(described, f"estimate {described}")
+        lines = self.tail(job).read().splitlines()[1:]  # (the first is the command)
         starts = [i for i, line in enumerate(lines) if line.startswith(SUMMARY_START)]
         if starts:
             lines = [line for line in lines[starts[-1]:] if not line.startswith("{")]
-        elif job.state != "running":
+        elif job.state not in ("running", "queued"):
             lines = lines[-6:]  # what went wrong
         else:
             lines = lines[-1:]
         return "\n".join([state, *lines])
+
+    def metrics_tail(self, run: str) -> JsonlTail | None:
+        """The run's ``metrics.jsonl`` followed from where the last read stopped (the latest ``TAILS`` runs)."""
+        if run not in self.metrics:
+            if not (self.runs_root / run).is_dir():
+                return None
+            while len(self.metrics) >= TAILS:
+                self.metrics.pop(next(iter(self.metrics)))
+            self.metrics[run] = JsonlTail(self.runs_root / run / "metrics.jsonl")
+        return self.metrics[run]
 
     def refresh(self, run):
         """The Train page's live part: the run's state, loss, last metrics, grids, log, the runs, the estimate."""
@@ -226,7 +318,7 @@ class Studio:
         except ValueError:  # not a run's name: nothing of a run to show
             return "", pd.DataFrame(columns=["step", "loss"]), "", [], "", table, ""
         state, log = self.status(f"train_{run}")
-        tail = self.metrics.get(run)
+        tail = self.metrics_tail(run)
         rows = tail.read() if tail else []
         points = pd.DataFrame([{"step": r["step"], "loss": r["loss"]} for r in rows
                                if isinstance(r.get("step"), int) and isinstance(r.get("loss"), (int, float))],
@@ -240,6 +332,58 @@ class Studio:
         grids = sorted((self.runs_root / run / "samples").glob("**/*.png"))[-8:]
         return (f"{run}: {state}" if state else "", points, last_row, [str(p) for p in grids], log, table,
                 self.estimate_summary(run))
+
+    def plots(self, run):
+        """The learning rate and every evaluation (``eval_*``: FID, CLIP score ...) over the run's steps."""
+        import pandas as pd
+
+        tail = self.metrics_tail(run) if is_run_name(run) else None
+        rows = tail.read() if tail else []
+        rates = pd.DataFrame([{"step": r["step"], "lr": r["lr"]} for r in rows
+                              if isinstance(r.get("step"), int) and isinstance(r.get("lr"), (int, float))],
+                             columns=["step", "lr"])
+        evaluations = pd.DataFrame([{"step": r["step"], "evaluation": key[5:], "value": value}
+                                    for r in (tail.evaluation_rows if tail else []) if isinstance(r.get("step"), int)
+                                    for key, value in r.items() if key.startswith("eval_")
+                                    and isinstance(value, (int, float))], columns=["step", "evaluation", "value"])
+        return rates, evaluations
+
+    # -- Jobs ----------------------------------------------------------------------------------------------------
+    def jobs_view(self, selected=0, listed: int = 50):
+        """The Jobs page: the queue's state, the latest ``listed`` jobs, and the selected job's log."""
+        held = self.queue.held()
+        sets = [f"GPU set {index} ({devices or 'all GPUs'}): " + (f"**held** ({held[index]})" if index in held
+                                                                  else "going")
+                for index, devices in enumerate(self.queue.gpu_sets)]
+        table = [[job.id, job.name, self.describe(job), job.gpu_set if job.waits else "at once",
+                  time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(job.created)), job.shown]
+                 for job in self.queue.list(limit=listed)]
+        log = ""
+        try:
+            if int(selected or 0) > 0:
+                job = self.queue.get(int(selected))
+                log = self.tail(job).read() + (f"\n{job.detail}" if job.detail else "")
+        except (ValueError, TypeError):
+            log = ""
+        return "  \n".join(sets), table, log
+
+    def job_action(self, action: str, job_id) -> str:
+        """A button of the Jobs page: stop (or cancel), top, up, down, retry a job; resume the held queue."""
+        try:
+            if action == "resume":
+                for gpu_set in list(self.queue.held()):
+                    self.queue.resume(gpu_set)
+                return "the queue goes on"
+            job_id = int(job_id or 0)
+            if action == "stop":
+                return f"job {job_id}: {self.describe(self.queue.stop(job_id))}"
+            if action == "retry":
+                return f"queued again as job {self.queue.retry(job_id).id}"
+            if action in ("top", "up", "down", "bottom"):
+                return f"job {job_id}: {self.describe(self.queue.move(job_id, action))}"
+            raise ValueError(f"action: stop, retry, top, up, down, bottom or resume, got {action!r}")
+        except (ValueError, TypeError) as error:
+            return f"**refused:** {error}"
 
     # -- Sample and Export ---------------------------------------------------------------------------------------
     def spec(self, text: str, parse) -> tuple[str, str]:
@@ -262,74 +406,101 @@ class Studio:
 
     def do_sample(self, run, lora_file, embedding_file, text, negative_text, sampler_name, step_count, scale,
                   first_seed, side, n, use_best, controlnet_path, control_image, clip_skip="auto") -> str:
-        import sd.imagegen.embedding  # SD_ImageGen.py's own reading of FILE:SCALE and FILE:TOKEN
-        import sd.imagegen.lora
-
+        """The Sample page's button: ``sample_job``'s command started, its images followed."""
         try:
-            checkpoint = self.roots.source(run, presets=())
-            out = self.roots.check(Path("samples") / Path(checkpoint).name)
-            args = ["--ckpt", checkpoint, "--prompt", text or "", "--sampler", sampler_name, "--seed",
-                    int(first_seed or 0), "--n", int(n or 1), "--out", out]
-            if int(step_count or 0):
-                args += ["--steps", int(step_count)]
-            if float(scale or 0):
-                args += ["--cfg", float(scale)]
-            if negative_text:
-                args += ["--negative", negative_text]
-            if int(side or 0):
-                args += ["--height", int(side), "--width", int(side)]
-            if lora_file:
-                path, lora_scale = self.spec(lora_file, sd.imagegen.lora.parse_lora_spec)
-                args += ["--lora", f"{path}:{lora_scale:g}"]
-            if embedding_file:
-                path, token = self.spec(embedding_file, sd.imagegen.embedding.parse_embedding_spec)
-                args += ["--embedding", f"{path}:{token}" if token else path]
-            if use_best:
-                args += ["--best", "true"]
-            if str(clip_skip or "auto") != "auto":
-                args += ["--clip_skip", int(clip_skip)]
-            if controlnet_path:
-                if not control_image:
-                    raise ValueError("a ControlNet needs its conditioning image")
-                args += ["--controlnet", self.roots.check(controlnet_path), "--control",
-                         self.control_image(control_image)]
+            name, commands, out = self.sample_job(run, lora_file, embedding_file, text, negative_text, sampler_name,
+                                                  step_count, scale, first_seed, side, n, use_best, controlnet_path,
+                                                  control_image, clip_skip)
         except (ValueError, TypeError) as error:
             return refused(error)
-        self.sample_dir = out
-        return self.start("sample", [python_command("SD_ImageGen.py", *args)])
+        said = self.start(name, commands)
+        if not said.startswith("#"):
+            self.sample_dir = out
+        return said
+
+    def sample_job(self, run, lora_file, embedding_file, text, negative_text, sampler_name, step_count, scale,
+                   first_seed, side, n, use_best, controlnet_path, control_image, clip_skip="auto") -> tuple:
+        """``("sample", [SD_ImageGen.py ...], the folder its images go to)``; a ValueError says what is refused."""
+        import sd.imagegen.embedding  # SD_ImageGen.py's own reading of FILE:SCALE and FILE:TOKEN
+        import sd.imagegen.lora
+        import sd.sampling
+
+        if sampler_name not in ("auto", *sd.sampling.SAMPLERS):
+            raise ValueError(f"sampler: auto or one of {', '.join(sd.sampling.SAMPLERS)}, got {sampler_name!r}")
+        checkpoint = self.roots.source(run, presets=())
+        out = self.roots.check(Path("samples") / Path(checkpoint).name)
+        args = ["--ckpt", checkpoint, "--prompt", text or "", "--sampler", sampler_name, "--seed",
+                int(first_seed or 0), "--n", int(n or 1), "--out", out]
+        if int(step_count or 0):
+            args += ["--steps", int(step_count)]
+        if float(scale or 0):
+            args += ["--cfg", float(scale)]
+        if negative_text:
+            args += ["--negative", negative_text]
+        if int(side or 0):
+            args += ["--height", int(side), "--width", int(side)]
+        if lora_file:
+            path, lora_scale = self.spec(lora_file, sd.imagegen.lora.parse_lora_spec)
+            args += ["--lora", f"{path}:{lora_scale:g}"]
+        if embedding_file:
+            path, token = self.spec(embedding_file, sd.imagegen.embedding.parse_embedding_spec)
+            args += ["--embedding", f"{path}:{token}" if token else path]
+        if use_best:
+            args += ["--best", "true"]
+        if str(clip_skip or "auto") != "auto":
+            args += ["--clip_skip", int(clip_skip)]
+        if controlnet_path:
+            if not control_image:
+                raise ValueError("a ControlNet needs its conditioning image")
+            args += ["--controlnet", self.roots.check(controlnet_path), "--control",
+                     self.control_image(control_image)]
+        return "sample", [python_command("SD_ImageGen.py", *args)], out
 
     def sample_refresh(self) -> tuple[str, list[str]]:
         state, _ = self.status("sample")
         out = self.sample_dir
+        job = self.queue.latest("sample")
+        if out is None and job is not None and "--out" in job.commands[0]:  # started before the studio was
+            out = Path(job.commands[0][job.commands[0].index("--out") + 1])
         found = sorted(p for p in out.glob("*.png") if p.name != "grid.png") if out and out.is_dir() else []
         return state, [str(p) for p in found[-12:]]
 
     def do_tool(self, tool, first, second, rank) -> str:
-        """``SD_Tools.py``: a LoRA extracted from ``first`` (the tuned model) minus ``second`` (its base), or the
-        LoRA file ``first`` resized; at ``rank``, into ROOT/exports/."""
         try:
-            rank = int(rank or 0)
-            if rank < 1:
-                raise ValueError(f"rank: a whole number >= 1, got {rank}")
-            if tool == "extract":
-                tuned, base = self.roots.source(first, presets=()), self.roots.source(second, presets=())
-                target = self.roots.check(Path("exports") / f"{Path(tuned).stem}_lora_r{rank}.safetensors")
-                args = ["extract", "--tuned", tuned, "--base", base, "--out", target, "--rank", rank]
-            elif tool == "resize":
-                lora = self.roots.check(first)
-                target = self.roots.check(Path("exports") / f"{lora.stem}_r{rank}.safetensors")
-                args = ["resize", "--lora", lora, "--out", target, "--rank", rank]
-            else:
-                raise ValueError(f"tool: extract or resize, got {tool!r}")
+            name, commands, _ = self.tool_job(tool, first, second, rank)
         except (ValueError, TypeError) as error:
             return refused(error)
-        return self.start("export", [python_command("SD_Tools.py", *args)])
+        return self.start(name, commands)
+
+    def tool_job(self, tool, first, second, rank) -> tuple:
+        """``SD_Tools.py``: a LoRA extracted from ``first`` (the tuned model) minus ``second`` (its base), or the
+        LoRA file ``first`` resized; at ``rank``, into ROOT/exports/ (as the job ``export``)."""
+        rank = int(rank or 0)
+        if rank < 1:
+            raise ValueError(f"rank: a whole number >= 1, got {rank}")
+        if tool == "extract":
+            tuned, base = self.roots.source(first, presets=()), self.roots.source(second, presets=())
+            target = self.roots.check(Path("exports") / f"{Path(tuned).stem}_lora_r{rank}.safetensors")
+            args = ["extract", "--tuned", tuned, "--base", base, "--out", target, "--rank", rank]
+        elif tool == "resize":
+            lora = self.roots.check(first)
+            target = self.roots.check(Path("exports") / f"{lora.stem}_r{rank}.safetensors")
+            args = ["resize", "--lora", lora, "--out", target, "--rank", rank]
+        else:
+            raise ValueError(f"tool: extract or resize, got {tool!r}")
+        return "export", [python_command("SD_Tools.py", *args)], None
 
     def do_export(self, run, kind) -> str:
         try:
-            checkpoint = self.roots.source(run, presets=())
-            flag, file_name, _ = EXPORTS[kind]
-            target = self.roots.check(Path("exports") / Path(checkpoint).name / file_name)
-        except (ValueError, KeyError, TypeError) as error:
+            name, commands, _ = self.export_job(run, kind)
+        except (ValueError, TypeError) as error:
             return refused(error)
-        return self.start("export", [python_command("SD_ImageGen.py", "--ckpt", checkpoint, flag, target)])
+        return self.start(name, commands)
+
+    def export_job(self, run, kind) -> tuple:
+        checkpoint = self.roots.source(run, presets=())
+        if kind not in EXPORTS:
+            raise ValueError(f"format: one of {', '.join(EXPORTS)}, got {kind!r}")
+        flag, file_name, _ = EXPORTS[kind]
+        target = self.roots.check(Path("exports") / Path(checkpoint).name / file_name)
+        return "export", [python_command("SD_ImageGen.py", "--ckpt", checkpoint, flag, target)], None

@@ -139,6 +139,7 @@ class JsonlTail:
         self.last: dict | None = None
         self.evaluations: dict[str, tuple] = {}  # eval_* key -> (step, value) of its latest record, kept apart
         # from the thinned points: an evaluation every few thousand steps is never dropped
+        self.evaluation_rows: list[dict] = []  # {"step", eval_*...} of every evaluation (thinned past ``points``)
 
     def read(self) -> list[dict]:
         try:
@@ -161,9 +162,13 @@ class JsonlTail:
         if not isinstance(row, dict):
             return
         self.last = row
-        for key, value in row.items():
-            if key.startswith("eval_"):
-                self.evaluations[key] = (row.get("step"), value)
+        evaluated = {key: value for key, value in row.items() if key.startswith("eval_")}
+        for key, value in evaluated.items():
+            self.evaluations[key] = (row.get("step"), value)
+        if evaluated:
+            self.evaluation_rows.append({"step": row.get("step"), **evaluated})
+            if len(self.evaluation_rows) > self.points:
+                self.evaluation_rows = self.evaluation_rows[::2]
         if self.seen % self.stride == 0:
             self.rows.append(row)
             if len(self.rows) > self.points:

@@ -128,7 +128,7 @@ def test_loopback_by_default_and_the_network_behind_the_token(tmp_path):
         assert not (tmp_path / "elsewhere" / "victim.txt").exists()
         assert call(base, "save_caption", "my_images", "cat.png", "a cat") == ["saved cat.txt"]
         verdict, command = call(base, "do_launch", "configs/quickstart/from_scratch.yaml", "", "r1",
-                                "out_dir: /elsewhere/run", 1)
+                                "out_dir: /elsewhere/run", 1, False)
         assert "out_dir is the run name's" in verdict and command == ""
     finally:
         server.terminate()
@@ -160,6 +160,19 @@ def test_before_the_login_nothing_of_the_api_and_any_letter_in_the_token(tmp_pat
         assert code == 200 and "save_caption" in info
         code, page = fetch(f"{base}/", opener=session)
         assert code == 200 and "window.gradio_api_info = null;" in page
+        # the HTTP API: every route wants the token, the login's cookie is not enough, a wrong token is refused
+        for path in ("/api/jobs", "/api/queue", "/api/runs", "/api/openapi.json", "/api/folders",
+                     "/api/runs/mine/samples/step_1.png", "/api/jobs/1"):
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Bearer " + token[:-1]}):
+                request = urllib.request.Request(base + path, headers={  # the token's UTF-8 bytes, as curl sends them
+                    key: value.encode().decode("latin-1") for key, value in headers.items()})
+                with pytest.raises(urllib.error.HTTPError) as refused:
+                    session.open(request, timeout=30)
+                assert refused.value.code == 401 and "token" in json.loads(refused.value.read())["error"], path
+        request = urllib.request.Request(f"{base}/api/jobs", headers={"Authorization": f"Bearer {token}".encode()
+                                                                      .decode("latin-1")})
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            assert json.loads(answer.read()) == {"jobs": [], "next": None}
     finally:
         server.terminate()
         server.wait(60)

@@ -30,7 +30,7 @@ def studio(tmp_path):
     Image.new("RGB", (64, 64)).save(tmp_path / "elsewhere" / "victim.png")
     studio = Studio(Roots([work]), ROOT, uploads=uploads)
     studio.started = []
-    studio.start = lambda name, commands: studio.started.append((name, commands)) or f"started {name}"
+    studio.start = lambda name, commands, **options: studio.started.append((name, commands)) or f"started {name}"
     return studio
 
 
@@ -194,6 +194,18 @@ def test_the_export_page_checks_its_run(studio):
     assert len(studio.started) == 1
 
 
+def finish(studio, job, seconds=60.0):
+    """The job's record once it has ended (the queue looked at until then)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        studio.queue.follow_once()
+        job = studio.queue.get(job.id)
+        if job.state in ("finished", "failed", "stopped", "lost", "cancelled"):
+            return job
+        time.sleep(0.05)
+    raise AssertionError(f"job {job.id} still {job.state}")
+
+
 ESTIMATE_OUTPUT = """estimating one training step on fake tensors (tiny UNet, 64 px): no GPU or data needed ...
   micro-batch    4: peak     1.32 GB  (2 s)
 Predicted device memory of one training step: tiny UNet, 64 px, micro-batch 32 x grad_accum 1, fp32
@@ -213,14 +225,12 @@ def test_the_memory_estimate_is_shown_as_an_estimate_with_its_summary(tmp_path):
     state, *_, log, _, estimate = studio.refresh("mine")
     assert state == "" and log == ""  # the run has not started: nothing about it
     assert estimate.splitlines()[0] == "estimating ..."
-    studio.jobs.get("estimate_mine").stop()
-    studio.jobs.get("estimate_mine").wait(60)
+    finish(studio, studio.queue.stop(studio.queue.latest("estimate_mine").id))
     studio.start("estimate_mine", [[sys.executable, "-c", script, "0"]])
-    assert studio.jobs.get("estimate_mine").wait(60) == 0
-    time.sleep(0.1)
+    assert finish(studio, studio.queue.latest("estimate_mine")).exit_code == 0
     state, *_, estimate = studio.refresh("mine")
     assert state == ""
     assert estimate.splitlines() == ["estimate done"] + ESTIMATE_OUTPUT.splitlines()[2:-1]
     studio.start("estimate_mine", [[sys.executable, "-c", "import sys; sys.exit('unknown config field x')"]])
-    studio.jobs.get("estimate_mine").wait(60)
+    finish(studio, studio.queue.latest("estimate_mine"))
     assert studio.refresh("mine")[-1].splitlines() == ["estimate failed (exit 1)", "unknown config field x"]

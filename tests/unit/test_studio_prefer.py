@@ -49,7 +49,7 @@ def prefer(tmp_path):
     write_draw(tmp_path / "elsewhere" / "draw")
     studio = Studio(Roots([work]), ROOT)
     studio.started = []
-    studio.start = lambda name, commands: studio.started.append((name, commands)) or f"started {name}"
+    studio.start = lambda name, commands, **options: studio.started.append((name, commands)) or f"started {name}"
     return PreferPage(studio)
 
 
