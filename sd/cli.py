@@ -122,7 +122,11 @@ def load_yaml_file(path: str | Path):
     """``load_yaml`` of a file, of which at most ``YAML_BYTES`` are read (a huge file or a device such as
     /dev/zero is refused, not read into memory). A ValueError names the file; OSError when it cannot be read."""
     with open(path, "rb") as handle:
-        data = handle.read(YAML_BYTES + 1)
+        chunks, size = [], 0
+        while size <= YAML_BYTES and (chunk := handle.read(1 << 16)):  # in pieces: read(YAML_BYTES) would
+            chunks.append(chunk)  # allocate its whole 16 MiB up front for a file of a few KB
+            size += len(chunk)
+        data = b"".join(chunks)
     if len(data) > YAML_BYTES:
         raise ValueError(f"{path}: over {YAML_BYTES // 2**20} MiB, too large for a config YAML")
     try:

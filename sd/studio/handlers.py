@@ -110,7 +110,7 @@ class Studio:
     def describe(self, job: JobRecord) -> str:
         """A job's state as what it is: ``queued: 1 job ahead``, ``estimating ...``, ``failed (exit 1)``."""
         if job.state == "queued":
-            ahead = [other.id for other in self.queue.waiting(job.gpu_set)].index(job.id) if job.waits else 0
+            ahead = self.queue.ahead(job) if job.waits else 0
             held = self.queue.held().get(job.gpu_set)
             where = f" on GPU set {job.gpu_set}" if len(self.queue.gpu_sets) > 1 else ""
             return (f"queued{where}: {ahead} job{'s' * (ahead != 1)} ahead" +

@@ -57,6 +57,8 @@ CREATE TABLE IF NOT EXISTS jobs (
 );
 CREATE INDEX IF NOT EXISTS jobs_by_state ON jobs (state, gpu_set, position);
 CREATE INDEX IF NOT EXISTS jobs_by_name ON jobs (name, id);
+CREATE INDEX IF NOT EXISTS jobs_by_name_state ON jobs (name, state);
+CREATE INDEX IF NOT EXISTS jobs_by_state_id ON jobs (state, id);
 CREATE TABLE IF NOT EXISTS held (gpu_set INTEGER PRIMARY KEY, reason TEXT NOT NULL);
 """
 
@@ -161,16 +163,27 @@ class Queue:
         return found[0] if found else None
 
     def list(self, states: tuple[str, ...] = (), limit: int = 50, before: int | None = None) -> list[JobRecord]:
-        """Newest first, at most ``limit``; ``before`` an id: the page after the one that ended there."""
-        where, values = [], []
-        if states:
-            where.append(f"state IN ({', '.join('?' * len(states))})")
-            values += list(states)
-        if before is not None:
-            where.append("id < ?")
-            values.append(int(before))
-        clause = f"WHERE {' AND '.join(where)}" if where else ""
-        return self.rows(f"SELECT * FROM jobs {clause} ORDER BY id DESC LIMIT ?", (*values, int(limit)))
+        """Newest first, at most ``limit``; ``before`` an id: the page after the one that ended there. Each state
+        is read by its (state, id) index, ``limit`` rows at most, and merged: the time does not grow with the
+        jobs on disk."""
+        below = int(before) if before is not None else None
+        if not states:
+            clause, values = ("WHERE id < ?", (below,)) if below is not None else ("", ())
+            return self.rows(f"SELECT * FROM jobs {clause} ORDER BY id DESC LIMIT ?", (*values, int(limit)))
+        found = []
+        for state in dict.fromkeys(states):
+            clause, values = ("AND id < ?", (below,)) if below is not None else ("", ())
+            found += self.rows(f"SELECT * FROM jobs WHERE state = ? {clause} ORDER BY id DESC LIMIT ?",
+                               (state, *values, int(limit)))
+        return sorted(found, key=lambda job: job.id, reverse=True)[:int(limit)]
+
+    def ahead(self, job: JobRecord) -> int:
+        """The queued jobs of the job's set that run before it (counted on the index, not read)."""
+        with self.lock:
+            return self.db.execute(
+                "SELECT COUNT(*) FROM jobs WHERE state = 'queued' AND gpu_set = ? AND waits = 1 AND "
+                "(position < ? OR (position = ? AND id < ?))",
+                (job.gpu_set, job.position, job.position, job.id)).fetchone()[0]
 
     def waiting(self, gpu_set: int) -> list[JobRecord]:
         """The queued jobs of a set in the order they will run."""

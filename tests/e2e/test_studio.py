@@ -272,3 +272,138 @@ def test_the_prefer_page_records_keyboard_answers_in_a_browser(studio):
         pairs.append(f"000000_{preferred}_{rejected}.rejected.png")
     with tarfile.open(draw / "shards" / "00000.tar") as shard:
         assert sorted(name for name in shard.getnames() if name.endswith(".rejected.png")) == sorted(pairs)
+
+
+def serve_studio(folder: Path, port: int) -> subprocess.Popen:
+    env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", "OMP_NUM_THREADS": "1"}
+    env.pop("SD_STUDIO_TOKEN", None)
+    server = subprocess.Popen([sys.executable, str(ROOT / "SD_Studio.py"), "--port", str(port)], cwd=folder,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                              start_new_session=True)
+    said = [server.stdout.readline() for _ in range(2)]
+    assert said[1].startswith(f"SD studio on http://127.0.0.1:{port}"), said
+    return server
+
+
+def api(base: str, path: str, body: dict | None = None) -> dict:
+    """The studio's HTTP API as a user's shell calls it: curl (urllib where there is no curl)."""
+    url = f"{base}api{path}"
+    if shutil.which("curl"):
+        command = ["curl", "-sS", "--max-time", "60", url]
+        if body is not None:
+            command += ["-X", "POST", "-H", "Content-Type: application/json", "-d", json.dumps(body)]
+        return json.loads(subprocess.run(command, capture_output=True, text=True, check=True).stdout)
+    import urllib.request
+
+    request = urllib.request.Request(url, data=None if body is None else json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as answer:
+        return json.loads(answer.read())
+
+
+def until(predicate, timeout: float = 300, what: str = ""):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"never {what}")
+
+
+@pytest.mark.slow
+def test_a_queue_of_two_runs_outlives_a_restart_of_the_studio_in_a_browser(tmp_path):
+    """Two tiny runs queued on the Train page; a memory estimate submitted with curl runs beside them at once; the
+    studio stopped and started again while the first trains: the new one follows it, and when it is stopped
+    (with curl) the second starts, after it, and finishes."""
+    binary = browser_binary()
+    if binary is None:
+        pytest.skip("no Chromium on this machine (apt-get install chromium, or CHROMIUM=PATH)")
+    from data_factory import make_dataset
+    from playwright.sync_api import sync_playwright
+
+    data = make_dataset(tmp_path / "data" / "toy", n_train=16, n_val=0)
+    recipe = tmp_path / "toy.yaml"
+    recipe.write_text(json.dumps({"datasets": [data], "unet": "tiny", "vae": "tiny", "text_encoder": "tiny",
+                                  "precision": "fp32", "device": "cpu", "grad_checkpointing": False, "batch_size": 2,
+                                  "lr": 1e-3, "warmup_steps": 1, "log_every": 1, "save_steps": 5,
+                                  "validate_every": 0, "validation_data_captions": 0, "max_steps": 3}))
+    port = free_port()
+    server = serve_studio(tmp_path, port)
+    base = f"http://127.0.0.1:{port}/"
+    try:
+        with sync_playwright() as playwright:
+            browser = playwright.chromium.launch(executable_path=binary, headless=True, args=["--no-sandbox"])
+            page = browser.new_page(viewport={"width": 1400, "height": 1600})
+            page.goto(base)
+            page.click("#tab-train-button")
+            field(page, "train-preset").fill(str(recipe))
+            field(page, "train-preset").press("Enter")
+            time.sleep(2)  # the recipe's change sets the run name (its out_dir's, else as it is) after a moment
+            for run, fields in (("first", "max_steps: 100000\nsave_steps: 20"), ("second", "max_steps: 3")):
+                set_value(page, "train-run", run)
+                set_value(page, "train-fields", fields)
+                page.click("#train-launch")
+                until(lambda: any(job["name"] == f"train_{run}" for job in api(base, "/jobs")["jobs"]) or
+                      "refused" in page.inner_text("#train-verdict"), timeout=60, what=f"queued {run}")
+                assert "refused" not in page.inner_text("#train-verdict"), page.inner_text("#train-verdict")
+            wait_for(page, "train-state", lambda v: v == "second: queued: 0 jobs ahead", what="queued")
+            estimate = api(base, "/jobs", {"kind": "estimate", "recipe": str(recipe), "run": "first", "card_gb": 8})
+            assert estimate["waits"] is False and estimate["state"] == "running"  # beside the run, not after it
+            done = until(lambda: (job := api(base, f"/jobs/{estimate['id']}?lines=40"))["state"] in
+                         ("finished", "failed") and job, what="estimated")
+            assert done["state"] == "finished" and any("Predicted device memory" in line for line in done["log"])
+            first, second = (api(base, "/jobs?state=running&state=queued")["jobs"][::-1])
+            assert (first["name"], first["state"], second["name"], second["state"]) == \
+                ("train_first", "running", "train_second", "queued")
+            until(lambda: (tmp_path / "runs/first/metrics.jsonl").exists(), what="trained a step")
+            browser.close()
+        server.send_signal(2)  # Ctrl-C: the studio stops, its running job goes on
+        said = server.communicate(timeout=120)[0]
+        assert "1 job(s) go on: train_first" in said, said
+        assert api_free(port)
+        port = free_port()
+        server = serve_studio(tmp_path, port)
+        base = f"http://127.0.0.1:{port}/"
+        with sync_playwright() as playwright:
+            browser = playwright.chromium.launch(executable_path=binary, headless=True, args=["--no-sandbox"])
+            page = browser.new_page(viewport={"width": 1400, "height": 1600})
+            page.goto(base)
+            page.click("#tab-jobs-button")
+            page.wait_for_selector("#jobs-table :text('train_second')", timeout=60_000)
+            table = page.inner_text("#jobs-table")
+            assert "training" in table and "queued: 0 jobs ahead" in table, table
+            page.click("#tab-train-button")
+            set_value(page, "train-run", "first")
+            seen = int(wait_for(page, "train-last", lambda v: v.startswith("step "), what="followed").split(",")[0]
+                       .split()[1])
+            wait_for(page, "train-last", lambda v: v.startswith("step ") and int(v.split(",")[0].split()[1]) > seen,
+                     what="moved on after the restart")
+            assert api(base, f"/jobs/{first['id']}/stop", {})["state"] == "stopping"
+            ended = until(lambda: (job := api(base, f"/jobs/{second['id']}"))["state"] in ("finished", "failed")
+                          and job, what="second ended")
+            stopped = api(base, f"/jobs/{first['id']}")
+            assert stopped["state"] == "stopped" and ended["state"] == "finished", (stopped, ended)
+            assert ended["started"] >= stopped["ended"]
+            assert list((tmp_path / "runs/first/checkpoints").glob("step_*/COMPLETE"))  # it saved when stopped
+            set_value(page, "train-run", "second")
+            wait_for(page, "train-state", lambda v: v == "second: finished", what="shown finished")
+            page.click("#tab-jobs-button")
+            page.screenshot(path=tmp_path / "jobs.png")
+            browser.close()
+    finally:
+        server.send_signal(2)
+        server.communicate(timeout=120)
+        from sd.studio.queue import Queue
+
+        left = Queue(tmp_path / ".studio", tmp_path)  # a job a failed assertion left running is killed
+        for job in left.list(("running", "stopping")):
+            if left.alive(job):
+                os.killpg(job.pid, 9)
+        left.close()
+
+
+def api_free(port: int) -> bool:
+    """Nothing answers on the port any more (the studio is gone)."""
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) != 0
