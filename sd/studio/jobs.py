@@ -1,23 +1,16 @@
-"""The commands the studio runs, each the very command line a user would type.
+"""The commands the studio runs, each the very command line a user would type, and how their output is read.
 
-A ``Job`` is one child process started from an argument list (never through a shell), in a process group of
-its own, its output appended to a log file. ``stop`` sends SIGTERM, on which ``SD_Train.py`` and every stage
-save what they finished and exit; ``LogTail`` and ``JsonlTail`` read a growing file from where they left off,
-holding at most a bounded number of lines or points, so the studio's memory stays flat while a run writes
-for days.
+A command is an argument list (never a shell line; ``shown`` is how a user would paste it); ``sd.studio.queue``
+runs it. ``LogTail`` and ``JsonlTail`` read a growing file from where they left off, holding at most a bounded
+number of lines or points, so the studio's memory stays flat while a run writes for days.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shlex
-import signal
-import subprocess
 import sys
-import time
 from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
 
 REPOSITORY = Path(__file__).resolve().parents[2]
@@ -33,71 +26,6 @@ def shown(command: list[str]) -> str:
     """The command as a user would paste it into a shell or a job script (``python``, not the full path)."""
     words = ["python" if i == 0 and word == sys.executable else word for i, word in enumerate(command)]
     return shlex.join(words)
-
-
-@dataclass
-class Job:
-    name: str
-    command: list[str]
-    log: Path
-    process: subprocess.Popen | None = None
-    started: float = field(default_factory=time.time)
-    stopped: bool = False
-
-    @property
-    def running(self) -> bool:
-        return self.process is not None and self.process.poll() is None
-
-    @property
-    def state(self) -> str:
-        if self.process is None:
-            return "not started"
-        code = self.process.poll()
-        if code is None:
-            return "stopping" if self.stopped else "running"
-        if code == 0:
-            return "finished"
-        return f"stopped (exit {code})" if self.stopped else f"failed (exit {code})"
-
-    def stop(self) -> None:
-        """SIGTERM to the job's process group: a trainer checkpoints and exits, a stage keeps its finished parts."""
-        if self.running:
-            self.stopped = True
-            os.killpg(self.process.pid, signal.SIGTERM)
-
-    def wait(self, timeout: float | None = None) -> int | None:
-        return None if self.process is None else self.process.wait(timeout)
-
-
-class Jobs:
-    """The studio's jobs by name; starting a name that is running is refused."""
-
-    def __init__(self, log_dir: Path, cwd: Path = REPOSITORY):
-        self.log_dir, self.cwd = Path(log_dir), Path(cwd)
-        self.jobs: dict[str, Job] = {}
-
-    def start(self, name: str, command: list[str], env: dict | None = None) -> Job:
-        current = self.jobs.get(name)
-        if current is not None and current.running:
-            raise RuntimeError(f"{name} is still running (pid {current.process.pid}): stop it first")
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        log = self.log_dir / f"{name}.log"
-        with open(log, "w", encoding="utf-8") as handle:
-            handle.write(f"$ {shown(command)}\n")
-            handle.flush()
-            process = subprocess.Popen(command, cwd=self.cwd, stdout=handle, stderr=subprocess.STDOUT,
-                                       stdin=subprocess.DEVNULL, start_new_session=True,
-                                       env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
-        job = Job(name, command, log, process)
-        self.jobs[name] = job
-        return job
-
-    def get(self, name: str) -> Job | None:
-        return self.jobs.get(name)
-
-    def stop_all(self) -> None:
-        for job in self.jobs.values():
-            job.stop()
 
 
 class LogTail:

@@ -66,6 +66,15 @@ def test_a_waiting_job_starts_when_the_one_before_it_ends(queue):
     assert [e for e in queue.events if e[1] == first.id] == [("started", first.id), ("stopped", first.id)]
 
 
+def test_a_job_runs_its_argument_list_without_a_shell_and_logs_it(queue):
+    command = [sys.executable, "-c", "import sys; print('hello', sys.argv[1:])", "a b", "$HOME;", "'"]
+    done = settle(queue, queue.submit("export", "export", [command], waits=False).id)
+    log = queue.log(done).read_text()
+    assert done.state == "finished"
+    assert log.splitlines()[0] == """$ python -c 'import sys; print('"'"'hello'"'"', sys.argv[1:])' 'a b' '$HOME;' ''"'"''"""
+    assert "hello ['a b', '$HOME;', \"'\"]" in log  # no shell: every word arrives as written
+
+
 def test_the_same_job_is_not_queued_twice_and_a_set_must_exist(queue):
     queue.submit("train_a", "train", [SLEEP])
     with pytest.raises(QueueError, match="train_a is running already"):
