@@ -158,6 +158,7 @@ def create(studio: Studio, token: str | None = None):
         if job.kind in ("train", "estimate"):
             text = job.fields if isinstance(job.fields, str) else \
                 "\n".join(f"{key}: {json.dumps(value)}" for key, value in job.fields.items())
+            studio.check_gpus(job.gpus, job.gpu_set)
             if job.kind == "train":
                 return studio.train_job(job.recipe, job.hardware, job.run, text, job.gpus)
             return studio.estimate_job(job.recipe, job.hardware, job.run, text, job.card_gb, job.gpus)

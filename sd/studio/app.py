@@ -131,6 +131,9 @@ def train_page(gr, studio: Studio, repository: Path, polls: list) -> None:
         run_name = gr.Textbox(label="run name (runs/NAME)", value="mine", elem_id="train-run")
         gpus = gr.Number(label="GPUs", value=gpus_present(), precision=0, minimum=1, elem_id="train-gpus")
         keep_going = gr.Checkbox(label="if it fails, the queue goes on", value=False, elem_id="train-keep-going")
+        gpu_set = gr.Dropdown([(f"{index}: {devices}", index) for index, devices in enumerate(studio.queue.gpu_sets)],
+                              value=0, label="GPU set (SD_Studio.py --gpus)", visible=len(studio.queue.gpu_sets) > 1,
+                              elem_id="train-gpu-set")
     fields = gr.Textbox(label="fields, one 'field: value' a line (override the preset)", lines=4,
                         elem_id="train-fields")
     verdict = gr.Markdown(elem_id="train-verdict")
@@ -157,7 +160,8 @@ def train_page(gr, studio: Studio, repository: Path, polls: list) -> None:
         gr.Dataframe(value=field_reference(), headers=["field", "default", "allowed", "doc"], wrap=True)
 
     preset.change(studio.run_name_for, [preset, run_name], [run_name])
-    launch.click(studio.do_launch, [preset, hardware, run_name, fields, gpus, keep_going], [verdict, train_command])
+    launch.click(studio.do_launch, [preset, hardware, run_name, fields, gpus, keep_going, gpu_set],
+                 [verdict, train_command])
     estimate.click(studio.do_estimate, [preset, hardware, run_name, fields, card, gpus], [verdict, train_command])
     stop.click(studio.do_stop, [run_name], [])
     polls.append((studio.refresh, [run_name],

@@ -245,13 +245,24 @@ class Studio:
             raise ValueError(f"{run_dir} is in use: {holder}")
         return f"train_{run}", [training.training_command(preset_path, hardware_path, run_dir, flags, gpus)], run_dir
 
-    def do_launch(self, preset, hardware, run, field_text, count, keep_going=False) -> tuple[str, str]:
+    def do_launch(self, preset, hardware, run, field_text, count, keep_going=False, gpu_set=0) -> tuple[str, str]:
         """The run queued (it starts when its GPU set is free; at once when nothing runs there)."""
         try:
             name, commands, run_dir = self.train_job(preset, hardware, run, field_text, count)
+            self.check_gpus(count, gpu_set)
         except (ValueError, TypeError) as error:
             return f"**refused:** {error}", ""
-        return "", self.start(name, commands, run=run_dir, keep_going=bool(keep_going))
+        return "", self.start(name, commands, run=run_dir, keep_going=bool(keep_going), gpu_set=int(gpu_set or 0))
+
+    def check_gpus(self, count, gpu_set) -> None:
+        """A run's GPU count fits its set (``--gpus 0,1`` holds two); a ValueError says what would."""
+        sets = self.queue.gpu_sets
+        index = int(gpu_set or 0)
+        if not 0 <= index < len(sets):
+            raise ValueError(f"GPU set {index}: this studio has {len(sets)}, numbered from 0 (SD_Studio.py --gpus)")
+        if sets[index] is not None and int(count or 1) > len(sets[index].split(",")):
+            raise ValueError(f"{int(count)} GPUs on GPU set {index} ({sets[index]}): it has "
+                             f"{len(sets[index].split(','))}; ask for fewer or pick a larger set")
 
     def estimate_job(self, preset, hardware, run, field_text, card_gb, count) -> tuple:
         preset_path, hardware_path, run_dir, flags = self.settings(preset, hardware, run, field_text)

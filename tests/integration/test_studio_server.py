@@ -128,7 +128,7 @@ def test_loopback_by_default_and_the_network_behind_the_token(tmp_path):
         assert not (tmp_path / "elsewhere" / "victim.txt").exists()
         assert call(base, "save_caption", "my_images", "cat.png", "a cat") == ["saved cat.txt"]
         verdict, command = call(base, "do_launch", "configs/quickstart/from_scratch.yaml", "", "r1",
-                                "out_dir: /elsewhere/run", 1, False)
+                                "out_dir: /elsewhere/run", 1, False, 0)
         assert "out_dir is the run name's" in verdict and command == ""
     finally:
         server.terminate()

@@ -82,7 +82,7 @@ def test_a_job_submitted_runs_the_command_the_train_page_builds(studio):
     ({**TRAIN, "fields": {"out_dir": "/tmp/x"}}, 400, "out_dir"),
     ({**TRAIN, "fields": {"lr": -1}}, 400, "lr"),
     ({**TRAIN, "webhook": "file:///etc/passwd"}, 400, "http:// or https://"),
-    ({**TRAIN, "gpu_set": 2}, 409, "gpu_set 2"),
+    ({**TRAIN, "gpu_set": 2}, 400, "GPU set 2"),
     ({"kind": "sample", "model": "runs/mine", "prompt": "x", "sampler": "; rm"}, 400, "sampler"),
     ({"kind": "export", "model": "runs/mine", "format": "zip"}, 400, "format"),
     ({"kind": "tool", "tool": "extract", "first": "/etc/passwd", "second": "runs/mine"}, 400, "outside"),

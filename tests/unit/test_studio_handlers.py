@@ -234,3 +234,17 @@ def test_the_memory_estimate_is_shown_as_an_estimate_with_its_summary(tmp_path):
     studio.start("estimate_mine", [[sys.executable, "-c", "import sys; sys.exit('unknown config field x')"]])
     finish(studio, studio.queue.latest("estimate_mine"))
     assert studio.refresh("mine")[-1].splitlines() == ["estimate failed (exit 1)", "unknown config field x"]
+
+
+def test_a_run_asks_for_no_more_gpus_than_its_set_holds(tmp_path):
+    studio = Studio(Roots([tmp_path]), ROOT, gpu_sets=["0,1", "2"])
+    studio.started = []
+    studio.start = lambda name, commands, **options: studio.started.append((name, options)) or f"started {name}"
+    (tmp_path / "configs").symlink_to(ROOT / "configs")
+    recipe = "configs/quickstart/from_scratch.yaml"
+    verdict, _ = studio.do_launch(recipe, "", "r1", "", 2, False, 1)
+    assert verdict == "**refused:** 2 GPUs on GPU set 1 (2): it has 1; ask for fewer or pick a larger set"
+    assert studio.do_launch(recipe, "", "r1", "", 1, False, 5)[0].startswith("**refused:** GPU set 5")
+    assert studio.started == []
+    assert studio.do_launch(recipe, "", "r1", "", 2, True, 0)[0] == ""
+    assert studio.started == [("train_r1", {"run": tmp_path / "runs" / "r1", "keep_going": True, "gpu_set": 0})]

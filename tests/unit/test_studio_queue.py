@@ -75,6 +75,19 @@ def test_a_job_runs_its_argument_list_without_a_shell_and_logs_it(queue):
     assert "hello ['a b', '$HOME;', \"'\"]" in log  # no shell: every word arrives as written
 
 
+def test_each_gpu_set_runs_its_own_queue_on_its_own_devices(tmp_path):
+    show = [sys.executable, "-c", "import os, time; print(os.environ['CUDA_VISIBLE_DEVICES']); time.sleep(0.5)"]
+    queue = Queue(tmp_path / ".studio", tmp_path, gpu_sets=["0,1", "2"])
+    try:
+        jobs = [queue.submit(f"train_{n}", "train", [show], gpu_set=n % 2) for n in range(4)]
+        assert [job.state for job in jobs] == ["running", "running", "queued", "queued"]  # one per set at a time
+        done = [settle(queue, job.id) for job in jobs]
+        assert [queue.log(job).read_text().splitlines()[-1] for job in done] == ["0,1", "2", "0,1", "2"]
+        assert done[2].started >= done[0].ended and done[3].started >= done[1].ended
+    finally:
+        queue.close()
+
+
 def test_the_same_job_is_not_queued_twice_and_a_set_must_exist(queue):
     queue.submit("train_a", "train", [SLEEP])
     with pytest.raises(QueueError, match="train_a is running already"):
