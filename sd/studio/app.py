@@ -62,7 +62,8 @@ def data_page(gr, studio: Studio, polls: list) -> None:
         read = gr.Button("Read folder", elem_id="data-read")
     with gr.Row():
         here = gr.Dropdown(choices=folder_choices(studio, "my_images"), value=None, label="open a folder (.. is up)",
-                           allow_custom_value=False, elem_id="data-pick")
+                           allow_custom_value=True, elem_id="data-pick")  # its choices change per folder;
+        # what is picked is checked by ``Studio.subfolders`` (under a root), not against the first list
     summary = gr.Markdown(elem_id="data-summary")
     with gr.Row():
         page = gr.Number(label="page", value=1, precision=0, minimum=1, elem_id="data-page")
@@ -241,7 +242,7 @@ def jobs_page(gr, studio: Studio, polls: list) -> None:
     polls.append((studio.jobs_view, [number], [queue_state, table, log]))
 
 
-JOB_COLUMNS = ("job", "name", "state", "GPU set", "queued at", "command")
+JOB_COLUMNS = ("id", "name", "state", "GPU set", "queued at", "command")
 JOB_ACTIONS = {"stop": "Stop / cancel", "top": "To the top", "up": "Up", "down": "Down", "retry": "Retry"}
 
 

@@ -38,9 +38,10 @@ EXPORTS = {  # format -> (SD_ImageGen.py flag, file name, where other tools expe
     "ControlNet": ("--export_controlnet", "controlnet.safetensors",
                    "ComfyUI models/controlnet/, AUTOMATIC1111 extensions/sd-webui-controlnet/models/"),
 }
-ESTIMATE_STATES = {"estimating ...": "estimating ...", "stopping": "estimating ...", "finished": "estimate done"}
+ESTIMATE_STATES = {"estimating ...": "estimating ...", "stopping": "estimating ...", "estimate done": "estimate done"}
 RUNNING = {"train": "training", "estimate": "estimating ...", "data": "preparing the dataset ...",
            "sample": "sampling ...", "export": "exporting ...", "prefer": "writing the pair shards ..."}
+FINISHED = {"estimate": "estimate done"}
 WAITS = ("train", "data")  # kinds of job that wait their turn in the queue of their GPU set
 TAILS = 64  # job logs followed at once
 SUMMARY_START = "Predicted device memory"  # where --estimate_memory's summary begins
@@ -121,6 +122,8 @@ class Studio:
             return f"{job.state} (exit {job.exit_code})"
         if job.state == "lost":
             return "lost: it ended while the studio was not following it (its last lines are in the log)"
+        if job.state == "finished":
+            return FINISHED.get(job.kind, "finished")
         return job.state
 
     def status(self, name: str) -> tuple[str, str]:

@@ -313,7 +313,8 @@ def until(predicate, timeout: float = 300, what: str = ""):
 
 @pytest.mark.slow
 def test_a_queue_of_two_runs_outlives_a_restart_of_the_studio_in_a_browser(tmp_path):
-    """Two tiny runs queued on the Train page; a memory estimate submitted with curl runs beside them at once; the
+    """A folder picked on the Data page and a tag of its captions replaced (previewed, applied, undone); two tiny
+    runs queued on the Train page; a memory estimate submitted with curl runs beside them at once; the
     studio stopped and started again while the first trains: the new one follows it, and when it is stopped
     (with curl) the second starts, after it, and finishes."""
     binary = browser_binary()
@@ -328,6 +329,12 @@ def test_a_queue_of_two_runs_outlives_a_restart_of_the_studio_in_a_browser(tmp_p
                                   "precision": "fp32", "device": "cpu", "grad_checkpointing": False, "batch_size": 2,
                                   "lr": 1e-3, "warmup_steps": 1, "log_every": 1, "save_steps": 5,
                                   "validate_every": 0, "validation_data_captions": 0, "max_steps": 3}))
+    cats = tmp_path / "my_images" / "cats"
+    cats.mkdir(parents=True)
+    captions = {"a": "cat, red", "b": "cat, blue, red", "c": "cat, sks"}
+    for name, caption in captions.items():
+        Image.new("RGB", (32, 32)).save(cats / f"{name}.png")
+        (cats / f"{name}.txt").write_text(caption + "\n")
     port = free_port()
     server = serve_studio(tmp_path, port)
     base = f"http://127.0.0.1:{port}/"
@@ -336,6 +343,28 @@ def test_a_queue_of_two_runs_outlives_a_restart_of_the_studio_in_a_browser(tmp_p
             browser = playwright.chromium.launch(executable_path=binary, headless=True, args=["--no-sandbox"])
             page = browser.new_page(viewport={"width": 1400, "height": 1600})
             page.goto(base)
+            page.wait_for_selector("#data-read", timeout=120_000)
+            # The folder picked (not typed), its tags counted, one replaced after a preview, then undone.
+            set_value(page, "data-folder", ".")
+            field(page, "data-folder").press("Enter")
+            for name, path in (("my_images", "my_images"), ("cats", "my_images/cats")):
+                page.click("#data-pick input")
+                page.get_by_role("option", name=name, exact=True).click()
+                wait_for(page, "data-folder", lambda v: v == path, timeout=60, what=f"moved into {path}")
+            page.click("#tags-section button >> nth=0")
+            page.click("#tags-count")
+            until(lambda: "blue" in page.inner_text("#tags-table"), timeout=60, what="shown blue")
+            set_value(page, "tags-tag", "red")
+            set_value(page, "tags-new", "crimson")
+            page.click("#tags-preview")
+            until(lambda: "crimson" in page.inner_text("#tags-preview-table"), timeout=60, what="shown crimson")
+            assert all((cats / f"{n}.txt").read_text() == c + "\n" for n, c in captions.items())  # only shown
+            page.click("#tags-apply")
+            until(lambda: (cats / "b.txt").read_text() == "cat, blue, crimson\n", timeout=60, what="applied")
+            assert (cats / "c.txt").read_text() == "cat, sks\n"
+            page.click("#tags-undo")
+            until(lambda: all((cats / f"{n}.txt").read_text() == c + "\n" for n, c in captions.items()), timeout=60,
+                  what="undone")
             page.click("#tab-train-button")
             field(page, "train-preset").fill(str(recipe))
             field(page, "train-preset").press("Enter")
@@ -352,7 +381,8 @@ def test_a_queue_of_two_runs_outlives_a_restart_of_the_studio_in_a_browser(tmp_p
             assert estimate["waits"] is False and estimate["state"] == "running"  # beside the run, not after it
             done = until(lambda: (job := api(base, f"/jobs/{estimate['id']}?lines=40"))["state"] in
                          ("finished", "failed") and job, what="estimated")
-            assert done["state"] == "finished" and any("Predicted device memory" in line for line in done["log"])
+            assert (done["state"], done["described"]) == ("finished", "estimate done")
+            assert any("Predicted device memory" in line for line in done["log"])
             first, second = (api(base, "/jobs?state=running&state=queued")["jobs"][::-1])
             assert (first["name"], first["state"], second["name"], second["state"]) == \
                 ("train_first", "running", "train_second", "queued")
