@@ -24,6 +24,7 @@ from typing import Annotated, Literal, Union
 import sd.studio.data as data
 import sd.studio.prefer
 from sd.studio.handlers import PAGE, Studio
+from sd.studio.jobs import last_lines
 from sd.studio.queue import ENDED, LIVE, QueueError
 from sd.studio.runs import folder_name, list_runs, run_info
 
@@ -178,9 +179,7 @@ def create(studio: Studio, token: str | None = None):
     def shown_job(record, lines: int = 0) -> dict:
         body = {**record.public(), "described": studio.describe(record)}
         if lines:
-            log = studio.queue.log(record)
-            text = log.read_text(errors="replace") if log.exists() else ""
-            body["log"] = text.splitlines()[-lines:]
+            body["log"] = last_lines(studio.queue.log(record), lines)
         return body
 
     def queued(call):

@@ -8,6 +8,7 @@ number of lines or points, so the studio's memory stays flat while a run writes 
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import sys
 from collections import deque
@@ -26,6 +27,24 @@ def shown(command: list[str]) -> str:
     """The command as a user would paste it into a shell or a job script (``python``, not the full path)."""
     words = ["python" if i == 0 and word == sys.executable else word for i, word in enumerate(command)]
     return shlex.join(words)
+
+
+def last_lines(path: Path, count: int, window: int = 1 << 20) -> list[str]:
+    """The last ``count`` lines of a text file, from its last ``window`` bytes only (a run's log can be gigabytes);
+    of a progress bar's carriage returns only the latest state."""
+    try:
+        with open(path, "rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            handle.seek(max(0, size - window))
+            text = handle.read().decode("utf-8", errors="replace")
+    except FileNotFoundError:
+        return []
+    lines = [line.rsplit("\r", 1)[-1] for line in text.split("\n")]
+    if size > window:
+        lines = lines[1:]  # cut by the window
+    while lines and not lines[-1]:
+        lines.pop()
+    return lines[-count:] if count else []
 
 
 class LogTail:

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import sd.files
-from sd.studio.jobs import REPOSITORY, shown
+from sd.studio.jobs import REPOSITORY, last_lines, shown
 from sd.studio.runner import EXIT, JOB, LOCK, LOG
 
 WAITING, LIVE = ("queued",), ("running", "stopping")
@@ -325,8 +325,7 @@ class Queue:
             outcome = None
         if outcome is None:
             state, code = "lost", None
-            tail = self.log(job).read_text(errors="replace").splitlines()[-LOG_LINES_KEPT:] \
-                if self.log(job).exists() else []
+            tail = last_lines(self.log(job), LOG_LINES_KEPT)
             detail = "it ended while the studio was not following it, without an exit status (killed?); its " \
                      "last log lines:\n" + "\n".join(tail)
         else:

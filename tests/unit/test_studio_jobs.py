@@ -58,3 +58,17 @@ def test_metrics_tail_memory_is_flat_over_a_long_run(tmp_path):
     assert path.stat().st_size > 20 * 2**20
     assert len(rows) <= 2000 and tail.last["step"] == 149_999
     assert peak_mb < 8, peak_mb  # a chunk, its lines and 2,000 rows: not the file
+
+
+def test_the_last_lines_come_from_the_end_of_a_large_log(tmp_path):
+    path = tmp_path / "log.txt"
+    with open(path, "w") as handle:
+        for i in range(200_000):
+            handle.write(f"line {i}\n")
+        handle.write("step 1/9\rstep 9/9\n")
+    assert jobs.last_lines(path, 3, window=4096) == ["line 199998", "line 199999", "step 9/9"]
+    assert jobs.last_lines(path, 0) == [] and jobs.last_lines(tmp_path / "missing", 5) == []
+    tracemalloc.start()
+    jobs.last_lines(path, 50)
+    assert tracemalloc.get_traced_memory()[1] < 8 << 20  # the window, not the 2.5 MB file plus its lines
+    tracemalloc.stop()
