@@ -17,6 +17,7 @@ import argparse
 import hmac
 import os
 import re
+import signal
 import sys
 from pathlib import Path
 
@@ -91,6 +92,8 @@ def main(argv=None) -> int:
     except (sd.cli.MissingExtra, StudioBusy) as error:
         print(f"SD_Studio.py: {error}", file=sys.stderr)
         return 2
+    signal.signal(signal.SIGTERM, interrupted)  # a service manager's stop: the same shutdown as Ctrl-C, which
+    # says which jobs go on (or stops them with --stop_jobs_on_exit)
     host = "0.0.0.0" if args.listen else "127.0.0.1"
     token = os.environ.get(TOKEN_ENV) or None
     auth = password_check(token) if args.listen else None
@@ -107,6 +110,10 @@ def main(argv=None) -> int:
     finally:
         shut_down(handlers, args.stop_jobs_on_exit)
     return 0
+
+
+def interrupted(number, frame):
+    raise KeyboardInterrupt
 
 
 def shut_down(handlers, stop_jobs: bool) -> None:
