@@ -18,6 +18,7 @@ another origin (a form a web page submits behind the user's back).
 import base64
 import hmac
 import json
+import urllib.parse
 from pathlib import Path
 from typing import Annotated, Literal, Union
 
@@ -28,7 +29,7 @@ from sd.studio.jobs import last_lines
 from sd.studio.queue import ENDED, LIVE, QueueError
 from sd.studio.runs import folder_name, list_runs, run_info
 
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 FOLDERS_LISTED = 500  # subfolders a folder listing shows at most
 SAMPLES_LISTED = 16  # latest sample grids a run's listing shows
 
@@ -50,15 +51,14 @@ def create(studio: Studio, token: str | None = None):
             if not authorised(request.headers.get("authorization", ""), token):
                 raise Refused(401, "this studio wants its token: Authorization: Bearer $SD_STUDIO_TOKEN")
             return
-        host = request.headers.get("host", "").rsplit(":", 1)[0] if "]" not in request.headers.get("host", "") \
-            else request.headers.get("host", "").rsplit("]", 1)[0] + "]"
+        host = hostname("//" + request.headers.get("host", ""))
         if host not in LOOPBACK_HOSTS:
             raise Refused(403, f"host {host!r}: without a token the studio answers only on 127.0.0.1 or localhost")
         if request.method == "POST":
             if not request.headers.get("content-type", "").startswith("application/json"):
                 raise Refused(415, "a POST to the API sends JSON (Content-Type: application/json)")
             origin = request.headers.get("origin")
-            if origin and origin.split("://", 1)[-1].rsplit(":", 1)[0] not in LOOPBACK_HOSTS:
+            if origin and hostname(origin) not in LOOPBACK_HOSTS:
                 raise Refused(403, f"origin {origin}: the API answers no other web page's requests")
 
     api = FastAPI(title="SD studio API", version="1", docs_url=None, redoc_url=None, openapi_url=None,
@@ -293,6 +293,14 @@ def create(studio: Studio, token: str | None = None):
         return body
 
     return api
+
+
+def hostname(address: str) -> str | None:
+    """The host of a URL or of ``//`` + a Host header, without its port (``[::1]:7860`` -> ``::1``)."""
+    try:
+        return urllib.parse.urlsplit(address).hostname
+    except ValueError:  # a malformed address: no host
+        return None
 
 
 def authorised(header: str, token: str) -> bool:

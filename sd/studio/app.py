@@ -96,11 +96,12 @@ def data_page(gr, studio: Studio, polls: list) -> None:
             return current, gr.update()
         try:
             where = studio.subfolders(current)
-            target = where["parent"] if choice == ".." else str(Path(studio.subfolders(current)["path"]) / choice)
-            path = studio.subfolders(target)["path"]
+            there = studio.subfolders(where["parent"] if choice == ".." else str(Path(where["path"]) / choice))
         except (ValueError, OSError):
-            path = current
-        return path, gr.update(choices=folder_choices(studio, path), value=None)
+            there = None
+        if there is None:
+            return current, gr.update(choices=folder_choices(studio, current), value=None)
+        return there["path"], gr.update(choices=choices_of(there), value=None)
 
     here.input(open_folder, [folder, here], [folder, here])
     folder.submit(lambda current: gr.update(choices=folder_choices(studio, current), value=None), [folder], [here])
@@ -116,9 +117,12 @@ def data_page(gr, studio: Studio, polls: list) -> None:
 def folder_choices(studio: Studio, path: str) -> list[str]:
     """The picker's entries under ``path``: ``..`` (when the parent lies under a root) and its subfolders."""
     try:
-        where = studio.subfolders(path)
+        return choices_of(studio.subfolders(path))
     except (ValueError, OSError):
-        where = studio.subfolders("")
+        return choices_of(studio.subfolders(""))
+
+
+def choices_of(where: dict) -> list[str]:
     return ([".."] if where["parent"] else []) + where["subfolders"]
 
 

@@ -38,7 +38,7 @@ EXPORTS = {  # format -> (SD_ImageGen.py flag, file name, where other tools expe
     "ControlNet": ("--export_controlnet", "controlnet.safetensors",
                    "ComfyUI models/controlnet/, AUTOMATIC1111 extensions/sd-webui-controlnet/models/"),
 }
-ESTIMATE_STATES = {"estimating ...": "estimating ...", "stopping": "estimating ...", "estimate done": "estimate done"}
+ESTIMATE_STATES = {"stopping": "estimating ..."}  # an estimate's state where ``describe``'s would not say it
 RUNNING = {"train": "training", "estimate": "estimating ...", "data": "preparing the dataset ...",
            "sample": "sampling ...", "export": "exporting ...", "prefer": "writing the pair shards ..."}
 FINISHED = {"estimate": "estimate done"}
@@ -301,7 +301,8 @@ class Studio:
         if job is None:
             return ""
         described = self.describe(job)
-        state = ESTIMATE_STATES.get(described, f"estimate {described}")
+        state = ESTIMATE_STATES.get(described, described if described.startswith("estimat") else
+                                    f"estimate {described}")
         lines = self.tail(job).read().splitlines()[1:]  # (the first is the command)
         starts = [i for i, line in enumerate(lines) if line.startswith(SUMMARY_START)]
         if starts:
@@ -327,9 +328,7 @@ class Studio:
         import pandas as pd
 
         table = [info.row() for info in list_runs(self.runs_root)]
-        try:
-            folder_name(run)
-        except ValueError:  # not a run's name: nothing of a run to show
+        if not is_run_name(run):  # nothing of a run to show
             return "", pd.DataFrame(columns=["step", "loss"]), "", [], "", table, ""
         state, log = self.status(f"train_{run}")
         tail = self.metrics_tail(run)
@@ -473,8 +472,8 @@ class Studio:
     def sample_refresh(self) -> tuple[str, list[str]]:
         state, _ = self.status("sample")
         out = self.sample_dir
-        job = self.queue.latest("sample")
-        if out is None and job is not None and "--out" in job.commands[0]:  # started before the studio was
+        job = self.queue.latest("sample") if out is None else None  # started before this studio was
+        if job is not None and "--out" in job.commands[0]:
             out = Path(job.commands[0][job.commands[0].index("--out") + 1])
         found = sorted(p for p in out.glob("*.png") if p.name != "grid.png") if out and out.is_dir() else []
         return state, [str(p) for p in found[-12:]]

@@ -346,10 +346,8 @@ class Queue:
                 if process.poll() is not None:
                     del self.children[pid]
             for job in self.rows("SELECT * FROM jobs WHERE state IN ('running', 'stopping')"):
-                if job.host not in (None, self.host) or self.alive(job):
-                    self.report_grids(job)
-                else:
-                    self.report_grids(job)
+                self.report_grids(job)
+                if job.host in (None, self.host) and not self.alive(job):
                     self.ended(job)
             held = self.held()
             busy = {job.gpu_set for job in self.rows("SELECT * FROM jobs WHERE waits = 1 AND state IN "
@@ -369,8 +367,9 @@ class Queue:
         samples = Path(job.run) / "samples"
         if not samples.is_dir():
             return
-        newer = sorted((path.stat().st_mtime, str(path)) for path in samples.glob("**/*.png")
-                       if path.stat().st_mtime > max(job.grid_time, job.started or 0))
+        since = max(job.grid_time, job.started or 0)
+        newer = sorted(found for found in ((path.stat().st_mtime, str(path)) for path in samples.glob("**/*.png"))
+                       if found[0] > since)
         for mtime, path in newer[-at_most:]:
             self.notify("grid", job, grid=path)
         if newer:
