@@ -85,7 +85,7 @@ def main(argv=None) -> int:
     from sd.studio.runs import Roots
 
     roots = Roots(args.root)
-    try:
+    try:  # StudioBusy: another studio has the folder, or its job table is damaged
         pages = build(roots, REPOSITORY, gpu_sets=args.gpus or None, webhook=args.webhook)
         handlers = pages.studio
         handlers.queue.follow()

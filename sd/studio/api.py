@@ -30,7 +30,7 @@ from sd.studio.queue import ENDED, LIVE, QueueError
 from sd.studio.runs import folder_name, list_runs, run_info
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
-FOLDERS_LISTED = 500  # subfolders a folder listing shows at most
+MAX_BODY = 1 << 20  # bytes of a request's body
 SAMPLES_LISTED = 16  # latest sample grids a run's listing shows
 
 
@@ -47,6 +47,10 @@ def create(studio: Studio, token: str | None = None):
             self.status, self.message = status, message
 
     def allowed(request: Request) -> None:
+        length = request.headers.get("content-length", "0")
+        if not length.isdigit() or int(length) > MAX_BODY:
+            raise Refused(413, f"a request of {request.headers['content-length']} bytes: the API takes at most "
+                               f"{MAX_BODY} (a job's fields are a few hundred)")
         if token is not None:
             if not authorised(request.headers.get("authorization", ""), token):
                 raise Refused(401, "this studio wants its token: Authorization: Bearer $SD_STUDIO_TOKEN")

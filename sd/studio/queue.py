@@ -68,7 +68,7 @@ class QueueError(ValueError):
 
 
 class StudioBusy(RuntimeError):
-    """Another studio schedules this root's jobs."""
+    """The queue cannot be opened here: another studio schedules this root's jobs, or its table is damaged."""
 
 
 @dataclass
@@ -123,10 +123,16 @@ class Queue:
         (self.folder / "jobs").mkdir(parents=True, exist_ok=True)
         self.studio_lock = None
         self.lock = threading.RLock()
-        self.db = sqlite3.connect(self.folder / "jobs.sqlite3", check_same_thread=False, isolation_level=None)
+        path = self.folder / "jobs.sqlite3"
+        self.db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self.db.row_factory = sqlite3.Row
-        self.db.execute("PRAGMA busy_timeout = 10000")
-        self.db.executescript(SCHEMA)
+        try:
+            self.db.execute("PRAGMA busy_timeout = 10000")
+            self.db.executescript(SCHEMA)
+        except sqlite3.DatabaseError as error:
+            self.db.close()
+            raise StudioBusy(f"{path} is not a readable job table ({error}): move it aside to start with an empty "
+                             f"queue (the jobs' logs stay in {self.folder / 'jobs'})") from None
         self.children: dict[int, subprocess.Popen] = {}  # runners this studio started, reaped when they end
         self.host = socket.gethostname()
         self.thread: threading.Thread | None = None

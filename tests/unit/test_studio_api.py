@@ -123,6 +123,8 @@ def test_without_a_token_only_loopback_json_requests_of_no_other_origin(studio):
     assert api.get("/jobs", headers={"Host": "evil.example:7860"}).status_code == 403
     assert api.post("/jobs", content=json.dumps(TRAIN), headers={"Content-Type": "text/plain"}).status_code == 415
     assert api.post("/jobs", json=TRAIN, headers={"Origin": "http://evil.example"}).status_code == 403
+    huge = api.post("/jobs", content=b"{" + b" " * (2 << 20) + b"}", headers={"Content-Type": "application/json"})
+    assert huge.status_code == 413 and "at most 1048576" in huge.json()["error"]
     assert studio.queue.list() == []
     assert api.post("/jobs", json=TRAIN, headers={"Origin": "http://localhost:7860"}).status_code == 201
 

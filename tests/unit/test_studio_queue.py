@@ -262,3 +262,10 @@ def test_a_run_reports_each_new_validation_grid_once(tmp_path):
         settle(queue, job.id)
     finally:
         queue.close()
+
+
+def test_a_damaged_job_table_is_named_with_the_fix(tmp_path):
+    (tmp_path / ".studio").mkdir()
+    (tmp_path / ".studio" / "jobs.sqlite3").write_bytes(b"not a database" * 100)
+    with pytest.raises(StudioBusy, match=r"jobs.sqlite3 is not a readable job table .*move it aside"):
+        Queue(tmp_path / ".studio", tmp_path)
